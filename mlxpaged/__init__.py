@@ -1,0 +1,19 @@
+"""mlxpaged: PagedAttention inference on MLX for Apple Silicon."""
+
+from .attention import paged_attention
+from .config import EngineConfig
+from .engine import LLMEngine
+from .llm import LLM
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "EngineConfig",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "paged_attention",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,70 @@
+"""`paged_attention`: decode attention over a paged KV cache, with interchangeable implementations.
+
+`impl="reference"` is pure MLX ops (any backend); `impl="metal"` is our Metal kernel
+(`metal/paged_attention.metal`), run on an Apple GPU or, with `MLXPAGED_METAL=emulate`,
+on the CPU by the MSL emulator; `impl="auto"` takes the kernel when it can run natively.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from .reference import paged_attention_reference
+
+IMPLS = ("auto", "reference", "metal")
+
+
+def metal_native() -> bool:
+    """True when the Metal kernel can run on a real GPU (an Apple Silicon Mac)."""
+    try:
+        return bool(mx.metal.is_available())
+    except Exception:
+        return False
+
+
+def resolve_impl(impl: str) -> str:
+    """Map "auto" to the fastest implementation this machine can run."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown paged-attention impl {impl!r}; expected one of {IMPLS}")
+    if impl == "auto":
+        return "metal" if metal_native() else "reference"
+    return impl
+
+
+def paged_attention(
+    q: mx.array,
+    k_cache: mx.array,
+    v_cache: mx.array,
+    block_tables: mx.array,
+    context_lens: mx.array,
+    *,
+    scale: float | None = None,
+    impl: str = "auto",
+) -> mx.array:
+    """Attend one query per sequence to its cached keys and values.
+
+    q: `[num_seqs, num_heads, head_dim]`; k_cache, v_cache:
+    `[num_blocks, num_kv_heads, block_size, head_dim]`; block_tables:
+    `[num_seqs, max_blocks]` int32 (entries past a sequence's last block are ignored);
+    context_lens: `[num_seqs]` int32, each >= 1. Returns `[num_seqs, num_heads, head_dim]`
+    in q's dtype. `scale` defaults to `head_dim ** -0.5`.
+    """
+    if q.ndim != 3 or k_cache.ndim != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"paged_attention: bad shapes q={q.shape} k_cache={k_cache.shape} v_cache={v_cache.shape}"
+        )
+    if q.shape[1] % k_cache.shape[1] or q.shape[2] != k_cache.shape[3]:
+        raise ValueError(
+            f"paged_attention: q {q.shape} does not match cache {k_cache.shape} "
+            "(num_heads must be a multiple of num_kv_heads, head_dims equal)"
+        )
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    impl = resolve_impl(impl)
+    if impl == "metal":
+        from .metal import paged_attention_metal
+
+        return paged_attention_metal(q, k_cache, v_cache, block_tables, context_lens, scale=scale)
+    return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)

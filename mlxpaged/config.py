@@ -1,0 +1,41 @@
+"""Engine settings, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    """Sizes of the KV pool and of each step's batch.
+
+    num_blocks: blocks in the pool; `None` sizes it by `kv_memory_fraction` of the available
+      memory, capped at `max_kv_tokens` slots.
+    max_num_seqs: sequences (samples) running at once. max_num_batched_tokens: tokens one step
+      computes (decodes plus prefill chunks); a longer prompt is prefilled in chunks.
+    watermark: share of the pool kept free when admitting a request, so running sequences
+      can grow a little before anyone is preempted.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_memory_fraction: float = 0.25
+    max_kv_tokens: int = 65536
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    watermark: float = 0.01
+    attention_impl: str = "auto"
+
+    def __post_init__(self):
+        bs = self.block_size
+        if not isinstance(bs, int) or bs < 1 or bs > 256 or bs & (bs - 1):
+            raise ValueError(f"block size must be a power of two from 1 to 256, got {bs}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")

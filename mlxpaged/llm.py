@@ -1,0 +1,71 @@
+"""`LLM`: the offline batch API of vLLM, on mlxpaged's engine."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from .config import EngineConfig
+from .engine import LLMEngine
+from .loader import LoadedModel, load
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a model once, then `generate` completions for batches of prompts.
+
+    `model` is a local checkpoint directory, a `.gguf` file, a Hugging Face repo id, a
+    `LoadedModel`, or `None` for the offline default. Other keyword arguments are
+    `EngineConfig` fields (block_size, num_blocks, max_num_seqs, max_num_batched_tokens, ...).
+    """
+
+    def __init__(
+        self,
+        model: str | LoadedModel | None = None,
+        *,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
+        dtype: str | None = None,
+        **engine_kwargs,
+    ):
+        config = EngineConfig(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+            **engine_kwargs,
+        )
+        loaded = model if isinstance(model, LoadedModel) else load(model, dtype)
+        self.engine = LLMEngine(loaded, config)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in the order of `prompts`.
+
+        A single string or a single list of ints is one prompt. `on_output` sees each
+        intermediate output (for streaming or progress bars).
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        done: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if on_output is not None:
+                    on_output(out)
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]

@@ -1,0 +1,1 @@
+"""Model architectures written against the paged KV cache."""

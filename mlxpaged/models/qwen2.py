@@ -1,0 +1,167 @@
+"""Qwen2 / Qwen2.5 in MLX, for a batch of sequences at different positions on a paged KV cache.
+
+Parameter names follow the Hugging Face checkpoints, so mlx-lm's loader (quantized
+mlx-community checkpoints included) fills these modules unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
+from mlx_lm.models.base import BaseModelArgs
+from mlx_lm.models.rope_utils import initialize_rope
+
+from ..attention import paged_attention
+from ..attention.metadata import AttentionMetadata
+from ..kv_cache import PagedKVCache
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    rms_norm_eps: float
+    vocab_size: int
+    num_key_value_heads: int
+    max_position_embeddings: int = 32768
+    rope_theta: float = 1000000
+    rope_traditional: bool = False
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = hd = args.head_dim
+        self.scale = hd**-0.5
+        dim = args.hidden_size
+        self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=True)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=True)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=True)
+        self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=False)
+        self.rope = initialize_rope(
+            hd,
+            base=args.rope_theta,
+            traditional=args.rope_traditional,
+            scaling_config=args.rope_scaling,
+            max_position_embeddings=args.max_position_embeddings,
+        )
+
+    def __call__(self, x: mx.array, cache: PagedKVCache, meta: AttentionMetadata) -> mx.array:
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
+        q = self.rope(q, offset=meta.offsets)
+        k = self.rope(k, offset=meta.offsets)
+
+        # [B, L, kvh, hd] -> [B * L, kvh, hd], the order of slot_mapping
+        k_flat = k.transpose(0, 2, 1, 3).reshape(B * L, self.n_kv_heads, self.head_dim)
+        k_pool, v_pool = cache.write(self.layer_idx, k_flat, v.reshape(B * L, self.n_kv_heads, -1), meta.slot_mapping)
+
+        if not meta.is_prefill:
+            out = paged_attention(
+                q.reshape(B, self.n_heads, self.head_dim), k_pool, v_pool,
+                meta.block_tables, meta.context_lens, scale=self.scale, impl=meta.impl,
+            )
+            return self.o_proj(out.reshape(B, 1, -1))
+
+        if meta.prefix_len == 0:
+            # Nothing cached before this chunk: attend to the new keys directly, as mlx-lm does.
+            keys, values, mask = k, v.transpose(0, 2, 1, 3), "causal"
+        else:
+            keys, values = (_gather(p, meta.block_tables[0], meta.prefix_len + L) for p in (k_pool, v_pool))
+            pos = mx.arange(meta.prefix_len, meta.prefix_len + L)[:, None]
+            mask = pos >= mx.arange(meta.prefix_len + L)[None, :]
+        out = mx.fast.scaled_dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+def _gather(pool: mx.array, block_table: mx.array, ctx: int) -> mx.array:
+    """One sequence's first `ctx` cached rows as `[1, kvh, ctx, hd]`."""
+    nb = -(-ctx // pool.shape[2])
+    g = pool[block_table[:nb]]  # [nb, kvh, bs, hd]
+    g = g.transpose(1, 0, 2, 3).reshape(pool.shape[1], -1, pool.shape[3])
+    return g[None, :, :ctx]
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(args, layer_idx)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, cache: PagedKVCache, meta: AttentionMetadata) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen2Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [TransformerBlock(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, inputs: mx.array, cache: PagedKVCache, meta: AttentionMetadata) -> mx.array:
+        h = self.embed_tokens(inputs)
+        for layer in self.layers:
+            h = layer(h, cache, meta)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    """`Model(args)(input_ids [B, L], cache, meta)` -> logits `[B, V]` of each row's last token."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = Qwen2Model(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, inputs: mx.array, cache: PagedKVCache, meta: AttentionMetadata, all_logits: bool = False) -> mx.array:
+        h = self.model(inputs, cache, meta)
+        if not all_logits:
+            h = h[:, -1]  # only the last position's logits are sampled
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        if self.args.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+        return {k: v for k, v in weights.items() if "self_attn.rotary_emb.inv_freq" not in k}
+
+    @property
+    def layers(self):
+        return self.model.layers

@@ -1,0 +1,98 @@
+"""A sequence (one sample of one request) and a request (the n samples of one prompt).
+
+Sequence invariants:
+- `token_ids` is the prompt followed by the generated tokens;
+- the KV of `token_ids[:num_computed_tokens]` is stored in the blocks of `block_table`, in order,
+  so `len(block_table) >= ceil(num_computed_tokens / block_size)`; only the last block may be
+  partly empty;
+- `block_hashes[i]` names block `i` (full blocks only), so `len(block_hashes) <= num_computed_tokens // block_size`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+if TYPE_CHECKING:
+    from .block_pool import Block
+    from .sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens reached
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample: its tokens, its block table, and its own random stream."""
+
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sample_index: int = 0
+    block_table: list["Block"] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    rng_key: mx.array | None = None
+    finish_reason: FinishReason | None = None
+    stop_text_len: int | None = None  # set when a stop string ended the sample
+    detokenizer: object = None  # mlx-lm streaming detokenizer: the text so far
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self.block_table]
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens whose KV is not stored yet (1 for a sequence in the decode phase)."""
+        return self.num_tokens - self.num_computed_tokens
+
+
+@dataclass(eq=False)
+class Request:
+    """The n samples of one prompt, scheduled and preempted together.
+
+    Before its first prefill completes, sample 0 alone carries the prompt; the other samples
+    fork from it (sharing its blocks) when the prompt's KV is stored.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: "SamplingParams"
+    seqs: list[Sequence]
+    arrival_index: int
+    prompt_text: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the first admission
+    forked: bool = False
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.finished]
