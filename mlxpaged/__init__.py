@@ -1,5 +1,10 @@
 """mlxpaged: PagedAttention inference on MLX for Apple Silicon."""
 
+from ._blas import use_system_blas
+
+use_system_blas()  # before MLX loads: see _blas.py
+
+
 from .attention import paged_attention
 from .config import EngineConfig
 from .engine import LLMEngine

@@ -115,7 +115,7 @@ def load(model: str | None = None, dtype: str | None = None) -> LoadedModel:
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except FileNotFoundError as e:
         raise MlxPagedError(f"incomplete checkpoint {path}: {e}") from None
-    except (ValueError, KeyError, OSError) as e:
+    except (ValueError, KeyError, OSError, RuntimeError) as e:
         raise MlxPagedError(f"cannot load checkpoint {path}: {str(e).splitlines()[0][:200]}") from None
     dt = default_dtype(config) if dtype in (None, "auto") else DTYPES[dtype]
     net.set_dtype(dt)

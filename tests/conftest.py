@@ -3,6 +3,8 @@ from pathlib import Path
 
 import pytest
 
+import mlxpaged  # noqa: F401  (first: it points MLX at the system OpenBLAS before MLX loads)
+
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_model import write_tiny_qwen2  # noqa: E402
 

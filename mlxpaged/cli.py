@@ -1,0 +1,183 @@
+"""`mlxpaged` on the command line: `generate` (and `bench`, where installed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+
+import click
+
+from .errors import MlxPagedError
+
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(__import__("mlxpaged.sampling_params", fromlist=["x"]).SamplingParams)}
+
+
+def _fail(msg: str) -> None:
+    click.echo(f"error: {msg}", err=True)
+    sys.exit(1)
+
+
+def _read_prompts_file(path: str) -> list[tuple[str, dict]]:
+    """One prompt per line, or JSONL objects with a "prompt" and per-request sampling fields."""
+    items = []
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except OSError as e:
+        raise MlxPagedError(f"cannot read prompts file {path}: {e.strerror}") from None
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise MlxPagedError(f"{path}:{i}: invalid JSON ({e.msg})") from None
+            if not isinstance(obj.get("prompt"), str):
+                raise MlxPagedError(f"{path}:{i}: a JSON line needs a string \"prompt\"")
+            unknown = set(obj) - SAMPLING_FIELDS - {"prompt"}
+            if unknown:
+                raise MlxPagedError(f"{path}:{i}: unknown fields {sorted(unknown)}")
+            items.append((obj.pop("prompt"), obj))
+        else:
+            items.append((line.replace("\\n", "\n"), {}))
+    if not items:
+        raise MlxPagedError(f"prompts file {path} has no prompts")
+    return items
+
+
+def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if not prompt.strip():
+        raise MlxPagedError("empty prompt")
+    if chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(prompt)
+
+
+@click.group()
+@click.version_option(package_name="mlxpaged")
+def main():
+    """mlxpaged: PagedAttention inference on MLX for Apple Silicon."""
+
+
+@main.command()
+@click.option("--model", "-m", default=None, help="Checkpoint directory, .gguf file or Hugging Face repo id (default: the offline Qwen2.5-Coder-0.5B-Instruct).")
+@click.option("--prompt", "-p", "prompts", multiple=True, help="A prompt; repeat for a batch. '-' reads stdin.")
+@click.option("--prompts-file", type=click.Path(dir_okay=False), help="One prompt per line, or JSONL with \"prompt\" and sampling fields.")
+@click.option("-n", "n", default=1, show_default=True, help="Samples per prompt (share the prompt's blocks).")
+@click.option("--max-tokens", "-t", default=256, show_default=True, help="Tokens to generate at most.")
+@click.option("--temp", default=0.0, show_default=True, help="Sampling temperature (0 = greedy).")
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--top-k", default=0, show_default=True, help="0 disables.")
+@click.option("--seed", default=0, show_default=True, help="Sample i of a prompt uses seed + i.")
+@click.option("--stop", multiple=True, help="A stop string; repeatable.")
+@click.option("--block-size", default=16, show_default=True, help="Tokens per KV block (power of two, 1..256).")
+@click.option("--num-blocks", default=None, type=int, help="KV blocks in the pool (default: sized from free memory).")
+@click.option("--max-num-seqs", default=64, show_default=True, help="Sequences running at once.")
+@click.option("--max-num-batched-tokens", default=2048, show_default=True, help="Tokens computed per step (prefill chunk size).")
+@click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True)
+@click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), show_default=True)
+@click.option("--attention", "attention_impl", default="auto", type=click.Choice(["auto", "reference", "metal"]), show_default=True)
+@click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap each prompt in the model's chat template.")
+@click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS (benchmarks).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with outputs and stats.")
+def generate(model, prompts, prompts_file, n, max_tokens, temp, top_p, top_k, seed, stop, block_size, num_blocks,
+             max_num_seqs, max_num_batched_tokens, prefix_caching, dtype, attention_impl, chat, ignore_eos, as_json):
+    """Generate completions for one or more prompts on a paged KV cache."""
+    from .config import EngineConfig
+    from .sampling_params import SamplingParams
+
+    try:
+        items = [(sys.stdin.read() if p == "-" else p, {}) for p in prompts]
+        if prompts_file:
+            items += _read_prompts_file(prompts_file)
+        if not items:
+            raise MlxPagedError("no prompt: give --prompt TEXT (repeatable) or --prompts-file FILE")
+        base = dict(n=n, max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, seed=seed,
+                    stop=list(stop), ignore_eos=ignore_eos)
+        params = [SamplingParams(**{**base, **extra}) for _, extra in items]
+        config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching,
+                              attention_impl=attention_impl)
+        if any(not p.strip() for p, _ in items):
+            raise MlxPagedError("empty prompt")
+        from .engine import LLMEngine
+        from .loader import load
+
+        loaded = load(model, dtype)
+        engine = LLMEngine(loaded, config)
+        ids = [_encode(loaded.tokenizer, p, chat) for p, _ in items]
+        rids = [engine.add_request(i, sp) for i, sp in zip(ids, params)]
+    except (MlxPagedError, ValueError) as e:
+        _fail(str(e))
+
+    stream = not as_json and len(items) == 1 and params[0].n == 1
+    done = _run(engine, rids, stream=stream, progress=bool(prompts_file) and not stream, as_json=as_json)
+    stats = engine.stats_dict()
+    if as_json:
+        outputs = [
+            {"prompt_index": i, "sample_index": c.index, "text": c.text, "token_ids": c.token_ids,
+             "finish_reason": c.finish_reason, "num_cached_tokens": done[r].num_cached_tokens}
+            for i, r in enumerate(rids) if r in done for c in done[r].outputs
+        ]
+        click.echo(json.dumps({"outputs": outputs, "stats": stats}))
+    else:
+        _summary(stats)
+    if len(done) < len(rids):
+        sys.exit(130)
+
+
+def _run(engine, rids, *, stream: bool, progress: bool, as_json: bool) -> dict:
+    """Step the engine to the end; print finished outputs as they come unless `as_json`.
+
+    Ctrl-C stops early but keeps (and prints) what already finished.
+    """
+    from tqdm import tqdm
+
+    order = {r: i for i, r in enumerate(rids)}
+    done, printed = {}, 0
+    bar = tqdm(total=len(rids), unit="req", file=sys.stderr, disable=not progress)
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if stream:
+                    text = out.outputs[0].text
+                    click.echo(text[printed:], nl=False)
+                    printed = len(text)
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+                    if not stream and not as_json:
+                        _print_output(order[out.request_id], out, len(rids))
+    except KeyboardInterrupt:
+        click.echo(f"\ninterrupted: {len(done)} of {len(rids)} requests finished", err=True)
+    bar.close()
+    if stream:
+        click.echo()
+    return done
+
+
+def _print_output(index: int, out, num_prompts: int) -> None:
+    for c in out.outputs:
+        label = f"prompt {index}, sample {c.index}" if num_prompts > 1 else f"sample {c.index}"
+        click.echo(f"==== {label} ({len(c.token_ids)} tokens, {c.finish_reason}) ====")
+        click.echo(c.text)
+
+
+def _summary(s: dict) -> None:
+    click.echo("==========")
+    click.echo(f"Prompt: {s['prompt_tokens']} tokens, {s['prompt_tps']:.1f} tokens-per-sec")
+    click.echo(f"Generation: {s['generation_tokens']} tokens, {s['generation_tps']:.1f} tokens-per-sec")
+    click.echo(f"Peak memory: {s['peak_memory_gb']:.3f} GB")
+    click.echo(
+        f"KV blocks: {s['blocks_in_use_peak']} in use at peak (without sharing: {s['blocks_without_sharing']}), "
+        f"{s['cow_copies']} copy-on-write copies, block size {s['block_size']}, pool {s['num_blocks']}"
+    )
+    if s["prefix_cache_hit_tokens"] or s["preemptions"]:
+        click.echo(f"Prefix cache: {s['prefix_cache_hit_tokens']} prompt tokens reused; preemptions: {s['preemptions']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""`mlxpaged generate` through click's runner, bad inputs included."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from reference import contiguous_generate
+
+from mlxpaged.cli import main
+
+
+def run(*args, input=None):
+    return CliRunner().invoke(main, ["generate", *args], input=input)
+
+
+def test_generate_json_matches_contiguous(tiny_model_path, mlx_lm_tiny):
+    ref_model, tok = mlx_lm_tiny
+    r = run("--model", str(tiny_model_path), "--prompt", "The KV cache stores", "--prompt", "Paged attention",
+            "--no-chat", "-t", "15", "--ignore-eos", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert [o["token_ids"] for o in data["outputs"]] == [
+        contiguous_generate(ref_model, tok.encode(p), 15) for p in ["The KV cache stores", "Paged attention"]
+    ]
+    assert [(o["prompt_index"], o["sample_index"]) for o in data["outputs"]] == [(0, 0), (1, 0)]
+    st = data["stats"]
+    for key in ["prompt_tokens", "generation_tokens", "prompt_tps", "generation_tps", "peak_memory_gb", "block_size",
+                "num_blocks", "blocks_in_use_peak", "blocks_without_sharing", "cow_copies"]:
+        assert key in st
+    assert st["generation_tokens"] == 30 and st["block_size"] == 16
+
+
+def test_generate_streams_and_summarises(tiny_model_path):
+    r = run("--model", str(tiny_model_path), "--prompt", "hello", "-t", "5", "--ignore-eos", "--chat")
+    assert r.exit_code == 0, r.output
+    assert "Generation: 5 tokens" in r.stdout and "KV blocks:" in r.stdout
+
+
+def test_n_samples_are_labelled(tiny_model_path):
+    r = run("--model", str(tiny_model_path), "--prompt", "hello", "-n", "3", "-t", "6", "--temp", "0.8", "--ignore-eos",
+            "--block-size", "4")
+    assert r.exit_code == 0, r.output
+    assert all(f"sample {i}" in r.stdout for i in range(3))
+    assert "copy-on-write" in r.stdout
+
+
+def test_prompts_file_jsonl(tiny_model_path, tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "The KV cache", "max_tokens": 3, "ignore_eos": true}\n'
+                 '{"prompt": "The KV cache", "n": 2, "max_tokens": 4, "temperature": 0.5, "ignore_eos": true}\n')
+    r = run("--model", str(tiny_model_path), "--prompts-file", str(f), "--json", "--block-size", "2")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert [len(o["token_ids"]) for o in data["outputs"]] == [3, 4, 4]
+    for key in ["prefix_cache_hit_tokens", "preemptions", "blocks_free", "blocks_cached"]:
+        assert key in data["stats"]
+    # Both arrive at once: the second is admitted before the first's blocks hold anything to reuse.
+    assert [o["num_cached_tokens"] for o in data["outputs"]] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "/nonexistent/model", "--prompt", "hi"], "model not found"),
+    (["--prompt", ""], "empty prompt"),
+    (["--prompt", "hi", "-n", "0"], "n must be"),
+    (["--prompt", "hi", "--max-tokens", "0"], "max_tokens must be"),
+    (["--prompt", "hi", "--block-size", "48"], "power of two"),
+    (["--prompt", "hi", "--block-size", "512"], "power of two"),
+    (["--prompt", "hi " * 200, "--num-blocks", "2"], "cannot fit in the KV pool"),
+    (["--prompts-file", "/nonexistent.txt"], "cannot read prompts file"),
+    ([], "no prompt"),
+])
+def test_bad_input_one_line_error(tiny_model_path, args, message):
+    if "--model" not in args:
+        args = ["--model", str(tiny_model_path), *args]
+    r = run(*args)
+    assert r.exit_code == 1
+    assert "Traceback" not in r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], r.stderr
+
+
+def test_unsupported_architecture(tiny_model_path, tmp_path):
+    import shutil
+
+    bad = tmp_path / "llama"
+    shutil.copytree(tiny_model_path, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    r = run("--model", str(bad), "--prompt", "hi")
+    assert r.exit_code == 1 and "unsupported architecture 'llama'" in r.stderr
+
+
+def test_corrupt_weights(tiny_model_path, tmp_path):
+    import shutil
+
+    bad = tmp_path / "corrupt"
+    shutil.copytree(tiny_model_path, bad)
+    (bad / "model.safetensors").write_bytes(b"\x00" * 100)
+    r = run("--model", str(bad), "--prompt", "hi")
+    assert r.exit_code == 1 and "Traceback" not in r.output and r.stderr.startswith("error:")

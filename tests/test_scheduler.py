@@ -1,0 +1,153 @@
+"""Prefix caching, chunked prefill and preemption in the running engine (tiny checkpoint)."""
+
+import random
+
+import pytest
+from reference import contiguous_generate
+
+from mlxpaged import LLM, EngineConfig, LLMEngine, SamplingParams
+
+
+def run_all(engine, check=True):
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if check:
+            engine.check_invariants()
+    return done
+
+
+def tokens(done):
+    return {rid: [c.token_ids for c in o.outputs] for rid, o in done.items()}
+
+
+def test_prefix_rule_in_the_engine(tiny_loaded, mlx_lm_tiny):
+    ref_model, _ = mlx_lm_tiny
+    a = [(17 * i + 3) % 300 + 1 for i in range(96)]
+    b = a[:85] + [5, 6, 7, 8]
+    c = a[:2] + [a[2] + 1] + a[3:]
+    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=64))
+    g = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    cached = {}
+    for name, prompt in [("A", a), ("B", b), ("C", c), ("A2", a)]:
+        engine.add_request(prompt, g, request_id=name)
+        out = run_all(engine)[name]
+        cached[name] = out.num_cached_tokens
+        assert out.outputs[0].token_ids == contiguous_generate(ref_model, prompt, 8)
+    assert cached == {"A": 0, "B": 80, "C": 0, "A2": 80}
+    assert engine.stats_dict()["prefix_cache_hit_tokens"] == 160
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_prefix_caching_on_equals_off(tiny_loaded, block_size):
+    system = [(31 * i) % 250 + 1 for i in range(40)]
+    prompts = [system + [(i * 13 + j) % 250 + 1 for j in range(3 + i)] for i in range(6)] + [system]
+    g = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    results = []
+    for caching in (True, False):
+        engine = LLMEngine(tiny_loaded, EngineConfig(block_size=block_size, num_blocks=256, enable_prefix_caching=caching))
+        for i, p in enumerate(prompts):
+            engine.add_request(p, g, request_id=str(i))
+            if i == 0:
+                run_all(engine)  # the first request fills the cache
+        results.append((tokens(run_all(engine)), engine.stats_dict()["prefix_cache_hit_tokens"]))
+    (on, hits_on), (off, hits_off) = results
+    assert on == off and hits_off == 0 and hits_on >= 6 * (40 // block_size) * block_size - block_size
+
+
+def test_chunked_prefill_matches_contiguous(tiny_loaded, mlx_lm_tiny):
+    ref_model, _ = mlx_lm_tiny
+    long = [(7 * i) % 300 + 1 for i in range(150)]
+    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=64, max_num_batched_tokens=32))
+    engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), request_id="short")
+    engine.add_request(long, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), request_id="long")
+    steps = 0
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            done.update({o.request_id: o} if o.finished else {})
+        steps += 1
+    # 150 tokens in chunks of at most 32 (minus the running decode) take at least 5 steps.
+    assert steps >= 10
+    assert done["long"].outputs[0].token_ids == contiguous_generate(ref_model, long, 10)
+    assert done["short"].outputs[0].token_ids == contiguous_generate(ref_model, [1, 2, 3], 30)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_preemption_recomputes_to_the_same_tokens(tiny_loaded, caching):
+    prompts = [[(11 * i + j) % 300 + 1 for j in range(10 + 7 * i)] for i in range(5)]
+    params = [SamplingParams(n=1 + i % 3, temperature=0.8, seed=i, max_tokens=40, ignore_eos=True) for i in range(5)]
+
+    def run(num_blocks):
+        engine = LLMEngine(tiny_loaded, EngineConfig(block_size=4, num_blocks=num_blocks, enable_prefix_caching=caching))
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(p, sp, request_id=str(i))
+        done = run_all(engine)
+        pool = engine.block_manager.pool
+        assert all(b.ref_cnt == 0 for b in pool.blocks) and pool.num_free == pool.num_blocks  # nothing leaked
+        return tokens(done), engine.stats_dict()["preemptions"]
+
+    ample, p0 = run(1024)
+    tight, p1 = run(60)
+    assert p0 == 0 and p1 > 0
+    assert tight == ample
+
+
+def test_randomized_workload_keeps_invariants(tiny_loaded):
+    rng = random.Random(0)
+    for trial in range(3):
+        engine = LLMEngine(tiny_loaded, EngineConfig(block_size=rng.choice([2, 4, 8]), num_blocks=rng.randint(40, 90),
+                                                     max_num_seqs=rng.randint(2, 8), max_num_batched_tokens=rng.randint(16, 64)))
+        shared = [rng.randint(1, 300) for _ in range(rng.randint(0, 24))]
+        pending = []
+        for i in range(10):
+            p = shared[: rng.randint(0, len(shared))] + [rng.randint(1, 300) for _ in range(rng.randint(1, 20))]
+            pending.append((p, SamplingParams(n=rng.randint(1, 3), temperature=rng.choice([0, 0.7]), seed=i,
+                                              max_tokens=rng.randint(1, 24), ignore_eos=True)))
+        finished, max_tokens = 0, {}
+        while pending or engine.has_unfinished_requests():
+            if pending and rng.random() < 0.4:
+                p, sp = pending.pop()
+                max_tokens[engine.add_request(p, sp)] = (sp.n, sp.max_tokens)
+            for o in engine.step():
+                finished += o.finished
+                if o.finished:
+                    n, m = max_tokens[o.request_id]
+                    assert [len(c.token_ids) for c in o.outputs] == [m] * n
+            engine.check_invariants()
+        assert finished == 10
+        pool = engine.block_manager.pool
+        assert pool.num_free == pool.num_blocks  # every block free or cached
+
+
+def test_llm_api(tiny_loaded, mlx_lm_tiny):
+    ref_model, tok = mlx_lm_tiny
+    llm = LLM(tiny_loaded, num_blocks=128)
+    outs = llm.generate(["The KV cache stores", tok.encode("Paged attention")],
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [
+        contiguous_generate(ref_model, tok.encode("The KV cache stores"), 12),
+        contiguous_generate(ref_model, tok.encode("Paged attention"), 12),
+    ]
+    assert outs[0].outputs[0].text == tok.decode(outs[0].outputs[0].token_ids)
+    # Stop strings end the sample and are cut from its text.
+    full = outs[0].outputs[0].text
+    stop = full[3:6]
+    (o,) = llm.generate("The KV cache stores", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]))
+    assert o.outputs[0].finish_reason == "stop" and o.outputs[0].text == full[: full.find(stop)]
+
+
+def test_eos_ends_a_sample(tiny_loaded):
+    llm = LLM(tiny_loaded, num_blocks=64)
+    (o,) = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    second = o.outputs[0].token_ids[1]
+    (o2,) = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[second]))
+    assert o2.outputs[0].token_ids == o.outputs[0].token_ids[:2] and o2.outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kwargs", [dict(n=0), dict(max_tokens=0), dict(top_p=0.0), dict(temperature=-1)])
+def test_bad_sampling_params(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
