@@ -179,5 +179,13 @@ def _summary(s: dict) -> None:
         click.echo(f"Prefix cache: {s['prefix_cache_hit_tokens']} prompt tokens reused; preemptions: {s['preemptions']}")
 
 
+def _add_bench() -> None:
+    from .bench.cli import bench
+
+    main.add_command(bench)
+
+
+_add_bench()
+
 if __name__ == "__main__":
     main()

@@ -45,7 +45,10 @@ def run_mlxpaged(loaded, prompts: list[list[int]], max_tokens: int, *, n: int = 
     from ..engine import LLMEngine
     from ..sampling_params import SamplingParams
 
-    kw = {"max_num_seqs": max(64, len(prompts) * n), **(engine_kwargs or {})}
+    # A pool sized to the workload, as a user would set --num-blocks: peak memory is then comparable.
+    bs = (engine_kwargs or {}).get("block_size", 16)
+    need = sum(-(-(len(p) + max_tokens) // bs) for p in prompts) * n + 8
+    kw = {"max_num_seqs": max(64, len(prompts) * n), "num_blocks": need, **(engine_kwargs or {})}
     engine = LLMEngine(loaded, EngineConfig(**kw))
     params = SamplingParams(n=n, temperature=temperature, seed=0, max_tokens=max_tokens, ignore_eos=True)
     mx.reset_peak_memory()
