@@ -2,13 +2,10 @@
 
 import mlx.core as mx
 import pytest
-from reference import contiguous_generate
+from reference import contiguous_generate, decode_in_turns, tables_interleave
 
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 from mlxpaged.kv_cache import CacheShape, PagedKVCache
-from mlxpaged.model_runner import ModelRunner
-from mlxpaged.block_manager import BlockManager
-from mlxpaged.sequence import Sequence
 
 PROMPTS = ["The KV cache stores", "Paged attention borrows an idea from operating systems:"]
 
@@ -20,30 +17,10 @@ def greedy(n):
 def test_interleaved_turns_match_contiguous(tiny_loaded, mlx_lm_tiny):
     """Two sequences decode in turns (one token each, alternately) in one pool."""
     ref_model, tok = mlx_lm_tiny
-    m = tiny_loaded.model
-    args = m.args
-    bm = BlockManager(64, 16, enable_prefix_caching=False)
-    cache = PagedKVCache(CacheShape(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, mx.float32), 64, 16)
-    runner = ModelRunner(m, cache, "reference")
-    seqs = [Sequence(i, tok.encode(p), len(tok.encode(p))) for i, p in enumerate(PROMPTS)]
-    for s in seqs:  # prefill each prompt
-        assert bm.reserve(s, s.num_tokens) == []
-        logits = runner.prefill(s, s.num_tokens)
-        s.num_computed_tokens = s.num_tokens
-        s.token_ids.append(int(mx.argmax(logits).item()))
-    for _ in range(99):
-        for s in seqs:  # take turns: A, B, A, B, ...
-            assert bm.reserve(s, 1) == []
-            logits = runner.decode([s])
-            s.num_computed_tokens += 1
-            s.token_ids.append(int(mx.argmax(logits[0]).item()))
+    seqs = decode_in_turns(tiny_loaded, [tok.encode(p) for p in PROMPTS], 100, num_blocks=64)
     for p, s in zip(PROMPTS, seqs):
         assert s.output_token_ids == contiguous_generate(ref_model, tok.encode(p), 100)
-    a, b = (set(s.block_ids) for s in seqs)
-    assert not a & b
-    # Interleaved: neither table is a contiguous run of the pool.
-    assert max(a) > min(b) and max(b) > min(a)
-    bm.check(seqs)
+    assert tables_interleave(seqs)
 
 
 def test_batched_decode_matches_contiguous(tiny_loaded, mlx_lm_tiny):

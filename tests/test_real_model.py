@@ -1,0 +1,77 @@
+"""The real-model tier: Qwen2.5-Coder-0.5B-Instruct (the offline GGUF), float32 on the CPU.
+
+Paging changes storage, not computation: on real weights mlxpaged must give exactly the tokens
+of mlx-lm's contiguous cache.
+"""
+
+import mlx.core as mx
+import pytest
+from reference import contiguous_generate, decode_in_turns, tables_interleave
+
+from mlxpaged import EngineConfig, LLMEngine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def real():
+    from mlxpaged.gguf import convert_gguf
+    from mlxpaged.loader import load
+    from mlxpaged.offline_model import ensure_offline_model
+    import mlx_lm
+
+    path = convert_gguf(ensure_offline_model())
+    loaded = load(str(path), "float32")
+    ref, _ = mlx_lm.load(str(path))
+    ref.set_dtype(mx.float32)
+    return loaded, ref
+
+
+def test_seed_prompts_in_turns_match_contiguous(real):
+    loaded, ref = real
+    tok = loaded.tokenizer
+    prompts = ["The KV cache stores", "Paged attention borrows an idea from operating systems:"]
+    ids = [tok.encode(p) for p in prompts]
+    seqs = decode_in_turns(loaded, ids, 100, num_blocks=64)
+    assert tables_interleave(seqs)
+    for p, s in zip(ids, seqs):
+        assert s.output_token_ids == contiguous_generate(ref, p, 100)
+
+
+def test_four_samples_share_a_chat_prompt(real):
+    loaded, ref = real
+    tok = loaded.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "Tell me a short story about a robot that learns to paint at night."}],
+                                   add_generation_prompt=True, tokenize=False)
+    prompt = tok.encode(text, add_special_tokens=False)
+    assert len(prompt) == 44
+    params = SamplingParams(n=4, temperature=0.8, top_p=0.95, seed=3, max_tokens=64, ignore_eos=True)
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=64))
+    engine.add_request(prompt, params)
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    st = engine.stats_dict()
+    print(f"\nblocks in use at peak {st['blocks_in_use_peak']}, without sharing {st['blocks_without_sharing']}, "
+          f"copy-on-write copies {st['cow_copies']}")
+    assert (st["blocks_in_use_peak"], st["blocks_without_sharing"], st["cow_copies"]) == (22, 28, 3)
+    for i, c in enumerate(done[0].outputs):
+        assert c.token_ids == contiguous_generate(ref, prompt, 64, params, seed=3 + i)
+
+
+def test_prefix_caching_on_equals_off(real):
+    loaded, _ = real
+    tok = loaded.tokenizer
+    system = "You are a careful Python tutor. Answer with one short code block and one sentence. " * 2
+    prompts = [tok.encode(system + q) for q in ["Reverse a list.", "Sum a list.", "Sort a dict by value."]]
+    g = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    runs = []
+    for caching in (True, False):
+        engine = LLMEngine(loaded, EngineConfig(num_blocks=64, enable_prefix_caching=caching))
+        outs = {}
+        for i, p in enumerate(prompts):  # one after another, so later ones can hit the cache
+            engine.add_request(p, g, request_id=str(i))
+            while engine.has_unfinished_requests():
+                outs.update({o.request_id: o for o in engine.step() if o.finished})
+        runs.append(({k: o.outputs[0].token_ids for k, o in outs.items()}, [outs[str(i)].num_cached_tokens for i in range(3)]))
+    (on, hits_on), (off, hits_off) = runs
+    assert on == off
+    assert hits_off == [0, 0, 0] and hits_on[0] == 0 and min(hits_on[1:]) >= 16
