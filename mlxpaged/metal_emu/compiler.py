@@ -1,0 +1,158 @@
+"""Compiling lowered MSL into a shared library, cached on disk by content hash.
+
+The compiler is a clang >= 15 (needs `_Float16` on x86-64): `$MLXPAGED_EMU_CXX` if set, else a
+system `clang++-NN`/`clang++` that is new enough, else `python -m ziglang c++` (the `ziglang`
+wheel; its first run spends about a minute building its C++ library cache). Libraries live in
+`$MLXPAGED_EMU_CACHE` (default `~/.cache/mlxpaged/metal_emu`), named by the SHA-256 of
+everything that affects them (source, shim, runtime, flags, compiler), so a stale library is
+never reused and concurrent builders never see a half-written file (atomic rename).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# Per-operation rounding for half/bfloat (no excess precision), no FMA contraction (results
+# comparable with numpy), and load/store tracing for the byte counts and bounds checks.
+KERNEL_FLAGS = [
+    "-std=c++17", "-O1", "-fPIC", "-g0", "-fno-sanitize=all",
+    "-Xclang", "-ffloat16-excess-precision=none", "-Xclang", "-fbfloat16-excess-precision=none",
+    "-ffp-contract=off",
+    "-fno-exceptions", "-fno-threadsafe-statics", "-fno-strict-aliasing",
+    # Vectorizers could merge loads into widths the tracing does not report (> 16 bytes).
+    "-fno-vectorize", "-fno-slp-vectorize",
+    "-fsanitize-coverage=inline-8bit-counters,trace-loads,trace-stores",
+    "-Wno-unknown-attributes", "-Wno-ignored-attributes", "-Wno-gcc-compat",
+    "-Wno-c++20-extensions", "-Wno-c++2b-extensions", "-Wno-unused-value",
+    "-Wno-deprecated-declarations", "-Wno-unknown-pragmas", "-Wno-c++17-extensions",
+    "-Wno-macro-redefined",
+]
+RUNTIME_FLAGS = ["-std=c++17", "-O2", "-fPIC", "-g0", "-fno-sanitize=all", "-fno-exceptions"]
+
+
+class CompileError(RuntimeError):
+    """The kernel source did not compile; the message holds the compiler's diagnostics."""
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("MLXPAGED_EMU_CACHE") or Path.home() / ".cache" / "mlxpaged" / "metal_emu")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _clang_major(exe: str) -> int:
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    m = re.search(r"clang version (\d+)", out)
+    return int(m.group(1)) if m else 0
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_identity() -> str:
+    """Libraries are built for the host CPU: a cache shared between machines must not mix them."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        flags = re.search(r"^flags\s*:(.*)$", text, re.M)
+        model = re.search(r"^model name\s*:(.*)$", text, re.M)
+        return f"{model.group(1).strip() if model else ''}|{flags.group(1).strip() if flags else ''}"
+    except OSError:
+        import platform
+
+        return platform.machine()
+
+
+@functools.lru_cache(maxsize=None)
+def compiler() -> tuple[tuple[str, ...], str]:
+    """(command prefix, identity string for the cache key) of the C++ compiler to use."""
+    env = os.environ.get("MLXPAGED_EMU_CXX")
+    if env:
+        cmd = tuple(env.split())
+        return cmd, f"{env} {_clang_major(cmd[0])} {_cpu_identity()}"
+    for name in [f"clang++-{v}" for v in range(25, 14, -1)] + ["clang++"]:
+        exe = shutil.which(name)
+        if exe and _clang_major(exe) >= 15:
+            return (exe,), f"{exe} {_clang_major(exe)} {_cpu_identity()}"
+    try:
+        import ziglang  # noqa: F401
+    except ImportError:
+        raise CompileError(
+            "the MSL emulator needs clang >= 15: install the `ziglang` wheel or set MLXPAGED_EMU_CXX"
+        ) from None
+    cmd = (sys.executable, "-m", "ziglang", "c++")
+    ver = subprocess.run([*cmd, "--version"], capture_output=True, text=True).stdout.strip()
+    return cmd, f"zig {ver} {_cpu_identity()}"
+
+
+def _run(cmd: list[str], what: str) -> None:
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise CompileError(f"{what} failed:\n{p.stderr[-20000:]}")
+
+
+def include_dir() -> Path:
+    """A directory holding `metal_stdlib` & co. that include the shim (made once per shim)."""
+    shim = HERE / "metal_shim.h"
+    h = hashlib.sha256(shim.read_bytes()).hexdigest()[:16]
+    d = cache_dir() / f"include-{h}"
+    if not (d / "metal_stdlib").exists():
+        tmp = Path(tempfile.mkdtemp(dir=cache_dir()))
+        for name in ("metal_stdlib", "metal_math", "metal_simdgroup", "metal_atomic",
+                     "metal_compute", "metal_integer", "metal_common", "metal_logging"):
+            (tmp / name).write_text(f'#include "{shim}"\n')
+        try:
+            tmp.rename(d)
+        except OSError:  # another process won
+            shutil.rmtree(tmp, ignore_errors=True)
+    return d
+
+
+@functools.lru_cache(maxsize=None)
+def runtime_object() -> Path:
+    """runtime.cpp compiled once (without tracing: its own accesses must not count)."""
+    cmd, ident = compiler()
+    src = HERE / "runtime.cpp"
+    key = hashlib.sha256(src.read_bytes() + repr((RUNTIME_FLAGS, ident)).encode()).hexdigest()[:24]
+    out = cache_dir() / f"runtime-{key}.o"
+    if not out.exists():
+        tmp = out.with_suffix(f".{os.getpid()}.tmp.o")
+        _run([*cmd, *RUNTIME_FLAGS, "-c", str(src), "-o", str(tmp)], "compiling runtime.cpp")
+        os.replace(tmp, out)
+    return out
+
+
+def build(lowered_source: str, driver: str) -> Path:
+    """Shared library for one lowered kernel source plus its generated entry point."""
+    cmd, ident = compiler()
+    shim = (HERE / "metal_shim.h").read_bytes()
+    rt = runtime_object()
+    key = hashlib.sha256(b"\0".join([
+        lowered_source.encode(), driver.encode(), shim, rt.read_bytes(),
+        repr((KERNEL_FLAGS, ident)).encode()])).hexdigest()[:32]
+    out = cache_dir() / f"k-{key}.so"
+    if out.exists():
+        return out
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        src = Path(tmp) / "kernel.metal"
+        src.write_text(lowered_source)
+        drv = Path(tmp) / "driver.cpp"
+        drv.write_text(f'#include "{src}"\n{driver}')
+        obj = Path(tmp) / "kernel.o"
+        _run([*cmd, *KERNEL_FLAGS, "-I", str(include_dir()), "-c", str(drv), "-o", str(obj)],
+             "compiling the kernel")
+        so = Path(tmp) / "k.so"
+        _run([*cmd, "-shared", "-fPIC", "-fno-sanitize=all", str(obj), str(rt), "-o", str(so)],
+             "linking the kernel")
+        os.replace(so, out)
+    return out

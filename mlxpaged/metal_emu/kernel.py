@@ -1,0 +1,315 @@
+"""`metal_kernel`: a drop-in for `mx.fast.metal_kernel` that runs kernels on the CPU.
+
+A call builds the exact source MLX would compile (`last_source`), lowers and compiles it
+once (cached), copies each input into a guarded buffer, runs the launch in runtime.cpp and
+returns the outputs as MLX arrays. Invariants:
+  * Buffers are passed in the order and form of the generated signature (`source.ParamInfo`).
+  * Outputs start as `init_value` when given, else 0xFF in every byte (NaN for float16,
+    bfloat16 and float32), as do threadgroup arrays, so a missed write shows; outputs also
+    keep a written-byte bitmap (`LaunchStats.bytes_unwritten`).
+  * Inputs are always passed row-contiguous (with matching `_strides`), whatever
+    `ensure_row_contiguous` says: MLX's strided views have no Python-visible storage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import threading
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from . import compiler
+from .lower import lower
+from .source import Generated, generated_source, metal_utils_preamble
+
+ATTR_OFFSETS = {
+    "thread_position_in_grid": 0, "threadgroup_position_in_grid": 3,
+    "thread_position_in_threadgroup": 6, "threads_per_threadgroup": 9,
+    "dispatch_threads_per_threadgroup": 12, "threadgroups_per_grid": 15,
+    "threads_per_grid": 18, "grid_size": 18, "grid_origin": 21,
+    "thread_index_in_threadgroup": 24, "simdgroup_index_in_threadgroup": 25,
+    "thread_index_in_simdgroup": 26, "threads_per_simdgroup": 27,
+    "simdgroups_per_threadgroup": 28, "dispatch_simdgroups_per_threadgroup": 29,
+    "quadgroup_index_in_threadgroup": 30, "thread_index_in_quadgroup": 31,
+    "quadgroups_per_threadgroup": 32, "dispatch_quadgroups_per_threadgroup": 33,
+    "thread_execution_width": 34,
+}
+ORDERS = {"forward": 0, "reverse": 1, "random": 2}
+DEFAULT_STACK = 256 * 1024
+DEFAULT_TIMEOUT = 600  # seconds; 0 disables the watchdog
+
+
+class MetalEmuError(RuntimeError):
+    """A kernel misbehaved under the emulator: out-of-bounds access (named buffer or threadgroup
+    array), threadgroup-memory data race, divergent barrier or SIMD-group function, deadlock,
+    endless loop, stack overflow, too much threadgroup memory."""
+
+
+class _Buffer(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("lo", ctypes.c_void_p), ("hi", ctypes.c_void_p),
+                ("map_lo", ctypes.c_void_p), ("map_hi", ctypes.c_void_p),
+                ("bytes_read", ctypes.c_uint64), ("bytes_written", ctypes.c_uint64),
+                ("is_output", ctypes.c_int64), ("written_map", ctypes.c_void_p),
+                ("bytes_unwritten", ctypes.c_uint64)]
+
+
+class _LaunchDesc(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_int32 * 3), ("tg", ctypes.c_int32 * 3),
+                ("order", ctypes.c_int32), ("strict_barriers", ctypes.c_int32),
+                ("race_check", ctypes.c_int32), ("reserved", ctypes.c_int32),
+                ("seed", ctypes.c_uint64), ("timeout_s", ctypes.c_int64),
+                ("stack_size", ctypes.c_int64),
+                ("entry", ctypes.c_void_p), ("args", ctypes.POINTER(ctypes.c_void_p)),
+                ("buffers", ctypes.POINTER(_Buffer)), ("n_buffers", ctypes.c_int64),
+                ("stats", ctypes.c_uint64 * 8)]
+
+
+@dataclass
+class LaunchStats:
+    """What one launch did. `bytes_read`/`bytes_written` cover every buffer by name (inputs,
+    their `_shape`/`_strides`/`_ndim` arrays and outputs); counts are exact: every load and store
+    the compiled code executes is traced."""
+
+    order: str
+    threads: int
+    threadgroups: int
+    barriers: int
+    simd_ops: int
+    barriers_with_exited_threads: int
+    threadgroup_memory_bytes: int
+    bytes_read: dict = field(default_factory=dict)
+    bytes_written: dict = field(default_factory=dict)
+    bytes_unwritten: dict = field(default_factory=dict)  # output name -> bytes no store touched
+
+
+# ---------------------------------------------------------------------------------------------
+# Lane order: call kwarg > `lane_order()` context > $MLXPAGED_EMU_ORDER > forward.
+_order_override = threading.local()
+
+
+def parse_order(text: str) -> tuple[str, int]:
+    """"forward" | "reverse" | "random[:seed]" -> (name, seed)."""
+    name, _, seed = text.strip().partition(":")
+    if name not in ORDERS:
+        raise ValueError(f"lane order must be forward, reverse or random[:seed], not {text!r}")
+    return name, int(seed) if seed else 0
+
+
+@contextlib.contextmanager
+def lane_order(order: str):
+    """Run emulated launches in this block with the given lane (and threadgroup) order."""
+    parse_order(order)
+    prev = getattr(_order_override, "value", None)
+    _order_override.value = order
+    try:
+        yield
+    finally:
+        _order_override.value = prev
+
+
+def current_order(explicit: str | None = None) -> tuple[str, int]:
+    text = explicit or getattr(_order_override, "value", None) or os.environ.get("MLXPAGED_EMU_ORDER") or "forward"
+    return parse_order(text)
+
+
+# ---------------------------------------------------------------------------------------------
+_libs: dict[str, ctypes.CDLL] = {}
+_lock = threading.Lock()
+
+
+def _load(path) -> ctypes.CDLL:
+    key = str(path)
+    if key not in _libs:
+        lib = ctypes.CDLL(key)
+        lib.mlxemu_launch.argtypes = [ctypes.POINTER(_LaunchDesc), ctypes.c_char_p, ctypes.c_int]
+        lib.mlxemu_launch.restype = ctypes.c_int
+        lib.mlxemu_alloc.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
+                                     ctypes.POINTER(ctypes.c_void_p)]
+        lib.mlxemu_alloc.restype = ctypes.c_void_p
+        lib.mlxemu_free.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        _libs[key] = lib
+    return _libs[key]
+
+
+def _driver(gen: Generated) -> str:
+    """C++ entry point calling the kernel with each parameter cast from the argument array."""
+    args = []
+    for i, p in enumerate(gen.params):
+        if p.msl_type.endswith("&"):
+            args.append(f"*({p.msl_type[:-1]}*)a[{i}]")
+        else:
+            args.append(f"({p.msl_type})a[{i}]")
+    for name, ty in gen.attributes:
+        o = ATTR_OFFSETS[name]
+        args.append(f"metal::uint3{{t[{o}], t[{o + 1}], t[{o + 2}]}}" if ty == "uint3" else f"t[{o}]")
+    fn = gen.kernel_name + gen.template_def
+    return (
+        "\nextern \"C\" __attribute__((visibility(\"default\"), used))\n"
+        "void mlxemu_entry(void* const* a, const unsigned int* t) {\n"
+        f"  (void)a; (void)t;\n  {fn}(\n    " + ",\n    ".join(args) + ");\n}\n"
+    )
+
+
+def _raw_dtype(itemsize: int):
+    return {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize]
+
+
+def _bytes_of(x: mx.array) -> bytes:
+    """Row-contiguous bytes of an MLX array of any dtype (bfloat16 included)."""
+    raw = x.view(getattr(mx, f"uint{8 * x.dtype.size}")) if x.dtype != mx.bool_ else x.astype(mx.uint8)
+    return np.ascontiguousarray(np.array(raw)).tobytes()
+
+
+def _array_from(buf: bytes, shape, dtype: mx.Dtype) -> mx.array:
+    raw = np.frombuffer(buf, dtype=_raw_dtype(dtype.size)).reshape(shape)
+    if dtype == mx.bool_:
+        return mx.array(raw.astype(bool))
+    return mx.array(raw).view(dtype)
+
+
+class EmulatedKernel:
+    """The callable `metal_kernel(...)` returns. After each call: `last_source` (the exact MSL
+    MLX would compile), `last_stats` ({input name: bytes read}) and `last_launch`
+    (`LaunchStats`)."""
+
+    def __init__(self, name, input_names, output_names, source, header="",
+                 ensure_row_contiguous=True, atomic_outputs=False):
+        if not output_names:
+            raise ValueError("[metal_kernel] Must specify at least one output.")
+        self.name = name
+        self.input_names = list(input_names)
+        self.output_names = list(output_names)
+        self.source = source
+        self.header = header
+        self.ensure_row_contiguous = ensure_row_contiguous
+        self.atomic_outputs = atomic_outputs
+        self.last_source: str | None = None
+        self.last_stats: dict[str, int] = {}
+        self.last_launch: LaunchStats | None = None
+        self._libs: dict[str, ctypes.CDLL] = {}  # generated source -> its library
+
+    def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup,
+                 template=None, init_value=None, verbose=False, stream=None, order=None):
+        inputs = [x if isinstance(x, mx.array) else mx.array(x) for x in inputs]
+        for got, want, what in ((len(inputs), len(self.input_names), "inputs"),
+                                (len(output_shapes), len(self.output_names), "output_shapes"),
+                                (len(output_dtypes), len(self.output_names), "output_dtypes")):
+            if got != want:
+                raise ValueError(f"[metal_kernel] Expected `{what}` to have size {want} but got size {got}.")
+        grid, threadgroup = tuple(int(v) for v in grid), tuple(int(v) for v in threadgroup)
+        if len(grid) != 3 or len(threadgroup) != 3 or min(grid + threadgroup) < 1:
+            raise ValueError(f"[metal_kernel] bad grid {grid} or threadgroup {threadgroup}")
+        gen = generated_source(name=self.name, input_names=self.input_names,
+                               output_names=self.output_names, source=self.source,
+                               header=self.header, atomic_outputs=self.atomic_outputs,
+                               inputs=inputs, output_dtypes=output_dtypes, template=template)
+        preamble = metal_utils_preamble()
+        full = preamble + gen.source
+        self.last_source = full
+        if verbose:
+            print(f"Generated source code for `{self.name}`:\n```\n{gen.source}\n```", flush=True)
+        lib = self._libs.get(gen.source)
+        if lib is None:
+            lowered = lower(full, len(preamble), f"{self.name}.metal")
+            lib = self._libs[gen.source] = _load(compiler.build(lowered, _driver(gen)))
+
+        # MLX clamps the threadgroup to the grid (group_dims = min(tg, grid)).
+        tg = tuple(min(t, g) for t, g in zip(threadgroup, grid))
+        order_name, seed = current_order(order)
+        with _lock:
+            return self._launch(lib, gen, inputs, output_shapes, output_dtypes, grid, tg,
+                                init_value, order_name, seed)
+
+    def _launch(self, lib, gen, inputs, output_shapes, output_dtypes, grid, tg, init_value,
+                order_name, seed):
+        datas: list[bytes | None] = []
+        fills: list[int] = []
+        for p in gen.params:
+            if p.kind == "input":
+                datas.append(_bytes_of(inputs[p.input_index]))
+            elif p.kind == "shape":
+                datas.append(np.array(inputs[p.input_index].shape, np.int32).tobytes())
+            elif p.kind == "strides":
+                shape = inputs[p.input_index].shape
+                strides = [int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape))]
+                datas.append(np.array(strides, np.int64).tobytes())
+            elif p.kind == "ndim":
+                datas.append(np.array(inputs[p.input_index].ndim, np.int32).tobytes())
+            else:  # output
+                shape, dt = tuple(output_shapes[p.input_index]), output_dtypes[p.input_index]
+                if init_value is not None:
+                    datas.append(_bytes_of(mx.full(shape, init_value, dtype=dt)))
+                else:
+                    datas.append(None)
+                    fills.append(int(np.prod(shape, dtype=np.int64)) * dt.size)
+        bufs = (_Buffer * len(gen.params))()
+        names = [p.name.encode() for p in gen.params]
+        args = (ctypes.c_void_p * max(1, len(gen.params)))()
+        fill_it = iter(fills)
+        maps = []  # keeps the outputs' written-byte bitmaps alive during the launch
+        try:
+            for i, (p, data) in enumerate(zip(gen.params, datas)):
+                n = len(data) if data is not None else next(fill_it)
+                lo, hi = ctypes.c_void_p(), ctypes.c_void_p()
+                ptr = lib.mlxemu_alloc(n, 0xFF, ctypes.byref(lo), ctypes.byref(hi))
+                if not ptr:
+                    raise MemoryError(f"cannot map {n} bytes for buffer {p.name!r}")
+                if data:
+                    ctypes.memmove(ptr, data, n)
+                wmap = None
+                if p.kind == "output":
+                    wmap = np.zeros(n // 8 + 1, np.uint8)
+                    maps.append(wmap)
+                bufs[i] = _Buffer(names[i], ptr, ptr + n, lo.value, hi.value, 0, 0,
+                                  p.kind == "output", wmap.ctypes.data if wmap is not None else None, 0)
+                args[i] = ptr
+            desc = _LaunchDesc()
+            desc.grid[:] = grid
+            desc.tg[:] = tg
+            desc.order = ORDERS[order_name]
+            desc.strict_barriers = os.environ.get("MLXPAGED_EMU_STRICT", "") == "1"
+            desc.race_check = os.environ.get("MLXPAGED_EMU_RACES", "1") != "0"
+            desc.seed = seed
+            desc.timeout_s = int(os.environ.get("MLXPAGED_EMU_TIMEOUT", DEFAULT_TIMEOUT))
+            desc.stack_size = int(os.environ.get("MLXPAGED_EMU_STACK", DEFAULT_STACK))
+            desc.entry = ctypes.cast(lib.mlxemu_entry, ctypes.c_void_p).value
+            desc.args = args
+            desc.buffers = bufs
+            desc.n_buffers = len(gen.params)
+            err = ctypes.create_string_buffer(2048)
+            rc = lib.mlxemu_launch(ctypes.byref(desc), err, len(err))
+            st = list(desc.stats)
+            self.last_launch = LaunchStats(
+                order=order_name if order_name != "random" else f"random:{seed}",
+                threads=st[0], threadgroups=st[1], barriers=st[2], simd_ops=st[3],
+                barriers_with_exited_threads=st[4], threadgroup_memory_bytes=st[5],
+                bytes_read={p.name: bufs[i].bytes_read for i, p in enumerate(gen.params)},
+                bytes_written={p.name: bufs[i].bytes_written for i, p in enumerate(gen.params)},
+                bytes_unwritten={p.name: bufs[i].bytes_unwritten for i, p in enumerate(gen.params)
+                                 if p.kind == "output"})
+            self.last_stats = {p.name: bufs[i].bytes_read for i, p in enumerate(gen.params)
+                               if p.kind == "input"}
+            if rc != 0:
+                raise MetalEmuError(f"[{self.name}] {err.value.decode(errors='replace')}")
+            outs = []
+            for i, p in enumerate(gen.params):
+                if p.kind == "output":
+                    shape, dt = tuple(output_shapes[p.input_index]), output_dtypes[p.input_index]
+                    n = bufs[i].hi - bufs[i].lo
+                    outs.append(_array_from(ctypes.string_at(bufs[i].lo, n), shape, dt))
+            return outs
+        finally:
+            for b in bufs:
+                if b.map_lo:
+                    lib.mlxemu_free(b.map_lo, b.map_hi)
+
+
+def metal_kernel(name, input_names, output_names, source, header="",
+                 ensure_row_contiguous=True, atomic_outputs=False) -> EmulatedKernel:
+    """Same signature as `mx.fast.metal_kernel`; the kernel runs on the CPU emulator."""
+    return EmulatedKernel(name, input_names, output_names, source, header,
+                          ensure_row_contiguous, atomic_outputs)
