@@ -1,0 +1,268 @@
+"""The Metal paged-attention kernel: source loading, launch planning and the Python entry point.
+
+Kernel bodies live in `metal/paged_attention.metal` (one `// @kernel NAME` section each) with
+their shared header `metal/paged_attention.h`. Kernels run through `mx.fast.metal_kernel` on an
+Apple GPU, or through the MSL emulator (`mlxpaged.metal_emu`) elsewhere.
+
+Short contexts take one pass (`paged_attention`). When there are too few (sequence, kv head)
+pairs to fill the GPU, each context is split into partitions handled by separate threadgroups
+(`paged_attention_partitioned`) whose partial results a second pass merges
+(`paged_attention_merge`), flash-decoding style.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import mlx.core as mx
+
+SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+NUM_SIMDGROUPS = 8  # simdgroups per threadgroup: 256 threads, enough loads in flight per group
+
+# Split planning: aim for TARGET_THREADGROUPS threadgroups in flight (1 x 32K tokens then gets
+# as many as 32 x 1K), never partitions shorter than MIN_PARTITION_TOKENS (the merge would cost
+# more than it saves), and at most MAX_PARTITIONS (bounds the partials' size).
+TARGET_THREADGROUPS = 128
+MIN_PARTITION_TOKENS = 512
+MAX_PARTITIONS = 128
+
+# Kernel kind (a `// @kernel` section of paged_attention.metal) -> (input names, output names).
+KERNEL_IO = {
+    "paged_attention": (
+        ["q", "k_cache", "v_cache", "block_tables", "context_lens", "scale"],
+        ["out"],
+    ),
+    "paged_attention_partitioned": (
+        ["q", "k_cache", "v_cache", "block_tables", "context_lens", "scale"],
+        ["part_out", "part_max", "part_sum"],
+    ),
+    "paged_attention_merge": (["part_out", "part_max", "part_sum"], ["out"]),
+}
+
+
+def _read_source(filename: str) -> str:
+    """Text of a file in `metal/`: from the installed package data, else from the repository."""
+    try:
+        return resources.files("mlxpaged.metal").joinpath(filename).read_text()
+    except (ModuleNotFoundError, FileNotFoundError, OSError):
+        return (Path(__file__).resolve().parents[2] / "metal" / filename).read_text()
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_sources() -> tuple[str, dict[str, str]]:
+    """(header, {kernel kind: body}) parsed from the shipped Metal sources."""
+    header = _read_source("paged_attention.h")
+    text = _read_source("paged_attention.metal")
+    parts = re.split(r"^// @kernel (\w+)\n", text, flags=re.M)
+    bodies = {parts[i]: parts[i + 1].strip("\n") + "\n" for i in range(1, len(parts), 2)}
+    missing = set(KERNEL_IO) - set(bodies)
+    if missing:
+        raise RuntimeError(f"paged_attention.metal lacks kernel sections {sorted(missing)}")
+    return header, bodies
+
+
+def _metal_kernel_factory():
+    """`mx.fast.metal_kernel` on a Mac, the MSL emulator when asked for or without Metal."""
+    try:
+        from mlxpaged.metal_emu import get_metal_kernel
+    except ImportError:
+        return mx.fast.metal_kernel
+    return get_metal_kernel()
+
+
+def kernel_kwargs(kind: str, variant: str) -> dict:
+    """Keyword arguments of `metal_kernel(...)` for one kernel kind and variant name suffix."""
+    header, bodies = kernel_sources()
+    inputs, outputs = KERNEL_IO[kind]
+    return dict(
+        name=f"{kind}_{variant}",
+        input_names=list(inputs),
+        output_names=list(outputs),
+        source=bodies[kind],
+        header=header,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(factory, kind: str, variant: str):
+    # Built once per variant (and per factory: native or emulated); template values are in the name.
+    return factory(**kernel_kwargs(kind, variant))
+
+
+@dataclass
+class Launch:
+    """One kernel launch: which kernel variant, and the arguments of its call."""
+
+    kind: str  # a `// @kernel` section of paged_attention.metal
+    variant: str  # template values, e.g. "hd128_bs16_g6_nsg8"
+    call: dict  # inputs, template, grid, threadgroup, output shapes/dtypes
+
+    @property
+    def kernel_kwargs(self) -> dict:
+        return kernel_kwargs(self.kind, self.variant)
+
+    def run(self) -> list[mx.array]:
+        return _kernel(_metal_kernel_factory(), self.kind, self.variant)(**self.call)
+
+
+def plan_partition_tokens(num_seqs: int, num_kv_heads: int, max_blocks: int,
+                          block_size: int) -> int:
+    """Tokens per partition for the split path, or 0 for the single pass.
+
+    The context bound is the block table's width (reading `context_lens` would force a sync).
+    Partitions are a power of two tokens and a multiple of the block size, so each one starts
+    on a block boundary.
+    """
+    ctx = max_blocks * block_size
+    groups = num_seqs * num_kv_heads
+    if groups >= TARGET_THREADGROUPS:
+        return 0
+    want = min(-(-TARGET_THREADGROUPS // groups), MAX_PARTITIONS, ctx // MIN_PARTITION_TOKENS)
+    if want < 2:
+        return 0
+    part = max(1 << (math.ceil(ctx / want) - 1).bit_length(), MIN_PARTITION_TOKENS)
+    part = -(-part // block_size) * block_size
+    return part if -(-ctx // part) >= 2 else 0
+
+
+def _variant(head_dim: int, block_size: int, group: int, part: int = 0) -> str:
+    name = f"hd{head_dim}_bs{block_size}_g{group}_nsg{NUM_SIMDGROUPS}"
+    return f"{name}_p{part}" if part else name
+
+
+def single_pass_launch(q, k_cache, v_cache, block_tables, context_lens, scale) -> Launch:
+    """Launch of the one-pass kernel: one threadgroup per (kv head, sequence)."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    threads = 32 * NUM_SIMDGROUPS
+    return Launch("paged_attention", _variant(head_dim, block_size, group), dict(
+        inputs=[q, k_cache, v_cache, block_tables, context_lens, scale],
+        template=[("T", q.dtype), ("HD", head_dim), ("BS", block_size), ("G", group),
+                  ("NSG", NUM_SIMDGROUPS)],
+        grid=(threads, num_kv_heads, num_seqs),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[q.shape],
+        output_dtypes=[q.dtype],
+    ))
+
+
+def partitioned_launch(q, k_cache, v_cache, block_tables, context_lens, scale,
+                       part: int) -> Launch:
+    """Launch of the split path's first pass: one threadgroup per (partition, kv head, sequence)."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    num_parts = -(-block_tables.shape[1] * block_size // part)
+    if num_parts > MAX_PARTITIONS or part % block_size:
+        raise ValueError(f"bad partition size {part} for block size {block_size}")
+    threads = 32 * NUM_SIMDGROUPS
+    variant = _variant(head_dim, block_size, group, part)
+    return Launch("paged_attention_partitioned", variant, dict(
+        inputs=[q, k_cache, v_cache, block_tables, context_lens, scale],
+        template=[("T", q.dtype), ("HD", head_dim), ("BS", block_size), ("G", group),
+                  ("NSG", NUM_SIMDGROUPS), ("PART", part)],
+        grid=(threads * num_parts, num_kv_heads, num_seqs),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(num_seqs, num_heads, num_parts, head_dim),
+                       (num_seqs, num_heads, num_parts), (num_seqs, num_heads, num_parts)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    ))
+
+
+def merge_launch(part_out, part_max, part_sum, dtype) -> Launch:
+    """Launch of the split path's second pass: one simdgroup per (head, sequence)."""
+    num_seqs, num_heads, _, head_dim = part_out.shape
+    return Launch("paged_attention_merge", f"hd{head_dim}", dict(
+        inputs=[part_out, part_max, part_sum],
+        template=[("T", dtype), ("HD", head_dim)],
+        grid=(32, num_heads, num_seqs),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(num_seqs, num_heads, head_dim)],
+        output_dtypes=[dtype],
+    ))
+
+
+def threadgroup_bytes(head_dim: int, block_size: int, group: int) -> int:
+    """Threadgroup memory of the attention kernels (mirrors their `threadgroup` arrays)."""
+    chunk_blocks = max(1, 256 // block_size)  # PA_CHUNK_BLOCKS in paged_attention.h
+    nsg = NUM_SIMDGROUPS
+    arrays = (group * head_dim, chunk_blocks, 2 * nsg * group, nsg * head_dim)  # 4-byte elements
+    return sum(-(-4 * n // 16) * 16 for n in arrays)  # each array 16-byte aligned
+
+
+def minimum_bytes(q, k_cache, context_lens) -> int:
+    """The least any decode kernel must read: each K and V row in context once, the queries,
+    the block-table entries in use and the context lengths."""
+    _, kvh, bs, hd = k_cache.shape
+    lens = [int(n) for n in context_lens.tolist()]
+    blocks = sum(-(-n // bs) for n in lens)
+    return (2 * sum(lens) * kvh * hd * k_cache.dtype.size + q.nbytes + 4 * blocks
+            + context_lens.nbytes)
+
+
+def bytes_read(launches: list[Launch]) -> int:
+    """Bytes the launches' kernels read from their inputs on their last run (emulator only:
+    its kernels count every load)."""
+    factory = _metal_kernel_factory()
+    return sum(sum(_kernel(factory, l.kind, l.variant).last_stats.values()) for l in launches)
+
+
+def _check(q, k_cache):
+    if k_cache.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"paged_attention_metal: unsupported cache dtype {k_cache.dtype}")
+    head_dim = q.shape[-1]
+    if head_dim % 32 or head_dim > 32 * NUM_SIMDGROUPS:
+        raise ValueError(f"paged_attention_metal: head_dim {head_dim} is not a multiple of 32 "
+                         f"up to {32 * NUM_SIMDGROUPS}")
+    group = q.shape[1] // k_cache.shape[1]
+    if threadgroup_bytes(head_dim, k_cache.shape[2], group) > 32768:  # Apple GPUs' limit
+        raise ValueError(f"paged_attention_metal: {group} query heads per kv head of "
+                         f"head_dim {head_dim} need more than 32 KiB of threadgroup memory")
+
+
+def paged_attention_metal(
+    q: mx.array,  # [num_seqs, num_heads, head_dim]
+    k_cache: mx.array,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache: mx.array,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    block_tables: mx.array,  # [num_seqs, max_blocks] int32
+    context_lens: mx.array,  # [num_seqs] int32
+    *,
+    scale: float,
+    partition_tokens: int | None = None,
+) -> mx.array:  # [num_seqs, num_heads, head_dim], q's dtype
+    """Paged decode attention with the Metal kernel (see `mlxpaged.attention.paged_attention`).
+
+    `partition_tokens` overrides the split planning (0: single pass).
+    """
+    return run_with_launches(q, k_cache, v_cache, block_tables, context_lens, scale=scale,
+                             partition_tokens=partition_tokens)[0]
+
+
+def run_with_launches(q, k_cache, v_cache, block_tables, context_lens, *, scale: float,
+                      partition_tokens: int | None = None) -> tuple[mx.array, list[Launch]]:
+    """`paged_attention_metal`, also returning the launches it ran (for tests and tables)."""
+    _check(q, k_cache)
+    out_dtype = q.dtype
+    q = q.astype(k_cache.dtype)  # one element type T for q, caches and output
+    block_tables = block_tables.astype(mx.int32)
+    context_lens = context_lens.astype(mx.int32)
+    scale_arr = mx.array(scale, dtype=mx.float32)
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    part = partition_tokens
+    if part is None:
+        part = plan_partition_tokens(q.shape[0], num_kv_heads, block_tables.shape[1], block_size)
+    args = (q, k_cache, v_cache, block_tables, context_lens, scale_arr)
+    if not part:
+        launches = [single_pass_launch(*args)]
+        out = launches[0].run()[0]
+    else:
+        launches = [partitioned_launch(*args, part)]
+        launches.append(merge_launch(*launches[0].run(), q.dtype))
+        out = launches[1].run()[0]
+    return out.astype(out_dtype), launches
