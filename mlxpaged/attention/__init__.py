@@ -24,12 +24,16 @@ def metal_native() -> bool:
         return False
 
 
-def resolve_impl(impl: str) -> str:
-    """Map "auto" to the fastest implementation this machine can run."""
+def resolve_impl(impl: str, q: mx.array | None = None, k_cache: mx.array | None = None) -> str:
+    """Map "auto" to the fastest implementation this machine can run for these shapes."""
     if impl not in IMPLS:
         raise ValueError(f"unknown paged-attention impl {impl!r}; expected one of {IMPLS}")
     if impl == "auto":
-        return "metal" if metal_native() else "reference"
+        if not metal_native():
+            return "reference"
+        from .metal import supports
+
+        return "metal" if q is None or supports(q, k_cache) else "reference"
     return impl
 
 
@@ -62,7 +66,7 @@ def paged_attention(
         )
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, q, k_cache)
     if impl == "metal":
         from .metal import paged_attention_metal
 

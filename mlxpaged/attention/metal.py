@@ -226,6 +226,15 @@ def _check(q, k_cache):
                          f"head_dim {head_dim} need more than 32 KiB of threadgroup memory")
 
 
+def supports(q: mx.array, k_cache: mx.array) -> bool:
+    """Whether the kernel handles these shapes and dtypes (else `_check` says why not)."""
+    try:
+        _check(q, k_cache)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def paged_attention_metal(
     q: mx.array,  # [num_seqs, num_heads, head_dim]
     k_cache: mx.array,  # [num_blocks, num_kv_heads, block_size, head_dim]
