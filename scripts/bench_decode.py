@@ -59,7 +59,7 @@ def main() -> None:
     if args.samples:
         cases.append((f"1 prompt, n={args.samples}", prompts[:1], args.samples, args.temp))
     print(f"{'case':>16} | {'mlxpaged tok/s':>14} | {'mlx-lm tok/s':>12} | {'ratio':>6} | {'TTFT ms (ours/theirs)':>22} | "
-          f"{'ITL ms (ours/theirs)':>21} | {'peak GB (ours/theirs)':>21}")
+          f"{'ITL ms (ours/theirs)':>21} | {'peak GB above weights':>21}")
     for name, ps, n, temp in cases:
         ours = run_mlxpaged(loaded, ps, args.max_tokens, n=n, temperature=temp)
         theirs = run_mlx_lm(ref_model, ps * n, args.max_tokens, temperature=temp)
