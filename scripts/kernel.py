@@ -22,106 +22,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Sequence
-
-import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing
 
-import mlx.core as mx  # noqa: E402
-
-from mlxpaged.attention import metal, metal_native  # noqa: E402
-from mlxpaged.attention.reference import paged_attention_reference  # noqa: E402
-
-HEADS, KV_HEADS, HEAD_DIM = 12, 2, 128  # Qwen2.5-1.5B
-BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-
-def make_inputs(seqs: int, tokens: int, block_size: int, scattered: bool, seed: int = 0):
-    """Queries, a pool holding every sequence's `tokens` tokens, block tables and lengths."""
-    rng = np.random.default_rng(seed)
-    per_seq = -(-tokens // block_size)
-    pool = seqs * per_seq
-    ids = rng.permutation(pool) if scattered else np.arange(pool)
-    shape = (pool, KV_HEADS, block_size, HEAD_DIM)
-    return (
-        mx.array(rng.standard_normal((seqs, HEADS, HEAD_DIM)), dtype=mx.float16),
-        mx.array(rng.standard_normal(shape), dtype=mx.float16),
-        mx.array(rng.standard_normal(shape), dtype=mx.float16),
-        mx.array(ids.reshape(seqs, per_seq).astype(np.int32)),
-        mx.full((seqs,), tokens, dtype=mx.int32),
-    )
-
-
-def max_error(out: mx.array, ref: mx.array) -> float:
-    return float(mx.max(mx.abs(out.astype(mx.float32) - ref.astype(mx.float32))).item())
-
-
-def median_ms(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        mx.eval(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(times))
-
-
-def gpu_rows(seqs: int, tokens: int, sizes: Sequence[int]) -> list[dict]:
-    """Timings of the paged kernel and contiguous SDPA, and the kernel's error."""
-    scale = 1.0 / math.sqrt(HEAD_DIM)
-    rows = []
-    for bs in sizes:
-        for scattered in (False, True):
-            q, k, v, bt, cl = make_inputs(seqs, tokens, bs, scattered)
-            out = metal.paged_attention_metal(q, k, v, bt, cl, scale=scale)
-            err = max_error(out, paged_attention_reference(q, k, v, bt, cl, scale))
-            # The same keys and values laid out contiguously: [seqs, kv_heads, tokens, head_dim].
-            kc, vc = (c[bt].transpose(0, 2, 1, 3, 4).reshape(seqs, KV_HEADS, -1, HEAD_DIM)
-                      [:, :, :tokens] for c in (k, v))
-            mx.eval(kc, vc)
-            paged = median_ms(lambda: metal.paged_attention_metal(q, k, v, bt, cl, scale=scale))
-            sdpa = median_ms(lambda: mx.fast.scaled_dot_product_attention(
-                q[:, :, None, :], kc, vc, scale=scale))
-            gbs = metal.minimum_bytes(q, k, cl) / paged / 1e6
-            rows.append(dict(block_size=bs, scattered=scattered, paged_ms=paged, sdpa_ms=sdpa,
-                             paged_over_sdpa=paged / sdpa, paged_gb_s=gbs, max_error=err))
-    return rows
-
-
-def emulator_rows(seqs: int, tokens: int, sizes: Sequence[int]) -> list[dict]:
-    """Bytes the emulated kernel reads, as a multiple of the minimum."""
-    from mlxpaged.metal_emu import emulate
-
-    scale = 1.0 / math.sqrt(HEAD_DIM)
-    rows = []
-    with emulate():
-        for bs in sizes:
-            for scattered in (False, True):
-                q, k, v, bt, cl = make_inputs(seqs, tokens, bs, scattered)
-                t0 = time.perf_counter()
-                out, launches = metal.run_with_launches(q, k, v, bt, cl, scale=scale)
-                mx.eval(out)
-                seconds = time.perf_counter() - t0
-                err = max_error(out, paged_attention_reference(q, k, v, bt, cl, scale))
-                read, least = metal.bytes_read(launches), metal.minimum_bytes(q, k, cl)
-                # The single-pass kernel on the same inputs, for comparison with the split.
-                _, single = metal.run_with_launches(q, k, v, bt, cl, scale=scale,
-                                                    partition_tokens=0)
-                single_read = metal.bytes_read(single)
-                rows.append(dict(block_size=bs, scattered=scattered,
-                                 kernels="+".join(l.kind for l in launches), bytes_read=read,
-                                 minimum_bytes=least, ratio=read / least,
-                                 single_pass_ratio=single_read / least, max_error=err,
-                                 emulator_s=seconds))
-    return rows
+from mlxpaged.attention import metal_native  # noqa: E402
+from mlxpaged.bench.kernel import BLOCK_SIZES, HEAD_DIM, HEADS, KV_HEADS, emulator_rows, gpu_rows  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> int:

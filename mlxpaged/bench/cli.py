@@ -180,3 +180,44 @@ def waste(out_dir, plot, block_size, slots):
             ax.set_ylabel("real tokens / reserved slots (%)")
             ax.legend()
         _plot(path, draw)
+
+
+@bench.command()
+@click.option("--out", "out_dir", default="bench-results", show_default=True)
+@click.option("--plot", is_flag=True)
+@click.option("--seqs", type=int, default=None, help="Sequences (default 16 on an Apple GPU, 4 emulated).")
+@click.option("--tokens", type=int, default=None, help="Tokens each (default 4096 on an Apple GPU, 1024 emulated).")
+@click.option("--max-block", default=256, show_default=True)
+def kernel(out_dir, plot, seqs, tokens, max_block):
+    """The Metal kernel by block size: time vs contiguous SDPA on a Mac, bytes read in the emulator elsewhere."""
+    import os
+
+    from ..attention import metal_native
+    from .kernel import BLOCK_SIZES, emulator_rows, gpu_rows
+    from .report import write_result
+
+    gpu = metal_native() and os.environ.get("MLXPAGED_METAL") != "emulate"
+    seqs = seqs or (16 if gpu else 4)
+    tokens = tokens or (4096 if gpu else 1024)
+    sizes = [b for b in BLOCK_SIZES if b <= max_block]
+    if not gpu:
+        click.echo("No Apple GPU: the emulator counts bytes read; timings need an Apple GPU.", err=True)
+    rows = (gpu_rows if gpu else emulator_rows)(seqs, tokens, sizes)
+    key = "paged_over_sdpa" if gpu else "ratio"
+    for r in rows:
+        click.echo(f"block {r['block_size']:>3} {'scattered' if r['scattered'] else 'in order ':>9}: "
+                   f"{key} {r[key]:.4f}, max error {r['max_error']:.2g}")
+    path = write_result(out_dir, "kernel-gpu" if gpu else "kernel-emulator", "qwen2.5-1.5b-shapes",
+                        {"seqs": seqs, "tokens": tokens, "rows": rows})
+    click.echo(f"results: {path}")
+    if plot:
+        def draw(ax):
+            for scattered in (False, True):
+                rs = [r for r in rows if r["scattered"] == scattered]
+                ax.plot([r["block_size"] for r in rs], [r[key] for r in rs], marker="o",
+                        label="scattered" if scattered else "in order")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("block size (tokens)")
+            ax.set_ylabel("paged / contiguous time" if gpu else "bytes read / minimum")
+            ax.legend()
+        _plot(path, draw)
