@@ -151,3 +151,18 @@ def test_eos_ends_a_sample(tiny_loaded):
 def test_bad_sampling_params(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+def test_hash_collision_recomputes_in_the_engine(tiny_loaded, mlx_lm_tiny):
+    """Every block hashes alike: B must recompute, never read A's cached blocks."""
+    ref_model, _ = mlx_lm_tiny
+    engine = LLMEngine(tiny_loaded, EngineConfig(block_size=4, num_blocks=64), hash_fn=lambda parent, tokens, extra: b"same")
+    a = [(5 * i) % 300 + 1 for i in range(24)]
+    b = [(7 * i) % 300 + 2 for i in range(24)]
+    g = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = {}
+    for name, p in [("A", a), ("B", b)]:
+        engine.add_request(p, g, request_id=name)
+        outs.update(run_all(engine))
+    assert outs["B"].num_cached_tokens == 0
+    assert outs["B"].outputs[0].token_ids == contiguous_generate(ref_model, b, 10)
