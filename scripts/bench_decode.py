@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import tempfile
 from pathlib import Path
 
 import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
@@ -32,21 +30,11 @@ def main() -> None:
     ap.add_argument("--json", dest="json_out", default=None, help="write results to this file")
     args = ap.parse_args()
 
-    import mlx_lm
-
+    from mlxpaged.bench.models import load_models
     from mlxpaged.bench.prompts import encode_chat, load_prompts
     from mlxpaged.bench.throughput import run_mlx_lm, run_mlxpaged
-    from mlxpaged.loader import load
 
-    model = args.model
-    if args.tiny:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from tiny_model import write_tiny_qwen2
-
-        model = str(write_tiny_qwen2(Path(tempfile.mkdtemp()) / "tiny"))
-    loaded = load(model, args.dtype)
-    ref_model, _ = mlx_lm.load(str(loaded.path))
-    ref_model.set_dtype(loaded.dtype)
+    loaded, ref_model = load_models(args.model, args.tiny, args.dtype)
     print(f"model {loaded.path.name} ({loaded.dtype}), device {mx.default_device()}, mlx {mx.__version__}, "
           f"{args.max_tokens} output tokens per sequence")
 

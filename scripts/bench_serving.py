@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import tempfile
 from pathlib import Path
 
 import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
@@ -37,21 +35,11 @@ def main() -> None:
     ap.add_argument("--json", dest="json_out")
     args = ap.parse_args()
 
-    import mlx_lm
-
+    from mlxpaged.bench.models import load_models
     from mlxpaged.bench.serving import load_trace, make_workload, serve_mlx_lm, serve_mlxpaged
     from mlxpaged.config import EngineConfig
-    from mlxpaged.loader import load
 
-    model = args.model
-    if args.tiny:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from tiny_model import write_tiny_qwen2
-
-        model = str(write_tiny_qwen2(Path(tempfile.mkdtemp()) / "tiny"))
-    loaded = load(model, args.dtype)
-    ref, _ = mlx_lm.load(str(loaded.path))
-    ref.set_dtype(loaded.dtype)
+    loaded, ref = load_models(args.model, args.tiny, args.dtype)
     pairs = load_trace(args.trace)
     vocab = loaded.model.args.vocab_size
     config = EngineConfig(block_size=args.block_size, num_blocks=args.kv_tokens // args.block_size,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
@@ -35,16 +34,11 @@ def main() -> None:
     from tqdm import tqdm
 
     from mlxpaged.bench.concurrency import contiguous_concurrency, engine_concurrency
+    from mlxpaged.bench.models import tiny_checkpoint
     from mlxpaged.loader import load
     from mlxpaged.waste import load_pairs
 
-    model = args.model
-    if model is None:
-        sys.path.insert(0, str(ROOT / "tests"))
-        from tiny_model import write_tiny_qwen2
-
-        model = str(write_tiny_qwen2(Path(tempfile.mkdtemp()) / "tiny", layers=1, hidden=128, intermediate=256))
-    loaded = load(model, "float32")
+    loaded = load(args.model or tiny_checkpoint(layers=1, hidden=128, intermediate=256), "float32")
     out = {}
     for trace in (["sharegpt", "alpaca"] if args.trace == "both" else [args.trace]):
         pairs = [(p, a) for p, a in load_pairs(ROOT / "scripts" / "data" / f"{trace}_lengths.json") if a > 0]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 import click
@@ -13,15 +12,6 @@ from ..errors import MlxPagedError
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _model(model: str | None, tiny: bool, dtype: str):
-    from ..loader import load
-
-    if tiny:
-        sys.path.insert(0, str(ROOT / "tests"))
-        from tiny_model import write_tiny_qwen2
-
-        model = str(write_tiny_qwen2(Path(tempfile.mkdtemp()) / "tiny"))
-    return load(model, dtype)
 
 
 def _plot(path: Path, draw) -> None:
@@ -67,21 +57,19 @@ def bench():
 @click.option("--max-tokens", default=64, show_default=True)
 def throughput(model, tiny, dtype, out_dir, plot, concurrency, samples, max_tokens):
     """mlxpaged vs mlx-lm batch generation: tokens/s, time to first token, inter-token latency, memory."""
-    import mlx_lm
     from tqdm import tqdm
 
+    from .models import load_models
     from .prompts import encode_chat, load_prompts
     from .report import write_result
     from .throughput import run_mlx_lm, run_mlxpaged
 
     try:
         levels = [int(c) for c in concurrency.split(",") if c]
-        loaded = _model(model, tiny, dtype)
+        loaded, ref = load_models(model, tiny, dtype)
     except (MlxPagedError, ValueError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
-    ref, _ = mlx_lm.load(str(loaded.path))
-    ref.set_dtype(loaded.dtype)
     prompts = encode_chat(loaded.tokenizer, load_prompts(max(levels)))
     cases = [(f"concurrency {c}", prompts[:c], 1, 0.0) for c in levels]
     if samples:
@@ -126,9 +114,10 @@ def concurrency(model, tiny, dtype, out_dir, plot, trace, num_requests, capacity
 
     from ..waste import load_pairs
     from .concurrency import contiguous_concurrency, engine_concurrency
+    from .models import load_models
     from .report import write_result
 
-    loaded = _model(model, tiny or model is None, dtype)
+    loaded, _ = load_models(model, tiny or model is None, dtype, reference=False)
     pairs = [(p, a) for p, a in load_pairs(ROOT / "scripts" / "data" / f"{trace}_lengths.json") if a > 0][:num_requests]
     with tqdm(total=len(pairs), desc="engine", unit="req", file=sys.stderr) as bar:
         paged = engine_concurrency(loaded, pairs, capacity=capacity, block_size=block_size, progress=bar.update)

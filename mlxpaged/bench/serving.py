@@ -7,7 +7,6 @@ synthetic token ids of the traced lengths; an optional shared system prompt sits
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
@@ -15,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
+
+from ..waste import load_pairs
 
 TRACES = Path(__file__).resolve().parents[2] / "scripts" / "data"
 
@@ -28,8 +29,7 @@ class Workload:
 
 def load_trace(name: str) -> list[tuple[int, int]]:
     """(prompt, answer) token counts from `scripts/data/<name>_lengths.json`."""
-    data = json.loads((TRACES / f"{name}_lengths.json").read_text())
-    return [tuple(p) for p in data["pairs"]]
+    return load_pairs(TRACES / f"{name}_lengths.json")
 
 
 def make_workload(pairs: list[tuple[int, int]], num_requests: int, *, vocab: int, seed: int = 0, rate: float = 0.0,

@@ -1,0 +1,31 @@
+"""The models a benchmark compares: mlxpaged's load of a checkpoint and mlx-lm's load of the same files."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tiny_checkpoint(**kwargs) -> str:
+    """A tiny random-weight Qwen2 checkpoint in a temporary folder (the tests' fixture writer)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_model import write_tiny_qwen2
+
+    return str(write_tiny_qwen2(Path(tempfile.mkdtemp()) / "tiny", **kwargs))
+
+
+def load_models(model: str | None, tiny: bool = False, dtype: str | None = "auto", reference: bool = True):
+    """(mlxpaged's LoadedModel, mlx-lm's model of the same files in the same dtype, or None)."""
+    from ..loader import load
+
+    loaded = load(tiny_checkpoint() if tiny else model, dtype)
+    if not reference:
+        return loaded, None
+    import mlx_lm
+
+    ref, _ = mlx_lm.load(str(loaded.path))
+    ref.set_dtype(loaded.dtype)
+    return loaded, ref
