@@ -157,6 +157,47 @@ def test_atomics_and_synchronised_accesses_are_not_races():
     np.testing.assert_array_equal(o[1:], np.arange(64) ^ 1)
 
 
+RACE_BIG = """
+uint tid = thread_index_in_threadgroup;
+threadgroup float buf[64];
+buf[tid] = x[tid] + big[tid];
+if (tid == 0) {                 // no barrier: reads the other simdgroup's stores
+  float s = 0.0f;
+  for (uint i = 0; i < 64; i++) s += buf[i];
+  out[0] = s;
+}
+"""
+OOB_BIG = """
+uint tid = thread_index_in_threadgroup;
+threadgroup float t[64];
+t[tid + 1] = x[tid] + big[tid];  // thread 63 writes one past the end
+threadgroup_barrier(mem_flags::mem_threadgroup);
+out[tid] = t[tid];
+"""
+
+
+@pytest.mark.parametrize("big_bytes", [4 << 10, 1 << 20, 4 << 20, 16 << 20])
+def test_threadgroup_checks_do_not_depend_on_buffer_layout(big_bytes):
+    """A large buffer is mapped below the threadgroup arena and the small ones above it, so the
+    arena lies inside the span of the buffer mappings: its accesses must still be race- and
+    red-zone-checked (they used to be looked up among the buffers and dropped)."""
+    big = mx.zeros(big_bytes // 4)
+    x = mx.ones(64)
+    race = metal_kernel(name="race_big", input_names=["big", "x"], output_names=["out"],
+                        source=RACE_BIG)
+    oob = metal_kernel(name="oob_big", input_names=["big", "x"], output_names=["out"],
+                       source=OOB_BIG)
+    with pytest.raises(MetalEmuError, match="data race on threadgroup array .buf."):
+        run1(race, [big, x], 64, tg=64)
+    with pytest.raises(MetalEmuError, match=r"out-of-bounds write of threadgroup array 't'.*offset 256"):
+        run1(oob, [big, x], 64, tg=64)
+    # ...and the buffers are still counted exactly.
+    fixed = metal_kernel(name="race_big_fixed", input_names=["big", "x"], output_names=["out"],
+                         source=RACE_BIG.replace("if (tid == 0)", "threadgroup_barrier(mem_flags::mem_threadgroup);\nif (tid == 0)"))
+    assert run1(fixed, [big, x], 64, tg=64)[0].item() == 64
+    assert fixed.last_stats == {"big": 256, "x": 256}
+
+
 def test_lane_order_selection(monkeypatch):
     k = metal_kernel(name="who_first", input_names=["x"], output_names=["out"], source="""
     threadgroup uint first[1];
@@ -659,3 +700,38 @@ def test_verbose_prints_like_mlx(capfd):
     printed = capfd.readouterr().out
     assert printed == ("Generated source code for `p2`:\n```\n"
                        + emu.mlx_generated_source(case["kernel"], case["call"]) + "\n```\n")
+
+
+def _memory_mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def test_kernel_libraries_share_fiber_stacks():
+    """Each compiled kernel is its own library with its own copy of the runtime; they must all
+    run on one process-wide set of fiber stacks and threadgroup arena. Per-library stacks left
+    ~520 memory mappings behind per distinct kernel, and about 125 kernels exhausted
+    vm.max_map_count (65530): launches failed with "cannot allocate fiber stacks"."""
+    k = metal_kernel(name="many_tiny", input_names=["x"], output_names=["out"], source="""
+    threadgroup float t[256];
+    uint i = thread_index_in_threadgroup;
+    t[i] = x[i];
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    out[i] = t[255 - i] + float(N);
+    """)
+    x = mx.arange(256, dtype=mx.float32)
+    n_kernels = 40  # distinct template values: one library each
+    before = None
+    for n in range(n_kernels):
+        out = k(inputs=[x], grid=(256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(256,)],
+                output_dtypes=[mx.float32], template=[("N", 7000 + n)])[0]
+        np.testing.assert_array_equal(np.array(out), np.arange(255, -1, -1) + 7000 + n)
+        if before is None:  # after the first launch: the shared stacks exist by now
+            before = _memory_mappings()
+    grown = _memory_mappings() - before
+    # A library's own segments are a handful of mappings; 256 stacks would be over 500.
+    assert grown <= 16 * (n_kernels - 1), f"{grown / (n_kernels - 1):.0f} mappings per kernel"
+    for _ in range(3):  # relaunching keeps the count
+        k(inputs=[x], grid=(256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(256,)],
+          output_dtypes=[mx.float32], template=[("N", 7000)])
+    assert _memory_mappings() - before <= grown + 8  # (slack for the allocator's own arenas)

@@ -65,7 +65,7 @@ class _LaunchDesc(ctypes.Structure):
                 ("stack_size", ctypes.c_int64),
                 ("entry", ctypes.c_void_p), ("args", ctypes.POINTER(ctypes.c_void_p)),
                 ("buffers", ctypes.POINTER(_Buffer)), ("n_buffers", ctypes.c_int64),
-                ("stats", ctypes.c_uint64 * 8)]
+                ("stats", ctypes.c_uint64 * 8), ("pool", ctypes.c_void_p)]
 
 
 @dataclass
@@ -118,7 +118,11 @@ def current_order(explicit: str | None = None) -> tuple[str, int]:
 
 # ---------------------------------------------------------------------------------------------
 _libs: dict[str, ctypes.CDLL] = {}
-_lock = threading.Lock()
+_lock = threading.Lock()  # one launch at a time, process-wide: they share _POOL
+# Every library links its own runtime; all of them run on this one set of fiber stacks and
+# threadgroup arena (runtime.cpp `Pool`, zero-initialised, filled by the first launch), so the
+# process's memory mappings do not grow by ~520 per compiled kernel.
+_POOL = ctypes.create_string_buffer(64)
 
 
 def _load(path) -> ctypes.CDLL:
@@ -280,6 +284,7 @@ class EmulatedKernel:
             desc.args = args
             desc.buffers = bufs
             desc.n_buffers = len(gen.params)
+            desc.pool = ctypes.addressof(_POOL)
             err = ctypes.create_string_buffer(2048)
             rc = lib.mlxemu_launch(ctypes.byref(desc), err, len(err))
             st = list(desc.stats)

@@ -65,7 +65,28 @@ struct LaunchDesc {          // shared with kernel.py (ctypes): keep the layout 
   Buffer* buffers;
   int64_t n_buffers;
   uint64_t stats[8];         // out: threads, threadgroups, barriers, simd ops, exited-at-barrier, tg bytes
+  void* pool;                // Pool shared by every kernel library of the process (or null)
 };
+
+// Memory every launch needs but no launch keeps: the fiber stacks (one mapping, a guard page
+// leading each stack: two memory mappings per stack, ~520 for 256 threads) and the threadgroup
+// arena with its race shadow. Every kernel library links its own copy of this runtime, so
+// kernel.py passes one zeroed Pool per process (LaunchDesc::pool) and all libraries reuse it:
+// the process holds one set of stacks however many kernels it compiles (vm.max_map_count is
+// 65530). Launches are serialised (kernel.py's lock), so sharing is safe; a launch refills the
+// arena and shadow it uses before each threadgroup. The layout is private to this file, and
+// libraries whose runtime differs never meet in one process (the library cache key hashes the
+// runtime), but `magic` checks it anyway.
+struct Pool {
+  uint64_t magic;
+  char* stacks;              // n_stacks * stack_len bytes, each stack led by a guard page
+  uint64_t n_stacks;
+  uint64_t stack_len;        // guard page included
+  char* arena;               // TG_CAP bytes, then a guard page
+  void* shadow;              // TG_CAP Shadow records
+};
+static_assert(sizeof(Pool) <= 64, "kernel.py reserves 64 bytes for the pool");
+enum : uint64_t { POOL_MAGIC = 0x6d6c78656d75706cull + sizeof(Pool) };
 
 struct Fiber {
   void* sp;
@@ -77,7 +98,7 @@ struct Fiber {
   int line, col;
   uint32_t attrs[N_ATTRS];
   alignas(16) unsigned char slot[64];
-  char* stack_lo;            // mapping (guard page first)
+  char* stack_lo;            // its stack in the pool (guard page first)
   size_t stack_len;
 };
 
@@ -104,10 +125,12 @@ __asm__(
     "  movq %r12, %rdi\n  call mlxemu_fiber_main\n  ud2\n");
 
 // ---------------------------------------------------------------------------------------------
-// Launch state (one launch at a time per library; the Python side holds a lock).
+// Launch state (one launch at a time in the process: libraries share the Pool, and the Python
+// side holds one lock for all of them).
 static LaunchDesc* g_desc;
-static Fiber* g_fibers;
-static size_t g_fiber_cap;
+static Fiber g_fibers[1024];   // at most 1024 threads per threadgroup (untouched bss is free)
+static Pool g_own_pool;         // used when the caller passes no pool
+static Pool* g_pool;            // the current launch's pool
 static int g_n;                 // threads in the current threadgroup
 static Fiber* g_cur;
 static void* g_sched_sp;
@@ -183,7 +206,8 @@ struct Shadow {
 };
 // Threadgroup arena: every `threadgroup` array the lowering turned into a slot lives here,
 // at a fixed offset for the library's lifetime, with a red zone of TG_RED bytes after each
-// and a guard page at the end. g_owner maps each byte to its array (0: red zone).
+// and a guard page at the end. g_owner maps each byte to its array (0: red zone). The memory
+// itself is the pool's, shared with other libraries: it is refilled before each threadgroup.
 enum : size_t { TG_CAP = 64 * 1024, TG_RED = 64, TG_LIMIT = 32 * 1024 };
 struct TgVar {
   int id;
@@ -276,9 +300,13 @@ static void __attribute__((noinline)) tg_access(const char* p, size_t n, int sto
   }
 }
 
+// The arena is tested first: it may lie anywhere, between two buffer mappings included (the
+// hull below is not a set of buffers), and an arena access must always reach the race and
+// red-zone checks.
 static inline void access(const void* p, size_t n, int store) {
-  if ((uintptr_t)p - g_lo < g_span && g_desc) access_slow((const char*)p, n, store);
-  else if ((uintptr_t)p - (uintptr_t)g_arena < TG_CAP && g_desc) tg_access((const char*)p, n, store);
+  if (!g_desc) return;
+  if ((uintptr_t)p - (uintptr_t)g_arena < TG_CAP) tg_access((const char*)p, n, store);
+  else if ((uintptr_t)p - g_lo < g_span) access_slow((const char*)p, n, store);
 }
 
 // Called by each thread when it reaches a `threadgroup` declaration (lower.py rewrites it to
@@ -352,21 +380,31 @@ HIDDEN void mlxemu_fiber_main(Fiber* f) {
   __builtin_unreachable();
 }
 
+// Makes the pool hold at least n stacks of `stack` bytes (plus guard page) and points the first
+// n fibers at them. Grows by replacing the whole mapping; never shrinks.
 static int ensure_fibers(size_t n, size_t stack) {
-  if (g_fibers && g_fiber_cap >= n && g_fibers[0].stack_len == stack + page()) return 0;
-  if (g_fibers) {
-    for (size_t i = 0; i < g_fiber_cap; ++i) munmap(g_fibers[i].stack_lo, g_fibers[i].stack_len);
-    munmap(g_fibers, g_fiber_cap * sizeof(Fiber));
-  }
-  g_fibers = (Fiber*)mmap(nullptr, n * sizeof(Fiber), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  g_fiber_cap = n;
-  for (size_t i = 0; i < n; ++i) {
-    size_t len = stack + page();
-    char* m = (char*)mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  Pool* P = g_pool;
+  size_t pg = page();
+  size_t len = (stack + pg - 1) / pg * pg + pg;
+  if (!P->stacks || P->n_stacks < n || P->stack_len != len) {
+    if (P->stacks) munmap(P->stacks, P->n_stacks * P->stack_len);
+    P->stacks = nullptr;
+    P->n_stacks = 0;
+    char* m = (char*)mmap(nullptr, n * len, PROT_READ | PROT_WRITE,
+                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (m == MAP_FAILED) return -1;
-    mprotect(m, page(), PROT_NONE);  // overflow lands here: reported as a stack overflow
-    g_fibers[i].stack_lo = m;
-    g_fibers[i].stack_len = len;
+    for (size_t i = 0; i < n; ++i)
+      if (mprotect(m + i * len, pg, PROT_NONE) != 0) {  // overflow lands here: a stack overflow
+        munmap(m, n * len);
+        return -1;
+      }
+    P->stacks = m;
+    P->n_stacks = n;
+    P->stack_len = len;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    g_fibers[i].stack_lo = P->stacks + i * P->stack_len;
+    g_fibers[i].stack_len = P->stack_len;
   }
   return 0;
 }
@@ -654,11 +692,11 @@ static void on_fault(int sig, siginfo_t* si, void*) {
     set_error("out-of-bounds access past all threadgroup memory");
     siglongjmp(g_jmp, 1);
   }
-  for (size_t i = 0; g_fibers && i < g_fiber_cap; ++i) {
-    if (p >= g_fibers[i].stack_lo && p < g_fibers[i].stack_lo + page()) {
-      set_error("stack overflow in a GPU thread (raise MLXPAGED_EMU_STACK)");
-      siglongjmp(g_jmp, 1);
-    }
+  if (g_pool && g_pool->stacks && p >= g_pool->stacks &&
+      p < g_pool->stacks + g_pool->n_stacks * g_pool->stack_len &&
+      (size_t)(p - g_pool->stacks) % g_pool->stack_len < page()) {
+    set_error("stack overflow in a GPU thread (raise MLXPAGED_EMU_STACK)");
+    siglongjmp(g_jmp, 1);
   }
   set_error("%s at address %p in kernel code", sig == SIGBUS ? "bus error" : "segmentation fault", (void*)p);
   siglongjmp(g_jmp, 1);
@@ -724,12 +762,33 @@ EXPORT int mlxemu_launch(LaunchDesc* d, char* err, int errlen) {
   for (int k = 0; k < 3; ++k) ntg[k] = (d->grid[k] + d->tg[k] - 1) / d->tg[k];
   int req = d->tg[0] * d->tg[1] * d->tg[2];
   if (req > 1024) { snprintf(err, errlen, "threadgroup of %d threads exceeds 1024", req); g_desc = nullptr; return -1; }
-  if (ensure_fibers(req, (size_t)d->stack_size) != 0) { snprintf(err, errlen, "cannot allocate fiber stacks"); g_desc = nullptr; return -1; }
-  if (!g_arena) {
-    g_arena = (char*)mmap(nullptr, TG_CAP + page(), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    mprotect(g_arena + TG_CAP, page(), PROT_NONE);
-    g_shadow = (Shadow*)mmap(nullptr, TG_CAP * sizeof(Shadow), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  g_pool = d->pool ? (Pool*)d->pool : &g_own_pool;
+  if (g_pool->magic != POOL_MAGIC) {
+    if (g_pool->magic != 0) {  // cannot happen (see Pool); never free what we cannot read
+      snprintf(err, errlen, "the shared launch pool belongs to another runtime version");
+      g_desc = nullptr;
+      return -1;
+    }
+    memset(g_pool, 0, sizeof *g_pool);
+    g_pool->magic = POOL_MAGIC;
   }
+  if (ensure_fibers(req, (size_t)d->stack_size) != 0) { snprintf(err, errlen, "cannot allocate fiber stacks"); g_desc = nullptr; return -1; }
+  if (!g_pool->arena) {
+    char* a = (char*)mmap(nullptr, TG_CAP + page(), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    void* sh = mmap(nullptr, TG_CAP * sizeof(Shadow), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (a == MAP_FAILED || sh == MAP_FAILED) {
+      if (a != MAP_FAILED) munmap(a, TG_CAP + page());
+      if (sh != MAP_FAILED) munmap(sh, TG_CAP * sizeof(Shadow));
+      snprintf(err, errlen, "cannot allocate threadgroup memory");
+      g_desc = nullptr;
+      return -1;
+    }
+    mprotect(a + TG_CAP, page(), PROT_NONE);
+    g_pool->arena = a;
+    g_pool->shadow = sh;
+  }
+  g_arena = g_pool->arena;
+  g_shadow = (Shadow*)g_pool->shadow;
   int perm[1024];
   long total = (long)ntg[0] * ntg[1] * ntg[2];
   // Threadgroup order follows the lane order too (forward, reverse, shuffled).
