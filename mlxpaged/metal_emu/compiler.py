@@ -31,6 +31,7 @@ KERNEL_FLAGS = [
     "-fno-exceptions", "-fno-threadsafe-statics", "-fno-strict-aliasing",
     # Vectorizers could merge loads into widths the tracing does not report (> 16 bytes).
     "-fno-vectorize", "-fno-slp-vectorize",
+    "-fstack-clash-protection",  # large frames probe each page, so they hit the guard page
     "-fsanitize-coverage=inline-8bit-counters,trace-loads,trace-stores",
     "-Wno-unknown-attributes", "-Wno-ignored-attributes", "-Wno-gcc-compat",
     "-Wno-c++20-extensions", "-Wno-c++2b-extensions", "-Wno-unused-value",

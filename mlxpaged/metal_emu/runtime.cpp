@@ -24,6 +24,7 @@
 #include <stdio.h>
 #include <stdarg.h>
 #include <signal.h>
+#include <ucontext.h>
 #include <setjmp.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
@@ -673,7 +674,7 @@ static timer_t g_timer;
 // running the launch, and never collides with Python's SIGALRM.
 static int watchdog_signal() { return SIGRTMIN + 4; }
 
-static void on_fault(int sig, siginfo_t* si, void*) {
+static void on_fault(int sig, siginfo_t* si, void* uctx) {
   if (sig == watchdog_signal()) {
     set_error("the launch did not finish within %lld s (an endless loop? raise MLXPAGED_EMU_TIMEOUT)",
               (long long)g_desc->timeout_s);
@@ -692,9 +693,14 @@ static void on_fault(int sig, siginfo_t* si, void*) {
     set_error("out-of-bounds access past all threadgroup memory");
     siglongjmp(g_jmp, 1);
   }
-  if (g_pool && g_pool->stacks && p >= g_pool->stacks &&
+  // A frame larger than the guard page jumps over it, so also look at where the faulting
+  // thread's stack pointer went: below its own stack means it overflowed.
+  uintptr_t sp = (uintptr_t)((ucontext_t*)uctx)->uc_mcontext.gregs[REG_RSP];
+  bool sp_below = g_cur && sp < (uintptr_t)g_cur->stack_lo + page() &&
+                  sp + (64u << 20) > (uintptr_t)g_cur->stack_lo;
+  if (sp_below || (g_pool && g_pool->stacks && p >= g_pool->stacks &&
       p < g_pool->stacks + g_pool->n_stacks * g_pool->stack_len &&
-      (size_t)(p - g_pool->stacks) % g_pool->stack_len < page()) {
+      (size_t)(p - g_pool->stacks) % g_pool->stack_len < page())) {
     set_error("stack overflow in a GPU thread (raise MLXPAGED_EMU_STACK)");
     siglongjmp(g_jmp, 1);
   }
