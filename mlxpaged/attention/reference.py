@@ -1,7 +1,7 @@
 """Paged decode attention in pure MLX ops: the reference every kernel is checked against.
 
 Each sequence's blocks are gathered through its block table into a contiguous
-`[num_kv_heads, max_blocks * block_size, head_dim]` view, positions at or past
+`[num_kv_heads, max_blocks * block_size, head_dim]` array, positions at or past
 `context_lens[i]` are masked, and grouped-query attention runs in float32.
 """
 
@@ -24,10 +24,12 @@ def paged_attention_reference(
     group = num_heads // num_kv_heads
     ctx = max_blocks * block_size
 
+    # Row (block, head) of the pool seen as [num_blocks * kvh, bs, d]: gathering [S, kvh, max_blocks]
+    # rows yields [S, kvh, max_blocks * bs, d] with no transpose (half the copying).
+    rows = block_tables[:, None, :] * num_kv_heads + mx.arange(num_kv_heads)[None, :, None]
+
     def gather(cache):
-        # [S, max_blocks, kvh, bs, d] -> [S, kvh, max_blocks * bs, d]
-        g = cache[block_tables]
-        return g.transpose(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, ctx, head_dim)
+        return cache.reshape(-1, block_size, head_dim)[rows].reshape(num_seqs, num_kv_heads, ctx, head_dim)
 
     k = gather(k_cache).astype(mx.float32)
     v = gather(v_cache).astype(mx.float32)
