@@ -69,9 +69,9 @@ class PagedKVCache:
         blocks = (slot_mapping // self.block_size)[:, None]
         offsets = (slot_mapping % self.block_size)[:, None]
         kp, vp = self.keys[layer], self.values[layer]
+        # Item assignment rebinds these very arrays to the scatter's result.
         kp[blocks, self._heads, offsets] = k.astype(kp.dtype)
         vp[blocks, self._heads, offsets] = v.astype(vp.dtype)
-        self.keys[layer], self.values[layer] = kp, vp
         return kp, vp
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

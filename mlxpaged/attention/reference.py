@@ -10,6 +10,18 @@ from __future__ import annotations
 import mlx.core as mx
 
 
+def gather_blocks(pool: mx.array, block_tables: mx.array) -> mx.array:
+    """The blocks of each sequence laid out contiguously.
+
+    pool `[num_blocks, kvh, bs, d]`, block_tables `[S, nb]` -> `[S, kvh, nb * bs, d]`. Seeing the
+    pool as rows of (block, head) `[num_blocks * kvh, bs, d]` makes the gather land in this
+    layout directly, with no transpose copy.
+    """
+    _, kvh, bs, d = pool.shape
+    rows = block_tables[:, None, :] * kvh + mx.arange(kvh)[None, :, None]  # [S, kvh, nb]
+    return pool.reshape(-1, bs, d)[rows].reshape(block_tables.shape[0], kvh, -1, d)
+
+
 def paged_attention_reference(
     q: mx.array,  # [num_seqs, num_heads, head_dim]
     k_cache: mx.array,  # [num_blocks, num_kv_heads, block_size, head_dim]
@@ -24,15 +36,8 @@ def paged_attention_reference(
     group = num_heads // num_kv_heads
     ctx = max_blocks * block_size
 
-    # Row (block, head) of the pool seen as [num_blocks * kvh, bs, d]: gathering [S, kvh, max_blocks]
-    # rows yields [S, kvh, max_blocks * bs, d] with no transpose (half the copying).
-    rows = block_tables[:, None, :] * num_kv_heads + mx.arange(num_kv_heads)[None, :, None]
-
-    def gather(cache):
-        return cache.reshape(-1, block_size, head_dim)[rows].reshape(num_seqs, num_kv_heads, ctx, head_dim)
-
-    k = gather(k_cache).astype(mx.float32)
-    v = gather(v_cache).astype(mx.float32)
+    k = gather_blocks(k_cache, block_tables).astype(mx.float32)
+    v = gather_blocks(v_cache, block_tables).astype(mx.float32)
     qf = q.astype(mx.float32).reshape(num_seqs, num_kv_heads, group, head_dim) * scale
     scores = qf @ k.transpose(0, 1, 3, 2)  # [S, kvh, group, ctx]
     valid = mx.arange(ctx)[None, :] < context_lens[:, None]  # [S, ctx]

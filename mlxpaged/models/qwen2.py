@@ -17,6 +17,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from ..attention import paged_attention
 from ..attention.metadata import AttentionMetadata
+from ..attention.reference import gather_blocks
 from ..kv_cache import PagedKVCache
 
 
@@ -95,9 +96,7 @@ class Attention(nn.Module):
 def _gather(pool: mx.array, block_table: mx.array, ctx: int) -> mx.array:
     """One sequence's first `ctx` cached rows as `[1, kvh, ctx, hd]`."""
     nb = -(-ctx // pool.shape[2])
-    g = pool[block_table[:nb]]  # [nb, kvh, bs, hd]
-    g = g.transpose(1, 0, 2, 3).reshape(pool.shape[1], -1, pool.shape[3])
-    return g[None, :, :ctx]
+    return gather_blocks(pool, block_table[None, :nb])[:, :, :ctx]
 
 
 class MLP(nn.Module):
