@@ -94,7 +94,8 @@ class Scheduler:
                 break
             if req in self.running:
                 budget = self._schedule_prefill(req, budget, out)
-        while self.waiting and budget > 0 and self._can_admit(self.waiting[0]):
+        while (self.waiting and budget > 0 and self._can_admit(self.waiting[0])
+               and not self._prefix_in_flight(self.waiting[0])):
             req = self.waiting.popleft()
             self.running.append(req)
             carrier = req.live_seqs()[0]
@@ -104,6 +105,22 @@ class Scheduler:
                 self.prefix_cache_hit_tokens += hits
             budget = self._schedule_prefill(req, budget, out)
         return out
+
+    def _prefix_in_flight(self, req: Request) -> bool:
+        """Whether `req`'s first block is being prefilled by a running request right now.
+
+        Such a request waits a step: once that block is computed and cached it is reused,
+        instead of being computed twice (requests that share a system prompt and arrive together).
+        """
+        bs = self.bm.block_size
+        if not self.bm.enable_prefix_caching or req.num_prompt_tokens <= bs:
+            return False
+        head = req.prompt_token_ids[:bs]
+        for r in self.running:
+            carrier = r.live_seqs()[0]
+            if not r.forked and carrier.num_computed_tokens < bs and r.prompt_token_ids[:bs] == head:
+                return True
+        return False
 
     def _can_admit(self, req: Request) -> bool:
         if self.num_running_seqs() + len(req.live_seqs()) > self.config.max_num_seqs and self.running:

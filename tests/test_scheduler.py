@@ -166,3 +166,20 @@ def test_hash_collision_recomputes_in_the_engine(tiny_loaded, mlx_lm_tiny):
         outs.update(run_all(engine))
     assert outs["B"].num_cached_tokens == 0
     assert outs["B"].outputs[0].token_ids == contiguous_generate(ref_model, b, 10)
+
+
+def test_requests_arriving_together_share_a_prefix(tiny_loaded):
+    """Two requests with one 40-token system prompt, submitted at once: the second reuses the
+    first's blocks (it waits one step for them) and decodes exactly as without caching."""
+    system = [(13 * i) % 250 + 1 for i in range(40)]
+    prompts = [system + [7, 8, 9], system + [10, 11]]
+    g = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    results = []
+    for caching in (True, False):
+        engine = LLMEngine(tiny_loaded, EngineConfig(block_size=16, num_blocks=64, enable_prefix_caching=caching))
+        for i, p in enumerate(prompts):
+            engine.add_request(p, g, request_id=str(i))
+        done = run_all(engine)
+        results.append((tokens(done), [done[str(i)].num_cached_tokens for i in range(2)]))
+    (on, hits_on), (off, hits_off) = results
+    assert on == off and hits_on == [0, 32] and hits_off == [0, 0]
