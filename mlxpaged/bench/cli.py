@@ -189,9 +189,12 @@ def kernel(out_dir, plot, seqs, tokens, max_block):
     seqs = seqs or (16 if gpu else 4)
     tokens = tokens or (4096 if gpu else 1024)
     sizes = [b for b in BLOCK_SIZES if b <= max_block]
+    from tqdm import tqdm
+
     if not gpu:
         click.echo("No Apple GPU: the emulator counts bytes read; timings need an Apple GPU.", err=True)
-    rows = (gpu_rows if gpu else emulator_rows)(seqs, tokens, sizes)
+    measure = gpu_rows if gpu else emulator_rows
+    rows = [r for bs in tqdm(sizes, desc="block sizes", file=sys.stderr) for r in measure(seqs, tokens, [bs])]
     key = "paged_over_sdpa" if gpu else "ratio"
     for r in rows:
         click.echo(f"block {r['block_size']:>3} {'scattered' if r['scattered'] else 'in order ':>9}: "
