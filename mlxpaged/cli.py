@@ -10,8 +10,9 @@ import time
 import click
 
 from .errors import MlxPagedError
+from .sampling_params import SamplingParams
 
-SAMPLING_FIELDS = {f.name for f in dataclasses.fields(__import__("mlxpaged.sampling_params", fromlist=["x"]).SamplingParams)}
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 def _fail(msg: str) -> None:
@@ -87,7 +88,6 @@ def generate(model, prompts, prompts_file, n, max_tokens, temp, top_p, top_k, se
              max_num_seqs, max_num_batched_tokens, prefix_caching, dtype, attention_impl, chat, ignore_eos, as_json):
     """Generate completions for one or more prompts on a paged KV cache."""
     from .config import EngineConfig
-    from .sampling_params import SamplingParams
 
     try:
         items = [(sys.stdin.read() if p == "-" else p, {}) for p in prompts]

@@ -89,7 +89,7 @@ def test_seeded_sample_does_not_depend_on_batch(tiny_loaded):
     assert done["group"].outputs[2].token_ids == done["alone"].outputs[0].token_ids
 
 
-def test_kv_write_in_place(tiny_loaded):
+def test_kv_write_in_place():
     """A step's write costs no copy of the pool and no memory growth, whatever the pool size."""
     shape = CacheShape(1, 2, 64, mx.float32)
     growth = []
