@@ -1,4 +1,6 @@
-"""Block tables over a `BlockPool`: reserve with copy-on-write, fork, free, and prefix caching.
+"""Block tables over a `BlockPool`: slot allocation with copy-on-write, fork, free, and prefix caching.
+
+Only the scheduler calls this module: it is the one owner of every sequence's block table.
 
 A full block is named by `hash_fn(parent_hash, token_ids, extra_key)`: the chain of hashes
 makes the name depend on every token before the block, and `extra_key` (the model's identity)
@@ -14,6 +16,7 @@ import numpy as np
 
 from .block_pool import Block, BlockPool
 from .sequence import Sequence
+from .utils import cdiv
 
 HashFn = Callable[[bytes | None, tuple[int, ...], bytes], bytes]
 
@@ -27,12 +30,19 @@ def sha256_block_hash(parent: bytes | None, token_ids: tuple[int, ...], extra_ke
     return h.digest()
 
 
+def blocks_for_request(num_prompt_tokens: int, n: int, max_tokens: int, block_size: int) -> int:
+    """Blocks one request holds at most: its n samples at full length, sharing the prompt's full blocks."""
+    shared = num_prompt_tokens // block_size if n > 1 else 0
+    per_sample = cdiv(num_prompt_tokens + max_tokens - 1, block_size) - shared
+    return shared + n * per_sample
+
+
 class BlockManager:
     """Keeps each sequence's block table in step with its stored tokens.
 
     All methods that can run out of blocks are atomic: they return `None` (or `False`) and change
     nothing when the pool cannot satisfy them. Writing into a block with `ref_cnt > 1` never
-    happens: `reserve` copies such a block first and reports the copy for the KV pools to apply.
+    happens: `allocate_slots` copies such a block first and reports the copy for the KV pools to apply.
     """
 
     def __init__(
@@ -55,10 +65,10 @@ class BlockManager:
 
     # -- sizing ---------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Fresh blocks `reserve(seq, num_new_tokens)` would take (copy-on-write included)."""
+        """Fresh blocks `allocate_slots(seq, num_new_tokens)` would take (copy-on-write included)."""
         bs = self.block_size
         end = seq.num_computed_tokens + num_new_tokens
         need = max(0, self.blocks_for(end) - len(seq.block_table))
@@ -67,7 +77,7 @@ class BlockManager:
         return need
 
     # -- the allocator ----------------------------------------------------------------------
-    def reserve(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:
         """Make room to store `num_new_tokens` more tokens of `seq`.
 
         Returns the (src, dst) block copies to apply before writing (copy-on-write of a shared,
@@ -136,7 +146,7 @@ class BlockManager:
         seq.num_computed_tokens = len(seq.block_table) * bs
         return seq.num_computed_tokens
 
-    def commit(self, seq: Sequence) -> None:
+    def cache_full_blocks(self, seq: Sequence) -> None:
         """Name (and cache) the blocks that became full since the last call."""
         if not self.enable_prefix_caching:
             return

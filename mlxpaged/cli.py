@@ -75,7 +75,7 @@ def main():
 @click.option("--seed", default=0, show_default=True, help="Sample i of a prompt uses seed + i.")
 @click.option("--stop", multiple=True, help="A stop string; repeatable.")
 @click.option("--block-size", default=16, show_default=True, help="Tokens per KV block (power of two, 1..256).")
-@click.option("--num-blocks", default=None, type=int, help="KV blocks in the pool (default: sized from free memory).")
+@click.option("--num-blocks", default=None, type=int, help="KV blocks in the pool (default: what the prompts, -n and --max-tokens can use, capped by free memory).")
 @click.option("--max-num-seqs", default=64, show_default=True, help="Sequences running at once.")
 @click.option("--max-num-batched-tokens", default=2048, show_default=True, help="Tokens computed per step (prefill chunk size).")
 @click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True)
@@ -107,8 +107,10 @@ def generate(model, prompts, prompts_file, n, max_tokens, temp, top_p, top_k, se
         from .loader import load
 
         loaded = load(model, dtype)
-        engine = LLMEngine(loaded, config)
         ids = [_encode(loaded.tokenizer, p, chat) for p, _ in items]
+        if num_blocks is None:
+            config.num_blocks = _workload_blocks(loaded, config, ids, params)
+        engine = LLMEngine(loaded, config)
         rids = [engine.add_request(i, sp) for i, sp in zip(ids, params)]
     except (MlxPagedError, ValueError) as e:
         _fail(str(e))
@@ -127,6 +129,20 @@ def generate(model, prompts, prompts_file, n, max_tokens, temp, top_p, top_k, se
         _summary(stats)
     if len(done) < len(rids):
         sys.exit(130)
+
+
+def _workload_blocks(loaded, config, ids: list[list[int]], params: list[SamplingParams]) -> int:
+    """A pool just big enough for every request at full length at once, capped by memory.
+
+    `generate` knows its whole workload, so it need not take a server's share of memory.
+    """
+    from .block_manager import blocks_for_request
+    from .kv_cache import CacheShape, blocks_for_memory
+
+    bs = config.block_size
+    need = sum(blocks_for_request(len(i), p.n, p.max_tokens, bs) for i, p in zip(ids, params))
+    cap = blocks_for_memory(CacheShape.of(loaded), bs, config.kv_memory_fraction, config.max_kv_tokens)
+    return max(1, min(need, cap))
 
 
 def _run(engine, rids, *, stream: bool, progress: bool, as_json: bool) -> dict:
@@ -170,7 +186,8 @@ def _summary(s: dict) -> None:
     click.echo("==========")
     click.echo(f"Prompt: {s['prompt_tokens']} tokens, {s['prompt_tps']:.1f} tokens-per-sec")
     click.echo(f"Generation: {s['generation_tokens']} tokens, {s['generation_tps']:.1f} tokens-per-sec")
-    click.echo(f"Peak memory: {s['peak_memory_gb']:.3f} GB")
+    click.echo(f"Peak memory: {s['peak_memory_gb']:.3f} GB (KV pool: {s['num_blocks']} blocks of "
+               f"{s['block_size']} tokens, {s['pool_gb']:.3f} GB)")
     click.echo(
         f"KV blocks: {s['blocks_in_use_peak']} in use at peak (without sharing: {s['blocks_without_sharing']}), "
         f"{s['cow_copies']} copy-on-write copies, block size {s['block_size']}, pool {s['num_blocks']}"
@@ -185,7 +202,14 @@ def _add_bench() -> None:
     main.add_command(bench)
 
 
+def _add_serve() -> None:
+    from .server.cli import serve  # imports click only; FastAPI etc. load when `serve` runs
+
+    main.add_command(serve)
+
+
 _add_bench()
+_add_serve()
 
 if __name__ == "__main__":
     main()

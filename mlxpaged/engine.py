@@ -1,7 +1,8 @@
 """`LLMEngine`: requests in, one scheduled step at a time, outputs out.
 
-Wiring, all explicit: `Scheduler` (who runs) -> `BlockManager` (which blocks) ->
-`ModelRunner` (the forward pass over `PagedKVCache`) -> `sampler` (which token).
+Wiring, all explicit: `Scheduler` (who runs, and the one owner of the block tables, through
+`BlockManager`) -> `ModelRunner` (the forward pass over `PagedKVCache`) -> `sampler` (which
+token) -> stop checks and detokenizing here. The engine never touches a block table itself.
 """
 
 from __future__ import annotations
@@ -12,16 +13,16 @@ import time
 
 import mlx.core as mx
 
-from .block_manager import BlockManager, HashFn, sha256_block_hash
+from .block_manager import BlockManager, HashFn, blocks_for_request, sha256_block_hash
 from .config import EngineConfig
-from .errors import MlxPagedError
+from .errors import MlxPagedError, StepError
 from .kv_cache import CacheShape, PagedKVCache, blocks_for_memory
 from .loader import LoadedModel
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, EngineStats, RequestOutput
 from .sampler import sample_batch, seed_key
 from .sampling_params import SamplingParams
-from .scheduler import PrefillChunk, Scheduler, prefill_target
+from .scheduler import SampleRow, Scheduler, SchedulerOutput
 from .sequence import FinishReason, Request, Sequence
 
 
@@ -36,8 +37,7 @@ class LLMEngine:
         self.loaded = loaded
         self.config = config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
-        args = loaded.model.args
-        self.cache_shape = CacheShape(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, loaded.dtype)
+        self.cache_shape = CacheShape.of(loaded)
         num_blocks = config.num_blocks or blocks_for_memory(
             self.cache_shape, config.block_size, config.kv_memory_fraction, config.max_kv_tokens
         )
@@ -97,9 +97,7 @@ class LLMEngine:
     def _check_fits(self, num_prompt: int, params: SamplingParams) -> None:
         """Reject a request that could not finish even with the whole pool to itself."""
         bm = self.block_manager
-        shared = num_prompt // bm.block_size if params.n > 1 else 0
-        per_sample = bm.blocks_for(num_prompt + params.max_tokens - 1) - shared
-        need = shared + params.n * per_sample
+        need = blocks_for_request(num_prompt, params.n, params.max_tokens, bm.block_size)
         if need > self.num_blocks:
             what = "prompt" if bm.blocks_for(num_prompt) > self.num_blocks else "request"
             raise MlxPagedError(
@@ -111,93 +109,103 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks now; False if it is unknown or done."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.abort(req)
+        return True
+
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns the outputs of the requests that progressed.
+
+        Raises `StepError` if the forward pass or sampling fails: the requests of that step are
+        aborted (their blocks freed) and the engine goes on with the others at the next call.
+        """
         out = self.scheduler.schedule()
         if out.empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress")  # guarded by _check_fits
             return []
-        self.kv_cache.copy_blocks(out.block_copies)
-        progressed: dict[str, Request] = {}
-
-        t0 = time.perf_counter()
-        for chunk in out.prefills:
-            logits = self.runner.prefill(chunk.seq, chunk.num_tokens)
-            chunk.seq.num_computed_tokens += chunk.num_tokens
-            self.block_manager.commit(chunk.seq)
-            self.stats.computed_prefill_tokens += chunk.num_tokens
-            self._after_prefill(chunk, logits)
-            progressed[chunk.request.request_id] = chunk.request
-        t1 = time.perf_counter()
-        if out.decodes:
-            seqs = [s for _, s in out.decodes]
-            logits = self.runner.decode(seqs)
-            for s in seqs:
-                s.num_computed_tokens += 1
-                self.block_manager.commit(s)
-            self._sample_into([(r, s) for r, s in out.decodes], logits)
-            self.stats.decode_tokens += len(seqs)
-            for r, _ in out.decodes:
-                progressed[r.request_id] = r
-        t2 = time.perf_counter()
-        self.stats.prefill_time += t1 - t0
-        self.stats.decode_time += t2 - t1
+        try:
+            logits = self._forward(out)
+            rows = self.scheduler.update_from_forward(out)
+            self._sample(rows, logits)
+        except Exception as e:
+            failed = list(dict.fromkeys([c.request.request_id for c in out.prefills] + [r.request_id for r, _ in out.decodes]))
+            for rid in failed:
+                self.abort_request(rid)
+            raise StepError(failed, e) from e
         self.stats.steps += 1
         self._track_peaks()
-        return [self._finish_or_report(r) for r in progressed.values() if r.request_id in self._requests]
+        progressed = dict.fromkeys([c.request for c in out.prefills] + [r for r, _ in out.decodes])
+        return [self._finish_or_report(r) for r in progressed if r.request_id in self._requests]
 
-    def _after_prefill(self, chunk: PrefillChunk, logits: mx.array) -> None:
-        req, seq = chunk.request, chunk.seq
-        if req.forked:
-            if chunk.sample:
-                self._sample_into([(req, seq)], logits[None])
+    def _forward(self, out: SchedulerOutput) -> mx.array:
+        """Logits `[num_prefills + num_decodes, V]`: each prefill chunk's last token, then the decodes."""
+        self.kv_cache.copy_blocks(out.block_copies)
+        t0 = time.perf_counter()
+        rows = [self.runner.prefill(c.seq, c.num_tokens)[None] for c in out.prefills]
+        self.stats.computed_prefill_tokens += sum(c.num_tokens for c in out.prefills)
+        t1 = time.perf_counter()
+        if out.decodes:
+            rows.append(self.runner.decode([s for _, s in out.decodes]))
+            self.stats.decode_tokens += len(out.decodes)
+        self.stats.prefill_time += t1 - t0
+        self.stats.decode_time += time.perf_counter() - t1
+        return rows[0] if len(rows) == 1 else mx.concatenate(rows)
+
+    def _sample(self, rows: list[SampleRow], logits: mx.array) -> None:
+        pairs = [(r.request, s) for r in rows for s in r.seqs]
+        if not pairs:
             return
-        if seq.num_computed_tokens < prefill_target(req):
-            return  # more chunks to go
-        # The carrier holds the shared prompt: the other live samples fork from it.
-        for other in req.live_seqs():
-            if other is not seq:
-                self.block_manager.fork(seq, other)
-        req.forked = True
-        if chunk.sample:
-            live = req.live_seqs()
-            self._sample_into([(req, s) for s in live], mx.broadcast_to(logits, (len(live), logits.shape[-1])))
-
-    def _sample_into(self, pairs: list[tuple[Request, Sequence]], logits: mx.array) -> None:
-        toks, keys = sample_batch(logits, [r.params for r, _ in pairs], [s.rng_key for _, s in pairs])
-        for (req, seq), tok, key in zip(pairs, toks, keys):
+        index = [r.row for r in rows for _ in r.seqs]
+        if index != list(range(logits.shape[0])):
+            logits = logits[mx.array(index)]
+        res = sample_batch(logits, [r.params for r, _ in pairs], [s.rng_key for _, s in pairs])
+        toks, keys, logprobs = res if len(res) == 3 else (*res, [None] * len(pairs))  # TEMP until sampler lands
+        for (req, seq), tok, key, lp in zip(pairs, toks, keys, logprobs):
             seq.rng_key = key
-            seq.token_ids.append(tok)
-            self.stats.generation_tokens += 1
-            self._check_stop(req, seq, tok)
+            self._append_token(req, seq, tok, lp)
             if seq.finished:
-                self.block_manager.free(seq)
+                self.scheduler.finish_sequence(req, seq)
 
-    def _check_stop(self, req: Request, seq: Sequence, tok: int) -> None:
+    def _append_token(self, req: Request, seq: Sequence, tok: int, logprob) -> None:
+        """Add a sampled token and decide whether it ends the sample.
+
+        A token that ends the sample by id (EOS, `stop_token_ids`) stays in `token_ids` but never
+        reaches the text, as in vLLM and mlx-lm.
+        """
         p = req.params
-        seq.detokenizer.add_token(tok)
+        seq.token_ids.append(tok)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        self.stats.generation_tokens += 1
         if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
             seq.finish_reason = FinishReason.STOP
-        elif p.stop:
+            return
+        seq.detokenizer.add_token(tok)
+        if p.stop:
             text = seq.detokenizer.text
             hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
             if hits:
                 seq.finish_reason = FinishReason.STOP
                 seq.stop_text_len = min(hits)
-        if seq.finish_reason is None and seq.num_output_tokens >= p.max_tokens:
+                return
+        if seq.num_output_tokens >= p.max_tokens:
             seq.finish_reason = FinishReason.LENGTH
 
     def _track_peaks(self) -> None:
         st = self.stats
-        running = [s for r in self.scheduler.running for s in r.live_seqs()]
+        running = [s for r in self.scheduler.running.values() for s in r.live_seqs()]
         st.blocks_in_use_peak = max(st.blocks_in_use_peak, self.block_manager.pool.num_used)
         st.blocks_without_sharing_peak = max(st.blocks_without_sharing_peak, sum(len(s.block_table) for s in running))
         st.running_seqs_peak = max(st.running_seqs_peak, len(running))
 
     def _finish_or_report(self, req: Request) -> RequestOutput:
         if req.finished:
-            self.scheduler.finish(req)
             del self._requests[req.request_id]
         return self.make_output(req)
 
@@ -210,15 +218,29 @@ class LLMEngine:
             if s.stop_text_len is not None:
                 text = text[: s.stop_text_len]
             outs.append(CompletionOutput(s.sample_index, text, list(s.output_token_ids),
-                                         s.finish_reason.value if s.finish_reason else None))
+                                         s.finish_reason.value if s.finish_reason else None,
+                                         **({"logprobs": list(s.logprobs)} if getattr(req.params, "logprobs", None) is not None else {})))  # TEMP
         return RequestOutput(req.request_id, req.prompt_text, req.prompt_token_ids, outs, req.finished, req.num_cached_tokens)
 
     # -- introspection ---------------------------------------------------------------------------
     def live_sequences(self) -> list[Sequence]:
-        return [s for r in self.scheduler.running for s in r.seqs if s.block_table]
+        return [s for r in self.scheduler.running.values() for s in r.seqs if s.block_table]
 
     def check_invariants(self) -> None:
         self.block_manager.check(self.live_sequences())
+
+    def metrics(self) -> dict:
+        """Gauges and counters for a server's /metrics (blocks "used" have ref_cnt > 0)."""
+        pool = self.block_manager.pool
+        return {
+            "requests_running": len(self.scheduler.running),
+            "requests_waiting": len(self.scheduler.waiting),
+            "kv_blocks_used": pool.num_used,
+            "kv_blocks_total": pool.num_blocks,
+            "prefix_cache_hit_tokens": self.scheduler.prefix_cache_hit_tokens,
+            "preemptions": self.scheduler.num_preemptions,
+            "generation_tokens": self.stats.generation_tokens,
+        }
 
     def stats_dict(self) -> dict:
         st, pool = self.stats, self.block_manager.pool
@@ -230,6 +252,7 @@ class LLMEngine:
             "peak_memory_gb": mx.get_peak_memory() / 1e9,
             "block_size": self.config.block_size,
             "num_blocks": pool.num_blocks,
+            "pool_gb": self.kv_cache.nbytes / 1e9,
             "blocks_in_use_peak": st.blocks_in_use_peak,
             "blocks_without_sharing": st.blocks_without_sharing_peak,
             "cow_copies": self.block_manager.num_cow_copies,

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 
 @dataclass
@@ -20,9 +21,23 @@ class CacheShape:
     head_dim: int
     dtype: mx.Dtype
 
+    @classmethod
+    def of(cls, loaded) -> "CacheShape":
+        """The cache shape of a `LoadedModel`'s layers, in its dtype."""
+        args = loaded.model.args
+        return cls(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, loaded.dtype)
+
     def bytes_per_block(self, block_size: int) -> int:
         """K and V bytes of one block across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * block_size * self.head_dim * self.dtype.size
+
+
+def slot_mapping(block_ids: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Pool slots of token `positions` of a sequence whose block table is `block_ids`.
+
+    Slot `block_id * block_size + offset` is the row that `PagedKVCache.write` fills.
+    """
+    return (block_ids[positions // block_size] * block_size + positions % block_size).astype(np.int32)
 
 
 def available_memory() -> int:

@@ -7,7 +7,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .attention.metadata import AttentionMetadata
-from .kv_cache import PagedKVCache
+from .kv_cache import PagedKVCache, slot_mapping
 from .sequence import Sequence
 
 
@@ -20,11 +20,6 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.attention_impl = attention_impl
 
-    def _slots(self, seq: Sequence, start: int, stop: int) -> np.ndarray:
-        pos = np.arange(start, stop)
-        ids = np.asarray(seq.block_ids, dtype=np.int64)
-        return (ids[pos // self.block_size] * self.block_size + pos % self.block_size).astype(np.int32)
-
     def prefill(self, seq: Sequence, num_tokens: int) -> mx.array:
         """Compute the KV of the next `num_tokens` tokens of `seq`; returns the last one's logits `[V]`.
 
@@ -34,7 +29,7 @@ class ModelRunner:
         stop = start + num_tokens
         meta = AttentionMetadata(
             is_prefill=True,
-            slot_mapping=mx.array(self._slots(seq, start, stop)),
+            slot_mapping=mx.array(slot_mapping(np.asarray(seq.block_ids, dtype=np.int64), np.arange(start, stop), self.block_size)),
             offsets=start,
             block_tables=mx.array([seq.block_ids], dtype=mx.int32),
             context_lens=mx.array([stop], dtype=mx.int32),
@@ -48,17 +43,13 @@ class ModelRunner:
 
     def decode(self, seqs: list[Sequence]) -> mx.array:
         """One new token for each sequence (its last), in one batch; returns logits `[B, V]`."""
-        bs = self.block_size
         max_blocks = max(len(s.block_table) for s in seqs)
         tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
-        pos = np.empty(len(seqs), dtype=np.int32)
-        slots = np.empty(len(seqs), dtype=np.int32)
         for i, s in enumerate(seqs):
-            ids = s.block_ids
-            tables[i, : len(ids)] = ids
-            p = s.num_computed_tokens
-            pos[i] = p
-            slots[i] = ids[p // bs] * bs + p % bs
+            tables[i, : len(s.block_table)] = s.block_ids
+        pos = np.array([s.num_computed_tokens for s in seqs], dtype=np.int32)
+        # Each row's new token goes to its own table at its own position.
+        slots = slot_mapping(tables.reshape(-1), np.arange(len(seqs)) * max_blocks * self.block_size + pos, self.block_size)
         meta = AttentionMetadata(
             is_prefill=False,
             slot_mapping=mx.array(slots),

@@ -1,4 +1,5 @@
-"""Continuous batching: a waiting queue, a running list, chunked prefill and preemption.
+"""Continuous batching: a waiting queue, a running set, chunked prefill, preemption, and the
+one owner of every block table.
 
 Each step decodes every running sequence that is ready (one token each, one batched forward),
 then spends the rest of the token budget on prefill chunks of running requests, then admits
@@ -6,8 +7,13 @@ waiting requests while blocks allow. When a sequence needs a block and none is f
 recently admitted request is preempted whole: its blocks are freed and it returns to the front
 of the waiting queue, to be recomputed from its tokens (prompt plus what it generated).
 
-Invariant: every request is in exactly one of `waiting` and `running`; a waiting request holds
-no blocks; `running` is in admission order, so preemption takes from its end.
+Only this class changes block tables (through `BlockManager`): it allocates slots before a
+step, caches full blocks and forks samples after it (`update_from_forward`), and frees a
+sample's blocks when it finishes (`finish_sequence`) or its request is aborted (`abort`).
+
+Invariants: a request's `status` says where it is: WAITING or PREEMPTED requests are in
+`waiting` and hold no blocks; RUNNING ones are in `running`, which keeps admission order so
+preemption takes from its end; FINISHED ones are in neither.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .sequence import Request, Sequence
+from .sequence import FinishReason, Request, RequestStatus, Sequence
 
 
 @dataclass
@@ -46,14 +52,13 @@ class SchedulerOutput:
         return not self.prefills and not self.decodes
 
 
-def prefill_target(req: Request) -> int:
-    """How far the request's carrier (first live sample) prefills before the samples fork.
+@dataclass
+class SampleRow:
+    """Sequences that draw their next token from row `row` of the step's logits."""
 
-    With several live samples, the carrier computes only the shared prompt, then the others fork
-    from it; a lone sample computes all its tokens.
-    """
-    live = req.live_seqs()
-    return req.num_prompt_tokens if len(live) > 1 else live[0].num_tokens
+    request: Request
+    seqs: list[Sequence]
+    row: int
 
 
 class Scheduler:
@@ -61,50 +66,53 @@ class Scheduler:
         self.config = config
         self.bm = block_manager
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: dict[str, Request] = {}  # admission order (dicts keep insertion order)
         self.num_preemptions = 0
         self.prefix_cache_hit_tokens = 0
-        self._watermark_blocks = int(config.watermark * block_manager.pool.num_blocks)
+        self._num_running_seqs = 0  # live samples of running requests
+        self._headroom_blocks = int(config.watermark * block_manager.pool.num_blocks)
 
     def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def num_running_seqs(self) -> int:
-        return sum(len(r.live_seqs()) for r in self.running)
-
-    def finish(self, req: Request) -> None:
-        self.running.remove(req)
+        return self._num_running_seqs
 
     # -- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        for req in list(self.running):
-            if req in self.running and req.forked:
+        for req in list(self.running.values()):
+            if req.status is RequestStatus.RUNNING and req.prompt_prefilled:
                 for seq in req.live_seqs():
                     if seq.num_uncomputed == 1:
-                        if not self._reserve(req, seq, 1, out):
+                        if not self._allocate_or_preempt(req, seq, 1, out):
                             break
                         out.decodes.append((req, seq))
         budget = self.config.max_num_batched_tokens - len(out.decodes)
-        for req in list(self.running):
+        for req in list(self.running.values()):
             if budget <= 0:
                 break
-            if req in self.running:
+            if req.status is RequestStatus.RUNNING:
                 budget = self._schedule_prefill(req, budget, out)
         while (self.waiting and budget > 0 and self._can_admit(self.waiting[0])
                and not self._prefix_in_flight(self.waiting[0])):
             req = self.waiting.popleft()
-            self.running.append(req)
-            carrier = req.live_seqs()[0]
-            hits = self.bm.match_prefix(carrier, prefill_target(req))
-            if req.num_preemptions == 0:
-                req.num_cached_tokens = hits
-                self.prefix_cache_hit_tokens += hits
+            self._admit(req)
             budget = self._schedule_prefill(req, budget, out)
         return out
+
+    def _admit(self, req: Request) -> None:
+        hits = self.bm.match_prefix(req.carrier, req.prefill_target())
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = hits
+            self.prefix_cache_hit_tokens += hits
+        req.status = RequestStatus.RUNNING
+        self.running[req.request_id] = req
+        self._num_running_seqs += len(req.live_seqs())
 
     def _prefix_in_flight(self, req: Request) -> bool:
         """Whether `req`'s first block is being prefilled by a running request right now.
@@ -116,44 +124,43 @@ class Scheduler:
         if not self.bm.enable_prefix_caching or req.num_prompt_tokens <= bs:
             return False
         head = req.prompt_token_ids[:bs]
-        for r in self.running:
-            carrier = r.live_seqs()[0]
-            if not r.forked and carrier.num_computed_tokens < bs and r.prompt_token_ids[:bs] == head:
+        for r in self.running.values():
+            if not r.prompt_prefilled and r.carrier.num_computed_tokens < bs and r.prompt_token_ids[:bs] == head:
                 return True
         return False
 
     def _can_admit(self, req: Request) -> bool:
-        if self.num_running_seqs() + len(req.live_seqs()) > self.config.max_num_seqs and self.running:
+        if self._num_running_seqs + len(req.live_seqs()) > self.config.max_num_seqs and self.running:
             return False
-        need = self.bm.blocks_for(prefill_target(req))
-        reserve = self._watermark_blocks if self.running else 0
-        return need + reserve <= self.bm.pool.num_free
+        need = self.bm.blocks_for(req.prefill_target())
+        headroom = self._headroom_blocks if self.running else 0
+        return need + headroom <= self.bm.pool.num_free
 
     def _schedule_prefill(self, req: Request, budget: int, out: SchedulerOutput) -> int:
         """Schedule prefill chunks of `req` within `budget` tokens; returns the budget left."""
-        if not req.forked:
-            carrier = req.live_seqs()[0]
-            todo = [(carrier, prefill_target(req) - carrier.num_computed_tokens)]
+        if not req.prompt_prefilled:
+            carrier = req.carrier
+            todo = [(carrier, req.prefill_target() - carrier.num_computed_tokens)]
         else:
             todo = [(s, s.num_uncomputed) for s in req.live_seqs() if s.num_uncomputed > 1]
         for seq, remaining in todo:
             n = min(remaining, budget)
             if n <= 0:
                 break
-            if not self._reserve(req, seq, n, out):
+            if not self._allocate_or_preempt(req, seq, n, out):
                 break
             sample = seq.num_computed_tokens + n == seq.num_tokens
             out.prefills.append(PrefillChunk(req, seq, n, sample))
             budget -= n
         return budget
 
-    def _reserve(self, req: Request, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
-        """Reserve room for `n` tokens of `seq`, preempting newer requests while short.
+    def _allocate_or_preempt(self, req: Request, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Allocate slots for `n` tokens of `seq`, preempting newer requests while short.
 
         Returns False when `req` itself had to be preempted.
         """
         while True:
-            copies = self.bm.reserve(seq, n)
+            copies = self.bm.allocate_slots(seq, n)
             if copies is not None:
                 out.copies.extend((seq, s, d) for s, d in copies)
                 return True
@@ -161,16 +168,73 @@ class Scheduler:
                 return False
 
     def _preempt_newest(self, out: SchedulerOutput) -> Request:
-        victim = self.running.pop()
-        seqs = set(victim.seqs)
-        for seq in victim.live_seqs():
-            self.bm.free(seq)
-        victim.forked = False
+        _, victim = self.running.popitem()
+        self._release(victim)
+        victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
+        seqs = set(victim.seqs)
         out.prefills = [c for c in out.prefills if c.request is not victim]
         out.decodes = [(r, s) for r, s in out.decodes if r is not victim]
         out.copies = [c for c in out.copies if c[0] not in seqs]
         out.preempted.append(victim)
         return victim
+
+    def _release(self, req: Request) -> None:
+        """Free every block `req` holds; it starts its prefill over if it runs again."""
+        for seq in req.seqs:
+            if seq.block_table:
+                self.bm.free(seq)
+        req.prompt_prefilled = False
+        self._num_running_seqs -= len(req.live_seqs())
+
+    # -- after the forward pass ---------------------------------------------------------------------
+    def update_from_forward(self, out: SchedulerOutput) -> list[SampleRow]:
+        """Record that the scheduled tokens were computed; say who samples from which logits row.
+
+        The step's logits rows are the prefill chunks in order, then the decodes. Full blocks
+        are named (prefix cache); a carrier that completed its request's prompt shares it with
+        the other samples (fork), which then all sample from its logits.
+        """
+        rows = []
+        for i, chunk in enumerate(out.prefills):
+            req, seq = chunk.request, chunk.seq
+            seq.num_computed_tokens += chunk.num_tokens
+            self.bm.cache_full_blocks(seq)
+            if req.prompt_prefilled:
+                if chunk.sample:
+                    rows.append(SampleRow(req, [seq], i))
+                continue
+            if seq.num_computed_tokens < req.prefill_target():
+                continue  # more chunks to go
+            for other in req.live_seqs():
+                if other is not seq:
+                    self.bm.fork(seq, other)
+            req.prompt_prefilled = True
+            if chunk.sample:
+                rows.append(SampleRow(req, req.live_seqs(), i))
+        for j, (req, seq) in enumerate(out.decodes):
+            seq.num_computed_tokens += 1
+            self.bm.cache_full_blocks(seq)
+            rows.append(SampleRow(req, [seq], len(out.prefills) + j))
+        return rows
+
+    def finish_sequence(self, req: Request, seq: Sequence) -> None:
+        """Free a finished sample's blocks; the request finishes with its last sample."""
+        self.bm.free(seq)
+        self._num_running_seqs -= 1
+        if req.finished:
+            del self.running[req.request_id]
+            req.status = RequestStatus.FINISHED
+
+    def abort(self, req: Request) -> None:
+        """End `req` wherever it is; its blocks return to the pool at once."""
+        if req.status is RequestStatus.RUNNING:
+            self._release(req)
+            del self.running[req.request_id]
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)
+        for seq in req.live_seqs():
+            seq.finish_reason = FinishReason.ABORT
+        req.status = RequestStatus.FINISHED

@@ -22,8 +22,23 @@ if TYPE_CHECKING:
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS or a stop string
+    STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # the caller aborted the request (or its step failed)
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life. Only the scheduler changes it.
+
+    WAITING: queued, never admitted. RUNNING: admitted, holds blocks. PREEMPTED: queued again
+    after its blocks were taken; it recomputes its tokens when readmitted. FINISHED: every
+    sample has a finish reason and the request holds no block.
+    """
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
 
 
 @dataclass(eq=False)
@@ -41,6 +56,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_text_len: int | None = None  # set when a stop string ended the sample
     detokenizer: object = None  # mlx-lm streaming detokenizer: the text so far
+    logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when asked for
 
     @property
     def num_tokens(self) -> int:
@@ -72,8 +88,9 @@ class Sequence:
 class Request:
     """The n samples of one prompt, scheduled and preempted together.
 
-    Before its first prefill completes, sample 0 alone carries the prompt; the other samples
-    fork from it (sharing its blocks) when the prompt's KV is stored.
+    Before its prompt is prefilled, the first live sample alone carries it; the other samples
+    fork from it (sharing its blocks) when the prompt's KV is stored, which sets
+    `prompt_prefilled` (for n = 1 too). Preemption clears it: the request starts over.
     """
 
     request_id: str
@@ -83,7 +100,8 @@ class Request:
     arrival_index: int
     prompt_text: str | None = None
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the first admission
-    forked: bool = False
+    status: RequestStatus = RequestStatus.WAITING
+    prompt_prefilled: bool = False
     num_preemptions: int = 0
 
     @property
@@ -93,6 +111,20 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.seqs)
+
+    @property
+    def carrier(self) -> Sequence:
+        """The sample that computes the shared prompt before the others fork from it."""
+        return self.live_seqs()[0]
+
+    def prefill_target(self) -> int:
+        """How far the carrier prefills before the samples fork.
+
+        With several live samples the carrier computes only the shared prompt; a lone sample
+        computes all its tokens (after a preemption, its generated ones too).
+        """
+        live = self.live_seqs()
+        return self.num_prompt_tokens if len(live) > 1 else live[0].num_tokens
 
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.finished]

@@ -16,7 +16,7 @@ class ShadowKV:
         self.slots = {}  # (block_id, offset) -> token
 
     def write(self, seq: Sequence, n: int) -> None:
-        copies = self.bm.reserve(seq, n)
+        copies = self.bm.allocate_slots(seq, n)
         assert copies is not None
         for src, dst in copies:
             for o in range(self.bm.block_size):
@@ -28,7 +28,7 @@ class ShadowKV:
             assert block.ref_cnt == 1, "write into a shared block"
             self.slots[(block.block_id, p % bs)] = seq.token_ids[p]
         seq.num_computed_tokens += n
-        self.bm.commit(seq)
+        self.bm.cache_full_blocks(seq)
 
     def read(self, seq: Sequence) -> list[int]:
         bs = self.bm.block_size
@@ -61,7 +61,7 @@ def test_random_operations_keep_invariants(ops, block_size, num_blocks, caching,
                 seqs.append(s)
             else:
                 table = list(s.block_table)
-                assert bm.reserve(s, need) is None and s.block_table == table  # "no room", nothing changed
+                assert bm.allocate_slots(s, need) is None and s.block_table == table  # "no room", nothing changed
                 bm.free(s)  # give back the prefix hits
         elif seqs:
             s = seqs[which % len(seqs)]
@@ -71,7 +71,7 @@ def test_random_operations_keep_invariants(ops, block_size, num_blocks, caching,
                 if bm.blocks_needed(s, n) <= bm.pool.num_free:
                     kv.write(s, n)
                 else:
-                    assert bm.reserve(s, n) is None  # "no room", and nothing changed
+                    assert bm.allocate_slots(s, n) is None  # "no room", and nothing changed
                     assert ([b.block_id for b in s.block_table], bm.pool.num_free) == snapshot
                     del s.token_ids[-n:]
             elif op == "fork":
@@ -108,10 +108,10 @@ def test_cow_copies_partial_shared_block_only():
 def test_no_room_is_none_not_a_crash():
     bm = BlockManager(2, 4)
     s = Sequence(0, list(range(12)), 12)
-    assert bm.reserve(s, 12) is None and s.block_table == [] and bm.pool.num_free == 2
-    assert bm.reserve(s, 8) == [] and bm.pool.num_free == 0
+    assert bm.allocate_slots(s, 12) is None and s.block_table == [] and bm.pool.num_free == 2
+    assert bm.allocate_slots(s, 8) == [] and bm.pool.num_free == 0
     s.num_computed_tokens = 8
-    assert bm.reserve(s, 1) is None and len(s.block_table) == 2
+    assert bm.allocate_slots(s, 1) is None and len(s.block_table) == 2
 
 
 @pytest.mark.parametrize("bad", [0, 3, 512, -16])

@@ -101,3 +101,18 @@ def test_corrupt_weights(tiny_model_path, tmp_path):
     (bad / "model.safetensors").write_bytes(b"\x00" * 100)
     r = run("--model", str(bad), "--prompt", "hi")
     assert r.exit_code == 1 and "Traceback" not in r.output and r.stderr.startswith("error:")
+
+
+def test_generate_sizes_the_pool_to_its_workload(tiny_model_path, mlx_lm_tiny):
+    """One prompt, n=3, 20 tokens: the pool holds exactly that, not a server's share of memory."""
+    _, tok = mlx_lm_tiny
+    prompt = "Paged attention borrows an idea from operating systems"
+    r = run("--model", str(tiny_model_path), "--prompt", prompt, "--no-chat", "-n", "3", "-t", "20", "--temp", "0.5",
+            "--ignore-eos", "--json")
+    assert r.exit_code == 0, r.output
+    st = json.loads(r.stdout)["stats"]
+    p = len(tok.encode(prompt))
+    shared = p // 16
+    assert st["num_blocks"] == shared + 3 * (-(-(p + 19) // 16) - shared)
+    # K and V, 2 layers, 2 KV heads, 16 slots, head_dim 64, float32
+    assert st["pool_gb"] * 1e9 == pytest.approx(st["num_blocks"] * 2 * 2 * 2 * 16 * 64 * 4, rel=1e-6)

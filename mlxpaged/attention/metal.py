@@ -21,6 +21,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..utils import cdiv
+
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 NUM_SIMDGROUPS = 8  # simdgroups per threadgroup: 256 threads, enough loads in flight per group
 
@@ -122,12 +124,12 @@ def plan_partition_tokens(num_seqs: int, num_kv_heads: int, max_blocks: int,
     groups = num_seqs * num_kv_heads
     if groups >= TARGET_THREADGROUPS:
         return 0
-    want = min(-(-TARGET_THREADGROUPS // groups), MAX_PARTITIONS, ctx // MIN_PARTITION_TOKENS)
+    want = min(cdiv(TARGET_THREADGROUPS, groups), MAX_PARTITIONS, ctx // MIN_PARTITION_TOKENS)
     if want < 2:
         return 0
     part = max(1 << (math.ceil(ctx / want) - 1).bit_length(), MIN_PARTITION_TOKENS)
-    part = -(-part // block_size) * block_size
-    return part if -(-ctx // part) >= 2 else 0
+    part = cdiv(part, block_size) * block_size
+    return part if cdiv(ctx, part) >= 2 else 0
 
 
 def _variant(head_dim: int, block_size: int, group: int, part: int = 0) -> str:
@@ -158,7 +160,7 @@ def partitioned_launch(q, k_cache, v_cache, block_tables, context_lens, scale,
     num_seqs, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    num_parts = -(-block_tables.shape[1] * block_size // part)
+    num_parts = cdiv(block_tables.shape[1] * block_size, part)
     if num_parts > MAX_PARTITIONS or part % block_size:
         raise ValueError(f"bad partition size {part} for block size {block_size}")
     threads = 32 * NUM_SIMDGROUPS
@@ -193,7 +195,7 @@ def threadgroup_bytes(head_dim: int, block_size: int, group: int) -> int:
     chunk_blocks = max(1, 256 // block_size)  # PA_CHUNK_BLOCKS in paged_attention.h
     nsg = NUM_SIMDGROUPS
     arrays = (group * head_dim, chunk_blocks, 2 * nsg * group, nsg * head_dim)  # 4-byte elements
-    return sum(-(-4 * n // 16) * 16 for n in arrays)  # each array 16-byte aligned
+    return sum(cdiv(4 * n, 16) * 16 for n in arrays)  # each array 16-byte aligned
 
 
 def minimum_bytes(q, k_cache, context_lens) -> int:
@@ -201,7 +203,7 @@ def minimum_bytes(q, k_cache, context_lens) -> int:
     the block-table entries in use and the context lengths."""
     _, kvh, bs, hd = k_cache.shape
     lens = [int(n) for n in context_lens.tolist()]
-    blocks = sum(-(-n // bs) for n in lens)
+    blocks = sum(cdiv(n, bs) for n in lens)
     return (2 * sum(lens) * kvh * hd * k_cache.dtype.size + q.nbytes + 4 * blocks
             + context_lens.nbytes)
 

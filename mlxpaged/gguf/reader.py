@@ -24,6 +24,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf import quants as _gguf_quants
 
+from ..utils import cdiv
+
 __all__ = [
     "GGUFError",
     "GGUFFile",
@@ -195,7 +197,7 @@ class GGUFFile:
             offset = cur.scalar("<Q")
             raw_infos.append((name, ne, ttype, offset))
         alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)) or DEFAULT_ALIGNMENT
-        data_start = -(-cur.pos // alignment) * alignment
+        data_start = cdiv(cur.pos, alignment) * alignment
         for name, ne, ttype, offset in raw_infos:
             try:
                 qtype = GGMLQuantizationType(ttype)

@@ -1,7 +1,8 @@
 """Qwen2 / Qwen2.5 in MLX, for a batch of sequences at different positions on a paged KV cache.
 
 Parameter names follow the Hugging Face checkpoints, so mlx-lm's loader (quantized
-mlx-community checkpoints included) fills these modules unchanged.
+mlx-community checkpoints included) fills these modules unchanged. The model knows nothing of
+the cache's layout: it passes the cache and the step's `AttentionMetadata` to `PagedAttention`.
 """
 
 from __future__ import annotations
@@ -15,10 +16,8 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..attention import paged_attention
 from ..attention.metadata import AttentionMetadata
-from ..attention.reference import gather_blocks
-from ..kv_cache import PagedKVCache
+from ..attention.paged_layer import PagedAttention
 
 
 @dataclass
@@ -63,40 +62,16 @@ class Attention(nn.Module):
             max_position_embeddings=args.max_position_embeddings,
         )
 
-    def __call__(self, x: mx.array, cache: PagedKVCache, meta: AttentionMetadata) -> mx.array:
+        self.attn = PagedAttention(layer_idx, self.n_heads, self.n_kv_heads, hd, self.scale)
+
+    def __call__(self, x: mx.array, cache, meta: AttentionMetadata) -> mx.array:
         B, L, _ = x.shape
         q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
         k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=meta.offsets)
         k = self.rope(k, offset=meta.offsets)
-
-        # [B, L, kvh, hd] -> [B * L, kvh, hd], the order of slot_mapping
-        k_flat = k.transpose(0, 2, 1, 3).reshape(B * L, self.n_kv_heads, self.head_dim)
-        k_pool, v_pool = cache.write(self.layer_idx, k_flat, v.reshape(B * L, self.n_kv_heads, -1), meta.slot_mapping)
-
-        if not meta.is_prefill:
-            out = paged_attention(
-                q.reshape(B, self.n_heads, self.head_dim), k_pool, v_pool,
-                meta.block_tables, meta.context_lens, scale=self.scale, impl=meta.impl,
-            )
-            return self.o_proj(out.reshape(B, 1, -1))
-
-        if meta.prefix_len == 0:
-            # Nothing cached before this chunk: attend to the new keys directly, as mlx-lm does.
-            keys, values, mask = k, v.transpose(0, 2, 1, 3), "causal"
-        else:
-            keys, values = (_gather(p, meta.block_tables[0], meta.prefix_len + L) for p in (k_pool, v_pool))
-            pos = mx.arange(meta.prefix_len, meta.prefix_len + L)[:, None]
-            mask = pos >= mx.arange(meta.prefix_len + L)[None, :]
-        out = mx.fast.scaled_dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-
-def _gather(pool: mx.array, block_table: mx.array, ctx: int) -> mx.array:
-    """One sequence's first `ctx` cached rows as `[1, kvh, ctx, hd]`."""
-    nb = -(-ctx // pool.shape[2])
-    return gather_blocks(pool, block_table[None, :nb])[:, :, :ctx]
+        return self.o_proj(self.attn(q, k, v, cache, meta))
 
 
 class MLP(nn.Module):
@@ -118,7 +93,7 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache: PagedKVCache, meta: AttentionMetadata) -> mx.array:
+    def __call__(self, x: mx.array, cache, meta: AttentionMetadata) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -130,7 +105,7 @@ class Qwen2Model(nn.Module):
         self.layers = [TransformerBlock(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, inputs: mx.array, cache: PagedKVCache, meta: AttentionMetadata) -> mx.array:
+    def __call__(self, inputs: mx.array, cache, meta: AttentionMetadata) -> mx.array:
         h = self.embed_tokens(inputs)
         for layer in self.layers:
             h = layer(h, cache, meta)
@@ -148,7 +123,7 @@ class Model(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def __call__(self, inputs: mx.array, cache: PagedKVCache, meta: AttentionMetadata, all_logits: bool = False) -> mx.array:
+    def __call__(self, inputs: mx.array, cache, meta: AttentionMetadata, all_logits: bool = False) -> mx.array:
         h = self.model(inputs, cache, meta)
         if not all_logits:
             h = h[:, -1]  # only the last position's logits are sampled
