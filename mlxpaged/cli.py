@@ -72,7 +72,7 @@ def main():
 @click.option("--temp", default=0.0, show_default=True, help="Sampling temperature (0 = greedy).")
 @click.option("--top-p", default=1.0, show_default=True)
 @click.option("--top-k", default=0, show_default=True, help="0 disables.")
-@click.option("--seed", default=0, show_default=True, help="Sample i of a prompt uses seed + i.")
+@click.option("--seed", default=0, show_default=True, help="Seed of each prompt; sample i draws from its own stream derived from (seed, i).")
 @click.option("--stop", multiple=True, help="A stop string; repeatable.")
 @click.option("--block-size", default=16, show_default=True, help="Tokens per KV block (power of two, 1..256).")
 @click.option("--num-blocks", default=None, type=int, help="KV blocks in the pool (default: what the prompts, -n and --max-tokens can use, capped by free memory).")

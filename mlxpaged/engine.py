@@ -20,7 +20,7 @@ from .kv_cache import CacheShape, PagedKVCache, blocks_for_memory
 from .loader import LoadedModel
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, EngineStats, RequestOutput
-from .sampler import sample_batch, seed_key
+from .sampler import sample_batch, sample_key
 from .sampling_params import SamplingParams
 from .scheduler import SampleRow, Scheduler, SchedulerOutput
 from .sequence import FinishReason, Request, Sequence
@@ -83,7 +83,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else random.getrandbits(31)
         seqs = [
             Sequence(next(self._seq_ids), list(ids), len(ids), sample_index=i,
-                     rng_key=None if params.greedy else seed_key(seed + i))
+                     rng_key=None if params.greedy else sample_key(seed, i))
             for i in range(params.n)
         ]
         for s in seqs:
@@ -144,18 +144,20 @@ class LLMEngine:
         return [self._finish_or_report(r) for r in progressed if r.request_id in self._requests]
 
     def _forward(self, out: SchedulerOutput) -> mx.array:
-        """Logits `[num_prefills + num_decodes, V]`: each prefill chunk's last token, then the decodes."""
+        """One forward pass over every scheduled token; logits `[len(out.batch()), V]`."""
         self.kv_cache.copy_blocks(out.block_copies)
         t0 = time.perf_counter()
-        rows = [self.runner.prefill(c.seq, c.num_tokens)[None] for c in out.prefills]
-        self.stats.computed_prefill_tokens += sum(c.num_tokens for c in out.prefills)
-        t1 = time.perf_counter()
-        if out.decodes:
-            rows.append(self.runner.decode([s for _, s in out.decodes]))
+        logits = self.runner.forward(out.batch())
+        dt = time.perf_counter() - t0
+        num_prefill = sum(c.num_tokens for c in out.prefills)
+        self.stats.computed_prefill_tokens += num_prefill
+        # A pass with prefill chunks counts as prefill time; pure-decode passes give the decode rate.
+        if num_prefill:
+            self.stats.prefill_time += dt
+        else:
+            self.stats.decode_time += dt
             self.stats.decode_tokens += len(out.decodes)
-        self.stats.prefill_time += t1 - t0
-        self.stats.decode_time += time.perf_counter() - t1
-        return rows[0] if len(rows) == 1 else mx.concatenate(rows)
+        return logits
 
     def _sample(self, rows: list[SampleRow], logits: mx.array) -> None:
         pairs = [(r.request, s) for r in rows for s in r.seqs]
@@ -164,8 +166,7 @@ class LLMEngine:
         index = [r.row for r in rows for _ in r.seqs]
         if index != list(range(logits.shape[0])):
             logits = logits[mx.array(index)]
-        res = sample_batch(logits, [r.params for r, _ in pairs], [s.rng_key for _, s in pairs])
-        toks, keys, logprobs = res if len(res) == 3 else (*res, [None] * len(pairs))  # TEMP until sampler lands
+        toks, keys, logprobs = sample_batch(logits, [r.params for r, _ in pairs], [s.rng_key for _, s in pairs])
         for (req, seq), tok, key, lp in zip(pairs, toks, keys, logprobs):
             seq.rng_key = key
             self._append_token(req, seq, tok, lp)
@@ -219,7 +220,7 @@ class LLMEngine:
                 text = text[: s.stop_text_len]
             outs.append(CompletionOutput(s.sample_index, text, list(s.output_token_ids),
                                          s.finish_reason.value if s.finish_reason else None,
-                                         **({"logprobs": list(s.logprobs)} if getattr(req.params, "logprobs", None) is not None else {})))  # TEMP
+                                         logprobs=list(s.logprobs) if req.params.logprobs is not None else None))
         return RequestOutput(req.request_id, req.prompt_text, req.prompt_token_ids, outs, req.finished, req.num_cached_tokens)
 
     # -- introspection ---------------------------------------------------------------------------

@@ -6,11 +6,22 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprob:
+    """One generated token's log-probabilities: the model's log-softmax of the raw logits
+    (before temperature, top-k and top-p), as vLLM returns them by default."""
+
+    token_id: int  # the token that was chosen
+    logprob: float  # its log-probability
+    top_logprobs: list[tuple[int, float]]  # the `SamplingParams.logprobs` most likely (id, logprob), best first
+
+
+@dataclass
 class CompletionOutput:
     index: int  # the sample's index within its request
     text: str
     token_ids: list[int]  # generated ids only
     finish_reason: str | None  # "stop", "length", or None while running
+    logprobs: list[TokenLogprob] | None = None  # one per generated token when SamplingParams.logprobs is set
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 
@@ -11,9 +12,15 @@ class SamplingParams:
 
     n: samples of the prompt, decoded in parallel on shared prompt blocks.
     temperature: 0 is greedy. top_p: nucleus mass in (0, 1]. top_k: 0 or -1 disables.
-    seed: sample `i` draws from its own stream seeded `seed + i`, so it gives the same tokens
-      whatever else runs in the batch (and equals sample 0 of a request seeded `seed + i`).
-      `None` picks a fresh seed.
+      Applied in vLLM's order: the logits are divided by the temperature first, then top-k
+      and then top-p act on the tempered distribution (mlx-lm applies top-p before the
+      temperature; see `sampler.py`).
+    seed: in [0, 2**64). Sample `i` draws from its own stream, derived from the pair
+      (seed, i) (`sampler.sample_key`): the same seed gives the same tokens whatever else
+      runs in the batch, and no two (seed, i) pairs share a stream. `None` picks a fresh seed.
+    logprobs: None returns none; k in [0, 20] returns, for every generated token, its
+      logprob and the k most likely tokens' (the log-softmax of the raw logits, before
+      temperature, top-k and top-p), as `CompletionOutput.logprobs`.
     max_tokens: generated tokens at most. stop: strings that end a sample (not included in
       its text). stop_token_ids: extra token ids that end a sample. ignore_eos: keep going
       past EOS (benchmarks).
@@ -28,6 +35,7 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -43,9 +51,17 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)

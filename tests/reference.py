@@ -1,26 +1,104 @@
-"""Independent references: mlx-lm's own Qwen2 on its contiguous KVCache."""
+"""Independent references: mlx-lm's own Qwen2 on its contiguous KVCache; sampling in numpy.
+
+The sampling reference follows the documented rules of `mlxpaged/sampler.py` without calling
+it: Threefry-2x32 in numpy for a sample's starting key, vLLM's filter order in numpy, and
+MLX's own `split`/`gumbel` for the random draws (the PRNG both sides share).
+"""
 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxpaged.sampler import sample_token, seed_key
 from mlxpaged.sampling_params import SamplingParams
+
+_ROTATIONS = (13, 15, 26, 6, 17, 29, 16, 24)
+
+
+def threefry2x32(key: tuple[int, int], c0, c1) -> tuple[np.ndarray, np.ndarray]:
+    """Threefry-2x32-20 (Random123) of the counters (c0, c1) (arrays) under `key`, in numpy."""
+    k = [np.uint32(key[0]), np.uint32(key[1])]
+    k.append(np.uint32(0x1BD11BDA) ^ k[0] ^ k[1])
+    x0 = np.asarray(c0, dtype=np.uint32) + k[0]
+    x1 = np.asarray(c1, dtype=np.uint32) + k[1]
+    for r in range(20):
+        rot = np.uint32(_ROTATIONS[r % 8])
+        x0 = x0 + x1
+        x1 = ((x1 << rot) | (x1 >> (np.uint32(32) - rot))) ^ x0
+        if r % 4 == 3:
+            s = r // 4 + 1
+            x0 = x0 + k[s % 3]
+            x1 = x1 + k[(s + 1) % 3] + np.uint32(s)
+    return x0, x1
+
+
+def ref_sample_keys(seed: int, indices) -> np.ndarray:
+    """Starting keys (uint32 [n, 2]) of samples `indices` of a request seeded `seed`:
+    Threefry-2x32 of the counter (0, i) under the key (seed >> 32, seed mod 2**32)."""
+    idx = np.asarray(indices, dtype=np.uint32)
+    y0, y1 = threefry2x32((seed >> 32, seed & 0xFFFFFFFF), np.zeros_like(idx), idx)
+    return np.stack([y0, y1], axis=-1)
+
+
+def vllm_keep_mask(x: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """Tokens of tempered logits `x [V]` that top-k, then top-p (on the top-k-renormalized
+    distribution, the smallest most-probable prefix reaching `top_p`), keep."""
+    x = x.astype(np.float64)
+    keep = np.ones(x.shape, dtype=bool)
+    if 0 < top_k < x.size:
+        keep &= x >= np.sort(x)[-top_k]
+    if top_p < 1.0:
+        desc = np.sort(x[keep])[::-1]
+        probs = np.exp(desc - desc.max())
+        probs /= probs.sum()
+        before = np.concatenate([[0.0], np.cumsum(probs)[:-1]])
+        keep &= x >= desc[np.count_nonzero(before < top_p) - 1]
+    return keep
+
+
+def vllm_probs(logits, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """vLLM's sampling distribution: temperature, then top-k, then top-p (float64 [V])."""
+    x = np.asarray(logits, dtype=np.float64) / temperature
+    keep = vllm_keep_mask(x, top_k, top_p)
+    p = np.where(keep, np.exp(x - x[keep].max()), 0.0)
+    return p / p.sum()
+
+
+def filters_first_probs(logits, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """The other order (mlx-lm's, and mlxpaged's before): top-k/top-p on the untempered
+    distribution, then temperature on what is left."""
+    x = np.asarray(logits, dtype=np.float64)
+    keep = vllm_keep_mask(x, top_k, top_p)
+    p = np.where(keep, np.exp((x - x[keep].max()) / temperature), 0.0)
+    return p / p.sum()
+
+
+def ref_draw(logits: mx.array, params: SamplingParams, key: mx.array) -> tuple[int, mx.array]:
+    """One draw as the sampler documents it: key, sub = split(key); argmax(kept tempered
+    logits + Gumbel(sub)). Returns (token, the advanced key)."""
+    if params.greedy:
+        return int(np.argmax(np.array(logits.astype(mx.float32)))), key
+    key, sub = mx.random.split(key)
+    x = np.array(logits.astype(mx.float32)) / np.float32(params.temperature)  # float32, as the sampler
+    keep = vllm_keep_mask(x, params.top_k, params.top_p)
+    g = np.array(mx.random.gumbel(x.shape, key=sub))
+    return int(np.argmax(np.where(keep, x, np.float32(-np.inf)) + g)), key
 
 
 def contiguous_generate(model, prompt_ids: list[int], max_tokens: int, params: SamplingParams | None = None,
-                        seed: int = 0) -> list[int]:
-    """Generate with mlx-lm's model and contiguous cache, drawing from the stream `seed`."""
+                        seed: int = 0, sample_index: int = 0) -> list[int]:
+    """Generate with mlx-lm's model and contiguous cache, as sample `sample_index` of a request
+    seeded `seed` (sampled with the numpy reference above)."""
     params = params or SamplingParams(temperature=0.0, max_tokens=max_tokens)
     cache = make_prompt_cache(model)
-    key = None if params.greedy else seed_key(seed)
+    key = None if params.greedy else mx.array(ref_sample_keys(seed, [sample_index])[0])
     x = mx.array([prompt_ids])
     out = []
     for _ in range(max_tokens):
         logits = model(x, cache=cache)[0, -1]
-        tok, key = sample_token(logits, params, key)
-        out.append(int(tok.item()))
+        tok, key = ref_draw(logits, params, key)
+        out.append(tok)
         x = mx.array([[out[-1]]])
     return out
 
@@ -42,13 +120,13 @@ def decode_in_turns(loaded, prompts: list[list[int]], num_tokens: int, num_block
     runner = ModelRunner(loaded.model, PagedKVCache(shape, num_blocks, block_size), "reference")
     seqs = [Sequence(i, list(p), len(p)) for i, p in enumerate(prompts)]
     for s in seqs:
-        assert bm.reserve(s, s.num_tokens) == []
+        assert bm.allocate_slots(s, s.num_tokens) == []
         logits = runner.prefill(s, s.num_tokens)
         s.num_computed_tokens = s.num_tokens
         s.token_ids.append(int(mx.argmax(logits).item()))
     for _ in range(num_tokens - 1):
         for s in seqs:
-            assert bm.reserve(s, 1) == []
+            assert bm.allocate_slots(s, 1) == []
             logits = runner.decode([s])
             s.num_computed_tokens += 1
             s.token_ids.append(int(mx.argmax(logits[0]).item()))

@@ -70,23 +70,25 @@ def test_n_samples_share_prompt_blocks(tiny_loaded, mlx_lm_tiny):
     st = engine.stats_dict()
     assert (st["blocks_in_use_peak"], st["blocks_without_sharing"], st["cow_copies"]) == (22, 28, 3)
     for i, c in enumerate(out.outputs):
-        assert c.token_ids == contiguous_generate(ref_model, prompt, 64, params, seed=7 + i)
+        assert c.token_ids == contiguous_generate(ref_model, prompt, 64, params, seed=7, sample_index=i)
     assert len({tuple(c.token_ids) for c in out.outputs}) == 4  # the samples really differ
     pool = engine.block_manager.pool
     assert all(b.ref_cnt == 0 for b in pool.blocks) and pool.num_free == pool.num_blocks
 
 
-def test_seeded_sample_does_not_depend_on_batch(tiny_loaded):
-    """Sample i of seed s equals sample 0 of seed s + i, whatever else runs beside it."""
+def test_seeded_sample_does_not_depend_on_batch(tiny_loaded, mlx_lm_tiny):
+    """A seeded sample gives the same tokens whatever else runs beside it."""
+    ref_model, tok = mlx_lm_tiny
     p = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=20, ignore_eos=True)
     engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=128))
     engine.add_request(PROMPTS[0], p, request_id="group")
     engine.add_request(PROMPTS[1], SamplingParams(temperature=1.0, seed=5, max_tokens=25))
-    engine.add_request(PROMPTS[0], SamplingParams(temperature=1.0, seed=13, max_tokens=20, ignore_eos=True), request_id="alone")
+    engine.add_request(PROMPTS[0], SamplingParams(temperature=1.0, seed=11, max_tokens=20, ignore_eos=True), request_id="alone")
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
-    assert done["group"].outputs[2].token_ids == done["alone"].outputs[0].token_ids
+    assert done["group"].outputs[0].token_ids == done["alone"].outputs[0].token_ids
+    assert done["group"].outputs[2].token_ids == contiguous_generate(ref_model, tok.encode(PROMPTS[0]), 20, p, seed=11, sample_index=2)
 
 
 def test_kv_write_in_place():
