@@ -1,4 +1,4 @@
-"""Turns scheduled sequences into model inputs and attention metadata, and runs the forward pass."""
+"""Turns the step's sequences into one packed batch with attention metadata, and runs it."""
 
 from __future__ import annotations
 
@@ -20,45 +20,45 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.attention_impl = attention_impl
 
-    def prefill(self, seq: Sequence, num_tokens: int) -> mx.array:
-        """Compute the KV of the next `num_tokens` tokens of `seq`; returns the last one's logits `[V]`.
+    def forward(self, batch: list[tuple[Sequence, int]]) -> mx.array:
+        """One forward pass over `batch`: for each (sequence, n), its next n uncomputed tokens.
 
-        The caller has reserved the blocks; it advances `num_computed_tokens` afterwards.
+        Every token is packed along one axis, with its own position, slot and sequence. Returns
+        the logits `[len(batch), V]` of each entry's last new token. The caller has allocated
+        the slots; it advances `num_computed_tokens` afterwards.
         """
-        start = seq.num_computed_tokens
-        stop = start + num_tokens
+        bs = self.block_size
+        num_seqs = len(batch)
+        q_lens = np.array([n for _, n in batch], dtype=np.int32)
+        starts = np.array([s.num_computed_tokens for s, _ in batch], dtype=np.int32)
+        cu = np.zeros(num_seqs + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=cu[1:])
+        max_blocks = max(len(s.block_table) for s, _ in batch)
+        tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+        for i, (s, _) in enumerate(batch):
+            tables[i, : len(s.block_table)] = s.block_ids
+        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
+        positions = (np.arange(cu[-1]) - cu[seq_of_token] + starts[seq_of_token]).astype(np.int32)
+        # Token t goes to its own sequence's table: index the flattened tables past that row's start.
+        slots = slot_mapping(tables.reshape(-1), seq_of_token * max_blocks * bs + positions, bs)
+        tokens = [t for s, n in batch for t in s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n]]
         meta = AttentionMetadata(
-            is_prefill=True,
-            slot_mapping=mx.array(slot_mapping(np.asarray(seq.block_ids, dtype=np.int64), np.arange(start, stop), self.block_size)),
-            offsets=start,
-            block_tables=mx.array([seq.block_ids], dtype=mx.int32),
-            context_lens=mx.array([stop], dtype=mx.int32),
-            prefix_len=start,
+            slot_mapping=mx.array(slots),
+            positions=mx.array(positions),
+            block_tables=mx.array(tables),
+            cu_seqlens_q=mx.array(cu),
+            context_lens=mx.array(starts + q_lens),
+            logits_indices=mx.array(cu[1:] - 1),
             impl=self.attention_impl,
         )
-        tokens = mx.array([seq.token_ids[start:stop]], dtype=mx.int32)
-        logits = self.model(tokens, self.kv_cache, meta)[0]
+        logits = self.model(mx.array(tokens, dtype=mx.int32), self.kv_cache, meta)
         mx.eval(logits, self.kv_cache.keys, self.kv_cache.values)
         return logits
+
+    def prefill(self, seq: Sequence, num_tokens: int) -> mx.array:
+        """The next `num_tokens` tokens of one sequence; returns the last one's logits `[V]`."""
+        return self.forward([(seq, num_tokens)])[0]
 
     def decode(self, seqs: list[Sequence]) -> mx.array:
-        """One new token for each sequence (its last), in one batch; returns logits `[B, V]`."""
-        max_blocks = max(len(s.block_table) for s in seqs)
-        tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = s.block_ids
-        pos = np.array([s.num_computed_tokens for s in seqs], dtype=np.int32)
-        # Each row's new token goes to its own table at its own position.
-        slots = slot_mapping(tables.reshape(-1), np.arange(len(seqs)) * max_blocks * self.block_size + pos, self.block_size)
-        meta = AttentionMetadata(
-            is_prefill=False,
-            slot_mapping=mx.array(slots),
-            offsets=mx.array(pos),
-            block_tables=mx.array(tables),
-            context_lens=mx.array(pos + 1),
-            impl=self.attention_impl,
-        )
-        tokens = mx.array([[s.token_ids[-1]] for s in seqs], dtype=mx.int32)
-        logits = self.model(tokens, self.kv_cache, meta)
-        mx.eval(logits, self.kv_cache.keys, self.kv_cache.values)
-        return logits
+        """One new token for each sequence (its last); returns logits `[B, V]`."""
+        return self.forward([(s, 1) for s in seqs])

@@ -51,6 +51,10 @@ class SchedulerOutput:
     def empty(self) -> bool:
         return not self.prefills and not self.decodes
 
+    def batch(self) -> list[tuple[Sequence, int]]:
+        """(sequence, new tokens) in the order of the step's one forward pass: decodes, then prefill chunks."""
+        return [(s, 1) for _, s in self.decodes] + [(c.seq, c.num_tokens) for c in self.prefills]
+
 
 @dataclass
 class SampleRow:
@@ -193,12 +197,16 @@ class Scheduler:
     def update_from_forward(self, out: SchedulerOutput) -> list[SampleRow]:
         """Record that the scheduled tokens were computed; say who samples from which logits row.
 
-        The step's logits rows are the prefill chunks in order, then the decodes. Full blocks
+        The step's logits rows follow `out.batch()`: the decodes, then the prefill chunks. Full blocks
         are named (prefix cache); a carrier that completed its request's prompt shares it with
         the other samples (fork), which then all sample from its logits.
         """
         rows = []
-        for i, chunk in enumerate(out.prefills):
+        for j, (req, seq) in enumerate(out.decodes):
+            seq.num_computed_tokens += 1
+            self.bm.cache_full_blocks(seq)
+            rows.append(SampleRow(req, [seq], j))
+        for i, chunk in enumerate(out.prefills, start=len(out.decodes)):
             req, seq = chunk.request, chunk.seq
             seq.num_computed_tokens += chunk.num_tokens
             self.bm.cache_full_blocks(seq)
@@ -214,10 +222,6 @@ class Scheduler:
             req.prompt_prefilled = True
             if chunk.sample:
                 rows.append(SampleRow(req, req.live_seqs(), i))
-        for j, (req, seq) in enumerate(out.decodes):
-            seq.num_computed_tokens += 1
-            self.bm.cache_full_blocks(seq)
-            rows.append(SampleRow(req, [seq], len(out.prefills) + j))
         return rows
 
     def finish_sequence(self, req: Request, seq: Sequence) -> None:

@@ -90,13 +90,13 @@ def test_a_failing_step_fails_only_its_requests(tiny_loaded, mlx_lm_tiny, monkey
     engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=64, attention_impl="reference"))
     a = engine.add_request(PROMPT, greedy(8, ignore_eos=True))
     engine.step()
-    real_decode = engine.runner.decode
-    monkeypatch.setattr(engine.runner, "decode", lambda seqs: (_ for _ in ()).throw(RuntimeError("boom")))
+    real_forward = engine.runner.forward
+    monkeypatch.setattr(engine.runner, "forward", lambda batch: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(StepError) as e:
         engine.step()
     assert e.value.request_ids == [a] and "boom" in str(e.value)
     assert engine.metrics()["kv_blocks_used"] == 0 and not engine.has_unfinished_requests()
-    monkeypatch.setattr(engine.runner, "decode", real_decode)
+    monkeypatch.setattr(engine.runner, "forward", real_forward)
     b = engine.add_request(PROMPT, greedy(8, ignore_eos=True))
     assert run_all(engine)[b].outputs[0].token_ids == contiguous_generate(ref_model, tok.encode(PROMPT), 8)
 

@@ -1,4 +1,5 @@
-"""`paged_attention`: decode attention over a paged KV cache, with interchangeable implementations.
+"""`paged_attention` (decode) and `paged_attention_varlen` (any number of new tokens per
+sequence) over a paged KV cache, with interchangeable implementations.
 
 `impl="reference"` is pure MLX ops (any backend); `impl="metal"` is our Metal kernel
 (`metal/paged_attention.metal`), run on an Apple GPU or, with `MLXPAGED_METAL=emulate`,
@@ -11,7 +12,7 @@ import math
 
 import mlx.core as mx
 
-from .reference import paged_attention_reference
+from .reference import paged_attention_reference, paged_attention_varlen_reference
 
 IMPLS = ("auto", "reference", "metal")
 
@@ -55,20 +56,62 @@ def paged_attention(
     context_lens: `[num_seqs]` int32, each >= 1. Returns `[num_seqs, num_heads, head_dim]`
     in q's dtype. `scale` defaults to `head_dim ** -0.5`.
     """
-    if q.ndim != 3 or k_cache.ndim != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"paged_attention: bad shapes q={q.shape} k_cache={k_cache.shape} v_cache={v_cache.shape}"
-        )
-    if q.shape[1] % k_cache.shape[1] or q.shape[2] != k_cache.shape[3]:
-        raise ValueError(
-            f"paged_attention: q {q.shape} does not match cache {k_cache.shape} "
-            "(num_heads must be a multiple of num_kv_heads, head_dims equal)"
-        )
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
+    scale = _check_shapes("paged_attention", q, k_cache, v_cache, scale)
     impl = resolve_impl(impl, q, k_cache)
     if impl == "metal":
         from .metal import paged_attention_metal
 
         return paged_attention_metal(q, k_cache, v_cache, block_tables, context_lens, scale=scale)
     return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def _check_shapes(name: str, q: mx.array, k_cache: mx.array, v_cache: mx.array, scale: float | None) -> float:
+    if q.ndim != 3 or k_cache.ndim != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"{name}: bad shapes q={q.shape} k_cache={k_cache.shape} v_cache={v_cache.shape}")
+    if q.shape[1] % k_cache.shape[1] or q.shape[2] != k_cache.shape[3]:
+        raise ValueError(
+            f"{name}: q {q.shape} does not match cache {k_cache.shape} "
+            "(num_heads must be a multiple of num_kv_heads, head_dims equal)"
+        )
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+
+
+def paged_attention_varlen(
+    q: mx.array,
+    k_cache: mx.array,
+    v_cache: mx.array,
+    block_tables: mx.array,
+    cu_seqlens_q: mx.array,
+    context_lens: mx.array,
+    *,
+    scale: float | None = None,
+    impl: str = "auto",
+) -> mx.array:
+    """Attend the new tokens of several sequences, packed along one axis, to their caches.
+
+    q: `[T, num_heads, head_dim]`, the new tokens of S sequences concatenated; cu_seqlens_q:
+    `[S + 1]` int32 offsets (sequence s owns rows `cu[s]:cu[s + 1]`, `q_len_s` of them);
+    block_tables: `[S, max_blocks]` int32; context_lens: `[S]` int32, each sequence's cached
+    plus new tokens (the new tokens' keys and values are already in the cache). New token j of
+    sequence s sits at position `context_lens[s] - q_len_s + j` and attends to every position
+    up to its own. Returns `[T, num_heads, head_dim]` in q's dtype.
+
+    `paged_attention` is the case q_len = 1. With `impl="metal"` the one-token sequences run
+    on the Metal decode kernel and longer ones on the reference (no varlen kernel yet).
+    """
+    scale = _check_shapes("paged_attention_varlen", q, k_cache, v_cache, scale)
+    num_seqs = block_tables.shape[0]
+    if cu_seqlens_q.shape != (num_seqs + 1,) or context_lens.shape != (num_seqs,):
+        raise ValueError(
+            f"paged_attention_varlen: cu_seqlens_q {cu_seqlens_q.shape} and context_lens {context_lens.shape} "
+            f"do not match {num_seqs} block-table rows"
+        )
+    impl = resolve_impl(impl, q, k_cache)
+    decode = None
+    if impl == "metal":
+        from .metal import paged_attention_metal
+
+        def decode(q1, kc, vc, tables, lens, sc):
+            return paged_attention_metal(q1, kc, vc, tables, lens, scale=sc)
+
+    return paged_attention_varlen_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, decode)

@@ -9,16 +9,18 @@ import mlx.core as mx
 
 @dataclass
 class AttentionMetadata:
-    """Positions, slots and block tables of one batch.
+    """Where the new tokens of one step go and what each attends to.
 
-    Decode (`is_prefill=False`): `B` sequences, one new token each. Prefill: one sequence
-    (`B == 1`), `L` new tokens that follow `prefix_len` tokens already in the cache.
+    The step's T new tokens belong to S sequences and are packed along one axis with no
+    padding: sequence s owns tokens `cu_seqlens_q[s]:cu_seqlens_q[s + 1]`. A decode is a
+    sequence with one new token; a prefill chunk has any number. The arrays are built on the
+    host from numpy, so reading them back (`tolist`) forces no computation.
     """
 
-    is_prefill: bool
-    slot_mapping: mx.array  # [B * L] int32: block_id * block_size + offset of each new token
-    offsets: mx.array | int  # [B] int32 (decode) or int (prefill): position of each row's first new token
-    block_tables: mx.array  # [B, max_blocks] int32
-    context_lens: mx.array  # [B] int32: tokens in the cache after this step's writes
-    prefix_len: int = 0  # prefill only: tokens cached before this chunk
-    impl: str = "auto"  # paged-attention implementation for decode
+    slot_mapping: mx.array  # [T] int32: block_id * block_size + offset of each new token
+    positions: mx.array  # [T] int32: each new token's position in its sequence (RoPE)
+    block_tables: mx.array  # [S, max_blocks] int32
+    cu_seqlens_q: mx.array  # [S + 1] int32: offsets of each sequence's new tokens
+    context_lens: mx.array  # [S] int32: tokens in the cache after this step's writes
+    logits_indices: mx.array  # [S] int32: each sequence's last new token, the one whose logits are sampled
+    impl: str = "auto"  # paged-attention implementation

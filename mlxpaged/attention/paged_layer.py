@@ -1,12 +1,8 @@
 """`PagedAttention`: the one layer that knows how the paged KV cache is laid out.
 
-A model computes q, k, v (after RoPE) and calls this layer; it writes the new keys and values
-into the layer's pools through the slot mapping, then attends:
-- decode (one new token per sequence): `paged_attention` over each sequence's block table;
-- prefill of a first chunk (nothing cached before it): causal attention on the new keys, as
-  mlx-lm does;
-- prefill of a later chunk, or after a prefix-cache hit: the cached prefix's blocks are gathered
-  and the chunk attends to them plus itself, with a causal mask offset by the prefix length.
+A model computes q, k, v (after RoPE) for the step's packed tokens and calls this layer; it
+writes the new keys and values into the layer's pools through the slot mapping, then runs
+`paged_attention_varlen` over every sequence's block table (decodes and prefill chunks alike).
 """
 
 from __future__ import annotations
@@ -14,10 +10,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import paged_attention
+from . import paged_attention_varlen
 from .metadata import AttentionMetadata
-from .reference import gather_blocks
-from ..utils import cdiv
 
 
 class PagedAttention(nn.Module):
@@ -32,29 +26,12 @@ class PagedAttention(nn.Module):
         self.scale = scale
 
     def __call__(self, q: mx.array, k: mx.array, v: mx.array, cache, meta: AttentionMetadata) -> mx.array:
-        """q `[B, num_heads, L, hd]`, k and v `[B, num_kv_heads, L, hd]` -> `[B, L, num_heads * hd]`."""
-        B, _, L, hd = q.shape
-        # [B, kvh, L, hd] -> [B * L, kvh, hd], the order of slot_mapping
-        k_rows = k.transpose(0, 2, 1, 3).reshape(B * L, self.num_kv_heads, hd)
-        v_rows = v.transpose(0, 2, 1, 3).reshape(B * L, self.num_kv_heads, hd)
-        k_pool, v_pool = cache.write(self.layer_idx, k_rows, v_rows, meta.slot_mapping)
-
-        if not meta.is_prefill:
-            out = paged_attention(
-                q.reshape(B, self.num_heads, hd), k_pool, v_pool,
-                meta.block_tables, meta.context_lens, scale=self.scale, impl=meta.impl,
-            )
-            return out.reshape(B, 1, -1)
-
-        if meta.prefix_len == 0:
-            keys, values, mask = k, v, "causal"
-        else:
-            ctx = meta.prefix_len + L
-            table = meta.block_tables[:, : cdiv(ctx, k_pool.shape[2])]
-            keys, values = (gather_blocks(p, table)[:, :, :ctx] for p in (k_pool, v_pool))
-            pos = mx.arange(meta.prefix_len, ctx)[:, None]
-            mask = pos >= mx.arange(ctx)[None, :]
-        out = mx.fast.scaled_dot_product_attention(
-            q, keys.astype(q.dtype), values.astype(q.dtype), scale=self.scale, mask=mask
+        """q `[T, num_heads, 1, hd]`, k and v `[T, num_kv_heads, 1, hd]` (one row per new token)
+        -> `[T, 1, num_heads * hd]`."""
+        T = q.shape[0]
+        k_pool, v_pool = cache.write(self.layer_idx, k.squeeze(2), v.squeeze(2), meta.slot_mapping)
+        out = paged_attention_varlen(
+            q.squeeze(2), k_pool, v_pool, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+            scale=self.scale, impl=meta.impl,
         )
-        return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return out.reshape(T, 1, -1)

@@ -1,13 +1,20 @@
-"""Paged decode attention in pure MLX ops: the reference every kernel is checked against.
+"""Paged attention in pure MLX ops: the reference every kernel is checked against.
 
-Each sequence's blocks are gathered through its block table into a contiguous
+Decode: each sequence's blocks are gathered through its block table into a contiguous
 `[num_kv_heads, max_blocks * block_size, head_dim]` array, positions at or past
 `context_lens[i]` are masked, and grouped-query attention runs in float32.
+Varlen: sequences with one new token go through the decode path together; each longer one
+gathers its own blocks and runs `mx.fast.scaled_dot_product_attention` with a causal mask
+offset by its cached prefix.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import mlx.core as mx
+
+from ..utils import cdiv
 
 
 def gather_blocks(pool: mx.array, block_tables: mx.array) -> mx.array:
@@ -45,3 +52,41 @@ def paged_attention_reference(
     probs = mx.softmax(scores, axis=-1)
     out = probs @ v  # [S, kvh, group, d]
     return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
+
+
+def paged_attention_varlen_reference(
+    q: mx.array,  # [T, num_heads, head_dim]: the new tokens of S sequences, concatenated
+    k_cache: mx.array,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache: mx.array,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    block_tables: mx.array,  # [S, max_blocks] int32
+    cu_seqlens_q: mx.array,  # [S + 1] int32
+    context_lens: mx.array,  # [S] int32: cached plus new tokens
+    scale: float,
+    decode_attention: Callable | None = None,
+) -> mx.array:  # [T, num_heads, head_dim]
+    """`decode_attention` (default: `paged_attention_reference`) serves the one-token sequences."""
+    decode_attention = decode_attention or paged_attention_reference
+    cu = cu_seqlens_q.tolist()
+    ctx = context_lens.tolist()
+    block_size = k_cache.shape[2]
+    pieces = []
+    s, num_seqs = 0, len(ctx)
+    while s < num_seqs:
+        if cu[s + 1] - cu[s] == 1:
+            e = s
+            while e < num_seqs and cu[e + 1] - cu[e] == 1:
+                e += 1  # a run of decodes: one batched call
+            pieces.append(decode_attention(
+                q[cu[s] : cu[e]], k_cache, v_cache, block_tables[s:e], context_lens[s:e], scale))
+            s = e
+            continue
+        n, c = cu[s + 1] - cu[s], ctx[s]
+        table = block_tables[s : s + 1, : cdiv(c, block_size)]
+        k, v = (gather_blocks(p, table)[:, :, :c].astype(q.dtype) for p in (k_cache, v_cache))
+        qs = q[cu[s] : cu[s + 1]].transpose(1, 0, 2)[None]  # [1, H, n, d]
+        # New token j sits at position c - n + j and sees every position up to its own.
+        mask = "causal" if n == c else mx.arange(c - n, c)[:, None] >= mx.arange(c)[None, :]
+        out = mx.fast.scaled_dot_product_attention(qs, k, v, scale=scale, mask=mask)
+        pieces.append(out[0].transpose(1, 0, 2))
+        s += 1
+    return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)

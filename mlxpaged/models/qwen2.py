@@ -1,4 +1,7 @@
-"""Qwen2 / Qwen2.5 in MLX, for a batch of sequences at different positions on a paged KV cache.
+"""Qwen2 / Qwen2.5 in MLX, for the packed new tokens of many sequences on a paged KV cache.
+
+A step's T new tokens (decodes and prefill chunks of any number of sequences) enter as one
+`[T]` array and run as T rows of length 1, so RoPE takes each token's own position.
 
 Parameter names follow the Hugging Face checkpoints, so mlx-lm's loader (quantized
 mlx-community checkpoints included) fills these modules unchanged. The model knows nothing of
@@ -65,12 +68,12 @@ class Attention(nn.Module):
         self.attn = PagedAttention(layer_idx, self.n_heads, self.n_kv_heads, hd, self.scale)
 
     def __call__(self, x: mx.array, cache, meta: AttentionMetadata) -> mx.array:
-        B, L, _ = x.shape
+        B, L, _ = x.shape  # B = T tokens, L = 1
         q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
         k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        q = self.rope(q, offset=meta.offsets)
-        k = self.rope(k, offset=meta.offsets)
+        q = self.rope(q, offset=meta.positions)
+        k = self.rope(k, offset=meta.positions)
         return self.o_proj(self.attn(q, k, v, cache, meta))
 
 
@@ -113,7 +116,7 @@ class Qwen2Model(nn.Module):
 
 
 class Model(nn.Module):
-    """`Model(args)(input_ids [B, L], cache, meta)` -> logits `[B, V]` of each row's last token."""
+    """`Model(args)(input_ids [T], cache, meta)` -> logits `[S, V]` at `meta.logits_indices`."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -123,10 +126,9 @@ class Model(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def __call__(self, inputs: mx.array, cache, meta: AttentionMetadata, all_logits: bool = False) -> mx.array:
-        h = self.model(inputs, cache, meta)
-        if not all_logits:
-            h = h[:, -1]  # only the last position's logits are sampled
+    def __call__(self, inputs: mx.array, cache, meta: AttentionMetadata) -> mx.array:
+        h = self.model(inputs[:, None], cache, meta)[:, 0]  # [T, hidden]
+        h = h[meta.logits_indices]  # only the sampled positions reach the output layer
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)
