@@ -60,23 +60,32 @@ def sample_key(seed: int, sample_index: int) -> mx.array:
     return mx.array(np.array(y, dtype=np.uint32))
 
 
+def filter_rows(x: mx.array, top_k: mx.array, top_p: mx.array) -> mx.array:
+    """Tempered logits `x [R, V]` (float32) with the tokens each row's top-k/top-p drop set to -inf.
+
+    top_k `[R]` int32 (V keeps all), top_p `[R]` float32 (1 keeps all). One sort serves both.
+    """
+    neg_inf = mx.array(-mx.inf, dtype=mx.float32)
+    desc = -mx.sort(-x, axis=-1)
+    kth = mx.take_along_axis(desc, (top_k - 1)[:, None], axis=-1)  # [R, 1]
+    x = mx.where(x >= kth, x, neg_inf)
+    # top-p on the top-k survivors, renormalized over every kept token (ties at the k-th too)
+    desc = mx.where(desc >= kth, desc, neg_inf)
+    probs = mx.exp(desc - mx.logsumexp(x, axis=-1, keepdims=True))
+    before = mx.cumsum(probs, axis=-1, inclusive=False)
+    num_kept = mx.sum(before < top_p[:, None], axis=-1, keepdims=True)  # >= 1: nothing precedes the first
+    pth = mx.take_along_axis(desc, num_kept - 1, axis=-1)
+    pth = mx.where(top_p[:, None] < 1.0, pth, neg_inf)  # top_p = 1 drops nothing, rounding aside
+    return mx.where(x >= pth, x, neg_inf)
+
+
 def filter_logits(logits: mx.array, params: SamplingParams) -> mx.array:
     """Tempered logits `[V]` (float32) with the tokens top-k/top-p drop set to -inf."""
     x = logits.astype(mx.float32) / params.temperature
-    vocab = x.shape[-1]
-    neg_inf = mx.array(-mx.inf, dtype=mx.float32)
-    cand = x
-    if 0 < params.top_k < vocab:
-        cand = mx.topk(x, params.top_k)  # only these can survive top-p
-        x = mx.where(x >= mx.min(cand), x, neg_inf)
-    if params.top_p < 1.0:
-        desc = -mx.sort(-cand)
-        # Normalize over every kept token (ties beyond the k-th included), not just `cand`.
-        probs = mx.exp(desc - mx.logsumexp(x))
-        before = mx.cumsum(probs, inclusive=False)
-        num_kept = mx.sum(before < params.top_p)  # >= 1: nothing comes before the first
-        x = mx.where(x >= mx.take(desc, num_kept - 1), x, neg_inf)
-    return x
+    if not params.needs_filter(x.shape[-1]):
+        return x
+    k = params.top_k if 0 < params.top_k < x.shape[-1] else x.shape[-1]
+    return filter_rows(x[None], mx.array([k]), mx.array([params.top_p], dtype=mx.float32))[0]
 
 
 def sample_token(logits: mx.array, params: SamplingParams, key: mx.array | None) -> tuple[mx.array, mx.array | None]:
@@ -85,6 +94,16 @@ def sample_token(logits: mx.array, params: SamplingParams, key: mx.array | None)
         return mx.argmax(logits, axis=-1), key
     key, sub = mx.random.split(key)
     return mx.random.categorical(filter_logits(logits, params), key=sub), key
+
+
+_split_rows = mx.vmap(lambda k: mx.random.split(k))
+
+
+def _draw_rows(x: mx.array, keys: mx.array) -> tuple[mx.array, mx.array]:
+    """Each row's draw with its own key, as `sample_token` makes it: (tokens [R], next keys [R, 2])."""
+    pairs = _split_rows(keys)  # [R, 2, 2]: (next key, sub-key) per row
+    noise = mx.vmap(lambda k: mx.random.gumbel(x.shape[-1:], key=k))(pairs[:, 1])
+    return mx.argmax(x + noise, axis=-1), pairs[:, 0]
 
 
 def _logprob_arrays(logits: mx.array, tokens: mx.array, rows: list[int], top: int):
@@ -100,28 +119,37 @@ def _logprob_arrays(logits: mx.array, tokens: mx.array, rows: list[int], top: in
 
 
 def sample_batch(logits: mx.array, params: list[SamplingParams], keys: list[mx.array | None]):
-    """Sample row `i` of `logits [B, V]` with `params[i]` and `keys[i]`.
+    """Sample row `i` of `logits [B, V]` with `params[i]` and `keys[i]`, every row in one graph.
 
     Returns (tokens: list[int], the advanced keys, logprobs: list[TokenLogprob | None]) with
     one entry per row; a row's logprobs are None when its `params.logprobs` is None. Greedy
-    rows share one argmax; the logprobs of all rows come from one log-softmax and one
-    argpartition, evaluated with the tokens.
+    rows share one argmax; sampled rows share one temperature division, one sort (only for
+    the rows with top-k or top-p) and one vmapped split-and-draw over their keys; the logprobs
+    of all rows come from one log-softmax and one argpartition. One `eval` for everything.
     """
-    greedy = mx.argmax(logits, axis=-1)
-    out, new_keys = [], []
-    for i, (p, k) in enumerate(zip(params, keys)):
-        if p.greedy:
-            out.append(greedy[i])
-            new_keys.append(k)
-        else:
-            tok, k = sample_token(logits[i], p, k)
-            out.append(tok)
-            new_keys.append(k)
-    toks = mx.stack(out) if out else greedy
+    toks = mx.argmax(logits, axis=-1)
+    new_keys = list(keys)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    drawn_keys = None
+    if sampled:
+        vocab = logits.shape[-1]
+        idx = mx.array(sampled)
+        temps = mx.array([params[i].temperature for i in sampled], dtype=mx.float32)
+        x = logits[idx].astype(mx.float32) / temps[:, None]
+        filt = [j for j, i in enumerate(sampled) if params[i].needs_filter(vocab)]
+        if filt:
+            fidx = mx.array(filt)
+            top_k = mx.array([params[sampled[j]].top_k if 0 < params[sampled[j]].top_k < vocab else vocab for j in filt])
+            top_p = mx.array([params[sampled[j]].top_p for j in filt], dtype=mx.float32)
+            x[fidx] = filter_rows(x[fidx], top_k, top_p)
+        drawn, drawn_keys = _draw_rows(x, mx.stack([keys[i] for i in sampled]))
+        toks[idx] = drawn.astype(toks.dtype)
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     top = min(max((params[i].logprobs for i in rows), default=0), logits.shape[-1])
     lp = _logprob_arrays(logits, toks, rows, top) if rows else ()
-    mx.eval(toks, *[k for k in new_keys if k is not None], *[a for a in lp if a is not None])
+    mx.eval(toks, *([drawn_keys] if sampled else []), *[a for a in lp if a is not None])
+    for j, i in enumerate(sampled):
+        new_keys[i] = drawn_keys[j]
     token_list = toks.tolist()
     logprobs: list[TokenLogprob | None] = [None] * len(params)
     if rows:

@@ -58,6 +58,10 @@ class SamplingParams:
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 
+    def needs_filter(self, vocab_size: int) -> bool:
+        """Whether top-k or top-p can drop any token of a `vocab_size` vocabulary."""
+        return 0 < self.top_k < vocab_size or self.top_p < 1.0
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
