@@ -5,7 +5,8 @@ from ._blas import use_system_blas
 use_system_blas()  # before MLX loads: see _blas.py
 
 
-from .attention import paged_attention
+from .attention import paged_attention, paged_attention_varlen
+from .beam_search import BeamSearchParams
 from .config import EngineConfig
 from .engine import LLMEngine
 from .llm import LLM
@@ -20,5 +21,7 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "paged_attention",
+    "paged_attention_varlen",
+    "BeamSearchParams",
 ]
 __version__ = "0.1.0"

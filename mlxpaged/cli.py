@@ -83,9 +83,12 @@ def main():
 @click.option("--attention", "attention_impl", default="auto", type=click.Choice(["auto", "reference", "metal"]), show_default=True)
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap each prompt in the model's chat template.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS (benchmarks).")
+@click.option("--beam-width", default=0, show_default=True, help="Beam search with this many beams on shared blocks (0: sample).")
+@click.option("--length-penalty", default=1.0, show_default=True, help="Beam score = cumulative logprob / length ** this.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with outputs and stats.")
 def generate(model, prompts, prompts_file, n, max_tokens, temp, top_p, top_k, seed, stop, block_size, num_blocks,
-             max_num_seqs, max_num_batched_tokens, prefix_caching, dtype, attention_impl, chat, ignore_eos, as_json):
+             max_num_seqs, max_num_batched_tokens, prefix_caching, dtype, attention_impl, chat, ignore_eos,
+             beam_width, length_penalty, as_json):
     """Generate completions for one or more prompts on a paged KV cache."""
     from .config import EngineConfig
 
@@ -98,6 +101,12 @@ def generate(model, prompts, prompts_file, n, max_tokens, temp, top_p, top_k, se
         base = dict(n=n, max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, seed=seed,
                     stop=list(stop), ignore_eos=ignore_eos)
         params = [SamplingParams(**{**base, **extra}) for _, extra in items]
+        beam = None
+        if beam_width:
+            from .beam_search import BeamSearchParams
+
+            beam = BeamSearchParams(beam_width, max_tokens, ignore_eos=ignore_eos, length_penalty=length_penalty)
+            params = [SamplingParams(n=beam_width, max_tokens=max_tokens)] * len(items)  # the pool's sizing
         config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching,
                               attention_impl=attention_impl)
@@ -111,17 +120,21 @@ def generate(model, prompts, prompts_file, n, max_tokens, temp, top_p, top_k, se
         if num_blocks is None:
             config.num_blocks = _workload_blocks(loaded, config, ids, params)
         engine = LLMEngine(loaded, config)
-        rids = [engine.add_request(i, sp) for i, sp in zip(ids, params)]
+        if beam is not None:
+            rids = [engine.add_beam_request(i, beam) for i in ids]
+        else:
+            rids = [engine.add_request(i, sp) for i, sp in zip(ids, params)]
     except (MlxPagedError, ValueError) as e:
         _fail(str(e))
 
-    stream = not as_json and len(items) == 1 and params[0].n == 1
+    stream = not as_json and len(items) == 1 and params[0].n == 1 and beam is None
     done = _run(engine, rids, stream=stream, progress=bool(prompts_file) and not stream, as_json=as_json)
     stats = engine.stats_dict()
     if as_json:
         outputs = [
             {"prompt_index": i, "sample_index": c.index, "text": c.text, "token_ids": c.token_ids,
-             "finish_reason": c.finish_reason, "num_cached_tokens": done[r].num_cached_tokens}
+             "finish_reason": c.finish_reason, "num_cached_tokens": done[r].num_cached_tokens,
+             **({"cumulative_logprob": c.cumulative_logprob, "score": c.score} if beam is not None else {})}
             for i, r in enumerate(rids) if r in done for c in done[r].outputs
         ]
         click.echo(json.dumps({"outputs": outputs, "stats": stats}))
@@ -177,8 +190,10 @@ def _run(engine, rids, *, stream: bool, progress: bool, as_json: bool) -> dict:
 
 def _print_output(index: int, out, num_prompts: int) -> None:
     for c in out.outputs:
-        label = f"prompt {index}, sample {c.index}" if num_prompts > 1 else f"sample {c.index}"
-        click.echo(f"==== {label} ({len(c.token_ids)} tokens, {c.finish_reason}) ====")
+        what = "beam" if c.score is not None else "sample"
+        label = f"prompt {index}, {what} {c.index}" if num_prompts > 1 else f"{what} {c.index}"
+        score = f", score {c.score:.4f}, logprob {c.cumulative_logprob:.4f}" if c.score is not None else ""
+        click.echo(f"==== {label} ({len(c.token_ids)} tokens, {c.finish_reason}{score}) ====")
         click.echo(c.text)
 
 
@@ -188,9 +203,10 @@ def _summary(s: dict) -> None:
     click.echo(f"Generation: {s['generation_tokens']} tokens, {s['generation_tps']:.1f} tokens-per-sec")
     click.echo(f"Peak memory: {s['peak_memory_gb']:.3f} GB (KV pool: {s['num_blocks']} blocks of "
                f"{s['block_size']} tokens, {s['pool_gb']:.3f} GB)")
+    forks = f", {s['beam_forks']} beam forks, {s['beam_frees']} beams freed" if s["beam_forks"] else ""
     click.echo(
         f"KV blocks: {s['blocks_in_use_peak']} in use at peak (without sharing: {s['blocks_without_sharing']}), "
-        f"{s['cow_copies']} copy-on-write copies, block size {s['block_size']}, pool {s['num_blocks']}"
+        f"{s['cow_copies']} copy-on-write copies{forks}, block size {s['block_size']}, pool {s['num_blocks']}"
     )
     if s["prefix_cache_hit_tokens"] or s["preemptions"]:
         click.echo(f"Prefix cache: {s['prefix_cache_hit_tokens']} prompt tokens reused; preemptions: {s['preemptions']}")

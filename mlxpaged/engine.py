@@ -13,6 +13,7 @@ import time
 
 import mlx.core as mx
 
+from .beam_search import BeamSearchParams, BeamState, Hypothesis, beam_score, select, top_candidates
 from .block_manager import BlockManager, HashFn, blocks_for_request, sha256_block_hash
 from .config import EngineConfig
 from .errors import MlxPagedError, StepError
@@ -70,39 +71,57 @@ class LLMEngine:
     ) -> str:
         """Queue one prompt (text or token ids); returns its request id."""
         params = params or SamplingParams()
+        ids, text = self._prompt_ids(prompt)
+        self._check_fits(len(ids), params.n, params.max_tokens)
+        seed = params.seed if params.seed is not None else random.getrandbits(31)
+        seqs = [
+            Sequence(next(self._seq_ids), list(ids), len(ids), sample_index=i,
+                     rng_key=None if params.greedy else sample_key(seed, i),
+                     detokenizer=self.tokenizer.detokenizer)
+            for i in range(params.n)
+        ]
+        return self._queue(Request(self._new_id(request_id), list(ids), params, seqs, len(self._requests), text))
+
+    def add_beam_request(self, prompt: str | list[int], params: BeamSearchParams, request_id: str | None = None) -> str:
+        """Queue a beam search of `params.beam_width` beams over one prompt (see `beam_search`)."""
+        ids, text = self._prompt_ids(prompt)
+        self._check_fits(len(ids), params.beam_width, params.max_tokens)
+        sp = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
+        req = Request(self._new_id(request_id), list(ids), sp, [Sequence(next(self._seq_ids), list(ids), len(ids))],
+                      len(self._requests), text)
+        req.beam = BeamState(params)
+        return self._queue(req)
+
+    def _prompt_ids(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, [int(t) for t in prompt]
         if not ids:
             raise MlxPagedError("empty prompt: give at least one token")
-        self._check_fits(len(ids), params)
+        return ids, text
+
+    def _new_id(self, request_id: str | None) -> str:
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self._requests:
             raise MlxPagedError(f"duplicate request id '{rid}'")
-        seed = params.seed if params.seed is not None else random.getrandbits(31)
-        seqs = [
-            Sequence(next(self._seq_ids), list(ids), len(ids), sample_index=i,
-                     rng_key=None if params.greedy else sample_key(seed, i))
-            for i in range(params.n)
-        ]
-        for s in seqs:
-            s.detokenizer = self.tokenizer.detokenizer
-        req = Request(rid, list(ids), params, seqs, arrival_index=len(self._requests), prompt_text=text)
-        self._requests[rid] = req
-        self.scheduler.add(req)
-        self.stats.prompt_tokens += len(ids)
         return rid
 
-    def _check_fits(self, num_prompt: int, params: SamplingParams) -> None:
+    def _queue(self, req: Request) -> str:
+        self._requests[req.request_id] = req
+        self.scheduler.add(req)
+        self.stats.prompt_tokens += req.num_prompt_tokens
+        return req.request_id
+
+    def _check_fits(self, num_prompt: int, n: int, max_tokens: int) -> None:
         """Reject a request that could not finish even with the whole pool to itself."""
         bm = self.block_manager
-        need = blocks_for_request(num_prompt, params.n, params.max_tokens, bm.block_size)
+        need = blocks_for_request(num_prompt, n, max_tokens, bm.block_size)
         if need > self.num_blocks:
             what = "prompt" if bm.blocks_for(num_prompt) > self.num_blocks else "request"
             raise MlxPagedError(
-                f"{what} cannot fit in the KV pool: {num_prompt} prompt tokens, n={params.n}, "
-                f"max_tokens={params.max_tokens} need up to {need} blocks of {bm.block_size} "
+                f"{what} cannot fit in the KV pool: {num_prompt} prompt tokens, n={n}, "
+                f"max_tokens={max_tokens} need up to {need} blocks of {bm.block_size} "
                 f"but the pool has {self.num_blocks}; raise --num-blocks or lower -n/--max-tokens"
             )
 
@@ -160,6 +179,13 @@ class LLMEngine:
         return logits
 
     def _sample(self, rows: list[SampleRow], logits: mx.array) -> None:
+        beams: dict[Request, dict[Sequence, int]] = {}
+        for r in rows:
+            if r.request.beam is not None:
+                beams.setdefault(r.request, {}).update({s: r.row for s in r.seqs})
+        for req, seq_rows in beams.items():
+            self._beam_step(req, seq_rows, logits)
+        rows = [r for r in rows if r.request.beam is None]
         pairs = [(r.request, s) for r in rows for s in r.seqs]
         if not pairs:
             return
@@ -172,6 +198,46 @@ class LLMEngine:
             self._append_token(req, seq, tok, lp)
             if seq.finished:
                 self.scheduler.finish_sequence(req, seq)
+
+    def _beam_step(self, req: Request, seq_rows: dict[Sequence, int], logits: mx.array) -> None:
+        """Rank the continuations of every live beam; fork, drop and finish beams (beam_search.py)."""
+        state, width = req.beam, req.beam.params.beam_width
+        live = req.live_seqs()
+        assert set(seq_rows) == set(live), "every live beam computes its logits in the same step"
+        cands = top_candidates(logits[mx.array([seq_rows[s] for s in live])], [s.cumulative_logprob for s in live], 2 * width)
+        ignore_eos = state.params.ignore_eos
+        next_beams, ended = select(cands, width, lambda t: not ignore_eos and t in self.eos_token_ids)
+        lp = state.params.length_penalty
+        for c in ended:
+            tokens = live[c.beam].output_token_ids + [c.token]
+            state.add(Hypothesis(tokens, c.cumulative_logprob, beam_score(c.cumulative_logprob, len(tokens), True, lp), "stop"))
+        self.stats.generation_tokens += len(next_beams) + len(ended)
+        kept: list[Sequence] = []
+        for c in next_beams:  # fork before any parent takes its own new token
+            parent = live[c.beam]
+            if parent in kept:
+                child = Sequence(next(self._seq_ids), list(parent.token_ids), parent.num_prompt_tokens)
+                self.scheduler.fork_beam(req, parent, child)
+                kept.append(child)
+            else:
+                kept.append(parent)
+        for s in live:
+            if s not in kept:
+                self.scheduler.drop_beam(req, s)
+        for s, c in zip(kept, next_beams):
+            s.token_ids.append(c.token)
+            s.cumulative_logprob = c.cumulative_logprob
+        req.seqs = kept  # best first
+        if not state.done and kept and kept[0].num_output_tokens >= state.params.max_tokens:
+            for s in kept:
+                state.add(Hypothesis(list(s.output_token_ids), s.cumulative_logprob,
+                                     beam_score(s.cumulative_logprob, s.num_output_tokens, False, lp), "length"))
+        if state.done or not kept or kept[0].num_output_tokens >= state.params.max_tokens:
+            for s in kept:
+                s.finish_reason = FinishReason.LENGTH
+                self.scheduler.finish_sequence(req, s)
+            if not kept:
+                self.scheduler.finish_request(req)
 
     def _append_token(self, req: Request, seq: Sequence, tok: int, logprob) -> None:
         """Add a sampled token and decide whether it ends the sample.
@@ -211,6 +277,8 @@ class LLMEngine:
         return self.make_output(req)
 
     def make_output(self, req: Request) -> RequestOutput:
+        if req.beam is not None:
+            return self._beam_output(req)
         outs = []
         for s in req.seqs:
             if s.finished:
@@ -221,6 +289,16 @@ class LLMEngine:
             outs.append(CompletionOutput(s.sample_index, text, list(s.output_token_ids),
                                          s.finish_reason.value if s.finish_reason else None,
                                          logprobs=list(s.logprobs) if req.params.logprobs is not None else None))
+        return RequestOutput(req.request_id, req.prompt_text, req.prompt_token_ids, outs, req.finished, req.num_cached_tokens)
+
+    def _beam_output(self, req: Request) -> RequestOutput:
+        """The finished hypotheses, best first (none while the search runs)."""
+        outs = []
+        if req.finished:
+            for i, h in enumerate(req.beam.finished):
+                text_ids = h.token_ids[:-1] if h.finish_reason == "stop" else h.token_ids
+                outs.append(CompletionOutput(i, self.tokenizer.decode(text_ids), list(h.token_ids), h.finish_reason,
+                                             cumulative_logprob=h.cumulative_logprob, score=h.score))
         return RequestOutput(req.request_id, req.prompt_text, req.prompt_token_ids, outs, req.finished, req.num_cached_tokens)
 
     # -- introspection ---------------------------------------------------------------------------
@@ -257,6 +335,8 @@ class LLMEngine:
             "blocks_in_use_peak": st.blocks_in_use_peak,
             "blocks_without_sharing": st.blocks_without_sharing_peak,
             "cow_copies": self.block_manager.num_cow_copies,
+            "beam_forks": self.scheduler.num_beam_forks,
+            "beam_frees": self.scheduler.num_beam_frees,
             "prefix_cache_hit_tokens": self.scheduler.prefix_cache_hit_tokens,
             "preemptions": self.scheduler.num_preemptions,
             "blocks_free": pool.num_free,

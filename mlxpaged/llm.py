@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from .beam_search import BeamSearchParams
 from .config import EngineConfig
 from .engine import LLMEngine
 from .loader import LoadedModel, load
@@ -61,6 +62,9 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        return self._drain(ids, on_output)
+
+    def _drain(self, ids: list[str], on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
@@ -69,3 +73,19 @@ class LLM:
                 if out.finished:
                     done[out.request_id] = out
         return [done[i] for i in ids]
+
+    def beam_search(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        params: BeamSearchParams,
+    ) -> list[RequestOutput]:
+        """Beam search over each prompt, all in one continuous batch; outputs in prompt order.
+
+        Each output's `outputs` are the `beam_width` best finished hypotheses, best first, with
+        `token_ids`, `text`, `cumulative_logprob` and `score` (see `mlxpaged.beam_search` for
+        the stopping and scoring rule).
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [self.engine.add_beam_request(p, params) for p in prompts]
+        return self._drain(ids)

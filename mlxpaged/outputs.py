@@ -22,6 +22,8 @@ class CompletionOutput:
     token_ids: list[int]  # generated ids only
     finish_reason: str | None  # "stop", "length", or None while running
     logprobs: list[TokenLogprob] | None = None  # one per generated token when SamplingParams.logprobs is set
+    cumulative_logprob: float | None = None  # beam search: log-probability of token_ids
+    score: float | None = None  # beam search: cumulative_logprob / length ** length_penalty
 
 
 @dataclass

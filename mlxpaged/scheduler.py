@@ -73,6 +73,8 @@ class Scheduler:
         self.running: dict[str, Request] = {}  # admission order (dicts keep insertion order)
         self.num_preemptions = 0
         self.prefix_cache_hit_tokens = 0
+        self.num_beam_forks = 0
+        self.num_beam_frees = 0
         self._num_running_seqs = 0  # live samples of running requests
         self._headroom_blocks = int(config.watermark * block_manager.pool.num_blocks)
 
@@ -134,7 +136,7 @@ class Scheduler:
         return False
 
     def _can_admit(self, req: Request) -> bool:
-        if self._num_running_seqs + len(req.live_seqs()) > self.config.max_num_seqs and self.running:
+        if self._num_running_seqs + req.max_live_seqs > self.config.max_num_seqs and self.running:
             return False
         need = self.bm.blocks_for(req.prefill_target())
         headroom = self._headroom_blocks if self.running else 0
@@ -146,7 +148,11 @@ class Scheduler:
             carrier = req.carrier
             todo = [(carrier, req.prefill_target() - carrier.num_computed_tokens)]
         else:
-            todo = [(s, s.num_uncomputed) for s in req.live_seqs() if s.num_uncomputed > 1]
+            live = req.live_seqs()
+            # Beams rank their continuations together: recomputing ones stop one token short
+            # and then decode in the same step as the others.
+            short = 1 if req.beam is not None and len(live) > 1 else 0
+            todo = [(s, s.num_uncomputed - short) for s in live if s.num_uncomputed > 1]
         for seq, remaining in todo:
             n = min(remaining, budget)
             if n <= 0:
@@ -231,6 +237,26 @@ class Scheduler:
         if req.finished:
             del self.running[req.request_id]
             req.status = RequestStatus.FINISHED
+
+    def finish_request(self, req: Request) -> None:
+        """End a request that holds no live sample any more (a beam search whose beams all ended)."""
+        if req.request_id in self.running:
+            del self.running[req.request_id]
+        req.status = RequestStatus.FINISHED
+
+    def fork_beam(self, req: Request, parent: Sequence, child: Sequence) -> None:
+        """A new beam `child` (same tokens as `parent`) that shares all of its blocks."""
+        self.bm.fork(parent, child)
+        req.seqs.append(child)
+        self._num_running_seqs += 1
+        self.num_beam_forks += 1
+
+    def drop_beam(self, req: Request, seq: Sequence) -> None:
+        """A beam that no candidate continues: its blocks are released now."""
+        self.bm.free(seq)
+        req.seqs.remove(seq)
+        self._num_running_seqs -= 1
+        self.num_beam_frees += 1
 
     def abort(self, req: Request) -> None:
         """End `req` wherever it is; its blocks return to the pool at once."""

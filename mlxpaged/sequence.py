@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 if TYPE_CHECKING:
+    from .beam_search import BeamState
     from .block_pool import Block
     from .sampling_params import SamplingParams
 
@@ -57,6 +58,7 @@ class Sequence:
     stop_text_len: int | None = None  # set when a stop string ended the sample
     detokenizer: object = None  # mlx-lm streaming detokenizer: the text so far
     logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when asked for
+    cumulative_logprob: float = 0.0  # beam search: log-probability of the output tokens
 
     @property
     def num_tokens(self) -> int:
@@ -103,6 +105,12 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     prompt_prefilled: bool = False
     num_preemptions: int = 0
+    beam: "BeamState | None" = None  # set for a beam-search request: its beams are `seqs`
+
+    @property
+    def max_live_seqs(self) -> int:
+        """Samples this request may run at once (a beam search grows to its width)."""
+        return self.beam.params.beam_width if self.beam is not None else len(self.live_seqs())
 
     @property
     def num_prompt_tokens(self) -> int:

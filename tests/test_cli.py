@@ -116,3 +116,18 @@ def test_generate_sizes_the_pool_to_its_workload(tiny_model_path, mlx_lm_tiny):
     assert st["num_blocks"] == shared + 3 * (-(-(p + 19) // 16) - shared)
     # K and V, 2 layers, 2 KV heads, 16 slots, head_dim 64, float32
     assert st["pool_gb"] * 1e9 == pytest.approx(st["num_blocks"] * 2 * 2 * 2 * 16 * 64 * 4, rel=1e-6)
+
+
+def test_beam_width_prints_scored_beams(tiny_model_path, mlx_lm_tiny):
+    from test_beam_search import reference_beam_search
+
+    ref_model, tok = mlx_lm_tiny
+    prompt = "The KV cache stores"
+    r = run("--model", str(tiny_model_path), "--prompt", prompt, "--no-chat", "--beam-width", "3", "-t", "8", "--json")
+    assert r.exit_code == 0, r.output
+    outs = json.loads(r.stdout)["outputs"]
+    want = reference_beam_search(ref_model, tok.encode(prompt), 3, 8, eos=set(tok.eos_token_ids))
+    assert [o["token_ids"] for o in outs] == [t for _, t, _ in want]
+    assert [o["score"] for o in outs] == pytest.approx([s for s, _, _ in want], abs=1e-4)
+    r = run("--model", str(tiny_model_path), "--prompt", prompt, "--no-chat", "--beam-width", "3", "-t", "8")
+    assert r.exit_code == 0 and r.stdout.count("==== beam ") == 3 and "score" in r.stdout

@@ -75,3 +75,26 @@ def test_prefix_caching_on_equals_off(real):
     (on, hits_on), (off, hits_off) = runs
     assert on == off
     assert hits_off == [0, 0, 0] and hits_on[0] == 0 and min(hits_on[1:]) >= 16
+
+
+def test_beam_search_width_4_matches_contiguous(real):
+    from test_beam_search import reference_beam_search
+
+    from mlxpaged import BeamSearchParams
+
+    loaded, ref = real
+    tok = loaded.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "Write a Python function that reverses a string."}],
+                                   add_generation_prompt=True, tokenize=False)
+    prompt = tok.encode(text, add_special_tokens=False)
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=64))
+    rid = engine.add_beam_request(prompt, BeamSearchParams(beam_width=4, max_tokens=32))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    want = reference_beam_search(ref, prompt, 4, 32, eos=set(engine.eos_token_ids))
+    got = done[rid].outputs
+    assert [c.token_ids for c in got] == [t for _, t, _ in want]
+    assert [c.cumulative_logprob for c in got] == pytest.approx([c for _, _, c in want], abs=1e-3)
+    st = engine.stats_dict()
+    assert st["beam_forks"] > 0 and st["blocks_in_use_peak"] < st["blocks_without_sharing"]
