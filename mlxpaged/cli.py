@@ -80,6 +80,7 @@ def main():
 @click.option("--max-num-batched-tokens", default=2048, show_default=True, help="Tokens computed per step (prefill chunk size).")
 @click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True)
 @click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), show_default=True)
+@click.option("--weights", default="auto", type=click.Choice(["auto", "quantized", "float"]), show_default=True, help="GGUF block weights kept quantized (MLX quantized layers) or dequantized; auto: quantized on a GPU, float on the CPU (faster there).")
 @click.option("--attention", "attention_impl", default="auto", type=click.Choice(["auto", "reference", "metal"]), show_default=True)
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap each prompt in the model's chat template.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS (benchmarks).")
@@ -87,7 +88,7 @@ def main():
 @click.option("--length-penalty", default=1.0, show_default=True, help="Beam score = cumulative logprob / length ** this.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with outputs and stats.")
 def generate(model, prompts, prompts_file, n, max_tokens, temp, top_p, top_k, seed, stop, block_size, num_blocks,
-             max_num_seqs, max_num_batched_tokens, prefix_caching, dtype, attention_impl, chat, ignore_eos,
+             max_num_seqs, max_num_batched_tokens, prefix_caching, dtype, weights, attention_impl, chat, ignore_eos,
              beam_width, length_penalty, as_json):
     """Generate completions for one or more prompts on a paged KV cache."""
     from .config import EngineConfig
@@ -115,7 +116,7 @@ def generate(model, prompts, prompts_file, n, max_tokens, temp, top_p, top_k, se
         from .engine import LLMEngine
         from .loader import load
 
-        loaded = load(model, dtype)
+        loaded = load(model, dtype, weights)
         ids = [_encode(loaded.tokenizer, p, chat) for p, _ in items]
         if num_blocks is None:
             config.num_blocks = _workload_blocks(loaded, config, ids, params)

@@ -1,0 +1,120 @@
+"""`mlxpaged serve`: load a model, start the engine thread, serve the OpenAI API with uvicorn.
+
+Only click is imported at module level, so `mlxpaged generate` works without the `serve`
+extra; `serve` itself says what to install when FastAPI, uvicorn or prometheus-client is missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+
+import click
+
+from ..errors import MlxPagedError
+
+
+def _fail(msg: str) -> None:
+    click.echo(f"error: {msg}", err=True)
+    sys.exit(1)
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail in one line before loading the model, rather than after, in uvicorn's words."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            _fail(f"cannot listen on {host}:{port}: {e.strerror}")
+
+
+@click.command()
+@click.option("--model", "-m", default=None, help="Checkpoint directory, .gguf file or Hugging Face repo id (default: the offline Qwen2.5-Coder-0.5B-Instruct).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0 exposes the server to the network).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--api-key", envvar="MLXPAGED_API_KEY", default=None, help="Require 'Authorization: Bearer KEY' on /v1/ routes (env MLXPAGED_API_KEY).")
+@click.option("--max-queue", default=1024, show_default=True, type=click.IntRange(1), help="Requests waiting for admission before new ones get 503.")
+@click.option("--served-model-name", default=None, help="The model id of /v1/models (default: --model, or the checkpoint's folder name).")
+@click.option("--block-size", default=16, show_default=True, help="Tokens per KV block (power of two, 1..256).")
+@click.option("--num-blocks", default=None, type=int, help="KV blocks in the pool (default: sized from free memory).")
+@click.option("--max-num-seqs", default=64, show_default=True, help="Sequences running at once.")
+@click.option("--max-num-batched-tokens", default=2048, show_default=True, help="Tokens computed per step (prefill chunk size).")
+@click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True)
+@click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), show_default=True)
+@click.option("--attention", "attention_impl", default="auto", type=click.Choice(["auto", "reference", "metal"]), show_default=True)
+@click.option("--shutdown-timeout", default=5.0, show_default=True, help="Seconds Ctrl-C lets running requests finish before aborting them.")
+@click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]), show_default=True)
+def serve(model, host, port, api_key, max_queue, served_model_name, block_size, num_blocks, max_num_seqs,
+          max_num_batched_tokens, prefix_caching, dtype, attention_impl, shutdown_timeout, log_level):
+    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        _fail(f"`serve` needs {e.name}: install mlxpaged[serve] (pip install 'mlxpaged[serve]')")
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    _check_port(host, port)
+    from .app import build_app
+    from .engine_loop import EngineLoop
+    from .metrics import Metrics
+
+    metrics = Metrics()
+    engine_loop = EngineLoop(lambda: _load_engine(model, dtype, block_size, num_blocks, max_num_seqs,
+                                                  max_num_batched_tokens, prefix_caching, attention_impl),
+                             observer=metrics)
+    try:
+        engine_loop.start()
+    except (MlxPagedError, ValueError) as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        click.echo("interrupted while loading the model", err=True)
+        sys.exit(130)
+    engine, loaded = engine_loop.engine, engine_loop.engine.loaded
+    model_id = served_model_name or model or loaded.path.name
+    metrics.attach(engine_loop)
+    app = build_app(engine_loop, metrics, model_id=model_id, model_aliases={loaded.path.name, str(loaded.path)},
+                    api_key=api_key, max_queue=max_queue)
+    _announce(host, port, model_id, loaded, engine, api_key)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
+                            timeout_graceful_shutdown=shutdown_timeout + 5, lifespan="on")
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # Streams end themselves (finished, or aborted with an error event) before uvicorn's own deadline.
+            engine_loop.drain(shutdown_timeout)
+            super().handle_exit(sig, frame)
+
+    try:
+        Server(config).run()
+    except KeyboardInterrupt:  # uvicorn re-raises the captured SIGINT once it has shut down cleanly
+        pass
+    click.echo("mlxpaged serve: stopped", err=True)
+
+
+def _load_engine(model, dtype, block_size, num_blocks, max_num_seqs, max_num_batched_tokens, prefix_caching, attention_impl):
+    from ..config import EngineConfig
+    from ..engine import LLMEngine
+    from ..loader import load
+
+    config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching,
+                          attention_impl=attention_impl)
+    return LLMEngine(load(model, dtype), config)
+
+
+def _announce(host, port, model_id, loaded, engine, api_key) -> None:
+    from ..attention import resolve_impl
+
+    bs = engine.config.block_size
+    click.echo(
+        f"mlxpaged serve: http://{host}:{port}/v1  model {model_id} ({loaded.path}, {loaded.dtype})\n"
+        f"  KV pool: {engine.num_blocks} blocks x {bs} tokens = {engine.num_blocks * bs} tokens, "
+        f"{engine.kv_cache.nbytes / 1e9:.3f} GB; attention: {resolve_impl(engine.config.attention_impl)}; "
+        f"prefix caching: {'on' if engine.config.enable_prefix_caching else 'off'}; "
+        f"auth: {'API key' if api_key else 'none'}",
+        err=True,
+    )

@@ -1,0 +1,249 @@
+"""The one thread that owns an `LLMEngine` and drives `step()`; HTTP handlers talk to it by queue.
+
+Invariants:
+- Only this thread calls the engine (`add_request`, `step`, `abort_request`, `metrics`), and it
+  builds the engine itself: MLX streams are per thread, so arrays the engine creates lazily
+  must belong to the thread that evaluates them.
+- Submissions and aborts queued by any thread are applied between two steps, adds first, so a
+  new request joins the batch at the next step and an abort frees its blocks before it.
+- Every accepted request gets outputs on its sink until exactly one terminal item: a finished
+  `RequestOutput`, or an exception (`StepError`, `EngineDown`). An aborted request gets nothing more.
+- With nothing queued and nothing unfinished the thread sleeps on a condition; it never spins.
+  Before it sleeps it empties MLX's buffer cache (and trims glibc's heap), so an idle server's resident memory returns
+  to the weights plus the KV pool, however varied the shapes it served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ctypes
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from ..errors import StepError
+from ..sampling_params import SamplingParams
+
+log = logging.getLogger("mlxpaged.server")
+
+
+def _trim_heap() -> None:
+    """Return free heap pages to the OS (glibc keeps freed CPU buffers in its arenas otherwise)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS): nothing to do
+        pass
+
+
+class EngineDown(RuntimeError):
+    """The server is shutting down, or the engine failed outside any one request."""
+
+
+@dataclass
+class Sink:
+    """Where one HTTP request's outputs go: `(request_id, RequestOutput | Exception)` on an asyncio queue."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, rid: str, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (rid, item))
+        except RuntimeError:  # the client's event loop is closed: nobody is listening
+            pass
+
+
+@dataclass
+class _Timing:
+    arrival: float
+    last: dict[int, float] = field(default_factory=dict)  # sample index -> time of its last token
+    tokens: dict[int, int] = field(default_factory=dict)  # sample index -> tokens seen
+
+
+class EngineLoop:
+    """`submit` and `abort` from any thread; `snapshot` is the engine's metrics after the last step.
+
+    `observer`, if given, has `first_token(seconds)` and `inter_token(seconds)`: time to first
+    token from `submit`, and the gap between two tokens of one sample (a step that yields k
+    tokens of one sample counts as k gaps of 1/k each).
+    """
+
+    def __init__(self, make_engine, observer=None):
+        self._make_engine = make_engine
+        self.engine = None
+        self.observer = observer
+        self._cv = threading.Condition()
+        self._adds: list[tuple] = []
+        self._aborts: list[str] = []
+        self._sinks: dict[str, Sink] = {}
+        self._timing: dict[str, _Timing] = {}
+        self._stopping = False
+        self._drain_deadline: float | None = None  # set by `drain`: no new requests; abort the rest then
+        self._thread = threading.Thread(target=self._run, name="mlxpaged-engine", daemon=True)
+        self.steps = 0
+        self.snapshot: dict = {}
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+
+    # -- any thread -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Build the engine on the engine thread and start stepping; re-raises a failed build."""
+        self._thread.start()
+        while not self._ready.wait(0.2):  # a timed wait, so Ctrl-C reaches the main thread
+            pass
+        if self._start_error is not None:
+            raise self._start_error
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort everything still running (its sinks get `EngineDown`) and end the thread."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def drain(self, timeout: float) -> None:
+        """Refuse new requests; let running ones finish for `timeout` seconds, then abort them (`EngineDown`)."""
+        with self._cv:
+            if self._drain_deadline is None:
+                self._drain_deadline = time.monotonic() + timeout
+            self._cv.notify()
+
+    @property
+    def pending(self) -> int:
+        """Submissions not yet handed to the engine."""
+        return len(self._adds)
+
+    def submit(self, prompt: list[int], params: SamplingParams, rid: str, sink: Sink) -> concurrent.futures.Future:
+        """Queue a request; the future resolves to `rid` once the engine accepted it, or to its error."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if self._stopping or self._drain_deadline is not None:
+                fut.set_exception(EngineDown("the server is shutting down"))
+                return fut
+            self._adds.append((prompt, params, rid, sink, fut, time.perf_counter()))
+            self._cv.notify()
+        return fut
+
+    def abort(self, rid: str) -> None:
+        with self._cv:
+            self._aborts.append(rid)
+            self._cv.notify()
+
+    # -- the engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.engine = self._make_engine()
+            self.snapshot = self._metrics()
+        except BaseException as e:
+            self._start_error = e
+            return
+        finally:
+            self._ready.set()
+        while True:
+            if not (self._adds or self._aborts or self.engine.has_unfinished_requests()):
+                mx.clear_cache()  # going idle: give freed buffers back (cheap; the next step refills what it needs)
+                _trim_heap()
+                self.snapshot = self._metrics()
+            with self._cv:
+                while not (self._stopping or self._adds or self._aborts or self.engine.has_unfinished_requests()):
+                    self._cv.wait(None if self._drain_deadline is None else 0.5)
+                if self._stopping:
+                    break
+                if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
+                    self._abort_all("the server is shutting down")
+                adds, self._adds = self._adds, []
+                aborts, self._aborts = self._aborts, []
+            for item in adds:
+                self._add(*item)
+            for rid in aborts:
+                self._abort(rid)
+            if self.engine.has_unfinished_requests():
+                self._step()
+            self.snapshot = self._metrics()
+        self._shutdown()
+
+    def _add(self, prompt, params, rid, sink, fut, arrival) -> None:
+        try:
+            self.engine.add_request(prompt, params, request_id=rid)
+        except Exception as e:  # MlxPagedError / ValueError: the request's own fault
+            fut.set_exception(e)
+            return
+        self._sinks[rid] = sink
+        self._timing[rid] = _Timing(arrival)
+        fut.set_result(rid)
+
+    def _abort(self, rid: str) -> None:
+        if self._sinks.pop(rid, None) is not None:
+            self._timing.pop(rid, None)
+            self.engine.abort_request(rid)
+
+    def _step(self) -> None:
+        try:
+            outs = self.engine.step()
+        except StepError as e:  # the engine already aborted these and freed their blocks
+            log.error("%s", e)
+            for rid in e.request_ids:
+                self._fail(rid, e)
+            return
+        except Exception as e:  # a bug outside any one request: fail all, keep the engine usable
+            log.exception("engine step failed")
+            self._abort_all(f"engine failure: {type(e).__name__}: {e}")
+            return
+        self.steps += 1
+        now = time.perf_counter()
+        for out in outs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            self._observe(out, now)
+            sink.put(out.request_id, out)
+            if out.finished:
+                del self._sinks[out.request_id]
+                self._timing.pop(out.request_id, None)
+
+    def _observe(self, out, now: float) -> None:
+        t = self._timing.get(out.request_id)
+        if t is None or self.observer is None:
+            return
+        for c in out.outputs:
+            k = len(c.token_ids) - t.tokens.get(c.index, 0)
+            if k <= 0:
+                continue
+            if c.index in t.last:
+                for _ in range(k):
+                    self.observer.inter_token((now - t.last[c.index]) / k)
+            elif not t.last:  # the request's first token (its n samples share one prefill)
+                self.observer.first_token(now - t.arrival)
+            t.last[c.index] = now
+            t.tokens[c.index] = len(c.token_ids)
+
+    def _fail(self, rid: str, exc: BaseException) -> None:
+        sink = self._sinks.pop(rid, None)
+        self._timing.pop(rid, None)
+        if sink is not None:
+            sink.put(rid, exc)
+
+    def _shutdown(self) -> None:
+        with self._cv:
+            adds, self._adds = self._adds, []
+        for *_, fut, _arrival in adds:
+            fut.set_exception(EngineDown("the server is shutting down"))
+        self._abort_all("the server is shutting down")
+        self.snapshot = self._metrics()
+
+    def _abort_all(self, why: str) -> None:
+        for rid in list(self._sinks):
+            self.engine.abort_request(rid)
+            self._fail(rid, EngineDown(why))
+
+    def _metrics(self) -> dict:
+        m = dict(self.engine.metrics())
+        m["mlx_active_memory_bytes"] = mx.get_active_memory()
+        m["mlx_peak_memory_bytes"] = mx.get_peak_memory()
+        m["mlx_cache_memory_bytes"] = mx.get_cache_memory()
+        return m
