@@ -1,11 +1,16 @@
 """Compiling lowered MSL into a shared library, cached on disk by content hash.
 
-The compiler is a clang >= 15 (needs `_Float16` on x86-64): `$MLXPAGED_EMU_CXX` if set, else a
-system `clang++-NN`/`clang++` that is new enough, else `python -m ziglang c++` (the `ziglang`
-wheel; its first run spends about a minute building its C++ library cache). Libraries live in
-`$MLXPAGED_EMU_CACHE` (default `~/.cache/mlxpaged/metal_emu`), named by the SHA-256 of
-everything that affects them (source, shim, runtime, flags, compiler), so a stale library is
-never reused and concurrent builders never see a half-written file (atomic rename).
+The compiler is the same everywhere: `python -m ziglang c++` (clang, from the `ziglang` wheel
+the test extra installs; its first run spends about a minute building its C++ library cache),
+unless `$MLXPAGED_EMU_CXX` names another clang >= 17 (`__bf16` arithmetic and
+`-fbfloat16-excess-precision` arrived in clang 17; clang 16 rejects every kernel's flags).
+A system clang is never picked up by itself: its runtime library (Debian 12's clang links
+libgcc 12) may lack builtins the kernels call, and a machine's results should not depend on what
+else it has installed. Any accepted compiler gives working bf16: runtime.cpp defines the bf16
+conversion builtins itself (weakly). Libraries live in `$MLXPAGED_EMU_CACHE` (default
+`~/.cache/mlxpaged/metal_emu`), named by the SHA-256 of everything that affects them (source,
+shim, runtime, flags, compiler command and `--version`, host CPU), so a stale library is never
+reused and concurrent builders never see a half-written file (atomic rename).
 """
 
 from __future__ import annotations
@@ -32,12 +37,18 @@ KERNEL_FLAGS = [
     # Vectorizers could merge loads into widths the tracing does not report (> 16 bytes).
     "-fno-vectorize", "-fno-slp-vectorize",
     "-fstack-clash-protection",  # large frames probe each page, so they hit the guard page
+    # zig targets the host CPU; AVX512-BF16 / AVX-NE-CONVERT float->bf16 instructions flush
+    # subnormals to zero, so bf16 always goes through __truncsfbf2 (exact, same on every CPU).
+    "-Xclang", "-target-feature", "-Xclang", "-avx512bf16",
+    "-Xclang", "-target-feature", "-Xclang", "-avxneconvert",
     "-fsanitize-coverage=inline-8bit-counters,trace-loads,trace-stores",
     "-Wno-unknown-attributes", "-Wno-ignored-attributes", "-Wno-gcc-compat",
     "-Wno-c++20-extensions", "-Wno-c++2b-extensions", "-Wno-unused-value",
     "-Wno-deprecated-declarations", "-Wno-unknown-pragmas", "-Wno-c++17-extensions",
     "-Wno-macro-redefined",
 ]
+# The oldest clang that compiles the kernels (__bf16 arithmetic, -fbfloat16-excess-precision).
+MIN_CLANG = 17
 RUNTIME_FLAGS = ["-std=c++17", "-O2", "-fPIC", "-g0", "-fno-sanitize=all", "-fno-exceptions"]
 
 
@@ -51,12 +62,9 @@ def cache_dir() -> Path:
     return d
 
 
-def _clang_major(exe: str) -> int:
-    try:
-        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    m = re.search(r"clang version (\d+)", out)
+def clang_major(cmd: tuple[str, ...]) -> int:
+    """Major version of the clang that `cmd` runs (0: not a clang, or it does not run)."""
+    m = re.search(r"clang version (\d+)", compiler_version(cmd))
     return int(m.group(1)) if m else 0
 
 
@@ -77,23 +85,33 @@ def _cpu_identity() -> str:
 @functools.lru_cache(maxsize=None)
 def compiler() -> tuple[tuple[str, ...], str]:
     """(command prefix, identity string for the cache key) of the C++ compiler to use."""
-    env = os.environ.get("MLXPAGED_EMU_CXX")
+    env = os.environ.get("MLXPAGED_EMU_CXX", "").strip()
     if env:
         cmd = tuple(env.split())
-        return cmd, f"{env} {_clang_major(cmd[0])} {_cpu_identity()}"
-    for name in [f"clang++-{v}" for v in range(25, 14, -1)] + ["clang++"]:
-        exe = shutil.which(name)
-        if exe and _clang_major(exe) >= 15:
-            return (exe,), f"{exe} {_clang_major(exe)} {_cpu_identity()}"
+        major = clang_major(cmd)
+        if major < MIN_CLANG:
+            found = f"clang {major}" if major else "not a clang that runs"
+            raise CompileError(
+                f"MLXPAGED_EMU_CXX={env!r}: the MSL emulator needs clang >= {MIN_CLANG} ({found})")
+        return cmd, f"{env} {compiler_version(cmd)} {_cpu_identity()}"
     try:
         import ziglang  # noqa: F401
     except ImportError:
         raise CompileError(
-            "the MSL emulator needs clang >= 15: install the `ziglang` wheel or set MLXPAGED_EMU_CXX"
+            "the MSL emulator compiles with the `ziglang` wheel (pip install -e '.[test]') "
+            f"or the clang >= {MIN_CLANG} that MLXPAGED_EMU_CXX names"
         ) from None
     cmd = (sys.executable, "-m", "ziglang", "c++")
-    ver = subprocess.run([*cmd, "--version"], capture_output=True, text=True).stdout.strip()
-    return cmd, f"zig {ver} {_cpu_identity()}"
+    return cmd, f"zig {compiler_version(cmd)} {_cpu_identity()}"
+
+
+def compiler_version(cmd: tuple[str, ...]) -> str:
+    """The compiler's full `--version` text: any upgrade changes the cache key."""
+    try:
+        return subprocess.run([*cmd, "--version"], capture_output=True, text=True,
+                              timeout=300).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def _run(cmd: list[str], what: str) -> None:

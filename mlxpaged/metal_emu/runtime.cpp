@@ -832,3 +832,56 @@ EXPORT int mlxemu_launch(LaunchDesc* d, char* err, int errlen) {
   g_cur = nullptr;
   return rc;
 }
+
+// ---------------------------------------------------------------------------------------------
+// bfloat16 conversion builtins. Without a native instruction (compiler.py turns AVX512-BF16 off:
+// it flushes subnormals), clang lowers float -> __bf16 to a call of __truncsfbf2, which many
+// runtime libraries lack: zig's compiler-rt has none, Debian 12's clang links libgcc 12 (no bf16
+// before GCC 13); the library then fails to load ("undefined symbol: __truncsfbf2").
+// Weak, so a strong definition linked in alongside takes precedence instead of clashing; hidden,
+// so each library binds its own copy, never one from elsewhere in the process.
+// Invariants: round to nearest, ties to even; overflow gives +-inf; subnormals are kept (no
+// flush); a NaN stays a NaN of the same sign, made quiet, keeping the top of its payload (as
+// compiler-rt and libgcc do). bf16 -> float needs no builtin: clang inlines that shift.
+
+static inline uint16_t bf16_from_f32(float f) {
+  uint32_t x;
+  memcpy(&x, &f, 4);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x0040u);  // NaN: quiet
+  // Adding 0x7fff plus the kept LSB rounds half to even; a carry out of the mantissa bumps the
+  // exponent, which is also right at the top (float max -> inf).
+  return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+static inline uint16_t bf16_from_f64(double d) {
+  if (d != d) return bf16_from_f32((float)d);  // the cast keeps sign and top payload
+  // Round to odd into float (16 spare bits), then to nearest even into bf16: one correct
+  // rounding, no double-rounding error (a plain (float)d would round twice).
+  float f = (float)d;
+  if ((double)f != d) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if (__builtin_fabs((double)f) > __builtin_fabs(d)) x -= 1;  // truncate toward zero
+    x |= 1u;                                                     // sticky: make it odd
+    memcpy(&f, &x, 4);
+  }
+  return bf16_from_f32(f);
+}
+
+#define BF16_BUILTIN extern "C" __attribute__((weak, visibility("hidden")))
+BF16_BUILTIN __bf16 __truncsfbf2(float f) {
+  uint16_t b = bf16_from_f32(f);
+  __bf16 r;
+  memcpy(&r, &b, 2);  // a bit copy: a conversion here would call this function again
+  return r;
+}
+BF16_BUILTIN __bf16 __truncdfbf2(double d) {
+  uint16_t b = bf16_from_f64(d);
+  __bf16 r;
+  memcpy(&r, &b, 2);
+  return r;
+}
+
+// The same conversions under names no runtime library defines, for tests (ctypes).
+EXPORT uint16_t mlxemu_bf16_from_float(float f) { return bf16_from_f32(f); }
+EXPORT uint16_t mlxemu_bf16_from_double(double d) { return bf16_from_f64(d); }
