@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from .block_pool import Block, BlockPool
+from .block_pool import BlockPool
 from .sequence import Sequence
 from .utils import cdiv
 

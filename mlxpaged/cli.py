@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-import time
 
 import click
 
@@ -52,8 +51,9 @@ def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:
     if not prompt.strip():
         raise MlxPagedError("empty prompt")
     if chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
-        return tokenizer.encode(text, add_special_tokens=False)
+        from .chat import chat_ids
+
+        return chat_ids(tokenizer, [{"role": "user", "content": prompt}])
     return tokenizer.encode(prompt)
 
 

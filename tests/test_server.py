@@ -396,6 +396,9 @@ def test_step_error_fails_only_its_requests(tiny_loaded, monkeypatch):
         assert "injected fault" in bad.json()["error"]["message"]
         good = c.post("/v1/completions", json={"prompt": "The KV cache", "max_tokens": 4, "temperature": 0})
         assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1
+        deadline = time.monotonic() + 2  # the snapshot follows the step that delivered the answer
+        while loop.snapshot["kv_blocks_used"] and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert loop.snapshot["kv_blocks_used"] == 0
     assert not loop._thread.is_alive()
 

@@ -106,12 +106,11 @@ def paged_attention_varlen(
             f"paged_attention_varlen: cu_seqlens_q {cu_seqlens_q.shape} and context_lens {context_lens.shape} "
             f"do not match {num_seqs} block-table rows"
         )
-    impl = resolve_impl(impl, q, k_cache)
-    decode = None
-    if impl == "metal":
-        from .metal import paged_attention_metal
-
-        def decode(q1, kc, vc, tables, lens, sc):
-            return paged_attention_metal(q1, kc, vc, tables, lens, scale=sc)
-
+    decode = _metal_decode if resolve_impl(impl, q, k_cache) == "metal" else None
     return paged_attention_varlen_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, decode)
+
+
+def _metal_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
+    from .metal import paged_attention_metal
+
+    return paged_attention_metal(q, k_cache, v_cache, block_tables, context_lens, scale=scale)

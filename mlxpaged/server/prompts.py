@@ -7,6 +7,7 @@ as `generate --chat` does for a single user message.
 
 from __future__ import annotations
 
+from ..chat import chat_ids
 from ..errors import MlxPagedError
 from .errors import APIError
 
@@ -28,10 +29,9 @@ def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = chat_ids(tokenizer, messages)
     except Exception as e:  # a template's own raise_exception(), e.g. roles out of order
         raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-    ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:
         raise MlxPagedError("empty prompt")
     return ids
