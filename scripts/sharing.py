@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--widths", default="2,4,6")
     ap.add_argument("--datasets", default="alpaca,sharegpt")
-    ap.add_argument("--modes", default="parallel,beam")
+    ap.add_argument("--modes", default="beam,parallel")
     ap.add_argument("--json", dest="json_out", default=None, help="write the rows (and provenance) here")
     args = ap.parse_args()
 
@@ -48,9 +48,9 @@ def main() -> None:
                 r["dataset"] = ds
                 rows.append(r)
                 print(table([r]).splitlines()[-1], flush=True)
+                if args.json_out:  # after every row: a long run that is stopped keeps what it measured
+                    write_json(args.json_out, "sharing", str(loaded.path.name), {"rows": rows})
     print(table(rows))
-    if args.json_out:
-        write_json(args.json_out, "sharing", str(loaded.path.name), {"rows": rows})
 
 
 if __name__ == "__main__":
