@@ -2,16 +2,21 @@
 //
 // One threadgroup handles one (sequence, kv head[, partition]). Its NSG simdgroups take the
 // context's tokens round-robin; within a simdgroup the 32 lanes split head_dim, so a K or V row
-// is one coalesced read. Each row is read once and used for all G query heads sharing the kv
-// head (grouped-query attention). Softmax and accumulators are fp32 and online (running max).
+// is one coalesced read (each lane loads its DPL dims as vectors). Each row is read once and
+// used for all G query heads sharing the kv head (grouped-query attention). Softmax and
+// accumulators are fp32 and online (running max), in base 2: queries are pre-scaled by
+// scale * log2(e), so every exponential is one fast::exp2.
 
 #include <metal_stdlib>
 using namespace metal;
 
-// -FLT_MAX: a finite "minus infinity", so exp(m_old - m_new) never computes inf - inf.
+// -FLT_MAX: a finite "minus infinity", so exp2(m_old - m_new) never computes inf - inf.
 #define PA_FINITE_MIN (-3.4028234663852886e38f)
-// Tokens whose block ids are staged in threadgroup memory at a time.
+#define PA_LOG2E 1.4426950408889634f
+// Tokens whose block ids are staged in threadgroup memory at a time (double-buffered).
 #define PA_CHUNK_TOKENS 256
+// Tokens a simdgroup scores before one shared softmax rescale.
+#define PA_TOKEN_GROUP 4
 
 // Block-table entries staged per chunk: whole blocks, at least one.
 #define PA_CHUNK_BLOCKS(BS) ((BS) >= PA_CHUNK_TOKENS ? 1 : PA_CHUNK_TOKENS / (BS))
@@ -19,15 +24,38 @@ using namespace metal;
 // Per-simdgroup online-softmax state; each lane owns DPL = head_dim / 32 output dims.
 template <int G, int DPL>
 struct PAState {
-  float m[G];         // running max of the scores
-  float l[G];         // running sum of exp(score - m)
-  float acc[G][DPL];  // running sum of exp(score - m) * v
+  float m[G];         // running max of the scores (log2 domain)
+  float l[G];         // running sum of exp2(score - m)
+  float acc[G][DPL];  // running sum of exp2(score - m) * v
 };
+
+// This lane's DPL consecutive elements at `p`, as floats, in loads of up to 4 elements (the
+// widest Metal vector): one 8- or 16-byte load instead of DPL scalar loads.
+template <typename T, int DPL>
+inline void pa_load(const device T* p, thread float* out) {
+  if (DPL % 4 == 0) {
+    for (int i = 0; i < DPL; i += 4) {
+      const vec<T, 4> x = *(const device vec<T, 4>*)(p + i);
+      for (int j = 0; j < 4; j++) {
+        out[i + j] = static_cast<float>(x[j]);
+      }
+    }
+  } else if (DPL == 2) {
+    const vec<T, 2> x = *(const device vec<T, 2>*)p;
+    out[0] = static_cast<float>(x[0]);
+    out[1] = static_cast<float>(x[1]);
+  } else {
+    for (int i = 0; i < DPL; i++) {
+      out[i] = static_cast<float>(p[i]);
+    }
+  }
+}
 
 // Attend to tokens [tok_begin, tok_end) of one sequence for the G query heads of kv head `kvh`,
 // leaving each simdgroup's partial state in `st`. Every thread of the threadgroup must call it.
 // Table is `const device int32_t*`, or `const constant int32_t*` when MLX passes a table of
-// fewer than 8 entries in the constant address space.
+// fewer than 8 entries in the constant address space. tok_end <= max_blocks * BS (the caller
+// clamps), so no table entry past the sequence's row is read.
 template <typename T, int HD, int BS, int G, int NSG, typename Table>
 inline void pa_attend(
     thread PAState<G, HD / 32>& st,
@@ -46,17 +74,19 @@ inline void pa_attend(
     uint lane,                            // thread index in the simdgroup
     uint tid,                             // thread index in the threadgroup
     threadgroup float* tg_q,              // [G, HD] scaled queries
-    threadgroup int* tg_blocks) {         // [PA_CHUNK_BLOCKS(BS)] physical block ids
+    threadgroup int* tg_blocks) {         // [2, PA_CHUNK_BLOCKS(BS)] physical block ids
   static_assert(HD % 32 == 0, "head_dim must be a multiple of 32");
   constexpr int DPL = HD / 32;
   constexpr int NT = NSG * 32;
   constexpr int CB = PA_CHUNK_BLOCKS(BS);
   constexpr int CT = CB * BS;
+  constexpr int U = PA_TOKEN_GROUP;
 
-  // Stage the G query heads once per threadgroup, pre-scaled, so each query is read once.
+  // Stage the G query heads once per threadgroup, pre-scaled into the log2 domain.
   const device T* qg = q + ((size_t)seq * num_kv_heads + kvh) * G * HD;
+  const float qscale = scale * PA_LOG2E;
   for (int i = tid; i < G * HD; i += NT) {
-    tg_q[i] = scale * static_cast<float>(qg[i]);
+    tg_q[i] = qscale * static_cast<float>(qg[i]);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -74,46 +104,63 @@ inline void pa_attend(
   const size_t block_stride = (size_t)num_kv_heads * BS * HD;  // elements per physical block
   const size_t head_offset = (size_t)kvh * BS * HD + lane * DPL;
 
-  for (int c0 = tok_begin; c0 < tok_end; c0 += CT) {
-    // Stage this chunk's block ids: each table entry is read once per threadgroup.
+  int buf = 0;
+  for (int c0 = tok_begin; c0 < tok_end; c0 += CT, buf ^= 1) {
+    // Stage this chunk's block ids (each table entry read once per threadgroup) into the buffer
+    // not read during the previous chunk: one barrier per chunk. Its readers two chunks ago
+    // all passed the previous chunk's barrier before anyone refills it here.
+    threadgroup int* ids = tg_blocks + buf * CB;
     const int b0 = c0 / BS;
     for (int i = tid; i < CB; i += NT) {
-      tg_blocks[i] = (b0 + i) * BS < tok_end ? table[b0 + i] : 0;
+      ids[i] = (b0 + i) * BS < tok_end ? table[b0 + i] : 0;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     const int c1 = min(c0 + CT, tok_end);
-    for (int t = c0 + (int)sg; t < c1; t += NSG) {
-      const size_t row = (size_t)tg_blocks[t / BS - b0] * block_stride + head_offset +
-          (size_t)(t % BS) * HD;
-      float k[DPL];
-      for (int i = 0; i < DPL; i++) {
-        k[i] = static_cast<float>(k_cache[row + i]);
-      }
-      float s[G];
-      for (int g = 0; g < G; g++) {
-        float d = 0.0f;
-        for (int i = 0; i < DPL; i++) {
-          d += qr[g][i] * k[i];
+    // U tokens per step (t0, t0 + NSG, ...): scores first, then one rescale for all of them.
+    for (int t0 = c0 + (int)sg; t0 < c1; t0 += U * NSG) {
+      const int nu = min(U, (c1 - t0 + NSG - 1) / NSG);  // same for every lane of the simdgroup
+      float s[U][G];
+      size_t rows[U];  // element offset of each token's K/V row (this lane's dims)
+      for (int u = 0; u < nu; u++) {
+        const int t = t0 + u * NSG;
+        rows[u] = (size_t)ids[t / BS - b0] * block_stride + head_offset + (size_t)(t % BS) * HD;
+        float k[DPL];
+        pa_load<T, DPL>(k_cache + rows[u], k);
+        for (int g = 0; g < G; g++) {
+          float d = 0.0f;
+          for (int i = 0; i < DPL; i++) {
+            d += qr[g][i] * k[i];
+          }
+          s[u][g] = simd_sum(d);
         }
-        s[g] = simd_sum(d);
-      }
-      float v[DPL];
-      for (int i = 0; i < DPL; i++) {
-        v[i] = static_cast<float>(v_cache[row + i]);
       }
       for (int g = 0; g < G; g++) {
-        const float m_new = max(st.m[g], s[g]);
-        const float corr = exp(st.m[g] - m_new);  // rescales what was summed under the old max
-        const float p = exp(s[g] - m_new);
-        st.l[g] = st.l[g] * corr + p;
-        for (int i = 0; i < DPL; i++) {
-          st.acc[g][i] = st.acc[g][i] * corr + p * v[i];
+        float m_new = st.m[g];
+        for (int u = 0; u < nu; u++) {
+          m_new = max(m_new, s[u][g]);
         }
-        st.m[g] = m_new;
+        if (m_new > st.m[g]) {  // uniform in the simdgroup: scores come from simd_sum
+          const float corr = fast::exp2(st.m[g] - m_new);  // rescales what the old max summed
+          st.l[g] *= corr;
+          for (int i = 0; i < DPL; i++) {
+            st.acc[g][i] *= corr;
+          }
+          st.m[g] = m_new;
+        }
+      }
+      for (int u = 0; u < nu; u++) {
+        float v[DPL];
+        pa_load<T, DPL>(v_cache + rows[u], v);
+        for (int g = 0; g < G; g++) {
+          const float p = fast::exp2(s[u][g] - st.m[g]);
+          st.l[g] += p;
+          for (int i = 0; i < DPL; i++) {
+            st.acc[g][i] += p * v[i];
+          }
+        }
       }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // tg_blocks is refilled by the next chunk
   }
 }
 
@@ -140,7 +187,7 @@ inline void pa_merge_stats(
     }
     float sum = 0.0f;
     for (int s = 0; s < NSG; s++) {
-      sum += tg_stats[(NSG + s) * G + g] * exp(tg_stats[s * G + g] - mx);
+      sum += tg_stats[(NSG + s) * G + g] * fast::exp2(tg_stats[s * G + g] - mx);
     }
     M[g] = mx;
     L[g] = sum;
@@ -148,29 +195,31 @@ inline void pa_merge_stats(
 }
 
 // Sum head g's accumulators over the simdgroups, rescaled to max Mg. Returns output dim `tid`
-// (meaningful for tid < HD). Every thread of the threadgroup must call it.
+// (meaningful for tid < HD). Every thread of the threadgroup must call it, for g = 0, 1, ...:
+// head g uses half g % 2 of tg_o, so one barrier per head suffices (the next head's writes go
+// to the other half, whose readers all passed this head's barrier).
 template <int HD, int G, int NSG>
 inline float pa_reduce_head(
     thread PAState<G, HD / 32>& st,
     int g,
     float Mg,
-    threadgroup float* tg_o,  // [NSG, HD]
+    threadgroup float* tg_o,  // [2, NSG, HD]
     uint sg,
     uint lane,
     uint tid) {
   static_assert(NSG * 32 >= HD, "one thread per output dim");
   constexpr int DPL = HD / 32;
-  const float f = exp(st.m[g] - Mg);
+  threadgroup float* half_o = tg_o + (g % 2) * NSG * HD;
+  const float f = fast::exp2(st.m[g] - Mg);
   for (int i = 0; i < DPL; i++) {
-    tg_o[sg * HD + lane * DPL + i] = st.acc[g][i] * f;
+    half_o[sg * HD + lane * DPL + i] = st.acc[g][i] * f;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   float o = 0.0f;
   if (tid < HD) {
     for (int s = 0; s < NSG; s++) {
-      o += tg_o[s * HD + tid];
+      o += half_o[s * HD + tid];
     }
   }
-  threadgroup_barrier(mem_flags::mem_threadgroup);  // tg_o is reused for the next head
   return o;
 }

@@ -3,7 +3,10 @@
 // MLX writes each kernel's signature from its inputs and outputs, so this file holds only
 // bodies, one per `// @kernel NAME` section; paged_attention.h is their shared header.
 // Template parameters: T (q/cache/out dtype), HD (head_dim), BS (block size),
-// G (query heads per kv head), NSG (simdgroups per threadgroup), PART (tokens per partition).
+// G (query heads per kv head), NSG (simdgroups per threadgroup). The partition size is not a
+// template value (it would name a new kernel as contexts grow): the split kernel derives it
+// from its grid and the table width. Context lengths are clamped to the table's width
+// (max_blocks * BS), so inconsistent metadata never reads past a sequence's table row.
 
 // @kernel paged_attention
 // Single pass: one threadgroup per (kv head, sequence) covers the whole context.
@@ -23,14 +26,17 @@ const uint lane = thread_index_in_simdgroup;
 const uint tid = thread_index_in_threadgroup;
 
 threadgroup float tg_q[G * HD];
-threadgroup int tg_blocks[PA_CHUNK_BLOCKS(BS)];
+threadgroup int tg_blocks[2 * PA_CHUNK_BLOCKS(BS)];
 threadgroup float tg_stats[2 * NSG * G];
-threadgroup float tg_o[NSG * HD];
+threadgroup float tg_o[2 * NSG * HD];
+
+const int max_blocks = block_tables_shape[1];
+const int ctx = clamp(context_lens[seq], 0, max_blocks * BS);
 
 PAState<G, HD / 32> st;
 pa_attend<T, HD, BS, G, NSG>(
-    st, q, k_cache, v_cache, block_tables, block_tables_shape[1], num_kv_heads, scale,
-    seq, kvh, 0, context_lens[seq], sg, lane, tid, tg_q, tg_blocks);
+    st, q, k_cache, v_cache, block_tables, max_blocks, num_kv_heads, scale,
+    seq, kvh, 0, ctx, sg, lane, tid, tg_q, tg_blocks);
 float M[G];
 float L[G];
 pa_merge_stats<G, HD / 32, NSG>(st, tg_stats, sg, lane, M, L);
@@ -45,8 +51,9 @@ for (int g = 0; g < G; g++) {
 
 // @kernel paged_attention_partitioned
 // First pass of the split (flash-decoding) path: threadgroup (partition, kv head, sequence)
-// covers tokens [partition * PART, (partition + 1) * PART) of the context; it writes its
-// unnormalised output with its max and sum for paged_attention_merge.
+// covers tokens [partition * PART, (partition + 1) * PART) of the context, PART being the table
+// width split evenly over the partitions, rounded up to whole blocks; it writes its
+// unnormalised output with its max and sum (log2 domain) for paged_attention_merge.
 // launch: grid (32 * NSG * num_partitions, num_kv_heads, num_seqs), threadgroup (32 * NSG, 1, 1)
 // inputs:  q            [num_seqs, num_heads, HD] T
 //          k_cache      [num_blocks, num_kv_heads, BS, HD] T
@@ -66,8 +73,10 @@ const uint sg = simdgroup_index_in_threadgroup;
 const uint lane = thread_index_in_simdgroup;
 const uint tid = thread_index_in_threadgroup;
 
-const int tok_begin = part * PART;
-const int tok_end = min(context_lens[seq], tok_begin + PART);
+const int max_blocks = block_tables_shape[1];
+const int part_tokens = ((max_blocks * BS + num_parts - 1) / num_parts + BS - 1) / BS * BS;
+const int tok_begin = part * part_tokens;
+const int tok_end = min(clamp(context_lens[seq], 0, max_blocks * BS), tok_begin + part_tokens);
 const size_t row0 = ((size_t)seq * num_kv_heads + kvh) * G * num_parts + part;
 
 if (tok_begin >= tok_end) {
@@ -86,13 +95,13 @@ if (tok_begin >= tok_end) {
 }
 
 threadgroup float tg_q[G * HD];
-threadgroup int tg_blocks[PA_CHUNK_BLOCKS(BS)];
+threadgroup int tg_blocks[2 * PA_CHUNK_BLOCKS(BS)];
 threadgroup float tg_stats[2 * NSG * G];
-threadgroup float tg_o[NSG * HD];
+threadgroup float tg_o[2 * NSG * HD];
 
 PAState<G, HD / 32> st;
 pa_attend<T, HD, BS, G, NSG>(
-    st, q, k_cache, v_cache, block_tables, block_tables_shape[1], num_kv_heads, scale,
+    st, q, k_cache, v_cache, block_tables, max_blocks, num_kv_heads, scale,
     seq, kvh, tok_begin, tok_end, sg, lane, tid, tg_q, tg_blocks);
 float M[G];
 float L[G];
@@ -112,7 +121,8 @@ for (int g = 0; g < G; g++) {
 
 // @kernel paged_attention_merge
 // Second pass of the split path: one simdgroup per (head, sequence) rescales the partitions'
-// partial outputs to their common max and normalises. Lanes take partitions 32 at a time.
+// partial outputs to their common max (log2 domain) and normalises. Lanes take partitions 32
+// at a time.
 // launch: grid (32, num_heads, num_seqs), threadgroup (32, 1, 1)
 // inputs:  part_out [num_seqs, num_heads, num_partitions, HD] float32
 //          part_max [num_seqs, num_heads, num_partitions] float32
@@ -138,7 +148,7 @@ for (int i = 0; i < DPL; i++) {
 }
 for (int p0 = 0; p0 < num_parts; p0 += 32) {
   const bool mine = p0 + lane < num_parts;
-  const float w = mine ? exp(part_max[r + p0 + lane] - gmax) : 0.0f;  // partition weight
+  const float w = mine ? fast::exp2(part_max[r + p0 + lane] - gmax) : 0.0f;  // partition weight
   total += simd_sum(mine ? w * part_sum[r + p0 + lane] : 0.0f);
   for (int p = p0; p < min(p0 + 32, num_parts); p++) {
     const float wp = simd_shuffle(w, (ushort)(p - p0));

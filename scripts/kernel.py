@@ -16,6 +16,7 @@ Usage::
     python scripts/kernel.py                           # GPU table on a Mac, else bytes read
     python scripts/kernel.py --seqs 16 --tokens 4096   # full shape in the emulator (~5 min)
     MLXPAGED_METAL=emulate python scripts/kernel.py    # bytes-read table on a Mac too
+    python scripts/kernel.py --cost                    # emulator cost model, Qwen2.5-0.5B/7B shapes
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing
 
 from mlxpaged.attention import metal_native  # noqa: E402
-from mlxpaged.bench.kernel import BLOCK_SIZES, HEAD_DIM, HEADS, KV_HEADS, emulator_rows, gpu_rows  # noqa: E402
+from mlxpaged.bench.kernel import (BLOCK_SIZES, COST_SHAPES, HEAD_DIM, HEADS, KV_HEADS,  # noqa: E402
+                                   cost_model, emulator_rows, gpu_rows)
+from mlxpaged.bench.report import provenance  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -40,14 +43,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, help="tokens each (default 4096 on a GPU, 1024 emulated)")
     ap.add_argument("--max-block", type=int, default=256)
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    ap.add_argument("--cost", action="store_true",
+                    help="the emulator's cost model at Qwen2.5-0.5B and -7B head shapes instead")
     args = ap.parse_args(argv)
+    if args.cost:
+        return print_cost(args.seqs or 2, args.tokens or 1000, args.json)
     sizes = [bs for bs in BLOCK_SIZES if bs <= args.max_block]
     gpu = metal_native() and os.environ.get("MLXPAGED_METAL") != "emulate"
     seqs = args.seqs or (16 if gpu else 4)
     tokens = args.tokens or (4096 if gpu else 1024)
     rows = gpu_rows(seqs, tokens, sizes) if gpu else emulator_rows(seqs, tokens, sizes)
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps({"seqs": seqs, "tokens": tokens, "provenance": provenance(), "rows": rows}, indent=1))
         return 0
     print(f"{seqs} sequences x {tokens} tokens, {HEADS} heads / {KV_HEADS} kv heads, "
           f"head_dim {HEAD_DIM}, fp16")
@@ -69,6 +76,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{r['block_size']:>5} {'scattered' if r['scattered'] else 'in order':>9} "
               f"{kernels:>12} {r['bytes_read']:>11,} {r['minimum_bytes']:>11,} "
               f"{r['ratio']:>7.4f} {r['single_pass_ratio']:>7.4f} {r['max_error']:>8.2g}")
+    return 0
+
+
+def print_cost(seqs: int, tokens: int, as_json: bool) -> int:
+    """Operation counts of the emulated kernel per K/V token row and per (token, query head)."""
+    rows = [dict(model=m, **cost_model(g, hd, seqs=seqs, tokens=tokens)) for m, g, hd in COST_SHAPES]
+    if as_json:
+        print(json.dumps({"seqs": seqs, "tokens": tokens, "provenance": provenance(), "rows": rows}, indent=1))
+        return 0
+    print(f"Emulator cost model: {seqs} sequences x {tokens} tokens, 2 kv heads, block 16, fp16, "
+          "single pass. Per K/V token row (one token, one kv head) unless noted; exp counts are "
+          "SIMD-wide (lane calls / 32).")
+    print(f"{'model':>13} {'G':>2} {'hd':>4} {'red/tok':>8} {'red/tok/head':>12} {'shfl/tok':>8} "
+          f"{'exp/tok/head':>12} {'bar/256tok':>10} {'loop bar/256':>12} {'regs':>5}  loads/tok by width")
+    for r in rows:
+        loads = " ".join(f"{w}B:{n:.2f}" for w, n in r["device_loads_per_token"].items())
+        print(f"{r['model']:>13} {r['group']:>2} {r['head_dim']:>4} "
+              f"{r['simd_reductions_per_token']:>8.3f} {r['simd_reductions_per_token_head']:>12.3f} "
+              f"{r['simd_shuffles_per_token']:>8.3f} {r['exp_per_token_head']:>12.3f} "
+              f"{r['barriers_per_256_tokens']:>10.3f} {r['loop_barriers_per_256_tokens']:>12.3f} "
+              f"{r['registers']:>5}  {loads}")
     return 0
 
 

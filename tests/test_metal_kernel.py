@@ -129,6 +129,10 @@ def run_case(c: dict, seed: int = 0) -> float:
     lens = context_lens_for(c["block_size"], c["split"])
     args = make_inputs(rng, dtype=c["dtype"], head_dim=c["head_dim"], group=c["group"],
                        block_size=c["block_size"], scattered=c["scattered"], context_lens=lens)
+    if c.get("overlong"):  # the last sequence's length runs past its table row (and the buffer)
+        args, ref_args = overlong(args, c["block_size"])
+    else:
+        ref_args = args
     scale = 1.0 / math.sqrt(c["head_dim"])
     if c["split"]:  # the planner's own choice must split this context
         part = metal.plan_partition_tokens(len(lens), args[1].shape[1], args[3].shape[1],
@@ -136,9 +140,19 @@ def run_case(c: dict, seed: int = 0) -> float:
         assert part > 0, "planner did not split the long context"
     part = None if c["split"] else 0  # single-pass cases force one pass
     out = metal.paged_attention_metal(*args, scale=scale, partition_tokens=part)
-    ref = paged_attention_reference(*args, scale)
+    ref = paged_attention_reference(*ref_args, scale)
     assert out.dtype == args[0].dtype and out.shape == args[0].shape
     return mismatch(out, ref, c["dtype"])
+
+
+def overlong(args, block_size: int):
+    """The same inputs with each context length raised to past its table row: the kernel must
+    clamp them to the row (whose blocks make_inputs fills), matching the reference on the
+    clamped lengths, i.e. on every block of the row."""
+    q, k, v, bt, cl = args
+    full = bt.shape[1] * block_size
+    bad = (q, k, v, bt, mx.full(cl.shape, full + 3 * block_size + 5, dtype=mx.int32))
+    return bad, (q, k, v, bt, mx.full(cl.shape, full, dtype=mx.int32))
 
 
 @pytest.mark.parametrize("case", sweep_cases(), ids=case_id)
@@ -167,20 +181,31 @@ MUTANT_CASE = dict(dtype="float32", head_dim=64, group=2, block_size=16, scatter
                    split=False)
 # Long enough for two 256-token chunks of block ids per partition, and two heads per group.
 LONG_MUTANT_CASE = dict(MUTANT_CASE, block_size=1, split=True)
+# Context lengths past the table's width (bad metadata): the kernel must clamp them.
+CLAMP_CASE = dict(MUTANT_CASE, overlong=True)
 BARRIER = "threadgroup_barrier(mem_flags::mem_threadgroup);"
 MUTANTS = [
     ("block table ignored", "h", "? table[b0 + i] : 0", "? b0 + i : 0", None, MUTANT_CASE),
     ("off-by-one row offset", "h", "(size_t)(t % BS) * HD", "(size_t)(t % BS + 1) * HD", None,
      MUTANT_CASE),
-    ("no online-softmax rescale", "h", "st.acc[g][i] * corr + p * v[i]", "st.acc[g][i] + p * v[i]",
-     None, MUTANT_CASE),
+    ("no online-softmax rescale", "h", "st.acc[g][i] *= corr;", "", None, MUTANT_CASE),
+    ("exp2 without log2(e) in the scale", "h", "scale * PA_LOG2E", "scale", None, MUTANT_CASE),
+    ("softmax group of one token too many", "h", "const int nu = min(U, (c1 - t0 + NSG - 1) / NSG);",
+     "const int nu = min(U, (c1 - t0 + NSG) / NSG);", None, MUTANT_CASE),
+    ("partition size not derived from the grid", "metal",
+     "const int part_tokens = ((max_blocks * BS + num_parts - 1) / num_parts + BS - 1) / BS * BS;",
+     "const int part_tokens = 512;", None, LONG_MUTANT_CASE),
+    ("single pass without the context clamp", "metal",
+     "const int ctx = clamp(context_lens[seq], 0, max_blocks * BS);",
+     "const int ctx = context_lens[seq];", None, CLAMP_CASE),
+    ("split pass without the context clamp", "metal",
+     "min(clamp(context_lens[seq], 0, max_blocks * BS), tok_begin + part_tokens)",
+     "min(context_lens[seq], tok_begin + part_tokens)", None, dict(CLAMP_CASE, split=True)),
     ("merge without partition weights", "metal", "acc[i] += wp * po[i];", "acc[i] += po[i];",
      None, LONG_MUTANT_CASE),
 ] + [  # every threadgroup barrier of the header, one at a time
-    (f"missing barrier {n + 1}", "h", BARRIER, "", n, LONG_MUTANT_CASE) for n in range(6)
+    (f"missing barrier {n + 1}", "h", BARRIER, "", n, LONG_MUTANT_CASE) for n in range(4)
 ]
-# Barrier 3 (before the next chunk refills tg_blocks) guards a race that fibers running in
-# lockstep never turn into wrong values: only the emulator's race detector can see it.
 
 
 def mutate(monkeypatch, which: str, old: str, new: str, nth: int | None):
@@ -206,11 +231,11 @@ def mutate(monkeypatch, which: str, old: str, new: str, nth: int | None):
     else:
         bodies = {k: sub(b) for k, b in bodies.items()}
     monkeypatch.setattr(metal, "kernel_sources", lambda: (header, bodies))
-    metal._kernel.cache_clear()
+    metal.reset_kernels()
 
 
 def test_every_barrier_has_a_mutant():
-    assert metal.kernel_sources()[0].count(BARRIER) == 6
+    assert metal.kernel_sources()[0].count(BARRIER) == 4
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=[m[0] for m in MUTANTS])
@@ -225,13 +250,13 @@ def test_mutants_are_caught(emulated, monkeypatch, mutant):
             emulated(order)
             try:
                 err = run_case(case)
-            except emu.MetalEmuError as e:  # e.g. an out-of-bounds read
+            except (emu.MetalEmuError, metal.KernelCheckError) as e:  # e.g. an out-of-bounds read
                 caught.append(f"{order}: {str(e)[:80]}")
                 continue
             if not err <= 1.0:  # NaN counts as caught
                 caught.append(f"{order}: mismatch {err:.3g}")
     finally:
-        metal._kernel.cache_clear()  # drop the mutated kernel objects
+        metal.reset_kernels()  # drop the mutated kernel objects
     print(mutant[0], caught)
     needed = 1 if old == BARRIER else len(ORDERS)
     assert len(caught) >= needed, f"mutant passed under too many lane orders: {caught}"
@@ -299,8 +324,10 @@ def test_plan_partitions():
 
 @pytest.mark.parametrize("split", [False, True])
 def test_inputs_under_eight_elements(emulated, split):
-    """MLX passes arrays of fewer than 8 elements in the constant address space: a one-sequence
-    block table, its length, and the split path's per-partition max and sum arrays."""
+    """MLX passes arrays of fewer than 8 elements in the constant address space, under another
+    kernel name. The wrapper pads a one-sequence block table, the lengths and the split path's
+    per-partition max and sum arrays, so every kernel sees device arrays (one name per shape
+    family), and the padding changes no result."""
     emulated("random:3")
     rng = np.random.default_rng(4)
     lens = [2 * metal.MIN_PARTITION_TOKENS + 40] if split else [70]
@@ -310,8 +337,16 @@ def test_inputs_under_eight_elements(emulated, split):
     assert args[3].size < 8
     out, launches = metal.run_with_launches(*args, scale=0.125)
     assert launches[-1].kind == ("paged_attention_merge" if split else "paged_attention")
-    if split:
-        assert launches[1].call["inputs"][1].size < 8
+    for launch in launches:
+        arrays = [x for x in launch.call["inputs"] if x.ndim > 0]
+        assert min(x.size for x in arrays) >= 8, [x.shape for x in arrays]
+        source = metal._kernel(metal._metal_kernel_factory(), launch.kind,
+                               launch.variant).last_source
+        signature = source[source.index("[[kernel]] void"):].split(") {")[0]
+        constant = [ln.split()[3] for ln in signature.splitlines()
+                    if ln.strip().startswith("const constant")]
+        assert constant and all(n == "scale" or n.endswith(("_shape", "_strides", "_ndim"))
+                                for n in constant), constant
     assert mismatch(out, paged_attention_reference(*args, 0.125), "float16") <= 1.0
 
 

@@ -8,18 +8,33 @@ Short contexts take one pass (`paged_attention`). When there are too few (sequen
 pairs to fill the GPU, each context is split into partitions handled by separate threadgroups
 (`paged_attention_partitioned`) whose partial results a second pass merges
 (`paged_attention_merge`), flash-decoding style.
+
+Invariants (issue 12):
+  * A fixed set of compiled kernels: names depend only on (dtype, head_dim, block size, G);
+    the partition size is derived in the kernel, and inputs are padded so none has fewer than
+    8 elements (MLX would pass it in the constant address space, under another kernel name).
+    The first call for a shape family builds and runs all three kernels (`check_family`).
+  * Safe on an unseen Mac: that first run is checked against the reference; a compile or
+    launch error or a mismatch gives one warning and the reference path for that family
+    (`MLXPAGED_METAL=strict` or `=emulate`: an error instead, `KernelCheckError`).
+  * Bad metadata: the kernels clamp context lengths to the table's width; `MLXPAGED_DEBUG=1`
+    checks lengths and block ids against the table and the pool (ValueError).
+  * Registers per lane bounded: G * head_dim / 32 <= MAX_LANE_VALUES, else not supported.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 import re
+import warnings
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from ..utils import cdiv
 
@@ -32,6 +47,18 @@ NUM_SIMDGROUPS = 8  # simdgroups per threadgroup: 256 threads, enough loads in f
 TARGET_THREADGROUPS = 128
 MIN_PARTITION_TOKENS = 512
 MAX_PARTITIONS = 128
+# Whatever the batch, contexts longer than twice this are split into partitions of at most
+# this many tokens (the partials cost about 8 G / this fraction of the K/V bytes: < 1%).
+LONG_PARTITION_TOKENS = 2048
+# Accumulator values per lane (G * head_dim / 32): the kernel holds about twice this many
+# floats per lane (queries and accumulators); Apple GPUs spill beyond ~128 registers.
+MAX_LANE_VALUES = 64
+# MLX passes inputs of fewer elements in the constant address space (another kernel name).
+MIN_DEVICE_ELEMENTS = 8
+
+
+class KernelCheckError(RuntimeError):
+    """A kernel variant failed its startup check (compile, launch or a wrong result)."""
 
 # Kernel kind (a `// @kernel` section of paged_attention.metal) -> (input names, output names).
 KERNEL_IO = {
@@ -116,15 +143,18 @@ def plan_partition_tokens(num_seqs: int, num_kv_heads: int, max_blocks: int,
                           block_size: int) -> int:
     """Tokens per partition for the split path, or 0 for the single pass.
 
-    The context bound is the block table's width (reading `context_lens` would force a sync).
-    Partitions are a power of two tokens and a multiple of the block size, so each one starts
-    on a block boundary.
+    The context bound is the block table's width, i.e. the longest context in the batch
+    (reading `context_lens` would force a sync). However many sequences there are, a context
+    over 2 x LONG_PARTITION_TOKENS is split into partitions of at most that many tokens, so one
+    long sequence among many short ones is not left to one threadgroup per kv head (shorter
+    sequences' partitions past their end return at once). Partitions are a power of two tokens
+    and a multiple of the block size, so each one starts on a block boundary.
     """
     ctx = max_blocks * block_size
     groups = num_seqs * num_kv_heads
-    if groups >= TARGET_THREADGROUPS:
-        return 0
-    want = min(cdiv(TARGET_THREADGROUPS, groups), MAX_PARTITIONS, ctx // MIN_PARTITION_TOKENS)
+    long_parts = cdiv(ctx, LONG_PARTITION_TOKENS) if ctx > 2 * LONG_PARTITION_TOKENS else 1
+    fill = cdiv(TARGET_THREADGROUPS, groups) if groups < TARGET_THREADGROUPS else 1
+    want = min(max(fill, long_parts), MAX_PARTITIONS, ctx // MIN_PARTITION_TOKENS)
     if want < 2:
         return 0
     part = max(1 << (math.ceil(ctx / want) - 1).bit_length(), MIN_PARTITION_TOKENS)
@@ -132,9 +162,8 @@ def plan_partition_tokens(num_seqs: int, num_kv_heads: int, max_blocks: int,
     return part if cdiv(ctx, part) >= 2 else 0
 
 
-def _variant(head_dim: int, block_size: int, group: int, part: int = 0) -> str:
-    name = f"hd{head_dim}_bs{block_size}_g{group}_nsg{NUM_SIMDGROUPS}"
-    return f"{name}_p{part}" if part else name
+def _variant(head_dim: int, block_size: int, group: int) -> str:
+    return f"hd{head_dim}_bs{block_size}_g{group}_nsg{NUM_SIMDGROUPS}"
 
 
 def single_pass_launch(q, k_cache, v_cache, block_tables, context_lens, scale) -> Launch:
@@ -164,15 +193,18 @@ def partitioned_launch(q, k_cache, v_cache, block_tables, context_lens, scale,
     if num_parts > MAX_PARTITIONS or part % block_size:
         raise ValueError(f"bad partition size {part} for block size {block_size}")
     threads = 32 * NUM_SIMDGROUPS
-    variant = _variant(head_dim, block_size, group, part)
+    variant = _variant(head_dim, block_size, group)
+    # The max and sum arrays get spare (never written, never read) sequence rows if they would
+    # hold under 8 elements: the merge kernel's name must not change with the partition count.
+    stat_seqs = max(num_seqs, cdiv(MIN_DEVICE_ELEMENTS, num_heads * num_parts))
     return Launch("paged_attention_partitioned", variant, dict(
         inputs=[q, k_cache, v_cache, block_tables, context_lens, scale],
         template=[("T", q.dtype), ("HD", head_dim), ("BS", block_size), ("G", group),
-                  ("NSG", NUM_SIMDGROUPS), ("PART", part)],
+                  ("NSG", NUM_SIMDGROUPS)],
         grid=(threads * num_parts, num_kv_heads, num_seqs),
         threadgroup=(threads, 1, 1),
         output_shapes=[(num_seqs, num_heads, num_parts, head_dim),
-                       (num_seqs, num_heads, num_parts), (num_seqs, num_heads, num_parts)],
+                       (stat_seqs, num_heads, num_parts), (stat_seqs, num_heads, num_parts)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     ))
 
@@ -194,7 +226,8 @@ def threadgroup_bytes(head_dim: int, block_size: int, group: int) -> int:
     """Threadgroup memory of the attention kernels (mirrors their `threadgroup` arrays)."""
     chunk_blocks = max(1, 256 // block_size)  # PA_CHUNK_BLOCKS in paged_attention.h
     nsg = NUM_SIMDGROUPS
-    arrays = (group * head_dim, chunk_blocks, 2 * nsg * group, nsg * head_dim)  # 4-byte elements
+    # 4-byte elements: queries, block ids (double-buffered), stats, head outputs (double-buffered)
+    arrays = (group * head_dim, 2 * chunk_blocks, 2 * nsg * group, 2 * nsg * head_dim)
     return sum(cdiv(4 * n, 16) * 16 for n in arrays)  # each array 16-byte aligned
 
 
@@ -208,11 +241,93 @@ def minimum_bytes(q, k_cache, context_lens) -> int:
             + context_lens.nbytes)
 
 
+def check_metadata(k_cache, block_tables, context_lens) -> None:
+    """`MLXPAGED_DEBUG=1`: every context length fits its table row and every block id in use
+    names a block of the pool; else ValueError naming the sequence (costs a device sync)."""
+    num_blocks, _, bs, _ = k_cache.shape
+    width = block_tables.shape[1]
+    lens = [int(n) for n in context_lens.tolist()]
+    rows = block_tables.tolist()
+    for s, n in enumerate(lens):
+        if n < 0 or n > width * bs:
+            raise ValueError(f"paged_attention_metal: context length {n} of sequence {s} is "
+                             f"outside 0..{width * bs} (block table width {width} x block size {bs})")
+        for j, b in enumerate(rows[s][:cdiv(n, bs)]):
+            if not 0 <= b < num_blocks:
+                raise ValueError(f"paged_attention_metal: block id {b} at block_tables[{s}, {j}] "
+                                 f"is outside the pool of {num_blocks} blocks")
+
+
+# Shape family (dtype, head_dim, block size, G) -> True (kernels built, checked) or False
+# (fall back to the reference), per factory.
+_families: dict[tuple, bool] = {}
+# (atol, rtol) of the startup check per dtype: results are rounded to the dtype.
+CHECK_TOLERANCE = {mx.float16: (2e-3, 8e-3), mx.bfloat16: (1.6e-2, 4e-2), mx.float32: (1e-4, 1e-3)}
+
+
+def reset_kernels() -> None:
+    """Forget built kernels and family checks (tests that swap the kernel source or factory)."""
+    _kernel.cache_clear()
+    _families.clear()
+
+
+def check_family(group: int, k_cache: mx.array) -> bool:
+    """Build all three kernels of this shape family and check them, once per process: a small
+    random case through the single pass and the split path against the reference.
+
+    False (after one warning) means the reference path must be used. With
+    `MLXPAGED_METAL=strict` or `=emulate` a failure raises `KernelCheckError` instead.
+    """
+    _, _, bs, hd = k_cache.shape
+    factory = _metal_kernel_factory()
+    key = (factory, k_cache.dtype, hd, bs, group)
+    if key in _families:
+        return _families[key]
+    from .reference import paged_attention_reference
+
+    rng = np.random.default_rng(12)
+    nblocks = 3
+    lens = [2 * bs + 1, bs]  # two sequences; the first spans 3 blocks
+    q = mx.array(rng.standard_normal((2, group, hd)), dtype=k_cache.dtype)
+    pool = [mx.array(rng.standard_normal((2 * nblocks, 1, bs, hd)), dtype=k_cache.dtype)
+            for _ in range(2)]
+    tables = mx.array(np.array([[4, 1, 5], [2, 0, 3]], np.int32))
+    cl = mx.array(np.array(lens, np.int32))
+    ref = paged_attention_reference(q, *pool, tables, cl, 0.3).astype(mx.float32)
+    atol, rtol = CHECK_TOLERANCE[k_cache.dtype]
+    ok, problem = True, ""
+    for path, part in (("single pass", 0), ("split", bs)):
+        variant = f"{path} {_variant(hd, bs, group)} {k_cache.dtype}"
+        try:
+            out = _run(q, *pool, tables, cl, 0.3, part)[0].astype(mx.float32)
+            err = float(mx.max(mx.abs(out - ref) / (atol + rtol * mx.abs(ref))).item())
+        except Exception as e:  # compile or launch error: the reference path takes over
+            if os.environ.get("MLXPAGED_METAL") in ("strict", "emulate"):
+                raise  # the compiler's or the emulator's own report names the bug best
+            ok, problem = False, f"{variant}: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            break
+        if not err <= 1.0:  # NaN fails too
+            ok, problem = False, f"{variant}: result differs from the reference (error {err:.3g} x tolerance)"
+            break
+    if not ok:
+        if os.environ.get("MLXPAGED_METAL") in ("strict", "emulate"):
+            raise KernelCheckError(f"Metal paged-attention kernel check failed: {problem}")
+        warnings.warn(f"Metal paged-attention kernel check failed, using the reference path for "
+                      f"this shape: {problem}", RuntimeWarning, stacklevel=3)
+    _families[key] = ok
+    return ok
+
+
 def bytes_read(launches: list[Launch]) -> int:
     """Bytes the launches' kernels read from their inputs on their last run (emulator only:
     its kernels count every load)."""
     factory = _metal_kernel_factory()
     return sum(sum(_kernel(factory, l.kind, l.variant).last_stats.values()) for l in launches)
+
+
+def last_launch_stats(launch: Launch):
+    """The emulator's `LaunchStats` of this launch's kernel on its last run (emulator only)."""
+    return _kernel(_metal_kernel_factory(), launch.kind, launch.variant).last_launch
 
 
 def _check(q, k_cache):
@@ -226,6 +341,10 @@ def _check(q, k_cache):
     if threadgroup_bytes(head_dim, k_cache.shape[2], group) > 32768:  # Apple GPUs' limit
         raise ValueError(f"paged_attention_metal: {group} query heads per kv head of "
                          f"head_dim {head_dim} need more than 32 KiB of threadgroup memory")
+    if group * head_dim // 32 > MAX_LANE_VALUES:
+        raise ValueError(f"paged_attention_metal: {group} query heads per kv head of head_dim "
+                         f"{head_dim} need {group * head_dim // 32} accumulators per lane, over "
+                         f"the register bound {MAX_LANE_VALUES}")
 
 
 def supports(q: mx.array, k_cache: mx.array) -> bool:
@@ -257,12 +376,37 @@ def paged_attention_metal(
 
 def run_with_launches(q, k_cache, v_cache, block_tables, context_lens, *, scale: float,
                       partition_tokens: int | None = None) -> tuple[mx.array, list[Launch]]:
-    """`paged_attention_metal`, also returning the launches it ran (for tests and tables)."""
+    """`paged_attention_metal`, also returning the launches it ran (for tests and tables).
+
+    A shape family whose startup check failed runs the reference instead (no launches)."""
     _check(q, k_cache)
+    if os.environ.get("MLXPAGED_DEBUG") == "1":
+        check_metadata(k_cache, block_tables, context_lens)
+    if not check_family(q.shape[1] // k_cache.shape[1], k_cache):
+        from .reference import paged_attention_reference
+
+        return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens,
+                                         scale).astype(q.dtype), []
+    return _run(q, k_cache, v_cache, block_tables, context_lens, scale, partition_tokens)
+
+
+def _pad_to(x: mx.array, axis: int, n: int) -> mx.array:
+    """`x` zero-padded at the end of `axis` to at least `n` entries."""
+    if x.shape[axis] >= n:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, n - x.shape[axis])
+    return mx.pad(x, widths)
+
+
+def _run(q, k_cache, v_cache, block_tables, context_lens, scale, partition_tokens):
     out_dtype = q.dtype
     q = q.astype(k_cache.dtype)  # one element type T for q, caches and output
-    block_tables = block_tables.astype(mx.int32)
-    context_lens = context_lens.astype(mx.int32)
+    # Padding (unused zeros) keeps every input in the device address space: one kernel name.
+    # Table columns: only entries within each (clamped) context are read.
+    block_tables = _pad_to(block_tables.astype(mx.int32), 1,
+                           cdiv(MIN_DEVICE_ELEMENTS, max(1, block_tables.shape[0])))
+    context_lens = _pad_to(context_lens.astype(mx.int32), 0, MIN_DEVICE_ELEMENTS)
     scale_arr = mx.array(scale, dtype=mx.float32)
     _, num_kv_heads, block_size, _ = k_cache.shape
     part = partition_tokens

@@ -3,7 +3,9 @@
 On an Apple GPU: the kernel's time against contiguous `mx.fast.scaled_dot_product_attention` on
 the same keys and values, and its max error against the reference. Elsewhere: the bytes the
 emulated kernel reads, as a multiple of the minimum (each K/V row once, the queries, the
-block-table entries in use, the context lengths).
+block-table entries in use, the context lengths). `cost_model`: the emulator's operation
+counts (SIMD reductions and shuffles, exp/exp2, barriers, device loads by width) per K/V token
+and per query head, the proxy for ALU cost without a Mac.
 """
 
 from __future__ import annotations
@@ -42,14 +44,16 @@ def max_error(out: mx.array, ref: mx.array) -> float:
     return float(mx.max(mx.abs(out.astype(mx.float32) - ref.astype(mx.float32))).item())
 
 
-def median_ms(fn, repeats: int = 20) -> float:
+def median_ms(fn, repeats: int = 20, per_eval: int = 16) -> float:
+    """Median milliseconds per call of `fn`, timing `per_eval` calls queued under one
+    `mx.eval` (one eval per call would time dispatch latency, not the kernel)."""
     for _ in range(3):
         mx.eval(fn())
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - t0)
+        mx.eval([fn() for _ in range(per_eval)])
+        times.append((time.perf_counter() - t0) / per_eval)
     return 1e3 * float(np.median(times))
 
 
@@ -101,3 +105,59 @@ def emulator_rows(seqs: int, tokens: int, sizes: Sequence[int]) -> list[dict]:
                                  single_pass_ratio=single_read / least, max_error=err,
                                  emulator_s=seconds))
     return rows
+
+
+# Cost model (emulator): per launch, the operations that bound a compute-bound decode kernel.
+COST_SHAPES = (("Qwen2.5-0.5B", 7, 64), ("Qwen2.5-7B", 7, 128))  # (model, G, head_dim)
+
+
+def _emulated_stats(group, head_dim, seqs, tokens, kv_heads, block_size, partition_tokens, dtype):
+    """(output, reference, launches' LaunchStats) of one emulated decode call."""
+    from mlxpaged.metal_emu import emulate
+
+    rng = np.random.default_rng(0)
+    per_seq = -(-tokens // block_size)
+    pool = seqs * per_seq
+    shape = (pool, kv_heads, block_size, head_dim)
+    q = mx.array(rng.standard_normal((seqs, kv_heads * group, head_dim)), dtype=dtype)
+    k = mx.array(rng.standard_normal(shape), dtype=dtype)
+    v = mx.array(rng.standard_normal(shape), dtype=dtype)
+    bt = mx.array(rng.permutation(pool).reshape(seqs, per_seq).astype(np.int32))
+    cl = mx.full((seqs,), tokens, dtype=mx.int32)
+    with emulate():
+        out, launches = metal.run_with_launches(q, k, v, bt, cl, scale=head_dim ** -0.5,
+                                                partition_tokens=partition_tokens)
+        stats = [metal.last_launch_stats(l) for l in launches]
+    ref = paged_attention_reference(q, k, v, bt, cl, head_dim ** -0.5)
+    return out, ref, launches, stats
+
+
+def cost_model(group: int, head_dim: int, *, seqs: int = 2, tokens: int = 1000,
+               kv_heads: int = 2, block_size: int = 16, partition_tokens: int | None = 0,
+               dtype=mx.float16) -> dict:
+    """Counts of the emulated kernels' operations, per K/V token row (one token of one kv head)
+    and per (token, query head). SIMD-level counts: exp calls are per lane, so divided by 32;
+    shuffles and reductions are per simdgroup-wide call; loads are per lane, by width in bytes.
+    `loop_barriers_per_256_tokens` is the marginal rate: against the same call at 1 token."""
+    args = (group, head_dim, seqs, tokens, kv_heads, block_size, partition_tokens, dtype)
+    out, ref, launches, stats = _emulated_stats(*args)
+    *_, stats1 = _emulated_stats(group, head_dim, seqs, 1, kv_heads, block_size,
+                                 partition_tokens, dtype)
+    rows = seqs * tokens * kv_heads
+    heads = rows * group
+    total = lambda f, ss=stats: sum(f(s) for s in ss)  # noqa: E731
+    loads = {w: total(lambda s: s.device_loads[w]) for w in (1, 2, 4, 8, 16)}
+    barriers = total(lambda s: s.barriers)
+    return dict(
+        group=group, head_dim=head_dim, block_size=block_size, dtype=str(dtype),
+        kernels="+".join(l.kind for l in launches), max_error=max_error(out, ref),
+        simd_reductions_per_token=total(lambda s: s.simd_reductions) / rows,
+        simd_reductions_per_token_head=total(lambda s: s.simd_reductions) / heads,
+        simd_shuffles_per_token=total(lambda s: s.simd_shuffles) / rows,
+        exp_per_token_head=total(lambda s: s.exp_calls + s.exp2_calls) / 32 / heads,
+        barriers_per_256_tokens=256 * barriers / rows,
+        loop_barriers_per_256_tokens=256 * (barriers - total(lambda s: s.barriers, stats1))
+        / (rows - seqs * kv_heads),
+        device_loads_per_token={w: n / rows for w, n in loads.items() if n},
+        registers=max(s.registers for s in stats),
+    )

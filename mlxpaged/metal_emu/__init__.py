@@ -11,7 +11,9 @@
 The kernel source is compiled as C++ by clang against a Metal shim (metal_shim.h) and each GPU
 thread runs as a fiber (runtime.cpp). Bugs it reports as `MetalEmuError`: out-of-bounds reads
 and writes (named by buffer), threadgroup-memory data races (a missing barrier), SIMD-group
-functions and barriers in divergent control flow, deadlocks, endless loops. See README.md. Threadgroup memory and outputs start as NaN (0xFF bytes), and lanes run in a chosen
+functions and barriers in divergent control flow, deadlocks, endless loops, barriers without
+`mem_threadgroup` used to order threadgroup memory, casts between address spaces, misplaced
+threadgroup declarations; a register estimate over budget is a `RegisterBudgetWarning`. See README.md. Threadgroup memory and outputs start as NaN (0xFF bytes), and lanes run in a chosen
 order (`MLXPAGED_EMU_ORDER=forward|reverse|random[:seed]`, `lane_order(...)`, or `order=` on
 the call) so missing barriers and writes change results.
 """
@@ -25,13 +27,14 @@ import threading
 import mlx.core as mx
 
 from .compiler import CompileError
-from .kernel import EmulatedKernel, LaunchStats, MetalEmuError, lane_order, metal_kernel
+from .kernel import (EmulatedKernel, LaunchStats, MetalEmuError, RegisterBudgetWarning, lane_order,
+                     metal_kernel)
 from .source import metal_utils_preamble, mlx_compiled_source, mlx_generated_source
 
 __all__ = [
     "metal_kernel", "get_metal_kernel", "emulate", "lane_order", "mlx_compiled_source",
     "mlx_generated_source", "metal_utils_preamble", "EmulatedKernel", "LaunchStats",
-    "MetalEmuError", "CompileError",
+    "MetalEmuError", "CompileError", "RegisterBudgetWarning",
 ]
 
 _force = threading.local()

@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import os
 import threading
+import warnings
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -39,6 +40,10 @@ ATTR_OFFSETS = {
     "thread_execution_width": 34,
 }
 ORDERS = {"forward": 0, "reverse": 1, "random": 2}
+# Register model: Apple GPUs spill beyond about 128 live 32-bit values per thread.
+DEFAULT_REGISTER_BUDGET = 128
+# Attribute pairs Metal rejects together in one kernel signature (two names for one value).
+CONFLICTING_ATTRIBUTES = (("thread_execution_width", "threads_per_simdgroup"),)
 DEFAULT_STACK = 256 * 1024
 DEFAULT_TIMEOUT = 600  # seconds; 0 disables the watchdog
 
@@ -47,6 +52,10 @@ class MetalEmuError(RuntimeError):
     """A kernel misbehaved under the emulator: out-of-bounds access (named buffer or threadgroup
     array), threadgroup-memory data race, divergent barrier or SIMD-group function, deadlock,
     endless loop, stack overflow, too much threadgroup memory."""
+
+
+class RegisterBudgetWarning(UserWarning):
+    """A launch's register estimate (`LaunchStats.registers`) exceeds the stated budget."""
 
 
 class _Buffer(ctypes.Structure):
@@ -65,7 +74,7 @@ class _LaunchDesc(ctypes.Structure):
                 ("stack_size", ctypes.c_int64),
                 ("entry", ctypes.c_void_p), ("args", ctypes.POINTER(ctypes.c_void_p)),
                 ("buffers", ctypes.POINTER(_Buffer)), ("n_buffers", ctypes.c_int64),
-                ("stats", ctypes.c_uint64 * 8), ("pool", ctypes.c_void_p)]
+                ("stats", ctypes.c_uint64 * 24), ("pool", ctypes.c_void_p)]
 
 
 @dataclass
@@ -84,6 +93,22 @@ class LaunchStats:
     bytes_read: dict = field(default_factory=dict)
     bytes_written: dict = field(default_factory=dict)
     bytes_unwritten: dict = field(default_factory=dict)  # output name -> bytes no store touched
+    # Register model: live 32-bit values per thread estimated from the thread-private arrays
+    # (and structs holding arrays) the launch declared, summed; an upper bound, not a compile.
+    registers: int = 0
+    register_budget: int = DEFAULT_REGISTER_BUDGET
+    # Cost model (runtime.cpp STAT_*): exp/exp2 calls and device loads are per lane (by width in
+    # bytes: {1: n, 2: n, 4: n, 8: n, 16: n}); shuffles/reductions per simdgroup-wide call.
+    exp_calls: int = 0
+    exp2_calls: int = 0
+    simd_shuffles: int = 0
+    simd_reductions: int = 0
+    barriers_without_threadgroup_fence: int = 0
+    device_loads: dict = field(default_factory=dict)
+
+    @property
+    def over_register_budget(self) -> bool:
+        return self.registers > self.register_budget
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,7 +243,15 @@ class EmulatedKernel:
             print(f"Generated source code for `{self.name}`:\n```\n{gen.source}\n```", flush=True)
         lib = self._libs.get(gen.source)
         if lib is None:
-            lowered = lower(full, len(preamble), f"{self.name}.metal")
+            for a, b in CONFLICTING_ATTRIBUTES:
+                if (a, "uint") in gen.attributes and (b, "uint") in gen.attributes:
+                    raise compiler.CompileError(
+                        f"{self.name}.metal: attributes [[{a}]] and [[{b}]] conflict (one kernel "
+                        "may declare only one of them)")
+            body = len(preamble) + gen.source.index(") {\n", gen.source.index(
+                f"[[kernel]] void {gen.kernel_name}(")) + 4
+            lowered = lower(full, len(preamble), f"{self.name}.metal",
+                            kernel_span=(body, body + len(self.source)))
             lib = self._libs[gen.source] = _load(compiler.build(lowered, _driver(gen)))
 
         # MLX clamps the threadgroup to the grid (group_dims = min(tg, grid)).
@@ -275,7 +308,8 @@ class EmulatedKernel:
             desc.grid[:] = grid
             desc.tg[:] = tg
             desc.order = ORDERS[order_name]
-            desc.strict_barriers = os.environ.get("MLXPAGED_EMU_STRICT", "") == "1"
+            # A barrier after some threads returned is an error unless MLXPAGED_EMU_STRICT=0.
+            desc.strict_barriers = os.environ.get("MLXPAGED_EMU_STRICT", "1") != "0"
             desc.race_check = os.environ.get("MLXPAGED_EMU_RACES", "1") != "0"
             desc.seed = seed
             desc.timeout_s = int(os.environ.get("MLXPAGED_EMU_TIMEOUT", DEFAULT_TIMEOUT))
@@ -295,11 +329,21 @@ class EmulatedKernel:
                 bytes_read={p.name: bufs[i].bytes_read for i, p in enumerate(gen.params)},
                 bytes_written={p.name: bufs[i].bytes_written for i, p in enumerate(gen.params)},
                 bytes_unwritten={p.name: bufs[i].bytes_unwritten for i, p in enumerate(gen.params)
-                                 if p.kind == "output"})
+                                 if p.kind == "output"},
+                registers=st[6] // 4,
+                register_budget=int(os.environ.get("MLXPAGED_EMU_REG_BUDGET", DEFAULT_REGISTER_BUDGET)),
+                exp_calls=st[7], exp2_calls=st[8], simd_shuffles=st[9], simd_reductions=st[10],
+                barriers_without_threadgroup_fence=st[11],
+                device_loads={w: st[12 + i] for i, w in enumerate((1, 2, 4, 8, 16))})
             self.last_stats = {p.name: bufs[i].bytes_read for i, p in enumerate(gen.params)
                                if p.kind == "input"}
             if rc != 0:
                 raise MetalEmuError(f"[{self.name}] {err.value.decode(errors='replace')}")
+            if self.last_launch.over_register_budget:
+                warnings.warn(f"[{self.name}] about {self.last_launch.registers} live 32-bit values "
+                              f"per thread exceed the register budget of "
+                              f"{self.last_launch.register_budget} (Apple GPUs spill beyond it)",
+                              RegisterBudgetWarning, stacklevel=3)
             outs = []
             for i, p in enumerate(gen.params):
                 if p.kind == "output":

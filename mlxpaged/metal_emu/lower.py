@@ -21,6 +21,15 @@ messages and error reports are lines of `last_source`:
 5. `constant` variable declarations at statement level get `static`: a function-scope
    `constant` variable needs static storage in C++ (clang rejects address-space-qualified
    automatic variables); at namespace scope `static` changes nothing that matters here.
+6. Casts to an address-space pointer type, `(device T*)x`, become `mlxemu_ascast<device T*>{} % x`
+   (metal_shim.h): a cast between address spaces fails to compile, as in Metal (clang's C-style
+   cast would convert silently). Only after `body_offset` (MLX's own preamble is trusted).
+7. Register model: after each statement-level declaration of a thread-private array, or of a
+   struct type that holds arrays, `mlxemu_regs(site, sizeof(name));` is appended on the same
+   line; the runtime sums the sites a launch reached (`LaunchStats.registers`).
+
+Rejected with `CompileError` (Metal rejects them; C++ would not): a `threadgroup` declaration
+with an initializer, and, when `kernel_span` is given, one outside the kernel function's body.
 """
 
 from __future__ import annotations
@@ -93,18 +102,109 @@ def _tg_slot(decl: str, slot_id: int) -> str | None:
     return text + "\n" * decl.count("\n")
 
 
-def lower(src: str, body_offset: int | None = None, body_file: str = "kernel.metal") -> str:
+def _where(src: str, pos: int, body_offset: int | None, body_file: str) -> str:
+    """`file:line` of offset `pos`, numbered as compiler diagnostics are (see `lower`)."""
+    if body_offset is not None and pos >= body_offset:
+        return f"{body_file}:{src.count(chr(10), body_offset, pos) + src.count(chr(10), 0, body_offset) + 1}"
+    return f"line {src.count(chr(10), 0, pos) + 1}"
+
+
+_AS_CAST = re.compile(
+    r"\(\s*((?:(?:const|volatile)\s+)*(?:device|constant|threadgroup|thread)\s+(?:const\s+)?"
+    r"[A-Za-z_][\w:]*(?:\s*<[^()<>;]*>)?\s*(?:const\s*)?\*+\s*(?:const\s*)?)\)(?=\s*[\w(*&!~])")
+_SCOPE_OPEN = re.compile(r"[;{}]")
+_ARRAY_DECL = re.compile(
+    r"\s*(?P<type>(?:const\s+)?[A-Za-z_][\w:]*(?:\s*<[^;{}()]*?>)?)\s+(?P<name>[A-Za-z_]\w*)\s*"
+    r"(?P<dims>(?:\[[^\]]+\]\s*)+)(?:=[^;]*)?;")
+_STRUCT_VAR = r"\s*(?:const\s+)?(?:{names})\b(?:\s*<[^;{{}}]*?>)?\s+(?P<name>[A-Za-z_]\w*)\s*;"
+_NOT_TYPES = {"threadgroup", "constant", "device", "static", "return", "typedef", "using",
+              "else", "case", "goto", "delete", "throw", "constexpr"}
+
+
+def _scopes(code: str) -> list[tuple[int, int, str, str]]:
+    """(open, close, kind, struct name) of every brace pair: kind is "struct" (struct/class/union
+    body), "init" (a braced initializer) or "code" (namespace, function or block)."""
+    out, stack, prev = [], [], 0
+    for m in _SCOPE_OPEN.finditer(code):
+        ch = m.group()
+        if ch == "{":
+            head = code[prev:m.start()]
+            sm = re.search(r"\b(?:struct|class|union)\s+(\w+)?[^()]*$", head)
+            if sm:
+                kind = "struct"
+            elif re.search(r"\bnamespace\b|\bextern\s*$|\benum\b", head):
+                kind = "other"  # namespace scope, extern "C", enumerators: no statements
+            elif re.search(r"[=,(]\s*$|return\s*$", head):
+                kind = "init"
+            else:
+                kind = "code"
+            stack.append((m.start(), kind, sm.group(1) or "" if sm else ""))
+        elif ch == "}" and stack:
+            o, kind, name = stack.pop()
+            out.append((o, m.start(), kind, name))
+        prev = m.end()
+    return out
+
+
+def _register_notes(code: str, start: int = 0) -> list[tuple[int, int, str]]:
+    """Edits appending `mlxemu_regs(site, sizeof(x));` after thread-private arrays and after
+    variables of struct types that hold arrays (item 7 of the module docstring)."""
+    scopes = _scopes(code)
+
+    def innermost(p: int) -> str:
+        best = (-1, "other")
+        for o, c, k, _ in scopes:
+            if o < p < c and o > best[0]:
+                best = (o, k)
+        return best[1]
+    holders = set()
+    for o, c, k, name in scopes:
+        if k == "struct" and name and any(
+                m.group("type").split()[-1] not in _NOT_TYPES
+                for m in _ARRAY_DECL.finditer(code, o + 1, c)):
+            holders.add(name)
+    pats = [_ARRAY_DECL]
+    if holders:
+        pats.append(re.compile(_STRUCT_VAR.format(names="|".join(sorted(holders)))))
+    edits, site = [], 0
+    for pat in pats:
+        for m in pat.finditer(code, start):
+            s = m.start()
+            i = s - 1
+            if i >= 0 and code[i] not in ";{}":
+                continue
+            if pat is _ARRAY_DECL and set(m.group("type").split()) & _NOT_TYPES:
+                continue
+            if innermost(s) != "code":  # a function or block body: a statement can follow
+                continue
+            edits.append((m.end(), m.end(), f" mlxemu_regs({site}, sizeof({m.group('name')}));"))
+            site += 1
+    return edits
+
+
+def lower(src: str, body_offset: int | None = None, body_file: str = "kernel.metal",
+          kernel_span: tuple[int, int] | None = None) -> str:
     """The C++ text the emulator compiles for the MSL text `src` (see the module docstring).
 
     `body_offset` (the start of a line: where MLX's preamble ends) gets a `#line` directive so
     diagnostics and call sites after it name `body_file` and their line in `src`.
+    `kernel_span` (start, end) of the kernel function's body: `threadgroup` storage must lie in it.
     """
+    from .compiler import CompileError
+
     code = _strip_comments_keep_layout(src)
     edits: list[tuple[int, int, str]] = []  # (start, end, replacement) in `src` coordinates
     if body_offset is not None:
         line = src.count("\n", 0, body_offset) + 1
         edits.append((body_offset, body_offset, f'#line {line} "{body_file}"\n'))
     for slot_id, (pos, end, has_init) in enumerate(_storage_declarations(code, r"\bthreadgroup\b")):
+        where = _where(src, pos, body_offset, body_file)
+        if has_init:
+            raise CompileError(f"{where}: a threadgroup variable cannot have an initializer "
+                               f"(Metal rejects it): {' '.join(code[pos:end].split())}")
+        if kernel_span is not None and not kernel_span[0] <= pos < kernel_span[1]:
+            raise CompileError(f"{where}: threadgroup memory can only be declared in the kernel "
+                               f"function's scope: {' '.join(code[pos:end].split())}")
         slot = _tg_slot(code[pos:end], slot_id) if end > 0 and not has_init else None
         if slot is not None:
             edits.append((pos, end, slot))
@@ -130,6 +230,12 @@ def lower(src: str, body_offset: int | None = None, body_file: str = "kernel.met
         edits.append((m.start(), m.end(), f"(({ty}){num}f)"))
     for m in _FLOAT_LIT.finditer(code):
         edits.append((m.end(), m.end(), "f"))
+    start = body_offset or 0
+    for m in _AS_CAST.finditer(code, start):
+        ty = " ".join(m.group(1).split())
+        edits.append((m.start(), m.end(), f"mlxemu_ascast<{ty}>{{}} % "))
+    if body_offset is not None:
+        edits += _register_notes(code, body_offset)
     edits.sort(key=lambda e: (e[0], e[1]))
     out, last = [], 0
     for s, e, r in edits:

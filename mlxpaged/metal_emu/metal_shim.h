@@ -52,7 +52,10 @@ typedef unsigned long ulong;
 // ---------------------------------------------------------------------------------------------
 // Runtime entry points (runtime.cpp). Sites are return addresses inside the kernel code.
 extern "C" {
-void mlxemu_barrier(int simd_only, const char* file, int line, int col);
+void mlxemu_barrier(int simd_only, int flags, const char* file, int line, int col);
+void mlxemu_count_op(int kind);  // cost model: 0 exp, 1 exp2
+// Register model: a thread-private array (or struct holding arrays) declared at `site`.
+void mlxemu_regs(int site, unsigned long bytes);
 // Publishes `size` bytes of this lane's value, waits for the SIMD group, returns the 32 lanes'
 // values (inactive lanes filled with 0xFF bytes) and the mask of active lanes.
 const void* mlxemu_simd_sync(int kind, const void* value, int size, uint* active_mask, uint* lane,
@@ -61,6 +64,32 @@ void mlxemu_atomic(int enter);  // brackets atomic operations: exempt from the r
 // Storage of one `threadgroup` declaration (lower.py rewrites declarations to call it).
 void* mlxemu_tg_slot(int id, size_t size, size_t align, const char* name);
 }
+// Casts to an address-space pointer type (lower.py turns `(device T*)x` into
+// `mlxemu_ascast<device T*>{} % x`, and `*(device T*)x` into `*mlxemu_ascast<...>{} % x`): the
+// source and target pointee address spaces must agree, as Metal requires (clang's C-style cast
+// would convert silently). `%` binds like a cast here: tighter than every binary operator below it.
+template <class T> constexpr int mlxemu_as_of(T*) { return 0; }
+template <class T> constexpr int mlxemu_as_of(MLXEMU_AS_DEVICE T*) { return 1; }
+template <class T> constexpr int mlxemu_as_of(MLXEMU_AS_CONSTANT T*) { return 2; }
+template <class T> constexpr int mlxemu_as_of(MLXEMU_AS_THREADGROUP T*) { return 3; }
+template <class X> constexpr int mlxemu_as_of(X) { return -1; }  // not a pointer (an integer)
+// Inner: a cast applied first (`(A*)(B*)x` lowers to `ascast<A>{} % ascast<B>{} % x`, which
+// groups left to right); Deref: a leading `*`.
+template <class To, class Inner = void, bool Deref = false> struct mlxemu_ascast {};
+template <class To, class I> constexpr mlxemu_ascast<To, I, true> operator*(mlxemu_ascast<To, I, false>) { return {}; }
+template <class To, bool D, class B, class J>
+constexpr mlxemu_ascast<To, mlxemu_ascast<B, J, false>, D> operator%(mlxemu_ascast<To, void, D>, mlxemu_ascast<B, J, false>) { return {}; }
+template <class To, class Inner, bool D, class From>
+inline decltype(auto) operator%(mlxemu_ascast<To, Inner, D>, From x) {
+  if constexpr (!std::is_void_v<Inner>) {
+    return mlxemu_ascast<To, void, D>{} % (Inner{} % x);
+  } else {
+    static_assert(mlxemu_as_of((From)0) < 0 || mlxemu_as_of((From)0) == mlxemu_as_of((To)0),
+                  "cast between address spaces (not allowed in Metal)");
+    if constexpr (D) return *(To)x; else return (To)x;
+  }
+}
+
 // Every barrier and SIMD-group function takes its call site (file, line, column of the caller,
 // through defaulted trailing parameters): threads "at the same barrier" means at the same source
 // location, which survives the optimizer duplicating code (unlike return addresses).
@@ -247,7 +276,7 @@ constexpr bool mlxemu_is_fvec = vinfo<T>::is_vec && is_floating_point_v<typename
   M1(acos, __builtin_acosf(x)) M1(acosh, __builtin_acoshf(x)) M1(asin, __builtin_asinf(x)) M1(asinh, __builtin_asinhf(x))   \
   M1(atan, __builtin_atanf(x)) M1(atanh, __builtin_atanhf(x)) M1(ceil, __builtin_ceilf(x)) M1(cos, __builtin_cosf(x))       \
   M1(cosh, __builtin_coshf(x)) M1(cospi, __builtin_cosf(x * 3.14159265358979323846f))                   \
-  M1(exp, __builtin_expf(x)) M1(exp10, __builtin_powf(10.0f, x)) M1(exp2, __builtin_exp2f(x)) M1(fabs, __builtin_fabsf(x))       \
+  M1(exp, (mlxemu_count_op(0), __builtin_expf(x))) M1(exp10, __builtin_powf(10.0f, x)) M1(exp2, (mlxemu_count_op(1), __builtin_exp2f(x))) M1(fabs, __builtin_fabsf(x))       \
   M1(floor, __builtin_floorf(x)) M1(fract, __builtin_fminf(x - __builtin_floorf(x), 0x1.fffffep-1f))              \
   M1(log, __builtin_logf(x)) M1(log10, __builtin_log10f(x)) M1(log2, __builtin_log2f(x)) M1(rint, __builtin_rintf(x))       \
   M1(round, __builtin_roundf(x)) M1(rsqrt, 1.0f / __builtin_sqrtf(x)) M1(sin, __builtin_sinf(x)) M1(sinh, __builtin_sinhf(x)) \
@@ -370,8 +399,9 @@ namespace precise { MLXEMU_MATH_ALL(MLXEMU_MATH1, MLXEMU_MATH2) using metal::fma
 // Synchronisation
 enum class mem_flags : uint { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4, mem_threadgroup_imageblock = 8 };
 constexpr mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(uint(a) | uint(b)); }
-inline void threadgroup_barrier(mem_flags = mem_flags::mem_none, MLXEMU_SITE) { mlxemu_barrier(0, MLXEMU_SITE_ARGS); }
-inline void simdgroup_barrier(mem_flags = mem_flags::mem_none, MLXEMU_SITE) { mlxemu_barrier(1, MLXEMU_SITE_ARGS); }
+// The flags count: only mem_threadgroup orders threadgroup memory (runtime.cpp's race check).
+inline void threadgroup_barrier(mem_flags f = mem_flags::mem_none, MLXEMU_SITE) { mlxemu_barrier(0, (int)f, MLXEMU_SITE_ARGS); }
+inline void simdgroup_barrier(mem_flags f = mem_flags::mem_none, MLXEMU_SITE) { mlxemu_barrier(1, (int)f, MLXEMU_SITE_ARGS); }
 
 enum memory_order { memory_order_relaxed, memory_order_acquire, memory_order_release, memory_order_acq_rel, memory_order_seq_cst };
 enum class thread_scope { thread_scope_thread, thread_scope_simdgroup, thread_scope_threadgroup, thread_scope_device };

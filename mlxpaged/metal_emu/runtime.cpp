@@ -37,6 +37,16 @@
 enum { N_ATTRS = 40 };
 enum { ST_RUNNABLE, ST_SIMD, ST_BARRIER, ST_DONE };
 enum { K_SIMD_BARRIER = 100 };
+// Indices into LaunchDesc::stats (kernel.py reads them). Counts are per lane for exp/exp2 and
+// loads, per simdgroup for SIMD-group functions, per threadgroup for barriers.
+enum {
+  STAT_THREADS = 0, STAT_TGS, STAT_BARRIERS, STAT_SIMD_OPS, STAT_EXITED_BARRIERS, STAT_TG_BYTES,
+  STAT_REG_BYTES, STAT_EXP, STAT_EXP2, STAT_SHUFFLES, STAT_REDUCTIONS, STAT_NOFENCE_BARRIERS,
+  STAT_LOAD1, STAT_LOAD2, STAT_LOAD4, STAT_LOAD8, STAT_LOAD16,
+};
+enum { MEM_THREADGROUP = 2 };  // mem_flags::mem_threadgroup
+enum { N_REG_SITES = 1024 };
+static uint64_t g_reg_site[N_REG_SITES];  // bytes of each thread-private array declaration
 
 struct Buffer {              // shared with kernel.py (ctypes): keep the layout in sync
   const char* name;
@@ -65,7 +75,7 @@ struct LaunchDesc {          // shared with kernel.py (ctypes): keep the layout 
   void* const* args;         // kernel arguments, one per parameter
   Buffer* buffers;
   int64_t n_buffers;
-  uint64_t stats[8];         // out: threads, threadgroups, barriers, simd ops, exited-at-barrier, tg bytes
+  uint64_t stats[24];        // out: see STAT_* (kernel.py's LaunchStats reads them by index)
   void* pool;                // Pool shared by every kernel library of the process (or null)
 };
 
@@ -183,6 +193,7 @@ static void __attribute__((noinline)) access_slow(const char* p, size_t n, int s
           for (size_t k = (size_t)(p - b->lo), e = k + n; k < e; ++k) b->written_map[k >> 3] |= 1u << (k & 7);
       } else {
         b->bytes_read += n;
+        g_desc->stats[n == 1 ? STAT_LOAD1 : n == 2 ? STAT_LOAD2 : n == 4 ? STAT_LOAD4 : n == 8 ? STAT_LOAD8 : STAT_LOAD16]++;
       }
       return;
     }
@@ -451,13 +462,27 @@ static const char* base(const char* path) {
   return s ? s + 1 : path;
 }
 
-EXPORT void mlxemu_barrier(int simd_only, const char* file, int line, int col) {
+// `flags` (mem_flags bits) ride in Fiber::size: a barrier without mem_threadgroup still
+// synchronises execution but does not order threadgroup memory (no new race epoch).
+EXPORT void mlxemu_barrier(int simd_only, int flags, const char* file, int line, int col) {
+  g_cur->size = flags;
   if (simd_only) {
-    g_cur->size = 0;
     block(ST_SIMD, K_SIMD_BARRIER, file, line, col);
   } else {
     block(ST_BARRIER, 0, file, line, col);
   }
+}
+
+// Cost-model counters: kind 0 = exp, 1 = exp2 (one call per lane per element).
+EXPORT void mlxemu_count_op(int kind) {
+  if (g_desc) g_desc->stats[kind == 0 ? STAT_EXP : STAT_EXP2]++;
+}
+
+// Register model: a thread-private array (or struct holding arrays) of `bytes` was declared at
+// site `site` (lower.py numbers them). The estimate is the sum over the sites a launch reached.
+EXPORT void mlxemu_regs(int site, uint64_t bytes) {
+  uint64_t* s = &g_reg_site[(unsigned)site % N_REG_SITES];
+  if (bytes > *s) *s = bytes;
 }
 
 EXPORT const void* mlxemu_simd_sync(int kind, const void* value, int size, uint32_t* mask,
@@ -524,7 +549,7 @@ static int resolve() {
     }
     SimdGroup* sg = &g_sg[s];
     sg->mask = 0;
-    int size = first->size;
+    int size = first->kind == K_SIMD_BARRIER ? 0 : first->size;  // a barrier's size holds its flags
     memset(sg->snap, 0xFF, sizeof sg->snap);
     for (int i = 0; i < cnt; ++i) {
       if (lanes[i].state == ST_DONE) continue;
@@ -532,8 +557,11 @@ static int resolve() {
       memcpy(sg->snap + i * size, lanes[i].slot, size);
       lanes[i].state = ST_RUNNABLE;
     }
-    g_desc->stats[3]++;
-    g_sepoch[s]++;
+    g_desc->stats[STAT_SIMD_OPS]++;
+    if (first->kind == 1) g_desc->stats[STAT_SHUFFLES]++;       // MLXEMU_K_SHUFFLE
+    else if (first->kind == 2) g_desc->stats[STAT_REDUCTIONS]++;  // MLXEMU_K_REDUCE
+    // A simdgroup_barrier orders threadgroup memory only with mem_threadgroup in its flags.
+    if (first->kind != K_SIMD_BARRIER || (first->size & MEM_THREADGROUP)) g_sepoch[s]++;
     released = 1;
   }
   if (released) return 1;
@@ -567,8 +595,9 @@ static int resolve() {
     }
     for (int i = 0; i < g_n; ++i)
       if (g_fibers[i].state == ST_BARRIER) g_fibers[i].state = ST_RUNNABLE;
-    g_desc->stats[2]++;
-    g_epoch++;
+    g_desc->stats[STAT_BARRIERS]++;
+    if (first->size & MEM_THREADGROUP) g_epoch++;  // else: execution only, memory unordered
+    else g_desc->stats[STAT_NOFENCE_BARRIERS]++;
     return 1;
   }
   // Stuck: describe the first simdgroup whose lanes disagree, else the barrier split.
@@ -754,6 +783,7 @@ EXPORT size_t mlxemu_tg_bytes() {
 // Runs a whole launch. Returns 0, or -1 with the message in `err`.
 EXPORT int mlxemu_launch(LaunchDesc* d, char* err, int errlen) {
   g_desc = d;
+  memset(g_reg_site, 0, sizeof g_reg_site);
   g_has_err = 0;
   g_err[0] = 0;
   g_cur = nullptr;
@@ -815,7 +845,8 @@ EXPORT int mlxemu_launch(LaunchDesc* d, char* err, int errlen) {
     rc = -1;
   }
   g_span = 0;
-  d->stats[5] = mlxemu_tg_bytes();
+  d->stats[STAT_TG_BYTES] = mlxemu_tg_bytes();
+  for (int k = 0; k < N_REG_SITES; ++k) d->stats[STAT_REG_BYTES] += g_reg_site[k];
   for (int64_t i = 0; i < d->n_buffers; ++i) {
     Buffer* b = &d->buffers[i];
     if (!b->written_map) continue;

@@ -1,0 +1,51 @@
+"""`mlxpaged doctor`: the report on this machine (kernels in the emulator) and a failed check."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from mlxpaged.attention import metal
+from mlxpaged.cli import main
+
+emu = pytest.importorskip("mlxpaged.metal_emu")
+
+
+def test_doctor_reports_and_writes_json(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLXPAGED_METAL", raising=False)
+    metal.reset_kernels()
+    out = tmp_path / "report.json"
+    r = CliRunner().invoke(main, ["doctor", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "kernels run on: MSL emulator (CPU)" in r.output
+    report = json.loads(out.read_text())
+    assert report["mlx_version"]
+    assert report["kernel_table"]["kind"] == "emulator"
+    assert len(report["checks"]) == 9 and all(c["ok"] for c in report["checks"])
+    row = report["kernel_table"]["rows"][0]
+    assert 1.0 <= row["ratio"] <= 1.05 and row["max_error"] < 1e-3
+    assert {c["model"] for c in report["kernel_table"]["cost_model"]} == {"Qwen2.5-0.5B", "Qwen2.5-7B"}
+
+
+def test_doctor_names_a_failing_variant(tmp_path, monkeypatch):
+    from test_metal_kernel_v2 import FaultyFactory
+
+    factory = FaultyFactory("paged_attention_partitioned", "compile")
+    monkeypatch.setattr(metal, "_metal_kernel_factory", lambda: factory)
+    monkeypatch.delenv("MLXPAGED_METAL", raising=False)
+    monkeypatch.setattr("mlxpaged.doctor._table", lambda *a: {"kind": "emulator", "note": "", "rows": []})
+    metal.reset_kernels()
+    try:
+        r = CliRunner().invoke(main, ["doctor", "--out", str(tmp_path / "r.json")])
+    finally:
+        metal.reset_kernels()
+    assert r.exit_code == 1
+    assert "kernel checks: 0/9 passed" in r.output
+    assert "FAILED float16 hd64_bs16_g7_nsg8" in r.output and "simulated compiler failure" in r.output
+
+
+def test_doctor_rejects_bad_options():
+    r = CliRunner().invoke(main, ["doctor", "--seqs", "0"])
+    assert r.exit_code == 2 and "--seqs and --tokens must be positive" in r.output

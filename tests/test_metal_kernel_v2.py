@@ -1,0 +1,240 @@
+"""Decode kernel v2 (issue 12): bad metadata, a fixed set of kernel names, the startup check with
+its fallback, the register bound, and the cost model's targets. Kernels run in the emulator and
+results are compared with the pure-MLX reference.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxpaged.attention import metal
+from mlxpaged.attention.reference import paged_attention_reference
+
+emu = pytest.importorskip("mlxpaged.metal_emu")
+from mlxpaged.metal_emu.source import generated_source  # noqa: E402
+
+from test_metal_kernel import (CLAMP_CASE, ORDERS, make_inputs, mismatch,  # noqa: E402
+                               run_case)
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setenv("MLXPAGED_METAL", "emulate")
+    with emu.emulate():
+        yield
+    metal.reset_kernels()
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_overlong_context_lengths_are_clamped(emulated, monkeypatch, split):
+    """Lengths past the table's width read only the sequence's own row (no out-of-bounds read
+    of the table or the pool): the result is attention over the whole row."""
+    for order in ORDERS:
+        monkeypatch.setenv("MLXPAGED_EMU_ORDER", order)
+        assert run_case(dict(CLAMP_CASE, split=split)) <= 1.0
+
+
+def test_debug_mode_checks_block_ids_and_lengths(emulated, monkeypatch):
+    rng = np.random.default_rng(0)
+    q, k, v, bt, cl = make_inputs(rng, dtype="float32", head_dim=64, group=2, block_size=16,
+                                  scattered=True, context_lens=[20, 40])
+    monkeypatch.setenv("MLXPAGED_DEBUG", "1")
+    out = metal.paged_attention_metal(q, k, v, bt, cl, scale=0.125)  # consistent: runs
+    assert mismatch(out, paged_attention_reference(q, k, v, bt, cl, 0.125), "float32") <= 1.0
+    tables = np.array(bt)
+    for bad_id in (k.shape[0], -1):
+        t = tables.copy()
+        t[1, 2] = bad_id  # the third block of a 40-token sequence: in use
+        with pytest.raises(ValueError, match=rf"block id {bad_id} at block_tables\[1, 2\] is "
+                                             rf"outside the pool of {k.shape[0]} blocks"):
+            metal.paged_attention_metal(q, k, v, mx.array(t), cl, scale=0.125)
+    t = tables.copy()
+    t[0, 2] = k.shape[0]  # past the 20-token sequence's two blocks: never read, not an error
+    metal.paged_attention_metal(q, k, v, mx.array(t), cl, scale=0.125)
+    too_long = mx.array(np.array([20, bt.shape[1] * 16 + 1], np.int32))
+    with pytest.raises(ValueError, match="context length .* of sequence 1 is outside"):
+        metal.paged_attention_metal(q, k, v, bt, too_long, scale=0.125)
+
+
+class NameRecorder:
+    """A kernel factory that records every kernel name MLX would compile (its generated
+    source's name) and runs the real emulator only until the family check has passed;
+    afterwards it returns zeros (names, not values, are under test)."""
+
+    def __init__(self):
+        self.names: list[set[str]] = [set()]
+
+    def __call__(self, **kernel_kwargs):
+        real = emu.metal_kernel(**kernel_kwargs)
+        rec = self
+
+        def kernel(**call):
+            gen = generated_source(
+                name=kernel_kwargs["name"], input_names=kernel_kwargs["input_names"],
+                output_names=kernel_kwargs["output_names"], source=kernel_kwargs["source"],
+                header=kernel_kwargs["header"], atomic_outputs=False, inputs=call["inputs"],
+                output_dtypes=call["output_dtypes"], template=call["template"])
+            rec.names[-1].add(gen.kernel_name)
+            if not metal._families:
+                return real(**call)
+            return [mx.zeros(s, dtype=d) for s, d in zip(call["output_shapes"], call["output_dtypes"])]
+        return kernel
+
+
+@pytest.mark.parametrize("seqs", [1, 3])
+def test_decoding_to_5000_tokens_compiles_nothing_after_the_first_step(monkeypatch, seqs):
+    """Context 1, 2, ..., 5000 (the table widening by one block every 16 tokens, the planner
+    switching to the split path and growing its partitions): every kernel name is known
+    after the first step."""
+    rec = NameRecorder()
+    monkeypatch.setattr(metal, "_metal_kernel_factory", lambda: rec)
+    monkeypatch.delenv("MLXPAGED_METAL", raising=False)
+    metal.reset_kernels()
+    bs, kvh, group, hd = 16, 2, 7, 64
+    rng = np.random.default_rng(1)
+    q = mx.array(rng.standard_normal((seqs, kvh * group, hd)), dtype=mx.float16)
+    pool = mx.zeros((seqs * 313, kvh, bs, hd), dtype=mx.float16)
+    kinds = set()
+    try:
+        for ctx in range(1, 5001):
+            width = -(-ctx // bs)
+            tables = mx.array(np.arange(seqs * width, dtype=np.int32).reshape(seqs, width))
+            lens = mx.full((seqs,), ctx, dtype=mx.int32)
+            _, launches = metal.run_with_launches(q, pool, pool, tables, lens, scale=0.125)
+            kinds |= {l.kind for l in launches}
+            if ctx == 1:
+                after_first = set(rec.names[-1])
+                cache_after_first = metal._kernel.cache_info().currsize
+        cache_at_end = metal._kernel.cache_info().currsize
+    finally:
+        metal.reset_kernels()
+    assert kinds == set(metal.KERNEL_IO)  # both paths ran
+    assert rec.names[-1] == after_first, rec.names[-1] - after_first
+    assert len(after_first) == 3
+    assert cache_at_end == cache_after_first == 3
+
+
+class FaultyFactory:
+    """The emulator, except that kernel kind `kind` fails to build or returns wrong values."""
+
+    def __init__(self, kind: str, how: str):
+        self.kind, self.how = kind, how
+
+    def __call__(self, **kernel_kwargs):
+        real = emu.metal_kernel(**kernel_kwargs)
+        if not kernel_kwargs["name"].startswith(self.kind + "_"):
+            return real
+        if self.how == "compile":
+            raise emu.CompileError("kernel.metal:12:3: error: simulated compiler failure")
+
+        def wrong(**call):
+            outs = real(**call)
+            return [outs[0] + 1.0] + outs[1:]
+        return wrong
+
+
+@pytest.mark.parametrize("kind,how", [("paged_attention_merge", "compile"),
+                                      ("paged_attention", "wrong"),
+                                      ("paged_attention_partitioned", "wrong")])
+def test_failed_variant_falls_back_to_the_reference_with_one_warning(monkeypatch, kind, how):
+    factory = FaultyFactory(kind, how)
+    monkeypatch.setattr(metal, "_metal_kernel_factory", lambda: factory)
+    monkeypatch.delenv("MLXPAGED_METAL", raising=False)
+    metal.reset_kernels()
+    rng = np.random.default_rng(2)
+    try:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for lens in ([5, 40], [3, 1200]):  # single pass, then the split path
+                args = make_inputs(rng, dtype="float16", head_dim=64, group=2, block_size=16,
+                                   scattered=True, context_lens=lens)
+                out = metal.paged_attention_metal(*args, scale=0.125)
+                ref = paged_attention_reference(*args, 0.125)
+                assert mismatch(out, ref, "float16") <= 1.0
+        msgs = [str(m.message) for m in w if "kernel check failed" in str(m.message)]
+        assert len(msgs) == 1, msgs
+        assert "hd64_bs16_g2" in msgs[0]
+        assert ("simulated compiler failure" in msgs[0]) == (how == "compile")
+        # strict: the same failure is an error, not a fallback
+        metal.reset_kernels()
+        monkeypatch.setenv("MLXPAGED_METAL", "strict")
+        err = emu.CompileError if how == "compile" else metal.KernelCheckError
+        with pytest.raises(err):
+            metal.paged_attention_metal(*args, scale=0.125)
+    finally:
+        metal.reset_kernels()
+
+
+def test_healthy_kernels_pass_the_check_silently(emulated):
+    rng = np.random.default_rng(3)
+    args = make_inputs(rng, dtype="bfloat16", head_dim=128, group=7, block_size=1,
+                       scattered=True, context_lens=[9, 600])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = metal.paged_attention_metal(*args, scale=128 ** -0.5)
+    assert all(metal._families.values()) and metal._families
+    assert mismatch(out, paged_attention_reference(*args, 128 ** -0.5), "bfloat16") <= 1.0
+
+
+def test_registers_per_lane_are_bounded():
+    q8 = mx.zeros((1, 16, 256), dtype=mx.float16)
+    q9 = mx.zeros((1, 18, 256), dtype=mx.float16)
+    pool = mx.zeros((2, 2, 16, 256), dtype=mx.float16)
+    assert metal.supports(q8, pool)  # 8 * 256 / 32 = 64 accumulators per lane
+    assert not metal.supports(q9, pool)
+    with pytest.raises(ValueError, match="72 accumulators per lane, over the register bound 64"):
+        metal._check(q9, pool)
+
+
+@pytest.mark.parametrize("group,head_dim", [(7, 64), (7, 128)])
+def test_cost_model_targets(group, head_dim):
+    """Qwen2.5-0.5B and -7B head shapes: about one exp2 per (token, query head), one SIMD
+    reduction per (token, query head), loads of the lane's dims as one vector, about one
+    barrier per 256 tokens in the token loop, and a register estimate within Apple's budget."""
+    from mlxpaged.bench.kernel import cost_model
+
+    c = cost_model(group, head_dim, seqs=2, tokens=1000)
+    assert c["max_error"] < 2e-3
+    assert c["exp_per_token_head"] <= 1.15
+    assert c["simd_reductions_per_token_head"] == 1.0
+    assert c["loop_barriers_per_256_tokens"] <= 1.1
+    width = 2 * head_dim // 32  # bytes of a lane's fp16 dims: one load each for K and V
+    assert c["device_loads_per_token"][min(width, 16)] >= 64 * max(1, width // 16)
+    assert c["device_loads_per_token"].get(2, 0) < 1  # no scalar fp16 K/V loads
+    assert c["registers"] <= 128
+    assert math.isfinite(c["barriers_per_256_tokens"])
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4, 8, 16, 32, 64, 128, 256])
+def test_bytes_read_within_5_percent_at_every_block_size(emulated, block_size):
+    """Each K/V row once, table entries once per threadgroup: bytes read <= 1.05 x the minimum
+    for the single pass and the planner's split, at Qwen2.5-1.5B head shapes."""
+    from test_metal_kernel import check_reads_only
+
+    rng = np.random.default_rng(8)
+    for lens, split in (([300, 129], False), ([1100, 1030], True)):
+        q, k, v, bt, cl = make_inputs(rng, dtype="float16", head_dim=128, group=6,
+                                      block_size=block_size, scattered=True, context_lens=lens)
+        out, launches = metal.run_with_launches(q, k, v, bt, cl, scale=0.1,
+                                                partition_tokens=None if split else 0)
+        assert (launches[-1].kind == "paged_attention_merge") == split
+        check_reads_only(launches)
+        ratio = metal.bytes_read(launches) / metal.minimum_bytes(q, k, cl)
+        assert 1.0 <= ratio <= 1.05, (lens, ratio)
+        assert mismatch(out, paged_attention_reference(q, k, v, bt, cl, 0.1), "float16") <= 1.0
+
+
+def test_one_long_context_among_many_short_ones_is_split():
+    """64 sequences x 2 kv heads fill the GPU, but one 32K context among them must not run on
+    one threadgroup per kv head: it gets partitions of at most LONG_PARTITION_TOKENS."""
+    plan = metal.plan_partition_tokens
+    part = plan(64, 2, 32768 // 16, 16)
+    assert 0 < part <= metal.LONG_PARTITION_TOKENS
+    assert -(-32768 // part) >= 16  # threadgroups per kv head for the long sequence
+    assert plan(64, 2, 4096 // 16, 16) == 0  # a 4K longest context: the batch fills the GPU
+    assert plan(1, 2, 300000 // 16, 16) and -(-300000 // plan(1, 2, 300000 // 16, 16)) <= metal.MAX_PARTITIONS
