@@ -51,12 +51,24 @@ class LLMEngine:
         )
         self.kv_cache = PagedKVCache(self.cache_shape, num_blocks, config.block_size)
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.attention_impl)
+        self._check_kernels()
         self.scheduler = Scheduler(config, self.block_manager)
         self.eos_token_ids = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
         self._requests: dict[str, Request] = {}
+
+    def _check_kernels(self) -> None:
+        """With the Metal kernel in use, build and check its variants now, before any request:
+        a variant that fails falls back to the reference with one warning (attention/metal.py)."""
+        from .attention import resolve_impl
+
+        if resolve_impl(self.config.attention_impl) == "metal":
+            from .attention.metal import check_family
+
+            args = self.loaded.model.args
+            check_family(args.num_attention_heads // args.num_key_value_heads, self.kv_cache.keys[0])
 
     @property
     def num_blocks(self) -> int:
