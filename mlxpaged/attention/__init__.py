@@ -97,7 +97,7 @@ def paged_attention_varlen(
     up to its own. Returns `[T, num_heads, head_dim]` in q's dtype.
 
     `paged_attention` is the case q_len = 1. With `impl="metal"` the one-token sequences run
-    on the Metal decode kernel and longer ones on the reference (no varlen kernel yet).
+    on the Metal decode kernel and longer ones on the varlen kernel (`metal_varlen.py`).
     """
     scale = _check_shapes("paged_attention_varlen", q, k_cache, v_cache, scale)
     num_seqs = block_tables.shape[0]
@@ -106,11 +106,9 @@ def paged_attention_varlen(
             f"paged_attention_varlen: cu_seqlens_q {cu_seqlens_q.shape} and context_lens {context_lens.shape} "
             f"do not match {num_seqs} block-table rows"
         )
-    decode = _metal_decode if resolve_impl(impl, q, k_cache) == "metal" else None
-    return paged_attention_varlen_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, decode)
+    if resolve_impl(impl, q, k_cache) == "metal":
+        # Multi-token sequences on the varlen kernel, one-token ones on the decode kernel.
+        from .metal_varlen import paged_attention_varlen_metal
 
-
-def _metal_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
-    from .metal import paged_attention_metal
-
-    return paged_attention_metal(q, k_cache, v_cache, block_tables, context_lens, scale=scale)
+        return paged_attention_varlen_metal(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=scale)
+    return paged_attention_varlen_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)

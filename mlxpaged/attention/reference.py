@@ -10,8 +10,6 @@ offset by its cached prefix.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import mlx.core as mx
 
 from ..utils import cdiv
@@ -62,10 +60,7 @@ def paged_attention_varlen_reference(
     cu_seqlens_q: mx.array,  # [S + 1] int32
     context_lens: mx.array,  # [S] int32: cached plus new tokens
     scale: float,
-    decode_attention: Callable | None = None,
 ) -> mx.array:  # [T, num_heads, head_dim]
-    """`decode_attention` (default: `paged_attention_reference`) serves the one-token sequences."""
-    decode_attention = decode_attention or paged_attention_reference
     cu = cu_seqlens_q.tolist()
     ctx = context_lens.tolist()
     block_size = k_cache.shape[2]
@@ -76,7 +71,7 @@ def paged_attention_varlen_reference(
             e = s
             while e < num_seqs and cu[e + 1] - cu[e] == 1:
                 e += 1  # a run of decodes: one batched call
-            pieces.append(decode_attention(
+            pieces.append(paged_attention_reference(
                 q[cu[s] : cu[e]], k_cache, v_cache, block_tables[s:e], context_lens[s:e], scale))
             s = e
             continue

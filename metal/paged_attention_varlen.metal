@@ -1,0 +1,148 @@
+// Varlen paged attention (prefill chunks): the new tokens of several sequences, packed along one
+// axis, attend causally to their paged KV caches. Text before the first `// @kernel` line is
+// the header passed to mx.fast.metal_kernel; each `// @kernel NAME` section is a body (MLX
+// writes the signature from the inputs and outputs).
+//
+// One threadgroup takes a tile of TQ query tokens of one sequence and one kv head, with all G
+// query heads of that kv head: TQ * G query rows. It walks the sequence's keys once, KC at a
+// time: the chunk's K and V rows are staged in threadgroup memory (each read from device once
+// per tile) and used by every row, so a K/V row is read ceil(q_len / TQ) times per kv head.
+// Each row is held by SP consecutive lanes that split head_dim (dims part, part + SP, ...);
+// a score is their partial dot products summed with simd_shuffle_xor. Softmax is fp32 and
+// online (a running max per row, rescaled once per chunk). No simdgroup_matrix: the MSL
+// emulator that tests this kernel on Linux lacks it.
+//
+// Template parameters: T (q/cache/out dtype), HD (head_dim), BS (block size), G (query heads
+// per kv head), TQ (query tokens per tile), KC (keys per chunk), NSG (simdgroups per
+// threadgroup), SP (lanes per query row, a power of two <= 32), RPT (query rows per lane group).
+
+#include <metal_stdlib>
+using namespace metal;
+
+// -FLT_MAX: a finite "minus infinity", so exp(m_old - m_new) never computes inf - inf.
+#define PAV_FINITE_MIN (-3.4028234663852886e38f)
+
+// Block-table entries a chunk of KC tokens can touch when it starts anywhere in a block.
+#define PAV_CHUNK_BLOCKS(KC, BS) (((KC) + (BS) - 2) / (BS) + 1)
+
+// @kernel paged_attention_varlen
+// launch: grid (32 * NSG, num_kv_heads, num_tiles), threadgroup (32 * NSG, 1, 1)
+// inputs:  q            [T_total, num_kv_heads * G, HD] T   (new tokens, packed)
+//          k_cache      [num_blocks, num_kv_heads, BS, HD] T
+//          v_cache      [num_blocks, num_kv_heads, BS, HD] T
+//          block_tables [num_seqs, max_blocks] int32
+//          cu_seqlens_q [num_seqs + 1] int32       (sequence s owns q rows cu[s]:cu[s+1])
+//          context_lens [num_seqs] int32            (cached plus new tokens)
+//          tiles        [num_tiles, 2] int32        (sequence, first new token of the tile)
+//          scale        [] float32
+// output:  out          [T_total, num_kv_heads * G, HD] T (rows of tiled sequences only)
+constexpr int DPT = HD / SP;        // dims per lane
+constexpr int NT = 32 * NSG;        // threads per threadgroup
+constexpr int NRG = NT / SP;        // lane groups (one query row each per slot)
+constexpr int ROWS = TQ * G;        // query rows of a tile
+constexpr int CB = PAV_CHUNK_BLOCKS(KC, BS);
+static_assert(HD % SP == 0 && 32 % SP == 0, "a row's lanes split head_dim inside one simdgroup");
+static_assert(NRG * RPT >= ROWS, "every query row of the tile has a lane group");
+
+const int kvh = threadgroup_position_in_grid.y;
+const int tile = threadgroup_position_in_grid.z;
+const int num_kv_heads = threadgroups_per_grid.y;
+const int max_blocks = block_tables_shape[1];
+const uint tid = thread_index_in_threadgroup;
+const int part = tid % SP;  // this lane's share of head_dim
+const int rg = tid / SP;    // this lane's group
+
+const int seq = tiles[2 * tile];
+const int i0 = tiles[2 * tile + 1];
+const int q_begin = cu_seqlens_q[seq];
+const int q_len = cu_seqlens_q[seq + 1] - q_begin;
+const int first_pos = context_lens[seq] - q_len;  // position of new token 0
+const int n_tok = min(TQ, q_len - i0);
+const int kv_end = first_pos + i0 + n_tok;  // the tile's last token sees keys [0, kv_end)
+const int heads = num_kv_heads * G;
+
+threadgroup T tg_k[KC * HD];
+threadgroup T tg_v[KC * HD];
+threadgroup int tg_blocks[CB];
+
+// Row r = token i * G + head g; the tile's rows past its tokens see nothing (pos -1).
+float qr[RPT][DPT];
+float acc[RPT][DPT];
+float m[RPT];
+float l[RPT];
+int pos[RPT];
+size_t row_off[RPT];  // element offset of the row in q and out
+for (int j = 0; j < RPT; j++) {
+  const int r = j * NRG + rg;
+  const int i = r / G;
+  const bool valid = r < ROWS && i < n_tok;
+  pos[j] = valid ? first_pos + i0 + i : -1;
+  row_off[j] = valid ? ((size_t)(q_begin + i0 + i) * heads + kvh * G + r % G) * HD : 0;
+  m[j] = PAV_FINITE_MIN;
+  l[j] = 0.0f;
+  for (int x = 0; x < DPT; x++) {
+    qr[j][x] = valid ? scale * static_cast<float>(q[row_off[j] + x * SP + part]) : 0.0f;
+    acc[j][x] = 0.0f;
+  }
+}
+
+const size_t block_stride = (size_t)num_kv_heads * BS * HD;  // elements per physical block
+const size_t head_off = (size_t)kvh * BS * HD;
+for (int c0 = 0; c0 < kv_end; c0 += KC) {
+  const int nk = min(KC, kv_end - c0);  // keys in this chunk
+  const int b0 = c0 / BS;
+  const int nb = (c0 + nk - 1) / BS - b0 + 1;
+  // Stage the chunk's block ids, then its K and V rows: each read once per threadgroup.
+  for (int b = tid; b < nb; b += NT) {
+    tg_blocks[b] = block_tables[(size_t)seq * max_blocks + b0 + b];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // barrier 1: tg_blocks written
+  for (int e = tid; e < nk * HD; e += NT) {
+    const int t = c0 + e / HD;
+    const size_t src = (size_t)tg_blocks[t / BS - b0] * block_stride + head_off +
+        (size_t)(t % BS) * HD + e % HD;
+    tg_k[e] = k_cache[src];
+    tg_v[e] = v_cache[src];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // barrier 2: tg_k, tg_v written
+
+  for (int j = 0; j < RPT; j++) {
+    float s[KC];
+    float mc = m[j];
+    for (int k = 0; k < nk; k++) {
+      float d = 0.0f;
+      for (int x = 0; x < DPT; x++) {
+        d += qr[j][x] * static_cast<float>(tg_k[k * HD + x * SP + part]);
+      }
+      for (ushort o = SP / 2; o > 0; o >>= 1) {
+        d += simd_shuffle_xor(d, o);  // sum over the row's SP lanes
+      }
+      // Causal: key c0 + k is visible to the row's token iff it is not after it.
+      s[k] = c0 + k <= pos[j] ? d : PAV_FINITE_MIN;
+      mc = max(mc, s[k]);
+    }
+    const float corr = exp(m[j] - mc);  // rescales what was summed under the old max
+    l[j] *= corr;
+    for (int x = 0; x < DPT; x++) {
+      acc[j][x] *= corr;
+    }
+    for (int k = 0; k < nk; k++) {
+      const float p = c0 + k <= pos[j] ? exp(s[k] - mc) : 0.0f;
+      l[j] += p;
+      for (int x = 0; x < DPT; x++) {
+        acc[j][x] += p * static_cast<float>(tg_v[k * HD + x * SP + part]);
+      }
+    }
+    m[j] = mc;
+  }
+  // No barrier here: the next chunk writes tg_blocks only after barrier 2 of this one (its last
+  // reader) and tg_k/tg_v only after barrier 1 of the next, which every reader must reach first.
+}
+
+for (int j = 0; j < RPT; j++) {
+  if (pos[j] >= 0) {
+    for (int x = 0; x < DPT; x++) {
+      out[row_off[j] + x * SP + part] = static_cast<T>(acc[j][x] / l[j]);
+    }
+  }
+}

@@ -1,0 +1,177 @@
+"""The varlen (prefill) Metal kernel `metal/paged_attention_varlen.metal`: launch planning and
+the Python entry point.
+
+Sequences with more than one new token are cut into tiles of TILE_TOKENS tokens; one
+threadgroup runs per (tile, kv head). The tile -> (sequence, first token) map is built here on
+the host from `cu_seqlens_q` (built from numpy by the model runner, so `tolist()` costs no
+device sync). One-token sequences go to the decode kernel (`metal.py`), whose output rows are
+scattered into the varlen kernel's output. Invariant: every output row is written by exactly
+one of the two kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..utils import cdiv
+from . import metal
+
+KERNEL = "paged_attention_varlen"
+INPUTS = ["q", "k_cache", "v_cache", "block_tables", "cu_seqlens_q", "context_lens", "tiles", "scale"]
+OUTPUTS = ["out"]
+TILE_TOKENS = 16  # query tokens per threadgroup: each K/V row is read ceil(q_len / 16) times
+MIN_THREADS = 32  # lanes per tile at least: more lanes per row cost log2(SP) shuffles per key
+MAX_THREADS = 1024  # Metal's limit per threadgroup
+STAGE_BYTES = 8192  # threadgroup bytes for each of the staged K and V chunks
+MAX_CHUNK_KEYS = 32  # bounds the per-row score registers
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_sources() -> tuple[str, str]:
+    """(header, body) of the shipped `paged_attention_varlen.metal`."""
+    text = metal._read_source("paged_attention_varlen.metal")
+    parts = re.split(r"^// @kernel (\w+)\n", text, flags=re.M)
+    if len(parts) != 3 or parts[1] != KERNEL:
+        raise RuntimeError(f"paged_attention_varlen.metal must hold one `// @kernel {KERNEL}` section")
+    return parts[0], parts[2].strip("\n") + "\n"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Template values of one kernel variant (see the .metal file's header comment)."""
+
+    head_dim: int
+    block_size: int
+    group: int
+    chunk_keys: int  # KC
+    simdgroups: int  # NSG
+    lanes_per_row: int  # SP
+    rows_per_group: int  # RPT
+
+    @property
+    def variant(self) -> str:
+        return (f"hd{self.head_dim}_bs{self.block_size}_g{self.group}_tq{TILE_TOKENS}"
+                f"_kc{self.chunk_keys}_nsg{self.simdgroups}_sp{self.lanes_per_row}"
+                f"_rpt{self.rows_per_group}")
+
+
+def plan(head_dim: int, block_size: int, group: int, itemsize: int) -> Plan:
+    """Lanes per query row (SP, a power of two <= 32): at least head_dim / 32, so a lane holds at
+    most 32 dims of its row's query and accumulator (registers), and more while the tile has
+    under MIN_THREADS lanes. Rows past MAX_THREADS / SP share lanes (RPT rows per lane group).
+    Keys per chunk (KC): a power of two whose K (and V) rows fit in STAGE_BYTES."""
+    rows = TILE_TOKENS * group
+    sp = 1 << (cdiv(head_dim, 32) - 1).bit_length()  # head_dim is a multiple of 32: SP divides it
+    while sp < 32 and rows * sp * 2 <= MIN_THREADS:
+        sp *= 2
+    rpt = cdiv(rows * sp, MAX_THREADS)
+    nsg = cdiv(cdiv(rows, rpt) * sp, 32)
+    kc = MAX_CHUNK_KEYS
+    while kc > 1 and kc * head_dim * itemsize > STAGE_BYTES:
+        kc //= 2
+    return Plan(head_dim, block_size, group, kc, nsg, sp, rpt)
+
+
+def threadgroup_bytes(p: Plan, itemsize: int) -> int:
+    """Threadgroup memory of the kernel (mirrors its `threadgroup` arrays, 16-byte aligned)."""
+    blocks = (p.chunk_keys + p.block_size - 2) // p.block_size + 1  # PAV_CHUNK_BLOCKS
+    sizes = (p.chunk_keys * p.head_dim * itemsize,) * 2 + (4 * blocks,)
+    return sum(cdiv(n, 16) * 16 for n in sizes)
+
+
+def tile_map(cu: list[int]) -> list[tuple[int, int]]:
+    """(sequence, first new token) of every tile: sequences with q_len > 1, TILE_TOKENS at a time."""
+    return [(s, i) for s in range(len(cu) - 1) if cu[s + 1] - cu[s] > 1
+            for i in range(0, cu[s + 1] - cu[s], TILE_TOKENS)]
+
+
+@dataclass
+class Launch:
+    """One launch of the varlen kernel: its variant and the arguments of its call."""
+
+    variant: str
+    call: dict
+
+    @property
+    def kernel_kwargs(self) -> dict:
+        header, body = kernel_sources()
+        return dict(name=f"{KERNEL}_{self.variant}", input_names=list(INPUTS),
+                    output_names=list(OUTPUTS), source=body, header=header)
+
+    @property
+    def kernel(self):
+        return _kernel(metal._metal_kernel_factory(), self.variant)
+
+    def run(self) -> mx.array:
+        return self.kernel(**self.call)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(factory, variant: str):
+    # Built once per variant and factory (native or emulated); template values are in the name.
+    return factory(**Launch(variant, {}).kernel_kwargs)
+
+
+def varlen_launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, tiles,
+                  scale: float) -> Launch:
+    """The launch covering `tiles` ([(sequence, first token)], non-empty); q in the cache dtype."""
+    _, num_kv_heads, block_size, head_dim = k_cache.shape
+    group = q.shape[1] // num_kv_heads
+    p = plan(head_dim, block_size, group, k_cache.dtype.size)
+    threads = 32 * p.simdgroups
+    return Launch(p.variant, dict(
+        inputs=[q, k_cache, v_cache, block_tables.astype(mx.int32), cu_seqlens_q.astype(mx.int32),
+                context_lens.astype(mx.int32), mx.array(tiles, dtype=mx.int32),
+                mx.array(scale, dtype=mx.float32)],
+        template=[("T", q.dtype), ("HD", head_dim), ("BS", block_size), ("G", group),
+                  ("TQ", TILE_TOKENS), ("KC", p.chunk_keys), ("NSG", p.simdgroups),
+                  ("SP", p.lanes_per_row), ("RPT", p.rows_per_group)],
+        grid=(threads, num_kv_heads, len(tiles)),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[q.shape],
+        output_dtypes=[q.dtype],
+    ))
+
+
+def paged_attention_varlen_metal(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                                 *, scale: float) -> mx.array:
+    """`mlxpaged.paged_attention_varlen` on the Metal kernels: [T, num_heads, head_dim], q's dtype."""
+    return run_with_launches(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                             scale=scale)[0]
+
+
+def run_with_launches(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, *,
+                      scale: float) -> tuple[mx.array, list]:
+    """`paged_attention_varlen_metal`, also returning its launches: the varlen kernel's
+    (`Launch`) and the decode kernel's (`metal.Launch`)."""
+    metal._check(q, k_cache)
+    out_dtype = q.dtype
+    cu = [int(x) for x in cu_seqlens_q.tolist()]
+    decode = [s for s in range(len(cu) - 1) if cu[s + 1] - cu[s] == 1]
+    tiles = tile_map(cu)
+    launches: list = []
+    if len(decode) == len(cu) - 1:  # all decodes: q's rows are the sequences
+        out, launches = metal.run_with_launches(q, k_cache, v_cache, block_tables, context_lens,
+                                                scale=scale)
+        return out, launches
+    qc = q.astype(k_cache.dtype)  # one element type T for q, caches and output
+    out = None
+    if tiles:
+        launches.append(varlen_launch(qc, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                      context_lens, tiles, scale))
+        out = launches[0].run()
+    if decode:
+        rows = mx.array([cu[s] for s in decode], dtype=mx.int32)
+        seqs = mx.array(decode, dtype=mx.int32)
+        dec, dec_launches = metal.run_with_launches(qc[rows], k_cache, v_cache, block_tables[seqs],
+                                                    context_lens[seqs], scale=scale)
+        launches += dec_launches
+        out = mx.zeros_like(qc) if out is None else out
+        out[rows] = dec
+    if out is None:  # no sequence has a new token
+        out = mx.zeros_like(qc)
+    return out.astype(out_dtype), launches

@@ -1,0 +1,381 @@
+"""The varlen (prefill) Metal kernel, run by the MSL emulator, against the pure-MLX reference.
+
+Default run: a pairwise-covering subset of dtype x head_dim x heads per kv head x block size
+over a ragged batch (q_len 1, 7, 16, 33, 20 over prefixes 1000, 1, 15, 0, 16), each case under
+every lane order, plus the issue's batch (q_len 1, 7, 16, 100, 513 over prefixes 0, 1, 15, 16,
+1000) once; `MLXPAGED_FULL_SWEEP=1` runs the full product on the issue's batch under every lane
+order (slow: minutes per case at 7 heads per kv head). Also: mutants of the real source must
+fail, the text the emulator compiles must equal what MLX would compile, and the kernel reads
+each K/V row at most once per 16-token tile.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxpaged.attention import metal, metal_varlen as mv
+from mlxpaged.attention.reference import paged_attention_varlen_reference
+
+emu = pytest.importorskip("mlxpaged.metal_emu")
+
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+# (atol, rtol) per dtype: the kernel and the reference both round an fp32 result to the dtype.
+TOLERANCE = {"float16": (1e-3, 4e-3), "bfloat16": (8e-3, 2e-2), "float32": (1e-5, 1e-4)}
+ORDERS = ("forward", "reverse", "random:7")
+FULL_SWEEP = os.environ.get("MLXPAGED_FULL_SWEEP") == "1"
+ISSUE_BATCH = ([1, 7, 16, 100, 513], [0, 1, 15, 16, 1000])  # (q_lens, cached prefixes)
+SMALL_BATCH = ([1, 7, 16, 33, 20], [1000, 1, 15, 0, 16])
+
+FACTORS = {"dtype": tuple(DTYPES), "head_dim": (64, 128), "group": (1, 7), "block_size": (1, 16)}
+
+
+def pairwise(factors: dict) -> list[dict]:
+    """A small set of cases covering every pair of values of any two factors (greedy)."""
+    names = list(factors)
+
+    def pairs(c):
+        return {((a, c[a]), (b, c[b])) for a, b in itertools.combinations(names, 2)}
+
+    candidates = [dict(zip(names, vals)) for vals in itertools.product(*factors.values())]
+    uncovered = set().union(*map(pairs, candidates))
+    cases = []
+    while uncovered:
+        best = max(candidates, key=lambda c: len(pairs(c) & uncovered))
+        uncovered -= pairs(best)
+        cases.append(best)
+    return cases
+
+
+def sweep_cases() -> list[dict]:
+    if FULL_SWEEP:
+        return [dict(zip(FACTORS, vals)) for vals in itertools.product(*FACTORS.values())]
+    return pairwise(FACTORS)
+
+
+def case_id(c: dict) -> str:
+    return f"{c['dtype']}-hd{c['head_dim']}-g{c['group']}-bs{c['block_size']}"
+
+
+def make_inputs(rng, *, dtype, head_dim, group, block_size, q_lens, prefixes, num_kv_heads=2):
+    """Packed queries, a pool, scattered block tables (entries past a sequence's last block hold
+    random ids the kernel must ignore), cu_seqlens_q and context lengths."""
+    ctx = [n + p for n, p in zip(q_lens, prefixes)]
+    nblocks = [-(-c // block_size) for c in ctx]
+    pool = sum(nblocks) + 3
+    ids = rng.permutation(pool)
+    tables = rng.integers(0, pool, size=(len(ctx), max(nblocks) + 1)).astype(np.int32)
+    start = 0
+    for i, n in enumerate(nblocks):
+        tables[i, :n] = ids[start:start + n]
+        start += n
+    shape = (pool, num_kv_heads, block_size, head_dim)
+    dt = DTYPES[dtype]
+    return (
+        mx.array(1.5 * rng.standard_normal((sum(q_lens), num_kv_heads * group, head_dim)), dtype=dt),
+        mx.array(rng.standard_normal(shape), dtype=dt),
+        mx.array(rng.standard_normal(shape), dtype=dt),
+        mx.array(tables),
+        mx.array(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)),
+        mx.array(np.array(ctx, dtype=np.int32)),
+    )
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """Run kernels in the emulator; yields a setter for the lane order."""
+    monkeypatch.setenv("MLXPAGED_METAL", "emulate")
+
+    def set_order(order: str):
+        monkeypatch.setenv("MLXPAGED_EMU_ORDER", order)
+
+    with emu.emulate():
+        yield set_order
+
+
+def mismatch(out: mx.array, ref: mx.array, dtype: str) -> float:
+    """Largest |out - ref| / (atol + rtol |ref|): at most 1 passes; NaN never does."""
+    atol, rtol = TOLERANCE[dtype]
+    o, r = out.astype(mx.float32), ref.astype(mx.float32)
+    return float(mx.max(mx.abs(o - r) / (atol + rtol * mx.abs(r))).item())
+
+
+def reference(q, k, v, *rest, scale):
+    """The pure-MLX reference on the same (dtype-rounded) inputs, computed in float32 and rounded
+    to q's dtype once: its half-precision SDPA rounds intermediates, the kernel does not."""
+    f32 = (a.astype(mx.float32) for a in (q, k, v))
+    return paged_attention_varlen_reference(*f32, *rest, scale).astype(q.dtype)
+
+
+def run_case(c: dict, batch=SMALL_BATCH, seed: int = 0) -> float:
+    rng = np.random.default_rng(seed)
+    args = make_inputs(rng, dtype=c["dtype"], head_dim=c["head_dim"], group=c["group"],
+                       block_size=c["block_size"], q_lens=batch[0], prefixes=batch[1])
+    scale = c["head_dim"] ** -0.5
+    out, launches = mv.run_with_launches(*args, scale=scale)
+    assert isinstance(launches[0], mv.Launch)  # the varlen kernel ran (decodes may follow)
+    ref = reference(*args, scale=scale)
+    assert out.dtype == args[0].dtype and out.shape == args[0].shape
+    return mismatch(out, ref, c["dtype"])
+
+
+@pytest.mark.parametrize("case", sweep_cases(), ids=case_id)
+def test_kernel_matches_reference(emulated, case):
+    for order in ORDERS:
+        emulated(order)
+        err = run_case(case, ISSUE_BATCH if FULL_SWEEP else SMALL_BATCH)
+        assert err <= 1.0, f"mismatch {err} with lane order {order}"
+
+
+def test_issue_batch(emulated):
+    """The issue's ragged batch: a 513-token chunk over nothing, 100 over 16, ... 1 over 1000."""
+    emulated("random:11")
+    err = run_case(dict(dtype="float16", head_dim=64, group=1, block_size=16), ISSUE_BATCH)
+    assert err <= 1.0, err
+
+
+@pytest.mark.parametrize("q_lens,prefixes", [([1, 1, 1], [5, 0, 40]), ([40], [0]), ([0, 5, 1], [3, 4, 9])])
+def test_dispatcher_metal_impl(emulated, q_lens, prefixes):
+    """`paged_attention_varlen(impl="metal")`: all decodes, one chunk, an empty sequence; scale
+    defaults to head_dim ** -0.5."""
+    from mlxpaged.attention import paged_attention_varlen
+
+    rng = np.random.default_rng(1)
+    args = make_inputs(rng, dtype="float16", head_dim=64, group=7, block_size=16,
+                       q_lens=q_lens, prefixes=prefixes)
+    out = paged_attention_varlen(*args, impl="metal")
+    assert out.shape == args[0].shape
+    assert mismatch(out, reference(*args, scale=64 ** -0.5), "float16") <= 1.0
+
+
+def test_tile_map():
+    """Tiles of 16 cover every new token of the multi-token sequences once, in order."""
+    cu = [0, 1, 8, 24, 124, 125, 638]
+    tiles = mv.tile_map(cu)
+    covered = [(s, i) for s, i0 in tiles for i in range(i0, min(i0 + 16, cu[s + 1] - cu[s]))]
+    want = [(s, i) for s in range(6) if cu[s + 1] - cu[s] > 1 for i in range(cu[s + 1] - cu[s])]
+    assert covered == want
+    assert len(tiles) == 1 + 1 + 7 + 33
+
+
+# Each mutant: (description, exact text in the real source, replacement, case). Every
+# occurrence of the text is replaced.
+MUTANT_CASE = dict(dtype="float32", head_dim=64, group=2, block_size=16)
+BARRIER = "threadgroup_barrier(mem_flags::mem_threadgroup);"
+MUTANTS = [
+    ("causal mask sees the next token", "c0 + k <= pos[j]", "c0 + k <= pos[j] + 1"),
+    ("causal mask hides its own token", "c0 + k <= pos[j]", "c0 + k < pos[j]"),
+    ("tile offset ignored in positions", "first_pos + i0 + i : -1", "first_pos + i : -1"),
+    ("no online-softmax rescale", "acc[j][x] *= corr;", ""),
+    ("block table ignored", "block_tables[(size_t)seq * max_blocks + b0 + b]", "b0 + b"),
+    ("score summed over half the row", "ushort o = SP / 2", "ushort o = SP / 4"),
+    ("query heads of the other kv head", "kvh * G + r % G", "(kvh ^ 1) * G + r % G"),
+    ("off-by-one key row", "(size_t)(t % BS) * HD", "(size_t)((t + 1) % BS) * HD"),
+] + [(f"missing barrier {n + 1}", BARRIER, n) for n in range(2)]
+
+
+def mutate(monkeypatch, old: str, new, body_only=True):
+    """Make the wrapper build its kernel from the real source with a substitution: every
+    occurrence of `old`, or (with `new` an int n) delete only the n-th."""
+    header, body = mv.kernel_sources()
+    if isinstance(new, int):
+        assert body.count(old) > new, f"anchor {old!r} occurs under {new + 1} times"
+        i = -1
+        for _ in range(new + 1):
+            i = body.index(old, i + 1)
+        body = body[:i] + body[i + len(old):]
+    else:
+        assert old in body, f"mutant anchor {old!r} does not occur"
+        body = body.replace(old, new)
+    monkeypatch.setattr(mv, "kernel_sources", lambda: (header, body))
+    mv._kernel.cache_clear()
+
+
+def test_every_barrier_has_a_mutant():
+    assert mv.kernel_sources()[1].count(BARRIER) == 2
+
+
+def caught_under(orders, run) -> list[str]:
+    caught = []
+    for order in orders:
+        try:
+            err = run(order)
+        except emu.MetalEmuError as e:  # e.g. an out-of-bounds read or a race
+            caught.append(f"{order}: {str(e)[:80]}")
+            continue
+        if not err <= 1.0:  # NaN counts as caught
+            caught.append(f"{order}: mismatch {err:.3g}")
+    return caught
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=[m[0] for m in MUTANTS])
+def test_mutants_are_caught(emulated, monkeypatch, mutant):
+    """Every deliberately broken kernel fails the comparison (or the emulator rejects it) under
+    every lane order; a missing barrier under at least one (the race detector sees it)."""
+    name, old, new = mutant
+    mutate(monkeypatch, old, new)
+
+    def run(order):
+        emulated(order)
+        return run_case(MUTANT_CASE, ([1, 7, 40, 20], [5, 0, 50, 16]))
+
+    try:
+        caught = caught_under(ORDERS, run)
+    finally:
+        mv._kernel.cache_clear()  # drop the mutated kernel objects
+    print(name, caught)
+    needed = 1 if old == BARRIER else len(ORDERS)
+    assert len(caught) >= needed, f"mutant passed under too many lane orders: {caught}"
+
+
+@pytest.mark.parametrize("mutant", ["sequences swapped", "first token shifted"])
+def test_tile_map_mutants_are_caught(emulated, monkeypatch, mutant):
+    """A wrong tile -> (sequence, first token) map from the wrapper fails the comparison."""
+    real = mv.tile_map
+
+    def wrong(cu):
+        tiles = real(cu)
+        if mutant == "first token shifted":
+            return [(s, i + 1 if i else 0) for s, i in tiles]
+        seqs = sorted({s for s, _ in tiles})
+        swap = dict(zip(seqs, seqs[1:] + seqs[:1]))
+        return [(swap[s], i) for s, i in tiles]
+
+    monkeypatch.setattr(mv, "tile_map", wrong)
+
+    def run(order):
+        emulated(order)
+        return run_case(MUTANT_CASE, ([1, 7, 40, 20], [5, 0, 50, 16]))
+
+    assert len(caught_under(ORDERS, run)) == len(ORDERS)
+
+
+@pytest.mark.parametrize("dtype,q_lens,prefixes", [(d, [3, 20], [0, 9]) for d in DTYPES]
+                         + [("float16", [20], [0])])
+def test_source_parity(emulated, dtype, q_lens, prefixes):
+    """The emulator compiled exactly the text MLX would hand the Metal compiler; with one
+    sequence, MLX passes the block table, cu_seqlens_q, context_lens and tiles (under 8
+    elements each) in the constant address space."""
+    rng = np.random.default_rng(2)
+    args = make_inputs(rng, dtype=dtype, head_dim=64, group=2, block_size=16,
+                       q_lens=q_lens, prefixes=prefixes)
+    _, (launch,) = mv.run_with_launches(*args, scale=0.125)
+    assert launch.kernel.last_source == emu.mlx_compiled_source(launch.kernel_kwargs, launch.call)
+
+
+def tile_minimum_bytes(q, k_cache, cu, ctx) -> int:
+    """What a kernel that walks each tile's visible keys once must read: per tile and kv head,
+    K and V rows [0, last position of the tile], plus the queries."""
+    _, kvh, _, hd = k_cache.shape
+    rows = 0
+    for s, i0 in mv.tile_map(cu):
+        q_len = cu[s + 1] - cu[s]
+        rows += ctx[s] - q_len + min(i0 + mv.TILE_TOKENS, q_len)
+    return 2 * rows * kvh * hd * k_cache.dtype.size + q.nbytes
+
+
+def test_reads_each_row_once_per_tile(emulated):
+    """At Qwen2.5-1.5B head shapes (6 query heads per kv head, head_dim 128) and a 64-token chunk
+    over a 256-token prefix: bytes read are within 10% of what walking each tile's visible keys
+    once takes, itself at most the issue's bound (the decode minimum x ceil(q_len / 16)); the
+    kernel writes no input, every row of the chunk and nothing else."""
+    emulated("forward")
+    rng = np.random.default_rng(3)
+    q_lens, prefixes = [64, 1], [256, 40]
+    q, k, v, bt, cu, cl = make_inputs(rng, dtype="float16", head_dim=128, group=6, block_size=16,
+                                      q_lens=q_lens, prefixes=prefixes)
+    _, launches = mv.run_with_launches(q, k, v, bt, cu, cl, scale=0.1)
+    kernel = launches[0].kernel
+    stats = kernel.last_launch
+    assert not any(stats.bytes_written[n] for n in kernel.last_stats)
+    assert stats.barriers_with_exited_threads == 0
+    assert stats.bytes_unwritten["out"] == 1 * q.shape[1] * q.shape[2] * q.dtype.size  # the decode row
+    read = sum(kernel.last_stats.values())
+    walk = tile_minimum_bytes(q, k, cu.tolist(), cl.tolist())
+    assert 1.0 <= read / walk <= 1.10, read / walk
+    chunk = (q[:64], k, v, bt[:1], cu[:2], cl[:1])
+    issue_bound = metal.minimum_bytes(chunk[0], k, chunk[5]) * -(-64 // 16)
+    assert walk - q[64:].nbytes <= issue_bound
+
+
+@pytest.mark.skipif(not FULL_SWEEP, reason="minutes in the emulator: MLXPAGED_FULL_SWEEP=1")
+def test_reads_at_qwen_shapes_512_over_2048(emulated):
+    """The issue's table: a 512-token chunk over a 2,048-token prefix at Qwen2.5-1.5B shapes,
+    at most 1.10x the decode minimum x ceil(512 / 16)."""
+    emulated("forward")
+    rng = np.random.default_rng(4)
+    q, k, v, bt, cu, cl = make_inputs(rng, dtype="float16", head_dim=128, group=6, block_size=16,
+                                      q_lens=[512], prefixes=[2048])
+    _, (launch,) = mv.run_with_launches(q, k, v, bt, cu, cl, scale=0.1)
+    read = sum(launch.kernel.last_stats.values())
+    assert read <= 1.10 * metal.minimum_bytes(q, k, cl) * 32
+
+
+@pytest.mark.parametrize("head_dim,block_size,group", [(64, 16, 6), (128, 1, 7), (256, 256, 1)])
+def test_threadgroup_memory(emulated, head_dim, block_size, group):
+    """The wrapper's threadgroup-memory estimate matches the kernel's, under 32 KiB."""
+    rng = np.random.default_rng(5)
+    args = make_inputs(rng, dtype="bfloat16", head_dim=head_dim, group=group,
+                       block_size=block_size, q_lens=[3, 18], prefixes=[0, 5])
+    _, (launch,) = mv.run_with_launches(*args, scale=0.1)
+    p = mv.plan(head_dim, block_size, group, 2)
+    assert launch.kernel.last_launch.threadgroup_memory_bytes == mv.threadgroup_bytes(p, 2) <= 32768
+    assert not launch.kernel.last_launch.over_register_budget
+
+
+def test_query_dtype_differs_from_cache(emulated):
+    """A float32 query on a float16 pool: computed in the pool's dtype, returned in q's."""
+    rng = np.random.default_rng(6)
+    q, k, v, bt, cu, cl = make_inputs(rng, dtype="float16", head_dim=64, group=6, block_size=16,
+                                      q_lens=[7, 1, 20], prefixes=[3, 30, 0])
+    q32 = q.astype(mx.float32)
+    out = mv.paged_attention_varlen_metal(q32, k, v, bt, cu, cl, scale=0.125)
+    assert out.dtype == mx.float32
+    ref = reference(q32, k, v, bt, cu, cl, scale=0.125)
+    assert mismatch(out, ref, "float16") <= 1.0
+
+
+def test_plan_fits_every_supported_shape():
+    """Every head_dim (multiple of 32 up to 256), group and block size gets lanes for each row,
+    at most 32 dims of a row per lane, and at most 32 KiB of threadgroup memory."""
+    for hd, g, bs, size in itertools.product((32, 64, 128, 160, 256), (1, 2, 6, 7, 16, 40),
+                                             (1, 2, 16, 64, 256), (2, 4)):
+        p = mv.plan(hd, bs, g, size)
+        threads = 32 * p.simdgroups
+        assert threads <= mv.MAX_THREADS and 32 % p.lanes_per_row == 0
+        assert threads // p.lanes_per_row * p.rows_per_group >= mv.TILE_TOKENS * g
+        assert hd % p.lanes_per_row == 0 and hd // p.lanes_per_row <= 32
+        assert mv.threadgroup_bytes(p, size) <= 32768
+
+
+def test_engine_prefills_through_the_kernel(tiny_loaded, monkeypatch):
+    """The tiny model's chunked prefills (several prompts per pass, beside decodes) run on the
+    varlen kernel in the emulator and decode the same greedy tokens as the reference path."""
+    from mlxpaged import EngineConfig, LLMEngine, SamplingParams
+
+    prompts = [[(7 * i + 3 * j) % 200 + 1 for j in range(n)] for i, n in enumerate((40, 21, 3))]
+
+    def run(impl):
+        engine = LLMEngine(tiny_loaded, EngineConfig(block_size=4, num_blocks=96, attention_impl=impl,
+                                                     max_num_batched_tokens=24))
+        for i, p in enumerate(prompts):
+            engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                               request_id=str(i))
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        return done
+
+    want = run("reference")
+    launches = []
+    real = mv.varlen_launch
+    monkeypatch.setattr(mv, "varlen_launch", lambda *a, **k: launches.append(a[6]) or real(*a, **k))
+    monkeypatch.setenv("MLXPAGED_METAL", "emulate")
+    with emu.emulate():
+        got = run("metal")
+    assert got == want
+    assert any(len(tiles) > 1 for tiles in launches)  # a pass held several tiles
