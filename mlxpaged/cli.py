@@ -219,6 +219,12 @@ def _add_bench() -> None:
     main.add_command(bench)
 
 
+def _add_doctor() -> None:
+    from .doctor import doctor  # imports click only; MLX loads when `doctor` runs
+
+    main.add_command(doctor)
+
+
 def _add_serve() -> None:
     from .server.cli import serve  # imports click only; FastAPI etc. load when `serve` runs
 
@@ -227,6 +233,7 @@ def _add_serve() -> None:
 
 _add_bench()
 _add_serve()
+_add_doctor()
 
 if __name__ == "__main__":
     main()

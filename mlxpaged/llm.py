@@ -28,6 +28,7 @@ class LLM:
         num_blocks: int | None = None,
         enable_prefix_caching: bool = True,
         dtype: str | None = None,
+        weights: str | None = None,
         **engine_kwargs,
     ):
         config = EngineConfig(
@@ -36,7 +37,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             **engine_kwargs,
         )
-        loaded = model if isinstance(model, LoadedModel) else load(model, dtype)
+        loaded = model if isinstance(model, LoadedModel) else load(model, dtype, weights)
         self.engine = LLMEngine(loaded, config)
 
     @property

@@ -185,6 +185,7 @@ def ensure_offline_model(name: str = DEFAULT_MODEL, download: bool = True) -> Pa
     return target
 
 
-def default_model() -> Path:
-    """The checkpoint directory used when no model is given: the offline 0.5B, converted."""
-    return convert_gguf(ensure_offline_model(DEFAULT_MODEL))
+def default_model(weights: str = "float") -> Path:
+    """The checkpoint directory used when no model is given: the offline 0.5B, converted
+    (``weights``: "float" or "quantized", as in :func:`mlxpaged.gguf.convert_gguf`)."""
+    return convert_gguf(ensure_offline_model(DEFAULT_MODEL), weights=weights)

@@ -9,6 +9,7 @@ Cache layout (root = ``cache_dir`` argument, else ``$MLXPAGED_CACHE``, else
 
     <root>/converted/<sha256[:16]>/          float16 checkpoint (the default)
     <root>/converted/<sha256[:16]>-<dtype>/  other dtypes
+    <root>/converted/<sha256[:16]>-quantized/ block weights kept quantized (weights="quantized")
     <root>/sha256-index.json                  (path, size, mtime) -> sha256
     <root>/gguf/<name>.gguf                   offline models (mlxpaged.offline_model)
 """
@@ -29,12 +30,17 @@ import numpy as np
 from .reader import SUPPORTED_TYPES, GGUFError, GGUFFile
 from .tokenizer import eos_token_ids, tokenizer_config_from_metadata, tokenizer_from_metadata
 
-__all__ = ["convert_gguf", "cache_root", "file_sha256", "CONVERTER_VERSION", "DTYPES"]
+__all__ = ["convert_gguf", "cache_root", "file_sha256", "CONVERTER_VERSION", "DTYPES", "WEIGHTS"]
 
 # Bump when the output of a conversion changes, so stale cache entries are rebuilt.
 CONVERTER_VERSION = 1
+# The same for quantized checkpoints only (bumping CONVERTER_VERSION would rebuild float ones too).
+QUANTIZED_VERSION = 1
 MARKER = "mlxpaged_conversion.json"
 DTYPES = ("float16", "bfloat16", "float32")
+# "float": every tensor dequantized to `dtype`; "quantized": block weights as MLX affine
+# layers (mlx_quant.py), float tensors in their own dtype.
+WEIGHTS = ("float", "quantized")
 # float16 by default: the dequantized values are an fp16 scale times a small
 # integer, which float16 (11-bit significand) keeps 8x more precisely than
 # bfloat16 (8-bit); on the 0.5B file the relative rounding error is 2e-4 vs 1.7e-3,
@@ -232,7 +238,7 @@ def _check_architecture(g: GGUFFile) -> None:
         raise GGUFError(f"unsupported architecture {arch!r} in {g.name}: mlxpaged supports qwen2")
 
 
-def _write_checkpoint(g: GGUFFile, out: Path, dtype: str, sha256: str) -> None:
+def _write_checkpoint(g: GGUFFile, out: Path, dtype: str, sha256: str, weights_mode: str = "float") -> None:
     import mlx.core as mx
 
     _check_architecture(g)
@@ -253,17 +259,25 @@ def _write_checkpoint(g: GGUFFile, out: Path, dtype: str, sha256: str) -> None:
     }
     if not tied:
         expected.add("lm_head.weight")
-    weights: dict[str, Any] = {}
-    for name in g.tensors:
-        if tied and name in ("token_embd.weight", "output.weight"):
-            continue
-        weights[_hf_name(name, n_layers, g.name)] = mx.array(g.dequantize(name)).astype(mx_dtype)
+    sources = {
+        _hf_name(name, n_layers, g.name): name
+        for name in g.tensors
+        if not (tied and name in ("token_embd.weight", "output.weight"))
+    }
     if tied:
-        weights["model.embed_tokens.weight"] = mx.array(g.dequantize(embed_src)).astype(mx_dtype)
-    missing = sorted(expected - weights.keys())
+        sources["model.embed_tokens.weight"] = embed_src
+    missing = sorted(expected - sources.keys())
     if missing:
         raise GGUFError(f"{g.name}: incomplete qwen2 GGUF, {len(missing)} tensors missing (first: {missing[0]})")
-    _check_shapes(weights, config, g.name)
+    _check_shapes({hf: g.tensors[src].shape for hf, src in sources.items()}, config, g.name)
+    report = None
+    if weights_mode == "quantized":
+        from .quantized_checkpoint import quantized_tensors
+
+        weights, _, quantization, report = quantized_tensors(g, sources)
+        config["quantization"] = config["quantization_config"] = quantization
+    else:
+        weights = {hf: mx.array(g.dequantize(src)).astype(mx_dtype) for hf, src in sources.items()}
     mx.eval(weights)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     del weights
@@ -282,23 +296,27 @@ def _write_checkpoint(g: GGUFFile, out: Path, dtype: str, sha256: str) -> None:
     counts: dict[str, int] = {}
     for info in g.tensors.values():
         counts[info.type.name] = counts.get(info.type.name, 0) + 1
-    _write_json_atomic(
-        out / MARKER,
-        {
-            "converter_version": CONVERTER_VERSION,
-            "source": str(g.path.resolve()),
-            "source_name": md.get("general.name"),
-            "sha256": sha256,
-            "dtype": dtype,
-            "tie_word_embeddings": tied,
-            "embedding_from": embed_src,
-            "tensor_types": counts,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        },
-    )
+    marker = {
+        "converter_version": CONVERTER_VERSION,
+        "source": str(g.path.resolve()),
+        "source_name": md.get("general.name"),
+        "sha256": sha256,
+        "dtype": dtype,
+        "weights": weights_mode,
+        "quantized_version": QUANTIZED_VERSION if weights_mode == "quantized" else None,
+        "tie_word_embeddings": tied,
+        "embedding_from": embed_src,
+        "tensor_types": counts,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    if report is not None:
+        # The conversion log: per weight its GGUF type, MLX bits, and for requantized
+        # ones (Q2_K/Q3_K/Q6_K) the max and RMS error of that step.
+        marker["quantized"] = report
+    _write_json_atomic(out / MARKER, marker)
 
 
-def _check_shapes(weights: dict, config: dict, name: str) -> None:
+def _check_shapes(shapes: dict[str, tuple[int, ...]], config: dict, name: str) -> None:
     h, f = config["hidden_size"], config["intermediate_size"]
     hd = h // config["num_attention_heads"]
     kv = config["num_key_value_heads"] * hd
@@ -308,23 +326,27 @@ def _check_shapes(weights: dict, config: dict, name: str) -> None:
         "gate_proj.weight": (f, h), "up_proj.weight": (f, h), "down_proj.weight": (h, f),
         "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
     }
-    for k, v in weights.items():
+    for k, shape in shapes.items():
         suffix = ".".join(k.split(".")[-2:])
         exp = want.get(suffix)
         if k in ("model.embed_tokens.weight", "lm_head.weight"):
             exp = (config["vocab_size"], h)
         elif k == "model.norm.weight":
             exp = (h,)
-        if exp is not None and tuple(v.shape) != exp:
-            raise GGUFError(f"{name}: tensor for {k} has shape {tuple(v.shape)}, expected {exp}")
+        if exp is not None and tuple(shape) != exp:
+            raise GGUFError(f"{name}: tensor for {k} has shape {tuple(shape)}, expected {exp}")
 
 
-def _is_current(d: Path, dtype: str) -> bool:
+def _is_current(d: Path, dtype: str, weights: str = "float") -> bool:
     try:
         marker = json.loads((d / MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return marker.get("converter_version") == CONVERTER_VERSION and marker.get("dtype") == dtype and all(
+    # Entries written before `weights` existed are float ones.
+    same = marker.get("dtype") == dtype and marker.get("weights", "float") == weights
+    if weights == "quantized":
+        same = same and marker.get("quantized_version") == QUANTIZED_VERSION
+    return marker.get("converter_version") == CONVERTER_VERSION and same and all(
         (d / f).exists() for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
     )
 
@@ -335,6 +357,7 @@ def convert_gguf(
     *,
     dtype: str = DEFAULT_DTYPE,
     force: bool = False,
+    weights: str = "float",
 ) -> Path:
     """Convert a qwen2 GGUF to a checkpoint directory and return its path.
 
@@ -345,12 +368,20 @@ def convert_gguf(
     place, so readers never see a half-written checkpoint.
 
     ``dtype`` is the storage dtype of the weights: "float16" (default),
-    "bfloat16" or "float32".  Raises :class:`GGUFError` (one-line message) for a
+    "bfloat16" or "float32".  ``weights="quantized"`` instead keeps block-quantized
+    weights quantized as MLX affine layers (group 32; exact for Q4_0/Q4_1/Q5_0/Q5_1/
+    Q8_0/Q4_K/Q5_K, 8-bit requantized for Q2_K/Q3_K/Q6_K, errors in the marker file)
+    in ``<sha256[:16]>-quantized``; ``dtype`` is then unused (float tensors keep
+    their GGUF dtype).  Raises :class:`GGUFError` (one-line message) for a
     file that is not GGUF, is truncated or corrupt, has another architecture, or
     holds a tensor type outside ``SUPPORTED_TYPES``.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, not {weights!r}")
+    if weights == "quantized":
+        dtype = DEFAULT_DTYPE  # unused: scales and float tensors keep exact dtypes
     src = Path(path)
     if not src.is_file():
         raise GGUFError(f"{src}: no such file")
@@ -359,14 +390,17 @@ def convert_gguf(
         _check_architecture(g)
     sha = file_sha256(src, cache_dir)
     base = cache_root(cache_dir) / "converted"
-    final = base / (sha[:16] if dtype == DEFAULT_DTYPE else f"{sha[:16]}-{dtype}")
-    if not force and _is_current(final, dtype):
+    if weights == "quantized":
+        final = base / f"{sha[:16]}-quantized"
+    else:
+        final = base / (sha[:16] if dtype == DEFAULT_DTYPE else f"{sha[:16]}-{dtype}")
+    if not force and _is_current(final, dtype, weights):
         return final
     base.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=base, prefix=f".tmp-{final.name}-"))
     try:
         with GGUFFile(src) as g:
-            _write_checkpoint(g, tmp, dtype, sha)
+            _write_checkpoint(g, tmp, dtype, sha, weights)
         # mkdtemp/mkstemp create private entries; a cache is for every user of the machine.
         for f in tmp.iterdir():
             f.chmod(0o644)
@@ -383,7 +417,7 @@ def convert_gguf(
             os.replace(tmp, final)
         except OSError:
             # Another process finished the same conversion first; use theirs.
-            if not _is_current(final, dtype):
+            if not _is_current(final, dtype, weights):
                 raise
     finally:
         if tmp.exists():
