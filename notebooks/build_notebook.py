@@ -1,14 +1,23 @@
 """Write ``paged_attention.ipynb`` from the cells below (the readable source of the notebook).
 
-The notebook is saved without outputs, so it stays small and diffs stay readable; run it in
-Jupyter, or let ``tests/test_notebooks.py`` execute it. Edit this file, not the ``.ipynb``,
-then::
+Edit this file, not the ``.ipynb``. The committed notebook carries the outputs of a run on the
+offline Qwen2.5-Coder-0.5B (float32, CPU), so a visitor sees the figures without running it::
 
-    python notebooks/build_notebook.py
+    python notebooks/build_notebook.py --execute              # the real model (a few minutes)
+    python notebooks/build_notebook.py                        # cells only, no outputs
+    python notebooks/build_notebook.py --execute --model tiny # quick check on the tiny model
+
+``tests/test_notebooks.py`` checks the committed cells are this file's and executes a copy on the
+tiny model (never writing it back).
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
+import os
+import re
+import sys
 from pathlib import Path
 from textwrap import dedent
 
@@ -17,6 +26,7 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "paged_attention.ipynb"
+CELL_TIMEOUT_S = 900  # the real model on two busy CPU cores
 
 
 def md(text: str) -> tuple[str, str]:
@@ -41,12 +51,17 @@ CELLS = [
     5. the prefix cache reusing the blocks of an earlier request;
     6. the cost of the paged-attention kernel by block size.
 
-    Sections 1, 2 and 6 use tables (`mlxpaged.waste`, `scripts/data/*_lengths.json`,
-    `scripts/kernel.py`'s output); sections 3 to 5 run the real engine. By default the engine
-    runs a tiny random-weight Qwen2 written by `tests/tiny_model.py`, so the whole notebook
-    runs in seconds on a CPU; its text is gibberish, but the blocks, tables and counts depend
-    only on how many tokens there are, so they are those a real model would show. Set `MLXPAGED_NOTEBOOK_MODEL` to a
-    checkpoint directory, a `.gguf` file or a Hugging Face repo id to use a real model.
+    Sections 1, 2 and 6 use tables (`mlxpaged.waste`, `mlxpaged/data/*_lengths.json`,
+    `scripts/kernel.py`'s output); sections 3 to 5 run the real engine
+    (`notebooks/engine_runs.py`). The figures are drawn by `notebooks/figures_lib.py`, which
+    `scripts/figures.py` also uses to write the PNGs under `docs/`.
+
+    The saved outputs come from Qwen2.5-Coder-0.5B-Instruct in float32 on a CPU
+    (`MLXPAGED_NOTEBOOK_MODEL=default`). Without that variable the engine runs a tiny
+    random-weight Qwen2 written by `mlxpaged/tiny_model.py`, so the whole notebook runs in seconds;
+    its text is gibberish, but the blocks, tables and counts depend only on how many tokens
+    there are, so they are those a real model shows. `MLXPAGED_NOTEBOOK_MODEL` also takes a
+    checkpoint directory, a `.gguf` file or a Hugging Face repo id.
     """),
     code("""
     import json
@@ -61,58 +76,38 @@ CELLS = [
 
     import mlxpaged  # first: it points MLX at the system OpenBLAS before MLX loads
     import matplotlib.pyplot as plt
-    import numpy as np
-    from matplotlib.colors import ListedColormap
-    from matplotlib.patches import Patch
 
-    from mlxpaged import EngineConfig, LLMEngine, SamplingParams, waste
+    from mlxpaged import waste
+    from mlxpaged.data import TRACE_DIR
     from mlxpaged.loader import load
+    from mlxpaged.tiny_model import write_tiny_qwen2
 
 
     def find_root() -> Path:
-        \"\"\"The checkout: the traces and the tiny-model writer live there, not in the package.\"\"\"
+        \"\"\"The checkout: the figure code and the kernel tables live there, not in the package.\"\"\"
         for p in [Path.cwd(), *Path.cwd().parents]:
-            if (p / "scripts" / "data").is_dir() and (p / "mlxpaged").is_dir():
+            if (p / "notebooks" / "figures_lib.py").is_file() and (p / "mlxpaged").is_dir():
                 return p
         return Path(mlxpaged.__file__).resolve().parent.parent
 
 
     ROOT = find_root()
-    TRACE_DIR = ROOT / "scripts" / "data"
     NOTEBOOK_DATA = ROOT / "notebooks" / "data"
+    sys.path.insert(0, str(ROOT / "notebooks"))
+    import engine_runs
+    import figures_lib
 
     MODEL = os.environ.get("MLXPAGED_NOTEBOOK_MODEL")
     if MODEL:
-        loaded = load(MODEL)
+        loaded = load(None if MODEL == "default" else MODEL)  # "default": the offline Qwen2.5-Coder-0.5B
+        model_name = engine_runs.model_label(loaded)
     else:
-        sys.path.insert(0, str(ROOT / "tests"))
-        from tiny_model import write_tiny_qwen2
-
         # Kept in a variable: the directory is removed when the kernel exits.
         _tiny_dir = tempfile.TemporaryDirectory(prefix="mlxpaged-notebook-")
         loaded = load(str(write_tiny_qwen2(Path(_tiny_dir.name) / "tiny-qwen2")), "float32")
+        model_name = "tiny random-weight Qwen2 (mlxpaged/tiny_model.py)"
     tok = loaded.tokenizer
-    print(f"model: {MODEL or 'tiny random-weight Qwen2 (tests/tiny_model.py)'}, {loaded.dtype}")
-
-    # Prompt text for the engine runs (the tiny model's tokenizer was trained on these words).
-    TEXTS = [
-        "The KV cache stores the keys and values of every token a sequence has seen.",
-        "Paged attention borrows an idea from operating systems: virtual memory and paging.",
-    ]
-    """),
-    code("""
-    def draw_grid(ax, kinds, labels, colors, title):
-        \"\"\"Cells colored by `kinds` (ints indexing `colors`), with `labels` written in them.\"\"\"
-        kinds = np.asarray(kinds)
-        ax.imshow(kinds, cmap=ListedColormap(colors), vmin=-0.5, vmax=len(colors) - 0.5)
-        for (r, c), text in np.ndenumerate(np.asarray(labels, dtype=object)):
-            if text:
-                ax.text(c, r, text, ha="center", va="center", fontsize=8)
-        ax.set_xticks(np.arange(kinds.shape[1] + 1) - 0.5, minor=True)
-        ax.set_yticks(np.arange(kinds.shape[0] + 1) - 0.5, minor=True)
-        ax.grid(which="minor", color="white", linewidth=2)
-        ax.tick_params(which="both", length=0)
-        ax.set_title(title, fontsize=10)
+    print(f"model: {model_name}, {loaded.dtype}")
     """),
     md("""
     ## 1. The waste of each reservation scheme
@@ -129,38 +124,21 @@ CELLS = [
     request (`mlxpaged/waste.py` defines it). Even the oracle wastes about half the answer's
     slots, reserved from the first step and filled one per step. Grey bars are the seed design
     doc's figures (`waste.SEED_REAL_SHARE`), beside ours on our traces
-    (`scripts/data/*_lengths.json`, built by `scripts/lengths.py`).
+    (`mlxpaged/data/*_lengths.json`, built by `scripts/lengths.py`).
     """),
     code("""
-    TRACES = {"sharegpt": "ShareGPT", "alpaca": "Alpaca"}
+    TRACES = figures_lib.TRACE_NAMES
     pairs = {name: waste.load_pairs(TRACE_DIR / f"{name}_lengths.json") for name in TRACES}
     tables = {name: waste.waste_table(p, ("max", "pow2", "oracle"), block_size=16) for name, p in pairs.items()}
-
-
-    def seed_share(trace, scheme):
-        return waste.SEED_REAL_SHARE[trace]["paged" if scheme.startswith("paged") else scheme]
-
 
     for name, rows in tables.items():
         print(f"{TRACES[name]}: {len(pairs[name])} requests")
         for r in rows:
-            print(f"  {r.scheme:<9} real/reserved {100 * r.real_share:5.1f}% (seed {seed_share(name, r.scheme):4.1f}%), "
+            print(f"  {r.scheme:<9} real/reserved {100 * r.real_share:5.1f}% "
+                  f"(seed {figures_lib.seed_share(name, r.scheme):4.1f}%), "
                   f"{r.requests_in_flight:5.1f} requests at once in {waste.CAPACITY_SLOTS:,} slots")
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
-    for ax, (name, rows) in zip(axes, tables.items()):
-        x = np.arange(len(rows))
-        ours = ax.bar(x - 0.2, [100 * r.real_share for r in rows], 0.4, label="ours (mlxpaged.waste)")
-        seed = ax.bar(x + 0.2, [seed_share(name, r.scheme) for r in rows], 0.4, color="0.75", label="seed design doc")
-        ax.bar_label(ours, fmt="%.1f", fontsize=8)
-        ax.bar_label(seed, fmt="%.1f", fontsize=8, color="0.4")
-        ax.set_xticks(x, [r.scheme for r in rows])
-        ax.set_ylim(0, 110)
-        ax.set_title(f"{TRACES[name]} ({len(pairs[name])} requests)")
-    axes[0].set_ylabel("real tokens / reserved slots (%)")
-    axes[0].legend(loc="upper left", fontsize=8)
-    fig.suptitle("KV slots holding a token, by reservation scheme")
-    fig.tight_layout()
+    figures_lib.waste_figure(tables, {name: len(p) for name, p in pairs.items()})
     plt.show()
     """),
     md("""
@@ -183,24 +161,7 @@ CELLS = [
         print(f"{bs:>5} | {100 * s.real_share:>12.1f}% {s.blocks_per_request:>10.1f} | "
               f"{100 * a.real_share:>10.1f}% {a.blocks_per_request:>10.1f} | {reuse[i]:>3}")
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for name, rows in paged.items():
-        axes[0].plot(SIZES, [100 * r.real_share for r in rows], "o-", label=TRACES[name])
-        axes[1].plot(SIZES, [r.blocks_per_request for r in rows], "o-", label=TRACES[name])
-    axes[2].step(SIZES, reuse, "o-", where="post", color="tab:green")
-    axes[2].axhline(waste.SHARED_PREFIX, color="0.6", linestyle=":", label=f"whole prefix ({waste.SHARED_PREFIX})")
-    axes[0].set_ylabel("real tokens / reserved slots (%)")
-    axes[1].set_ylabel("blocks per running request")
-    axes[1].set_yscale("log")
-    axes[2].set_ylabel(f"prefix tokens reusable (of {waste.SHARED_PREFIX})")
-    for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(SIZES, [str(s) for s in SIZES])
-        ax.set_xlabel("block size (tokens)")
-        ax.axvline(16, color="0.85", zorder=0)
-        ax.legend(fontsize=8)
-    fig.suptitle("Block size: memory waste against table length and prefix sharing")
-    fig.tight_layout()
+    figures_lib.blocksize_figure(SIZES, paged, reuse, waste.SHARED_PREFIX)
     plt.show()
     """),
     md("""
@@ -211,25 +172,12 @@ CELLS = [
     neighbour that is, so the two tables interleave in the pool: neither sequence needs
     contiguous memory, and neither holds a slot it is not about to fill. Blocks of 4 tokens here,
     to show many blocks on a small grid; each cell is one pool block, labelled with its owner
-    and its index in the owner's block table
-    (`engine.scheduler.running[i].seqs[0].block_ids`).
+    and its index in the owner's block table (`Sequence.block_ids` of
+    `engine.live_sequences()`, recorded after every step by `engine_runs.interleaved`).
     """),
     code("""
-    POOL3, BS3, STEPS3 = 32, 4, 40
-    engine = LLMEngine(loaded, EngineConfig(block_size=BS3, num_blocks=POOL3))
-    greedy = SamplingParams(temperature=0.0, max_tokens=STEPS3, ignore_eos=True)
-    engine.add_request("The KV cache stores", greedy, request_id="A")
-    engine.add_request("Paged attention borrows an idea from operating systems:", greedy, request_id="B")
-
-    snapshots = {}  # step -> {request id: block ids}, while both requests run
-    step = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        step += 1
-        engine.check_invariants()
-        tables3 = {r.request_id: r.seqs[0].block_ids for r in engine.scheduler.running}
-        if len(tables3) == 2:
-            snapshots[step] = tables3
+    POOL3, BS3 = 32, 4
+    snapshots = engine_runs.interleaved(loaded, block_size=BS3, num_blocks=POOL3, steps=40)
 
     shown = [min(snapshots), sorted(snapshots)[len(snapshots) // 2], max(snapshots)]
     for s in shown:
@@ -237,21 +185,7 @@ CELLS = [
     last = snapshots[shown[-1]]
     assert not set(last["A"]) & set(last["B"]), "two live sequences never share a block here"
 
-    OWNERS = {"A": 1, "B": 2}
-    fig, axes = plt.subplots(1, len(shown), figsize=(4.3 * len(shown), 2.6))
-    for ax, s in zip(axes, shown):
-        kinds, labels = np.zeros(POOL3, int), np.full(POOL3, "", dtype=object)
-        for rid, ids in snapshots[s].items():
-            for logical, block in enumerate(ids):
-                kinds[block], labels[block] = OWNERS[rid], f"{rid}{logical}"
-        draw_grid(ax, kinds.reshape(-1, 8), labels.reshape(-1, 8), ["0.92", "tab:blue", "tab:orange"],
-                  f"after step {s}: {sum(map(len, snapshots[s].values()))} of {POOL3} blocks")
-        ax.set_xticks(range(8), range(8))
-        ax.set_yticks(range(POOL3 // 8), [f"{8 * r}" for r in range(POOL3 // 8)])
-    axes[0].set_ylabel("pool block id (row start)")
-    fig.legend(handles=[Patch(color=c, label=l) for c, l in [("tab:blue", "A"), ("tab:orange", "B"), ("0.92", "free")]],
-               loc="lower center", ncol=3, fontsize=8, bbox_to_anchor=(0.5, -0.08))
-    fig.suptitle(f"The pool ({POOL3} blocks of {BS3} tokens), colored by owner", y=1.04)
+    figures_lib.pool_figure(snapshots, shown, POOL3, BS3)
     plt.show()
     """),
     md("""
@@ -266,76 +200,21 @@ CELLS = [
     tokens in 7 blocks: 28 blocks without sharing, 2 + 4 x 5 = 22 with it.
     """),
     code("""
-    prompt4 = tok.encode(" ".join(TEXTS) * 3)[:44]
-    assert len(prompt4) == 44
+    prompt4 = engine_runs.cow_prompt(tok, 44)
     N, MAX4 = 4, 64
-    params4 = SamplingParams(n=N, temperature=0.9, top_p=0.95, top_k=50, seed=7, max_tokens=MAX4, ignore_eos=True)
-    engine = LLMEngine(loaded, EngineConfig(block_size=16, num_blocks=64))
-    engine.add_request(prompt4, params4, request_id="n4")
-    pool = engine.block_manager.pool
+    run4 = engine_runs.fork_n(loaded, prompt4, n=N, max_tokens=MAX4, block_size=16, num_blocks=64)
 
-    history = []  # (step, blocks in use, blocks if nothing were shared)
-    tables4 = {}  # step -> [(block id, ref count) per table entry] per sample
-    step, done = 0, []
-    while engine.has_unfinished_requests():
-        done += [o for o in engine.step() if o.finished]
-        step += 1
-        engine.check_invariants()
-        seqs = [s for r in engine.scheduler.running for s in r.live_seqs()]
-        if seqs:
-            history.append((step, pool.num_used, sum(len(s.block_table) for s in seqs)))
-            tables4[step] = [[(b.block_id, b.ref_cnt) for b in s.block_table] for s in seqs]
-    samples = [c.token_ids for c in done[0].outputs]
-
-    st = engine.stats_dict()
+    st = run4.stats
     print(f"{len(prompt4)}-token prompt, {N} samples of {MAX4} tokens: {st['blocks_in_use_peak']} blocks in use at peak, "
           f"{st['blocks_without_sharing']} without sharing, {st['cow_copies']} copy-on-write copies")
-    print(f"distinct samples: {len({tuple(t) for t in samples})} of {N}")
-    first, final = min(tables4), max(tables4)
+    print(f"distinct samples: {len({tuple(t) for t in run4.samples})} of {N}")
+    first, final = min(run4.tables), max(run4.tables)
     for s in (first, first + 1, final):
-        print(f"step {s:>2}: " + " | ".join(" ".join(f"{b}" for b, _ in t) for t in tables4[s]))
-    """),
-    code("""
-    # Kinds of table entry: shared (ref count > 1); the partly filled prompt block, copied on
-    # write, or kept in place by the last sample; a block of the sample's own.
-    KIND_COLORS = ["tab:purple", "tab:orange", "tab:olive", "tab:green", "1.0"]
-    KIND_NAMES = ["shared (ref count > 1)", "copy-on-write copy", "prompt block kept (ref count fell to 1)", "own block", ""]
-    partial = len(prompt4) // 16  # table index of the partly filled prompt block
-    prompt_block = tables4[first][0][partial][0]
+        print(f"step {s:>2}: " + " | ".join(" ".join(f"{b}" for b, _ in t) for t in run4.tables[s]))
+    for i, ids in enumerate(run4.samples[:2]):
+        print(f"sample {i}: {tok.decode(ids[:24])!r} ...")
 
-
-    def kind(index, block, ref):
-        if ref > 1:
-            return 0
-        if index == partial:
-            return 2 if block == prompt_block else 1
-        return 3
-
-
-    fig, axes = plt.subplots(1, 3, figsize=(14, 2.9), gridspec_kw={"width_ratios": [1, 1, 1.3]})
-    width = max(len(t) for t in tables4[final])
-    for ax, s, what in ((axes[0], first, "after the prefill"), (axes[1], final, "at the last step")):
-        kinds = np.full((N, width), 4)
-        labels = np.full((N, width), "", dtype=object)
-        for row, table in enumerate(tables4[s]):
-            for i, (block, ref) in enumerate(table):
-                kinds[row, i], labels[row, i] = kind(i, block, ref), str(block)
-        draw_grid(ax, kinds, labels, KIND_COLORS, f"block tables {what} (step {s})")
-        ax.set_yticks(range(N), [f"sample {i}" for i in range(N)] if ax is axes[0] else [])
-        ax.set_xticks(range(width), range(width))
-        ax.set_xlabel("index in the block table")
-    axes[0].legend(handles=[Patch(color=c, label=n) for c, n in zip(KIND_COLORS[:4], KIND_NAMES[:4])],
-                   loc="upper center", bbox_to_anchor=(1.1, -0.35), ncol=4, fontsize=8)
-
-    steps, used, unshared = zip(*history)
-    axes[2].plot(steps, unshared, label="without sharing (sum of table lengths)", color="0.5")
-    axes[2].plot(steps, used, label="in use (shared blocks once)", color="tab:purple")
-    axes[2].annotate(f"{st['blocks_in_use_peak']} vs {st['blocks_without_sharing']}", (steps[-1], used[-1]),
-                     xytext=(-60, 20), textcoords="offset points", arrowprops={"arrowstyle": "->"})
-    axes[2].set_xlabel("engine step")
-    axes[2].set_ylabel("blocks")
-    axes[2].legend(fontsize=8)
-    axes[2].set_title(f"{N} samples: blocks in use", fontsize=10)
+    figures_lib.fork_figure(run4)
     plt.show()
     """),
     md("""
@@ -355,34 +234,13 @@ CELLS = [
     The counts are `RequestOutput.num_cached_tokens`.
     """),
     code("""
-    a = tok.encode(" ".join(TEXTS) * 4)[:96]
-    b = a[:85] + tok.encode(" Copy-on-write lets many samples share the blocks of one prompt.")[: 96 - 85]
-    assert len(a) == len(b) == 96 and b[85] != a[85]
-    c = list(a)
-    c[2] = a[2] + 1 if a[2] + 1 < loaded.model.args.vocab_size else a[2] - 1
-    prompts5 = {"A": a, "B": b, "C": c}
-
-    engine = LLMEngine(loaded, EngineConfig(block_size=16, num_blocks=64))
-    cached = {}
-    for rid, ids in prompts5.items():  # one after another: B and C arrive after A has finished
-        engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=8), request_id=rid)
-        while engine.has_unfinished_requests():
-            cached.update({o.request_id: o.num_cached_tokens for o in engine.step() if o.finished})
+    prompts5 = engine_runs.prefix_prompts(tok, loaded.model.args.vocab_size, length=96, shared=waste.SHARED_PREFIX)
+    cached = engine_runs.prefix_reuse(loaded, prompts5, block_size=16)
     for rid, ids in prompts5.items():
         print(f"{rid}: {len(ids)} prompt tokens, {cached[rid]} reused from the prefix cache")
     print(f"waste.prefix_reuse({waste.SHARED_PREFIX}, 16) = {waste.prefix_reuse(waste.SHARED_PREFIX, 16)}")
 
-    fig, ax = plt.subplots(figsize=(8, 2.2))
-    names = list(prompts5)[::-1]
-    hits = [cached[n] for n in names]
-    ax.barh(names, hits, color="tab:green", label="reused from the prefix cache")
-    ax.barh(names, [len(prompts5[n]) - h for n, h in zip(names, hits)], left=hits, color="0.75", label="computed")
-    ax.axvline(85, color="tab:red", linestyle=":", label="B leaves A after 85 tokens")
-    for x in range(16, 96, 16):
-        ax.axvline(x, color="white", linewidth=1)  # block boundaries
-    ax.set_xlabel("prompt tokens (white lines: blocks of 16)")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-    ax.set_title("Prefix cache: prompt tokens reused per request", fontsize=10)
+    figures_lib.prefix_figure(prompts5, cached, waste.SHARED_PREFIX, 16)
     plt.show()
     """),
     md("""
@@ -412,39 +270,14 @@ CELLS = [
     if not found:
         print("no kernel table in notebooks/data: run scripts/kernel.py --json (see above)")
     else:
-        source = found[0]
-        rows6 = kernel_rows(source)
-        timed = "paged_ms" in rows6[0]  # a GPU run; the emulator counts bytes instead
-        print(f"from {source.relative_to(ROOT)}:")
-        fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
-        for scattered, style in ((False, "o-"), (True, "s--")):
-            rs = sorted((r for r in rows6 if r["scattered"] == scattered), key=lambda r: r["block_size"])
-            bs = [r["block_size"] for r in rs]
-            layout = "scattered" if scattered else "in order"
-            if timed:
-                axes[0].plot(bs, [r["paged_ms"] for r in rs], style, label=f"paged kernel, {layout}")
-                axes[0].plot(bs, [r["sdpa_ms"] for r in rs], style, color="0.6", label=f"contiguous SDPA ({layout} run)")
-            else:
-                axes[0].plot(bs, [r["ratio"] for r in rs], style, color="tab:blue", label=f"chosen path, {layout}")
-                if "single_pass_ratio" in rs[0]:  # newer tables also run the one-pass kernel
-                    axes[0].plot(bs, [r["single_pass_ratio"] for r in rs], style, color="tab:orange",
-                                 label=f"single pass, {layout}")
-                axes[0].set_ylim(1.0, max(1.05, 1.01 * max(r["ratio"] for r in rows6)))  # 1 = the minimum
-            axes[1].plot(bs, [r["max_error"] for r in rs], style, label=layout)
-            for r in rs:
-                cost = f"{r['paged_ms']:.3f} ms vs SDPA {r['sdpa_ms']:.3f} ms" if timed else f"bytes read {r['ratio']:.4f}x the minimum"
-                print(f"  block {r['block_size']:>3} {layout:>9}: {cost}, max error {r['max_error']:.2g}")
-        axes[0].set_ylabel("milliseconds" if timed else "bytes read / minimum")
-        axes[0].set_title("time per call (Apple GPU)" if timed else "bytes read by the emulated kernel", fontsize=10)
-        axes[1].set_ylabel("max |kernel - reference|")
-        axes[1].set_yscale("log")
-        axes[1].set_title("error against the pure-MLX reference", fontsize=10)
-        for ax in axes:
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(bs, [str(s) for s in bs])
-            ax.set_xlabel("block size (tokens)")
-            ax.legend(fontsize=8)
-        fig.tight_layout()
+        rows6 = kernel_rows(found[0])
+        timed = "paged_ms" in rows6[0]
+        print(f"from {found[0].relative_to(ROOT)}:")
+        for r in sorted(rows6, key=lambda r: (r["scattered"], r["block_size"])):
+            layout = "scattered" if r["scattered"] else "in order"
+            cost = f"{r['paged_ms']:.3f} ms vs SDPA {r['sdpa_ms']:.3f} ms" if timed else f"bytes read {r['ratio']:.4f}x the minimum"
+            print(f"  block {r['block_size']:>3} {layout:>9}: {cost}, max error {r['max_error']:.2g}")
+        figures_lib.kernel_figure(rows6)
         plt.show()
     """),
     md("""
@@ -453,6 +286,7 @@ CELLS = [
     - `mlxpaged/block_pool.py` and `mlxpaged/block_manager.py`: the allocator behind sections 3 to 5.
     - `scripts/waste.py`, `scripts/blocksize.py`, `scripts/kernel.py`: the tables of sections 1, 2
       and 6 as text or JSON.
+    - `scripts/figures.py`: these figures, and mlxpaged against mlx-lm, as PNGs under `docs/`.
     - `mlxpaged bench`: throughput, concurrency and waste on a real model.
     """),
 ]
@@ -471,10 +305,49 @@ def build() -> nbformat.NotebookNode:
     return nb
 
 
-def main() -> None:
-    nbformat.write(build(), OUT)
-    print(f"wrote {OUT.relative_to(HERE.parent)} ({len(CELLS)} cells)")
+def sources_digest(nb: nbformat.NotebookNode) -> str:
+    """A hash of the cells' kinds and sources: the executed notebook records the one it ran."""
+    text = "\0".join(f"{c.cell_type}\0{c.source}" for c in nb.cells)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def execute(nb: nbformat.NotebookNode, model: str | None, timeout: int = CELL_TIMEOUT_S) -> nbformat.NotebookNode:
+    """Run every cell of ``nb`` in place (cwd = notebooks/) on ``model`` (None: the tiny model)."""
+    from nbclient import NotebookClient
+
+    env = {k: v for k, v in os.environ.items() if k != "MLXPAGED_NOTEBOOK_MODEL"}
+    if model:
+        env["MLXPAGED_NOTEBOOK_MODEL"] = model
+    # No timing metadata: re-running changes only what the cells print and draw.
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
+                            resources={"metadata": {"path": str(HERE)}})
+    client.execute(env=env)
+    return nb
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--execute", action="store_true", help="run the cells and save their outputs")
+    ap.add_argument("--model", default="default",
+                    help="with --execute: 'default' (offline Qwen2.5-Coder-0.5B), 'tiny', or a path / repo id")
+    ap.add_argument("--out", type=Path, default=OUT, help="where to write the notebook")
+    args = ap.parse_args(argv)
+    nb = build()
+    if args.execute:
+        from nbclient.exceptions import CellExecutionError
+
+        try:
+            execute(nb, None if args.model == "tiny" else args.model)
+            nb.metadata["mlxpaged"] = {"executed_sources_sha256": sources_digest(nb)}
+        except CellExecutionError as e:
+            last = re.sub(r"\x1b\[[0-9;]*m", "", str(e).strip().splitlines()[-1])  # no terminal colors
+            print(f"error: a cell failed: {last}", file=sys.stderr)
+            return 1
+    nbformat.write(nb, args.out)
+    size = args.out.stat().st_size
+    print(f"wrote {args.out} ({len(CELLS)} cells, {'executed, ' if args.execute else ''}{size / 1e3:.0f} kB)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

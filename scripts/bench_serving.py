@@ -1,9 +1,13 @@
 """Serving benchmark: a ShareGPT-shaped replay through mlxpaged's `LLMEngine` and mlx-lm's `BatchGenerator`.
 
-Requests take (prompt, answer) lengths from `scripts/data/sharegpt_lengths.json` (prompts are
+Requests take (prompt, answer) lengths from `mlxpaged/data/sharegpt_lengths.json` (prompts are
 synthetic ids of those lengths) and arrive at `--rate` per second (0: all at once). mlxpaged runs at
-a fixed KV budget (`--kv-tokens`); a second pair of runs puts one shared system prompt in front of
-every request to show the prefix cache's saving.
+a fixed KV budget (`--kv-tokens`). The first case has no shared prefix (mlxpaged's prefix cache
+off); the second puts one shared system prompt in front of every request, with mlxpaged's prefix
+cache on and mlx-lm given an `LRUPromptCache` holding that system prompt's KV (prefilled once,
+inside the clock), as its server would. Each case runs `--repeats` times, alternating which
+system goes first; ratios are mlxpaged / mlx-lm, median (min-max). The code is
+`mlxpaged.bench.serving`.
 
     python scripts/bench_serving.py --num-requests 32 --kv-tokens 8192
     python scripts/bench_serving.py --tiny --num-requests 64
@@ -12,8 +16,7 @@ every request to show the prefix cache's saving.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
+import sys
 
 import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
 
@@ -31,43 +34,32 @@ def main() -> None:
     ap.add_argument("--kv-tokens", type=int, default=8192, help="mlxpaged's KV budget in tokens")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=32)
-    ap.add_argument("--system-prompt", type=int, default=256, help="shared system prompt tokens in the second run (0 skips it)")
+    ap.add_argument("--system-prompt", type=int, default=256, help="shared system prompt tokens in the second case (0 skips it)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each case, alternating which system goes first")
     ap.add_argument("--json", dest="json_out")
     args = ap.parse_args()
 
-    from mlxpaged.bench.models import load_models
-    from mlxpaged.bench.serving import load_trace, make_workload, serve_mlx_lm, serve_mlxpaged
-    from mlxpaged.config import EngineConfig
+    from mlxpaged.bench.models import load_models, model_label
+    from mlxpaged.bench.report import write_json
+    from mlxpaged.bench.serving import compare, load_trace, table
+    from mlxpaged.errors import MlxPagedError
 
-    loaded, ref = load_models(args.model, args.tiny, args.dtype)
-    pairs = load_trace(args.trace)
-    vocab = loaded.model.args.vocab_size
-    config = EngineConfig(block_size=args.block_size, num_blocks=args.kv_tokens // args.block_size,
-                          max_num_seqs=args.max_num_seqs)
-    print(f"model {loaded.path.name} ({loaded.dtype}); {args.num_requests} {args.trace} requests at rate {args.rate or 'inf'}; "
-          f"mlxpaged KV budget {args.kv_tokens} tokens")
-    results = []
-    runs = [("no shared prefix", 0)] + ([(f"shared {args.system_prompt}-token system prompt", args.system_prompt)]
-                                        if args.system_prompt else [])
-    warm = make_workload(pairs, 2, vocab=vocab, max_output=4)
-    serve_mlxpaged(loaded, warm, config)
-    serve_mlx_lm(ref, warm, args.max_num_seqs)
-    keys = ["requests_per_s", "output_tps", "ttft_ms_median", "ttft_ms_p90", "itl_ms_median", "itl_ms_p90", "peak_memory_gb"]
-    for label, sys_len in runs:
-        wl = make_workload(pairs, args.num_requests, vocab=vocab, rate=args.rate, system_prompt_len=sys_len,
-                           max_prompt=args.max_prompt, max_output=args.max_output)
-        ours = serve_mlxpaged(loaded, wl, config).summary()
-        theirs = serve_mlx_lm(ref, wl, args.max_num_seqs).summary()
-        print(f"\n== {label} ==")
-        print(f"{'metric':>24} | {'mlxpaged':>10} | {'mlx-lm':>10} | ratio")
-        for k in keys:
-            r = ours[k] / theirs[k] if theirs[k] else float("nan")
-            print(f"{k:>24} | {ours[k]:10.2f} | {theirs[k]:10.2f} | {r:5.2f}")
-        print(f"mlxpaged: peak running seqs {ours['running_seqs_peak']}, preemptions {ours['preemptions']}, "
-              f"prefix-cache hit tokens {ours['prefix_cache_hit_tokens']}, prefill tokens computed {ours['computed_prefill_tokens']}")
-        results.append({"run": label, "mlxpaged": ours, "mlx_lm": theirs})
+    try:
+        loaded, ref = load_models(args.model, args.tiny, args.dtype)
+        label = model_label(loaded, args.model, args.tiny)
+        print(f"model {label} ({loaded.dtype}); {args.num_requests} {args.trace} requests at rate "
+              f"{args.rate or 'inf'}; mlxpaged KV budget {args.kv_tokens} tokens; {args.repeats} repeats", flush=True)
+        settings = {k: getattr(args, k) for k in ("trace", "num_requests", "rate", "max_prompt", "max_output", "kv_tokens",
+                                                  "block_size", "max_num_seqs", "system_prompt", "repeats")}
+        rows = compare(loaded, ref, load_trace(args.trace), **{k: v for k, v in settings.items() if k != "trace"})
+    except (ValueError, MlxPagedError) as e:
+        sys.exit(f"error: {e}")
+    for row in rows:
+        print("\n" + "\n".join(table(row)))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(results, indent=1))
+        payload = {"dtype": str(loaded.dtype), **settings, "timed_span": "from before the engine / generator is built "
+                   "to the last token, for both", "rows": rows}
+        print(f"results: {write_json(args.json_out, 'serving', label, payload)}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Print the block-size trade-off of a paged KV cache on our traces.
 
-For block sizes 1, 2, 4, ..., 256 it prints, on each trace (``scripts/data/*_lengths.json``):
+For block sizes 1, 2, 4, ..., 256 it prints, on each trace (``mlxpaged/data/*_lengths.json``):
 real tokens as a share of reserved slots and the blocks a running request holds, both
 averaged over every step of every request (the measure of ``mlxpaged/waste.py``); and how
 many tokens of an 85-token shared prefix (a system prompt) a block-level prefix cache can
@@ -26,8 +26,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing
 
 from mlxpaged import waste  # noqa: E402
+from mlxpaged.bench.report import provenance  # noqa: E402
+from mlxpaged.data import TRACE_DIR as DATA_DIR  # noqa: E402
 
-DATA_DIR = REPO_ROOT / "scripts" / "data"
 TRACES = ("sharegpt", "alpaca")
 
 
@@ -67,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     traces = {t: waste.load_pairs(args.data_dir / f"{t}_lengths.json") for t in TRACES}
     rows = blocksize_table(traces, block_sizes(args.max_block), args.shared)
     if args.json:
-        print(json.dumps({"shared_prefix": args.shared, "rows": rows}, indent=2))
+        print(json.dumps({"shared_prefix": args.shared, "provenance": provenance(), "rows": rows}, indent=2))
         return 0
 
     print("Real tokens / reserved slots and blocks per running request, averaged over every\n"

@@ -7,18 +7,17 @@ read after every step. The same requests go through contiguous `max` (2,048-slot
 
     python scripts/concurrency.py --trace sharegpt --num-requests 200
     python scripts/concurrency.py --model PATH        # a real model instead of the tiny one
+
+Beside the headline (running at once while others wait) it prints the preemptions, the prefill
+recomputed, the mean number running and the steps to drain the queue (`mlxpaged.bench.concurrency`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
@@ -33,30 +32,33 @@ def main() -> None:
 
     from tqdm import tqdm
 
-    from mlxpaged.bench.concurrency import contiguous_concurrency, engine_concurrency
-    from mlxpaged.bench.models import tiny_checkpoint
+    from mlxpaged.bench.concurrency import compare, headline, table
+    from mlxpaged.bench.models import model_label, tiny_checkpoint
+    from mlxpaged.bench.report import write_json
+    from mlxpaged.data import load_trace
+    from mlxpaged.errors import MlxPagedError
     from mlxpaged.loader import load
-    from mlxpaged.waste import load_pairs
 
-    loaded = load(args.model or tiny_checkpoint(layers=1, hidden=128, intermediate=256), "float32")
+    try:
+        loaded = load(args.model or tiny_checkpoint(layers=1, hidden=128, intermediate=256), "float32")
+    except (ValueError, MlxPagedError) as e:
+        sys.exit(f"error: {e}")
     out = {}
     for trace in (["sharegpt", "alpaca"] if args.trace == "both" else [args.trace]):
-        pairs = [(p, a) for p, a in load_pairs(ROOT / "scripts" / "data" / f"{trace}_lengths.json") if a > 0]
-        pairs = pairs[: args.num_requests]
-        with tqdm(total=len(pairs), desc=f"{trace}: engine", unit="req", file=sys.stderr) as bar:
-            paged = engine_concurrency(loaded, pairs, capacity=args.capacity, block_size=args.block_size,
-                                       progress=bar.update)
-        rows = [paged] + [contiguous_concurrency(pairs, s, capacity=args.capacity) for s in ("max", "pow2", "oracle")]
+        pairs = [(p, a) for p, a in load_trace(trace) if a > 0][: args.num_requests]
+        try:
+            with tqdm(total=len(pairs), desc=f"{trace}: engine", unit="req", file=sys.stderr) as bar:
+                rows = compare(loaded, pairs, capacity=args.capacity, block_size=args.block_size, progress=bar.update)
+        except (ValueError, MlxPagedError) as e:
+            sys.exit(f"error: {e}")
         print(f"\n{trace}: {len(pairs)} requests, {args.capacity} KV slots")
-        print(f"{'scheme':>12} | {'real/reserved':>13} | {'running (saturated)':>19} | {'mean running':>12} | "
-              f"{'peak':>5} | {'steps':>6} | {'mlxpaged / this (saturated)':>27}")
-        for r in rows:
-            print(f"{r.scheme:>12} | {100 * r.real_share:12.1f}% | {r.saturated_running:19.1f} | {r.mean_running:12.1f} | "
-                  f"{r.peak_running:5d} | {r.steps:6d} | {paged.saturated_running / r.saturated_running:27.2f}")
-        print(f"mlxpaged preemptions: {paged.preemptions}")
-        out[trace] = [r.as_dict() for r in rows]
+        print("\n".join(table(rows)))
+        out[trace] = {"rows": [r.as_dict() for r in rows], "headline_vs_oracle": headline(rows)}
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(out, indent=1))
+        payload = {"capacity": args.capacity, "block_size": args.block_size, "num_requests": args.num_requests,
+                   "deterministic": "step counts, not timings: one run says all", "traces": out}
+        path = write_json(args.json_out, "concurrency", model_label(loaded, args.model, args.model is None), payload)
+        print(f"results: {path}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Print the KV memory-waste table (the PagedAttention paper's argument) on our traces.
 
-For each trace (``scripts/data/*_lengths.json``, built by ``scripts/lengths.py``) and each
+For each trace (``mlxpaged/data/*_lengths.json``, built by ``scripts/lengths.py``) and each
 reservation scheme -- the whole window (``max``), the prompt plus a power-of-two bucket
 for the answer (``pow2``), the exact final length (``oracle``) and paged blocks -- it
 prints real tokens as a share of reserved slots, the tokens and slots a running request
@@ -27,8 +27,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing
 
 from mlxpaged import waste  # noqa: E402
+from mlxpaged.bench.report import provenance  # noqa: E402
+from mlxpaged.data import TRACE_DIR as DATA_DIR  # noqa: E402
 
-DATA_DIR = REPO_ROOT / "scripts" / "data"
 TRACES = {"sharegpt": "ShareGPT", "alpaca": "Alpaca"}
 
 
@@ -88,8 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         tables.append(trace_table(name, pairs, args))
 
     if args.json:
-        print(json.dumps({"slots": args.slots, "window": args.window,
-                          "block_size": args.block_size, "traces": tables}, indent=2))
+        print(json.dumps({"slots": args.slots, "window": args.window, "block_size": args.block_size,
+                          "provenance": provenance(), "traces": tables}, indent=2))
         return 0
     print(f"KV slots reserved vs. holding a token, averaged over every step of every request;\n"
           f"window {args.window}, paged blocks of {args.block_size}, "

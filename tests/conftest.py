@@ -1,12 +1,9 @@
-import sys
 from pathlib import Path
 
 import pytest
 
 import mlxpaged  # noqa: F401  (first: it points MLX at the system OpenBLAS before MLX loads)
-
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_model import write_tiny_qwen2  # noqa: E402
+from mlxpaged.tiny_model import write_tiny_qwen2
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """Tests of the memory-waste arithmetic (mlxpaged/waste.py) and of the length traces
-(scripts/lengths.py, scripts/data/*_lengths.json).
+(scripts/lengths.py, mlxpaged/data/*_lengths.json).
 
 The hand-made trace below is small enough to work every figure out on paper; the comments
 carry that working. The traces are rebuilt from the raw data when it is on this machine:
@@ -21,8 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from mlxpaged import waste  # noqa: E402
-
-DATA_DIR = REPO_ROOT / "scripts" / "data"
+from mlxpaged.data import TRACE_DIR as DATA_DIR  # noqa: E402
 
 
 def _load_script(name: str):

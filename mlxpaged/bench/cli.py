@@ -9,10 +9,6 @@ import click
 
 from ..errors import MlxPagedError
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-
 
 def _plot(path: Path, draw) -> None:
     try:
@@ -55,49 +51,38 @@ def bench():
 @click.option("--concurrency", default="1,8,16,32", show_default=True, help="Prompts decoded at once.")
 @click.option("--samples", default=8, show_default=True, help="n of the one-prompt run (0 skips it).")
 @click.option("--max-tokens", default=64, show_default=True)
-def throughput(model, tiny, dtype, out_dir, plot, concurrency, samples, max_tokens):
+@click.option("--repeats", default=3, show_default=True, help="Runs of each case, alternating which system goes first.")
+def throughput(model, tiny, dtype, out_dir, plot, concurrency, samples, max_tokens, repeats):
     """mlxpaged vs mlx-lm batch generation: tokens/s, time to first token, inter-token latency, memory."""
     from tqdm import tqdm
 
-    from .models import load_models
-    from .prompts import encode_chat, load_prompts
+    from .models import load_models, model_label
     from .report import write_result
-    from .throughput import run_mlx_lm, run_mlxpaged
+    from .throughput import benchmark, parse_levels, table
 
     try:
-        levels = [int(c) for c in concurrency.split(",") if c]
+        levels = parse_levels(concurrency, "--concurrency")
         loaded, ref = load_models(model, tiny, dtype)
+        with tqdm(total=len(levels) + bool(samples), desc="throughput", file=sys.stderr) as bar:
+            payload = benchmark(loaded, ref, levels=levels, samples=samples, temperature=0.7, max_tokens=max_tokens,
+                                repeats=repeats, progress=bar.update)
     except (MlxPagedError, ValueError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
-    prompts = encode_chat(loaded.tokenizer, load_prompts(max(levels)))
-    cases = [(f"concurrency {c}", prompts[:c], 1, 0.0) for c in levels]
-    if samples:
-        cases.append((f"1 prompt, n={samples}", prompts[:1], samples, 0.7))
-    run_mlxpaged(loaded, prompts[:2], 4)
-    run_mlx_lm(ref, prompts[:2], 4)
-    rows = []
-    for name, ps, n, temp in tqdm(cases, desc="throughput", file=sys.stderr):
-        ours = run_mlxpaged(loaded, ps, max_tokens, n=n, temperature=temp)
-        theirs = run_mlx_lm(ref, ps * n, max_tokens, temperature=temp)
-        rows.append({"case": name, "mlxpaged": ours.as_dict(), "mlx_lm": theirs.as_dict(),
-                     "ratio_output_tps": ours.output_tps / theirs.output_tps})
-    click.echo(f"{'case':>18} | {'mlxpaged tok/s':>14} | {'mlx-lm tok/s':>12} | {'ratio':>5} | {'TTFT ms':>15} | "
-               f"{'ITL ms':>13} | {'peak GB':>13}")
-    for r in rows:
-        a, b = r["mlxpaged"], r["mlx_lm"]
-        click.echo(f"{r['case']:>18} | {a['output_tps']:14.1f} | {b['output_tps']:12.1f} | {r['ratio_output_tps']:5.2f} | "
-                   f"{a['ttft_ms_median']:6.0f} / {b['ttft_ms_median']:6.0f} | {a['itl_ms_median']:5.1f} / {b['itl_ms_median']:5.1f} | "
-                   f"{a['peak_memory_gb']:5.2f} / {b['peak_memory_gb']:5.2f}")
-    path = write_result(out_dir, "throughput", loaded.path.name, {"max_tokens": max_tokens, "rows": rows})
+    rows = payload["rows"]
+    click.echo("\n".join(table(rows)))
+    click.echo(payload["timed_span"])
+    path = write_result(out_dir, "throughput", model_label(loaded, model, tiny), payload)
     click.echo(f"results: {path}")
     if plot:
         def draw(ax):
             x = range(len(rows))
-            ax.bar([i - 0.2 for i in x], [r["mlxpaged"]["output_tps"] for r in rows], 0.4, label="mlxpaged")
-            ax.bar([i + 0.2 for i in x], [r["mlx_lm"]["output_tps"] for r in rows], 0.4, label="mlx-lm")
+            for dx, key, label in ((-0.2, "mlxpaged_output_tps", "mlxpaged"), (0.2, "mlx_lm_output_tps", "mlx-lm")):
+                med = [r[key]["median"] for r in rows]
+                err = [[m - r[key]["min"] for m, r in zip(med, rows)], [r[key]["max"] - m for m, r in zip(med, rows)]]
+                ax.bar([i + dx for i in x], med, 0.4, yerr=err, capsize=3, label=label)
             ax.set_xticks(list(x), [r["case"] for r in rows], rotation=20)
-            ax.set_ylabel("output tokens / s")
+            ax.set_ylabel(f"output tokens / s (median, min-max of {repeats})")
             ax.legend()
         _plot(path, draw)
 
@@ -112,21 +97,27 @@ def concurrency(model, tiny, dtype, out_dir, plot, trace, num_requests, capacity
     """Requests running at once in a fixed KV budget: the engine's allocator vs contiguous reservations."""
     from tqdm import tqdm
 
-    from ..waste import load_pairs
-    from .concurrency import contiguous_concurrency, engine_concurrency
-    from .models import load_models
+    from ..data import load_trace
+    from .concurrency import compare, headline, table
+    from .models import load_models, model_label
     from .report import write_result
 
-    loaded, _ = load_models(model, tiny or model is None, dtype, reference=False)
-    pairs = [(p, a) for p, a in load_pairs(ROOT / "scripts" / "data" / f"{trace}_lengths.json") if a > 0][:num_requests]
-    with tqdm(total=len(pairs), desc="engine", unit="req", file=sys.stderr) as bar:
-        paged = engine_concurrency(loaded, pairs, capacity=capacity, block_size=block_size, progress=bar.update)
-    rows = [paged] + [contiguous_concurrency(pairs, s, capacity=capacity) for s in ("max", "pow2", "oracle")]
-    for r in rows:
-        click.echo(f"{r.scheme:>12}: real/reserved {100 * r.real_share:5.1f}%, running {r.saturated_running:6.1f} "
-                   f"(saturated), ratio {paged.saturated_running / r.saturated_running:5.2f}")
-    path = write_result(out_dir, f"concurrency-{trace}", loaded.path.name, {"capacity": capacity,
-                                                                           "rows": [r.as_dict() for r in rows]})
+    try:
+        loaded, _ = load_models(model, tiny or model is None, dtype, reference=False)
+    except (MlxPagedError, ValueError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    pairs = [(p, a) for p, a in load_trace(trace) if a > 0][:num_requests]
+    try:
+        with tqdm(total=len(pairs), desc="engine", unit="req", file=sys.stderr) as bar:
+            rows = compare(loaded, pairs, capacity=capacity, block_size=block_size, progress=bar.update)
+    except (MlxPagedError, ValueError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    click.echo("\n".join(table(rows)))
+    path = write_result(out_dir, f"concurrency-{trace}", model_label(loaded, model, tiny or model is None),
+                        {"capacity": capacity, "block_size": block_size, "num_requests": len(pairs),
+                         "rows": [r.as_dict() for r in rows], "headline_vs_oracle": headline(rows)})
     click.echo(f"results: {path}")
     if plot:
         def draw(ax):
@@ -143,11 +134,12 @@ def concurrency(model, tiny, dtype, out_dir, plot, trace, num_requests, capacity
 def waste(out_dir, plot, block_size, slots):
     """The paper's waste table on the ShareGPT and Alpaca traces."""
     from .. import waste as w
+    from ..data import TRACES, trace_path
     from .report import write_result
 
     tables = {}
-    for trace in ("sharegpt", "alpaca"):
-        pairs = w.load_pairs(ROOT / "scripts" / "data" / f"{trace}_lengths.json")
+    for trace in TRACES:
+        pairs = w.load_pairs(trace_path(trace))
         rows = w.waste_table(pairs, ("max", "pow2", "oracle"), block_size, w.WINDOW, slots)
         tables[trace] = [r.as_dict() for r in rows]
         seed = w.SEED_REAL_SHARE[trace]
@@ -213,3 +205,6 @@ def kernel(out_dir, plot, seqs, tokens, max_block):
             ax.set_ylabel("paged / contiguous time" if gpu else "bytes read / minimum")
             ax.legend()
         _plot(path, draw)
+from .http import add_command as _add_serve_bench  # noqa: E402  (`mlxpaged bench serve`: HTTP, vs mlx_lm.server)
+
+_add_serve_bench(bench, with_common, _plot)

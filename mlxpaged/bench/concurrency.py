@@ -9,6 +9,11 @@ The contiguous baselines (`max`, `pow2`, `oracle` reservations from `mlxpaged.wa
 requests through a first-come-first-served simulation with the same step model: a request is
 admitted when its whole reservation fits in what is left of the budget and holds it until its
 answer is done, one token per step.
+
+The headline (requests running at once while others wait, against the oracle) is the most
+flattering of the measures, so `headline` prints it beside the others: preemptions, prefill
+computed per prompt token (recomputation after preemption included; contiguous schemes never
+preempt, so theirs is 1), the mean number running over all steps, and the steps to drain the queue.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class ConcurrencyResult:
     peak_running: int
     steps: int
     preemptions: int = 0
+    prefill_per_prompt_token: float = 1.0  # prefill tokens computed / prompt tokens (> 1: recomputation)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -51,7 +57,7 @@ def engine_concurrency(loaded, pairs, *, capacity: int = CAPACITY_SLOTS, block_s
     sched, pool = engine.scheduler, engine.block_manager.pool
     while engine.has_unfinished_requests():
         finished = engine.step()
-        live = [s for r in sched.running for s in r.live_seqs()]
+        live = engine.live_sequences()  # the sequences holding blocks (n = 1: each running request's one sample)
         # Counted after the step: what the allocator holds for the sequences still running.
         real += sum(s.num_computed_tokens + 1 for s in live)
         reserved += pool.num_used * block_size
@@ -63,7 +69,8 @@ def engine_concurrency(loaded, pairs, *, capacity: int = CAPACITY_SLOTS, block_s
         if progress:
             progress(sum(o.finished for o in finished))
     return ConcurrencyResult(f"mlxpaged-{block_size}", real / reserved if reserved else 0.0, running_sum / steps,
-                             sat_sum / sat_steps if sat_steps else float("nan"), peak, steps, sched.num_preemptions)
+                             sat_sum / sat_steps if sat_steps else float("nan"), peak, steps, sched.num_preemptions,
+                             engine.stats.computed_prefill_tokens / sum(p for p, _ in pairs))
 
 
 def contiguous_concurrency(pairs, scheme: str, *, capacity: int = CAPACITY_SLOTS, window: int = WINDOW) -> ConcurrencyResult:
@@ -95,3 +102,40 @@ def contiguous_concurrency(pairs, scheme: str, *, capacity: int = CAPACITY_SLOTS
             used -= req[3]
     return ConcurrencyResult(scheme, real / reserved, running_sum / steps,
                              sat_sum / sat_steps if sat_steps else float("nan"), peak, steps)
+
+
+def compare(loaded, pairs, *, capacity: int = CAPACITY_SLOTS, block_size: int = 16, progress=None) -> list[ConcurrencyResult]:
+    """The engine's row, then max, pow2 and oracle contiguous reservations, on the same requests."""
+    paged = engine_concurrency(loaded, pairs, capacity=capacity, block_size=block_size, progress=progress)
+    return [paged] + [contiguous_concurrency(pairs, s, capacity=capacity) for s in ("max", "pow2", "oracle")]
+
+
+def headline(rows: list[ConcurrencyResult]) -> dict:
+    """Every measure of mlxpaged (rows[0]) against the oracle reservation, not only the best one."""
+    paged = next(r for r in rows if r.scheme.startswith("mlxpaged"))
+    oracle = next(r for r in rows if r.scheme == "oracle")
+    return {
+        "saturated_running": [paged.saturated_running, oracle.saturated_running,
+                              paged.saturated_running / oracle.saturated_running],
+        "mean_running": [paged.mean_running, oracle.mean_running, paged.mean_running / oracle.mean_running],
+        "steps_to_drain": [paged.steps, oracle.steps, oracle.steps / paged.steps],
+        "preemptions": paged.preemptions,
+        "prefill_per_prompt_token": paged.prefill_per_prompt_token,
+    }
+
+
+def table(rows: list[ConcurrencyResult]) -> list[str]:
+    out = [f"{'scheme':>12} | {'real/reserved':>13} | {'running (saturated)':>19} | {'mean running':>12} | "
+           f"{'peak':>5} | {'steps':>6} | {'preempt':>7} | {'prefill/prompt':>14} | {'mlxpaged / this (saturated)':>27}"]
+    paged = rows[0]
+    for r in rows:
+        out.append(f"{r.scheme:>12} | {100 * r.real_share:12.1f}% | {r.saturated_running:19.1f} | {r.mean_running:12.1f} | "
+                   f"{r.peak_running:5d} | {r.steps:6d} | {r.preemptions:7d} | {r.prefill_per_prompt_token:13.2f}x | "
+                   f"{paged.saturated_running / r.saturated_running:27.2f}")
+    h = headline(rows)
+    s, m, d = h["saturated_running"], h["mean_running"], h["steps_to_drain"]
+    out.append(f"vs oracle: {s[0]:.1f} running at once while others wait vs {s[1]:.1f} ({s[2]:.2f}x); but "
+               f"{h['preemptions']} preemptions, prefill computed {h['prefill_per_prompt_token']:.2f}x the prompt tokens, "
+               f"mean running {m[0]:.1f} vs {m[1]:.1f} ({m[2]:.2f}x), {d[0]:,} vs {d[1]:,} steps to drain the queue "
+               f"(oracle / mlxpaged {d[2]:.2f}x)")
+    return out

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def tiny_checkpoint(**kwargs) -> str:
-    """A tiny random-weight Qwen2 checkpoint in a temporary folder (the tests' fixture writer)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from tiny_model import write_tiny_qwen2
+    """A tiny random-weight Qwen2 checkpoint in a temporary folder (`mlxpaged.tiny_model`, as the tests use)."""
+    from ..tiny_model import write_tiny_qwen2
 
-    return str(write_tiny_qwen2(Path(tempfile.mkdtemp()) / "tiny", **kwargs))
+    return str(write_tiny_qwen2(Path(tempfile.mkdtemp(prefix="mlxpaged-tiny-")) / "tiny", **kwargs))
 
 
 def load_models(model: str | None, tiny: bool = False, dtype: str | None = "auto", reference: bool = True):
@@ -29,3 +25,14 @@ def load_models(model: str | None, tiny: bool = False, dtype: str | None = "auto
     ref, _ = mlx_lm.load(str(loaded.path))
     ref.set_dtype(loaded.dtype)
     return loaded, ref
+
+
+def model_label(loaded, model: str | None, tiny: bool = False) -> str:
+    """A readable name for result files: the converted copy's folder is only a hash."""
+    if tiny:
+        return "tiny-qwen2"
+    if model is None:
+        from ..offline_model import DEFAULT_MODEL
+
+        return f"{DEFAULT_MODEL}-instruct-offline"
+    return Path(model).name or str(model)

@@ -1,4 +1,9 @@
-"""Benchmark prompts: Alpaca instructions when the data set is at hand, else a built-in list."""
+"""Benchmark prompts: distinct texts, never repeated, so no row gains from a repeated prompt.
+
+Alpaca instructions when the data set is at hand (`$MLXPAGED_DATA/alpaca/alpaca_5000.json`, or
+`shared/data` beside the checkout); otherwise texts built from a topic x task grid, every one
+different from its first words on.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +11,23 @@ import json
 import os
 from pathlib import Path
 
-BUILTIN = [
-    "Write a Python function that reverses a string.",
-    "Explain what a KV cache is in two sentences.",
-    "List three uses of a hash table.",
-    "Summarize the idea of virtual memory.",
-    "Write a haiku about the ocean.",
-    "What is the difference between a list and a tuple in Python?",
-    "Give an example of a recursive function.",
-    "Translate 'good morning' into French and Spanish.",
+TOPICS = [
+    "a hash table", "virtual memory", "the KV cache", "a binary search tree", "garbage collection", "TCP congestion control",
+    "a bloom filter", "copy-on-write", "the page cache", "a mutex", "consistent hashing", "the Fourier transform",
+    "gradient descent", "a linked list", "public-key cryptography", "a B-tree", "DNS resolution", "a ring buffer",
+    "dynamic programming", "the CAP theorem", "attention in transformers", "a trie", "reference counting", "SQL joins",
+    "memory paging", "a priority queue", "the rope embedding", "lock-free queues", "a skip list", "quicksort",
+    "Unicode normalization", "branch prediction",
+]
+TASKS = [
+    "Explain {} to a new programmer in one paragraph.",
+    "Write a short Python example that uses {}.",
+    "List three common mistakes people make with {}.",
+    "Compare {} with its closest alternative.",
+    "Describe when {} is the wrong choice.",
+    "Summarize the history of {} in three sentences.",
+    "Write a haiku about {}.",
+    "Give an interview question about {} and answer it.",
 ]
 
 
@@ -27,23 +40,28 @@ def alpaca_path() -> Path | None:
     return None
 
 
+def builtin_texts() -> list[str]:
+    """len(TASKS) x len(TOPICS) distinct texts, task-major so consecutive prompts differ in their first words."""
+    return [task.format(topic) for task in TASKS for topic in TOPICS]
+
+
 def load_prompts(count: int) -> list[str]:
-    """`count` prompt texts (instruction, plus the input on a new line when present)."""
+    """`count` distinct prompt texts (Alpaca: instruction, plus the input on a new line when present)."""
     f = alpaca_path()
     if f is None:
-        texts = BUILTIN
+        texts = builtin_texts()
     else:
         recs = json.loads(f.read_text())
         texts = [r["instruction"] + ("\n" + r["input"] if r.get("input") else "") for r in recs]
-    return [texts[i % len(texts)] for i in range(count)]
+    texts = list(dict.fromkeys(texts))  # drop duplicates, keep the order
+    if count > len(texts):
+        raise ValueError(f"{count} prompts asked for, but only {len(texts)} distinct ones are available")
+    return texts[:count]
 
 
 def encode_chat(tokenizer, texts: list[str]) -> list[list[int]]:
-    out = []
-    for t in texts:
-        if getattr(tokenizer, "chat_template", None):
-            s = tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
-            out.append(tokenizer.encode(s, add_special_tokens=False))
-        else:
-            out.append(tokenizer.encode(t))
-    return out
+    from ..chat import chat_ids
+
+    if not getattr(tokenizer, "chat_template", None):
+        return [tokenizer.encode(t) for t in texts]
+    return [chat_ids(tokenizer, [{"role": "user", "content": t}]) for t in texts]

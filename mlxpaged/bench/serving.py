@@ -1,8 +1,15 @@
 """Serving replay: requests with real (prompt, answer) lengths arrive over time at a fixed KV budget.
 
-mlxpaged's `LLMEngine` runs them with continuous batching, prefix caching and preemption; mlx-lm's
-`BatchGenerator` (contiguous caches, no budget) runs the same requests as the peer. Prompts are
-synthetic token ids of the traced lengths; an optional shared system prompt sits in front of each.
+mlxpaged's `LLMEngine` runs them with continuous batching and preemption; mlx-lm's `BatchGenerator`
+(contiguous caches, no budget) runs the same requests as the peer. Prompts are synthetic token
+ids of the traced lengths; an optional shared system prompt sits in front of each.
+
+Prefix reuse is compared like for like: without a shared prompt both sides compute every prompt
+token (mlxpaged's prefix cache off); with one, mlxpaged's prefix cache is on and mlx-lm gets what
+its server does, an `LRUPromptCache` that hands each request a copy of the nearest cached prefix.
+The peer is even told where the system prompt ends: it is prefilled once, on the first arrival,
+inside the clock. For both systems the clock runs from before the engine / generator is built to
+the last token.
 """
 
 from __future__ import annotations
@@ -11,13 +18,11 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import mlx.core as mx
 
-from ..waste import load_pairs
-
-TRACES = Path(__file__).resolve().parents[2] / "scripts" / "data"
+from ..data import load_trace  # noqa: F401  (re-exported: the scripts read traces from here)
+from .repeat import alternate, fmt, spread
 
 
 @dataclass
@@ -25,11 +30,7 @@ class Workload:
     prompts: list[list[int]]
     output_lens: list[int]
     arrivals: list[float]  # seconds after the start
-
-
-def load_trace(name: str) -> list[tuple[int, int]]:
-    """(prompt, answer) token counts from `scripts/data/<name>_lengths.json`."""
-    return load_pairs(TRACES / f"{name}_lengths.json")
+    system_prompt_len: int = 0  # tokens every prompt starts with (0: none)
 
 
 def make_workload(pairs: list[tuple[int, int]], num_requests: int, *, vocab: int, seed: int = 0, rate: float = 0.0,
@@ -44,7 +45,7 @@ def make_workload(pairs: list[tuple[int, int]], num_requests: int, *, vocab: int
         arrivals.append(t)
         if rate > 0:
             t += rng.expovariate(rate)
-    return Workload(prompts, outs, arrivals)
+    return Workload(prompts, outs, arrivals, system_prompt_len)
 
 
 @dataclass
@@ -83,13 +84,13 @@ def serve_mlxpaged(loaded, wl: Workload, engine_config, progress=None) -> Servin
     from ..sampling_params import SamplingParams
 
     mx.clear_cache()
-    base = mx.get_active_memory()
     mx.reset_peak_memory()
-    engine = LLMEngine(loaded, engine_config)  # the pool counts as run memory
+    base = mx.get_active_memory()
     res = ServingResult("mlxpaged", 0.0, len(wl.prompts), 0)
     pending = list(range(len(wl.prompts)))
     stamps, lengths, arrival = {}, {}, {}
     start = time.perf_counter()
+    engine = LLMEngine(loaded, engine_config)  # inside the clock, as mlx-lm's generator and caches are
     while pending or engine.has_unfinished_requests():
         now = time.perf_counter() - start
         while pending and wl.arrivals[pending[0]] <= now:
@@ -117,24 +118,37 @@ def serve_mlxpaged(loaded, wl: Workload, engine_config, progress=None) -> Servin
     return res
 
 
-def serve_mlx_lm(model, wl: Workload, max_concurrency: int, progress=None) -> ServingResult:
+def serve_mlx_lm(model, wl: Workload, max_concurrency: int, progress=None, prompt_cache: bool = False) -> ServingResult:
+    """The same requests through mlx-lm's `BatchGenerator`; with `prompt_cache`, prefixes from an `LRUPromptCache`."""
     from mlx_lm.generate import BatchGenerator
+    from mlx_lm.models.cache import LRUPromptCache
 
-    gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=max_concurrency, prefill_batch_size=8)
+    from .throughput import prefill_prefix
+
     res = ServingResult("mlx-lm", 0.0, len(wl.prompts), 0)
     pending = list(range(len(wl.prompts)))
-    stamps, arrival, active = {}, {}, 0
+    stamps, arrival, active, hits = {}, {}, 0, 0
     mx.clear_cache()
-    base = mx.get_active_memory()
     mx.reset_peak_memory()
+    base = mx.get_active_memory()
     start = time.perf_counter()
+    gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=max_concurrency, prefill_batch_size=8)
+    lru = LRUPromptCache() if prompt_cache else None
     while pending or active:
         now = time.perf_counter() - start
         ready = []
         while pending and wl.arrivals[pending[0]] <= now:
             ready.append(pending.pop(0))
         if ready:
-            uids = gen.insert([wl.prompts[i] for i in ready], [wl.output_lens[i] for i in ready])
+            prompts, caches = [wl.prompts[i] for i in ready], None
+            if lru is not None and wl.system_prompt_len:
+                system = wl.prompts[ready[0]][: wl.system_prompt_len]
+                if len(lru) == 0:  # the first arrival: prefill the system prompt once, as the server's cache would hold it
+                    lru.insert_cache("model", system, prefill_prefix(model, system), cache_type="system")
+                found = [lru.fetch_nearest_cache("model", p) for p in prompts]
+                caches, prompts = [c for c, _ in found], [rest for _, rest in found]
+                hits += sum(len(p) - len(r) for p, r in zip([wl.prompts[i] for i in ready], prompts))
+            uids = gen.insert(prompts, [wl.output_lens[i] for i in ready], caches=caches)
             for u, i in zip(uids, ready):
                 arrival[u] = wl.arrivals[i]
             active += len(ready)
@@ -150,5 +164,57 @@ def serve_mlx_lm(model, wl: Workload, max_concurrency: int, progress=None) -> Se
                     progress()
     res.wall_s = time.perf_counter() - start
     gen.close()
-    res.extra = {"peak_memory_gb": (mx.get_peak_memory() - base) / 1e9}
+    res.extra = {"peak_memory_gb": (mx.get_peak_memory() - base) / 1e9, "prompt_cache_hit_tokens": hits}
     return res
+
+
+METRICS = ["requests_per_s", "output_tps", "ttft_ms_median", "ttft_ms_p90", "itl_ms_median", "itl_ms_p90", "peak_memory_gb"]
+
+
+def compare(loaded, ref, pairs, *, num_requests: int, rate: float, max_prompt: int, max_output: int, kv_tokens: int,
+            block_size: int, max_num_seqs: int, system_prompt: int, repeats: int) -> list[dict]:
+    """The replay without and (if `system_prompt`) with a shared system prompt, each `repeats` times alternating."""
+    from ..config import EngineConfig
+
+    vocab = loaded.model.args.vocab_size
+
+    def config(prefix_caching: bool):
+        return EngineConfig(block_size=block_size, num_blocks=kv_tokens // block_size, max_num_seqs=max_num_seqs,
+                            enable_prefix_caching=prefix_caching)
+
+    warm = make_workload(pairs, 2, vocab=vocab, max_output=4)
+    serve_mlxpaged(loaded, warm, config(False))
+    serve_mlx_lm(ref, warm, max_num_seqs)
+    cases = [("no shared prefix", 0)] + ([(f"shared {system_prompt}-token system prompt", system_prompt)]
+                                         if system_prompt else [])
+    rows = []
+    for label, sys_len in cases:
+        wl = make_workload(pairs, num_requests, vocab=vocab, rate=rate, system_prompt_len=sys_len,
+                           max_prompt=max_prompt, max_output=max_output)
+        runs = alternate(lambda: serve_mlxpaged(loaded, wl, config(sys_len > 0)).summary(),
+                         lambda: serve_mlx_lm(ref, wl, max_num_seqs, prompt_cache=sys_len > 0).summary(), repeats)
+        ours, theirs = [r[0] for r in runs], [r[1] for r in runs]
+        rows.append({
+            "case": label, "system_prompt_len": sys_len,
+            "peer": "mlx-lm BatchGenerator" + (" + LRUPromptCache seeded with the system prompt" if sys_len else ""),
+            "mlxpaged_prefix_caching": sys_len > 0,
+            "ratio": {k: spread([a[k] / b[k] for a, b in zip(ours, theirs)]) for k in METRICS if all(b[k] for b in theirs)},
+            "mlxpaged": {k: spread([a[k] for a in ours]) for k in ours[0] if isinstance(ours[0][k], (int, float))},
+            "mlx_lm": {k: spread([b[k] for b in theirs]) for k in theirs[0] if isinstance(theirs[0][k], (int, float))},
+            "first": ["mlxpaged" if f == "a" else "mlx_lm" for _, _, f in runs],
+        })
+    return rows
+
+
+def table(row: dict) -> list[str]:
+    """One case's printed summary: medians over repeats and the ratio with its min-max range."""
+    a, b = row["mlxpaged"], row["mlx_lm"]
+    out = [f"== {row['case']} (peer: {row['peer']}) ==",
+           f"{'metric':>16} | {'mlxpaged':>10} | {'mlx-lm':>10} | ratio median (min-max)"]
+    for k in METRICS:
+        r = fmt(row["ratio"][k]) if k in row["ratio"] else "-"
+        out.append(f"{k:>16} | {a[k]['median']:10.2f} | {b[k]['median']:10.2f} | {r}")
+    out.append(f"mlxpaged: peak running seqs {a['running_seqs_peak']['median']:.0f}, preemptions {a['preemptions']['median']:.0f}, "
+               f"prefix-cache hit tokens {a['prefix_cache_hit_tokens']['median']:.0f}, prefill tokens computed "
+               f"{a['computed_prefill_tokens']['median']:.0f}; mlx-lm prompt-cache hit tokens {b['prompt_cache_hit_tokens']['median']:.0f}")
+    return out

@@ -1,0 +1,93 @@
+"""Writes a tiny random-weight Qwen2 checkpoint with a real (trained) byte-level BPE tokenizer.
+
+Used by the tests, the notebook and `mlxpaged bench --tiny`, so it lives in the package.
+
+The output layer is scaled up so the top logits are far apart: greedy choices are never near
+ties, and tiny float differences between two correct implementations cannot flip a token.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CORPUS = [
+    "The KV cache stores the keys and values of every token a sequence has seen.",
+    "Paged attention borrows an idea from operating systems: virtual memory and paging.",
+    "Write a Python function that reverses a string. def reverse(s): return s[::-1]",
+    "Blocks of sixteen tokens are found through a block table, one per sequence.",
+    "Copy-on-write lets many samples share the blocks of one prompt until they diverge.",
+    "The quick brown fox jumps over the lazy dog. 0123456789 !?.,;:'\"()[]{}<>+-*/=_",
+] * 4
+
+
+def write_tokenizer(path: Path, vocab_size: int = 384) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": 4096,
+    }))
+    return tok.get_vocab_size()
+
+
+def write_tiny_qwen2(path: Path, *, seed: int = 0, hidden: int = 256, layers: int = 2, heads: int = 4,
+                     kv_heads: int = 2, intermediate: int = 512, logit_scale: float = 4.0) -> Path:
+    """A Qwen2 checkpoint directory at `path` (head_dim = hidden / heads)."""
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = write_tokenizer(path)
+    eos = json.loads((path / "tokenizer.json").read_text())["added_tokens"][2]["id"]
+    hd = hidden // heads
+    config = {
+        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": hidden,
+        "num_hidden_layers": layers, "intermediate_size": intermediate, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-6, "vocab_size": vocab,
+        "max_position_embeddings": 4096, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "torch_dtype": "float32", "eos_token_id": eos,
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(seed)
+
+    def w(*shape, scale=None):
+        scale = scale if scale is not None else shape[-1] ** -0.5
+        return mx.array(rng.normal(0, scale, size=shape).astype(np.float32))
+
+    weights = {"model.embed_tokens.weight": w(vocab, hidden, scale=1.0),
+               "model.norm.weight": mx.ones((hidden,)),
+               "lm_head.weight": w(vocab, hidden, scale=logit_scale * hidden ** -0.5)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        weights.update({
+            p + "self_attn.q_proj.weight": w(heads * hd, hidden), p + "self_attn.q_proj.bias": w(heads * hd, scale=0.1),
+            p + "self_attn.k_proj.weight": w(kv_heads * hd, hidden), p + "self_attn.k_proj.bias": w(kv_heads * hd, scale=0.1),
+            p + "self_attn.v_proj.weight": w(kv_heads * hd, hidden), p + "self_attn.v_proj.bias": w(kv_heads * hd, scale=0.1),
+            p + "self_attn.o_proj.weight": w(hidden, heads * hd),
+            p + "mlp.gate_proj.weight": w(intermediate, hidden), p + "mlp.up_proj.weight": w(intermediate, hidden),
+            p + "mlp.down_proj.weight": w(hidden, intermediate),
+            p + "input_layernorm.weight": mx.ones((hidden,)), p + "post_attention_layernorm.weight": mx.ones((hidden,)),
+        })
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return path
