@@ -10,7 +10,8 @@ Prompts are real ShareGPT (or Alpaca) text, the first requests that pass the ben
 filter after the seeded shuffle (`bench/datasets.py`), cut to `--max-prompt` tokens; each asks
 for its traced answer length, capped at `--max-output`. mlx_lm.server has no `n`: an n-sample
 request is sent to it as n requests. On the CPU both servers load a float32 copy of the
-checkpoint (mlx_lm.server has no dtype flag and float16 is slow on the CPU).
+checkpoint (mlx_lm.server has no dtype flag and float16 is slow on the CPU), and both use the
+system OpenBLAS (mlx_lm.server is started after `mlxpaged._blas` loads it).
 """
 
 from __future__ import annotations
@@ -128,7 +129,9 @@ def start_server(name: str, model_path: str, extra: list[str]) -> ServerProc:
         cmd = [sys.executable, "-m", "mlxpaged.cli", "serve", "--model", model_path, "--port", str(port),
                "--log-level", "warning", *extra]
     else:
-        cmd = [sys.executable, "-m", "mlx_lm.server", "--model", model_path, "--port", str(port), "--log-level", "WARNING"]
+        # The same BLAS as mlxpaged: load the system OpenBLAS before MLX, then run mlx_lm.server as `-m` would.
+        boot = "import mlxpaged._blas as b, runpy; b.use_system_blas(); runpy.run_module('mlx_lm.server', run_name='__main__')"
+        cmd = [sys.executable, "-c", boot, "--model", model_path, "--port", str(port), "--log-level", "WARNING"]
     return ServerProc(name, cmd, port)
 
 
