@@ -127,6 +127,57 @@ def concurrency(model, tiny, dtype, out_dir, plot, trace, num_requests, capacity
 
 
 @bench.command()
+@with_common
+@click.option("--num-prompts", default=32, show_default=True, help="Real prompts per data set.")
+@click.option("--max-tokens", default=128, show_default=True, help="Cap on each answer.")
+@click.option("--widths", default="2,4,6", show_default=True, help="n of parallel sampling and beam widths.")
+@click.option("--datasets", default="alpaca,sharegpt", show_default=True)
+@click.option("--modes", default="parallel,beam", show_default=True)
+def sharing(model, tiny, dtype, out_dir, plot, num_prompts, max_tokens, widths, datasets, modes):
+    """Memory saved by sharing blocks (parallel sampling, beam search) beside the paper's §6.3."""
+    from tqdm import tqdm
+
+    from .models import load_models, model_label
+    from .report import write_result
+    from .sharing import PAPER, run, table
+
+    try:
+        ws = [int(w) for w in widths.split(",")]
+        ds, ms = datasets.split(","), modes.split(",")
+        bad = [m for m in ms if m not in ("parallel", "beam")] + [d for d in ds if d not in ("alpaca", "sharegpt")]
+        if bad or not ws or min(ws) < 1:
+            raise ValueError(f"bad --modes/--datasets/--widths: {bad or widths}")
+        loaded, _ = load_models(model, tiny, dtype, reference=False)
+        with tqdm(total=len(ds) * len(ms) * len(ws), desc="sharing", file=sys.stderr) as bar:
+            rows = run(loaded, ds, ms, ws, num_prompts, max_tokens, on_row=lambda _: bar.update())
+    except (MlxPagedError, ValueError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    click.echo(table(rows))
+    path = write_result(out_dir, "sharing", model_label(loaded, model, tiny), {"rows": rows})
+    click.echo(f"results: {path}")
+    if plot:
+        _plot(path, lambda ax: draw_sharing(ax, rows, PAPER))
+
+
+def draw_sharing(ax, rows: list[dict], paper: dict) -> None:
+    """Measured memory saved per width, one line per (data set, mode), the paper's range shaded."""
+    colors = {"alpaca": "tab:blue", "sharegpt": "tab:orange"}
+    for (mode, ds), (lo, hi) in paper.items():
+        rs = sorted((r for r in rows if r["mode"] == mode and r["dataset"] == ds), key=lambda r: r["width"])
+        if not rs:
+            continue
+        style = "-" if mode == "beam" else "--"
+        ax.plot([r["width"] for r in rs], [r["memory_saved_pct"] for r in rs], style, marker="o",
+                color=colors[ds], label=f"{ds}, {mode} (measured)")
+        ax.axhspan(lo, hi, color=colors[ds], alpha=0.08 if mode == "parallel" else 0.16)
+    ax.set_xlabel("parallel samples n / beam width")
+    ax.set_ylabel("memory saved by sharing (%)")
+    ax.set_title("shaded: the paper's ranges (OPT-13B); light = parallel, dark = beam", fontsize=9)
+    ax.legend(fontsize=8)
+
+
+@bench.command()
 @click.option("--out", "out_dir", default="bench-results", show_default=True)
 @click.option("--plot", is_flag=True)
 @click.option("--block-size", default=16, show_default=True)

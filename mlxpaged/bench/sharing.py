@@ -54,6 +54,36 @@ def measure(loaded, prompts: list[list[int]], mode: str, width: int, max_tokens:
     }
 
 
+def run(loaded, datasets: list[str], modes: list[str], widths: list[int], num_prompts: int, max_tokens: int,
+        done: list[dict] | None = None, on_row=None) -> list[dict]:
+    """Every (data set, mode, width) row, `num_prompts` real prompts each (chat-wrapped).
+
+    Rows already in `done` (same data set, mode, width, prompts and cap) are kept, not rerun,
+    so a long run that was stopped resumes; `on_row(rows)` sees the list after each new row.
+    """
+    from .datasets import sample_requests
+    from .prompts import encode_chat
+
+    tok = loaded.tokenizer
+    rows = list(done or [])
+    key = lambda r: (r["dataset"], r["mode"], r["width"], r["num_prompts"], r["max_tokens"])  # noqa: E731
+    have = {key(r) for r in rows}
+    for ds in datasets:
+        texts = [p for p, _, _ in sample_requests(ds, lambda ts: [len(tok.encode(t)) for t in ts], num_prompts)]
+        prompts = encode_chat(tok, texts)
+        for mode in modes:
+            for w in widths:
+                if (ds, mode, w, num_prompts, max_tokens) in have:
+                    continue
+                r = measure(loaded, prompts, mode, w, max_tokens)
+                r["dataset"] = ds
+                rows.append(r)
+                if on_row is not None:
+                    on_row(rows)
+    order = {(d, m, w): i for i, (d, m, w) in enumerate((d, m, w) for d in datasets for m in modes for w in widths)}
+    return sorted(rows, key=lambda r: order.get((r["dataset"], r["mode"], r["width"]), len(order)))
+
+
 def table(rows: list[dict]) -> str:
     """The measured savings beside the paper's, one line per (data set, mode, width)."""
     out = [f"{'data set':>9} | {'mode':>8} | {'width':>5} | {'saved %':>7} | {'paper % (OPT-13B)':>17} | "
