@@ -1,6 +1,7 @@
 """Request life cycle in the engine: stop tokens out of the text, abort, a failing step, metrics."""
 
 import pytest
+from drive import run_all
 from reference import contiguous_generate
 
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
@@ -12,16 +13,6 @@ PROMPT = "The KV cache stores"
 
 def greedy(n, **kw):
     return SamplingParams(temperature=0.0, max_tokens=n, **kw)
-
-
-def run_all(engine):
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            engine.check_invariants()
-            if out.finished:
-                done[out.request_id] = out
-    return done
 
 
 @pytest.mark.parametrize("how", ["eos", "stop_token_ids"])

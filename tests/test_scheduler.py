@@ -3,20 +3,10 @@
 import random
 
 import pytest
+from drive import run_all
 from reference import contiguous_generate
 
 from mlxpaged import LLM, EngineConfig, LLMEngine, SamplingParams
-
-
-def run_all(engine, check=True):
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        if check:
-            engine.check_invariants()
-    return done
 
 
 def tokens(done):

@@ -6,6 +6,7 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
+import drive
 from reference import contiguous_generate
 
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
@@ -75,13 +76,7 @@ def greedy(n):
 
 
 def run_all(engine):
-    done = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            engine.check_invariants()
-            if o.finished:
-                done[o.request_id] = o
-    return {k: o.outputs[0].token_ids for k, o in done.items()}
+    return {k: o.outputs[0].token_ids for k, o in drive.run_all(engine).items()}
 
 
 def ragged_prompts(count=8):

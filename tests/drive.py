@@ -1,0 +1,18 @@
+"""Driving an engine in tests: step until every request is done."""
+
+from __future__ import annotations
+
+
+def run_all(engine, check: bool = True) -> dict:
+    """Step `engine` until no request is left; the finished `RequestOutput`s by request id.
+
+    With `check`, the allocator's invariants are asserted after every step.
+    """
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if check:
+            engine.check_invariants()
+    return done
