@@ -51,17 +51,80 @@ inline void pa_load(const device T* p, thread float* out) {
   }
 }
 
+// A quantized K or V pool (mlxpaged.kv_quant.QuantizedPool) as the kernels see it: each row of
+// HD values is BITS-bit codes packed LSB-first into uint32 words, plus one scale and one bias
+// per GS values, value = scale * code + bias (mx.quantize's layout along head_dim).
+template <typename T, int HD, int BITS, int GS>
+struct PAQuantPool {
+  const device uint32_t* data;  // [rows, HD * BITS / 32]
+  const device T* scales;       // [rows, HD / GS]
+  const device T* biases;       // [rows, HD / GS]
+};
+
+// A quantized kernel variant's body is the float body after this line: K and V are then these
+// views of the (data, scales, biases) inputs instead of float pools.
+#define PA_QUANT_VIEWS                                                   \
+  const PAQuantPool<T, HD, BITS, GS> k_cache = {k_data, k_scales, k_biases}; \
+  const PAQuantPool<T, HD, BITS, GS> v_cache = {v_data, v_scales, v_biases};
+
+// This lane's DPL = HD / 32 values of the K/V row at element offset `off` (row * HD + lane * DPL)
+// of a float pool.
+template <typename T, int HD>
+inline void pa_row(const device T* cache, size_t off, uint lane, thread float* out) {
+  pa_load<T, HD / 32>(cache + off, out);
+}
+
+// The same from a quantized pool, dequantized in registers (fp32). The lane's DPL codes are one
+// load of DPL * BITS bits (the simdgroup reads the row's codes in one coalesced sweep); its
+// group's scale and bias come from lane `group` (lanes < HD / GS load one pair each, so every
+// byte of the row is read once) by one shuffle. Lanes keep HD / 32 dims, as for a float pool:
+// more dims per lane would widen the loads but multiply the query and accumulator registers.
+template <typename T, int HD, int BITS, int GS>
+inline void pa_row(PAQuantPool<T, HD, BITS, GS> pool, size_t off, uint lane, thread float* out) {
+  constexpr int DPL = HD / 32;
+  constexpr int NG = HD / GS;
+  constexpr int LANE_BITS = DPL * BITS;
+  static_assert((DPL & (DPL - 1)) == 0 && LANE_BITS >= 8 && LANE_BITS <= 64 && HD % GS == 0,
+                "a lane's codes are whole bytes of one group");
+  const size_t row = off / HD;
+  float2 sb = float2(0.0f, 0.0f);
+  if (lane < NG) {
+    sb = float2(static_cast<float>(pool.scales[row * NG + lane]),
+                static_cast<float>(pool.biases[row * NG + lane]));
+  }
+  sb = simd_shuffle(sb, (ushort)(lane * DPL / GS));
+  const device uchar* p =
+      (const device uchar*)(pool.data + row * (HD * BITS / 32)) + lane * (LANE_BITS / 8);
+  uint w0 = 0u;  // codes 0 .. 32 / BITS - 1
+  uint w1 = 0u;  // the rest (64-bit lanes only)
+  if (LANE_BITS == 8) {
+    w0 = *p;
+  } else if (LANE_BITS == 16) {
+    w0 = *(const device ushort*)p;
+  } else if (LANE_BITS == 32) {
+    w0 = *(const device uint*)p;
+  } else {
+    const uint2 x = *(const device uint2*)p;
+    w0 = x.x;
+    w1 = x.y;
+  }
+  for (int i = 0; i < DPL; i++) {
+    const uint code = ((i * BITS < 32 ? w0 : w1) >> ((i * BITS) % 32)) & ((1u << BITS) - 1u);
+    out[i] = sb.x * static_cast<float>(code) + sb.y;
+  }
+}
+
 // Attend to tokens [tok_begin, tok_end) of one sequence for the G query heads of kv head `kvh`,
 // leaving each simdgroup's partial state in `st`. Every thread of the threadgroup must call it.
 // Table is `const device int32_t*`, or `const constant int32_t*` when MLX passes a table of
 // fewer than 8 entries in the constant address space. tok_end <= max_blocks * BS (the caller
 // clamps), so no table entry past the sequence's row is read.
-template <typename T, int HD, int BS, int G, int NSG, typename Table>
+template <typename T, int HD, int BS, int G, int NSG, typename KV, typename Table>
 inline void pa_attend(
     thread PAState<G, HD / 32>& st,
     const device T* q,                    // [num_seqs, num_kv_heads * G, HD]
-    const device T* k_cache,              // [num_blocks, num_kv_heads, BS, HD]
-    const device T* v_cache,              // [num_blocks, num_kv_heads, BS, HD]
+    KV k_cache,                           // [num_blocks, num_kv_heads, BS, HD]: const device T*
+    KV v_cache,                           // or PAQuantPool (same rows, quantized)
     Table block_tables,                   // [num_seqs, max_blocks] int32
     int max_blocks,
     int num_kv_heads,
@@ -126,7 +189,7 @@ inline void pa_attend(
         const int t = t0 + u * NSG;
         rows[u] = (size_t)ids[t / BS - b0] * block_stride + head_offset + (size_t)(t % BS) * HD;
         float k[DPL];
-        pa_load<T, DPL>(k_cache + rows[u], k);
+        pa_row<T, HD>(k_cache, rows[u], lane, k);
         for (int g = 0; g < G; g++) {
           float d = 0.0f;
           for (int i = 0; i < DPL; i++) {
@@ -151,7 +214,7 @@ inline void pa_attend(
       }
       for (int u = 0; u < nu; u++) {
         float v[DPL];
-        pa_load<T, DPL>(v_cache + rows[u], v);
+        pa_row<T, HD>(v_cache, rows[u], lane, v);
         for (int g = 0; g < G; g++) {
           const float p = fast::exp2(s[u][g] - st.m[g]);
           st.l[g] += p;

@@ -7,6 +7,12 @@
 // template value (it would name a new kernel as contexts grow): the split kernel derives it
 // from its grid and the table width. Context lengths are clamped to the table's width
 // (max_blocks * BS), so inconsistent metadata never reads past a sequence's table row.
+//
+// Quantized KV cache: kernel `KIND_quant` (KIND = paged_attention or paged_attention_partitioned)
+// is KIND's body after `PA_QUANT_VIEWS` (paged_attention.h), with inputs k_data, k_scales,
+// k_biases, v_data, v_scales, v_biases in place of k_cache, v_cache and template values BITS
+// (4 or 8) and GS (values per scale/bias group) besides; each lane dequantizes its dims of a
+// row in registers as it reads them. The merge pass is shared.
 
 // @kernel paged_attention
 // Single pass: one threadgroup per (kv head, sequence) covers the whole context.

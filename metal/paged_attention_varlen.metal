@@ -15,6 +15,12 @@
 // Template parameters: T (q/cache/out dtype), HD (head_dim), BS (block size), G (query heads
 // per kv head), TQ (query tokens per tile), KC (keys per chunk), NSG (simdgroups per
 // threadgroup), SP (lanes per query row, a power of two <= 32), RPT (query rows per lane group).
+//
+// Quantized KV cache: kernel paged_attention_varlen_quant is the same body after
+// `PAV_QUANT_VIEWS`, with inputs k_data, k_scales, k_biases, v_data, v_scales, v_biases in place
+// of k_cache, v_cache and template values BITS and GS (values per scale/bias group) besides.
+// Staging then takes a whole group per thread: its codes in 16-byte loads and its scale and
+// bias once, dequantized in fp32 registers and stored to tg_k/tg_v as T.
 
 #include <metal_stdlib>
 using namespace metal;
@@ -24,6 +30,62 @@ using namespace metal;
 
 // Block-table entries a chunk of KC tokens can touch when it starts anywhere in a block.
 #define PAV_CHUNK_BLOCKS(KC, BS) (((KC) + (BS) - 2) / (BS) + 1)
+
+// A quantized K or V pool (mlxpaged.kv_quant.QuantizedPool): each row of HD values is BITS-bit
+// codes packed LSB-first into uint32 words, plus a scale and a bias per GS values,
+// value = scale * code + bias (mx.quantize's layout along head_dim).
+template <typename T, int HD, int BITS, int GS>
+struct PAVQuantPool {
+  const device uint32_t* data;  // [rows, HD * BITS / 32]
+  const device T* scales;       // [rows, HD / GS]
+  const device T* biases;       // [rows, HD / GS]
+};
+
+// A quantized kernel variant's body is the float body after this line: K and V are then these
+// views of the (data, scales, biases) inputs instead of float pools.
+#define PAV_QUANT_VIEWS                                                   \
+  PAVQuantPool<T, HD, BITS, GS> k_cache = {k_data, k_scales, k_biases}; \
+  PAVQuantPool<T, HD, BITS, GS> v_cache = {v_data, v_scales, v_biases};
+
+// Elements one thread stages per step: one from a float pool, a whole group from a quantized one.
+template <typename Pool>
+struct PAVItems {
+  static constexpr int value = 1;
+};
+template <typename T, int HD, int BITS, int GS>
+struct PAVItems<PAVQuantPool<T, HD, BITS, GS>> {
+  static constexpr int value = GS;
+};
+
+// Stage pool element `src` (a float pool) into `dst`.
+template <typename T>
+inline void pav_stage(const device T* cache, size_t src, threadgroup T* dst) {
+  *dst = cache[src];
+}
+
+// Stage the group of GS values starting at element `src` (row * HD + a multiple of GS) of a
+// quantized pool into dst[0, GS): codes in 16-byte loads, scale and bias read once, fp32 math,
+// each value rounded once to T. A group per thread reads every byte once (a vector per thread
+// would re-read the group's scale and bias) at the price of fewer threads staging.
+template <typename T, int HD, int BITS, int GS>
+inline void pav_stage(PAVQuantPool<T, HD, BITS, GS> pool, size_t src, threadgroup T* dst) {
+  static_assert(HD % GS == 0 && GS * BITS % 128 == 0, "a group is whole 16-byte vectors");
+  constexpr int PER_WORD = 32 / BITS;
+  const size_t row = src / HD;
+  const int g = (src % HD) / GS;
+  const float s = static_cast<float>(pool.scales[row * (HD / GS) + g]);
+  const float b = static_cast<float>(pool.biases[row * (HD / GS) + g]);
+  const device uint4* w = (const device uint4*)(pool.data + row * (HD * BITS / 32) + g * (GS * BITS / 32));
+  for (int i = 0; i < GS * BITS / 128; i++) {
+    const uint4 x = w[i];
+    for (int j = 0; j < 4; j++) {
+      for (int k = 0; k < PER_WORD; k++) {
+        const uint code = (x[j] >> (k * BITS)) & ((1u << BITS) - 1u);
+        dst[(4 * i + j) * PER_WORD + k] = static_cast<T>(s * static_cast<float>(code) + b);
+      }
+    }
+  }
+}
 
 // @kernel paged_attention_varlen
 // launch: grid (32 * NSG, num_kv_heads, num_tiles), threadgroup (32 * NSG, 1, 1)
@@ -41,6 +103,7 @@ constexpr int NT = 32 * NSG;        // threads per threadgroup
 constexpr int NRG = NT / SP;        // lane groups (one query row each per slot)
 constexpr int ROWS = TQ * G;        // query rows of a tile
 constexpr int CB = PAV_CHUNK_BLOCKS(KC, BS);
+constexpr int EPI = PAVItems<decltype(k_cache)>::value;  // elements staged per thread and step
 static_assert(HD % SP == 0 && 32 % SP == 0, "a row's lanes split head_dim inside one simdgroup");
 static_assert(NRG * RPT >= ROWS, "every query row of the tile has a lane group");
 
@@ -97,12 +160,12 @@ for (int c0 = 0; c0 < kv_end; c0 += KC) {
     tg_blocks[b] = block_tables[(size_t)seq * max_blocks + b0 + b];
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);  // barrier 1: tg_blocks written
-  for (int e = tid; e < nk * HD; e += NT) {
+  for (int e = tid * EPI; e < nk * HD; e += NT * EPI) {
     const int t = c0 + e / HD;
     const size_t src = (size_t)tg_blocks[t / BS - b0] * block_stride + head_off +
         (size_t)(t % BS) * HD + e % HD;
-    tg_k[e] = k_cache[src];
-    tg_v[e] = v_cache[src];
+    pav_stage(k_cache, src, tg_k + e);
+    pav_stage(v_cache, src, tg_v + e);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);  // barrier 2: tg_k, tg_v written
 

@@ -15,6 +15,9 @@ class EngineConfig:
       computes (decodes plus prefill chunks); a longer prompt is prefilled in chunks.
     watermark: share of the pool kept free when admitting a request, so running sequences
       can grow a little before anyone is preempted.
+    kv_bits: None keeps K/V rows in the model's dtype; 8 or 4 stores them quantized along
+      head_dim in groups of `kv_group_size` (32 or 64) with a scale and a bias per group, so
+      the same memory holds about 1.9x (8-bit) or 3.5x (4-bit) the tokens of a float16 cache.
     """
 
     block_size: int = 16
@@ -26,6 +29,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     watermark: float = 0.01
     attention_impl: str = "auto"
+    kv_bits: int | None = None
+    kv_group_size: int = 64
 
     def __post_init__(self):
         bs = self.block_size
@@ -39,3 +44,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        from .kv_quant import KV_GROUP_SIZES, check_kv_quant
+
+        if self.kv_group_size not in KV_GROUP_SIZES:  # checked even for a float cache: a typo is a typo
+            raise ValueError(f"kv_group_size must be one of {KV_GROUP_SIZES}, got {self.kv_group_size}")
+        check_kv_quant(self.kv_bits, self.kv_group_size)

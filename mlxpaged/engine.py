@@ -38,7 +38,7 @@ class LLMEngine:
         self.loaded = loaded
         self.config = config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
-        self.cache_shape = CacheShape.of(loaded)
+        self.cache_shape = CacheShape.of(loaded).quantized(config.kv_bits, config.kv_group_size)
         num_blocks = config.num_blocks or blocks_for_memory(
             self.cache_shape, config.block_size, config.kv_memory_fraction, config.max_kv_tokens
         )
@@ -49,7 +49,7 @@ class LLMEngine:
             hash_fn=hash_fn,
             extra_key=loaded.identity,
         )
-        self.kv_cache = PagedKVCache(self.cache_shape, num_blocks, config.block_size)
+        self.kv_cache = PagedKVCache.for_model(loaded.model, self.cache_shape, num_blocks, config.block_size)
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.attention_impl)
         self._check_kernels()
         self.scheduler = Scheduler(config, self.block_manager)
@@ -344,6 +344,8 @@ class LLMEngine:
             "block_size": self.config.block_size,
             "num_blocks": pool.num_blocks,
             "pool_gb": self.kv_cache.nbytes / 1e9,
+            "kv_bits": self.config.kv_bits,
+            "kv_group_size": self.config.kv_group_size,
             "blocks_in_use_peak": st.blocks_in_use_peak,
             "blocks_without_sharing": st.blocks_without_sharing_peak,
             "cow_copies": self.block_manager.num_cow_copies,

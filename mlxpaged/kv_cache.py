@@ -3,15 +3,23 @@
 Block id `b` means the same token slots in every layer's pools, so one block table per sequence
 serves all layers. Writes are MLX scatters into the pool arrays; the cache holds the only
 reference to each pool, so MLX updates them in place (no copy, no growth per step).
+
+With `kv_bits` set, each pool is a `QuantizedPool` (codes, scales and biases in the same block
+layout): a write quantizes its new rows along head_dim and scatters all three arrays, a block
+copy copies all three, and a block costs `row_bytes` per row instead of `head_dim * dtype.size`.
+Keys are stored less a constant per (layer, KV head) (`kv_quant.key_offsets`), which attention
+cannot see (softmax ignores a shift shared by all of a query's scores) but quantization can.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import numpy as np
+
+from .kv_quant import QuantizedPool, check_kv_quant, key_offsets, row_bytes
 
 
 @dataclass
@@ -20,16 +28,24 @@ class CacheShape:
     num_kv_heads: int
     head_dim: int
     dtype: mx.Dtype
+    kv_bits: int | None = None  # None: float rows in `dtype`; 8 or 4: quantized rows
+    kv_group_size: int = 64
 
     @classmethod
     def of(cls, loaded) -> "CacheShape":
         """The cache shape of a `LoadedModel`'s layers, in its dtype."""
         args = loaded.model.args
-        return cls(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, loaded.dtype)
+        return cls(args.num_hidden_layers, getattr(loaded.model, "num_local_kv_heads", args.num_key_value_heads), args.head_dim, loaded.dtype)
+
+    def quantized(self, kv_bits: int | None, kv_group_size: int = 64) -> "CacheShape":
+        """This shape with K/V rows stored at `kv_bits` (None: float); checks the pair fits head_dim."""
+        check_kv_quant(kv_bits, kv_group_size, self.head_dim)
+        return replace(self, kv_bits=kv_bits, kv_group_size=kv_group_size)
 
     def bytes_per_block(self, block_size: int) -> int:
-        """K and V bytes of one block across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * block_size * self.head_dim * self.dtype.size
+        """K and V bytes of one block across all layers (codes, scales and biases when quantized)."""
+        row = row_bytes(self.head_dim, self.kv_bits, self.kv_group_size, self.dtype)
+        return 2 * self.num_layers * self.num_kv_heads * block_size * row
 
 
 def slot_mapping(block_ids: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -62,15 +78,43 @@ def blocks_for_memory(shape: CacheShape, block_size: int, fraction: float, max_t
 class PagedKVCache:
     """Per-layer K/V pools plus the two operations the allocator needs: write and copy blocks."""
 
-    def __init__(self, shape: CacheShape, num_blocks: int, block_size: int):
+    def __init__(self, shape: CacheShape, num_blocks: int, block_size: int,
+                 key_offsets: list[mx.array | None] | None = None):
+        """`key_offsets[layer]` (`[num_kv_heads, head_dim]` or None) is subtracted from that
+        layer's keys before they are quantized: a quantized K row holds `quantize(k - offset)`."""
+        if key_offsets is not None and (shape.kv_bits is None or len(key_offsets) != shape.num_layers):
+            raise ValueError("key_offsets need a quantized cache and one entry per layer")
+        self.key_offsets = key_offsets
         self.shape = shape
         self.num_blocks = num_blocks
         self.block_size = block_size
-        pool_shape = (num_blocks, shape.num_kv_heads, block_size, shape.head_dim)
-        self.keys = [mx.zeros(pool_shape, dtype=shape.dtype) for _ in range(shape.num_layers)]
-        self.values = [mx.zeros(pool_shape, dtype=shape.dtype) for _ in range(shape.num_layers)]
-        mx.eval(self.keys, self.values)
+        self.keys = [self._pool() for _ in range(shape.num_layers)]
+        self.values = [self._pool() for _ in range(shape.num_layers)]
+        mx.eval(self.arrays)
         self._heads = mx.arange(shape.num_kv_heads)[None, :]
+
+    @classmethod
+    def for_model(cls, model, shape: CacheShape, num_blocks: int, block_size: int) -> "PagedKVCache":
+        """The cache for `model`'s layers: a quantized one takes the model's key offsets."""
+        return cls(shape, num_blocks, block_size, key_offsets(model) if shape.kv_bits is not None else None)
+
+    def _pool(self):
+        s = self.shape
+        if s.kv_bits is None:
+            return mx.zeros((self.num_blocks, s.num_kv_heads, self.block_size, s.head_dim), dtype=s.dtype)
+        return QuantizedPool.zeros(self.num_blocks, s.num_kv_heads, self.block_size, s.head_dim, s.dtype,
+                                   s.kv_bits, s.kv_group_size)
+
+    @property
+    def quantized(self) -> bool:
+        return self.shape.kv_bits is not None
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        """Every array of every pool (a quantized pool contributes codes, scales and biases)."""
+        if not self.quantized:
+            return self.keys + self.values
+        return [a for pool in self.keys + self.values for a in pool.arrays]
 
     @property
     def nbytes(self) -> int:
@@ -84,6 +128,15 @@ class PagedKVCache:
         blocks = (slot_mapping // self.block_size)[:, None]
         offsets = (slot_mapping % self.block_size)[:, None]
         kp, vp = self.keys[layer], self.values[layer]
+        if self.quantized:
+            if self.key_offsets is not None and self.key_offsets[layer] is not None:
+                k = k - self.key_offsets[layer]  # the same shift for every key of a head: softmax cannot see it
+            for pool, x in ((kp, k), (vp, v)):
+                # Quantized in the pool's dtype, so the scales and biases land in that dtype.
+                rows = mx.quantize(x.astype(pool.dtype), group_size=pool.group_size, bits=pool.bits)
+                for dst, src in zip(pool.arrays, rows):
+                    dst[blocks, self._heads, offsets] = src
+            return kp, vp
         # Item assignment rebinds these very arrays to the scatter's result.
         kp[blocks, self._heads, offsets] = k.astype(kp.dtype)
         vp[blocks, self._heads, offsets] = v.astype(vp.dtype)
@@ -95,7 +148,7 @@ class PagedKVCache:
             return
         src = mx.array([s for s, _ in copies], dtype=mx.int32)
         dst = mx.array([d for _, d in copies], dtype=mx.int32)
-        for layer in range(self.shape.num_layers):
-            self.keys[layer][dst] = self.keys[layer][src]
-            self.values[layer][dst] = self.values[layer][src]
-        mx.eval(self.keys, self.values)
+        for pool in self.keys + self.values:
+            for a in (pool.arrays if self.quantized else [pool]):
+                a[dst] = a[src]
+        mx.eval(self.arrays)

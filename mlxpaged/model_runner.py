@@ -52,7 +52,7 @@ class ModelRunner:
             impl=self.attention_impl,
         )
         logits = self.model(mx.array(tokens, dtype=mx.int32), self.kv_cache, meta)
-        mx.eval(logits, self.kv_cache.keys, self.kv_cache.values)
+        mx.eval(logits, self.kv_cache.arrays)  # every pool array (a QuantizedPool is not an array)
         return logits
 
     def prefill(self, seq: Sequence, num_tokens: int) -> mx.array:

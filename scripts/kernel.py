@@ -17,6 +17,7 @@ Usage::
     python scripts/kernel.py --seqs 16 --tokens 4096   # full shape in the emulator (~5 min)
     MLXPAGED_METAL=emulate python scripts/kernel.py    # bytes-read table on a Mac too
     python scripts/kernel.py --cost                    # emulator cost model, Qwen2.5-0.5B/7B shapes
+    python scripts/kernel.py --kv-bytes                # bytes per token, 16/8/4-bit KV (emulator)
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing
 
 from mlxpaged.attention import metal_native  # noqa: E402
 from mlxpaged.bench.kernel import (BLOCK_SIZES, COST_SHAPES, HEAD_DIM, HEADS, KV_HEADS,  # noqa: E402
-                                   cost_model, emulator_rows, gpu_rows)
+                                   cost_model, emulator_rows, gpu_rows, kv_bytes_rows)
 from mlxpaged.bench.report import provenance  # noqa: E402
 
 
@@ -45,9 +46,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     ap.add_argument("--cost", action="store_true",
                     help="the emulator's cost model at Qwen2.5-0.5B and -7B head shapes instead")
+    ap.add_argument("--kv-bytes", action="store_true",
+                    help="bytes read per token for 16/8/4-bit KV caches (emulator) instead")
+    ap.add_argument("--kv-group", type=int, default=32,
+                    help="quantization group size (--kv-bytes, --kv-bits)")
+    ap.add_argument("--planned", action="store_true",
+                    help="with --kv-bytes: the planner's path (split + merge for long contexts), "
+                         "not the single pass")
+    ap.add_argument("--kv-bits", type=int, choices=(4, 8),
+                    help="with --cost: over a KV cache quantized to this many bits")
     args = ap.parse_args(argv)
     if args.cost:
-        return print_cost(args.seqs or 2, args.tokens or 1000, args.json)
+        return print_cost(args.seqs or 2, args.tokens or 1000, args.json, args.kv_bits,
+                          args.kv_group)
+    if args.kv_bytes:
+        return print_kv_bytes(args.seqs or 2, args.tokens or 1000, args.kv_group, args.json,
+                              args.planned)
     sizes = [bs for bs in BLOCK_SIZES if bs <= args.max_block]
     gpu = metal_native() and os.environ.get("MLXPAGED_METAL") != "emulate"
     seqs = args.seqs or (16 if gpu else 4)
@@ -79,13 +93,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def print_cost(seqs: int, tokens: int, as_json: bool) -> int:
+def print_cost(seqs: int, tokens: int, as_json: bool, kv_bits: int | None = None,
+               kv_group: int = 32) -> int:
     """Operation counts of the emulated kernel per K/V token row and per (token, query head)."""
-    rows = [dict(model=m, **cost_model(g, hd, seqs=seqs, tokens=tokens)) for m, g, hd in COST_SHAPES]
+    rows = [dict(model=m, **cost_model(g, hd, seqs=seqs, tokens=tokens, kv_bits=kv_bits,
+                                       kv_group=kv_group)) for m, g, hd in COST_SHAPES]
     if as_json:
         print(json.dumps({"seqs": seqs, "tokens": tokens, "provenance": provenance(), "rows": rows}, indent=1))
         return 0
-    print(f"Emulator cost model: {seqs} sequences x {tokens} tokens, 2 kv heads, block 16, fp16, "
+    kv = f"{kv_bits}-bit KV (group {kv_group})" if kv_bits else "fp16 KV"
+    print(f"Emulator cost model: {seqs} sequences x {tokens} tokens, 2 kv heads, block 16, {kv}, "
           "single pass. Per K/V token row (one token, one kv head) unless noted; exp counts are "
           "SIMD-wide (lane calls / 32).")
     print(f"{'model':>13} {'G':>2} {'hd':>4} {'red/tok':>8} {'red/tok/head':>12} {'shfl/tok':>8} "
@@ -97,6 +114,27 @@ def print_cost(seqs: int, tokens: int, as_json: bool) -> int:
               f"{r['simd_shuffles_per_token']:>8.3f} {r['exp_per_token_head']:>12.3f} "
               f"{r['barriers_per_256_tokens']:>10.3f} {r['loop_barriers_per_256_tokens']:>12.3f} "
               f"{r['registers']:>5}  {loads}")
+    return 0
+
+
+def print_kv_bytes(seqs: int, tokens: int, group_size: int, as_json: bool,
+                   planned: bool = False) -> int:
+    """Bytes the emulated decode kernel reads per context token for 16/8/4-bit KV caches."""
+    rows = kv_bytes_rows(seqs=seqs, tokens=tokens, group_size=group_size,
+                         partition_tokens=None if planned else 0)
+    if as_json:
+        print(json.dumps({"seqs": seqs, "tokens": tokens, "provenance": provenance(), "rows": rows}, indent=1))
+        return 0
+    path = "the planner's path" if planned else "single pass"
+    print(f"Emulated decode kernel, {path}: {seqs} sequences x {tokens} tokens, block 16, "
+          f"fp16 queries/scales, quantization group {group_size}. Bytes per token: all bytes read "
+          "/ context tokens (one layer: K and V of every kv head, plus queries, tables, lengths).")
+    print(f"{'model':>13} {'heads':>9} {'hd':>4} {'KV bits':>7} {'bytes/token':>11} "
+          f"{'minimum':>8} {'ratio':>6} {'vs 16-bit':>9} {'max err':>8}  kernels")
+    for r in rows:
+        print(f"{r['model']:>13} {r['heads']:>4}/{r['kv_heads']:<4} {r['head_dim']:>4} "
+              f"{r['kv_bits']:>7} {r['bytes_per_token']:>11.1f} {r['minimum_per_token']:>8.1f} "
+              f"{r['ratio']:>6.3f} {r['vs_16bit']:>9.3f} {r['max_error']:>8.2g}  {r['kernels']}")
     return 0
 
 

@@ -4,6 +4,8 @@ sequence) over a paged KV cache, with interchangeable implementations.
 `impl="reference"` is pure MLX ops (any backend); `impl="metal"` is our Metal kernel
 (`metal/paged_attention.metal`), run on an Apple GPU or, with `MLXPAGED_METAL=emulate`,
 on the CPU by the MSL emulator; `impl="auto"` takes the kernel when it can run natively.
+Both take float pools (`mx.array`) or quantized ones (`kv_quant.QuantizedPool`, rows
+quantized along head_dim) for k_cache and v_cache, the same kind for both.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import math
 
 import mlx.core as mx
 
+from ..kv_quant import QuantizedPool
 from .reference import paged_attention_reference, paged_attention_varlen_reference
 
 IMPLS = ("auto", "reference", "metal")
@@ -51,7 +54,8 @@ def paged_attention(
     """Attend one query per sequence to its cached keys and values.
 
     q: `[num_seqs, num_heads, head_dim]`; k_cache, v_cache:
-    `[num_blocks, num_kv_heads, block_size, head_dim]`; block_tables:
+    `[num_blocks, num_kv_heads, block_size, head_dim]` (float, or `QuantizedPool`s of that
+    logical shape); block_tables:
     `[num_seqs, max_blocks]` int32 (entries past a sequence's last block are ignored);
     context_lens: `[num_seqs]` int32, each >= 1. Returns `[num_seqs, num_heads, head_dim]`
     in q's dtype. `scale` defaults to `head_dim ** -0.5`.
@@ -65,8 +69,16 @@ def paged_attention(
     return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
-def _check_shapes(name: str, q: mx.array, k_cache: mx.array, v_cache: mx.array, scale: float | None) -> float:
-    if q.ndim != 3 or k_cache.ndim != 4 or v_cache.shape != k_cache.shape:
+def _check_shapes(name: str, q: mx.array, k_cache, v_cache, scale: float | None) -> float:
+    kinds = {isinstance(c, QuantizedPool) for c in (k_cache, v_cache)}
+    if len(kinds) != 1:
+        raise ValueError(f"{name}: k_cache and v_cache must both be float pools or both QuantizedPools")
+    if kinds == {True} and (k_cache.bits, k_cache.group_size) != (v_cache.bits, v_cache.group_size):
+        raise ValueError(
+            f"{name}: k_cache ({k_cache.bits}-bit, group {k_cache.group_size}) and v_cache "
+            f"({v_cache.bits}-bit, group {v_cache.group_size}) are quantized differently"
+        )
+    if q.ndim != 3 or len(k_cache.shape) != 4 or tuple(v_cache.shape) != tuple(k_cache.shape):
         raise ValueError(f"{name}: bad shapes q={q.shape} k_cache={k_cache.shape} v_cache={v_cache.shape}")
     if q.shape[1] % k_cache.shape[1] or q.shape[2] != k_cache.shape[3]:
         raise ValueError(

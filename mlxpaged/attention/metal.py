@@ -20,6 +20,10 @@ Invariants (issue 12):
   * Bad metadata: the kernels clamp context lengths to the table's width; `MLXPAGED_DEBUG=1`
     checks lengths and block ids against the table and the pool (ValueError).
   * Registers per lane bounded: G * head_dim / 32 <= MAX_LANE_VALUES, else not supported.
+  * Quantized KV cache (`kv_quant.QuantizedPool` for k_cache and v_cache): kernels
+    `paged_attention[_partitioned]_quant`, the float bodies reading K/V through
+    `PA_QUANT_VIEWS` (bits and group size are template values in the name); each lane
+    dequantizes its dims in registers, so the bytes read are the quantized rows'.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ..kv_quant import KV_BITS, KV_GROUP_SIZES, QuantizedPool, row_bytes
 from ..utils import cdiv
 
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -72,6 +77,12 @@ KERNEL_IO = {
     ),
     "paged_attention_merge": (["part_out", "part_max", "part_sum"], ["out"]),
 }
+# The quantized-cache kinds: each float kind's body over PA_QUANT_VIEWS of these inputs.
+QUANT_INPUTS = ["k_data", "k_scales", "k_biases", "v_data", "v_scales", "v_biases"]
+QUANT_KERNEL_IO = {
+    f"{kind}_quant": (["q", *QUANT_INPUTS, "block_tables", "context_lens", "scale"], outputs)
+    for kind, (_, outputs) in KERNEL_IO.items() if kind != "paged_attention_merge"
+}
 
 
 def _read_source(filename: str) -> str:
@@ -107,12 +118,17 @@ def _metal_kernel_factory():
 def kernel_kwargs(kind: str, variant: str) -> dict:
     """Keyword arguments of `metal_kernel(...)` for one kernel kind and variant name suffix."""
     header, bodies = kernel_sources()
-    inputs, outputs = KERNEL_IO[kind]
+    if kind in QUANT_KERNEL_IO:
+        inputs, outputs = QUANT_KERNEL_IO[kind]
+        source = "PA_QUANT_VIEWS\n" + bodies[kind[: -len("_quant")]]
+    else:
+        inputs, outputs = KERNEL_IO[kind]
+        source = bodies[kind]
     return dict(
         name=f"{kind}_{variant}",
         input_names=list(inputs),
         output_names=list(outputs),
-        source=bodies[kind],
+        source=source,
         header=header,
     )
 
@@ -162,8 +178,31 @@ def plan_partition_tokens(num_seqs: int, num_kv_heads: int, max_blocks: int,
     return part if cdiv(ctx, part) >= 2 else 0
 
 
-def _variant(head_dim: int, block_size: int, group: int) -> str:
-    return f"hd{head_dim}_bs{block_size}_g{group}_nsg{NUM_SIMDGROUPS}"
+def quant_params(cache) -> tuple[int, int] | None:
+    """(bits, group size) of a quantized pool, None for a float one."""
+    return (cache.bits, cache.group_size) if isinstance(cache, QuantizedPool) else None
+
+
+def _variant(head_dim: int, block_size: int, group: int, quant=None) -> str:
+    name = f"hd{head_dim}_bs{block_size}_g{group}_nsg{NUM_SIMDGROUPS}"
+    return name + (f"_q{quant[0]}_gs{quant[1]}" if quant else "")
+
+
+def _kind(kind: str, k_cache) -> str:
+    return f"{kind}_quant" if quant_params(k_cache) else kind
+
+
+def _cache_inputs(k_cache, v_cache) -> list[mx.array]:
+    """The kernel inputs holding K and V: the pools, or each one's (data, scales, biases)."""
+    if quant_params(k_cache):
+        return [*k_cache.arrays, *v_cache.arrays]
+    return [k_cache, v_cache]
+
+
+def _template(q, k_cache, head_dim, block_size, group) -> list[tuple]:
+    quant = quant_params(k_cache)
+    return ([("T", q.dtype), ("HD", head_dim), ("BS", block_size), ("G", group),
+             ("NSG", NUM_SIMDGROUPS)] + ([("BITS", quant[0]), ("GS", quant[1])] if quant else []))
 
 
 def single_pass_launch(q, k_cache, v_cache, block_tables, context_lens, scale) -> Launch:
@@ -172,10 +211,10 @@ def single_pass_launch(q, k_cache, v_cache, block_tables, context_lens, scale) -
     _, num_kv_heads, block_size, _ = k_cache.shape
     group = num_heads // num_kv_heads
     threads = 32 * NUM_SIMDGROUPS
-    return Launch("paged_attention", _variant(head_dim, block_size, group), dict(
-        inputs=[q, k_cache, v_cache, block_tables, context_lens, scale],
-        template=[("T", q.dtype), ("HD", head_dim), ("BS", block_size), ("G", group),
-                  ("NSG", NUM_SIMDGROUPS)],
+    variant = _variant(head_dim, block_size, group, quant_params(k_cache))
+    return Launch(_kind("paged_attention", k_cache), variant, dict(
+        inputs=[q, *_cache_inputs(k_cache, v_cache), block_tables, context_lens, scale],
+        template=_template(q, k_cache, head_dim, block_size, group),
         grid=(threads, num_kv_heads, num_seqs),
         threadgroup=(threads, 1, 1),
         output_shapes=[q.shape],
@@ -193,14 +232,13 @@ def partitioned_launch(q, k_cache, v_cache, block_tables, context_lens, scale,
     if num_parts > MAX_PARTITIONS or part % block_size:
         raise ValueError(f"bad partition size {part} for block size {block_size}")
     threads = 32 * NUM_SIMDGROUPS
-    variant = _variant(head_dim, block_size, group)
+    variant = _variant(head_dim, block_size, group, quant_params(k_cache))
     # The max and sum arrays get spare (never written, never read) sequence rows if they would
     # hold under 8 elements: the merge kernel's name must not change with the partition count.
     stat_seqs = max(num_seqs, cdiv(MIN_DEVICE_ELEMENTS, num_heads * num_parts))
-    return Launch("paged_attention_partitioned", variant, dict(
-        inputs=[q, k_cache, v_cache, block_tables, context_lens, scale],
-        template=[("T", q.dtype), ("HD", head_dim), ("BS", block_size), ("G", group),
-                  ("NSG", NUM_SIMDGROUPS)],
+    return Launch(_kind("paged_attention_partitioned", k_cache), variant, dict(
+        inputs=[q, *_cache_inputs(k_cache, v_cache), block_tables, context_lens, scale],
+        template=_template(q, k_cache, head_dim, block_size, group),
         grid=(threads * num_parts, num_kv_heads, num_seqs),
         threadgroup=(threads, 1, 1),
         output_shapes=[(num_seqs, num_heads, num_parts, head_dim),
@@ -232,13 +270,15 @@ def threadgroup_bytes(head_dim: int, block_size: int, group: int) -> int:
 
 
 def minimum_bytes(q, k_cache, context_lens) -> int:
-    """The least any decode kernel must read: each K and V row in context once, the queries,
-    the block-table entries in use and the context lengths."""
+    """The least any decode kernel must read: each K and V row in context once (for a quantized
+    pool its codes, scales and biases), the queries, the block-table entries in use and the
+    context lengths."""
     _, kvh, bs, hd = k_cache.shape
     lens = [int(n) for n in context_lens.tolist()]
     blocks = sum(cdiv(n, bs) for n in lens)
-    return (2 * sum(lens) * kvh * hd * k_cache.dtype.size + q.nbytes + 4 * blocks
-            + context_lens.nbytes)
+    quant = quant_params(k_cache)
+    row = row_bytes(hd, quant[0] if quant else None, quant[1] if quant else 0, k_cache.dtype)
+    return 2 * sum(lens) * kvh * row + q.nbytes + 4 * blocks + context_lens.nbytes
 
 
 def check_metadata(k_cache, block_tables, context_lens) -> None:
@@ -271,16 +311,28 @@ def reset_kernels() -> None:
     _families.clear()
 
 
-def check_family(group: int, k_cache: mx.array) -> bool:
+def dequantized(cache) -> mx.array:
+    """A pool as float rows: a quantized one dequantized in float32 (scale * code + bias, as the
+    kernels compute it: unrounded, unlike `dequantize()` in a half dtype), a float one as it is."""
+    if not quant_params(cache):
+        return cache
+    return mx.dequantize(cache.data, cache.scales.astype(mx.float32),
+                         cache.biases.astype(mx.float32), group_size=cache.group_size,
+                         bits=cache.bits)
+
+
+def check_family(group: int, k_cache) -> bool:
     """Build all three kernels of this shape family and check them, once per process: a small
-    random case through the single pass and the split path against the reference.
+    random case through the single pass and the split path against the reference (for a
+    quantized pool, the quantized kernels against the reference on the dequantized pools).
 
     False (after one warning) means the reference path must be used. With
     `MLXPAGED_METAL=strict` or `=emulate` a failure raises `KernelCheckError` instead.
     """
     _, _, bs, hd = k_cache.shape
     factory = _metal_kernel_factory()
-    key = (factory, k_cache.dtype, hd, bs, group)
+    quant = quant_params(k_cache)
+    key = (factory, k_cache.dtype, hd, bs, group, quant)
     if key in _families:
         return _families[key]
     from .reference import paged_attention_reference
@@ -291,13 +343,15 @@ def check_family(group: int, k_cache: mx.array) -> bool:
     q = mx.array(rng.standard_normal((2, group, hd)), dtype=k_cache.dtype)
     pool = [mx.array(rng.standard_normal((2 * nblocks, 1, bs, hd)), dtype=k_cache.dtype)
             for _ in range(2)]
+    if quant:
+        pool = [QuantizedPool.quantize(p, *quant) for p in pool]
     tables = mx.array(np.array([[4, 1, 5], [2, 0, 3]], np.int32))
     cl = mx.array(np.array(lens, np.int32))
-    ref = paged_attention_reference(q, *pool, tables, cl, 0.3).astype(mx.float32)
+    ref = paged_attention_reference(q, *map(dequantized, pool), tables, cl, 0.3).astype(mx.float32)
     atol, rtol = CHECK_TOLERANCE[k_cache.dtype]
     ok, problem = True, ""
     for path, part in (("single pass", 0), ("split", bs)):
-        variant = f"{path} {_variant(hd, bs, group)} {k_cache.dtype}"
+        variant = f"{path} {_variant(hd, bs, group, quant)} {k_cache.dtype}"
         try:
             out = _run(q, *pool, tables, cl, 0.3, part)[0].astype(mx.float32)
             err = float(mx.max(mx.abs(out - ref) / (atol + rtol * mx.abs(ref))).item())
@@ -330,10 +384,12 @@ def last_launch_stats(launch: Launch):
     return _kernel(_metal_kernel_factory(), launch.kind, launch.variant).last_launch
 
 
-def _check(q, k_cache):
+def _check(q, k_cache, v_cache=None):
     if k_cache.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"paged_attention_metal: unsupported cache dtype {k_cache.dtype}")
     head_dim = q.shape[-1]
+    if quant_params(k_cache) or (v_cache is not None and quant_params(v_cache)):
+        _check_quant(head_dim, k_cache, k_cache if v_cache is None else v_cache)
     if head_dim % 32 or head_dim > 32 * NUM_SIMDGROUPS:
         raise ValueError(f"paged_attention_metal: head_dim {head_dim} is not a multiple of 32 "
                          f"up to {32 * NUM_SIMDGROUPS}")
@@ -347,7 +403,24 @@ def _check(q, k_cache):
                          f"the register bound {MAX_LANE_VALUES}")
 
 
-def supports(q: mx.array, k_cache: mx.array) -> bool:
+def _check_quant(head_dim: int, k_cache, v_cache) -> None:
+    """A quantized cache the kernels read: K and V alike, and each lane's head_dim / 32 codes
+    whole bytes of one scale group (head_dim 64, 128, 256; 32 too at 8 bits)."""
+    quant = quant_params(k_cache)
+    if quant is None or quant != quant_params(v_cache) or v_cache.dtype != k_cache.dtype:
+        raise ValueError("paged_attention_metal: k_cache and v_cache must be quantized alike "
+                         f"(got {quant} and {quant_params(v_cache)})")
+    bits, gs = quant
+    if bits not in KV_BITS or gs not in KV_GROUP_SIZES or head_dim % gs:
+        raise ValueError(f"paged_attention_metal: unsupported quantized cache: {bits} bits, "
+                         f"group size {gs}, head_dim {head_dim}")
+    dpl = head_dim // 32
+    if dpl & (dpl - 1) or dpl * bits < 8:
+        raise ValueError(f"paged_attention_metal: head_dim {head_dim} at {bits} bits: a lane's "
+                         f"{dpl} values are not whole bytes of one group (head_dim 64, 128 or 256)")
+
+
+def supports(q: mx.array, k_cache) -> bool:
     """Whether the kernel handles these shapes and dtypes (else `_check` says why not)."""
     try:
         _check(q, k_cache)
@@ -358,8 +431,8 @@ def supports(q: mx.array, k_cache: mx.array) -> bool:
 
 def paged_attention_metal(
     q: mx.array,  # [num_seqs, num_heads, head_dim]
-    k_cache: mx.array,  # [num_blocks, num_kv_heads, block_size, head_dim]
-    v_cache: mx.array,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    k_cache,  # [num_blocks, num_kv_heads, block_size, head_dim]: mx.array or QuantizedPool
+    v_cache,  # [num_blocks, num_kv_heads, block_size, head_dim]: like k_cache
     block_tables: mx.array,  # [num_seqs, max_blocks] int32
     context_lens: mx.array,  # [num_seqs] int32
     *,
@@ -379,12 +452,13 @@ def run_with_launches(q, k_cache, v_cache, block_tables, context_lens, *, scale:
     """`paged_attention_metal`, also returning the launches it ran (for tests and tables).
 
     A shape family whose startup check failed runs the reference instead (no launches)."""
-    _check(q, k_cache)
+    _check(q, k_cache, v_cache)
     if os.environ.get("MLXPAGED_DEBUG") == "1":
         check_metadata(k_cache, block_tables, context_lens)
     if not check_family(q.shape[1] // k_cache.shape[1], k_cache):
         from .reference import paged_attention_reference
 
+        # (quantized pools: the reference gathers and dequantizes only the rows in use)
         return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens,
                                          scale).astype(q.dtype), []
     return _run(q, k_cache, v_cache, block_tables, context_lens, scale, partition_tokens)
@@ -399,6 +473,16 @@ def _pad_to(x: mx.array, axis: int, n: int) -> mx.array:
     return mx.pad(x, widths)
 
 
+def _device_pool(cache):
+    """A quantized pool whose arrays all hold >= 8 elements (spare zero blocks, never read, on
+    tiny pools), so MLX passes each in the device address space the views need."""
+    if not quant_params(cache) or min(a.size for a in cache.arrays) >= MIN_DEVICE_ELEMENTS:
+        return cache
+    blocks = cache.data.shape[0] + MIN_DEVICE_ELEMENTS  # >= 8 rows per array
+    return QuantizedPool(*(_pad_to(a, 0, blocks) for a in cache.arrays), cache.bits,
+                         cache.group_size)
+
+
 def _run(q, k_cache, v_cache, block_tables, context_lens, scale, partition_tokens):
     out_dtype = q.dtype
     q = q.astype(k_cache.dtype)  # one element type T for q, caches and output
@@ -407,6 +491,7 @@ def _run(q, k_cache, v_cache, block_tables, context_lens, scale, partition_token
     block_tables = _pad_to(block_tables.astype(mx.int32), 1,
                            cdiv(MIN_DEVICE_ELEMENTS, max(1, block_tables.shape[0])))
     context_lens = _pad_to(context_lens.astype(mx.int32), 0, MIN_DEVICE_ELEMENTS)
+    k_cache, v_cache = _device_pool(k_cache), _device_pool(v_cache)
     scale_arr = mx.array(scale, dtype=mx.float32)
     _, num_kv_heads, block_size, _ = k_cache.shape
     part = partition_tokens

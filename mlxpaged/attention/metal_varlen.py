@@ -7,10 +7,15 @@ the host from `cu_seqlens_q` (built from numpy by the model runner, so `tolist()
 device sync). One-token sequences go to the decode kernel (`metal.py`), whose output rows are
 scattered into the varlen kernel's output. Invariant: every output row is written by exactly
 one of the two kernels.
+
+A quantized cache (`kv_quant.QuantizedPool` for k_cache and v_cache) runs kernel
+`paged_attention_varlen_quant`: the same body over `PAV_QUANT_VIEWS` of its (data, scales,
+biases) inputs, bits and group size in the name; each group is dequantized as it is staged.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from dataclasses import dataclass
@@ -21,7 +26,9 @@ from ..utils import cdiv
 from . import metal
 
 KERNEL = "paged_attention_varlen"
+QUANT_KERNEL = f"{KERNEL}_quant"
 INPUTS = ["q", "k_cache", "v_cache", "block_tables", "cu_seqlens_q", "context_lens", "tiles", "scale"]
+QUANT_INPUTS = ["q", *metal.QUANT_INPUTS, *INPUTS[3:]]
 OUTPUTS = ["out"]
 TILE_TOKENS = 16  # query tokens per threadgroup: each K/V row is read ceil(q_len / 16) times
 MIN_THREADS = 32  # lanes per tile at least: more lanes per row cost log2(SP) shuffles per key
@@ -52,11 +59,14 @@ class Plan:
     lanes_per_row: int  # SP
     rows_per_group: int  # RPT
 
+    quant: tuple[int, int] | None = None  # (BITS, GS) of a quantized cache
+
     @property
     def variant(self) -> str:
         return (f"hd{self.head_dim}_bs{self.block_size}_g{self.group}_tq{TILE_TOKENS}"
                 f"_kc{self.chunk_keys}_nsg{self.simdgroups}_sp{self.lanes_per_row}"
-                f"_rpt{self.rows_per_group}")
+                f"_rpt{self.rows_per_group}"
+                + (f"_q{self.quant[0]}_gs{self.quant[1]}" if self.quant else ""))
 
 
 def plan(head_dim: int, block_size: int, group: int, itemsize: int) -> Plan:
@@ -95,25 +105,29 @@ class Launch:
 
     variant: str
     call: dict
+    kind: str = KERNEL  # or QUANT_KERNEL
 
     @property
     def kernel_kwargs(self) -> dict:
         header, body = kernel_sources()
-        return dict(name=f"{KERNEL}_{self.variant}", input_names=list(INPUTS),
-                    output_names=list(OUTPUTS), source=body, header=header)
+        quant = self.kind == QUANT_KERNEL
+        return dict(name=f"{self.kind}_{self.variant}",
+                    input_names=list(QUANT_INPUTS if quant else INPUTS),
+                    output_names=list(OUTPUTS),
+                    source=("PAV_QUANT_VIEWS\n" + body) if quant else body, header=header)
 
     @property
     def kernel(self):
-        return _kernel(metal._metal_kernel_factory(), self.variant)
+        return _kernel(metal._metal_kernel_factory(), self.variant, self.kind)
 
     def run(self) -> mx.array:
         return self.kernel(**self.call)[0]
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(factory, variant: str):
+def _kernel(factory, variant: str, kind: str = KERNEL):
     # Built once per variant and factory (native or emulated); template values are in the name.
-    return factory(**Launch(variant, {}).kernel_kwargs)
+    return factory(**Launch(variant, {}, kind).kernel_kwargs)
 
 
 def varlen_launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, tiles,
@@ -122,19 +136,23 @@ def varlen_launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     _, num_kv_heads, block_size, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
     p = plan(head_dim, block_size, group, k_cache.dtype.size)
+    quant = metal.quant_params(k_cache)
+    if quant:  # staged as T all the same: the plan (and threadgroup memory) is the float one's
+        p = dataclasses.replace(p, quant=quant)
     threads = 32 * p.simdgroups
     return Launch(p.variant, dict(
-        inputs=[q, k_cache, v_cache, block_tables.astype(mx.int32), cu_seqlens_q.astype(mx.int32),
-                context_lens.astype(mx.int32), mx.array(tiles, dtype=mx.int32),
-                mx.array(scale, dtype=mx.float32)],
+        inputs=[q, *metal._cache_inputs(k_cache, v_cache), block_tables.astype(mx.int32),
+                cu_seqlens_q.astype(mx.int32), context_lens.astype(mx.int32),
+                mx.array(tiles, dtype=mx.int32), mx.array(scale, dtype=mx.float32)],
         template=[("T", q.dtype), ("HD", head_dim), ("BS", block_size), ("G", group),
                   ("TQ", TILE_TOKENS), ("KC", p.chunk_keys), ("NSG", p.simdgroups),
-                  ("SP", p.lanes_per_row), ("RPT", p.rows_per_group)],
+                  ("SP", p.lanes_per_row), ("RPT", p.rows_per_group)]
+                 + ([("BITS", quant[0]), ("GS", quant[1])] if quant else []),
         grid=(threads, num_kv_heads, len(tiles)),
         threadgroup=(threads, 1, 1),
         output_shapes=[q.shape],
         output_dtypes=[q.dtype],
-    ))
+    ), QUANT_KERNEL if quant else KERNEL)
 
 
 def paged_attention_varlen_metal(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
@@ -148,7 +166,8 @@ def run_with_launches(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_l
                       scale: float) -> tuple[mx.array, list]:
     """`paged_attention_varlen_metal`, also returning its launches: the varlen kernel's
     (`Launch`) and the decode kernel's (`metal.Launch`)."""
-    metal._check(q, k_cache)
+    metal._check(q, k_cache, v_cache)
+    k_cache, v_cache = metal._device_pool(k_cache), metal._device_pool(v_cache)
     out_dtype = q.dtype
     cu = [int(x) for x in cu_seqlens_q.tolist()]
     decode = [s for s in range(len(cu) - 1) if cu[s + 1] - cu[s] == 1]

@@ -3,6 +3,8 @@
 A model computes q, k, v (after RoPE) for the step's packed tokens and calls this layer; it
 writes the new keys and values into the layer's pools through the slot mapping, then runs
 `paged_attention_varlen` over every sequence's block table (decodes and prefill chunks alike).
+With a quantized cache the write quantizes the new rows and the pools it returns are
+`QuantizedPool`s, which `paged_attention_varlen` reads as they are.
 """
 
 from __future__ import annotations

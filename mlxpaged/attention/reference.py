@@ -6,17 +6,21 @@ Decode: each sequence's blocks are gathered through its block table into a conti
 Varlen: sequences with one new token go through the decode path together; each longer one
 gathers its own blocks and runs `mx.fast.scaled_dot_product_attention` with a causal mask
 offset by its cached prefix.
+A quantized pool (`QuantizedPool`) is read the same way: the gather takes only the rows of the
+tables (codes, scales, biases) and dequantizes those, never the whole pool; everything after
+the gather is the float path, so the result is the float reference on `pool.dequantize()`.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from .. import kv_quant
 from ..utils import cdiv
 
 
-def gather_blocks(pool: mx.array, block_tables: mx.array) -> mx.array:
-    """The blocks of each sequence laid out contiguously.
+def gather_blocks(pool: mx.array | kv_quant.QuantizedPool, block_tables: mx.array) -> mx.array:
+    """The blocks of each sequence laid out contiguously (dequantized, for a quantized pool).
 
     pool `[num_blocks, kvh, bs, d]`, block_tables `[S, nb]` -> `[S, kvh, nb * bs, d]`. Seeing the
     pool as rows of (block, head) `[num_blocks * kvh, bs, d]` makes the gather land in this
@@ -24,13 +28,15 @@ def gather_blocks(pool: mx.array, block_tables: mx.array) -> mx.array:
     """
     _, kvh, bs, d = pool.shape
     rows = block_tables[:, None, :] * kvh + mx.arange(kvh)[None, :, None]  # [S, kvh, nb]
+    if isinstance(pool, kv_quant.QuantizedPool):
+        return kv_quant.gather_rows(pool, rows).reshape(block_tables.shape[0], kvh, -1, d)
     return pool.reshape(-1, bs, d)[rows].reshape(block_tables.shape[0], kvh, -1, d)
 
 
 def paged_attention_reference(
     q: mx.array,  # [num_seqs, num_heads, head_dim]
-    k_cache: mx.array,  # [num_blocks, num_kv_heads, block_size, head_dim]
-    v_cache: mx.array,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    k_cache: mx.array,  # [num_blocks, num_kv_heads, block_size, head_dim], or a QuantizedPool
+    v_cache: mx.array,  # [num_blocks, num_kv_heads, block_size, head_dim], or a QuantizedPool
     block_tables: mx.array,  # [num_seqs, max_blocks] int32
     context_lens: mx.array,  # [num_seqs] int32
     scale: float,
@@ -54,8 +60,8 @@ def paged_attention_reference(
 
 def paged_attention_varlen_reference(
     q: mx.array,  # [T, num_heads, head_dim]: the new tokens of S sequences, concatenated
-    k_cache: mx.array,  # [num_blocks, num_kv_heads, block_size, head_dim]
-    v_cache: mx.array,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    k_cache: mx.array,  # [num_blocks, num_kv_heads, block_size, head_dim], or a QuantizedPool
+    v_cache: mx.array,  # [num_blocks, num_kv_heads, block_size, head_dim], or a QuantizedPool
     block_tables: mx.array,  # [S, max_blocks] int32
     cu_seqlens_q: mx.array,  # [S + 1] int32
     context_lens: mx.array,  # [S] int32: cached plus new tokens

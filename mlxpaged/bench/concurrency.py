@@ -14,12 +14,16 @@ The headline (requests running at once while others wait, against the oracle) is
 flattering of the measures, so `headline` prints it beside the others: preemptions, prefill
 computed per prompt token (recomputation after preemption included; contiguous schemes never
 preempt, so theirs is 1), the mean number running over all steps, and the steps to drain the queue.
+
+`compare_kv_bits` holds the KV memory fixed instead of the slots: the budget is `capacity` slots
+of the float16 cache, and an 8- or 4-bit cache gets the blocks those bytes buy by the cache's own
+accounting (`CacheShape.bytes_per_block`), then runs the same requests.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..waste import CAPACITY_SLOTS, CONTIGUOUS, WINDOW
 
@@ -34,14 +38,18 @@ class ConcurrencyResult:
     steps: int
     preemptions: int = 0
     prefill_per_prompt_token: float = 1.0  # prefill tokens computed / prompt tokens (> 1: recomputation)
+    mean_real_tokens: float = 0.0  # real tokens held, averaged over steps
+    capacity: int = 0  # slots in the pool
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
 
 
 def engine_concurrency(loaded, pairs, *, capacity: int = CAPACITY_SLOTS, block_size: int = 16,
-                       seed: int = 0, progress=None) -> ConcurrencyResult:
-    """Run `pairs` through mlxpaged's engine in a pool of `capacity` slots; read the allocator each step."""
+                       seed: int = 0, progress=None, kv_bits: int | None = None,
+                       kv_group_size: int = 64) -> ConcurrencyResult:
+    """Run `pairs` through mlxpaged's engine in a pool of `capacity` slots (K/V at `kv_bits`,
+    None: float); read the allocator each step."""
     from ..config import EngineConfig
     from ..engine import LLMEngine
     from ..sampling_params import SamplingParams
@@ -49,7 +57,8 @@ def engine_concurrency(loaded, pairs, *, capacity: int = CAPACITY_SLOTS, block_s
     rng = random.Random(seed)
     vocab = loaded.model.args.vocab_size
     engine = LLMEngine(loaded, EngineConfig(block_size=block_size, num_blocks=capacity // block_size,
-                                            max_num_seqs=4096, max_num_batched_tokens=4096))
+                                            max_num_seqs=4096, max_num_batched_tokens=4096, kv_bits=kv_bits,
+                                            kv_group_size=kv_group_size))
     for p, a in pairs:
         engine.add_request([rng.randrange(10, vocab) for _ in range(p)],
                            SamplingParams(temperature=0, max_tokens=a, ignore_eos=True))
@@ -68,9 +77,11 @@ def engine_concurrency(loaded, pairs, *, capacity: int = CAPACITY_SLOTS, block_s
         steps += 1
         if progress:
             progress(sum(o.finished for o in finished))
-    return ConcurrencyResult(f"mlxpaged-{block_size}", real / reserved if reserved else 0.0, running_sum / steps,
+    name = f"mlxpaged-{block_size}" + (f" kv{kv_bits}" if kv_bits else "")
+    return ConcurrencyResult(name, real / reserved if reserved else 0.0, running_sum / steps,
                              sat_sum / sat_steps if sat_steps else float("nan"), peak, steps, sched.num_preemptions,
-                             engine.stats.computed_prefill_tokens / sum(p for p, _ in pairs))
+                             engine.stats.computed_prefill_tokens / sum(p for p, _ in pairs), real / steps,
+                             engine.num_blocks * block_size)
 
 
 def contiguous_concurrency(pairs, scheme: str, *, capacity: int = CAPACITY_SLOTS, window: int = WINDOW) -> ConcurrencyResult:
@@ -101,7 +112,8 @@ def contiguous_concurrency(pairs, scheme: str, *, capacity: int = CAPACITY_SLOTS
             running.remove(req)
             used -= req[3]
     return ConcurrencyResult(scheme, real / reserved, running_sum / steps,
-                             sat_sum / sat_steps if sat_steps else float("nan"), peak, steps)
+                             sat_sum / sat_steps if sat_steps else float("nan"), peak, steps,
+                             mean_real_tokens=real / steps, capacity=capacity)
 
 
 def compare(loaded, pairs, *, capacity: int = CAPACITY_SLOTS, block_size: int = 16, progress=None) -> list[ConcurrencyResult]:
@@ -138,4 +150,44 @@ def table(rows: list[ConcurrencyResult]) -> list[str]:
                f"{h['preemptions']} preemptions, prefill computed {h['prefill_per_prompt_token']:.2f}x the prompt tokens, "
                f"mean running {m[0]:.1f} vs {m[1]:.1f} ({m[2]:.2f}x), {d[0]:,} vs {d[1]:,} steps to drain the queue "
                f"(oracle / mlxpaged {d[2]:.2f}x)")
+    return out
+
+
+def kv_budget_slots(loaded, capacity: int, block_size: int, kv_bits: int | None, kv_group_size: int = 64,
+                    budget_dtype=None) -> int:
+    """Slots (whole blocks) that the bytes of `capacity` float slots buy at `kv_bits`.
+
+    Bytes are counted in `budget_dtype` (default float16, a GPU's pool) for both sides, so the
+    ratio is the Mac's whatever dtype the model runs in here.
+    """
+    import mlx.core as mx
+
+    from ..kv_cache import CacheShape
+
+    shape = replace(CacheShape.of(loaded), dtype=budget_dtype or mx.float16)
+    budget = (capacity // block_size) * shape.bytes_per_block(block_size)
+    return budget // shape.quantized(kv_bits, kv_group_size).bytes_per_block(block_size) * block_size
+
+
+def compare_kv_bits(loaded, pairs, *, capacity: int = CAPACITY_SLOTS, block_size: int = 16, bits=(8, 4),
+                    kv_group_size: int = 64, progress=None) -> list[ConcurrencyResult]:
+    """The engine on a float cache of `capacity` slots, then on `bits`-bit caches of the same bytes."""
+    return [engine_concurrency(loaded, pairs, block_size=block_size, progress=progress, kv_bits=b,
+                               kv_group_size=kv_group_size,
+                               capacity=kv_budget_slots(loaded, capacity, block_size, b, kv_group_size))
+            for b in (None, *bits)]
+
+
+def kv_table(rows: list[ConcurrencyResult]) -> list[str]:
+    """Rows of `compare_kv_bits`, each against the float cache (rows[0])."""
+    base = rows[0]
+    out = [f"{'cache':>16} | {'KV slots':>8} | {'real/reserved':>13} | {'running (saturated)':>19} | "
+           f"{'mean running':>12} | {'peak':>5} | {'real tokens held':>16} | {'steps':>6} | {'preempt':>7} | "
+           f"{'vs float: saturated, mean running, tokens held, float steps / these':>66}"]
+    for r in rows:
+        out.append(f"{r.scheme:>16} | {r.capacity:8d} | {100 * r.real_share:12.1f}% | {r.saturated_running:19.1f} | "
+                   f"{r.mean_running:12.1f} | {r.peak_running:5d} | {r.mean_real_tokens:16.0f} | {r.steps:6d} | "
+                   f"{r.preemptions:7d} | {r.saturated_running / base.saturated_running:13.2f}x "
+                   f"{r.mean_running / base.mean_running:12.2f}x {r.mean_real_tokens / base.mean_real_tokens:11.2f}x "
+                   f"{base.steps / r.steps:11.2f}x")
     return out

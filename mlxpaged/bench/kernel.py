@@ -111,8 +111,11 @@ def emulator_rows(seqs: int, tokens: int, sizes: Sequence[int]) -> list[dict]:
 COST_SHAPES = (("Qwen2.5-0.5B", 7, 64), ("Qwen2.5-7B", 7, 128))  # (model, G, head_dim)
 
 
-def _emulated_stats(group, head_dim, seqs, tokens, kv_heads, block_size, partition_tokens, dtype):
-    """(output, reference, launches' LaunchStats) of one emulated decode call."""
+def _emulated_stats(group, head_dim, seqs, tokens, kv_heads, block_size, partition_tokens, dtype,
+                    kv_bits=None, kv_group=32):
+    """(output, reference, launches' LaunchStats) of one emulated decode call (over a cache
+    quantized to `kv_bits` in groups of `kv_group`, when given)."""
+    from mlxpaged.kv_quant import QuantizedPool
     from mlxpaged.metal_emu import emulate
 
     rng = np.random.default_rng(0)
@@ -124,25 +127,28 @@ def _emulated_stats(group, head_dim, seqs, tokens, kv_heads, block_size, partiti
     v = mx.array(rng.standard_normal(shape), dtype=dtype)
     bt = mx.array(rng.permutation(pool).reshape(seqs, per_seq).astype(np.int32))
     cl = mx.full((seqs,), tokens, dtype=mx.int32)
+    if kv_bits:
+        k, v = (QuantizedPool.quantize(c, kv_bits, kv_group) for c in (k, v))
     with emulate():
         out, launches = metal.run_with_launches(q, k, v, bt, cl, scale=head_dim ** -0.5,
                                                 partition_tokens=partition_tokens)
         stats = [metal.last_launch_stats(l) for l in launches]
-    ref = paged_attention_reference(q, k, v, bt, cl, head_dim ** -0.5)
+    ref = paged_attention_reference(q, metal.dequantized(k), metal.dequantized(v), bt, cl,
+                                    head_dim ** -0.5)
     return out, ref, launches, stats
 
 
 def cost_model(group: int, head_dim: int, *, seqs: int = 2, tokens: int = 1000,
                kv_heads: int = 2, block_size: int = 16, partition_tokens: int | None = 0,
-               dtype=mx.float16) -> dict:
+               dtype=mx.float16, kv_bits: int | None = None, kv_group: int = 32) -> dict:
     """Counts of the emulated kernels' operations, per K/V token row (one token of one kv head)
     and per (token, query head). SIMD-level counts: exp calls are per lane, so divided by 32;
     shuffles and reductions are per simdgroup-wide call; loads are per lane, by width in bytes.
     `loop_barriers_per_256_tokens` is the marginal rate: against the same call at 1 token."""
     args = (group, head_dim, seqs, tokens, kv_heads, block_size, partition_tokens, dtype)
-    out, ref, launches, stats = _emulated_stats(*args)
+    out, ref, launches, stats = _emulated_stats(*args, kv_bits, kv_group)
     *_, stats1 = _emulated_stats(group, head_dim, seqs, 1, kv_heads, block_size,
-                                 partition_tokens, dtype)
+                                 partition_tokens, dtype, kv_bits, kv_group)
     rows = seqs * tokens * kv_heads
     heads = rows * group
     total = lambda f, ss=stats: sum(f(s) for s in ss)  # noqa: E731
@@ -150,6 +156,7 @@ def cost_model(group: int, head_dim: int, *, seqs: int = 2, tokens: int = 1000,
     barriers = total(lambda s: s.barriers)
     return dict(
         group=group, head_dim=head_dim, block_size=block_size, dtype=str(dtype),
+        kv_bits=kv_bits or 16,
         kernels="+".join(l.kind for l in launches), max_error=max_error(out, ref),
         simd_reductions_per_token=total(lambda s: s.simd_reductions) / rows,
         simd_reductions_per_token_head=total(lambda s: s.simd_reductions) / heads,
@@ -161,3 +168,48 @@ def cost_model(group: int, head_dim: int, *, seqs: int = 2, tokens: int = 1000,
         device_loads_per_token={w: n / rows for w, n in loads.items() if n},
         registers=max(s.registers for s in stats),
     )
+
+
+# Bytes per token for 16/8/4-bit KV (emulator): (model, query heads, kv heads, head_dim).
+KV_BYTES_SHAPES = (("Qwen2.5-0.5B", 14, 2, 64), ("Qwen2.5-7B", 28, 4, 128))
+KV_BITS_ROWS = (None, 8, 4)  # None: the float16 cache
+
+
+def kv_bytes_rows(*, seqs: int = 2, tokens: int = 1000, block_size: int = 16,
+                  group_size: int = 32, partition_tokens: int | None = 0) -> list[dict]:
+    """Bytes the emulated decode kernels read per context token (one layer: K and V of every kv
+    head), for a float16 cache and 8- and 4-bit caches of the same rows, with the quantized (or
+    float) minimum and the max error against the reference on the (dequantized) pools."""
+    from mlxpaged.kv_quant import QuantizedPool
+    from mlxpaged.metal_emu import emulate
+
+    rows = []
+    for model, heads, kv_heads, head_dim in KV_BYTES_SHAPES:
+        rng = np.random.default_rng(0)
+        per_seq = -(-tokens // block_size)
+        shape = (seqs * per_seq, kv_heads, block_size, head_dim)
+        q = mx.array(rng.standard_normal((seqs, heads, head_dim)), dtype=mx.float16)
+        k16, v16 = (mx.array(rng.standard_normal(shape), dtype=mx.float16) for _ in range(2))
+        bt = mx.array(rng.permutation(seqs * per_seq).reshape(seqs, per_seq).astype(np.int32))
+        cl = mx.full((seqs,), tokens, dtype=mx.int32)
+        scale = head_dim ** -0.5
+        for bits in KV_BITS_ROWS:
+            k, v = (k16, v16) if bits is None else (
+                QuantizedPool.quantize(c, bits, group_size) for c in (k16, v16))
+            with emulate():
+                out, launches = metal.run_with_launches(q, k, v, bt, cl, scale=scale,
+                                                        partition_tokens=partition_tokens)
+                read = metal.bytes_read(launches)
+            ref = paged_attention_reference(q, metal.dequantized(k), metal.dequantized(v), bt,
+                                            cl, scale)
+            least = metal.minimum_bytes(q, k, cl)
+            rows.append(dict(model=model, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                             kv_bits=bits or 16, group_size=group_size if bits else None,
+                             kernels="+".join(l.kind for l in launches),
+                             bytes_per_token=read / (seqs * tokens),
+                             minimum_per_token=least / (seqs * tokens), ratio=read / least,
+                             max_error=max_error(out, ref)))
+        base = rows[-len(KV_BITS_ROWS)]["bytes_per_token"]
+        for r in rows[-len(KV_BITS_ROWS):]:
+            r["vs_16bit"] = r["bytes_per_token"] / base
+    return rows
