@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 
 import click
@@ -82,6 +83,8 @@ def main():
 @click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), show_default=True)
 @click.option("--weights", default="auto", type=click.Choice(["auto", "quantized", "float"]), show_default=True, help="GGUF block weights kept quantized (MLX quantized layers) or dequantized; auto: quantized on a GPU, float on the CPU (faster there).")
 @click.option("--attention", "attention_impl", default="auto", type=click.Choice(["auto", "reference", "metal"]), show_default=True)
+@click.option("--kv-bits", default=None, type=int, metavar="{4,8}", help="Store K/V quantized at this many bits (default: the model's dtype).")
+@click.option("--kv-group-size", default=64, show_default=True, metavar="{32,64}", help="Values sharing one scale and bias in a quantized K/V row.")
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap each prompt in the model's chat template.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS (benchmarks).")
 @click.option("--beam-width", default=0, show_default=True, help="Beam search with this many beams on shared blocks (0: sample).")
@@ -89,7 +92,7 @@ def main():
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with outputs and stats.")
 def generate(model, prompts, prompts_file, n, max_tokens, temp, top_p, top_k, seed, stop, block_size, num_blocks,
              max_num_seqs, max_num_batched_tokens, prefix_caching, dtype, weights, attention_impl, chat, ignore_eos,
-             beam_width, length_penalty, as_json):
+             beam_width, length_penalty, as_json, kv_bits, kv_group_size):
     """Generate completions for one or more prompts on a paged KV cache."""
     from .config import EngineConfig
 
@@ -110,17 +113,21 @@ def generate(model, prompts, prompts_file, n, max_tokens, temp, top_p, top_k, se
             params = [SamplingParams(n=beam_width, max_tokens=max_tokens)] * len(items)  # the pool's sizing
         config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching,
-                              attention_impl=attention_impl)
+                              attention_impl=attention_impl, kv_bits=kv_bits, kv_group_size=kv_group_size)
         if any(not p.strip() for p, _ in items):
             raise MlxPagedError("empty prompt")
+        from .distributed import launched_group, tp_engine
         from .engine import LLMEngine
-        from .loader import load
+        from .loader import load, load_shard
 
-        loaded = load(model, dtype, weights)
+        group = launched_group()  # one rank of several under mlx.launch: tensor parallelism
+        if group is not None and group.rank() != 0:
+            sys.stdout = open(os.devnull, "w")  # rank 0 prints; the others only compute
+        loaded = load(model, dtype, weights) if group is None else load_shard(model, dtype, weights, group)
         ids = [_encode(loaded.tokenizer, p, chat) for p, _ in items]
         if num_blocks is None:
             config.num_blocks = _workload_blocks(loaded, config, ids, params)
-        engine = LLMEngine(loaded, config)
+        engine = LLMEngine(loaded, config) if group is None else tp_engine(loaded, config, group)
         if beam is not None:
             rids = [engine.add_beam_request(i, beam) for i in ids]
         else:
@@ -129,7 +136,11 @@ def generate(model, prompts, prompts_file, n, max_tokens, temp, top_p, top_k, se
         _fail(str(e))
 
     stream = not as_json and len(items) == 1 and params[0].n == 1 and beam is None
-    done = _run(engine, rids, stream=stream, progress=bool(prompts_file) and not stream, as_json=as_json)
+    try:
+        done = _run(engine, rids, stream=stream, progress=bool(prompts_file) and not stream, as_json=as_json)
+    except MlxPagedError as e:  # a tensor-parallel rank lost its peers or diverged
+        _fail(str(e))
+    # The cache's format first, so a stats_dict that reports it itself wins.
     stats = engine.stats_dict()
     if as_json:
         outputs = [
@@ -155,7 +166,8 @@ def _workload_blocks(loaded, config, ids: list[list[int]], params: list[Sampling
 
     bs = config.block_size
     need = sum(blocks_for_request(len(i), p.n, p.max_tokens, bs) for i, p in zip(ids, params))
-    cap = blocks_for_memory(CacheShape.of(loaded), bs, config.kv_memory_fraction, config.max_kv_tokens)
+    shape = CacheShape.of(loaded).quantized(config.kv_bits, config.kv_group_size)  # quantized rows are smaller
+    cap = blocks_for_memory(shape, bs, config.kv_memory_fraction, config.max_kv_tokens)
     return max(1, min(need, cap))
 
 
@@ -202,8 +214,9 @@ def _summary(s: dict) -> None:
     click.echo("==========")
     click.echo(f"Prompt: {s['prompt_tokens']} tokens, {s['prompt_tps']:.1f} tokens-per-sec")
     click.echo(f"Generation: {s['generation_tokens']} tokens, {s['generation_tps']:.1f} tokens-per-sec")
+    kv = f"{s['kv_bits']}-bit K/V, group {s['kv_group_size']}" if s.get("kv_bits") else "K/V in the model's dtype"
     click.echo(f"Peak memory: {s['peak_memory_gb']:.3f} GB (KV pool: {s['num_blocks']} blocks of "
-               f"{s['block_size']} tokens, {s['pool_gb']:.3f} GB)")
+               f"{s['block_size']} tokens, {kv}, {s['pool_gb']:.3f} GB)")
     forks = f", {s['beam_forks']} beam forks, {s['beam_frees']} beams freed" if s["beam_forks"] else ""
     click.echo(
         f"KV blocks: {s['blocks_in_use_peak']} in use at peak (without sharing: {s['blocks_without_sharing']}), "

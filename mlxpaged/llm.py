@@ -18,6 +18,8 @@ class LLM:
     `model` is a local checkpoint directory, a `.gguf` file, a Hugging Face repo id, a
     `LoadedModel`, or `None` for the offline default. Other keyword arguments are
     `EngineConfig` fields (block_size, num_blocks, max_num_seqs, max_num_batched_tokens, ...).
+    `distributed=True` makes this process one rank of a tensor-parallel group started by
+    `mlx.launch`: it loads only its shard, and every rank must make the same calls.
     """
 
     def __init__(
@@ -29,6 +31,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         dtype: str | None = None,
         weights: str | None = None,
+        distributed: bool = False,
         **engine_kwargs,
     ):
         config = EngineConfig(
@@ -37,6 +40,16 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             **engine_kwargs,
         )
+        if distributed:  # one rank of a tensor-parallel group started by mlx.launch
+            from .distributed import init_group, tp_engine
+            from .loader import load_shard
+
+            group = init_group()
+            if isinstance(model, LoadedModel) and getattr(model.model, "tp_group", None) is None:
+                raise ValueError("distributed=True needs a model path (each rank loads its shard), not a loaded model")
+            loaded = model if isinstance(model, LoadedModel) else load_shard(model, dtype, weights, group)
+            self.engine = tp_engine(loaded, config, group)
+            return
         loaded = model if isinstance(model, LoadedModel) else load(model, dtype, weights)
         self.engine = LLMEngine(loaded, config)
 

@@ -45,10 +45,13 @@ def _check_port(host: str, port: int) -> None:
 @click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True)
 @click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), show_default=True)
 @click.option("--attention", "attention_impl", default="auto", type=click.Choice(["auto", "reference", "metal"]), show_default=True)
+@click.option("--kv-bits", default=None, type=int, metavar="{4,8}", help="Store K/V quantized at this many bits (default: the model's dtype).")
+@click.option("--kv-group-size", default=64, show_default=True, metavar="{32,64}", help="Values sharing one scale and bias in a quantized K/V row.")
 @click.option("--shutdown-timeout", default=5.0, show_default=True, help="Seconds Ctrl-C lets running requests finish before aborting them.")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]), show_default=True)
 def serve(model, host, port, api_key, max_queue, served_model_name, block_size, num_blocks, max_num_seqs,
-          max_num_batched_tokens, prefix_caching, dtype, attention_impl, shutdown_timeout, log_level):
+          max_num_batched_tokens, prefix_caching, dtype, attention_impl, shutdown_timeout, log_level,
+          kv_bits, kv_group_size):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
     try:
         import fastapi  # noqa: F401
@@ -57,15 +60,20 @@ def serve(model, host, port, api_key, max_queue, served_model_name, block_size, 
     except ImportError as e:
         _fail(f"`serve` needs {e.name}: install mlxpaged[serve] (pip install 'mlxpaged[serve]')")
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from ..distributed import launched_group
+
+    group = launched_group()  # under mlx.launch: tensor parallel; rank 0 serves HTTP, the others follow it
+    make = lambda: _load_engine(model, dtype, block_size, num_blocks, max_num_seqs,  # noqa: E731
+                                max_num_batched_tokens, prefix_caching, attention_impl, kv_bits, kv_group_size, group)
+    if group is not None and group.rank() != 0:
+        return _follow(make, group)
     _check_port(host, port)
     from .app import build_app
     from .engine_loop import EngineLoop
     from .metrics import Metrics
 
     metrics = Metrics()
-    engine_loop = EngineLoop(lambda: _load_engine(model, dtype, block_size, num_blocks, max_num_seqs,
-                                                  max_num_batched_tokens, prefix_caching, attention_impl),
-                             observer=metrics)
+    engine_loop = EngineLoop(make, observer=metrics, group=group)
     try:
         engine_loop.start()
     except (MlxPagedError, ValueError) as e:
@@ -93,27 +101,61 @@ def serve(model, host, port, api_key, max_queue, served_model_name, block_size, 
     except KeyboardInterrupt:  # uvicorn re-raises the captured SIGINT once it has shut down cleanly
         pass
     click.echo("mlxpaged serve: stopped", err=True)
+    if group is not None:
+        _exit_now()
 
 
-def _load_engine(model, dtype, block_size, num_blocks, max_num_seqs, max_num_batched_tokens, prefix_caching, attention_impl):
+def _load_engine(model, dtype, block_size, num_blocks, max_num_seqs, max_num_batched_tokens, prefix_caching, attention_impl,
+                 kv_bits=None, kv_group_size=64, group=None):
     from ..config import EngineConfig
     from ..engine import LLMEngine
     from ..loader import load
 
     config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching,
-                          attention_impl=attention_impl)
+                          attention_impl=attention_impl, kv_bits=kv_bits, kv_group_size=kv_group_size)
+    if group is not None:
+        from ..distributed import tp_engine
+        from ..loader import load_shard
+
+        return tp_engine(load_shard(model, dtype, None, group), config, group)
     return LLMEngine(load(model, dtype), config)
+
+
+def _follow(make_engine, group) -> None:
+    """A rank other than 0 of a tensor-parallel server: no HTTP; replay rank 0's steps until it stops."""
+    from .engine_loop import follow
+
+    try:
+        engine = make_engine()
+    except (MlxPagedError, ValueError) as e:
+        _fail(str(e))
+    click.echo(f"mlxpaged serve: rank {group.rank()} of {group.size()} following rank 0", err=True)
+    follow(engine, group)
+    click.echo(f"mlxpaged serve: rank {group.rank()} stopped", err=True)
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """Exit 0 without interpreter teardown: MLX's ring backend, used from the engine thread, can
+    abort the process ("terminate called without an active exception") while Python finalizes."""
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _announce(host, port, model_id, loaded, engine, api_key) -> None:
     from ..attention import resolve_impl
 
     bs = engine.config.block_size
+    cfg = engine.config
+    kv = f" ({cfg.kv_bits}-bit K/V, group {cfg.kv_group_size})" if cfg.kv_bits else ""
     click.echo(
         f"mlxpaged serve: http://{host}:{port}/v1  model {model_id} ({loaded.path}, {loaded.dtype})\n"
         f"  KV pool: {engine.num_blocks} blocks x {bs} tokens = {engine.num_blocks * bs} tokens, "
-        f"{engine.kv_cache.nbytes / 1e9:.3f} GB; attention: {resolve_impl(engine.config.attention_impl)}; "
+        f"{engine.kv_cache.nbytes / 1e9:.3f} GB{kv}; attention: {resolve_impl(engine.config.attention_impl)}; "
         f"prefix caching: {'on' if engine.config.enable_prefix_caching else 'off'}; "
         f"auth: {'API key' if api_key else 'none'}",
         err=True,

@@ -11,6 +11,10 @@ Invariants:
 - With nothing queued and nothing unfinished the thread sleeps on a condition; it never spins.
   Before it sleeps it empties MLX's buffer cache (and trims glibc's heap), so an idle server's resident memory returns
   to the weights plus the KV pool, however varied the shapes it served.
+- Tensor parallel (`group` given, rank 0): before each step, and at least every `HEARTBEAT` s
+  when idle, the step's engine calls (drain aborts, adds, aborts) go to the other ranks with
+  `broadcast_json`; they replay them in `follow`, so every rank's engine sees the same calls in
+  the same order. A broken group (`RankFailure`) ends the process with one line.
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import ctypes
+import dataclasses
 import logging
+import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,6 +36,7 @@ from ..errors import StepError
 from ..sampling_params import SamplingParams
 
 log = logging.getLogger("mlxpaged.server")
+HEARTBEAT = 1.0  # seconds between two broadcasts of an idle tensor-parallel rank 0
 
 
 def _trim_heap() -> None:
@@ -72,8 +80,9 @@ class EngineLoop:
     tokens of one sample counts as k gaps of 1/k each).
     """
 
-    def __init__(self, make_engine, observer=None):
+    def __init__(self, make_engine, observer=None, group=None):
         self._make_engine = make_engine
+        self._group = group  # an mx.distributed group of > 1 ranks: this is rank 0 of a TP server
         self.engine = None
         self.observer = observer
         self._cv = threading.Condition()
@@ -144,6 +153,15 @@ class EngineLoop:
             return
         finally:
             self._ready.set()
+        try:
+            self._loop()
+        except Exception as e:
+            if self._group is None:
+                raise
+            _die(str(e))  # RankFailure, or a step that failed on this rank only: the ranks cannot go on
+
+    def _loop(self) -> None:
+        tp = self._group is not None
         while True:
             if not (self._adds or self._aborts or self.engine.has_unfinished_requests()):
                 mx.clear_cache()  # going idle: give freed buffers back (cheap; the next step refills what it needs)
@@ -151,13 +169,21 @@ class EngineLoop:
                 self.snapshot = self._metrics()
             with self._cv:
                 while not (self._stopping or self._adds or self._aborts or self.engine.has_unfinished_requests()):
-                    self._cv.wait(None if self._drain_deadline is None else 0.5)
+                    self._cv.wait(HEARTBEAT if tp else None if self._drain_deadline is None else 0.5)
+                    if tp:
+                        break  # an empty broadcast: the other ranks know rank 0 is alive
                 if self._stopping:
+                    if tp:
+                        self._broadcast([], [], [], stop=True)
                     break
+                drained = []
                 if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
+                    drained = list(self._sinks)
                     self._abort_all("the server is shutting down")
                 adds, self._adds = self._adds, []
                 aborts, self._aborts = self._aborts, []
+            if tp:
+                self._broadcast(drained, adds, aborts)
             for item in adds:
                 self._add(*item)
             for rid in aborts:
@@ -166,6 +192,13 @@ class EngineLoop:
                 self._step()
             self.snapshot = self._metrics()
         self._shutdown()
+
+    def _broadcast(self, drained: list[str], adds: list[tuple], aborts: list[str], stop: bool = False) -> None:
+        """This iteration's engine calls, to the other ranks (`follow` replays them in this order)."""
+        from ..distributed import broadcast_json
+
+        broadcast_json(self._group, {"drained": drained, "aborts": list(aborts), "stop": stop,
+                                     "adds": [[list(p), dataclasses.asdict(sp), rid] for p, sp, rid, *_ in adds]})
 
     def _add(self, prompt, params, rid, sink, fut, arrival) -> None:
         try:
@@ -191,6 +224,8 @@ class EngineLoop:
                 self._fail(rid, e)
             return
         except Exception as e:  # a bug outside any one request: fail all, keep the engine usable
+            if self._group is not None:
+                raise  # a tensor-parallel step that failed broke the group (RankFailure): _run ends the process
             log.exception("engine step failed")
             self._abort_all(f"engine failure: {type(e).__name__}: {e}")
             return
@@ -247,3 +282,37 @@ class EngineLoop:
         m["mlx_peak_memory_bytes"] = mx.get_peak_memory()
         m["mlx_cache_memory_bytes"] = mx.get_cache_memory()
         return m
+
+
+def _die(msg: str) -> None:
+    """A tensor-parallel group that lost a rank cannot serve: one line, non-zero exit."""
+    sys.stderr.write(f"error: {msg}\n")
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def follow(engine, group) -> None:
+    """Ranks other than 0 of a tensor-parallel server: replay rank 0's engine calls, step for step,
+    until rank 0 stops. No HTTP here; outputs are dropped (rank 0 answers the clients)."""
+    from ..distributed import RankFailure, broadcast_json
+
+    try:
+        while True:
+            engine.watchdog.arm("waiting for rank 0's next step")  # rank 0 sends at least every HEARTBEAT s
+            msg = broadcast_json(group)
+            engine.watchdog.disarm()
+            if msg["stop"]:
+                return
+            for rid in msg["drained"]:
+                engine.abort_request(rid)
+            for prompt, params, rid in msg["adds"]:
+                try:
+                    engine.add_request(prompt, SamplingParams(**params), request_id=rid)
+                except Exception:  # rank 0 hit the same error and told its client
+                    pass
+            for rid in msg["aborts"]:
+                engine.abort_request(rid)
+            if engine.has_unfinished_requests():
+                engine.step()
+    except RankFailure as e:
+        _die(str(e))
