@@ -108,6 +108,16 @@ def data_figures(out: Path, bench_dir: Path) -> None:
         save(figures_lib.kernel_figure(rows), out, "kernel",
              f"from {kernel.relative_to(REPO_ROOT)}" + (f"; bytes read at most {worst:.3f}x the minimum" if worst else ""))
 
+    sharing = bench_dir / "sharing.json"
+    if sharing.is_file():
+        from mlxpaged.bench.cli import draw_sharing
+        from mlxpaged.bench.sharing import PAPER
+
+        rows = read_json(sharing)["rows"]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        draw_sharing(ax, rows, PAPER)
+        save(fig, out, "sharing", f"from {sharing.name}: memory saved by sharing, {len(rows)} rows")
+
     found = bench_files(bench_dir)
     if not found:
         print(f"no benchmark JSON in {bench_dir} (bench_decode.json / bench_serving.json): bench figure skipped")

@@ -171,6 +171,7 @@ def draw_sharing(ax, rows: list[dict], paper: dict) -> None:
         ax.plot([r["width"] for r in rs], [r["memory_saved_pct"] for r in rs], style, marker="o",
                 color=colors[ds], label=f"{ds}, {mode} (measured)")
         ax.axhspan(lo, hi, color=colors[ds], alpha=0.08 if mode == "parallel" else 0.16)
+    ax.set_xticks(sorted({r["width"] for r in rows}))
     ax.set_xlabel("parallel samples n / beam width")
     ax.set_ylabel("memory saved by sharing (%)")
     ax.set_title("shaded: the paper's ranges (OPT-13B); light = parallel, dark = beam", fontsize=9)
