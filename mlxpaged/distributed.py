@@ -237,9 +237,7 @@ def tp_engine(loaded, config, group: mx.distributed.Group, *, timeout: float | N
 
     own = config.num_blocks
     if own is None:
-        shape = CacheShape.of(loaded)
-        if getattr(config, "kv_bits", None):  # a quantized cache's blocks are smaller
-            shape = shape.quantized(config.kv_bits, config.kv_group_size)
+        shape = CacheShape.of(loaded).quantized(config.kv_bits, config.kv_group_size)  # as LLMEngine sizes it
         own = blocks_for_memory(shape, config.block_size, config.kv_memory_fraction, config.max_kv_tokens)
     # Free memory differs per host (and `generate` caps its pool by it): take what every rank can hold.
     config.num_blocks = agree_min(group, own)

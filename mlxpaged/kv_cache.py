@@ -148,7 +148,6 @@ class PagedKVCache:
             return
         src = mx.array([s for s, _ in copies], dtype=mx.int32)
         dst = mx.array([d for _, d in copies], dtype=mx.int32)
-        for pool in self.keys + self.values:
-            for a in (pool.arrays if self.quantized else [pool]):
-                a[dst] = a[src]
+        for a in self.arrays:
+            a[dst] = a[src]
         mx.eval(self.arrays)
