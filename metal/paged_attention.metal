@@ -12,7 +12,8 @@
 // is KIND's body after `PA_QUANT_VIEWS` (paged_attention.h), with inputs k_data, k_scales,
 // k_biases, v_data, v_scales, v_biases in place of k_cache, v_cache and template values BITS
 // (4 or 8) and GS (values per scale/bias group) besides; each lane dequantizes its dims of a
-// row in registers as it reads them. The merge pass is shared.
+// row in registers as it reads them. The merge pass is shared; its NSG is its own
+// (MERGE_SIMDGROUPS in attention/metal.py).
 
 // @kernel paged_attention
 // Single pass: one threadgroup per (kv head, sequence) covers the whole context.
@@ -31,27 +32,32 @@ const uint sg = simdgroup_index_in_threadgroup;
 const uint lane = thread_index_in_simdgroup;
 const uint tid = thread_index_in_threadgroup;
 
-threadgroup float tg_q[G * HD];
+constexpr int HS = pa_head_splits(G, HD / 32);  // head groups (1 unless registers bound)
+constexpr int GH = pa_heads_per_simdgroup(G, HD / 32);
+threadgroup float tg_qo[PA_QO_FLOATS(G, HD, NSG)];  // queries [G, HD], then outputs [2, NSG, HD]
 threadgroup int tg_blocks[2 * PA_CHUNK_BLOCKS(BS)];
-threadgroup float tg_stats[2 * NSG * G];
-threadgroup float tg_o[2 * NSG * HD];
+threadgroup float tg_stats[2 * NSG * GH];
 
 const int max_blocks = block_tables_shape[1];
-const int ctx = clamp(context_lens[seq], 0, max_blocks * BS);
+const int ctx = clamp(PA_UNIFORM(context_lens[seq], lane), 0, max_blocks * BS);
 
-PAState<G, HD / 32> st;
+PAState<GH, HD / 32> st;
 pa_attend<T, HD, BS, G, NSG>(
-    st, q, k_cache, v_cache, block_tables, max_blocks, num_kv_heads, scale,
-    seq, kvh, 0, ctx, sg, lane, tid, tg_q, tg_blocks);
-float M[G];
-float L[G];
-pa_merge_stats<G, HD / 32, NSG>(st, tg_stats, sg, lane, M, L);
+    st, q, k_cache, v_cache, block_tables, max_blocks, num_kv_heads, PA_UNIFORM(scale, lane),
+    seq, kvh, 0, ctx, sg, lane, tid, tg_qo, tg_blocks);
+pa_publish_stats<G, HD / 32, NSG>(st, tg_stats, sg, lane);
 
 device T* o = out + ((size_t)seq * num_kv_heads + kvh) * G * HD;
-for (int g = 0; g < G; g++) {
-  const float x = pa_reduce_head<HD, G, NSG>(st, g, M[g], tg_o, sg, lane, tid);
-  if (tid < HD) {
-    o[g * HD + tid] = static_cast<T>(L[g] > 0.0f ? x / L[g] : 0.0f);
+for (int j = 0; j < GH; j++) {
+  const threadgroup float* half_o = pa_stage_slot<HD, G, NSG>(st, j, tg_stats, tg_qo, sg, lane);
+  for (int i = tid; i < HS * HD; i += 32 * NSG) {  // (head group, dim) pairs
+    const int g = (i / HD) * GH + j;
+    if (g < G) {
+      float M, L;
+      pa_slot_stats<G, HD / 32, NSG>(tg_stats, i / HD, j, M, L);
+      const float x = pa_slot_output<HD, G, NSG>(half_o, i / HD, i % HD);
+      o[g * HD + i % HD] = static_cast<T>(L > 0.0f ? x / L : 0.0f);
+    }
   }
 }
 
@@ -82,11 +88,12 @@ const uint tid = thread_index_in_threadgroup;
 const int max_blocks = block_tables_shape[1];
 const int part_tokens = ((max_blocks * BS + num_parts - 1) / num_parts + BS - 1) / BS * BS;
 const int tok_begin = part * part_tokens;
-const int tok_end = min(clamp(context_lens[seq], 0, max_blocks * BS), tok_begin + part_tokens);
+const int tok_end =
+    min(clamp(PA_UNIFORM(context_lens[seq], lane), 0, max_blocks * BS), tok_begin + part_tokens);
 const size_t row0 = ((size_t)seq * num_kv_heads + kvh) * G * num_parts + part;
 
 if (tok_begin >= tok_end) {
-  // Past this sequence's end: an empty partial that the merge weighs by exp(-huge) = 0.
+  // Past this sequence's end: an empty partial (sum 0), which the merge gives weight 0.
   for (int g = 0; g < G; g++) {
     const size_t r = row0 + (size_t)g * num_parts;
     if (tid < HD) {
@@ -100,36 +107,41 @@ if (tok_begin >= tok_end) {
   return;
 }
 
-threadgroup float tg_q[G * HD];
+constexpr int HS = pa_head_splits(G, HD / 32);  // head groups (1 unless registers bound)
+constexpr int GH = pa_heads_per_simdgroup(G, HD / 32);
+threadgroup float tg_qo[PA_QO_FLOATS(G, HD, NSG)];  // queries [G, HD], then outputs [2, NSG, HD]
 threadgroup int tg_blocks[2 * PA_CHUNK_BLOCKS(BS)];
-threadgroup float tg_stats[2 * NSG * G];
-threadgroup float tg_o[2 * NSG * HD];
+threadgroup float tg_stats[2 * NSG * GH];
 
-PAState<G, HD / 32> st;
+PAState<GH, HD / 32> st;
 pa_attend<T, HD, BS, G, NSG>(
-    st, q, k_cache, v_cache, block_tables, max_blocks, num_kv_heads, scale,
-    seq, kvh, tok_begin, tok_end, sg, lane, tid, tg_q, tg_blocks);
-float M[G];
-float L[G];
-pa_merge_stats<G, HD / 32, NSG>(st, tg_stats, sg, lane, M, L);
+    st, q, k_cache, v_cache, block_tables, max_blocks, num_kv_heads, PA_UNIFORM(scale, lane),
+    seq, kvh, tok_begin, tok_end, sg, lane, tid, tg_qo, tg_blocks);
+pa_publish_stats<G, HD / 32, NSG>(st, tg_stats, sg, lane);
 
-for (int g = 0; g < G; g++) {
-  const float x = pa_reduce_head<HD, G, NSG>(st, g, M[g], tg_o, sg, lane, tid);
-  const size_t r = row0 + (size_t)g * num_parts;
-  if (tid < HD) {
-    part_out[r * HD + tid] = x;
-  }
-  if (tid == 0) {
-    part_max[r] = M[g];
-    part_sum[r] = L[g];
+for (int j = 0; j < GH; j++) {
+  const threadgroup float* half_o = pa_stage_slot<HD, G, NSG>(st, j, tg_stats, tg_qo, sg, lane);
+  for (int i = tid; i < HS * HD; i += 32 * NSG) {  // (head group, dim) pairs
+    const int g = (i / HD) * GH + j;
+    if (g < G) {
+      const size_t r = row0 + (size_t)g * num_parts;
+      float M, L;
+      pa_slot_stats<G, HD / 32, NSG>(tg_stats, i / HD, j, M, L);
+      part_out[r * HD + i % HD] = pa_slot_output<HD, G, NSG>(half_o, i / HD, i % HD);
+      if (i % HD == 0) {
+        part_max[r] = M;
+        part_sum[r] = L;
+      }
+    }
   }
 }
 
 // @kernel paged_attention_merge
-// Second pass of the split path: one simdgroup per (head, sequence) rescales the partitions'
-// partial outputs to their common max (log2 domain) and normalises. Lanes take partitions 32
-// at a time.
-// launch: grid (32, num_heads, num_seqs), threadgroup (32, 1, 1)
+// Second pass of the split path: one threadgroup of NSG simdgroups per (head, sequence).
+// Simdgroup s folds partitions s, s + NSG, s + 2 NSG, ... (32 at a time, one per lane) into
+// its own running (max, sum, output) in fp32, log2 domain; after one barrier, thread d sums
+// output dim d over the simdgroups, each rescaled to their common max, and normalises.
+// launch: grid (32 * NSG, num_heads, num_seqs), threadgroup (32 * NSG, 1, 1)
 // inputs:  part_out [num_seqs, num_heads, num_partitions, HD] float32
 //          part_max [num_seqs, num_heads, num_partitions] float32
 //          part_sum [num_seqs, num_heads, num_partitions] float32
@@ -139,35 +151,66 @@ const int head = threadgroup_position_in_grid.y;
 const int seq = threadgroup_position_in_grid.z;
 const int num_heads = threadgroups_per_grid.y;
 const int num_parts = part_max_shape[2];
-const int lane = thread_index_in_simdgroup;
+const uint sg = simdgroup_index_in_threadgroup;
+const uint lane = thread_index_in_simdgroup;
+const uint tid = thread_index_in_threadgroup;
 const size_t r = ((size_t)seq * num_heads + head) * num_parts;
 
-float gmax = PA_FINITE_MIN;
-for (int p0 = 0; p0 < num_parts; p0 += 32) {
-  gmax = max(gmax, simd_max(p0 + lane < num_parts ? part_max[r + p0 + lane] : PA_FINITE_MIN));
-}
+threadgroup float tg_stats[2 * NSG];  // each simdgroup's max, then its sum
+threadgroup float tg_acc[NSG * HD];   // each simdgroup's unnormalised output
 
-float total = 0.0f;
+float m = PA_FINITE_MIN;  // this simdgroup's running max, sum and output
+float l = 0.0f;
 float acc[DPL];
 for (int i = 0; i < DPL; i++) {
   acc[i] = 0.0f;
 }
-for (int p0 = 0; p0 < num_parts; p0 += 32) {
-  const bool mine = p0 + lane < num_parts;
-  const float w = mine ? fast::exp2(part_max[r + p0 + lane] - gmax) : 0.0f;  // partition weight
-  total += simd_sum(mine ? w * part_sum[r + p0 + lane] : 0.0f);
-  for (int p = p0; p < min(p0 + 32, num_parts); p++) {
-    const float wp = simd_shuffle(w, (ushort)(p - p0));
+for (int p0 = sg; p0 < num_parts; p0 += 32 * NSG) {
+  const int p = p0 + (int)lane * NSG;  // this lane's partition
+  const bool mine = p < num_parts;
+  const float pm = mine ? part_max[r + p] : PA_FINITE_MIN;
+  const float ps = mine ? part_sum[r + p] : 0.0f;
+  const float m_new = max(m, simd_max(pm));
+  const float corr = fast::exp2(m - m_new);  // uniform: rescales what the old max summed
+  l *= corr;
+  for (int i = 0; i < DPL; i++) {
+    acc[i] *= corr;
+  }
+  m = m_new;
+  // An empty partition (past the sequence's end) has sum 0: weight 0, nothing to read.
+  const float w = ps > 0.0f ? fast::exp2(pm - m) : 0.0f;
+  l += simd_sum(w * ps);
+  for (int j = 0; j < 32 && p0 + j * NSG < num_parts; j++) {
+    const float wp = simd_shuffle(w, (ushort)j);
     if (wp == 0.0f) {
-      continue;  // an empty partition (past the sequence's end): nothing to read
+      continue;
     }
-    const device float* po = part_out + (r + p) * HD + lane * DPL;
+    const device float* po = part_out + (r + p0 + j * NSG) * HD + lane * DPL;
     for (int i = 0; i < DPL; i++) {
       acc[i] += wp * po[i];
     }
   }
 }
-device T* o = out + ((size_t)seq * num_heads + head) * HD + lane * DPL;
+if (lane == 0) {
+  tg_stats[sg] = m;
+  tg_stats[NSG + sg] = l;
+}
 for (int i = 0; i < DPL; i++) {
-  o[i] = static_cast<T>(total > 0.0f ? acc[i] / total : 0.0f);
+  tg_acc[sg * HD + lane * DPL + i] = acc[i];
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+float gmax = PA_FINITE_MIN;
+for (int s = 0; s < NSG; s++) {
+  gmax = max(gmax, tg_stats[s]);
+}
+device T* o = out + ((size_t)seq * num_heads + head) * HD;
+for (int d = tid; d < HD; d += 32 * NSG) {
+  float total = 0.0f;
+  float x = 0.0f;
+  for (int s = 0; s < NSG; s++) {
+    const float f = fast::exp2(tg_stats[s] - gmax);  // simdgroup s's share at the common max
+    total += f * tg_stats[NSG + s];
+    x += f * tg_acc[s * HD + d];
+  }
+  o[d] = static_cast<T>(total > 0.0f ? x / total : 0.0f);
 }

@@ -1,7 +1,7 @@
 """`mlxpaged doctor`: what a bug report about the Metal kernel needs, printed and saved as JSON.
 
 Reports the MLX version, the device (`mx.metal.device_info()` when Metal is available), the
-attention implementation `impl="auto"` picks at Qwen2.5-0.5B shapes, each kernel shape
+GPU cores the split planner assumes and its partitions, the attention implementation `impl="auto"` picks at Qwen2.5-0.5B shapes, each kernel shape
 family's startup check (`metal.check_family`: built, run and compared with the reference), and
 a small kernel table: on an Apple GPU, the kernel's time against contiguous SDPA (many launches
 per `mx.eval`) in GB/s; elsewhere the kernels run in the MSL emulator, which says so and gives
@@ -78,6 +78,28 @@ def _table(gpu: bool, seqs: int, tokens: int, block_sizes) -> dict:
             "rows": rows, "cost_model": cost}
 
 
+def _planning() -> dict:
+    """How the split planner sizes long contexts on this device: the GPU cores it assumes (from
+    `mx.metal.device_info()`, else its default) and its partitions for one sequence at
+    Qwen2.5-0.5B shapes (G 7, head_dim 64, 2 kv heads, float16 and 4-bit KV, block 16)."""
+    import mlx.core as mx
+
+    from .attention import metal
+    from .kv_quant import row_bytes
+
+    info = metal.device_info()
+    cores = metal.gpu_cores(info)
+    parts = {}
+    for label, bits in (("float16", None), ("4-bit", 4)):
+        row = row_bytes(64, bits, 32, mx.float16)
+        parts[label] = {ctx: metal.plan_partition_tokens(1, 2, ctx // 16, 16, group=7, head_dim=64,
+                                                         kv_row_bytes=row, device=info)
+                        for ctx in (1024, 4096, 32768)}
+    return {"gpu_cores": cores, "from_device_info": bool(info),
+            "threadgroup_target": cores * metal.THREADGROUPS_PER_CORE,
+            "partition_tokens_one_sequence": parts}
+
+
 def collect(seqs: int | None = None, tokens: int | None = None, block_sizes=(16,)) -> dict:
     """The whole report as a JSON-ready dict."""
     import mlx.core as mx
@@ -98,6 +120,7 @@ def collect(seqs: int | None = None, tokens: int | None = None, block_sizes=(16,
         "attention_impl_auto": resolve_impl("auto", q, pool),
         "MLXPAGED_METAL": os.environ.get("MLXPAGED_METAL"),
         "checks": _checks(16),
+        "split_planning": _planning(),
         "kernel_table": _table(gpu, seqs, tokens, list(block_sizes)),
     }
 
@@ -120,6 +143,13 @@ def doctor(out_path, seqs, tokens, block_sizes):
     dev = report["device"]
     if dev.get("metal_available"):
         click.echo("device: " + ", ".join(f"{k}={v}" for k, v in dev.items() if k != "metal_available"))
+    plan = report["split_planning"]
+    click.echo(f"split planning: {plan['gpu_cores']} GPU cores "
+               f"({'from device_info' if plan['from_device_info'] else 'default: no device info'}), "
+               f"target {plan['threadgroup_target']} threadgroups; partition tokens for one "
+               f"sequence (0: single pass): " + "; ".join(
+                   f"{kv} " + ", ".join(f"{ctx}: {p}" for ctx, p in ps.items())
+                   for kv, ps in plan["partition_tokens_one_sequence"].items()))
     failed = [c for c in report["checks"] if not c["ok"]]
     click.echo(f"kernel checks: {len(report['checks']) - len(failed)}/{len(report['checks'])} passed")
     for c in failed:
@@ -137,8 +167,9 @@ def doctor(out_path, seqs, tokens, block_sizes):
                        f"the minimum, max error {r['max_error']:.2g}")
     for c in table.get("cost_model", []):
         click.echo(f"  cost {c['model']} (G={c['group']}, head_dim {c['head_dim']}): "
-                   f"{c['exp_per_token_head']:.2f} exp and {c['simd_reductions_per_token_head']:.2f} "
-                   f"SIMD reductions per token per query head, "
+                   f"{c['exp_per_token_head']:.2f} exp per token per query head, "
+                   f"{c['simd_reductions_per_token']:.2f} SIMD reductions and "
+                   f"{c['simd_shuffles_per_token']:.2f} shuffles per token, "
                    f"{c['loop_barriers_per_256_tokens']:.2f} loop barriers per 256 tokens")
     with open(out_path, "w") as f:
         json.dump(report, f, indent=1, default=str)

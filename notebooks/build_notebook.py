@@ -281,6 +281,38 @@ CELLS = [
         plt.show()
     """),
     md("""
+    ### What the kernel computes per token
+
+    On Linux the emulator also counts the operations that bound a compute-bound decode kernel,
+    per K/V token row (one token of one KV head): SIMD reductions (`simd_sum`/`simd_max`, about
+    5 shuffle-and-add steps each) and shuffles, which together give the shuffle steps; `exp2`
+    calls (SIMD-wide, per token and query head); threadgroup barriers per 256 tokens (all, and
+    those of the token loop alone); device loads by width in bytes; and the register estimate
+    per thread. The shapes are Qwen2.5-0.5B's (7 query heads per KV head, head_dim 64) and
+    Qwen2.5-7B's (7, 128), fp16 KV, one pass over 2 sequences x 1,000 tokens:
+    `python scripts/kernel.py --cost --json > notebooks/data/kernel_cost.json`. The 28 scores of
+    4 tokens x 7 heads are summed over the lanes by one butterfly (no `simd_sum`), about 15
+    shuffle steps per token where 7 `simd_sum`s took 35.
+    """),
+    code("""
+    cost_path = NOTEBOOK_DATA / "kernel_cost.json"
+    if not cost_path.exists():
+        print("no cost table in notebooks/data: run scripts/kernel.py --cost --json (see above)")
+    else:
+        cost = json.loads(cost_path.read_text())
+        print(f"from {cost_path.relative_to(ROOT)} ({cost['seqs']} sequences x {cost['tokens']} tokens):")
+        print(f"{'model':>13} {'G':>2} {'hd':>4} {'reductions':>10} {'shuffles':>8} {'steps':>6} "
+              f"{'exp2/head':>9} {'barriers':>8} {'loop':>5} {'regs':>4}  loads by width")
+        for r in cost["rows"]:
+            steps = 5 * r["simd_reductions_per_token"] + r["simd_shuffles_per_token"]
+            loads = " ".join(f"{w}B:{n:.2f}" for w, n in r["device_loads_per_token"].items())
+            print(f"{r['model']:>13} {r['group']:>2} {r['head_dim']:>4} "
+                  f"{r['simd_reductions_per_token']:>10.2f} {r['simd_shuffles_per_token']:>8.2f} {steps:>6.2f} "
+                  f"{r['exp_per_token_head']:>9.3f} {r['barriers_per_256_tokens']:>8.2f} "
+                  f"{r['loop_barriers_per_256_tokens']:>5.2f} {r['registers']:>4}  {loads}")
+        print("per K/V token row; exp2 per token and query head; barriers per 256 tokens")
+    """),
+    md("""
     ## Where to look next
 
     - `mlxpaged/block_pool.py` and `mlxpaged/block_manager.py`: the allocator behind sections 3 to 5.

@@ -18,6 +18,7 @@ Usage::
     MLXPAGED_METAL=emulate python scripts/kernel.py    # bytes-read table on a Mac too
     python scripts/kernel.py --cost                    # emulator cost model, Qwen2.5-0.5B/7B shapes
     python scripts/kernel.py --kv-bytes                # bytes per token, 16/8/4-bit KV (emulator)
+    python scripts/kernel.py --kv-bytes --planned --tokens 4096  # the same on the planner's split path
 """
 
 from __future__ import annotations
@@ -104,14 +105,17 @@ def print_cost(seqs: int, tokens: int, as_json: bool, kv_bits: int | None = None
     kv = f"{kv_bits}-bit KV (group {kv_group})" if kv_bits else "fp16 KV"
     print(f"Emulator cost model: {seqs} sequences x {tokens} tokens, 2 kv heads, block 16, {kv}, "
           "single pass. Per K/V token row (one token, one kv head) unless noted; exp counts are "
-          "SIMD-wide (lane calls / 32).")
+          "SIMD-wide (lane calls / 32); steps/tok: shuffle steps, a simd_sum/max counting 5.")
     print(f"{'model':>13} {'G':>2} {'hd':>4} {'red/tok':>8} {'red/tok/head':>12} {'shfl/tok':>8} "
+          f"{'steps/tok':>9} "
           f"{'exp/tok/head':>12} {'bar/256tok':>10} {'loop bar/256':>12} {'regs':>5}  loads/tok by width")
     for r in rows:
         loads = " ".join(f"{w}B:{n:.2f}" for w, n in r["device_loads_per_token"].items())
         print(f"{r['model']:>13} {r['group']:>2} {r['head_dim']:>4} "
               f"{r['simd_reductions_per_token']:>8.3f} {r['simd_reductions_per_token_head']:>12.3f} "
-              f"{r['simd_shuffles_per_token']:>8.3f} {r['exp_per_token_head']:>12.3f} "
+              f"{r['simd_shuffles_per_token']:>8.3f} "
+              f"{5 * r['simd_reductions_per_token'] + r['simd_shuffles_per_token']:>9.2f} "
+              f"{r['exp_per_token_head']:>12.3f} "
               f"{r['barriers_per_256_tokens']:>10.3f} {r['loop_barriers_per_256_tokens']:>12.3f} "
               f"{r['registers']:>5}  {loads}")
     return 0

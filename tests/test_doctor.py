@@ -27,6 +27,12 @@ def test_doctor_reports_and_writes_json(tmp_path, monkeypatch):
     row = report["kernel_table"]["rows"][0]
     assert 1.0 <= row["ratio"] <= 1.05 and row["max_error"] < 1e-3
     assert {c["model"] for c in report["kernel_table"]["cost_model"]} == {"Qwen2.5-0.5B", "Qwen2.5-7B"}
+    plan = report["split_planning"]  # no Metal here: the documented default core count
+    assert plan["gpu_cores"] == metal.DEFAULT_GPU_CORES and not plan["from_device_info"]
+    parts = plan["partition_tokens_one_sequence"]
+    assert parts["float16"]["1024"] > 0 and parts["4-bit"]["1024"] == 0  # 4-bit rows: too short
+    assert 0 < parts["4-bit"]["32768"] <= metal.LONG_PARTITION_TOKENS
+    assert "split planning: 10 GPU cores (default: no device info)" in r.output
 
 
 def test_doctor_names_a_failing_variant(tmp_path, monkeypatch):

@@ -69,12 +69,22 @@ def case_id(c: dict) -> str:
     return f"{c['dtype']}-hd{c['head_dim']}-g{c['group']}-bs{c['block_size']}-{layout}-{path}"
 
 
-def context_lens_for(block_size: int, split: bool) -> list[int]:
+def split_length(group: int, head_dim: int, block_size: int, kv_row_bytes: int,
+                 q_bytes: int) -> int:
+    """A context the planner splits at this shape: two of its shortest partitions and then some."""
+    return 2 * metal.min_partition_tokens(group, head_dim, kv_row_bytes, q_bytes) + 3 * block_size + 5
+
+
+def context_lens_for(c: dict) -> list[int]:
     """Ragged lengths: a single token, an exact block multiple, one a little past a block edge,
-    and with `split` a long one that makes the planner partition the context."""
-    lens = [1, 2 * block_size, block_size + 3]
-    if split:
-        lens.append(2 * metal.MIN_PARTITION_TOKENS + 3 * block_size + 5)
+    and with `split` a long one that makes the planner partition the context (or a given
+    `length`)."""
+    bs = c["block_size"]
+    lens = [1, 2 * bs, bs + 3]
+    if c["split"]:
+        size = DTYPES[c["dtype"]].size
+        lens.append(c.get("length") or split_length(c["group"], c["head_dim"], bs,
+                                                     c["head_dim"] * size, size))
     return lens
 
 
@@ -126,7 +136,7 @@ def mismatch(out: mx.array, ref: mx.array, dtype: str) -> float:
 
 def run_case(c: dict, seed: int = 0) -> float:
     rng = np.random.default_rng(seed)
-    lens = context_lens_for(c["block_size"], c["split"])
+    lens = context_lens_for(c)
     args = make_inputs(rng, dtype=c["dtype"], head_dim=c["head_dim"], group=c["group"],
                        block_size=c["block_size"], scattered=c["scattered"], context_lens=lens)
     if c.get("overlong"):  # the last sequence's length runs past its table row (and the buffer)
@@ -135,10 +145,13 @@ def run_case(c: dict, seed: int = 0) -> float:
         ref_args = args
     scale = 1.0 / math.sqrt(c["head_dim"])
     if c["split"]:  # the planner's own choice must split this context
-        part = metal.plan_partition_tokens(len(lens), args[1].shape[1], args[3].shape[1],
-                                           c["block_size"])
+        part = metal.plan_partition_tokens(
+            len(lens), args[1].shape[1], args[3].shape[1], c["block_size"], group=c["group"],
+            head_dim=c["head_dim"], kv_row_bytes=metal.kv_row_bytes(args[1]),
+            q_bytes=args[0].dtype.size)
         assert part > 0, "planner did not split the long context"
-    part = None if c["split"] else 0  # single-pass cases force one pass
+    # single-pass cases force one pass; split ones take the planner's or the case's partitions
+    part = c.get("partition_tokens") if c["split"] else 0
     out = metal.paged_attention_metal(*args, scale=scale, partition_tokens=part)
     ref = paged_attention_reference(*ref_args, scale)
     assert out.dtype == args[0].dtype and out.shape == args[0].shape
@@ -179,8 +192,10 @@ def test_dispatcher_metal_impl(emulated):
 # (None: the text must occur once), case).
 MUTANT_CASE = dict(dtype="float32", head_dim=64, group=2, block_size=16, scattered=True,
                    split=False)
-# Long enough for two 256-token chunks of block ids per partition, and two heads per group.
-LONG_MUTANT_CASE = dict(MUTANT_CASE, block_size=1, split=True)
+# A 1,034-token context (a 1,035-block table row) in two partitions of 518 tokens (three
+# 256-token chunks of block ids each, double-buffered), which a hard-coded 512 would not cover;
+# two heads per group; the merge's two partitions on two of its simdgroups.
+LONG_MUTANT_CASE = dict(MUTANT_CASE, block_size=1, split=True, length=1034, partition_tokens=518)
 # Context lengths past the table's width (bad metadata): the kernel must clamp them.
 CLAMP_CASE = dict(MUTANT_CASE, overlong=True)
 BARRIER = "threadgroup_barrier(mem_flags::mem_threadgroup);"
@@ -190,22 +205,41 @@ MUTANTS = [
      MUTANT_CASE),
     ("no online-softmax rescale", "h", "st.acc[g][i] *= corr;", "", None, MUTANT_CASE),
     ("exp2 without log2(e) in the scale", "h", "scale * PA_LOG2E", "scale", None, MUTANT_CASE),
-    ("softmax group of one token too many", "h", "const int nu = min(U, (c1 - t0 + NSG - 1) / NSG);",
-     "const int nu = min(U, (c1 - t0 + NSG) / NSG);", None, MUTANT_CASE),
+    ("softmax group of one token too many", "h", "const int nu = min(U, (c1 - t0 + NTS - 1) / NTS);",
+     "const int nu = min(U, (c1 - t0 + NTS) / NTS);", None, MUTANT_CASE),
+    ("butterfly broadcasts from the wrong lanes", "h",
+     "x[j] = simd_shuffle(mine, (ushort)(j * (32 / P)));", "x[j] = simd_shuffle(mine, (ushort)j);",
+     None, MUTANT_CASE),
+    ("butterfly keeps the half it sends", "h",
+     "x[j] = (up ? hi : lo) + simd_shuffle_xor(up ? lo : hi, o);",
+     "x[j] = (up ? lo : hi) + simd_shuffle_xor(up ? lo : hi, o);", None, MUTANT_CASE),
+    ("butterfly without its last steps", "h", "x[0] += simd_shuffle_xor(x[0], o);", "",
+     None, MUTANT_CASE),
+    ("head groups take the same heads", "h", "const int g0 = (int)(sg % HS) * GH;",
+     "const int g0 = 0;", None, dict(MUTANT_CASE, group=5, head_dim=256)),
+    ("head groups sum each other's simdgroups", "h", "for (int s = hg; s < NSG; s += HS) {\n    o +=",
+     "for (int s = 0; s < NSG; s += 1) {\n    o +=", None, dict(MUTANT_CASE, group=5, head_dim=256)),
     ("partition size not derived from the grid", "metal",
      "const int part_tokens = ((max_blocks * BS + num_parts - 1) / num_parts + BS - 1) / BS * BS;",
      "const int part_tokens = 512;", None, LONG_MUTANT_CASE),
     ("single pass without the context clamp", "metal",
-     "const int ctx = clamp(context_lens[seq], 0, max_blocks * BS);",
-     "const int ctx = context_lens[seq];", None, CLAMP_CASE),
+     "const int ctx = clamp(PA_UNIFORM(context_lens[seq], lane), 0, max_blocks * BS);",
+     "const int ctx = PA_UNIFORM(context_lens[seq], lane);", None, CLAMP_CASE),
     ("split pass without the context clamp", "metal",
-     "min(clamp(context_lens[seq], 0, max_blocks * BS), tok_begin + part_tokens)",
-     "min(context_lens[seq], tok_begin + part_tokens)", None, dict(CLAMP_CASE, split=True)),
+     "min(clamp(PA_UNIFORM(context_lens[seq], lane), 0, max_blocks * BS), tok_begin + part_tokens)",
+     "min(PA_UNIFORM(context_lens[seq], lane), tok_begin + part_tokens)", None,
+     dict(CLAMP_CASE, split=True)),
+    ("uniform length from the wrong lane", "h", "simd_broadcast((lane) == 0 ? (x) : 0, (ushort)0)",
+     "simd_broadcast((lane) == 0 ? (x) : 0, (ushort)1)", None, MUTANT_CASE),
     ("merge without partition weights", "metal", "acc[i] += wp * po[i];", "acc[i] += po[i];",
-     None, LONG_MUTANT_CASE),
-] + [  # every threadgroup barrier of the header, one at a time
+     None, dict(LONG_MUTANT_CASE, partition_tokens=128)),  # 9 partitions: 2-3 per simdgroup
+    ("merge without the cross-simdgroup rescale", "metal", "x += f * tg_acc[s * HD + d];",
+     "x += tg_acc[s * HD + d];", None, LONG_MUTANT_CASE),
+    ("merge sums only its first simdgroup", "metal", "for (int s = 0; s < NSG; s++) {\n    const float f",
+     "for (int s = 0; s < 1; s++) {\n    const float f", None, LONG_MUTANT_CASE),
+] + [  # every threadgroup barrier of the header, one at a time, and the merge's
     (f"missing barrier {n + 1}", "h", BARRIER, "", n, LONG_MUTANT_CASE) for n in range(4)
-]
+] + [("missing merge barrier", "metal", BARRIER, "", None, LONG_MUTANT_CASE)]
 
 
 def mutate(monkeypatch, which: str, old: str, new: str, nth: int | None):
@@ -235,7 +269,10 @@ def mutate(monkeypatch, which: str, old: str, new: str, nth: int | None):
 
 
 def test_every_barrier_has_a_mutant():
-    assert metal.kernel_sources()[0].count(BARRIER) == 4
+    header, bodies = metal.kernel_sources()
+    assert header.count(BARRIER) == 4
+    assert "".join(bodies.values()).count(BARRIER) == 1  # the merge's
+    assert "".join(bodies.values()).count("threadgroup_barrier") == 1
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=[m[0] for m in MUTANTS])
@@ -304,22 +341,76 @@ def test_reads_each_row_once(emulated, block_size, split):
     assert 1.0 <= ratio <= 1.05, ratio
 
 
-def test_plan_partitions():
-    """Long contexts of few sequences split; 1 x 32K gets as many threadgroups as 32 x 1K."""
+M1 = {"device_name": "Apple M1", "architecture": "applegpu_g13g"}  # 8 GPU cores
+M3_MAX = {"device_name": "Apple M3 Max", "architecture": "applegpu_g15s"}  # 40 GPU cores
+
+
+def test_device_core_count():
+    """Cores from an explicit count, the chip's name, the architecture's last letter (as MLX
+    reads it), else the documented default."""
+    assert metal.gpu_cores(M1) == 8 and metal.gpu_cores(M3_MAX) == 40
+    assert metal.gpu_cores({"device_name": "Apple M9", "architecture": "applegpu_g99s"}) == 40
+    assert metal.gpu_cores({"gpu_core_count": 30, "device_name": "Apple M3 Max"}) == 30
+    assert metal.gpu_cores({}) == metal.DEFAULT_GPU_CORES
+    assert metal.device_info() == {} or metal.gpu_cores(metal.device_info()) > 0
+
+
+def threadgroups(plan_args, part):
+    """Threadgroups of the longest sequence's split (or single pass) over all its kv heads."""
+    _, kvh, max_blocks, bs = plan_args
+    return kvh * (-(-max_blocks * bs // part) if part else 1)
+
+
+def test_plan_partitions_from_the_device():
+    """More cores, more partitions: a 32K context on an M3 Max fills 4 threadgroups per core
+    with partitions of a few hundred tokens; an M1 needs fewer; a short batch that already
+    fills the GPU is not split."""
     plan = metal.plan_partition_tokens
-    assert plan(64, 2, 64, 16) == 0  # enough (sequence, kv head) pairs already
-    assert plan(4, 2, 20, 16) == 0  # 320 tokens: too short to split
-    long_part, short_part = plan(1, 2, 2048, 16), plan(32, 2, 64, 16)
-    long_groups = 1 * 2 * -(-32768 // long_part)
-    short_groups = 32 * 2 * (-(-1024 // short_part) if short_part else 1)
-    assert long_groups >= short_groups
-    for bs in (1, 2, 16, 64, 256):
-        for ctx in (300, 513, 4096, 32768, 200000):
-            max_blocks = -(-ctx // bs)
-            part = plan(1, 2, max_blocks, bs)
-            if part:
-                assert part % bs == 0 and part >= metal.MIN_PARTITION_TOKENS
-                assert 2 <= -(-max_blocks * bs // part) <= metal.MAX_PARTITIONS
+    one_long = (1, 2, 2048, 16)
+    for device, cores in ((M1, 8), (M3_MAX, 40)):
+        part = plan(*one_long, device=device)
+        # (whole blocks per partition: the count may fall a little short of the target)
+        assert threadgroups(one_long, part) >= 0.95 * cores * metal.THREADGROUPS_PER_CORE
+        assert part % 16 == 0 and part >= metal.MIN_PARTITION_TOKENS
+    assert plan(*one_long, device=M3_MAX) < plan(*one_long, device=M1)
+    assert 128 <= plan(2, 2, 256, 16, device=M3_MAX) <= 256  # 4K contexts, parallelism needed
+    assert plan(64, 2, 64, 16, device=M1) == 0  # 1K contexts, 128 (sequence, kv head) pairs
+    assert plan(4, 2, 8, 16, device=M3_MAX) == 0  # 128 tokens: too short to split
+
+
+def test_one_32k_sequence_among_short_ones_is_split():
+    """The batch fills the GPU, but the longest context (the table's width) is 32K: it gets
+    partitions of at most LONG_PARTITION_TOKENS on any device, not one threadgroup per kv head."""
+    for device in (M1, M3_MAX, {}):
+        args = (63, 2, 32768 // 16, 16)
+        part = metal.plan_partition_tokens(*args, group=7, head_dim=64, device=device)
+        assert 0 < part <= metal.LONG_PARTITION_TOKENS
+        assert threadgroups(args, part) >= 32
+
+
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_plan_keeps_the_partials_small(bits):
+    """Partitions are long enough that the bytes only the split reads (queries again, fp32
+    partials through the merge) stay within PARTIAL_BYTES_FRACTION of the K/V bytes: longer for
+    a quantized cache's smaller rows. Checked by counting those bytes, at every block size."""
+    from mlxpaged.kv_quant import row_bytes
+
+    for group, hd in ((7, 64), (7, 128), (1, 128), (8, 256)):
+        row = row_bytes(hd, bits, 32, mx.float16)
+        for bs in (1, 2, 16, 64, 256):
+            for ctx in (300, 513, 4096, 32768, 200000):
+                max_blocks = -(-ctx // bs)
+                part = metal.plan_partition_tokens(1, 2, max_blocks, bs, group=group,
+                                                   head_dim=hd, kv_row_bytes=row, device=M3_MAX)
+                if not part:
+                    continue
+                n = -(-max_blocks * bs // part)
+                assert part % bs == 0 and 2 <= n <= metal.MAX_PARTITIONS
+                extra = group * (hd * (2 + 4) + 8) + 8 * metal.NUM_SIMDGROUPS
+                assert extra <= metal.PARTIAL_BYTES_FRACTION * part * 2 * row
+    assert (metal.min_partition_tokens(7, 64, row_bytes(64, 4, 32, mx.float16), 2)
+            > metal.min_partition_tokens(7, 64, row_bytes(64, 8, 32, mx.float16), 2)
+            > metal.min_partition_tokens(7, 64, 128, 2) > metal.MIN_PARTITION_TOKENS)
 
 
 @pytest.mark.parametrize("split", [False, True])
@@ -330,7 +421,7 @@ def test_inputs_under_eight_elements(emulated, split):
     family), and the padding changes no result."""
     emulated("random:3")
     rng = np.random.default_rng(4)
-    lens = [2 * metal.MIN_PARTITION_TOKENS + 40] if split else [70]
+    lens = [split_length(1, 64, 256, 128, 2) + 40] if split else [70]
     bs = 256 if split else 16
     args = make_inputs(rng, dtype="float16", head_dim=64, group=1, block_size=bs,
                        scattered=True, context_lens=lens, num_kv_heads=1)
@@ -350,7 +441,8 @@ def test_inputs_under_eight_elements(emulated, split):
     assert mismatch(out, paged_attention_reference(*args, 0.125), "float16") <= 1.0
 
 
-@pytest.mark.parametrize("head_dim,block_size,group", [(64, 16, 6), (128, 1, 7), (128, 256, 1)])
+@pytest.mark.parametrize("head_dim,block_size,group", [(64, 16, 6), (128, 1, 7), (128, 256, 1),
+                                                      (256, 16, 22)])  # heads split 8 ways
 def test_threadgroup_memory(emulated, head_dim, block_size, group):
     """The wrapper's threadgroup-memory estimate (its 32 KiB check) matches the kernel's."""
     rng = np.random.default_rng(5)

@@ -139,7 +139,9 @@ def emulated(monkeypatch):
 def run_decode(c: dict, seed: int = 0) -> float:
     rng = np.random.default_rng(seed)
     bs = c["block_size"]
-    lens = [1, 2 * bs, bs + 3] + ([2 * metal.MIN_PARTITION_TOKENS + 3 * bs + 5] if c["split"] else [])
+    row = row_bytes(c["head_dim"], c["bits"], c["kv_group"], DTYPES[c["dtype"]])
+    shortest = metal.min_partition_tokens(c["group"], c["head_dim"], row, DTYPES[c["dtype"]].size)
+    lens = [1, 2 * bs, bs + 3] + ([2 * shortest + 3 * bs + 5] if c["split"] else [])
     q, k, v, bt, cl = decode_inputs(rng, c, lens)
     scale = c["head_dim"] ** -0.5
     out, launches = metal.run_with_launches(q, k, v, bt, cl, scale=scale,
@@ -313,6 +315,23 @@ def test_decode_reads_the_quantized_rows_once(emulated, group, head_dim, bits, l
     assert mismatch(out, decode_reference(q, k, v, bt, cl, 0.1), "float16") <= 1.0
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_split_path_reads_within_5_percent_of_the_quantized_minimum(emulated, bits):
+    """Issue 14: the planner's split (partitioned + merge) over a quantized cache at
+    Qwen2.5-0.5B head shapes reads at most 1.05x the quantized minimum: its partitions are long
+    enough that the re-read queries and the fp32 partials stay small beside the short rows."""
+    emulated("forward")
+    c = dict(dtype="float16", head_dim=64, group=7, block_size=16, bits=bits, kv_group=32)
+    rng = np.random.default_rng(11)
+    q, k, v, bt, cl = decode_inputs(rng, c, [2600, 700])
+    out, launches = metal.run_with_launches(q, k, v, bt, cl, scale=0.125)
+    assert [l.kind for l in launches] == ["paged_attention_partitioned_quant",
+                                          "paged_attention_merge"]
+    ratio = metal.bytes_read(launches) / metal.minimum_bytes(q, k, cl)
+    assert 1.0 <= ratio <= 1.05, ratio
+    assert mismatch(out, decode_reference(q, k, v, bt, cl, 0.125), "float16") <= 1.0
+
+
 def test_varlen_reads_the_quantized_rows_once_per_tile(emulated):
     """Qwen2.5-0.5B head shapes at 4 bits: a 32-token chunk over a 2,048-token prefix reads
     within 5% of the quantized minimum of walking each tile's visible keys once, plus the
@@ -346,7 +365,8 @@ def test_startup_check_builds_the_quantized_variants(emulated):
     assert [key[-1] for key in metal._families] == [(8, 64)] and all(metal._families.values())
     factory = metal._metal_kernel_factory()
     for kind in (*metal.QUANT_KERNEL_IO, "paged_attention_merge"):  # each built and run once
-        variant = "hd128" if kind == "paged_attention_merge" else "hd128_bs16_g7_nsg8_q8_gs64"
+        variant = (f"hd128_nsg{metal.MERGE_SIMDGROUPS}" if kind == "paged_attention_merge"
+                   else "hd128_bs16_g7_nsg8_q8_gs64")
         assert metal._kernel(factory, kind, variant).last_launch is not None, kind
     assert mismatch(out, decode_reference(q, k, v, bt, cl, 0.1), "bfloat16") <= 1.0
 

@@ -19,7 +19,9 @@ Invariants (issue 12):
     (`MLXPAGED_METAL=strict` or `=emulate`: an error instead, `KernelCheckError`).
   * Bad metadata: the kernels clamp context lengths to the table's width; `MLXPAGED_DEBUG=1`
     checks lengths and block ids against the table and the pool (ValueError).
-  * Registers per lane bounded: G * head_dim / 32 <= MAX_LANE_VALUES, else not supported.
+  * Registers per lane bounded (REGISTER_BUDGET): the G query heads of a kv head are split
+    over 2, 4 or 8 groups of simdgroups when one simdgroup holding all of them would exceed it
+    (`head_splits`; the kernels derive the same split from G and head_dim, no new name).
   * Quantized KV cache (`kv_quant.QuantizedPool` for k_cache and v_cache): kernels
     `paged_attention[_partitioned]_quant`, the float bodies reading K/V through
     `PA_QUANT_VIEWS` (bits and group size are template values in the name); each lane
@@ -46,18 +48,42 @@ from ..utils import cdiv
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 NUM_SIMDGROUPS = 8  # simdgroups per threadgroup: 256 threads, enough loads in flight per group
 
-# Split planning: aim for TARGET_THREADGROUPS threadgroups in flight (1 x 32K tokens then gets
-# as many as 32 x 1K), never partitions shorter than MIN_PARTITION_TOKENS (the merge would cost
-# more than it saves), and at most MAX_PARTITIONS (bounds the partials' size).
-TARGET_THREADGROUPS = 128
-MIN_PARTITION_TOKENS = 512
-MAX_PARTITIONS = 128
+# Split planning (`plan_partition_tokens`). Threadgroups to keep in flight: this many per GPU
+# core (256-thread threadgroups; a core holds several, so loads of one hide another's math).
+THREADGROUPS_PER_CORE = 4
+# GPU cores when the device cannot say (Linux, the emulator, an MLX without device_info): a base
+# M-series chip.
+DEFAULT_GPU_CORES = 10
+# GPU cores of the largest configuration of each Apple chip (binned parts have a few fewer),
+# keyed by (generation, tier) as `mx.metal.device_info()["device_name"]` ("Apple M3 Max") names it.
+GPU_CORES = {
+    ("M1", ""): 8, ("M1", "Pro"): 16, ("M1", "Max"): 32, ("M1", "Ultra"): 64,
+    ("M2", ""): 10, ("M2", "Pro"): 19, ("M2", "Max"): 38, ("M2", "Ultra"): 76,
+    ("M3", ""): 10, ("M3", "Pro"): 18, ("M3", "Max"): 40, ("M3", "Ultra"): 80,
+    ("M4", ""): 10, ("M4", "Pro"): 20, ("M4", "Max"): 40,
+}
+# An unknown chip by the last letter of its architecture ("applegpu_g15s"), as MLX's own
+# sdpa_vector planning reads it: p phone/tablet, g base, s Max, d Ultra (c: Pro, we assume).
+ARCH_SUFFIX_CORES = {"p": 6, "g": 10, "c": 18, "s": 40, "d": 80}
+# Partitions are never shorter than this (the merge and the queries each partition re-reads
+# would cost more than the parallelism buys) ...
+MIN_PARTITION_TOKENS = 128
+# ... nor so short that the bytes only the split reads (the partition's queries, its fp32
+# partial output, max and sum through the merge) exceed this fraction of the K/V bytes it
+# summarizes: the split path stays within 1.05x the minimum bytes, quantized caches included.
+PARTIAL_BYTES_FRACTION = 0.03
+MAX_PARTITIONS = 128  # bounds the partials' size
 # Whatever the batch, contexts longer than twice this are split into partitions of at most
-# this many tokens (the partials cost about 8 G / this fraction of the K/V bytes: < 1%).
+# this many tokens, so one long sequence among short ones is not left to one threadgroup per
+# kv head (the short ones' partitions past their end return at once).
 LONG_PARTITION_TOKENS = 2048
-# Accumulator values per lane (G * head_dim / 32): the kernel holds about twice this many
-# floats per lane (queries and accumulators); Apple GPUs spill beyond ~128 registers.
-MAX_LANE_VALUES = 64
+# Simdgroups of the merge pass's threadgroup: each folds every MERGE_SIMDGROUPS-th partition.
+MERGE_SIMDGROUPS = 4
+# Register bound (paged_attention.h PA_REGISTER_BUDGET, pa_lane_registers): live 32-bit values
+# per lane for GH query heads of head_dim / 32 dims each; Apple GPUs spill beyond about 128. A
+# group needing more is split over 2, 4 or 8 groups of simdgroups (`head_splits`).
+REGISTER_BUDGET = 128
+TOKEN_GROUP = 4  # PA_TOKEN_GROUP
 # MLX passes inputs of fewer elements in the constant address space (another kernel name).
 MIN_DEVICE_ELEMENTS = 8
 
@@ -155,26 +181,71 @@ class Launch:
         return _kernel(_metal_kernel_factory(), self.kind, self.variant)(**self.call)
 
 
-def plan_partition_tokens(num_seqs: int, num_kv_heads: int, max_blocks: int,
-                          block_size: int) -> int:
+@functools.lru_cache(maxsize=1)
+def device_info() -> dict:
+    """`mx.metal.device_info()` on a Mac (cached), {} where Metal is not available."""
+    try:
+        if not mx.metal.is_available():
+            return {}
+        info = getattr(mx.metal, "device_info", None)  # newer MLX: mx.device_info(mx.gpu)
+        return dict(info() if info else mx.device_info(mx.gpu))
+    except Exception:  # an MLX without device_info: plan with the defaults
+        return {}
+
+
+def gpu_cores(info: dict) -> int:
+    """GPU cores of the device `info` (`device_info()`'s dict) describes: an explicit core
+    count if MLX gives one, else by chip name (`GPU_CORES`), else by the architecture string's
+    last letter (`ARCH_SUFFIX_CORES`), else DEFAULT_GPU_CORES."""
+    for key in ("gpu_core_count", "num_gpu_cores", "gpu_cores"):
+        if isinstance(info.get(key), int) and info[key] > 0:
+            return info[key]
+    m = re.search(r"\b(M\d+)(?: (Pro|Max|Ultra))?\b", str(info.get("device_name", "")))
+    if m and (m[1], m[2] or "") in GPU_CORES:
+        return GPU_CORES[(m[1], m[2] or "")]
+    arch = str(info.get("architecture", ""))
+    if arch[-1:] in ARCH_SUFFIX_CORES:
+        return ARCH_SUFFIX_CORES[arch[-1]]
+    return DEFAULT_GPU_CORES
+
+
+def min_partition_tokens(group: int, head_dim: int, kv_row_bytes: int, q_bytes: int) -> int:
+    """Shortest partition whose split-only bytes stay within PARTIAL_BYTES_FRACTION of its K/V
+    bytes (and at least MIN_PARTITION_TOKENS). Per partition and kv head the split reads the G
+    queries again (`q_bytes` each element), the merge reads G fp32 partial rows plus a max and
+    a sum, and each simdgroup its uniform length and scale; the partition's K and V rows are
+    2 * kv_row_bytes per token."""
+    extra = group * (head_dim * (q_bytes + 4) + 8) + 8 * NUM_SIMDGROUPS
+    return max(MIN_PARTITION_TOKENS, math.ceil(extra / (PARTIAL_BYTES_FRACTION * 2 * kv_row_bytes)))
+
+
+def plan_partition_tokens(num_seqs: int, num_kv_heads: int, max_blocks: int, block_size: int,
+                          *, group: int = 1, head_dim: int = 128, kv_row_bytes: int | None = None,
+                          q_bytes: int = 2, device: dict | None = None) -> int:
     """Tokens per partition for the split path, or 0 for the single pass.
 
     The context bound is the block table's width, i.e. the longest context in the batch
-    (reading `context_lens` would force a sync). However many sequences there are, a context
-    over 2 x LONG_PARTITION_TOKENS is split into partitions of at most that many tokens, so one
-    long sequence among many short ones is not left to one threadgroup per kv head (shorter
-    sequences' partitions past their end return at once). Partitions are a power of two tokens
-    and a multiple of the block size, so each one starts on a block boundary.
+    (reading `context_lens` would force a sync). The split aims at THREADGROUPS_PER_CORE
+    threadgroups per GPU core of `device` (a `device_info()` dict; None: this machine's), and
+    a context over 2 x LONG_PARTITION_TOKENS is split into partitions of at most that many
+    tokens however many sequences there are. Partitions are never shorter than
+    `min_partition_tokens` (the split's extra bytes within PARTIAL_BYTES_FRACTION of the K/V
+    bytes: longer for many query heads per kv head or a quantized cache's small rows) and are
+    whole blocks, so each starts on a block boundary. `kv_row_bytes` is one K (or V) row's bytes
+    (default: head_dim float16 values), `q_bytes` a query element's.
     """
     ctx = max_blocks * block_size
     groups = num_seqs * num_kv_heads
-    long_parts = cdiv(ctx, LONG_PARTITION_TOKENS) if ctx > 2 * LONG_PARTITION_TOKENS else 1
-    fill = cdiv(TARGET_THREADGROUPS, groups) if groups < TARGET_THREADGROUPS else 1
-    want = min(max(fill, long_parts), MAX_PARTITIONS, ctx // MIN_PARTITION_TOKENS)
+    row = kv_row_bytes if kv_row_bytes is not None else 2 * head_dim
+    shortest = min_partition_tokens(group, head_dim, row, q_bytes)
+    target = gpu_cores(device_info() if device is None else device) * THREADGROUPS_PER_CORE
+    fill = cdiv(target, groups)  # partitions per (sequence, kv head) to reach the target
+    longest = max(LONG_PARTITION_TOKENS, shortest)
+    long_parts = cdiv(ctx, longest) if ctx > 2 * longest else 1
+    want = min(max(fill, long_parts), MAX_PARTITIONS, ctx // shortest)
     if want < 2:
         return 0
-    part = max(1 << (math.ceil(ctx / want) - 1).bit_length(), MIN_PARTITION_TOKENS)
-    part = cdiv(part, block_size) * block_size
+    part = cdiv(cdiv(ctx, want), block_size) * block_size
     return part if cdiv(ctx, part) >= 2 else 0
 
 
@@ -248,25 +319,53 @@ def partitioned_launch(q, k_cache, v_cache, block_tables, context_lens, scale,
 
 
 def merge_launch(part_out, part_max, part_sum, dtype) -> Launch:
-    """Launch of the split path's second pass: one simdgroup per (head, sequence)."""
+    """Launch of the split path's second pass: one threadgroup of MERGE_SIMDGROUPS simdgroups
+    per (head, sequence)."""
     num_seqs, num_heads, _, head_dim = part_out.shape
-    return Launch("paged_attention_merge", f"hd{head_dim}", dict(
+    threads = 32 * MERGE_SIMDGROUPS
+    return Launch("paged_attention_merge", f"hd{head_dim}_nsg{MERGE_SIMDGROUPS}", dict(
         inputs=[part_out, part_max, part_sum],
-        template=[("T", dtype), ("HD", head_dim)],
-        grid=(32, num_heads, num_seqs),
-        threadgroup=(32, 1, 1),
+        template=[("T", dtype), ("HD", head_dim), ("NSG", MERGE_SIMDGROUPS)],
+        grid=(threads, num_heads, num_seqs),
+        threadgroup=(threads, 1, 1),
         output_shapes=[(num_seqs, num_heads, head_dim)],
         output_dtypes=[dtype],
     ))
+
+
+def lane_registers(heads: int, head_dim: int) -> int:
+    """Live 32-bit values per lane of the attention loop for `heads` query heads per simdgroup
+    (mirrors pa_lane_registers)."""
+    dpl = head_dim // 32
+    return heads * (2 * dpl + TOKEN_GROUP + 2) + 2 * dpl + 2 * TOKEN_GROUP
+
+
+def head_splits(group: int, head_dim: int) -> int:
+    """Groups of simdgroups the G query heads of a kv head are split over (1, 2, 4 or 8) so a
+    lane stays within REGISTER_BUDGET (mirrors pa_head_splits); 8 may still exceed it."""
+    for hs in (1, 2, 4):
+        if lane_registers(cdiv(group, hs), head_dim) <= REGISTER_BUDGET:
+            return hs
+    return 8
 
 
 def threadgroup_bytes(head_dim: int, block_size: int, group: int) -> int:
     """Threadgroup memory of the attention kernels (mirrors their `threadgroup` arrays)."""
     chunk_blocks = max(1, 256 // block_size)  # PA_CHUNK_BLOCKS in paged_attention.h
     nsg = NUM_SIMDGROUPS
-    # 4-byte elements: queries, block ids (double-buffered), stats, head outputs (double-buffered)
-    arrays = (group * head_dim, 2 * chunk_blocks, 2 * nsg * group, 2 * nsg * head_dim)
+    heads = cdiv(group, head_splits(group, head_dim))  # per simdgroup
+    # 4-byte elements: queries then head outputs (double-buffered) in one array, block ids
+    # (double-buffered), stats
+    arrays = (max(group, 2 * nsg) * head_dim, 2 * chunk_blocks, 2 * nsg * heads)
     return sum(cdiv(4 * n, 16) * 16 for n in arrays)  # each array 16-byte aligned
+
+
+def kv_row_bytes(k_cache) -> int:
+    """Bytes of one K (or V) row of the pool: head_dim values, or a quantized row's codes,
+    scales and biases."""
+    hd = k_cache.shape[-1]
+    quant = quant_params(k_cache)
+    return row_bytes(hd, quant[0] if quant else None, quant[1] if quant else 0, k_cache.dtype)
 
 
 def minimum_bytes(q, k_cache, context_lens) -> int:
@@ -276,9 +375,7 @@ def minimum_bytes(q, k_cache, context_lens) -> int:
     _, kvh, bs, hd = k_cache.shape
     lens = [int(n) for n in context_lens.tolist()]
     blocks = sum(cdiv(n, bs) for n in lens)
-    quant = quant_params(k_cache)
-    row = row_bytes(hd, quant[0] if quant else None, quant[1] if quant else 0, k_cache.dtype)
-    return 2 * sum(lens) * kvh * row + q.nbytes + 4 * blocks + context_lens.nbytes
+    return 2 * sum(lens) * kvh * kv_row_bytes(k_cache) + q.nbytes + 4 * blocks + context_lens.nbytes
 
 
 def check_metadata(k_cache, block_tables, context_lens) -> None:
@@ -397,10 +494,11 @@ def _check(q, k_cache, v_cache=None):
     if threadgroup_bytes(head_dim, k_cache.shape[2], group) > 32768:  # Apple GPUs' limit
         raise ValueError(f"paged_attention_metal: {group} query heads per kv head of "
                          f"head_dim {head_dim} need more than 32 KiB of threadgroup memory")
-    if group * head_dim // 32 > MAX_LANE_VALUES:
+    heads = cdiv(group, head_splits(group, head_dim))
+    if lane_registers(heads, head_dim) > REGISTER_BUDGET:
         raise ValueError(f"paged_attention_metal: {group} query heads per kv head of head_dim "
-                         f"{head_dim} need {group * head_dim // 32} accumulators per lane, over "
-                         f"the register bound {MAX_LANE_VALUES}")
+                         f"{head_dim} need {lane_registers(heads, head_dim)} registers per lane "
+                         f"even split over 8 simdgroups, over the bound {REGISTER_BUDGET}")
 
 
 def _check_quant(head_dim: int, k_cache, v_cache) -> None:
@@ -496,7 +594,10 @@ def _run(q, k_cache, v_cache, block_tables, context_lens, scale, partition_token
     _, num_kv_heads, block_size, _ = k_cache.shape
     part = partition_tokens
     if part is None:
-        part = plan_partition_tokens(q.shape[0], num_kv_heads, block_tables.shape[1], block_size)
+        part = plan_partition_tokens(
+            q.shape[0], num_kv_heads, block_tables.shape[1], block_size,
+            group=q.shape[1] // num_kv_heads, head_dim=q.shape[2],
+            kv_row_bytes=kv_row_bytes(k_cache), q_bytes=q.dtype.size)
     args = (q, k_cache, v_cache, block_tables, context_lens, scale_arr)
     if not part:
         launches = [single_pass_launch(*args)]
