@@ -8,7 +8,9 @@ With `kv_bits` set, each pool is a `QuantizedPool` (codes, scales and biases in 
 layout): a write quantizes its new rows along head_dim and scatters all three arrays, a block
 copy copies all three, and a block costs `row_bytes` per row instead of `head_dim * dtype.size`.
 Keys are stored less a constant per (layer, KV head) (`kv_quant.key_offsets`), which attention
-cannot see (softmax ignores a shift shared by all of a query's scores) but quantization can.
+cannot see (softmax ignores a shift shared by all of a query's scores) but quantization can, and
+divided channel by channel by per-(layer, KV head) scales (`kv_calibration.key_scales`), which
+`scale_queries` multiplies back into the queries so every score `q . k` is unchanged.
 """
 
 from __future__ import annotations
@@ -79,12 +81,19 @@ class PagedKVCache:
     """Per-layer K/V pools plus the two operations the allocator needs: write and copy blocks."""
 
     def __init__(self, shape: CacheShape, num_blocks: int, block_size: int,
-                 key_offsets: list[mx.array | None] | None = None):
+                 key_offsets: list[mx.array | None] | None = None, key_scales: list[mx.array] | None = None):
         """`key_offsets[layer]` (`[num_kv_heads, head_dim]` or None) is subtracted from that
-        layer's keys before they are quantized: a quantized K row holds `quantize(k - offset)`."""
-        if key_offsets is not None and (shape.kv_bits is None or len(key_offsets) != shape.num_layers):
-            raise ValueError("key_offsets need a quantized cache and one entry per layer")
+        layer's keys before they are quantized and `key_scales[layer]` (`[num_kv_heads,
+        head_dim]`, positive) divides them: a quantized K row holds `quantize((k - offset) /
+        scale)`, and `scale_queries` multiplies the layer's queries by the same scales."""
+        for name, per_layer in (("key_offsets", key_offsets), ("key_scales", key_scales)):
+            if per_layer is not None and (shape.kv_bits is None or len(per_layer) != shape.num_layers):
+                raise ValueError(f"{name} need a quantized cache and one entry per layer")
+        if key_scales is not None and any(
+                tuple(c.shape) != (shape.num_kv_heads, shape.head_dim) or not bool((c > 0).all()) for c in key_scales):
+            raise ValueError(f"key_scales must be positive [num_kv_heads, head_dim] = {[shape.num_kv_heads, shape.head_dim]}")
         self.key_offsets = key_offsets
+        self.key_scales = key_scales
         self.shape = shape
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -94,9 +103,19 @@ class PagedKVCache:
         self._heads = mx.arange(shape.num_kv_heads)[None, :]
 
     @classmethod
-    def for_model(cls, model, shape: CacheShape, num_blocks: int, block_size: int) -> "PagedKVCache":
-        """The cache for `model`'s layers: a quantized one takes the model's key offsets."""
-        return cls(shape, num_blocks, block_size, key_offsets(model) if shape.kv_bits is not None else None)
+    def for_model(cls, model, shape: CacheShape, num_blocks: int, block_size: int,
+                  calibration_ids: list[int] | None = None) -> "PagedKVCache":
+        """The cache for `model`'s layers. A quantized one takes the model's key offsets and,
+        given `calibration_ids` (`kv_calibration.calibration_ids`), per-channel key scales
+        measured on them (one forward pass now)."""
+        if shape.kv_bits is None:
+            return cls(shape, num_blocks, block_size)
+        scales = None
+        if calibration_ids:
+            from .kv_calibration import key_scales
+
+            scales = key_scales(model, calibration_ids)
+        return cls(shape, num_blocks, block_size, key_offsets(model), scales)
 
     def _pool(self):
         s = self.shape
@@ -131,6 +150,8 @@ class PagedKVCache:
         if self.quantized:
             if self.key_offsets is not None and self.key_offsets[layer] is not None:
                 k = k - self.key_offsets[layer]  # the same shift for every key of a head: softmax cannot see it
+            if self.key_scales is not None:
+                k = k / self.key_scales[layer]  # undone in the queries (scale_queries)
             for pool, x in ((kp, k), (vp, v)):
                 # Quantized in the pool's dtype, so the scales and biases land in that dtype.
                 rows = mx.quantize(x.astype(pool.dtype), group_size=pool.group_size, bits=pool.bits)
@@ -141,6 +162,16 @@ class PagedKVCache:
         kp[blocks, self._heads, offsets] = k.astype(kp.dtype)
         vp[blocks, self._heads, offsets] = v.astype(vp.dtype)
         return kp, vp
+
+    def scale_queries(self, layer: int, q: mx.array) -> mx.array:
+        """`q [T, num_heads, head_dim]` as attention must see it over this layer's stored keys:
+        times the key scales (each KV head's scales for its query heads), so `(q * s) . (k / s)
+        = q . k`. Unchanged without key scales."""
+        if self.key_scales is None:
+            return q
+        T, H, D = q.shape
+        s = self.key_scales[layer].astype(q.dtype)[:, None, :]  # [kvh, 1, D], broadcast over a head's G queries
+        return (q.reshape(T, s.shape[0], H // s.shape[0], D) * s).reshape(T, H, D)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks `src -> dst` in every layer (copy-on-write)."""

@@ -4,10 +4,12 @@
   K/V (numpy gathers), over the shape matrix of test_paged_attention / test_varlen; and two
   mutants of the dequantization (wrong group, scales and biases swapped) that must fail it.
 - Writes and copies: pool rows against `mx.quantize` of the written rows.
-- Key offsets: against a numpy RoPE of the k_proj bias; attention does not see them.
-- The engine: against mlx-lm's contiguous `QuantizedKVCache` (the same affine quantization of
-  the same offset keys, attention by quantized matmuls) and the float cache on the tiny model;
-  prefix caching and forked samples unchanged.
+- Key offsets: against a numpy RoPE of the k_proj bias; attention does not see them. Key
+  scales: against numpy's per-channel spread of mlx-lm's contiguous keys over the calibration text.
+- The engine: against mlx-lm's contiguous cache holding K/V rounded exactly as the quantized
+  pools round them (offset keys over the scales, then `mx.quantize`/`mx.dequantize`; attention
+  is mlx-lm's own) and the float cache on the tiny model; prefix caching and forked samples
+  unchanged.
 - Pool sizing against row-byte arithmetic done here; bad settings give one-line errors.
 """
 
@@ -18,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from mlx_lm.models.cache import QuantizedKVCache
+from mlx_lm.models.cache import KVCache
 from reference import contiguous_generate
 from test_paged_attention import make_case, sdpa_contiguous
 from test_varlen import CASES, make_varlen_case, sdpa_with_mask
@@ -27,6 +29,7 @@ from mlxpaged import EngineConfig, LLMEngine, SamplingParams, kv_quant
 from mlxpaged.attention import paged_attention, paged_attention_varlen
 from mlxpaged.cli import main
 from mlxpaged.kv_cache import CacheShape, PagedKVCache, blocks_for_memory
+from mlxpaged.kv_calibration import calibration_ids, key_scales
 from mlxpaged.kv_quant import QuantizedPool
 
 QUANT = list(itertools.product([8, 4], [32, 64]))  # (bits, group_size)
@@ -234,28 +237,73 @@ def numpy_key_offsets(model, num_positions=4096):
     return out
 
 
-class OffsetQuantizedKVCache(QuantizedKVCache):
-    """mlx-lm's contiguous quantized cache, storing keys less a constant per KV head."""
+def numpy_key_scales(model, ids):
+    """Each layer's per-channel key spread over `ids`, from mlx-lm's own forward pass into its
+    contiguous KVCache (numpy float64): std per (KV head, channel), floored at 1e-3 of the
+    head's widest, over its geometric mean."""
+    cache = [KVCache() for _ in model.model.layers]
+    mx.eval(model(mx.array([ids]), cache=cache))
+    out = []
+    for c in cache:
+        std = np.array(c.keys[0, :, : len(ids)].astype(mx.float32), dtype=np.float64).std(axis=1)  # [kvh, d]
+        std = np.maximum(std, 1e-3 * std.max(axis=-1, keepdims=True) + 1e-12)
+        out.append(std / np.exp(np.log(std).mean(axis=-1, keepdims=True)))
+    return out
 
-    def __init__(self, offset, **kw):
-        super().__init__(**kw)
-        self.key_offset = mx.array(offset.astype(np.float32))[None, :, None, :]
+
+class RoundedKVCache(KVCache):
+    """mlx-lm's contiguous cache holding K/V exactly as rounded by a quantized paged cache:
+    keys `s * dequantize(quantize((k - c) / s))` (per KV head offsets c, per-channel scales s)
+    and values `dequantize(quantize(v))`; attention is then mlx-lm's own, on float rows."""
+
+    def __init__(self, offset, scale, bits, group_size):
+        super().__init__()
+        self.offset = mx.array(offset.astype(np.float32))[None, :, None, :]
+        self.scale = mx.array(scale.astype(np.float32))[None, :, None, :]
+        self.bits, self.group_size = bits, group_size
+
+    def _round(self, x):
+        return mx.dequantize(*mx.quantize(x, group_size=self.group_size, bits=self.bits),
+                             group_size=self.group_size, bits=self.bits)
 
     def update_and_fetch(self, keys, values):
-        return super().update_and_fetch(keys - self.key_offset, values)
+        keys = self.scale * self._round((keys - self.offset) / self.scale)
+        return super().update_and_fetch(keys, self._round(values))
 
 
-def quantized_contiguous_generate(model, prompt_ids, max_tokens, bits, gs):
-    """Greedy tokens and their top-2 logit gaps with mlx-lm's contiguous QuantizedKVCache."""
-    cache = [OffsetQuantizedKVCache(c, group_size=gs, bits=bits) for c in numpy_key_offsets(model)]
+def rounded_caches(model, tokenizer, bits, gs):
+    """One `RoundedKVCache` per layer, with numpy offsets and the calibration text's scales."""
+    ids = calibration_ids(tokenizer, model.args.vocab_size)
+    return [RoundedKVCache(c, s, bits, gs) for c, s in zip(numpy_key_offsets(model), numpy_key_scales(model, ids))]
+
+
+def quantized_contiguous_generate(model, tokenizer, prompt_ids, max_tokens, bits, gs):
+    """Greedy tokens and their top-2 logit gaps on mlx-lm's contiguous cache rounding K/V as the
+    quantized paged cache does."""
+    cache = rounded_caches(model, tokenizer, bits, gs)
     x, out, gaps = mx.array([prompt_ids]), [], []
     for _ in range(max_tokens):
-        logits = np.array(model(x, cache=cache)[0, -1])
+        logits = np.array(model(x, cache=cache)[0, -1].astype(mx.float32))
         top2 = np.sort(logits)[-2:]
         out.append(int(logits.argmax()))
         gaps.append(float(top2[1] - top2[0]))
         x = mx.array([[out[-1]]])
     return out, gaps
+
+
+def test_key_scales_match_contiguous_keys(tiny_loaded, mlx_lm_tiny):
+    """The scales measured on the paged cache equal numpy's over mlx-lm's contiguous keys."""
+    ref_model, tok = mlx_lm_tiny
+    ids = calibration_ids(tok, ref_model.args.vocab_size)
+    assert len(ids) > 100
+    got = key_scales(tiny_loaded.model, ids)
+    want = numpy_key_scales(ref_model, ids)
+    assert len(got) == len(want) == 2
+    for g, w in zip(got, want):
+        assert g.shape == (2, 64) and w.max() / w.min() > 1.5  # the channels really differ
+        np.testing.assert_allclose(np.array(g), w, rtol=2e-4)
+    with pytest.raises(ValueError, match="calibration tokens"):
+        key_scales(tiny_loaded.model, ids[:1])
 
 
 def test_key_offsets_match_numpy_rope(tiny_loaded, mlx_lm_tiny):
@@ -278,25 +326,36 @@ def test_attention_cannot_see_a_key_offset():
         np.testing.assert_allclose(np.array(outs[0]), np.array(outs[1]), atol=2e-4, rtol=1e-4)
 
 
-def test_write_subtracts_key_offsets():
+def test_write_subtracts_key_offsets_and_divides_by_key_scales():
     shape = CacheShape(1, 2, 64, mx.float32).quantized(8, 32)
-    off = mx.array(np.random.default_rng(9).normal(scale=30.0, size=(2, 64)).astype(np.float32))
-    cache = PagedKVCache(shape, 4, 4, key_offsets=[off])
+    rng = np.random.default_rng(9)
+    off = mx.array(rng.normal(scale=30.0, size=(2, 64)).astype(np.float32))
+    sc = rng.uniform(0.1, 10.0, size=(2, 64)).astype(np.float32)
+    cache = PagedKVCache(shape, 4, 4, key_offsets=[off], key_scales=[mx.array(sc)])
     k = mx.random.normal((3, 2, 64), key=mx.random.key(1))
     cache.write(0, k, k, mx.array([0, 5, 9], dtype=mx.int32))
-    want_k, want_v = mx.quantize(k - off, group_size=32, bits=8), mx.quantize(k, group_size=32, bits=8)
+    want_k, want_v = mx.quantize((k - off) / mx.array(sc), group_size=32, bits=8), mx.quantize(k, group_size=32, bits=8)
     for pool, want in ((cache.keys[0], want_k), (cache.values[0], want_v)):
         for got, w in zip(pool.arrays, want):
             rows = np.stack([np.array(got)[s // 4, :, s % 4] for s in (0, 5, 9)])  # slot -> (block, offset)
             np.testing.assert_array_equal(rows, np.array(w))
+    # Queries take the scales of their KV head: 7 query heads per KV head here.
+    q = rng.normal(size=(5, 14, 64)).astype(np.float32)
+    np.testing.assert_allclose(np.array(cache.scale_queries(0, mx.array(q))), q * np.repeat(sc, 7, axis=0)[None], rtol=1e-6)
     with pytest.raises(ValueError, match="key_offsets"):
         PagedKVCache(CacheShape(1, 2, 64, mx.float32), 4, 4, key_offsets=[off])
+    with pytest.raises(ValueError, match="key_scales"):
+        PagedKVCache(shape, 4, 4, key_scales=[mx.array(-sc)])
+    with pytest.raises(ValueError, match="key_scales"):
+        PagedKVCache(shape, 4, 4, key_scales=[mx.array(sc), mx.array(sc)])
+    plain = PagedKVCache(shape, 4, 4)
+    np.testing.assert_array_equal(np.array(plain.scale_queries(0, mx.array(q))), q)
 
 
 @pytest.mark.parametrize("bits,gs", QUANT)
 def test_engine_matches_contiguous_quantized_cache(tiny_loaded, mlx_lm_tiny, bits, gs):
     """Batched, block size 4 (tables interleave), chunked prefill: the tokens of mlx-lm's
-    contiguous QuantizedKVCache until its first near-tie (top-2 gap < 0.01)."""
+    contiguous cache rounding K/V the same way, until its first near-tie (top-2 gap < 0.01)."""
     ref_model, tok = mlx_lm_tiny
     engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=128, block_size=4, max_num_batched_tokens=12,
                                                  kv_bits=bits, kv_group_size=gs, attention_impl="reference"))
@@ -304,7 +363,7 @@ def test_engine_matches_contiguous_quantized_cache(tiny_loaded, mlx_lm_tiny, bit
     done = run_all(engine)
     compared = 0
     for p, r in zip(PROMPTS, rids):
-        want, gaps = quantized_contiguous_generate(ref_model, tok.encode(p), 30, bits, gs)
+        want, gaps = quantized_contiguous_generate(ref_model, tok, tok.encode(p), 30, bits, gs)
         # Up to (and including) the first near-tie: past it either token is right and the runs may part.
         first_close = next((i for i, g in enumerate(gaps) if g < 0.01), len(gaps) - 1) + 1
         assert done[r].outputs[0].token_ids[:first_close] == want[:first_close]

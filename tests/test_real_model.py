@@ -125,11 +125,11 @@ def test_kv_quant_perplexity_within_bounds(real):
 
 
 def test_kv_8bit_greedy_matches_contiguous_quantized_cache(real):
-    """The engine with kv_bits=8 against mlx-lm's contiguous QuantizedKVCache storing the same
-    offset keys (numpy RoPE of the k_proj bias; attention by quantized matmuls): the same greedy
-    tokens up to the first near-tie (top-2 logit gap < 0.01)."""
+    """The engine with kv_bits=8 against mlx-lm's contiguous cache holding K/V rounded the same
+    way (keys less numpy's RoPE of the k_proj bias, over numpy's per-channel scales from the
+    calibration text): the same greedy tokens up to the first near-tie (top-2 logit gap < 0.01)."""
     import numpy as np
-    from test_kv_quant import OffsetQuantizedKVCache, numpy_key_offsets
+    from test_kv_quant import rounded_caches
 
     loaded, ref = real
     tok = loaded.tokenizer
@@ -141,7 +141,7 @@ def test_kv_8bit_greedy_matches_contiguous_quantized_cache(real):
     done = []
     while engine.has_unfinished_requests():
         done += [o for o in engine.step() if o.finished]
-    cache = [OffsetQuantizedKVCache(c, group_size=64, bits=8) for c in numpy_key_offsets(ref)]
+    cache = rounded_caches(ref, tok, 8, 64)
     x, want, gaps = mx.array([prompt]), [], []
     for _ in range(40):
         logits = np.array(ref(x, cache=cache)[0, -1].astype(mx.float32))

@@ -4,7 +4,8 @@ A model computes q, k, v (after RoPE) for the step's packed tokens and calls thi
 writes the new keys and values into the layer's pools through the slot mapping, then runs
 `paged_attention_varlen` over every sequence's block table (decodes and prefill chunks alike).
 With a quantized cache the write quantizes the new rows and the pools it returns are
-`QuantizedPool`s, which `paged_attention_varlen` reads as they are.
+`QuantizedPool`s, which `paged_attention_varlen` reads as they are; the queries first take the
+cache's per-channel key scales (`PagedKVCache.scale_queries`).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ class PagedAttention(nn.Module):
         -> `[T, 1, num_heads * hd]`."""
         T = q.shape[0]
         k_pool, v_pool = cache.write(self.layer_idx, k.squeeze(2), v.squeeze(2), meta.slot_mapping)
+        q = cache.scale_queries(self.layer_idx, q.squeeze(2))  # the cache may store keys rescaled per channel
         out = paged_attention_varlen(
-            q.squeeze(2), k_pool, v_pool, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+            q, k_pool, v_pool, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
             scale=self.scale, impl=meta.impl,
         )
         return out.reshape(T, 1, -1)

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..attention.metadata import AttentionMetadata
 from ..kv_cache import CacheShape, PagedKVCache, slot_mapping
+from ..kv_calibration import calibration_ids
 from ..utils import cdiv
 
 SNIPPET = Path(__file__).resolve().parents[2] / "tests" / "data" / "perplexity_snippet.py"
@@ -37,14 +38,17 @@ def alpaca_text(num_records: int = 12) -> str:
 
 
 def paged_perplexity(loaded, ids: list[int], *, kv_bits: int | None = None, kv_group_size: int = 64,
-                     chunk: int = 16, block_size: int = 16, impl: str = "reference", seed: int = 0) -> float:
-    """Perplexity of `ids` (next-token, positions 1..n-1) on a paged cache of `kv_bits`.
+                     chunk: int = 16, block_size: int = 16, impl: str = "reference", seed: int = 0,
+                     calibrate: bool = True) -> float:
+    """Perplexity of `ids` (next-token, positions 1..n-1) on a paged cache of `kv_bits`
+    (with per-channel key scales from the calibration text unless `calibrate` is False).
 
     The sequence's blocks are a random permutation of the pool, so tables really page.
     """
     shape = CacheShape.of(loaded).quantized(kv_bits, kv_group_size)
     num_blocks = cdiv(len(ids), block_size)
-    cache = PagedKVCache.for_model(loaded.model, shape, num_blocks, block_size)  # as the engine builds it
+    ids_cal = calibration_ids(loaded.tokenizer, loaded.model.args.vocab_size) if calibrate else None
+    cache = PagedKVCache.for_model(loaded.model, shape, num_blocks, block_size, ids_cal)  # as the engine builds it
     table = np.random.default_rng(seed).permutation(num_blocks).astype(np.int32)
     nll, count = 0.0, 0
     for start in range(0, len(ids) - 1, chunk):
