@@ -9,6 +9,7 @@ import sys
 
 import click
 
+from .cli_options import engine_config, model_and_engine_options
 from .errors import MlxPagedError
 from .sampling_params import SamplingParams
 
@@ -65,7 +66,7 @@ def main():
 
 
 @main.command()
-@click.option("--model", "-m", default=None, help="Checkpoint directory, .gguf file or Hugging Face repo id (default: the offline Qwen2.5-Coder-0.5B-Instruct).")
+@model_and_engine_options("what the prompts, -n and --max-tokens can use, capped by free memory")
 @click.option("--prompt", "-p", "prompts", multiple=True, help="A prompt; repeat for a batch. '-' reads stdin.")
 @click.option("--prompts-file", type=click.Path(dir_okay=False), help="One prompt per line, or JSONL with \"prompt\" and sampling fields.")
 @click.option("-n", "n", default=1, show_default=True, help="Samples per prompt (share the prompt's blocks).")
@@ -75,27 +76,14 @@ def main():
 @click.option("--top-k", default=0, show_default=True, help="0 disables.")
 @click.option("--seed", default=0, show_default=True, help="Seed of each prompt; sample i draws from its own stream derived from (seed, i).")
 @click.option("--stop", multiple=True, help="A stop string; repeatable.")
-@click.option("--block-size", default=16, show_default=True, help="Tokens per KV block (power of two, 1..256).")
-@click.option("--num-blocks", default=None, type=int, help="KV blocks in the pool (default: what the prompts, -n and --max-tokens can use, capped by free memory).")
-@click.option("--max-num-seqs", default=64, show_default=True, help="Sequences running at once.")
-@click.option("--max-num-batched-tokens", default=2048, show_default=True, help="Tokens computed per step (prefill chunk size).")
-@click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True)
-@click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), show_default=True)
-@click.option("--weights", default="auto", type=click.Choice(["auto", "quantized", "float"]), show_default=True, help="GGUF block weights kept quantized (MLX quantized layers) or dequantized; auto: quantized on a GPU, float on the CPU (faster there).")
-@click.option("--attention", "attention_impl", default="auto", type=click.Choice(["auto", "reference", "metal"]), show_default=True)
-@click.option("--kv-bits", default=None, type=int, metavar="{4,8}", help="Store K/V quantized at this many bits (default: the model's dtype).")
-@click.option("--kv-group-size", default=64, show_default=True, metavar="{32,64}", help="Values sharing one scale and bias in a quantized K/V row.")
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap each prompt in the model's chat template.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS (benchmarks).")
 @click.option("--beam-width", default=0, show_default=True, help="Beam search with this many beams on shared blocks (0: sample).")
 @click.option("--length-penalty", default=1.0, show_default=True, help="Beam score = cumulative logprob / length ** this.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with outputs and stats.")
-def generate(model, prompts, prompts_file, n, max_tokens, temp, top_p, top_k, seed, stop, block_size, num_blocks,
-             max_num_seqs, max_num_batched_tokens, prefix_caching, dtype, weights, attention_impl, chat, ignore_eos,
-             beam_width, length_penalty, as_json, kv_bits, kv_group_size):
+def generate(model, dtype, weights, prompts, prompts_file, n, max_tokens, temp, top_p, top_k, seed, stop, chat,
+             ignore_eos, beam_width, length_penalty, as_json, **engine_flags):
     """Generate completions for one or more prompts on a paged KV cache."""
-    from .config import EngineConfig
-
     try:
         items = [(sys.stdin.read() if p == "-" else p, {}) for p in prompts]
         if prompts_file:
@@ -111,9 +99,7 @@ def generate(model, prompts, prompts_file, n, max_tokens, temp, top_p, top_k, se
 
             beam = BeamSearchParams(beam_width, max_tokens, ignore_eos=ignore_eos, length_penalty=length_penalty)
             params = [SamplingParams(n=beam_width, max_tokens=max_tokens)] * len(items)  # the pool's sizing
-        config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching,
-                              attention_impl=attention_impl, kv_bits=kv_bits, kv_group_size=kv_group_size)
+        config = engine_config(engine_flags)
         if any(not p.strip() for p, _ in items):
             raise MlxPagedError("empty prompt")
         from .distributed import launched_group, tp_engine
@@ -125,7 +111,7 @@ def generate(model, prompts, prompts_file, n, max_tokens, temp, top_p, top_k, se
             sys.stdout = open(os.devnull, "w")  # rank 0 prints; the others only compute
         loaded = load(model, dtype, weights) if group is None else load_shard(model, dtype, weights, group)
         ids = [_encode(loaded.tokenizer, p, chat) for p, _ in items]
-        if num_blocks is None:
+        if config.num_blocks is None:
             config.num_blocks = _workload_blocks(loaded, config, ids, params)
         engine = LLMEngine(loaded, config) if group is None else tp_engine(loaded, config, group)
         if beam is not None:

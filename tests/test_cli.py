@@ -131,3 +131,26 @@ def test_beam_width_prints_scored_beams(tiny_model_path, mlx_lm_tiny):
     assert [o["score"] for o in outs] == pytest.approx([s for s, _, _ in want], abs=1e-4)
     r = run("--model", str(tiny_model_path), "--prompt", prompt, "--no-chat", "--beam-width", "3", "-t", "8")
     assert r.exit_code == 0 and r.stdout.count("==== beam ") == 3 and "score" in r.stdout
+
+
+def test_generate_and_serve_share_model_and_engine_flags():
+    """Both commands take the model and engine flags from one declaration: same names, defaults
+    and choices, and each engine flag reaches its EngineConfig field."""
+    from mlxpaged.cli_options import ENGINE_FIELDS, engine_config
+    from mlxpaged.config import EngineConfig
+
+    params = {cmd: {p.name: p for p in main.commands[cmd].params} for cmd in ("generate", "serve")}
+    shared = ["model", "dtype", "weights", *ENGINE_FIELDS]
+    for name in shared:
+        g, s = params["generate"][name], params["serve"][name]
+        assert (g.opts, g.default, getattr(g.type, "choices", None)) == (s.opts, s.default, getattr(s.type, "choices", None))
+    kw = {flag: params["serve"][flag].default for flag in ENGINE_FIELDS} | {"port": 8000}
+    assert engine_config(kw) == EngineConfig() and kw == {"port": 8000}  # defaults agree; flags taken out
+
+
+@pytest.mark.parametrize("args,msg", [(["--block-size", "3"], "block size"), (["--kv-bits", "3"], "kv_bits")])
+def test_serve_bad_engine_flag_one_line(args, msg):
+    """`serve` rejects bad engine settings before loading anything: one line, exit 1."""
+    r = CliRunner().invoke(main, ["serve", "--port", "0", *args])
+    assert r.exit_code == 1 and msg in r.output and "Traceback" not in r.output
+    assert len(r.output.strip().splitlines()) == 1

@@ -12,6 +12,7 @@ import sys
 
 import click
 
+from ..cli_options import engine_config, model_and_engine_options
 from ..errors import MlxPagedError
 
 
@@ -32,26 +33,16 @@ def _check_port(host: str, port: int) -> None:
 
 
 @click.command()
-@click.option("--model", "-m", default=None, help="Checkpoint directory, .gguf file or Hugging Face repo id (default: the offline Qwen2.5-Coder-0.5B-Instruct).")
+@model_and_engine_options("sized from free memory")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0 exposes the server to the network).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--api-key", envvar="MLXPAGED_API_KEY", default=None, help="Require 'Authorization: Bearer KEY' on /v1/ routes (env MLXPAGED_API_KEY).")
 @click.option("--max-queue", default=1024, show_default=True, type=click.IntRange(1), help="Requests waiting for admission before new ones get 503.")
 @click.option("--served-model-name", default=None, help="The model id of /v1/models (default: --model, or the checkpoint's folder name).")
-@click.option("--block-size", default=16, show_default=True, help="Tokens per KV block (power of two, 1..256).")
-@click.option("--num-blocks", default=None, type=int, help="KV blocks in the pool (default: sized from free memory).")
-@click.option("--max-num-seqs", default=64, show_default=True, help="Sequences running at once.")
-@click.option("--max-num-batched-tokens", default=2048, show_default=True, help="Tokens computed per step (prefill chunk size).")
-@click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True)
-@click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), show_default=True)
-@click.option("--attention", "attention_impl", default="auto", type=click.Choice(["auto", "reference", "metal"]), show_default=True)
-@click.option("--kv-bits", default=None, type=int, metavar="{4,8}", help="Store K/V quantized at this many bits (default: the model's dtype).")
-@click.option("--kv-group-size", default=64, show_default=True, metavar="{32,64}", help="Values sharing one scale and bias in a quantized K/V row.")
 @click.option("--shutdown-timeout", default=5.0, show_default=True, help="Seconds Ctrl-C lets running requests finish before aborting them.")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]), show_default=True)
-def serve(model, host, port, api_key, max_queue, served_model_name, block_size, num_blocks, max_num_seqs,
-          max_num_batched_tokens, prefix_caching, dtype, attention_impl, shutdown_timeout, log_level,
-          kv_bits, kv_group_size):
+def serve(model, dtype, weights, host, port, api_key, max_queue, served_model_name, shutdown_timeout, log_level,
+          **engine_flags):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
     try:
         import fastapi  # noqa: F401
@@ -63,8 +54,11 @@ def serve(model, host, port, api_key, max_queue, served_model_name, block_size, 
     from ..distributed import launched_group
 
     group = launched_group()  # under mlx.launch: tensor parallel; rank 0 serves HTTP, the others follow it
-    make = lambda: _load_engine(model, dtype, block_size, num_blocks, max_num_seqs,  # noqa: E731
-                                max_num_batched_tokens, prefix_caching, attention_impl, kv_bits, kv_group_size, group)
+    try:
+        config = engine_config(engine_flags)
+    except ValueError as e:
+        _fail(str(e))
+    make = lambda: _load_engine(model, dtype, weights, config, group)  # noqa: E731
     if group is not None and group.rank() != 0:
         return _follow(make, group)
     _check_port(host, port)
@@ -105,21 +99,17 @@ def serve(model, host, port, api_key, max_queue, served_model_name, block_size, 
         _exit_now()
 
 
-def _load_engine(model, dtype, block_size, num_blocks, max_num_seqs, max_num_batched_tokens, prefix_caching, attention_impl,
-                 kv_bits=None, kv_group_size=64, group=None):
-    from ..config import EngineConfig
+def _load_engine(model, dtype, weights, config, group=None):
+    """The engine `serve` runs: the whole model here, or this rank's shard under mlx.launch."""
     from ..engine import LLMEngine
     from ..loader import load
 
-    config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching,
-                          attention_impl=attention_impl, kv_bits=kv_bits, kv_group_size=kv_group_size)
     if group is not None:
         from ..distributed import tp_engine
         from ..loader import load_shard
 
-        return tp_engine(load_shard(model, dtype, None, group), config, group)
-    return LLMEngine(load(model, dtype), config)
+        return tp_engine(load_shard(model, dtype, weights, group), config, group)
+    return LLMEngine(load(model, dtype, weights), config)
 
 
 def _follow(make_engine, group) -> None:
