@@ -17,6 +17,7 @@ ENGINE_FIELDS = {
     "attention_impl": "attention_impl",
     "kv_bits": "kv_bits",
     "kv_group_size": "kv_group_size",
+    "async_scheduling": "async_scheduling",
 }
 
 
@@ -35,6 +36,7 @@ def model_and_engine_options(num_blocks_help: str):
         click.option("--attention", "attention_impl", default="auto", type=click.Choice(["auto", "reference", "metal"]), show_default=True),
         click.option("--kv-bits", default=None, type=int, metavar="{4,8}", help="Store K/V quantized at this many bits (default: the model's dtype)."),
         click.option("--kv-group-size", default=64, show_default=True, metavar="{32,64}", help="Values sharing one scale and bias in a quantized K/V row."),
+        click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True, help="Launch each step before reading back the previous one's tokens (outputs are the same either way)."),
     ]
 
     def wrap(f):

@@ -18,6 +18,10 @@ class EngineConfig:
     kv_bits: None keeps K/V rows in the model's dtype; 8 or 4 stores them quantized along
       head_dim in groups of `kv_group_size` (32 or 64) with a scale and a bias per group, so
       the same memory holds about 1.9x (8-bit) or 3.5x (4-bit) the tokens of a float16 cache.
+    async_scheduling: launch step t+1 (`mx.async_eval`) before reading step t's sampled tokens
+      back, so scheduling, input building, stop checks and detokenizing overlap the device's
+      work; the outputs are the same as with it off (engine.py says how, and when a step
+      still waits: beam-search rows).
     """
 
     block_size: int = 16
@@ -31,6 +35,7 @@ class EngineConfig:
     attention_impl: str = "auto"
     kv_bits: int | None = None
     kv_group_size: int = 64
+    async_scheduling: bool = True
 
     def __post_init__(self):
         bs = self.block_size

@@ -3,6 +3,25 @@
 Wiring, all explicit: `Scheduler` (who runs, and the one owner of the block tables, through
 `BlockManager`) -> `ModelRunner` (the forward pass over `PagedKVCache`) -> `sampler` (which
 token) -> stop checks and detokenizing here. The engine never touches a block table itself.
+
+Overlapped steps (`EngineConfig.async_scheduling`, on by default), as mlx-lm's generate loop:
+one `step()` call schedules step t+1, builds its inputs and its sampling graph and launches it
+with `mx.async_eval`, and only then reads back step t's tokens (one `tolist`), appends them,
+runs the stop checks and detokenizes, while the device computes t+1. Invariants:
+- a token sampled in step t stays an MLX array until read back; a sequence that decodes in
+  t+1 takes its input id (and its random key) as a row of step t's arrays (`Sequence.pending`);
+- anything that needs token values waits for the read-back: stop checks, detokenizing, block
+  hashing (`update_from_forward` runs after it), beam selection;
+- a sequence found finished after t+1 was launched has computed one token too many: that row
+  is dropped (never appended, never counted) and its blocks are freed. Reuse is safe because
+  MLX arrays are functional: a later write to a pool is a new version built on the version
+  step t+1 reads and writes, so it happens after it. A sequence whose pending token is its
+  `max_tokens`-th is not decoded again, so no slot beyond `blocks_for_request` is ever taken;
+- a preempted or aborted sequence drops its pending token and keeps its key: the recompute
+  samples that position again from the same stream;
+- a step with beam-search rows is read back before the next is scheduled (its beams fork and
+  drop on the values); copy-on-write copies wait for the device inside `copy_blocks`.
+With the flag off every step is read back at once, in the same order of operations.
 """
 
 from __future__ import annotations
@@ -10,6 +29,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -18,13 +38,36 @@ from .block_manager import BlockManager, HashFn, blocks_for_request, sha256_bloc
 from .config import EngineConfig
 from .errors import MlxPagedError, StepError
 from .kv_cache import CacheShape, PagedKVCache, blocks_for_memory
+from .kv_calibration import calibration_ids
 from .loader import LoadedModel
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, EngineStats, RequestOutput
-from .sampler import sample_batch, sample_key
+from .sampler import SampleArrays, read_samples, sample_arrays, sample_key
 from .sampling_params import SamplingParams
 from .scheduler import SampleRow, Scheduler, SchedulerOutput
-from .sequence import FinishReason, Request, Sequence
+from .sequence import FinishReason, PendingToken, Request, Sequence
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward pass and draws were handed to the device and not read back yet."""
+
+    step_id: int
+    out: SchedulerOutput
+    pairs: list[tuple[Request, Sequence]]  # who draws row j of `sampled`
+    sampled: SampleArrays | None
+    beam_rows: list[SampleRow]  # read back at once: beams fork and drop on the values
+    logits: mx.array | None  # kept only for beam rows
+    num_prefill: int
+    launched_at: float
+
+    def requests(self) -> list[Request]:
+        return requests_of(self.out)
+
+
+def requests_of(out: SchedulerOutput) -> list[Request]:
+    """The requests a scheduled step computes tokens for, each once."""
+    return list(dict.fromkeys([r for r, _ in out.decodes] + [c.request for c in out.prefills]))
 
 
 class LLMEngine:
@@ -49,7 +92,9 @@ class LLMEngine:
             hash_fn=hash_fn,
             extra_key=loaded.identity,
         )
-        self.kv_cache = PagedKVCache.for_model(loaded.model, self.cache_shape, num_blocks, config.block_size)
+        # A quantized cache measures its per-channel key scales on the calibration text now (kv_calibration.py).
+        cal = calibration_ids(loaded.tokenizer, loaded.model.args.vocab_size) if config.kv_bits is not None else None
+        self.kv_cache = PagedKVCache.for_model(loaded.model, self.cache_shape, num_blocks, config.block_size, cal)
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.attention_impl)
         self._check_kernels()
         self.scheduler = Scheduler(config, self.block_manager)
@@ -58,6 +103,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
         self._requests: dict[str, Request] = {}
+        self._inflight: LaunchedStep | None = None  # launched, not read back (overlapped steps)
+        self._carried: list[Request] = []  # read back during a failed step: reported at the next
+        self._last_read = 0.0
 
     def _check_kernels(self) -> None:
         """With the Metal kernel in use, build and check its variants now, before any request:
@@ -138,7 +186,7 @@ class LLMEngine:
             )
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._carried)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks now; False if it is unknown or done."""
@@ -152,64 +200,144 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns the outputs of the requests that progressed.
 
-        Raises `StepError` if the forward pass or sampling fails: the requests of that step are
-        aborted (their blocks freed) and the engine goes on with the others at the next call.
+        With overlapped steps, a call launches a step and reads back the one before it, so the
+        tokens it reports are those of the previous launch (plus requests whose prefill chunks
+        it launched). Raises `StepError` if building or running a step fails: the requests of
+        that step are aborted (their blocks freed) and the engine goes on with the others at
+        the next call; tokens of the step before, read back meanwhile, come with the next call.
         """
+        progressed: list[Request] = self._carried
+        self._carried = []
+        prev, self._inflight = self._inflight, None
         out = self.scheduler.schedule()
         if out.empty:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("scheduler made no progress")  # guarded by _check_fits
-            return []
+            if prev is None:
+                if self.scheduler.has_unfinished():
+                    raise RuntimeError("scheduler made no progress")  # guarded by _check_fits
+                return self._report(progressed)
+            try:
+                progressed += self._read_back(prev)
+            except Exception as e:
+                self._fail(prev.requests(), progressed, e)
+            return self._report(progressed)
+        launched = False
         try:
-            logits = self._forward(out)
-            rows = self.scheduler.update_from_forward(out)
-            self._sample(rows, logits)
+            cur = self._launch(out)
+            launched = True
+            if prev is not None:
+                progressed += self._read_back(prev)
+                prev = None
+            self._commit(cur)
+            if self.config.async_scheduling and not cur.beam_rows:
+                self._inflight = cur
+            else:
+                progressed += self._read_back(cur)
         except Exception as e:
-            failed = list(dict.fromkeys([c.request.request_id for c in out.prefills] + [r.request_id for r, _ in out.decodes]))
-            for rid in failed:
-                self.abort_request(rid)
-            raise StepError(failed, e) from e
+            failed = requests_of(out)
+            if prev is not None:
+                if launched:  # reading `prev` back failed (and `cur` is built on its tokens)
+                    failed += prev.requests()
+                else:  # `prev` is fine: deliver its tokens with the next call
+                    try:
+                        progressed += self._read_back(prev)
+                    except Exception:
+                        failed += prev.requests()
+            self._fail(failed, progressed, e)
         self.stats.steps += 1
         self._track_peaks()
-        progressed = dict.fromkeys([c.request for c in out.prefills] + [r for r, _ in out.decodes])
-        return [self._finish_or_report(r) for r in progressed if r.request_id in self._requests]
+        return self._report(progressed + [c.request for c in out.prefills])
 
-    def _forward(self, out: SchedulerOutput) -> mx.array:
-        """One forward pass over every scheduled token; logits `[len(out.batch()), V]`."""
-        self.kv_cache.copy_blocks(out.block_copies)
+    def _fail(self, failed: list[Request], progressed: list[Request], error: Exception):
+        """Abort the `failed` requests (their blocks return to the pool) and raise `StepError`;
+        the other requests that progressed are reported by the next call."""
+        ids = list(dict.fromkeys(r.request_id for r in failed))
+        for rid in ids:
+            self.abort_request(rid)
+        self._carried = [r for r in progressed if r.request_id in self._requests]
+        raise StepError(ids, error) from error
+
+    def _report(self, progressed: list[Request]) -> list[RequestOutput]:
+        return [self._finish_or_report(r) for r in dict.fromkeys(progressed) if r.request_id in self._requests]
+
+    def _launch(self, out: SchedulerOutput) -> LaunchedStep:
+        """Build the step's forward pass and draws and hand them to the device; waits for nothing
+        (but copy-on-write copies, which `copy_blocks` evaluates)."""
         t0 = time.perf_counter()
-        logits = self.runner.forward(out.batch())
-        dt = time.perf_counter() - t0
+        rows = self.scheduler.sample_rows(out)
+        logits = self._forward(out)
+        plain = [r for r in rows if r.request.beam is None]
+        beam_rows = [r for r in rows if r.request.beam is not None]
+        pairs = [(r.request, s) for r in plain for s in r.seqs]
+        sampled = None
+        todo = list(self.kv_cache.arrays)  # every pool array (a QuantizedPool is not an array)
+        if pairs:
+            index = [r.row for r in plain for _ in r.seqs]
+            if index != list(range(logits.shape[0])):
+                logits_rows = logits[mx.array(index)]
+            else:
+                logits_rows = logits
+            sampled = sample_arrays(logits_rows, [r.params for r, _ in pairs], [s.current_key() for _, s in pairs])
+            todo += sampled.arrays()
+        if beam_rows:
+            todo.append(logits)
+        mx.async_eval(*todo)
         num_prefill = sum(c.num_tokens for c in out.prefills)
         self.stats.computed_prefill_tokens += num_prefill
-        # A pass with prefill chunks counts as prefill time; pure-decode passes give the decode rate.
-        if num_prefill:
+        return LaunchedStep(self.stats.steps, out, pairs, sampled, beam_rows, logits if beam_rows else None,
+                            num_prefill, t0)
+
+    def _forward(self, out: SchedulerOutput) -> mx.array:
+        """The step's one forward pass over every scheduled token, lazily; logits `[len(out.batch()), V]`.
+        Copy-on-write copies go first (they wait for the device: `copy_blocks` evaluates)."""
+        self.kv_cache.copy_blocks(out.block_copies)
+        return self.runner.forward(out.batch())
+
+    def _commit(self, step: LaunchedStep) -> None:
+        """The step's tokens are computed (block tables, hashes, forks); its draws become pending."""
+        self.scheduler.update_from_forward(step.out)
+        s = step.sampled
+        if s is None:
+            return
+        key_row = {i: j for j, i in enumerate(s.sampled)}
+        for j, (_, seq) in enumerate(step.pairs):
+            if not seq.finished:  # finished after the step was scheduled: a wasted row
+                seq.pending = PendingToken(step.step_id, s.tokens, j, s.keys if j in key_row else None, key_row.get(j, 0))
+
+    def _read_back(self, step: LaunchedStep) -> list[Request]:
+        """Wait for the step's values; append tokens, check stops, detokenize, run beam steps."""
+        progressed: list[Request] = []
+        if step.sampled is not None:
+            toks, _, logprobs = read_samples(step.sampled, key_slices=False)
+            for j, (req, seq) in enumerate(step.pairs):
+                p = seq.pending
+                if p is None:
+                    continue  # preempted, aborted or finished since the launch: the token is dropped
+                assert p.step == step.step_id, "one launched step at most is not read back"
+                seq.pending = None
+                if p.keys is not None:
+                    seq.rng_key = p.keys[p.key_row]
+                self._append_token(req, seq, toks[j], logprobs[j])
+                if seq.finished:
+                    self.scheduler.finish_sequence(req, seq)
+                progressed.append(req)
+        if step.beam_rows:
+            beams: dict[Request, dict[Sequence, int]] = {}
+            for r in step.beam_rows:
+                beams.setdefault(r.request, {}).update({s: r.row for s in r.seqs})
+            for req, seq_rows in beams.items():
+                if not req.finished:
+                    self._beam_step(req, seq_rows, step.logits)
+                    progressed.append(req)
+        now = time.perf_counter()
+        # Time between read-backs: with overlapped steps, one step's share of the wall clock.
+        dt = now - max(step.launched_at, self._last_read)
+        self._last_read = now
+        if step.num_prefill:  # a pass with prefill chunks counts as prefill time
             self.stats.prefill_time += dt
         else:
             self.stats.decode_time += dt
-            self.stats.decode_tokens += len(out.decodes)
-        return logits
-
-    def _sample(self, rows: list[SampleRow], logits: mx.array) -> None:
-        beams: dict[Request, dict[Sequence, int]] = {}
-        for r in rows:
-            if r.request.beam is not None:
-                beams.setdefault(r.request, {}).update({s: r.row for s in r.seqs})
-        for req, seq_rows in beams.items():
-            self._beam_step(req, seq_rows, logits)
-        rows = [r for r in rows if r.request.beam is None]
-        pairs = [(r.request, s) for r in rows for s in r.seqs]
-        if not pairs:
-            return
-        index = [r.row for r in rows for _ in r.seqs]
-        if index != list(range(logits.shape[0])):
-            logits = logits[mx.array(index)]
-        toks, keys, logprobs = sample_batch(logits, [r.params for r, _ in pairs], [s.rng_key for _, s in pairs])
-        for (req, seq), tok, key, lp in zip(pairs, toks, keys, logprobs):
-            seq.rng_key = key
-            self._append_token(req, seq, tok, lp)
-            if seq.finished:
-                self.scheduler.finish_sequence(req, seq)
+            self.stats.decode_tokens += len(step.out.decodes)
+        return progressed
 
     def _beam_step(self, req: Request, seq_rows: dict[Sequence, int], logits: mx.array) -> None:
         """Rank the continuations of every live beam; fork, drop and finish beams (beam_search.py)."""

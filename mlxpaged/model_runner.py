@@ -24,8 +24,11 @@ class ModelRunner:
         """One forward pass over `batch`: for each (sequence, n), its next n uncomputed tokens.
 
         Every token is packed along one axis, with its own position, slot and sequence. Returns
-        the logits `[len(batch), V]` of each entry's last new token. The caller has allocated
-        the slots; it advances `num_computed_tokens` afterwards.
+        the logits `[len(batch), V]` of each entry's last new token, lazily: nothing is evaluated
+        here, so the caller can launch the pass with `mx.async_eval` and build the next one
+        meanwhile. A sequence's pending token (sampled by a step still on the device) is
+        gathered from that step's token array. The caller has allocated the slots; it advances
+        `num_computed_tokens` afterwards.
         """
         bs = self.block_size
         num_seqs = len(batch)
@@ -41,7 +44,6 @@ class ModelRunner:
         positions = (np.arange(cu[-1]) - cu[seq_of_token] + starts[seq_of_token]).astype(np.int32)
         # Token t goes to its own sequence's table: index the flattened tables past that row's start.
         slots = slot_mapping(tables.reshape(-1), seq_of_token * max_blocks * bs + positions, bs)
-        tokens = [t for s, n in batch for t in s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n]]
         meta = AttentionMetadata(
             slot_mapping=mx.array(slots),
             positions=mx.array(positions),
@@ -51,14 +53,47 @@ class ModelRunner:
             logits_indices=mx.array(cu[1:] - 1),
             impl=self.attention_impl,
         )
-        logits = self.model(mx.array(tokens, dtype=mx.int32), self.kv_cache, meta)
-        mx.eval(logits, self.kv_cache.arrays)  # every pool array (a QuantizedPool is not an array)
-        return logits
+        return self.model(self._input_ids(batch, int(cu[-1])), self.kv_cache, meta)
+
+    @staticmethod
+    def _input_ids(batch: list[tuple[Sequence, int]], total: int) -> mx.array:
+        """The packed input ids: known ones from `token_ids`, pending ones gathered on the device."""
+        tokens: list[int] = []
+        pending: list[tuple[int, object]] = []  # (position in the pass, the sequence's PendingToken)
+        for s, n in batch:
+            start = s.num_computed_tokens
+            known = s.token_ids[start : start + n]
+            tokens += known
+            if len(known) < n:  # only the last token can be pending
+                assert s.pending is not None and len(known) == n - 1, "a scheduled token is neither known nor pending"
+                pending.append((len(tokens), s.pending))
+                tokens.append(0)
+        assert len(tokens) == total
+        ids = mx.array(tokens, dtype=mx.int32)
+        if not pending:
+            return ids
+        src = pending[0][1].tokens
+        if len(pending) == total and all(p.tokens is src for _, p in pending):
+            rows = [p.row for _, p in pending]  # the steady state: every input comes from one step
+            gathered = src if rows == list(range(src.shape[0])) else src[mx.array(rows)]
+            return gathered.astype(mx.int32)
+        groups: dict[int, tuple[mx.array, list[int], list[int]]] = {}  # by source array: usually one earlier step
+        for pos, p in pending:
+            g = groups.setdefault(id(p.tokens), (p.tokens, [], []))
+            g[1].append(pos)
+            g[2].append(p.row)
+        for arr, where, rows in groups.values():
+            ids[mx.array(where)] = arr[mx.array(rows)].astype(mx.int32)
+        return ids
 
     def prefill(self, seq: Sequence, num_tokens: int) -> mx.array:
-        """The next `num_tokens` tokens of one sequence; returns the last one's logits `[V]`."""
-        return self.forward([(seq, num_tokens)])[0]
+        """The next `num_tokens` tokens of one sequence; returns the last one's logits `[V]` (evaluated)."""
+        return self._evaluated(self.forward([(seq, num_tokens)]))[0]
 
     def decode(self, seqs: list[Sequence]) -> mx.array:
-        """One new token for each sequence (its last); returns logits `[B, V]`."""
-        return self.forward([(s, 1) for s in seqs])
+        """One new token for each sequence (its last); returns logits `[B, V]` (evaluated)."""
+        return self._evaluated(self.forward([(s, 1) for s in seqs]))
+
+    def _evaluated(self, logits: mx.array) -> mx.array:
+        mx.eval(logits, self.kv_cache.arrays)  # every pool array (a QuantizedPool is not an array)
+        return logits

@@ -22,6 +22,8 @@ default), for the rows whose `params.logprobs` is not None.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import numpy as np
 
@@ -118,46 +120,103 @@ def _logprob_arrays(logits: mx.array, tokens: mx.array, rows: list[int], top: in
     return chosen, ids, mx.take_along_axis(lp, ids, axis=-1)
 
 
-def sample_batch(logits: mx.array, params: list[SamplingParams], keys: list[mx.array | None]):
-    """Sample row `i` of `logits [B, V]` with `params[i]` and `keys[i]`, every row in one graph.
+def gather_rows(refs: list) -> mx.array:
+    """Stack `refs` into one array; each is an array or `(array, row)`, a row of an earlier
+    step's (maybe still lazy) output. Rows of one array in order cost one gather, or nothing."""
+    first = refs[0]
+    if isinstance(first, tuple) and all(isinstance(r, tuple) and r[0] is first[0] for r in refs):
+        rows = [r[1] for r in refs]
+        if rows == list(range(first[0].shape[0])):
+            return first[0]
+        return first[0][mx.array(rows)]
+    return mx.stack([r[0][r[1]] if isinstance(r, tuple) else r for r in refs])
 
-    Returns (tokens: list[int], the advanced keys, logprobs: list[TokenLogprob | None]) with
-    one entry per row; a row's logprobs are None when its `params.logprobs` is None. Greedy
-    rows share one argmax; sampled rows share one temperature division, one sort (only for
-    the rows with top-k or top-p) and one vmapped split-and-draw over their keys; the logprobs
-    of all rows come from one log-softmax and one argpartition. One `eval` for everything.
+
+@dataclass
+class SampleArrays:
+    """One step's draws, still on the device: materialize them with `read_samples`.
+
+    tokens `[R]` (every row); keys `[len(sampled), 2]`, the advanced keys of the non-greedy rows
+    `sampled` in order; logprobs of rows `lp_rows` (chosen `[L]`, top ids and values `[L, top]`).
+    """
+
+    params: list[SamplingParams]
+    tokens: mx.array
+    sampled: list[int]
+    keys: mx.array | None
+    lp_rows: list[int]
+    top: int
+    chosen: mx.array | None = None
+    top_ids: mx.array | None = None
+    top_vals: mx.array | None = None
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.tokens, self.keys, self.chosen, self.top_ids, self.top_vals) if a is not None]
+
+
+def sample_arrays(logits: mx.array, params: list[SamplingParams], keys: list) -> SampleArrays:
+    """Build (without evaluating) the draw of row `i` of `logits [B, V]` with `params[i]` and
+    `keys[i]` (an array, `(array, row)` as for `gather_rows`, or None for greedy rows).
+
+    Greedy rows share one argmax; sampled rows share one temperature division, one sort (only
+    for the rows with top-k or top-p) and one vmapped split-and-draw over their keys; the
+    logprobs of all rows come from one log-softmax and one argpartition.
     """
     toks = mx.argmax(logits, axis=-1)
-    new_keys = list(keys)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     drawn_keys = None
     if sampled:
         vocab = logits.shape[-1]
-        idx = mx.array(sampled)
+        idx = mx.array(sampled) if len(sampled) < len(params) else None
         temps = mx.array([params[i].temperature for i in sampled], dtype=mx.float32)
-        x = logits[idx].astype(mx.float32) / temps[:, None]
+        x = (logits[idx] if idx is not None else logits).astype(mx.float32) / temps[:, None]
         filt = [j for j, i in enumerate(sampled) if params[i].needs_filter(vocab)]
         if filt:
             fidx = mx.array(filt)
             top_k = mx.array([params[sampled[j]].top_k if 0 < params[sampled[j]].top_k < vocab else vocab for j in filt])
             top_p = mx.array([params[sampled[j]].top_p for j in filt], dtype=mx.float32)
             x[fidx] = filter_rows(x[fidx], top_k, top_p)
-        drawn, drawn_keys = _draw_rows(x, mx.stack([keys[i] for i in sampled]))
-        toks[idx] = drawn.astype(toks.dtype)
+        drawn, drawn_keys = _draw_rows(x, gather_rows([keys[i] for i in sampled]))
+        if idx is None:
+            toks = drawn.astype(toks.dtype)
+        else:
+            toks[idx] = drawn.astype(toks.dtype)
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     top = min(max((params[i].logprobs for i in rows), default=0), logits.shape[-1])
-    lp = _logprob_arrays(logits, toks, rows, top) if rows else ()
-    mx.eval(toks, *([drawn_keys] if sampled else []), *[a for a in lp if a is not None])
-    for j, i in enumerate(sampled):
-        new_keys[i] = drawn_keys[j]
-    token_list = toks.tolist()
-    logprobs: list[TokenLogprob | None] = [None] * len(params)
-    if rows:
-        chosen = lp[0].tolist()
-        ids = lp[1].tolist() if top else [[] for _ in rows]
-        vals = lp[2].tolist() if top else [[] for _ in rows]
-        for j, i in enumerate(rows):
+    lp = _logprob_arrays(logits, toks, rows, top) if rows else (None, None, None)
+    return SampleArrays(params, toks, sampled, drawn_keys, rows, top, *lp)
+
+
+def read_samples(s: SampleArrays, *, key_slices: bool = True):
+    """Wait for `s` and read it: (tokens: list[int], keys, logprobs: list[TokenLogprob | None]).
+
+    `keys[i]` is row i's advanced key (None for greedy rows); without `key_slices` it is the
+    index of that key in `s.keys` instead of a slice (the caller keeps a reference to `s.keys`).
+    """
+    token_list = s.tokens.tolist()
+    new_keys: list = [None] * len(s.params)
+    for j, i in enumerate(s.sampled):
+        new_keys[i] = s.keys[j] if key_slices else j
+    logprobs: list[TokenLogprob | None] = [None] * len(s.params)
+    if s.lp_rows:
+        chosen = s.chosen.tolist()
+        ids = s.top_ids.tolist() if s.top else [[] for _ in s.lp_rows]
+        vals = s.top_vals.tolist() if s.top else [[] for _ in s.lp_rows]
+        for j, i in enumerate(s.lp_rows):
             # argpartition leaves the top unordered: best first, ties by lower id.
-            best = sorted(zip(ids[j], vals[j]), key=lambda t: (-t[1], t[0]))[: params[i].logprobs]
+            best = sorted(zip(ids[j], vals[j]), key=lambda t: (-t[1], t[0]))[: s.params[i].logprobs]
             logprobs[i] = TokenLogprob(token_list[i], chosen[j], best)
     return token_list, new_keys, logprobs
+
+
+def sample_batch(logits: mx.array, params: list[SamplingParams], keys: list[mx.array | None]):
+    """Sample row `i` of `logits [B, V]` with `params[i]` and `keys[i]`, every row in one graph
+    and one `eval`; `sample_arrays` then `read_samples`.
+
+    Returns (tokens: list[int], the advanced keys, logprobs: list[TokenLogprob | None]) with
+    one entry per row; a row's logprobs are None when its `params.logprobs` is None.
+    """
+    s = sample_arrays(logits, params, keys)
+    mx.eval(*s.arrays())
+    toks, new_keys, lps = read_samples(s)
+    return toks, [k if k is not None else keys[i] for i, k in enumerate(new_keys)], lps

@@ -11,6 +11,11 @@ Only this class changes block tables (through `BlockManager`): it allocates slot
 step, caches full blocks and forks samples after it (`update_from_forward`), and frees a
 sample's blocks when it finishes (`finish_sequence`) or its request is aborted (`abort`).
 
+With overlapped steps (engine.py) a sequence may hold a pending token, sampled but not read back:
+it counts as uncomputed, so the sequence decodes in the next step without its value being known
+(the runner gathers it on the device), unless it is the sample's `max_tokens`-th token, which ends
+the sample whatever its value. Preempting or aborting a sequence drops its pending token.
+
 Invariants: a request's `status` says where it is: WAITING or PREEMPTED requests are in
 `waiting` and hold no blocks; RUNNING ones are in `running`, which keeps admission order so
 preemption takes from its end; FINISHED ones are in neither.
@@ -94,7 +99,7 @@ class Scheduler:
         for req in list(self.running.values()):
             if req.status is RequestStatus.RUNNING and req.prompt_prefilled:
                 for seq in req.live_seqs():
-                    if seq.num_uncomputed == 1:
+                    if seq.num_uncomputed == 1 and not self._ends_with_pending(req, seq):
                         if not self._allocate_or_preempt(req, seq, 1, out):
                             break
                         out.decodes.append((req, seq))
@@ -110,6 +115,12 @@ class Scheduler:
             self._admit(req)
             budget = self._schedule_prefill(req, budget, out)
         return out
+
+    @staticmethod
+    def _ends_with_pending(req: Request, seq: Sequence) -> bool:
+        """Whether `seq`'s pending token is its last (max_tokens): decoding it would be wasted work,
+        and one slot more than `blocks_for_request` counts."""
+        return seq.pending is not None and seq.num_tokens - seq.num_prompt_tokens >= req.params.max_tokens
 
     def _admit(self, req: Request) -> None:
         hits = self.bm.match_prefix(req.carrier, req.prefill_target())
@@ -194,41 +205,56 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         """Free every block `req` holds; it starts its prefill over if it runs again."""
         for seq in req.seqs:
+            seq.pending = None  # a token still on the device is dropped: the recompute samples it again
             if seq.block_table:
                 self.bm.free(seq)
         req.prompt_prefilled = False
         self._num_running_seqs -= len(req.live_seqs())
 
     # -- after the forward pass ---------------------------------------------------------------------
+    def sample_rows(self, out: SchedulerOutput) -> list[SampleRow]:
+        """Who samples from which logits row of the step `out`, known before it runs (nothing changes).
+
+        The step's logits rows follow `out.batch()`: the decodes, then the prefill chunks. A chunk
+        that completes its request's shared prompt serves every live sample of the request.
+        """
+        rows = [SampleRow(req, [seq], j) for j, (req, seq) in enumerate(out.decodes)]
+        for i, chunk in enumerate(out.prefills, start=len(out.decodes)):
+            if not chunk.sample:
+                continue
+            req = chunk.request
+            completes = not req.prompt_prefilled and chunk.seq.num_computed_tokens + chunk.num_tokens >= req.prefill_target()
+            rows.append(SampleRow(req, req.live_seqs() if completes else [chunk.seq], i))
+        return rows
+
     def update_from_forward(self, out: SchedulerOutput) -> list[SampleRow]:
         """Record that the scheduled tokens were computed; say who samples from which logits row.
 
-        The step's logits rows follow `out.batch()`: the decodes, then the prefill chunks. Full blocks
-        are named (prefix cache); a carrier that completed its request's prompt shares it with
-        the other samples (fork), which then all sample from its logits.
+        Full blocks are named (prefix cache): every token they hold is known by now, since the
+        engine reads back the previous step's tokens before it calls this. A carrier that
+        completed its request's prompt shares it with the other samples (fork), which then all
+        sample from its logits. A sequence that finished (or was aborted) after the step was
+        scheduled is skipped: its blocks are gone and its token is never used.
         """
-        rows = []
-        for j, (req, seq) in enumerate(out.decodes):
+        rows = self.sample_rows(out)
+        for req, seq in out.decodes:
+            if seq.finished:
+                continue
             seq.num_computed_tokens += 1
             self.bm.cache_full_blocks(seq)
-            rows.append(SampleRow(req, [seq], j))
-        for i, chunk in enumerate(out.prefills, start=len(out.decodes)):
+        for chunk in out.prefills:
             req, seq = chunk.request, chunk.seq
+            if seq.finished:
+                continue
             seq.num_computed_tokens += chunk.num_tokens
             self.bm.cache_full_blocks(seq)
-            if req.prompt_prefilled:
-                if chunk.sample:
-                    rows.append(SampleRow(req, [seq], i))
-                continue
-            if seq.num_computed_tokens < req.prefill_target():
-                continue  # more chunks to go
+            if req.prompt_prefilled or seq.num_computed_tokens < req.prefill_target():
+                continue  # a recomputation of one sample, or more chunks to go
             for other in req.live_seqs():
                 if other is not seq:
                     self.bm.fork(seq, other)
             req.prompt_prefilled = True
-            if chunk.sample:
-                rows.append(SampleRow(req, req.live_seqs(), i))
-        return rows
+        return [r for r in rows if not r.request.finished]
 
     def finish_sequence(self, req: Request, seq: Sequence) -> None:
         """Free a finished sample's blocks; the request finishes with its last sample."""

@@ -5,7 +5,10 @@ Sequence invariants:
 - the KV of `token_ids[:num_computed_tokens]` is stored in the blocks of `block_table`, in order,
   so `len(block_table) >= ceil(num_computed_tokens / block_size)`; only the last block may be
   partly empty;
-- `block_hashes[i]` names block `i` (full blocks only), so `len(block_hashes) <= num_computed_tokens // block_size`.
+- `block_hashes[i]` names block `i` (full blocks only), so `len(block_hashes) <= num_computed_tokens // block_size`;
+- `pending` is set while one sampled token is still being computed on the device (overlapped
+  steps, engine.py): it counts in `num_tokens` but is not in `token_ids`, so nothing can read
+  its value before the engine appends it; hashing, stop checks and outputs see known tokens only.
 """
 
 from __future__ import annotations
@@ -43,6 +46,22 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass(eq=False)
+class PendingToken:
+    """A token sampled in step `step` whose value is still on the device.
+
+    It is row `row` of that step's token array `tokens`; when the sample drew with a key, the
+    advanced key is row `key_row` of `keys`. A later step gathers its input id (and key) from
+    these arrays without waiting for them.
+    """
+
+    step: int
+    tokens: mx.array
+    row: int
+    keys: mx.array | None = None
+    key_row: int = 0
+
+
+@dataclass(eq=False)
 class Sequence:
     """One sample: its tokens, its block table, and its own random stream."""
 
@@ -59,10 +78,12 @@ class Sequence:
     detokenizer: object = None  # mlx-lm streaming detokenizer: the text so far
     logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when asked for
     cumulative_logprob: float = 0.0  # beam search: log-probability of the output tokens
+    pending: PendingToken | None = None  # a sampled token not yet read back (see the module invariants)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Known tokens plus the pending one, if any."""
+        return len(self.token_ids) + (self.pending is not None)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -70,7 +91,14 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens whose value is known (the pending one is not counted)."""
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def current_key(self) -> "mx.array | tuple[mx.array, int] | None":
+        """The key the next draw starts from: its own, or a row of the pending step's keys."""
+        if self.pending is not None and self.pending.keys is not None:
+            return (self.pending.keys, self.pending.key_row)
+        return self.rng_key
 
     @property
     def finished(self) -> bool:

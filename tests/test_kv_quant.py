@@ -258,16 +258,18 @@ class RoundedKVCache(KVCache):
 
     def __init__(self, offset, scale, bits, group_size):
         super().__init__()
-        self.offset = mx.array(offset.astype(np.float32))[None, :, None, :]
-        self.scale = mx.array(scale.astype(np.float32))[None, :, None, :]
-        self.bits, self.group_size = bits, group_size
+        # Not `offset`/`bits`: KVCache.offset is the position counter RoPE reads, and mlx-lm takes a
+        # cache with `bits` for a quantized one.
+        self.key_offset = mx.array(offset.astype(np.float32))[None, :, None, :]
+        self.key_scale = mx.array(scale.astype(np.float32))[None, :, None, :]
+        self.round_bits, self.round_group_size = bits, group_size
 
     def _round(self, x):
-        return mx.dequantize(*mx.quantize(x, group_size=self.group_size, bits=self.bits),
-                             group_size=self.group_size, bits=self.bits)
+        gs, bits = self.round_group_size, self.round_bits
+        return mx.dequantize(*mx.quantize(x, group_size=gs, bits=bits), group_size=gs, bits=bits)
 
     def update_and_fetch(self, keys, values):
-        keys = self.scale * self._round((keys - self.offset) / self.scale)
+        keys = self.key_scale * self._round((keys - self.key_offset) / self.key_scale)
         return super().update_and_fetch(keys, self._round(values))
 
 

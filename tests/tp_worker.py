@@ -2,8 +2,8 @@
 
 `python tests/tp_worker.py --model DIR --out DIR --mode MODE`, once per rank:
 - check: `LLM(DIR, distributed=True)` runs `workload` and writes rank{r}_{i}.json (tokens, pool
-  shape, resident weight bytes) and rank{r}_{i}.npz (every step's logits) for the i-th --model; real: `real_workload`
-  (--model default is the offline 0.5B);
+  shape, resident weight bytes) and rank{r}_{i}.npz (every step's logits) for the i-th --model
+  (`DIR#kv8`: with an 8-bit KV cache); real: `real_workload` (--model default is the offline 0.5B);
 - die / hang / diverge: rank 1 kills itself, stops itself, or alters a sampled token at step 3;
 - mismatch: rank 1 runs another block size (or --model-1, another checkpoint).
 The single-process reference runs `workload` too, so both sides do the very same calls.
@@ -109,10 +109,11 @@ def main() -> None:
 
     rank = mx.distributed.init().rank()
     for i, m in enumerate(a.model):
-        run(a, i, None if m == "default" else m, rank)
+        m, _, kv = m.partition("#kv")
+        run(a, i, None if m == "default" else m, rank, int(kv) if kv else None)
 
 
-def run(a, index: int, model: str | None, rank: int) -> None:
+def run(a, index: int, model: str | None, rank: int, kv_bits: int | None = None) -> None:
     import mlx.core as mx
 
     from mlxpaged import LLM
@@ -122,7 +123,7 @@ def run(a, index: int, model: str | None, rank: int) -> None:
     if a.mode == "mismatch" and rank == 1:
         model, block_size = a.model_1 or model, BLOCK_SIZE if a.model_1 else 2 * BLOCK_SIZE
     try:
-        llm = LLM(model, dtype=a.dtype, distributed=True, block_size=block_size, num_blocks=64)
+        llm = LLM(model, dtype=a.dtype, distributed=True, block_size=block_size, num_blocks=64, kv_bits=kv_bits)
         eng = llm.engine
         info = {"rank": rank, "world": eng.group.size(), "pool_shape": list(eng.kv_cache.keys[0].shape),
                 "num_kv_heads": eng.cache_shape.num_kv_heads, "weight_bytes": weight_bytes(eng.loaded.model),
