@@ -32,20 +32,20 @@ const uint sg = simdgroup_index_in_threadgroup;
 const uint lane = thread_index_in_simdgroup;
 const uint tid = thread_index_in_threadgroup;
 
-constexpr int HS = pa_head_splits(G, HD / 32);  // head groups (1 unless registers bound)
-constexpr int GH = pa_heads_per_simdgroup(G, HD / 32);
-threadgroup float tg_qo[PA_QO_FLOATS(G, HD, NSG)];  // queries [G, HD], then outputs [2, NSG, HD]
+constexpr int HS = pa_head_splits(G, pa_lane_dims(HD));  // head groups (1 unless registers bound)
+constexpr int GH = pa_heads_per_simdgroup(G, pa_lane_dims(HD));
+threadgroup float tg_qo[PA_QO_FLOATS(G, HD, NSG)];  // queries [G, HD], then outputs [2, STATES, HD]
 threadgroup int tg_blocks[2 * PA_CHUNK_BLOCKS(BS)];
-threadgroup float tg_stats[2 * NSG * GH];
+threadgroup float tg_stats[2 * PA_STATES(HD, NSG) * GH];
 
 const int max_blocks = block_tables_shape[1];
 const int ctx = clamp(PA_UNIFORM(context_lens[seq], lane), 0, max_blocks * BS);
 
-PAState<GH, HD / 32> st;
+PAState<GH, pa_lane_dims(HD)> st;
 pa_attend<T, HD, BS, G, NSG>(
     st, q, k_cache, v_cache, block_tables, max_blocks, num_kv_heads, PA_UNIFORM(scale, lane),
     seq, kvh, 0, ctx, sg, lane, tid, tg_qo, tg_blocks);
-pa_publish_stats<G, HD / 32, NSG>(st, tg_stats, sg, lane);
+pa_publish_stats<G, HD, NSG>(st, tg_stats, sg, lane);
 
 device T* o = out + ((size_t)seq * num_kv_heads + kvh) * G * HD;
 for (int j = 0; j < GH; j++) {
@@ -54,7 +54,7 @@ for (int j = 0; j < GH; j++) {
     const int g = (i / HD) * GH + j;
     if (g < G) {
       float M, L;
-      pa_slot_stats<G, HD / 32, NSG>(tg_stats, i / HD, j, M, L);
+      pa_slot_stats<G, HD, NSG>(tg_stats, i / HD, j, M, L);
       const float x = pa_slot_output<HD, G, NSG>(half_o, i / HD, i % HD);
       o[g * HD + i % HD] = static_cast<T>(L > 0.0f ? x / L : 0.0f);
     }
@@ -107,17 +107,17 @@ if (tok_begin >= tok_end) {
   return;
 }
 
-constexpr int HS = pa_head_splits(G, HD / 32);  // head groups (1 unless registers bound)
-constexpr int GH = pa_heads_per_simdgroup(G, HD / 32);
-threadgroup float tg_qo[PA_QO_FLOATS(G, HD, NSG)];  // queries [G, HD], then outputs [2, NSG, HD]
+constexpr int HS = pa_head_splits(G, pa_lane_dims(HD));  // head groups (1 unless registers bound)
+constexpr int GH = pa_heads_per_simdgroup(G, pa_lane_dims(HD));
+threadgroup float tg_qo[PA_QO_FLOATS(G, HD, NSG)];  // queries [G, HD], then outputs [2, STATES, HD]
 threadgroup int tg_blocks[2 * PA_CHUNK_BLOCKS(BS)];
-threadgroup float tg_stats[2 * NSG * GH];
+threadgroup float tg_stats[2 * PA_STATES(HD, NSG) * GH];
 
-PAState<GH, HD / 32> st;
+PAState<GH, pa_lane_dims(HD)> st;
 pa_attend<T, HD, BS, G, NSG>(
     st, q, k_cache, v_cache, block_tables, max_blocks, num_kv_heads, PA_UNIFORM(scale, lane),
     seq, kvh, tok_begin, tok_end, sg, lane, tid, tg_qo, tg_blocks);
-pa_publish_stats<G, HD / 32, NSG>(st, tg_stats, sg, lane);
+pa_publish_stats<G, HD, NSG>(st, tg_stats, sg, lane);
 
 for (int j = 0; j < GH; j++) {
   const threadgroup float* half_o = pa_stage_slot<HD, G, NSG>(st, j, tg_stats, tg_qo, sg, lane);
@@ -126,7 +126,7 @@ for (int j = 0; j < GH; j++) {
     if (g < G) {
       const size_t r = row0 + (size_t)g * num_parts;
       float M, L;
-      pa_slot_stats<G, HD / 32, NSG>(tg_stats, i / HD, j, M, L);
+      pa_slot_stats<G, HD, NSG>(tg_stats, i / HD, j, M, L);
       part_out[r * HD + i % HD] = pa_slot_output<HD, G, NSG>(half_o, i / HD, i % HD);
       if (i % HD == 0) {
         part_max[r] = M;

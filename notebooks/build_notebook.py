@@ -290,9 +290,10 @@ CELLS = [
     those of the token loop alone); device loads by width in bytes; and the register estimate
     per thread. The shapes are Qwen2.5-0.5B's (7 query heads per KV head, head_dim 64) and
     Qwen2.5-7B's (7, 128), fp16 KV, one pass over 2 sequences x 1,000 tokens:
-    `python scripts/kernel.py --cost --json > notebooks/data/kernel_cost.json`. The 28 scores of
-    4 tokens x 7 heads are summed over the lanes by one butterfly (no `simd_sum`), about 15
-    shuffle steps per token where 7 `simd_sum`s took 35.
+    `python scripts/kernel.py --cost --json > notebooks/data/kernel_cost.json`. Lanes form
+    sub-groups of head_dim/8, one token each; a token's 7 scores are summed over its sub-group
+    and handed back by one butterfly (no `simd_sum`): 3.5 shuffle steps per token at head_dim 64
+    and 7.5 at 128, where 7 `simd_sum`s took 35.
     """),
     code("""
     cost_path = NOTEBOOK_DATA / "kernel_cost.json"

@@ -205,20 +205,32 @@ MUTANTS = [
      MUTANT_CASE),
     ("no online-softmax rescale", "h", "st.acc[g][i] *= corr;", "", None, MUTANT_CASE),
     ("exp2 without log2(e) in the scale", "h", "scale * PA_LOG2E", "scale", None, MUTANT_CASE),
-    ("softmax group of one token too many", "h", "const int nu = min(U, (c1 - t0 + NTS - 1) / NTS);",
-     "const int nu = min(U, (c1 - t0 + NTS) / NTS);", None, MUTANT_CASE),
-    ("butterfly broadcasts from the wrong lanes", "h",
-     "x[j] = simd_shuffle(mine, (ushort)(j * (32 / P)));", "x[j] = simd_shuffle(mine, (ushort)j);",
-     None, MUTANT_CASE),
+    ("sub-group scores one token too many", "h", "const bool valid = t < c1;",
+     "const bool valid = t <= c1;", None, MUTANT_CASE),
+    ("every sub-group scores the step's first token", "h", "const int t = t0 + sub;",
+     "const int t = t0;", None, MUTANT_CASE),
+    ("queries at the wrong lane's dims", "h", "tg_q + sl * D;", "tg_q;", None, MUTANT_CASE),
+    ("butterfly gathers from the wrong lanes", "h",
+     "(ushort)(base + (P <= L ? j * (L / P) : j / C))", "(ushort)(base + j % L)", None,
+     MUTANT_CASE),
+    ("butterfly gathers from sub-group 0", "h", "const uint base = lane - lane % L;",
+     "const uint base = 0;", None, MUTANT_CASE),
     ("butterfly keeps the half it sends", "h",
      "x[j] = (up ? hi : lo) + simd_shuffle_xor(up ? lo : hi, o);",
      "x[j] = (up ? lo : hi) + simd_shuffle_xor(up ? lo : hi, o);", None, MUTANT_CASE),
     ("butterfly without its last steps", "h", "x[0] += simd_shuffle_xor(x[0], o);", "",
      None, MUTANT_CASE),
+    ("one-exp update keeps the old max", "h", "st.m[g] = s[g];", "", None, MUTANT_CASE),
+    ("a new max weighted by the rescale", "h", "p = 1.0f;", "", None, MUTANT_CASE),
+    ("states combined without the other sub-groups", "h",
+     "for (int b = 0; b < S; b++) {\n      o +=", "for (int b = 0; b < 1; b++) {\n      o +=",
+     None, MUTANT_CASE),
     ("head groups take the same heads", "h", "const int g0 = (int)(sg % HS) * GH;",
-     "const int g0 = 0;", None, dict(MUTANT_CASE, group=5, head_dim=256)),
-    ("head groups sum each other's simdgroups", "h", "for (int s = hg; s < NSG; s += HS) {\n    o +=",
-     "for (int s = 0; s < NSG; s += 1) {\n    o +=", None, dict(MUTANT_CASE, group=5, head_dim=256)),
+     "const int g0 = 0;", None, dict(MUTANT_CASE, group=11, head_dim=64)),
+    ("head groups sum each other's simdgroups", "h",
+     "for (int s = hg; s < NSG; s += HS) {\n    for (int b = 0; b < S; b++) {\n      o +=",
+     "for (int s = 0; s < NSG; s += 1) {\n    for (int b = 0; b < S; b++) {\n      o +=",
+     None, dict(MUTANT_CASE, group=11, head_dim=64)),
     ("partition size not derived from the grid", "metal",
      "const int part_tokens = ((max_blocks * BS + num_parts - 1) / num_parts + BS - 1) / BS * BS;",
      "const int part_tokens = 512;", None, LONG_MUTANT_CASE),
@@ -238,7 +250,7 @@ MUTANTS = [
     ("merge sums only its first simdgroup", "metal", "for (int s = 0; s < NSG; s++) {\n    const float f",
      "for (int s = 0; s < 1; s++) {\n    const float f", None, LONG_MUTANT_CASE),
 ] + [  # every threadgroup barrier of the header, one at a time, and the merge's
-    (f"missing barrier {n + 1}", "h", BARRIER, "", n, LONG_MUTANT_CASE) for n in range(4)
+    (f"missing barrier {n + 1}", "h", BARRIER, "", n, LONG_MUTANT_CASE) for n in range(3)
 ] + [("missing merge barrier", "metal", BARRIER, "", None, LONG_MUTANT_CASE)]
 
 
@@ -270,7 +282,7 @@ def mutate(monkeypatch, which: str, old: str, new: str, nth: int | None):
 
 def test_every_barrier_has_a_mutant():
     header, bodies = metal.kernel_sources()
-    assert header.count(BARRIER) == 4
+    assert header.count(BARRIER) == 3  # chunk ids (also orders the queries), stats, outputs
     assert "".join(bodies.values()).count(BARRIER) == 1  # the merge's
     assert "".join(bodies.values()).count("threadgroup_barrier") == 1
 
@@ -442,7 +454,7 @@ def test_inputs_under_eight_elements(emulated, split):
 
 
 @pytest.mark.parametrize("head_dim,block_size,group", [(64, 16, 6), (128, 1, 7), (128, 256, 1),
-                                                      (256, 16, 22)])  # heads split 8 ways
+                                                      (256, 16, 22)])  # heads split 4 ways
 def test_threadgroup_memory(emulated, head_dim, block_size, group):
     """The wrapper's threadgroup-memory estimate (its 32 KiB check) matches the kernel's."""
     rng = np.random.default_rng(5)

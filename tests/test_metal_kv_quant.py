@@ -214,7 +214,8 @@ DECODE_MUTANTS = [
     ("wrong group size", r"(PAQuantPool)<T, HD, BITS, GS> ([kv])_cache", WRONG_GS, 2),
     ("scales and biases swapped", r"{([kv])_data, \1_scales, \1_biases}", SWAPPED, 2),
     ("nibble order swapped", re.escape("((i * BITS) % 32)"), "((((i ^ 1) * BITS)) % 32)", 1),
-    ("every lane takes group 0's scale", re.escape("(ushort)(lane * DPL / GS)"), "(ushort)0", 1),
+    ("every lane takes group 0's scale", re.escape("(ushort)(base + sl * D / GS)"),
+     "(ushort)base", 1),
 ]
 VARLEN_MUTANTS = [
     ("wrong group size", r"(PAVQuantPool)<T, HD, BITS, GS> ([kv])_cache", WRONG_GS, 2),
@@ -315,6 +316,24 @@ def test_decode_reads_the_quantized_rows_once(emulated, group, head_dim, bits, l
     assert mismatch(out, decode_reference(q, k, v, bt, cl, 0.1), "float16") <= 1.0
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_decode_head_dim_32(emulated, bits):
+    """head_dim 32: sub-groups of 4 lanes, 8 codes per lane (4 bytes at 4 bits), 8 tokens per
+    simdgroup step; single pass and split against the reference under every lane order, each
+    code byte read once."""
+    c = dict(dtype="float16", head_dim=32, group=7, block_size=16, bits=bits, kv_group=32)
+    q, k, v, bt, cl = decode_inputs(np.random.default_rng(bits), c, [45, 300])
+    ref = decode_reference(q, k, v, bt, cl, 0.2)
+    for order in ORDERS:
+        emulated(order)
+        for part in (0, 64):
+            out, launches = metal.run_with_launches(q, k, v, bt, cl, scale=0.2,
+                                                    partition_tokens=part)
+            assert mismatch(out, ref, "float16") <= 1.0, (order, part)
+    stats = metal.last_launch_stats(launches[0])
+    assert stats.bytes_read["k_data"] == stats.bytes_read["v_data"] == 345 * 2 * 32 * bits // 8
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_split_path_reads_within_5_percent_of_the_quantized_minimum(emulated, bits):
     """Issue 14: the planner's split (partitioned + merge) over a quantized cache at
@@ -413,10 +432,10 @@ def test_unsupported_quantized_caches_are_refused():
         metal.paged_attention_metal(q, k4, k8, bt, cl, scale=0.1)
     with pytest.raises(ValueError, match="quantized alike"):
         metal.paged_attention_metal(q, k4, k4.dequantize(), bt, cl, scale=0.1)
-    q32 = mx.zeros((1, 4, 32), dtype=mx.float16)  # a lane's one 4-bit value is half a byte
-    assert not metal.supports(q32, QuantizedPool.zeros(2, 2, 16, 32, mx.float16, 4, 32))
+    q32 = mx.zeros((1, 4, 32), dtype=mx.float16)  # 8 values per lane: 4 bytes at 4 bits
+    assert metal.supports(q32, QuantizedPool.zeros(2, 2, 16, 32, mx.float16, 4, 32))
     assert metal.supports(q32, QuantizedPool.zeros(2, 2, 16, 32, mx.float16, 8, 32))
-    q96 = mx.zeros((1, 4, 96), dtype=mx.float16)  # 3 values per lane
+    q96 = mx.zeros((1, 4, 96), dtype=mx.float16)  # 6 values per lane, not a power of two
     assert not metal.supports(q96, QuantizedPool.zeros(2, 2, 16, 96, mx.float16, 8, 32))
 
 

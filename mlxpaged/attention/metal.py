@@ -22,6 +22,9 @@ Invariants (issue 12):
   * Registers per lane bounded (REGISTER_BUDGET): the G query heads of a kv head are split
     over 2, 4 or 8 groups of simdgroups when one simdgroup holding all of them would exceed it
     (`head_splits`; the kernels derive the same split from G and head_dim, no new name).
+    Queries stay in threadgroup memory; each lane holds lane_dims(head_dim) dims (8 for
+    power-of-two head_dims) of one token's row and its heads' accumulators, so a simdgroup
+    scores step_tokens(head_dim) tokens at once (4 at head_dim 64, 2 at 128).
   * Quantized KV cache (`kv_quant.QuantizedPool` for k_cache and v_cache): kernels
     `paged_attention[_partitioned]_quant`, the float bodies reading K/V through
     `PA_QUANT_VIEWS` (bits and group size are template values in the name); each lane
@@ -80,10 +83,10 @@ LONG_PARTITION_TOKENS = 2048
 # Simdgroups of the merge pass's threadgroup: each folds every MERGE_SIMDGROUPS-th partition.
 MERGE_SIMDGROUPS = 4
 # Register bound (paged_attention.h PA_REGISTER_BUDGET, pa_lane_registers): live 32-bit values
-# per lane for GH query heads of head_dim / 32 dims each; Apple GPUs spill beyond about 128. A
-# group needing more is split over 2, 4 or 8 groups of simdgroups (`head_splits`).
+# per lane for GH query heads of lane_dims(head_dim) dims each (their accumulators; the queries
+# stay in threadgroup memory); Apple GPUs spill beyond about 128. A group needing more is split
+# over 2, 4 or 8 groups of simdgroups (`head_splits`).
 REGISTER_BUDGET = 128
-TOKEN_GROUP = 4  # PA_TOKEN_GROUP
 # MLX passes inputs of fewer elements in the constant address space (another kernel name).
 MIN_DEVICE_ELEMENTS = 8
 
@@ -333,11 +336,29 @@ def merge_launch(part_out, part_max, part_sum, dtype) -> Launch:
     ))
 
 
+def token_lanes(head_dim: int) -> int:
+    """Lanes that score one token (paged_attention.h pa_token_lanes): head_dim / 8 rounded up to
+    a power of two, so a lane holds lane_dims(head_dim) <= 8 dims of the row."""
+    n = cdiv(head_dim, 8)
+    return 1 << (n - 1).bit_length()
+
+
+def lane_dims(head_dim: int) -> int:
+    """Dims of a K/V row per lane (pa_lane_dims): 8 for power-of-two head_dims."""
+    return head_dim // token_lanes(head_dim)
+
+
+def step_tokens(head_dim: int) -> int:
+    """Tokens a simdgroup scores per step, one per sub-group of token_lanes lanes."""
+    return 32 // token_lanes(head_dim)
+
+
 def lane_registers(heads: int, head_dim: int) -> int:
     """Live 32-bit values per lane of the attention loop for `heads` query heads per simdgroup
-    (mirrors pa_lane_registers)."""
-    dpl = head_dim // 32
-    return heads * (2 * dpl + TOKEN_GROUP + 2) + 2 * dpl + 2 * TOKEN_GROUP
+    (mirrors pa_lane_registers: max, sum, D accumulators and a score per head; a K and a V
+    row's D dims; the queries stay in threadgroup memory)."""
+    d = lane_dims(head_dim)
+    return heads * (d + 3) + 2 * d
 
 
 def head_splits(group: int, head_dim: int) -> int:
@@ -354,9 +375,10 @@ def threadgroup_bytes(head_dim: int, block_size: int, group: int) -> int:
     chunk_blocks = max(1, 256 // block_size)  # PA_CHUNK_BLOCKS in paged_attention.h
     nsg = NUM_SIMDGROUPS
     heads = cdiv(group, head_splits(group, head_dim))  # per simdgroup
-    # 4-byte elements: queries then head outputs (double-buffered) in one array, block ids
-    # (double-buffered), stats
-    arrays = (max(group, 2 * nsg) * head_dim, 2 * chunk_blocks, 2 * nsg * heads)
+    states = nsg * step_tokens(head_dim)  # online-softmax states: one per sub-group
+    # 4-byte elements: queries then the states' outputs (double-buffered) in one array, block
+    # ids (double-buffered), stats
+    arrays = (max(group, 2 * states) * head_dim, 2 * chunk_blocks, 2 * states * heads)
     return sum(cdiv(4 * n, 16) * 16 for n in arrays)  # each array 16-byte aligned
 
 
@@ -502,8 +524,8 @@ def _check(q, k_cache, v_cache=None):
 
 
 def _check_quant(head_dim: int, k_cache, v_cache) -> None:
-    """A quantized cache the kernels read: K and V alike, and each lane's head_dim / 32 codes
-    whole bytes of one scale group (head_dim 64, 128, 256; 32 too at 8 bits)."""
+    """A quantized cache the kernels read: K and V alike, and each lane's lane_dims(head_dim)
+    codes whole bytes of one scale group (power-of-two head_dims: 8 codes per lane)."""
     quant = quant_params(k_cache)
     if quant is None or quant != quant_params(v_cache) or v_cache.dtype != k_cache.dtype:
         raise ValueError("paged_attention_metal: k_cache and v_cache must be quantized alike "
@@ -512,10 +534,10 @@ def _check_quant(head_dim: int, k_cache, v_cache) -> None:
     if bits not in KV_BITS or gs not in KV_GROUP_SIZES or head_dim % gs:
         raise ValueError(f"paged_attention_metal: unsupported quantized cache: {bits} bits, "
                          f"group size {gs}, head_dim {head_dim}")
-    dpl = head_dim // 32
-    if dpl & (dpl - 1) or dpl * bits < 8:
+    d = lane_dims(head_dim)
+    if d & (d - 1) or d * bits < 8:
         raise ValueError(f"paged_attention_metal: head_dim {head_dim} at {bits} bits: a lane's "
-                         f"{dpl} values are not whole bytes of one group (head_dim 64, 128 or 256)")
+                         f"{d} values are not whole bytes of one group (head_dim 32, 64, 128 or 256)")
 
 
 def supports(q: mx.array, k_cache) -> bool:
