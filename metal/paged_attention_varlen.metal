@@ -9,8 +9,12 @@
 // per tile) and used by every row, so a K/V row is read ceil(q_len / TQ) times per kv head.
 // Each row is held by SP consecutive lanes that split head_dim (dims part, part + SP, ...);
 // a score is their partial dot products summed with simd_shuffle_xor. Softmax is fp32 and
-// online (a running max per row, rescaled once per chunk). No simdgroup_matrix: the MSL
-// emulator that tests this kernel on Linux lacks it.
+// online (a running max per row, rescaled once per chunk).
+//
+// Kernel paged_attention_varlen_mma (same inputs and staging walk) computes QK^T and PV with
+// 8x8 simdgroup_matrix multiply-accumulates in fp32 instead: each simdgroup owns 8 tokens of
+// one query head (NSG = G * TQ / 8), K and V are staged as float. The wrapper picks it by shape
+// (head_dim <= 128, G * TQ / 8 <= 32 simdgroups); other shapes run the kernel above.
 //
 // Template parameters: T (q/cache/out dtype), HD (head_dim), BS (block size), G (query heads
 // per kv head), TQ (query tokens per tile), KC (keys per chunk), NSG (simdgroups per
@@ -23,6 +27,7 @@
 // bias once, dequantized in fp32 registers and stored to tg_k/tg_v as T.
 
 #include <metal_stdlib>
+#include <metal_simdgroup_matrix>
 using namespace metal;
 
 // -FLT_MAX: a finite "minus infinity", so exp(m_old - m_new) never computes inf - inf.
@@ -57,18 +62,18 @@ struct PAVItems<PAVQuantPool<T, HD, BITS, GS>> {
   static constexpr int value = GS;
 };
 
-// Stage pool element `src` (a float pool) into `dst`.
-template <typename T>
-inline void pav_stage(const device T* cache, size_t src, threadgroup T* dst) {
-  *dst = cache[src];
+// Stage pool element `src` (a float pool) into `dst` (T, or float for the MMA kernel).
+template <typename T, typename D>
+inline void pav_stage(const device T* cache, size_t src, threadgroup D* dst) {
+  *dst = static_cast<D>(cache[src]);
 }
 
 // Stage the group of GS values starting at element `src` (row * HD + a multiple of GS) of a
 // quantized pool into dst[0, GS): codes in 16-byte loads, scale and bias read once, fp32 math,
 // each value rounded once to T. A group per thread reads every byte once (a vector per thread
 // would re-read the group's scale and bias) at the price of fewer threads staging.
-template <typename T, int HD, int BITS, int GS>
-inline void pav_stage(PAVQuantPool<T, HD, BITS, GS> pool, size_t src, threadgroup T* dst) {
+template <typename T, int HD, int BITS, int GS, typename D>
+inline void pav_stage(PAVQuantPool<T, HD, BITS, GS> pool, size_t src, threadgroup D* dst) {
   static_assert(HD % GS == 0 && GS * BITS % 128 == 0, "a group is whole 16-byte vectors");
   constexpr int PER_WORD = 32 / BITS;
   const size_t row = src / HD;
@@ -81,7 +86,8 @@ inline void pav_stage(PAVQuantPool<T, HD, BITS, GS> pool, size_t src, threadgrou
     for (int j = 0; j < 4; j++) {
       for (int k = 0; k < PER_WORD; k++) {
         const uint code = (x[j] >> (k * BITS)) & ((1u << BITS) - 1u);
-        dst[(4 * i + j) * PER_WORD + k] = static_cast<T>(s * static_cast<float>(code) + b);
+        // Rounded to T first, so a float destination holds the values a T one would.
+        dst[(4 * i + j) * PER_WORD + k] = static_cast<D>(static_cast<T>(s * static_cast<float>(code) + b));
       }
     }
   }
@@ -206,6 +212,145 @@ for (int j = 0; j < RPT; j++) {
   if (pos[j] >= 0) {
     for (int x = 0; x < DPT; x++) {
       out[row_off[j] + x * SP + part] = static_cast<T>(acc[j][x] / l[j]);
+    }
+  }
+}
+
+// @kernel paged_attention_varlen_mma
+// launch: grid (32 * NSG, num_kv_heads, num_tiles), threadgroup (32 * NSG, 1, 1); inputs and
+// output as paged_attention_varlen. Template values T, HD, BS, G, TQ, KC, NSG (= G * TQ / 8).
+//
+// Simdgroup sg takes query head g = sg / (TQ / 8) of the kv head and tokens (sg % (TQ / 8)) * 8
+// + [0, 8) of the tile: an 8-row strip. Per chunk of KC keys, in 8x8 fp32 fragments:
+// S = Q K^T (HD / 8 multiply-accumulates per 8 keys), scaled and causally masked per element,
+// then O = O * corr + P V. Lane l holds row fm, columns fn and fn + 1 of every fragment (MLX's
+// BaseMMAFrag::get_coord, steel/gemm/mma.h), so a row's 8 columns sit on 4 lanes (l ^ 1, l ^ 8):
+// the row max takes 2 shuffles per chunk, the row sum 2 in all (each lane keeps its share).
+constexpr int NT = 32 * NSG;        // threads per threadgroup
+constexpr int HB = HD / 8;          // 8-dim blocks of a row
+constexpr int KB = KC / 8;          // 8-key blocks of a chunk
+constexpr int CB = PAV_CHUNK_BLOCKS(KC, BS);
+constexpr int EPI = PAVItems<decltype(k_cache)>::value;  // elements staged per thread and step
+static_assert(HD % 8 == 0 && KC % 8 == 0 && TQ % 8 == 0, "whole 8x8 fragments");
+static_assert(NSG == G * (TQ / 8), "one simdgroup per 8 tokens of one query head");
+
+const int kvh = threadgroup_position_in_grid.y;
+const int tile = threadgroup_position_in_grid.z;
+const int num_kv_heads = threadgroups_per_grid.y;
+const int max_blocks = block_tables_shape[1];
+const uint tid = thread_index_in_threadgroup;
+const int sg = simdgroup_index_in_threadgroup;
+const int lane = thread_index_in_simdgroup;
+const int fm = ((lane / 4) & 4) + (lane / 2) % 4;      // this lane's fragment row
+const int fn = ((lane / 4) & 2) * 2 + (lane % 2) * 2;  // and its first column
+
+const int seq = tiles[2 * tile];
+const int i0 = tiles[2 * tile + 1];
+const int q_begin = cu_seqlens_q[seq];
+const int q_len = cu_seqlens_q[seq + 1] - q_begin;
+const int first_pos = context_lens[seq] - q_len;  // position of new token 0
+const int n_tok = min(TQ, q_len - i0);
+const int kv_end = first_pos + i0 + n_tok;  // the tile's last token sees keys [0, kv_end)
+const int heads = num_kv_heads * G;
+const float sc = scale;  // read once: each read of the constant buffer is a load
+
+threadgroup float tg_k[KC * HD];
+threadgroup float tg_v[KC * HD];
+threadgroup int tg_blocks[CB];
+
+// This lane's row: token i of the tile, query head g; tokens past the tile see nothing (pos -1).
+const int g = sg / (TQ / 8);
+const int i = (sg % (TQ / 8)) * 8 + fm;
+const bool valid = i < n_tok;
+const int pos = valid ? first_pos + i0 + i : -1;
+const size_t row_off = valid ? ((size_t)(q_begin + i0 + i) * heads + kvh * G + g) * HD : 0;
+
+simdgroup_float8x8 qf[HB];  // the strip's queries, unscaled (the scale applies to scores)
+simdgroup_float8x8 of[HB];  // its output accumulator
+for (int d = 0; d < HB; d++) {
+  for (int e = 0; e < 2; e++) {
+    qf[d].thread_elements()[e] = valid ? static_cast<float>(q[row_off + d * 8 + fn + e]) : 0.0f;
+  }
+  of[d] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+}
+float m = PAV_FINITE_MIN;  // the row's running max (the same on its 4 lanes)
+float l = 0.0f;            // this lane's share of the row's running sum
+
+const size_t block_stride = (size_t)num_kv_heads * BS * HD;  // elements per physical block
+const size_t head_off = (size_t)kvh * BS * HD;
+for (int c0 = 0; c0 < kv_end; c0 += KC) {
+  const int nk = min(KC, kv_end - c0);  // keys in this chunk
+  const int nkb = (nk + 7) / 8;         // 8-key blocks holding them
+  const int b0 = c0 / BS;
+  const int nb = (c0 + nk - 1) / BS - b0 + 1;
+  // Stage the chunk's block ids, then its K and V rows: each read once per threadgroup.
+  for (int b = tid; b < nb; b += NT) {
+    tg_blocks[b] = block_tables[(size_t)seq * max_blocks + b0 + b];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // barrier 1: tg_blocks written
+  for (int e = tid * EPI; e < nk * HD; e += NT * EPI) {
+    const int t = c0 + e / HD;
+    const size_t src = (size_t)tg_blocks[t / BS - b0] * block_stride + head_off +
+        (size_t)(t % BS) * HD + e % HD;
+    pav_stage(k_cache, src, tg_k + e);
+    pav_stage(v_cache, src, tg_v + e);
+  }
+  // The last block's rows past the chunk: zeros, not stale values or NaN, since 0 * NaN in P V
+  // would poison the accumulator (their scores are masked).
+  for (int e = nk * HD + tid; e < nkb * 8 * HD; e += NT) {
+    tg_k[e] = 0.0f;
+    tg_v[e] = 0.0f;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // barrier 2: tg_k, tg_v written
+
+  simdgroup_float8x8 sf[KB];  // scores, then probabilities, of the chunk's key blocks
+  float mc = m;
+  for (int kb = 0; kb < nkb; kb++) {
+    sf[kb] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    for (int d = 0; d < HB; d++) {
+      simdgroup_float8x8 kt;  // K^T block [8 dims, 8 keys]: the pointer carries the offset
+      simdgroup_load(kt, tg_k + kb * 8 * HD + d * 8, HD, ulong2(0, 0), true);
+      simdgroup_multiply_accumulate(sf[kb], qf[d], kt, sf[kb]);
+    }
+    for (int e = 0; e < 2; e++) {
+      // Causal: key c0 + kb * 8 + fn + e is visible to the row's token iff it is not after it.
+      const int key = c0 + kb * 8 + fn + e;
+      const float s = key <= pos ? sc * sf[kb].thread_elements()[e] : PAV_FINITE_MIN;
+      sf[kb].thread_elements()[e] = s;
+      mc = max(mc, s);
+    }
+  }
+  mc = max(mc, simd_shuffle_xor(mc, 1));  // over the row's 4 lanes
+  mc = max(mc, simd_shuffle_xor(mc, 8));
+  const float corr = exp(m - mc);  // rescales what was summed under the old max
+  l *= corr;
+  for (int d = 0; d < HB; d++) {
+    of[d].thread_elements() *= corr;
+  }
+  for (int kb = 0; kb < nkb; kb++) {
+    for (int e = 0; e < 2; e++) {
+      const int key = c0 + kb * 8 + fn + e;
+      const float p = key <= pos ? exp(sf[kb].thread_elements()[e] - mc) : 0.0f;
+      sf[kb].thread_elements()[e] = p;
+      l += p;
+    }
+    for (int d = 0; d < HB; d++) {
+      simdgroup_float8x8 vf;  // V block [8 keys, 8 dims]
+      simdgroup_load(vf, tg_v + kb * 8 * HD + d * 8, HD);
+      simdgroup_multiply_accumulate(of[d], sf[kb], vf, of[d]);
+    }
+  }
+  m = mc;
+  // No barrier here: as in paged_attention_varlen, the next chunk writes tg_blocks after this
+  // chunk's barrier 2 and tg_k/tg_v after its own barrier 1, which every reader reaches first.
+}
+
+l += simd_shuffle_xor(l, 1);  // the row's sum over its 4 lanes
+l += simd_shuffle_xor(l, 8);
+if (valid) {
+  for (int d = 0; d < HB; d++) {
+    for (int e = 0; e < 2; e++) {
+      out[row_off + d * 8 + fn + e] = static_cast<T>(of[d].thread_elements()[e] / l);
     }
   }
 }

@@ -4,9 +4,11 @@ Default run: a pairwise-covering subset of dtype x head_dim x heads per kv head 
 over a ragged batch (q_len 1, 7, 16, 33, 20 over prefixes 1000, 1, 15, 0, 16), each case under
 every lane order, plus the issue's batch (q_len 1, 7, 16, 100, 513 over prefixes 0, 1, 15, 16,
 1000) once; `MLXPAGED_FULL_SWEEP=1` runs the full product on the issue's batch under every lane
-order (slow: minutes per case at 7 heads per kv head). Also: mutants of the real source must
-fail, the text the emulator compiles must equal what MLX would compile, and the kernel reads
-each K/V row at most once per 16-token tile.
+order (slow: minutes per case at 7 heads per kv head). Every case runs both kernels: the
+simdgroup_matrix one (`mma`, what these shapes select) and the lanes-per-row one (`lanes`, the
+fallback for shapes MMA cannot cover, forced here by patching `mma_fits`). Also: mutants of both
+real sources must fail, the text the emulator compiles must equal what MLX would compile, and
+the kernel reads each K/V row at most once per 16-token tile.
 """
 
 from __future__ import annotations
@@ -85,6 +87,17 @@ def make_inputs(rng, *, dtype, head_dim, group, block_size, q_lens, prefixes, nu
     )
 
 
+@pytest.fixture(params=["mma", "lanes"])
+def path(request, monkeypatch):
+    """Which varlen kernel runs: `mma` (selected by shape) or `lanes` (the fallback, forced)."""
+    if request.param == "lanes":
+        monkeypatch.setattr(mv, "mma_fits", lambda head_dim, group: False)
+    return request.param
+
+
+KIND = {"mma": mv.MMA_KERNEL, "lanes": mv.KERNEL}
+
+
 @pytest.fixture
 def emulated(monkeypatch):
     """Run kernels in the emulator; yields a setter for the lane order."""
@@ -111,31 +124,53 @@ def reference(q, k, v, *rest, scale):
     return paged_attention_varlen_reference(*f32, *rest, scale).astype(q.dtype)
 
 
-def run_case(c: dict, batch=SMALL_BATCH, seed: int = 0) -> float:
+def run_case(c: dict, batch=SMALL_BATCH, seed: int = 0, kind: str | None = None) -> float:
     rng = np.random.default_rng(seed)
     args = make_inputs(rng, dtype=c["dtype"], head_dim=c["head_dim"], group=c["group"],
                        block_size=c["block_size"], q_lens=batch[0], prefixes=batch[1])
     scale = c["head_dim"] ** -0.5
     out, launches = mv.run_with_launches(*args, scale=scale)
     assert isinstance(launches[0], mv.Launch)  # the varlen kernel ran (decodes may follow)
+    assert kind is None or launches[0].kind == kind, launches[0].kind
     ref = reference(*args, scale=scale)
     assert out.dtype == args[0].dtype and out.shape == args[0].shape
     return mismatch(out, ref, c["dtype"])
 
 
 @pytest.mark.parametrize("case", sweep_cases(), ids=case_id)
-def test_kernel_matches_reference(emulated, case):
+def test_kernel_matches_reference(emulated, path, case):
     for order in ORDERS:
         emulated(order)
-        err = run_case(case, ISSUE_BATCH if FULL_SWEEP else SMALL_BATCH)
+        err = run_case(case, ISSUE_BATCH if FULL_SWEEP else SMALL_BATCH, kind=KIND[path])
         assert err <= 1.0, f"mismatch {err} with lane order {order}"
 
 
-def test_issue_batch(emulated):
+def test_issue_batch(emulated, path):
     """The issue's ragged batch: a 513-token chunk over nothing, 100 over 16, ... 1 over 1000."""
     emulated("random:11")
-    err = run_case(dict(dtype="float16", head_dim=64, group=1, block_size=16), ISSUE_BATCH)
+    err = run_case(dict(dtype="float16", head_dim=64, group=1, block_size=16), ISSUE_BATCH,
+                   kind=KIND[path])
     assert err <= 1.0, err
+
+
+def test_issue_batch_mma_largest_shape(emulated):
+    """The issue's batch on the MMA kernel at the default sweep's largest shape (head_dim 128,
+    7 query heads per kv head: 14 simdgroups, 16-key chunks) in float32, the tightest tolerance.
+    (About 40 s; `MLXPAGED_FULL_SWEEP=1` runs every shape on this batch.)"""
+    emulated("reverse")
+    err = run_case(dict(dtype="float32", head_dim=128, group=7, block_size=1), ISSUE_BATCH,
+                   kind=mv.MMA_KERNEL)
+    assert err <= 1.0, err
+
+
+def test_kernel_chosen_by_shape_only():
+    """The MMA kernel where its fragments and registers fit, else the lanes-per-row one; the
+    plan (hence the kernel name) depends on the shape, never on lengths."""
+    assert mv.plan(128, 16, 6, 2).mma and mv.plan(64, 1, 16, 4).mma and mv.plan(32, 16, 1, 2).mma
+    assert not mv.plan(256, 16, 1, 2).mma and not mv.plan(160, 16, 2, 2).mma
+    assert not mv.plan(64, 16, 40, 2).mma  # 80 simdgroups would exceed 1024 threads
+    assert mv.plan(128, 16, 6, 2).variant == "hd128_bs16_g6_tq16_kc16_nsg12"
+    assert mv.plan(128, 16, 6, 2, mma=False).variant == "hd128_bs16_g6_tq16_kc32_nsg12_sp4_rpt1"
 
 
 @pytest.mark.parametrize("q_lens,prefixes", [([1, 1, 1], [5, 0, 40]), ([40], [0]), ([0, 5, 1], [3, 4, 9])])
@@ -166,6 +201,7 @@ def test_tile_map():
 # occurrence of the text is replaced.
 MUTANT_CASE = dict(dtype="float32", head_dim=64, group=2, block_size=16)
 BARRIER = "threadgroup_barrier(mem_flags::mem_threadgroup);"
+# Mutants of the lanes-per-row kernel (run with the fallback forced) ...
 MUTANTS = [
     ("causal mask sees the next token", "c0 + k <= pos[j]", "c0 + k <= pos[j] + 1"),
     ("causal mask hides its own token", "c0 + k <= pos[j]", "c0 + k < pos[j]"),
@@ -176,12 +212,31 @@ MUTANTS = [
     ("query heads of the other kv head", "kvh * G + r % G", "(kvh ^ 1) * G + r % G"),
     ("off-by-one key row", "(size_t)(t % BS) * HD", "(size_t)((t + 1) % BS) * HD"),
 ] + [(f"missing barrier {n + 1}", BARRIER, n) for n in range(2)]
+# ... and of the simdgroup_matrix kernel.
+MMA_MUTANTS = [
+    ("mma: causal mask sees the next token", "key <= pos ?", "key <= pos + 1 ?"),
+    ("mma: causal mask hides its own token", "key <= pos ?", "key < pos ?"),
+    ("mma: tile offset ignored in positions", "first_pos + i0 + i : -1", "first_pos + i : -1"),
+    ("mma: no accumulator rescale", "of[d].thread_elements() *= corr;", ""),
+    ("mma: no running-sum rescale", "l *= corr;", ""),
+    ("mma: row max over 2 of its 4 lanes", "mc = max(mc, simd_shuffle_xor(mc, 8));", ""),
+    ("mma: row sum over 2 of its 4 lanes", "l += simd_shuffle_xor(l, 8);", ""),
+    ("mma: K not transposed", "HD, ulong2(0, 0), true);", "HD, ulong2(0, 0), false);"),
+    ("mma: fragment columns not MLX's layout", "(lane % 2) * 2;", "(lane / 16) * 2;"),
+    ("mma: fragment rows not MLX's layout", "((lane / 4) & 4) + (lane / 2) % 4;", "lane % 8;"),
+    ("mma: padded V rows not zeroed", "tg_v[e] = 0.0f;", ""),
+    ("mma: V block of the wrong keys", "tg_v + kb * 8 * HD + d * 8", "tg_v + d * 8"),
+    ("mma: scores not scaled", "sc * sf[kb]", "sf[kb]"),
+    ("mma: query head from the wrong strip", "const int g = sg / (TQ / 8);", "const int g = sg % G;"),
+    ("mma: block table ignored", "block_tables[(size_t)seq * max_blocks + b0 + b]", "b0 + b"),
+] + [(f"mma: missing barrier {n + 1}", BARRIER, n) for n in range(2)]
 
 
-def mutate(monkeypatch, old: str, new, body_only=True):
-    """Make the wrapper build its kernel from the real source with a substitution: every
+def mutate(monkeypatch, old: str, new, kind: str = mv.KERNEL):
+    """Make the wrapper build kernel `kind` from the real source with a substitution: every
     occurrence of `old`, or (with `new` an int n) delete only the n-th."""
-    header, body = mv.kernel_sources()
+    real = mv.kernel_sources
+    header, body = real(kind)
     if isinstance(new, int):
         assert body.count(old) > new, f"anchor {old!r} occurs under {new + 1} times"
         i = -1
@@ -191,12 +246,14 @@ def mutate(monkeypatch, old: str, new, body_only=True):
     else:
         assert old in body, f"mutant anchor {old!r} does not occur"
         body = body.replace(old, new)
-    monkeypatch.setattr(mv, "kernel_sources", lambda: (header, body))
+    monkeypatch.setattr(mv, "kernel_sources",
+                        lambda name=mv.KERNEL: (header, body) if name == kind else real(name))
     mv._kernel.cache_clear()
 
 
 def test_every_barrier_has_a_mutant():
     assert mv.kernel_sources()[1].count(BARRIER) == 2
+    assert mv.kernel_sources(mv.MMA_KERNEL)[1].count(BARRIER) == 2
 
 
 def caught_under(orders, run) -> list[str]:
@@ -212,16 +269,19 @@ def caught_under(orders, run) -> list[str]:
     return caught
 
 
-@pytest.mark.parametrize("mutant", MUTANTS, ids=[m[0] for m in MUTANTS])
+@pytest.mark.parametrize("mutant", MUTANTS + MMA_MUTANTS, ids=[m[0] for m in MUTANTS + MMA_MUTANTS])
 def test_mutants_are_caught(emulated, monkeypatch, mutant):
     """Every deliberately broken kernel fails the comparison (or the emulator rejects it) under
     every lane order; a missing barrier under at least one (the race detector sees it)."""
     name, old, new = mutant
-    mutate(monkeypatch, old, new)
+    kind = mv.MMA_KERNEL if name.startswith("mma:") else mv.KERNEL
+    if kind == mv.KERNEL:
+        monkeypatch.setattr(mv, "mma_fits", lambda head_dim, group: False)
+    mutate(monkeypatch, old, new, kind)
 
     def run(order):
         emulated(order)
-        return run_case(MUTANT_CASE, ([1, 7, 40, 20], [5, 0, 50, 16]))
+        return run_case(MUTANT_CASE, ([1, 7, 40, 20], [5, 0, 50, 16]), kind=kind)
 
     try:
         caught = caught_under(ORDERS, run)
@@ -233,7 +293,7 @@ def test_mutants_are_caught(emulated, monkeypatch, mutant):
 
 
 @pytest.mark.parametrize("mutant", ["sequences swapped", "first token shifted"])
-def test_tile_map_mutants_are_caught(emulated, monkeypatch, mutant):
+def test_tile_map_mutants_are_caught(emulated, path, monkeypatch, mutant):
     """A wrong tile -> (sequence, first token) map from the wrapper fails the comparison."""
     real = mv.tile_map
 
@@ -256,7 +316,7 @@ def test_tile_map_mutants_are_caught(emulated, monkeypatch, mutant):
 
 @pytest.mark.parametrize("dtype,q_lens,prefixes", [(d, [3, 20], [0, 9]) for d in DTYPES]
                          + [("float16", [20], [0])])
-def test_source_parity(emulated, dtype, q_lens, prefixes):
+def test_source_parity(emulated, path, dtype, q_lens, prefixes):
     """The emulator compiled exactly the text MLX would hand the Metal compiler; with one
     sequence, MLX passes the block table, cu_seqlens_q, context_lens and tiles (under 8
     elements each) in the constant address space."""
@@ -264,6 +324,7 @@ def test_source_parity(emulated, dtype, q_lens, prefixes):
     args = make_inputs(rng, dtype=dtype, head_dim=64, group=2, block_size=16,
                        q_lens=q_lens, prefixes=prefixes)
     _, (launch,) = mv.run_with_launches(*args, scale=0.125)
+    assert launch.kind == KIND[path]
     assert launch.kernel.last_source == emu.mlx_compiled_source(launch.kernel_kwargs, launch.call)
 
 
@@ -278,7 +339,7 @@ def tile_minimum_bytes(q, k_cache, cu, ctx) -> int:
     return 2 * rows * kvh * hd * k_cache.dtype.size + q.nbytes
 
 
-def test_reads_each_row_once_per_tile(emulated):
+def test_reads_each_row_once_per_tile(emulated, path):
     """At Qwen2.5-1.5B head shapes (6 query heads per kv head, head_dim 128) and a 64-token chunk
     over a 256-token prefix: bytes read are within 10% of what walking each tile's visible keys
     once takes, itself at most the issue's bound (the decode minimum x ceil(q_len / 16)); the
@@ -289,6 +350,7 @@ def test_reads_each_row_once_per_tile(emulated):
     q, k, v, bt, cu, cl = make_inputs(rng, dtype="float16", head_dim=128, group=6, block_size=16,
                                       q_lens=q_lens, prefixes=prefixes)
     _, launches = mv.run_with_launches(q, k, v, bt, cu, cl, scale=0.1)
+    assert launches[0].kind == KIND[path]
     kernel = launches[0].kernel
     stats = kernel.last_launch
     assert not any(stats.bytes_written[n] for n in kernel.last_stats)
@@ -302,8 +364,39 @@ def test_reads_each_row_once_per_tile(emulated):
     assert walk - q[64:].nbytes <= issue_bound
 
 
+def test_mma_cost_counts(emulated, monkeypatch):
+    """The cost model's counts for the MMA kernel are what its loops do, and cheaper in SIMD
+    shuffles than the lanes kernel on the same input: per chunk and strip, HD / 8 K^T loads and
+    multiply-accumulates per 8-key block for the scores and as many for P V, 2 shuffles for the
+    row max; 2 more for the row sum at the end."""
+    emulated("forward")
+    rng = np.random.default_rng(7)
+    hd, g, q_lens, prefixes = 128, 6, [40, 9], [21, 0]
+    args = make_inputs(rng, dtype="float16", head_dim=hd, group=g, block_size=16,
+                       q_lens=q_lens, prefixes=prefixes)
+    _, (launch,) = mv.run_with_launches(*args, scale=0.1)
+    st = launch.kernel.last_launch
+    p = mv.plan(hd, 16, g, 2)
+    cu = [0, *np.cumsum(q_lens).tolist()]
+    mma = shuffles = 0
+    for s_, i0 in mv.tile_map(cu):
+        kv_end = prefixes[s_] + min(i0 + mv.TILE_TOKENS, q_lens[s_])
+        for c0 in range(0, kv_end, p.chunk_keys):
+            mma += 2 * (hd // 8) * -(-min(p.chunk_keys, kv_end - c0) // 8)
+            shuffles += 2
+        shuffles += 2
+    kv_heads = 2
+    assert st.simdgroup_mma == st.simdgroup_matrix_loads == kv_heads * p.simdgroups * mma
+    assert st.simd_shuffles == kv_heads * p.simdgroups * shuffles and st.simd_reductions == 0
+    assert st.simdgroup_matrix_stores == 0
+    monkeypatch.setattr(mv, "mma_fits", lambda head_dim, group: False)
+    _, (lanes,) = mv.run_with_launches(*args, scale=0.1)
+    assert lanes.kind == mv.KERNEL and lanes.kernel.last_launch.simdgroup_mma == 0
+    assert st.simd_shuffles * 5 < lanes.kernel.last_launch.simd_shuffles
+
+
 @pytest.mark.skipif(not FULL_SWEEP, reason="minutes in the emulator: MLXPAGED_FULL_SWEEP=1")
-def test_reads_at_qwen_shapes_512_over_2048(emulated):
+def test_reads_at_qwen_shapes_512_over_2048(emulated, path):
     """The issue's table: a 512-token chunk over a 2,048-token prefix at Qwen2.5-1.5B shapes,
     at most 1.10x the decode minimum x ceil(512 / 16)."""
     emulated("forward")
@@ -315,7 +408,7 @@ def test_reads_at_qwen_shapes_512_over_2048(emulated):
     assert read <= 1.10 * metal.minimum_bytes(q, k, cl) * 32
 
 
-@pytest.mark.parametrize("head_dim,block_size,group", [(64, 16, 6), (128, 1, 7), (256, 256, 1)])
+@pytest.mark.parametrize("head_dim,block_size,group", [(64, 16, 6), (128, 1, 7), (256, 256, 1), (64, 16, 16)])
 def test_threadgroup_memory(emulated, head_dim, block_size, group):
     """The wrapper's threadgroup-memory estimate matches the kernel's, under 32 KiB."""
     rng = np.random.default_rng(5)
@@ -341,11 +434,17 @@ def test_query_dtype_differs_from_cache(emulated):
 
 def test_plan_fits_every_supported_shape():
     """Every head_dim (multiple of 32 up to 256), group and block size gets lanes for each row,
-    at most 32 dims of a row per lane, and at most 32 KiB of threadgroup memory."""
+    at most 32 dims of a row per lane (or an MMA simdgroup per 8 rows), and at most 32 KiB of
+    threadgroup memory."""
     for hd, g, bs, size in itertools.product((32, 64, 128, 160, 256), (1, 2, 6, 7, 16, 40),
                                              (1, 2, 16, 64, 256), (2, 4)):
         p = mv.plan(hd, bs, g, size)
         threads = 32 * p.simdgroups
+        assert p.mma == (hd <= mv.MMA_MAX_HEAD_DIM and g <= 16)
+        if p.mma:  # one simdgroup per 8 tokens of each query head, whole 8-key fragments
+            assert threads <= mv.MAX_THREADS and p.simdgroups * 8 == mv.TILE_TOKENS * g
+            assert p.chunk_keys % 8 == 0 and mv.threadgroup_bytes(p, size) <= 32768
+            continue
         assert threads <= mv.MAX_THREADS and 32 % p.lanes_per_row == 0
         assert threads // p.lanes_per_row * p.rows_per_group >= mv.TILE_TOKENS * g
         assert hd % p.lanes_per_row == 0 and hd // p.lanes_per_row <= 32

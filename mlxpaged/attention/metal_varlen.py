@@ -11,6 +11,11 @@ one of the two kernels.
 A quantized cache (`kv_quant.QuantizedPool` for k_cache and v_cache) runs kernel
 `paged_attention_varlen_quant`: the same body over `PAV_QUANT_VIEWS` of its (data, scales,
 biases) inputs, bits and group size in the name; each group is dequantized as it is staged.
+
+On a float cache, shapes the 8x8 simdgroup_matrix path covers (`mma_fits`: head_dim <= 128,
+G * 16 / 8 <= 32 simdgroups) run `paged_attention_varlen_mma` instead: the kernel is a function
+of the shape and cache type alone, never of the context lengths. A quantized cache keeps the
+lanes-per-row kernel (the .metal header already stages its groups as float for an MMA variant).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from . import metal
 
 KERNEL = "paged_attention_varlen"
 QUANT_KERNEL = f"{KERNEL}_quant"
+MMA_KERNEL = f"{KERNEL}_mma"
+MMA_QUANT_KERNEL = f"{MMA_KERNEL}_quant"
 INPUTS = ["q", "k_cache", "v_cache", "block_tables", "cu_seqlens_q", "context_lens", "tiles", "scale"]
 QUANT_INPUTS = ["q", *metal.QUANT_INPUTS, *INPUTS[3:]]
 OUTPUTS = ["out"]
@@ -35,16 +42,21 @@ MIN_THREADS = 32  # lanes per tile at least: more lanes per row cost log2(SP) sh
 MAX_THREADS = 1024  # Metal's limit per threadgroup
 STAGE_BYTES = 8192  # threadgroup bytes for each of the staged K and V chunks
 MAX_CHUNK_KEYS = 32  # bounds the per-row score registers
+# MMA path: q and the output accumulator cost head_dim / 2 fp32 registers per lane, 64 at 128.
+MMA_MAX_HEAD_DIM = 128
+MMA_MIN_CHUNK_KEYS = 8  # whole 8-key fragments
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_sources() -> tuple[str, str]:
-    """(header, body) of the shipped `paged_attention_varlen.metal`."""
+def kernel_sources(name: str = KERNEL) -> tuple[str, str]:
+    """(header, body of section `name`) of the shipped `paged_attention_varlen.metal`."""
     text = metal._read_source("paged_attention_varlen.metal")
     parts = re.split(r"^// @kernel (\w+)\n", text, flags=re.M)
-    if len(parts) != 3 or parts[1] != KERNEL:
-        raise RuntimeError(f"paged_attention_varlen.metal must hold one `// @kernel {KERNEL}` section")
-    return parts[0], parts[2].strip("\n") + "\n"
+    sections = dict(zip(parts[1::2], parts[2::2]))
+    if parts[1::2] != [KERNEL, MMA_KERNEL]:
+        raise RuntimeError(f"paged_attention_varlen.metal must hold the sections `// @kernel "
+                           f"{KERNEL}` and `// @kernel {MMA_KERNEL}`, in that order")
+    return parts[0], sections[name].strip("\n") + "\n"
 
 
 @dataclass(frozen=True)
@@ -60,20 +72,52 @@ class Plan:
     rows_per_group: int  # RPT
 
     quant: tuple[int, int] | None = None  # (BITS, GS) of a quantized cache
+    mma: bool = False  # the simdgroup_matrix kernel (lanes_per_row, rows_per_group unused: 0)
 
     @property
     def variant(self) -> str:
+        lanes = "" if self.mma else f"_sp{self.lanes_per_row}_rpt{self.rows_per_group}"
         return (f"hd{self.head_dim}_bs{self.block_size}_g{self.group}_tq{TILE_TOKENS}"
-                f"_kc{self.chunk_keys}_nsg{self.simdgroups}_sp{self.lanes_per_row}"
-                f"_rpt{self.rows_per_group}"
+                f"_kc{self.chunk_keys}_nsg{self.simdgroups}{lanes}"
                 + (f"_q{self.quant[0]}_gs{self.quant[1]}" if self.quant else ""))
 
+    @property
+    def kind(self) -> str:
+        """The kernel (section and inputs) this plan runs."""
+        if self.mma:
+            return MMA_QUANT_KERNEL if self.quant else MMA_KERNEL
+        return QUANT_KERNEL if self.quant else KERNEL
 
-def plan(head_dim: int, block_size: int, group: int, itemsize: int) -> Plan:
-    """Lanes per query row (SP, a power of two <= 32): at least head_dim / 32, so a lane holds at
-    most 32 dims of its row's query and accumulator (registers), and more while the tile has
-    under MIN_THREADS lanes. Rows past MAX_THREADS / SP share lanes (RPT rows per lane group).
-    Keys per chunk (KC): a power of two whose K (and V) rows fit in STAGE_BYTES."""
+    @property
+    def staged_itemsize(self) -> int | None:
+        """Bytes per staged K/V element: float for the MMA kernel, else None (the cache's T)."""
+        return 4 if self.mma else None
+
+
+def mma_fits(head_dim: int, group: int) -> bool:
+    """Whether the simdgroup_matrix kernel covers this shape: whole 8x8 fragments, registers
+    for q and the accumulator, one simdgroup per 8 tokens of each query head within 1024
+    threads. A function of the shape only."""
+    return (head_dim % 8 == 0 and head_dim <= MMA_MAX_HEAD_DIM
+            and group * TILE_TOKENS // 8 * 32 <= MAX_THREADS)
+
+
+def plan(head_dim: int, block_size: int, group: int, itemsize: int, mma: bool | None = None) -> Plan:
+    """The MMA kernel's plan where `mma_fits`: G * TQ / 8 simdgroups, float staging, KC a power
+    of two in [8, 32] whose float K (and V) rows fit in STAGE_BYTES.
+
+    Otherwise lanes per query row (SP, a power of two <= 32): at least head_dim / 32, so a lane
+    holds at most 32 dims of its row's query and accumulator (registers), and more while the
+    tile has under MIN_THREADS lanes. Rows past MAX_THREADS / SP share lanes (RPT rows per lane group).
+    Keys per chunk (KC): a power of two whose K (and V) rows fit in STAGE_BYTES. `mma=False`
+    forces the lanes-per-row kernel (the quantized cache's path, and tests of it)."""
+    if mma is None:
+        mma = mma_fits(head_dim, group)
+    if mma:
+        kc = MAX_CHUNK_KEYS
+        while kc > MMA_MIN_CHUNK_KEYS and kc * head_dim * 4 > STAGE_BYTES:
+            kc //= 2
+        return Plan(head_dim, block_size, group, kc, group * TILE_TOKENS // 8, 0, 0, mma=True)
     rows = TILE_TOKENS * group
     sp = 1 << (cdiv(head_dim, 32) - 1).bit_length()  # head_dim is a multiple of 32: SP divides it
     while sp < 32 and rows * sp * 2 <= MIN_THREADS:
@@ -89,7 +133,8 @@ def plan(head_dim: int, block_size: int, group: int, itemsize: int) -> Plan:
 def threadgroup_bytes(p: Plan, itemsize: int) -> int:
     """Threadgroup memory of the kernel (mirrors its `threadgroup` arrays, 16-byte aligned)."""
     blocks = (p.chunk_keys + p.block_size - 2) // p.block_size + 1  # PAV_CHUNK_BLOCKS
-    sizes = (p.chunk_keys * p.head_dim * itemsize,) * 2 + (4 * blocks,)
+    staged = p.staged_itemsize or itemsize
+    sizes = (p.chunk_keys * p.head_dim * staged,) * 2 + (4 * blocks,)
     return sum(cdiv(n, 16) * 16 for n in sizes)
 
 
@@ -109,8 +154,9 @@ class Launch:
 
     @property
     def kernel_kwargs(self) -> dict:
-        header, body = kernel_sources()
-        quant = self.kind == QUANT_KERNEL
+        header, body = (kernel_sources(MMA_KERNEL) if self.kind.startswith(MMA_KERNEL)
+                        else kernel_sources())
+        quant = self.kind.endswith("_quant")
         return dict(name=f"{self.kind}_{self.variant}",
                     input_names=list(QUANT_INPUTS if quant else INPUTS),
                     output_names=list(OUTPUTS),
@@ -135,24 +181,25 @@ def varlen_launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     """The launch covering `tiles` ([(sequence, first token)], non-empty); q in the cache dtype."""
     _, num_kv_heads, block_size, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
-    p = plan(head_dim, block_size, group, k_cache.dtype.size)
     quant = metal.quant_params(k_cache)
+    # A quantized cache keeps the lanes-per-row kernel (its MMA variant is not tested yet).
+    p = plan(head_dim, block_size, group, k_cache.dtype.size, mma=None if not quant else False)
     if quant:  # staged as T all the same: the plan (and threadgroup memory) is the float one's
         p = dataclasses.replace(p, quant=quant)
     threads = 32 * p.simdgroups
+    lanes = [] if p.mma else [("SP", p.lanes_per_row), ("RPT", p.rows_per_group)]
     return Launch(p.variant, dict(
         inputs=[q, *metal._cache_inputs(k_cache, v_cache), block_tables.astype(mx.int32),
                 cu_seqlens_q.astype(mx.int32), context_lens.astype(mx.int32),
                 mx.array(tiles, dtype=mx.int32), mx.array(scale, dtype=mx.float32)],
         template=[("T", q.dtype), ("HD", head_dim), ("BS", block_size), ("G", group),
-                  ("TQ", TILE_TOKENS), ("KC", p.chunk_keys), ("NSG", p.simdgroups),
-                  ("SP", p.lanes_per_row), ("RPT", p.rows_per_group)]
+                  ("TQ", TILE_TOKENS), ("KC", p.chunk_keys), ("NSG", p.simdgroups)] + lanes
                  + ([("BITS", quant[0]), ("GS", quant[1])] if quant else []),
         grid=(threads, num_kv_heads, len(tiles)),
         threadgroup=(threads, 1, 1),
         output_shapes=[q.shape],
         output_dtypes=[q.dtype],
-    ), QUANT_KERNEL if quant else KERNEL)
+    ), p.kind)
 
 
 def paged_attention_varlen_metal(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,

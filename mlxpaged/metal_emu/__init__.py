@@ -11,7 +11,8 @@
 The kernel source is compiled as C++ by clang against a Metal shim (metal_shim.h) and each GPU
 thread runs as a fiber (runtime.cpp). Bugs it reports as `MetalEmuError`: out-of-bounds reads
 and writes (named by buffer), threadgroup-memory data races (a missing barrier), SIMD-group
-functions and barriers in divergent control flow, deadlocks, endless loops, barriers without
+functions (simdgroup_matrix loads, stores and multiplies included) and barriers in divergent
+control flow, deadlocks, endless loops, barriers without
 `mem_threadgroup` used to order threadgroup memory, casts between address spaces, misplaced
 threadgroup declarations; a register estimate over budget is a `RegisterBudgetWarning`. See README.md. Threadgroup memory and outputs start as NaN (0xFF bytes), and lanes run in a chosen
 order (`MLXPAGED_EMU_ORDER=forward|reverse|random[:seed]`, `lane_order(...)`, or `order=` on

@@ -49,6 +49,8 @@ KERNEL_FLAGS = [
 ]
 # The oldest clang that compiles the kernels (__bf16 arithmetic, -fbfloat16-excess-precision).
 MIN_CLANG = 17
+# metal_shim.h and the headers it includes from this directory.
+SHIM_HEADERS = ("metal_shim.h", "metal_simdgroup_matrix.h")
 RUNTIME_FLAGS = ["-std=c++17", "-O2", "-fPIC", "-g0", "-fno-sanitize=all", "-fno-exceptions"]
 
 
@@ -123,18 +125,24 @@ def _run(cmd: list[str], what: str) -> None:
 def include_dir() -> Path:
     """A directory holding `metal_stdlib` & co. that include the shim (made once per shim)."""
     shim = HERE / "metal_shim.h"
-    h = hashlib.sha256(shim.read_bytes()).hexdigest()[:16]
+    h = hashlib.sha256(shim_bytes()).hexdigest()[:16]
     d = cache_dir() / f"include-{h}"
     if not (d / "metal_stdlib").exists():
         tmp = Path(tempfile.mkdtemp(dir=cache_dir()))
         for name in ("metal_stdlib", "metal_math", "metal_simdgroup", "metal_atomic",
-                     "metal_compute", "metal_integer", "metal_common", "metal_logging"):
+                     "metal_compute", "metal_integer", "metal_common", "metal_logging",
+                     "metal_simdgroup_matrix"):
             (tmp / name).write_text(f'#include "{shim}"\n')
         try:
             tmp.rename(d)
         except OSError:  # another process won
             shutil.rmtree(tmp, ignore_errors=True)
     return d
+
+
+def shim_bytes() -> bytes:
+    """The shim and the headers it includes: all of them key the caches."""
+    return b"\0".join((HERE / n).read_bytes() for n in SHIM_HEADERS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -154,7 +162,7 @@ def runtime_object() -> Path:
 def build(lowered_source: str, driver: str) -> Path:
     """Shared library for one lowered kernel source plus its generated entry point."""
     cmd, ident = compiler()
-    shim = (HERE / "metal_shim.h").read_bytes()
+    shim = shim_bytes()
     rt = runtime_object()
     key = hashlib.sha256(b"\0".join([
         lowered_source.encode(), driver.encode(), shim, rt.read_bytes(),

@@ -105,6 +105,10 @@ class LaunchStats:
     simd_reductions: int = 0
     barriers_without_threadgroup_fence: int = 0
     device_loads: dict = field(default_factory=dict)
+    # simdgroup_matrix functions (simdgroup-wide calls): multiply(-accumulate)s, loads, stores.
+    simdgroup_mma: int = 0
+    simdgroup_matrix_loads: int = 0
+    simdgroup_matrix_stores: int = 0
 
     @property
     def over_register_budget(self) -> bool:
@@ -334,7 +338,8 @@ class EmulatedKernel:
                 register_budget=int(os.environ.get("MLXPAGED_EMU_REG_BUDGET", DEFAULT_REGISTER_BUDGET)),
                 exp_calls=st[7], exp2_calls=st[8], simd_shuffles=st[9], simd_reductions=st[10],
                 barriers_without_threadgroup_fence=st[11],
-                device_loads={w: st[12 + i] for i, w in enumerate((1, 2, 4, 8, 16))})
+                device_loads={w: st[12 + i] for i, w in enumerate((1, 2, 4, 8, 16))},
+                simdgroup_mma=st[17], simdgroup_matrix_loads=st[18], simdgroup_matrix_stores=st[19])
             self.last_stats = {p.name: bufs[i].bytes_read for i, p in enumerate(gen.params)
                                if p.kind == "input"}
             if rc != 0:

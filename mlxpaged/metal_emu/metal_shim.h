@@ -621,6 +621,9 @@ MLXEMU_QUAD_REDUCE(min, metal::min(a, b))
 #define uint3(...) metal::mlxemu_make<uint, 3>(__VA_ARGS__)
 #define uint4(...) metal::mlxemu_make<uint, 4>(__VA_ARGS__)
 
+// <metal_simdgroup_matrix>: 8x8 SIMD-group matrices (a separate header, same invariants).
+#include "metal_simdgroup_matrix.h"
+
 using namespace metal;
 
 // MSL has no double (lower.py makes unsuffixed literals float) and no C++ standard library:

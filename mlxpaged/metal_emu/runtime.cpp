@@ -43,7 +43,10 @@ enum {
   STAT_THREADS = 0, STAT_TGS, STAT_BARRIERS, STAT_SIMD_OPS, STAT_EXITED_BARRIERS, STAT_TG_BYTES,
   STAT_REG_BYTES, STAT_EXP, STAT_EXP2, STAT_SHUFFLES, STAT_REDUCTIONS, STAT_NOFENCE_BARRIERS,
   STAT_LOAD1, STAT_LOAD2, STAT_LOAD4, STAT_LOAD8, STAT_LOAD16,
+  STAT_MMA, STAT_MLOAD, STAT_MSTORE,  // simdgroup_matrix calls, per simdgroup
 };
+// SIMD sync kinds of the simdgroup_matrix functions (metal_simdgroup_matrix.h).
+enum { K_MLOAD = 6, K_MSTORE = 7, K_MMA = 8 };
 enum { MEM_THREADGROUP = 2 };  // mem_flags::mem_threadgroup
 enum { N_REG_SITES = 1024 };
 static uint64_t g_reg_site[N_REG_SITES];  // bytes of each thread-private array declaration
@@ -478,6 +481,32 @@ EXPORT void mlxemu_count_op(int kind) {
   if (g_desc) g_desc->stats[kind == 0 ? STAT_EXP : STAT_EXP2]++;
 }
 
+// From kernel code (metal_simdgroup_matrix.h): report `msg` and stop the thread.
+EXPORT void mlxemu_fail(const char* msg) {
+  set_error("%s", msg);
+  fiber_abort();
+}
+
+// simdgroup_multiply_accumulate (metal_simdgroup_matrix.h): lane `lane`'s two elements of
+// A * B + C, from the 32 lanes' published fp32 records {a0, a1, b0, b1, c0, c1}. Here, untraced,
+// so the gather costs no tracing calls. Layout: MLX's BaseMMAFrag::get_coord (lane l holds row
+// (l/4 & 4) + (l/2) % 4, columns (l/4 & 2) * 2 + (l % 2) * 2 and the next), inverted below.
+static inline int mma_owner(int r, int c) { return ((r >> 2) << 4) | ((r & 3) << 1) | ((c >> 2) << 3) | ((c >> 1) & 1); }
+EXPORT void mlxemu_mma8x8(const float* in, uint32_t lane, float* out) {
+#pragma clang fp contract(off)
+  const int r = (int)(((lane >> 4) << 2) | ((lane >> 1) & 3));
+  const int c = (int)((((lane >> 3) & 1) << 2) | ((lane & 1) << 1));
+  for (int i = 0; i < 2; ++i) {
+    float acc = in[lane * 6 + 4 + i];
+    for (int k = 0; k < 8; ++k)
+      acc += in[mma_owner(r, k) * 6 + (k & 1)] * in[mma_owner(k, c + i) * 6 + 2 + ((c + i) & 1)];
+    out[i] = acc;
+  }
+}
+
+// thread_index_in_simdgroup of the running thread (simdgroup_matrix's diagonal constructor).
+EXPORT uint32_t mlxemu_lane(void) { return g_cur ? g_cur->attrs[26] : 0; }
+
 // Register model: a thread-private array (or struct holding arrays) of `bytes` was declared at
 // site `site` (lower.py numbers them). The estimate is the sum over the sites a launch reached.
 EXPORT void mlxemu_regs(int site, uint64_t bytes) {
@@ -560,6 +589,9 @@ static int resolve() {
     g_desc->stats[STAT_SIMD_OPS]++;
     if (first->kind == 1) g_desc->stats[STAT_SHUFFLES]++;       // MLXEMU_K_SHUFFLE
     else if (first->kind == 2) g_desc->stats[STAT_REDUCTIONS]++;  // MLXEMU_K_REDUCE
+    else if (first->kind == K_MMA) g_desc->stats[STAT_MMA]++;
+    else if (first->kind == K_MLOAD) g_desc->stats[STAT_MLOAD]++;
+    else if (first->kind == K_MSTORE) g_desc->stats[STAT_MSTORE]++;
     // A simdgroup_barrier orders threadgroup memory only with mem_threadgroup in its flags.
     if (first->kind != K_SIMD_BARRIER || (first->size & MEM_THREADGROUP)) g_sepoch[s]++;
     released = 1;
