@@ -224,15 +224,15 @@ def test_mismatch_detected_at_start(tiny_model_path, tmp_path, other):
 
 
 # -- the real-model tier ------------------------------------------------------------------------------------
-def test_real_model_two_ranks_greedy_32(tmp_path):
+def test_real_model_two_ranks_greedy_16(tmp_path):
     """Qwen2.5-Coder-0.5B (2 KV heads), float32: W=2 gives the single-process greedy tokens."""
     from mlxpaged import LLM
 
-    r = launch(tmp_path, "--model", "default", "--mode", "real", "--tokens", "32", timeout=900)
+    r = launch(tmp_path, "--model", "default", "--mode", "real", "--tokens", "16", timeout=900)
     assert (tmp_path / "rank1_0.json").exists(), r.stdout + r.stderr
     ranks = [json.loads((tmp_path / f"rank{i}_0.json").read_text()) for i in range(2)]
     llm = LLM(None, dtype="float32", block_size=tp_worker.BLOCK_SIZE, num_blocks=64)
-    ref = tp_worker.real_workload(llm, 32)
+    ref = tp_worker.real_workload(llm, 16)
     full = tp_worker.weight_bytes(llm.engine.loaded.model)
     for info in ranks:
         assert info["greedy"] == ref["greedy"]
