@@ -8,6 +8,7 @@ import numpy as np
 
 from .attention.metadata import AttentionMetadata
 from .kv_cache import PagedKVCache, slot_mapping
+from .sampler import gather_rows
 from .sequence import Sequence
 
 
@@ -72,18 +73,11 @@ class ModelRunner:
         ids = mx.array(tokens, dtype=mx.int32)
         if not pending:
             return ids
-        src = pending[0][1].tokens
-        if len(pending) == total and all(p.tokens is src for _, p in pending):
-            rows = [p.row for _, p in pending]  # the steady state: every input comes from one step
-            gathered = src if rows == list(range(src.shape[0])) else src[mx.array(rows)]
-            return gathered.astype(mx.int32)
-        groups: dict[int, tuple[mx.array, list[int], list[int]]] = {}  # by source array: usually one earlier step
-        for pos, p in pending:
-            g = groups.setdefault(id(p.tokens), (p.tokens, [], []))
-            g[1].append(pos)
-            g[2].append(p.row)
-        for arr, where, rows in groups.values():
-            ids[mx.array(where)] = arr[mx.array(rows)].astype(mx.int32)
+        # Usually every row of one earlier step's token array, in order: no copy at all.
+        vals = gather_rows([(p.tokens, p.row) for _, p in pending]).astype(mx.int32)
+        if len(pending) == total:
+            return vals
+        ids[mx.array([pos for pos, _ in pending])] = vals
         return ids
 
     def prefill(self, seq: Sequence, num_tokens: int) -> mx.array:

@@ -33,7 +33,6 @@ from . import metal
 KERNEL = "paged_attention_varlen"
 QUANT_KERNEL = f"{KERNEL}_quant"
 MMA_KERNEL = f"{KERNEL}_mma"
-MMA_QUANT_KERNEL = f"{MMA_KERNEL}_quant"
 INPUTS = ["q", "k_cache", "v_cache", "block_tables", "cu_seqlens_q", "context_lens", "tiles", "scale"]
 QUANT_INPUTS = ["q", *metal.QUANT_INPUTS, *INPUTS[3:]]
 OUTPUTS = ["out"]
@@ -85,7 +84,7 @@ class Plan:
     def kind(self) -> str:
         """The kernel (section and inputs) this plan runs."""
         if self.mma:
-            return MMA_QUANT_KERNEL if self.quant else MMA_KERNEL
+            return MMA_KERNEL  # a quantized cache never takes the MMA plan (varlen_launch)
         return QUANT_KERNEL if self.quant else KERNEL
 
     @property
