@@ -38,7 +38,7 @@ from .block_manager import BlockManager, HashFn, blocks_for_request, sha256_bloc
 from .config import EngineConfig
 from .errors import MlxPagedError, StepError
 from .kv_cache import CacheShape, PagedKVCache, blocks_for_memory
-from .kv_calibration import calibration_ids
+from .kv_calibration import model_key_scales
 from .loader import LoadedModel
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, EngineStats, RequestOutput
@@ -92,9 +92,9 @@ class LLMEngine:
             hash_fn=hash_fn,
             extra_key=loaded.identity,
         )
-        # A quantized cache measures its per-channel key scales on the calibration text now (kv_calibration.py).
-        cal = calibration_ids(loaded.tokenizer, loaded.model.args.vocab_size) if config.kv_bits is not None else None
-        self.kv_cache = PagedKVCache.for_model(loaded.model, self.cache_shape, num_blocks, config.block_size, cal)
+        # A quantized cache divides keys by per-channel scales, measured once per loaded model (kv_calibration.py).
+        scales = model_key_scales(loaded) if config.kv_bits is not None else None
+        self.kv_cache = PagedKVCache.for_model(loaded.model, self.cache_shape, num_blocks, config.block_size, scales)
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.attention_impl)
         self._check_kernels()
         self.scheduler = Scheduler(config, self.block_manager)

@@ -101,21 +101,16 @@ class PagedKVCache:
         self.values = [self._pool() for _ in range(shape.num_layers)]
         mx.eval(self.arrays)
         self._heads = mx.arange(shape.num_kv_heads)[None, :]
+        self._write_index: tuple | None = None  # (slot_mapping, blocks, offsets) of the last write
 
     @classmethod
     def for_model(cls, model, shape: CacheShape, num_blocks: int, block_size: int,
-                  calibration_ids: list[int] | None = None) -> "PagedKVCache":
-        """The cache for `model`'s layers. A quantized one takes the model's key offsets and,
-        given `calibration_ids` (`kv_calibration.calibration_ids`), per-channel key scales
-        measured on them (one forward pass now)."""
+                  key_scales: list[mx.array] | None = None) -> "PagedKVCache":
+        """The cache for `model`'s layers. A quantized one takes the model's key offsets and
+        `key_scales` (`kv_calibration.model_key_scales`), if given."""
         if shape.kv_bits is None:
             return cls(shape, num_blocks, block_size)
-        scales = None
-        if calibration_ids:
-            from .kv_calibration import key_scales
-
-            scales = key_scales(model, calibration_ids)
-        return cls(shape, num_blocks, block_size, key_offsets(model), scales)
+        return cls(shape, num_blocks, block_size, key_offsets(model), key_scales)
 
     def _pool(self):
         s = self.shape
@@ -144,8 +139,11 @@ class PagedKVCache:
 
         Returns the updated pools of the layer (the same arrays the cache now holds).
         """
-        blocks = (slot_mapping // self.block_size)[:, None]
-        offsets = (slot_mapping % self.block_size)[:, None]
+        # Every layer of a pass writes at the same slots: split them into (block, offset) once.
+        if self._write_index is None or self._write_index[0] is not slot_mapping:
+            self._write_index = (slot_mapping, (slot_mapping // self.block_size)[:, None],
+                                 (slot_mapping % self.block_size)[:, None])
+        _, blocks, offsets = self._write_index
         kp, vp = self.keys[layer], self.values[layer]
         if self.quantized:
             if self.key_offsets is not None and self.key_offsets[layer] is not None:

@@ -28,6 +28,14 @@ def calibration_ids(tokenizer, vocab_size: int) -> list[int]:
     return [t for t in tokenizer.encode(CALIBRATION_TEXT.read_text()) if 0 <= t < vocab_size]
 
 
+def model_key_scales(loaded) -> list[mx.array]:
+    """`key_scales` of a `LoadedModel` on the calibration text, measured on first use and kept
+    on it: every later quantized engine (or perplexity run) on the same weights reuses them."""
+    if loaded.key_scales is None:
+        loaded.key_scales = key_scales(loaded.model, calibration_ids(loaded.tokenizer, loaded.model.args.vocab_size))
+    return loaded.key_scales
+
+
 def key_scales(model, ids: list[int], block_size: int = 16) -> list[mx.array]:
     """Per layer, `[num_kv_heads, head_dim]` float32: each key channel's spread over `ids`.
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -38,6 +38,8 @@ class LoadedModel:
     path: Path
     dtype: mx.Dtype
     weights: str = "float"  # "quantized" when any layer is an MLX quantized layer
+    # Per-channel key scales for a quantized KV cache, measured on first use (kv_calibration.py).
+    key_scales: list | None = field(default=None, repr=False, compare=False)
 
     @property
     def identity(self) -> bytes:

@@ -90,16 +90,24 @@ def contiguous_generate(model, prompt_ids: list[int], max_tokens: int, params: S
                         seed: int = 0, sample_index: int = 0) -> list[int]:
     """Generate with mlx-lm's model and contiguous cache, as sample `sample_index` of a request
     seeded `seed` (sampled with the numpy reference above)."""
+    return contiguous_samples(model, prompt_ids, max_tokens, params, seed, [sample_index])[0]
+
+
+def contiguous_samples(model, prompt_ids: list[int], max_tokens: int, params: SamplingParams | None = None,
+                       seed: int = 0, sample_indices=(0,)) -> list[list[int]]:
+    """`contiguous_generate` for several samples of one prompt at once: one row each in a batch
+    of mlx-lm's contiguous cache (the prompt is the same length in every row, so no padding)."""
     params = params or SamplingParams(temperature=0.0, max_tokens=max_tokens)
     cache = make_prompt_cache(model)
-    key = None if params.greedy else mx.array(ref_sample_keys(seed, [sample_index])[0])
-    x = mx.array([prompt_ids])
-    out = []
+    keys = [None if params.greedy else mx.array(k) for k in ref_sample_keys(seed, list(sample_indices))]
+    x = mx.array([prompt_ids] * len(keys))
+    out: list[list[int]] = [[] for _ in keys]
     for _ in range(max_tokens):
-        logits = model(x, cache=cache)[0, -1]
-        tok, key = ref_draw(logits, params, key)
-        out.append(tok)
-        x = mx.array([[out[-1]]])
+        logits = model(x, cache=cache)[:, -1]
+        for i in range(len(keys)):
+            tok, keys[i] = ref_draw(logits[i], params, keys[i])
+            out[i].append(tok)
+        x = mx.array([[o[-1]] for o in out])
     return out
 
 

@@ -308,6 +308,27 @@ def test_key_scales_match_contiguous_keys(tiny_loaded, mlx_lm_tiny):
         key_scales(tiny_loaded.model, ids[:1])
 
 
+def test_key_scales_are_measured_once_per_loaded_model(tiny_model_path, mlx_lm_tiny, monkeypatch):
+    """Two quantized engines on one LoadedModel: one calibration pass; a fresh load measures again."""
+    from mlxpaged import kv_calibration
+    from mlxpaged.loader import load
+
+    calls = []
+    real = kv_calibration.key_scales
+    monkeypatch.setattr(kv_calibration, "key_scales", lambda *a, **k: calls.append(1) or real(*a, **k))
+    loaded = load(str(tiny_model_path), "float32")
+    first = LLMEngine(loaded, EngineConfig(num_blocks=8, kv_bits=8)).kv_cache.key_scales
+    second = LLMEngine(loaded, EngineConfig(num_blocks=8, kv_bits=4)).kv_cache.key_scales
+    LLMEngine(loaded, EngineConfig(num_blocks=8))  # a float cache needs none
+    assert len(calls) == 1 and all(a is b for a, b in zip(first, second))
+    ref_model, tok = mlx_lm_tiny
+    want = numpy_key_scales(ref_model, calibration_ids(tok, ref_model.args.vocab_size))
+    for g, w in zip(second, want):
+        np.testing.assert_allclose(np.array(g), w, rtol=2e-4)
+    LLMEngine(load(str(tiny_model_path), "float32"), EngineConfig(num_blocks=8, kv_bits=8))
+    assert len(calls) == 2
+
+
 def test_key_offsets_match_numpy_rope(tiny_loaded, mlx_lm_tiny):
     got = kv_quant.key_offsets(tiny_loaded.model)
     want = numpy_key_offsets(mlx_lm_tiny[0])

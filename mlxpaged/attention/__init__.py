@@ -98,6 +98,7 @@ def paged_attention_varlen(
     *,
     scale: float | None = None,
     impl: str = "auto",
+    scratch: dict | None = None,
 ) -> mx.array:
     """Attend the new tokens of several sequences, packed along one axis, to their caches.
 
@@ -110,6 +111,8 @@ def paged_attention_varlen(
 
     `paged_attention` is the case q_len = 1. With `impl="metal"` the one-token sequences run
     on the Metal decode kernel and longer ones on the varlen kernel (`metal_varlen.py`).
+    `scratch`: a dict kept for one forward pass (`AttentionMetadata.scratch`), in which the
+    reference keeps the index arrays it derives from the tables, so later layers reuse them.
     """
     scale = _check_shapes("paged_attention_varlen", q, k_cache, v_cache, scale)
     num_seqs = block_tables.shape[0]
@@ -123,4 +126,4 @@ def paged_attention_varlen(
         from .metal_varlen import paged_attention_varlen_metal
 
         return paged_attention_varlen_metal(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=scale)
-    return paged_attention_varlen_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+    return paged_attention_varlen_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, scratch)

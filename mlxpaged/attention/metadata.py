@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -24,3 +24,6 @@ class AttentionMetadata:
     context_lens: mx.array  # [S] int32: tokens in the cache after this step's writes
     logits_indices: mx.array  # [S] int32: each sequence's last new token, the one whose logits are sampled
     impl: str = "auto"  # paged-attention implementation
+    # Arrays derived from the tables (gather rows, masks), built by the first layer that needs
+    # them and reused by the others: one pass's memo, never shared between passes.
+    scratch: dict = field(default_factory=dict, repr=False, compare=False)

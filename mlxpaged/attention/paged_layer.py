@@ -36,6 +36,6 @@ class PagedAttention(nn.Module):
         q = cache.scale_queries(self.layer_idx, q.squeeze(2))  # the cache may store keys rescaled per channel
         out = paged_attention_varlen(
             q, k_pool, v_pool, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-            scale=self.scale, impl=meta.impl,
+            scale=self.scale, impl=meta.impl, scratch=meta.scratch,
         )
         return out.reshape(T, 1, -1)

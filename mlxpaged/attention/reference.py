@@ -2,7 +2,9 @@
 
 Decode: each sequence's blocks are gathered through its block table into a contiguous
 `[num_kv_heads, max_blocks * block_size, head_dim]` array, positions at or past
-`context_lens[i]` are masked, and grouped-query attention runs in float32.
+`context_lens[i]` are masked, and grouped-query attention runs in float32 (SDPA). The index
+arrays derived from the tables are built once per forward pass when the caller passes a
+`scratch` dict (the pass's `AttentionMetadata.scratch`), not once per layer.
 Varlen: sequences with one new token go through the decode path together; each longer one
 gathers its own blocks and runs `mx.fast.scaled_dot_product_attention` with a causal mask
 offset by its cached prefix.
@@ -19,18 +21,34 @@ from .. import kv_quant
 from ..utils import cdiv
 
 
-def gather_blocks(pool: mx.array | kv_quant.QuantizedPool, block_tables: mx.array) -> mx.array:
+def block_rows(block_tables: mx.array, num_kv_heads: int) -> mx.array:
+    """`[S, kvh, nb]`: row `table * kvh + head` of the pool seen as `[num_blocks * kvh, bs, d]`."""
+    return block_tables[:, None, :] * num_kv_heads + mx.arange(num_kv_heads)[None, :, None]
+
+
+def gather_blocks(pool: mx.array | kv_quant.QuantizedPool, block_tables: mx.array,
+                  rows: mx.array | None = None) -> mx.array:
     """The blocks of each sequence laid out contiguously (dequantized, for a quantized pool).
 
     pool `[num_blocks, kvh, bs, d]`, block_tables `[S, nb]` -> `[S, kvh, nb * bs, d]`. Seeing the
     pool as rows of (block, head) `[num_blocks * kvh, bs, d]` makes the gather land in this
-    layout directly, with no transpose copy.
+    layout directly, with no transpose copy. `rows` is `block_rows(block_tables, kvh)`, if built.
     """
     _, kvh, bs, d = pool.shape
-    rows = block_tables[:, None, :] * kvh + mx.arange(kvh)[None, :, None]  # [S, kvh, nb]
+    rows = block_rows(block_tables, kvh) if rows is None else rows
     if isinstance(pool, kv_quant.QuantizedPool):
         return kv_quant.gather_rows(pool, rows).reshape(block_tables.shape[0], kvh, -1, d)
     return pool.reshape(-1, bs, d)[rows].reshape(block_tables.shape[0], kvh, -1, d)
+
+
+def _memo(scratch: dict | None, key, build):
+    """`build()`, kept in `scratch` under `key`: every layer of a pass shares the tables, so the
+    index arrays derived from them are built by the first layer only."""
+    if scratch is None:
+        return build()
+    if key not in scratch:
+        scratch[key] = build()
+    return scratch[key]
 
 
 def paged_attention_reference(
@@ -40,21 +58,22 @@ def paged_attention_reference(
     block_tables: mx.array,  # [num_seqs, max_blocks] int32
     context_lens: mx.array,  # [num_seqs] int32
     scale: float,
+    scratch: dict | None = None,  # per-pass memo of the index arrays (see _memo)
 ) -> mx.array:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
-    max_blocks = block_tables.shape[1]
-    group = num_heads // num_kv_heads
-    ctx = max_blocks * block_size
+    ctx = block_tables.shape[1] * block_size
 
-    k = gather_blocks(k_cache, block_tables).astype(mx.float32)
-    v = gather_blocks(v_cache, block_tables).astype(mx.float32)
-    qf = q.astype(mx.float32).reshape(num_seqs, num_kv_heads, group, head_dim) * scale
-    scores = qf @ k.transpose(0, 1, 3, 2)  # [S, kvh, group, ctx]
-    valid = mx.arange(ctx)[None, :] < context_lens[:, None]  # [S, ctx]
-    scores = mx.where(valid[:, None, None, :], scores, -mx.inf)
-    probs = mx.softmax(scores, axis=-1)
-    out = probs @ v  # [S, kvh, group, d]
+    def index():
+        valid = mx.arange(ctx)[None, :] < context_lens[:, None]  # [S, ctx]
+        return block_rows(block_tables, num_kv_heads), valid[:, None, None, :]
+
+    rows, valid = _memo(scratch, ("decode", num_kv_heads), index)
+    k = gather_blocks(k_cache, block_tables, rows).astype(mx.float32)
+    v = gather_blocks(v_cache, block_tables, rows).astype(mx.float32)
+    # float32 throughout; SDPA groups the query heads over their KV head itself.
+    qf = q.astype(mx.float32)[:, :, None, :]  # [S, H, 1, d]
+    out = mx.fast.scaled_dot_product_attention(qf, k, v, scale=scale, mask=valid)
     return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
 
 
@@ -66,10 +85,12 @@ def paged_attention_varlen_reference(
     cu_seqlens_q: mx.array,  # [S + 1] int32
     context_lens: mx.array,  # [S] int32: cached plus new tokens
     scale: float,
+    scratch: dict | None = None,  # per-pass memo of the index arrays (see _memo)
 ) -> mx.array:  # [T, num_heads, head_dim]
     cu = cu_seqlens_q.tolist()
     ctx = context_lens.tolist()
     block_size = k_cache.shape[2]
+    num_kv_heads = k_cache.shape[1]
     pieces = []
     s, num_seqs = 0, len(ctx)
     while s < num_seqs:
@@ -77,16 +98,22 @@ def paged_attention_varlen_reference(
             e = s
             while e < num_seqs and cu[e + 1] - cu[e] == 1:
                 e += 1  # a run of decodes: one batched call
-            pieces.append(paged_attention_reference(
-                q[cu[s] : cu[e]], k_cache, v_cache, block_tables[s:e], context_lens[s:e], scale))
+            run = None if scratch is None else scratch.setdefault(("run", s, e), {})
+            tables, lens = (block_tables, context_lens) if (s, e) == (0, num_seqs) else (block_tables[s:e], context_lens[s:e])
+            pieces.append(paged_attention_reference(q[cu[s] : cu[e]], k_cache, v_cache, tables, lens, scale, run))
             s = e
             continue
         n, c = cu[s + 1] - cu[s], ctx[s]
-        table = block_tables[s : s + 1, : cdiv(c, block_size)]
-        k, v = (gather_blocks(p, table)[:, :, :c].astype(q.dtype) for p in (k_cache, v_cache))
+
+        def index(s=s, n=n, c=c):
+            table = block_tables[s : s + 1, : cdiv(c, block_size)]
+            # New token j sits at position c - n + j and sees every position up to its own.
+            mask = "causal" if n == c else mx.arange(c - n, c)[:, None] >= mx.arange(c)[None, :]
+            return table, block_rows(table, num_kv_heads), mask
+
+        table, rows, mask = _memo(scratch, ("prefill", s), index)
+        k, v = (gather_blocks(p, table, rows)[:, :, :c].astype(q.dtype) for p in (k_cache, v_cache))
         qs = q[cu[s] : cu[s + 1]].transpose(1, 0, 2)[None]  # [1, H, n, d]
-        # New token j sits at position c - n + j and sees every position up to its own.
-        mask = "causal" if n == c else mx.arange(c - n, c)[:, None] >= mx.arange(c)[None, :]
         out = mx.fast.scaled_dot_product_attention(qs, k, v, scale=scale, mask=mask)
         pieces.append(out[0].transpose(1, 0, 2))
         s += 1

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..attention.metadata import AttentionMetadata
 from ..kv_cache import CacheShape, PagedKVCache, slot_mapping
-from ..kv_calibration import calibration_ids
+from ..kv_calibration import model_key_scales
 from ..utils import cdiv
 
 SNIPPET = Path(__file__).resolve().parents[2] / "tests" / "data" / "perplexity_snippet.py"
@@ -47,8 +47,8 @@ def paged_perplexity(loaded, ids: list[int], *, kv_bits: int | None = None, kv_g
     """
     shape = CacheShape.of(loaded).quantized(kv_bits, kv_group_size)
     num_blocks = cdiv(len(ids), block_size)
-    ids_cal = calibration_ids(loaded.tokenizer, loaded.model.args.vocab_size) if calibrate else None
-    cache = PagedKVCache.for_model(loaded.model, shape, num_blocks, block_size, ids_cal)  # as the engine builds it
+    scales = model_key_scales(loaded) if calibrate and kv_bits is not None else None
+    cache = PagedKVCache.for_model(loaded.model, shape, num_blocks, block_size, scales)  # as the engine builds it
     table = np.random.default_rng(seed).permutation(num_blocks).astype(np.int32)
     nll, count = 0.0, 0
     for start in range(0, len(ids) - 1, chunk):
