@@ -21,6 +21,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from ..attention.metadata import AttentionMetadata
 from ..attention.paged_layer import PagedAttention
+from .rotary import Rotary
 
 
 @dataclass
@@ -67,14 +68,12 @@ class Attention(nn.Module):
 
         self.attn = PagedAttention(layer_idx, self.n_heads, self.n_kv_heads, hd, self.scale)
 
-    def __call__(self, x: mx.array, cache, meta: AttentionMetadata) -> mx.array:
+    def __call__(self, x: mx.array, cache, meta: AttentionMetadata, rotary: Rotary) -> mx.array:
         B, L, _ = x.shape  # B = T tokens, L = 1
         q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
         k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        q = self.rope(q, offset=meta.positions)
-        k = self.rope(k, offset=meta.positions)
-        return self.o_proj(self.attn(q, k, v, cache, meta))
+        return self.o_proj(self.attn(rotary(q), rotary(k), v, cache, meta))
 
 
 class MLP(nn.Module):
@@ -96,8 +95,8 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache, meta: AttentionMetadata) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache, meta)
+    def __call__(self, x: mx.array, cache, meta: AttentionMetadata, rotary: Rotary) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache, meta, rotary)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -110,8 +109,9 @@ class Qwen2Model(nn.Module):
 
     def __call__(self, inputs: mx.array, cache, meta: AttentionMetadata) -> mx.array:
         h = self.embed_tokens(inputs)
+        rotary = Rotary(self.layers[0].self_attn.rope, meta.positions)  # every layer's rope is the same
         for layer in self.layers:
-            h = layer(h, cache, meta)
+            h = layer(h, cache, meta, rotary)
         return self.norm(h)
 
 

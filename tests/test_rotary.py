@@ -1,0 +1,60 @@
+"""`models.rotary.Rotary`: RoPE tables built once per pass must rotate exactly as `mx.fast.rope`
+does with per-token offsets (bit for bit: greedy tokens are compared with mlx-lm's), and fall
+back to the module itself where tables do not apply."""
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlxpaged.models.rotary import Rotary
+
+
+def numpy_rope(x: np.ndarray, positions: np.ndarray, dims: int, base: float) -> np.ndarray:
+    """Non-traditional RoPE in float64: the first `dims` channels rotate in halves."""
+    half = dims // 2
+    inv = np.exp(-np.arange(half) * (math.log(base) / half))
+    theta = positions[:, None].astype(np.float64) * inv  # [T, half]
+    c, s = np.cos(theta)[:, None, None, :], np.sin(theta)[:, None, None, :]
+    x1, x2 = x[..., :half], x[..., half:dims]
+    return np.concatenate([x1 * c - x2 * s, x1 * s + x2 * c, x[..., dims:]], axis=-1)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("dims,head_dim", [(64, 64), (32, 64), (128, 128)])
+def test_tables_equal_fast_rope_bit_for_bit(dtype, dims, head_dim):
+    rope = nn.RoPE(dims, base=1e6)
+    positions = mx.array(np.random.default_rng(dims).integers(0, 32768, 41).astype(np.int32))
+    x = mx.random.normal((41, 3, 1, head_dim), key=mx.random.key(head_dim)).astype(dtype)
+    rot = Rotary(rope, positions)
+    assert rot.tabled  # the CPU: tables in use
+    got, want = rot(x), rope(x, offset=positions)
+    assert got.dtype == want.dtype and mx.array_equal(got, want).item()
+    again = rot(x * 2)  # the tables are reused for the next application (another layer's keys)
+    assert mx.array_equal(again, rope(x * 2, offset=positions)).item()
+
+
+def test_tables_equal_numpy_rope():
+    rope = nn.RoPE(64, base=10000.0)
+    positions = np.array([0, 1, 17, 4095, 30000], dtype=np.int32)
+    x = np.random.default_rng(0).standard_normal((5, 2, 1, 64)).astype(np.float32)
+    got = np.array(Rotary(rope, mx.array(positions))(mx.array(x)))
+    np.testing.assert_allclose(got, numpy_rope(x.astype(np.float64), positions, 64, 10000.0), rtol=2e-3, atol=2e-3)
+
+
+def test_other_ropes_call_the_module():
+    positions = mx.array([3, 9], dtype=mx.int32)
+    x = mx.random.normal((2, 2, 1, 16), key=mx.random.key(1))
+    trad = nn.RoPE(16, traditional=True)
+    rot = Rotary(trad, positions)
+    assert not rot.tabled and mx.array_equal(rot(x), trad(x, offset=positions)).item()
+
+    class Scaled(nn.RoPE):  # a rope variant: not plain nn.RoPE, so never tabled
+        def __call__(self, x, offset=0):
+            return super().__call__(x * 0.5, offset)
+
+    scaled = Scaled(16)
+    rot = Rotary(scaled, positions)
+    assert not rot.tabled and mx.array_equal(rot(x), scaled(x, offset=positions)).item()
