@@ -13,7 +13,7 @@ from mlxpaged.models.rotary import Rotary
 
 
 def numpy_rope(x: np.ndarray, positions: np.ndarray, dims: int, base: float) -> np.ndarray:
-    """Non-traditional RoPE in float64: the first `dims` channels rotate in halves."""
+    """Non-traditional RoPE in float64 of x `[T, heads, 1, head_dim]`: the first `dims` channels rotate in halves."""
     half = dims // 2
     inv = np.exp(-np.arange(half) * (math.log(base) / half))
     theta = positions[:, None].astype(np.float64) * inv  # [T, half]
@@ -27,29 +27,30 @@ def numpy_rope(x: np.ndarray, positions: np.ndarray, dims: int, base: float) -> 
 def test_tables_equal_fast_rope_bit_for_bit(dtype, dims, head_dim):
     rope = nn.RoPE(dims, base=1e6)
     positions = mx.array(np.random.default_rng(dims).integers(0, 32768, 41).astype(np.int32))
-    x = mx.random.normal((41, 3, 1, head_dim), key=mx.random.key(head_dim)).astype(dtype)
+    x = mx.random.normal((41, 3, head_dim), key=mx.random.key(head_dim)).astype(dtype)
     rot = Rotary(rope, positions)
     assert rot.tabled  # the CPU: tables in use
-    got, want = rot(x), rope(x, offset=positions)
+    got, want = rot(x), rope(x[:, :, None], offset=positions)[:, :, 0]
     assert got.dtype == want.dtype and mx.array_equal(got, want).item()
     again = rot(x * 2)  # the tables are reused for the next application (another layer's keys)
-    assert mx.array_equal(again, rope(x * 2, offset=positions)).item()
+    assert mx.array_equal(again, rope(x[:, :, None] * 2, offset=positions)[:, :, 0]).item()
 
 
 def test_tables_equal_numpy_rope():
     rope = nn.RoPE(64, base=10000.0)
     positions = np.array([0, 1, 17, 4095, 30000], dtype=np.int32)
-    x = np.random.default_rng(0).standard_normal((5, 2, 1, 64)).astype(np.float32)
+    x = np.random.default_rng(0).standard_normal((5, 2, 64)).astype(np.float32)
     got = np.array(Rotary(rope, mx.array(positions))(mx.array(x)))
-    np.testing.assert_allclose(got, numpy_rope(x.astype(np.float64), positions, 64, 10000.0), rtol=2e-3, atol=2e-3)
+    want = numpy_rope(x[:, :, None].astype(np.float64), positions, 64, 10000.0)[:, :, 0]
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
 
 
 def test_other_ropes_call_the_module():
     positions = mx.array([3, 9], dtype=mx.int32)
-    x = mx.random.normal((2, 2, 1, 16), key=mx.random.key(1))
+    x = mx.random.normal((2, 2, 16), key=mx.random.key(1))
     trad = nn.RoPE(16, traditional=True)
     rot = Rotary(trad, positions)
-    assert not rot.tabled and mx.array_equal(rot(x), trad(x, offset=positions)).item()
+    assert not rot.tabled and mx.array_equal(rot(x), trad(x[:, :, None], offset=positions)[:, :, 0]).item()
 
     class Scaled(nn.RoPE):  # a rope variant: not plain nn.RoPE, so never tabled
         def __call__(self, x, offset=0):
@@ -57,4 +58,4 @@ def test_other_ropes_call_the_module():
 
     scaled = Scaled(16)
     rot = Rotary(scaled, positions)
-    assert not rot.tabled and mx.array_equal(rot(x), scaled(x, offset=positions)).item()
+    assert not rot.tabled and mx.array_equal(rot(x), scaled(x[:, :, None], offset=positions)[:, :, 0]).item()

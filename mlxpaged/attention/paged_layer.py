@@ -29,13 +29,13 @@ class PagedAttention(nn.Module):
         self.scale = scale
 
     def __call__(self, q: mx.array, k: mx.array, v: mx.array, cache, meta: AttentionMetadata) -> mx.array:
-        """q `[T, num_heads, 1, hd]`, k and v `[T, num_kv_heads, 1, hd]` (one row per new token)
-        -> `[T, 1, num_heads * hd]`."""
+        """q `[T, num_heads, hd]`, k and v `[T, num_kv_heads, hd]` (one row per new token)
+        -> `[T, num_heads * hd]`."""
         T = q.shape[0]
-        k_pool, v_pool = cache.write(self.layer_idx, k.squeeze(2), v.squeeze(2), meta.slot_mapping)
-        q = cache.scale_queries(self.layer_idx, q.squeeze(2))  # the cache may store keys rescaled per channel
+        k_pool, v_pool = cache.write(self.layer_idx, k, v, meta.slot_mapping)
+        q = cache.scale_queries(self.layer_idx, q)  # the cache may store keys rescaled per channel
         out = paged_attention_varlen(
             q, k_pool, v_pool, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
             scale=self.scale, impl=meta.impl, scratch=meta.scratch,
         )
-        return out.reshape(T, 1, -1)
+        return out.reshape(T, -1)

@@ -87,8 +87,7 @@ def paged_attention_varlen_reference(
     scale: float,
     scratch: dict | None = None,  # per-pass memo of the index arrays (see _memo)
 ) -> mx.array:  # [T, num_heads, head_dim]
-    cu = cu_seqlens_q.tolist()
-    ctx = context_lens.tolist()
+    cu, ctx = _memo(scratch, "host", lambda: (cu_seqlens_q.tolist(), context_lens.tolist()))
     block_size = k_cache.shape[2]
     num_kv_heads = k_cache.shape[1]
     pieces = []
@@ -99,8 +98,11 @@ def paged_attention_varlen_reference(
             while e < num_seqs and cu[e + 1] - cu[e] == 1:
                 e += 1  # a run of decodes: one batched call
             run = None if scratch is None else scratch.setdefault(("run", s, e), {})
-            tables, lens = (block_tables, context_lens) if (s, e) == (0, num_seqs) else (block_tables[s:e], context_lens[s:e])
-            pieces.append(paged_attention_reference(q[cu[s] : cu[e]], k_cache, v_cache, tables, lens, scale, run))
+            if (s, e) == (0, num_seqs):  # decodes only: no slicing at all
+                pieces.append(paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale, run))
+            else:
+                pieces.append(paged_attention_reference(q[cu[s] : cu[e]], k_cache, v_cache, block_tables[s:e],
+                                                        context_lens[s:e], scale, run))
             s = e
             continue
         n, c = cu[s + 1] - cu[s], ctx[s]

@@ -1,7 +1,8 @@
 """Qwen2 / Qwen2.5 in MLX, for the packed new tokens of many sequences on a paged KV cache.
 
 A step's T new tokens (decodes and prefill chunks of any number of sequences) enter as one
-`[T]` array and run as T rows of length 1, so RoPE takes each token's own position.
+`[T]` array and stay `[T, hidden]` rows throughout; RoPE rotates each row by its own position
+(`Rotary`, built once per pass).
 
 Parameter names follow the Hugging Face checkpoints, so mlx-lm's loader (quantized
 mlx-community checkpoints included) fills these modules unchanged. The model knows nothing of
@@ -69,11 +70,11 @@ class Attention(nn.Module):
         self.attn = PagedAttention(layer_idx, self.n_heads, self.n_kv_heads, hd, self.scale)
 
     def __call__(self, x: mx.array, cache, meta: AttentionMetadata, rotary: Rotary) -> mx.array:
-        B, L, _ = x.shape  # B = T tokens, L = 1
-        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        return self.o_proj(self.attn(rotary(q), rotary(k), v, cache, meta))
+        T = x.shape[0]  # x [T, hidden]: the step's packed new tokens
+        q = rotary(self.q_proj(x).reshape(T, self.n_heads, -1))
+        k = rotary(self.k_proj(x).reshape(T, self.n_kv_heads, -1))
+        v = self.v_proj(x).reshape(T, self.n_kv_heads, -1)
+        return self.o_proj(self.attn(q, k, v, cache, meta))
 
 
 class MLP(nn.Module):
@@ -127,7 +128,7 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def __call__(self, inputs: mx.array, cache, meta: AttentionMetadata) -> mx.array:
-        h = self.model(inputs[:, None], cache, meta)[:, 0]  # [T, hidden]
+        h = self.model(inputs, cache, meta)  # [T, hidden]
         h = h[meta.logits_indices]  # only the sampled positions reach the output layer
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)

@@ -18,22 +18,23 @@ import mlx.nn as nn
 
 
 class Rotary:
-    """`rotary(x)` == `rope(x, offset=positions)` for x `[T, heads, 1, head_dim]` (one row per
-    token, token t at `positions[t]`); the tables are built on first use per dtype."""
+    """`rotary(x)` rotates x `[T, heads, head_dim]` (token t at `positions[t]`) as
+    `rope(x[:, :, None], offset=positions)[:, :, 0]`; the tables are built on first use per dtype."""
 
     def __init__(self, rope: nn.Module, positions: mx.array):
         self.rope = rope
         self.positions = positions
         self.tabled = type(rope) is nn.RoPE and not rope.traditional and mx.default_device() == mx.cpu
-        self._tables: dict = {}  # dtype -> (cos, sin), each [T, 1, 1, dims / 2]
+        self._tables: dict = {}  # dtype -> (cos, sin), each [T, 1, dims / 2]
 
     def __call__(self, x: mx.array) -> mx.array:
-        if not self.tabled:
-            return self.rope(x, offset=self.positions)
+        if not self.tabled:  # each token a batch row of one position, as rope's offsets are per row
+            return self.rope(x[:, :, None, :], offset=self.positions)[:, :, 0, :]
         half = self.rope.dims // 2
         if x.dtype not in self._tables:
             probe = mx.concatenate([mx.ones((half,), x.dtype), mx.zeros((half,), x.dtype)])
             rot = self.rope(mx.broadcast_to(probe, (x.shape[0], 1, 1, 2 * half)), offset=self.positions)
+            rot = rot.reshape(x.shape[0], 1, 2 * half)
             self._tables[x.dtype] = (rot[..., :half], rot[..., half:])  # 1*cos - 0*sin, 1*sin + 0*cos
         cos, sin = self._tables[x.dtype]
         x1, x2 = x[..., :half], x[..., half : 2 * half]
