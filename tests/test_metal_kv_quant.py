@@ -494,9 +494,9 @@ def run_engine(loaded, impl, bits):
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_engine_decodes_through_the_quantized_kernels(tiny_loaded, monkeypatch, bits):
-    """The tiny model with a quantized cache: the engine's start-up check passes a
-    QuantizedPool, prefill and decode run the quantized kernels (emulated; a failed check
-    would raise), and greedy tokens equal the reference path's over the same cache."""
+    """The tiny model with a quantized cache: the engine's start-up check and the varlen
+    kernel's first-use check pass a QuantizedPool, prefill and decode run the quantized kernels
+    (emulated; a failed check would raise), and greedy tokens equal the reference path's over the same cache."""
     want = run_engine(tiny_loaded, "reference", bits)
     monkeypatch.setenv("MLXPAGED_METAL", "emulate")
     metal.reset_kernels()
@@ -509,7 +509,8 @@ def test_engine_decodes_through_the_quantized_kernels(tiny_loaded, monkeypatch, 
     try:
         with emu.emulate():
             got = run_engine(tiny_loaded, "metal", bits)
-        assert [key[-1] for key in metal._families] == [(bits, 32)]
+        # Checked once each: the decode family at start-up, the varlen one at the first prefill.
+        assert [(key[0] == "varlen", key[-1]) for key in metal._families] == [(False, (bits, 32)), (True, (bits, 32))]
         assert all(metal._families.values())
     finally:
         metal.reset_kernels()

@@ -479,3 +479,50 @@ def test_engine_prefills_through_the_kernel(tiny_loaded, monkeypatch):
         got = run("metal")
     assert got == want
     assert any(len(tiles) > 1 for tiles in launches)  # a pass held several tiles
+
+
+def test_first_use_check_guards_the_varlen_kernel(monkeypatch):
+    """The first multi-token call of a shape family checks the varlen kernel once against the
+    reference. A kernel that fails there (here: one that writes zeros) gives one warning, and
+    that family's calls take the reference from then on; decode-only calls keep the decode
+    kernel; under `MLXPAGED_METAL=strict` the failure is an error."""
+    from mlxpaged.attention import paged_attention_varlen
+
+    rng = np.random.default_rng(5)
+    prefill = make_inputs(rng, dtype="float16", head_dim=64, group=2, block_size=16, q_lens=[9, 1], prefixes=[4, 20])
+    decode = make_inputs(rng, dtype="float16", head_dim=64, group=2, block_size=16, q_lens=[1, 1], prefixes=[4, 20])
+    want = {id(a): reference(*a, scale=0.125) for a in (prefill, decode)}
+    runs = []
+    real = metal.compare_to_reference
+    monkeypatch.setattr(metal, "compare_to_reference", lambda *a: runs.append(a[0]) or real(*a))
+    metal.reset_kernels()
+    monkeypatch.delenv("MLXPAGED_METAL", raising=False)
+    with emu.emulate():
+        try:
+            for _ in range(2):  # a sound kernel: checked once, then used
+                assert mismatch(paged_attention_varlen(*prefill, scale=0.125, impl="metal"), want[id(prefill)], "float16") <= 1.0
+            assert [r for r in runs if r.startswith("varlen")] == [runs[0]]  # (the decode kernels check their own)
+
+            zeros = lambda *a, **k: lambda **call: [mx.zeros(call["output_shapes"][0], call["output_dtypes"][0])]
+            monkeypatch.setattr(mv, "_kernel", zeros)
+            metal.reset_kernels()
+            with pytest.warns(RuntimeWarning, match="kernel check failed.*varlen"):
+                out = paged_attention_varlen(*prefill, scale=0.125, impl="metal")
+            same_as_reference = lambda out, a: mx.array_equal(out, paged_attention_varlen(*a, scale=0.125, impl="reference")).item()
+            assert same_as_reference(out, prefill)
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # the verdict is kept: no second check, no warning
+                assert same_as_reference(paged_attention_varlen(*prefill, scale=0.125, impl="metal"), prefill)
+                _, launches = metal.run_with_launches(*decode[:4], decode[5], scale=0.125)  # the decode kernel itself
+                assert launches and mismatch(paged_attention_varlen(*decode, scale=0.125, impl="metal"),
+                                             want[id(decode)], "float16") <= 1.0
+            assert len([r for r in runs if r.startswith("varlen")]) == 2
+
+            metal.reset_kernels()
+            monkeypatch.setenv("MLXPAGED_METAL", "strict")
+            with pytest.raises(metal.KernelCheckError, match="varlen"):
+                paged_attention_varlen(*prefill, scale=0.125, impl="metal")
+        finally:
+            metal.reset_kernels()

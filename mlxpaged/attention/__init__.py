@@ -122,8 +122,10 @@ def paged_attention_varlen(
             f"do not match {num_seqs} block-table rows"
         )
     if resolve_impl(impl, q, k_cache) == "metal":
-        # Multi-token sequences on the varlen kernel, one-token ones on the decode kernel.
-        from .metal_varlen import paged_attention_varlen_metal
+        # Multi-token sequences on the varlen kernel, one-token ones on the decode kernel; a
+        # varlen kernel that failed its first-use check on this machine leaves it to the reference.
+        from .metal_varlen import paged_attention_varlen_metal, varlen_usable
 
-        return paged_attention_varlen_metal(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=scale)
+        if varlen_usable(q, k_cache, cu_seqlens_q):
+            return paged_attention_varlen_metal(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=scale)
     return paged_attention_varlen_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, scratch)

@@ -466,29 +466,46 @@ def check_family(group: int, k_cache) -> bool:
         pool = [QuantizedPool.quantize(p, *quant) for p in pool]
     tables = mx.array(np.array([[4, 1, 5], [2, 0, 3]], np.int32))
     cl = mx.array(np.array(lens, np.int32))
-    ref = paged_attention_reference(q, *map(dequantized, pool), tables, cl, 0.3).astype(mx.float32)
-    atol, rtol = CHECK_TOLERANCE[k_cache.dtype]
-    ok, problem = True, ""
+    ref = paged_attention_reference(q, *map(dequantized, pool), tables, cl, 0.3)
+    problem = ""
     for path, part in (("single pass", 0), ("split", bs)):
         variant = f"{path} {_variant(hd, bs, group, quant)} {k_cache.dtype}"
-        try:
-            out = _run(q, *pool, tables, cl, 0.3, part)[0].astype(mx.float32)
-            err = float(mx.max(mx.abs(out - ref) / (atol + rtol * mx.abs(ref))).item())
-        except Exception as e:  # compile or launch error: the reference path takes over
-            if os.environ.get("MLXPAGED_METAL") in ("strict", "emulate"):
-                raise  # the compiler's or the emulator's own report names the bug best
-            ok, problem = False, f"{variant}: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        problem = compare_to_reference(variant, lambda: _run(q, *pool, tables, cl, 0.3, part)[0], ref, k_cache.dtype)
+        if problem:
             break
-        if not err <= 1.0:  # NaN fails too
-            ok, problem = False, f"{variant}: result differs from the reference (error {err:.3g} x tolerance)"
-            break
-    if not ok:
-        if os.environ.get("MLXPAGED_METAL") in ("strict", "emulate"):
-            raise KernelCheckError(f"Metal paged-attention kernel check failed: {problem}")
-        warnings.warn(f"Metal paged-attention kernel check failed, using the reference path for "
-                      f"this shape: {problem}", RuntimeWarning, stacklevel=3)
+    ok = settle_check(problem)
     _families[key] = ok
     return ok
+
+
+def compare_to_reference(variant: str, run, ref: mx.array, dtype) -> str:
+    """"" when `run()` matches `ref` within CHECK_TOLERANCE[dtype], else what went wrong (a
+    compile or launch error, or how far off the result is). Under `MLXPAGED_METAL=strict` or
+    `=emulate` an error raises as it is: the compiler's or the emulator's report names it best."""
+    atol, rtol = CHECK_TOLERANCE[dtype]
+    ref = ref.astype(mx.float32)
+    try:
+        out = run().astype(mx.float32)
+        err = float(mx.max(mx.abs(out - ref) / (atol + rtol * mx.abs(ref))).item())
+    except Exception as e:  # compile or launch error: the reference path takes over
+        if os.environ.get("MLXPAGED_METAL") in ("strict", "emulate"):
+            raise
+        return f"{variant}: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    if not err <= 1.0:  # NaN fails too
+        return f"{variant}: result differs from the reference (error {err:.3g} x tolerance)"
+    return ""
+
+
+def settle_check(problem: str) -> bool:
+    """A family check's verdict: True when nothing went wrong; else one warning and False (the
+    reference path takes that shape), or `KernelCheckError` under `strict` / `emulate`."""
+    if not problem:
+        return True
+    if os.environ.get("MLXPAGED_METAL") in ("strict", "emulate"):
+        raise KernelCheckError(f"Metal paged-attention kernel check failed: {problem}")
+    warnings.warn(f"Metal paged-attention kernel check failed, using the reference path for "
+                  f"this shape: {problem}", RuntimeWarning, stacklevel=4)
+    return False
 
 
 def bytes_read(launches: list[Launch]) -> int:

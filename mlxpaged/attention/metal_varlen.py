@@ -8,6 +8,12 @@ device sync). One-token sequences go to the decode kernel (`metal.py`), whose ou
 scattered into the varlen kernel's output. Invariant: every output row is written by exactly
 one of the two kernels.
 
+Safe on an unseen Mac, as the decode kernels are: the first call of a shape family that has a
+multi-token sequence checks the varlen kernel on a small case against the reference
+(`check_varlen`, once per process); one that fails to build or run, or differs, gives one
+warning and sends that family's calls to the reference (an error under `MLXPAGED_METAL=strict`
+or `=emulate`). Decode-only calls never need it.
+
 A quantized cache (`kv_quant.QuantizedPool` for k_cache and v_cache) runs kernel
 `paged_attention_varlen_quant`: the same body over `PAV_QUANT_VIEWS` of its (data, scales,
 biases) inputs, bits and group size in the name; each group is dequantized as it is staged.
@@ -26,7 +32,9 @@ import re
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
+from ..kv_quant import QuantizedPool
 from ..utils import cdiv
 from . import metal
 
@@ -240,3 +248,47 @@ def run_with_launches(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_l
     if out is None:  # no sequence has a new token
         out = mx.zeros_like(qc)
     return out.astype(out_dtype), launches
+
+
+def check_varlen(group: int, k_cache) -> bool:
+    """Check the varlen kernel of this shape family once per process: two prefill chunks (17 new
+    tokens over 5 cached, so two tiles and a prefix; 3 over none) in a shuffled block table,
+    against the reference (on the dequantized pools for a quantized cache). Verdicts are kept
+    with the decode families' (`metal.reset_kernels` forgets both); see `metal.settle_check`."""
+    from .reference import paged_attention_varlen_reference
+
+    _, _, bs, hd = k_cache.shape
+    quant = metal.quant_params(k_cache)
+    key = ("varlen", metal._metal_kernel_factory(), k_cache.dtype, hd, bs, group, quant)
+    if key in metal._families:
+        return metal._families[key]
+    rng = np.random.default_rng(13)
+    q_lens, prefixes = [17, 3], [5, 0]
+    ctx = [n + p for n, p in zip(q_lens, prefixes)]
+    widths = [cdiv(c, bs) for c in ctx]
+    order = rng.permutation(sum(widths)).astype(np.int32)  # sequence 0's blocks, then sequence 1's
+    tables = np.zeros((2, max(widths)), np.int32)
+    tables[0, : widths[0]], tables[1, : widths[1]] = order[: widths[0]], order[widths[0]:]
+    q = mx.array(rng.standard_normal((sum(q_lens), group, hd)), dtype=k_cache.dtype)
+    pool = [mx.array(rng.standard_normal((sum(widths), 1, bs, hd)), dtype=k_cache.dtype) for _ in range(2)]
+    if quant:
+        pool = [QuantizedPool.quantize(p, *quant) for p in pool]
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    args = (mx.array(tables), mx.array(cu), mx.array(np.array(ctx, np.int32)))
+    f32 = [metal.dequantized(p).astype(mx.float32) for p in pool]
+    ref = paged_attention_varlen_reference(q.astype(mx.float32), *f32, *args, 0.3)
+    name = f"varlen {plan(hd, bs, group, k_cache.dtype.size).variant} {k_cache.dtype}"
+    problem = metal.compare_to_reference(name, lambda: paged_attention_varlen_metal(q, *pool, *args, scale=0.3),
+                                         ref, k_cache.dtype)
+    metal._families[key] = ok = metal.settle_check(problem)
+    return ok
+
+
+def varlen_usable(q, k_cache, cu_seqlens_q) -> bool:
+    """Whether the Metal path may take this call: always when every sequence is a decode (the
+    decode kernels, checked at engine start), else when this family's varlen kernel passed
+    `check_varlen`."""
+    cu = cu_seqlens_q.tolist()
+    if all(b - a <= 1 for a, b in zip(cu, cu[1:])):
+        return True
+    return check_varlen(q.shape[1] // k_cache.shape[1], k_cache)
