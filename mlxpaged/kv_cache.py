@@ -101,7 +101,7 @@ class PagedKVCache:
         self.values = [self._pool() for _ in range(shape.num_layers)]
         mx.eval(self.arrays)
         self._heads = mx.arange(shape.num_kv_heads)[None, :]
-        self._write_index: tuple | None = None  # (slot_mapping, blocks, offsets) of the last write
+        self._write_index: tuple | None = None  # (slot_mapping, blocks, heads, offsets) of the last write
 
     @classmethod
     def for_model(cls, model, shape: CacheShape, num_blocks: int, block_size: int,
@@ -139,11 +139,12 @@ class PagedKVCache:
 
         Returns the updated pools of the layer (the same arrays the cache now holds).
         """
-        # Every layer of a pass writes at the same slots: split them into (block, offset) once.
+        # Every layer of a pass writes at the same slots: (block, head, offset) of each new row,
+        # broadcast to [T, num_kv_heads] once, so no layer's scatter broadcasts them again.
         if self._write_index is None or self._write_index[0] is not slot_mapping:
-            self._write_index = (slot_mapping, (slot_mapping // self.block_size)[:, None],
-                                 (slot_mapping % self.block_size)[:, None])
-        _, blocks, offsets = self._write_index
+            blocks, offsets = (slot_mapping // self.block_size)[:, None], (slot_mapping % self.block_size)[:, None]
+            self._write_index = (slot_mapping, *mx.broadcast_arrays(blocks, self._heads, offsets))
+        _, blocks, heads, offsets = self._write_index
         kp, vp = self.keys[layer], self.values[layer]
         if self.quantized:
             if self.key_offsets is not None and self.key_offsets[layer] is not None:
@@ -154,11 +155,11 @@ class PagedKVCache:
                 # Quantized in the pool's dtype, so the scales and biases land in that dtype.
                 rows = mx.quantize(x.astype(pool.dtype), group_size=pool.group_size, bits=pool.bits)
                 for dst, src in zip(pool.arrays, rows):
-                    dst[blocks, self._heads, offsets] = src
+                    dst[blocks, heads, offsets] = src
             return kp, vp
         # Item assignment rebinds these very arrays to the scatter's result.
-        kp[blocks, self._heads, offsets] = k.astype(kp.dtype)
-        vp[blocks, self._heads, offsets] = v.astype(vp.dtype)
+        kp[blocks, heads, offsets] = k.astype(kp.dtype)
+        vp[blocks, heads, offsets] = v.astype(vp.dtype)
         return kp, vp
 
     def scale_queries(self, layer: int, q: mx.array) -> mx.array:
