@@ -5,13 +5,15 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, field
 
+GREEDY_TEMPERATURE = 1e-5  # temperatures below it sample greedily
+
 
 @dataclass
 class SamplingParams:
     """How to sample the completions of one prompt.
 
     n: samples of the prompt, decoded in parallel on shared prompt blocks.
-    temperature: 0 is greedy. top_p: nucleus mass in (0, 1]. top_k: 0 or -1 disables.
+    temperature: 0 (or below 1e-5) is greedy. top_p: nucleus mass in (0, 1]. top_k: 0 or -1 disables.
       Applied in vLLM's order: the logits are divided by the temperature first, then top-k
       and then top-p act on the tempered distribution (mlx-lm applies top-p before the
       temperature; see `sampler.py`).
@@ -64,7 +66,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # As vLLM: a temperature this small is greedy (logits / 1e-38 overflows float32 to inf).
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def _is_int(v) -> bool:

@@ -1,10 +1,12 @@
 """The FastAPI app: OpenAI routes over an `EngineLoop`, every failure as one OpenAI error object.
 
-A route validates and encodes its body, submits one engine request per prompt (each with the
-body's `n` samples) and waits for the engine to accept them, so a request that cannot fit in
-the pool is a 400 before any stream starts. It then reads its outputs from its own asyncio
-queue. Whatever ends a route early (a disconnect, a cancelled stream, an error) aborts the
-engine requests it still owns, in a `finally`.
+Before any route, `Guard` (middleware.py) checks draining, the API key and the body size, and turns
+an unhandled exception into a 500 error object. A route validates its body, checks the limits that
+need no tokenizing (limits.py), tokenizes on the tokenizer thread (never on the event loop), submits
+one engine request per prompt (each with the body's `n` samples) and waits for the engine to accept
+them, so a request that cannot fit in the pool is a 400 before any stream starts. It then reads the
+newest output of each of its requests from its `Sink`. Whatever ends a route early (a disconnect, a
+cancelled stream, an error) aborts the engine requests it still owns, in a `finally`.
 """
 
 from __future__ import annotations
@@ -12,24 +14,37 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import MlxPagedError, StepError
-from .engine_loop import EngineDown, EngineLoop, Sink
+from .connections import AcceptErrorLog
+from .engine_loop import ClientTooSlow, EngineDown, EngineLoop, Sink
 from .errors import APIError, error_body
+from .limits import Capacity, Limits, check_chars, check_request, default_max_tokens, max_token_chars
 from .metrics import CONTENT_TYPE, Metrics
+from .middleware import Guard
 from .prompts import check_context, encode_messages, encode_prompt
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import ChoiceStream, TokenText, chat_logprobs, completion_logprobs, envelope, usage
 
 DEFAULT_CHAT_MAX_TOKENS = 1024  # when a chat body gives neither max_tokens nor max_completion_tokens
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+YIELD_EVERY = 8  # stream chunks between two yields to the event loop
+DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+
+
+class ErrorResponse(JSONResponse):
+    """An error object, ASCII-escaped: a message quoting client text with a lone surrogate still encodes."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 @dataclass
@@ -38,34 +53,48 @@ class ServerState:
     metrics: Metrics
     model_id: str
     model_aliases: frozenset[str]
-    api_key: str | None
     max_queue: int
-    context: int | None
-    vocab_size: int
+    limits: Limits
+    capacity: Capacity
+    tokenize_pool: ThreadPoolExecutor  # tokenizing and chat templates run here, never on the event loop
+
+    async def off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
 
 
 def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model_aliases=(), api_key: str | None = None,
-              max_queue: int = 1024) -> FastAPI:
+              max_queue: int = 1024, limits: Limits | None = None) -> FastAPI:
     """Routes over a started `engine_loop`; the app's shutdown stops it."""
     engine = engine_loop.engine
     args = engine.loaded.model.args
-    state = ServerState(engine_loop, metrics, model_id, frozenset({model_id, *model_aliases}), api_key, max_queue,
-                        getattr(args, "max_position_embeddings", None), args.vocab_size)
+    limits = limits or Limits()
+    cap = Capacity(getattr(args, "max_position_embeddings", None), args.vocab_size, engine.num_blocks,
+                   engine.config.block_size, max_token_chars(engine.tokenizer))
+    # One tokenizer thread: HF tokenizers are not safe to call from several threads at once.
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxpaged-tokenize")
+    state = ServerState(engine_loop, metrics, model_id, frozenset({model_id, *model_aliases}), max_queue, limits, cap, pool)
     text_of = TokenText(engine.tokenizer)
 
     @asynccontextmanager
     async def lifespan(app):
+        asyncio.get_running_loop().set_exception_handler(AcceptErrorLog())
         try:
             yield
         finally:  # after uvicorn's graceful shutdown: abort what is still running
             engine_loop.stop()
+            pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="mlxpaged", lifespan=lifespan)
+    docs = limits.enable_docs
+    app = FastAPI(title="mlxpaged", lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.server = state
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes,
+                       open_paths=frozenset({"/health", *(DOCS_PATHS if docs else ())}),
+                       draining=lambda: engine_loop.draining)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return ErrorResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
@@ -73,19 +102,14 @@ def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc: StarletteHTTPException):
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+        return ErrorResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
 
-    def authorize(request: Request) -> None:
-        if state.api_key:
-            given = request.headers.get("authorization", "")
-            if given != f"Bearer {state.api_key}":
-                raise APIError(401, f"{'missing' if not given else 'wrong'} API key: send 'Authorization: Bearer KEY'",
-                               code="invalid_api_key")
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+    v1 = APIRouter(prefix="/v1")
 
     @app.get("/health")
     async def health():
+        if engine_loop.draining:  # load balancers stop sending here; running requests finish
+            return JSONResponse({"status": "draining", "steps": engine_loop.steps}, status_code=503)
         return {"status": "ok", "steps": engine_loop.steps}
 
     @app.get("/metrics")
@@ -100,12 +124,18 @@ def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check_model(state, body.model)
-        prompts = [encode_prompt(engine.tokenizer, p, state.vocab_size) for p in body.prompts()]
-        if not prompts:
+        texts = body.prompts()
+        if not texts:
             raise APIError(400, "prompt is empty", param="prompt")
-        max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+        check_request(limits, cap, body, len(texts), body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, max_queue)
+        for p in texts:
+            if isinstance(p, str):
+                check_chars(cap, len(p), "prompt")
+        prompts = await state.off_loop(lambda: [encode_prompt(engine.tokenizer, p, cap.vocab_size) for p in texts])
+        max_tokens = body.max_tokens or default_max_tokens(cap, DEFAULT_COMPLETION_MAX_TOKENS,
+                                                           max(map(len, prompts)), body.n)
         for ids in prompts:
-            check_context(len(ids), max_tokens, state.context)
+            check_context(len(ids), max_tokens, cap.context)
         params = _params(body, max_tokens, body.logprobs)
         job = await _Job.start(state, "cmpl", prompts, params)
 
@@ -124,11 +154,13 @@ def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model
     async def chat(body: ChatCompletionRequest, request: Request):
         _check_model(state, body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = encode_messages(engine.tokenizer, messages)
-        max_tokens = body.requested_max_tokens()
-        if max_tokens is None:
-            max_tokens = max(1, min(DEFAULT_CHAT_MAX_TOKENS, (state.context or 1 << 30) - len(ids)))
-        check_context(len(ids), max_tokens, state.context)
+        requested = body.requested_max_tokens()
+        check_request(limits, cap, body, 1, requested or 1, max_queue)
+        check_chars(cap, sum(len(m["content"]) for m in messages), "messages")
+        ids = await state.off_loop(encode_messages, engine.tokenizer, messages)
+        max_tokens = requested or default_max_tokens(cap, DEFAULT_CHAT_MAX_TOKENS, len(ids), body.n)
+        check_request(limits, cap, body, 1, max_tokens, max_queue)
+        check_context(len(ids), max_tokens, cap.context)
         params = _params(body, max_tokens, body.logprobs_k())
         job = await _Job.start(state, "chatcmpl", [ids], params)
 
@@ -159,16 +191,19 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
         msg, param = f"malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}", None
     elif err.get("type") == "missing" and not loc:
         msg, param = "the request needs a JSON object body", None
+    elif err.get("type") == "unimplemented":  # a known OpenAI field this server does not implement
+        field = err["ctx"]["field"]
+        msg, param = f"{field}: this server does not implement '{field}'; leave it out", field
     else:
         # The top-level field is the param; deeper parts (list indices, union members) stay in the message.
         param = loc[0] if loc else None
         msg = f"{'.'.join(loc) if loc else 'body'}: {err['msg']}"
-    return JSONResponse(error_body(400, msg, param=param), status_code=400)
+    return ErrorResponse(error_body(400, msg.replace("\n", " "), param=param), status_code=400)
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model not in state.model_aliases:
-        raise APIError(400, f"unknown model '{model}': this server serves '{state.model_id}'", param="model",
+        raise APIError(404, f"unknown model '{model}': this server serves '{state.model_id}'", param="model",
                        code="model_not_found")
 
 
@@ -182,6 +217,8 @@ def _params(body, max_tokens: int, logprobs: int | None):
 def _server_error(item: BaseException) -> APIError:
     if isinstance(item, StepError):
         return APIError(500, f"{item}", code="engine_step_failed")
+    if isinstance(item, ClientTooSlow):
+        return APIError(408, str(item), code="client_too_slow")
     return APIError(503 if isinstance(item, EngineDown) else 500, str(item))
 
 
@@ -192,8 +229,8 @@ def _sse(obj) -> str:
 class _Job:
     """The engine requests behind one HTTP request: one per prompt, ids `{resp_id}-{i}`."""
 
-    def __init__(self, state: ServerState, resp_id: str, rids: list[str], queue: asyncio.Queue, params):
-        self.state, self.resp_id, self.rids, self.queue, self.params = state, resp_id, rids, queue, params
+    def __init__(self, state: ServerState, resp_id: str, rids: list[str], sink: Sink, params):
+        self.state, self.resp_id, self.rids, self.sink, self.params = state, resp_id, rids, sink, params
         self.final: dict = {}
 
     @classmethod
@@ -204,8 +241,7 @@ class _Job:
             raise APIError(503, f"server busy: {waiting} requests waiting (--max-queue {state.max_queue}); retry later",
                            code="queue_full", headers={"Retry-After": "1"})
         resp_id = f"{prefix}-{uuid.uuid4().hex}"
-        queue: asyncio.Queue = asyncio.Queue()
-        sink = Sink(asyncio.get_running_loop(), queue)
+        sink = Sink(asyncio.get_running_loop())
         rids = [f"{resp_id}-{i}" for i in range(len(prompts))]
         futs = [el.submit(ids, params, rid, sink) for ids, rid in zip(prompts, rids)]
         try:
@@ -220,7 +256,7 @@ class _Job:
             if isinstance(e, EngineDown):
                 raise APIError(503, str(e)) from None
             raise
-        return cls(state, resp_id, rids, queue, params)
+        return cls(state, resp_id, rids, sink, params)
 
     def index(self, rid: str, sample: int) -> int:
         return self.rids.index(rid) * self.params.n + sample
@@ -234,17 +270,17 @@ class _Job:
         """Every request's final output, in prompt order; a client gone while waiting aborts them."""
         try:
             while len(self.final) < len(self.rids):
-                try:
-                    rid, item = await asyncio.wait_for(self.queue.get(), timeout=1.0)
-                except asyncio.TimeoutError:
+                items = await self.sink.get(timeout=1.0)
+                if not items:
                     if await request.is_disconnected():
                         raise APIError(499, "client disconnected") from None
                     continue
-                if isinstance(item, BaseException):
-                    self.final[rid] = None
-                    raise _server_error(item)
-                if item.finished:
-                    self.final[rid] = item
+                for rid, item in items:
+                    if isinstance(item, BaseException):
+                        self.final[rid] = None
+                        raise _server_error(item)
+                    if item.finished:
+                        self.final[rid] = item
         finally:
             self._abort_unfinished()
         return [self.final[r] for r in self.rids]
@@ -256,22 +292,28 @@ class _Job:
     async def _events(self, kind: str, model: str, make_choice, include_usage: bool):
         streams: dict[tuple[str, int], ChoiceStream] = {}
         extra = {"usage": None} if include_usage else {}
+        sent = 0
         try:
-            while len(self.final) < len(self.rids):
-                rid, item = await self.queue.get()
-                if isinstance(item, BaseException):
-                    self.final[rid] = None
-                    yield _sse(_server_error(item).body())
-                    break
-                for c in item.outputs:
-                    st = streams.setdefault((rid, c.index), ChoiceStream(self.params.stop))
-                    d = st.advance(c)
-                    if d is not None:
-                        choice = make_choice(self.index(rid, c.index), *d, st)
-                        yield _sse(envelope(self.resp_id, kind, model, choices=[choice], **extra))
-                if item.finished:
-                    self.final[rid] = item
-            else:
+            failed = False
+            while len(self.final) < len(self.rids) and not failed:
+                for rid, item in await self.sink.get():
+                    if isinstance(item, BaseException):
+                        self.final[rid] = None
+                        yield _sse(_server_error(item).body())
+                        failed = True
+                        break
+                    for c in item.outputs:
+                        st = streams.setdefault((rid, c.index), ChoiceStream(self.params.stop))
+                        d = st.advance(c)
+                        if d is not None:
+                            choice = make_choice(self.index(rid, c.index), *d, st)
+                            yield _sse(envelope(self.resp_id, kind, model, choices=[choice], **extra))
+                            sent += 1
+                            if sent % YIELD_EVERY == 0:  # many choices or a backlog: let other requests run
+                                await asyncio.sleep(0)
+                    if item.finished:
+                        self.final[rid] = item
+            if not failed:
                 if include_usage:
                     yield _sse(envelope(self.resp_id, kind, model, choices=[], usage=usage(list(self.final.values()))))
             yield "data: [DONE]\n\n"

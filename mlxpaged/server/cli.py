@@ -6,14 +6,18 @@ extra; `serve` itself says what to install when FastAPI, uvicorn or prometheus-c
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import signal
 import socket
 import sys
+from pathlib import Path
 
 import click
 
 from ..cli_options import engine_config, model_and_engine_options
 from ..errors import MlxPagedError
+from .limits import MAX_STOPS_CAP, Limits
 
 
 def _fail(msg: str) -> None:
@@ -36,14 +40,27 @@ def _check_port(host: str, port: int) -> None:
 @model_and_engine_options("sized from free memory")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0 exposes the server to the network).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
-@click.option("--api-key", envvar="MLXPAGED_API_KEY", default=None, help="Require 'Authorization: Bearer KEY' on /v1/ routes (env MLXPAGED_API_KEY).")
+@click.option("--api-key", envvar="MLXPAGED_API_KEY", default=None, help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health (env MLXPAGED_API_KEY).")
 @click.option("--max-queue", default=1024, show_default=True, type=click.IntRange(1), help="Requests waiting for admission before new ones get 503.")
-@click.option("--served-model-name", default=None, help="The model id of /v1/models (default: --model, or the checkpoint's folder name).")
-@click.option("--shutdown-timeout", default=5.0, show_default=True, help="Seconds Ctrl-C lets running requests finish before aborting them.")
+@click.option("--served-model-name", default=None, help="The model id of /v1/models (default: the checkpoint's folder or file name).")
+@click.option("--shutdown-timeout", default=5.0, show_default=True, help="Seconds SIGINT/SIGTERM lets running requests finish before aborting them.")
+@click.option("--max-body-bytes", default=Limits.max_body_bytes, show_default=True, type=click.IntRange(1024), help="Larger request bodies get 413 before they are read.")
+@click.option("--max-stop-strings", default=Limits.max_stop_strings, show_default=True, type=click.IntRange(1, MAX_STOPS_CAP), help="Stop strings one request may give (OpenAI: 4).")
+@click.option("--max-request-tokens", default=Limits.max_request_tokens, show_default=True, type=click.IntRange(1), help="Largest prompts x n x max_tokens one request may ask for.")
+@click.option("--stream-stall-timeout", default=Limits.stream_stall_timeout, show_default=True, type=click.FloatRange(0), help="Abort a request whose client stays behind its stream this many seconds (0: never).")
+@click.option("--max-connections", default=1024, show_default=True, type=click.IntRange(1), help="Open connections and requests at once; beyond it new requests get 503.")
+@click.option("--header-timeout", default=10.0, show_default=True, type=click.FloatRange(0.01), help="Close a connection whose request headers have not all arrived in this many seconds.")
+@click.option("--keep-alive-timeout", default=5.0, show_default=True, type=click.FloatRange(0.01), help="Close an idle keep-alive connection after this many seconds.")
+@click.option("--enable-docs", is_flag=True, help="Serve /docs, /redoc and /openapi.json (off by default).")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]), show_default=True)
-def serve(model, dtype, weights, host, port, api_key, max_queue, served_model_name, shutdown_timeout, log_level,
-          **engine_flags):
+def serve(model, dtype, weights, host, port, api_key, max_queue, served_model_name, shutdown_timeout, max_body_bytes,
+          max_stop_strings, max_request_tokens, stream_stall_timeout, max_connections, header_timeout,
+          keep_alive_timeout, enable_docs, log_level, **engine_flags):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
+    if api_key is not None:
+        if not api_key.strip():  # `--api-key ""` or `MLXPAGED_API_KEY=`: never silently serve everyone
+            _fail("the API key is empty (--api-key or MLXPAGED_API_KEY): give a key, or leave both unset to serve without one")
+        api_key = api_key.strip()
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -62,12 +79,16 @@ def serve(model, dtype, weights, host, port, api_key, max_queue, served_model_na
     if group is not None and group.rank() != 0:
         return _follow(make, group)
     _check_port(host, port)
+    if not api_key and not _is_loopback(host):
+        click.echo(f"warning: listening on {host} without --api-key: anyone who can reach port {port} can use this server",
+                   err=True)
     from .app import build_app
+    from .connections import header_timeout_protocol, raise_fd_limit
     from .engine_loop import EngineLoop
     from .metrics import Metrics
 
     metrics = Metrics()
-    engine_loop = EngineLoop(make, observer=metrics, group=group)
+    engine_loop = EngineLoop(make, observer=metrics, group=group, stall_timeout=stream_stall_timeout or None)
     try:
         engine_loop.start()
     except (MlxPagedError, ValueError) as e:
@@ -76,19 +97,39 @@ def serve(model, dtype, weights, host, port, api_key, max_queue, served_model_na
         click.echo("interrupted while loading the model", err=True)
         sys.exit(130)
     engine, loaded = engine_loop.engine, engine_loop.engine.loaded
-    model_id = served_model_name or model or loaded.path.name
+    model_id = served_model_name or default_model_name(model, loaded.path)
     metrics.attach(engine_loop)
-    app = build_app(engine_loop, metrics, model_id=model_id, model_aliases={loaded.path.name, str(loaded.path)},
-                    api_key=api_key, max_queue=max_queue)
+    limits = Limits(max_body_bytes=max_body_bytes, max_stop_strings=max_stop_strings,
+                    max_request_tokens=max_request_tokens, stream_stall_timeout=stream_stall_timeout or None,
+                    enable_docs=enable_docs)
+    aliases = {loaded.path.name, str(loaded.path), *([model] if model else [])}
+    app = build_app(engine_loop, metrics, model_id=model_id, model_aliases=aliases, api_key=api_key,
+                    max_queue=max_queue, limits=limits)
+    raise_fd_limit()
     _announce(host, port, model_id, loaded, engine, api_key)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
-                            timeout_graceful_shutdown=shutdown_timeout + 5, lifespan="on")
+                            timeout_graceful_shutdown=shutdown_timeout + 5, lifespan="on", loop="asyncio",
+                            http=header_timeout_protocol(header_timeout), limit_concurrency=max_connections,
+                            timeout_keep_alive=keep_alive_timeout)
 
     class Server(uvicorn.Server):
+        """SIGINT and SIGTERM alike: the first drains (new requests get 503, /health says "draining",
+        running ones finish or are aborted after --shutdown-timeout), then uvicorn shuts down; a
+        second signal shuts down at once."""
+
+        draining = False
+
         def handle_exit(self, sig, frame):
-            # Streams end themselves (finished, or aborted with an error event) before uvicorn's own deadline.
-            engine_loop.drain(shutdown_timeout)
-            super().handle_exit(sig, frame)
+            if not self.draining:
+                self.draining = True
+                engine_loop.drain(shutdown_timeout)
+                return
+            super().handle_exit(signal.SIGINT, frame)  # re-raised as KeyboardInterrupt after shutdown: exit 0
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.draining and not self.should_exit and not engine_loop.busy:
+                self.should_exit = True
+            return await super().on_tick(counter)
 
     try:
         Server(config).run()
@@ -97,6 +138,24 @@ def serve(model, dtype, weights, host, port, api_key, max_queue, served_model_na
     click.echo("mlxpaged serve: stopped", err=True)
     if group is not None:
         _exit_now()
+
+
+def default_model_name(model: str | None, path: Path) -> str:
+    """The checkpoint's folder or file name: a served name never shows this machine's paths.
+    A hub repo id (not a local path) is its own name."""
+    if model is None:
+        return path.name
+    local = Path(model).expanduser()
+    return local.resolve().name if local.exists() else model
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _load_engine(model, dtype, weights, config, group=None):

@@ -51,18 +51,54 @@ class EngineDown(RuntimeError):
     """The server is shutting down, or the engine failed outside any one request."""
 
 
-@dataclass
-class Sink:
-    """Where one HTTP request's outputs go: `(request_id, RequestOutput | Exception)` on an asyncio queue."""
+class ClientTooSlow(RuntimeError):
+    """The client read nothing new for longer than the stall limit; its request was aborted."""
 
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+
+class Sink:
+    """Where one HTTP request's outputs go: the newest `RequestOutput` (or exception) per request id.
+
+    Outputs are cumulative, so an unread output is dropped when a newer one arrives: a slow reader
+    costs one output per request, not one per step (n x T^2 bytes over a stream). A terminal item is
+    never followed by another (the engine loop forgets the sink's request then).
+    `put` and `behind_for` run on the engine thread, `get` on the sink's event loop.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._latest: dict[str, object] = {}
+        self._behind_since: float | None = None  # when an unread output was first superseded
+        self._ready = asyncio.Event()
 
     def put(self, rid: str, item) -> None:
+        with self._lock:
+            if rid in self._latest and self._behind_since is None:
+                self._behind_since = time.monotonic()
+            self._latest[rid] = item
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (rid, item))
+            self.loop.call_soon_threadsafe(self._ready.set)
         except RuntimeError:  # the client's event loop is closed: nobody is listening
             pass
+
+    def behind_for(self, now: float) -> float:
+        """Seconds the reader has been at least one output behind without catching up (0 if it is not)."""
+        with self._lock:
+            return 0.0 if self._behind_since is None else now - self._behind_since
+
+    async def get(self, timeout: float | None = None) -> list[tuple[str, object]]:
+        """The newest item of every request that has one, waiting until there is at least one
+        (or `timeout` seconds: then []). Cancelling it loses nothing: items are taken without an await."""
+        while True:
+            self._ready.clear()
+            with self._lock:
+                items, self._latest, self._behind_since = list(self._latest.items()), {}, None
+            if items:
+                return items
+            try:
+                await asyncio.wait_for(self._ready.wait(), timeout)
+            except asyncio.TimeoutError:
+                return []
 
 
 @dataclass
@@ -80,8 +116,9 @@ class EngineLoop:
     tokens of one sample counts as k gaps of 1/k each).
     """
 
-    def __init__(self, make_engine, observer=None, group=None):
+    def __init__(self, make_engine, observer=None, group=None, stall_timeout: float | None = None):
         self._make_engine = make_engine
+        self.stall_timeout = stall_timeout  # abort a request whose reader stays behind this long (seconds)
         self._group = group  # an mx.distributed group of > 1 ranks: this is rank 0 of a TP server
         self.engine = None
         self.observer = observer
@@ -121,6 +158,15 @@ class EngineLoop:
             if self._drain_deadline is None:
                 self._drain_deadline = time.monotonic() + timeout
             self._cv.notify()
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None or self._stopping
+
+    @property
+    def busy(self) -> bool:
+        """Requests submitted and not yet finished, failed or aborted."""
+        return bool(self._adds or self._sinks)
 
     @property
     def pending(self) -> int:
@@ -236,6 +282,12 @@ class EngineLoop:
             if sink is None:
                 continue
             self._observe(out, now)
+            if not out.finished and self.stall_timeout is not None and sink.behind_for(time.monotonic()) > self.stall_timeout:
+                log.warning("aborted request %s: its client read nothing new for %.0f s", out.request_id, self.stall_timeout)
+                self.engine.abort_request(out.request_id)
+                self._fail(out.request_id, ClientTooSlow(
+                    f"the client stayed behind the stream for more than {self.stall_timeout:g} s (--stream-stall-timeout)"))
+                continue
             sink.put(out.request_id, out)
             if out.finished:
                 del self._sinks[out.request_id]

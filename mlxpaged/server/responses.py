@@ -12,29 +12,76 @@ import time
 from functools import lru_cache
 
 
+def _borders(s: str) -> list[int]:
+    """KMP's failure function: `b[i]` is the longest proper prefix of `s[:i + 1]` that is also its suffix."""
+    b, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = b[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        b[i] = k
+    return b
+
+
+class StopMatcher:
+    """For each stop string, the longest prefix of it that the text fed so far ends with.
+
+    Fed incrementally (a KMP automaton per stop), so a stream of T characters costs O(T) per
+    stop in all, not O(len(stop)^2) slicing per step."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.borders = [_borders(s) for s in stops]
+        self.state = [0] * len(stops)
+
+    def feed(self, text: str) -> None:
+        for j, (s, b) in enumerate(zip(self.stops, self.borders)):
+            q, m = self.state[j], len(s)
+            for ch in text:
+                if q == m:
+                    q = b[m - 1]
+                while q and s[q] != ch:
+                    q = b[q - 1]
+                if s[q] == ch:
+                    q += 1
+            self.state[j] = q
+
+    def hold_back(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        return max((q if q < len(s) else b[q - 1] for s, b, q in zip(self.stops, self.borders, self.state)), default=0)
+
+
 def hold_back(text: str, stops: list[str]) -> int:
     """Length of the longest tail of `text` that is a proper prefix of a stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
+    m = StopMatcher(stops)
+    m.feed(text[-max((len(s) for s in stops), default=0):] if stops else "")
+    return m.hold_back()
 
 
 class ChoiceStream:
     """The part of one sample already sent to the client."""
 
     def __init__(self, stops: list[str]):
-        self.stops = stops
+        self.matcher = StopMatcher(stops) if stops else None
+        self.seen = ""  # the text the matcher has been fed
         self.sent_text = 0
         self.sent_tokens = 0
         self.started = False
 
+    def _hold_back(self, text: str) -> int:
+        if self.matcher is None:
+            return 0
+        if not text.startswith(self.seen):  # the text changed behind us (not seen so far): start over
+            self.matcher = StopMatcher(self.matcher.stops)
+            self.seen = ""
+        self.matcher.feed(text[len(self.seen):])
+        self.seen = text
+        return self.matcher.hold_back()
+
     def advance(self, c) -> tuple[str, list | None, str | None] | None:
         """(text delta, new TokenLogprobs or None, finish_reason) to send, or None if nothing new."""
-        end = len(c.text) if c.finish_reason else len(c.text) - hold_back(c.text, self.stops)
+        end = len(c.text) if c.finish_reason else len(c.text) - self._hold_back(c.text)
         delta = c.text[self.sent_text:end] if end > self.sent_text else ""
         lps = getattr(c, "logprobs", None)
         new_lps = lps[self.sent_tokens:] if lps is not None else None

@@ -1,0 +1,92 @@
+"""What one request may ask of the server, checked before any expensive work (all flags of `serve`).
+
+A request that could never be served gets a 400 naming the limit, never a retryable 503: a client
+that honours `Retry-After` would otherwise retry it forever.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..block_manager import blocks_for_request
+from .errors import APIError
+
+OPENAI_MAX_STOPS = 4
+MAX_STOPS_CAP = 64  # --max-stop-strings may not go above this
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int = 8 << 20  # --max-body-bytes
+    max_stop_strings: int = OPENAI_MAX_STOPS  # --max-stop-strings
+    max_request_tokens: int = 1 << 20  # --max-request-tokens: prompts x n x max_tokens
+    stream_stall_timeout: float | None = 60.0  # --stream-stall-timeout
+    enable_docs: bool = False  # --enable-docs
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """The model's and the pool's sizes, fixed at start."""
+
+    context: int | None  # the model's positions
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    max_token_chars: int | None  # the longest token's text: a prompt of more than context x this cannot fit
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        pool = self.num_blocks * self.block_size
+        return min(self.context, pool) if self.context else pool
+
+
+def max_token_chars(tokenizer) -> int | None:
+    """Characters in the vocabulary's longest entry (byte-level BPE keys have one character per byte)."""
+    try:
+        return max(map(len, tokenizer.get_vocab()), default=None)
+    except (AttributeError, TypeError):
+        return None
+
+
+def check_chars(cap: Capacity, num_chars: int, param: str) -> None:
+    """Refuse a text that cannot tokenize to few enough tokens, before spending time tokenizing it."""
+    if cap.max_token_chars and num_chars > cap.max_prompt_tokens * cap.max_token_chars:
+        raise APIError(400, f"{param} has {num_chars} characters, more than the {cap.max_prompt_tokens} tokens this "
+                       f"server takes could hold ({cap.max_token_chars} characters a token at most)", param=param,
+                       code="context_length_exceeded")
+
+
+def check_request(limits: Limits, cap: Capacity, body, num_prompts: int, max_tokens: int, max_queue: int) -> None:
+    """The checks that need no tokenizing: counts, ids and the total work asked for."""
+    stops = body.stops()
+    if len(stops) > limits.max_stop_strings:
+        raise APIError(400, f"stop has {len(stops)} strings; this server takes at most {limits.max_stop_strings} "
+                       f"(--max-stop-strings)", param="stop")
+    bad = [t for t in body.stop_token_ids if not 0 <= t < cap.vocab_size]
+    if bad:
+        raise APIError(400, f"stop_token_ids: {bad[0]} is outside the vocabulary (0..{cap.vocab_size - 1})",
+                       param="stop_token_ids")
+    if num_prompts > max_queue:
+        raise APIError(400, f"{num_prompts} prompts in one request can never be admitted: at most {max_queue} "
+                       f"requests may wait (--max-queue)", param="prompt")
+    work = num_prompts * body.n * max_tokens
+    if work > limits.max_request_tokens:
+        raise APIError(400, f"the request asks for up to {work} generated tokens (prompts x n x max_tokens = "
+                       f"{num_prompts} x {body.n} x {max_tokens}); this server takes at most "
+                       f"{limits.max_request_tokens} (--max-request-tokens)", param="max_tokens")
+
+
+def default_max_tokens(cap: Capacity, default: int, num_prompt: int, n: int) -> int:
+    """`default`, lowered to what the model's context and the KV pool can hold for this prompt and n
+    (at least 1: a prompt that cannot fit at all is refused by the engine, naming the pool)."""
+    hi = max(1, min(default, cap.context - num_prompt if cap.context else default))
+    if blocks_for_request(num_prompt, n, hi, cap.block_size) <= cap.num_blocks:
+        return hi
+    lo = 1  # largest max_tokens that fits, by bisection (blocks grow with max_tokens)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if blocks_for_request(num_prompt, n, mid, cap.block_size) <= cap.num_blocks:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -1,0 +1,114 @@
+"""Checks that run before any route, whatever the route: every route, present or future, inherits them.
+
+`Guard` is one ASGI middleware, in this order:
+1. a catch-all: an exception no handler took becomes one OpenAI error object with status 500,
+   and its traceback is logged once (not re-raised to uvicorn, which would log it again);
+2. draining: once shutdown began, new requests get 503 (`/health` itself says "draining");
+3. the API key, from the headers alone, before a byte of the body is read: `Authorization: Bearer
+   KEY` (the scheme in any case) or `x-api-key: KEY`, compared in constant time;
+4. the body cap: a `Content-Length` above it gets 413 at once, and a body that grows past it
+   (chunked) gets 413 as soon as it does; the body read here is replayed to the route.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+
+from .errors import error_body
+
+log = logging.getLogger("mlxpaged.server")
+
+
+def error_bytes(status: int, message: str, *, param: str | None = None, code: str | None = None) -> bytes:
+    # ASCII-escaped: a message quoting client text with a lone surrogate still encodes.
+    return json.dumps(error_body(status, message, param=param, code=code), ensure_ascii=True).encode("ascii")
+
+
+async def send_error(send, status: int, message: str, *, code: str | None = None, headers: dict | None = None) -> None:
+    body = error_bytes(status, message, code=code)
+    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": hdrs})
+    await send({"type": "http.response.body", "body": body})
+
+
+def key_matches(headers: dict[bytes, bytes], api_key: str) -> bool | None:
+    """True/False for a right/wrong key, None when none was sent."""
+    given = None
+    auth = headers.get(b"authorization")
+    if auth is not None:
+        scheme, _, token = auth.decode("latin-1").strip().partition(" ")
+        given = token.strip() if scheme.lower() == "bearer" else ""
+    elif b"x-api-key" in headers:  # Anthropic's clients send the key this way
+        given = headers[b"x-api-key"].decode("latin-1").strip()
+    if given is None:
+        return None
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), api_key.encode("utf-8"))
+
+
+class Guard:
+    def __init__(self, app, *, api_key: str | None, open_paths: frozenset[str], max_body_bytes: int, draining):
+        self.app, self.api_key, self.open_paths = app, api_key, open_paths
+        self.max_body_bytes, self.draining = max_body_bytes, draining  # draining: () -> bool
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self._checked(scope, receive, tracked_send)
+        except Exception as e:
+            log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                await send_error(send, 500, f"internal server error ({type(e).__name__}); the server log has the details")
+
+    async def _checked(self, scope, receive, send):
+        path = scope.get("path", "")
+        if self.draining() and path != "/health":
+            return await send_error(send, 503, "the server is shutting down", code="server_shutting_down",
+                                    headers={"connection": "close"})
+        headers = dict(scope.get("headers") or [])
+        if self.api_key and path not in self.open_paths:
+            ok = key_matches(headers, self.api_key)
+            if not ok:
+                return await send_error(send, 401, f"{'missing' if ok is None else 'wrong'} API key: send "
+                                        "'Authorization: Bearer KEY'", code="invalid_api_key")
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            return await send_error(send, 413, self._too_large(), code="request_too_large", headers={"connection": "close"})
+        if scope.get("method") not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # gone before the body arrived
+                return
+            size += len(message.get("body", b""))
+            if size > self.max_body_bytes:
+                return await send_error(send, 413, self._too_large(), code="request_too_large",
+                                        headers={"connection": "close"})
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # after the body: http.disconnect, as the route expects
+
+        await self.app(scope, replay, send)
+
+    def _too_large(self) -> str:
+        return f"request body larger than {self.max_body_bytes} bytes (--max-body-bytes)"
