@@ -186,7 +186,8 @@ def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model
 
 def _validation_response(exc: RequestValidationError) -> JSONResponse:
     err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": ""}
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    # pydantic names validator wrappers in the path ("function-after[...]"): not a field, dropped
+    loc = [str(x) for x in err.get("loc", ()) if x != "body" and "[" not in str(x)]
     if err.get("type") == "json_invalid":
         msg, param = f"malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}", None
     elif err.get("type") == "missing" and not loc:

@@ -136,8 +136,7 @@ def serve(model, dtype, weights, host, port, api_key, max_queue, served_model_na
     except KeyboardInterrupt:  # uvicorn re-raises the captured SIGINT once it has shut down cleanly
         pass
     click.echo("mlxpaged serve: stopped", err=True)
-    if group is not None:
-        _exit_now()
+    _exit_now()  # everything is shut down; interpreter teardown could only crash (see _exit_now)
 
 
 def default_model_name(model: str | None, path: Path) -> str:
@@ -186,8 +185,9 @@ def _follow(make_engine, group) -> None:
 
 
 def _exit_now() -> None:
-    """Exit 0 without interpreter teardown: MLX's ring backend, used from the engine thread, can
-    abort the process ("terminate called without an active exception") while Python finalizes."""
+    """Exit 0 without interpreter teardown: MLX, used from the engine thread (and its ring backend
+    under tensor parallelism), can abort the process ("terminate called without an active
+    exception") while Python finalizes; seen after a drained shutdown of a one-process server too."""
     import os
 
     sys.stdout.flush()
