@@ -32,7 +32,7 @@ from .metrics import CONTENT_TYPE, Metrics
 from .middleware import Guard
 from .prompts import check_context, encode_messages, encode_prompt
 from .protocol import ChatCompletionRequest, CompletionRequest
-from .responses import ChoiceStream, TokenText, chat_logprobs, completion_logprobs, envelope, usage
+from .responses import ChoiceStream, TokenText, stop_borders, chat_logprobs, completion_logprobs, envelope, usage
 
 DEFAULT_CHAT_MAX_TOKENS = 1024  # when a chat body gives neither max_tokens nor max_completion_tokens
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -185,7 +185,9 @@ def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model
 
 
 def _validation_response(exc: RequestValidationError) -> JSONResponse:
-    err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": ""}
+    errs = exc.errors() or [{"loc": (), "msg": "invalid request", "type": ""}]
+    # Of a union's failed members, the one that says what is wrong with the value, not "wrong type".
+    err = next((e for e in errs if e.get("type") in ("value_error", "unimplemented")), errs[0])
     # pydantic names validator wrappers in the path ("function-after[...]"): not a field, dropped
     loc = [str(x) for x in err.get("loc", ()) if x != "body" and "[" not in str(x)]
     if err.get("type") == "json_invalid":
@@ -292,6 +294,7 @@ class _Job:
 
     async def _events(self, kind: str, model: str, make_choice, include_usage: bool):
         streams: dict[tuple[str, int], ChoiceStream] = {}
+        borders = await self.state.off_loop(stop_borders, self.params.stop)  # once for all samples, off the loop
         extra = {"usage": None} if include_usage else {}
         sent = 0
         try:
@@ -304,7 +307,7 @@ class _Job:
                         failed = True
                         break
                     for c in item.outputs:
-                        st = streams.setdefault((rid, c.index), ChoiceStream(self.params.stop))
+                        st = streams.setdefault((rid, c.index), ChoiceStream(self.params.stop, borders))
                         d = st.advance(c)
                         if d is not None:
                             choice = make_choice(self.index(rid, c.index), *d, st)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import signal
 import socket
 import sys
@@ -57,6 +58,8 @@ def serve(model, dtype, weights, host, port, api_key, max_queue, served_model_na
           max_stop_strings, max_request_tokens, stream_stall_timeout, max_connections, header_timeout,
           keep_alive_timeout, enable_docs, log_level, **engine_flags):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
+    if api_key is None and "MLXPAGED_API_KEY" in os.environ:  # click reads an empty variable as unset
+        api_key = os.environ["MLXPAGED_API_KEY"]
     if api_key is not None:
         if not api_key.strip():  # `--api-key ""` or `MLXPAGED_API_KEY=`: never silently serve everyone
             _fail("the API key is empty (--api-key or MLXPAGED_API_KEY): give a key, or leave both unset to serve without one")
@@ -105,7 +108,7 @@ def serve(model, dtype, weights, host, port, api_key, max_queue, served_model_na
     aliases = {loaded.path.name, str(loaded.path), *([model] if model else [])}
     app = build_app(engine_loop, metrics, model_id=model_id, model_aliases=aliases, api_key=api_key,
                     max_queue=max_queue, limits=limits)
-    raise_fd_limit()
+    raise_fd_limit()  # after loading: importing mlx_lm sets (2048, 4096)
     _announce(host, port, model_id, loaded, engine, api_key)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
                             timeout_graceful_shutdown=shutdown_timeout + 5, lifespan="on", loop="asyncio",

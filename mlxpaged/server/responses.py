@@ -30,9 +30,9 @@ class StopMatcher:
     Fed incrementally (a KMP automaton per stop), so a stream of T characters costs O(T) per
     stop in all, not O(len(stop)^2) slicing per step."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], borders: list[list[int]] | None = None):
         self.stops = stops
-        self.borders = [_borders(s) for s in stops]
+        self.borders = borders if borders is not None else [_borders(s) for s in stops]  # shareable: read-only
         self.state = [0] * len(stops)
 
     def feed(self, text: str) -> None:
@@ -52,6 +52,10 @@ class StopMatcher:
         return max((q if q < len(s) else b[q - 1] for s, b, q in zip(self.stops, self.borders, self.state)), default=0)
 
 
+def stop_borders(stops: list[str]) -> list[list[int]]:
+    return [_borders(s) for s in stops]
+
+
 def hold_back(text: str, stops: list[str]) -> int:
     """Length of the longest tail of `text` that is a proper prefix of a stop string."""
     m = StopMatcher(stops)
@@ -62,8 +66,9 @@ def hold_back(text: str, stops: list[str]) -> int:
 class ChoiceStream:
     """The part of one sample already sent to the client."""
 
-    def __init__(self, stops: list[str]):
-        self.matcher = StopMatcher(stops) if stops else None
+    def __init__(self, stops: list[str], borders: list[list[int]] | None = None):
+        """`borders`: the stops' KMP tables, computed once for all the samples of a request."""
+        self.matcher = StopMatcher(stops, borders) if stops else None
         self.seen = ""  # the text the matcher has been fed
         self.sent_text = 0
         self.sent_tokens = 0
@@ -73,7 +78,7 @@ class ChoiceStream:
         if self.matcher is None:
             return 0
         if not text.startswith(self.seen):  # the text changed behind us (not seen so far): start over
-            self.matcher = StopMatcher(self.matcher.stops)
+            self.matcher = StopMatcher(self.matcher.stops, self.matcher.borders)
             self.seen = ""
         self.matcher.feed(text[len(self.seen):])
         self.seen = text
