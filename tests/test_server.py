@@ -43,6 +43,8 @@ class Server:
     def __init__(self, model: Path, *args: str, timeout: float = 60.0, env: dict | None = None, preexec_fn=None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # with a key, /metrics needs it too
+        self.headers = {"Authorization": f"Bearer {args[args.index('--api-key') + 1]}"} if "--api-key" in args else {}
         cmd = [sys.executable, "-m", "mlxpaged.cli", "serve", "--model", str(model), "--dtype", "float32",
                "--port", str(self.port), "--log-level", "warning", *args]
         # stderr to a file, not a pipe: a server that logs a lot must never block on a full pipe
@@ -65,7 +67,7 @@ class Server:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics", timeout=5).text
+        text = httpx.get(self.url + "/metrics", timeout=5, headers=self.headers).text
         return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in text.splitlines() if ln and not ln.startswith("#"))}
 
     def stderr(self) -> str:

@@ -1,4 +1,5 @@
-"""The one thread that owns an `LLMEngine` and drives `step()`; HTTP handlers talk to it by queue.
+"""The one thread that owns an `LLMEngine` and drives `step()`; HTTP handlers talk to it by queue,
+and read their outputs from a `Sink` (the newest output per request: a slow reader holds one).
 
 Invariants:
 - Only this thread calls the engine (`add_request`, `step`, `abort_request`, `metrics`), and it
@@ -7,7 +8,9 @@ Invariants:
 - Submissions and aborts queued by any thread are applied between two steps, adds first, so a
   new request joins the batch at the next step and an abort frees its blocks before it.
 - Every accepted request gets outputs on its sink until exactly one terminal item: a finished
-  `RequestOutput`, or an exception (`StepError`, `EngineDown`). An aborted request gets nothing more.
+  `RequestOutput`, or an exception (`StepError`, `EngineDown`, `ClientTooSlow`). An aborted
+  request gets nothing more. A request whose reader stays behind for `stall_timeout` seconds is
+  aborted here, its blocks freed, and gets `ClientTooSlow`.
 - With nothing queued and nothing unfinished the thread sleeps on a condition; it never spins.
   Before it sleeps it empties MLX's buffer cache (and trims glibc's heap), so an idle server's resident memory returns
   to the weights plus the KV pool, however varied the shapes it served.
