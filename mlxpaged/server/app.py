@@ -294,7 +294,8 @@ class _Job:
 
     async def _events(self, kind: str, model: str, make_choice, include_usage: bool):
         streams: dict[tuple[str, int], ChoiceStream] = {}
-        borders = await self.state.off_loop(stop_borders, self.params.stop)  # once for all samples, off the loop
+        # the stops' KMP tables, once for all samples and off the loop (64 stops of 1,500 characters: 0.1 s)
+        borders = await self.state.off_loop(stop_borders, self.params.stop) if self.params.stop else []
         extra = {"usage": None} if include_usage else {}
         sent = 0
         try:

@@ -80,8 +80,9 @@ class Guard:
         if self.api_key and path not in self.open_paths:
             ok = key_matches(headers, self.api_key)
             if not ok:
+                # closed after the answer: an unread body is never read (nor discarded byte by byte)
                 return await send_error(send, 401, f"{'missing' if ok is None else 'wrong'} API key: send "
-                                        "'Authorization: Bearer KEY'", code="invalid_api_key")
+                                        "'Authorization: Bearer KEY'", code="invalid_api_key", headers={"connection": "close"})
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             return await send_error(send, 413, self._too_large(), code="request_too_large", headers={"connection": "close"})
