@@ -460,3 +460,48 @@ def test_sigterm_drains_with_503_and_exits_0(keyed):
     rc, err = keyed.interrupt(timeout=20, sig=0)  # wait only: SIGTERM was sent
     assert rc == 0, err
     assert "Traceback" not in err and "stopped" in err
+
+
+# -- the pieces behind findings 1 and 2, against plain references --------------------------------------
+def test_sink_keeps_only_the_newest_output_per_request():
+    """Outputs are cumulative: a reader that fell behind gets the newest one per request, once."""
+    import asyncio
+
+    from mlxpaged.server.engine_loop import Sink
+
+    async def run():
+        sink = Sink(asyncio.get_running_loop())
+        assert sink.behind_for(time.monotonic()) == 0.0
+        for step in range(1000):  # from another thread, as the engine loop does
+            await asyncio.to_thread(sink.put, "a", f"a{step}")
+        sink.put("b", "b0")
+        behind = sink.behind_for(time.monotonic())
+        assert behind > 0.0  # an unread output was superseded
+        assert sorted(await sink.get()) == [("a", "a999"), ("b", "b0")]
+        assert sink.behind_for(time.monotonic()) == 0.0  # caught up
+        assert await sink.get(timeout=0.05) == []
+        sink.put("a", "a1000")
+        assert sink.behind_for(time.monotonic()) == 0.0  # one unread output is not being behind
+        assert await sink.get() == [("a", "a1000")]
+
+    asyncio.run(run())
+
+
+def test_stop_hold_back_equals_brute_force():
+    """The KMP hold-back, fed in pieces as a stream grows, against the definition by slicing."""
+    import random
+
+    from mlxpaged.server.responses import ChoiceStream, hold_back
+
+    def brute(text, stops):
+        return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 7))) for _ in range(rng.randint(1, 3))]
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 14)))
+        assert hold_back(text, stops) == brute(text, stops), (text, stops)
+        stream, cut = ChoiceStream(stops), 0
+        while cut < len(text):
+            cut = min(len(text), cut + rng.randint(1, 3))
+            assert stream._hold_back(text[:cut]) == brute(text[:cut], stops), (text[:cut], stops)
