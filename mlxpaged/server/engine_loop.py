@@ -128,6 +128,7 @@ class EngineLoop:
         self._cv = threading.Condition()
         self._adds: list[tuple] = []
         self._aborts: list[str] = []
+        self._stalled: set[str] = set()  # failed for a slow client; the engine abort is queued
         self._sinks: dict[str, Sink] = {}
         self._timing: dict[str, _Timing] = {}
         self._stopping = False
@@ -260,7 +261,8 @@ class EngineLoop:
         fut.set_result(rid)
 
     def _abort(self, rid: str) -> None:
-        if self._sinks.pop(rid, None) is not None:
+        if self._sinks.pop(rid, None) is not None or rid in self._stalled:
+            self._stalled.discard(rid)
             self._timing.pop(rid, None)
             self.engine.abort_request(rid)
 
@@ -286,10 +288,12 @@ class EngineLoop:
                 continue
             self._observe(out, now)
             if not out.finished and self.stall_timeout is not None and sink.behind_for(time.monotonic()) > self.stall_timeout:
-                log.warning("aborted request %s: its client read nothing new for %.0f s", out.request_id, self.stall_timeout)
-                self.engine.abort_request(out.request_id)
+                log.warning("aborting request %s: its client read nothing new for %.0f s", out.request_id, self.stall_timeout)
                 self._fail(out.request_id, ClientTooSlow(
                     f"the client stayed behind the stream for more than {self.stall_timeout:g} s (--stream-stall-timeout)"))
+                # aborted before the next step, through the queue, so tensor-parallel ranks see the same abort
+                self._stalled.add(out.request_id)
+                self.abort(out.request_id)
                 continue
             sink.put(out.request_id, out)
             if out.finished:
