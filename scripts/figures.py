@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             table_figures(args.out)
         if "engine" in groups:
             from mlxpaged.bench.models import tiny_checkpoint
-            from mlxpaged.loader import load
+            from mlxpaged.loading.loader import load
 
             loaded = load(tiny_checkpoint() if args.tiny else args.model, args.dtype)
             print(f"model {engine_runs.model_label(loaded)} ({loaded.dtype})", flush=True)

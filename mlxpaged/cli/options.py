@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from .config import EngineConfig
+from ..config import EngineConfig
 
 # Flag (python name) -> EngineConfig field; what `engine_config` takes out of a command's kwargs.
 ENGINE_FIELDS = {

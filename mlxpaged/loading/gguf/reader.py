@@ -24,7 +24,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf import quants as _gguf_quants
 
-from ..utils import cdiv
+from ...utils import cdiv
 
 __all__ = [
     "GGUFError",

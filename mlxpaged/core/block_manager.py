@@ -16,7 +16,7 @@ import numpy as np
 
 from .block_pool import BlockPool
 from .sequence import Sequence
-from .utils import cdiv
+from ..utils import cdiv
 
 HashFn = Callable[[bytes | None, tuple[int, ...], bytes], bytes]
 

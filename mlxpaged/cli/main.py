@@ -9,9 +9,9 @@ import sys
 
 import click
 
-from .cli_options import engine_config, model_and_engine_options
-from .errors import MlxPagedError
-from .sampling_params import SamplingParams
+from .options import engine_config, model_and_engine_options
+from ..errors import MlxPagedError
+from ..engine.sampling_params import SamplingParams
 
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -53,7 +53,7 @@ def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:
     if not prompt.strip():
         raise MlxPagedError("empty prompt")
     if chat and getattr(tokenizer, "chat_template", None):
-        from .chat import chat_ids
+        from ..engine.chat import chat_ids
 
         return chat_ids(tokenizer, [{"role": "user", "content": prompt}])
     return tokenizer.encode(prompt)
@@ -95,25 +95,27 @@ def generate(model, dtype, weights, prompts, prompts_file, n, max_tokens, temp, 
         params = [SamplingParams(**{**base, **extra}) for _, extra in items]
         beam = None
         if beam_width:
-            from .beam_search import BeamSearchParams
+            from ..engine.beam_search import BeamSearchParams
 
             beam = BeamSearchParams(beam_width, max_tokens, ignore_eos=ignore_eos, length_penalty=length_penalty)
             params = [SamplingParams(n=beam_width, max_tokens=max_tokens)] * len(items)  # the pool's sizing
         config = engine_config(engine_flags)
         if any(not p.strip() for p, _ in items):
             raise MlxPagedError("empty prompt")
-        from .distributed import launched_group, tp_engine
-        from .engine import LLMEngine
-        from .loader import load, load_shard
+        from ..core.block_manager import blocks_for_request
+        from ..distributed.collectives import launched_group
+        from ..engine.builder import build_engine, load_model
+        from ..worker.kv_cache import pool_blocks
 
         group = launched_group()  # one rank of several under mlx.launch: tensor parallelism
         if group is not None and group.rank() != 0:
             sys.stdout = open(os.devnull, "w")  # rank 0 prints; the others only compute
-        loaded = load(model, dtype, weights) if group is None else load_shard(model, dtype, weights, group)
+        loaded = load_model(model, dtype, weights, group)
         ids = [_encode(loaded.tokenizer, p, chat) for p, _ in items]
-        if config.num_blocks is None:
-            config.num_blocks = _workload_blocks(loaded, config, ids, params)
-        engine = LLMEngine(loaded, config) if group is None else tp_engine(loaded, config, group)
+        # `generate` knows its whole workload: a pool just big enough for all of it at full length.
+        need = sum(blocks_for_request(len(i), p.n, p.max_tokens, config.block_size) for i, p in zip(ids, params))
+        config.num_blocks = pool_blocks(loaded, config, need)
+        engine = build_engine(loaded, config, group=group)
         if beam is not None:
             rids = [engine.add_beam_request(i, beam) for i in ids]
         else:
@@ -140,21 +142,6 @@ def generate(model, dtype, weights, prompts, prompts_file, n, max_tokens, temp, 
         _summary(stats)
     if len(done) < len(rids):
         sys.exit(130)
-
-
-def _workload_blocks(loaded, config, ids: list[list[int]], params: list[SamplingParams]) -> int:
-    """A pool just big enough for every request at full length at once, capped by memory.
-
-    `generate` knows its whole workload, so it need not take a server's share of memory.
-    """
-    from .block_manager import blocks_for_request
-    from .kv_cache import CacheShape, blocks_for_memory
-
-    bs = config.block_size
-    need = sum(blocks_for_request(len(i), p.n, p.max_tokens, bs) for i, p in zip(ids, params))
-    shape = CacheShape.of(loaded).quantized(config.kv_bits, config.kv_group_size)  # quantized rows are smaller
-    cap = blocks_for_memory(shape, bs, config.kv_memory_fraction, config.max_kv_tokens)
-    return max(1, min(need, cap))
 
 
 def _run(engine, rids, *, stream: bool, progress: bool, as_json: bool) -> dict:
@@ -213,7 +200,7 @@ def _summary(s: dict) -> None:
 
 
 def _add_bench() -> None:
-    from .bench.cli import bench
+    from ..bench.cli import bench
 
     main.add_command(bench)
 
@@ -225,7 +212,7 @@ def _add_doctor() -> None:
 
 
 def _add_serve() -> None:
-    from .server.cli import serve  # imports click only; FastAPI etc. load when `serve` runs
+    from ..server.cli import serve  # imports click only; FastAPI etc. load when `serve` runs
 
     main.add_command(serve)
 

@@ -6,10 +6,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .attention.metadata import AttentionMetadata
+from ..attention.metadata import AttentionMetadata
 from .kv_cache import PagedKVCache, slot_mapping
-from .sampler import gather_rows
-from .sequence import Sequence
+from ..engine.sampler import gather_rows
+from ..core.sequence import Sequence
 
 
 class ModelRunner:

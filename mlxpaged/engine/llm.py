@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from .beam_search import BeamSearchParams
-from .config import EngineConfig
-from .engine import LLMEngine
-from .loader import LoadedModel, load
+from ..config import EngineConfig
+from ..distributed.collectives import init_group
+from ..loading.loader import LoadedModel
+from .builder import build_engine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -40,18 +41,8 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             **engine_kwargs,
         )
-        if distributed:  # one rank of a tensor-parallel group started by mlx.launch
-            from .distributed import init_group, tp_engine
-            from .loader import load_shard
-
-            group = init_group()
-            if isinstance(model, LoadedModel) and getattr(model.model, "tp_group", None) is None:
-                raise ValueError("distributed=True needs a model path (each rank loads its shard), not a loaded model")
-            loaded = model if isinstance(model, LoadedModel) else load_shard(model, dtype, weights, group)
-            self.engine = tp_engine(loaded, config, group)
-            return
-        loaded = model if isinstance(model, LoadedModel) else load(model, dtype, weights)
-        self.engine = LLMEngine(loaded, config)
+        group = init_group() if distributed else None  # one rank of a group started by mlx.launch
+        self.engine = build_engine(model, config, dtype=dtype, weights=weights, group=group)
 
     @property
     def tokenizer(self):
@@ -96,7 +87,7 @@ class LLM:
         """Beam search over each prompt, all in one continuous batch; outputs in prompt order.
 
         Each output's `outputs` are the `beam_width` best finished hypotheses, best first, with
-        `token_ids`, `text`, `cumulative_logprob` and `score` (see `mlxpaged.beam_search` for
+        `token_ids`, `text`, `cumulative_logprob` and `score` (see `mlxpaged.engine.beam_search` for
         the stopping and scoring rule).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):

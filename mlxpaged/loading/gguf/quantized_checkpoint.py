@@ -25,7 +25,7 @@ from .reader import GGUFError, GGUFFile
 
 __all__ = ["quantized_tensors"]
 
-log = logging.getLogger("mlxpaged.gguf")
+log = logging.getLogger("mlxpaged.loading.gguf")
 
 _FLOAT_DTYPES = {T.F32: "float32", T.F16: "float16", T.BF16: "bfloat16"}
 

@@ -187,5 +187,5 @@ def ensure_offline_model(name: str = DEFAULT_MODEL, download: bool = True) -> Pa
 
 def default_model(weights: str = "float") -> Path:
     """The checkpoint directory used when no model is given: the offline 0.5B, converted
-    (``weights``: "float" or "quantized", as in :func:`mlxpaged.gguf.convert_gguf`)."""
+    (``weights``: "float" or "quantized", as in :func:`mlxpaged.loading.gguf.convert_gguf`)."""
     return convert_gguf(ensure_offline_model(DEFAULT_MODEL), weights=weights)

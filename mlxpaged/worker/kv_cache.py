@@ -77,6 +77,19 @@ def blocks_for_memory(shape: CacheShape, block_size: int, fraction: float, max_t
     return max(1, min(n, max_tokens // block_size))
 
 
+def pool_blocks(loaded, config, need: int | None = None) -> int:
+    """The one pool-sizing rule, used by a single process and by every tensor-parallel rank.
+
+    `config.num_blocks` if set; else `need` blocks (a known workload, as `generate` has) capped
+    by `config.kv_memory_fraction` of free memory and `config.max_kv_tokens`; else that cap.
+    """
+    if config.num_blocks is not None:
+        return config.num_blocks
+    shape = CacheShape.of(loaded).quantized(config.kv_bits, config.kv_group_size)  # quantized rows are smaller
+    cap = blocks_for_memory(shape, config.block_size, config.kv_memory_fraction, config.max_kv_tokens)
+    return cap if need is None else max(1, min(need, cap))
+
+
 class PagedKVCache:
     """Per-layer K/V pools plus the two operations the allocator needs: write and copy blocks."""
 

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 if TYPE_CHECKING:
-    from .beam_search import BeamState
+    from ..engine.beam_search import BeamState
     from .block_pool import Block
-    from .sampling_params import SamplingParams
+    from ..engine.sampling_params import SamplingParams
 
 
 class FinishReason(str, enum.Enum):

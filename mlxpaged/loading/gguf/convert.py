@@ -11,7 +11,7 @@ Cache layout (root = ``cache_dir`` argument, else ``$MLXPAGED_CACHE``, else
     <root>/converted/<sha256[:16]>-<dtype>/  other dtypes
     <root>/converted/<sha256[:16]>-quantized/ block weights kept quantized (weights="quantized")
     <root>/sha256-index.json                  (path, size, mtime) -> sha256
-    <root>/gguf/<name>.gguf                   offline models (mlxpaged.offline_model)
+    <root>/gguf/<name>.gguf                   offline models (mlxpaged.loading.offline_model)
 """
 
 from __future__ import annotations

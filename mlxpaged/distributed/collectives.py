@@ -27,8 +27,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from .engine import LLMEngine
-from .errors import MlxPagedError, StepError
+from ..errors import MlxPagedError, StepError
 
 # Seconds one step's collectives may take before a rank declares the others dead or hung.
 STEP_TIMEOUT_ENV = "MLXPAGED_TP_TIMEOUT"
@@ -58,30 +57,30 @@ def launched_group() -> mx.distributed.Group | None:
     return group if group.size() > 1 else None
 
 
-def _peer_lost(e: BaseException | None) -> bool:
+def peer_lost(e: BaseException | None) -> bool:
     return isinstance(e, RuntimeError) and ("[ring]" in str(e) or "peer" in str(e) or "[jaccl]" in str(e))
 
 
-def _collective(fn, *args, group):
+def collective(fn, *args, group):
     """Run one collective now; a lost connection becomes one `RankFailure` line."""
     try:
         out = fn(*args, group=group)
         mx.eval(out)
         return out
     except RuntimeError as e:
-        if _peer_lost(e):
+        if peer_lost(e):
             raise RankFailure(f"rank {group.rank()}: lost the connection to another rank ({str(e).splitlines()[0]})") from None
         raise
 
 
 def barrier(group: mx.distributed.Group) -> None:
     if group.size() > 1:
-        _collective(mx.distributed.all_sum, mx.zeros((1,), mx.int32), group=group)
+        collective(mx.distributed.all_sum, mx.zeros((1,), mx.int32), group=group)
 
 
 def agree_min(group: mx.distributed.Group, value: int) -> int:
     """The smallest `value` over the ranks (e.g. the pool size every rank can afford)."""
-    return int(_collective(mx.distributed.all_min, mx.array([value], mx.int64), group=group).item())
+    return int(collective(mx.distributed.all_min, mx.array([value], mx.int64), group=group).item())
 
 
 def broadcast_json(group: mx.distributed.Group, obj=None):
@@ -90,16 +89,16 @@ def broadcast_json(group: mx.distributed.Group, obj=None):
     Two all_sums: the length, then the UTF-8 bytes (the other ranks add zeros).
     """
     mine = json.dumps(obj).encode() if group.rank() == 0 else b""
-    n = int(_collective(mx.distributed.all_sum, mx.array([len(mine)], mx.int32), group=group).item())
+    n = int(collective(mx.distributed.all_sum, mx.array([len(mine)], mx.int32), group=group).item())
     buf = np.frombuffer(mine, np.uint8) if mine else np.zeros(n, np.uint8)
-    data = _collective(mx.distributed.all_sum, mx.array(buf), group=group)
+    data = collective(mx.distributed.all_sum, mx.array(buf), group=group)
     return json.loads(bytes(np.array(data, dtype=np.uint8)).decode())
 
 
 def broadcast_int(group: mx.distributed.Group, value: int) -> int:
     """Rank 0's `value` (< 2**62) on every rank."""
     mine = value if group.rank() == 0 else 0
-    return int(_collective(mx.distributed.all_sum, mx.array([mine], mx.int64), group=group).item())
+    return int(collective(mx.distributed.all_sum, mx.array([mine], mx.int64), group=group).item())
 
 
 # -- start-up agreement -----------------------------------------------------------------------------
@@ -129,7 +128,7 @@ def check_same_everywhere(group: mx.distributed.Group, parts: dict[str, object])
     names = list(parts)
     digests = [hashlib.sha256(json.dumps(parts[k], sort_keys=True, default=str).encode()).digest()[:16] for k in names]
     mine = mx.array(np.frombuffer(b"".join(digests), np.uint8))
-    every = np.array(_collective(mx.distributed.all_gather, mine, group=group)).reshape(group.size(), len(names), 16)
+    every = np.array(collective(mx.distributed.all_gather, mine, group=group)).reshape(group.size(), len(names), 16)
     for r in range(1, group.size()):
         for i, name in enumerate(names):
             if not np.array_equal(every[r, i], every[0, i]):
@@ -166,88 +165,3 @@ class Watchdog:
                                  f"during {self._what} (a rank died or hung); exiting\n")
                 sys.stderr.flush()
                 os._exit(1)
-
-
-# -- the engine ---------------------------------------------------------------------------------------
-class TPEngine(LLMEngine):
-    """`LLMEngine` on one rank of a tensor-parallel group (its model sharded by load_shard).
-
-    Same inputs and seeds on every rank give the same schedule and samples; a failed step ends
-    the rank (the others would otherwise wait forever in the next all_sum).
-    """
-
-    def __init__(self, loaded, config, group: mx.distributed.Group, *, seed: int,
-                 timeout: float, check_every: int):
-        super().__init__(loaded, config)
-        self.group = group
-        self.rank = group.rank()
-        self._seeds = random.Random(seed)  # the same stream on every rank
-        self.watchdog = Watchdog(self.rank, timeout)
-        self.check_every = check_every
-        self._token_hash = hashlib.sha256()
-        self.num_checks = 0
-
-    def add_request(self, prompt, params=None, request_id=None) -> str:
-        from .sampling_params import SamplingParams
-
-        params = params or SamplingParams()
-        if params.seed is None:  # the base engine would draw a per-process random seed
-            params = dataclasses.replace(params, seed=self._seeds.getrandbits(31))
-        return super().add_request(prompt, params, request_id)
-
-    def step(self):
-        self.watchdog.arm(f"step {self.stats.steps}")
-        try:
-            outs = super().step()
-            if self.check_every:
-                self._hash_step(outs)
-                if self.stats.steps % self.check_every == 0:
-                    self.check_agreement()
-            return outs
-        except StepError as e:
-            cause = e.__cause__
-            if _peer_lost(cause):
-                raise RankFailure(f"rank {self.rank}: lost the connection to another rank during step {self.stats.steps} "
-                                  f"({str(cause).splitlines()[0]})") from None
-            raise RankFailure(f"rank {self.rank}: step {self.stats.steps} failed ({cause}); the ranks cannot go on apart") from None
-        finally:
-            self.watchdog.disarm()
-
-    def _hash_step(self, outs) -> None:
-        """Fold this step's visible results (each sample's length and last token) into a running hash."""
-        for o in outs:
-            for c in o.outputs:
-                self._token_hash.update(f"{o.request_id}:{c.index}:{len(c.token_ids)}:{c.token_ids[-1:]}|".encode())
-        self._token_hash.update(f"free={self.block_manager.pool.num_free};".encode())
-
-    def check_agreement(self) -> None:
-        """Compare the running token hash across ranks; `RankFailure` on every rank if any differs."""
-        mine = mx.array(np.frombuffer(self._token_hash.digest()[:16], np.uint8))
-        every = np.array(_collective(mx.distributed.all_gather, mine, group=self.group)).reshape(self.group.size(), 16)
-        self.num_checks += 1
-        bad = [r for r in range(1, self.group.size()) if not np.array_equal(every[r], every[0])]
-        if bad:
-            raise RankFailure(f"ranks diverged by step {self.stats.steps}: rank(s) {bad} sampled other tokens than rank 0")
-
-
-def tp_engine(loaded, config, group: mx.distributed.Group, *, timeout: float | None = None,
-              check_every: int | None = None) -> TPEngine:
-    """A `TPEngine` once every rank agrees on the pool size, the checkpoint and the settings."""
-    from .kv_cache import CacheShape, blocks_for_memory
-
-    own = config.num_blocks
-    if own is None:
-        shape = CacheShape.of(loaded).quantized(config.kv_bits, config.kv_group_size)  # as LLMEngine sizes it
-        own = blocks_for_memory(shape, config.block_size, config.kv_memory_fraction, config.max_kv_tokens)
-    # Free memory differs per host (and `generate` caps its pool by it): take what every rank can hold.
-    config.num_blocks = agree_min(group, own)
-    timeout = float(os.environ.get(STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT)) if timeout is None else timeout
-    check_every = int(os.environ.get(CHECK_EVERY_ENV, 0)) if check_every is None else check_every
-    check_same_everywhere(group, {
-        "checkpoint config": loaded.config,
-        "weights": weights_identity(loaded.path),
-        "engine settings": {**dataclasses.asdict(config), "dtype": str(loaded.dtype), "weights": loaded.weights,
-                            "world": group.size(), "check_every": check_every, "mlx": mx.__version__},
-    })
-    seed = broadcast_int(group, random.getrandbits(62))
-    return TPEngine(loaded, config, group, seed=seed, timeout=timeout, check_every=check_every)

@@ -27,7 +27,7 @@ DTYPES = ("float16", "bfloat16", "float32")
 def _device() -> dict:
     import mlx.core as mx
 
-    from .attention import metal_native
+    from ..attention import metal_native
 
     info: dict = {"metal_available": metal_native()}
     if info["metal_available"]:
@@ -43,7 +43,7 @@ def _checks(block_size: int) -> list[dict]:
     """Each family's startup check: ok, or the warning the engine would give."""
     import mlx.core as mx
 
-    from .attention import metal
+    from ..attention import metal
 
     rows = []
     for dtype in DTYPES:
@@ -63,7 +63,7 @@ def _checks(block_size: int) -> list[dict]:
 
 
 def _table(gpu: bool, seqs: int, tokens: int, block_sizes) -> dict:
-    from .bench import kernel as kbench
+    from ..bench import kernel as kbench
 
     if gpu:
         rows = kbench.gpu_rows(seqs, tokens, block_sizes)
@@ -84,8 +84,8 @@ def _planning() -> dict:
     Qwen2.5-0.5B shapes (G 7, head_dim 64, 2 kv heads, float16 and 4-bit KV, block 16)."""
     import mlx.core as mx
 
-    from .attention import metal
-    from .kv_quant import row_bytes
+    from ..attention import metal
+    from ..worker.kv_quant import row_bytes
 
     info = metal.device_info()
     cores = metal.gpu_cores(info)
@@ -104,7 +104,7 @@ def collect(seqs: int | None = None, tokens: int | None = None, block_sizes=(16,
     """The whole report as a JSON-ready dict."""
     import mlx.core as mx
 
-    from .attention import metal_native, resolve_impl
+    from ..attention import metal_native, resolve_impl
 
     gpu = metal_native() and os.environ.get("MLXPAGED_METAL") != "emulate"
     q = mx.zeros((1, 14, 64), dtype=mx.float16)  # Qwen2.5-0.5B: 14 heads, 2 kv heads

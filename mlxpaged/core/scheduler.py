@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
-from .config import EngineConfig
+from ..config import EngineConfig
 from .sequence import FinishReason, Request, RequestStatus, Sequence
 
 
