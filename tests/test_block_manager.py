@@ -9,7 +9,12 @@ from mlxpaged.core.sequence import Sequence
 
 
 class ShadowKV:
-    """What each pool slot holds, written only through the allocator's tables and copies."""
+    """What each pool slot holds, written only through the allocator's tables and copies.
+
+    A slot holds the token's whole context (every token up to and including it), not only its
+    value: a real K/V row depends on everything before it, so a block reused under another
+    prefix (a broken parent chain in the block hash) reads back the wrong context.
+    """
 
     def __init__(self, bm: BlockManager):
         self.bm = bm
@@ -26,13 +31,16 @@ class ShadowKV:
         for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
             block = seq.block_table[p // bs]
             assert block.ref_cnt == 1, "write into a shared block"
-            self.slots[(block.block_id, p % bs)] = seq.token_ids[p]
+            self.slots[(block.block_id, p % bs)] = tuple(seq.token_ids[: p + 1])
         seq.num_computed_tokens += n
         self.bm.cache_full_blocks(seq)
 
-    def read(self, seq: Sequence) -> list[int]:
+    def contexts(self, seq: Sequence) -> list[tuple[int, ...] | None]:
         bs = self.bm.block_size
         return [self.slots.get((seq.block_table[p // bs].block_id, p % bs)) for p in range(seq.num_computed_tokens)]
+
+    def read(self, seq: Sequence) -> list[int | None]:
+        return [c[-1] if c else None for c in self.contexts(seq)]
 
 
 ops = st.lists(
@@ -82,8 +90,8 @@ def test_random_operations_keep_invariants(ops, block_size, num_blocks, caching,
                 bm.free(s)
                 seqs.remove(s)
         bm.check(seqs)
-        for s in seqs:  # every sequence reads back exactly its own tokens
-            assert kv.read(s) == s.token_ids[: s.num_computed_tokens]
+        for s in seqs:  # every sequence reads back exactly its own tokens, each in its own context
+            assert kv.contexts(s) == [tuple(s.token_ids[: p + 1]) for p in range(s.num_computed_tokens)]
     for s in seqs:
         bm.free(s)
     assert bm.pool.num_free == num_blocks and all(b.ref_cnt == 0 for b in bm.pool.blocks)
@@ -164,3 +172,23 @@ def test_lru_evicts_tail_before_head():
     assert len(bm.pool.cached) == 4
     fresh = [bm.pool.allocate() for _ in range(3)]  # 2 never-used blocks, then the oldest cached one
     assert tail in fresh and head not in fresh and head.block_hash is not None
+
+
+def test_block_reused_only_under_its_own_parent():
+    """A = [X, W, t] and C = [Z, Y, t] are cached; B = [X, Y, t] may reuse X (A's first block)
+    but not C's Y, which was computed after Z: the hash chains the parent."""
+    bs = 4
+    X, W, Z, Y, t = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16], [17]
+    bm = BlockManager(32, bs, enable_prefix_caching=True)
+    kv = ShadowKV(bm)
+    for prompt in (X + W + t, Z + Y + t):
+        s = Sequence(list(prompt), len(prompt))
+        assert bm.match_prefix(s) == 0
+        kv.write(s, len(prompt))
+        bm.free(s)  # the full blocks stay cached
+    b = Sequence(X + Y + t, 9)
+    assert bm.match_prefix(b) == bs  # X only
+    kv.write(b, b.num_tokens - b.num_computed_tokens)
+    assert kv.contexts(b) == [tuple(b.token_ids[: p + 1]) for p in range(9)]
+    again = Sequence(Z + Y + [99], 9)
+    assert bm.match_prefix(again) == 2 * bs  # the same chain does match whole

@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf")
-mx = pytest.importorskip("mlx.core")
+import gguf  # noqa: E402
+import mlx.core as mx  # noqa: E402
 
 from gguf import GGMLQuantizationType as T  # noqa: E402
 

@@ -15,8 +15,8 @@ import time
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf")
-mx = pytest.importorskip("mlx.core")
+import gguf  # noqa: E402
+import mlx.core as mx  # noqa: E402
 
 import mlx.nn as nn  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
