@@ -22,8 +22,7 @@ import pytest
 from click.testing import CliRunner
 from mlx_lm.models.cache import KVCache
 from reference import contiguous_generate
-from test_paged_attention import make_case, sdpa_contiguous
-from test_varlen import CASES, make_varlen_case, sdpa_with_mask
+from attention_cases import CASES, make_case, make_varlen_case, sdpa_contiguous, sdpa_with_mask
 
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 from mlxpaged.worker import kv_quant
