@@ -15,11 +15,9 @@ the ranks honest:
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
-import random
 import sys
 import threading
 import time
@@ -27,13 +25,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from ..errors import MlxPagedError, StepError
+from ..errors import MlxPagedError
 
-# Seconds one step's collectives may take before a rank declares the others dead or hung.
-STEP_TIMEOUT_ENV = "MLXPAGED_TP_TIMEOUT"
-DEFAULT_STEP_TIMEOUT = 60.0
-# Compare the sampled tokens across ranks every N steps (0: never): the debug-mode check.
-CHECK_EVERY_ENV = "MLXPAGED_TP_CHECK_EVERY"
 
 
 class RankFailure(MlxPagedError):

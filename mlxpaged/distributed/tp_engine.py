@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import random
 
 import mlx.core as mx
 import numpy as np
 
 from ..engine.llm_engine import LLMEngine
+from .. import settings
 from ..errors import StepError
 from ..worker.kv_cache import pool_blocks
-from .collectives import (CHECK_EVERY_ENV, DEFAULT_STEP_TIMEOUT, STEP_TIMEOUT_ENV, RankFailure, Watchdog, collective,
-                          peer_lost, agree_min, broadcast_int, check_same_everywhere, weights_identity)
+from .collectives import (RankFailure, Watchdog, agree_min, broadcast_int, check_same_everywhere, collective, peer_lost,
+                          weights_identity)
 
 
 # -- the engine ---------------------------------------------------------------------------------------
@@ -85,8 +85,8 @@ def tp_engine(loaded, config, group: mx.distributed.Group, *, timeout: float | N
     """A `TPEngine` once every rank agrees on the pool size, the checkpoint and the settings."""
     # Free memory differs per host (and `generate` caps its pool by it): take what every rank can hold.
     config.num_blocks = agree_min(group, pool_blocks(loaded, config))
-    timeout = float(os.environ.get(STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT)) if timeout is None else timeout
-    check_every = int(os.environ.get(CHECK_EVERY_ENV, 0)) if check_every is None else check_every
+    timeout = settings.tp_timeout() if timeout is None else timeout
+    check_every = settings.tp_check_every() if check_every is None else check_every
     check_same_everywhere(group, {
         "checkpoint config": loaded.config,
         "weights": weights_identity(loaded.path),

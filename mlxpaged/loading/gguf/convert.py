@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from ... import settings
 from .reader import SUPPORTED_TYPES, GGUFError, GGUFFile
 from .tokenizer import eos_token_ids, tokenizer_config_from_metadata, tokenizer_from_metadata
 
@@ -80,8 +81,7 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     """The cache root: ``cache_dir``, else ``$MLXPAGED_CACHE``, else ``~/.cache/mlxpaged``."""
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
-    env = os.environ.get("MLXPAGED_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "mlxpaged"
+    return settings.cache_dir()
 
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
