@@ -32,7 +32,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 import engine_runs  # noqa: E402
 import figures_lib  # noqa: E402
-from mlxpaged import waste  # noqa: E402
+from mlxpaged.bench import waste  # noqa: E402
 from mlxpaged.data import TRACE_DIR  # noqa: E402
 from mlxpaged.errors import MlxPagedError  # noqa: E402
 

@@ -20,7 +20,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from mlxpaged import waste  # noqa: E402
+from mlxpaged.bench import waste  # noqa: E402
 from mlxpaged.data import TRACE_DIR as DATA_DIR  # noqa: E402
 
 
