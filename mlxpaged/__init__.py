@@ -6,12 +6,12 @@ use_system_blas()  # before MLX loads: see _blas.py
 
 
 from .attention import paged_attention, paged_attention_varlen
-from .beam_search import BeamSearchParams
+from .engine.beam_search import BeamSearchParams
 from .config import EngineConfig
-from .engine import LLMEngine
-from .llm import LLM
-from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import SamplingParams
+from .engine.llm_engine import LLMEngine
+from .engine.llm import LLM
+from .engine.outputs import CompletionOutput, RequestOutput
+from .engine.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",

@@ -49,7 +49,7 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
-        from .kv_quant import KV_GROUP_SIZES, check_kv_quant
+        from .worker.kv_quant import KV_GROUP_SIZES, check_kv_quant
 
         if self.kv_group_size not in KV_GROUP_SIZES:  # checked even for a float cache: a typo is a typo
             raise ValueError(f"kv_group_size must be one of {KV_GROUP_SIZES}, got {self.kv_group_size}")

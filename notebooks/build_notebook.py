@@ -51,7 +51,7 @@ CELLS = [
     5. the prefix cache reusing the blocks of an earlier request;
     6. the cost of the paged-attention kernel by block size.
 
-    Sections 1, 2 and 6 use tables (`mlxpaged.waste`, `mlxpaged/data/*_lengths.json`,
+    Sections 1, 2 and 6 use tables (`mlxpaged.bench.waste`, `mlxpaged/data/*_lengths.json`,
     `scripts/kernel.py`'s output); sections 3 to 5 run the real engine
     (`notebooks/engine_runs.py`). The figures are drawn by `notebooks/figures_lib.py`, which
     `scripts/figures.py` also uses to write the PNGs under `docs/`.
@@ -77,10 +77,10 @@ CELLS = [
     import mlxpaged  # first: it points MLX at the system OpenBLAS before MLX loads
     import matplotlib.pyplot as plt
 
-    from mlxpaged import waste
+    from mlxpaged.bench import waste
     from mlxpaged.data import TRACE_DIR
-    from mlxpaged.loader import load
-    from mlxpaged.tiny_model import write_tiny_qwen2
+    from mlxpaged.loading.loader import load
+    from mlxpaged.testing.tiny_model import write_tiny_qwen2
 
 
     def find_root() -> Path:

@@ -2,7 +2,7 @@
 
 The single home of the drawing code: ``paged_attention.ipynb`` shows these figures inline and
 ``scripts/figures.py`` saves them as PNGs under ``docs/``. A function only draws: it takes data
-already computed (``mlxpaged.waste`` rows, ``engine_runs`` records, benchmark JSON) and
+already computed (``mlxpaged.bench.waste`` rows, ``engine_runs`` records, benchmark JSON) and
 returns the figure without showing or saving it, so either caller decides what to do with it.
 """
 
@@ -16,7 +16,7 @@ import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
-from mlxpaged import waste
+from mlxpaged.bench import waste
 
 TRACE_NAMES = {"sharegpt": "ShareGPT", "alpaca": "Alpaca"}
 OURS, PEER = "tab:blue", "0.6"  # mlxpaged and mlx-lm in the benchmark figure
@@ -46,7 +46,7 @@ def waste_figure(tables: dict, num_requests: dict):
     fig, axes = plt.subplots(1, len(tables), figsize=(11, 3.8), sharey=True, squeeze=False)
     for ax, (name, rows) in zip(axes[0], tables.items()):
         x = np.arange(len(rows))
-        ours = ax.bar(x - 0.2, [100 * r.real_share for r in rows], 0.4, label="ours (mlxpaged.waste)")
+        ours = ax.bar(x - 0.2, [100 * r.real_share for r in rows], 0.4, label="ours (mlxpaged.bench.waste)")
         seed = ax.bar(x + 0.2, [seed_share(name, r.scheme) for r in rows], 0.4, color="0.75", label="seed design doc")
         ax.bar_label(ours, fmt="%.1f", fontsize=8)
         ax.bar_label(seed, fmt="%.1f", fontsize=8, color="0.4")

@@ -16,7 +16,7 @@ import time
 import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
 import mlx.core as mx
 
-from mlxpaged.kv_cache import CacheShape, PagedKVCache
+from mlxpaged.worker.kv_cache import CacheShape, PagedKVCache
 
 
 def time_writes(cache: PagedKVCache, k: mx.array, steps: int, keep_alias: bool) -> tuple[float, int]:

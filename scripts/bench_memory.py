@@ -22,7 +22,7 @@ CHILD = r"""
 import json, sys
 import mlxpaged  # system BLAS first
 import mlx.core as mx
-from mlxpaged.loader import load
+from mlxpaged.loading.loader import load
 
 system, model, dtype, max_tokens, prompt = sys.argv[1], sys.argv[2] or None, sys.argv[3], int(sys.argv[4]), sys.argv[5]
 loaded = load(model, dtype)
@@ -31,7 +31,7 @@ text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_genera
 ids = tok.encode(text, add_special_tokens=False)
 if system == "mlxpaged":
     from click.testing import CliRunner
-    from mlxpaged.cli import main
+    from mlxpaged.cli.main import main
     args = ["generate", "--model", str(loaded.path), "--dtype", dtype, "--prompt", prompt, "-t", str(max_tokens),
             "--ignore-eos", "--json"]
     del loaded

@@ -149,7 +149,7 @@ class Bench:
 
     def block(self, steps: int) -> dict:
         """ms per step of each phase over `steps` steps (after one untimed step)."""
-        import mlxpaged.engine as engine_mod
+        import mlxpaged.engine.llm_engine as engine_mod
 
         engine_mod.mx = self.mx
         try:

@@ -136,7 +136,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-tp-"))
     if a.tiny:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from mlxpaged.tiny_model import write_tiny_qwen2
+        from mlxpaged.testing.tiny_model import write_tiny_qwen2
 
         a.model = str(write_tiny_qwen2(tmp / "tiny"))
     runs: dict[int, list[list[dict]]] = {1: [], 2: []}

@@ -1,6 +1,6 @@
 """Quantized vs float weights: weight memory and decode tokens/s, same model, same prompt.
 
-"quantized" keeps the GGUF's block weights as MLX quantized layers (mlxpaged.gguf.mlx_quant);
+"quantized" keeps the GGUF's block weights as MLX quantized layers (mlxpaged.loading.gguf.mlx_quant);
 "float" is today's dequantized checkpoint.  Both load in one process with the same `--dtype`
 (float32 on the CPU by default).  Each repeat decodes `--max-tokens` greedy tokens of one
 prompt (batch 1) with each mode, alternating which goes first; the clock covers the decode
@@ -80,8 +80,8 @@ def main() -> None:
         sys.exit("error: --repeats must be >= 1 and --max-tokens >= 2")
 
     from mlxpaged.errors import MlxPagedError
-    from mlxpaged.gguf import GGUFError
-    from mlxpaged.loader import load
+    from mlxpaged.loading.gguf import GGUFError
+    from mlxpaged.loading.loader import load
 
     try:
         models = {w: load(args.model, args.dtype, weights=w) for w in ("quantized", "float")}

@@ -25,7 +25,7 @@ from typing import Sequence
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing
 
-from mlxpaged import waste  # noqa: E402
+from mlxpaged.bench import waste  # noqa: E402
 from mlxpaged.bench.report import provenance  # noqa: E402
 from mlxpaged.data import TRACE_DIR as DATA_DIR  # noqa: E402
 

@@ -45,7 +45,7 @@ def main() -> None:
     from mlxpaged.bench.report import write_json
     from mlxpaged.data import load_trace
     from mlxpaged.errors import MlxPagedError
-    from mlxpaged.loader import load
+    from mlxpaged.loading.loader import load
 
     try:
         # head_dim 64 (the 0.5B's): the bytes per token, and so the quantized ratios, are the real model's

@@ -32,7 +32,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 import engine_runs  # noqa: E402
 import figures_lib  # noqa: E402
-from mlxpaged import waste  # noqa: E402
+from mlxpaged.bench import waste  # noqa: E402
 from mlxpaged.data import TRACE_DIR  # noqa: E402
 from mlxpaged.errors import MlxPagedError  # noqa: E402
 
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             table_figures(args.out)
         if "engine" in groups:
             from mlxpaged.bench.models import tiny_checkpoint
-            from mlxpaged.loader import load
+            from mlxpaged.loading.loader import load
 
             loaded = load(tiny_checkpoint() if args.tiny else args.model, args.dtype)
             print(f"model {engine_runs.model_label(loaded)} ({loaded.dtype})", flush=True)

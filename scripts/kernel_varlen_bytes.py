@@ -27,7 +27,7 @@ import numpy as np
 from mlxpaged.attention import metal
 from mlxpaged.attention import metal_varlen
 from mlxpaged.attention.reference import paged_attention_varlen_reference
-from mlxpaged.kv_quant import QuantizedPool
+from mlxpaged.worker.kv_quant import QuantizedPool
 from mlxpaged.metal_emu import emulate
 from mlxpaged.utils import cdiv
 

@@ -37,8 +37,8 @@ def main() -> None:
 
     from mlxpaged.bench.kv_quality import SNIPPET, alpaca_text, paged_perplexity, tokens_per_gb
     from mlxpaged.errors import MlxPagedError
-    from mlxpaged.kv_cache import CacheShape
-    from mlxpaged.loader import load
+    from mlxpaged.worker.kv_cache import CacheShape
+    from mlxpaged.loading.loader import load
 
     try:
         loaded = load(args.model, args.dtype)

@@ -72,17 +72,17 @@ def load_tokenizer(path: str | None = None):
     """A ``tokenizers.Tokenizer`` for Qwen2.5 and a short description of where it came from.
 
     ``path`` may be a ``tokenizer.json`` or a GGUF file; without it the offline
-    Qwen2.5-Coder-0.5B GGUF is assembled (downloaded once) by ``mlxpaged.offline_model``.
+    Qwen2.5-Coder-0.5B GGUF is assembled (downloaded once) by ``mlxpaged.loading.offline_model``.
     """
     from tokenizers import Tokenizer
 
     if path is not None and path.endswith(".json"):
         return Tokenizer.from_file(path), f"tokenizer.json {Path(path).name}"
     sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing
-    from mlxpaged.gguf import load_gguf_tokenizer
+    from mlxpaged.loading.gguf import load_gguf_tokenizer
 
     if path is None:
-        from mlxpaged.offline_model import ensure_offline_model
+        from mlxpaged.loading.offline_model import ensure_offline_model
 
         path = str(ensure_offline_model())
     return load_gguf_tokenizer(path), "Qwen2.5 (from the Qwen2.5-Coder-0.5B-Instruct GGUF)"

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mlxpaged.gguf import GGUFError, convert_gguf, file_sha256
-from mlxpaged.offline_model import DEFAULT_MODEL, OFFLINE_MODELS, OfflineModelError, ensure_offline_model
+from mlxpaged.loading.gguf import GGUFError, convert_gguf, file_sha256
+from mlxpaged.loading.offline_model import DEFAULT_MODEL, OFFLINE_MODELS, OfflineModelError, ensure_offline_model
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxpaged.sampling_params import SamplingParams
+from mlxpaged.engine.sampling_params import SamplingParams
 
 _ROTATIONS = (13, 15, 26, 6, 17, 29, 16, 24)
 
@@ -117,16 +117,16 @@ def decode_in_turns(loaded, prompts: list[list[int]], num_tokens: int, num_block
     Drives the allocator and the model runner directly, so consecutive blocks go to different
     sequences. Returns the sequences (generated ids in `output_token_ids`, tables in `block_ids`).
     """
-    from mlxpaged.block_manager import BlockManager
-    from mlxpaged.kv_cache import CacheShape, PagedKVCache
-    from mlxpaged.model_runner import ModelRunner
-    from mlxpaged.sequence import Sequence
+    from mlxpaged.core.block_manager import BlockManager
+    from mlxpaged.worker.kv_cache import CacheShape, PagedKVCache
+    from mlxpaged.worker.model_runner import ModelRunner
+    from mlxpaged.core.sequence import Sequence
 
     args = loaded.model.args
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
     shape = CacheShape(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, loaded.dtype)
     runner = ModelRunner(loaded.model, PagedKVCache(shape, num_blocks, block_size), "reference")
-    seqs = [Sequence(i, list(p), len(p)) for i, p in enumerate(prompts)]
+    seqs = [Sequence(list(p), len(p)) for i, p in enumerate(prompts)]
     for s in seqs:
         assert bm.allocate_slots(s, s.num_tokens) == []
         logits = runner.prefill(s, s.num_tokens)

@@ -12,7 +12,7 @@ from reference import contiguous_generate
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 from mlxpaged.attention import paged_attention
 from mlxpaged.errors import StepError
-from mlxpaged.kv_cache import CacheShape, PagedKVCache
+from mlxpaged.worker.kv_cache import CacheShape, PagedKVCache
 
 SYSTEM = [(31 * i) % 250 + 1 for i in range(20)]
 

@@ -11,7 +11,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from reference import contiguous_generate
 
 from mlxpaged import BeamSearchParams, EngineConfig, LLMEngine, SamplingParams
-from mlxpaged.llm import LLM
+from mlxpaged.engine.llm import LLM
 
 PROMPTS = ["The KV cache stores", "Paged attention borrows an idea from operating systems:", "Write a Python"]
 

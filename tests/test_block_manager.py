@@ -4,12 +4,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlxpaged.block_manager import BlockManager
-from mlxpaged.sequence import Sequence
+from mlxpaged.core.block_manager import BlockManager
+from mlxpaged.core.sequence import Sequence
 
 
 class ShadowKV:
-    """What each pool slot holds, written only through the allocator's tables and copies."""
+    """What each pool slot holds, written only through the allocator's tables and copies.
+
+    A slot holds the token's whole context (every token up to and including it), not only its
+    value: a real K/V row depends on everything before it, so a block reused under another
+    prefix (a broken parent chain in the block hash) reads back the wrong context.
+    """
 
     def __init__(self, bm: BlockManager):
         self.bm = bm
@@ -26,13 +31,16 @@ class ShadowKV:
         for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
             block = seq.block_table[p // bs]
             assert block.ref_cnt == 1, "write into a shared block"
-            self.slots[(block.block_id, p % bs)] = seq.token_ids[p]
+            self.slots[(block.block_id, p % bs)] = tuple(seq.token_ids[: p + 1])
         seq.num_computed_tokens += n
         self.bm.cache_full_blocks(seq)
 
-    def read(self, seq: Sequence) -> list[int]:
+    def contexts(self, seq: Sequence) -> list[tuple[int, ...] | None]:
         bs = self.bm.block_size
         return [self.slots.get((seq.block_table[p // bs].block_id, p % bs)) for p in range(seq.num_computed_tokens)]
+
+    def read(self, seq: Sequence) -> list[int | None]:
+        return [c[-1] if c else None for c in self.contexts(seq)]
 
 
 ops = st.lists(
@@ -52,7 +60,7 @@ def test_random_operations_keep_invariants(ops, block_size, num_blocks, caching,
     for op, which, n in ops:
         counter += 1
         if op == "new":
-            s = Sequence(counter, [(counter * 7 + i) % vocab for i in range(n)], n)
+            s = Sequence([(counter * 7 + i) % vocab for i in range(n)], n)
             bm.match_prefix(s)
             assert s.num_computed_tokens < s.num_tokens
             need = s.num_tokens - s.num_computed_tokens
@@ -75,15 +83,15 @@ def test_random_operations_keep_invariants(ops, block_size, num_blocks, caching,
                     assert ([b.block_id for b in s.block_table], bm.pool.num_free) == snapshot
                     del s.token_ids[-n:]
             elif op == "fork":
-                child = Sequence(counter, list(s.token_ids[: s.num_computed_tokens]), 1)
+                child = Sequence(list(s.token_ids[: s.num_computed_tokens]), 1)
                 bm.fork(s, child)
                 seqs.append(child)
             elif op == "free":
                 bm.free(s)
                 seqs.remove(s)
         bm.check(seqs)
-        for s in seqs:  # every sequence reads back exactly its own tokens
-            assert kv.read(s) == s.token_ids[: s.num_computed_tokens]
+        for s in seqs:  # every sequence reads back exactly its own tokens, each in its own context
+            assert kv.contexts(s) == [tuple(s.token_ids[: p + 1]) for p in range(s.num_computed_tokens)]
     for s in seqs:
         bm.free(s)
     assert bm.pool.num_free == num_blocks and all(b.ref_cnt == 0 for b in bm.pool.blocks)
@@ -92,9 +100,9 @@ def test_random_operations_keep_invariants(ops, block_size, num_blocks, caching,
 def test_cow_copies_partial_shared_block_only():
     bm = BlockManager(16, 4, enable_prefix_caching=False)
     kv = ShadowKV(bm)
-    a = Sequence(0, list(range(6)), 6)
+    a = Sequence(list(range(6)), 6)
     kv.write(a, 6)  # blocks [0..3] full, [4, 5] partial
-    b = Sequence(1, list(range(6)), 6)
+    b = Sequence(list(range(6)), 6)
     bm.fork(a, b)
     a.token_ids.append(100)
     kv.write(a, 1)
@@ -107,7 +115,7 @@ def test_cow_copies_partial_shared_block_only():
 
 def test_no_room_is_none_not_a_crash():
     bm = BlockManager(2, 4)
-    s = Sequence(0, list(range(12)), 12)
+    s = Sequence(list(range(12)), 12)
     assert bm.allocate_slots(s, 12) is None and s.block_table == [] and bm.pool.num_free == 2
     assert bm.allocate_slots(s, 8) == [] and bm.pool.num_free == 0
     s.num_computed_tokens = 8
@@ -125,19 +133,19 @@ def test_prefix_rule_of_the_seed():
     bm = BlockManager(64, 16)
     kv = ShadowKV(bm)
     a_tokens = [1000 + i for i in range(96)]
-    a = Sequence(0, list(a_tokens), 96)
+    a = Sequence(list(a_tokens), 96)
     assert bm.match_prefix(a) == 0
     kv.write(a, 96)
     bm.free(a)  # finished: its blocks stay cached
-    b = Sequence(1, a_tokens[:85] + [7] * 20, 105)
+    b = Sequence(a_tokens[:85] + [7] * 20, 105)
     assert bm.match_prefix(b) == 80
-    c = Sequence(2, a_tokens[:2] + [5] + a_tokens[3:], 96)
+    c = Sequence(a_tokens[:2] + [5] + a_tokens[3:], 96)
     assert bm.match_prefix(c) == 0
-    again = Sequence(3, list(a_tokens), 96)
+    again = Sequence(list(a_tokens), 96)
     assert bm.match_prefix(again) == 80  # all but the last block's worth: never the last token
     bm.free(b)
     bm.free(again)
-    short = Sequence(4, a_tokens[:16], 16)
+    short = Sequence(a_tokens[:16], 16)
     assert bm.match_prefix(short) == 0  # one block, holding the last token
 
 
@@ -145,22 +153,42 @@ def test_hash_collision_is_a_miss():
     """Force every block onto one hash: the second request must not read the first's cache."""
     bm = BlockManager(16, 4, hash_fn=lambda parent, tokens, extra: b"same")
     kv = ShadowKV(bm)
-    a = Sequence(0, [1, 2, 3, 4, 5, 6, 7, 8, 9], 9)
+    a = Sequence([1, 2, 3, 4, 5, 6, 7, 8, 9], 9)
     kv.write(a, 9)
     bm.free(a)
-    b = Sequence(1, [9, 9, 9, 9, 5, 6, 7, 8, 9], 9)
+    b = Sequence([9, 9, 9, 9, 5, 6, 7, 8, 9], 9)
     assert bm.match_prefix(b) == 0
-    same = Sequence(2, [1, 2, 3, 4, 0, 0, 0, 0, 1], 9)
+    same = Sequence([1, 2, 3, 4, 0, 0, 0, 0, 1], 9)
     assert bm.match_prefix(same) == 4  # block 0 really matches; block 1's hash hits a different block
 
 
 def test_lru_evicts_tail_before_head():
     bm = BlockManager(6, 4)
     kv = ShadowKV(bm)
-    a = Sequence(0, list(range(16)), 16)  # four full blocks
+    a = Sequence(list(range(16)), 16)  # four full blocks
     kv.write(a, 16)
     head, tail = a.block_table[0], a.block_table[-1]
     bm.free(a)
     assert len(bm.pool.cached) == 4
     fresh = [bm.pool.allocate() for _ in range(3)]  # 2 never-used blocks, then the oldest cached one
     assert tail in fresh and head not in fresh and head.block_hash is not None
+
+
+def test_block_reused_only_under_its_own_parent():
+    """A = [X, W, t] and C = [Z, Y, t] are cached; B = [X, Y, t] may reuse X (A's first block)
+    but not C's Y, which was computed after Z: the hash chains the parent."""
+    bs = 4
+    X, W, Z, Y, t = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16], [17]
+    bm = BlockManager(32, bs, enable_prefix_caching=True)
+    kv = ShadowKV(bm)
+    for prompt in (X + W + t, Z + Y + t):
+        s = Sequence(list(prompt), len(prompt))
+        assert bm.match_prefix(s) == 0
+        kv.write(s, len(prompt))
+        bm.free(s)  # the full blocks stay cached
+    b = Sequence(X + Y + t, 9)
+    assert bm.match_prefix(b) == bs  # X only
+    kv.write(b, b.num_tokens - b.num_computed_tokens)
+    assert kv.contexts(b) == [tuple(b.token_ids[: p + 1]) for p in range(9)]
+    again = Sequence(Z + Y + [99], 9)
+    assert bm.match_prefix(again) == 2 * bs  # the same chain does match whole

@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 from reference import contiguous_generate
 
-from mlxpaged.cli import main
+from mlxpaged.cli.main import main
 
 
 def run(*args, input=None):
@@ -136,7 +136,7 @@ def test_beam_width_prints_scored_beams(tiny_model_path, mlx_lm_tiny):
 def test_generate_and_serve_share_model_and_engine_flags():
     """Both commands take the model and engine flags from one declaration: same names, defaults
     and choices, and each engine flag reaches its EngineConfig field."""
-    from mlxpaged.cli_options import ENGINE_FIELDS, engine_config
+    from mlxpaged.cli.options import ENGINE_FIELDS, engine_config
     from mlxpaged.config import EngineConfig
 
     params = {cmd: {p.name: p for p in main.commands[cmd].params} for cmd in ("generate", "serve")}

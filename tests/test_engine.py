@@ -5,7 +5,7 @@ import pytest
 from reference import contiguous_generate, decode_in_turns, tables_interleave
 
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
-from mlxpaged.kv_cache import CacheShape, PagedKVCache
+from mlxpaged.worker.kv_cache import CacheShape, PagedKVCache
 
 PROMPTS = ["The KV cache stores", "Paged attention borrows an idea from operating systems:"]
 

@@ -6,7 +6,7 @@ from reference import contiguous_generate
 
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 from mlxpaged.errors import StepError
-from mlxpaged.sequence import RequestStatus
+from mlxpaged.core.sequence import RequestStatus
 
 PROMPT = "The KV cache stores"
 

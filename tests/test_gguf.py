@@ -31,12 +31,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf")
-mx = pytest.importorskip("mlx.core")
+import gguf  # noqa: E402
+import mlx.core as mx  # noqa: E402
 
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
-from mlxpaged.gguf import (  # noqa: E402
+from mlxpaged.loading.gguf import (  # noqa: E402
     SUPPORTED_TYPES,
     GGUFError,
     GGUFFile,
@@ -575,7 +575,7 @@ def test_error_unsupported_tensor_type(tmp_path):
 # The offline model's assembly (fake parts)
 # =====================================================================================
 def test_offline_model_assembly_from_installed_parts(tmp_path, monkeypatch):
-    from mlxpaged import offline_model as om
+    from mlxpaged.loading import offline_model as om
 
     payload = os.urandom(3000)
     chunks = [payload[:1000], payload[1000:2500], payload[2500:]]
@@ -618,7 +618,7 @@ BROKEN_FACTOR = 2.5
 
 @pytest.fixture(scope="module")
 def real_gguf():
-    from mlxpaged.offline_model import ensure_offline_model
+    from mlxpaged.loading.offline_model import ensure_offline_model
 
     return ensure_offline_model()
 
@@ -686,7 +686,7 @@ def test_real_tokenizer_matches_autotokenizer(real_gguf, real_ckpt):
 
 
 def test_real_checkpoint_layout(real_gguf, real_ckpt):
-    from mlxpaged.offline_model import default_model
+    from mlxpaged.loading.offline_model import default_model
 
     config = json.loads((real_ckpt / "config.json").read_text())
     assert {k: config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

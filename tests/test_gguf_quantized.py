@@ -15,8 +15,8 @@ import time
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf")
-mx = pytest.importorskip("mlx.core")
+import gguf  # noqa: E402
+import mlx.core as mx  # noqa: E402
 
 import mlx.nn as nn  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
@@ -24,9 +24,9 @@ from reference import contiguous_generate  # noqa: E402
 from test_gguf import DATA, IDS, LEGACY, direct_logits, encode_legacy, random_k_blocks, write_tiny_gguf  # noqa: E402
 
 from mlxpaged.errors import MlxPagedError  # noqa: E402
-from mlxpaged.gguf import convert_gguf, dequantize  # noqa: E402
-from mlxpaged.gguf.mlx_quant import EXACT_BITS, GROUP_SIZE, REQUANT_TYPES, pack_codes, to_mlx  # noqa: E402
-from mlxpaged.loader import load  # noqa: E402
+from mlxpaged.loading.gguf import convert_gguf, dequantize  # noqa: E402
+from mlxpaged.loading.gguf.mlx_quant import EXACT_BITS, GROUP_SIZE, REQUANT_TYPES, pack_codes, to_mlx  # noqa: E402
+from mlxpaged.loading.loader import load  # noqa: E402
 
 ROWS, COLS = 6, 512  # two K super-blocks and sixteen legacy blocks per row
 
@@ -181,7 +181,7 @@ def test_tiny_quantized_checkpoint(tiny_q):
 
 
 def _gguf_name(hf: str) -> str:
-    from mlxpaged.gguf.convert import _LAYER_TENSORS
+    from mlxpaged.loading.gguf.convert import _LAYER_TENSORS
 
     parts = hf.split(".")
     inverse = {v: k for k, v in _LAYER_TENSORS.items()}
@@ -243,7 +243,7 @@ FREE_RUN = 8
 def real_pair():
     import mlx_lm
 
-    from mlxpaged.offline_model import ensure_offline_model
+    from mlxpaged.loading.offline_model import ensure_offline_model
 
     src = ensure_offline_model()
     out = {}
@@ -261,8 +261,8 @@ def real_dequantized():
     scored on this copy; the test below checks it against the quantized layers."""
     import mlx_lm
 
-    from mlxpaged.loader import dequantize_layers
-    from mlxpaged.offline_model import ensure_offline_model
+    from mlxpaged.loading.loader import dequantize_layers
+    from mlxpaged.loading.offline_model import ensure_offline_model
 
     deq, _ = mlx_lm.load(str(convert_gguf(ensure_offline_model(), weights="quantized")))
     deq.set_dtype(mx.float32)
@@ -278,7 +278,7 @@ def test_real_dequantized_copy_equals_quantized_layers(real_pair, real_dequantiz
 
 
 def test_real_quantized_layers_are_exact_where_promised():
-    from mlxpaged.offline_model import ensure_offline_model
+    from mlxpaged.loading.offline_model import ensure_offline_model
 
     ckpt = convert_gguf(ensure_offline_model(), weights="quantized")
     marker = json.loads((ckpt / "mlxpaged_conversion.json").read_text())["quantized"]

@@ -22,15 +22,15 @@ import pytest
 from click.testing import CliRunner
 from mlx_lm.models.cache import KVCache
 from reference import contiguous_generate
-from test_paged_attention import make_case, sdpa_contiguous
-from test_varlen import CASES, make_varlen_case, sdpa_with_mask
+from attention_cases import CASES, make_case, make_varlen_case, sdpa_contiguous, sdpa_with_mask
 
-from mlxpaged import EngineConfig, LLMEngine, SamplingParams, kv_quant
+from mlxpaged import EngineConfig, LLMEngine, SamplingParams
+from mlxpaged.worker import kv_quant
 from mlxpaged.attention import paged_attention, paged_attention_varlen
-from mlxpaged.cli import main
-from mlxpaged.kv_cache import CacheShape, PagedKVCache, blocks_for_memory
-from mlxpaged.kv_calibration import calibration_ids, key_scales
-from mlxpaged.kv_quant import QuantizedPool
+from mlxpaged.cli.main import main
+from mlxpaged.worker.kv_cache import CacheShape, PagedKVCache, blocks_for_memory
+from mlxpaged.worker.kv_calibration import calibration_ids, key_scales
+from mlxpaged.worker.kv_quant import QuantizedPool
 
 QUANT = list(itertools.product([8, 4], [32, 64]))  # (bits, group_size)
 
@@ -310,8 +310,8 @@ def test_key_scales_match_contiguous_keys(tiny_loaded, mlx_lm_tiny):
 
 def test_key_scales_are_measured_once_per_loaded_model(tiny_model_path, mlx_lm_tiny, monkeypatch):
     """Two quantized engines on one LoadedModel: one calibration pass; a fresh load measures again."""
-    from mlxpaged import kv_calibration
-    from mlxpaged.loader import load
+    from mlxpaged.worker import kv_calibration
+    from mlxpaged.loading.loader import load
 
     calls = []
     real = kv_calibration.key_scales
@@ -423,7 +423,7 @@ def test_prefix_cache_on_equals_off_8bit(tiny_loaded):
 def test_forked_samples_equal_samples_run_alone_8bit(tiny_loaded):
     """n=4 seeded samples share the prompt's quantized blocks (copy-on-write of all three
     arrays); each gives the tokens of the same sample run as a request of its own."""
-    from mlxpaged.sampler import sample_key
+    from mlxpaged.engine.sampler import sample_key
 
     prompt = (tiny_loaded.tokenizer.encode(" ".join(PROMPTS)))[:42]  # the last block is partly filled: copies
     params = SamplingParams(n=4, temperature=0.9, seed=7, max_tokens=24, ignore_eos=True)
@@ -454,7 +454,7 @@ def test_llm_api_kv_bits(tiny_model_path):
 @pytest.mark.parametrize("gs,ratio8,ratio4", [(64, (1.85, 1.95), (3.45, 3.6)), (32, (1.75, 1.8), (3.15, 3.25))])
 def test_blocks_for_memory_counts_quantized_rows(monkeypatch, gs, ratio8, ratio4):
     """The 0.5B shape (24 layers, 2 KV heads, head_dim 64) in float16, 1 GB of memory."""
-    import mlxpaged.kv_cache as kvc
+    import mlxpaged.worker.kv_cache as kvc
 
     monkeypatch.setattr(kvc, "available_memory", lambda: 10**9)
     base = CacheShape(24, 2, 64, mx.float16)

@@ -6,7 +6,7 @@ from reference import contiguous_generate
 
 from mlxpaged import LLM, SamplingParams
 from mlxpaged.errors import MlxPagedError
-from mlxpaged.loader import load
+from mlxpaged.loading.loader import load
 
 
 def test_quantized_mlx_checkpoint_matches_mlx_lm(tiny_model_path, tmp_path):

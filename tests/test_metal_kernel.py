@@ -20,7 +20,7 @@ import pytest
 from mlxpaged.attention import metal
 from mlxpaged.attention.reference import paged_attention_reference
 
-emu = pytest.importorskip("mlxpaged.metal_emu")
+import mlxpaged.metal_emu as emu  # noqa: E402  (the project's own emulator: never skipped)
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 # (atol, rtol) per dtype: the kernel and the reference both round an fp32 result to the dtype.
@@ -405,7 +405,7 @@ def test_plan_keeps_the_partials_small(bits):
     """Partitions are long enough that the bytes only the split reads (queries again, fp32
     partials through the merge) stay within PARTIAL_BYTES_FRACTION of the K/V bytes: longer for
     a quantized cache's smaller rows. Checked by counting those bytes, at every block size."""
-    from mlxpaged.kv_quant import row_bytes
+    from mlxpaged.worker.kv_quant import row_bytes
 
     for group, hd in ((7, 64), (7, 128), (1, 128), (8, 256)):
         row = row_bytes(hd, bits, 32, mx.float16)

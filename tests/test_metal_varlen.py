@@ -23,7 +23,7 @@ import pytest
 from mlxpaged.attention import metal, metal_varlen as mv
 from mlxpaged.attention.reference import paged_attention_varlen_reference
 
-emu = pytest.importorskip("mlxpaged.metal_emu")
+import mlxpaged.metal_emu as emu  # noqa: E402  (the project's own emulator: never skipped)
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 # (atol, rtol) per dtype: the kernel and the reference both round an fp32 result to the dtype.
@@ -153,7 +153,7 @@ def test_issue_batch(emulated, path):
     assert err <= 1.0, err
 
 
-@pytest.mark.skipif(not FULL_SWEEP, reason="about 50 s; the default sweep covers the MMA kernel at smaller shapes")
+@pytest.mark.skipif(not FULL_SWEEP, reason="[expected] opt-in (MLXPAGED_FULL_SWEEP=1), about 50 s; the default sweep covers the MMA kernel at smaller shapes")
 def test_issue_batch_mma_largest_shape(emulated):
     """The issue's batch on the MMA kernel at the default sweep's largest shape (head_dim 128,
     7 query heads per kv head: 14 simdgroups, 16-key chunks) in float32, the tightest tolerance.
@@ -396,7 +396,7 @@ def test_mma_cost_counts(emulated, monkeypatch):
     assert st.simd_shuffles * 5 < lanes.kernel.last_launch.simd_shuffles
 
 
-@pytest.mark.skipif(not FULL_SWEEP, reason="minutes in the emulator: MLXPAGED_FULL_SWEEP=1")
+@pytest.mark.skipif(not FULL_SWEEP, reason="[expected] opt-in: minutes in the emulator (MLXPAGED_FULL_SWEEP=1)")
 def test_reads_at_qwen_shapes_512_over_2048(emulated, path):
     """The issue's table: a 512-token chunk over a 2,048-token prefix at Qwen2.5-1.5B shapes,
     at most 1.10x the decode minimum x ceil(512 / 16)."""

@@ -6,34 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from attention_cases import make_case, sdpa_contiguous
+
 from mlxpaged import paged_attention
-
-
-def make_case(rng, head_dim, group, block_size, context_lens, num_kv_heads=2, scattered=True, dtype=mx.float32):
-    num_seqs = len(context_lens)
-    max_blocks = max(-(-c // block_size) for c in context_lens)
-    num_blocks = num_seqs * max_blocks + 3
-    ids = rng.permutation(num_blocks) if scattered else np.arange(num_blocks)
-    tables = ids[: num_seqs * max_blocks].reshape(num_seqs, max_blocks).astype(np.int32)
-    k_cache = rng.normal(size=(num_blocks, num_kv_heads, block_size, head_dim)).astype(np.float32)
-    v_cache = rng.normal(size=(num_blocks, num_kv_heads, block_size, head_dim)).astype(np.float32)
-    q = rng.normal(size=(num_seqs, num_kv_heads * group, head_dim)).astype(np.float32)
-    return (mx.array(q, dtype=dtype), mx.array(k_cache, dtype=dtype), mx.array(v_cache, dtype=dtype),
-            mx.array(tables), mx.array(np.array(context_lens, dtype=np.int32)))
-
-
-def sdpa_contiguous(q, k_cache, v_cache, tables, context_lens, scale):
-    """Each sequence's keys laid out contiguously (numpy gather), then MLX's fused SDPA."""
-    outs = []
-    kc, vc, tb = np.array(k_cache), np.array(v_cache), np.array(tables)
-    bs = kc.shape[2]
-    for i, n in enumerate(np.array(context_lens).tolist()):
-        rows = [(tb[i][p // bs], p % bs) for p in range(n)]
-        k = np.stack([kc[b, :, o] for b, o in rows], axis=1)  # [kvh, n, d]
-        v = np.stack([vc[b, :, o] for b, o in rows], axis=1)
-        o = mx.fast.scaled_dot_product_attention(q[i][None, :, None], mx.array(k)[None], mx.array(v)[None], scale=scale)
-        outs.append(o[0, :, 0])
-    return mx.stack(outs)
 
 
 @pytest.mark.parametrize("head_dim,group,block_size", list(itertools.product([64, 128], [1, 2, 6, 7], [1, 16, 256])))

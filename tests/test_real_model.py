@@ -13,9 +13,9 @@ from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 
 @pytest.fixture(scope="module")
 def real():
-    from mlxpaged.gguf import convert_gguf
-    from mlxpaged.loader import load
-    from mlxpaged.offline_model import ensure_offline_model
+    from mlxpaged.loading.gguf import convert_gguf
+    from mlxpaged.loading.loader import load
+    from mlxpaged.loading.offline_model import ensure_offline_model
     import mlx_lm
 
     path = convert_gguf(ensure_offline_model())

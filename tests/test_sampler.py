@@ -14,9 +14,9 @@ import pytest
 from reference import (filters_first_probs, ref_draw, ref_sample_keys, threefry2x32, vllm_keep_mask,
                        vllm_probs)
 
-from mlxpaged.outputs import CompletionOutput, TokenLogprob
-from mlxpaged.sampler import filter_logits, sample_batch, sample_key, sample_token
-from mlxpaged.sampling_params import SamplingParams
+from mlxpaged.engine.outputs import CompletionOutput, TokenLogprob
+from mlxpaged.engine.sampler import filter_logits, sample_batch, sample_key, sample_token
+from mlxpaged.engine.sampling_params import SamplingParams
 
 # Ten tokens; at temperature 2 vLLM's order keeps 5 of them, filtering before temperature keeps 4.
 LOGITS = np.array([2.0, 1.6, 1.3, 1.0, 0.8, 0.5, 0.2, -0.3, -1.0, -2.0], dtype=np.float32)

@@ -55,12 +55,21 @@ def test_chunked_prefill_matches_contiguous(tiny_loaded, mlx_lm_tiny):
     engine.add_request(long, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), request_id="long")
     steps = 0
     done = {}
+    chunks = []  # the long prompt's prefill chunk per step
+    forward = engine.runner.forward
+
+    def recording(batch):
+        chunks.extend(n for s, n in batch if s.num_prompt_tokens == 150 and n > 1)
+        assert sum(n for _, n in batch) <= 32, "a step computes at most max_num_batched_tokens"
+        return forward(batch)
+
+    engine.runner.forward = recording
     while engine.has_unfinished_requests():
         for o in engine.step():
             done.update({o.request_id: o} if o.finished else {})
         steps += 1
-    # 150 tokens in chunks of at most 32 (minus the running decode) take at least 5 steps.
-    assert steps >= 10
+    # 150 prompt tokens in chunks of at most 32, less the decode that runs beside each chunk.
+    assert sum(chunks) == 150 and len(chunks) == 5 and max(chunks) <= 31
     assert done["long"].outputs[0].token_ids == contiguous_generate(ref_model, long, 10)
     assert done["short"].outputs[0].token_ids == contiguous_generate(ref_model, [1, 2, 3], 30)
 
@@ -173,3 +182,49 @@ def test_requests_arriving_together_share_a_prefix(tiny_loaded):
         results.append((tokens(done), [done[str(i)].num_cached_tokens for i in range(2)]))
     (on, hits_on), (off, hits_off) = results
     assert on == off and hits_on == [0, 32] and hits_off == [0, 0]
+
+
+def test_preemption_takes_the_newest_and_requeues_it_first(tiny_loaded, mlx_lm_tiny):
+    """Out of blocks, the most recently admitted request is preempted, and it goes back to the
+    front of the waiting queue, ahead of a request that never ran."""
+    ref_model, _ = mlx_lm_tiny
+    # Two sequences at most run at once; each needs 7 blocks at full length, the pool has 12.
+    engine = LLMEngine(tiny_loaded, EngineConfig(block_size=4, num_blocks=12, max_num_seqs=2, watermark=0.0))
+    g = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = {rid: [(11 * i + 7 * k) % 250 + 1 for i in range(8)] for k, rid in enumerate(["old", "new", "queued"])}
+    for rid, prompt in prompts.items():
+        engine.add_request(prompt, g, request_id=rid)
+    sched, events = engine.scheduler, []
+    preempt = sched._preempt_newest
+
+    def spy(out):
+        running = list(sched.running)
+        victim = preempt(out)
+        events.append((victim.request_id, running, [r.request_id for r in sched.waiting]))
+        return victim
+
+    sched._preempt_newest = spy
+    done = run_all(engine)
+    assert events, "the pool was meant to run out"
+    victim, running, waiting = events[0]
+    assert (victim, running) == ("new", ["old", "new"]), "the newest running request is preempted"
+    assert waiting == ["new", "queued"], "and it waits ahead of the request that never ran"
+    for rid, prompt in prompts.items():
+        assert done[rid].outputs[0].token_ids == contiguous_generate(ref_model, prompt, 20)
+
+
+def test_block_reused_only_under_its_own_parent(tiny_loaded, mlx_lm_tiny):
+    """After A = [X, W, t] and C = [Z, Y, t], B = [X, Y, t] reuses X's block but recomputes Y
+    (C's copy of Y was computed after Z), and its tokens are mlx-lm's."""
+    ref_model, _ = mlx_lm_tiny
+    bs = 4
+    X, W, Z, Y, t = ([(13 * i + 5 * k) % 250 + 1 for i in range(bs)] for k in range(5))
+    engine = LLMEngine(tiny_loaded, EngineConfig(block_size=bs, num_blocks=64))
+    g = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for rid, prompt in (("A", X + W + t), ("C", Z + Y + t)):
+        engine.add_request(prompt, g, request_id=rid)
+        run_all(engine)
+    engine.add_request(X + Y + t, g, request_id="B")
+    out = run_all(engine)["B"]
+    assert out.num_cached_tokens == bs
+    assert out.outputs[0].token_ids == contiguous_generate(ref_model, X + Y + t, 16)

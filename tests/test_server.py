@@ -379,7 +379,7 @@ def test_step_error_fails_only_its_requests(tiny_loaded, monkeypatch):
     from fastapi.testclient import TestClient
 
     from mlxpaged.config import EngineConfig
-    from mlxpaged.engine import LLMEngine
+    from mlxpaged.engine.llm_engine import LLMEngine
     from mlxpaged.server.app import build_app
     from mlxpaged.server.engine_loop import EngineLoop
     from mlxpaged.server.metrics import Metrics
@@ -415,8 +415,8 @@ def test_step_error_fails_only_its_requests(tiny_loaded, monkeypatch):
 
 def test_generate_works_without_serve_extra(tmp_path):
     """`mlxpaged --help` lists serve, and importing the CLI does not import FastAPI."""
-    code = ("import sys, mlxpaged.cli; assert 'fastapi' not in sys.modules and 'uvicorn' not in sys.modules; "
-            "print(sorted(mlxpaged.cli.main.commands))")
+    code = ("import sys, mlxpaged.cli.main; assert 'fastapi' not in sys.modules and 'uvicorn' not in sys.modules; "
+            "print(sorted(mlxpaged.cli.main.main.commands))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "serve" in out.stdout and "generate" in out.stdout

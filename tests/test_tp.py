@@ -21,7 +21,7 @@ import pytest
 
 import tp_worker
 from mlxpaged.errors import MlxPagedError
-from mlxpaged.models.sharding import check_shardable, shard_axis
+from mlxpaged.distributed.sharding import check_shardable, shard_axis
 
 WORKER = str(Path(__file__).with_name("tp_worker.py"))
 LAUNCH = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or shutil.which("mlx.launch")
@@ -211,7 +211,7 @@ def test_divergence_fails_loudly(tiny_model_path, tmp_path):
 @pytest.mark.parametrize("other", ["settings", "weights"])
 def test_mismatch_detected_at_start(tiny_model_path, tmp_path, other):
     """Rank 1 runs another block size, or another checkpoint of the same shape."""
-    from mlxpaged.tiny_model import write_tiny_qwen2
+    from mlxpaged.testing.tiny_model import write_tiny_qwen2
 
     extra = []
     if other == "weights":

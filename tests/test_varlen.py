@@ -7,46 +7,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import drive
+from attention_cases import CASES, make_varlen_case, sdpa_with_mask
 from reference import contiguous_generate
 
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 from mlxpaged.attention import paged_attention_varlen
-
-
-def make_varlen_case(rng, head_dim, group, block_size, q_lens, prefixes, num_kv_heads=2):
-    ctx = [q + p for q, p in zip(q_lens, prefixes)]
-    max_blocks = max(-(-c // block_size) for c in ctx)
-    num_blocks = len(ctx) * max_blocks + 3
-    tables = rng.permutation(num_blocks)[: len(ctx) * max_blocks].reshape(len(ctx), max_blocks).astype(np.int32)
-    kc = rng.normal(size=(num_blocks, num_kv_heads, block_size, head_dim)).astype(np.float32)
-    vc = rng.normal(size=(num_blocks, num_kv_heads, block_size, head_dim)).astype(np.float32)
-    q = rng.normal(size=(sum(q_lens), num_kv_heads * group, head_dim)).astype(np.float32)
-    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    return q, kc, vc, tables, cu, np.array(ctx, dtype=np.int32)
-
-
-def sdpa_with_mask(q, kc, vc, tables, cu, ctx, scale):
-    """Numpy gathers each sequence's keys contiguously; SDPA with an explicit causal-plus-prefix mask."""
-    bs = kc.shape[2]
-    outs = []
-    for s in range(len(ctx)):
-        n, c = cu[s + 1] - cu[s], ctx[s]
-        rows = [(tables[s][p // bs], p % bs) for p in range(c)]
-        k = np.stack([kc[b, :, o] for b, o in rows], axis=1)[None]  # [1, kvh, c, d]
-        v = np.stack([vc[b, :, o] for b, o in rows], axis=1)[None]
-        qs = q[cu[s] : cu[s + 1]].transpose(1, 0, 2)[None]  # [1, H, n, d]
-        mask = np.arange(c - n, c)[:, None] >= np.arange(c)[None, :]
-        o = mx.fast.scaled_dot_product_attention(mx.array(qs), mx.array(k), mx.array(v), scale=scale, mask=mx.array(mask))
-        outs.append(np.array(o[0]).transpose(1, 0, 2))
-    return np.concatenate(outs)
-
-
-CASES = [  # (q_lens, cached prefixes): ragged lengths, decodes mixed with chunks, in any order
-    ([1, 7, 16, 100, 513], [0, 1, 15, 16, 1000]),
-    ([1, 1, 1], [5, 0, 40]),
-    ([7, 1, 16, 1], [1000, 3, 0, 15]),
-    ([100], [0]),
-]
 
 
 @pytest.mark.parametrize("head_dim,group,block_size", list(itertools.product([64, 128], [1, 7], [1, 16])) + [(64, 2, 256)])
@@ -104,7 +69,7 @@ def test_one_model_call_per_step(tiny_loaded):
     assert len(calls) == 2
     q_lens = np.diff(calls[1][1]).tolist()
     assert q_lens[:3] == [1, 1, 1] and len(q_lens) == 5  # 3 decodes + the rest of "long" + "mid"
-    assert out.num_running_seqs() == 5
+    assert out._num_running_seqs == 5 == sum(len(r.live_seqs()) for r in out.running.values())
 
 
 @pytest.mark.parametrize("caching", [True, False])

@@ -14,7 +14,7 @@ import math
 
 import mlx.core as mx
 
-from ..kv_quant import QuantizedPool
+from ..worker.kv_quant import QuantizedPool
 from .reference import paged_attention_reference, paged_attention_varlen_reference
 
 IMPLS = ("auto", "reference", "metal")

@@ -45,7 +45,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..kv_quant import KV_BITS, KV_GROUP_SIZES, QuantizedPool, row_bytes
+from ..worker.kv_quant import KV_BITS, KV_GROUP_SIZES, QuantizedPool, row_bytes
 from ..utils import cdiv
 
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)

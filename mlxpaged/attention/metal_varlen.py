@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ..kv_quant import QuantizedPool
+from ..worker.kv_quant import QuantizedPool
 from ..utils import cdiv
 from . import metal
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .. import kv_quant
+from ..worker import kv_quant
 from ..utils import cdiv
 
 

@@ -185,7 +185,7 @@ def draw_sharing(ax, rows: list[dict], paper: dict) -> None:
 @click.option("--slots", default=15_700, show_default=True)
 def waste(out_dir, plot, block_size, slots):
     """The paper's waste table on the ShareGPT and Alpaca traces."""
-    from .. import waste as w
+    from . import waste as w
     from ..data import TRACES, trace_path
     from .report import write_result
 

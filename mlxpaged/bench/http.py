@@ -222,7 +222,7 @@ def model_path(model: str | None, tiny: bool) -> str:
 
         return tiny_checkpoint()
     if model is None:  # the offline model, as converted by mlxpaged (mlx-lm reads that folder too)
-        from ..loader import load
+        from ..loading.loader import load
 
         model = str(load(None, "float32").path)
     return model

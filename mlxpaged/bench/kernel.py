@@ -115,7 +115,7 @@ def _emulated_stats(group, head_dim, seqs, tokens, kv_heads, block_size, partiti
                     kv_bits=None, kv_group=32):
     """(output, reference, launches' LaunchStats) of one emulated decode call (over a cache
     quantized to `kv_bits` in groups of `kv_group`, when given)."""
-    from mlxpaged.kv_quant import QuantizedPool
+    from ..worker.kv_quant import QuantizedPool
     from mlxpaged.metal_emu import emulate
 
     rng = np.random.default_rng(0)
@@ -180,7 +180,7 @@ def kv_bytes_rows(*, seqs: int = 2, tokens: int = 1000, block_size: int = 16,
     """Bytes the emulated decode kernels read per context token (one layer: K and V of every kv
     head), for a float16 cache and 8- and 4-bit caches of the same rows, with the quantized (or
     float) minimum and the max error against the reference on the (dequantized) pools."""
-    from mlxpaged.kv_quant import QuantizedPool
+    from ..worker.kv_quant import QuantizedPool
     from mlxpaged.metal_emu import emulate
 
     rows = []

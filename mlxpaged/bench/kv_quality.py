@@ -19,8 +19,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..attention.metadata import AttentionMetadata
-from ..kv_cache import CacheShape, PagedKVCache, slot_mapping
-from ..kv_calibration import model_key_scales
+from ..worker.kv_cache import CacheShape, PagedKVCache, slot_mapping
+from ..worker.kv_calibration import model_key_scales
 from ..utils import cdiv
 
 SNIPPET = Path(__file__).resolve().parents[2] / "tests" / "data" / "perplexity_snippet.py"

@@ -7,15 +7,15 @@ from pathlib import Path
 
 
 def tiny_checkpoint(**kwargs) -> str:
-    """A tiny random-weight Qwen2 checkpoint in a temporary folder (`mlxpaged.tiny_model`, as the tests use)."""
-    from ..tiny_model import write_tiny_qwen2
+    """A tiny random-weight Qwen2 checkpoint in a temporary folder (`mlxpaged.testing.tiny_model`, as the tests use)."""
+    from ..testing.tiny_model import write_tiny_qwen2
 
     return str(write_tiny_qwen2(Path(tempfile.mkdtemp(prefix="mlxpaged-tiny-")) / "tiny", **kwargs))
 
 
 def load_models(model: str | None, tiny: bool = False, dtype: str | None = "auto", reference: bool = True):
     """(mlxpaged's LoadedModel, mlx-lm's model of the same files in the same dtype, or None)."""
-    from ..loader import load
+    from ..loading.loader import load
 
     loaded = load(tiny_checkpoint() if tiny else model, dtype)
     if not reference:
@@ -32,7 +32,7 @@ def model_label(loaded, model: str | None, tiny: bool = False) -> str:
     if tiny:
         return "tiny-qwen2"
     if model is None:
-        from ..offline_model import DEFAULT_MODEL
+        from ..loading.offline_model import DEFAULT_MODEL
 
         return f"{DEFAULT_MODEL}-instruct-offline"
     return Path(model).name or str(model)

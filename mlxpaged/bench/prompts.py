@@ -60,7 +60,7 @@ def load_prompts(count: int) -> list[str]:
 
 
 def encode_chat(tokenizer, texts: list[str]) -> list[list[int]]:
-    from ..chat import chat_ids
+    from ..engine.chat import chat_ids
 
     if not getattr(tokenizer, "chat_template", None):
         return [tokenizer.encode(t) for t in texts]

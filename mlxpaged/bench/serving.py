@@ -80,8 +80,8 @@ def _record(stamps: dict, key, now: float, arrival: float, res: ServingResult) -
 
 
 def serve_mlxpaged(loaded, wl: Workload, engine_config, progress=None) -> ServingResult:
-    from ..engine import LLMEngine
-    from ..sampling_params import SamplingParams
+    from ..engine.llm_engine import LLMEngine
+    from ..engine.sampling_params import SamplingParams
 
     mx.clear_cache()
     mx.reset_peak_memory()

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import statistics
 
-from ..beam_search import BeamSearchParams
+from ..engine.beam_search import BeamSearchParams
 from ..config import EngineConfig
-from ..engine import LLMEngine
-from ..sampling_params import SamplingParams
+from ..engine.llm_engine import LLMEngine
+from ..engine.sampling_params import SamplingParams
 
 # §6.3 of Kwon et al. (OPT-13B): memory saved, (min, max) over the settings they ran.
 PAPER = {

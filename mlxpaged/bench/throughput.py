@@ -65,8 +65,8 @@ def run_mlxpaged(loaded, prompts: list[list[int]], max_tokens: int, *, n: int = 
                  engine_kwargs: dict | None = None) -> RunResult:
     """All prompts submitted at once to a fresh `LLMEngine` (prefix caching off unless asked); EOS ignored."""
     from ..config import EngineConfig
-    from ..engine import LLMEngine
-    from ..sampling_params import SamplingParams
+    from ..engine.llm_engine import LLMEngine
+    from ..engine.sampling_params import SamplingParams
 
     # A pool sized to the workload, as a user would set --num-blocks: peak memory is then comparable.
     bs = (engine_kwargs or {}).get("block_size", 16)

@@ -22,6 +22,6 @@ def trace_path(name: str) -> Path:
 
 def load_trace(name: str) -> list[tuple[int, int]]:
     """(prompt, answer) token counts of trace `name`, in the file's order."""
-    from ..waste import load_pairs
+    from ..bench.waste import load_pairs
 
     return load_pairs(trace_path(name))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from ..cli_options import engine_config, model_and_engine_options
+from ..cli.options import engine_config, model_and_engine_options
 from ..errors import MlxPagedError
 from .limits import MAX_STOPS_CAP, Limits
 
@@ -71,7 +71,7 @@ def serve(model, dtype, weights, host, port, api_key, max_queue, served_model_na
     except ImportError as e:
         _fail(f"`serve` needs {e.name}: install mlxpaged[serve] (pip install 'mlxpaged[serve]')")
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    from ..distributed import launched_group
+    from ..distributed.collectives import launched_group
 
     group = launched_group()  # under mlx.launch: tensor parallel; rank 0 serves HTTP, the others follow it
     try:
@@ -162,15 +162,9 @@ def _is_loopback(host: str) -> bool:
 
 def _load_engine(model, dtype, weights, config, group=None):
     """The engine `serve` runs: the whole model here, or this rank's shard under mlx.launch."""
-    from ..engine import LLMEngine
-    from ..loader import load
+    from ..engine.builder import build_engine
 
-    if group is not None:
-        from ..distributed import tp_engine
-        from ..loader import load_shard
-
-        return tp_engine(load_shard(model, dtype, weights, group), config, group)
-    return LLMEngine(load(model, dtype, weights), config)
+    return build_engine(model, config, dtype=dtype, weights=weights, group=group)
 
 
 def _follow(make_engine, group) -> None:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ..errors import StepError
-from ..sampling_params import SamplingParams
+from ..engine.sampling_params import SamplingParams
 
 log = logging.getLogger("mlxpaged.server")
 HEARTBEAT = 1.0  # seconds between two broadcasts of an idle tensor-parallel rank 0
@@ -245,7 +245,7 @@ class EngineLoop:
 
     def _broadcast(self, drained: list[str], adds: list[tuple], aborts: list[str], stop: bool = False) -> None:
         """This iteration's engine calls, to the other ranks (`follow` replays them in this order)."""
-        from ..distributed import broadcast_json
+        from ..distributed.collectives import broadcast_json
 
         broadcast_json(self._group, {"drained": drained, "aborts": list(aborts), "stop": stop,
                                      "adds": [[list(p), dataclasses.asdict(sp), rid] for p, sp, rid, *_ in adds]})
@@ -353,7 +353,7 @@ def _die(msg: str) -> None:
 def follow(engine, group) -> None:
     """Ranks other than 0 of a tensor-parallel server: replay rank 0's engine calls, step for step,
     until rank 0 stops. No HTTP here; outputs are dropped (rank 0 answers the clients)."""
-    from ..distributed import RankFailure, broadcast_json
+    from ..distributed.collectives import RankFailure, broadcast_json
 
     try:
         while True:

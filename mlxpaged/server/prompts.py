@@ -7,7 +7,7 @@ as `generate --chat` does for a single user message.
 
 from __future__ import annotations
 
-from ..chat import chat_ids
+from ..engine.chat import chat_ids
 from ..errors import MlxPagedError
 from .errors import APIError
 

@@ -15,7 +15,7 @@ from typing import Annotated, Literal, Optional, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from ..sampling_params import SamplingParams
+from ..engine.sampling_params import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]

@@ -1,0 +1,225 @@
+"""`mlxpaged` on the command line: `generate` (and `bench`, where installed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+import click
+
+from .options import engine_config, model_and_engine_options
+from ..errors import MlxPagedError
+from ..engine.sampling_params import SamplingParams
+
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def _fail(msg: str) -> None:
+    click.echo(f"error: {msg}", err=True)
+    sys.exit(1)
+
+
+def _read_prompts_file(path: str) -> list[tuple[str, dict]]:
+    """One prompt per line, or JSONL objects with a "prompt" and per-request sampling fields."""
+    items = []
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except OSError as e:
+        raise MlxPagedError(f"cannot read prompts file {path}: {e.strerror}") from None
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise MlxPagedError(f"{path}:{i}: invalid JSON ({e.msg})") from None
+            if not isinstance(obj.get("prompt"), str):
+                raise MlxPagedError(f"{path}:{i}: a JSON line needs a string \"prompt\"")
+            unknown = set(obj) - SAMPLING_FIELDS - {"prompt"}
+            if unknown:
+                raise MlxPagedError(f"{path}:{i}: unknown fields {sorted(unknown)}")
+            items.append((obj.pop("prompt"), obj))
+        else:
+            items.append((line.replace("\\n", "\n"), {}))
+    if not items:
+        raise MlxPagedError(f"prompts file {path} has no prompts")
+    return items
+
+
+def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if not prompt.strip():
+        raise MlxPagedError("empty prompt")
+    if chat and getattr(tokenizer, "chat_template", None):
+        from ..engine.chat import chat_ids
+
+        return chat_ids(tokenizer, [{"role": "user", "content": prompt}])
+    return tokenizer.encode(prompt)
+
+
+@click.group()
+@click.version_option(package_name="mlxpaged")
+def main():
+    """mlxpaged: PagedAttention inference on MLX for Apple Silicon."""
+
+
+@main.command()
+@model_and_engine_options("what the prompts, -n and --max-tokens can use, capped by free memory")
+@click.option("--prompt", "-p", "prompts", multiple=True, help="A prompt; repeat for a batch. '-' reads stdin.")
+@click.option("--prompts-file", type=click.Path(dir_okay=False), help="One prompt per line, or JSONL with \"prompt\" and sampling fields.")
+@click.option("-n", "n", default=1, show_default=True, help="Samples per prompt (share the prompt's blocks).")
+@click.option("--max-tokens", "-t", default=256, show_default=True, help="Tokens to generate at most.")
+@click.option("--temp", default=0.0, show_default=True, help="Sampling temperature (0 = greedy).")
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--top-k", default=0, show_default=True, help="0 disables.")
+@click.option("--seed", default=0, show_default=True, help="Seed of each prompt; sample i draws from its own stream derived from (seed, i).")
+@click.option("--stop", multiple=True, help="A stop string; repeatable.")
+@click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap each prompt in the model's chat template.")
+@click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS (benchmarks).")
+@click.option("--beam-width", default=0, show_default=True, help="Beam search with this many beams on shared blocks (0: sample).")
+@click.option("--length-penalty", default=1.0, show_default=True, help="Beam score = cumulative logprob / length ** this.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with outputs and stats.")
+def generate(model, dtype, weights, prompts, prompts_file, n, max_tokens, temp, top_p, top_k, seed, stop, chat,
+             ignore_eos, beam_width, length_penalty, as_json, **engine_flags):
+    """Generate completions for one or more prompts on a paged KV cache."""
+    try:
+        items = [(sys.stdin.read() if p == "-" else p, {}) for p in prompts]
+        if prompts_file:
+            items += _read_prompts_file(prompts_file)
+        if not items:
+            raise MlxPagedError("no prompt: give --prompt TEXT (repeatable) or --prompts-file FILE")
+        base = dict(n=n, max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, seed=seed,
+                    stop=list(stop), ignore_eos=ignore_eos)
+        params = [SamplingParams(**{**base, **extra}) for _, extra in items]
+        beam = None
+        if beam_width:
+            from ..engine.beam_search import BeamSearchParams
+
+            beam = BeamSearchParams(beam_width, max_tokens, ignore_eos=ignore_eos, length_penalty=length_penalty)
+            params = [SamplingParams(n=beam_width, max_tokens=max_tokens)] * len(items)  # the pool's sizing
+        config = engine_config(engine_flags)
+        if any(not p.strip() for p, _ in items):
+            raise MlxPagedError("empty prompt")
+        from ..core.block_manager import blocks_for_request
+        from ..distributed.collectives import launched_group
+        from ..engine.builder import build_engine, load_model
+        from ..worker.kv_cache import pool_blocks
+
+        group = launched_group()  # one rank of several under mlx.launch: tensor parallelism
+        if group is not None and group.rank() != 0:
+            sys.stdout = open(os.devnull, "w")  # rank 0 prints; the others only compute
+        loaded = load_model(model, dtype, weights, group)
+        ids = [_encode(loaded.tokenizer, p, chat) for p, _ in items]
+        # `generate` knows its whole workload: a pool just big enough for all of it at full length.
+        need = sum(blocks_for_request(len(i), p.n, p.max_tokens, config.block_size) for i, p in zip(ids, params))
+        config.num_blocks = pool_blocks(loaded, config, need)
+        engine = build_engine(loaded, config, group=group)
+        if beam is not None:
+            rids = [engine.add_beam_request(i, beam) for i in ids]
+        else:
+            rids = [engine.add_request(i, sp) for i, sp in zip(ids, params)]
+    except (MlxPagedError, ValueError) as e:
+        _fail(str(e))
+
+    stream = not as_json and len(items) == 1 and params[0].n == 1 and beam is None
+    try:
+        done = _run(engine, rids, stream=stream, progress=bool(prompts_file) and not stream, as_json=as_json)
+    except MlxPagedError as e:  # a tensor-parallel rank lost its peers or diverged
+        _fail(str(e))
+    # The cache's format first, so a stats_dict that reports it itself wins.
+    stats = engine.stats_dict()
+    if as_json:
+        outputs = [
+            {"prompt_index": i, "sample_index": c.index, "text": c.text, "token_ids": c.token_ids,
+             "finish_reason": c.finish_reason, "num_cached_tokens": done[r].num_cached_tokens,
+             **({"cumulative_logprob": c.cumulative_logprob, "score": c.score} if beam is not None else {})}
+            for i, r in enumerate(rids) if r in done for c in done[r].outputs
+        ]
+        click.echo(json.dumps({"outputs": outputs, "stats": stats}))
+    else:
+        _summary(stats)
+    if len(done) < len(rids):
+        sys.exit(130)
+
+
+def _run(engine, rids, *, stream: bool, progress: bool, as_json: bool) -> dict:
+    """Step the engine to the end; print finished outputs as they come unless `as_json`.
+
+    Ctrl-C stops early but keeps (and prints) what already finished.
+    """
+    from tqdm import tqdm
+
+    order = {r: i for i, r in enumerate(rids)}
+    done, printed = {}, 0
+    bar = tqdm(total=len(rids), unit="req", file=sys.stderr, disable=not progress)
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if stream:
+                    text = out.outputs[0].text
+                    click.echo(text[printed:], nl=False)
+                    printed = len(text)
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+                    if not stream and not as_json:
+                        _print_output(order[out.request_id], out, len(rids))
+    except KeyboardInterrupt:
+        click.echo(f"\ninterrupted: {len(done)} of {len(rids)} requests finished", err=True)
+    bar.close()
+    if stream:
+        click.echo()
+    return done
+
+
+def _print_output(index: int, out, num_prompts: int) -> None:
+    for c in out.outputs:
+        what = "beam" if c.score is not None else "sample"
+        label = f"prompt {index}, {what} {c.index}" if num_prompts > 1 else f"{what} {c.index}"
+        score = f", score {c.score:.4f}, logprob {c.cumulative_logprob:.4f}" if c.score is not None else ""
+        click.echo(f"==== {label} ({len(c.token_ids)} tokens, {c.finish_reason}{score}) ====")
+        click.echo(c.text)
+
+
+def _summary(s: dict) -> None:
+    click.echo("==========")
+    click.echo(f"Prompt: {s['prompt_tokens']} tokens, {s['prompt_tps']:.1f} tokens-per-sec")
+    click.echo(f"Generation: {s['generation_tokens']} tokens, {s['generation_tps']:.1f} tokens-per-sec")
+    kv = f"{s['kv_bits']}-bit K/V, group {s['kv_group_size']}" if s.get("kv_bits") else "K/V in the model's dtype"
+    click.echo(f"Peak memory: {s['peak_memory_gb']:.3f} GB (KV pool: {s['num_blocks']} blocks of "
+               f"{s['block_size']} tokens, {kv}, {s['pool_gb']:.3f} GB)")
+    forks = f", {s['beam_forks']} beam forks, {s['beam_frees']} beams freed" if s["beam_forks"] else ""
+    click.echo(
+        f"KV blocks: {s['blocks_in_use_peak']} in use at peak (without sharing: {s['blocks_without_sharing']}), "
+        f"{s['cow_copies']} copy-on-write copies{forks}, block size {s['block_size']}, pool {s['num_blocks']}"
+    )
+    if s["prefix_cache_hit_tokens"] or s["preemptions"]:
+        click.echo(f"Prefix cache: {s['prefix_cache_hit_tokens']} prompt tokens reused; preemptions: {s['preemptions']}")
+
+
+def _add_bench() -> None:
+    from ..bench.cli import bench
+
+    main.add_command(bench)
+
+
+def _add_doctor() -> None:
+    from .doctor import doctor  # imports click only; MLX loads when `doctor` runs
+
+    main.add_command(doctor)
+
+
+def _add_serve() -> None:
+    from ..server.cli import serve  # imports click only; FastAPI etc. load when `serve` runs
+
+    main.add_command(serve)
+
+
+_add_bench()
+_add_serve()
+_add_doctor()
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Block tables over a `BlockPool`: slot allocation with copy-on-write, fork, free, and prefix caching.
+
+Only the scheduler calls this module: it is the one owner of every sequence's block table.
+
+A full block is named by `hash_fn(parent_hash, token_ids, extra_key)`: the chain of hashes
+makes the name depend on every token before the block, and `extra_key` (the model's identity)
+keeps two models from sharing one cache. Hashes are computed once, when a block fills.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable
+
+import numpy as np
+
+from .block_pool import BlockPool
+from .sequence import Sequence
+from ..utils import cdiv
+
+HashFn = Callable[[bytes | None, tuple[int, ...], bytes], bytes]
+
+
+def sha256_block_hash(parent: bytes | None, token_ids: tuple[int, ...], extra_key: bytes) -> bytes:
+    """SHA-256 of (parent hash, the block's token ids as int64, extra key)."""
+    h = hashlib.sha256()
+    h.update(parent or b"\0" * 32)
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    h.update(extra_key)
+    return h.digest()
+
+
+def blocks_for_request(num_prompt_tokens: int, n: int, max_tokens: int, block_size: int) -> int:
+    """Blocks one request holds at most: its n samples at full length, sharing the prompt's full blocks."""
+    shared = num_prompt_tokens // block_size if n > 1 else 0
+    per_sample = cdiv(num_prompt_tokens + max_tokens - 1, block_size) - shared
+    return shared + n * per_sample
+
+
+class BlockManager:
+    """Keeps each sequence's block table in step with its stored tokens.
+
+    All methods that can run out of blocks are atomic: they return `None` (or `False`) and change
+    nothing when the pool cannot satisfy them. Writing into a block with `ref_cnt > 1` never
+    happens: `allocate_slots` copies such a block first and reports the copy for the KV pools to apply.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        hash_fn: HashFn = sha256_block_hash,
+        extra_key: bytes = b"",
+    ):
+        if block_size < 1 or block_size > 256 or block_size & (block_size - 1):
+            raise ValueError(f"block size must be a power of two from 1 to 256, got {block_size}")
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_fn = hash_fn
+        self.extra_key = extra_key
+        self.num_cow_copies = 0
+
+    # -- sizing ---------------------------------------------------------------------------
+    def blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Fresh blocks `allocate_slots(seq, num_new_tokens)` would take (copy-on-write included)."""
+        bs = self.block_size
+        end = seq.num_computed_tokens + num_new_tokens
+        need = max(0, self.blocks_for(end) - len(seq.block_table))
+        if num_new_tokens and seq.num_computed_tokens % bs and seq.block_table[-1].ref_cnt > 1:
+            need += 1
+        return need
+
+    # -- the allocator ----------------------------------------------------------------------
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Make room to store `num_new_tokens` more tokens of `seq`.
+
+        Returns the (src, dst) block copies to apply before writing (copy-on-write of a shared,
+        partly filled last block), or `None` with nothing changed if the pool is short.
+        """
+        if num_new_tokens < 0:
+            raise ValueError("num_new_tokens must be >= 0")
+        if self.blocks_needed(seq, num_new_tokens) > self.pool.num_free:
+            return None
+        copies = []
+        if num_new_tokens and seq.num_computed_tokens % self.block_size:
+            last = seq.block_table[-1]
+            if last.ref_cnt > 1:
+                fresh = self.pool.allocate()
+                copies.append((last.block_id, fresh.block_id))
+                self.pool.release(last)
+                seq.block_table[-1] = fresh
+                self.num_cow_copies += 1
+        end = seq.num_computed_tokens + num_new_tokens
+        while len(seq.block_table) < self.blocks_for(end):
+            seq.block_table.append(self.pool.allocate())
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give `child` the parent's blocks and stored-token count, sharing every block."""
+        for block in parent.block_table:
+            self.pool.acquire(block)
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's blocks, tail first, so the LRU evicts its tail before its head."""
+        for block in reversed(seq.block_table):
+            self.pool.release(block)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    # -- prefix caching ----------------------------------------------------------------------
+    def _block_hash(self, seq: Sequence, i: int) -> bytes:
+        parent = seq.block_hashes[i - 1] if i else None
+        tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+        return self.hash_fn(parent, tokens, self.extra_key)
+
+    def match_prefix(self, seq: Sequence, num_tokens: int | None = None) -> int:
+        """Take cached blocks for an empty sequence's leading full blocks; return tokens reused.
+
+        Considers the first `num_tokens` tokens (all by default), stops at the first miss and
+        never covers the last of them, which must be computed (its logits, or a fork point).
+        Cannot fail: hits take no fresh block.
+        """
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        limit = seq.num_tokens if num_tokens is None else num_tokens
+        for i in range((limit - 1) // bs):
+            h = self._block_hash(seq, i)
+            block = self.pool.lookup(h, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+            if block is None:
+                break
+            self.pool.acquire(block)
+            seq.block_table.append(block)
+            seq.block_hashes.append(h)
+        seq.num_computed_tokens = len(seq.block_table) * bs
+        return seq.num_computed_tokens
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Name (and cache) the blocks that became full since the last call."""
+        if not self.enable_prefix_caching:
+            return
+        while len(seq.block_hashes) < seq.num_computed_tokens // self.block_size:
+            i = len(seq.block_hashes)
+            h = self._block_hash(seq, i)
+            seq.block_hashes.append(h)
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            self.pool.cache(seq.block_table[i], h, tokens)
+
+    # -- accounting ----------------------------------------------------------------------------
+    def check(self, seqs: list[Sequence]) -> None:
+        """Assert the pool's invariants and that reference counts equal table occurrences."""
+        self.pool.check()
+        counts = [0] * self.pool.num_blocks
+        for s in seqs:
+            assert len(s.block_table) >= self.blocks_for(s.num_computed_tokens)
+            for b in s.block_table:
+                counts[b.block_id] += 1
+        for b in self.pool.blocks:
+            assert b.ref_cnt == counts[b.block_id], (
+                f"block {b.block_id}: ref_cnt {b.ref_cnt} != {counts[b.block_id]} tables"
+            )

@@ -1,0 +1,356 @@
+"""Continuous batching: a waiting queue, a running set, chunked prefill, preemption, and the
+one owner of every block table.
+
+Each step decodes every running sequence that is ready (one token each, one batched forward),
+then spends the rest of the token budget on prefill chunks of running requests, then admits
+waiting requests while blocks allow. When a sequence needs a block and none is free, the most
+recently admitted request is preempted whole: its blocks are freed and it returns to the front
+of the waiting queue, to be recomputed from its tokens (prompt plus what it generated).
+
+Only this class changes block tables (through `BlockManager`) and a request's state: it
+allocates slots before a step; after the forward pass it caches full blocks, forks samples and
+marks the drawn tokens pending (`update_from_forward`); once their values are read back it
+appends them, applies the stop decision and frees finished samples (`update_from_output`), and
+for a beam search forks, drops and reorders beams (`update_beams`). Aborts free at once (`abort`).
+
+With overlapped steps (engine.py) a sequence may hold a pending token, sampled but not read back:
+it counts as uncomputed, so the sequence decodes in the next step without its value being known
+(the runner gathers it on the device), unless it is the sample's `max_tokens`-th token, which ends
+the sample whatever its value. Preempting or aborting a sequence drops its pending token.
+
+Invariants: a request's `status` says where it is: WAITING or PREEMPTED requests are in
+`waiting` and hold no blocks; RUNNING ones are in `running`, which keeps admission order so
+preemption takes from its end; FINISHED ones are in neither.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from .block_manager import BlockManager
+from ..config import EngineConfig
+from .sequence import FinishReason, PendingToken, Request, RequestStatus, Sequence
+
+if TYPE_CHECKING:
+    from ..engine.beam_search import BeamStep
+
+
+@dataclass
+class PrefillChunk:
+    """`num_tokens` tokens of `seq` from `seq.num_computed_tokens` on; `sample` when they end it."""
+
+    request: Request
+    seq: Sequence
+    num_tokens: int
+    sample: bool
+
+
+@dataclass
+class SchedulerOutput:
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    decodes: list[tuple[Request, Sequence]] = field(default_factory=list)
+    copies: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (seq, src, dst) copy-on-write
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def block_copies(self) -> list[tuple[int, int]]:
+        return [(src, dst) for _, src, dst in self.copies]
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+    def batch(self) -> list[tuple[Sequence, int]]:
+        """(sequence, new tokens) in the order of the step's one forward pass: decodes, then prefill chunks."""
+        return [(s, 1) for _, s in self.decodes] + [(c.seq, c.num_tokens) for c in self.prefills]
+
+
+@dataclass
+class SampleRow:
+    """Sequences that draw their next token from row `row` of the step's logits."""
+
+    request: Request
+    seqs: list[Sequence]
+    row: int
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.config = config
+        self.bm = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: dict[str, Request] = {}  # admission order (dicts keep insertion order)
+        self.num_preemptions = 0
+        self.prefix_cache_hit_tokens = 0
+        self.num_beam_forks = 0
+        self.num_beam_frees = 0
+        self._num_running_seqs = 0  # live samples of running requests
+        self._headroom_blocks = int(config.watermark * block_manager.pool.num_blocks)
+
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        for req in list(self.running.values()):
+            if req.status is RequestStatus.RUNNING and req.prompt_prefilled:
+                for seq in req.live_seqs():
+                    if seq.num_uncomputed == 1 and not self._ends_with_pending(req, seq):
+                        if not self._allocate_or_preempt(req, seq, 1, out):
+                            break
+                        out.decodes.append((req, seq))
+        budget = self.config.max_num_batched_tokens - len(out.decodes)
+        for req in list(self.running.values()):
+            if budget <= 0:
+                break
+            if req.status is RequestStatus.RUNNING:
+                budget = self._schedule_prefill(req, budget, out)
+        while (self.waiting and budget > 0 and self._can_admit(self.waiting[0])
+               and not self._prefix_in_flight(self.waiting[0])):
+            req = self.waiting.popleft()
+            self._admit(req)
+            budget = self._schedule_prefill(req, budget, out)
+        return out
+
+    @staticmethod
+    def _ends_with_pending(req: Request, seq: Sequence) -> bool:
+        """Whether `seq`'s pending token is its last (max_tokens): decoding it would be wasted work,
+        and one slot more than `blocks_for_request` counts."""
+        return seq.pending is not None and seq.num_tokens - seq.num_prompt_tokens >= req.params.max_tokens
+
+    def _admit(self, req: Request) -> None:
+        hits = self.bm.match_prefix(req.carrier, req.prefill_target())
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = hits
+            self.prefix_cache_hit_tokens += hits
+        req.status = RequestStatus.RUNNING
+        self.running[req.request_id] = req
+        self._num_running_seqs += len(req.live_seqs())
+
+    def _prefix_in_flight(self, req: Request) -> bool:
+        """Whether `req`'s first block is being prefilled by a running request right now.
+
+        Such a request waits a step: once that block is computed and cached it is reused,
+        instead of being computed twice (requests that share a system prompt and arrive together).
+        """
+        bs = self.bm.block_size
+        if not self.bm.enable_prefix_caching or req.num_prompt_tokens <= bs:
+            return False
+        head = req.prompt_token_ids[:bs]
+        for r in self.running.values():
+            if not r.prompt_prefilled and r.carrier.num_computed_tokens < bs and r.prompt_token_ids[:bs] == head:
+                return True
+        return False
+
+    def _can_admit(self, req: Request) -> bool:
+        if self._num_running_seqs + req.max_live_seqs > self.config.max_num_seqs and self.running:
+            return False
+        need = self.bm.blocks_for(req.prefill_target())
+        headroom = self._headroom_blocks if self.running else 0
+        return need + headroom <= self.bm.pool.num_free
+
+    def _schedule_prefill(self, req: Request, budget: int, out: SchedulerOutput) -> int:
+        """Schedule prefill chunks of `req` within `budget` tokens; returns the budget left."""
+        if not req.prompt_prefilled:
+            carrier = req.carrier
+            todo = [(carrier, req.prefill_target() - carrier.num_computed_tokens)]
+        else:
+            live = req.live_seqs()
+            # Beams rank their continuations together: recomputing ones stop one token short
+            # and then decode in the same step as the others.
+            short = 1 if req.beam is not None and len(live) > 1 else 0
+            todo = [(s, s.num_uncomputed - short) for s in live if s.num_uncomputed > 1]
+        for seq, remaining in todo:
+            n = min(remaining, budget)
+            if n <= 0:
+                break
+            if not self._allocate_or_preempt(req, seq, n, out):
+                break
+            sample = seq.num_computed_tokens + n == seq.num_tokens
+            out.prefills.append(PrefillChunk(req, seq, n, sample))
+            budget -= n
+        return budget
+
+    def _allocate_or_preempt(self, req: Request, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Allocate slots for `n` tokens of `seq`, preempting newer requests while short.
+
+        Returns False when `req` itself had to be preempted.
+        """
+        while True:
+            copies = self.bm.allocate_slots(seq, n)
+            if copies is not None:
+                out.copies.extend((seq, s, d) for s, d in copies)
+                return True
+            if self._preempt_newest(out) is req:
+                return False
+
+    def _preempt_newest(self, out: SchedulerOutput) -> Request:
+        _, victim = self.running.popitem()
+        self._release(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        seqs = set(victim.seqs)
+        out.prefills = [c for c in out.prefills if c.request is not victim]
+        out.decodes = [(r, s) for r, s in out.decodes if r is not victim]
+        out.copies = [c for c in out.copies if c[0] not in seqs]
+        out.preempted.append(victim)
+        return victim
+
+    def _release(self, req: Request) -> None:
+        """Free every block `req` holds; it starts its prefill over if it runs again."""
+        for seq in req.seqs:
+            seq.pending = None  # a token still on the device is dropped: the recompute samples it again
+            if seq.block_table:
+                self.bm.free(seq)
+        req.prompt_prefilled = False
+        self._num_running_seqs -= len(req.live_seqs())
+
+    # -- after the forward pass ---------------------------------------------------------------------
+    def sample_rows(self, out: SchedulerOutput) -> list[SampleRow]:
+        """Who samples from which logits row of the step `out`, known before it runs (nothing changes).
+
+        The step's logits rows follow `out.batch()`: the decodes, then the prefill chunks. A chunk
+        that completes its request's shared prompt serves every live sample of the request.
+        """
+        rows = [SampleRow(req, [seq], j) for j, (req, seq) in enumerate(out.decodes)]
+        for i, chunk in enumerate(out.prefills, start=len(out.decodes)):
+            if not chunk.sample:
+                continue
+            req = chunk.request
+            completes = not req.prompt_prefilled and chunk.seq.num_computed_tokens + chunk.num_tokens >= req.prefill_target()
+            rows.append(SampleRow(req, req.live_seqs() if completes else [chunk.seq], i))
+        return rows
+
+    def update_from_forward(self, out: SchedulerOutput, pending: list[tuple[Sequence, PendingToken]] = ()) -> list[SampleRow]:
+        """Record that the scheduled tokens were computed; say who samples from which logits row.
+
+        Full blocks are named (prefix cache): every token they hold is known by now, since the
+        engine reads back the previous step's tokens before it calls this. A carrier that
+        completed its request's prompt shares it with the other samples (fork), which then all
+        sample from its logits. A sequence that finished (or was aborted) after the step was
+        scheduled is skipped: its blocks are gone and its token is never used.
+        """
+        rows = self.sample_rows(out)
+        for req, seq in out.decodes:
+            if seq.finished:
+                continue
+            seq.num_computed_tokens += 1
+            self.bm.cache_full_blocks(seq)
+        for chunk in out.prefills:
+            req, seq = chunk.request, chunk.seq
+            if seq.finished:
+                continue
+            seq.num_computed_tokens += chunk.num_tokens
+            self.bm.cache_full_blocks(seq)
+            if req.prompt_prefilled or seq.num_computed_tokens < req.prefill_target():
+                continue  # a recomputation of one sample, or more chunks to go
+            for other in req.live_seqs():
+                if other is not seq:
+                    self.bm.fork(seq, other)
+            req.prompt_prefilled = True
+        for seq, p in pending:
+            if not seq.finished:  # finished after the step was scheduled: a wasted row
+                seq.pending = p
+        return [r for r in rows if not r.request.finished]
+
+    def update_from_output(self, step: int, pairs: list[tuple[Request, Sequence]], tokens: list[int], logprobs: list,
+                           check_stop: Callable[[Request, Sequence, int], FinishReason | None]) -> list[Request]:
+        """Append the read-back tokens of step `step` (`pairs[j]` drew `tokens[j]`) and apply each one's
+        stop decision; returns the request of every appended token (so its length counts them).
+
+        A sequence whose pending token is gone (preempted, aborted or finished since the launch)
+        drops it. A finished sample's blocks are freed now.
+        """
+        progressed = []
+        for j, (req, seq) in enumerate(pairs):
+            p = seq.pending
+            if p is None:
+                continue
+            assert p.step == step, "one launched step at most is not read back"
+            seq.pending = None
+            if p.keys is not None:
+                seq.rng_key = p.keys[p.key_row]
+            seq.token_ids.append(tokens[j])
+            if logprobs[j] is not None:
+                seq.logprobs.append(logprobs[j])
+            reason = check_stop(req, seq, tokens[j])
+            if reason is not None:
+                seq.finish_reason = reason
+                self.finish_sequence(req, seq)
+            progressed.append(req)
+        return progressed
+
+    def update_beams(self, req: Request, live: list[Sequence], step: BeamStep) -> None:
+        """Carry out a beam step: a beam continued k times forks k - 1 times (before any parent
+        takes its new token), a beam continued 0 times is freed, the rest take their token; the
+        request's `seqs` become the new beams, best first."""
+        kept: list[Sequence] = []
+        for c in step.next_beams:
+            parent = live[c.beam]
+            if parent in kept:
+                child = Sequence(list(parent.token_ids), parent.num_prompt_tokens)
+                self._fork_beam(req, parent, child)
+                kept.append(child)
+            else:
+                kept.append(parent)
+        for s in live:
+            if s not in kept:
+                self._drop_beam(req, s)
+        for s, c in zip(kept, step.next_beams):
+            s.token_ids.append(c.token)
+            s.cumulative_logprob = c.cumulative_logprob
+        req.seqs = kept
+        if step.done:
+            for s in kept:
+                s.finish_reason = FinishReason.LENGTH
+                self.finish_sequence(req, s)
+            if not kept:
+                self._finish_request(req)
+
+    def finish_sequence(self, req: Request, seq: Sequence) -> None:
+        """Free a finished sample's blocks; the request finishes with its last sample."""
+        self.bm.free(seq)
+        self._num_running_seqs -= 1
+        if req.finished:
+            del self.running[req.request_id]
+            req.status = RequestStatus.FINISHED
+
+    def _finish_request(self, req: Request) -> None:
+        """End a request that holds no live sample any more (a beam search whose beams all ended)."""
+        if req.request_id in self.running:
+            del self.running[req.request_id]
+        req.status = RequestStatus.FINISHED
+
+    def _fork_beam(self, req: Request, parent: Sequence, child: Sequence) -> None:
+        """A new beam `child` (same tokens as `parent`) that shares all of its blocks."""
+        self.bm.fork(parent, child)
+        req.seqs.append(child)
+        self._num_running_seqs += 1
+        self.num_beam_forks += 1
+
+    def _drop_beam(self, req: Request, seq: Sequence) -> None:
+        """A beam that no candidate continues: its blocks are released now."""
+        self.bm.free(seq)
+        req.seqs.remove(seq)
+        self._num_running_seqs -= 1
+        self.num_beam_frees += 1
+
+    def abort(self, req: Request) -> None:
+        """End `req` wherever it is; its blocks return to the pool at once."""
+        if req.status is RequestStatus.RUNNING:
+            self._release(req)
+            del self.running[req.request_id]
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)
+        for seq in req.live_seqs():
+            seq.finish_reason = FinishReason.ABORT
+        req.status = RequestStatus.FINISHED

@@ -1,0 +1,164 @@
+"""A sequence (one sample of one request) and a request (the n samples of one prompt).
+
+Sequence invariants:
+- `token_ids` is the prompt followed by the generated tokens;
+- the KV of `token_ids[:num_computed_tokens]` is stored in the blocks of `block_table`, in order,
+  so `len(block_table) >= ceil(num_computed_tokens / block_size)`; only the last block may be
+  partly empty;
+- `block_hashes[i]` names block `i` (full blocks only), so `len(block_hashes) <= num_computed_tokens // block_size`;
+- `pending` is set while one sampled token is still being computed on the device (overlapped
+  steps, engine.py): it counts in `num_tokens` but is not in `token_ids`, so nothing can read
+  its value before the engine appends it; hashing, stop checks and outputs see known tokens only.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # core imports no MLX: pending tokens and keys are only held here, never computed on
+    import mlx.core as mx
+
+    from ..engine.beam_search import BeamState
+    from .block_pool import Block
+    from ..engine.sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # the caller aborted the request (or its step failed)
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life. Only the scheduler changes it.
+
+    WAITING: queued, never admitted. RUNNING: admitted, holds blocks. PREEMPTED: queued again
+    after its blocks were taken; it recomputes its tokens when readmitted. FINISHED: every
+    sample has a finish reason and the request holds no block.
+    """
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class PendingToken:
+    """A token sampled in step `step` whose value is still on the device.
+
+    It is row `row` of that step's token array `tokens`; when the sample drew with a key, the
+    advanced key is row `key_row` of `keys`. A later step gathers its input id (and key) from
+    these arrays without waiting for them.
+    """
+
+    step: int
+    tokens: mx.array
+    row: int
+    keys: mx.array | None = None
+    key_row: int = 0
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample: its tokens, its block table, and its own random stream."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sample_index: int = 0
+    block_table: list["Block"] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    rng_key: mx.array | None = None
+    finish_reason: FinishReason | None = None
+    stop_text_len: int | None = None  # set when a stop string ended the sample
+    detokenizer: object = None  # mlx-lm streaming detokenizer: the text so far
+    logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when asked for
+    cumulative_logprob: float = 0.0  # beam search: log-probability of the output tokens
+    pending: PendingToken | None = None  # a sampled token not yet read back (see the module invariants)
+
+    @property
+    def num_tokens(self) -> int:
+        """Known tokens plus the pending one, if any."""
+        return len(self.token_ids) + (self.pending is not None)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens whose value is known (the pending one is not counted)."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def current_key(self) -> "mx.array | tuple[mx.array, int] | None":
+        """The key the next draw starts from: its own, or a row of the pending step's keys."""
+        if self.pending is not None and self.pending.keys is not None:
+            return (self.pending.keys, self.pending.key_row)
+        return self.rng_key
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self.block_table]
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens whose KV is not stored yet (1 for a sequence in the decode phase)."""
+        return self.num_tokens - self.num_computed_tokens
+
+
+@dataclass(eq=False)
+class Request:
+    """The n samples of one prompt, scheduled and preempted together.
+
+    Before its prompt is prefilled, the first live sample alone carries it; the other samples
+    fork from it (sharing its blocks) when the prompt's KV is stored, which sets
+    `prompt_prefilled` (for n = 1 too). Preemption clears it: the request starts over.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: "SamplingParams"
+    seqs: list[Sequence]
+    prompt_text: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the first admission
+    status: RequestStatus = RequestStatus.WAITING
+    prompt_prefilled: bool = False
+    num_preemptions: int = 0
+    beam: "BeamState | None" = None  # set for a beam-search request: its beams are `seqs`
+
+    @property
+    def max_live_seqs(self) -> int:
+        """Samples this request may run at once (a beam search grows to its width)."""
+        return self.beam.params.beam_width if self.beam is not None else len(self.live_seqs())
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    @property
+    def carrier(self) -> Sequence:
+        """The sample that computes the shared prompt before the others fork from it."""
+        return self.live_seqs()[0]
+
+    def prefill_target(self) -> int:
+        """How far the carrier prefills before the samples fork.
+
+        With several live samples the carrier computes only the shared prompt; a lone sample
+        computes all its tokens (after a preemption, its generated ones too).
+        """
+        live = self.live_seqs()
+        return self.num_prompt_tokens if len(live) > 1 else live[0].num_tokens
+
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.finished]

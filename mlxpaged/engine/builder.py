@@ -1,0 +1,40 @@
+"""The one way to build an engine: `generate`, `serve` and `LLM` all come through here.
+
+A plain process loads the whole model and gets an `LLMEngine`; one rank of a tensor-parallel
+group (started by `mlx.launch`) loads only its shard and gets a `TPEngine`, built once every
+rank agrees on the pool size, the checkpoint and the settings. Pool sizing is
+`worker.kv_cache.pool_blocks` in both cases.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..config import EngineConfig
+from ..distributed.shard_loading import load_shard
+from ..distributed.tp_engine import tp_engine
+from ..loading.loader import LoadedModel, load
+from .llm_engine import LLMEngine
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+
+def load_model(model: str | None, dtype: str | None = None, weights: str | None = None,
+               group: mx.distributed.Group | None = None) -> LoadedModel:
+    """The whole model, or this rank's shard of it when `group` is a tensor-parallel group."""
+    return load(model, dtype, weights) if group is None else load_shard(model, dtype, weights, group)
+
+
+def build_engine(model: str | LoadedModel | None, config: EngineConfig | None = None, *, dtype: str | None = None,
+                 weights: str | None = None, group: mx.distributed.Group | None = None) -> LLMEngine:
+    """An engine over `model` (a path, repo id, `.gguf` file, `LoadedModel`, or None for the
+    offline default), tensor-parallel over `group` when it is given."""
+    config = config or EngineConfig()
+    if isinstance(model, LoadedModel):
+        if group is not None and getattr(model.model, "tp_group", None) is None:
+            raise ValueError("a tensor-parallel engine needs a model path (each rank loads its shard), not a loaded model")
+        loaded = model
+    else:
+        loaded = load_model(model, dtype, weights, group)
+    return LLMEngine(loaded, config) if group is None else tp_engine(loaded, config, group)

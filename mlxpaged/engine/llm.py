@@ -1,0 +1,96 @@
+"""`LLM`: the offline batch API of vLLM, on mlxpaged's engine."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from .beam_search import BeamSearchParams
+from ..config import EngineConfig
+from ..distributed.collectives import init_group
+from ..loading.loader import LoadedModel
+from .builder import build_engine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a model once, then `generate` completions for batches of prompts.
+
+    `model` is a local checkpoint directory, a `.gguf` file, a Hugging Face repo id, a
+    `LoadedModel`, or `None` for the offline default. Other keyword arguments are
+    `EngineConfig` fields (block_size, num_blocks, max_num_seqs, max_num_batched_tokens, ...).
+    `distributed=True` makes this process one rank of a tensor-parallel group started by
+    `mlx.launch`: it loads only its shard, and every rank must make the same calls.
+    """
+
+    def __init__(
+        self,
+        model: str | LoadedModel | None = None,
+        *,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
+        dtype: str | None = None,
+        weights: str | None = None,
+        distributed: bool = False,
+        **engine_kwargs,
+    ):
+        config = EngineConfig(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+            **engine_kwargs,
+        )
+        group = init_group() if distributed else None  # one rank of a group started by mlx.launch
+        self.engine = build_engine(model, config, dtype=dtype, weights=weights, group=group)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in the order of `prompts`.
+
+        A single string or a single list of ints is one prompt. `on_output` sees each
+        intermediate output (for streaming or progress bars).
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        return self._drain(ids, on_output)
+
+    def _drain(self, ids: list[str], on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if on_output is not None:
+                    on_output(out)
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def beam_search(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        params: BeamSearchParams,
+    ) -> list[RequestOutput]:
+        """Beam search over each prompt, all in one continuous batch; outputs in prompt order.
+
+        Each output's `outputs` are the `beam_width` best finished hypotheses, best first, with
+        `token_ids`, `text`, `cumulative_logprob` and `score` (see `mlxpaged.engine.beam_search` for
+        the stopping and scoring rule).
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [self.engine.add_beam_request(p, params) for p in prompts]
+        return self._drain(ids)

@@ -1,0 +1,376 @@
+"""`LLMEngine`: requests in, one scheduled step at a time, outputs out.
+
+Wiring, all explicit: `Scheduler` (who runs, and the one owner of the block tables and of every
+request's state, through `BlockManager`) -> `ModelRunner` (the forward pass over `PagedKVCache`)
+-> `sampler` (which token) -> `Scheduler.update_from_output` (appends, with `output.StopChecker`
+deciding stops and detokenizing) -> `output.make_output`. The engine never changes a block table
+or a sequence itself: it launches steps, reads them back and reports.
+
+Overlapped steps (`EngineConfig.async_scheduling`, on by default), as mlx-lm's generate loop:
+one `step()` call schedules step t+1, builds its inputs and its sampling graph and launches it
+with `mx.async_eval`, and only then reads back step t's tokens (one `tolist`), appends them,
+runs the stop checks and detokenizes, while the device computes t+1. Invariants:
+- a token sampled in step t stays an MLX array until read back; a sequence that decodes in
+  t+1 takes its input id (and its random key) as a row of step t's arrays (`Sequence.pending`);
+- anything that needs token values waits for the read-back: stop checks, detokenizing, block
+  hashing (`update_from_forward` runs after it), beam selection (`beam_search.beam_step`);
+- a sequence found finished after t+1 was launched has computed one token too many: that row
+  is dropped (never appended, never counted) and its blocks are freed. Reuse is safe because
+  MLX arrays are functional: a later write to a pool is a new version built on the version
+  step t+1 reads and writes, so it happens after it. A sequence whose pending token is its
+  `max_tokens`-th is not decoded again, so no slot beyond `blocks_for_request` is ever taken;
+- a preempted or aborted sequence drops its pending token and keeps its key: the recompute
+  samples that position again from the same stream;
+- a step with beam-search rows is read back before the next is scheduled (its beams fork and
+  drop on the values); copy-on-write copies wait for the device inside `copy_blocks`.
+With the flag off every step is read back at once, in the same order of operations.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+from .beam_search import BeamSearchParams, BeamState, beam_step
+from ..core.block_manager import BlockManager, HashFn, blocks_for_request, sha256_block_hash
+from ..config import EngineConfig
+from ..errors import MlxPagedError, StepError
+from ..worker.kv_cache import CacheShape, PagedKVCache, pool_blocks
+from ..worker.kv_calibration import model_key_scales
+from ..worker.model_runner import ModelRunner
+from .output import StopChecker, make_output
+from .outputs import RequestOutput
+from .sampler import SampleArrays, read_samples, sample_arrays, sample_key
+from .sampling_params import SamplingParams
+from ..core.scheduler import SampleRow, Scheduler, SchedulerOutput
+from ..core.sequence import PendingToken, Request, Sequence
+from .stats import METRIC_KEYS, EngineStats, engine_stats
+
+
+if TYPE_CHECKING:  # annotations only: loading imports nothing of the engine
+    from ..loading.loader import LoadedModel
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward pass and draws were handed to the device and not read back yet."""
+
+    step_id: int
+    out: SchedulerOutput
+    pairs: list[tuple[Request, Sequence]]  # who draws row j of `sampled`
+    sampled: SampleArrays | None
+    beam_rows: list[SampleRow]  # read back at once: beams fork and drop on the values
+    logits: mx.array | None  # kept only for beam rows
+    num_prefill: int
+    launched_at: float
+
+    def requests(self) -> list[Request]:
+        return requests_of(self.out)
+
+
+def requests_of(out: SchedulerOutput) -> list[Request]:
+    """The requests a scheduled step computes tokens for, each once."""
+    return list(dict.fromkeys([r for r, _ in out.decodes] + [c.request for c in out.prefills]))
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache.
+
+    `add_request` queues a prompt; each `step()` runs one scheduled batch and returns the
+    outputs of the requests that progressed (finished ones with `finished=True`).
+    """
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, *, hash_fn: HashFn = sha256_block_hash):
+        self.loaded = loaded
+        self.config = config = config or EngineConfig()
+        self.tokenizer = loaded.tokenizer
+        self.cache_shape = CacheShape.of(loaded).quantized(config.kv_bits, config.kv_group_size)
+        num_blocks = pool_blocks(loaded, config)
+        self.block_manager = BlockManager(
+            num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            hash_fn=hash_fn,
+            extra_key=loaded.identity,
+        )
+        # A quantized cache divides keys by per-channel scales, measured once per loaded model (kv_calibration.py).
+        scales = model_key_scales(loaded) if config.kv_bits is not None else None
+        self.kv_cache = PagedKVCache.for_model(loaded.model, self.cache_shape, num_blocks, config.block_size, scales)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, config.attention_impl)
+        self._check_kernels()
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.check_stop = StopChecker(set(getattr(self.tokenizer, "eos_token_ids", None) or []))
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self._requests: dict[str, Request] = {}
+        self._inflight: LaunchedStep | None = None  # launched, not read back (overlapped steps)
+        self._carried: list[Request] = []  # read back during a failed step: reported at the next
+        self._last_read = 0.0
+
+    def _check_kernels(self) -> None:
+        """With the Metal kernel in use, build and check its variants now, before any request:
+        a variant that fails falls back to the reference with one warning (attention/metal.py)."""
+        from ..attention import resolve_impl
+
+        if resolve_impl(self.config.attention_impl) == "metal":
+            from ..attention.metal import check_family
+
+            args = self.loaded.model.args
+            check_family(args.num_attention_heads // args.num_key_value_heads, self.kv_cache.keys[0])
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return self.check_stop.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: set[int]) -> None:
+        self.check_stop.eos_token_ids = set(ids)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_manager.pool.num_blocks
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue one prompt (text or token ids); returns its request id."""
+        params = params or SamplingParams()
+        ids, text = self._prompt_ids(prompt)
+        self._check_fits(len(ids), params.n, params.max_tokens)
+        seed = params.seed if params.seed is not None else random.getrandbits(31)
+        seqs = [
+            Sequence(list(ids), len(ids), sample_index=i,
+                     rng_key=None if params.greedy else sample_key(seed, i),
+                     detokenizer=self.tokenizer.detokenizer)
+            for i in range(params.n)
+        ]
+        return self._queue(Request(self._new_id(request_id), list(ids), params, seqs, text))
+
+    def add_beam_request(self, prompt: str | list[int], params: BeamSearchParams, request_id: str | None = None) -> str:
+        """Queue a beam search of `params.beam_width` beams over one prompt (see `beam_search`)."""
+        ids, text = self._prompt_ids(prompt)
+        self._check_fits(len(ids), params.beam_width, params.max_tokens)
+        sp = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
+        req = Request(self._new_id(request_id), list(ids), sp, [Sequence(list(ids), len(ids))], text)
+        req.beam = BeamState(params)
+        return self._queue(req)
+
+    def _prompt_ids(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+        if not ids:
+            raise MlxPagedError("empty prompt: give at least one token")
+        return ids, text
+
+    def _new_id(self, request_id: str | None) -> str:
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self._requests:
+            raise MlxPagedError(f"duplicate request id '{rid}'")
+        return rid
+
+    def _queue(self, req: Request) -> str:
+        self._requests[req.request_id] = req
+        self.scheduler.add(req)
+        self.stats.prompt_tokens += req.num_prompt_tokens
+        return req.request_id
+
+    def _check_fits(self, num_prompt: int, n: int, max_tokens: int) -> None:
+        """Reject a request that could not finish even with the whole pool to itself."""
+        bm = self.block_manager
+        need = blocks_for_request(num_prompt, n, max_tokens, bm.block_size)
+        if need > self.num_blocks:
+            what = "prompt" if bm.blocks_for(num_prompt) > self.num_blocks else "request"
+            raise MlxPagedError(
+                f"{what} cannot fit in the KV pool: {num_prompt} prompt tokens, n={n}, "
+                f"max_tokens={max_tokens} need up to {need} blocks of {bm.block_size} "
+                f"but the pool has {self.num_blocks}; raise --num-blocks or lower -n/--max-tokens"
+            )
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._carried)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks now; False if it is unknown or done."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.abort(req)
+        return True
+
+    # -- one step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns the outputs of the requests that progressed.
+
+        With overlapped steps, a call launches a step and reads back the one before it, so the
+        tokens it reports are those of the previous launch (plus requests whose prefill chunks
+        it launched). Raises `StepError` if building or running a step fails: the requests of
+        that step are aborted (their blocks freed) and the engine goes on with the others at
+        the next call; tokens of the step before, read back meanwhile, come with the next call.
+        """
+        progressed: list[Request] = self._carried
+        self._carried = []
+        prev, self._inflight = self._inflight, None
+        out = self.scheduler.schedule()
+        if out.empty:
+            if prev is None:
+                if self.scheduler.has_unfinished():
+                    raise RuntimeError("scheduler made no progress")  # guarded by _check_fits
+                return self._report(progressed)
+            try:
+                progressed += self._read_back(prev)
+            except Exception as e:
+                self._fail(prev.requests(), progressed, e)
+            return self._report(progressed)
+        launched = False
+        try:
+            cur = self._launch(out)
+            launched = True
+            if prev is not None:
+                progressed += self._read_back(prev)
+                prev = None
+            self._commit(cur)
+            if self.config.async_scheduling and not cur.beam_rows:
+                self._inflight = cur
+            else:
+                progressed += self._read_back(cur)
+        except Exception as e:
+            failed = requests_of(out)
+            if prev is not None:
+                if launched:  # reading `prev` back failed (and `cur` is built on its tokens)
+                    failed += prev.requests()
+                else:  # `prev` is fine: deliver its tokens with the next call
+                    try:
+                        progressed += self._read_back(prev)
+                    except Exception:
+                        failed += prev.requests()
+            self._fail(failed, progressed, e)
+        self.stats.steps += 1
+        self._track_peaks()
+        return self._report(progressed + [c.request for c in out.prefills])
+
+    def _fail(self, failed: list[Request], progressed: list[Request], error: Exception):
+        """Abort the `failed` requests (their blocks return to the pool) and raise `StepError`;
+        the other requests that progressed are reported by the next call."""
+        ids = list(dict.fromkeys(r.request_id for r in failed))
+        for rid in ids:
+            self.abort_request(rid)
+        self._carried = [r for r in progressed if r.request_id in self._requests]
+        raise StepError(ids, error) from error
+
+    def _report(self, progressed: list[Request]) -> list[RequestOutput]:
+        return [self._finish_or_report(r) for r in dict.fromkeys(progressed) if r.request_id in self._requests]
+
+    def _launch(self, out: SchedulerOutput) -> LaunchedStep:
+        """Build the step's forward pass and draws and hand them to the device; waits for nothing
+        (but copy-on-write copies, which `copy_blocks` evaluates)."""
+        t0 = time.perf_counter()
+        rows = self.scheduler.sample_rows(out)
+        logits = self._forward(out)
+        plain = [r for r in rows if r.request.beam is None]
+        beam_rows = [r for r in rows if r.request.beam is not None]
+        pairs = [(r.request, s) for r in plain for s in r.seqs]
+        sampled = None
+        todo = list(self.kv_cache.arrays)  # every pool array (a QuantizedPool is not an array)
+        if pairs:
+            index = [r.row for r in plain for _ in r.seqs]
+            if index != list(range(logits.shape[0])):
+                logits_rows = logits[mx.array(index)]
+            else:
+                logits_rows = logits
+            sampled = sample_arrays(logits_rows, [r.params for r, _ in pairs], [s.current_key() for _, s in pairs])
+            todo += sampled.arrays()
+        if beam_rows:
+            todo.append(logits)
+        mx.async_eval(*todo)
+        num_prefill = sum(c.num_tokens for c in out.prefills)
+        self.stats.computed_prefill_tokens += num_prefill
+        return LaunchedStep(self.stats.steps, out, pairs, sampled, beam_rows, logits if beam_rows else None,
+                            num_prefill, t0)
+
+    def _forward(self, out: SchedulerOutput) -> mx.array:
+        """The step's one forward pass over every scheduled token, lazily; logits `[len(out.batch()), V]`.
+        Copy-on-write copies go first (they wait for the device: `copy_blocks` evaluates)."""
+        self.kv_cache.copy_blocks(out.block_copies)
+        return self.runner.forward(out.batch())
+
+    def _commit(self, step: LaunchedStep) -> None:
+        """The step's tokens are computed (block tables, hashes, forks); its draws become pending."""
+        pending = []
+        s = step.sampled
+        if s is not None:
+            key_row = {i: j for j, i in enumerate(s.sampled)}
+            pending = [(seq, PendingToken(step.step_id, s.tokens, j, s.keys if j in key_row else None, key_row.get(j, 0)))
+                       for j, (_, seq) in enumerate(step.pairs)]
+        self.scheduler.update_from_forward(step.out, pending)
+
+    def _read_back(self, step: LaunchedStep) -> list[Request]:
+        """Wait for the step's values; the scheduler appends the tokens (stop checks and detokenizing
+        by `StopChecker`); beam searches rank and carry out their next step."""
+        progressed: list[Request] = []
+        if step.sampled is not None:
+            toks, _, logprobs = read_samples(step.sampled, key_slices=False)
+            appended = self.scheduler.update_from_output(step.step_id, step.pairs, toks, logprobs, self.check_stop)
+            self.stats.generation_tokens += len(appended)
+            progressed += appended
+        if step.beam_rows:
+            beams: dict[Request, dict[Sequence, int]] = {}
+            for r in step.beam_rows:
+                beams.setdefault(r.request, {}).update({s: r.row for s in r.seqs})
+            for req, seq_rows in beams.items():
+                if req.finished:
+                    continue
+                live = req.live_seqs()
+                assert set(seq_rows) == set(live), "every live beam computes its logits in the same step"
+                decided = beam_step(req.beam, live, step.logits[mx.array([seq_rows[s] for s in live])],
+                                    lambda t: t in self.eos_token_ids)
+                self.scheduler.update_beams(req, live, decided)
+                self.stats.generation_tokens += decided.num_tokens
+                progressed.append(req)
+        now = time.perf_counter()
+        # Time between read-backs: with overlapped steps, one step's share of the wall clock.
+        dt = now - max(step.launched_at, self._last_read)
+        self._last_read = now
+        if step.num_prefill:  # a pass with prefill chunks counts as prefill time
+            self.stats.prefill_time += dt
+        else:
+            self.stats.decode_time += dt
+            self.stats.decode_tokens += len(step.out.decodes)
+        return progressed
+
+    def _track_peaks(self) -> None:
+        st = self.stats
+        running = [s for r in self.scheduler.running.values() for s in r.live_seqs()]
+        st.blocks_in_use_peak = max(st.blocks_in_use_peak, self.block_manager.pool.num_used)
+        st.blocks_without_sharing_peak = max(st.blocks_without_sharing_peak, sum(len(s.block_table) for s in running))
+        st.running_seqs_peak = max(st.running_seqs_peak, len(running))
+
+    def _finish_or_report(self, req: Request) -> RequestOutput:
+        if req.finished:
+            del self._requests[req.request_id]
+        return make_output(req, self.tokenizer)
+
+    # -- introspection ---------------------------------------------------------------------------
+    def live_sequences(self) -> list[Sequence]:
+        return [s for r in self.scheduler.running.values() for s in r.seqs if s.block_table]
+
+    def check_invariants(self) -> None:
+        self.block_manager.check(self.live_sequences())
+
+    def stats_dict(self) -> dict:
+        """Every counter and gauge of this engine (engine/stats.py)."""
+        return engine_stats(self)
+
+    def metrics(self) -> dict:
+        """The gauges and counters a server's /metrics exports (blocks "used" have ref_cnt > 0)."""
+        st = self.stats_dict()
+        return {k: st[k] for k in METRIC_KEYS}

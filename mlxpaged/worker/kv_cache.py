@@ -1,0 +1,196 @@
+"""The paged KV cache: one K and one V pool per layer, `[num_blocks, num_kv_heads, block_size, head_dim]`.
+
+Block id `b` means the same token slots in every layer's pools, so one block table per sequence
+serves all layers. Writes are MLX scatters into the pool arrays; the cache holds the only
+reference to each pool, so MLX updates them in place (no copy, no growth per step).
+
+With `kv_bits` set, each pool is a `QuantizedPool` (codes, scales and biases in the same block
+layout): a write quantizes its new rows along head_dim and scatters all three arrays, a block
+copy copies all three, and a block costs `row_bytes` per row instead of `head_dim * dtype.size`.
+Keys are stored less a constant per (layer, KV head) (`kv_quant.key_offsets`), which attention
+cannot see (softmax ignores a shift shared by all of a query's scores) but quantization can, and
+divided channel by channel by per-(layer, KV head) scales (`kv_calibration.key_scales`), which
+`scale_queries` multiplies back into the queries so every score `q . k` is unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import mlx.core as mx
+import numpy as np
+
+from .kv_quant import QuantizedPool, check_kv_quant, key_offsets, row_bytes
+
+
+@dataclass
+class CacheShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: mx.Dtype
+    kv_bits: int | None = None  # None: float rows in `dtype`; 8 or 4: quantized rows
+    kv_group_size: int = 64
+
+    @classmethod
+    def of(cls, loaded) -> "CacheShape":
+        """The cache shape of a `LoadedModel`'s layers, in its dtype."""
+        args = loaded.model.args
+        return cls(args.num_hidden_layers, getattr(loaded.model, "num_local_kv_heads", args.num_key_value_heads), args.head_dim, loaded.dtype)
+
+    def quantized(self, kv_bits: int | None, kv_group_size: int = 64) -> "CacheShape":
+        """This shape with K/V rows stored at `kv_bits` (None: float); checks the pair fits head_dim."""
+        check_kv_quant(kv_bits, kv_group_size, self.head_dim)
+        return replace(self, kv_bits=kv_bits, kv_group_size=kv_group_size)
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """K and V bytes of one block across all layers (codes, scales and biases when quantized)."""
+        row = row_bytes(self.head_dim, self.kv_bits, self.kv_group_size, self.dtype)
+        return 2 * self.num_layers * self.num_kv_heads * block_size * row
+
+
+def slot_mapping(block_ids: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Pool slots of token `positions` of a sequence whose block table is `block_ids`.
+
+    Slot `block_id * block_size + offset` is the row that `PagedKVCache.write` fills.
+    """
+    return (block_ids[positions // block_size] * block_size + positions % block_size).astype(np.int32)
+
+
+def available_memory() -> int:
+    """Bytes the KV pools could take: the GPU's working set on a Mac, free RAM elsewhere."""
+    try:
+        if mx.metal.is_available():
+            info = mx.device_info()
+            return int(info["max_recommended_working_set_size"]) - mx.get_active_memory()
+    except Exception:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def blocks_for_memory(shape: CacheShape, block_size: int, fraction: float, max_tokens: int) -> int:
+    """How many blocks fit in `fraction` of the available memory, capped at `max_tokens` slots."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"memory fraction must be in (0, 1], got {fraction}")
+    n = int(available_memory() * fraction) // shape.bytes_per_block(block_size)
+    return max(1, min(n, max_tokens // block_size))
+
+
+def pool_blocks(loaded, config, need: int | None = None) -> int:
+    """The one pool-sizing rule, used by a single process and by every tensor-parallel rank.
+
+    `config.num_blocks` if set; else `need` blocks (a known workload, as `generate` has) capped
+    by `config.kv_memory_fraction` of free memory and `config.max_kv_tokens`; else that cap.
+    """
+    if config.num_blocks is not None:
+        return config.num_blocks
+    shape = CacheShape.of(loaded).quantized(config.kv_bits, config.kv_group_size)  # quantized rows are smaller
+    cap = blocks_for_memory(shape, config.block_size, config.kv_memory_fraction, config.max_kv_tokens)
+    return cap if need is None else max(1, min(need, cap))
+
+
+class PagedKVCache:
+    """Per-layer K/V pools plus the two operations the allocator needs: write and copy blocks."""
+
+    def __init__(self, shape: CacheShape, num_blocks: int, block_size: int,
+                 key_offsets: list[mx.array | None] | None = None, key_scales: list[mx.array] | None = None):
+        """`key_offsets[layer]` (`[num_kv_heads, head_dim]` or None) is subtracted from that
+        layer's keys before they are quantized and `key_scales[layer]` (`[num_kv_heads,
+        head_dim]`, positive) divides them: a quantized K row holds `quantize((k - offset) /
+        scale)`, and `scale_queries` multiplies the layer's queries by the same scales."""
+        for name, per_layer in (("key_offsets", key_offsets), ("key_scales", key_scales)):
+            if per_layer is not None and (shape.kv_bits is None or len(per_layer) != shape.num_layers):
+                raise ValueError(f"{name} need a quantized cache and one entry per layer")
+        if key_scales is not None and any(
+                tuple(c.shape) != (shape.num_kv_heads, shape.head_dim) or not bool((c > 0).all()) for c in key_scales):
+            raise ValueError(f"key_scales must be positive [num_kv_heads, head_dim] = {[shape.num_kv_heads, shape.head_dim]}")
+        self.key_offsets = key_offsets
+        self.key_scales = key_scales
+        self.shape = shape
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.keys = [self._pool() for _ in range(shape.num_layers)]
+        self.values = [self._pool() for _ in range(shape.num_layers)]
+        mx.eval(self.arrays)
+        self._heads = mx.arange(shape.num_kv_heads)[None, :]
+        self._write_index: tuple | None = None  # (slot_mapping, blocks, heads, offsets) of the last write
+
+    @classmethod
+    def for_model(cls, model, shape: CacheShape, num_blocks: int, block_size: int,
+                  key_scales: list[mx.array] | None = None) -> "PagedKVCache":
+        """The cache for `model`'s layers. A quantized one takes the model's key offsets and
+        `key_scales` (`kv_calibration.model_key_scales`), if given."""
+        if shape.kv_bits is None:
+            return cls(shape, num_blocks, block_size)
+        return cls(shape, num_blocks, block_size, key_offsets(model), key_scales)
+
+    def _pool(self):
+        s = self.shape
+        if s.kv_bits is None:
+            return mx.zeros((self.num_blocks, s.num_kv_heads, self.block_size, s.head_dim), dtype=s.dtype)
+        return QuantizedPool.zeros(self.num_blocks, s.num_kv_heads, self.block_size, s.head_dim, s.dtype,
+                                   s.kv_bits, s.kv_group_size)
+
+    @property
+    def quantized(self) -> bool:
+        return self.shape.kv_bits is not None
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        """Every array of every pool (a quantized pool contributes codes, scales and biases)."""
+        if not self.quantized:
+            return self.keys + self.values
+        return [a for pool in self.keys + self.values for a in pool.arrays]
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.shape.bytes_per_block(self.block_size)
+
+    def write(self, layer: int, k: mx.array, v: mx.array, slot_mapping: mx.array) -> tuple[mx.array, mx.array]:
+        """Store `k, v [num_tokens, num_kv_heads, head_dim]` at slots `block_id * block_size + offset`.
+
+        Returns the updated pools of the layer (the same arrays the cache now holds).
+        """
+        # Every layer of a pass writes at the same slots: (block, head, offset) of each new row,
+        # broadcast to [T, num_kv_heads] once, so no layer's scatter broadcasts them again.
+        if self._write_index is None or self._write_index[0] is not slot_mapping:
+            blocks, offsets = (slot_mapping // self.block_size)[:, None], (slot_mapping % self.block_size)[:, None]
+            self._write_index = (slot_mapping, *mx.broadcast_arrays(blocks, self._heads, offsets))
+        _, blocks, heads, offsets = self._write_index
+        kp, vp = self.keys[layer], self.values[layer]
+        if self.quantized:
+            if self.key_offsets is not None and self.key_offsets[layer] is not None:
+                k = k - self.key_offsets[layer]  # the same shift for every key of a head: softmax cannot see it
+            if self.key_scales is not None:
+                k = k / self.key_scales[layer]  # undone in the queries (scale_queries)
+            for pool, x in ((kp, k), (vp, v)):
+                # Quantized in the pool's dtype, so the scales and biases land in that dtype.
+                rows = mx.quantize(x.astype(pool.dtype), group_size=pool.group_size, bits=pool.bits)
+                for dst, src in zip(pool.arrays, rows):
+                    dst[blocks, heads, offsets] = src
+            return kp, vp
+        # Item assignment rebinds these very arrays to the scatter's result.
+        kp[blocks, heads, offsets] = k.astype(kp.dtype)
+        vp[blocks, heads, offsets] = v.astype(vp.dtype)
+        return kp, vp
+
+    def scale_queries(self, layer: int, q: mx.array) -> mx.array:
+        """`q [T, num_heads, head_dim]` as attention must see it over this layer's stored keys:
+        times the key scales (each KV head's scales for its query heads), so `(q * s) . (k / s)
+        = q . k`. Unchanged without key scales."""
+        if self.key_scales is None:
+            return q
+        T, H, D = q.shape
+        s = self.key_scales[layer].astype(q.dtype)[:, None, :]  # [kvh, 1, D], broadcast over a head's G queries
+        return (q.reshape(T, s.shape[0], H // s.shape[0], D) * s).reshape(T, H, D)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks `src -> dst` in every layer (copy-on-write)."""
+        if not copies:
+            return
+        src = mx.array([s for s, _ in copies], dtype=mx.int32)
+        dst = mx.array([d for _, d in copies], dtype=mx.int32)
+        for a in self.arrays:
+            a[dst] = a[src]
+        mx.eval(self.arrays)

@@ -1,0 +1,93 @@
+"""Turns the step's sequences into one packed batch with attention metadata, and runs it."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..attention.metadata import AttentionMetadata
+from .kv_cache import PagedKVCache, slot_mapping
+from ..engine.sampler import gather_rows
+from ..core.sequence import Sequence
+
+
+class ModelRunner:
+    """Owns the model and its paged KV cache; knows nothing about scheduling."""
+
+    def __init__(self, model: nn.Module, kv_cache: PagedKVCache, attention_impl: str = "auto"):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.attention_impl = attention_impl
+
+    def forward(self, batch: list[tuple[Sequence, int]]) -> mx.array:
+        """One forward pass over `batch`: for each (sequence, n), its next n uncomputed tokens.
+
+        Every token is packed along one axis, with its own position, slot and sequence. Returns
+        the logits `[len(batch), V]` of each entry's last new token, lazily: nothing is evaluated
+        here, so the caller can launch the pass with `mx.async_eval` and build the next one
+        meanwhile. A sequence's pending token (sampled by a step still on the device) is
+        gathered from that step's token array. The caller has allocated the slots; it advances
+        `num_computed_tokens` afterwards.
+        """
+        bs = self.block_size
+        num_seqs = len(batch)
+        q_lens = np.array([n for _, n in batch], dtype=np.int32)
+        starts = np.array([s.num_computed_tokens for s, _ in batch], dtype=np.int32)
+        cu = np.zeros(num_seqs + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=cu[1:])
+        max_blocks = max(len(s.block_table) for s, _ in batch)
+        tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+        for i, (s, _) in enumerate(batch):
+            tables[i, : len(s.block_table)] = s.block_ids
+        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
+        positions = (np.arange(cu[-1]) - cu[seq_of_token] + starts[seq_of_token]).astype(np.int32)
+        # Token t goes to its own sequence's table: index the flattened tables past that row's start.
+        slots = slot_mapping(tables.reshape(-1), seq_of_token * max_blocks * bs + positions, bs)
+        meta = AttentionMetadata(
+            slot_mapping=mx.array(slots),
+            positions=mx.array(positions),
+            block_tables=mx.array(tables),
+            cu_seqlens_q=mx.array(cu),
+            context_lens=mx.array(starts + q_lens),
+            logits_indices=mx.array(cu[1:] - 1),
+            impl=self.attention_impl,
+        )
+        return self.model(self._input_ids(batch, int(cu[-1])), self.kv_cache, meta)
+
+    @staticmethod
+    def _input_ids(batch: list[tuple[Sequence, int]], total: int) -> mx.array:
+        """The packed input ids: known ones from `token_ids`, pending ones gathered on the device."""
+        tokens: list[int] = []
+        pending: list[tuple[int, object]] = []  # (position in the pass, the sequence's PendingToken)
+        for s, n in batch:
+            start = s.num_computed_tokens
+            known = s.token_ids[start : start + n]
+            tokens += known
+            if len(known) < n:  # only the last token can be pending
+                assert s.pending is not None and len(known) == n - 1, "a scheduled token is neither known nor pending"
+                pending.append((len(tokens), s.pending))
+                tokens.append(0)
+        assert len(tokens) == total
+        ids = mx.array(tokens, dtype=mx.int32)
+        if not pending:
+            return ids
+        # Usually every row of one earlier step's token array, in order: no copy at all.
+        vals = gather_rows([(p.tokens, p.row) for _, p in pending]).astype(mx.int32)
+        if len(pending) == total:
+            return vals
+        ids[mx.array([pos for pos, _ in pending])] = vals
+        return ids
+
+    def prefill(self, seq: Sequence, num_tokens: int) -> mx.array:
+        """The next `num_tokens` tokens of one sequence; returns the last one's logits `[V]` (evaluated)."""
+        return self._evaluated(self.forward([(seq, num_tokens)]))[0]
+
+    def decode(self, seqs: list[Sequence]) -> mx.array:
+        """One new token for each sequence (its last); returns logits `[B, V]` (evaluated)."""
+        return self._evaluated(self.forward([(s, 1) for s in seqs]))
+
+    def _evaluated(self, logits: mx.array) -> mx.array:
+        mx.eval(logits, self.kv_cache.arrays)  # every pool array (a QuantizedPool is not an array)
+        return logits
