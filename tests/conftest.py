@@ -57,7 +57,7 @@ FILE_TIERS = {
     "test_metal_kv_quant.py": "emulator", "test_metal_merge.py": "emulator", "test_metal_varlen.py": "emulator",
     "test_model_metal.py": "emulator", "test_emu_blind_spots.py": "emulator", "test_emu_compilers.py": "emulator",
     "test_emu_simdgroup_matrix.py": "emulator", "test_doctor.py": "emulator",
-    "test_server.py": "server",
+    "test_server.py": "server", "test_server_abuse.py": "server",
     "test_tp.py": "tp",
     "test_server_soak.py": "soak",
 }

@@ -65,7 +65,7 @@ def closed_by_peer(sock: socket.socket, within: float) -> bool:
                 return True
     except (ConnectionResetError, BrokenPipeError):
         return True
-    except socket.timeout:
+    except TimeoutError:
         return False
 
 
@@ -130,12 +130,13 @@ def test_slow_reader_memory_is_bounded_and_aborted(server, tiny_model_path):
             sock.settimeout(0.2)
             try:
                 sock.recv(64)  # 64 bytes every 0.1 s: far slower than the samples are generated
-            except socket.timeout:
+            except TimeoutError:
                 pass
             time.sleep(0.1)
             peak = max(peak, vmrss(server.proc.pid))
             m = server.metrics()
-            if m["mlxpaged_kv_blocks_used"] == 0 and m["mlxpaged_generation_tokens_total"] > base["mlxpaged_generation_tokens_total"]:
+            started = m["mlxpaged_generation_tokens_total"] > base["mlxpaged_generation_tokens_total"]
+            if m["mlxpaged_kv_blocks_used"] == 0 and started:
                 freed_at = time.monotonic() - t0
                 break
         generated = server.metrics()["mlxpaged_generation_tokens_total"] - base["mlxpaged_generation_tokens_total"]
@@ -257,6 +258,7 @@ def test_fd_exhaustion_recovers_and_logs_once(tiny_model_path):
 
 
 # -- 4, 7, 8. every bad input: one error object with the right status ----------------------------------
+HI = [{"role": "user", "content": "hi"}]
 BAD = [
     # lone surrogates, in a prompt, the model name, chat content and a stop string
     ("/v1/completions", '{"prompt": "x\\ud800y"}', 400, "prompt", "surrogate"),
@@ -267,12 +269,13 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, 400, "temperature", "temperature"),
     ("/v1/completions", {"prompt": "hi", "temperature": 1e300}, 400, "temperature", "temperature"),
     # known fields this server does not implement
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools", "tools"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400, "tool_choice", "tool_choice"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400, "response_format", "response_format"),
+    ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function"}]}, 400, "tools", "tools"),
+    ("/v1/chat/completions", {"messages": HI, "tool_choice": "required"}, 400, "tool_choice", "tool_choice"),
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_object"}}, 400, "response_format",
+     "response_format"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias", "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty", "presence_penalty"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 1}, 400, "frequency_penalty", "frequency_penalty"),
+    ("/v1/chat/completions", {"messages": HI, "frequency_penalty": 1}, 400, "frequency_penalty", "frequency_penalty"),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of", "best_of"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo", "echo"),
     ("/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix", "suffix"),
@@ -284,7 +287,8 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": []}]}, 400, "messages", "content"),
     # requests that can never be admitted: 400 naming the limit, not a retryable 503
     ("/v1/completions", {"prompt": [[1, 2]] * 2000, "max_tokens": 1}, 400, "prompt", "--max-queue"),
-    ("/v1/completions", {"prompt": ["hi"] * 10, "n": 64, "max_tokens": 1000}, 400, "max_tokens", "--max-request-tokens"),
+    ("/v1/completions", {"prompt": ["hi"] * 10, "n": 64, "max_tokens": 1000}, 400, "max_tokens",
+     "--max-request-tokens"),
     ("/v1/completions", {"prompt": "hi", "stop": ["s"] * 65}, 400, "stop", "--max-stop-strings"),
 ]
 
@@ -343,7 +347,7 @@ def test_default_max_tokens_is_the_largest_the_engine_admits(tiny_loaded):
     """`default_max_tokens` against the engine's own admission check: m is admitted, m + 1 is not."""
     from mlxpaged import SamplingParams
     from mlxpaged.config import EngineConfig
-    from mlxpaged.engine import LLMEngine
+    from mlxpaged.engine.llm_engine import LLMEngine
     from mlxpaged.errors import MlxPagedError
     from mlxpaged.server.limits import Capacity, default_max_tokens
 
@@ -351,8 +355,9 @@ def test_default_max_tokens_is_the_largest_the_engine_admits(tiny_loaded):
     cap = Capacity(4096, 384, engine.num_blocks, engine.config.block_size, 13)
     for num_prompt, n in [(10, 1), (10, 8), (100, 64), (17, 3), (600, 5)]:
         m = default_max_tokens(cap, 1024, num_prompt, n)
-        engine.add_request(list(range(5, 5 + num_prompt)), SamplingParams(n=n, max_tokens=m), request_id=f"ok{num_prompt}{n}")
-        engine.abort_request(f"ok{num_prompt}{n}")
+        rid = f"ok{num_prompt}-{n}"
+        engine.add_request(list(range(5, 5 + num_prompt)), SamplingParams(n=n, max_tokens=m), request_id=rid)
+        engine.abort_request(rid)
         if m < 1024:
             with pytest.raises(MlxPagedError, match="cannot fit"):
                 engine.add_request(list(range(5, 5 + num_prompt)), SamplingParams(n=n, max_tokens=m + 1))
@@ -364,7 +369,7 @@ def test_unhandled_error_is_one_500_error_object(tiny_loaded, caplog):
     from fastapi.testclient import TestClient
 
     from mlxpaged.config import EngineConfig
-    from mlxpaged.engine import LLMEngine
+    from mlxpaged.engine.llm_engine import LLMEngine
     from mlxpaged.server.app import build_app
     from mlxpaged.server.engine_loop import EngineLoop
     from mlxpaged.server.metrics import Metrics
@@ -413,7 +418,8 @@ def test_public_bind_without_key_warns(tiny_model_path):
 # -- 6. the key is checked before the body; /metrics is protected; SIGTERM drains ----------------------
 @pytest.fixture(scope="module")
 def keyed(tiny_model_path):
-    s = Server(tiny_model_path, "--num-blocks", "256", "--api-key", "sekret", "--enable-docs", "--shutdown-timeout", "3")
+    s = Server(tiny_model_path, "--num-blocks", "256", "--api-key", "sekret", "--enable-docs",
+               "--shutdown-timeout", "3")
     yield s
     s.stop()
 
@@ -430,8 +436,9 @@ def test_key_is_checked_before_the_body(keyed):
         sock.close()
     assert head.startswith(b"HTTP/1.1 401"), head
     with httpx.Client(timeout=10) as h:
-        assert_error(h.post(keyed.url + "/v1/completions", content=b"{not json"), 401, None, "invalid_api_key", "missing")
-        assert_error(h.post(keyed.url + "/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer nope"}),
+        url = keyed.url + "/v1/completions"
+        assert_error(h.post(url, content=b"{not json"), 401, None, "invalid_api_key", "missing")
+        assert_error(h.post(url, json={"prompt": "hi"}, headers={"Authorization": "Bearer nope"}),
                      401, None, "invalid_api_key", "wrong")
         for auth in ({"Authorization": "Bearer sekret"}, {"Authorization": "bearer sekret"},
                      {"Authorization": "BEARER  sekret"}, {"x-api-key": "sekret"}):

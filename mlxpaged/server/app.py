@@ -32,7 +32,7 @@ from .metrics import CONTENT_TYPE, Metrics
 from .middleware import Guard
 from .prompts import check_context, encode_messages, encode_prompt
 from .protocol import ChatCompletionRequest, CompletionRequest
-from .responses import ChoiceStream, TokenText, stop_borders, chat_logprobs, completion_logprobs, envelope, usage
+from .responses import ChoiceStream, TokenText, chat_logprobs, completion_logprobs, envelope, stop_borders, usage
 
 DEFAULT_CHAT_MAX_TOKENS = 1024  # when a chat body gives neither max_tokens nor max_completion_tokens
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -72,7 +72,8 @@ def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model
                    engine.config.block_size, max_token_chars(engine.tokenizer))
     # One tokenizer thread: HF tokenizers are not safe to call from several threads at once.
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxpaged-tokenize")
-    state = ServerState(engine_loop, metrics, model_id, frozenset({model_id, *model_aliases}), max_queue, limits, cap, pool)
+    names = frozenset({model_id, *model_aliases})
+    state = ServerState(engine_loop, metrics, model_id, names, max_queue, limits, cap, pool)
     text_of = TokenText(engine.tokenizer)
 
     @asynccontextmanager
@@ -176,7 +177,8 @@ def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model
             return job.stream(request, "chat.completion.chunk", state.model_id, chunk_choice, body.include_usage)
         outs = await job.collect(request)
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": chat_logprobs(c.logprobs, text_of) if getattr(c, "logprobs", None) is not None else None,
+                    "logprobs": chat_logprobs(c.logprobs, text_of) if getattr(c, "logprobs", None) is not None
+                    else None,
                     "finish_reason": c.finish_reason} for o in outs for c in o.outputs]
         return envelope(job.resp_id, "chat.completion", state.model_id, choices=choices, usage=usage(outs))
 
@@ -237,7 +239,7 @@ class _Job:
         self.final: dict = {}
 
     @classmethod
-    async def start(cls, state: ServerState, prefix: str, prompts: list[list[int]], params) -> "_Job":
+    async def start(cls, state: ServerState, prefix: str, prompts: list[list[int]], params) -> _Job:
         el = state.engine_loop
         waiting = el.snapshot.get("requests_waiting", 0) + el.pending
         if waiting + len(prompts) > state.max_queue:

@@ -41,17 +41,30 @@ def _check_port(host: str, port: int) -> None:
 @model_and_engine_options("sized from free memory")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0 exposes the server to the network).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
-@click.option("--api-key", envvar="MLXPAGED_API_KEY", default=None, help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health (env MLXPAGED_API_KEY).")
+@click.option("--api-key", envvar="MLXPAGED_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health "
+                   "(env MLXPAGED_API_KEY).")
 @click.option("--max-queue", default=1024, show_default=True, type=click.IntRange(1), help="Requests waiting for admission before new ones get 503.")
-@click.option("--served-model-name", default=None, help="The model id of /v1/models (default: the checkpoint's folder or file name).")
-@click.option("--shutdown-timeout", default=5.0, show_default=True, help="Seconds SIGINT/SIGTERM lets running requests finish before aborting them.")
-@click.option("--max-body-bytes", default=Limits.max_body_bytes, show_default=True, type=click.IntRange(1024), help="Larger request bodies get 413 before they are read.")
-@click.option("--max-stop-strings", default=Limits.max_stop_strings, show_default=True, type=click.IntRange(1, MAX_STOPS_CAP), help="Stop strings one request may give (OpenAI: 4).")
-@click.option("--max-request-tokens", default=Limits.max_request_tokens, show_default=True, type=click.IntRange(1), help="Largest prompts x n x max_tokens one request may ask for.")
-@click.option("--stream-stall-timeout", default=Limits.stream_stall_timeout, show_default=True, type=click.FloatRange(0), help="Abort a request whose client stays behind its stream this many seconds (0: never).")
-@click.option("--max-connections", default=1024, show_default=True, type=click.IntRange(1), help="Open connections and requests at once; beyond it new requests get 503.")
-@click.option("--header-timeout", default=10.0, show_default=True, type=click.FloatRange(0.01), help="Close a connection whose request headers have not all arrived in this many seconds.")
-@click.option("--keep-alive-timeout", default=5.0, show_default=True, type=click.FloatRange(0.01), help="Close an idle keep-alive connection after this many seconds.")
+@click.option("--served-model-name", default=None,
+              help="The model id of /v1/models (default: the checkpoint's folder or file name).")
+@click.option("--shutdown-timeout", default=5.0, show_default=True,
+              help="Seconds SIGINT/SIGTERM lets running requests finish before aborting them.")
+@click.option("--max-body-bytes", default=Limits.max_body_bytes, show_default=True, type=click.IntRange(1024),
+              help="Larger request bodies get 413 before they are read.")
+@click.option("--max-stop-strings", default=Limits.max_stop_strings, show_default=True,
+              type=click.IntRange(1, MAX_STOPS_CAP),
+              help="Stop strings one request may give (OpenAI: 4).")
+@click.option("--max-request-tokens", default=Limits.max_request_tokens, show_default=True, type=click.IntRange(1),
+              help="Largest prompts x n x max_tokens one request may ask for.")
+@click.option("--stream-stall-timeout", default=Limits.stream_stall_timeout, show_default=True,
+              type=click.FloatRange(0),
+              help="Abort a request whose client stays behind its stream this many seconds (0: never).")
+@click.option("--max-connections", default=1024, show_default=True, type=click.IntRange(1),
+              help="Open connections and requests at once; beyond it new requests get 503.")
+@click.option("--header-timeout", default=10.0, show_default=True, type=click.FloatRange(0.01),
+              help="Close a connection whose request headers have not all arrived in this many seconds.")
+@click.option("--keep-alive-timeout", default=5.0, show_default=True, type=click.FloatRange(0.01),
+              help="Close an idle keep-alive connection after this many seconds.")
 @click.option("--enable-docs", is_flag=True, help="Serve /docs, /redoc and /openapi.json (off by default).")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]), show_default=True)
 def serve(model, dtype, weights, host, port, api_key, max_queue, served_model_name, shutdown_timeout, max_body_bytes,
@@ -62,7 +75,8 @@ def serve(model, dtype, weights, host, port, api_key, max_queue, served_model_na
         api_key = os.environ["MLXPAGED_API_KEY"]
     if api_key is not None:
         if not api_key.strip():  # `--api-key ""` or `MLXPAGED_API_KEY=`: never silently serve everyone
-            _fail("the API key is empty (--api-key or MLXPAGED_API_KEY): give a key, or leave both unset to serve without one")
+            _fail("the API key is empty (--api-key or MLXPAGED_API_KEY): give a key, "
+                  "or leave both unset to serve without one")
         api_key = api_key.strip()
     try:
         import fastapi  # noqa: F401
@@ -83,8 +97,8 @@ def serve(model, dtype, weights, host, port, api_key, max_queue, served_model_na
         return _follow(make, group)
     _check_port(host, port)
     if not api_key and not _is_loopback(host):
-        click.echo(f"warning: listening on {host} without --api-key: anyone who can reach port {port} can use this server",
-                   err=True)
+        click.echo(f"warning: listening on {host} without --api-key: anyone who can reach port {port} "
+                   "can use this server", err=True)
     from .app import build_app
     from .connections import header_timeout_protocol, raise_fd_limit
     from .engine_loop import EngineLoop

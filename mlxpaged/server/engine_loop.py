@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..errors import StepError
 from ..engine.sampling_params import SamplingParams
+from ..errors import StepError
 
 log = logging.getLogger("mlxpaged.server")
 HEARTBEAT = 1.0  # seconds between two broadcasts of an idle tensor-parallel rank 0
@@ -287,10 +287,11 @@ class EngineLoop:
             if sink is None:
                 continue
             self._observe(out, now)
-            if not out.finished and self.stall_timeout is not None and sink.behind_for(time.monotonic()) > self.stall_timeout:
-                log.warning("aborting request %s: its client read nothing new for %.0f s", out.request_id, self.stall_timeout)
+            limit = self.stall_timeout
+            if not out.finished and limit is not None and sink.behind_for(time.monotonic()) > limit:
+                log.warning("aborting request %s: its client read nothing new for %.0f s", out.request_id, limit)
                 self._fail(out.request_id, ClientTooSlow(
-                    f"the client stayed behind the stream for more than {self.stall_timeout:g} s (--stream-stall-timeout)"))
+                    f"the client stayed behind the stream for more than {limit:g} s (--stream-stall-timeout)"))
                 # aborted before the next step, through the queue, so tensor-parallel ranks see the same abort
                 self._stalled.add(out.request_id)
                 self.abort(out.request_id)

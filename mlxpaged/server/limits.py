@@ -78,7 +78,7 @@ def check_request(limits: Limits, cap: Capacity, body, num_prompts: int, max_tok
 def default_max_tokens(cap: Capacity, default: int, num_prompt: int, n: int) -> int:
     """`default`, lowered to what the model's context and the KV pool can hold for this prompt and n
     (at least 1: a prompt that cannot fit at all is refused by the engine, naming the pool)."""
-    from ..block_manager import blocks_for_request  # here: `serve --help` imports this module
+    from ..core.block_manager import blocks_for_request  # here: `serve --help` imports this module
 
     hi = max(1, min(default, cap.context - num_prompt if cap.context else default))
     if blocks_for_request(num_prompt, n, hi, cap.block_size) <= cap.num_blocks:

@@ -19,6 +19,7 @@ import logging
 from .errors import error_body
 
 log = logging.getLogger("mlxpaged.server")
+CLOSE = {"connection": "close"}  # refusals close the connection: an unread body is never read
 
 
 def error_bytes(status: int, message: str, *, param: str | None = None, code: str | None = None) -> bytes:
@@ -69,7 +70,8 @@ class Guard:
         except Exception as e:
             log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
             if not started:
-                await send_error(send, 500, f"internal server error ({type(e).__name__}); the server log has the details")
+                await send_error(send, 500,
+                                 f"internal server error ({type(e).__name__}); the server log has the details")
 
     async def _checked(self, scope, receive, send):
         path = scope.get("path", "")
@@ -82,10 +84,10 @@ class Guard:
             if not ok:
                 # closed after the answer: an unread body is never read (nor discarded byte by byte)
                 return await send_error(send, 401, f"{'missing' if ok is None else 'wrong'} API key: send "
-                                        "'Authorization: Bearer KEY'", code="invalid_api_key", headers={"connection": "close"})
+                                        "'Authorization: Bearer KEY'", code="invalid_api_key", headers=CLOSE)
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            return await send_error(send, 413, self._too_large(), code="request_too_large", headers={"connection": "close"})
+            return await send_error(send, 413, self._too_large(), code="request_too_large", headers=CLOSE)
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         chunks, size = [], 0

@@ -10,7 +10,7 @@ surrogates (`Text`): JSON allows `"\\ud800"`, UTF-8 (the tokenizer, our response
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -89,19 +89,19 @@ class StreamOptions(_Body):
 class _Sampling(_Request):
     """Fields both endpoints share."""
 
-    model: Optional[Text] = None
-    max_tokens: Optional[int] = Field(None, ge=1)
+    model: Text | None = None
+    max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=MAX_TEMPERATURE)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)  # an extension, as in vLLM: 0 or -1 is off
-    seed: Optional[int] = None
+    seed: int | None = None
     n: int = Field(1, ge=1, le=64)
-    stop: Union[Text, list[Text], None] = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    user: Optional[Text] = None  # accepted and ignored
+    stream_options: StreamOptions | None = None
+    user: Text | None = None  # accepted and ignored
 
     @property
     def include_usage(self) -> bool:
@@ -120,8 +120,8 @@ class _Sampling(_Request):
 
 class CompletionRequest(_Sampling):
     # One prompt or a batch, as text or token ids (OpenAI accepts all four shapes).
-    prompt: Union[Text, list[Text], list[int], list[list[int]]]
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt: Text | list[Text] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -149,8 +149,8 @@ def check_message_content(role: str, content) -> None:
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
-    content: Union[Text, list[TextPart], None] = None
-    name: Optional[Text] = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     @model_validator(mode="after")
     def _content(self):
@@ -165,9 +165,9 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
