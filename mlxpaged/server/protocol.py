@@ -33,6 +33,12 @@ class _Sampling(_Body):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)  # an extension, as in vLLM: 0 or -1 is off
     seed: Optional[int] = None
+    # Sampling knobs (SamplingParams checks their ranges); logit_bias keys are token ids as strings.
+    min_p: float = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     n: int = Field(1, ge=1, le=64)
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[int] = Field(default_factory=list)
@@ -50,6 +56,8 @@ class _Sampling(_Body):
         return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               seed=self.seed, max_tokens=max_tokens, stop=self.stop,
                               stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
+                              min_p=self.min_p, logit_bias=self.logit_bias, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                               **({"logprobs": logprobs} if logprobs is not None else {}))
 
 
