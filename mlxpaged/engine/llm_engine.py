@@ -262,7 +262,7 @@ class LLMEngine:
             return self._report(progressed)
         launched = False
         try:
-            cur = self._launch(out, defer_guided=prev is not None)
+            cur = self._launch(out)
             launched = True
             if prev is not None:
                 progressed += self._read_back(prev)
@@ -303,11 +303,11 @@ class LLMEngine:
     def _report(self, progressed: list[Request]) -> list[RequestOutput]:
         return [self._finish_or_report(r) for r in dict.fromkeys(progressed) if r.request_id in self._requests]
 
-    def _launch(self, out: SchedulerOutput, defer_guided: bool = False) -> LaunchedStep:
+    def _launch(self, out: SchedulerOutput) -> LaunchedStep:
         """Build the step's forward pass and draws and hand them to the device; waits for nothing
-        (but copy-on-write copies, which `copy_blocks` evaluates). With `defer_guided` (a step
-        is in flight), a step with guided rows launches its forward pass only: `step` builds the
-        draws after the read-back (`logits_rows` holds their logits meanwhile)."""
+        (but copy-on-write copies, which `copy_blocks` evaluates). A step with guided rows
+        launches its forward pass only: `step` builds the draws after reading back the step in
+        flight, if any (`logits_rows` holds their logits meanwhile)."""
         t0 = time.perf_counter()
         rows = self.scheduler.sample_rows(out)
         logits = self._forward(out)
@@ -322,7 +322,7 @@ class LLMEngine:
                 logits_rows = logits[mx.array(index)]
             else:
                 logits_rows = logits
-            if defer_guided and any(s.matcher is not None for _, s in pairs):
+            if any(s.matcher is not None for _, s in pairs):
                 todo.append(logits_rows)
             else:
                 sampled = self._draws(pairs, logits_rows)
