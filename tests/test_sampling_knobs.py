@@ -19,8 +19,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxpaged.config import EngineConfig
 from mlxpaged.engine.llm_engine import LLMEngine
-from mlxpaged.engine.sampler import (GuideMasks, TokenHistory, apply_token_bitmask, process_logits, sample_arrays,
-                                     sample_batch, sample_key)
+from mlxpaged.engine.sampler import (GuideMasks, TokenHistory, process_logits, sample_arrays, sample_batch, sample_key,
+                                     unpack_bitmask)
 from mlxpaged.engine.sampling_params import SamplingParams
 from mlxpaged.errors import MlxPagedError
 
@@ -131,13 +131,16 @@ def test_bitmask_matches_numpy():
     v = 70  # not a multiple of 32
     bits = rng.integers(-2**31, 2**31, size=(3, 3), dtype=np.int64).astype(np.int32)
     x = rng.normal(size=(3, v)).astype(np.float32)
-    got = np.array(apply_token_bitmask(mx.array(x), mx.array(bits)))
     allowed = np.array([[(int(bits[r, t // 32]) >> (t % 32)) & 1 for t in range(v)] for r in range(3)], dtype=bool)
+    assert np.array_equal(unpack_bitmask(bits, v), allowed)
+    got = np.array(process_logits(mx.array(x), [SamplingParams()] * 3, GuideMasks([0, 1, 2], bits), None))
     assert np.array_equal(np.isfinite(got), allowed) and np.array_equal(got[allowed], x[allowed])
     # in a batch, only the listed rows are masked
     params = [SamplingParams(temperature=0)] * 3
-    s = sample_arrays(mx.array(x), params, [None] * 3, masks=GuideMasks([1], bits[1:2]))
+    logits = mx.array(x)
+    s = sample_arrays(logits, params, [None] * 3, masks=GuideMasks([1], bits[1:2]))
     toks = s.tokens.tolist()
+    assert np.array_equal(np.array(logits), x)  # the caller's logits are not written to
     assert toks[0] == int(np.argmax(x[0])) and toks[2] == int(np.argmax(x[2]))
     assert toks[1] == int(np.argmax(np.where(allowed[1], x[1], -np.inf)))
 
