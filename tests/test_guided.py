@@ -230,3 +230,20 @@ def test_unenforceable_spec_is_refused_by_name(tiny_loaded, spec, part):
 def test_guided_decoding_takes_exactly_one_spec(kwargs):
     with pytest.raises(ValueError):
         GuidedDecoding(**kwargs)
+
+
+def test_parallel_masks_equal_sequential(tiny_loaded, monkeypatch):
+    """The thread-pool path of `fill_masks` (big vocabularies) writes the masks the per-row path writes."""
+    import mlxpaged.engine.guided as guided_mod
+
+    g = GrammarCompiler(tiny_loaded.tokenizer, 384, {2}).compile(GuidedDecoding(json_object=True))
+    ms = [g.matcher() for _ in range(5)]
+    for k, m in enumerate(ms):
+        assert m.sync(tiny_loaded.tokenizer.encode('{"a":' + "1" * k))
+    rows = ms[:2] + [None] + ms[3:]
+    seq = np.full((5, 12), -1, dtype=np.int32)
+    guided_mod.fill_masks(rows, seq)
+    monkeypatch.setattr(guided_mod, "PARALLEL_MASK_TOKENS", 0)
+    par = np.full((5, 12), -1, dtype=np.int32)
+    guided_mod.fill_masks(rows, par)
+    assert (seq == par).all() and (par[2] == -1).all() and (par[0] != par[1]).any()

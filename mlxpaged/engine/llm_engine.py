@@ -51,7 +51,7 @@ from ..worker.kv_calibration import model_key_scales
 from ..worker.model_runner import ModelRunner
 from .output import StopChecker, make_output
 from .outputs import RequestOutput
-from .guided import GrammarCompiler, mask_words
+from .guided import GrammarCompiler, fill_masks, mask_words
 from .sampler import GuideMasks, SampleArrays, TokenHistory, read_samples, sample_arrays, sample_key
 from .sampling_params import SamplingParams
 from ..core.scheduler import SampleRow, Scheduler, SchedulerOutput
@@ -357,17 +357,16 @@ class LLMEngine:
         rows = [j for j, (_, s) in enumerate(pairs) if s.matcher is not None]
         if not rows:
             return None
-        bits = np.empty((len(rows), mask_words(self.vocab_size)), dtype=np.int32)
-        for k, j in enumerate(rows):
+        bits = np.full((len(rows), mask_words(self.vocab_size)), -1, dtype=np.int32)
+        matchers = []
+        for j in rows:
             seq = pairs[j][1]
             assert seq.pending is None, "a guided row's previous token is read back before its mask"
             m = seq.matcher
             out = seq.output_token_ids
             synced = len(m.consumed) == len(out) and (not out or m.consumed[-1] == out[-1]) or m.sync(out)
-            if seq.finished or not synced:
-                bits[k] = -1
-            else:
-                m.fill_mask(bits[k])
+            matchers.append(None if seq.finished or not synced else m)
+        fill_masks(matchers, bits)
         return GuideMasks(rows, bits)
 
     def _forward(self, out: SchedulerOutput) -> mx.array:
