@@ -59,3 +59,18 @@ def test_bad_knobs_one_line_error(tiny_model_path, tmp_path, args, message):
     assert "Traceback" not in r.output
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], r.stderr
+
+
+def test_prompts_file_guided_field(tiny_model_path, tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "hi", "temperature": 1.5, "seed": 1, "max_tokens": 60,
+                             "guided": {"json_schema": SCHEMA}}) + "\n"
+                 + json.dumps({"prompt": "yo", "max_tokens": 4}) + "\n")
+    r = run("--model", str(tiny_model_path), "--prompts-file", str(f), "--json")
+    assert r.exit_code == 0, r.output
+    outs = json.loads(r.stdout)["outputs"]
+    jsonschema.validate(json.loads(outs[0]["text"]), SCHEMA)
+    assert outs[0]["finish_reason"] == "stop" and len(outs[1]["token_ids"]) <= 4
+    f.write_text(json.dumps({"prompt": "hi", "guided": {"json_object": True, "grammar": "start: \"a\""}}) + "\n")
+    r = run("--model", str(tiny_model_path), "--prompts-file", str(f))
+    assert r.exit_code == 1 and "bad \"guided\"" in r.stderr and "exactly one" in r.stderr
