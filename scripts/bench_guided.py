@@ -20,7 +20,7 @@ the wait for a core, CPU time the work done.
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import statistics
 import tempfile
 import time
@@ -139,7 +139,11 @@ def main():
           f"process CPU time median {summary['cpu_ratio_median']:.3f} "
           f"(range {summary['cpu_ratio_min']:.3f}-{summary['cpu_ratio_max']:.3f})")
     if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1))
+        from mlxpaged.bench.report import write_json
+
+        summary["schema"] = SCHEMA
+        summary["load_average"] = list(os.getloadavg())
+        write_json(args.json, "bench_guided", "tiny", summary)
 
 
 if __name__ == "__main__":
