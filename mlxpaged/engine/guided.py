@@ -126,8 +126,9 @@ def fill_masks(matchers: list, bits: np.ndarray) -> None:
     todo = [(m._m, k) for k, m in enumerate(matchers) if m is not None]
     # Small work (a small vocabulary or few rows): a thread pool's hand-offs cost more than they save.
     if len(todo) * bits.shape[1] * 32 < PARALLEL_MASK_TOKENS:
-        for _, k in todo:
-            matchers[k].fill_mask(bits[k])
+        ptr, stride = bits.ctypes.data, bits.strides[0]  # one ctypes lookup, not one per row
+        for m, k in todo:
+            m.unsafe_compute_mask_ptr(ptr + k * stride, stride)
     else:
         if _executor is None:
             import llguidance
