@@ -226,7 +226,7 @@ def test_unenforceable_spec_is_refused_by_name(tiny_loaded, spec, part):
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(json_object=True, grammar="start: \"a\""),
-                                    dict(json_schema=[1]), dict(grammar="  ")])
+                                    dict(json_schema=[1]), dict(grammar="  "), dict(json_schema={"enum": {1, 2}})])
 def test_guided_decoding_takes_exactly_one_spec(kwargs):
     with pytest.raises(ValueError):
         GuidedDecoding(**kwargs)

@@ -43,6 +43,10 @@ class GuidedDecoding:
             raise ValueError(f"json_schema must be a dict, got {type(self.json_schema).__name__}")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
             raise ValueError("grammar must be a non-empty string")
+        try:
+            self.key()
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"json_schema must be JSON data: {e}") from None
 
     def __hash__(self):  # a dict field: hash the canonical JSON (compiled grammars are cached by spec)
         return hash(self.key())
