@@ -41,9 +41,6 @@ UNIMPLEMENTED: dict[str, tuple] = {
     "function_call": _OFF + ("none",),
     "parallel_tool_calls": _OFF + (True,),
     "response_format": _OFF + ({"type": "text"},),
-    "logit_bias": _OFF,
-    "presence_penalty": _OFF,
-    "frequency_penalty": _OFF,
     "best_of": _OFF + (1,),
     "echo": _OFF,
     "suffix": _OFF,
@@ -95,6 +92,12 @@ class _Sampling(_Request):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)  # an extension, as in vLLM: 0 or -1 is off
     seed: int | None = None
+    # Sampling knobs (SamplingParams checks their ranges); logit_bias keys are token ids as strings.
+    min_p: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     n: int = Field(1, ge=1, le=64)
     stop: Text | list[Text] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
@@ -115,6 +118,8 @@ class _Sampling(_Request):
         return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               seed=self.seed, max_tokens=max_tokens, stop=self.stop,
                               stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
+                              min_p=self.min_p, logit_bias=self.logit_bias, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                               **({"logprobs": logprobs} if logprobs is not None else {}))
 
 
