@@ -24,9 +24,11 @@ from ..errors import MlxPagedError, StepError
 from .engine_loop import EngineDown, EngineLoop, Sink
 from .errors import APIError, error_body
 from .metrics import CONTENT_TYPE, Metrics
+from .guided_request import chat_plan
 from .prompts import check_context, encode_messages, encode_prompt
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import ChoiceStream, TokenText, chat_logprobs, completion_logprobs, envelope, usage
+from .tools import ToolCallStream, message_with_calls, stream_tool_delta
 
 DEFAULT_CHAT_MAX_TOKENS = 1024  # when a chat body gives neither max_tokens nor max_completion_tokens
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -42,15 +44,16 @@ class ServerState:
     max_queue: int
     context: int | None
     vocab_size: int
+    responses_store: int = 0  # --responses-store: Responses kept for previous_response_id (0: stateless)
 
 
 def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model_aliases=(), api_key: str | None = None,
-              max_queue: int = 1024) -> FastAPI:
+              max_queue: int = 1024, responses_store: int = 0) -> FastAPI:
     """Routes over a started `engine_loop`; the app's shutdown stops it."""
     engine = engine_loop.engine
     args = engine.loaded.model.args
     state = ServerState(engine_loop, metrics, model_id, frozenset({model_id, *model_aliases}), api_key, max_queue,
-                        getattr(args, "max_position_embeddings", None), args.vocab_size)
+                        getattr(args, "max_position_embeddings", None), args.vocab_size, responses_store)
     text_of = TokenText(engine.tokenizer)
 
     @asynccontextmanager
@@ -106,7 +109,7 @@ def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model
         max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
         for ids in prompts:
             check_context(len(ids), max_tokens, state.context)
-        params = _params(body, max_tokens, body.logprobs)
+        params = _params(body, max_tokens, body.logprobs, state.vocab_size)
         job = await _Job.start(state, "cmpl", prompts, params)
 
         def choice(index, text, lps, finish, stream: ChoiceStream):
@@ -123,17 +126,23 @@ def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model
     @v1.post("/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         _check_model(state, body.model)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = encode_messages(engine.tokenizer, messages)
+        messages, plan = chat_plan(body)  # tools, tool_choice and response_format (guided_request.py)
+        ids = encode_messages(engine.tokenizer, messages, plan.tools)
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:
             max_tokens = max(1, min(DEFAULT_CHAT_MAX_TOKENS, (state.context or 1 << 30) - len(ids)))
         check_context(len(ids), max_tokens, state.context)
-        params = _params(body, max_tokens, body.logprobs_k())
+        params = _params(body, max_tokens, body.logprobs_k(), state.vocab_size, guided=plan.guided)
         job = await _Job.start(state, "chatcmpl", [ids], params)
 
         def chunk_choice(index, text, lps, finish, stream: ChoiceStream):
             delta = {"content": text}
+            if plan.parse:  # content the tool-call parser lets through, and the calls it completed
+                if not hasattr(stream, "tools"):
+                    stream.tools = ToolCallStream()
+                delta, finish = stream_tool_delta(stream.tools, text, finish)
+                if not delta and not finish and not lps:
+                    return None
             if not stream.started:
                 delta = {"role": "assistant", **delta}
                 stream.started = True
@@ -143,12 +152,18 @@ def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model
         if body.stream:
             return job.stream(request, "chat.completion.chunk", state.model_id, chunk_choice, body.include_usage)
         outs = await job.collect(request)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": chat_logprobs(c.logprobs, text_of) if getattr(c, "logprobs", None) is not None else None,
-                    "finish_reason": c.finish_reason} for o in outs for c in o.outputs]
+        choices = []
+        for o in outs:
+            for c in o.outputs:
+                msg, calls = message_with_calls(c.text) if plan.parse else ({"role": "assistant", "content": c.text}, False)
+                choices.append({"index": c.index, "message": msg,
+                                "logprobs": chat_logprobs(c.logprobs, text_of) if getattr(c, "logprobs", None) is not None else None,
+                                "finish_reason": "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason})
         return envelope(job.resp_id, "chat.completion", state.model_id, choices=choices, usage=usage(outs))
 
+    register_responses(v1, state, text_of)
     app.include_router(v1)
+    register_anthropic(app, state)
     return app
 
 
@@ -172,9 +187,9 @@ def _check_model(state: ServerState, model: str | None) -> None:
                        code="model_not_found")
 
 
-def _params(body, max_tokens: int, logprobs: int | None):
+def _params(body, max_tokens: int, logprobs: int | None, vocab_size: int | None = None, **extra):
     try:
-        return body.to_sampling_params(max_tokens, logprobs)
+        return body.to_sampling_params(max_tokens, logprobs, vocab_size, **extra)
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e), param=str(e).split(" ", 1)[0] if " must " in str(e) else None) from None
 
@@ -266,8 +281,8 @@ class _Job:
                 for c in item.outputs:
                     st = streams.setdefault((rid, c.index), ChoiceStream(self.params.stop))
                     d = st.advance(c)
-                    if d is not None:
-                        choice = make_choice(self.index(rid, c.index), *d, st)
+                    choice = make_choice(self.index(rid, c.index), *d, st) if d is not None else None
+                    if choice is not None:  # None: the route holds the delta back (a tool call in progress)
                         yield _sse(envelope(self.resp_id, kind, model, choices=[choice], **extra))
                 if item.finished:
                     self.final[rid] = item
