@@ -126,7 +126,7 @@ def decode_in_turns(loaded, prompts: list[list[int]], num_tokens: int, num_block
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
     shape = CacheShape(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, loaded.dtype)
     runner = ModelRunner(loaded.model, PagedKVCache(shape, num_blocks, block_size), "reference")
-    seqs = [Sequence(i, list(p), len(p)) for i, p in enumerate(prompts)]
+    seqs = [Sequence(list(p), len(p)) for i, p in enumerate(prompts)]
     for s in seqs:
         assert bm.allocate_slots(s, s.num_tokens) == []
         logits = runner.prefill(s, s.num_tokens)

@@ -52,7 +52,7 @@ def test_random_operations_keep_invariants(ops, block_size, num_blocks, caching,
     for op, which, n in ops:
         counter += 1
         if op == "new":
-            s = Sequence(counter, [(counter * 7 + i) % vocab for i in range(n)], n)
+            s = Sequence([(counter * 7 + i) % vocab for i in range(n)], n)
             bm.match_prefix(s)
             assert s.num_computed_tokens < s.num_tokens
             need = s.num_tokens - s.num_computed_tokens
@@ -75,7 +75,7 @@ def test_random_operations_keep_invariants(ops, block_size, num_blocks, caching,
                     assert ([b.block_id for b in s.block_table], bm.pool.num_free) == snapshot
                     del s.token_ids[-n:]
             elif op == "fork":
-                child = Sequence(counter, list(s.token_ids[: s.num_computed_tokens]), 1)
+                child = Sequence(list(s.token_ids[: s.num_computed_tokens]), 1)
                 bm.fork(s, child)
                 seqs.append(child)
             elif op == "free":
@@ -92,9 +92,9 @@ def test_random_operations_keep_invariants(ops, block_size, num_blocks, caching,
 def test_cow_copies_partial_shared_block_only():
     bm = BlockManager(16, 4, enable_prefix_caching=False)
     kv = ShadowKV(bm)
-    a = Sequence(0, list(range(6)), 6)
+    a = Sequence(list(range(6)), 6)
     kv.write(a, 6)  # blocks [0..3] full, [4, 5] partial
-    b = Sequence(1, list(range(6)), 6)
+    b = Sequence(list(range(6)), 6)
     bm.fork(a, b)
     a.token_ids.append(100)
     kv.write(a, 1)
@@ -107,7 +107,7 @@ def test_cow_copies_partial_shared_block_only():
 
 def test_no_room_is_none_not_a_crash():
     bm = BlockManager(2, 4)
-    s = Sequence(0, list(range(12)), 12)
+    s = Sequence(list(range(12)), 12)
     assert bm.allocate_slots(s, 12) is None and s.block_table == [] and bm.pool.num_free == 2
     assert bm.allocate_slots(s, 8) == [] and bm.pool.num_free == 0
     s.num_computed_tokens = 8
@@ -125,19 +125,19 @@ def test_prefix_rule_of_the_seed():
     bm = BlockManager(64, 16)
     kv = ShadowKV(bm)
     a_tokens = [1000 + i for i in range(96)]
-    a = Sequence(0, list(a_tokens), 96)
+    a = Sequence(list(a_tokens), 96)
     assert bm.match_prefix(a) == 0
     kv.write(a, 96)
     bm.free(a)  # finished: its blocks stay cached
-    b = Sequence(1, a_tokens[:85] + [7] * 20, 105)
+    b = Sequence(a_tokens[:85] + [7] * 20, 105)
     assert bm.match_prefix(b) == 80
-    c = Sequence(2, a_tokens[:2] + [5] + a_tokens[3:], 96)
+    c = Sequence(a_tokens[:2] + [5] + a_tokens[3:], 96)
     assert bm.match_prefix(c) == 0
-    again = Sequence(3, list(a_tokens), 96)
+    again = Sequence(list(a_tokens), 96)
     assert bm.match_prefix(again) == 80  # all but the last block's worth: never the last token
     bm.free(b)
     bm.free(again)
-    short = Sequence(4, a_tokens[:16], 16)
+    short = Sequence(a_tokens[:16], 16)
     assert bm.match_prefix(short) == 0  # one block, holding the last token
 
 
@@ -145,19 +145,19 @@ def test_hash_collision_is_a_miss():
     """Force every block onto one hash: the second request must not read the first's cache."""
     bm = BlockManager(16, 4, hash_fn=lambda parent, tokens, extra: b"same")
     kv = ShadowKV(bm)
-    a = Sequence(0, [1, 2, 3, 4, 5, 6, 7, 8, 9], 9)
+    a = Sequence([1, 2, 3, 4, 5, 6, 7, 8, 9], 9)
     kv.write(a, 9)
     bm.free(a)
-    b = Sequence(1, [9, 9, 9, 9, 5, 6, 7, 8, 9], 9)
+    b = Sequence([9, 9, 9, 9, 5, 6, 7, 8, 9], 9)
     assert bm.match_prefix(b) == 0
-    same = Sequence(2, [1, 2, 3, 4, 0, 0, 0, 0, 1], 9)
+    same = Sequence([1, 2, 3, 4, 0, 0, 0, 0, 1], 9)
     assert bm.match_prefix(same) == 4  # block 0 really matches; block 1's hash hits a different block
 
 
 def test_lru_evicts_tail_before_head():
     bm = BlockManager(6, 4)
     kv = ShadowKV(bm)
-    a = Sequence(0, list(range(16)), 16)  # four full blocks
+    a = Sequence(list(range(16)), 16)  # four full blocks
     kv.write(a, 16)
     head, tail = a.block_table[0], a.block_table[-1]
     bm.free(a)

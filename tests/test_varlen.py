@@ -104,7 +104,7 @@ def test_one_model_call_per_step(tiny_loaded):
     assert len(calls) == 2
     q_lens = np.diff(calls[1][1]).tolist()
     assert q_lens[:3] == [1, 1, 1] and len(q_lens) == 5  # 3 decodes + the rest of "long" + "mid"
-    assert out.num_running_seqs() == 5
+    assert out._num_running_seqs == 5 == sum(len(r.live_seqs()) for r in out.running.values())
 
 
 @pytest.mark.parametrize("caching", [True, False])

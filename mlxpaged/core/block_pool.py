@@ -41,17 +41,11 @@ class BlockPool:
         # Blocks with ref_cnt 0, oldest first: never-used blocks first, then in order of release.
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, Block] = {}
-        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
         """Blocks an allocation can take now (never used, released, or cached but unused)."""
         return len(self.free_queue)
-
-    @property
-    def num_cached_free(self) -> int:
-        """Free blocks that still hold a cached prefix (evictable)."""
-        return sum(1 for b in self.free_queue.values() if b.block_hash is not None)
 
     @property
     def num_used(self) -> int:
@@ -64,7 +58,6 @@ class BlockPool:
         _, block = self.free_queue.popitem(last=False)
         if block.block_hash is not None:
             self._uncache(block)
-            self.num_evictions += 1
         block.ref_cnt = 1
         return block
 
@@ -99,11 +92,6 @@ class BlockPool:
     def _uncache(self, block: Block) -> None:
         del self.cached[block.block_hash]
         block.block_hash = block.token_ids = None
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (blocks in use keep their contents)."""
-        for block in list(self.cached.values()):
-            self._uncache(block)
 
     def check(self) -> None:
         """Assert the invariants in the module docstring."""

@@ -7,9 +7,11 @@ waiting requests while blocks allow. When a sequence needs a block and none is f
 recently admitted request is preempted whole: its blocks are freed and it returns to the front
 of the waiting queue, to be recomputed from its tokens (prompt plus what it generated).
 
-Only this class changes block tables (through `BlockManager`): it allocates slots before a
-step, caches full blocks and forks samples after it (`update_from_forward`), and frees a
-sample's blocks when it finishes (`finish_sequence`) or its request is aborted (`abort`).
+Only this class changes block tables (through `BlockManager`) and a request's state: it
+allocates slots before a step; after the forward pass it caches full blocks, forks samples and
+marks the drawn tokens pending (`update_from_forward`); once their values are read back it
+appends them, applies the stop decision and frees finished samples (`update_from_output`), and
+for a beam search forks, drops and reorders beams (`update_beams`). Aborts free at once (`abort`).
 
 With overlapped steps (engine.py) a sequence may hold a pending token, sampled but not read back:
 it counts as uncomputed, so the sequence decodes in the next step without its value being known
@@ -25,10 +27,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 from .block_manager import BlockManager
 from ..config import EngineConfig
-from .sequence import FinishReason, Request, RequestStatus, Sequence
+from .sequence import FinishReason, PendingToken, Request, RequestStatus, Sequence
+
+if TYPE_CHECKING:
+    from ..engine.beam_search import BeamStep
 
 
 @dataclass
@@ -89,9 +95,6 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
-
-    def num_running_seqs(self) -> int:
-        return self._num_running_seqs
 
     # -- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -227,7 +230,7 @@ class Scheduler:
             rows.append(SampleRow(req, req.live_seqs() if completes else [chunk.seq], i))
         return rows
 
-    def update_from_forward(self, out: SchedulerOutput) -> list[SampleRow]:
+    def update_from_forward(self, out: SchedulerOutput, pending: list[tuple[Sequence, PendingToken]] = ()) -> list[SampleRow]:
         """Record that the scheduled tokens were computed; say who samples from which logits row.
 
         Full blocks are named (prefix cache): every token they hold is known by now, since the
@@ -254,7 +257,64 @@ class Scheduler:
                 if other is not seq:
                     self.bm.fork(seq, other)
             req.prompt_prefilled = True
+        for seq, p in pending:
+            if not seq.finished:  # finished after the step was scheduled: a wasted row
+                seq.pending = p
         return [r for r in rows if not r.request.finished]
+
+    def update_from_output(self, step: int, pairs: list[tuple[Request, Sequence]], tokens: list[int], logprobs: list,
+                           check_stop: Callable[[Request, Sequence, int], FinishReason | None]) -> list[Request]:
+        """Append the read-back tokens of step `step` (`pairs[j]` drew `tokens[j]`) and apply each one's
+        stop decision; returns the request of every appended token (so its length counts them).
+
+        A sequence whose pending token is gone (preempted, aborted or finished since the launch)
+        drops it. A finished sample's blocks are freed now.
+        """
+        progressed = []
+        for j, (req, seq) in enumerate(pairs):
+            p = seq.pending
+            if p is None:
+                continue
+            assert p.step == step, "one launched step at most is not read back"
+            seq.pending = None
+            if p.keys is not None:
+                seq.rng_key = p.keys[p.key_row]
+            seq.token_ids.append(tokens[j])
+            if logprobs[j] is not None:
+                seq.logprobs.append(logprobs[j])
+            reason = check_stop(req, seq, tokens[j])
+            if reason is not None:
+                seq.finish_reason = reason
+                self.finish_sequence(req, seq)
+            progressed.append(req)
+        return progressed
+
+    def update_beams(self, req: Request, live: list[Sequence], step: BeamStep) -> None:
+        """Carry out a beam step: a beam continued k times forks k - 1 times (before any parent
+        takes its new token), a beam continued 0 times is freed, the rest take their token; the
+        request's `seqs` become the new beams, best first."""
+        kept: list[Sequence] = []
+        for c in step.next_beams:
+            parent = live[c.beam]
+            if parent in kept:
+                child = Sequence(list(parent.token_ids), parent.num_prompt_tokens)
+                self._fork_beam(req, parent, child)
+                kept.append(child)
+            else:
+                kept.append(parent)
+        for s in live:
+            if s not in kept:
+                self._drop_beam(req, s)
+        for s, c in zip(kept, step.next_beams):
+            s.token_ids.append(c.token)
+            s.cumulative_logprob = c.cumulative_logprob
+        req.seqs = kept
+        if step.done:
+            for s in kept:
+                s.finish_reason = FinishReason.LENGTH
+                self.finish_sequence(req, s)
+            if not kept:
+                self._finish_request(req)
 
     def finish_sequence(self, req: Request, seq: Sequence) -> None:
         """Free a finished sample's blocks; the request finishes with its last sample."""
@@ -264,20 +324,20 @@ class Scheduler:
             del self.running[req.request_id]
             req.status = RequestStatus.FINISHED
 
-    def finish_request(self, req: Request) -> None:
+    def _finish_request(self, req: Request) -> None:
         """End a request that holds no live sample any more (a beam search whose beams all ended)."""
         if req.request_id in self.running:
             del self.running[req.request_id]
         req.status = RequestStatus.FINISHED
 
-    def fork_beam(self, req: Request, parent: Sequence, child: Sequence) -> None:
+    def _fork_beam(self, req: Request, parent: Sequence, child: Sequence) -> None:
         """A new beam `child` (same tokens as `parent`) that shares all of its blocks."""
         self.bm.fork(parent, child)
         req.seqs.append(child)
         self._num_running_seqs += 1
         self.num_beam_forks += 1
 
-    def drop_beam(self, req: Request, seq: Sequence) -> None:
+    def _drop_beam(self, req: Request, seq: Sequence) -> None:
         """A beam that no candidate continues: its blocks are released now."""
         self.bm.free(seq)
         req.seqs.remove(seq)

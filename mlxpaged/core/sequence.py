@@ -17,9 +17,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import mlx.core as mx
+if TYPE_CHECKING:  # core imports no MLX: pending tokens and keys are only held here, never computed on
+    import mlx.core as mx
 
-if TYPE_CHECKING:
     from ..engine.beam_search import BeamState
     from .block_pool import Block
     from ..engine.sampling_params import SamplingParams
@@ -65,7 +65,6 @@ class PendingToken:
 class Sequence:
     """One sample: its tokens, its block table, and its own random stream."""
 
-    seq_id: int
     token_ids: list[int]
     num_prompt_tokens: int
     sample_index: int = 0
@@ -127,7 +126,6 @@ class Request:
     prompt_token_ids: list[int]
     params: "SamplingParams"
     seqs: list[Sequence]
-    arrival_index: int
     prompt_text: str | None = None
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the first admission
     status: RequestStatus = RequestStatus.WAITING

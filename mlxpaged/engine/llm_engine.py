@@ -1,8 +1,10 @@
 """`LLMEngine`: requests in, one scheduled step at a time, outputs out.
 
-Wiring, all explicit: `Scheduler` (who runs, and the one owner of the block tables, through
-`BlockManager`) -> `ModelRunner` (the forward pass over `PagedKVCache`) -> `sampler` (which
-token) -> stop checks and detokenizing here. The engine never touches a block table itself.
+Wiring, all explicit: `Scheduler` (who runs, and the one owner of the block tables and of every
+request's state, through `BlockManager`) -> `ModelRunner` (the forward pass over `PagedKVCache`)
+-> `sampler` (which token) -> `Scheduler.update_from_output` (appends, with `output.StopChecker`
+deciding stops and detokenizing) -> `output.make_output`. The engine never changes a block table
+or a sequence itself: it launches steps, reads them back and reports.
 
 Overlapped steps (`EngineConfig.async_scheduling`, on by default), as mlx-lm's generate loop:
 one `step()` call schedules step t+1, builds its inputs and its sampling graph and launches it
@@ -11,7 +13,7 @@ runs the stop checks and detokenizes, while the device computes t+1. Invariants:
 - a token sampled in step t stays an MLX array until read back; a sequence that decodes in
   t+1 takes its input id (and its random key) as a row of step t's arrays (`Sequence.pending`);
 - anything that needs token values waits for the read-back: stop checks, detokenizing, block
-  hashing (`update_from_forward` runs after it), beam selection;
+  hashing (`update_from_forward` runs after it), beam selection (`beam_search.beam_step`);
 - a sequence found finished after t+1 was launched has computed one token too many: that row
   is dropped (never appended, never counted) and its blocks are freed. Reuse is safe because
   MLX arrays are functional: a later write to a pool is a new version built on the version
@@ -34,18 +36,20 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from .beam_search import BeamSearchParams, BeamState, Hypothesis, beam_score, select, top_candidates
+from .beam_search import BeamSearchParams, BeamState, beam_step
 from ..core.block_manager import BlockManager, HashFn, blocks_for_request, sha256_block_hash
 from ..config import EngineConfig
 from ..errors import MlxPagedError, StepError
 from ..worker.kv_cache import CacheShape, PagedKVCache, pool_blocks
 from ..worker.kv_calibration import model_key_scales
 from ..worker.model_runner import ModelRunner
-from .outputs import CompletionOutput, EngineStats, RequestOutput
+from .output import StopChecker, make_output
+from .outputs import RequestOutput
 from .sampler import SampleArrays, read_samples, sample_arrays, sample_key
 from .sampling_params import SamplingParams
 from ..core.scheduler import SampleRow, Scheduler, SchedulerOutput
-from ..core.sequence import FinishReason, PendingToken, Request, Sequence
+from ..core.sequence import PendingToken, Request, Sequence
+from .stats import METRIC_KEYS, EngineStats, engine_stats
 
 
 if TYPE_CHECKING:  # annotations only: loading imports nothing of the engine
@@ -99,10 +103,9 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.attention_impl)
         self._check_kernels()
         self.scheduler = Scheduler(config, self.block_manager)
-        self.eos_token_ids = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
+        self.check_stop = StopChecker(set(getattr(self.tokenizer, "eos_token_ids", None) or []))
         self.stats = EngineStats()
         self._ids = itertools.count()
-        self._seq_ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self._inflight: LaunchedStep | None = None  # launched, not read back (overlapped steps)
         self._carried: list[Request] = []  # read back during a failed step: reported at the next
@@ -118,6 +121,14 @@ class LLMEngine:
 
             args = self.loaded.model.args
             check_family(args.num_attention_heads // args.num_key_value_heads, self.kv_cache.keys[0])
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return self.check_stop.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: set[int]) -> None:
+        self.check_stop.eos_token_ids = set(ids)
 
     @property
     def num_blocks(self) -> int:
@@ -136,20 +147,19 @@ class LLMEngine:
         self._check_fits(len(ids), params.n, params.max_tokens)
         seed = params.seed if params.seed is not None else random.getrandbits(31)
         seqs = [
-            Sequence(next(self._seq_ids), list(ids), len(ids), sample_index=i,
+            Sequence(list(ids), len(ids), sample_index=i,
                      rng_key=None if params.greedy else sample_key(seed, i),
                      detokenizer=self.tokenizer.detokenizer)
             for i in range(params.n)
         ]
-        return self._queue(Request(self._new_id(request_id), list(ids), params, seqs, len(self._requests), text))
+        return self._queue(Request(self._new_id(request_id), list(ids), params, seqs, text))
 
     def add_beam_request(self, prompt: str | list[int], params: BeamSearchParams, request_id: str | None = None) -> str:
         """Queue a beam search of `params.beam_width` beams over one prompt (see `beam_search`)."""
         ids, text = self._prompt_ids(prompt)
         self._check_fits(len(ids), params.beam_width, params.max_tokens)
         sp = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
-        req = Request(self._new_id(request_id), list(ids), sp, [Sequence(next(self._seq_ids), list(ids), len(ids))],
-                      len(self._requests), text)
+        req = Request(self._new_id(request_id), list(ids), sp, [Sequence(list(ids), len(ids))], text)
         req.beam = BeamState(params)
         return self._queue(req)
 
@@ -295,40 +305,37 @@ class LLMEngine:
 
     def _commit(self, step: LaunchedStep) -> None:
         """The step's tokens are computed (block tables, hashes, forks); its draws become pending."""
-        self.scheduler.update_from_forward(step.out)
+        pending = []
         s = step.sampled
-        if s is None:
-            return
-        key_row = {i: j for j, i in enumerate(s.sampled)}
-        for j, (_, seq) in enumerate(step.pairs):
-            if not seq.finished:  # finished after the step was scheduled: a wasted row
-                seq.pending = PendingToken(step.step_id, s.tokens, j, s.keys if j in key_row else None, key_row.get(j, 0))
+        if s is not None:
+            key_row = {i: j for j, i in enumerate(s.sampled)}
+            pending = [(seq, PendingToken(step.step_id, s.tokens, j, s.keys if j in key_row else None, key_row.get(j, 0)))
+                       for j, (_, seq) in enumerate(step.pairs)]
+        self.scheduler.update_from_forward(step.out, pending)
 
     def _read_back(self, step: LaunchedStep) -> list[Request]:
-        """Wait for the step's values; append tokens, check stops, detokenize, run beam steps."""
+        """Wait for the step's values; the scheduler appends the tokens (stop checks and detokenizing
+        by `StopChecker`); beam searches rank and carry out their next step."""
         progressed: list[Request] = []
         if step.sampled is not None:
             toks, _, logprobs = read_samples(step.sampled, key_slices=False)
-            for j, (req, seq) in enumerate(step.pairs):
-                p = seq.pending
-                if p is None:
-                    continue  # preempted, aborted or finished since the launch: the token is dropped
-                assert p.step == step.step_id, "one launched step at most is not read back"
-                seq.pending = None
-                if p.keys is not None:
-                    seq.rng_key = p.keys[p.key_row]
-                self._append_token(req, seq, toks[j], logprobs[j])
-                if seq.finished:
-                    self.scheduler.finish_sequence(req, seq)
-                progressed.append(req)
+            appended = self.scheduler.update_from_output(step.step_id, step.pairs, toks, logprobs, self.check_stop)
+            self.stats.generation_tokens += len(appended)
+            progressed += appended
         if step.beam_rows:
             beams: dict[Request, dict[Sequence, int]] = {}
             for r in step.beam_rows:
                 beams.setdefault(r.request, {}).update({s: r.row for s in r.seqs})
             for req, seq_rows in beams.items():
-                if not req.finished:
-                    self._beam_step(req, seq_rows, step.logits)
-                    progressed.append(req)
+                if req.finished:
+                    continue
+                live = req.live_seqs()
+                assert set(seq_rows) == set(live), "every live beam computes its logits in the same step"
+                decided = beam_step(req.beam, live, step.logits[mx.array([seq_rows[s] for s in live])],
+                                    lambda t: t in self.eos_token_ids)
+                self.scheduler.update_beams(req, live, decided)
+                self.stats.generation_tokens += decided.num_tokens
+                progressed.append(req)
         now = time.perf_counter()
         # Time between read-backs: with overlapped steps, one step's share of the wall clock.
         dt = now - max(step.launched_at, self._last_read)
@@ -340,71 +347,6 @@ class LLMEngine:
             self.stats.decode_tokens += len(step.out.decodes)
         return progressed
 
-    def _beam_step(self, req: Request, seq_rows: dict[Sequence, int], logits: mx.array) -> None:
-        """Rank the continuations of every live beam; fork, drop and finish beams (beam_search.py)."""
-        state, width = req.beam, req.beam.params.beam_width
-        live = req.live_seqs()
-        assert set(seq_rows) == set(live), "every live beam computes its logits in the same step"
-        cands = top_candidates(logits[mx.array([seq_rows[s] for s in live])], [s.cumulative_logprob for s in live], 2 * width)
-        ignore_eos = state.params.ignore_eos
-        next_beams, ended = select(cands, width, lambda t: not ignore_eos and t in self.eos_token_ids)
-        lp = state.params.length_penalty
-        for c in ended:
-            tokens = live[c.beam].output_token_ids + [c.token]
-            state.add(Hypothesis(tokens, c.cumulative_logprob, beam_score(c.cumulative_logprob, len(tokens), True, lp), "stop"))
-        self.stats.generation_tokens += len(next_beams) + len(ended)
-        kept: list[Sequence] = []
-        for c in next_beams:  # fork before any parent takes its own new token
-            parent = live[c.beam]
-            if parent in kept:
-                child = Sequence(next(self._seq_ids), list(parent.token_ids), parent.num_prompt_tokens)
-                self.scheduler.fork_beam(req, parent, child)
-                kept.append(child)
-            else:
-                kept.append(parent)
-        for s in live:
-            if s not in kept:
-                self.scheduler.drop_beam(req, s)
-        for s, c in zip(kept, next_beams):
-            s.token_ids.append(c.token)
-            s.cumulative_logprob = c.cumulative_logprob
-        req.seqs = kept  # best first
-        if not state.done and kept and kept[0].num_output_tokens >= state.params.max_tokens:
-            for s in kept:
-                state.add(Hypothesis(list(s.output_token_ids), s.cumulative_logprob,
-                                     beam_score(s.cumulative_logprob, s.num_output_tokens, False, lp), "length"))
-        if state.done or not kept or kept[0].num_output_tokens >= state.params.max_tokens:
-            for s in kept:
-                s.finish_reason = FinishReason.LENGTH
-                self.scheduler.finish_sequence(req, s)
-            if not kept:
-                self.scheduler.finish_request(req)
-
-    def _append_token(self, req: Request, seq: Sequence, tok: int, logprob) -> None:
-        """Add a sampled token and decide whether it ends the sample.
-
-        A token that ends the sample by id (EOS, `stop_token_ids`) stays in `token_ids` but never
-        reaches the text, as in vLLM and mlx-lm.
-        """
-        p = req.params
-        seq.token_ids.append(tok)
-        if logprob is not None:
-            seq.logprobs.append(logprob)
-        self.stats.generation_tokens += 1
-        if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
-            seq.finish_reason = FinishReason.STOP
-            return
-        seq.detokenizer.add_token(tok)
-        if p.stop:
-            text = seq.detokenizer.text
-            hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
-            if hits:
-                seq.finish_reason = FinishReason.STOP
-                seq.stop_text_len = min(hits)
-                return
-        if seq.num_output_tokens >= p.max_tokens:
-            seq.finish_reason = FinishReason.LENGTH
-
     def _track_peaks(self) -> None:
         st = self.stats
         running = [s for r in self.scheduler.running.values() for s in r.live_seqs()]
@@ -415,32 +357,7 @@ class LLMEngine:
     def _finish_or_report(self, req: Request) -> RequestOutput:
         if req.finished:
             del self._requests[req.request_id]
-        return self.make_output(req)
-
-    def make_output(self, req: Request) -> RequestOutput:
-        if req.beam is not None:
-            return self._beam_output(req)
-        outs = []
-        for s in req.seqs:
-            if s.finished:
-                s.detokenizer.finalize()
-            text = s.detokenizer.text
-            if s.stop_text_len is not None:
-                text = text[: s.stop_text_len]
-            outs.append(CompletionOutput(s.sample_index, text, list(s.output_token_ids),
-                                         s.finish_reason.value if s.finish_reason else None,
-                                         logprobs=list(s.logprobs) if req.params.logprobs is not None else None))
-        return RequestOutput(req.request_id, req.prompt_text, req.prompt_token_ids, outs, req.finished, req.num_cached_tokens)
-
-    def _beam_output(self, req: Request) -> RequestOutput:
-        """The finished hypotheses, best first (none while the search runs)."""
-        outs = []
-        if req.finished:
-            for i, h in enumerate(req.beam.finished):
-                text_ids = h.token_ids[:-1] if h.finish_reason == "stop" else h.token_ids
-                outs.append(CompletionOutput(i, self.tokenizer.decode(text_ids), list(h.token_ids), h.finish_reason,
-                                             cumulative_logprob=h.cumulative_logprob, score=h.score))
-        return RequestOutput(req.request_id, req.prompt_text, req.prompt_token_ids, outs, req.finished, req.num_cached_tokens)
+        return make_output(req, self.tokenizer)
 
     # -- introspection ---------------------------------------------------------------------------
     def live_sequences(self) -> list[Sequence]:
@@ -449,40 +366,11 @@ class LLMEngine:
     def check_invariants(self) -> None:
         self.block_manager.check(self.live_sequences())
 
-    def metrics(self) -> dict:
-        """Gauges and counters for a server's /metrics (blocks "used" have ref_cnt > 0)."""
-        pool = self.block_manager.pool
-        return {
-            "requests_running": len(self.scheduler.running),
-            "requests_waiting": len(self.scheduler.waiting),
-            "kv_blocks_used": pool.num_used,
-            "kv_blocks_total": pool.num_blocks,
-            "prefix_cache_hit_tokens": self.scheduler.prefix_cache_hit_tokens,
-            "preemptions": self.scheduler.num_preemptions,
-            "generation_tokens": self.stats.generation_tokens,
-        }
-
     def stats_dict(self) -> dict:
-        st, pool = self.stats, self.block_manager.pool
-        return {
-            "prompt_tokens": st.prompt_tokens,
-            "generation_tokens": st.generation_tokens,
-            "prompt_tps": st.computed_prefill_tokens / st.prefill_time if st.prefill_time else 0.0,
-            "generation_tps": st.decode_tokens / st.decode_time if st.decode_time else 0.0,
-            "peak_memory_gb": mx.get_peak_memory() / 1e9,
-            "block_size": self.config.block_size,
-            "num_blocks": pool.num_blocks,
-            "pool_gb": self.kv_cache.nbytes / 1e9,
-            "kv_bits": self.config.kv_bits,
-            "kv_group_size": self.config.kv_group_size,
-            "blocks_in_use_peak": st.blocks_in_use_peak,
-            "blocks_without_sharing": st.blocks_without_sharing_peak,
-            "cow_copies": self.block_manager.num_cow_copies,
-            "beam_forks": self.scheduler.num_beam_forks,
-            "beam_frees": self.scheduler.num_beam_frees,
-            "prefix_cache_hit_tokens": self.scheduler.prefix_cache_hit_tokens,
-            "preemptions": self.scheduler.num_preemptions,
-            "blocks_free": pool.num_free,
-            "blocks_cached": len(pool.cached),
-            "running_seqs_peak": st.running_seqs_peak,
-        }
+        """Every counter and gauge of this engine (engine/stats.py)."""
+        return engine_stats(self)
+
+    def metrics(self) -> dict:
+        """The gauges and counters a server's /metrics exports (blocks "used" have ref_cnt > 0)."""
+        st = self.stats_dict()
+        return {k: st[k] for k in METRIC_KEYS}

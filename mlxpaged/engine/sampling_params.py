@@ -5,6 +5,8 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, field
 
+from .guided import GuidedDecoding
+
 
 @dataclass
 class SamplingParams:
@@ -24,6 +26,15 @@ class SamplingParams:
     max_tokens: generated tokens at most. stop: strings that end a sample (not included in
       its text). stop_token_ids: extra token ids that end a sample. ignore_eos: keep going
       past EOS (benchmarks).
+    min_p: drop tokens whose probability (after temperature) is below min_p times the most
+      likely token's; 0 disables. logit_bias: token id -> bias in [-100, 100] added to the raw
+      logits (OpenAI's; +-100 forces or bans). presence_penalty, frequency_penalty in [-2, 2]:
+      OpenAI's, on the generated tokens (subtract presence_penalty once per token that
+      occurred, frequency_penalty times its count). repetition_penalty > 0 (1 disables): HF's
+      and vLLM's, on prompt and generated tokens (a positive logit divided by it, a negative
+      one multiplied). The order in which all of these act is in `sampler.py`'s docstring.
+    guided: a `GuidedDecoding` (JSON schema, any JSON object, or a grammar) every sampled
+      token must follow; the sample stops ("stop") when the grammar is complete.
     """
 
     n: int = 1
@@ -36,6 +47,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    guided: GuidedDecoding | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -57,6 +74,28 @@ class SamplingParams:
             raise ValueError(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if not _is_real(self.repetition_penalty) or not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+            bias = {}
+            for k, v in self.logit_bias.items():
+                tok = int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k
+                if not _is_int(tok) or tok < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {k!r}")
+                if not _is_real(v) or not -100 <= v <= 100:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {v!r} for token {k!r}")
+                bias[int(tok)] = float(v)
+            self.logit_bias = bias or None
+        if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
+            raise ValueError(f"guided must be a GuidedDecoding, got {type(self.guided).__name__}")
 
     def needs_filter(self, vocab_size: int) -> bool:
         """Whether top-k or top-p can drop any token of a `vocab_size` vocabulary."""
@@ -65,6 +104,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any penalty changes the logits (they need the sample's token counts)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and v == v
 
 
 def _is_int(v) -> bool:

@@ -54,24 +54,14 @@ class _Sampling(_Body):
     def to_sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int | None = None,
                            **extra) -> SamplingParams:
         """Raises ValueError (SamplingParams' own checks) for values the types let through."""
-        knobs = sampling_knobs(presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                               repetition_penalty=self.repetition_penalty, min_p=self.min_p,
-                               logit_bias=logit_bias_ids(self.logit_bias, vocab_size))
+        knobs = dict(presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                     repetition_penalty=self.repetition_penalty, min_p=self.min_p,
+                     logit_bias=logit_bias_ids(self.logit_bias, vocab_size))
         return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               seed=self.seed, max_tokens=max_tokens, stop=self.stop,
                               stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
                               **({"logprobs": logprobs} if logprobs is not None else {}), **knobs,
                               **{k: v for k, v in extra.items() if v is not None})
-
-
-_KNOB_DEFAULTS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
-                  "logit_bias": None}
-
-
-def sampling_knobs(**knobs) -> dict:
-    """The knobs that differ from their defaults: a request that sets none builds the same
-    `SamplingParams` as before the knobs existed."""
-    return {k: v for k, v in knobs.items() if v != _KNOB_DEFAULTS[k] and not (k == "logit_bias" and not v)}
 
 
 def logit_bias_ids(bias: dict[str, float] | None, vocab_size: int | None) -> dict[int, float] | None:

@@ -1,0 +1,61 @@
+"""After a token is appended: stop checks, detokenizing, and the outputs a caller sees.
+
+`check_stop` is what the scheduler calls on every appended token (`Scheduler.update_from_output`);
+`make_output` turns a request into the `RequestOutput` that `LLMEngine.step` returns.
+"""
+
+from __future__ import annotations
+
+from ..core.sequence import FinishReason, Request, Sequence
+from .outputs import CompletionOutput, RequestOutput
+
+
+class StopChecker:
+    """Decides whether a just-appended token ends its sample, and feeds the detokenizer.
+
+    A token that ends the sample by id (EOS, `stop_token_ids`) stays in `token_ids` but never
+    reaches the text, as in vLLM and mlx-lm. A stop string ends it at the string's first
+    occurrence (`stop_text_len`); only text the new token could have completed is searched.
+    """
+
+    def __init__(self, eos_token_ids: set[int]):
+        self.eos_token_ids = eos_token_ids
+
+    def __call__(self, req: Request, seq: Sequence, tok: int) -> FinishReason | None:
+        p = req.params
+        if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
+            return FinishReason.STOP
+        before = len(seq.detokenizer.text)
+        seq.detokenizer.add_token(tok)
+        if p.stop:
+            text = seq.detokenizer.text
+            # A stop string completed by this token starts after `before - len(stop) + 1`.
+            hits = [i for i in (text.find(s, max(0, before - len(s) + 1)) for s in p.stop) if i >= 0]
+            if hits:
+                seq.stop_text_len = min(hits)
+                return FinishReason.STOP
+        if seq.num_output_tokens >= p.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+
+def make_output(req: Request, tokenizer) -> RequestOutput:
+    """The request's samples so far (or, for a beam search, its finished hypotheses, best first)."""
+    outs = []
+    if req.beam is not None:
+        if req.finished:
+            for i, h in enumerate(req.beam.finished):
+                text_ids = h.token_ids[:-1] if h.finish_reason == "stop" else h.token_ids
+                outs.append(CompletionOutput(i, tokenizer.decode(text_ids), list(h.token_ids), h.finish_reason,
+                                             cumulative_logprob=h.cumulative_logprob, score=h.score))
+    else:
+        for s in req.seqs:
+            if s.finished:
+                s.detokenizer.finalize()
+            text = s.detokenizer.text
+            if s.stop_text_len is not None:
+                text = text[: s.stop_text_len]
+            outs.append(CompletionOutput(s.sample_index, text, list(s.output_token_ids),
+                                         s.finish_reason.value if s.finish_reason else None,
+                                         logprobs=list(s.logprobs) if req.params.logprobs is not None else None))
+    return RequestOutput(req.request_id, req.prompt_text, req.prompt_token_ids, outs, req.finished, req.num_cached_tokens)
