@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import APIError
-from .guided_request import tool_plan
+from .guided_request import format_guided, tool_plan
 from .prompts import check_context, encode_messages
 from .turns import TurnEnd, sse, start_turn, turn_events, whole_turn
 
@@ -90,6 +90,16 @@ class ToolChoice(_Body):
     disable_parallel_tool_use: bool = False
 
 
+class JsonFormat(_Body):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Body):
+    format: Optional[JsonFormat] = None
+    effort: Optional[str] = None  # refused when set: no reasoning models here
+
+
 class CountTokensRequest(_Body):
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -107,6 +117,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=0)
     metadata: Optional[dict[str, Any]] = None  # accepted and ignored (user_id)
+    output_config: Optional[OutputConfig] = None  # structured output: format json_schema
 
 
 def _parse(model, raw) -> BaseModel:
@@ -226,6 +237,14 @@ def register_anthropic(app: FastAPI, state) -> None:
         body = await _body(request, MessagesRequest)
         ids, plan = encode(body)
         try:
+            oc = body.output_config
+            if oc is not None and oc.effort is not None:
+                raise APIError(400, "output_config.effort: not supported by this server (no reasoning models)")
+            if oc is not None and oc.format is not None:
+                if plan.guided is not None:
+                    raise APIError(400, "output_config.format: cannot be combined with tool_choice any or tool "
+                                   "(both constrain the output)")
+                plan.guided = format_guided("json_schema", oc.format.schema_, "output_config.format")
             check_context(len(ids), body.max_tokens, state.context)
             params = _params(_Sampling(body), body.max_tokens, None, state.vocab_size, guided=plan.guided)
             job = await start_turn(state, "msg", ids, params)

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import MlxPagedError, StepError
+from .anthropic_api import register_anthropic
 from .engine_loop import EngineDown, EngineLoop, Sink
 from .errors import APIError, error_body
 from .metrics import CONTENT_TYPE, Metrics
@@ -28,6 +29,7 @@ from .guided_request import chat_plan
 from .prompts import check_context, encode_messages, encode_prompt
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import ChoiceStream, TokenText, chat_logprobs, completion_logprobs, envelope, usage
+from .responses_api import register_responses
 from .tools import ToolCallStream, message_with_calls, stream_tool_delta
 
 DEFAULT_CHAT_MAX_TOKENS = 1024  # when a chat body gives neither max_tokens nor max_completion_tokens

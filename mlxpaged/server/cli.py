@@ -38,12 +38,14 @@ def _check_port(host: str, port: int) -> None:
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--api-key", envvar="MLXPAGED_API_KEY", default=None, help="Require 'Authorization: Bearer KEY' on /v1/ routes (env MLXPAGED_API_KEY).")
 @click.option("--max-queue", default=1024, show_default=True, type=click.IntRange(1), help="Requests waiting for admission before new ones get 503.")
+@click.option("--responses-store", default=0, show_default=True, type=click.IntRange(0), help="Responses kept in memory (LRU) for /v1/responses' previous_response_id; 0: stateless.")
 @click.option("--served-model-name", default=None, help="The model id of /v1/models (default: --model, or the checkpoint's folder name).")
 @click.option("--shutdown-timeout", default=5.0, show_default=True, help="Seconds Ctrl-C lets running requests finish before aborting them.")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]), show_default=True)
-def serve(model, dtype, weights, host, port, api_key, max_queue, served_model_name, shutdown_timeout, log_level,
+def serve(model, dtype, weights, host, port, api_key, max_queue, responses_store, served_model_name, shutdown_timeout, log_level,
           **engine_flags):
-    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
+    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /health, /metrics)
+    and Anthropic's (/v1/messages, /v1/messages/count_tokens)."""
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -79,7 +81,7 @@ def serve(model, dtype, weights, host, port, api_key, max_queue, served_model_na
     model_id = served_model_name or model or loaded.path.name
     metrics.attach(engine_loop)
     app = build_app(engine_loop, metrics, model_id=model_id, model_aliases={loaded.path.name, str(loaded.path)},
-                    api_key=api_key, max_queue=max_queue)
+                    api_key=api_key, max_queue=max_queue, responses_store=responses_store)
     _announce(host, port, model_id, loaded, engine, api_key)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
                             timeout_graceful_shutdown=shutdown_timeout + 5, lifespan="on")
