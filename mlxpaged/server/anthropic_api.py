@@ -124,7 +124,7 @@ def _parse(model, raw) -> BaseModel:
     try:
         return model.model_validate(raw)
     except ValidationError as e:
-        err = e.errors()[0]
+        err = max(e.errors(), key=lambda x: len(x["loc"]))  # of a union's branches, the one that got furthest
         loc = ".".join(str(x) for x in err["loc"])
         raise AnthropicError(400, f"{loc or 'body'}: {err['msg']}") from None
 
