@@ -11,6 +11,7 @@ import click
 
 from .options import engine_config, model_and_engine_options
 from ..errors import MlxPagedError
+from ..engine.guided import GuidedDecoding
 from ..engine.sampling_params import SamplingParams
 
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -41,12 +42,40 @@ def _read_prompts_file(path: str) -> list[tuple[str, dict]]:
             unknown = set(obj) - SAMPLING_FIELDS - {"prompt"}
             if unknown:
                 raise MlxPagedError(f"{path}:{i}: unknown fields {sorted(unknown)}")
+            if isinstance(obj.get("guided"), dict):  # {"json_schema": {...}} or {"json_object": true} or {"grammar": "..."}
+                try:
+                    obj["guided"] = GuidedDecoding(**obj["guided"])
+                except (TypeError, ValueError) as e:
+                    raise MlxPagedError(f"{path}:{i}: bad \"guided\": {e}") from None
             items.append((obj.pop("prompt"), obj))
         else:
             items.append((line.replace("\\n", "\n"), {}))
     if not items:
         raise MlxPagedError(f"prompts file {path} has no prompts")
     return items
+
+
+def _parse_logit_bias(items: tuple[str, ...]) -> dict[int, float] | None:
+    bias = {}
+    for item in items:
+        tok, _, val = item.partition("=")
+        try:
+            bias[int(tok)] = float(val)
+        except ValueError:
+            raise MlxPagedError(f"--logit-bias takes TOKEN_ID=BIAS (e.g. 13=-100), got {item!r}") from None
+    return bias or None
+
+
+def _read_json_schema(path: str) -> dict:
+    try:
+        schema = json.loads(open(path, encoding="utf-8").read())
+    except OSError as e:
+        raise MlxPagedError(f"cannot read JSON schema file {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise MlxPagedError(f"{path}: invalid JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(schema, dict):
+        raise MlxPagedError(f"{path}: a JSON schema must be an object")
+    return schema
 
 
 def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -75,13 +104,20 @@ def main():
 @click.option("--top-p", default=1.0, show_default=True)
 @click.option("--top-k", default=0, show_default=True, help="0 disables.")
 @click.option("--seed", default=0, show_default=True, help="Seed of each prompt; sample i draws from its own stream derived from (seed, i).")
+@click.option("--min-p", default=0.0, show_default=True, help="Drop tokens less likely than min_p times the most likely one (0 disables).")
+@click.option("--logit-bias", multiple=True, metavar="TOKEN_ID=BIAS", help="Add BIAS in [-100, 100] to a token's logit (100 forces, -100 bans); repeatable.")
+@click.option("--presence-penalty", default=0.0, show_default=True, help="OpenAI's, in [-2, 2]: subtracted once from each token already generated.")
+@click.option("--frequency-penalty", default=0.0, show_default=True, help="OpenAI's, in [-2, 2]: subtracted per occurrence of each generated token.")
+@click.option("--repetition-penalty", default=1.0, show_default=True, help="HF's, > 0: divides positive (multiplies negative) logits of prompt and generated tokens (1 disables).")
+@click.option("--json-schema", "json_schema", type=click.Path(dir_okay=False), help="A JSON schema file every completion must follow (grammar-constrained decoding).")
 @click.option("--stop", multiple=True, help="A stop string; repeatable.")
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap each prompt in the model's chat template.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS (benchmarks).")
 @click.option("--beam-width", default=0, show_default=True, help="Beam search with this many beams on shared blocks (0: sample).")
 @click.option("--length-penalty", default=1.0, show_default=True, help="Beam score = cumulative logprob / length ** this.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with outputs and stats.")
-def generate(model, dtype, weights, prompts, prompts_file, n, max_tokens, temp, top_p, top_k, seed, stop, chat,
+def generate(model, dtype, weights, prompts, prompts_file, n, max_tokens, temp, top_p, top_k, seed, min_p, logit_bias,
+             presence_penalty, frequency_penalty, repetition_penalty, json_schema, stop, chat,
              ignore_eos, beam_width, length_penalty, as_json, **engine_flags):
     """Generate completions for one or more prompts on a paged KV cache."""
     try:
@@ -91,10 +127,18 @@ def generate(model, dtype, weights, prompts, prompts_file, n, max_tokens, temp, 
         if not items:
             raise MlxPagedError("no prompt: give --prompt TEXT (repeatable) or --prompts-file FILE")
         base = dict(n=n, max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, seed=seed,
-                    stop=list(stop), ignore_eos=ignore_eos)
+                    stop=list(stop), ignore_eos=ignore_eos, min_p=min_p, logit_bias=_parse_logit_bias(logit_bias),
+                    presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                    repetition_penalty=repetition_penalty,
+                    guided=GuidedDecoding(json_schema=_read_json_schema(json_schema)) if json_schema else None)
         params = [SamplingParams(**{**base, **extra}) for _, extra in items]
         beam = None
         if beam_width:
+            knobs = {"--min-p": min_p != 0, "--logit-bias": bool(logit_bias), "--presence-penalty": presence_penalty != 0,
+                     "--frequency-penalty": frequency_penalty != 0, "--repetition-penalty": repetition_penalty != 1,
+                     "--json-schema": bool(json_schema)}
+            if any(knobs.values()):
+                raise MlxPagedError(f"{', '.join(k for k, v in knobs.items() if v)} cannot be used with --beam-width")
             from ..engine.beam_search import BeamSearchParams
 
             beam = BeamSearchParams(beam_width, max_tokens, ignore_eos=ignore_eos, length_penalty=length_penalty)

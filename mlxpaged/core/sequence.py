@@ -78,6 +78,9 @@ class Sequence:
     logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when asked for
     cumulative_logprob: float = 0.0  # beam search: log-probability of the output tokens
     pending: PendingToken | None = None  # a sampled token not yet read back (see the module invariants)
+    # guided decoding (engine/guided.py): the grammar's state after the known output tokens; it
+    # advances where a token is appended, so a dropped pending token never reaches it
+    matcher: object = None
 
     @property
     def num_tokens(self) -> int:

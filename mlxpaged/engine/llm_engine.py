@@ -22,7 +22,12 @@ runs the stop checks and detokenizes, while the device computes t+1. Invariants:
 - a preempted or aborted sequence drops its pending token and keeps its key: the recompute
   samples that position again from the same stream;
 - a step with beam-search rows is read back before the next is scheduled (its beams fork and
-  drop on the values); copy-on-write copies wait for the device inside `copy_blocks`.
+  drop on the values); copy-on-write copies wait for the device inside `copy_blocks`;
+- a step with grammar-constrained rows (`SamplingParams.guided`) launches its forward pass
+  first and its draws after reading back the step before: a row's mask needs the value of its
+  previous token, so the CPU advances the matchers and fills the masks while the device runs
+  the forward pass, and the draws of all rows (one graph) follow. Steps without such rows
+  launch forward and draws together, as before.
 With the flag off every step is read back at once, in the same order of operations.
 """
 
@@ -35,6 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
+import numpy as np
 
 from .beam_search import BeamSearchParams, BeamState, beam_step
 from ..core.block_manager import BlockManager, HashFn, blocks_for_request, sha256_block_hash
@@ -45,7 +51,8 @@ from ..worker.kv_calibration import model_key_scales
 from ..worker.model_runner import ModelRunner
 from .output import StopChecker, make_output
 from .outputs import RequestOutput
-from .sampler import SampleArrays, read_samples, sample_arrays, sample_key
+from .guided import GrammarCompiler, mask_words
+from .sampler import GuideMasks, SampleArrays, TokenHistory, read_samples, sample_arrays, sample_key
 from .sampling_params import SamplingParams
 from ..core.scheduler import SampleRow, Scheduler, SchedulerOutput
 from ..core.sequence import PendingToken, Request, Sequence
@@ -67,6 +74,7 @@ class LaunchedStep:
     logits: mx.array | None  # kept only for beam rows
     num_prefill: int
     launched_at: float
+    logits_rows: mx.array | None = None  # the sampled rows' logits while their draws wait (guided rows)
 
     def requests(self) -> list[Request]:
         return requests_of(self.out)
@@ -110,6 +118,7 @@ class LLMEngine:
         self._inflight: LaunchedStep | None = None  # launched, not read back (overlapped steps)
         self._carried: list[Request] = []  # read back during a failed step: reported at the next
         self._last_read = 0.0
+        self._grammars: GrammarCompiler | None = None  # built by the first guided request
 
     def _check_kernels(self) -> None:
         """With the Metal kernel in use, build and check its variants now, before any request:
@@ -131,6 +140,17 @@ class LLMEngine:
         self.check_stop.eos_token_ids = set(ids)
 
     @property
+    def vocab_size(self) -> int:
+        """Width of the model's logits (may exceed the tokenizer's vocabulary)."""
+        return self.loaded.model.args.vocab_size
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
+
+    @property
     def num_blocks(self) -> int:
         return self.block_manager.pool.num_blocks
 
@@ -145,11 +165,20 @@ class LLMEngine:
         params = params or SamplingParams()
         ids, text = self._prompt_ids(prompt)
         self._check_fits(len(ids), params.n, params.max_tokens)
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise MlxPagedError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary (size {self.vocab_size})")
+        grammar = None
+        if params.guided is not None:
+            try:
+                grammar = self.grammar_compiler.compile(params.guided)
+            except ValueError as e:
+                raise MlxPagedError(str(e)) from None
         seed = params.seed if params.seed is not None else random.getrandbits(31)
         seqs = [
             Sequence(list(ids), len(ids), sample_index=i,
                      rng_key=None if params.greedy else sample_key(seed, i),
-                     detokenizer=self.tokenizer.detokenizer)
+                     detokenizer=self.tokenizer.detokenizer,
+                     matcher=grammar.matcher() if grammar is not None else None)
             for i in range(params.n)
         ]
         return self._queue(Request(self._new_id(request_id), list(ids), params, seqs, text))
@@ -233,11 +262,15 @@ class LLMEngine:
             return self._report(progressed)
         launched = False
         try:
-            cur = self._launch(out)
+            cur = self._launch(out, defer_guided=prev is not None)
             launched = True
             if prev is not None:
                 progressed += self._read_back(prev)
                 prev = None
+            if cur.logits_rows is not None:  # guided rows: their masks needed `prev`'s tokens
+                cur.sampled = self._draws(cur.pairs, cur.logits_rows)
+                cur.logits_rows = None
+                mx.async_eval(*cur.sampled.arrays())
             self._commit(cur)
             if self.config.async_scheduling and not cur.beam_rows:
                 self._inflight = cur
@@ -270,16 +303,18 @@ class LLMEngine:
     def _report(self, progressed: list[Request]) -> list[RequestOutput]:
         return [self._finish_or_report(r) for r in dict.fromkeys(progressed) if r.request_id in self._requests]
 
-    def _launch(self, out: SchedulerOutput) -> LaunchedStep:
+    def _launch(self, out: SchedulerOutput, defer_guided: bool = False) -> LaunchedStep:
         """Build the step's forward pass and draws and hand them to the device; waits for nothing
-        (but copy-on-write copies, which `copy_blocks` evaluates)."""
+        (but copy-on-write copies, which `copy_blocks` evaluates). With `defer_guided` (a step
+        is in flight), a step with guided rows launches its forward pass only: `step` builds the
+        draws after the read-back (`logits_rows` holds their logits meanwhile)."""
         t0 = time.perf_counter()
         rows = self.scheduler.sample_rows(out)
         logits = self._forward(out)
         plain = [r for r in rows if r.request.beam is None]
         beam_rows = [r for r in rows if r.request.beam is not None]
         pairs = [(r.request, s) for r in plain for s in r.seqs]
-        sampled = None
+        sampled = logits_rows = None
         todo = list(self.kv_cache.arrays)  # every pool array (a QuantizedPool is not an array)
         if pairs:
             index = [r.row for r in plain for _ in r.seqs]
@@ -287,15 +322,53 @@ class LLMEngine:
                 logits_rows = logits[mx.array(index)]
             else:
                 logits_rows = logits
-            sampled = sample_arrays(logits_rows, [r.params for r, _ in pairs], [s.current_key() for _, s in pairs])
-            todo += sampled.arrays()
+            if defer_guided and any(s.matcher is not None for _, s in pairs):
+                todo.append(logits_rows)
+            else:
+                sampled = self._draws(pairs, logits_rows)
+                todo += sampled.arrays()
+                logits_rows = None
         if beam_rows:
             todo.append(logits)
         mx.async_eval(*todo)
         num_prefill = sum(c.num_tokens for c in out.prefills)
         self.stats.computed_prefill_tokens += num_prefill
         return LaunchedStep(self.stats.steps, out, pairs, sampled, beam_rows, logits if beam_rows else None,
-                            num_prefill, t0)
+                            num_prefill, t0, logits_rows)
+
+    def _draws(self, pairs: list[tuple[Request, Sequence]], logits_rows: mx.array) -> SampleArrays:
+        """The draws of `pairs[j]` from `logits_rows[j]`, one graph: grammar masks for the guided
+        rows, token histories for the rows with penalties (see sampler.py)."""
+        histories = None
+        if any(r.params.has_penalties for r, _ in pairs):
+            histories = [TokenHistory(s.token_ids, s.num_prompt_tokens,
+                                      (s.pending.tokens, s.pending.row) if s.pending is not None else None)
+                         if r.params.has_penalties else None for r, s in pairs]
+        return sample_arrays(logits_rows, [r.params for r, _ in pairs], [s.current_key() for _, s in pairs],
+                             masks=self._guide_masks(pairs), histories=histories)
+
+    def _guide_masks(self, pairs: list[tuple[Request, Sequence]]) -> GuideMasks | None:
+        """Fill the grammar masks of the guided rows on the CPU; None when there are none.
+
+        A matcher is brought to its sample's known output tokens first (`sync`: after a
+        preemption or anything else that changed them it rolls back or replays); a sample
+        that finished since the step was scheduled draws unmasked (its row is dropped).
+        """
+        rows = [j for j, (_, s) in enumerate(pairs) if s.matcher is not None]
+        if not rows:
+            return None
+        bits = np.empty((len(rows), mask_words(self.vocab_size)), dtype=np.int32)
+        for k, j in enumerate(rows):
+            seq = pairs[j][1]
+            assert seq.pending is None, "a guided row's previous token is read back before its mask"
+            m = seq.matcher
+            out = seq.output_token_ids
+            synced = len(m.consumed) == len(out) and (not out or m.consumed[-1] == out[-1]) or m.sync(out)
+            if seq.finished or not synced:
+                bits[k] = -1
+            else:
+                m.fill_mask(bits[k])
+        return GuideMasks(rows, bits)
 
     def _forward(self, out: SchedulerOutput) -> mx.array:
         """The step's one forward pass over every scheduled token, lazily; logits `[len(out.batch()), V]`.

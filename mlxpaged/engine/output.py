@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from ..core.sequence import FinishReason, Request, Sequence
 from .outputs import CompletionOutput, RequestOutput
 
@@ -16,6 +18,8 @@ class StopChecker:
     A token that ends the sample by id (EOS, `stop_token_ids`) stays in `token_ids` but never
     reaches the text, as in vLLM and mlx-lm. A stop string ends it at the string's first
     occurrence (`stop_text_len`); only text the new token could have completed is searched.
+    A constrained sample's grammar matcher takes every appended token; the sample ends ("stop")
+    when the grammar is complete.
     """
 
     def __init__(self, eos_token_ids: set[int]):
@@ -25,6 +29,13 @@ class StopChecker:
         p = req.params
         if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
             return FinishReason.STOP
+        grammar_done = False
+        if seq.matcher is not None:
+            if not seq.matcher.consume(tok):  # the mask forbids this: a bug, not the request's fault
+                logging.getLogger(__name__).warning("request %s: the grammar rejected token %d (%s); sample stopped",
+                                                    req.request_id, tok, seq.matcher.error())
+                return FinishReason.STOP
+            grammar_done = seq.matcher.is_stopped
         before = len(seq.detokenizer.text)
         seq.detokenizer.add_token(tok)
         if p.stop:
@@ -34,6 +45,8 @@ class StopChecker:
             if hits:
                 seq.stop_text_len = min(hits)
                 return FinishReason.STOP
+        if grammar_done:
+            return FinishReason.STOP
         if seq.num_output_tokens >= p.max_tokens:
             return FinishReason.LENGTH
         return None

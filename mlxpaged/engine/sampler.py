@@ -1,12 +1,27 @@
-"""Token sampling: vLLM's order of filters, one random stream per sample, logprobs.
+"""Token sampling: vLLM's order of logits processors, one random stream per sample, logprobs.
 
-Order (vLLM's, as `SamplingParams` promises; mlx-lm applies top-p before temperature):
-  1. divide the logits by the temperature (temperature 0 is greedy: argmax, nothing else);
-  2. top-k: keep the tokens whose tempered logit is >= the k-th largest (ties at it are kept);
-  3. top-p: on the tempered, top-k-renormalized distribution, keep the most probable tokens
+Order (vLLM v1's `Sampler.forward`, as `SamplingParams` promises; mlx-lm applies top-p before
+temperature). Every row of a step goes through it in one graph; a step in which no row asks
+for a processor builds none of its arrays:
+  0. logprobs, when asked for, are the log-softmax of the raw logits (vLLM's default);
+  1. grammar mask: a constrained row's forbidden tokens become -inf (vLLM applies the
+     structured-output bitmask before its sampler);
+  2. logit_bias: added to the logits (vLLM's non-argmax-invariant processors);
+  3. penalties, on the biased logits (vLLM's `apply_penalties`): repetition_penalty first, on
+     the tokens of the prompt and the output (a positive logit divided by it, a negative one
+     multiplied), then frequency_penalty times each token's count in the output and
+     presence_penalty once per token present in the output are subtracted;
+  4. temperature 0 is greedy: argmax of the logits after steps 1-3, nothing else; otherwise the
+     logits are divided by the temperature;
+  5. min_p: tokens whose probability is below min_p times the largest one's become -inf
+     (vLLM's argmax-invariant processors, after the temperature);
+  6. top-k: keep the tokens whose tempered logit is >= the k-th largest (ties at it are kept);
+  7. top-p: on the tempered, top-k-renormalized distribution, keep the most probable tokens
      whose mass before them (in descending order) is < top_p, i.e. the smallest prefix reaching
      top_p; tokens tied with the last kept one are kept too;
-  4. draw: argmax(filtered + Gumbel noise of the sub-key), which is `mx.random.categorical`.
+  8. draw: argmax(filtered + Gumbel noise of the sub-key), which is `mx.random.categorical`.
+The "output" of step 3 includes a sample's pending token (the one the previous, overlapped
+step drew and nobody has read back): its value joins the counts inside the graph.
 
 Streams: sample `i` of a request seeded `s` starts from `sample_key(s, i)`, the Threefry-2x32
 (20 rounds, MLX's own PRNG) encryption of the counter (0, i) under the seed's key
@@ -15,9 +30,6 @@ counters, so distinct indices never share a starting key; distinct seeds are dis
 Every draw splits the key: `key, sub = mx.random.split(key)`; the token is drawn with `sub`
 and `key` is kept. A sample's tokens therefore depend only on its (seed, index) and its
 logits, never on what else shares the batch.
-
-Logprobs are the log-softmax of the raw logits, before temperature, top-k and top-p (vLLM's
-default), for the rows whose `params.logprobs` is not None.
 """
 
 from __future__ import annotations
@@ -98,6 +110,103 @@ def sample_token(logits: mx.array, params: SamplingParams, key: mx.array | None)
     return mx.random.categorical(filter_logits(logits, params), key=sub), key
 
 
+@dataclass
+class TokenHistory:
+    """A row's tokens, for its penalties: the prompt and the known generated ids (`token_ids`,
+    the first `num_prompt_tokens` of them the prompt) and the pending token, a row `(array, row)`
+    of an earlier step's still lazy tokens, or None."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    pending: tuple | None = None
+
+
+@dataclass
+class GuideMasks:
+    """The grammar masks of a step's constrained rows: row `rows[j]` may draw token t only if bit
+    `t % 32` of `bits[j, t // 32]` is set (int32 `[len(rows), ceil(V / 32)]`, filled on the CPU)."""
+
+    rows: list[int]
+    bits: np.ndarray
+
+
+def apply_token_bitmask(x: mx.array, bits: mx.array) -> mx.array:
+    """`x [R, V]` with the tokens whose bit is clear in `bits [R, ceil(V / 32)]` (int32) set to -inf."""
+    r, v = x.shape
+    shifts = mx.arange(32, dtype=mx.int32)
+    allowed = ((bits[:, :, None] >> shifts) & 1).reshape(r, -1)[:, :v]
+    return mx.where(allowed.astype(mx.bool_), x, mx.array(-mx.inf, dtype=x.dtype))
+
+
+def apply_penalties(x: mx.array, params: list[SamplingParams], histories: list[TokenHistory]) -> mx.array:
+    """vLLM's penalties on `x [R, V]` (float32), row `i` with `params[i]` over `histories[i]`."""
+    r, v = x.shape
+    out_rows, out_toks, prompt_rows, prompt_toks, pend_rows, pend_refs = [], [], [], [], [], []
+    for i, (p, h) in enumerate(zip(params, histories)):
+        gen = h.token_ids[h.num_prompt_tokens:]
+        out_rows += [i] * len(gen)
+        out_toks += gen
+        if h.pending is not None:
+            pend_rows.append(i)
+            pend_refs.append(h.pending)
+        if p.repetition_penalty != 1.0:
+            prompt_rows += [i] * h.num_prompt_tokens
+            prompt_toks += h.token_ids[: h.num_prompt_tokens]
+    rows = mx.array(np.array(out_rows + pend_rows, dtype=np.int32))
+    toks = mx.array(np.array(out_toks, dtype=np.int32))
+    if pend_refs:
+        toks = mx.concatenate([toks, gather_rows(pend_refs).astype(mx.int32)])
+    counts = mx.zeros((r, v), dtype=mx.float32)
+    if len(out_rows) + len(pend_rows):
+        counts = counts.at[rows, toks].add(1.0)
+    rep = mx.array([p.repetition_penalty for p in params], dtype=mx.float32)[:, None]
+    if prompt_rows:
+        seen = counts + mx.zeros((r, v), dtype=mx.float32).at[
+            mx.array(np.array(prompt_rows, dtype=np.int32)), mx.array(np.array(prompt_toks, dtype=np.int32))].add(1.0)
+    else:
+        seen = counts
+    rep = mx.where(seen > 0, rep, 1.0)
+    x = mx.where(x > 0, x / rep, x * rep)
+    freq = mx.array([p.frequency_penalty for p in params], dtype=mx.float32)[:, None]
+    pres = mx.array([p.presence_penalty for p in params], dtype=mx.float32)[:, None]
+    return x - freq * counts - pres * (counts > 0)
+
+
+def apply_min_p(x: mx.array, min_p: mx.array) -> mx.array:
+    """Tempered `x [R, V]` with the tokens of probability < min_p * the row's largest set to -inf
+    (in log space: x < max(x) + log(min_p)); min_p `[R]` float32, > 0."""
+    cut = mx.max(x, axis=-1, keepdims=True) + mx.log(min_p)[:, None]
+    return mx.where(x >= cut, x, mx.array(-mx.inf, dtype=x.dtype))
+
+
+def process_logits(logits: mx.array, params: list[SamplingParams], masks: GuideMasks | None,
+                   histories: list | None) -> mx.array:
+    """Steps 1-3 of the module's order on `logits [B, V]`; `logits` itself when no row needs any."""
+    bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
+    pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
+    if masks is None and not bias_rows and not pen_rows:
+        return logits
+    x = logits.astype(mx.float32)
+    b, v = x.shape
+    if masks is not None and masks.rows:
+        idx = mx.array(masks.rows)
+        x[idx] = apply_token_bitmask(x[idx], mx.array(masks.bits))
+    if bias_rows:
+        rows, toks, vals = [], [], []
+        for i in bias_rows:
+            for t, val in params[i].logit_bias.items():
+                rows.append(i)
+                toks.append(t)
+                vals.append(val)
+        x = x + mx.zeros((b, v), dtype=mx.float32).at[mx.array(rows), mx.array(toks)].add(mx.array(vals, dtype=mx.float32))
+    if pen_rows:
+        if histories is None or any(histories[i] is None for i in pen_rows):
+            raise ValueError("rows with penalties need their token histories")
+        idx = mx.array(pen_rows)
+        x[idx] = apply_penalties(x[idx], [params[i] for i in pen_rows], [histories[i] for i in pen_rows])
+    return x
+
+
 _split_rows = mx.vmap(lambda k: mx.random.split(k))
 
 
@@ -154,22 +263,32 @@ class SampleArrays:
         return [a for a in (self.tokens, self.keys, self.chosen, self.top_ids, self.top_vals) if a is not None]
 
 
-def sample_arrays(logits: mx.array, params: list[SamplingParams], keys: list) -> SampleArrays:
+def sample_arrays(logits: mx.array, params: list[SamplingParams], keys: list, *,
+                  masks: GuideMasks | None = None, histories: list | None = None) -> SampleArrays:
     """Build (without evaluating) the draw of row `i` of `logits [B, V]` with `params[i]` and
-    `keys[i]` (an array, `(array, row)` as for `gather_rows`, or None for greedy rows).
+    `keys[i]` (an array, `(array, row)` as for `gather_rows`, or None for greedy rows), in the
+    module's order. `masks`: the grammar masks of the constrained rows; `histories[i]`: a
+    `TokenHistory` for every row with penalties.
 
-    Greedy rows share one argmax; sampled rows share one temperature division, one sort (only
-    for the rows with top-k or top-p) and one vmapped split-and-draw over their keys; the
-    logprobs of all rows come from one log-softmax and one argpartition.
+    Masks, biases and penalties change only the rows that ask for them (none: no array);
+    greedy rows share one argmax; sampled rows share one temperature division, one min-p cut
+    (only the rows with min_p), one sort (only for the rows with top-k or top-p) and one
+    vmapped split-and-draw over their keys; the logprobs of all rows come from one
+    log-softmax and one argpartition.
     """
-    toks = mx.argmax(logits, axis=-1)
+    x_all = process_logits(logits, params, masks, histories)
+    toks = mx.argmax(x_all, axis=-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     drawn_keys = None
     if sampled:
         vocab = logits.shape[-1]
         idx = mx.array(sampled) if len(sampled) < len(params) else None
         temps = mx.array([params[i].temperature for i in sampled], dtype=mx.float32)
-        x = (logits[idx] if idx is not None else logits).astype(mx.float32) / temps[:, None]
+        x = (x_all[idx] if idx is not None else x_all).astype(mx.float32) / temps[:, None]
+        minp = [j for j, i in enumerate(sampled) if params[i].min_p > 0]
+        if minp:
+            midx = mx.array(minp)
+            x[midx] = apply_min_p(x[midx], mx.array([params[sampled[j]].min_p for j in minp], dtype=mx.float32))
         filt = [j for j, i in enumerate(sampled) if params[i].needs_filter(vocab)]
         if filt:
             fidx = mx.array(filt)
@@ -209,14 +328,15 @@ def read_samples(s: SampleArrays, *, key_slices: bool = True):
     return token_list, new_keys, logprobs
 
 
-def sample_batch(logits: mx.array, params: list[SamplingParams], keys: list[mx.array | None]):
+def sample_batch(logits: mx.array, params: list[SamplingParams], keys: list[mx.array | None], *,
+                 masks: GuideMasks | None = None, histories: list | None = None):
     """Sample row `i` of `logits [B, V]` with `params[i]` and `keys[i]`, every row in one graph
     and one `eval`; `sample_arrays` then `read_samples`.
 
     Returns (tokens: list[int], the advanced keys, logprobs: list[TokenLogprob | None]) with
     one entry per row; a row's logprobs are None when its `params.logprobs` is None.
     """
-    s = sample_arrays(logits, params, keys)
+    s = sample_arrays(logits, params, keys, masks=masks, histories=histories)
     mx.eval(*s.arrays())
     toks, new_keys, lps = read_samples(s)
     return toks, [k if k is not None else keys[i] for i, k in enumerate(new_keys)], lps
