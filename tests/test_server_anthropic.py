@@ -16,7 +16,7 @@ from test_server import Server
 
 from mlxpaged import LLM, SamplingParams
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}
 TOOLS = [{"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER}]
 OPENAI_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                                   "parameters": WEATHER}}]
@@ -154,8 +154,8 @@ def test_tool_use_turn_and_its_result(server, tiny_model_path, stream):
 
 
 def test_tool_choice_tool_forces_that_tool(server, tiny_model_path):
-    tools = TOOLS + [{"name": "get_time", "input_schema": {"type": "object", "properties": {"tz": {"type": "string"}},
-                                                           "required": ["tz"]}}]
+    tz = {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 12}}, "required": ["tz"]}
+    tools = TOOLS + [{"name": "get_time", "input_schema": tz}]
     m = client(server).messages.create(model=str(tiny_model_path), max_tokens=200, tools=tools,
                                        messages=[{"role": "user", "content": "Weather?"}],
                                        tool_choice={"type": "tool", "name": "get_time"}, extra_body={"temperature": 1.0})

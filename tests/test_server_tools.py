@@ -18,10 +18,11 @@ from test_server import Server
 
 from mlxpaged.server.tools import ToolCallStream, parse_tool_calls, tool_call_grammar
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
-           "required": ["city"]}
-TIME = {"type": "object", "properties": {"tz": {"type": "string"}, "hours": {"type": "integer", "minimum": 0,
-                                                                            "maximum": 23}}, "required": ["tz"]}
+# Strings are bounded: the tiny random model, inside a string, would rarely close it before max_tokens.
+WEATHER = {"type": "object", "required": ["city"],
+           "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["C", "F"]}}}
+TIME = {"type": "object", "required": ["tz"],
+        "properties": {"tz": {"type": "string", "maxLength": 12}, "hours": {"type": "integer", "minimum": 0, "maximum": 23}}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_time", "description": "Time in a zone", "parameters": TIME}}]

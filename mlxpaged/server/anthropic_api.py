@@ -245,9 +245,10 @@ def register_anthropic(app: FastAPI, state) -> None:
                     raise APIError(400, "output_config.format: cannot be combined with tool_choice any or tool "
                                    "(both constrain the output)")
                 plan.guided = format_guided("json_schema", oc.format.schema_, "output_config.format")
+                plan.param = "output_config.format"
             check_context(len(ids), body.max_tokens, state.context)
             params = _params(_Sampling(body), body.max_tokens, None, state.vocab_size, guided=plan.guided)
-            job = await start_turn(state, "msg", ids, params)
+            job = await start_turn(state, "msg", ids, params, plan.param)
         except APIError as e:
             raise AnthropicError.of(e) from None
         msg_id = "msg_" + job.resp_id.split("-", 1)[1][:24]

@@ -135,7 +135,7 @@ def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model
             max_tokens = max(1, min(DEFAULT_CHAT_MAX_TOKENS, (state.context or 1 << 30) - len(ids)))
         check_context(len(ids), max_tokens, state.context)
         params = _params(body, max_tokens, body.logprobs_k(), state.vocab_size, guided=plan.guided)
-        job = await _Job.start(state, "chatcmpl", [ids], params)
+        job = await _Job.start(state, "chatcmpl", [ids], params, plan.param)
 
         def chunk_choice(index, text, lps, finish, stream: ChoiceStream):
             delta = {"content": text}
@@ -214,7 +214,9 @@ class _Job:
         self.final: dict = {}
 
     @classmethod
-    async def start(cls, state: ServerState, prefix: str, prompts: list[list[int]], params) -> "_Job":
+    async def start(cls, state: ServerState, prefix: str, prompts: list[list[int]], params,
+                    guided_param: str | None = None) -> "_Job":
+        """`guided_param`: the request field a grammar the engine cannot compile is blamed on."""
         el = state.engine_loop
         waiting = el.snapshot.get("requests_waiting", 0) + el.pending
         if waiting + len(prompts) > state.max_queue:
@@ -231,6 +233,8 @@ class _Job:
         except BaseException as e:
             for rid in rids:
                 el.abort(rid)
+            if isinstance(e, ValueError) and params.guided is not None and str(e).startswith("unsupported"):
+                raise APIError(400, f"{guided_param}: {e}", param=guided_param) from None
             if isinstance(e, (MlxPagedError, ValueError)):
                 param = "prompt" if str(e).startswith("prompt") else ("n" if params.n > 1 else "max_tokens")
                 raise APIError(400, str(e), param=param, code="context_length_exceeded") from None

@@ -45,6 +45,7 @@ class ToolPlan:
     tools: list[dict] | None = None
     parse: bool = False
     guided: object | None = None
+    param: str | None = None  # the request field that asked for `guided` (named in its errors)
 
 
 def tool_plan(functions: list[dict], choice: str, named: str | None = None, *, parallel: bool = True,
@@ -78,7 +79,7 @@ def tool_plan(functions: list[dict], choice: str, named: str | None = None, *, p
         grammar = tool_call_grammar(forced, parallel=parallel and choice != "named")
     except ValueError as e:
         raise APIError(400, f"tools: {e}", param="tools") from None
-    return ToolPlan(rendered, True, guided("tools", grammar=grammar))
+    return ToolPlan(rendered, True, guided("tools", grammar=grammar), "tools")
 
 
 def chat_plan(body) -> tuple[list[dict], ToolPlan]:
@@ -104,4 +105,5 @@ def chat_plan(body) -> tuple[list[dict], ToolPlan]:
                            "constrain the output)", param="response_format")
         spec = rf.json_schema
         plan.guided = format_guided(rf.type, spec.schema_ if spec is not None else None, "response_format")
+        plan.param = "response_format"
     return messages, plan

@@ -220,11 +220,12 @@ def register_responses(router: APIRouter, state, text_of=None) -> None:
                 raise APIError(400, f"text.format: cannot be combined with tool_choice '{choice}' (both constrain "
                                "the output)", param="text")
             plan.guided = format_guided(fmt.type, fmt.schema_, "text.format")
+            plan.param = "text"
         ids = encode_messages(engine.tokenizer, messages, plan.tools)
         max_tokens = body.max_output_tokens or default_max_tokens(state, len(ids))
         check_context(len(ids), max_tokens, state.context)
         params = _params(_Sampling(body), max_tokens, None, state.vocab_size, guided=plan.guided)
-        job = await start_turn(state, "resp", ids, params)
+        job = await start_turn(state, "resp", ids, params, plan.param)
         resp_id = "resp_" + job.resp_id.split("-", 1)[1]
         created = int(time.time())
 

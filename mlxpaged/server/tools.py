@@ -25,6 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+JSON_STYLE = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}  # llguidance's options
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,9 @@ def tool_call_grammar(functions: list[dict], *, parallel: bool = True) -> str:
         raise ValueError("no function to call")
     rules = []
     for i, f in enumerate(functions):
-        schema = f.get("parameters") or {"type": "object"}
+        # Compact JSON with the separators Qwen's template writes (tojson's ", " and ": "): no free
+        # whitespace a weak model could pad the arguments with until max_tokens.
+        schema = {**(f.get("parameters") or {"type": "object"}), "x-guidance": JSON_STYLE}
         head = f'{OPEN}\n{{"name": {json.dumps(f["name"], ensure_ascii=False)}, "arguments": '
         rules.append(f"call_{i}: {_lark_str(head)} args_{i} {_lark_str('}' + chr(10) + CLOSE)}")
         rules.append(f"args_{i}: %json{json.dumps(schema, ensure_ascii=False)}")

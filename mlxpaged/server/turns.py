@@ -28,11 +28,11 @@ class TurnEnd:
     cached_tokens: int
 
 
-async def start_turn(state, prefix: str, ids: list[int], params):
+async def start_turn(state, prefix: str, ids: list[int], params, guided_param: str | None = None):
     """The engine request of one turn (a 400 before anything streams if it cannot run)."""
     from .app import _Job  # the chat routes' job: queueing, admission errors, aborts
 
-    return await _Job.start(state, prefix, [ids], params)
+    return await _Job.start(state, prefix, [ids], params, guided_param)
 
 
 def _end(state, out, c, params, calls: int) -> TurnEnd:
