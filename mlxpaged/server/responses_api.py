@@ -223,7 +223,12 @@ def register_responses(router: APIRouter, state, text_of=None) -> None:
             plan.param = "text"
         ids = encode_messages(engine.tokenizer, messages, plan.tools)
         max_tokens = body.max_output_tokens or default_max_tokens(state, len(ids))
-        check_context(len(ids), max_tokens, state.context)
+        try:
+            check_context(len(ids), max_tokens, state.context)
+        except APIError as e:  # the chat routes' words, in this API's field names
+            if e.param == "max_tokens":
+                e.param, e.message = "max_output_tokens", e.message.replace("max_tokens", "max_output_tokens")
+            raise
         params = _params(_Sampling(body), max_tokens, None, state.vocab_size, guided=plan.guided)
         job = await start_turn(state, "resp", ids, params, plan.param)
         resp_id = "resp_" + job.resp_id.split("-", 1)[1]
