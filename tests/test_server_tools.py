@@ -46,9 +46,9 @@ def scripted_completion(tok, content: str = "Let me look that up.") -> str:
     return text[start: text.rindex("<|im_end|>")].lstrip("\n")
 
 
-def events_of(text: str, cuts) -> list:
+def events_of(text: str, cuts, names=None) -> list:
     """The parser's events for `text` fed in pieces ending at `cuts`, adjacent text merged."""
-    p, out, prev = ToolCallStream(), [], 0
+    p, out, prev = ToolCallStream(names), [], 0
     for c in [*cuts, len(text)]:
         out += p.feed(text[prev:c])
         prev = c
@@ -118,6 +118,26 @@ def test_malformed_and_unclosed_spans_stay_text():
         whole = events_of(text, [])
         for i in range(len(text) + 1):
             assert events_of(text, [i]) == whole, (text, i)
+
+
+def test_a_bare_json_call_to_an_offered_function_is_a_call():
+    """What Qwen2.5-0.5B answers (greedy) to a weather question with a weather tool: no tags."""
+    bare = '{"name": "get_weather", "arguments": {"city": "Lyon"}}'
+    names = {"get_weather"}
+    cases = [(bare, names, (None, [("get_weather", {"city": "Lyon"})])),
+             (f"\n {bare}\n", names, (None, [("get_weather", {"city": "Lyon"})])),
+             (bare, {"other"}, (bare, [])),  # not an offered function: text
+             (bare, None, (bare, [])),  # no tools offered: text
+             (bare + " and more", names, (bare + " and more", [])),  # not the whole completion: text
+             ('{"a": 1}', names, ('{"a": 1}', [])),
+             ("Sure: " + bare, names, ("Sure: " + bare, []))]
+    for text, offered, (content, calls) in cases:
+        got, got_calls = parse_tool_calls(text, offered)
+        assert (got, [(c.name, json.loads(c.arguments)) for c in got_calls]) == (content, calls), text
+        whole = events_of(text, [], offered)
+        for i in range(len(text) + 1):
+            assert events_of(text, [i], offered) == whole, (text, i)
+        assert events_of(text, range(1, len(text)), offered) == whole
 
 
 # -- the grammar (checked by llguidance's matcher, not by the engine) -----------------------------

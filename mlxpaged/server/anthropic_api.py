@@ -282,7 +282,7 @@ class _Sampling:
                               **{k: v for k, v in extra.items() if v is not None})
 
 
-async def _stream(state, job, parse: bool, head: dict, n_prompt: int):
+async def _stream(state, job, parse, head: dict, n_prompt: int):
     """Anthropic's event sequence: message_start, then per block content_block_start, deltas and
     content_block_stop, then message_delta (stop_reason, usage) and message_stop."""
     index = -1

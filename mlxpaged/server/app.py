@@ -141,7 +141,7 @@ def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model
             delta = {"content": text}
             if plan.parse:  # content the tool-call parser lets through, and the calls it completed
                 if not hasattr(stream, "tools"):
-                    stream.tools = ToolCallStream()
+                    stream.tools = ToolCallStream(plan.parse)
                 delta, finish = stream_tool_delta(stream.tools, text, finish)
                 if not delta and not finish and not lps:
                     return None
@@ -157,7 +157,7 @@ def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model
         choices = []
         for o in outs:
             for c in o.outputs:
-                msg, calls = message_with_calls(c.text) if plan.parse else ({"role": "assistant", "content": c.text}, False)
+                msg, calls = message_with_calls(c.text, plan.parse) if plan.parse else ({"role": "assistant", "content": c.text}, False)
                 choices.append({"index": c.index, "message": msg,
                                 "logprobs": chat_logprobs(c.logprobs, text_of) if getattr(c, "logprobs", None) is not None else None,
                                 "finish_reason": "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason})

@@ -40,10 +40,11 @@ def format_guided(kind: str, schema: dict | None, param: str):
 @dataclass
 class ToolPlan:
     """tools: rendered into the prompt (OpenAI's `{"type": "function", "function": ...}` form), or None.
-    parse: read `<tool_call>` spans of the output as calls. guided: the grammar that forces a call."""
+    parse: the offered function names when the output is read for calls (`tools.ToolCallStream`),
+    else None. guided: the grammar that forces a call."""
 
     tools: list[dict] | None = None
-    parse: bool = False
+    parse: frozenset[str] | None = None
     guided: object | None = None
     param: str | None = None  # the request field that asked for `guided` (named in its errors)
 
@@ -67,7 +68,7 @@ def tool_plan(functions: list[dict], choice: str, named: str | None = None, *, p
         return ToolPlan()
     rendered = [{"type": "function", "function": {k: v for k, v in f.items() if v is not None}} for f in functions]
     if choice == "auto":
-        return ToolPlan(rendered, True)
+        return ToolPlan(rendered, frozenset(names))
     if choice == "named":
         if named not in names:
             raise APIError(400, f"{param}: function '{named}' is not among the offered tools ({', '.join(names)})",
@@ -79,7 +80,7 @@ def tool_plan(functions: list[dict], choice: str, named: str | None = None, *, p
         grammar = tool_call_grammar(forced, parallel=parallel and choice != "named")
     except ValueError as e:
         raise APIError(400, f"tools: {e}", param="tools") from None
-    return ToolPlan(rendered, True, guided("tools", grammar=grammar), "tools")
+    return ToolPlan(rendered, frozenset(names), guided("tools", grammar=grammar), "tools")
 
 
 def chat_plan(body) -> tuple[list[dict], ToolPlan]:

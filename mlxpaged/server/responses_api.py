@@ -278,7 +278,7 @@ class _Sampling:
                               **{k: v for k, v in extra.items() if v is not None})
 
 
-async def _stream(state, job, parse: bool, envelope, finish):
+async def _stream(state, job, parse, envelope, finish):
     """The documented event sequence: response.created, response.in_progress, then per output item
     output_item.added, its deltas (output_text.delta / function_call_arguments.delta) and *.done
     events, output_item.done; then response.completed (or response.incomplete)."""

@@ -14,6 +14,11 @@ is not JSON, or not closed when the sample ends) stays in the text, unchanged, s
 model wrote is lost. Whitespace between a call and its neighbours is dropped; other text is the
 message's content.
 
+Small Qwen2.5 checkpoints (the 0.5B) often answer a tool request with the bare JSON object and
+no tags. So a completion that is, as a whole, one such object naming an offered function is a
+call too. While a streamed completion may still be one (it starts with `{`), its text is held
+back until it ends.
+
 One rule for every API: the OpenAI chat route, Anthropic's Messages and OpenAI's Responses all
 convert their own shapes to these chat messages and tool definitions.
 """
@@ -58,9 +63,10 @@ def _call_of(body: str) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a whole completion; content is None when it is empty and there are calls."""
-    s = ToolCallStream()
+def parse_tool_calls(text: str, names=None) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a whole completion; content is None when it is empty and there are calls.
+    `names`: the offered functions, which a bare JSON completion may call (None: only spans)."""
+    s = ToolCallStream(names)
     events = s.feed(text) + s.finish()
     content = "".join(e for e in events if isinstance(e, str))
     calls = [e for e in events if isinstance(e, ToolCall)]
@@ -83,7 +89,10 @@ class ToolCallStream:
     The events of any split of a text equal those of the whole text (`parse_tool_calls`).
     """
 
-    def __init__(self):
+    def __init__(self, names=None):
+        self.names = frozenset(names or ())  # functions a bare JSON completion may call
+        self.lead: str | None = "" if self.names else None  # held while the completion may be a bare call
+        self.bare = False  # the completion starts with "{": hold it all until it ends
         self.buf = ""  # text not yet decided (while `in_call`: the open span so far)
         self.in_call = False
         self.ws = ""  # trailing whitespace held back: dropped if a call follows, else text
@@ -91,6 +100,18 @@ class ToolCallStream:
         self.num_calls = 0
 
     def feed(self, delta: str) -> list:
+        if self.lead is not None:
+            self.lead += delta
+            head = self.lead.lstrip()
+            if self.bare or not head:
+                return []
+            if head[0] == "{":
+                self.bare = True
+                return []
+            delta, self.lead = self.lead, None  # not a bare call: parse as usual from the start
+        return self._feed(delta)
+
+    def _feed(self, delta: str) -> list:
         self.buf += delta
         events: list = []
         while True:
@@ -127,6 +148,13 @@ class ToolCallStream:
 
     def finish(self) -> list:
         """The sample ended: whatever is held back is text (an unclosed span included)."""
+        if self.lead is not None:
+            lead, self.lead = self.lead, None
+            call = _call_of(lead.strip()) if self.bare else None
+            if call is not None and call.name in self.names:
+                self.num_calls += 1
+                return [call]
+            return self._feed(lead) + self.finish()
         rest = self.ws + self.buf
         self.buf, self.ws, self.in_call = "", "", False
         return [rest] if rest else []
@@ -219,9 +247,9 @@ def stream_tool_delta(parser: ToolCallStream, text: str, finish: str | None) -> 
     return delta, finish
 
 
-def message_with_calls(text: str) -> tuple[dict, bool]:
+def message_with_calls(text: str, names=None) -> tuple[dict, bool]:
     """A whole assistant message with its parsed calls; True when there are calls."""
-    content, calls = parse_tool_calls(text)
+    content, calls = parse_tool_calls(text, names)
     msg: dict = {"role": "assistant", "content": content}
     if calls:
         msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}

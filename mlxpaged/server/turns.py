@@ -50,21 +50,21 @@ def _end(state, out, c, params, calls: int) -> TurnEnd:
     return TurnEnd(finish, stop, len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens)
 
 
-async def whole_turn(state, job, request: Request, parse: bool) -> tuple[str | None, list[ToolCall], TurnEnd]:
+async def whole_turn(state, job, request: Request, parse) -> tuple[str | None, list[ToolCall], TurnEnd]:
     """(content, calls, end) of a finished turn."""
     out = (await job.collect(request))[0]
     c = out.outputs[0]
-    content, calls = parse_tool_calls(c.text) if parse else (c.text, [])
+    content, calls = parse_tool_calls(c.text, parse) if parse else (c.text, [])
     return content, calls, _end(state, out, c, job.params, len(calls))
 
 
-async def turn_events(state, job, parse: bool):
+async def turn_events(state, job, parse):
     """Yields `str` deltas, `ToolCall`s and, last, a `TurnEnd`; a failed step raises APIError.
     Closing the generator early (a client gone) aborts the engine request."""
     from .app import _server_error
 
     text = ChoiceStream(job.params.stop)
-    tools = ToolCallStream() if parse else None
+    tools = ToolCallStream(parse) if parse else None
     try:
         while True:
             rid, item = await job.queue.get()
