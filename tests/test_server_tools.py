@@ -308,3 +308,39 @@ def test_unsupported_schema_is_a_400_naming_it(server, tiny_model_path):
                 "type": "object", "properties": {"a": {"$ref": "http://example.com/remote.json"}}}}})
     assert e.value.body["param"] == "response_format"
 
+
+
+# -- the real model (Qwen2.5-Coder-0.5B-Instruct, offline) ----------------------------------------
+@pytest.mark.real_model
+def test_real_model_weather_call_and_extraction():
+    """tool_choice auto: the model's own call is parsed and names the prompt's city; a JSON-schema
+    extraction from a paragraph validates."""
+    from mlxpaged.loading.gguf import convert_gguf
+    from mlxpaged.loading.offline_model import ensure_offline_model
+
+    s = Server(convert_gguf(ensure_offline_model()), "--num-blocks", "256", "--served-model-name", "qwen",
+               timeout=300)
+    try:
+        c = s.client(timeout=600)
+        tools = [{"type": "function", "function": {
+            "name": "get_weather", "description": "Get the current weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+        r = c.chat.completions.create(model="qwen", messages=[{"role": "user", "content": "What's the weather like "
+                                                                                          "in Lyon right now?"}],
+                                      tools=tools, temperature=0, max_tokens=64)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1, ch
+        call = ch.message.tool_calls[0]
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] == "Lyon"
+        schema = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
+                  "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                 "city": {"type": "string"}}}
+        text = ("Extract the person as JSON: Maria Lopez is a 34-year-old software engineer who lives in Valencia "
+                "and writes Python and Rust.")
+        r = c.chat.completions.create(model="qwen", messages=[{"role": "user", "content": text}], temperature=0,
+                                      max_tokens=80, response_format={"type": "json_schema", "json_schema": {
+                                          "name": "person", "schema": schema, "strict": True}})
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    finally:
+        s.stop()
