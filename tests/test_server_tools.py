@@ -130,7 +130,14 @@ def test_a_bare_json_call_to_an_offered_function_is_a_call():
              (bare, None, (bare, [])),  # no tools offered: text
              (bare + " and more", names, (bare + " and more", [])),  # not the whole completion: text
              ('{"a": 1}', names, ('{"a": 1}', [])),
-             ("Sure: " + bare, names, ("Sure: " + bare, []))]
+             ("Sure: " + bare, names, ("Sure: " + bare, [])),
+             # ... or in a fenced block (the 0.5B answered so through the Responses route)
+             (f"```json\n{bare}\n```", names, (None, [("get_weather", {"city": "Lyon"})])),
+             (f"```\n{bare}\n```\n", names, (None, [("get_weather", {"city": "Lyon"})])),
+             (f"```python\n{bare}\n```", names, (f"```python\n{bare}\n```", [])),
+             (f"```json\n{bare}\n``` done", names, (f"```json\n{bare}\n``` done", [])),
+             ("``", names, ("``", [])), ("`x` is code", names, ("`x` is code", [])),
+             ("``x``", names, ("``x``", []))]
     for text, offered, (content, calls) in cases:
         got, got_calls = parse_tool_calls(text, offered)
         assert (got, [(c.name, json.loads(c.arguments)) for c in got_calls]) == (content, calls), text

@@ -15,9 +15,9 @@ model wrote is lost. Whitespace between a call and its neighbours is dropped; ot
 message's content.
 
 Small Qwen2.5 checkpoints (the 0.5B) often answer a tool request with the bare JSON object and
-no tags. So a completion that is, as a whole, one such object naming an offered function is a
-call too. While a streamed completion may still be one (it starts with `{`), its text is held
-back until it ends.
+no tags, or with that object in a ```json fenced block. So a completion that is, as a whole, one
+such object (fenced or not) naming an offered function is a call too. While a streamed
+completion may still be one (it starts with `{` or a fence), its text is held back until it ends.
 
 One rule for every API: the OpenAI chat route, Anthropic's Messages and OpenAI's Responses all
 convert their own shapes to these chat messages and tool definitions.
@@ -73,6 +73,15 @@ def parse_tool_calls(text: str, names=None) -> tuple[str | None, list[ToolCall]]
     return (content or None) if calls else content, calls
 
 
+def _unfenced(text: str) -> str:
+    """The body of a completion that is one fenced block (```json ... ```), else the text."""
+    if text.startswith("```") and text.endswith("```") and len(text) >= 6:
+        body = text[3:-3]
+        first, _, rest = body.partition("\n")
+        return rest if first.strip() in ("", "json") else text
+    return text
+
+
 def _partial_open(buf: str) -> int:
     """Length of the longest tail of `buf` that is a proper prefix of `<tool_call>`."""
     for k in range(min(len(OPEN) - 1, len(buf)), 0, -1):
@@ -103,9 +112,9 @@ class ToolCallStream:
         if self.lead is not None:
             self.lead += delta
             head = self.lead.lstrip()
-            if self.bare or not head:
+            if self.bare or not head or (len(head) < 3 and "```".startswith(head)):  # held, or undecided
                 return []
-            if head[0] == "{":
+            if head[0] == "{" or head.startswith("```"):
                 self.bare = True
                 return []
             delta, self.lead = self.lead, None  # not a bare call: parse as usual from the start
@@ -150,7 +159,7 @@ class ToolCallStream:
         """The sample ended: whatever is held back is text (an unclosed span included)."""
         if self.lead is not None:
             lead, self.lead = self.lead, None
-            call = _call_of(lead.strip()) if self.bare else None
+            call = _call_of(_unfenced(lead.strip())) if self.bare else None
             if call is not None and call.name in self.names:
                 self.num_calls += 1
                 return [call]

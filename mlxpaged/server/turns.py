@@ -66,8 +66,7 @@ async def turn_events(state, job, parse):
     text = ChoiceStream(job.params.stop)
     tools = ToolCallStream(parse) if parse else None
     try:
-        while True:
-            rid, item = await job.queue.get()
+        async for rid, item in _items(job):
             if isinstance(item, BaseException):
                 job.final[rid] = None
                 raise _server_error(item)
@@ -87,6 +86,13 @@ async def turn_events(state, job, parse):
                 return
     finally:
         job._abort_unfinished()
+
+
+async def _items(job):
+    """(request id, output or exception), as the job's engine request reports them: the one place
+    that reads the job's queue."""
+    while True:
+        yield await job.queue.get()
 
 
 def default_max_tokens(state, num_prompt: int) -> int:
