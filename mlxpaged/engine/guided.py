@@ -7,7 +7,9 @@ this file alone:
   backend cannot enforce;
 - `Grammar.matcher()` -> `Matcher`: one per sample, with `consume(token)`, `fill_mask(row)`
   (the allowed next tokens as a bitmask: int32 words, bit `t % 32` of word `t // 32`),
-  `rollback(k)`, `reset()`, `sync(output_token_ids)` and `is_stopped`.
+  `rollback(k)`, `reset()`, `sync(output_token_ids)` and `is_stopped`;
+- `fill_masks(matchers, bits)`: the masks of a step's matchers at once (for big vocabularies
+  in llguidance's thread pool, outside the GIL).
 
 The engine (llm_engine.py) advances a sample's matcher where its tokens are appended
 (`output.StopChecker`), fills the masks of a step's constrained rows on the CPU, and the
@@ -110,6 +112,28 @@ class Matcher:
 
     def error(self) -> str:
         return self._m.get_error()
+
+
+_executor = None
+PARALLEL_MASK_TOKENS = 1 << 20  # rows x vocabulary from which a step's masks are filled in parallel
+
+
+def fill_masks(matchers: list, bits: np.ndarray) -> None:
+    """Row k of `bits` (int32 `[K, mask_words(V)]`, C-contiguous) gets `matchers[k]`'s mask; a
+    row whose matcher is None is left as it is."""
+    global _executor
+    assert bits.dtype == np.int32 and bits.flags["C_CONTIGUOUS"]
+    todo = [(m._m, k) for k, m in enumerate(matchers) if m is not None]
+    # Small work (a small vocabulary or few rows): a thread pool's hand-offs cost more than they save.
+    if len(todo) * bits.shape[1] * 32 < PARALLEL_MASK_TOKENS:
+        for _, k in todo:
+            matchers[k].fill_mask(bits[k])
+    else:
+        if _executor is None:
+            import llguidance
+
+            _executor = llguidance.LLExecutor()
+        _executor.unsafe_compute_mask_ptr(todo, bits.ctypes.data, bits.shape[1] * 4, bits.shape[0])
 
 
 class Grammar:

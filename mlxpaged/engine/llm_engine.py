@@ -51,7 +51,7 @@ from ..worker.kv_calibration import model_key_scales
 from ..worker.model_runner import ModelRunner
 from .output import StopChecker, make_output
 from .outputs import RequestOutput
-from .guided import GrammarCompiler, mask_words
+from .guided import GrammarCompiler, fill_masks, mask_words
 from .sampler import GuideMasks, SampleArrays, TokenHistory, read_samples, sample_arrays, sample_key
 from .sampling_params import SamplingParams
 from ..core.scheduler import SampleRow, Scheduler, SchedulerOutput
@@ -262,7 +262,7 @@ class LLMEngine:
             return self._report(progressed)
         launched = False
         try:
-            cur = self._launch(out, defer_guided=prev is not None)
+            cur = self._launch(out)
             launched = True
             if prev is not None:
                 progressed += self._read_back(prev)
@@ -303,11 +303,11 @@ class LLMEngine:
     def _report(self, progressed: list[Request]) -> list[RequestOutput]:
         return [self._finish_or_report(r) for r in dict.fromkeys(progressed) if r.request_id in self._requests]
 
-    def _launch(self, out: SchedulerOutput, defer_guided: bool = False) -> LaunchedStep:
+    def _launch(self, out: SchedulerOutput) -> LaunchedStep:
         """Build the step's forward pass and draws and hand them to the device; waits for nothing
-        (but copy-on-write copies, which `copy_blocks` evaluates). With `defer_guided` (a step
-        is in flight), a step with guided rows launches its forward pass only: `step` builds the
-        draws after the read-back (`logits_rows` holds their logits meanwhile)."""
+        (but copy-on-write copies, which `copy_blocks` evaluates). A step with guided rows
+        launches its forward pass only: `step` builds the draws after reading back the step in
+        flight, if any (`logits_rows` holds their logits meanwhile)."""
         t0 = time.perf_counter()
         rows = self.scheduler.sample_rows(out)
         logits = self._forward(out)
@@ -322,7 +322,7 @@ class LLMEngine:
                 logits_rows = logits[mx.array(index)]
             else:
                 logits_rows = logits
-            if defer_guided and any(s.matcher is not None for _, s in pairs):
+            if any(s.matcher is not None for _, s in pairs):
                 todo.append(logits_rows)
             else:
                 sampled = self._draws(pairs, logits_rows)
@@ -357,17 +357,16 @@ class LLMEngine:
         rows = [j for j, (_, s) in enumerate(pairs) if s.matcher is not None]
         if not rows:
             return None
-        bits = np.empty((len(rows), mask_words(self.vocab_size)), dtype=np.int32)
-        for k, j in enumerate(rows):
+        bits = np.full((len(rows), mask_words(self.vocab_size)), -1, dtype=np.int32)
+        matchers = []
+        for j in rows:
             seq = pairs[j][1]
             assert seq.pending is None, "a guided row's previous token is read back before its mask"
             m = seq.matcher
             out = seq.output_token_ids
             synced = len(m.consumed) == len(out) and (not out or m.consumed[-1] == out[-1]) or m.sync(out)
-            if seq.finished or not synced:
-                bits[k] = -1
-            else:
-                m.fill_mask(bits[k])
+            matchers.append(None if seq.finished or not synced else m)
+        fill_masks(matchers, bits)
         return GuideMasks(rows, bits)
 
     def _forward(self, out: SchedulerOutput) -> mx.array:

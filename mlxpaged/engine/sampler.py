@@ -130,12 +130,12 @@ class GuideMasks:
     bits: np.ndarray
 
 
-def apply_token_bitmask(x: mx.array, bits: mx.array) -> mx.array:
-    """`x [R, V]` with the tokens whose bit is clear in `bits [R, ceil(V / 32)]` (int32) set to -inf."""
-    r, v = x.shape
-    shifts = mx.arange(32, dtype=mx.int32)
-    allowed = ((bits[:, :, None] >> shifts) & 1).reshape(r, -1)[:, :v]
-    return mx.where(allowed.astype(mx.bool_), x, mx.array(-mx.inf, dtype=x.dtype))
+def unpack_bitmask(bits: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Bool `[R, vocab_size]`: token t allowed iff bit `t % 32` of `bits[:, t // 32]` (int32) is set.
+
+    Unpacked on the CPU (little-endian words: byte `4w + b // 8`, bit `b % 8`), so the graph
+    applies it with one `where`."""
+    return np.unpackbits(np.ascontiguousarray(bits).view(np.uint8), axis=1, bitorder="little")[:, :vocab_size].view(bool)
 
 
 def apply_penalties(x: mx.array, params: list[SamplingParams], histories: list[TokenHistory]) -> mx.array:
@@ -186,11 +186,19 @@ def process_logits(logits: mx.array, params: list[SamplingParams], masks: GuideM
     pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
     if masks is None and not bias_rows and not pen_rows:
         return logits
-    x = logits.astype(mx.float32)
+    x = logits
     b, v = x.shape
     if masks is not None and masks.rows:
-        idx = mx.array(masks.rows)
-        x[idx] = apply_token_bitmask(x[idx], mx.array(masks.bits))
+        allowed = mx.array(unpack_bitmask(masks.bits, v))
+        neg_inf = mx.array(-mx.inf, dtype=x.dtype)
+        if masks.rows == list(range(b)):  # every row constrained: no gather, no scatter
+            x = mx.where(allowed, x, neg_inf)
+        else:
+            idx = mx.array(masks.rows)
+            x = mx.array(x)  # a new array: `logits` itself stays as it is (logprobs read it)
+            x[idx] = mx.where(allowed, x[idx], neg_inf)
+    if bias_rows or pen_rows:
+        x = x.astype(mx.float32)
     if bias_rows:
         rows, toks, vals = [], [], []
         for i in bias_rows:
