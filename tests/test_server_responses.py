@@ -123,7 +123,7 @@ def test_forced_function_call_and_its_output(server, tok, tiny_model_path, strea
 
 
 def test_text_format_json_schema_validates(server, tiny_model_path):
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 50}},
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 50}},
               "required": ["ok", "n"], "additionalProperties": False}
     r = server.client().responses.create(model=str(tiny_model_path), input="Give me a record",
                                          text={"format": {"type": "json_schema", "name": "rec", "schema": schema}},
@@ -178,6 +178,7 @@ BAD = [
     ({"tools": TOOLS, "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, "text"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"background": True}, "background"),
+    ({"truncation": "auto"}, "truncation"),
     ({"model": "gpt-unknown"}, "model"),
     ({"max_output_tokens": 5000}, "max_output_tokens"),
 ]

@@ -118,11 +118,14 @@ class ResponsesRequest(_Body):
     top_logprobs: Optional[int] = None
     conversation: Any = None
     prompt: Any = None
+    truncation: Optional[str] = None  # "disabled" (OpenAI's default) only
 
 
 def refuse_unsupported(body: ResponsesRequest) -> None:
     if body.reasoning and any(v is not None for v in body.reasoning.values()):
         raise APIError(400, "reasoning: this server runs no reasoning models", param="reasoning")
+    if body.truncation not in (None, "disabled"):
+        raise APIError(400, f"truncation: only 'disabled' is supported, got {body.truncation!r}", param="truncation")
     for name in ("background", "max_tool_calls", "top_logprobs", "conversation", "prompt"):
         if getattr(body, name) not in (None, False):
             raise APIError(400, f"{name}: not supported by this server", param=name)
