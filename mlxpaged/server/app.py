@@ -30,7 +30,7 @@ from .prompts import check_context, encode_messages, encode_prompt
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import ChoiceStream, TokenText, chat_logprobs, completion_logprobs, envelope, usage
 from .responses_api import register_responses
-from .tools import ToolCallStream, message_with_calls, stream_tool_delta
+from .tools import ToolCallStream, chat_message, stream_tool_delta
 
 DEFAULT_CHAT_MAX_TOKENS = 1024  # when a chat body gives neither max_tokens nor max_completion_tokens
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -154,13 +154,11 @@ def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model
         if body.stream:
             return job.stream(request, "chat.completion.chunk", state.model_id, chunk_choice, body.include_usage)
         outs = await job.collect(request)
-        choices = []
-        for o in outs:
-            for c in o.outputs:
-                msg, calls = message_with_calls(c.text, plan.parse) if plan.parse else ({"role": "assistant", "content": c.text}, False)
-                choices.append({"index": c.index, "message": msg,
-                                "logprobs": chat_logprobs(c.logprobs, text_of) if getattr(c, "logprobs", None) is not None else None,
-                                "finish_reason": "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason})
+        choices = [{"index": c.index, "message": msg,
+                    "logprobs": chat_logprobs(c.logprobs, text_of) if getattr(c, "logprobs", None) is not None else None,
+                    "finish_reason": finish}
+                   for o in outs for c in o.outputs
+                   for msg, finish in [chat_message(c.text, c.finish_reason, plan.parse)]]  # tools.py: parsed calls
         return envelope(job.resp_id, "chat.completion", state.model_id, choices=choices, usage=usage(outs))
 
     register_responses(v1, state, text_of)

@@ -256,11 +256,14 @@ def stream_tool_delta(parser: ToolCallStream, text: str, finish: str | None) -> 
     return delta, finish
 
 
-def message_with_calls(text: str, names=None) -> tuple[dict, bool]:
-    """A whole assistant message with its parsed calls; True when there are calls."""
+def chat_message(text: str, finish: str | None, names=None) -> tuple[dict, str | None]:
+    """A whole assistant message and its finish_reason: with `names` (tools offered), its parsed
+    calls, and `tool_calls` for a sample that ended by itself with calls."""
+    if names is None:
+        return {"role": "assistant", "content": text}, finish
     content, calls = parse_tool_calls(text, names)
     msg: dict = {"role": "assistant", "content": content}
     if calls:
         msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                              for c in calls]
-    return msg, bool(calls)
+    return msg, "tool_calls" if calls and finish == "stop" else finish
