@@ -351,3 +351,31 @@ def test_real_model_weather_call_and_extraction():
         jsonschema.validate(json.loads(r.choices[0].message.content), schema)
     finally:
         s.stop()
+
+
+# -- the sampling knobs reach the engine ----------------------------------------------------------
+def test_logit_bias_and_penalties_reach_the_sampler(server, tiny_model_path, tiny_loaded):
+    """+100 forces a token; -100 bans the greedy one (found by this process's engine); the penalties
+    and min_p are accepted and reach the engine (their effect is tests/test_sampling_knobs.py's)."""
+    from mlxpaged import LLM, SamplingParams
+
+    tok = hf_tokenizer(tiny_model_path)
+    c = server.client()
+    forced = tok.encode("cache", add_special_tokens=False)[0]
+    r = c.completions.create(model=str(tiny_model_path), prompt="The KV", max_tokens=6, temperature=1.0, seed=3,
+                             logit_bias={str(forced): 100}, logprobs=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].logprobs.tokens == [tok.decode([forced])] * 6
+    llm = LLM(tiny_loaded, num_blocks=64)
+    for prompt in ["The KV cache stores", "Paged attention borrows", "Write a Python function", "The quick brown"]:
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1))[0].outputs[0]
+        if "\ufffd" not in out.text:  # a whole-character token, so its text names it
+            break
+    greedy = out.token_ids[0]
+    kw = dict(model=str(tiny_model_path), prompt=prompt, max_tokens=1, temperature=0, logprobs=0)
+    assert c.completions.create(**kw).choices[0].logprobs.tokens == [tok.decode([greedy])]
+    banned = c.completions.create(**kw, logit_bias={str(greedy): -100}).choices[0].logprobs.tokens
+    assert banned != [tok.decode([greedy])]
+    r = c.chat.completions.create(model=str(tiny_model_path), messages=[{"role": "user", "content": "hi"}],
+                                  max_tokens=4, presence_penalty=1.5, frequency_penalty=-0.5,
+                                  extra_body={"repetition_penalty": 1.3, "min_p": 0.1})
+    assert r.usage.completion_tokens >= 1
