@@ -8,19 +8,19 @@ of the constrained step's time to the unconstrained one's, median and range over
 The two workloads run on two engines side by side, in turns of `--block` steps (the first step
 of a turn is not timed), so a busy machine slows both alike; a workload's step time is the
 median over its timed steps. The schema keeps every row generating for the timed steps (a
-string of 160 to 200 characters comes first). `mask` is the CPU time per step spent filling
+string of 300 to 400 characters comes first). `mask` is the CPU time per step spent filling
 the masks (`LLMEngine._guide_masks`). Each step's process CPU time (all threads, MLX's
 included) is reported too: on a machine shared with other work, wall time mostly measures
 the wait for a core, CPU time the work done.
 
-    python scripts/bench_guided.py                  # 5 runs of 32 steps at batch 16
+    python scripts/bench_guided.py                  # 5 runs of 160 timed steps at batch 16
     python scripts/bench_guided.py --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import statistics
 import tempfile
 import time
@@ -31,7 +31,7 @@ import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
 SCHEMA = {
     "type": "object",
     "properties": {
-        "title": {"type": "string", "minLength": 160, "maxLength": 200},
+        "title": {"type": "string", "minLength": 300, "maxLength": 400},
         "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
         "tags": {"type": "array", "items": {"enum": ["paging", "cache", "kernel"]}, "maxItems": 3},
         "draft": {"type": "boolean"},
@@ -103,8 +103,8 @@ def one_run(engines: dict, batch: int, steps: int, block: int, order: tuple) -> 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=96, help="timed steps per workload and run")
-    ap.add_argument("--block", type=int, default=8, help="steps per turn (the first of each is not timed)")
+    ap.add_argument("--steps", type=int, default=160, help="timed steps per workload and run")
+    ap.add_argument("--block", type=int, default=4, help="steps per turn (the first of each is not timed)")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
@@ -139,7 +139,11 @@ def main():
           f"process CPU time median {summary['cpu_ratio_median']:.3f} "
           f"(range {summary['cpu_ratio_min']:.3f}-{summary['cpu_ratio_max']:.3f})")
     if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1))
+        from mlxpaged.bench.report import write_json
+
+        summary["schema"] = SCHEMA
+        summary["load_average"] = list(os.getloadavg())
+        write_json(args.json, "bench_guided", "tiny", summary)
 
 
 if __name__ == "__main__":

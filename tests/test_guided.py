@@ -226,7 +226,7 @@ def test_unenforceable_spec_is_refused_by_name(tiny_loaded, spec, part):
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(json_object=True, grammar="start: \"a\""),
-                                    dict(json_schema=[1]), dict(grammar="  ")])
+                                    dict(json_schema=[1]), dict(grammar="  "), dict(json_schema={"enum": {1, 2}})])
 def test_guided_decoding_takes_exactly_one_spec(kwargs):
     with pytest.raises(ValueError):
         GuidedDecoding(**kwargs)
@@ -247,3 +247,18 @@ def test_parallel_masks_equal_sequential(tiny_loaded, monkeypatch):
     par = np.full((5, 12), -1, dtype=np.int32)
     guided_mod.fill_masks(rows, par)
     assert (seq == par).all() and (par[2] == -1).all() and (par[0] != par[1]).any()
+
+
+def test_llm_generate_streamed_and_not(tiny_loaded):
+    """The `LLM` API, with and without `on_output` (streaming): the same valid documents."""
+    from mlxpaged import LLM
+
+    llm = LLM(tiny_loaded, num_blocks=256)
+    params = [guided(s, json_schema=SCHEMAS["enum"]) for s in range(4)]
+    plain = llm.generate(PROMPTS, params)
+    seen = []
+    streamed = llm.generate(PROMPTS, params, on_output=lambda o: seen.append((o.request_id, o.outputs[0].text)))
+    assert [o.outputs[0].text for o in plain] == [o.outputs[0].text for o in streamed]
+    assert len(seen) > len(PROMPTS)  # intermediate outputs came before the final ones
+    for o in plain:
+        jsonschema.validate(json.loads(o.outputs[0].text), SCHEMAS["enum"])

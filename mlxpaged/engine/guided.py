@@ -43,6 +43,10 @@ class GuidedDecoding:
             raise ValueError(f"json_schema must be a dict, got {type(self.json_schema).__name__}")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
             raise ValueError("grammar must be a non-empty string")
+        try:
+            self.key()
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"json_schema must be JSON data: {e}") from None
 
     def __hash__(self):  # a dict field: hash the canonical JSON (compiled grammars are cached by spec)
         return hash(self.key())
@@ -126,8 +130,9 @@ def fill_masks(matchers: list, bits: np.ndarray) -> None:
     todo = [(m._m, k) for k, m in enumerate(matchers) if m is not None]
     # Small work (a small vocabulary or few rows): a thread pool's hand-offs cost more than they save.
     if len(todo) * bits.shape[1] * 32 < PARALLEL_MASK_TOKENS:
-        for _, k in todo:
-            matchers[k].fill_mask(bits[k])
+        ptr, stride = bits.ctypes.data, bits.strides[0]  # one ctypes lookup, not one per row
+        for m, k in todo:
+            m.unsafe_compute_mask_ptr(ptr + k * stride, stride)
     else:
         if _executor is None:
             import llguidance

@@ -363,8 +363,10 @@ class LLMEngine:
             seq = pairs[j][1]
             assert seq.pending is None, "a guided row's previous token is read back before its mask"
             m = seq.matcher
-            out = seq.output_token_ids
-            synced = len(m.consumed) == len(out) and (not out or m.consumed[-1] == out[-1]) or m.sync(out)
+            # the usual case, checked without copying the tokens: the matcher took every output token
+            n = seq.num_output_tokens
+            synced = (len(m.consumed) == n and (n == 0 or m.consumed[-1] == seq.token_ids[-1])
+                      or m.sync(seq.output_token_ids))
             matchers.append(None if seq.finished or not synced else m)
         fill_masks(matchers, bits)
         return GuideMasks(rows, bits)
