@@ -230,3 +230,36 @@ def test_x_api_key_authenticates(tiny_model_path):
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     finally:
         s.stop()
+
+
+def test_a_failed_step_is_anthropics_error(tiny_loaded, monkeypatch):
+    """An engine fault: a 500 `api_error` object, or, once streaming, an `error` event."""
+    import mlx.core as mx
+    from fastapi.testclient import TestClient
+
+    from mlxpaged.config import EngineConfig
+    from mlxpaged.engine.llm_engine import LLMEngine
+    from mlxpaged.server.app import build_app
+    from mlxpaged.server.engine_loop import EngineLoop
+    from mlxpaged.server.metrics import Metrics
+
+    mx.eval(tiny_loaded.model.parameters())
+    loop = EngineLoop(lambda: LLMEngine(tiny_loaded, EngineConfig(num_blocks=64)))
+    loop.start()
+    app = build_app(loop, Metrics(), model_id="tiny")
+    real = loop.engine._forward
+
+    def broken(*a, **kw):
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(loop.engine, "_forward", broken)
+    body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    with TestClient(app) as c:
+        r = c.post("/v1/messages", json=body)
+        assert r.status_code == 500 and r.json()["type"] == "error"
+        assert r.json()["error"]["type"] == "api_error" and "injected fault" in r.json()["error"]["message"]
+        text = c.post("/v1/messages", json={**body, "stream": True}).text
+        assert text.startswith("event: message_start") and "event: error" in text and "injected fault" in text
+        assert "message_stop" not in text
+        monkeypatch.setattr(loop.engine, "_forward", real)
+        assert c.post("/v1/messages", json=body).status_code == 200

@@ -193,3 +193,33 @@ def test_bad_inputs_get_openai_error_object(server, tiny_model_path):
             err = r.json()["error"]
             assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error", err
             assert err["param"] == param, (extra, err)
+
+
+def test_a_failed_step_is_an_error_object(tiny_loaded, monkeypatch):
+    """An engine fault: a 500 OpenAI error object, or, once streaming, an `error` event."""
+    import mlx.core as mx
+    from fastapi.testclient import TestClient
+
+    from mlxpaged.config import EngineConfig
+    from mlxpaged.engine.llm_engine import LLMEngine
+    from mlxpaged.server.app import build_app
+    from mlxpaged.server.engine_loop import EngineLoop
+    from mlxpaged.server.metrics import Metrics
+
+    mx.eval(tiny_loaded.model.parameters())
+    loop = EngineLoop(lambda: LLMEngine(tiny_loaded, EngineConfig(num_blocks=64)))
+    loop.start()
+    app = build_app(loop, Metrics(), model_id="tiny")
+
+    def broken(*a, **kw):
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(loop.engine, "_forward", broken)
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 4}
+    with TestClient(app) as c:
+        r = c.post("/v1/responses", json=body)
+        assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
+        assert r.json()["error"]["type"] == "server_error"
+        text = c.post("/v1/responses", json={**body, "stream": True}).text
+        assert text.startswith("event: response.created") and "event: error" in text and "injected fault" in text
+        assert "response.completed" not in text
