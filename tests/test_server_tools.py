@@ -77,6 +77,20 @@ def check_two_calls(text: str, content: str) -> None:
             assert events_of(text, [i, j]) == whole, (i, j)
 
 
+# -- the tiny model's template -------------------------------------------------------------------
+def test_tiny_template_without_tools_is_plain_chatml(tiny_model_path):
+    """The tools support added to the tiny model's template changes nothing for plain chats."""
+    tok = hf_tokenizer(tiny_model_path)
+    chatml = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    for msgs in ([{"role": "user", "content": "hi"}],
+                 [{"role": "system", "content": "S"}, {"role": "user", "content": "a\nb"},
+                  {"role": "assistant", "content": "yo"}, {"role": "user", "content": "x"}]):
+        for gen in (True, False):
+            assert tok.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False) == \
+                tok.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False, chat_template=chatml)
+
+
 # -- the parser ---------------------------------------------------------------------------------
 def test_two_calls_from_the_template_parse_at_every_split(tiny_model_path):
     tok = hf_tokenizer(tiny_model_path)
