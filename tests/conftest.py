@@ -59,6 +59,7 @@ FILE_TIERS = {
     "test_model_metal.py": "emulator", "test_emu_blind_spots.py": "emulator", "test_emu_compilers.py": "emulator",
     "test_emu_simdgroup_matrix.py": "emulator", "test_doctor.py": "emulator",
     "test_server.py": "server", "test_server_abuse.py": "server", "test_server_knobs.py": "server",
+    "test_server_tools.py": "server", "test_server_anthropic.py": "server", "test_server_responses.py": "server",
     "test_tp.py": "tp",
     "test_server_soak.py": "soak",
 }

@@ -24,15 +24,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import MlxPagedError, StepError
+from .anthropic_api import register_anthropic
 from .connections import AcceptErrorLog
 from .engine_loop import ClientTooSlow, EngineDown, EngineLoop, Sink
 from .errors import APIError, error_body
 from .limits import Capacity, Limits, check_chars, check_request, default_max_tokens, max_token_chars
 from .metrics import CONTENT_TYPE, Metrics
+from .guided_request import chat_plan
 from .middleware import Guard
 from .prompts import check_context, encode_messages, encode_prompt
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import ChoiceStream, TokenText, chat_logprobs, completion_logprobs, envelope, stop_borders, usage
+from .responses_api import register_responses
+from .tools import ToolCallStream, chat_message, stream_tool_delta
 
 DEFAULT_CHAT_MAX_TOKENS = 1024  # when a chat body gives neither max_tokens nor max_completion_tokens
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -57,13 +61,22 @@ class ServerState:
     limits: Limits
     capacity: Capacity
     tokenize_pool: ThreadPoolExecutor  # tokenizing and chat templates run here, never on the event loop
+    responses_store: int = 0  # --responses-store: Responses kept for previous_response_id (0: stateless)
+
+    @property
+    def context(self) -> int | None:
+        return self.capacity.context
+
+    @property
+    def vocab_size(self) -> int:
+        return self.capacity.vocab_size
 
     async def off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
 
 
 def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model_aliases=(), api_key: str | None = None,
-              max_queue: int = 1024, limits: Limits | None = None) -> FastAPI:
+              max_queue: int = 1024, limits: Limits | None = None, responses_store: int = 0) -> FastAPI:
     """Routes over a started `engine_loop`; the app's shutdown stops it."""
     engine = engine_loop.engine
     args = engine.loaded.model.args
@@ -73,7 +86,7 @@ def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model
     # One tokenizer thread: HF tokenizers are not safe to call from several threads at once.
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxpaged-tokenize")
     names = frozenset({model_id, *model_aliases})
-    state = ServerState(engine_loop, metrics, model_id, names, max_queue, limits, cap, pool)
+    state = ServerState(engine_loop, metrics, model_id, names, max_queue, limits, cap, pool, responses_store)
     text_of = TokenText(engine.tokenizer)
 
     @asynccontextmanager
@@ -137,7 +150,7 @@ def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model
                                                            max(map(len, prompts)), body.n)
         for ids in prompts:
             check_context(len(ids), max_tokens, cap.context)
-        params = _params(body, max_tokens, body.logprobs)
+        params = _params(body, max_tokens, body.logprobs, cap.vocab_size)
         job = await _Job.start(state, "cmpl", prompts, params)
 
         def choice(index, text, lps, finish, stream: ChoiceStream):
@@ -154,19 +167,25 @@ def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model
     @v1.post("/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         _check_model(state, body.model)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages, plan = chat_plan(body)  # tools, tool_choice and response_format (guided_request.py)
         requested = body.requested_max_tokens()
         check_request(limits, cap, body, 1, requested or 1, max_queue)
         check_chars(cap, sum(len(m["content"]) for m in messages), "messages")
-        ids = await state.off_loop(encode_messages, engine.tokenizer, messages)
+        ids = await state.off_loop(encode_messages, engine.tokenizer, messages, plan.tools)
         max_tokens = requested or default_max_tokens(cap, DEFAULT_CHAT_MAX_TOKENS, len(ids), body.n)
         check_request(limits, cap, body, 1, max_tokens, max_queue)
         check_context(len(ids), max_tokens, cap.context)
-        params = _params(body, max_tokens, body.logprobs_k())
-        job = await _Job.start(state, "chatcmpl", [ids], params)
+        params = _params(body, max_tokens, body.logprobs_k(), cap.vocab_size, guided=plan.guided)
+        job = await _Job.start(state, "chatcmpl", [ids], params, plan.param)
 
         def chunk_choice(index, text, lps, finish, stream: ChoiceStream):
             delta = {"content": text}
+            if plan.parse:  # content the tool-call parser lets through, and the calls it completed
+                if not hasattr(stream, "tools"):
+                    stream.tools = ToolCallStream(plan.parse)
+                delta, finish = stream_tool_delta(stream.tools, text, finish)
+                if not delta and not finish and not lps:
+                    return None
             if not stream.started:
                 delta = {"role": "assistant", **delta}
                 stream.started = True
@@ -176,13 +195,16 @@ def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model
         if body.stream:
             return job.stream(request, "chat.completion.chunk", state.model_id, chunk_choice, body.include_usage)
         outs = await job.collect(request)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": chat_logprobs(c.logprobs, text_of) if getattr(c, "logprobs", None) is not None
-                    else None,
-                    "finish_reason": c.finish_reason} for o in outs for c in o.outputs]
+        choices = [{"index": c.index, "message": msg,
+                    "logprobs": chat_logprobs(c.logprobs, text_of) if getattr(c, "logprobs", None) is not None else None,
+                    "finish_reason": finish}
+                   for o in outs for c in o.outputs
+                   for msg, finish in [chat_message(c.text, c.finish_reason, plan.parse)]]  # tools.py: parsed calls
         return envelope(job.resp_id, "chat.completion", state.model_id, choices=choices, usage=usage(outs))
 
+    register_responses(v1, state, text_of)
     app.include_router(v1)
+    register_anthropic(app, state)
     return app
 
 
@@ -212,9 +234,9 @@ def _check_model(state: ServerState, model: str | None) -> None:
                        code="model_not_found")
 
 
-def _params(body, max_tokens: int, logprobs: int | None):
+def _params(body, max_tokens: int, logprobs: int | None, vocab_size: int | None = None, **extra):
     try:
-        return body.to_sampling_params(max_tokens, logprobs)
+        return body.to_sampling_params(max_tokens, logprobs, vocab_size, **extra)
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e), param=str(e).split(" ", 1)[0] if " must " in str(e) else None) from None
 
@@ -239,7 +261,9 @@ class _Job:
         self.final: dict = {}
 
     @classmethod
-    async def start(cls, state: ServerState, prefix: str, prompts: list[list[int]], params) -> _Job:
+    async def start(cls, state: ServerState, prefix: str, prompts: list[list[int]], params,
+                    guided_param: str | None = None) -> _Job:
+        """`guided_param`: the request field a grammar the engine cannot compile is blamed on."""
         el = state.engine_loop
         waiting = el.snapshot.get("requests_waiting", 0) + el.pending
         if waiting + len(prompts) > state.max_queue:
@@ -255,6 +279,8 @@ class _Job:
         except BaseException as e:
             for rid in rids:
                 el.abort(rid)
+            if isinstance(e, ValueError) and params.guided is not None and str(e).startswith("unsupported"):
+                raise APIError(400, f"{guided_param}: {e}", param=guided_param) from None
             if isinstance(e, (MlxPagedError, ValueError)):
                 param = "prompt" if str(e).startswith("prompt") else ("n" if params.n > 1 else "max_tokens")
                 raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
@@ -312,8 +338,8 @@ class _Job:
                     for c in item.outputs:
                         st = streams.setdefault((rid, c.index), ChoiceStream(self.params.stop, borders))
                         d = st.advance(c)
-                        if d is not None:
-                            choice = make_choice(self.index(rid, c.index), *d, st)
+                        choice = make_choice(self.index(rid, c.index), *d, st) if d is not None else None
+                        if choice is not None:  # None: the route holds the delta back (a tool call in progress)
                             yield _sse(envelope(self.resp_id, kind, model, choices=[choice], **extra))
                             sent += 1
                             if sent % YIELD_EVERY == 0:  # many choices or a backlog: let other requests run

@@ -45,6 +45,8 @@ def _check_port(host: str, port: int) -> None:
               help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health "
                    "(env MLXPAGED_API_KEY).")
 @click.option("--max-queue", default=1024, show_default=True, type=click.IntRange(1), help="Requests waiting for admission before new ones get 503.")
+@click.option("--responses-store", default=0, show_default=True, type=click.IntRange(0),
+              help="Responses kept in memory (LRU) for /v1/responses' previous_response_id; 0: stateless.")
 @click.option("--served-model-name", default=None,
               help="The model id of /v1/models (default: the checkpoint's folder or file name).")
 @click.option("--shutdown-timeout", default=5.0, show_default=True,
@@ -67,10 +69,11 @@ def _check_port(host: str, port: int) -> None:
               help="Close an idle keep-alive connection after this many seconds.")
 @click.option("--enable-docs", is_flag=True, help="Serve /docs, /redoc and /openapi.json (off by default).")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]), show_default=True)
-def serve(model, dtype, weights, host, port, api_key, max_queue, served_model_name, shutdown_timeout, max_body_bytes,
-          max_stop_strings, max_request_tokens, stream_stall_timeout, max_connections, header_timeout,
+def serve(model, dtype, weights, host, port, api_key, max_queue, responses_store, served_model_name, shutdown_timeout,
+          max_body_bytes, max_stop_strings, max_request_tokens, stream_stall_timeout, max_connections, header_timeout,
           keep_alive_timeout, enable_docs, log_level, **engine_flags):
-    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
+    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /health, /metrics)
+    and Anthropic's (/v1/messages, /v1/messages/count_tokens)."""
     if api_key is None and "MLXPAGED_API_KEY" in os.environ:  # click reads an empty variable as unset
         api_key = os.environ["MLXPAGED_API_KEY"]
     if api_key is not None:
@@ -121,7 +124,7 @@ def serve(model, dtype, weights, host, port, api_key, max_queue, served_model_na
                     enable_docs=enable_docs)
     aliases = {loaded.path.name, str(loaded.path), *([model] if model else [])}
     app = build_app(engine_loop, metrics, model_id=model_id, model_aliases=aliases, api_key=api_key,
-                    max_queue=max_queue, limits=limits)
+                    max_queue=max_queue, limits=limits, responses_store=responses_store)
     raise_fd_limit()  # after loading: importing mlx_lm sets (2048, 4096)
     _announce(host, port, model_id, loaded, engine, api_key)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",

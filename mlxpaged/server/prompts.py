@@ -10,6 +10,7 @@ from __future__ import annotations
 from ..engine.chat import chat_ids
 from ..errors import MlxPagedError
 from .errors import APIError
+from .tools import render_chat
 
 
 def encode_prompt(tokenizer, prompt: str | list[int], vocab_size: int) -> list[int]:
@@ -25,11 +26,12 @@ def encode_prompt(tokenizer, prompt: str | list[int], vocab_size: int) -> list[i
     return list(prompt)
 
 
-def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
+def encode_messages(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """`tools` (OpenAI function definitions) go to the template too, which renders them its own way."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
     try:
-        ids = chat_ids(tokenizer, messages)
+        ids = render_chat(tokenizer, messages, tools) if tools else chat_ids(tokenizer, messages)
     except Exception as e:  # a template's own raise_exception(), e.g. roles out of order
         raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
     if not ids:

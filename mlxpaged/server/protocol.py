@@ -10,7 +10,7 @@ surrogates (`Text`): JSON allows `"\\ud800"`, UTF-8 (the tokenizer, our response
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -35,12 +35,8 @@ Text = Annotated[str, AfterValidator(_no_surrogates)]
 # One set for every route: implementing a field means deleting its line here.
 _OFF = (None, False, 0, "", [], {})
 UNIMPLEMENTED: dict[str, tuple] = {
-    "tools": _OFF,
-    "tool_choice": _OFF + ("none",),
     "functions": _OFF,
     "function_call": _OFF + ("none",),
-    "parallel_tool_calls": _OFF + (True,),
-    "response_format": _OFF + ({"type": "text"},),
     "best_of": _OFF + (1,),
     "echo": _OFF,
     "suffix": _OFF,
@@ -92,12 +88,6 @@ class _Sampling(_Request):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)  # an extension, as in vLLM: 0 or -1 is off
     seed: int | None = None
-    # Sampling knobs (SamplingParams checks their ranges); logit_bias keys are token ids as strings.
-    min_p: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
     n: int = Field(1, ge=1, le=64)
     stop: Text | list[Text] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
@@ -105,6 +95,12 @@ class _Sampling(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None  # accepted and ignored
+    # The sampling knobs (OpenAI's penalties and logit_bias; min_p and repetition_penalty as in vLLM).
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)
+    min_p: float = Field(0.0, ge=0, le=1)
+    logit_bias: dict[str, float] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -113,14 +109,35 @@ class _Sampling(_Request):
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int | None = None,
+                           **extra) -> SamplingParams:
         """Raises ValueError (SamplingParams' own checks) for values the types let through."""
+        knobs = dict(presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                     repetition_penalty=self.repetition_penalty, min_p=self.min_p,
+                     logit_bias=logit_bias_ids(self.logit_bias, vocab_size))
         return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               seed=self.seed, max_tokens=max_tokens, stop=self.stop,
                               stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
-                              min_p=self.min_p, logit_bias=self.logit_bias, presence_penalty=self.presence_penalty,
-                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                              **({"logprobs": logprobs} if logprobs is not None else {}))
+                              **({"logprobs": logprobs} if logprobs is not None else {}), **knobs,
+                              **{k: v for k, v in extra.items() if v is not None})
+
+
+def logit_bias_ids(bias: dict[str, float] | None, vocab_size: int | None) -> dict[int, float] | None:
+    """OpenAI's `logit_bias` (token id as a string -> bias in [-100, 100]) with int keys."""
+    if not bias:
+        return None
+    out = {}
+    for k, v in bias.items():
+        try:
+            tid = int(k)
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+        if tid < 0 or (vocab_size is not None and tid >= vocab_size):
+            raise ValueError(f"logit_bias keys must be token ids in 0..{(vocab_size or 1) - 1}, got {tid}")
+        if not -100 <= v <= 100:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {v} for token {tid}")
+        out[tid] = float(v)
+    return out
 
 
 class CompletionRequest(_Sampling):
@@ -142,24 +159,38 @@ class TextPart(_Body):
     text: Text
 
 
-def check_message_content(role: str, content) -> None:
-    """The one rule for a message's content: present and not an empty list of parts.
-
-    (An assistant message carrying tool calls may lack content, once tool calls exist.)"""
+def check_message_content(role: str, content, has_tool_calls: bool = False) -> None:
+    """The one rule for a message's content: present and not an empty list of parts (an assistant
+    message that carries tool calls may have none)."""
+    if content is None and has_tool_calls and role == "assistant":
+        return
     if content is None:
         raise ValueError(f"a {role} message needs content")
     if isinstance(content, list) and not content:
         raise ValueError(f"a {role} message's content is an empty list of parts")
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ChatToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ChatToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: Text | None = None  # a tool's result: the call it answers
 
     @model_validator(mode="after")
     def _content(self):
-        check_message_content(self.role, self.content)
+        check_message_content(self.role, self.content, has_tool_calls=bool(self.tool_calls))
         return self
 
     def text(self) -> str:
@@ -168,11 +199,48 @@ class ChatMessage(_Body):
         return self.content or ""
 
 
+class FunctionDef(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JsonSchemaSpec(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

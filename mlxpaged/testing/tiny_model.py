@@ -14,9 +14,29 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+# ChatML, with tools and tool calls the way Qwen2.5's template writes them (tools in the system
+# turn, calls as <tool_call> spans, results as <tool_response> in a user turn), so the tiny-model
+# server exercises tool calling. Without tools it renders exactly as plain ChatML.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{%- if tools %}{{ '<|im_start|>system\n' }}{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
+    "{% else %}{{ 'You are a helpful assistant.' }}{% endif %}{{ '\n\n# Tools\n\nYou may call one or more functions to "
+    "assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}{{ '\n</tools>\n\nFor each function call, return a "
+    "json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n' }}{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'assistant' and message.tool_calls %}{{ '<|im_start|>assistant' }}"
+    "{% if message['content'] %}{{ '\n' + message['content'] }}{% endif %}"
+    "{% for tc in message.tool_calls %}{% set f = tc.function if tc.function is defined else tc %}"
+    "{{ '\n<tool_call>\n{\"name\": \"' + f.name + '\", \"arguments\": ' }}{{ f.arguments | tojson }}"
+    "{{ '}\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{%- else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{%- endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
 CORPUS = [

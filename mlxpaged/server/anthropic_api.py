@@ -1,0 +1,317 @@
+"""Anthropic's Messages API: `POST /v1/messages` and `POST /v1/messages/count_tokens`.
+
+A body becomes chat messages for the checkpoint's template: `system` (a string or text blocks)
+is the system turn; `tool_use` blocks become the assistant's `tool_calls`; `tool_result` blocks
+become `role: "tool"` messages. `tool_choice` maps to the chat route's: auto -> auto, any ->
+required, tool -> a named function, none -> none (all in `guided_request.tool_plan`).
+
+Errors on these routes are Anthropic's object, `{"type": "error", "error": {"type", "message"}}`,
+and `x-api-key` authenticates as `Authorization: Bearer` does.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import APIError
+from .guided_request import format_guided, tool_plan
+from .middleware import anthropic_error_body
+from .prompts import check_context, encode_messages
+from .turns import TurnEnd, sse, start_turn, turn_events, whole_turn
+
+
+
+class AnthropicError(Exception):
+    def __init__(self, status: int, message: str, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers or {}
+
+    @classmethod
+    def of(cls, e: APIError) -> "AnthropicError":
+        return cls(e.status, e.message, e.headers)
+
+    def body(self) -> dict:
+        return anthropic_error_body(self.status, self.message)
+
+
+# -- request bodies -------------------------------------------------------------------------------
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextBlock(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(_Body):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Body):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: Union[str, list[TextBlock], None] = None
+    is_error: bool = False
+
+    def text(self) -> str:
+        body = self.content if isinstance(self.content, str) or self.content is None else \
+            "".join(b.text for b in self.content)
+        return f"Error: {body or ''}" if self.is_error else (body or "")
+
+
+Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock], Field(discriminator="type")]
+
+
+class Message(_Body):
+    role: Literal["user", "assistant"]
+    content: Union[str, list[Block]]
+
+
+class Tool(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Optional[str] = None
+    input_schema: dict[str, Any]
+
+
+class ToolChoice(_Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: Optional[str] = None
+    disable_parallel_tool_use: bool = False
+
+
+class JsonFormat(_Body):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Body):
+    format: Optional[JsonFormat] = None
+    effort: Optional[str] = None  # refused when set: no reasoning models here
+
+
+class CountTokensRequest(_Body):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: Union[str, list[TextBlock], None] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[ToolChoice] = None
+    thinking: Optional[dict[str, Any]] = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: Optional[list[str]] = None
+    stream: bool = False
+    temperature: float = Field(1.0, ge=0, le=1)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=0)
+    metadata: Optional[dict[str, Any]] = None  # accepted and ignored (user_id)
+    output_config: Optional[OutputConfig] = None  # structured output: format json_schema
+
+
+def _parse(model, raw) -> BaseModel:
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        err = max(e.errors(), key=lambda x: len(x["loc"]))  # of a union's branches, the one that got furthest
+        loc = ".".join(str(x) for x in err["loc"])
+        raise AnthropicError(400, f"{loc or 'body'}: {err['msg']}") from None
+
+
+async def _body(request: Request, model):
+    try:
+        raw = await request.json()
+    except ValueError as e:
+        raise AnthropicError(400, f"malformed JSON body: {e}") from None
+    if not isinstance(raw, dict):
+        raise AnthropicError(400, "the request needs a JSON object body")
+    return _parse(model, raw)
+
+
+# -- body -> template messages and tool plan --------------------------------------------------------
+def template_messages(body: CountTokensRequest) -> list[dict]:
+    out = []
+    if body.system:
+        system = body.system if isinstance(body.system, str) else "\n".join(b.text for b in body.system)
+        out.append({"role": "system", "content": system})
+    for m in body.messages:
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        texts = [b.text for b in m.content if isinstance(b, TextBlock)]
+        if m.role == "assistant":
+            if any(isinstance(b, ToolResultBlock) for b in m.content):
+                raise AnthropicError(400, "messages: tool_result blocks belong in a user message")
+            calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+                     for b in m.content if isinstance(b, ToolUseBlock)]
+            msg = {"role": "assistant", "content": "".join(texts)}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+            continue
+        if any(isinstance(b, ToolUseBlock) for b in m.content):
+            raise AnthropicError(400, "messages: tool_use blocks belong in an assistant message")
+        # The template wants tool results right after the call, then the user's words.
+        out += [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
+                for b in m.content if isinstance(b, ToolResultBlock)]
+        if texts or not any(isinstance(b, ToolResultBlock) for b in m.content):
+            out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+def plan_of(body: CountTokensRequest):
+    if body.thinking and body.thinking.get("type") != "disabled":
+        raise AnthropicError(400, "thinking: extended thinking is not supported by this server")
+    functions = [{"name": t.name, "description": t.description, "parameters": t.input_schema} for t in body.tools or []]
+    tc = body.tool_choice
+    kind = tc.type if tc else ("auto" if functions else "none")
+    if kind == "tool" and not tc.name:
+        raise AnthropicError(400, "tool_choice.name: required when tool_choice.type is 'tool'")
+    choice = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[kind]
+    parallel = not (tc and tc.disable_parallel_tool_use)
+    try:
+        return tool_plan(functions, choice, tc.name if tc else None, parallel=parallel)
+    except APIError as e:
+        raise AnthropicError.of(e) from None
+
+
+# -- responses ------------------------------------------------------------------------------------
+def stop_reason(end: TurnEnd) -> str:
+    return {"tool_calls": "tool_use", "length": "max_tokens"}.get(
+        end.finish_reason, "stop_sequence" if end.stop_sequence is not None else "end_turn")
+
+
+def tool_use_block(call) -> dict:
+    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name, "input": call.input}
+
+
+def register_anthropic(app: FastAPI, state) -> None:
+    """The routes and their error handler; the OpenAI routes keep OpenAI's error object."""
+    engine = state.engine_loop.engine
+
+    @app.exception_handler(AnthropicError)
+    async def _anthropic_error(request, exc: AnthropicError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    # The API key is checked by the Guard middleware before the body is read (in Anthropic's error shape here).
+    router = APIRouter(prefix="/v1")
+
+    async def encode(body) -> tuple[list[int], object]:
+        plan = plan_of(body)
+        try:
+            from .app import _check_model
+
+            _check_model(state, body.model)
+            messages = template_messages(body)
+            return await state.off_loop(encode_messages, engine.tokenizer, messages, plan.tools), plan
+        except APIError as e:
+            raise AnthropicError.of(e) from None
+
+    @router.post("/messages/count_tokens")
+    async def count_tokens(request: Request):
+        body = await _body(request, CountTokensRequest)
+        ids, _ = await encode(body)
+        return {"input_tokens": len(ids)}
+
+    @router.post("/messages")
+    async def messages(request: Request):
+        from .app import _params
+
+        body = await _body(request, MessagesRequest)
+        ids, plan = await encode(body)
+        try:
+            oc = body.output_config
+            if oc is not None and oc.effort is not None:
+                raise APIError(400, "output_config.effort: not supported by this server (no reasoning models)")
+            if oc is not None and oc.format is not None:
+                if plan.guided is not None:
+                    raise APIError(400, "output_config.format: cannot be combined with tool_choice any or tool "
+                                   "(both constrain the output)")
+                plan.guided = format_guided("json_schema", oc.format.schema_, "output_config.format")
+                plan.param = "output_config.format"
+            check_context(len(ids), body.max_tokens, state.context)
+            params = _params(_Sampling(body), body.max_tokens, None, state.vocab_size, guided=plan.guided)
+            job = await start_turn(state, "msg", ids, params, plan.param)
+        except APIError as e:
+            raise AnthropicError.of(e) from None
+        msg_id = "msg_" + job.resp_id.split("-", 1)[1][:24]
+        head = {"id": msg_id, "type": "message", "role": "assistant", "model": state.model_id}
+        if body.stream:
+            return StreamingResponse(_stream(state, job, plan.parse, head, len(ids)), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            content, calls, end = await whole_turn(state, job, request, plan.parse)
+        except APIError as e:
+            raise AnthropicError.of(e) from None
+        blocks = ([{"type": "text", "text": content}] if content or not calls else []) + [tool_use_block(c) for c in calls]
+        return {**head, "content": blocks, "stop_reason": stop_reason(end), "stop_sequence": end.stop_sequence,
+                "usage": {"input_tokens": end.prompt_tokens, "output_tokens": end.completion_tokens}}
+
+    app.include_router(router)
+
+
+class _Sampling:
+    """The Anthropic body's sampling fields, as `to_sampling_params` reads them."""
+
+    def __init__(self, body: MessagesRequest):
+        self.body = body
+
+    def to_sampling_params(self, max_tokens, logprobs, vocab_size=None, **extra):
+        from ..engine.sampling_params import SamplingParams
+
+        b = self.body
+        return SamplingParams(temperature=b.temperature, top_p=b.top_p if b.top_p is not None else 1.0,
+                              top_k=b.top_k or 0, max_tokens=max_tokens, stop=list(b.stop_sequences or []),
+                              **{k: v for k, v in extra.items() if v is not None})
+
+
+async def _stream(state, job, parse, head: dict, n_prompt: int):
+    """Anthropic's event sequence: message_start, then per block content_block_start, deltas and
+    content_block_stop, then message_delta (stop_reason, usage) and message_stop."""
+    index = -1
+    text_open = False
+    yield sse("message_start", {"type": "message_start", "message": {
+        **head, "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": n_prompt, "output_tokens": 0}}})
+    try:
+        async for e in turn_events(state, job, parse):
+            if isinstance(e, str):
+                if not text_open:
+                    index, text_open = index + 1, True
+                    yield sse("content_block_start", {"type": "content_block_start", "index": index,
+                                                      "content_block": {"type": "text", "text": ""}})
+                yield sse("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                  "delta": {"type": "text_delta", "text": e}})
+            elif isinstance(e, TurnEnd):
+                if index < 0:  # an empty turn still has one (empty) text block, as the whole message does
+                    index, text_open = 0, True
+                    yield sse("content_block_start", {"type": "content_block_start", "index": 0,
+                                                      "content_block": {"type": "text", "text": ""}})
+                if text_open:
+                    yield sse("content_block_stop", {"type": "content_block_stop", "index": index})
+                yield sse("message_delta", {"type": "message_delta",
+                                            "delta": {"stop_reason": stop_reason(e), "stop_sequence": e.stop_sequence},
+                                            "usage": {"input_tokens": e.prompt_tokens, "output_tokens": e.completion_tokens}})
+                yield sse("message_stop", {"type": "message_stop"})
+            else:  # a complete tool call: one tool_use block, its input as one input_json_delta
+                if text_open:
+                    yield sse("content_block_stop", {"type": "content_block_stop", "index": index})
+                    text_open = False
+                index += 1
+                block = tool_use_block(e)
+                yield sse("content_block_start", {"type": "content_block_start", "index": index,
+                                                  "content_block": {**block, "input": {}}})
+                yield sse("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                  "delta": {"type": "input_json_delta", "partial_json": e.arguments}})
+                yield sse("content_block_stop", {"type": "content_block_stop", "index": index})
+    except APIError as err:
+        yield sse("error", AnthropicError.of(err).body())
+

@@ -1,0 +1,269 @@
+"""Tool calls in the Qwen2.5 (Hermes) format: rendering, parsing, streaming and the forcing grammar.
+
+The checkpoint's chat template renders the offered tools (Qwen2.5 puts them in the system turn)
+and the history: assistant turns with `tool_calls` and `role: "tool"` results. The model answers
+with spans
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+and `parse_tool_calls` / `ToolCallStream` turn them into calls. A span counts as a call when its
+body is a JSON object with a string `name` and an object `arguments`; anything else (a span that
+is not JSON, or not closed when the sample ends) stays in the text, unchanged, so nothing the
+model wrote is lost. Whitespace between a call and its neighbours is dropped; other text is the
+message's content.
+
+Small Qwen2.5 checkpoints (the 0.5B) often answer a tool request with the bare JSON object and
+no tags, or with that object in a ```json fenced block. So a completion that is, as a whole, one
+such object (fenced or not) naming an offered function is a call too. While a streamed
+completion may still be one (it starts with `{` or a fence), its text is held back until it ends.
+
+One rule for every API: the OpenAI chat route, Anthropic's Messages and OpenAI's Responses all
+convert their own shapes to these chat messages and tool definitions.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+JSON_STYLE = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}  # llguidance's options
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's `function.arguments`)
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    @property
+    def input(self) -> dict:
+        return json.loads(self.arguments)
+
+
+def _call_of(body: str) -> ToolCall | None:
+    """The call a span's body holds, or None when it is not one (then the span stays text)."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters"))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def parse_tool_calls(text: str, names=None) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a whole completion; content is None when it is empty and there are calls.
+    `names`: the offered functions, which a bare JSON completion may call (None: only spans)."""
+    s = ToolCallStream(names)
+    events = s.feed(text) + s.finish()
+    content = "".join(e for e in events if isinstance(e, str))
+    calls = [e for e in events if isinstance(e, ToolCall)]
+    return (content or None) if calls else content, calls
+
+
+def _unfenced(text: str) -> str:
+    """The body of a completion that is one fenced block (```json ... ```), else the text."""
+    if text.startswith("```") and text.endswith("```") and len(text) >= 6:
+        body = text[3:-3]
+        first, _, rest = body.partition("\n")
+        return rest if first.strip() in ("", "json") else text
+    return text
+
+
+def _partial_open(buf: str) -> int:
+    """Length of the longest tail of `buf` that is a proper prefix of `<tool_call>`."""
+    for k in range(min(len(OPEN) - 1, len(buf)), 0, -1):
+        if buf.endswith(OPEN[:k]):
+            return k
+    return 0
+
+
+class ToolCallStream:
+    """Text deltas in, events out: `str` (content to show) and `ToolCall` (a complete call).
+
+    Holds back what could still become a call: a tail that may grow into `<tool_call>`,
+    whitespace that would be dropped if a call follows, and an open span until it closes.
+    The events of any split of a text equal those of the whole text (`parse_tool_calls`).
+    """
+
+    def __init__(self, names=None):
+        self.names = frozenset(names or ())  # functions a bare JSON completion may call
+        self.lead: str | None = "" if self.names else None  # held while the completion may be a bare call
+        self.bare = False  # the completion starts with "{": hold it all until it ends
+        self.buf = ""  # text not yet decided (while `in_call`: the open span so far)
+        self.in_call = False
+        self.ws = ""  # trailing whitespace held back: dropped if a call follows, else text
+        self.after_call = False  # whitespace right after a call is dropped
+        self.num_calls = 0
+
+    def feed(self, delta: str) -> list:
+        if self.lead is not None:
+            self.lead += delta
+            head = self.lead.lstrip()
+            if self.bare or not head or (len(head) < 3 and "```".startswith(head)):  # held, or undecided
+                return []
+            if head[0] == "{" or head.startswith("```"):
+                self.bare = True
+                return []
+            delta, self.lead = self.lead, None  # not a bare call: parse as usual from the start
+        return self._feed(delta)
+
+    def _feed(self, delta: str) -> list:
+        self.buf += delta
+        events: list = []
+        while True:
+            if self.in_call:
+                j = self.buf.find(CLOSE)
+                if j < 0:
+                    return events
+                span, self.buf = self.buf[: j + len(CLOSE)], self.buf[j + len(CLOSE):]
+                self.in_call = False
+                call = _call_of(span[len(OPEN): j])
+                if call is None:  # malformed: the span, and the whitespace held before it, are text
+                    events.append(self.ws + span)
+                else:
+                    events.append(call)
+                    self.num_calls += 1
+                self.ws, self.after_call = "", call is not None
+                continue
+            if self.after_call:
+                stripped = self.buf.lstrip()
+                if not stripped:
+                    self.buf = ""
+                    return events
+                self.buf, self.after_call = stripped, False
+            i = self.buf.find(OPEN)
+            end = i if i >= 0 else len(self.buf) - _partial_open(self.buf)
+            text = self.ws + self.buf[:end]
+            body = text.rstrip()
+            if body:
+                events.append(body)
+            self.ws, self.buf = text[len(body):], self.buf[end:]
+            if i < 0:
+                return events
+            self.in_call = True
+
+    def finish(self) -> list:
+        """The sample ended: whatever is held back is text (an unclosed span included)."""
+        if self.lead is not None:
+            lead, self.lead = self.lead, None
+            call = _call_of(_unfenced(lead.strip())) if self.bare else None
+            if call is not None and call.name in self.names:
+                self.num_calls += 1
+                return [call]
+            return self._feed(lead) + self.finish()
+        rest = self.ws + self.buf
+        self.buf, self.ws, self.in_call = "", "", False
+        return [rest] if rest else []
+
+
+# -- chat messages and tool definitions for the template ------------------------------------------
+def template_tool_calls(calls: list[dict]) -> list[dict]:
+    """OpenAI `tool_calls` for a chat template: arguments as an object (Qwen's template writes
+    them with `tojson`, so a JSON string would be rendered quoted)."""
+    out = []
+    for c in calls:
+        fn = c["function"]
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise ValueError(f"tool call {c.get('id', '')!r}: arguments are not valid JSON") from None
+        out.append({"id": c.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args or {}}})
+    return out
+
+
+def openai_tools(tools: list[dict]) -> list[dict]:
+    """Function definitions as chat templates expect them: `{"type": "function", "function": {...}}`."""
+    return [{"type": "function", "function": {k: v for k, v in t.items() if v is not None}} for t in tools]
+
+
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    """Prompt ids through the checkpoint's own template, with the tools when there are any."""
+    kw = {"tools": tools} if tools else {}
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+# -- the grammar that forces a call (llguidance's Lark syntax) ------------------------------------
+def _lark_str(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)
+
+
+def tool_call_grammar(functions: list[dict], *, parallel: bool = True) -> str:
+    """A Lark grammar whose sentences are one (or, `parallel`, several) Qwen2.5 tool-call spans,
+    each a call to one of `functions` (`{"name", "parameters"}`) with arguments valid for its
+    schema. Qwen writes them exactly so (see its template's tool instructions)."""
+    if not functions:
+        raise ValueError("no function to call")
+    rules = []
+    for i, f in enumerate(functions):
+        # Compact JSON with the separators Qwen's template writes (tojson's ", " and ": "): no free
+        # whitespace a weak model could pad the arguments with until max_tokens.
+        schema = {**(f.get("parameters") or {"type": "object"}), "x-guidance": JSON_STYLE}
+        head = f'{OPEN}\n{{"name": {json.dumps(f["name"], ensure_ascii=False)}, "arguments": '
+        rules.append(f"call_{i}: {_lark_str(head)} args_{i} {_lark_str('}' + chr(10) + CLOSE)}")
+        rules.append(f"args_{i}: %json{json.dumps(schema, ensure_ascii=False)}")
+    alts = " | ".join(f"call_{i}" for i in range(len(functions)))
+    start = "start: call (\"\\n\" call)*" if parallel else "start: call"
+    return "\n".join([start, f"call: {alts}", *rules]) + "\n"
+
+
+def template_messages(messages) -> list[dict]:
+    """OpenAI chat messages (protocol.ChatMessage) as the dicts a chat template reads."""
+    out = []
+    for i, m in enumerate(messages):
+        d = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            try:
+                d["tool_calls"] = template_tool_calls([c.model_dump() for c in m.tool_calls])
+            except ValueError as e:
+                raise ValueError(f"messages.{i}: {e}") from None
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
+
+
+def stream_tool_delta(parser: ToolCallStream, text: str, finish: str | None) -> tuple[dict, str | None]:
+    """One chat chunk's delta from a text delta: content the parser let through, and the calls
+    it completed as OpenAI `delta.tool_calls` entries (each whole, with its `index`)."""
+    first = parser.num_calls
+    events = parser.feed(text) + (parser.finish() if finish else [])
+    delta: dict = {}
+    content = "".join(e for e in events if isinstance(e, str))
+    if content:
+        delta["content"] = content
+    calls = [e for e in events if isinstance(e, ToolCall)]
+    if calls:
+        delta["tool_calls"] = [{"index": first + k, "id": c.id, "type": "function",
+                                "function": {"name": c.name, "arguments": c.arguments}} for k, c in enumerate(calls)]
+    if finish == "stop" and parser.num_calls:
+        finish = "tool_calls"
+    return delta, finish
+
+
+def chat_message(text: str, finish: str | None, names=None) -> tuple[dict, str | None]:
+    """A whole assistant message and its finish_reason: with `names` (tools offered), its parsed
+    calls, and `tool_calls` for a sample that ended by itself with calls."""
+    if names is None:
+        return {"role": "assistant", "content": text}, finish
+    content, calls = parse_tool_calls(text, names)
+    msg: dict = {"role": "assistant", "content": content}
+    if calls:
+        msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in calls]
+    return msg, "tool_calls" if calls and finish == "stop" else finish

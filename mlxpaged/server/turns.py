@@ -1,0 +1,106 @@
+"""One assistant turn for the Anthropic and Responses routes: submit it, then read it as events.
+
+Both routes see a turn the same way: content text, `ToolCall`s (when tools were offered) and
+one closing `TurnEnd`. Each renders them in its own protocol. Streamed text is held back the
+way `ChoiceStream` holds it (a tail that may grow into a stop string), and tool-call spans the
+way `ToolCallStream` does, so the streamed events equal the whole turn's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from .responses import ChoiceStream
+from .tools import ToolCall, ToolCallStream, parse_tool_calls
+
+DEFAULT_MAX_TOKENS = 1024  # as the chat route: when a Responses body gives no max_output_tokens
+
+
+@dataclass
+class TurnEnd:
+    finish_reason: str  # "stop" (EOS, a stop string), "length" or "tool_calls"
+    stop_sequence: str | None  # the stop string that ended the turn, if one did
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+async def start_turn(state, prefix: str, ids: list[int], params, guided_param: str | None = None):
+    """The engine request of one turn (a 400 before anything streams if it cannot run)."""
+    from .app import _Job  # the chat routes' job: queueing, admission errors, aborts
+
+    return await _Job.start(state, prefix, [ids], params, guided_param)
+
+
+def _end(state, out, c, params, calls: int) -> TurnEnd:
+    stop = None
+    finish = c.finish_reason or "length"
+    if finish == "stop" and calls:
+        finish = "tool_calls"
+    elif finish == "stop" and params.stop and c.token_ids:
+        engine = state.engine_loop.engine
+        last = c.token_ids[-1]
+        if last not in engine.eos_token_ids and last not in params.stop_token_ids:
+            # Ended by a stop string: the engine cut it off the text; it follows the text in the tokens.
+            tail = engine.tokenizer.decode(c.token_ids)[len(c.text):]
+            stop = min(params.stop, key=lambda s: (tail.find(s) if s in tail else 1 << 30))
+    return TurnEnd(finish, stop, len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens)
+
+
+async def whole_turn(state, job, request: Request, parse) -> tuple[str | None, list[ToolCall], TurnEnd]:
+    """(content, calls, end) of a finished turn."""
+    out = (await job.collect(request))[0]
+    c = out.outputs[0]
+    content, calls = parse_tool_calls(c.text, parse) if parse else (c.text, [])
+    return content, calls, _end(state, out, c, job.params, len(calls))
+
+
+async def turn_events(state, job, parse):
+    """Yields `str` deltas, `ToolCall`s and, last, a `TurnEnd`; a failed step raises APIError.
+    Closing the generator early (a client gone) aborts the engine request."""
+    from .app import _server_error
+
+    text = ChoiceStream(job.params.stop)
+    tools = ToolCallStream(parse) if parse else None
+    try:
+        async for rid, item in _items(job):
+            if isinstance(item, BaseException):
+                job.final[rid] = None
+                raise _server_error(item)
+            c = item.outputs[0]
+            d = text.advance(c)
+            if d is not None:
+                delta, _, finish = d
+                if tools is None:
+                    if delta:
+                        yield delta
+                else:
+                    for e in tools.feed(delta) + (tools.finish() if finish else []):
+                        yield e
+            if item.finished:
+                job.final[rid] = item
+                yield _end(state, item, c, job.params, tools.num_calls if tools else 0)
+                return
+    finally:
+        job._abort_unfinished()
+
+
+async def _items(job):
+    """(request id, newest output or exception), as the job's engine request reports them: the one
+    place that reads the job's sink (outputs are cumulative: a skipped one loses nothing)."""
+    while True:
+        for item in await job.sink.get():
+            yield item
+
+
+def default_max_tokens(state, num_prompt: int) -> int:
+    return max(1, min(DEFAULT_MAX_TOKENS, (state.context or 1 << 30) - num_prompt))
+
+
+def sse(event: str, data: dict) -> str:
+    """One server-sent event with its name (Anthropic's and Responses' streams name every event)."""
+    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
