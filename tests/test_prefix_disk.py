@@ -1,0 +1,298 @@
+"""The prefix cache's disk tier (worker/prefix_store.py): restarts, eviction, faults, the cap,
+quantized blocks and the namespace.
+
+References: mlx-lm's own Qwen2 on its contiguous cache (greedy tokens), a run with no disk tier
+(the same engine without `prefix_cache_dir`), and the bytes of the pool that wrote the blocks.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxpaged import EngineConfig, LLMEngine, SamplingParams
+from mlxpaged.worker import prefix_store
+from reference import contiguous_generate
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+LOG = "mlxpaged.prefix_store"
+
+
+def ids(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 380, n).tolist()
+
+
+def engine(loaded, store: Path | None, **kw) -> LLMEngine:
+    kw.setdefault("num_blocks", 96)
+    return LLMEngine(loaded, EngineConfig(prefix_cache_dir=None if store is None else str(store), **kw))
+
+
+def run(e: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY):
+    rids = [e.add_request(p, params) for p in prompts]
+    done = {}
+    while e.has_unfinished_requests():
+        done.update({o.request_id: o for o in e.step() if o.finished})
+    if e.prefix_store is not None:
+        e.prefix_store.flush()
+    e.check_invariants()
+    return [done[r] for r in rids]
+
+
+def block_files(store: Path) -> list[Path]:
+    return sorted(store.rglob("*" + prefix_store.SUFFIX), key=lambda p: p.stat().st_mtime_ns)
+
+
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == LOG and r.levelno == logging.WARNING]
+
+
+@pytest.fixture(scope="module")
+def prompt600():
+    return ids(0, 600)
+
+
+@pytest.fixture(scope="module")
+def reference600(mlx_lm_tiny, prompt600):
+    model, _ = mlx_lm_tiny
+    return contiguous_generate(model, prompt600, GREEDY.max_tokens)
+
+
+# -- restart ---------------------------------------------------------------------------------------
+def test_restart_serves_the_prefix_from_disk(tiny_loaded, tmp_path, prompt600, reference600):
+    store = tmp_path / "store"
+    first = run(engine(tiny_loaded, store), [prompt600])[0]
+    assert first.outputs[0].token_ids == reference600
+    assert first.num_cached_tokens == 0
+    assert len(block_files(store)) == (600 + 8 - 1) // 16  # every full block computed (the last token is not)
+    again = engine(tiny_loaded, store)  # a new pool: nothing in memory
+    second = run(again, [prompt600])[0]
+    assert second.num_cached_tokens == 592  # all but the block holding the last prompt token
+    assert second.outputs[0].token_ids == reference600
+    st = again.stats_dict()
+    assert st["prefix_cache_disk_hit_tokens"] == 592 and st["prefix_cache_hit_tokens"] == 592
+    assert st["prompt_tokens"] == 600 and again.stats.computed_prefill_tokens == 8
+
+
+def test_disk_hit_equals_contiguous_reference_on_a_new_question(tiny_loaded, mlx_lm_tiny, tmp_path, prompt600):
+    """A shared prefix from disk, then a different suffix: tokens equal mlx-lm's contiguous cache."""
+    store = tmp_path / "store"
+    run(engine(tiny_loaded, store), [prompt600])
+    asked = prompt600 + ids(1, 37)
+    e = engine(tiny_loaded, store)
+    out = run(e, [asked])[0]
+    assert out.num_cached_tokens == 592
+    assert out.outputs[0].token_ids == contiguous_generate(mlx_lm_tiny[0], asked, GREEDY.max_tokens)
+
+
+def test_no_async_scheduling_and_chunked_prefill(tiny_loaded, tmp_path, prompt600, reference600):
+    store = tmp_path / "store"
+    run(engine(tiny_loaded, store, async_scheduling=False, max_num_batched_tokens=100), [prompt600])
+    e = engine(tiny_loaded, store, async_scheduling=False, max_num_batched_tokens=100)
+    out = run(e, [prompt600])[0]
+    assert out.num_cached_tokens == 592 and out.outputs[0].token_ids == reference600
+
+
+# -- eviction ----------------------------------------------------------------------------------------
+def test_evicted_prefix_comes_back_from_disk(tiny_loaded, tmp_path, prompt600, reference600):
+    store = tmp_path / "store"
+    e = engine(tiny_loaded, store, num_blocks=40)  # one 600-token prompt at a time, no room to keep it
+    other = ids(2, 600)
+    out = run(e, [prompt600])
+    run(e, [other])  # evicts every block of the first prompt
+    assert not any(b.token_ids == tuple(prompt600[:16]) for b in e.block_manager.pool.cached.values())
+    out = run(e, [prompt600])[0]
+    assert out.outputs[0].token_ids == reference600
+    assert out.num_cached_tokens == 592
+    assert e.stats_dict()["prefix_cache_disk_hit_tokens"] == 592
+
+
+# -- faults --------------------------------------------------------------------------------------------
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 100])
+
+
+def _foreign(path: Path) -> None:
+    """The file as another namespace wrote it (header's namespace digest differs, all else equal)."""
+    data = bytearray(path.read_bytes())
+    off = prefix_store._HEADER.size - 64
+    data[off : off + 32] = bytes(32)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", [_flip_byte, _truncate, _foreign], ids=["flipped-byte", "truncated", "foreign"])
+def test_bad_file_is_skipped_deleted_and_recomputed(tiny_loaded, tmp_path, prompt600, reference600, damage, caplog):
+    store = tmp_path / "store"
+    run(engine(tiny_loaded, store), [prompt600])
+    e = engine(tiny_loaded, store)
+    tenth = e.prefix_store.path_of(_chain_hashes(e, prompt600)[10])
+    damage(tenth)
+    with caplog.at_level(logging.WARNING, logger=LOG):
+        out = run(e, [prompt600])[0]
+    assert out.outputs[0].token_ids == reference600
+    assert out.num_cached_tokens == 10 * 16  # the blocks before the bad one
+    assert len(warnings_of(caplog)) == 1, warnings_of(caplog)
+    assert e.prefix_store.stats.bad_files == 1
+    assert tenth.exists()  # deleted, then written again from the recomputed block
+    assert run(engine(tiny_loaded, store), [prompt600])[0].num_cached_tokens == 592
+
+
+def _chain_hashes(e: LLMEngine, prompt: list[int]) -> list[bytes]:
+    bm, hashes, parent = e.block_manager, [], None
+    for i in range(len(prompt) // 16):
+        parent = bm.hash_fn(parent, tuple(prompt[i * 16 : (i + 1) * 16]), bm.extra_key)
+        hashes.append(parent)
+    return hashes
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS], ids=["disk-full", "read-only"])
+def test_write_failure_turns_the_tier_off(tiny_loaded, tmp_path, prompt600, reference600, code, monkeypatch, caplog):
+    def fail(path, data):
+        raise OSError(code, os.strerror(code))
+
+    e = engine(tiny_loaded, tmp_path / "store")
+    monkeypatch.setattr(prefix_store, "_atomic_write", fail)  # every block write from now on
+    with caplog.at_level(logging.WARNING, logger=LOG):
+        outs = run(e, [prompt600, ids(3, 300)])
+        outs += run(e, [prompt600])
+    assert outs[0].outputs[0].token_ids == reference600 == outs[2].outputs[0].token_ids
+    assert len(warnings_of(caplog)) == 1 and os.strerror(code) in warnings_of(caplog)[0]
+    assert not e.prefix_store.enabled and block_files(tmp_path / "store") == []
+    assert e.prefix_store.stats.written_blocks == 0
+
+
+def test_unusable_directory_warns_once_and_serves(tiny_loaded, tmp_path, prompt600, reference600, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with caplog.at_level(logging.WARNING, logger=LOG):
+        e = engine(tiny_loaded, blocker / "store")
+        out = run(e, [prompt600])[0]
+    assert out.outputs[0].token_ids == reference600
+    assert len(warnings_of(caplog)) == 1 and not e.prefix_store.enabled
+
+
+# -- the cap ---------------------------------------------------------------------------------------------
+def test_cap_holds_and_evicts_least_recently_used(tiny_loaded, tmp_path, monkeypatch):
+    """The cap counts block files. `kept` is read by a second engine each round, as another process
+    would: with RESCAN_S = 0 the writer rescans the directory before each eviction and sees its touches."""
+    monkeypatch.setattr(prefix_store, "RESCAN_S", 0.0)
+    store = tmp_path / "store"
+    probe = engine(tiny_loaded, store, num_blocks=64)
+    file_bytes = probe.prefix_store.file_nbytes
+    cap_blocks = 25
+    gb = cap_blocks * file_bytes / 1e9
+    e = engine(tiny_loaded, store, num_blocks=64, prefix_cache_disk_gb=gb)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    kept = ids(9, 40)  # read back often: least recently used never
+    for start in range(0, 200, 10):
+        run(e, [ids(1000 + i, 40) for i in range(start, start + 10)], params)
+        run(engine(tiny_loaded, store, num_blocks=64, prefix_cache_disk_gb=gb), [kept], params)  # a hit (touches its files)
+        on_disk = sum(p.stat().st_size for p in store.rglob("*") if p.is_file() and p.suffix == ".kvb")
+        assert on_disk <= gb * 1e9, (start, on_disk)
+    assert e.prefix_store.stats.evicted_blocks > 0
+    last = engine(tiny_loaded, store, num_blocks=64, prefix_cache_disk_gb=gb)
+    assert run(last, [kept], params)[0].num_cached_tokens == 32  # survived 200 prompts' worth of writes
+    assert run(last, [ids(1000, 40)], params)[0].num_cached_tokens == 0  # the first prompt's blocks went first
+
+
+# -- quantized blocks ---------------------------------------------------------------------------------------
+def test_quantized_blocks_round_trip(tiny_loaded, tmp_path, prompt600):
+    store = tmp_path / "store"
+    a = engine(tiny_loaded, store, kv_bits=8, kv_group_size=32)
+    first = run(a, [prompt600])[0]
+    b = engine(tiny_loaded, store, kv_bits=8, kv_group_size=32)
+    second = run(b, [prompt600])[0]
+    assert second.num_cached_tokens == 592 and second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert len(a.kv_cache.arrays) == 3 * 2 * tiny_loaded.model.args.num_hidden_layers  # codes, scales, biases
+    for h in _chain_hashes(a, prompt600)[:37]:
+        ba, bb = a.block_manager.pool.cached[h].block_id, b.block_manager.pool.cached[h].block_id
+        for xa, xb in zip(a.kv_cache.arrays, b.kv_cache.arrays):
+            assert np.array_equal(np.array(xa[ba]), np.array(xb[bb]))
+
+
+# -- the namespace -----------------------------------------------------------------------------------------------
+def test_a_store_of_other_weights_is_never_read(tmp_path, prompt600, caplog):
+    """Two checkpoints at the same path (so the same block hashes) that differ in one weight."""
+    import mlx_lm
+
+    from mlxpaged.loading.loader import load
+    from mlxpaged.testing.tiny_model import write_tiny_qwen2
+
+    ckpt, store = tmp_path / "ckpt", tmp_path / "store"
+    write_tiny_qwen2(ckpt)
+    first = engine(load(str(ckpt), "float32"), store)
+    run(first, [prompt600])
+    weights = mx.load(str(ckpt / "model.safetensors"))
+    w = np.array(weights["model.layers.1.self_attn.v_proj.weight"])
+    w[3, 5] += 0.5
+    weights["model.layers.1.self_attn.v_proj.weight"] = mx.array(w)
+    mx.save_safetensors(str(ckpt / "model.safetensors"), weights, metadata={"format": "mlx"})
+    other = load(str(ckpt), "float32")
+    e = engine(other, store)
+    hashes = _chain_hashes(e, prompt600)
+    assert hashes == _chain_hashes(first, prompt600)  # same block hashes: only the namespace keeps them apart
+    assert first.prefix_store.path_of(hashes[0]).exists() and not e.prefix_store.path_of(hashes[0]).exists()
+    with caplog.at_level(logging.WARNING, logger=LOG):
+        out = run(e, [prompt600])[0]
+    assert out.num_cached_tokens == 0 and warnings_of(caplog) == []
+    assert out.outputs[0].token_ids == contiguous_generate(mlx_lm.load(str(ckpt))[0], prompt600, GREEDY.max_tokens)
+    assert len([d for d in store.iterdir() if d.is_dir()]) == 2  # two namespaces side by side
+
+
+def test_namespace_names_every_setting(tiny_loaded, tmp_path):
+    digests = set()
+    for kw in [{}, {"block_size": 32}, {"kv_bits": 8}, {"kv_bits": 8, "kv_group_size": 32}, {"kv_bits": 4}]:
+        e = LLMEngine(tiny_loaded, EngineConfig(num_blocks=8, **kw))
+        for rank, world in [(0, 1), (0, 2), (1, 2)]:
+            digests.add(prefix_store.namespace(prefix_store.namespace_parts(tiny_loaded, e.kv_cache, rank=rank, world=world)))
+    assert len(digests) == 15
+
+
+# -- cost control ----------------------------------------------------------------------------------------------------
+def test_reads_slower_than_recomputing_are_not_used(tiny_loaded, tmp_path, prompt600, reference600):
+    store = tmp_path / "store"
+    run(engine(tiny_loaded, store), [prompt600])
+    e = engine(tiny_loaded, store)
+    s = e.prefix_store
+    s._read_s_per_block, s.recompute_s_per_token = 1.0, 1e-9  # as if the disk were slower than the model
+    e.stats.prefill_time = 0.0  # keep the engine from overwriting the estimate before the lookup
+    out = run(e, [prompt600])[0]
+    assert out.num_cached_tokens == 0 and s.stats.skipped_slow == 1 and out.outputs[0].token_ids == reference600
+
+
+# -- settings and the CLI ------------------------------------------------------------------------------------------------
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="prefix caching"):
+        EngineConfig(prefix_cache_dir="/tmp/x", enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="prefix_cache_disk_gb"):
+        EngineConfig(prefix_cache_dir="/tmp/x", prefix_cache_disk_gb=0)
+    with pytest.raises(ValueError, match="needs prefix_cache_dir"):
+        EngineConfig(prefix_cache_disk_gb=1.0)
+
+
+def test_generate_cli_reuses_the_prefix_across_runs(tiny_model_path, tmp_path, prompt600):
+    import json
+
+    prompt = " ".join(["The KV cache stores the keys and values of every token a sequence has seen."] * 20)
+    cmd = [sys.executable, "-m", "mlxpaged.cli", "generate", "--model", str(tiny_model_path), "--dtype", "float32",
+           "--prompt", prompt, "--no-chat", "--max-tokens", "4", "--json", "--prefix-cache-dir", str(tmp_path / "store")]
+    runs = [json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout) for _ in range(2)]
+    first, second = (r["outputs"][0] for r in runs)
+    assert first["num_cached_tokens"] == 0 and second["num_cached_tokens"] > 0
+    assert second["token_ids"] == first["token_ids"]
+    assert runs[1]["stats"]["prefix_cache_disk_hit_tokens"] == second["num_cached_tokens"]
