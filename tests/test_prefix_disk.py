@@ -104,7 +104,7 @@ def test_no_async_scheduling_and_chunked_prefill(tiny_loaded, tmp_path, prompt60
 # -- eviction ----------------------------------------------------------------------------------------
 def test_evicted_prefix_comes_back_from_disk(tiny_loaded, tmp_path, prompt600, reference600):
     store = tmp_path / "store"
-    e = engine(tiny_loaded, store, num_blocks=40)  # one 600-token prompt at a time, no room to keep it
+    e = engine(tiny_loaded, store, num_blocks=38)  # exactly one 600-token request (607 slots): no room to keep it
     other = ids(2, 600)
     out = run(e, [prompt600])
     run(e, [other])  # evicts every block of the first prompt
