@@ -296,3 +296,29 @@ def test_generate_cli_reuses_the_prefix_across_runs(tiny_model_path, tmp_path, p
     assert first["num_cached_tokens"] == 0 and second["num_cached_tokens"] > 0
     assert second["token_ids"] == first["token_ids"]
     assert runs[1]["stats"]["prefix_cache_disk_hit_tokens"] == second["num_cached_tokens"]
+
+
+# -- a server restart over HTTP ----------------------------------------------------------------------------------------------
+def test_server_restart_reports_cached_tokens(tiny_model_path, tiny_loaded, tmp_path, prompt600, reference600):
+    """`mlxpaged serve` stopped (Ctrl-C) and started again on the same DIR: the same 600-token
+    prompt is served from disk, with the first run's (and mlx-lm's) greedy tokens."""
+    from test_server import Server
+
+    def serve_once() -> tuple[list[int], int, dict]:
+        s = Server(tiny_model_path, "--num-blocks", "64", "--prefix-cache-dir", str(tmp_path / "store"))
+        try:
+            r = s.client().completions.create(model=str(tiny_model_path), prompt=prompt600, max_tokens=8,
+                                              temperature=0.0, extra_body={"ignore_eos": True}, logprobs=0)
+            metrics = s.metrics()
+        finally:
+            code, err = s.interrupt()
+        assert code == 0, err
+        assert "prefix_store" not in err, err  # no warning
+        return (r.choices[0].text, r.choices[0].logprobs.tokens), r.usage.prompt_tokens_details.cached_tokens, metrics
+
+    text1, cached1, m1 = serve_once()
+    text2, cached2, m2 = serve_once()
+    assert cached1 == 0 and cached2 >= 592
+    assert text2 == text1 and text1[0] == tiny_loaded.tokenizer.decode(reference600)
+    assert m2['mlxpaged_prefix_cache_hit_tokens_total{tier="disk"}'] == cached2
+    assert m2['mlxpaged_prefix_cache_hit_tokens_total{tier="memory"}'] == 0
