@@ -322,3 +322,52 @@ def test_server_restart_reports_cached_tokens(tiny_model_path, tiny_loaded, tmp_
     assert text2 == text1 and text1[0] == tiny_loaded.tokenizer.decode(reference600)
     assert m2['mlxpaged_prefix_cache_hit_tokens_total{tier="disk"}'] == cached2
     assert m2['mlxpaged_prefix_cache_hit_tokens_total{tier="memory"}'] == 0
+
+
+# -- tensor parallelism ---------------------------------------------------------------------------------------------------------
+def test_tensor_parallel_ranks_keep_their_own_shards(tiny_model_path, tiny_loaded, tmp_path):
+    """Two ranks (mlx.launch, ring backend), launched twice on one DIR: each rank has its own
+    namespace; after rank 1 loses some files, both ranks use only the blocks both have."""
+    import json
+
+    from test_tp import LAUNCH, _free_port_pair, _ring_can_start
+    import tp_prefix_worker as w
+
+    why = _ring_can_start()
+    if why is not None:
+        pytest.skip(why)
+    store = tmp_path / "store"
+
+    def launch_once(tag: str) -> list[dict]:
+        r = subprocess.run([LAUNCH, "-n", "2", "--backend", "ring", "--starting-port",
+                            str(_free_port_pair()), "--python", sys.executable, "--",
+                            w.__file__, "--model", str(tiny_model_path), "--store", str(store),
+                            "--out", str(tmp_path / tag)], capture_output=True, text=True, timeout=300)
+        files = [tmp_path / f"{tag}{rank}.json" for rank in range(2)]
+        assert all(f.exists() for f in files), r.stdout + r.stderr
+        return [json.loads(f.read_text()) for f in files]
+
+    ref = run(LLMEngine(tiny_loaded, EngineConfig(block_size=w.BLOCK_SIZE, num_blocks=64)), [w.PROMPT])[0]
+    first = launch_once("first")
+    assert [r["cached"] for r in first] == [0, 0]
+    assert first[0]["namespace_dir"] != first[1]["namespace_dir"]
+    second = launch_once("second")
+    assert [r["cached"] for r in second] == [36, 36] and [r["local_hit_blocks"] for r in second] == [9, 9]
+    # Rank 1 loses its blocks from the fourth on: rank 0 still reads 9, but both use 3.
+    rank1 = Path(second[1]["namespace_dir"])
+    for h in _chain_hashes_bs(tiny_loaded, w.PROMPT, w.BLOCK_SIZE)[3:]:
+        (rank1 / h.hex()[:2] / (h.hex() + prefix_store.SUFFIX)).unlink()
+    third = launch_once("third")
+    assert [r["cached"] for r in third] == [12, 12] and [r["local_hit_blocks"] for r in third] == [9, 3]
+    for r in first + second + third:
+        assert r["tokens"] == ref.outputs[0].token_ids
+
+
+def _chain_hashes_bs(loaded, prompt: list[int], bs: int) -> list[bytes]:
+    from mlxpaged.core.block_manager import sha256_block_hash
+
+    hashes, parent = [], None
+    for i in range(len(prompt) // bs):
+        parent = sha256_block_hash(parent, tuple(prompt[i * bs : (i + 1) * bs]), loaded.identity)
+        hashes.append(parent)
+    return hashes
