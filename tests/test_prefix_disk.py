@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -371,3 +370,37 @@ def _chain_hashes_bs(loaded, prompt: list[int], bs: int) -> list[bytes]:
         parent = sha256_block_hash(parent, tuple(prompt[i * bs : (i + 1) * bs]), loaded.identity)
         hashes.append(parent)
     return hashes
+
+
+# -- the real-model tier -------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def real():
+    import mlx_lm
+
+    from mlxpaged.loading.gguf import convert_gguf
+    from mlxpaged.loading.loader import load
+    from mlxpaged.loading.offline_model import ensure_offline_model
+
+    path = convert_gguf(ensure_offline_model())
+    loaded = load(str(path), "float32")
+    ref, _ = mlx_lm.load(str(path))
+    ref.set_dtype(mx.float32)
+    return loaded, ref
+
+
+def test_real_model_restart_from_disk(real, tmp_path):
+    """Qwen2.5-Coder-0.5B (float32): a 600-token prompt after a restart comes from disk, with
+    mlx-lm's contiguous greedy tokens both times."""
+    from mlxpaged.bench.prefix_disk import prompt_ids
+
+    loaded, ref = real
+    prefix, question = prompt_ids(loaded.tokenizer, loaded.model.args.vocab_size, 580, 20, 0)
+    prompt = prefix + question
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    first = run(engine(loaded, tmp_path / "store", num_blocks=64), [prompt], params)[0]
+    again = engine(loaded, tmp_path / "store", num_blocks=64)
+    second = run(again, [prompt], params)[0]
+    want = contiguous_generate(ref, prompt, 16)
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens == 592
+    assert first.outputs[0].token_ids == want and second.outputs[0].token_ids == want
+    assert again.stats.computed_prefill_tokens == 8
