@@ -404,3 +404,27 @@ def test_real_model_restart_from_disk(real, tmp_path):
     assert first.num_cached_tokens == 0 and second.num_cached_tokens == 592
     assert first.outputs[0].token_ids == want and second.outputs[0].token_ids == want
     assert again.stats.computed_prefill_tokens == 8
+
+
+def test_two_processes_on_one_dir(tiny_model_path, tiny_loaded, mlx_lm_tiny, tmp_path, caplog):
+    """Two `generate` processes write the same blocks into one DIR at the same time (write-then-
+    rename, no lock): a third engine then reads every block, with no bad file."""
+    import json
+
+    text = " ".join(["Paged attention borrows an idea from operating systems: virtual memory and paging."] * 30)
+    prompt = tiny_loaded.tokenizer.encode(text)
+    want = contiguous_generate(mlx_lm_tiny[0], prompt, 8)
+    store = tmp_path / "store"
+    cmd = [sys.executable, "-m", "mlxpaged.cli", "generate", "--model", str(tiny_model_path), "--dtype", "float32",
+           "--prompt", text, "--no-chat", "--max-tokens", "8", "--ignore-eos", "--json", "--prefix-cache-dir", str(store)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        assert json.loads(out)["outputs"][0]["token_ids"] == want
+    assert not list(store.rglob("*.tmp"))
+    e = engine(tiny_loaded, store)
+    with caplog.at_level(logging.WARNING, logger=LOG):
+        out = run(e, [prompt])[0]
+    assert out.num_cached_tokens == (len(prompt) - 1) // 16 * 16 and out.outputs[0].token_ids == want
+    assert warnings_of(caplog) == [] and e.prefix_store.stats.bad_files == 0

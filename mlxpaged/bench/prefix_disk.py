@@ -94,6 +94,8 @@ def benchmark(loaded, *, prefix_tokens: int = 2000, question_tokens: int = 50, r
         # The crossover: reading a block pays while it costs less than computing its tokens.
         "read_ms_per_block": spread([1e3 * r for r in read_s_per_block]),
         "cold_compute_ms_per_block": spread([1e3 * block_size * c for c in cold_per_token]),
+        # The disk read speed below which recomputing a block would be faster than reading it.
+        "break_even_read_mb_per_s": spread([file_nbytes / (block_size * c) / 1e6 for c in cold_per_token]),
         "store_dir": str(store),
     }
 
@@ -107,5 +109,6 @@ def table(p: dict) -> list[str]:
     lines.append(f"disk / cold: {fmt(p['disk_over_cold'], 4)}; same first tokens in all three: {p['same_first_tokens']}")
     lines.append(f"disk bytes per token: {p['disk_bytes_per_token']:.0f}; "
                  f"read {fmt(p['read_ms_per_block'], 2)} ms per block vs computing it cold "
-                 f"{fmt(p['cold_compute_ms_per_block'], 1)} ms")
+                 f"{fmt(p['cold_compute_ms_per_block'], 1)} ms; reading pays down to "
+                 f"{fmt(p['break_even_read_mb_per_s'], 1)} MB/s")
     return lines
