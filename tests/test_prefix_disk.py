@@ -198,9 +198,11 @@ def test_cap_holds_and_evicts_least_recently_used(tiny_loaded, tmp_path, monkeyp
     e = engine(tiny_loaded, store, num_blocks=64, prefix_cache_disk_gb=gb)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     kept = ids(9, 40)  # read back often: least recently used never
+    run(e, [kept], params)
     for start in range(0, 200, 10):
         run(e, [ids(1000 + i, 40) for i in range(start, start + 10)], params)
-        run(engine(tiny_loaded, store, num_blocks=64, prefix_cache_disk_gb=gb), [kept], params)  # a hit (touches its files)
+        reader = engine(tiny_loaded, store, num_blocks=64, prefix_cache_disk_gb=gb)
+        assert run(reader, [kept], params)[0].num_cached_tokens == 32  # a disk hit, which touches its files
         on_disk = sum(p.stat().st_size for p in store.rglob("*") if p.is_file() and p.suffix == ".kvb")
         assert on_disk <= gb * 1e9, (start, on_disk)
     assert e.prefix_store.stats.evicted_blocks > 0
