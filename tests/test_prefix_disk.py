@@ -65,6 +65,59 @@ def reference600(mlx_lm_tiny, prompt600):
     return contiguous_generate(model, prompt600, GREEDY.max_tokens)
 
 
+# -- the core hook, without MLX ----------------------------------------------------------------------
+class DictTier:
+    """A second tier in a dict: what a store would hold, by hash (an independent shadow of the disk)."""
+
+    def __init__(self):
+        self.blocks: dict[bytes, tuple[int, ...]] = {}
+        self.lookups: list[int] = []
+
+    def lookup(self, block_hashes, token_ids) -> int:
+        n = 0
+        for h, t in zip(block_hashes, token_ids):
+            if self.blocks.get(h) != t:
+                break
+            n += 1
+        self.lookups.append(len(block_hashes))
+        return n
+
+    def wants(self, block_hash) -> bool:
+        return block_hash not in self.blocks
+
+
+def test_block_manager_takes_second_tier_blocks_after_memory_hits():
+    from mlxpaged.core.block_manager import BlockManager
+    from mlxpaged.core.sequence import Sequence
+
+    bm, tier = BlockManager(16, 4), DictTier()
+    bm.second_tier = tier
+    tokens = list(range(100, 122))  # 5 full blocks of 4, then 2 tokens
+    a = Sequence(list(tokens), len(tokens))
+    assert bm.allocate_slots(a, 22) == [] and bm.match_second_tier(a) == []  # nothing matched: a fresh table
+    a.num_computed_tokens = 22
+    bm.cache_full_blocks(a)
+    written = bm.take_to_store()
+    assert [b for _, b, _ in written] == [blk.block_id for blk in a.block_table[:5]]
+    tier.blocks = {h: t for h, _, t in written}
+    keep = a.block_table[0]
+    bm.free(a)
+    for _ in range(15):  # evict all but the first block from memory (LRU: the tail went first)
+        assert bm.pool.allocate() is not None
+    assert bm.pool.num_free == 1 and keep.block_hash is not None
+    for block_id in (1, 2, 3):  # three free blocks, no longer cached
+        bm.pool.release(bm.pool.blocks[block_id])
+    b = Sequence(list(tokens), len(tokens))
+    assert bm.match_prefix(b) == 4  # block 0 from memory
+    loads = bm.match_second_tier(b)
+    assert len(loads) == 3 == bm.pool.num_free + 3  # blocks 1-3 from the tier, limited by the free blocks
+    assert [h for h, _ in loads] == b.block_hashes[1:4] == [h for h, _, _ in written[1:4]]
+    assert [blk.block_id for blk in b.block_table[1:]] == [blk for _, blk in loads]
+    assert b.num_computed_tokens == 16 and all(bm.pool.cached[h].block_id == blk for h, blk in loads)
+    assert tier.lookups == [4]  # blocks 1..4: never the block holding the last token
+    assert bm.take_to_store() == []  # loaded blocks are not written back
+
+
 # -- restart ---------------------------------------------------------------------------------------
 def test_restart_serves_the_prefix_from_disk(tiny_loaded, tmp_path, prompt600, reference600):
     store = tmp_path / "store"
