@@ -22,6 +22,9 @@ class EngineConfig:
       back, so scheduling, input building, stop checks and detokenizing overlap the device's
       work; the outputs are the same as with it off (engine.py says how, and when a step
       still waits: beam-search rows).
+    prefix_cache_dir: a directory for the prefix cache's disk tier (docs/prefix-cache.md): full
+      blocks are written there by hash and read back on a memory miss, across restarts.
+      prefix_cache_disk_gb caps it (least recently used blocks go first; None: no cap).
     """
 
     block_size: int = 16
@@ -36,6 +39,8 @@ class EngineConfig:
     kv_bits: int | None = None
     kv_group_size: int = 64
     async_scheduling: bool = True
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk_gb: float | None = None
 
     def __post_init__(self):
         bs = self.block_size
@@ -49,6 +54,12 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.prefix_cache_dir is not None and not self.enable_prefix_caching:
+            raise ValueError("prefix_cache_dir needs prefix caching on (drop --no-prefix-caching)")
+        if self.prefix_cache_disk_gb is not None and not self.prefix_cache_disk_gb > 0:
+            raise ValueError(f"prefix_cache_disk_gb must be > 0, got {self.prefix_cache_disk_gb}")
+        if self.prefix_cache_disk_gb is not None and self.prefix_cache_dir is None:
+            raise ValueError("prefix_cache_disk_gb needs prefix_cache_dir")
         from .worker.kv_quant import KV_GROUP_SIZES, check_kv_quant
 
         if self.kv_group_size not in KV_GROUP_SIZES:  # checked even for a float cache: a typo is a typo

@@ -323,7 +323,8 @@ def test_models_health_metrics(server, tiny_model_path):
     assert [m.id for m in server.client().models.list()] == [model_name(tiny_model_path)]
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     m = server.metrics()
-    for name in ("requests_running", "requests_waiting", "kv_blocks_used", "prefix_cache_hit_tokens_total",
+    for name in ("requests_running", "requests_waiting", "kv_blocks_used", 'prefix_cache_hit_tokens_total{tier="memory"}',
+                 'prefix_cache_hit_tokens_total{tier="disk"}',
                  "preemptions_total", "generation_tokens_total", "time_to_first_token_seconds_count",
                  "inter_token_latency_seconds_count"):
         assert f"mlxpaged_{name}" in m

@@ -183,7 +183,6 @@ BAD = [
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
     ({"temperature": 1.5}, "temperature"),
     ({"top_k": -1}, "top_k"),
-    ({"model": "claude-unknown"}, "claude-unknown"),
     ({"tool_choice": {"type": "tool"}, "tools": TOOLS}, "tool_choice.name"),
     ({"tool_choice": {"type": "tool", "name": "nope"}, "tools": TOOLS}, "'nope'"),
     ({"tool_choice": {"type": "any"}}, "needs tools"),
@@ -207,6 +206,9 @@ def test_bad_inputs_get_anthropic_error_object(server, tiny_model_path):
             j = r.json()
             assert j["type"] == "error" and set(j["error"]) == {"type", "message"}, j
             assert j["error"]["type"] == "invalid_request_error" and words in j["error"]["message"], (extra, j)
+        r = h.post(server.url + "/v1/messages", json={**base, "model": "claude-unknown"})  # as Anthropic: 404
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", r.text
+        assert "claude-unknown" in r.json()["error"]["message"]
         r = h.post(server.url + "/v1/messages", content=b"{oops", headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["type"] == "error" and "JSON" in r.json()["error"]["message"]
         r = h.post(server.url + "/v1/messages/count_tokens", json={"model": str(tiny_model_path), "messages": "hi"})

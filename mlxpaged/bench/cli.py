@@ -260,3 +260,30 @@ def kernel(out_dir, plot, seqs, tokens, max_block):
 from .http import add_command as _add_serve_bench  # noqa: E402  (`mlxpaged bench serve`: HTTP, vs mlx_lm.server)
 
 _add_serve_bench(bench, with_common, _plot)
+
+
+@bench.command("prefix-disk")
+@with_common
+@click.option("--prefix-tokens", default=2000, show_default=True, help="Tokens of the shared prefix.")
+@click.option("--question-tokens", default=50, show_default=True, help="Tokens of each run's own question.")
+@click.option("--repeats", default=3, show_default=True, help="Runs of each case (cold, warm, disk), alternating the order.")
+@click.option("--store-dir", default=None, help="Directory of the disk tier (default: a new temporary one).")
+def prefix_disk(model, tiny, dtype, out_dir, plot, prefix_tokens, question_tokens, repeats, store_dir):
+    """Time to first token of a long prefix: cold, warm in memory, after a restart from --prefix-cache-dir."""
+    from tqdm import tqdm
+
+    from .models import load_models, model_label
+    from .prefix_disk import benchmark, table
+    from .report import write_result
+
+    try:
+        loaded, _ = load_models(model, tiny, dtype, reference=False)
+        with tqdm(total=3 * repeats, desc="prefix-disk", file=sys.stderr) as bar:
+            payload = benchmark(loaded, prefix_tokens=prefix_tokens, question_tokens=question_tokens, repeats=repeats,
+                                store_dir=store_dir, progress=bar.update)
+    except (MlxPagedError, ValueError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    click.echo("\n".join(table(payload)))
+    path = write_result(out_dir, "prefix-disk", model_label(loaded, model, tiny), payload)
+    click.echo(f"results: {path}")

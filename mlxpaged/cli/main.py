@@ -240,7 +240,8 @@ def _summary(s: dict) -> None:
         f"{s['cow_copies']} copy-on-write copies{forks}, block size {s['block_size']}, pool {s['num_blocks']}"
     )
     if s["prefix_cache_hit_tokens"] or s["preemptions"]:
-        click.echo(f"Prefix cache: {s['prefix_cache_hit_tokens']} prompt tokens reused; preemptions: {s['preemptions']}")
+        disk = f" ({s['prefix_cache_disk_hit_tokens']} from disk)" if s.get("prefix_cache_disk_hit_tokens") else ""
+        click.echo(f"Prefix cache: {s['prefix_cache_hit_tokens']} prompt tokens reused{disk}; preemptions: {s['preemptions']}")
 
 
 def _add_bench() -> None:

@@ -18,6 +18,8 @@ ENGINE_FIELDS = {
     "kv_bits": "kv_bits",
     "kv_group_size": "kv_group_size",
     "async_scheduling": "async_scheduling",
+    "prefix_cache_dir": "prefix_cache_dir",
+    "prefix_cache_disk_gb": "prefix_cache_disk_gb",
 }
 
 
@@ -36,6 +38,8 @@ def model_and_engine_options(num_blocks_help: str):
         click.option("--attention", "attention_impl", default="auto", type=click.Choice(["auto", "reference", "metal"]), show_default=True),
         click.option("--kv-bits", default=None, type=int, metavar="{4,8}", help="Store K/V quantized at this many bits (default: the model's dtype)."),
         click.option("--kv-group-size", default=64, show_default=True, metavar="{32,64}", help="Values sharing one scale and bias in a quantized K/V row."),
+        click.option("--prefix-cache-dir", default=None, metavar="DIR", help="Keep full KV blocks on disk under DIR too, by hash: a later run (or a restart) reads a repeated prefix instead of recomputing it (docs/prefix-cache.md)."),
+        click.option("--prefix-cache-disk-gb", default=None, type=float, metavar="N", help="Cap the --prefix-cache-dir store at N GB; least recently used blocks go first (default: no cap)."),
         click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True, help="Launch each step before reading back the previous one's tokens (outputs are the same either way)."),
     ]
 

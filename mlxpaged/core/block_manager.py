@@ -5,12 +5,17 @@ Only the scheduler calls this module: it is the one owner of every sequence's bl
 A full block is named by `hash_fn(parent_hash, token_ids, extra_key)`: the chain of hashes
 makes the name depend on every token before the block, and `extra_key` (the model's identity)
 keeps two models from sharing one cache. Hashes are computed once, when a block fills.
+
+A `SecondTier` (the disk store, worker/prefix_store.py) may sit under the pool: on a memory miss
+`match_second_tier` asks it for the next blocks of a prompt and takes fresh blocks for those it
+has (the engine copies their bytes in before the step's forward pass), and `cache_full_blocks`
+lists the newly named blocks it wants (`to_store`) for the engine to hand over.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -19,6 +24,16 @@ from .sequence import Sequence
 from ..utils import cdiv
 
 HashFn = Callable[[bytes | None, tuple[int, ...], bytes], bytes]
+
+
+class SecondTier(Protocol):
+    """A store of full blocks by hash, below the pool (core moves no bytes: the engine does)."""
+
+    def lookup(self, block_hashes: list[bytes], token_ids: list[tuple[int, ...]]) -> int:
+        """How many leading blocks of `block_hashes` it can supply (made ready for loading)."""
+
+    def wants(self, block_hash: bytes) -> bool:
+        """Whether a newly full block with this hash should be handed to it."""
 
 
 def sha256_block_hash(parent: bytes | None, token_ids: tuple[int, ...], extra_key: bytes) -> bytes:
@@ -62,6 +77,8 @@ class BlockManager:
         self.hash_fn = hash_fn
         self.extra_key = extra_key
         self.num_cow_copies = 0
+        self.second_tier: SecondTier | None = None
+        self.to_store: list[tuple[bytes, int, tuple[int, ...]]] = []  # (block_hash, block_id, token_ids)
 
     # -- sizing ---------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -146,6 +163,43 @@ class BlockManager:
         seq.num_computed_tokens = len(seq.block_table) * bs
         return seq.num_computed_tokens
 
+    def match_second_tier(self, seq: Sequence, num_tokens: int | None = None) -> list[tuple[bytes, int]]:
+        """After `match_prefix`, take fresh blocks for the leading blocks the second tier has.
+
+        Same limit as `match_prefix` (never the last token). The blocks join the table and the
+        prefix cache at once; returns their (block_hash, block_id) for the engine to fill before
+        the next forward pass. Takes only free blocks, so it cannot fail.
+        """
+        if self.second_tier is None or not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        limit = seq.num_tokens if num_tokens is None else num_tokens
+        first, last = len(seq.block_table), (limit - 1) // bs
+        if first >= last or len(seq.block_hashes) != first:
+            return []
+        hashes, tokens = [], []
+        parent = seq.block_hashes[-1] if first else None
+        for i in range(first, last):
+            t = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            parent = self.hash_fn(parent, t, self.extra_key)
+            hashes.append(parent)
+            tokens.append(t)
+        n = min(self.second_tier.lookup(hashes, tokens), self.pool.num_free)
+        loads = []
+        for h, t in zip(hashes[:n], tokens[:n]):
+            block = self.pool.allocate()
+            self.pool.cache(block, h, t)
+            seq.block_table.append(block)
+            seq.block_hashes.append(h)
+            loads.append((h, block.block_id))
+        seq.num_computed_tokens = len(seq.block_table) * bs
+        return loads
+
+    def take_to_store(self) -> list[tuple[bytes, int, tuple[int, ...]]]:
+        """The newly full blocks the second tier wants, since the last call."""
+        out, self.to_store = self.to_store, []
+        return out
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Name (and cache) the blocks that became full since the last call."""
         if not self.enable_prefix_caching:
@@ -156,6 +210,8 @@ class BlockManager:
             seq.block_hashes.append(h)
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             self.pool.cache(seq.block_table[i], h, tokens)
+            if self.second_tier is not None and self.second_tier.wants(h):
+                self.to_store.append((h, seq.block_table[i].block_id, tokens))
 
     # -- accounting ----------------------------------------------------------------------------
     def check(self, seqs: list[Sequence]) -> None:

@@ -53,6 +53,9 @@ class SchedulerOutput:
     decodes: list[tuple[Request, Sequence]] = field(default_factory=list)
     copies: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (seq, src, dst) copy-on-write
     preempted: list[Request] = field(default_factory=list)
+    # (block_hash, block_id) to fill from the prefix cache's second tier before the forward pass.
+    # Kept even if their request is preempted in the same step: the blocks stay cached under the hash.
+    loads: list[tuple[bytes, int]] = field(default_factory=list)
 
     @property
     def block_copies(self) -> list[tuple[int, int]]:
@@ -84,6 +87,7 @@ class Scheduler:
         self.running: dict[str, Request] = {}  # admission order (dicts keep insertion order)
         self.num_preemptions = 0
         self.prefix_cache_hit_tokens = 0
+        self.prefix_cache_disk_hit_tokens = 0  # the part of prefix_cache_hit_tokens the second tier supplied
         self.num_beam_forks = 0
         self.num_beam_frees = 0
         self._num_running_seqs = 0  # live samples of running requests
@@ -115,7 +119,7 @@ class Scheduler:
         while (self.waiting and budget > 0 and self._can_admit(self.waiting[0])
                and not self._prefix_in_flight(self.waiting[0])):
             req = self.waiting.popleft()
-            self._admit(req)
+            self._admit(req, out)
             budget = self._schedule_prefill(req, budget, out)
         return out
 
@@ -125,11 +129,15 @@ class Scheduler:
         and one slot more than `blocks_for_request` counts."""
         return seq.pending is not None and seq.num_tokens - seq.num_prompt_tokens >= req.params.max_tokens
 
-    def _admit(self, req: Request) -> None:
+    def _admit(self, req: Request, out: SchedulerOutput) -> None:
         hits = self.bm.match_prefix(req.carrier, req.prefill_target())
+        loads = self.bm.match_second_tier(req.carrier, req.prefill_target())
+        out.loads.extend(loads)
         if req.num_preemptions == 0:
-            req.num_cached_tokens = hits
-            self.prefix_cache_hit_tokens += hits
+            disk = len(loads) * self.bm.block_size
+            req.num_cached_tokens = hits + disk
+            self.prefix_cache_hit_tokens += hits + disk
+            self.prefix_cache_disk_hit_tokens += disk
         req.status = RequestStatus.RUNNING
         self.running[req.request_id] = req
         self._num_running_seqs += len(req.live_seqs())

@@ -75,6 +75,10 @@ class LaunchedStep:
     num_prefill: int
     launched_at: float
     logits_rows: mx.array | None = None  # the sampled rows' logits while their draws wait (guided rows)
+    # Newly full blocks for the prefix cache's disk tier: (hash, token ids) and their rows, gathered
+    # lazily behind the step; handed to the store's writer thread once the step is read back.
+    to_store: list[tuple[bytes, tuple[int, ...]]] | None = None
+    store_rows: list[mx.array] | None = None
 
     def requests(self) -> list[Request]:
         return requests_of(self.out)
@@ -110,6 +114,8 @@ class LLMEngine:
         self.kv_cache = PagedKVCache.for_model(loaded.model, self.cache_shape, num_blocks, config.block_size, scales)
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.attention_impl)
         self._check_kernels()
+        self.prefix_store = self._open_prefix_store() if config.prefix_cache_dir else None
+        self.block_manager.second_tier = self.prefix_store
         self.scheduler = Scheduler(config, self.block_manager)
         self.check_stop = StopChecker(set(getattr(self.tokenizer, "eos_token_ids", None) or []))
         self.stats = EngineStats()
@@ -119,6 +125,48 @@ class LLMEngine:
         self._carried: list[Request] = []  # read back during a failed step: reported at the next
         self._last_read = 0.0
         self._grammars: GrammarCompiler | None = None  # built by the first guided request
+
+    def _open_prefix_store(self):
+        """The disk tier, namespaced by everything that changes a block's bytes (prefix_store.py);
+        on a tensor-parallel rank, by its rank too, and lookups agree on the smallest hit count."""
+        from pathlib import Path
+
+        from ..worker.prefix_store import PrefixStore, namespace, namespace_parts
+
+        group = getattr(self.loaded.model, "tp_group", None)
+        rank, world, agree = 0, 1, None
+        if group is not None:
+            from ..distributed.collectives import agree_min
+
+            rank, world, agree = group.rank(), group.size(), (lambda n: agree_min(group, n))
+        root = Path(self.config.prefix_cache_dir).expanduser()
+        parts = namespace_parts(self.loaded, self.kv_cache, rank=rank, world=world, memo_file=root / "weights-digests.json")
+        gb = self.config.prefix_cache_disk_gb
+        return PrefixStore(root, namespace(parts), self.kv_cache.block_nbytes(), self.config.block_size,
+                           cap_bytes=None if gb is None else int(gb * 1e9), agree=agree, parts=parts)
+
+    def _load_blocks(self, loads: list[tuple[bytes, int]]) -> None:
+        """Copy the blocks the scheduler took from the disk tier into the pool, before the step's forward pass."""
+        payloads = self.prefix_store.take_staged([h for h, _ in loads])
+        self.kv_cache.write_blocks([b for _, b in loads], self.prefix_store.split_payload(payloads))
+
+    def _gather_to_store(self, step: LaunchedStep) -> None:
+        """Snapshot the rows of the blocks the step filled that the disk tier wants (lazily, behind the step)."""
+        items = self.block_manager.take_to_store()
+        if items and self.prefix_store is not None:
+            step.to_store = [(h, t) for h, _, t in items]
+            step.store_rows = self.kv_cache.gather_blocks([b for _, b, _ in items])
+            mx.async_eval(*step.store_rows)
+
+    def _hand_to_store(self, step: LaunchedStep) -> None:
+        """The step is read back, so its gathered rows are ready: the writer thread takes them from here."""
+        if step.to_store:
+            k = len(step.to_store)
+            self.prefix_store.save(step.to_store, [np.array(r).reshape(k, -1) for r in step.store_rows])
+            step.to_store = step.store_rows = None
+        st = self.stats
+        if self.prefix_store is not None and st.computed_prefill_tokens and st.prefill_time:
+            self.prefix_store.recompute_s_per_token = st.prefill_time / st.computed_prefill_tokens
 
     def _check_kernels(self) -> None:
         """With the Metal kernel in use, build and check its variants now, before any request:
@@ -250,6 +298,8 @@ class LLMEngine:
         self._carried = []
         prev, self._inflight = self._inflight, None
         out = self.scheduler.schedule()
+        if out.loads:  # even if the step is empty: those blocks are cached under their hash now
+            self._load_blocks(out.loads)
         if out.empty:
             if prev is None:
                 if self.scheduler.has_unfinished():
@@ -386,6 +436,7 @@ class LLMEngine:
             pending = [(seq, PendingToken(step.step_id, s.tokens, j, s.keys if j in key_row else None, key_row.get(j, 0)))
                        for j, (_, seq) in enumerate(step.pairs)]
         self.scheduler.update_from_forward(step.out, pending)
+        self._gather_to_store(step)
 
     def _read_back(self, step: LaunchedStep) -> list[Request]:
         """Wait for the step's values; the scheduler appends the tokens (stop checks and detokenizing
@@ -411,6 +462,7 @@ class LLMEngine:
                 self.stats.generation_tokens += decided.num_tokens
                 progressed.append(req)
         now = time.perf_counter()
+        self._hand_to_store(step)
         # Time between read-backs: with overlapped steps, one step's share of the wall clock.
         dt = now - max(step.launched_at, self._last_read)
         self._last_read = now

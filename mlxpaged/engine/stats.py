@@ -31,7 +31,7 @@ class EngineStats:
 
 # What /metrics exports (server/metrics.py names them).
 METRIC_KEYS = ("requests_running", "requests_waiting", "kv_blocks_used", "kv_blocks_total", "prefix_cache_hit_tokens",
-               "preemptions", "generation_tokens")
+               "preemptions", "generation_tokens", "prefix_cache_disk_hit_tokens")
 
 
 def engine_stats(engine: LLMEngine) -> dict:
@@ -53,6 +53,7 @@ def engine_stats(engine: LLMEngine) -> dict:
         "beam_forks": sched.num_beam_forks,
         "beam_frees": sched.num_beam_frees,
         "prefix_cache_hit_tokens": sched.prefix_cache_hit_tokens,
+        "prefix_cache_disk_hit_tokens": sched.prefix_cache_disk_hit_tokens,
         "preemptions": sched.num_preemptions,
         "blocks_free": pool.num_free,
         "blocks_cached": len(pool.cached),

@@ -22,7 +22,6 @@ GAUGES = {
     "mlx_cache_memory_bytes": "Freed MLX buffers kept for reuse (emptied whenever the engine goes idle).",
 }
 COUNTERS = {
-    "prefix_cache_hit_tokens": "Prompt tokens served from the prefix cache.",
     "preemptions": "Requests preempted for lack of blocks.",
     "generation_tokens": "Tokens generated.",
 }
@@ -40,6 +39,13 @@ class _EngineCollector:
             yield GaugeMetricFamily(f"mlxpaged_{key}", doc, value=snap.get(key, 0))
         for key, doc in COUNTERS.items():
             yield CounterMetricFamily(f"mlxpaged_{key}", doc, value=snap.get(key, 0))  # exposed as *_total
+        # One family split by where the blocks came from: the pool ("memory") or the disk tier.
+        hits = CounterMetricFamily("mlxpaged_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
+                                   labels=["tier"])
+        disk = snap.get("prefix_cache_disk_hit_tokens", 0)
+        hits.add_metric(["memory"], snap.get("prefix_cache_hit_tokens", 0) - disk)
+        hits.add_metric(["disk"], disk)
+        yield hits
 
 
 class Metrics:

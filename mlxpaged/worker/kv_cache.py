@@ -194,3 +194,24 @@ class PagedKVCache:
         for a in self.arrays:
             a[dst] = a[src]
         mx.eval(self.arrays)
+
+    # -- the disk tier of the prefix cache (prefix_store.py) --------------------------------------------
+    def gather_blocks(self, block_ids: list[int]) -> list[mx.array]:
+        """Lazily, every pool array's rows of `block_ids` as bytes: `uint8 [k, num_kv_heads, block_size, -1]`
+        per array (`arrays` order). A snapshot: later writes to the pools do not change it."""
+        idx = mx.array(block_ids, dtype=mx.int32)
+        return [a[idx].view(mx.uint8) for a in self.arrays]
+
+    def block_nbytes(self) -> list[int]:
+        """Bytes of one block in each pool array (`arrays` order)."""
+        return [a.nbytes // self.num_blocks for a in self.arrays]
+
+    def write_blocks(self, block_ids: list[int], rows: list[np.ndarray]) -> None:
+        """Store `rows[i]` (`uint8 [k, block_nbytes()[i]]`, from `gather_blocks` or the disk) into
+        blocks `block_ids` of pool array `i`; lazy, like a forward pass's writes."""
+        if not block_ids:
+            return
+        idx = mx.array(block_ids, dtype=mx.int32)
+        for a, r in zip(self.arrays, rows):
+            src = mx.array(np.ascontiguousarray(r)).reshape(len(block_ids), *a.shape[1:-1], -1)
+            a[idx] = src.view(a.dtype)
