@@ -271,7 +271,7 @@ BAD = [
     # known fields this server does not implement
     ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function"}]}, 400, "tools", "tools"),
     ("/v1/chat/completions", {"messages": HI, "tool_choice": "required"}, 400, "tool_choice", "tool_choice"),
-    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_object"}}, 400, "response_format",
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "yaml"}}, 400, "response_format",
      "response_format"),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of", "best_of"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo", "echo"),
