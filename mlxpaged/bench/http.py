@@ -211,7 +211,8 @@ def start_server(name: str, model_path: str, extra: list[str]) -> ServerProc:
 
 # -- one run: Poisson arrivals at `rate` -----------------------------------------------------------
 def request_body(server: str, model: str, req: Req, n: int, eos: list[int]) -> dict:
-    """The chat request `server` gets for `req` with n samples (n=1 for each of mlx_lm's fan-out)."""
+    """The chat request `server` gets for `req` of a load with n samples per request (mlx_lm.server
+    gets n copies of it, without `n`); both sample at the same temperature."""
     messages = ([{"role": "system", "content": req.system}] if req.system else []) + [{"role": "user", "content": req.prompt}]
     body = {"model": model, "messages": messages, "max_tokens": req.max_tokens, "temperature": 0.0 if n == 1 else 0.8,
             "stream": True, "stream_options": {"include_usage": True}}
@@ -285,7 +286,6 @@ async def run_load(server: ServerProc, model: str, reqs: list[Req], rate: float,
     res = RunResult(server.name, load, rate, repeat, n, output_tokens=[None] * len(reqs))
     rng = random.Random(seed)
     fan = n if server.name == "mlx_lm" else 1
-    samples = n if server.name == "mlxpaged" else 1
     stop = asyncio.Event()
 
     async def watch_rss():
@@ -294,7 +294,7 @@ async def run_load(server: ServerProc, model: str, reqs: list[Req], rate: float,
             await asyncio.sleep(0.05)
 
     async def one(i: int, req: Req):
-        body = request_body(server.name, model, req, samples, eos)
+        body = request_body(server.name, model, req, n, eos)
         parts = await asyncio.gather(*[stream_one(client, server.url, body) for _ in range(fan)])
         record(res, i, req, list(parts), n)
 
