@@ -124,6 +124,7 @@ def tiny_run(tmp_path_factory):
 def test_tiny_run_writes_every_field(tiny_run):
     doc = tiny_run
     assert doc["kind"] == "serve" and doc["provenance"]["git"]["commit"] != ""
+    assert doc["git_at_start"]["commit"] == doc["provenance"]["git"]["commit"]  # nothing committed meanwhile
     for f in ("rates", "repeats", "bound_s_per_token", "peer_args", "mlxpaged_args", "rows", "per_rate", "sustainable"):
         assert f in doc, f
     assert {(r["server"], r["load"]) for r in doc["rows"]} == {(s, l) for s in ("mlxpaged", "mlx_lm") for l in ("sharegpt", "n4")}

@@ -136,3 +136,31 @@ def test_bad_pool_settings_are_refused():
         EngineConfig(kv_memory_gb=0)
     with pytest.raises(ValueError, match="kv_chunk_blocks"):
         EngineConfig(kv_chunk_blocks=0)
+
+
+def test_the_server_loop_trims_the_pool_when_it_goes_idle(tiny_loaded):
+    import asyncio
+    import time
+
+    from mlxpaged.server.engine_loop import EngineLoop, Sink
+
+    loop = EngineLoop(lambda: LLMEngine(tiny_loaded, EngineConfig(kv_chunk_blocks=2, attention_impl="reference")))
+    loop.start()
+    try:
+        async def one():
+            sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
+            loop.submit(_prompts(1, 90)[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), "r", sink)
+            while True:
+                _, out = await sink.queue.get()
+                if out.finished:
+                    return out
+
+        asyncio.run(one())
+        engine = loop.engine
+        assert engine.stats.blocks_in_use_peak >= 6  # the pool had to grow past its 2 blocks
+        deadline = time.monotonic() + 10
+        while engine.num_blocks != 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.num_blocks == 2 and engine.kv_cache.keys[0].shape[0] == 2
+    finally:
+        loop.stop()

@@ -481,7 +481,7 @@ def add_command(bench_group, with_common, write_plot) -> None:
             "mlxpaged_args": extra, "peer_args": PEER_ARGS,
             "fairness": ["fresh server per (load, rate, repeat, server)", "equal output tokens per request asserted",
                          "no seed to either server", "first server alternates per (load, rate) and repeat"],
-            "rows": rows, **summary})
+            "git_at_start": git, "rows": rows, **summary})
         click.echo(f"results: {out}")
         if plot:
             click.echo(f"plot: {write_figure(out.with_suffix('.png'), summary['per_rate'], load_list, bound)}")
