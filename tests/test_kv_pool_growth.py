@@ -164,3 +164,14 @@ def test_the_server_loop_trims_the_pool_when_it_goes_idle(tiny_loaded):
         assert engine.num_blocks == 2 and engine.kv_cache.keys[0].shape[0] == 2
     finally:
         loop.stop()
+
+
+def test_serve_refuses_a_cap_together_with_a_fixed_size():
+    from click.testing import CliRunner
+
+    from mlxpaged.server.cli import serve
+
+    r = CliRunner().invoke(serve, ["--kv-memory-gb", "1", "--num-blocks", "64"])
+    assert r.exit_code == 1 and "--kv-memory-gb" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(serve, ["--kv-memory-gb", "0"])
+    assert r.exit_code == 2 and "--kv-memory-gb" in r.output  # click's range check
