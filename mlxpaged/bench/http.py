@@ -42,7 +42,8 @@ from pathlib import Path
 # Load name -> n (samples per request).
 LOADS = {"sharegpt": 1, "system": 1, "n4": 4}
 # mlx_lm.server flags per load: the system load is about reuse, so its prompt cache must be able
-# to hold the shared prefix (its LRU keeps "system" segments longest; 32 entries leaves room).
+# to hold the shared prefix (its LRU evicts "assistant" and "user" entries before "system" ones;
+# 32 entries leaves room).
 PEER_ARGS = {"system": ["--prompt-cache-size", "32"]}
 SYSTEM_PROMPT_TOKENS = 2000
 WARMUP = 2  # requests per server start, prompts outside the measured set
