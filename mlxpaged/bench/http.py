@@ -485,4 +485,7 @@ def add_command(bench_group, with_common, write_plot) -> None:
             "git_at_start": git, "rows": rows, **summary})
         click.echo(f"results: {out}")
         if plot:
-            click.echo(f"plot: {write_figure(out.with_suffix('.png'), summary['per_rate'], load_list, bound)}")
+            try:
+                click.echo(f"plot: {write_figure(out.with_suffix('.png'), summary['per_rate'], load_list, bound)}")
+            except ImportError:
+                click.echo("plot skipped: pip install 'mlxpaged[plot]' for matplotlib", err=True)
