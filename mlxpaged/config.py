@@ -9,8 +9,10 @@ from dataclasses import dataclass
 class EngineConfig:
     """Sizes of the KV pool and of each step's batch.
 
-    num_blocks: blocks in the pool; `None` sizes it by `kv_memory_fraction` of the available
-      memory, capped at `max_kv_tokens` slots.
+    num_blocks: blocks in the pool; `None` makes the pool grow as blocks are needed, a chunk
+      (`kv_chunk_blocks`, default 4096 slots) at a time, up to `kv_memory_gb` GB if set, else
+      `kv_memory_fraction` of the available memory, capped at `max_kv_tokens` slots; an idle
+      server trims it back (`BlockPool.trim`).
     max_num_seqs: sequences (samples) running at once. max_num_batched_tokens: tokens one step
       computes (decodes plus prefill chunks); a longer prompt is prefilled in chunks.
     watermark: share of the pool kept free when admitting a request, so running sequences
@@ -30,6 +32,8 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_memory_fraction: float = 0.25
+    kv_memory_gb: float | None = None
+    kv_chunk_blocks: int | None = None
     max_kv_tokens: int = 65536
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -48,6 +52,10 @@ class EngineConfig:
             raise ValueError(f"block size must be a power of two from 1 to 256, got {bs}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
+            raise ValueError(f"kv_memory_gb must be > 0, got {self.kv_memory_gb}")
+        if self.kv_chunk_blocks is not None and self.kv_chunk_blocks < 1:
+            raise ValueError(f"kv_chunk_blocks must be >= 1, got {self.kv_chunk_blocks}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -1,5 +1,6 @@
 """The CPU time per engine step that the device cannot hide, with overlapped steps on and off,
-at 1, 16 and 64 running sequences (greedy decode, steady state).
+at 1, 16 and 64 running sequences (decode, steady state; greedy unless `--temperature`; `--n`
+samples per request).
 
 Three engines run the same workload side by side in one process: `off` and `on`
 (EngineConfig.async_scheduling) and `device`, the overlap off with the engine's `mx.async_eval`
@@ -36,6 +37,7 @@ alone; a small `--vocab` leaves the device almost nothing to do, so nothing can 
     python scripts/bench_step.py --tiny --noop --vocab 1024      # a device with next to nothing to do
     python scripts/bench_step.py --tiny                          # the tiny model's forward
     python scripts/bench_step.py                                 # the offline 0.5B model (float32)
+    python scripts/bench_step.py --seqs 4 --temperature 0.8 --n 4   # one n=4 request (vs --n 1: four requests)
 """
 
 from __future__ import annotations
@@ -86,9 +88,10 @@ class TimingMx:
 
 
 class Bench:
-    """One engine decoding `num_seqs` greedy sequences in steady state, timed a block at a time."""
+    """One engine decoding `num_seqs` sequences in steady state, timed a block at a time."""
 
-    def __init__(self, loaded, num_seqs: int, total_steps: int, noop: bool, vocab: int, mode: str):
+    def __init__(self, loaded, num_seqs: int, total_steps: int, noop: bool, vocab: int, mode: str,
+                 temperature: float = 0.0, n: int = 1):
         from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 
         self.mode = mode
@@ -96,8 +99,9 @@ class Bench:
         blocks = num_seqs * (-(-(20 + max_tokens) // 16))
         self.engine = engine = LLMEngine(loaded, EngineConfig(num_blocks=blocks + 8, max_num_seqs=num_seqs,
                                                               attention_impl="reference", async_scheduling=mode == "on"))
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        for i in range(num_seqs):
+        # `num_seqs` rows: num_seqs / n requests of n samples each (their prompts prefilled once).
+        for i in range(num_seqs // n):
+            params = SamplingParams(temperature=temperature, n=n, seed=i, max_tokens=max_tokens, ignore_eos=True)
             engine.add_request([(7 * i + j) % 200 + 1 for j in range(20)], params)
         for _ in range(3):  # prefill, then decode until the overlap's pipeline is full
             engine.step()
@@ -189,6 +193,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--vocab", type=int, default=151936, help="logits width of the no-op forward (Qwen2.5's vocabulary)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: a Gumbel draw over the vocabulary per row")
+    ap.add_argument("--n", type=int, default=1, help="samples per request (rows = seqs; seqs / n requests)")
     args = ap.parse_args()
     if args.repeats < 1 or args.steps < 1:
         ap.error("--repeats and --steps must be >= 1")
@@ -196,15 +202,18 @@ def main() -> None:
         seqs = [int(x) for x in args.seqs.split(",")]
     except ValueError:
         ap.error(f"--seqs takes comma-separated integers, got {args.seqs!r}")
+    if args.n < 1 or any(s % args.n for s in seqs) or args.temperature < 0:
+        ap.error("--n must be >= 1 and divide every --seqs; --temperature must be >= 0")
     from mlxpaged.bench.models import load_models
 
     loaded, _ = load_models(args.model, args.tiny, args.dtype, reference=False)
     print(f"model {loaded.path.name}, {f'no-op forward, vocab {args.vocab}' if args.noop else 'real forward'}; "
-          f"ms per step, median of {args.repeats} blocks of {args.steps} steps (range), engines taking turns")
+          f"temperature {args.temperature}, n={args.n}; ms per step, median of {args.repeats} blocks of {args.steps} steps (range), engines taking turns")
     print(f"{'seqs':>4} {'mode':>6} | {'step':>24} | {'unhidden = step - device':>24} | {'idle':>24} | {'bnd':>4} | "
           + " | ".join(f"{p:>7}" for p in PHASES))
     for n in seqs:
-        benches = {m: Bench(loaded, n, args.repeats * (args.steps + 1), args.noop, args.vocab, m) for m in MODES}
+        benches = {m: Bench(loaded, n, args.repeats * (args.steps + 1), args.noop, args.vocab, m, args.temperature, args.n)
+                   for m in MODES}
         runs: dict[str, list[dict]] = {m: [] for m in MODES}
         for r in range(args.repeats):
             for mode in MODES[r % 3:] + MODES[: r % 3]:  # each mode goes first in turn

@@ -2,16 +2,28 @@
 
 Both servers load the same converted checkpoint and get the same streamed requests, arriving as
 a Poisson process at each rate. Per request: time to first token (TTFT), inter-token latency
-(ITL: a request's first-to-last token time over its tokens per sample minus one), and normalized latency
-(end-to-end seconds / output tokens, the paper's Figure 12 measure). Per run: completed
-requests/s and the server's peak resident memory (sampled every 50 ms with psutil).
+(ITL: first-to-last token time over tokens per sample minus one) and normalized latency
+(end-to-end seconds / output tokens per sample, the paper's Figure 12 measure). Per run:
+completed requests/s, the server's RSS when idle before the load, its peak RSS under the load
+(sampled every 50 ms with psutil) and its RSS a few seconds after the load ended.
 
-Prompts are real ShareGPT (or Alpaca) text, the first requests that pass the benchmark's length
-filter after the seeded shuffle (`bench/datasets.py`), cut to `--max-prompt` tokens; each asks
-for its traced answer length, capped at `--max-output`. mlx_lm.server has no `n`: an n-sample
-request is sent to it as n requests. On the CPU both servers load a float32 copy of the
-checkpoint (mlx_lm.server has no dtype flag and float16 is slow on the CPU), and both use the
-system OpenBLAS (mlx_lm.server is started after `mlxpaged._blas` loads it).
+What keeps the comparison fair (docs/serving-benchmark.md says why each matters):
+- a fresh server per (load, rate, repeat, server), warmed by two requests whose prompts are
+  not in the measured set, so no server serves a measured prompt from a cache of an earlier run;
+- matched lengths: every request asks for `max_tokens` and both servers must produce exactly
+  that many tokens per sample (`ignore_eos` for mlxpaged, `logit_bias` -100 on every EOS id for
+  mlx_lm.server, which has no `ignore_eos`); a request that returns another count fails;
+- n=4: mlx_lm.server has no `n`, so an n-sample request goes to it as n requests sent at the
+  same instant (each prefills the prompt) and counts as done when the last of them is; neither
+  server gets a `seed`, because a seeded request makes mlx_lm.server leave its batch and serve
+  requests one at a time (`_is_batchable` in mlx_lm/server.py);
+- the shared-system-prompt load starts mlx_lm.server with `--prompt-cache-size` large enough to
+  keep the shared prefix (PEER_ARGS), and both servers are warmed with that prefix;
+- which server runs first alternates per (load, rate) and per repeat.
+
+On the CPU both servers load a float32 copy of the checkpoint (mlx_lm.server has no dtype flag
+and float16 is slow on the CPU), and both use the system OpenBLAS (mlx_lm.server is started
+after `mlxpaged._blas` loads it). Statistics and the sustainable rate: `http_stats.py`.
 """
 
 from __future__ import annotations
@@ -27,6 +39,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# Load name -> n (samples per request).
+LOADS = {"sharegpt": 1, "system": 1, "n4": 4}
+# mlx_lm.server flags per load: the system load is about reuse, so its prompt cache must be able
+# to hold the shared prefix (its LRU evicts "assistant" and "user" entries before "system" ones;
+# 32 entries leaves room).
+PEER_ARGS = {"system": ["--prompt-cache-size", "32"]}
+SYSTEM_PROMPT_TOKENS = 2000
+WARMUP = 2  # requests per server start, prompts outside the measured set
+
 
 @dataclass
 class Req:
@@ -36,36 +57,71 @@ class Req:
 
 
 @dataclass
+class Part:
+    """One HTTP request's stream: when it started, its token times, and what usage said."""
+
+    ok: bool = False
+    t0: float = 0.0
+    first: float | None = None
+    last: float | None = None
+    end: float = 0.0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str = ""
+
+
+@dataclass
 class RunResult:
     server: str
     load: str
     rate: float
+    repeat: int = 0
+    n: int = 1
     completed: int = 0
     failed: int = 0
+    length_mismatches: int = 0
     duration_s: float = 0.0
     ttft: list = field(default_factory=list)
     itl: list = field(default_factory=list)
     norm_latency: list = field(default_factory=list)
-    output_tokens: int = 0
+    output_tokens: list = field(default_factory=list)  # per request, all samples (None: failed)
+    cached_tokens: int = 0
+    prompt_tokens_sent: int = 0
+    idle_rss_mb: float = 0.0
     peak_rss_mb: float = 0.0
+    after_rss_mb: float = 0.0
+    errors: list = field(default_factory=list)
 
     def summary(self) -> dict:
         def q(xs, p):
-            return statistics.quantiles(xs, n=10)[p - 1] if len(xs) >= 2 else (xs[0] if xs else float("nan"))
+            return statistics.quantiles(xs, n=10)[p - 1] if len(xs) >= 2 else (xs[0] if xs else None)
 
-        med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
-        return {"server": self.server, "load": self.load, "rate": self.rate, "completed": self.completed,
-                "failed": self.failed, "req_per_s": self.completed / self.duration_s if self.duration_s else 0.0,
-                "ttft_ms_median": 1e3 * med(self.ttft), "ttft_ms_p90": 1e3 * q(self.ttft, 9),
-                "itl_ms_median": 1e3 * med(self.itl), "itl_ms_p90": 1e3 * q(self.itl, 9),
-                "norm_latency_s_per_tok": med(self.norm_latency), "output_tokens": self.output_tokens,
-                "peak_rss_mb": self.peak_rss_mb}
+        med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+        mean = lambda xs: statistics.fmean(xs) if xs else None  # noqa: E731
+        ms = lambda x: None if x is None else 1e3 * x  # noqa: E731
+        return {"server": self.server, "load": self.load, "rate": self.rate, "repeat": self.repeat, "n": self.n,
+                "completed": self.completed, "failed": self.failed, "length_mismatches": self.length_mismatches,
+                "req_per_s": self.completed / self.duration_s if self.duration_s else 0.0, "duration_s": self.duration_s,
+                "ttft_ms_median": ms(med(self.ttft)), "ttft_ms_p90": ms(q(self.ttft, 9)),
+                "itl_ms_median": ms(med(self.itl)), "itl_ms_p90": ms(q(self.itl, 9)),
+                "norm_latency_mean": mean(self.norm_latency), "norm_latency_median": med(self.norm_latency),
+                "output_tokens": self.output_tokens, "cached_prompt_tokens": self.cached_tokens,
+                "idle_rss_mb": self.idle_rss_mb, "peak_rss_mb": self.peak_rss_mb, "after_rss_mb": self.after_rss_mb,
+                "errors": self.errors[:5]}
 
 
 # -- the load --------------------------------------------------------------------------------------
-def build_requests(tokenizer, trace: str, count: int, max_prompt: int, max_output: int, seed: int = 0) -> list[Req]:
-    """`count` real prompts of data set `trace`, at most `max_prompt` tokens, asking for their
-    traced answer length capped at `max_output`."""
+def build_requests(tokenizer, trace: str, count: int, max_prompt: int, max_output: int) -> list[Req]:
+    """`count` distinct prompts: real `trace` text ("sharegpt", "alpaca") at most `max_prompt`
+    tokens, each asking for its traced answer length capped at `max_output`; or ("builtin", for
+    tests offline) `prompts.builtin_texts` asking for `max_output` tokens each."""
+    if trace == "builtin":
+        from .prompts import builtin_texts
+
+        texts = builtin_texts()
+        if count > len(texts):
+            raise ValueError(f"{count} builtin prompts asked for, {len(texts)} exist")
+        return [Req(t, max_output) for t in texts[:count]]
     from .datasets import sample_requests
 
     out = []
@@ -73,14 +129,27 @@ def build_requests(tokenizer, trace: str, count: int, max_prompt: int, max_outpu
         if p > max_prompt:
             text = tokenizer.decode(tokenizer.encode(text)[:max_prompt])
         out.append(Req(text, min(a, max_output)))
+    if len(out) < count:
+        raise ValueError(f"{trace} gave {len(out)} requests that pass the length filter, {count} asked for")
     return out
 
 
-def shared_system_prompt(tokenizer, tokens: int = 500) -> str:
-    from .prompts import load_prompts
+def shared_system_prompt(tokenizer, tokens: int = SYSTEM_PROMPT_TOKENS) -> str:
+    """An agent-like system prompt of about `tokens` tokens: instructions, then worked examples."""
+    from .prompts import builtin_texts
 
-    ids = tokenizer.encode("You are a careful assistant. Follow these examples.\n" + "\n".join(load_prompts(400)[200:]))
-    return tokenizer.decode(ids[:tokens])
+    head = ("You are a careful coding agent. Read the task, plan, then answer. Tools: search(query), "
+            "read_file(path), run(cmd). Follow these examples.\n")
+    text, i, examples = head, 0, builtin_texts()
+    while len(tokenizer.encode(text)) < tokens:
+        text += f"Example {i}: {examples[i % len(examples)]}\n"
+        i += 1
+    return tokenizer.decode(tokenizer.encode(text)[:tokens])
+
+
+def eos_ids(tokenizer) -> list[int]:
+    """Every token id mlx_lm.server stops on (its tokenizer wrapper's EOS set)."""
+    return sorted(int(t) for t in (getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id]))
 
 
 # -- servers ---------------------------------------------------------------------------------------
@@ -91,10 +160,10 @@ def free_port() -> int:
 
 
 class ServerProc:
-    def __init__(self, name: str, cmd: list[str], port: int, timeout: float = 300):
+    def __init__(self, name: str, cmd: list[str], port: int, timeout: float = 600):
         import httpx
 
-        self.name, self.url = name, f"http://127.0.0.1:{port}"
+        self.name, self.cmd, self.url = name, cmd, f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
@@ -104,14 +173,18 @@ class ServerProc:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
-                time.sleep(0.5)
+                pass
+            time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"{name} did not start in {timeout} s")
 
     def rss_mb(self) -> float:
         import psutil
 
-        return psutil.Process(self.proc.pid).memory_info().rss / 1e6
+        try:
+            return psutil.Process(self.proc.pid).memory_info().rss / 1e6
+        except psutil.Error:
+            return 0.0
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -123,70 +196,97 @@ class ServerProc:
                 self.proc.wait()
 
 
+def server_command(name: str, model_path: str, port: int, extra: list[str]) -> list[str]:
+    if name == "mlxpaged":
+        return [sys.executable, "-m", "mlxpaged.cli", "serve", "--model", model_path, "--port", str(port),
+                "--log-level", "warning", *extra]
+    # The same BLAS as mlxpaged: load the system OpenBLAS before MLX, then run mlx_lm.server as `-m` would.
+    boot = "import mlxpaged._blas as b, runpy; b.use_system_blas(); runpy.run_module('mlx_lm.server', run_name='__main__')"
+    return [sys.executable, "-c", boot, "--model", model_path, "--port", str(port), "--log-level", "WARNING", *extra]
+
+
 def start_server(name: str, model_path: str, extra: list[str]) -> ServerProc:
     port = free_port()
-    if name == "mlxpaged":
-        cmd = [sys.executable, "-m", "mlxpaged.cli", "serve", "--model", model_path, "--port", str(port),
-               "--log-level", "warning", *extra]
-    else:
-        # The same BLAS as mlxpaged: load the system OpenBLAS before MLX, then run mlx_lm.server as `-m` would.
-        boot = "import mlxpaged._blas as b, runpy; b.use_system_blas(); runpy.run_module('mlx_lm.server', run_name='__main__')"
-        cmd = [sys.executable, "-c", boot, "--model", model_path, "--port", str(port), "--log-level", "WARNING"]
-    return ServerProc(name, cmd, port)
+    return ServerProc(name, server_command(name, model_path, port, extra), port)
 
 
 # -- one run: Poisson arrivals at `rate` -----------------------------------------------------------
-async def _one(client: httpx.AsyncClient, url: str, model: str, req: Req, n: int, res: RunResult) -> None:
+def request_body(server: str, model: str, req: Req, n: int, eos: list[int]) -> dict:
+    """The chat request `server` gets for `req` of a load with n samples per request (mlx_lm.server
+    gets n copies of it, without `n`); both sample at the same temperature."""
     messages = ([{"role": "system", "content": req.system}] if req.system else []) + [{"role": "user", "content": req.prompt}]
     body = {"model": model, "messages": messages, "max_tokens": req.max_tokens, "temperature": 0.0 if n == 1 else 0.8,
             "stream": True, "stream_options": {"include_usage": True}}
-    if n > 1:
-        body.update(n=n, seed=0)
-    t0 = time.perf_counter()
+    if server == "mlxpaged":
+        body["ignore_eos"] = True
+        if n > 1:
+            body["n"] = n
+    else:  # mlx_lm.server has no ignore_eos: an EOS token can never be drawn at -100
+        body["logit_bias"] = {str(t): -100.0 for t in eos}
+    return body
+
+
+async def stream_one(client, url: str, body: dict) -> Part:
     import httpx
 
-    first, last, chunks, tokens = None, None, 0, 0
+    part = Part(t0=time.perf_counter())
     try:
         async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
-                res.failed += 1
-                return
+                part.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                part.end = time.perf_counter()
+                return part
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 obj = json.loads(line[6:])
+                if obj.get("error"):
+                    part.error = str(obj["error"])[:200]
                 if obj.get("usage"):
-                    tokens = obj["usage"]["completion_tokens"]
+                    part.completion_tokens = obj["usage"]["completion_tokens"]
+                    part.cached_tokens = ((obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
                 if any((c.get("delta") or {}).get("content") for c in obj.get("choices", [])):
-                    last = time.perf_counter()
-                    first = first or last
-                    chunks += 1
-    except httpx.HTTPError:
+                    part.last = time.perf_counter()
+                    part.first = part.first or part.last
+    except httpx.HTTPError as e:
+        part.error = f"{type(e).__name__}: {e}"[:200]
+    part.end = time.perf_counter()
+    part.ok = not part.error and part.first is not None
+    return part
+
+
+def record(res: RunResult, i: int, req: Req, parts: list[Part], n: int) -> None:
+    """Fold the parts of logical request `i` (one for mlxpaged, n for mlx_lm's fan-out) into `res`."""
+    tokens = sum(p.completion_tokens for p in parts)
+    if not all(p.ok for p in parts):
         res.failed += 1
+        res.errors += [p.error or "no token" for p in parts if not p.ok]
         return
-    end = time.perf_counter()
-    tokens = tokens or chunks
-    if first is None or tokens == 0:
+    res.output_tokens[i] = tokens
+    if tokens != n * req.max_tokens:  # unmatched stopping would bias the comparison: fail loudly
         res.failed += 1
+        res.length_mismatches += 1
+        res.errors.append(f"request {i}: {tokens} tokens, expected {n * req.max_tokens}")
         return
+    t0 = min(p.t0 for p in parts)
+    first, last, end = min(p.first for p in parts), max(p.last for p in parts), max(p.end for p in parts)
     res.completed += 1
-    res.output_tokens += tokens
+    res.cached_tokens += sum(p.cached_tokens for p in parts)  # mlx_lm's fan-out: each of its requests prefills
     res.ttft.append(first - t0)
-    per_sample = tokens / n
-    if per_sample > 1:  # a request's mean gap between two tokens of one sample
-        res.itl.append((last - first) / (per_sample - 1))
-    res.norm_latency.append((end - t0) / per_sample)
+    if req.max_tokens > 1:
+        res.itl.append((last - first) / (req.max_tokens - 1))
+    res.norm_latency.append((end - t0) / req.max_tokens)
 
 
 async def run_load(server: ServerProc, model: str, reqs: list[Req], rate: float, n: int, load: str,
-                   seed: int = 0) -> RunResult:
-    """Send `reqs` at Poisson arrivals of `rate`/s; an n-sample request goes to mlx_lm.server as n requests."""
+                   eos: list[int], seed: int = 0, repeat: int = 0) -> RunResult:
+    """Send `reqs` at Poisson arrivals of `rate`/s (arrival times seeded by `seed`, the same for
+    both servers); an n-sample request goes to mlx_lm.server as n requests at the same instant."""
     import httpx
 
-    res = RunResult(server.name, load, rate)
+    res = RunResult(server.name, load, rate, repeat, n, output_tokens=[None] * len(reqs))
     rng = random.Random(seed)
     fan = n if server.name == "mlx_lm" else 1
-    samples = n if server.name == "mlxpaged" else 1
     stop = asyncio.Event()
 
     async def watch_rss():
@@ -194,28 +294,44 @@ async def run_load(server: ServerProc, model: str, reqs: list[Req], rate: float,
             res.peak_rss_mb = max(res.peak_rss_mb, server.rss_mb())
             await asyncio.sleep(0.05)
 
+    async def one(i: int, req: Req):
+        body = request_body(server.name, model, req, n, eos)
+        parts = await asyncio.gather(*[stream_one(client, server.url, body) for _ in range(fan)])
+        record(res, i, req, list(parts), n)
+
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
         watcher = asyncio.create_task(watch_rss())
         t0 = time.perf_counter()
         tasks = []
-        for req in reqs:
-            for _ in range(fan):
-                tasks.append(asyncio.create_task(_one(client, server.url, model, req, samples, res)))
+        for i, req in enumerate(reqs):
+            tasks.append(asyncio.create_task(one(i, req)))
             await asyncio.sleep(rng.expovariate(rate))
         await asyncio.gather(*tasks)
         res.duration_s = time.perf_counter() - t0
         stop.set()
         await watcher
-    if fan > 1:  # n requests stand for one n-sample request
-        res.completed //= fan
     return res
 
 
+def measure(name: str, path: str, extra: list[str], warm: list[Req], reqs: list[Req], rate: float, n: int,
+            load: str, eos: list[int], seed: int, repeat: int, settle_s: float = 3.0) -> RunResult:
+    """One fresh server: warm it, read its idle RSS, run the load, read its RSS `settle_s` after."""
+    server = start_server(name, path, extra)
+    try:
+        asyncio.run(run_load(server, path, warm, 8.0, n, load, eos))  # warm-up, not recorded
+        time.sleep(settle_s)
+        idle = server.rss_mb()
+        res = asyncio.run(run_load(server, path, reqs, rate, n, load, eos, seed=seed, repeat=repeat))
+        time.sleep(settle_s)
+        res.idle_rss_mb, res.after_rss_mb = idle, server.rss_mb()
+        res.peak_rss_mb = max(res.peak_rss_mb, idle)
+        return res
+    finally:
+        server.stop()
+
+
 # -- the sweep -------------------------------------------------------------------------------------
-LOADS = {"sharegpt": 1, "n4": 4, "system": 1}  # load name -> n
-
-
 def model_path(model: str | None, tiny: bool) -> str:
     if tiny:
         from .models import tiny_checkpoint
@@ -259,84 +375,58 @@ def float32_copy(path: str) -> str:
     return str(dst)
 
 
+def first_server(case: int, repeat: int) -> str:
+    """Which server runs first: alternates per (load, rate) case and per repeat."""
+    return "mlxpaged" if (case + repeat) % 2 == 0 else "mlx_lm"
+
+
 def sweep(path: str, rates: list[float], loads: list[str], num_requests: int, max_prompt: int, max_output: int,
-          repeats: int, mlxpaged_args: list[str], trace: str = "sharegpt", progress=print) -> list[dict]:
-    """Every (load, rate) on both servers, `repeats` times, alternating which server goes first."""
+          repeats: int, mlxpaged_args: list[str], trace: str = "sharegpt", bound: float = 1.0,
+          extend: int = 0, settle_s: float = 3.0, progress=print) -> list[dict]:
+    """Every (load, rate, repeat) on a fresh server of each kind, alternating which goes first.
+
+    After the listed rates, up to `extend` more rates (each double the last) are swept for a
+    load while either server still meets `bound` at the highest rate (sweep until both fail).
+    """
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
+    from .http_stats import meets
+
     tok = load_tokenizer(Path(path))
-    reqs = build_requests(tok, trace, num_requests, max_prompt, max_output)
-    system = shared_system_prompt(tok)
-    rows = []
-    for rep in range(repeats):
-        for name in (("mlxpaged", "mlx_lm") if rep % 2 == 0 else ("mlx_lm", "mlxpaged")):
-            server = start_server(name, path, mlxpaged_args)
-            try:
-                for load in loads:
-                    rs = [Req(r.prompt, r.max_tokens, system) for r in reqs] if load == "system" else reqs
-                    asyncio.run(run_load(server, path, rs[:2], 4.0, LOADS[load], load))  # warm-up, not recorded
-                    for rate in rates:
-                        res = asyncio.run(run_load(server, path, rs, rate, LOADS[load], load, seed=rep))
-                        rows.append({**res.summary(), "repeat": rep})
-                        progress(_line(rows[-1]))
-            finally:
-                server.stop()
+    eos = eos_ids(tok)
+    every = build_requests(tok, trace, num_requests + WARMUP, max_prompt, max_output)
+    warm, reqs = every[:WARMUP], every[WARMUP:]
+    system = shared_system_prompt(tok) if "system" in loads else None
+    rows, case = [], 0
+    for load in loads:
+        with_sys = lambda rs: [Req(r.prompt, r.max_tokens, system) for r in rs] if load == "system" else rs  # noqa: E731
+        todo, extra_left = sorted(rates), extend
+        while todo:
+            rate = todo.pop(0)
+            for rep in range(repeats):
+                a = first_server(case, rep)
+                for name in (a, "mlx_lm" if a == "mlxpaged" else "mlxpaged"):
+                    args = mlxpaged_args if name == "mlxpaged" else PEER_ARGS.get(load, [])
+                    res = measure(name, path, args, with_sys(warm), with_sys(reqs), rate, LOADS[load], load, eos,
+                                  seed=rep, repeat=rep, settle_s=settle_s)
+                    rows.append({**res.summary(), "first": a, "server_args": args})
+                    progress(_line(rows[-1]))
+            case += 1
+            if not todo and extra_left > 0:
+                here = [r for r in rows if r["load"] == load and r["rate"] == rate]
+                if any(meets(here, s, bound) for s in ("mlxpaged", "mlx_lm")):
+                    todo.append(rate * 2)
+                    extra_left -= 1
     return rows
 
 
 def _line(r: dict) -> str:
-    return (f"{r['server']:>8} {r['load']:>8} rate {r['rate']:5.2f}: {r['req_per_s']:5.2f} req/s, TTFT "
-            f"{r['ttft_ms_median']:7.0f}/{r['ttft_ms_p90']:7.0f} ms, ITL {r['itl_ms_median']:6.1f}/{r['itl_ms_p90']:6.1f} ms, "
-            f"norm {r['norm_latency_s_per_tok']:6.3f} s/tok, peak RSS {r['peak_rss_mb']:6.0f} MB, "
-            f"failed {r['failed']}")
-
-
-def medians(rows: list[dict]) -> list[dict]:
-    """One row per (server, load, rate): the median over repeats of each figure, with min-max of norm latency."""
-    keys = sorted({(r["server"], r["load"], r["rate"]) for r in rows})
-    out = []
-    for k in keys:
-        rs = [r for r in rows if (r["server"], r["load"], r["rate"]) == k]
-        row = {f: statistics.median(r[f] for r in rs) for f in rs[0] if isinstance(rs[0][f], (int, float)) and f != "repeat"}
-        row.update(server=k[0], load=k[1], rate=k[2], repeats=len(rs),
-                   norm_min=min(r["norm_latency_s_per_tok"] for r in rs), norm_max=max(r["norm_latency_s_per_tok"] for r in rs))
-        out.append(row)
-    return out
-
-
-def sustainable(rows: list[dict], server: str, load: str, bound: float) -> float:
-    """The highest swept rate whose median normalized latency is within `bound` s/token (0 if none)."""
-    ok = [r["rate"] for r in rows if r["server"] == server and r["load"] == load and r["norm_latency_s_per_tok"] <= bound]
-    return max(ok, default=0.0)
-
-
-def report(rows: list[dict], loads: list[str], bound: float, echo=print) -> dict:
-    med = medians(rows)
-    echo(f"\nmedians over repeats; sustainable = highest rate with normalized latency <= {bound} s/token")
-    for r in med:
-        echo(_line(r) + f"  (norm min-max {r['norm_min']:.3f}-{r['norm_max']:.3f}, {r['repeats']} runs)")
-    ratios = {}
-    for load in loads:
-        a, b = sustainable(med, "mlxpaged", load, bound), sustainable(med, "mlx_lm", load, bound)
-        ratios[load] = {"mlxpaged": a, "mlx_lm": b, "ratio": a / b if b else float("inf") if a else float("nan")}
-        echo(f"{load:>8}: sustainable rate mlxpaged {a:.2f} req/s, mlx_lm {b:.2f} req/s, ratio {ratios[load]['ratio']:.2f}")
-        for rate in sorted({r["rate"] for r in med if r["load"] == load}):
-            x = {r["server"]: r for r in med if r["load"] == load and r["rate"] == rate}
-            if len(x) == 2:
-                echo(f"{'':>8}  rate {rate:5.2f}: normalized latency mlx_lm/mlxpaged "
-                     f"{x['mlx_lm']['norm_latency_s_per_tok'] / x['mlxpaged']['norm_latency_s_per_tok']:.2f}, "
-                     f"peak RSS mlx_lm/mlxpaged {x['mlx_lm']['peak_rss_mb'] / x['mlxpaged']['peak_rss_mb']:.2f}")
-    return {"medians": med, "sustainable": ratios}
-
-
-def draw_plot(ax, med: list[dict], loads: list[str]) -> None:
-    for load in loads:
-        for server, style in (("mlxpaged", "-o"), ("mlx_lm", "--s")):
-            rs = sorted((r for r in med if r["load"] == load and r["server"] == server), key=lambda r: r["rate"])
-            ax.plot([r["rate"] for r in rs], [r["norm_latency_s_per_tok"] for r in rs], style, label=f"{server} {load}")
-    ax.set_xlabel("request rate (req/s)")
-    ax.set_ylabel("normalized latency (s/token)")
-    ax.legend()
+    f = lambda x, spec: "   n/a" if x is None else format(x, spec)  # noqa: E731
+    return (f"{r['server']:>8} {r['load']:>8} rate {r['rate']:5.2f} rep {r['repeat']}: {r['req_per_s']:5.2f} req/s, "
+            f"TTFT {f(r['ttft_ms_median'], '7.0f')} ms, ITL {f(r['itl_ms_median'], '6.1f')} ms, norm mean/median "
+            f"{f(r['norm_latency_mean'], '6.3f')}/{f(r['norm_latency_median'], '6.3f')} s/tok, RSS idle/peak/after "
+            f"{r['idle_rss_mb']:5.0f}/{r['peak_rss_mb']:5.0f}/{r['after_rss_mb']:5.0f} MB, cached "
+            f"{r['cached_prompt_tokens']}, failed {r['failed']}")
 
 
 def add_command(bench_group, with_common, write_plot) -> None:
@@ -345,35 +435,57 @@ def add_command(bench_group, with_common, write_plot) -> None:
 
     @bench_group.command("serve")
     @with_common
-    @click.option("--rates", default="0.25,0.5,1", show_default=True, help="Request rates (req/s) to sweep.")
-    @click.option("--num-requests", default=16, show_default=True, help="Requests per rate.")
+    @click.option("--rates", default="0.25,0.5,1,2,4", show_default=True, help="Request rates (req/s) to sweep.")
+    @click.option("--extend", default=3, show_default=True, help="Extra rates (each double the last) while either server still meets the bound.")
+    @click.option("--num-requests", default=16, show_default=True, help="Requests per run.")
     @click.option("--max-prompt", default=256, show_default=True, help="Cap on the traced prompt length (tokens).")
     @click.option("--max-output", default=32, show_default=True, help="Cap on the traced output length (tokens).")
-    @click.option("--loads", default="sharegpt,n4,system", show_default=True, help="sharegpt, n4 (n=4 each), system (500-token shared system prompt).")
-    @click.option("--trace", default="sharegpt", type=click.Choice(["sharegpt", "alpaca"]), show_default=True)
+    @click.option("--loads", default="sharegpt,system,n4", show_default=True, help=f"sharegpt, system ({SYSTEM_PROMPT_TOKENS}-token shared system prompt), n4 (n=4 each).")
+    @click.option("--trace", default="sharegpt", type=click.Choice(["sharegpt", "alpaca", "builtin"]), show_default=True)
     @click.option("--repeats", default=3, show_default=True, help="Runs of each case, alternating which server goes first.")
-    @click.option("--bound", default=1.0, show_default=True, help="Normalized-latency bound (s/token) for the sustainable rate.")
-    @click.option("--num-blocks", default=None, type=int, help="mlxpaged's KV pool (default: sized from free memory).")
-    def serve_cmd(model, tiny, dtype, out_dir, plot, rates, num_requests, max_prompt, max_output, loads, trace,
-                  repeats, bound, num_blocks):
-        """mlxpaged serve vs mlx_lm.server over HTTP: Poisson arrivals, TTFT, ITL, normalized latency, peak RSS."""
-        from .report import write_result
+    @click.option("--bound", default=1.0, show_default=True, help="Mean normalized-latency bound (s/token) for the sustainable rate.")
+    @click.option("--settle", default=3.0, show_default=True, help="Seconds before reading idle RSS and after the load.")
+    @click.option("--num-blocks", default=None, type=int, help="mlxpaged's KV pool (default: grown on demand).")
+    @click.option("--allow-dirty", is_flag=True, help="Run from a tree with uncommitted changes (the result says so).")
+    def serve_cmd(model, tiny, dtype, out_dir, plot, rates, extend, num_requests, max_prompt, max_output, loads, trace,
+                  repeats, bound, settle, num_blocks, allow_dirty):
+        """mlxpaged serve vs mlx_lm.server over HTTP: Poisson arrivals, TTFT, ITL, normalized latency, RSS."""
+        from .http_stats import report, write_figure
+        from .report import git_state, write_result
 
-        path = float32_copy(model_path(model, tiny)) if dtype in ("auto", "float32") else model_path(model, tiny)
-        rate_list = [float(r) for r in rates.split(",") if r]
+        git = git_state()
+        if git["dirty"] and not allow_dirty:
+            click.echo("error: the tree has uncommitted changes; commit them (a result names its commit) "
+                       "or pass --allow-dirty", err=True)
+            sys.exit(1)
+        try:
+            rate_list = [float(r) for r in rates.split(",") if r]
+        except ValueError:
+            click.echo(f"error: --rates must be numbers separated by commas, got {rates!r}", err=True)
+            sys.exit(1)
         load_list = [x for x in loads.split(",") if x]
         bad = set(load_list) - set(LOADS)
-        if bad:
-            click.echo(f"error: unknown load(s) {sorted(bad)}; choose from {sorted(LOADS)}", err=True)
+        if bad or not rate_list or min(rate_list) <= 0:
+            click.echo(f"error: unknown load(s) {sorted(bad)}; choose from {sorted(LOADS)}" if bad
+                       else "error: --rates needs at least one positive rate", err=True)
             sys.exit(1)
+        path = float32_copy(model_path(model, tiny)) if dtype in ("auto", "float32") else model_path(model, tiny)
         extra = ["--dtype", dtype] + (["--num-blocks", str(num_blocks)] if num_blocks else [])
         rows = sweep(path, rate_list, load_list, num_requests, max_prompt, max_output, repeats, extra, trace,
-                     progress=lambda s: click.echo(s, err=True))
+                     bound, extend, settle, progress=lambda s: click.echo(s, err=True))
         summary = report(rows, load_list, bound, echo=click.echo)
         out = write_result(out_dir, "serve", Path(path).name, {
-            "rates": rate_list, "num_requests": num_requests, "max_prompt": max_prompt, "max_output": max_output,
-            "trace": trace, "prompt_text": f"real {trace} text, cut to max_prompt tokens", "bound_s_per_token": bound,
-            "rows": rows, **summary})
+            "rates": rate_list, "extend": extend, "num_requests": num_requests, "max_prompt": max_prompt,
+            "max_output": max_output, "trace": trace, "repeats": repeats, "warmup_requests": WARMUP,
+            "system_prompt_tokens": SYSTEM_PROMPT_TOKENS if "system" in load_list else None,
+            "prompt_text": f"{trace} text, cut to max_prompt tokens", "bound_s_per_token": bound,
+            "mlxpaged_args": extra, "peer_args": PEER_ARGS,
+            "fairness": ["fresh server per (load, rate, repeat, server)", "equal output tokens per request asserted",
+                         "no seed to either server", "first server alternates per (load, rate) and repeat"],
+            "git_at_start": git, "rows": rows, **summary})
         click.echo(f"results: {out}")
         if plot:
-            write_plot(out, lambda ax: draw_plot(ax, summary["medians"], load_list))
+            try:
+                click.echo(f"plot: {write_figure(out.with_suffix('.png'), summary['per_rate'], load_list, bound)}")
+            except ImportError:
+                click.echo("plot skipped: pip install 'mlxpaged[plot]' for matplotlib", err=True)

@@ -14,6 +14,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
+
+# (new number of blocks, (src, dst) block copies to apply first): resizes the KV pools to match.
+ResizeFn = Callable[[int, list[tuple[int, int]]], None]
 
 
 @dataclass(eq=False)
@@ -41,11 +45,69 @@ class BlockPool:
         # Blocks with ref_cnt 0, oldest first: never-used blocks first, then in order of release.
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, Block] = {}
+        # Growth (enable_growth): blocks num_blocks..max_blocks-1 exist once allocate() needs them.
+        self.max_blocks = num_blocks
+        self.min_blocks = num_blocks
+        self.chunk_blocks = 0
+        self._resize: ResizeFn | None = None
 
     @property
     def num_free(self) -> int:
-        """Blocks an allocation can take now (never used, released, or cached but unused)."""
-        return len(self.free_queue)
+        """Blocks an allocation can take now (never used, released, cached but unused, or not
+        yet grown into, up to the cap)."""
+        return len(self.free_queue) + self.max_blocks - self.num_blocks
+
+    # -- growth -------------------------------------------------------------------------------
+    def enable_growth(self, max_blocks: int, chunk_blocks: int, resize: ResizeFn) -> None:
+        """Let the pool grow `chunk_blocks` at a time up to `max_blocks` when `allocate()` finds no
+        free block, and `trim()` back to its present size; `resize` makes the KV pools match."""
+        if max_blocks < self.num_blocks or chunk_blocks < 1:
+            raise ValueError(f"cannot grow {self.num_blocks} blocks to {max_blocks} by {chunk_blocks}")
+        self.max_blocks, self.min_blocks, self.chunk_blocks, self._resize = max_blocks, self.num_blocks, chunk_blocks, resize
+
+    def _grow(self) -> bool:
+        new = min(self.max_blocks, self.num_blocks + self.chunk_blocks)
+        if new <= self.num_blocks or self._resize is None:
+            return False
+        self._resize(new, [])
+        fresh = [Block(i) for i in range(self.num_blocks, new)]
+        self.blocks += fresh
+        self.free_queue.update((b.block_id, b) for b in fresh)
+        self.num_blocks = new
+        return True
+
+    def trim(self) -> int:
+        """Give back what an idle pool does not need: shrink to the fewest whole chunks (at least
+        the starting size) that hold the cached blocks, keeping the most recently used cached
+        blocks that fit in the starting size and evicting the rest. Kept blocks above the new size
+        are copied down (their ids change, which is safe: no sequence holds any block). Returns
+        the blocks given back; 0 when some block is in use or there is nothing to give back."""
+        if self._resize is None or self.num_used or self.num_blocks <= self.min_blocks:
+            return 0
+        cached = [b for b in self.free_queue.values() if b.block_hash is not None]  # LRU order
+        for b in cached[: max(0, len(cached) - self.min_blocks)]:
+            self._uncache(b)
+        kept = cached[max(0, len(cached) - self.min_blocks):]
+        new = self.min_blocks
+        movers = [b for b in kept if b.block_id >= new]
+        spare = (b for b in self.blocks[:new] if b.block_hash is None)
+        copies = []
+        for src in movers:
+            dst = next(spare)
+            copies.append((src.block_id, dst.block_id))
+            dst.block_hash, dst.token_ids = src.block_hash, src.token_ids
+            self.cached[dst.block_hash] = dst
+            src.block_hash = src.token_ids = None
+        moved = {s: d for s, d in copies}
+        order = [self.blocks[moved.get(b.block_id, b.block_id)] for b in kept]  # kept is in LRU order
+        uncached = [b for b in self.blocks[:new] if b.block_hash is None]
+        self._resize(new, copies)
+        given = self.num_blocks - new
+        self.blocks = self.blocks[:new]
+        # Never-cached blocks first (lowest id first), then the kept cached ones in LRU order.
+        self.free_queue = OrderedDict((b.block_id, b) for b in uncached + order)
+        self.num_blocks = new
+        return given
 
     @property
     def num_used(self) -> int:
@@ -53,7 +115,7 @@ class BlockPool:
 
     def allocate(self) -> Block | None:
         """A fresh block with `ref_cnt == 1`, or `None` when the pool is exhausted."""
-        if not self.free_queue:
+        if not self.free_queue and not self._grow():
             return None
         _, block = self.free_queue.popitem(last=False)
         if block.block_hash is not None:
@@ -95,6 +157,8 @@ class BlockPool:
 
     def check(self) -> None:
         """Assert the invariants in the module docstring."""
+        assert len(self.blocks) == self.num_blocks <= self.max_blocks
+        assert all(b.block_id == i for i, b in enumerate(self.blocks))
         for b in self.blocks:
             assert (b.ref_cnt == 0) == (b.block_id in self.free_queue), f"block {b.block_id} state"
             assert b.ref_cnt >= 0

@@ -91,7 +91,7 @@ class Scheduler:
         self.num_beam_forks = 0
         self.num_beam_frees = 0
         self._num_running_seqs = 0  # live samples of running requests
-        self._headroom_blocks = int(config.watermark * block_manager.pool.num_blocks)
+        self._headroom_blocks = int(config.watermark * block_manager.pool.max_blocks)
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING

@@ -46,7 +46,7 @@ from .beam_search import BeamSearchParams, BeamState, beam_step
 from ..core.block_manager import BlockManager, HashFn, blocks_for_request, sha256_block_hash
 from ..config import EngineConfig
 from ..errors import MlxPagedError, StepError
-from ..worker.kv_cache import CacheShape, PagedKVCache, pool_blocks
+from ..worker.kv_cache import CacheShape, PagedKVCache, growable_pool, pool_blocks
 from ..worker.kv_calibration import model_key_scales
 from ..worker.model_runner import ModelRunner
 from .output import StopChecker, make_output
@@ -101,7 +101,8 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
         self.cache_shape = CacheShape.of(loaded).quantized(config.kv_bits, config.kv_group_size)
-        num_blocks = pool_blocks(loaded, config)
+        growth = growable_pool(loaded, config)  # (start, cap, chunk), or None for a fixed pool
+        num_blocks = growth[0] if growth else pool_blocks(loaded, config)
         self.block_manager = BlockManager(
             num_blocks,
             config.block_size,
@@ -112,6 +113,8 @@ class LLMEngine:
         # A quantized cache divides keys by per-channel scales, measured once per loaded model (kv_calibration.py).
         scales = model_key_scales(loaded) if config.kv_bits is not None else None
         self.kv_cache = PagedKVCache.for_model(loaded.model, self.cache_shape, num_blocks, config.block_size, scales)
+        if growth:
+            self.block_manager.pool.enable_growth(growth[1], growth[2], self.kv_cache.resize)
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.attention_impl)
         self._check_kernels()
         self.prefix_store = self._open_prefix_store() if config.prefix_cache_dir else None
@@ -202,6 +205,17 @@ class LLMEngine:
     def num_blocks(self) -> int:
         return self.block_manager.pool.num_blocks
 
+    @property
+    def max_blocks(self) -> int:
+        """The pool's cap: `num_blocks` for a fixed pool; a growable one grows up to it."""
+        return self.block_manager.pool.max_blocks
+
+    def trim_pool(self) -> int:
+        """Give an idle engine's unneeded KV blocks back (`BlockPool.trim`); returns how many."""
+        if self.has_unfinished_requests():
+            return 0
+        return self.block_manager.pool.trim()
+
     # -- requests ------------------------------------------------------------------------------
     def add_request(
         self,
@@ -265,12 +279,12 @@ class LLMEngine:
         """Reject a request that could not finish even with the whole pool to itself."""
         bm = self.block_manager
         need = blocks_for_request(num_prompt, n, max_tokens, bm.block_size)
-        if need > self.num_blocks:
-            what = "prompt" if bm.blocks_for(num_prompt) > self.num_blocks else "request"
+        if need > self.max_blocks:
+            what = "prompt" if bm.blocks_for(num_prompt) > self.max_blocks else "request"
             raise MlxPagedError(
                 f"{what} cannot fit in the KV pool: {num_prompt} prompt tokens, n={n}, "
                 f"max_tokens={max_tokens} need up to {need} blocks of {bm.block_size} "
-                f"but the pool has {self.num_blocks}; raise --num-blocks or lower -n/--max-tokens"
+                f"but the pool has {self.max_blocks}; raise --num-blocks or lower -n/--max-tokens"
             )
 
     def has_unfinished_requests(self) -> bool:

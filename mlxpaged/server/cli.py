@@ -6,6 +6,7 @@ extra; `serve` itself says what to install when FastAPI, uvicorn or prometheus-c
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -51,6 +52,9 @@ def _check_port(host: str, port: int) -> None:
               help="The model id of /v1/models (default: the checkpoint's folder or file name).")
 @click.option("--shutdown-timeout", default=5.0, show_default=True,
               help="Seconds SIGINT/SIGTERM lets running requests finish before aborting them.")
+@click.option("--kv-memory-gb", default=None, type=click.FloatRange(min=0, min_open=True),
+              help="Cap of the KV pool, which grows as blocks are needed and shrinks when idle (default: a quarter "
+                   "of free memory; --num-blocks fixes the pool instead).")
 @click.option("--max-body-bytes", default=Limits.max_body_bytes, show_default=True, type=click.IntRange(1024),
               help="Larger request bodies get 413 before they are read.")
 @click.option("--max-stop-strings", default=Limits.max_stop_strings, show_default=True,
@@ -70,8 +74,8 @@ def _check_port(host: str, port: int) -> None:
 @click.option("--enable-docs", is_flag=True, help="Serve /docs, /redoc and /openapi.json (off by default).")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]), show_default=True)
 def serve(model, dtype, weights, host, port, api_key, max_queue, responses_store, served_model_name, shutdown_timeout,
-          max_body_bytes, max_stop_strings, max_request_tokens, stream_stall_timeout, max_connections, header_timeout,
-          keep_alive_timeout, enable_docs, log_level, **engine_flags):
+          kv_memory_gb, max_body_bytes, max_stop_strings, max_request_tokens, stream_stall_timeout, max_connections,
+          header_timeout, keep_alive_timeout, enable_docs, log_level, **engine_flags):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /health, /metrics)
     and Anthropic's (/v1/messages, /v1/messages/count_tokens)."""
     if api_key is None and "MLXPAGED_API_KEY" in os.environ:  # click reads an empty variable as unset
@@ -93,6 +97,10 @@ def serve(model, dtype, weights, host, port, api_key, max_queue, responses_store
     group = launched_group()  # under mlx.launch: tensor parallel; rank 0 serves HTTP, the others follow it
     try:
         config = engine_config(engine_flags)
+        if kv_memory_gb is not None:
+            if config.num_blocks is not None:
+                raise ValueError("--kv-memory-gb caps a growing pool; --num-blocks fixes its size: give one")
+            config = dataclasses.replace(config, kv_memory_gb=kv_memory_gb)
     except ValueError as e:
         _fail(str(e))
     make = lambda: _load_engine(model, dtype, weights, config, group)  # noqa: E731
@@ -215,10 +223,13 @@ def _announce(host, port, model_id, loaded, engine, api_key) -> None:
     bs = engine.config.block_size
     cfg = engine.config
     kv = f" ({cfg.kv_bits}-bit K/V, group {cfg.kv_group_size})" if cfg.kv_bits else ""
+    cap = engine.max_blocks
+    grows = (f", grows to {cap} blocks ({cap * engine.kv_cache.shape.bytes_per_block(bs) / 1e9:.3f} GB) as needed"
+             if cap > engine.num_blocks else "")
     click.echo(
         f"mlxpaged serve: http://{host}:{port}/v1  model {model_id} ({loaded.path}, {loaded.dtype})\n"
         f"  KV pool: {engine.num_blocks} blocks x {bs} tokens = {engine.num_blocks * bs} tokens, "
-        f"{engine.kv_cache.nbytes / 1e9:.3f} GB{kv}; attention: {resolve_impl(engine.config.attention_impl)}; "
+        f"{engine.kv_cache.nbytes / 1e9:.3f} GB{kv}{grows}; attention: {resolve_impl(engine.config.attention_impl)}; "
         f"prefix caching: {'on' if engine.config.enable_prefix_caching else 'off'}; "
         f"auth: {'API key' if api_key else 'none'}",
         err=True,

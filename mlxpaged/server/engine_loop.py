@@ -214,6 +214,7 @@ class EngineLoop:
         tp = self._group is not None
         while True:
             if not (self._adds or self._aborts or self.engine.has_unfinished_requests()):
+                self.engine.trim_pool()  # going idle: a growable KV pool shrinks back (kv_cache.growable_pool)
                 mx.clear_cache()  # going idle: give freed buffers back (cheap; the next step refills what it needs)
                 _trim_heap()
                 self.snapshot = self._metrics()

@@ -90,6 +90,26 @@ def pool_blocks(loaded, config, need: int | None = None) -> int:
     return cap if need is None else max(1, min(need, cap))
 
 
+CHUNK_TOKENS = 4096  # a growable pool grows and shrinks by this many token slots (a whole number of blocks)
+
+
+def growable_pool(loaded, config) -> tuple[int, int, int] | None:
+    """(initial blocks, cap, chunk) of a pool that grows as blocks are needed, or None for a
+    fixed pool (`config.num_blocks` set). The cap is `config.kv_memory_gb` if set, else
+    `config.kv_memory_fraction` of the memory free now, and at most `config.max_kv_tokens` slots;
+    the pool starts at one chunk (`config.kv_chunk_blocks`, default CHUNK_TOKENS of slots)."""
+    if config.num_blocks is not None:
+        return None
+    shape = CacheShape.of(loaded).quantized(config.kv_bits, config.kv_group_size)
+    bs = config.block_size
+    if getattr(config, "kv_memory_gb", None) is not None:
+        cap = max(1, min(int(config.kv_memory_gb * 1e9) // shape.bytes_per_block(bs), config.max_kv_tokens // bs))
+    else:
+        cap = blocks_for_memory(shape, bs, config.kv_memory_fraction, config.max_kv_tokens)
+    chunk = getattr(config, "kv_chunk_blocks", None) or max(1, CHUNK_TOKENS // bs)
+    return min(chunk, cap), cap, chunk
+
+
 class PagedKVCache:
     """Per-layer K/V pools plus the two operations the allocator needs: write and copy blocks."""
 
@@ -184,6 +204,30 @@ class PagedKVCache:
         T, H, D = q.shape
         s = self.key_scales[layer].astype(q.dtype)[:, None, :]  # [kvh, 1, D], broadcast over a head's G queries
         return (q.reshape(T, s.shape[0], H // s.shape[0], D) * s).reshape(T, H, D)
+
+    def resize(self, num_blocks: int, copies: list[tuple[int, int]] = ()) -> None:
+        """Apply block `copies` (src, dst), then make every pool `num_blocks` blocks long: zero
+        blocks appended, or the blocks from `num_blocks` up dropped. Ids below both sizes keep
+        their rows. A shrunk pool is a copy, so the old buffers are freed once MLX's cache is cleared."""
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.copy_blocks(list(copies))
+
+        def fit(a: mx.array) -> mx.array:
+            n = a.shape[0]
+            if num_blocks > n:
+                return mx.concatenate([a, mx.zeros((num_blocks - n,) + tuple(a.shape[1:]), dtype=a.dtype)])
+            return mx.array(a[:num_blocks]) if num_blocks < n else a
+
+        def fit_pool(pool):
+            if not self.quantized:
+                return fit(pool)
+            return QuantizedPool(*(fit(a) for a in pool.arrays), pool.bits, pool.group_size)
+
+        self.keys = [fit_pool(p) for p in self.keys]
+        self.values = [fit_pool(p) for p in self.values]
+        self.num_blocks = num_blocks
+        mx.eval(self.arrays)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks `src -> dst` in every layer (copy-on-write)."""

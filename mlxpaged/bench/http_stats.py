@@ -1,0 +1,150 @@
+"""Statistics of the HTTP benchmark (`http.py`): ratios within a repeat, the sustainable rate, the figure.
+
+- A ratio compares the two servers in the same repeat of the same (load, rate), so both sides
+  saw the same machine; the summary is the median of those ratios with their min-max range.
+- A run fails the latency bound when its mean normalized latency is above `bound` s/token (the
+  paper's Figure 12 plots the mean) or when any of its requests failed (an error, or an output
+  length other than the one asked for).
+- The sustainable rate of one server in one repeat is the highest swept rate at which that rate
+  and every lower one pass, interpolated linearly between the last passing and the first failing
+  rate where the first failure is on latency (a failure by failed requests is not interpolated).
+  It is censored "above" when no swept rate failed (the value is a lower bound) and "below" when
+  the lowest rate already failed (the value is 0).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+SERVERS = ("mlxpaged", "mlx_lm")
+
+
+def passes(row: dict, bound: float) -> bool:
+    lat = row["norm_latency_mean"]
+    return row["failed"] == 0 and lat is not None and lat <= bound
+
+
+def meets(rows: list[dict], server: str, bound: float) -> bool:
+    """Whether `server` passed `bound` in the median repeat of these rows (one load and rate)."""
+    rs = [r for r in rows if r["server"] == server]
+    return bool(rs) and sum(passes(r, bound) for r in rs) * 2 > len(rs)
+
+
+def sustainable_rate(points: list[tuple[float, float | None, int]], bound: float) -> tuple[float, str | None]:
+    """(rate, censoring) from (rate, mean normalized latency, failed requests) points of one server."""
+    points = sorted(points)
+    last_ok = None
+    for rate, lat, failed in points:
+        if failed == 0 and lat is not None and lat <= bound:
+            last_ok = (rate, lat)
+            continue
+        if last_ok is None:
+            return 0.0, "below"
+        if failed:
+            return last_ok[0], None
+        r0, l0 = last_ok
+        return r0 + (bound - l0) / (lat - l0) * (rate - r0), None
+    return (last_ok[0], "above") if last_ok else (0.0, "below")
+
+
+def spread(values: list[float]) -> dict | None:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "values": vals}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def per_rate(rows: list[dict]) -> list[dict]:
+    """One entry per (load, rate): each server's figures by repeat, and the ratios formed within
+    each repeat (mlx_lm / mlxpaged for latency, so > 1 favours mlxpaged; RSS the same way)."""
+    out = []
+    for load, rate in sorted({(r["load"], r["rate"]) for r in rows}, key=lambda k: (k[0], k[1])):
+        here = [r for r in rows if r["load"] == load and r["rate"] == rate]
+        by = {(r["server"], r["repeat"]): r for r in here}
+        reps = sorted({r["repeat"] for r in here})
+        pairs = [(by[("mlxpaged", k)], by[("mlx_lm", k)]) for k in reps if ("mlxpaged", k) in by and ("mlx_lm", k) in by]
+        entry = {"load": load, "rate": rate, "repeats": len(reps)}
+        for s in SERVERS:
+            rs = [r for r in here if r["server"] == s]
+            for f in ("norm_latency_mean", "norm_latency_median", "ttft_ms_median", "itl_ms_median", "req_per_s",
+                      "idle_rss_mb", "peak_rss_mb", "after_rss_mb"):
+                entry[f"{s}_{f}"] = spread([r[f] for r in rs])
+            entry[f"{s}_failed"] = sum(r["failed"] for r in rs)
+        entry["lengths_equal"] = [p["output_tokens"] == q["output_tokens"] for p, q in pairs]
+        for f in ("norm_latency_mean", "norm_latency_median"):
+            entry[f"ratio_{f}"] = spread([_ratio(q[f], p[f]) for p, q in pairs])
+        entry["ratio_peak_rss"] = spread([_ratio(q["peak_rss_mb"], p["peak_rss_mb"]) for p, q in pairs])
+        out.append(entry)
+    return out
+
+
+def sustainable(rows: list[dict], load: str, bound: float) -> dict:
+    """Each server's sustainable rate per repeat, and mlxpaged / mlx_lm formed within each repeat."""
+    out = {"per_repeat": []}
+    for k in sorted({r["repeat"] for r in rows if r["load"] == load}):
+        rep = {"repeat": k}
+        for s in SERVERS:
+            pts = [(r["rate"], r["norm_latency_mean"], r["failed"]) for r in rows
+                   if r["load"] == load and r["repeat"] == k and r["server"] == s]
+            rep[s], rep[f"{s}_censored"] = sustainable_rate(pts, bound)
+        a, b = rep["mlxpaged"], rep["mlx_lm"]
+        rep["ratio"] = a / b if b else None  # undefined when the peer failed even the lowest rate
+        out["per_repeat"].append(rep)
+    for s in SERVERS:
+        out[s] = spread([r[s] for r in out["per_repeat"]])
+    out["ratio"] = spread([r["ratio"] for r in out["per_repeat"]])
+    return out
+
+
+def _fmt(s: dict | None, digits: int = 2) -> str:
+    return "n/a" if s is None else f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+
+
+def report(rows: list[dict], loads: list[str], bound: float, echo=print) -> dict:
+    rates = per_rate(rows)
+    echo(f"\nmedian (min-max) over repeats; ratios mlx_lm/mlxpaged formed within each repeat; bound {bound} s/token")
+    for e in rates:
+        echo(f"{e['load']:>8} rate {e['rate']:5.2f}: mean norm latency mlxpaged {_fmt(e['mlxpaged_norm_latency_mean'], 3)}"
+             f", mlx_lm {_fmt(e['mlx_lm_norm_latency_mean'], 3)}, ratio {_fmt(e['ratio_norm_latency_mean'])}; "
+             f"median ratio {_fmt(e['ratio_norm_latency_median'])}; peak RSS mlxpaged {_fmt(e['mlxpaged_peak_rss_mb'], 0)}"
+             f" MB, mlx_lm {_fmt(e['mlx_lm_peak_rss_mb'], 0)} MB; equal lengths {all(e['lengths_equal'])}")
+    sus = {}
+    for load in loads:
+        sus[load] = s = sustainable(rows, load, bound)
+        cens = sorted({f"{k}: {r[k + '_censored']}" for r in s["per_repeat"] for k in SERVERS if r[k + "_censored"]})
+        echo(f"{load:>8}: sustainable rate mlxpaged {_fmt(s['mlxpaged'])}, mlx_lm {_fmt(s['mlx_lm'])} req/s, "
+             f"ratio {_fmt(s['ratio'])}" + (f"  (censored {', '.join(cens)})" if cens else ""))
+    return {"per_rate": rates, "sustainable": sus}
+
+
+def write_figure(path, rates: list[dict], loads: list[str], bound: float):
+    """The paper's Figure 12 layout: one panel per load, mean normalized latency against request
+    rate, both servers on each panel (medians with min-max bars over repeats)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(loads), figsize=(4.2 * len(loads), 3.6), squeeze=False)
+    for ax, load in zip(axes[0], loads):
+        es = sorted((e for e in rates if e["load"] == load), key=lambda e: e["rate"])
+        for s, style in (("mlxpaged", "-o"), ("mlx_lm", "--s")):
+            pts = [(e["rate"], e[f"{s}_norm_latency_mean"]) for e in es if e[f"{s}_norm_latency_mean"]]
+            if not pts:
+                continue
+            x = [p[0] for p in pts]
+            y = [p[1]["median"] for p in pts]
+            err = [[p[1]["median"] - p[1]["min"] for p in pts], [p[1]["max"] - p[1]["median"] for p in pts]]
+            ax.errorbar(x, y, yerr=err, fmt=style, capsize=3, label="mlxpaged" if s == "mlxpaged" else "mlx_lm.server")
+        ax.axhline(bound, color="grey", lw=0.8, ls=":")
+        ax.set_title(load)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("normalized latency (s/token)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path

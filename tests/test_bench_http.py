@@ -1,0 +1,152 @@
+"""The HTTP benchmark harness (mlxpaged/bench/http.py, http_stats.py): its statistics by hand-worked
+examples, and one end-to-end run of both real servers on the tiny model."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from mlxpaged.bench import http, http_stats
+from mlxpaged.bench.cli import bench
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- the sustainable rate ---------------------------------------------------------------------------
+def test_sustainable_rate_interpolates_between_the_last_pass_and_the_first_fail():
+    # 0.6 s/tok at rate 2, 1.4 at rate 4: the 1.0 bound is crossed half-way, at rate 3.
+    pts = [(1.0, 0.2, 0), (2.0, 0.6, 0), (4.0, 1.4, 0), (8.0, 3.0, 0)]
+    assert http_stats.sustainable_rate(pts, 1.0) == (pytest.approx(3.0), None)
+    assert http_stats.sustainable_rate(list(reversed(pts)), 1.0) == (pytest.approx(3.0), None)  # order-free
+
+
+def test_sustainable_rate_needs_every_lower_rate_to_pass_and_failed_requests_fail():
+    # Rate 2 fails by a failed request: neither its low latency nor rate 4's rescues it.
+    pts = [(1.0, 0.2, 0), (2.0, 0.3, 1), (4.0, 0.4, 0)]
+    assert http_stats.sustainable_rate(pts, 1.0) == (1.0, None)
+    pts = [(1.0, 0.2, 0), (2.0, 1.5, 0), (4.0, 0.4, 0)]  # a dip at 4 after a fail at 2
+    assert http_stats.sustainable_rate(pts, 1.0)[0] == pytest.approx(1.0 + 0.8 / 1.3)
+
+
+def test_sustainable_rate_says_when_it_is_censored():
+    assert http_stats.sustainable_rate([(1.0, 0.1, 0), (2.0, 0.2, 0)], 1.0) == (2.0, "above")
+    assert http_stats.sustainable_rate([(1.0, 1.1, 0), (2.0, 0.2, 0)], 1.0) == (0.0, "below")
+    assert http_stats.sustainable_rate([(1.0, None, 0)], 1.0) == (0.0, "below")
+
+
+# -- ratios within repeats ----------------------------------------------------------------------------
+def _row(server, load, rate, repeat, lat, failed=0, tokens=(8, 8), rss=100.0):
+    return {"server": server, "load": load, "rate": rate, "repeat": repeat, "norm_latency_mean": lat,
+            "norm_latency_median": lat, "failed": failed, "output_tokens": list(tokens), "ttft_ms_median": 1.0,
+            "itl_ms_median": 1.0, "req_per_s": 1.0, "idle_rss_mb": rss, "peak_rss_mb": rss, "after_rss_mb": rss}
+
+
+def test_latency_ratios_are_formed_within_each_repeat():
+    # Repeat 0 ran on a loaded machine (both slow), repeat 1 on a quiet one. Within repeats the
+    # ratios are 4/2 = 2.0 and 0.6/0.5 = 1.2, median 1.6; the ratio of the medians would be
+    # ((4 + 0.6) / 2) / ((2 + 0.5) / 2) = 1.84, mixing the two conditions.
+    rows = [_row("mlxpaged", "sharegpt", 1.0, 0, 2.0), _row("mlx_lm", "sharegpt", 1.0, 0, 4.0),
+            _row("mlxpaged", "sharegpt", 1.0, 1, 0.5), _row("mlx_lm", "sharegpt", 1.0, 1, 0.6)]
+    (e,) = http_stats.per_rate(rows)
+    r = e["ratio_norm_latency_mean"]
+    assert r["median"] == pytest.approx(1.6) and r["min"] == pytest.approx(1.2) and r["max"] == pytest.approx(2.0)
+    assert e["lengths_equal"] == [True, True]
+
+
+def test_sustainable_ratio_is_formed_within_each_repeat():
+    rows = []
+    # repeat 0: mlxpaged passes 1 and 2, fails 4 at 1.4 -> 3.0; mlx_lm fails 2 at 1.4 -> 1.5; ratio 2.0.
+    # repeat 1: mlxpaged passes everything -> 4.0 (censored above); mlx_lm fails 2 by a failed request,
+    # not interpolated -> 1.0; ratio 4.0.
+    for rate, a, b in ((1.0, 0.2, 0.6), (2.0, 0.6, 1.4), (4.0, 1.4, 3.0)):
+        rows += [_row("mlxpaged", "n4", rate, 0, a), _row("mlx_lm", "n4", rate, 0, b)]
+    for rate, a, b in ((1.0, 0.1, 0.5), (2.0, 0.2, 0.9), (4.0, 0.3, 3.0)):
+        rows += [_row("mlxpaged", "n4", rate, 1, a), _row("mlx_lm", "n4", rate, 1, b, failed=int(rate == 2.0))]
+    s = http_stats.sustainable(rows, "n4", 1.0)
+    assert [r["ratio"] for r in s["per_repeat"]] == [pytest.approx(2.0), pytest.approx(4.0)]
+    assert s["ratio"]["median"] == pytest.approx(3.0)
+    assert s["per_repeat"][1]["mlxpaged_censored"] == "above"
+    assert s["mlxpaged"]["values"] == [pytest.approx(3.0), 4.0] and s["mlx_lm"]["values"] == [pytest.approx(1.5), 1.0]
+
+
+def test_first_server_alternates_per_case_and_per_repeat():
+    assert [http.first_server(c, 0) for c in range(4)] == ["mlxpaged", "mlx_lm", "mlxpaged", "mlx_lm"]
+    assert [http.first_server(0, r) for r in range(3)] == ["mlxpaged", "mlx_lm", "mlxpaged"]
+
+
+# -- what each server is asked -------------------------------------------------------------------------
+def test_request_bodies_match_stopping_and_send_no_seed():
+    req = http.Req("hi", 7, system="be brief")
+    ours = http.request_body("mlxpaged", "m", req, 4, [2, 5])
+    peer = http.request_body("mlx_lm", "m", req, 4, [2, 5])
+    assert ours["ignore_eos"] is True and ours["n"] == 4 and "logit_bias" not in ours
+    assert peer["logit_bias"] == {"2": -100.0, "5": -100.0} and "n" not in peer and "ignore_eos" not in peer
+    for body in (ours, peer):
+        assert "seed" not in body and body["max_tokens"] == 7 and body["messages"][0]["role"] == "system"
+    assert ours["temperature"] == peer["temperature"] == 0.8  # the n=4 load samples on both
+
+
+def test_a_request_with_another_length_fails():
+    res = http.RunResult("mlx_lm", "n4", 1.0, n=4, output_tokens=[None, None])
+    ok = http.Part(ok=True, t0=0.0, first=0.1, last=0.5, end=0.6, completion_tokens=5)
+    short = http.Part(ok=True, t0=0.0, first=0.1, last=0.4, end=0.5, completion_tokens=4)  # stopped at its EOS
+    http.record(res, 0, http.Req("a", 5), [ok] * 4, 4)
+    http.record(res, 1, http.Req("b", 5), [ok, ok, short, ok], 4)
+    assert (res.completed, res.failed, res.length_mismatches) == (1, 1, 1)
+    assert res.output_tokens == [20, 19]
+    assert res.norm_latency == [pytest.approx(0.6 / 5)]  # done when the last of the four is
+
+
+def test_a_dirty_tree_is_refused(monkeypatch):
+    import mlxpaged.bench.report as report
+
+    monkeypatch.setattr(report, "git_state", lambda: {"commit": "abc", "dirty": True})
+    r = CliRunner().invoke(bench, ["serve", "--tiny", "--rates", "1"])
+    assert r.exit_code == 1 and "uncommitted changes" in r.output
+
+
+# -- both real servers, end to end ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    cmd = [sys.executable, "scripts/bench_http.py", "--tiny", "--trace", "builtin", "--loads", "sharegpt,n4",
+           "--rates", "4", "--repeats", "1", "--extend", "0", "--num-requests", "3", "--max-output", "6",
+           "--settle", "0.3", "--allow-dirty", "--out", str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (path,) = out.glob("serve_*.json")
+    return json.loads(path.read_text())
+
+
+def test_tiny_run_writes_every_field(tiny_run):
+    doc = tiny_run
+    assert doc["kind"] == "serve" and doc["provenance"]["git"]["commit"] != ""
+    assert doc["git_at_start"]["commit"] == doc["provenance"]["git"]["commit"]  # nothing committed meanwhile
+    for f in ("rates", "repeats", "bound_s_per_token", "peer_args", "mlxpaged_args", "rows", "per_rate", "sustainable"):
+        assert f in doc, f
+    assert {(r["server"], r["load"]) for r in doc["rows"]} == {(s, l) for s in ("mlxpaged", "mlx_lm") for l in ("sharegpt", "n4")}
+    for r in doc["rows"]:
+        for f in ("norm_latency_mean", "norm_latency_median", "ttft_ms_median", "idle_rss_mb", "peak_rss_mb", "after_rss_mb"):
+            assert r[f] is not None and r[f] > 0, (f, r)
+        assert r["failed"] == 0 and r["completed"] == 3, r["errors"]
+
+
+def test_tiny_run_both_servers_produce_the_asked_lengths(tiny_run):
+    for r in tiny_run["rows"]:
+        n = 4 if r["load"] == "n4" else 1
+        assert r["output_tokens"] == [n * 6] * 3, r
+    assert all(all(e["lengths_equal"]) for e in tiny_run["per_rate"])
+
+
+def test_tiny_run_ratios_come_from_the_same_repeat(tiny_run):
+    rows = tiny_run["rows"]
+    for e in tiny_run["per_rate"]:
+        (a,) = [r for r in rows if r["server"] == "mlxpaged" and r["load"] == e["load"]]
+        (b,) = [r for r in rows if r["server"] == "mlx_lm" and r["load"] == e["load"]]
+        assert e["ratio_norm_latency_mean"]["values"] == [pytest.approx(b["norm_latency_mean"] / a["norm_latency_mean"])]
+        assert a["first"] == b["first"]
+    firsts = {e["load"]: [r["first"] for r in rows if r["load"] == e["load"]][0] for e in tiny_run["per_rate"]}
+    assert set(firsts.values()) == {"mlxpaged", "mlx_lm"}  # two (load, rate) cases, alternating

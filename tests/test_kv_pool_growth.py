@@ -1,0 +1,177 @@
+"""A KV pool that grows as blocks are needed and gives memory back when idle
+(BlockPool.enable_growth / trim, PagedKVCache.resize, kv_cache.growable_pool)."""
+
+import mlx.core as mx
+import pytest
+
+from mlxpaged import EngineConfig, LLMEngine, SamplingParams
+from mlxpaged.core.block_pool import BlockPool
+from mlxpaged.errors import MlxPagedError
+from mlxpaged.worker.kv_cache import CacheShape
+from reference import contiguous_generate
+
+from drive import run_all
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, n, copies):
+        self.calls.append((n, list(copies)))
+
+
+def test_pool_grows_a_chunk_at_a_time_up_to_the_cap():
+    pool, rec = BlockPool(2), Recorder()
+    pool.enable_growth(7, 2, rec)
+    assert pool.num_free == 7  # what allocations can take, growth included
+    got = [pool.allocate() for _ in range(7)]
+    assert [b.block_id for b in got] == list(range(7))
+    assert rec.calls == [(4, []), (6, []), (7, [])]  # the last chunk stops at the cap
+    assert pool.allocate() is None and pool.num_free == 0
+    pool.check()
+
+
+def test_trim_keeps_the_most_recent_cached_blocks_and_copies_them_down():
+    pool, rec = BlockPool(2), Recorder()
+    pool.enable_growth(8, 2, rec)
+    blocks = [pool.allocate() for _ in range(6)]
+    for b in blocks:
+        pool.cache(b, bytes([b.block_id]), (b.block_id,))
+    for i in (0, 1, 2, 3, 5, 4):  # 5 then 4 released last: the two most recently used
+        pool.release(blocks[i])
+    assert pool.trim() == 4
+    assert pool.num_blocks == 2 and len(pool.blocks) == 2
+    n, copies = rec.calls[-1]
+    assert n == 2 and sorted(src for src, _ in copies) == [4, 5] and sorted(d for _, d in copies) == [0, 1]
+    dst = dict(copies)
+    for h in (4, 5):  # the kept blocks answer for their tokens at their new ids
+        b = pool.lookup(bytes([h]), (h,))
+        assert b is not None and b.block_id == dst[h]
+    for h in (0, 1, 2, 3):  # the older ones were evicted
+        assert pool.lookup(bytes([h]), (h,)) is None
+    assert list(pool.free_queue) == [dst[5], dst[4]]  # LRU order kept: 5 was released before 4
+    pool.check()
+    assert [pool.allocate().block_id for _ in range(3)] == [dst[5], dst[4], 2]  # and it grows again
+
+
+def test_trim_waits_while_any_block_is_in_use():
+    pool, rec = BlockPool(2), Recorder()
+    pool.enable_growth(8, 2, rec)
+    blocks = [pool.allocate() for _ in range(5)]
+    for b in blocks[1:]:
+        pool.release(b)
+    assert pool.trim() == 0 and pool.num_blocks == 6  # block 0 is held: no id may change meaning
+    pool.release(blocks[0])
+    assert pool.trim() == 4
+    pool.check()
+
+
+def _prompts(n, length):
+    return [[(13 * i + 7 * j) % 300 + 3 for j in range(length + 9 * i)] for i in range(n)]
+
+
+def test_a_growing_pool_generates_mlx_lm_tokens(tiny_loaded, mlx_lm_tiny):
+    engine = LLMEngine(tiny_loaded, EngineConfig(kv_chunk_blocks=2, attention_impl="reference"))
+    assert engine.num_blocks == 2 and engine.max_blocks > 40
+    prompts = _prompts(4, 30)
+    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)) for p in prompts]
+    done = run_all(engine)
+    assert engine.num_blocks > 8 and engine.kv_cache.keys[0].shape[0] == engine.num_blocks  # it grew, pools too
+    model, _ = mlx_lm_tiny
+    for rid, p in zip(ids, prompts):
+        assert done[rid].outputs[0].token_ids == contiguous_generate(model, p, 12)
+
+
+def test_idle_trim_frees_memory_and_keeps_the_prefix_cache_correct(tiny_loaded, mlx_lm_tiny):
+    engine = LLMEngine(tiny_loaded, EngineConfig(kv_chunk_blocks=2, attention_impl="reference"))
+    filler, shared = _prompts(2, 60)
+    shared = shared[:48]  # three full blocks
+    engine.add_request(filler, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    engine.add_request(shared + [5], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    run_all(engine)  # `shared` took blocks above the filler's and was released last
+    grown = engine.num_blocks
+    held = {b.block_id for b in engine.block_manager.pool.cached.values()}
+    assert grown >= 8 and max(held) >= 2
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    given = engine.trim_pool()
+    mx.clear_cache()
+    assert given == grown - 2 and engine.num_blocks == 2
+    assert all(a.shape[0] == 2 for a in engine.kv_cache.arrays)
+    freed = before - mx.get_active_memory()
+    assert freed >= 0.9 * given * engine.cache_shape.bytes_per_block(16)
+    # The two most recent cached blocks (the head of `shared`) moved into ids 0-1: a request on
+    # the same prefix hits them and still generates mlx-lm's tokens.
+    prompt = shared + [9, 8, 7]
+    rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    out = run_all(engine)[rid]
+    assert out.num_cached_tokens == 32
+    assert out.outputs[0].token_ids == contiguous_generate(mlx_lm_tiny[0], prompt, 10)
+
+
+def test_a_request_that_fits_the_cap_is_admitted_and_one_beyond_it_is_refused(tiny_loaded, mlx_lm_tiny):
+    bpb = CacheShape.of(tiny_loaded).bytes_per_block(16)
+    engine = LLMEngine(tiny_loaded, EngineConfig(kv_chunk_blocks=2, kv_memory_gb=8.5 * bpb / 1e9,
+                                                 attention_impl="reference"))
+    assert (engine.num_blocks, engine.max_blocks) == (2, 8)
+    prompt = _prompts(1, 100)[0]  # 100 + 28 - 1 tokens: 8 blocks, all the cap holds
+    rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True))
+    out = run_all(engine)[rid]
+    assert out.outputs[0].token_ids == contiguous_generate(mlx_lm_tiny[0], prompt, 28)
+    with pytest.raises(MlxPagedError, match="pool has 8"):
+        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=30))
+
+
+def test_a_fixed_pool_does_not_grow_or_trim(tiny_loaded):
+    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=6, attention_impl="reference"))
+    assert engine.max_blocks == 6
+    engine.add_request(_prompts(1, 20)[0], SamplingParams(temperature=0.0, max_tokens=4))
+    run_all(engine)
+    assert engine.trim_pool() == 0 and engine.num_blocks == 6
+
+
+def test_bad_pool_settings_are_refused():
+    with pytest.raises(ValueError, match="kv_memory_gb"):
+        EngineConfig(kv_memory_gb=0)
+    with pytest.raises(ValueError, match="kv_chunk_blocks"):
+        EngineConfig(kv_chunk_blocks=0)
+
+
+def test_the_server_loop_trims_the_pool_when_it_goes_idle(tiny_loaded):
+    import asyncio
+    import time
+
+    from mlxpaged.server.engine_loop import EngineLoop, Sink
+
+    loop = EngineLoop(lambda: LLMEngine(tiny_loaded, EngineConfig(kv_chunk_blocks=2, attention_impl="reference")))
+    loop.start()
+    try:
+        async def one():
+            sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
+            loop.submit(_prompts(1, 90)[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), "r", sink)
+            while True:
+                _, out = await sink.queue.get()
+                if out.finished:
+                    return out
+
+        asyncio.run(one())
+        engine = loop.engine
+        assert engine.stats.blocks_in_use_peak >= 6  # the pool had to grow past its 2 blocks
+        deadline = time.monotonic() + 10
+        while engine.num_blocks != 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.num_blocks == 2 and engine.kv_cache.keys[0].shape[0] == 2
+    finally:
+        loop.stop()
+
+
+def test_serve_refuses_a_cap_together_with_a_fixed_size():
+    from click.testing import CliRunner
+
+    from mlxpaged.server.cli import serve
+
+    r = CliRunner().invoke(serve, ["--kv-memory-gb", "1", "--num-blocks", "64"])
+    assert r.exit_code == 1 and "--kv-memory-gb" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(serve, ["--kv-memory-gb", "0"])
+    assert r.exit_code == 2 and "--kv-memory-gb" in r.output  # click's range check
