@@ -148,12 +148,12 @@ def test_the_server_loop_trims_the_pool_when_it_goes_idle(tiny_loaded):
     loop.start()
     try:
         async def one():
-            sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
+            sink = Sink(asyncio.get_running_loop())
             loop.submit(_prompts(1, 90)[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), "r", sink)
             while True:
-                _, out = await sink.queue.get()
-                if out.finished:
-                    return out
+                for _, out in await sink.get():
+                    if out.finished:
+                        return out
 
         asyncio.run(one())
         engine = loop.engine
