@@ -55,11 +55,11 @@ struct PAVQuantPool {
 // Elements one thread stages per step: one from a float pool, a whole group from a quantized one.
 template <typename Pool>
 struct PAVItems {
-  static constexpr int value = 1;
+  static constexpr constant int value = 1;
 };
 template <typename T, int HD, int BITS, int GS>
 struct PAVItems<PAVQuantPool<T, HD, BITS, GS>> {
-  static constexpr int value = GS;
+  static constexpr constant int value = GS;
 };
 
 // Stage pool element `src` (a float pool) into `dst` (T, or float for the MMA kernel).

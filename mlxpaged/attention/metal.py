@@ -520,24 +520,51 @@ def last_launch_stats(launch: Launch):
     return _kernel(_metal_kernel_factory(), launch.kind, launch.variant).last_launch
 
 
+def shape_problem(head_dim: int, block_size: int, group: int) -> str:
+    """Why the kernels cannot take this (head_dim, block size, G), or "" when they can."""
+    if head_dim % 32 or head_dim > 32 * NUM_SIMDGROUPS:
+        return (f"paged_attention_metal: head_dim {head_dim} is not a multiple of 32 "
+                f"up to {32 * NUM_SIMDGROUPS}")
+    if threadgroup_bytes(head_dim, block_size, group) > 32768:  # Apple GPUs' limit
+        return (f"paged_attention_metal: {group} query heads per kv head of "
+                f"head_dim {head_dim} need more than 32 KiB of threadgroup memory")
+    heads = cdiv(group, head_splits(group, head_dim))
+    if lane_registers(heads, head_dim) > REGISTER_BUDGET:
+        return (f"paged_attention_metal: {group} query heads per kv head of head_dim "
+                f"{head_dim} need {lane_registers(heads, head_dim)} registers per lane "
+                f"even split over 8 simdgroups, over the bound {REGISTER_BUDGET}")
+    return ""
+
+
+def shape_supported(head_dim: int, block_size: int, group: int) -> bool:
+    return not shape_problem(head_dim, block_size, group)
+
+
+def quant_problem(head_dim: int, bits: int, gs: int) -> str:
+    """Why the kernels cannot read a cache quantized to (bits, group size), or ""."""
+    if bits not in KV_BITS or gs not in KV_GROUP_SIZES or head_dim % gs:
+        return (f"paged_attention_metal: unsupported quantized cache: {bits} bits, "
+                f"group size {gs}, head_dim {head_dim}")
+    d = lane_dims(head_dim)
+    if d & (d - 1) or d * bits < 8:
+        return (f"paged_attention_metal: head_dim {head_dim} at {bits} bits: a lane's "
+                f"{d} values are not whole bytes of one group (head_dim 32, 64, 128 or 256)")
+    return ""
+
+
+def quant_supported(head_dim: int, bits: int, gs: int) -> bool:
+    return not quant_problem(head_dim, bits, gs)
+
+
 def _check(q, k_cache, v_cache=None):
     if k_cache.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"paged_attention_metal: unsupported cache dtype {k_cache.dtype}")
     head_dim = q.shape[-1]
     if quant_params(k_cache) or (v_cache is not None and quant_params(v_cache)):
         _check_quant(head_dim, k_cache, k_cache if v_cache is None else v_cache)
-    if head_dim % 32 or head_dim > 32 * NUM_SIMDGROUPS:
-        raise ValueError(f"paged_attention_metal: head_dim {head_dim} is not a multiple of 32 "
-                         f"up to {32 * NUM_SIMDGROUPS}")
-    group = q.shape[1] // k_cache.shape[1]
-    if threadgroup_bytes(head_dim, k_cache.shape[2], group) > 32768:  # Apple GPUs' limit
-        raise ValueError(f"paged_attention_metal: {group} query heads per kv head of "
-                         f"head_dim {head_dim} need more than 32 KiB of threadgroup memory")
-    heads = cdiv(group, head_splits(group, head_dim))
-    if lane_registers(heads, head_dim) > REGISTER_BUDGET:
-        raise ValueError(f"paged_attention_metal: {group} query heads per kv head of head_dim "
-                         f"{head_dim} need {lane_registers(heads, head_dim)} registers per lane "
-                         f"even split over 8 simdgroups, over the bound {REGISTER_BUDGET}")
+    problem = shape_problem(head_dim, k_cache.shape[2], q.shape[1] // k_cache.shape[1])
+    if problem:
+        raise ValueError(problem)
 
 
 def _check_quant(head_dim: int, k_cache, v_cache) -> None:
@@ -547,14 +574,9 @@ def _check_quant(head_dim: int, k_cache, v_cache) -> None:
     if quant is None or quant != quant_params(v_cache) or v_cache.dtype != k_cache.dtype:
         raise ValueError("paged_attention_metal: k_cache and v_cache must be quantized alike "
                          f"(got {quant} and {quant_params(v_cache)})")
-    bits, gs = quant
-    if bits not in KV_BITS or gs not in KV_GROUP_SIZES or head_dim % gs:
-        raise ValueError(f"paged_attention_metal: unsupported quantized cache: {bits} bits, "
-                         f"group size {gs}, head_dim {head_dim}")
-    d = lane_dims(head_dim)
-    if d & (d - 1) or d * bits < 8:
-        raise ValueError(f"paged_attention_metal: head_dim {head_dim} at {bits} bits: a lane's "
-                         f"{d} values are not whole bytes of one group (head_dim 32, 64, 128 or 256)")
+    problem = quant_problem(head_dim, *quant)
+    if problem:
+        raise ValueError(problem)
 
 
 def supports(q: mx.array, k_cache) -> bool:

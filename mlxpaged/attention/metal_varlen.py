@@ -183,16 +183,23 @@ def _kernel(factory, variant: str, kind: str = KERNEL):
     return factory(**Launch(variant, {}, kind).kernel_kwargs)
 
 
+def launch_plan(head_dim: int, block_size: int, group: int, itemsize: int,
+                quant: tuple[int, int] | None = None) -> Plan:
+    """The plan a call with these shapes runs (`plan`, with the cache's quantization)."""
+    # A quantized cache keeps the lanes-per-row kernel (its MMA variant is not tested yet).
+    p = plan(head_dim, block_size, group, itemsize, mma=None if not quant else False)
+    if quant:  # staged as T all the same: the plan (and threadgroup memory) is the float one's
+        p = dataclasses.replace(p, quant=quant)
+    return p
+
+
 def varlen_launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, tiles,
                   scale: float) -> Launch:
     """The launch covering `tiles` ([(sequence, first token)], non-empty); q in the cache dtype."""
     _, num_kv_heads, block_size, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
     quant = metal.quant_params(k_cache)
-    # A quantized cache keeps the lanes-per-row kernel (its MMA variant is not tested yet).
-    p = plan(head_dim, block_size, group, k_cache.dtype.size, mma=None if not quant else False)
-    if quant:  # staged as T all the same: the plan (and threadgroup memory) is the float one's
-        p = dataclasses.replace(p, quant=quant)
+    p = launch_plan(head_dim, block_size, group, k_cache.dtype.size, quant)
     threads = 32 * p.simdgroups
     lanes = [] if p.mma else [("SP", p.lanes_per_row), ("RPT", p.rows_per_group)]
     return Launch(p.variant, dict(
