@@ -162,6 +162,14 @@ def variants() -> list[Variant]:
     return _decode_variants() + _varlen_variants()
 
 
+def representatives() -> list[Variant]:
+    """One variant per kernel section and quantization (the first of the grid)."""
+    reps: dict[tuple, Variant] = {}
+    for v in variants():
+        reps.setdefault((v.group, v.section, bool(v.prefix)), v)
+    return list(reps.values())
+
+
 @dataclass
 class Sources:
     """A copy of `metal/`: the decode header, and each group's sections with their first line."""
@@ -299,8 +307,10 @@ def check_batch(group: str, batch: list[Variant], src: Sources) -> list[tuple[st
 
 # --- the AST pass: unqualified pointers and recursion ---------------------------------------
 
-_LOC = re.compile(r"<invalid sloc>|<built-in>|<scratch space>:\d+:\d+|(?P<f>[^\s<>,:]+):(?P<l>\d+):\d+"
-                  r"|line:(?P<l2>\d+):\d+|col:\d+")
+_LOC = re.compile(r"<invalid sloc>|<built-in>|<scratch space>:\d+:\d+|line:(?P<l2>\d+):\d+|col:\d+"
+                  r"|(?P<f>[^\s<>,:']+):(?P<l>\d+):\d+")
+_NAMED_DECL = re.compile(r">\s+(?:line:\d+:\d+|col:\d+|\S+:\d+:\d+)\s+(?:(?:used|referenced|invalid)\s+)*"
+                         r"(?!(?:used|referenced|invalid)\b)(\w+)\s+'([^']*)'")
 _NODE = re.compile(r"^(?P<indent>[ |`-]*)(?P<kind>\w+) 0x[0-9a-f]+ ")
 
 
@@ -348,8 +358,9 @@ def ast_errors(group: str, batch: list[Variant], src: Sources) -> list[tuple[str
         if f not in ours:
             continue
         if kind in ("ParmVarDecl", "VarDecl", "FieldDecl") and "__generic" in text:
-            nm = re.search(r"\b(\w+) '([^']*__generic[^']*)'", text)
-            if nm and (f, line) not in seen and not re.search(r"\bimplicit\b", text):
+            # A named declaration (implicit copy constructors' parameters have no name).
+            nm = _NAMED_DECL.search(text)
+            if nm and "__generic" in nm.group(2) and (f, line) not in seen:
                 seen.add((f, line))
                 errs.append((f, line, f"'{nm.group(1)}' is a pointer or reference without an "
                              f"address space (device, constant, threadgroup or thread)", batch[0].name))
@@ -396,7 +407,7 @@ def check(source: Path | None = None, *, jobs: int | None = None,
         items = [v for v in vs if v.group == group]
         if not items:
             continue
-        # One representative per section (and quantization) for the AST pass.
+        # One variant per section (and quantization) for the AST pass: it checks declarations.
         reps: dict[tuple, Variant] = {}
         for v in items:
             reps.setdefault((v.section, bool(v.prefix)), v)
@@ -430,13 +441,16 @@ def main(argv=None) -> int:
     ap.add_argument("--source", type=Path, help="a copy of metal/ to check (default: the shipped one)")
     ap.add_argument("--quiet", action="store_true", help="print errors only, no summary")
     ap.add_argument("--jobs", type=int, help="clang processes at once (default: CPUs, at most 8)")
+    ap.add_argument("--one-per-kernel", action="store_true",
+                    help="a quick check: one variant per kernel section and quantization")
     args = ap.parse_args(argv)
     problem = clang_available()
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     t0 = time.monotonic()
-    errors, n = check(args.source, jobs=args.jobs)
+    errors, n = check(args.source, jobs=args.jobs,
+                      only=representatives() if args.one_per_kernel else None)
     for e in errors:
         print(e)
     if not args.quiet:
