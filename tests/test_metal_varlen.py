@@ -170,8 +170,8 @@ def test_kernel_chosen_by_shape_only():
     assert mv.plan(128, 16, 6, 2).mma and mv.plan(64, 1, 16, 4).mma and mv.plan(32, 16, 1, 2).mma
     assert not mv.plan(256, 16, 1, 2).mma and not mv.plan(160, 16, 2, 2).mma
     assert not mv.plan(64, 16, 40, 2).mma  # 80 simdgroups would exceed 1024 threads
-    assert mv.plan(128, 16, 6, 2).variant == "hd128_bs16_g6_tq16_kc16_nsg12"
-    assert mv.plan(128, 16, 6, 2, mma=False).variant == "hd128_bs16_g6_tq16_kc32_nsg12_sp4_rpt1"
+    assert mv.plan(128, 16, 6, 2).variant == "hd128_bs16_g6_tq16_kc16_nsg12_hs1"
+    assert mv.plan(128, 16, 6, 2, mma=False).variant == "hd128_bs16_g6_tq16_kc32_nsg12_hs1_sp4_rpt1"
 
 
 @pytest.mark.parametrize("q_lens,prefixes", [([1, 1, 1], [5, 0, 40]), ([40], [0]), ([0, 5, 1], [3, 4, 9])])
@@ -441,13 +441,19 @@ def test_plan_fits_every_supported_shape():
                                              (1, 2, 16, 64, 256), (2, 4)):
         p = mv.plan(hd, bs, g, size)
         threads = 32 * p.simdgroups
+        gh = -(-g // p.head_splits)  # query heads per threadgroup
         assert p.mma == (hd <= mv.MMA_MAX_HEAD_DIM and g <= 16)
+        # Threads x registers fit one core's register file (issue 22), with the fewest splits.
+        assert threads * p.registers * 4 <= mv.REGISTER_FILE_BYTES, p
+        if p.head_splits > 1:
+            half = mv.plan_split(hd, bs, g, size, p.mma, p.head_splits // 2)
+            assert half.register_file_bytes > mv.REGISTER_FILE_BYTES
         if p.mma:  # one simdgroup per 8 tokens of each query head, whole 8-key fragments
-            assert threads <= mv.MAX_THREADS and p.simdgroups * 8 == mv.TILE_TOKENS * g
+            assert threads <= mv.MAX_THREADS and p.simdgroups * 8 == mv.TILE_TOKENS * gh
             assert p.chunk_keys % 8 == 0 and mv.threadgroup_bytes(p, size) <= 32768
             continue
         assert threads <= mv.MAX_THREADS and 32 % p.lanes_per_row == 0
-        assert threads // p.lanes_per_row * p.rows_per_group >= mv.TILE_TOKENS * g
+        assert threads // p.lanes_per_row * p.rows_per_group >= mv.TILE_TOKENS * gh
         assert hd % p.lanes_per_row == 0 and hd // p.lanes_per_row <= 32
         assert mv.threadgroup_bytes(p, size) <= 32768
 

@@ -632,6 +632,16 @@ def _pad_to(x: mx.array, axis: int, n: int) -> mx.array:
     return mx.pad(x, widths)
 
 
+def pad_table(block_tables: mx.array) -> mx.array:
+    """An int32 block table of at least MIN_DEVICE_ELEMENTS entries: spare rows (never read)
+    are added, never columns, so `block_tables_shape[1]` stays the real width the kernels clamp
+    context lengths to (a padded column would hold block 0, another sequence's)."""
+    bt = block_tables.astype(mx.int32)
+    if bt.shape[1] == 0:
+        bt = _pad_to(bt, 1, 1)  # no column at all: every context length is then clamped to BS
+    return _pad_to(bt, 0, cdiv(MIN_DEVICE_ELEMENTS, bt.shape[1]))
+
+
 def _device_pool(cache):
     """A quantized pool whose arrays all hold >= 8 elements (spare zero blocks, never read, on
     tiny pools), so MLX passes each in the device address space the views need."""
@@ -647,8 +657,7 @@ def _run(q, k_cache, v_cache, block_tables, context_lens, scale, partition_token
     q = q.astype(k_cache.dtype)  # one element type T for q, caches and output
     # Padding (unused zeros) keeps every input in the device address space: one kernel name.
     # Table columns: only entries within each (clamped) context are read.
-    block_tables = _pad_to(block_tables.astype(mx.int32), 1,
-                           cdiv(MIN_DEVICE_ELEMENTS, max(1, block_tables.shape[0])))
+    block_tables = pad_table(block_tables)
     context_lens = _pad_to(context_lens.astype(mx.int32), 0, MIN_DEVICE_ELEMENTS)
     k_cache, v_cache = _device_pool(k_cache), _device_pool(v_cache)
     scale_arr = mx.array(scale, dtype=mx.float32)

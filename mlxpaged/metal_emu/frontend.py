@@ -141,10 +141,7 @@ def _varlen_variants() -> list[Variant]:
                                        if metal.quant_supported(hd, b, gs)]
                     for quant in quants:
                         p = mv.launch_plan(hd, bs, g, dt.size, quant)
-                        lanes = [] if p.mma else [("SP", p.lanes_per_row), ("RPT", p.rows_per_group)]
-                        tmpl = ([("T", dt), ("HD", hd), ("BS", bs), ("G", g), ("TQ", mv.TILE_TOKENS),
-                                 ("KC", p.chunk_keys), ("NSG", p.simdgroups)] + lanes
-                                + ([("BITS", quant[0]), ("GS", quant[1])] if quant else []))
+                        tmpl = mv.template(p, dt)
                         cache = ([Spec(mx.uint32), Spec(dt), Spec(dt)] * 2 if quant
                                  else [Spec(dt), Spec(dt)])
                         ins = [Spec(dt), *cache, *[Spec(mx.int32)] * 4, Spec(mx.float32, 0, 1)]
