@@ -32,8 +32,8 @@
 // Quantized KV cache: kernel paged_attention_varlen_quant is the same body after
 // `PAV_QUANT_VIEWS`, with inputs k_data, k_scales, k_biases, v_data, v_scales, v_biases in place
 // of k_cache, v_cache and template values BITS and GS (values per scale/bias group) besides.
-// Staging then takes a whole group per thread: its codes in 16-byte loads and its scale and
-// bias once, dequantized in fp32 registers and stored to tg_k/tg_v as T.
+// Staging then takes one code word per thread (a group's words on consecutive lanes, its scale
+// and bias read once and shuffled), dequantized in fp32 registers and stored to tg_k/tg_v as T.
 
 #include <metal_stdlib>
 #include <metal_simdgroup_matrix>
@@ -62,43 +62,53 @@ struct PAVQuantPool {
   PAVQuantPool<T, HD, BITS, GS> k_cache = {k_data, k_scales, k_biases}; \
   PAVQuantPool<T, HD, BITS, GS> v_cache = {v_data, v_scales, v_biases};
 
-// Elements one thread stages per step: one from a float pool, a whole group from a quantized one.
+// Elements one thread stages per step: one from a float pool, one 32-bit word of codes (32 / BITS
+// values) from a quantized one, so that every thread of the threadgroup stages.
 template <typename Pool>
 struct PAVItems {
   static constexpr constant int value = 1;
 };
 template <typename T, int HD, int BITS, int GS>
 struct PAVItems<PAVQuantPool<T, HD, BITS, GS>> {
-  static constexpr constant int value = GS;
+  static constexpr constant int value = 32 / BITS;
 };
 
-// Stage pool element `src` (a float pool) into `dst` (T, or float for the MMA kernel).
+// Stage pool element `src` (a float pool) into `dst` (T, or float for the MMA kernel); `ok`
+// false: nothing. Every lane calls it (the quantized overload's shuffle needs them all).
 template <typename T, typename D>
-inline void pav_stage(const device T* cache, size_t src, threadgroup D* dst) {
-  *dst = static_cast<D>(cache[src]);
+inline void pav_stage(const device T* cache, size_t src, bool ok, uint lane, threadgroup D* dst) {
+  if (ok) {
+    *dst = static_cast<D>(cache[src]);
+  }
 }
 
-// Stage the group of GS values starting at element `src` (row * HD + a multiple of GS) of a
-// quantized pool into dst[0, GS): codes in 16-byte loads, scale and bias read once, fp32 math,
-// each value rounded once to T. A group per thread reads every byte once (a vector per thread
-// would re-read the group's scale and bias) at the price of fewer threads staging.
+// Stage the 32 / BITS values of the code word holding element `src` (a multiple of 32 / BITS)
+// of a quantized pool into dst[0, 32 / BITS): fp32 math, each value rounded once to T. A group's
+// W = GS * BITS / 32 words go to W consecutive lanes (the caller's unit index is the thread
+// index), whose first reads the group's scale and bias once and shuffles them to the others:
+// every byte is read once and every thread stages. Every lane of the simdgroup must call it;
+// `ok` is the same for a whole group (a chunk is whole rows).
 template <typename T, int HD, int BITS, int GS, typename D>
-inline void pav_stage(PAVQuantPool<T, HD, BITS, GS> pool, size_t src, threadgroup D* dst) {
-  static_assert(HD % GS == 0 && GS * BITS % 128 == 0, "a group is whole 16-byte vectors");
+inline void pav_stage(PAVQuantPool<T, HD, BITS, GS> pool, size_t src, bool ok, uint lane,
+                      threadgroup D* dst) {
   constexpr int PER_WORD = 32 / BITS;
+  constexpr int W = GS / PER_WORD;  // words per group
+  static_assert(HD % GS == 0 && GS % PER_WORD == 0 && 32 % W == 0,
+                "a group's words sit on consecutive lanes of one simdgroup");
   const size_t row = src / HD;
   const int g = (src % HD) / GS;
-  const float s = static_cast<float>(pool.scales[row * (HD / GS) + g]);
-  const float b = static_cast<float>(pool.biases[row * (HD / GS) + g]);
-  const device uint4* w = (const device uint4*)(pool.data + row * (HD * BITS / 32) + g * (GS * BITS / 32));
-  for (int i = 0; i < GS * BITS / 128; i++) {
-    const uint4 x = w[i];
-    for (int j = 0; j < 4; j++) {
-      for (int k = 0; k < PER_WORD; k++) {
-        const uint code = (x[j] >> (k * BITS)) & ((1u << BITS) - 1u);
-        // Rounded to T first, so a float destination holds the values a T one would.
-        dst[(4 * i + j) * PER_WORD + k] = static_cast<D>(static_cast<T>(s * static_cast<float>(code) + b));
-      }
+  float2 sb = float2(0.0f, 0.0f);
+  if (ok && lane % W == 0) {
+    sb = float2(static_cast<float>(pool.scales[row * (HD / GS) + g]),
+                static_cast<float>(pool.biases[row * (HD / GS) + g]));
+  }
+  sb = simd_shuffle(sb, (ushort)(lane - lane % W));
+  if (ok) {
+    const uint x = pool.data[src / PER_WORD];  // rows are whole words: HD % PER_WORD == 0
+    for (int k = 0; k < PER_WORD; k++) {
+      const uint code = (x >> (k * BITS)) & ((1u << BITS) - 1u);
+      // Rounded to T first, so a float destination holds the values a T one would.
+      dst[k] = static_cast<D>(static_cast<T>(sb.x * static_cast<float>(code) + sb.y));
     }
   }
 }
@@ -181,12 +191,15 @@ for (int c0 = 0; c0 < kv_end; c0 += KC) {
     tg_blocks[b] = block_tables[(size_t)seq * max_blocks + b0 + b];
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);  // barrier 1: tg_blocks written
-  for (int e = tid * EPI; e < nk * HD; e += NT * EPI) {
+  // A uniform loop: every lane reaches the quantized staging's shuffle.
+  for (int e0 = 0; e0 < nk * HD; e0 += NT * EPI) {
+    const bool ok = e0 + (int)tid * EPI < nk * HD;
+    const int e = ok ? e0 + (int)tid * EPI : 0;
     const int t = c0 + e / HD;
     const size_t src = (size_t)tg_blocks[t / BS - b0] * block_stride + head_off +
         (size_t)(t % BS) * HD + e % HD;
-    pav_stage(k_cache, src, tg_k + e);
-    pav_stage(v_cache, src, tg_v + e);
+    pav_stage(k_cache, src, ok, tid % 32, tg_k + e);
+    pav_stage(v_cache, src, ok, tid % 32, tg_v + e);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);  // barrier 2: tg_k, tg_v written
 
@@ -316,12 +329,15 @@ for (int c0 = 0; c0 < kv_end; c0 += KC) {
     tg_blocks[b] = block_tables[(size_t)seq * max_blocks + b0 + b];
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);  // barrier 1: tg_blocks written
-  for (int e = tid * EPI; e < nk * HD; e += NT * EPI) {
+  // A uniform loop: every lane reaches the quantized staging's shuffle.
+  for (int e0 = 0; e0 < nk * HD; e0 += NT * EPI) {
+    const bool ok = e0 + (int)tid * EPI < nk * HD;
+    const int e = ok ? e0 + (int)tid * EPI : 0;
     const int t = c0 + e / HD;
     const size_t src = (size_t)tg_blocks[t / BS - b0] * block_stride + head_off +
         (size_t)(t % BS) * HD + e % HD;
-    pav_stage(k_cache, src, tg_k + (e / HD) * LD + e % HD);
-    pav_stage(v_cache, src, tg_v + (e / HD) * LD + e % HD);
+    pav_stage(k_cache, src, ok, (uint)lane, tg_k + (e / HD) * LD + e % HD);
+    pav_stage(v_cache, src, ok, (uint)lane, tg_v + (e / HD) * LD + e % HD);
   }
   // The last block's rows past the chunk: zeros, not stale values or NaN, since 0 * NaN in P V
   // would poison the accumulator (their scores are masked).

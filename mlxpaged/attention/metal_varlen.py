@@ -219,7 +219,9 @@ class Launch:
         return _kernel(metal._metal_kernel_factory(), self.variant, self.kind)
 
     def run(self) -> mx.array:
-        return self.kernel(**self.call)[0]
+        factory = metal._metal_kernel_factory()
+        return metal.run_once_checked(_kernel(factory, self.variant, self.kind),
+                                      (factory, self.kind, self.variant), self.call)[0]
 
 
 @functools.lru_cache(maxsize=None)
@@ -322,7 +324,7 @@ def check_varlen(group: int, k_cache) -> bool:
 
     _, _, bs, hd = k_cache.shape
     quant = metal.quant_params(k_cache)
-    key = ("varlen", metal._metal_kernel_factory(), k_cache.dtype, hd, bs, group, quant)
+    key = metal.family_key(group, k_cache, varlen=True)
     if key in metal._families:
         return metal._families[key]
     rng = np.random.default_rng(13)
@@ -344,6 +346,8 @@ def check_varlen(group: int, k_cache) -> bool:
     problem = metal.compare_to_reference(name, lambda: paged_attention_varlen_metal(q, *pool, *args, scale=0.3),
                                          ref, k_cache.dtype)
     metal._families[key] = ok = metal.settle_check(problem)
+    if problem:
+        metal._family_errors[key] = problem
     return ok
 
 
