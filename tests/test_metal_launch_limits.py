@@ -213,3 +213,34 @@ def test_mid_serving_failure_raises_when_strict(monkeypatch):
             paged_attention_varlen(*args, scale=0.3, impl="metal")
     finally:
         metal.reset_kernels()
+
+
+# --- context lengths clamped to the real table width -----------------------------------------
+
+def _attend_all(q, k, v, scale):
+    """numpy: each query row attends to every key row (fp64)."""
+    s = np.einsum("thd,khd->thk", q, k) * scale
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("thk,khd->thd", p / p.sum(-1, keepdims=True), v)
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_length_past_the_table_stops_at_its_end(emulated, q_len):
+    """A context length past a one-block table reads that block only: not the padding's block
+    0, which holds another sequence's rows (table width is the real one, not the padded one)."""
+    rng = np.random.default_rng(6)
+    bs, hd = 16, 32
+    k = mx.array(rng.standard_normal((3, 1, bs, hd)), dtype=mx.float32)
+    v = mx.array(rng.standard_normal((3, 1, bs, hd)), dtype=mx.float32)
+    q = mx.array(rng.standard_normal((q_len, 2, hd)), dtype=mx.float32)
+    table = mx.array(np.array([[2]], np.int32))  # one block; block 0 belongs to someone else
+    cu = mx.array(np.array([0, q_len], np.int32))
+    lens = mx.array(np.array([3 * bs + q_len], np.int32))  # past the table's 16 tokens
+    if q_len == 1:
+        out = metal.paged_attention_metal(q, k, v, table, lens, scale=0.2, partition_tokens=0)
+    else:
+        out, _ = mv.run_with_launches(q, k, v, table, cu, lens, scale=0.2)
+    kk = np.array(k)[2, 0][:, None, :].repeat(2, 1)  # the table's block, both query heads
+    vv = np.array(v)[2, 0][:, None, :].repeat(2, 1)
+    want = _attend_all(np.array(q, np.float64), kk, vv, 0.2)
+    np.testing.assert_allclose(np.array(out), want, atol=1e-5, rtol=1e-4)
