@@ -9,13 +9,15 @@ kernels cannot be templates, so the template values become typedefs and constant
 the kernel body, and the signature is a `__kernel` function; `msl_opencl_prelude.h` maps the
 address spaces (`device` -> `__global`, `threadgroup` -> `__local`, `constant` -> `__constant`,
 `thread` -> `__private`) and declares the metal_stdlib names the sources use. Clang
-(`python -m ziglang clang -cc1 -fsyntax-only -x cl -cl-std=clc++2021 -cl-ext=-all`) then rejects
-what Apple's compiler rejects and the emulator's C++ accepts: `half` (or `bfloat`) as a name,
-casts between address spaces, program-scope variables outside `constant`, `threadgroup` storage
-outside a kernel's outermost scope, exceptions, `new`. Two rules clang does not enforce in that
-mode are checked on its AST (one variant per kernel, with the generic address space on, so an
-unqualified pointer shows as `__generic`): every pointer and reference names its address space,
-and no function calls itself, directly or through others.
+(`python -m ziglang clang -cc1 -fsyntax-only -x cl -cl-std=clc++2021 -cl-ext=-all,+__opencl_c_generic_address_space`)
+then rejects what Apple's compiler rejects and the emulator's C++ accepts: `half` (or `bfloat`)
+as a name, casts between address spaces, program-scope variables outside `constant`,
+`threadgroup` storage outside a kernel's outermost scope, exceptions, `new`. The generic address
+space is on because clang's implicit copy constructors need it in C++ for OpenCL (with
+`-cl-ext=-all` alone, passing a struct by value fails); a pointer without an address space then
+takes it, so a second pass over clang's AST (one variant per kernel) reports every declaration
+of a `__generic` pointer or reference. That pass also reports recursion (a cycle in the call
+graph), which clang accepts.
 
 `#line` directives make every message name the `.metal`/`.h` file and line; output is
 `file:line: message` per error (one line per distinct error, with how many variants hit it), and
