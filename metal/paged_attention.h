@@ -251,14 +251,14 @@ inline void pa_token_sums(thread float* x,  // [N]
       x[0] += simd_shuffle_xor(x[0], o);
       continue;
     }
-    const int half = n / 2;
-    const bool up = (lane & o) != 0;  // this lane keeps values [half, 2 half) of those it carries
-    for (int j = 0; j < half; j++) {
+    const int mid = n / 2;
+    const bool up = (lane & o) != 0;  // this lane keeps values [mid, 2 mid) of those it carries
+    for (int j = 0; j < mid; j++) {
       const float lo = x[j];
-      const float hi = j + half < N ? x[j + half] : 0.0f;
+      const float hi = j + mid < N ? x[j + mid] : 0.0f;
       x[j] = (up ? hi : lo) + simd_shuffle_xor(up ? lo : hi, o);
     }
-    n = half;
+    n = mid;
   }
   // Gather, highest value first: x[j] is written after every read of registers >= j.
   const uint base = lane - lane % L;

@@ -6,7 +6,8 @@
 // G (query heads per kv head), NSG (simdgroups per threadgroup). The partition size is not a
 // template value (it would name a new kernel as contexts grow): the split kernel derives it
 // from its grid and the table width. Context lengths are clamped to the table's width
-// (max_blocks * BS), so inconsistent metadata never reads past a sequence's table row.
+// (max_blocks * BS; the real width: the wrapper pads small tables with rows, never columns), so
+// inconsistent metadata never reads past a sequence's table row.
 //
 // Quantized KV cache: kernel `KIND_quant` (KIND = paged_attention or paged_attention_partitioned)
 // is KIND's body after `PA_QUANT_VIEWS` (paged_attention.h), with inputs k_data, k_scales,

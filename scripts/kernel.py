@@ -35,7 +35,8 @@ sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing
 
 from mlxpaged.attention import metal_native  # noqa: E402
 from mlxpaged.bench.kernel import (BLOCK_SIZES, COST_SHAPES, HEAD_DIM, HEADS, KV_HEADS,  # noqa: E402
-                                   cost_model, emulator_rows, gpu_rows, kv_bytes_rows)
+                                   cost_model, emulator_rows, gpu_rows, kv_bytes_rows,
+                                   launch_limit_rows)
 from mlxpaged.bench.report import provenance  # noqa: E402
 
 
@@ -94,13 +95,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def print_limits() -> None:
+    """Threads, registers per thread and threadgroup memory per kernel variant (planning)."""
+    from mlxpaged.attention.metal_varlen import REGISTER_FILE_BYTES
+
+    print(f"Launch limits, block 16: threads per threadgroup x registers per thread (the "
+          f"emulator's estimate) x 4 bytes must fit one GPU core's register file "
+          f"({REGISTER_FILE_BYTES // 1024} KB, Apple7/8); threadgroup memory within 32 KB.")
+    print(f"{'shape':>13} {'KV':>8} {'kernel':>30} {'threads':>7} {'regs':>5} {'reg KB':>6} "
+          f"{'tg bytes':>8}  variant")
+    for r in launch_limit_rows():
+        print(f"{r['shape']:>13} {r['kv']:>8} {r['kernel']:>30} {r['threads']:>7} "
+              f"{r['registers']:>5} {r['register_file_bytes'] / 1024:>6.0f} "
+              f"{r['threadgroup_bytes']:>8,}  {r['variant']}")
+    print()
+
+
 def print_cost(seqs: int, tokens: int, as_json: bool, kv_bits: int | None = None,
                kv_group: int = 32) -> int:
-    """Operation counts of the emulated kernel per K/V token row and per (token, query head)."""
+    """Launch limits per variant, then operation counts of the emulated kernel per K/V token
+    row and per (token, query head)."""
+    if not as_json:
+        print_limits()
     rows = [dict(model=m, **cost_model(g, hd, seqs=seqs, tokens=tokens, kv_bits=kv_bits,
                                        kv_group=kv_group)) for m, g, hd in COST_SHAPES]
     if as_json:
-        print(json.dumps({"seqs": seqs, "tokens": tokens, "provenance": provenance(), "rows": rows}, indent=1))
+        print(json.dumps({"seqs": seqs, "tokens": tokens, "provenance": provenance(), "rows": rows,
+                          "launch_limits": launch_limit_rows()}, indent=1))
         return 0
     kv = f"{kv_bits}-bit KV (group {kv_group})" if kv_bits else "fp16 KV"
     print(f"Emulator cost model: {seqs} sequences x {tokens} tokens, 2 kv heads, block 16, {kv}, "

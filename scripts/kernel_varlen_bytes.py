@@ -101,18 +101,26 @@ def main() -> None:
         print(f"bound = minimum {minimum:,} x ceil({chunk}/16) = {minimum * tiles:,}; "
               f"read / bound = {total / (minimum * tiles):.3f}")
         costs[path] = dict(shuffles=st.simd_shuffles, reductions=st.simd_reductions,
-                           exp=(st.exp_calls + st.exp2_calls) / 32, mma=st.simdgroup_mma,
+                           exp=(st.exp_calls + st.exp2_calls) / 32, precise=st.exp_calls / 32,
+                           mma=st.simdgroup_mma,
                            matrix_loads=st.simdgroup_matrix_loads, barriers=st.barriers,
-                           registers=st.registers, tg_bytes=st.threadgroup_memory_bytes)
-    print("\n| kernel | shuffles / row | reductions / row | exp / row | MMA / row "
-          "| shuffles / score | exp / score | MMA / score | matrix loads / row | registers "
-          "| threadgroup bytes |")
-    print("| --- " * 11 + "|")
+                           registers=st.registers, tg_bytes=st.threadgroup_memory_bytes,
+                           threads=st.threads_per_threadgroup,
+                           regfile=st.threadgroup_register_bytes)
+    # exp / row counts exp and fast::exp2 together; "precise" is the share that is a precise
+    # exp (MLX compiles custom kernels without fast math). Register file: threads x registers x
+    # 4 bytes per threadgroup, against 208 KB (metal_varlen.REGISTER_FILE_BYTES).
+    print("\n| kernel | shuffles / row | reductions / row | exp / row | precise exp / row "
+          "| MMA / row | shuffles / score | exp / score | MMA / score | matrix loads / row "
+          "| threads | registers | register file KB | threadgroup bytes |")
+    print("| --- " * 14 + "|")
     for path, c in costs.items():
         print(f"| {path} | {c['shuffles'] / rows:.2f} | {c['reductions'] / rows:.2f} "
-              f"| {c['exp'] / rows:.2f} | {c['mma'] / rows:.2f} | {c['shuffles'] / scores:.4f} "
+              f"| {c['exp'] / rows:.2f} | {c['precise'] / rows:.2f} | {c['mma'] / rows:.2f} "
+              f"| {c['shuffles'] / scores:.4f} "
               f"| {c['exp'] / scores:.4f} | {c['mma'] / scores:.4f} "
-              f"| {c['matrix_loads'] / rows:.2f} | {c['registers']} | {c['tg_bytes']:,} |")
+              f"| {c['matrix_loads'] / rows:.2f} | {c['threads']} | {c['registers']} "
+              f"| {c['regfile'] / 1024:.0f} | {c['tg_bytes']:,} |")
     if len(costs) == 2:
         a, b = costs["lanes"], costs["mma"]
         print(f"lanes / mma: shuffles {a['shuffles'] / max(b['shuffles'], 1):.1f}x, "

@@ -50,6 +50,10 @@ def test_doctor_names_a_failing_variant(tmp_path, monkeypatch):
     assert r.exit_code == 1
     assert "kernel checks: 0/9 passed" in r.output
     assert "FAILED float16 hd64_bs16_g7_nsg8" in r.output and "simulated compiler failure" in r.output
+    # The compiler's own text, first lines kept, not just the first one (issue 22).
+    assert "      kernel.metal:13:1: note: second line of the diagnostics" in r.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert "second line of the diagnostics" in report["checks"][0]["error"]
 
 
 def test_doctor_rejects_bad_options():

@@ -685,6 +685,10 @@ def test_endless_loop_stack_overflow_and_threadgroup_limit(monkeypatch):
     with pytest.raises(MetalEmuError, match="stack overflow"):
         run1(deep, [mx.ones(1)], 4, tg=4)
     monkeypatch.setenv("MLXPAGED_EMU_STACK", str(1 << 20))
+    # 100,000 registers a thread: far past the register file, refused unless the cap is off.
+    with pytest.raises(MetalEmuError, match="launch refused"):
+        run1(deep, [mx.ones(1)], 4, tg=4)
+    monkeypatch.setenv("MLXPAGED_EMU_REGFILE_BYTES", "0")
     assert run1(deep, [mx.ones(1)], 4, tg=4)[0].item() == 1000
     huge = metal_kernel(name="huge", input_names=["x"], output_names=["out"], source="""
     threadgroup float t[9000];

@@ -130,7 +130,8 @@ class FaultyFactory:
         if not kernel_kwargs["name"].startswith(self.kind + "_"):
             return real
         if self.how == "compile":
-            raise emu.CompileError("kernel.metal:12:3: error: simulated compiler failure")
+            raise emu.CompileError("kernel.metal:12:3: error: simulated compiler failure\n"
+                                   "kernel.metal:13:1: note: second line of the diagnostics")
 
         def wrong(**call):
             outs = real(**call)

@@ -220,7 +220,10 @@ DECODE_MUTANTS = [
 VARLEN_MUTANTS = [
     ("wrong group size", r"(PAVQuantPool)<T, HD, BITS, GS> ([kv])_cache", WRONG_GS, 2),
     ("scales and biases swapped", r"{([kv])_data, \1_scales, \1_biases}", SWAPPED, 2),
-    ("nibble order swapped", re.escape("(x[j] >> (k * BITS))"), "(x[j] >> ((k ^ 1) * BITS))", 1),
+    ("nibble order swapped", re.escape("(x >> (k * BITS))"), "(x >> ((k ^ 1) * BITS))", 1),
+    # Staging over all threads: a group's scale and bias come from its first lane.
+    ("scale and bias not shuffled from the group's lane", re.escape("(ushort)(lane - lane % W)"),
+     "(ushort)lane", 1),
 ]
 MUTANT_CASE = dict(dtype="float32", head_dim=64, group=2, block_size=16, bits=4, kv_group=32,
                    split=False)

@@ -170,8 +170,8 @@ def test_kernel_chosen_by_shape_only():
     assert mv.plan(128, 16, 6, 2).mma and mv.plan(64, 1, 16, 4).mma and mv.plan(32, 16, 1, 2).mma
     assert not mv.plan(256, 16, 1, 2).mma and not mv.plan(160, 16, 2, 2).mma
     assert not mv.plan(64, 16, 40, 2).mma  # 80 simdgroups would exceed 1024 threads
-    assert mv.plan(128, 16, 6, 2).variant == "hd128_bs16_g6_tq16_kc16_nsg12"
-    assert mv.plan(128, 16, 6, 2, mma=False).variant == "hd128_bs16_g6_tq16_kc32_nsg12_sp4_rpt1"
+    assert mv.plan(128, 16, 6, 2).variant == "hd128_bs16_g6_tq16_kc16_nsg12_hs1"
+    assert mv.plan(128, 16, 6, 2, mma=False).variant == "hd128_bs16_g6_tq16_kc32_nsg12_hs1_sp4_rpt1"
 
 
 @pytest.mark.parametrize("q_lens,prefixes", [([1, 1, 1], [5, 0, 40]), ([40], [0]), ([0, 5, 1], [3, 4, 9])])
@@ -210,7 +210,9 @@ MUTANTS = [
     ("no online-softmax rescale", "acc[j][x] *= corr;", ""),
     ("block table ignored", "block_tables[(size_t)seq * max_blocks + b0 + b]", "b0 + b"),
     ("score summed over half the row", "ushort o = SP / 2", "ushort o = SP / 4"),
-    ("query heads of the other kv head", "kvh * G + r % G", "(kvh ^ 1) * G + r % G"),
+    ("query heads of the other kv head", "kvh * G + g) * HD", "(kvh ^ 1) * G + g) * HD"),
+    ("scores not in the log2 domain", "qscale = scale * PAV_LOG2E;", "qscale = scale;"),
+    ("keys past the chunk scored", "if (k < nk) {", "if (true) {"),
     ("off-by-one key row", "(size_t)(t % BS) * HD", "(size_t)((t + 1) % BS) * HD"),
 ] + [(f"missing barrier {n + 1}", BARRIER, n) for n in range(2)]
 # ... and of the simdgroup_matrix kernel.
@@ -222,13 +224,16 @@ MMA_MUTANTS = [
     ("mma: no running-sum rescale", "l *= corr;", ""),
     ("mma: row max over 2 of its 4 lanes", "mc = max(mc, simd_shuffle_xor(mc, 8));", ""),
     ("mma: row sum over 2 of its 4 lanes", "l += simd_shuffle_xor(l, 8);", ""),
-    ("mma: K not transposed", "HD, ulong2(0, 0), true);", "HD, ulong2(0, 0), false);"),
+    ("mma: K not transposed", "LD, ulong2(0, 0), true);", "LD, ulong2(0, 0), false);"),
     ("mma: fragment columns not MLX's layout", "(lane % 2) * 2;", "(lane / 16) * 2;"),
     ("mma: fragment rows not MLX's layout", "((lane / 4) & 4) + (lane / 2) % 4;", "lane % 8;"),
-    ("mma: padded V rows not zeroed", "tg_v[e] = 0.0f;", ""),
-    ("mma: V block of the wrong keys", "tg_v + kb * 8 * HD + d * 8", "tg_v + d * 8"),
+    ("mma: padded V rows not zeroed", "tg_v[(e / HD) * LD + e % HD] = 0.0f;", ""),
+    ("mma: V block of the wrong keys", "tg_v + kb * 8 * LD + d * 8", "tg_v + d * 8"),
     ("mma: scores not scaled", "sc * sf[kb]", "sf[kb]"),
-    ("mma: query head from the wrong strip", "const int g = sg / (TQ / 8);", "const int g = sg % G;"),
+    ("mma: scores not in the log2 domain", "sc = scale * PAV_LOG2E;", "sc = scale;"),
+    ("mma: key blocks past the chunk scored", "if (kb < nkb) {", "if (true) {"),
+    ("mma: query head from the wrong strip", "const int g = hg * GH + sg / (TQ / 8);",
+     "const int g = hg * GH + sg % G;"),
     ("mma: block table ignored", "block_tables[(size_t)seq * max_blocks + b0 + b]", "b0 + b"),
 ] + [(f"mma: missing barrier {n + 1}", BARRIER, n) for n in range(2)]
 
@@ -318,9 +323,9 @@ def test_tile_map_mutants_are_caught(emulated, path, monkeypatch, mutant):
 @pytest.mark.parametrize("dtype,q_lens,prefixes", [(d, [3, 20], [0, 9]) for d in DTYPES]
                          + [("float16", [20], [0])])
 def test_source_parity(emulated, path, dtype, q_lens, prefixes):
-    """The emulator compiled exactly the text MLX would hand the Metal compiler; with one
-    sequence, MLX passes the block table, cu_seqlens_q, context_lens and tiles (under 8
-    elements each) in the constant address space."""
+    """The emulator compiled exactly the text MLX would hand the Metal compiler (with one
+    sequence too: the block table, cu_seqlens_q, context_lens and tiles are padded to 8
+    elements, so MLX passes them in the device address space under the checked name)."""
     rng = np.random.default_rng(2)
     args = make_inputs(rng, dtype=dtype, head_dim=64, group=2, block_size=16,
                        q_lens=q_lens, prefixes=prefixes)
@@ -441,13 +446,19 @@ def test_plan_fits_every_supported_shape():
                                              (1, 2, 16, 64, 256), (2, 4)):
         p = mv.plan(hd, bs, g, size)
         threads = 32 * p.simdgroups
+        gh = -(-g // p.head_splits)  # query heads per threadgroup
         assert p.mma == (hd <= mv.MMA_MAX_HEAD_DIM and g <= 16)
+        # Threads x registers fit one core's register file (issue 22), with the fewest splits.
+        assert threads * p.registers * 4 <= mv.REGISTER_FILE_BYTES, p
+        if p.head_splits > 1:
+            half = mv.plan_split(hd, bs, g, size, p.mma, p.head_splits // 2)
+            assert half.register_file_bytes > mv.REGISTER_FILE_BYTES
         if p.mma:  # one simdgroup per 8 tokens of each query head, whole 8-key fragments
-            assert threads <= mv.MAX_THREADS and p.simdgroups * 8 == mv.TILE_TOKENS * g
+            assert threads <= mv.MAX_THREADS and p.simdgroups * 8 == mv.TILE_TOKENS * gh
             assert p.chunk_keys % 8 == 0 and mv.threadgroup_bytes(p, size) <= 32768
             continue
         assert threads <= mv.MAX_THREADS and 32 % p.lanes_per_row == 0
-        assert threads // p.lanes_per_row * p.rows_per_group >= mv.TILE_TOKENS * g
+        assert threads // p.lanes_per_row * p.rows_per_group >= mv.TILE_TOKENS * gh
         assert hd % p.lanes_per_row == 0 and hd // p.lanes_per_row <= 32
         assert mv.threadgroup_bytes(p, size) <= 32768
 

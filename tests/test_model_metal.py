@@ -24,3 +24,29 @@ def test_metal_kernel_decodes_like_reference(tiny_loaded, block_size, n):
     with emulate():
         got = run(tiny_loaded, "metal", prompts, n, block_size)
     assert got == want
+
+
+def test_kernel_failing_mid_serving_never_fails_a_request(tiny_loaded, monkeypatch):
+    """As on a new user's Mac (issue 22): the varlen kernel passes its start-up check, then its
+    build fails mid-serving (an emulated factory that refuses it). The requests finish with the
+    reference's tokens and one warning, instead of `StepError`."""
+    import warnings
+
+    from mlxpaged.attention import metal
+    from test_metal_launch_limits import Recording
+
+    prompts = ["The KV cache stores", "Paged attention borrows an idea from operating systems:"]
+    want = run(tiny_loaded, "reference", prompts)
+    factory = Recording(refuse="paged_attention_varlen", after=1)
+    monkeypatch.setattr(metal, "_metal_kernel_factory", lambda: factory)
+    monkeypatch.delenv("MLXPAGED_METAL", raising=False)
+    metal.reset_kernels()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = run(tiny_loaded, "metal", prompts)
+    finally:
+        metal.reset_kernels()
+    assert got == want
+    failed = [w for w in caught if "Unable to build metal library" in str(w.message)]
+    assert len(failed) == 1 and factory.calls == 2

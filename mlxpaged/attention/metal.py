@@ -181,7 +181,20 @@ class Launch:
         return kernel_kwargs(self.kind, self.variant)
 
     def run(self) -> list[mx.array]:
-        return _kernel(_metal_kernel_factory(), self.kind, self.variant)(**self.call)
+        factory = _metal_kernel_factory()
+        return run_once_checked(_kernel(factory, self.kind, self.variant),
+                                (factory, self.kind, self.variant), self.call)
+
+
+def run_once_checked(kernel, key: tuple, call: dict) -> list[mx.array]:
+    """`kernel(**call)`; the first launch of each MLX kernel name is evaluated at once, so that
+    a Metal library build error (raised at evaluation on a Mac) reaches the caller's fallback."""
+    outs = kernel(**call)
+    name = key + tuple((x.dtype, x.ndim == 0, x.size < MIN_DEVICE_ELEMENTS) for x in call["inputs"])
+    if name not in _evaluated:
+        mx.eval(outs)
+        _evaluated.add(name)
+    return outs
 
 
 @functools.lru_cache(maxsize=1)
@@ -420,6 +433,14 @@ def check_metadata(k_cache, block_tables, context_lens) -> None:
 # Shape family (dtype, head_dim, block size, G) -> True (kernels built, checked) or False
 # (fall back to the reference), per factory.
 _families: dict[tuple, bool] = {}
+# Shape family -> the error that failed it: the compiler's (or emulator's) message, first lines
+# (`mlxpaged doctor` prints it; the warning gives its first line).
+_family_errors: dict[tuple, str] = {}
+ERROR_LINES = 12  # lines of a compiler message kept for the report
+# Kernel launches (kind, variant, inputs' dtype/rank/size class: what MLX names a kernel by)
+# already evaluated once in this process: a new one is evaluated at once, inside the caller's
+# fallback, so a Metal build error surfaces there and not in the engine's step.
+_evaluated: set[tuple] = set()
 # (atol, rtol) of the startup check per dtype: results are rounded to the dtype.
 CHECK_TOLERANCE = {mx.float16: (2e-3, 8e-3), mx.bfloat16: (1.6e-2, 4e-2), mx.float32: (1e-4, 1e-3)}
 
@@ -428,6 +449,8 @@ def reset_kernels() -> None:
     """Forget built kernels and family checks (tests that swap the kernel source or factory)."""
     _kernel.cache_clear()
     _families.clear()
+    _family_errors.clear()
+    _evaluated.clear()
 
 
 def dequantized(cache) -> mx.array:
@@ -449,9 +472,8 @@ def check_family(group: int, k_cache) -> bool:
     `MLXPAGED_METAL=strict` or `=emulate` a failure raises `KernelCheckError` instead.
     """
     _, _, bs, hd = k_cache.shape
-    factory = _metal_kernel_factory()
     quant = quant_params(k_cache)
-    key = (factory, k_cache.dtype, hd, bs, group, quant)
+    key = family_key(group, k_cache)
     if key in _families:
         return _families[key]
     from .reference import paged_attention_reference
@@ -475,7 +497,43 @@ def check_family(group: int, k_cache) -> bool:
             break
     ok = settle_check(problem)
     _families[key] = ok
+    if problem:
+        _family_errors[key] = problem
     return ok
+
+
+def family_key(group: int, k_cache, varlen: bool = False) -> tuple:
+    """The registry key of a shape family (decode kernels, or the varlen kernel)."""
+    _, _, bs, hd = k_cache.shape
+    key = (_metal_kernel_factory(), k_cache.dtype, hd, bs, group, quant_params(k_cache))
+    return ("varlen", *key) if varlen else key
+
+
+def family_error(group: int, k_cache, varlen: bool = False) -> str | None:
+    """The error that failed this family's check or call (compiler text, first lines), if any."""
+    return _family_errors.get(family_key(group, k_cache, varlen))
+
+
+def kernel_failed(group: int, k_cache, error: BaseException) -> bool:
+    """A kernel failed mid-serving (a build or launch the start-up check did not cover): one
+    warning, and this shape's decode and varlen families take the reference path from now on.
+    False under `MLXPAGED_METAL=strict` or `=emulate` (the caller re-raises)."""
+    if os.environ.get("MLXPAGED_METAL") in ("strict", "emulate"):
+        return False
+    text = error_text(error)
+    for varlen in (False, True):
+        key = family_key(group, k_cache, varlen)
+        _families[key] = False
+        _family_errors[key] = text
+    warnings.warn(f"Metal paged-attention kernel failed, using the reference path for this "
+                  f"shape: {text.splitlines()[0]}", RuntimeWarning, stacklevel=3)
+    return True
+
+
+def error_text(e: BaseException) -> str:
+    """`Type: message`, the message's first ERROR_LINES lines (a compiler's diagnostics)."""
+    lines = str(e).splitlines() or [""]
+    return f"{type(e).__name__}: " + "\n".join(ln[:300] for ln in lines[:ERROR_LINES])
 
 
 def compare_to_reference(variant: str, run, ref: mx.array, dtype) -> str:
@@ -490,7 +548,7 @@ def compare_to_reference(variant: str, run, ref: mx.array, dtype) -> str:
     except Exception as e:  # compile or launch error: the reference path takes over
         if os.environ.get("MLXPAGED_METAL") in ("strict", "emulate"):
             raise
-        return f"{variant}: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        return f"{variant}: {error_text(e)}"
     if not err <= 1.0:  # NaN fails too
         return f"{variant}: result differs from the reference (error {err:.3g} x tolerance)"
     return ""
@@ -503,8 +561,9 @@ def settle_check(problem: str) -> bool:
         return True
     if os.environ.get("MLXPAGED_METAL") in ("strict", "emulate"):
         raise KernelCheckError(f"Metal paged-attention kernel check failed: {problem}")
+    # One line: `mlxpaged doctor` prints the compiler's message in full (first lines).
     warnings.warn(f"Metal paged-attention kernel check failed, using the reference path for "
-                  f"this shape: {problem}", RuntimeWarning, stacklevel=4)
+                  f"this shape: {problem.splitlines()[0]}", RuntimeWarning, stacklevel=4)
     return False
 
 
@@ -520,24 +579,51 @@ def last_launch_stats(launch: Launch):
     return _kernel(_metal_kernel_factory(), launch.kind, launch.variant).last_launch
 
 
+def shape_problem(head_dim: int, block_size: int, group: int) -> str:
+    """Why the kernels cannot take this (head_dim, block size, G), or "" when they can."""
+    if head_dim % 32 or head_dim > 32 * NUM_SIMDGROUPS:
+        return (f"paged_attention_metal: head_dim {head_dim} is not a multiple of 32 "
+                f"up to {32 * NUM_SIMDGROUPS}")
+    if threadgroup_bytes(head_dim, block_size, group) > 32768:  # Apple GPUs' limit
+        return (f"paged_attention_metal: {group} query heads per kv head of "
+                f"head_dim {head_dim} need more than 32 KiB of threadgroup memory")
+    heads = cdiv(group, head_splits(group, head_dim))
+    if lane_registers(heads, head_dim) > REGISTER_BUDGET:
+        return (f"paged_attention_metal: {group} query heads per kv head of head_dim "
+                f"{head_dim} need {lane_registers(heads, head_dim)} registers per lane "
+                f"even split over 8 simdgroups, over the bound {REGISTER_BUDGET}")
+    return ""
+
+
+def shape_supported(head_dim: int, block_size: int, group: int) -> bool:
+    return not shape_problem(head_dim, block_size, group)
+
+
+def quant_problem(head_dim: int, bits: int, gs: int) -> str:
+    """Why the kernels cannot read a cache quantized to (bits, group size), or ""."""
+    if bits not in KV_BITS or gs not in KV_GROUP_SIZES or head_dim % gs:
+        return (f"paged_attention_metal: unsupported quantized cache: {bits} bits, "
+                f"group size {gs}, head_dim {head_dim}")
+    d = lane_dims(head_dim)
+    if d & (d - 1) or d * bits < 8:
+        return (f"paged_attention_metal: head_dim {head_dim} at {bits} bits: a lane's "
+                f"{d} values are not whole bytes of one group (head_dim 32, 64, 128 or 256)")
+    return ""
+
+
+def quant_supported(head_dim: int, bits: int, gs: int) -> bool:
+    return not quant_problem(head_dim, bits, gs)
+
+
 def _check(q, k_cache, v_cache=None):
     if k_cache.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"paged_attention_metal: unsupported cache dtype {k_cache.dtype}")
     head_dim = q.shape[-1]
     if quant_params(k_cache) or (v_cache is not None and quant_params(v_cache)):
         _check_quant(head_dim, k_cache, k_cache if v_cache is None else v_cache)
-    if head_dim % 32 or head_dim > 32 * NUM_SIMDGROUPS:
-        raise ValueError(f"paged_attention_metal: head_dim {head_dim} is not a multiple of 32 "
-                         f"up to {32 * NUM_SIMDGROUPS}")
-    group = q.shape[1] // k_cache.shape[1]
-    if threadgroup_bytes(head_dim, k_cache.shape[2], group) > 32768:  # Apple GPUs' limit
-        raise ValueError(f"paged_attention_metal: {group} query heads per kv head of "
-                         f"head_dim {head_dim} need more than 32 KiB of threadgroup memory")
-    heads = cdiv(group, head_splits(group, head_dim))
-    if lane_registers(heads, head_dim) > REGISTER_BUDGET:
-        raise ValueError(f"paged_attention_metal: {group} query heads per kv head of head_dim "
-                         f"{head_dim} need {lane_registers(heads, head_dim)} registers per lane "
-                         f"even split over 8 simdgroups, over the bound {REGISTER_BUDGET}")
+    problem = shape_problem(head_dim, k_cache.shape[2], q.shape[1] // k_cache.shape[1])
+    if problem:
+        raise ValueError(problem)
 
 
 def _check_quant(head_dim: int, k_cache, v_cache) -> None:
@@ -547,14 +633,9 @@ def _check_quant(head_dim: int, k_cache, v_cache) -> None:
     if quant is None or quant != quant_params(v_cache) or v_cache.dtype != k_cache.dtype:
         raise ValueError("paged_attention_metal: k_cache and v_cache must be quantized alike "
                          f"(got {quant} and {quant_params(v_cache)})")
-    bits, gs = quant
-    if bits not in KV_BITS or gs not in KV_GROUP_SIZES or head_dim % gs:
-        raise ValueError(f"paged_attention_metal: unsupported quantized cache: {bits} bits, "
-                         f"group size {gs}, head_dim {head_dim}")
-    d = lane_dims(head_dim)
-    if d & (d - 1) or d * bits < 8:
-        raise ValueError(f"paged_attention_metal: head_dim {head_dim} at {bits} bits: a lane's "
-                         f"{d} values are not whole bytes of one group (head_dim 32, 64, 128 or 256)")
+    problem = quant_problem(head_dim, *quant)
+    if problem:
+        raise ValueError(problem)
 
 
 def supports(q: mx.array, k_cache) -> bool:
@@ -610,6 +691,16 @@ def _pad_to(x: mx.array, axis: int, n: int) -> mx.array:
     return mx.pad(x, widths)
 
 
+def pad_table(block_tables: mx.array) -> mx.array:
+    """An int32 block table of at least MIN_DEVICE_ELEMENTS entries: spare rows (never read)
+    are added, never columns, so `block_tables_shape[1]` stays the real width the kernels clamp
+    context lengths to (a padded column would hold block 0, another sequence's)."""
+    bt = block_tables.astype(mx.int32)
+    if bt.shape[1] == 0:
+        bt = _pad_to(bt, 1, 1)  # no column at all: every context length is then clamped to BS
+    return _pad_to(bt, 0, cdiv(MIN_DEVICE_ELEMENTS, bt.shape[1]))
+
+
 def _device_pool(cache):
     """A quantized pool whose arrays all hold >= 8 elements (spare zero blocks, never read, on
     tiny pools), so MLX passes each in the device address space the views need."""
@@ -625,8 +716,7 @@ def _run(q, k_cache, v_cache, block_tables, context_lens, scale, partition_token
     q = q.astype(k_cache.dtype)  # one element type T for q, caches and output
     # Padding (unused zeros) keeps every input in the device address space: one kernel name.
     # Table columns: only entries within each (clamped) context are read.
-    block_tables = _pad_to(block_tables.astype(mx.int32), 1,
-                           cdiv(MIN_DEVICE_ELEMENTS, max(1, block_tables.shape[0])))
+    block_tables = pad_table(block_tables)
     context_lens = _pad_to(context_lens.astype(mx.int32), 0, MIN_DEVICE_ELEMENTS)
     k_cache, v_cache = _device_pool(k_cache), _device_pool(v_cache)
     scale_arr = mx.array(scale, dtype=mx.float32)

@@ -52,6 +52,13 @@ MAX_CHUNK_KEYS = 32  # bounds the per-row score registers
 # MMA path: q and the output accumulator cost head_dim / 2 fp32 registers per lane, 64 at 128.
 MMA_MAX_HEAD_DIM = 128
 MMA_MIN_CHUNK_KEYS = 8  # whole 8-key fragments
+MMA_ROW_PAD = 4  # floats of padding per staged MMA tile row (LD = HD + 4 in the kernel)
+# A threadgroup's live registers must fit one GPU core's register file: about 208 KB on
+# Apple7/8 GPUs (the smallest, so the bound holds on every Apple GPU). Threads x the
+# emulator's register estimate (`registers`, 32-bit values per thread) x 4 bytes stays within
+# it; a plan over it splits the G query heads over HS threadgroups (`head_splits`).
+REGISTER_FILE_BYTES = 208 * 1024
+MAX_HEAD_SPLITS = 16
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,13 +87,35 @@ class Plan:
 
     quant: tuple[int, int] | None = None  # (BITS, GS) of a quantized cache
     mma: bool = False  # the simdgroup_matrix kernel (lanes_per_row, rows_per_group unused: 0)
+    head_splits: int = 1  # HS: threadgroups the G query heads are split over
 
     @property
     def variant(self) -> str:
         lanes = "" if self.mma else f"_sp{self.lanes_per_row}_rpt{self.rows_per_group}"
         return (f"hd{self.head_dim}_bs{self.block_size}_g{self.group}_tq{TILE_TOKENS}"
-                f"_kc{self.chunk_keys}_nsg{self.simdgroups}{lanes}"
+                f"_kc{self.chunk_keys}_nsg{self.simdgroups}_hs{self.head_splits}{lanes}"
                 + (f"_q{self.quant[0]}_gs{self.quant[1]}" if self.quant else ""))
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.simdgroups
+
+    @property
+    def registers(self) -> int:
+        """Live 32-bit values per thread, as the emulator estimates them (its thread-private
+        arrays: `LaunchStats.registers`). MMA: the strip's q and output fragments (HD / 8 each)
+        and the chunk's score fragments (KC / 8), 2 values per lane each. Lanes: per query row
+        of the lane its q and accumulator dims (2 * HD / SP), max, sum, position and a 64-bit
+        offset; and the chunk's KC scores."""
+        if self.mma:
+            return 2 * (2 * (self.head_dim // 8) + self.chunk_keys // 8)
+        dpt = self.head_dim // self.lanes_per_row
+        return self.rows_per_group * (2 * dpt + 5) + self.chunk_keys
+
+    @property
+    def register_file_bytes(self) -> int:
+        """Bytes of registers a threadgroup holds: threads x registers x 4."""
+        return 4 * self.threads * self.registers
 
     @property
     def kind(self) -> str:
@@ -110,7 +139,20 @@ def mma_fits(head_dim: int, group: int) -> bool:
 
 
 def plan(head_dim: int, block_size: int, group: int, itemsize: int, mma: bool | None = None) -> Plan:
-    """The MMA kernel's plan where `mma_fits`: G * TQ / 8 simdgroups, float staging, KC a power
+    """`plan_split` with the fewest head splits (1, 2, 4, ...) whose threadgroup fits
+    REGISTER_FILE_BYTES."""
+    for hs in (1 << i for i in range(MAX_HEAD_SPLITS.bit_length())):
+        p = plan_split(head_dim, block_size, group, itemsize, mma, hs)
+        if p.register_file_bytes <= REGISTER_FILE_BYTES or hs >= min(group, MAX_HEAD_SPLITS):
+            return p
+    return p
+
+
+def plan_split(head_dim: int, block_size: int, group: int, itemsize: int, mma: bool | None = None,
+               head_splits: int = 1) -> Plan:
+    """The plan of a threadgroup that takes GH = ceil(G / head_splits) query heads.
+
+    The MMA kernel's plan where `mma_fits`: GH * TQ / 8 simdgroups, float staging, KC a power
     of two in [8, 32] whose float K (and V) rows fit in STAGE_BYTES.
 
     Otherwise lanes per query row (SP, a power of two <= 32): at least head_dim / 32, so a lane
@@ -120,12 +162,14 @@ def plan(head_dim: int, block_size: int, group: int, itemsize: int, mma: bool | 
     forces the lanes-per-row kernel (the quantized cache's path, and tests of it)."""
     if mma is None:
         mma = mma_fits(head_dim, group)
+    gh = cdiv(group, head_splits)
     if mma:
         kc = MAX_CHUNK_KEYS
         while kc > MMA_MIN_CHUNK_KEYS and kc * head_dim * 4 > STAGE_BYTES:
             kc //= 2
-        return Plan(head_dim, block_size, group, kc, group * TILE_TOKENS // 8, 0, 0, mma=True)
-    rows = TILE_TOKENS * group
+        return Plan(head_dim, block_size, group, kc, gh * TILE_TOKENS // 8, 0, 0, mma=True,
+                    head_splits=head_splits)
+    rows = TILE_TOKENS * gh
     sp = 1 << (cdiv(head_dim, 32) - 1).bit_length()  # head_dim is a multiple of 32: SP divides it
     while sp < 32 and rows * sp * 2 <= MIN_THREADS:
         sp *= 2
@@ -134,14 +178,15 @@ def plan(head_dim: int, block_size: int, group: int, itemsize: int, mma: bool | 
     kc = MAX_CHUNK_KEYS
     while kc > 1 and kc * head_dim * itemsize > STAGE_BYTES:
         kc //= 2
-    return Plan(head_dim, block_size, group, kc, nsg, sp, rpt)
+    return Plan(head_dim, block_size, group, kc, nsg, sp, rpt, head_splits=head_splits)
 
 
 def threadgroup_bytes(p: Plan, itemsize: int) -> int:
     """Threadgroup memory of the kernel (mirrors its `threadgroup` arrays, 16-byte aligned)."""
     blocks = (p.chunk_keys + p.block_size - 2) // p.block_size + 1  # PAV_CHUNK_BLOCKS
     staged = p.staged_itemsize or itemsize
-    sizes = (p.chunk_keys * p.head_dim * staged,) * 2 + (4 * blocks,)
+    row = p.head_dim + (MMA_ROW_PAD if p.mma else 0)
+    sizes = (p.chunk_keys * row * staged,) * 2 + (4 * blocks,)
     return sum(cdiv(n, 16) * 16 for n in sizes)
 
 
@@ -174,7 +219,9 @@ class Launch:
         return _kernel(metal._metal_kernel_factory(), self.variant, self.kind)
 
     def run(self) -> mx.array:
-        return self.kernel(**self.call)[0]
+        factory = metal._metal_kernel_factory()
+        return metal.run_once_checked(_kernel(factory, self.variant, self.kind),
+                                      (factory, self.kind, self.variant), self.call)[0]
 
 
 @functools.lru_cache(maxsize=None)
@@ -183,26 +230,44 @@ def _kernel(factory, variant: str, kind: str = KERNEL):
     return factory(**Launch(variant, {}, kind).kernel_kwargs)
 
 
+def launch_plan(head_dim: int, block_size: int, group: int, itemsize: int,
+                quant: tuple[int, int] | None = None) -> Plan:
+    """The plan a call with these shapes runs (`plan`, with the cache's quantization)."""
+    # A quantized cache keeps the lanes-per-row kernel (its MMA variant is not tested yet).
+    p = plan(head_dim, block_size, group, itemsize, mma=None if not quant else False)
+    if quant:  # staged as T all the same: the plan (and threadgroup memory) is the float one's
+        p = dataclasses.replace(p, quant=quant)
+    return p
+
+
+def template(p: Plan, dtype) -> list[tuple]:
+    """The kernel's template values for plan `p` and element type `dtype`."""
+    lanes = [] if p.mma else [("SP", p.lanes_per_row), ("RPT", p.rows_per_group)]
+    return ([("T", dtype), ("HD", p.head_dim), ("BS", p.block_size), ("G", p.group),
+             ("TQ", TILE_TOKENS), ("KC", p.chunk_keys), ("NSG", p.simdgroups),
+             ("HS", p.head_splits)] + lanes
+            + ([("BITS", p.quant[0]), ("GS", p.quant[1])] if p.quant else []))
+
+
 def varlen_launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, tiles,
                   scale: float) -> Launch:
     """The launch covering `tiles` ([(sequence, first token)], non-empty); q in the cache dtype."""
     _, num_kv_heads, block_size, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
     quant = metal.quant_params(k_cache)
-    # A quantized cache keeps the lanes-per-row kernel (its MMA variant is not tested yet).
-    p = plan(head_dim, block_size, group, k_cache.dtype.size, mma=None if not quant else False)
-    if quant:  # staged as T all the same: the plan (and threadgroup memory) is the float one's
-        p = dataclasses.replace(p, quant=quant)
-    threads = 32 * p.simdgroups
-    lanes = [] if p.mma else [("SP", p.lanes_per_row), ("RPT", p.rows_per_group)]
+    p = launch_plan(head_dim, block_size, group, k_cache.dtype.size, quant)
+    threads = p.threads
+    # Padding (never read) keeps every small input in the device address space, so the kernel
+    # name, the one checked at start-up, is the same for any number of sequences and tiles.
+    pad = metal.MIN_DEVICE_ELEMENTS
+    tile_arr = metal._pad_to(mx.array(tiles, dtype=mx.int32), 0, cdiv(pad, 2))
     return Launch(p.variant, dict(
-        inputs=[q, *metal._cache_inputs(k_cache, v_cache), block_tables.astype(mx.int32),
-                cu_seqlens_q.astype(mx.int32), context_lens.astype(mx.int32),
-                mx.array(tiles, dtype=mx.int32), mx.array(scale, dtype=mx.float32)],
-        template=[("T", q.dtype), ("HD", head_dim), ("BS", block_size), ("G", group),
-                  ("TQ", TILE_TOKENS), ("KC", p.chunk_keys), ("NSG", p.simdgroups)] + lanes
-                 + ([("BITS", quant[0]), ("GS", quant[1])] if quant else []),
-        grid=(threads, num_kv_heads, len(tiles)),
+        inputs=[q, *metal._cache_inputs(k_cache, v_cache), metal.pad_table(block_tables),
+                metal._pad_to(cu_seqlens_q.astype(mx.int32), 0, pad),
+                metal._pad_to(context_lens.astype(mx.int32), 0, pad),
+                tile_arr, mx.array(scale, dtype=mx.float32)],
+        template=template(p, q.dtype),
+        grid=(threads * p.head_splits, num_kv_heads, len(tiles)),
         threadgroup=(threads, 1, 1),
         output_shapes=[q.shape],
         output_dtypes=[q.dtype],
@@ -259,7 +324,7 @@ def check_varlen(group: int, k_cache) -> bool:
 
     _, _, bs, hd = k_cache.shape
     quant = metal.quant_params(k_cache)
-    key = ("varlen", metal._metal_kernel_factory(), k_cache.dtype, hd, bs, group, quant)
+    key = metal.family_key(group, k_cache, varlen=True)
     if key in metal._families:
         return metal._families[key]
     rng = np.random.default_rng(13)
@@ -281,6 +346,8 @@ def check_varlen(group: int, k_cache) -> bool:
     problem = metal.compare_to_reference(name, lambda: paged_attention_varlen_metal(q, *pool, *args, scale=0.3),
                                          ref, k_cache.dtype)
     metal._families[key] = ok = metal.settle_check(problem)
+    if problem:
+        metal._family_errors[key] = problem
     return ok
 
 

@@ -213,3 +213,37 @@ def kv_bytes_rows(*, seqs: int = 2, tokens: int = 1000, block_size: int = 16,
         for r in rows[-len(KV_BITS_ROWS):]:
             r["vs_16bit"] = r["bytes_per_token"] / base
     return rows
+
+
+# Launch limits (planning only, no emulation): threads, registers per thread (the emulator's
+# estimate) and threadgroup memory per kernel variant, at Qwen2.5 head shapes and the shapes
+# that need head splits. (label, G, head_dim)
+LIMIT_SHAPES = (("Qwen2.5-0.5B", 7, 64), ("Qwen2.5-1.5B", 6, 128), ("Qwen2.5-7B", 7, 128),
+                ("G16 hd128", 16, 128), ("G8 hd256", 8, 256), ("G16 hd256", 16, 256))
+
+
+def launch_limit_rows(block_size: int = 16, dtype=mx.float16) -> list[dict]:
+    """One row per kernel variant the engine builds at LIMIT_SHAPES (float, 8- and 4-bit KV):
+    threads per threadgroup, registers per thread, the threadgroup's register bytes against
+    the register file, and threadgroup memory."""
+    from mlxpaged.attention import metal_varlen as mv
+    from mlxpaged.utils import cdiv
+
+    rows = []
+    for label, g, hd in LIMIT_SHAPES:
+        for quant in (None, (8, 32), (4, 32)):
+            tag = f"{quant[0]}-bit" if quant else str(dtype).split(".")[-1]
+            if metal.shape_supported(hd, block_size, g):
+                heads = cdiv(g, metal.head_splits(g, hd))
+                regs = metal.lane_registers(heads, hd)
+                threads = 32 * metal.NUM_SIMDGROUPS
+                rows.append(dict(shape=label, kv=tag, kernel="paged_attention" + ("_quant" if quant else ""),
+                                 variant=metal._variant(hd, block_size, g, quant), threads=threads,
+                                 registers=regs, register_file_bytes=4 * threads * regs,
+                                 threadgroup_bytes=metal.threadgroup_bytes(hd, block_size, g)))
+            p = mv.launch_plan(hd, block_size, g, dtype.size, quant)
+            rows.append(dict(shape=label, kv=tag, kernel=p.kind, variant=p.variant,
+                             threads=p.threads, registers=p.registers,
+                             register_file_bytes=p.register_file_bytes,
+                             threadgroup_bytes=mv.threadgroup_bytes(p, dtype.size)))
+    return rows

@@ -53,9 +53,10 @@ def _checks(block_size: int) -> list[dict]:
                 warnings.simplefilter("always")
                 try:
                     ok = metal.check_family(group, pool)
-                    error = "; ".join(str(w.message) for w in caught)
+                    # The compiler's own message, first lines (the warning keeps one line).
+                    error = metal.family_error(group, pool) or "; ".join(str(w.message) for w in caught)
                 except Exception as e:  # strict mode, or the emulator's own report
-                    ok, error = False, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                    ok, error = False, metal.error_text(e)
             rows.append(dict(dtype=dtype, group=group, head_dim=hd, block_size=block_size,
                              variant=metal._variant(hd, block_size, group), ok=ok,
                              error=error or None))
@@ -153,7 +154,10 @@ def doctor(out_path, seqs, tokens, block_sizes):
     failed = [c for c in report["checks"] if not c["ok"]]
     click.echo(f"kernel checks: {len(report['checks']) - len(failed)}/{len(report['checks'])} passed")
     for c in failed:
-        click.echo(f"  FAILED {c['dtype']} {c['variant']}: {c['error']}")
+        lines = (c["error"] or "").splitlines() or [""]
+        click.echo(f"  FAILED {c['dtype']} {c['variant']}: {lines[0]}")
+        for ln in lines[1:]:  # the compiler's message, first lines
+            click.echo(f"      {ln}")
     table = report["kernel_table"]
     click.echo(table["note"])
     for r in table["rows"]:

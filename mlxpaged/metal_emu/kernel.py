@@ -42,6 +42,10 @@ ATTR_OFFSETS = {
 ORDERS = {"forward": 0, "reverse": 1, "random": 2}
 # Register model: Apple GPUs spill beyond about 128 live 32-bit values per thread.
 DEFAULT_REGISTER_BUDGET = 128
+# A threadgroup's registers must fit one GPU core's register file; Apple7/8 cores (M1, M2),
+# the smallest, hold about 208 KB. A launch whose threads per threadgroup x register estimate
+# x 4 bytes exceeds it is refused ($MLXPAGED_EMU_REGFILE_BYTES overrides; 0 disables).
+DEFAULT_REGISTER_FILE_BYTES = 208 * 1024
 # Attribute pairs Metal rejects together in one kernel signature (two names for one value).
 CONFLICTING_ATTRIBUTES = (("thread_execution_width", "threads_per_simdgroup"),)
 DEFAULT_STACK = 256 * 1024
@@ -97,6 +101,8 @@ class LaunchStats:
     # (and structs holding arrays) the launch declared, summed; an upper bound, not a compile.
     registers: int = 0
     register_budget: int = DEFAULT_REGISTER_BUDGET
+    threads_per_threadgroup: int = 0
+    register_file_bytes: int = DEFAULT_REGISTER_FILE_BYTES
     # Cost model (runtime.cpp STAT_*): exp/exp2 calls and device loads are per lane (by width in
     # bytes: {1: n, 2: n, 4: n, 8: n, 16: n}); shuffles/reductions per simdgroup-wide call.
     exp_calls: int = 0
@@ -113,6 +119,15 @@ class LaunchStats:
     @property
     def over_register_budget(self) -> bool:
         return self.registers > self.register_budget
+
+    @property
+    def threadgroup_register_bytes(self) -> int:
+        """Registers a threadgroup holds: threads per threadgroup x estimate x 4 bytes."""
+        return 4 * self.threads_per_threadgroup * self.registers
+
+    @property
+    def over_register_file(self) -> bool:
+        return 0 < self.register_file_bytes < self.threadgroup_register_bytes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,6 +351,9 @@ class EmulatedKernel:
                                  if p.kind == "output"},
                 registers=st[6] // 4,
                 register_budget=int(os.environ.get("MLXPAGED_EMU_REG_BUDGET", DEFAULT_REGISTER_BUDGET)),
+                threads_per_threadgroup=tg[0] * tg[1] * tg[2],
+                register_file_bytes=int(os.environ.get("MLXPAGED_EMU_REGFILE_BYTES",
+                                                       DEFAULT_REGISTER_FILE_BYTES)),
                 exp_calls=st[7], exp2_calls=st[8], simd_shuffles=st[9], simd_reductions=st[10],
                 barriers_without_threadgroup_fence=st[11],
                 device_loads={w: st[12 + i] for i, w in enumerate((1, 2, 4, 8, 16))},
@@ -344,6 +362,14 @@ class EmulatedKernel:
                                if p.kind == "input"}
             if rc != 0:
                 raise MetalEmuError(f"[{self.name}] {err.value.decode(errors='replace')}")
+            st_ = self.last_launch
+            if st_.over_register_file:
+                raise MetalEmuError(
+                    f"[{self.name}] launch refused: {st_.threads_per_threadgroup} threads per "
+                    f"threadgroup x about {st_.registers} registers each = "
+                    f"{st_.threadgroup_register_bytes / 1024:.0f} KB of registers, over one GPU "
+                    f"core's register file ({st_.register_file_bytes / 1024:.0f} KB on Apple7/8): "
+                    "use fewer threads per threadgroup")
             if self.last_launch.over_register_budget:
                 warnings.warn(f"[{self.name}] about {self.last_launch.registers} live 32-bit values "
                               f"per thread exceed the register budget of "

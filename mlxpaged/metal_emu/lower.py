@@ -29,7 +29,10 @@ messages and error reports are lines of `last_source`:
    line; the runtime sums the sites a launch reached (`LaunchStats.registers`).
 
 Rejected with `CompileError` (Metal rejects them; C++ would not): a `threadgroup` declaration
-with an initializer, and, when `kernel_span` is given, one outside the kernel function's body.
+with an initializer, and, when `kernel_span` is given, one outside the kernel function's body;
+after `body_offset`, a program-scope variable, a static data member or a static local variable
+that is not in the `constant` address space (`static constexpr int value = 1;` in a struct:
+Metal wants `static constexpr constant int`).
 """
 
 from __future__ import annotations
@@ -182,6 +185,55 @@ def _register_notes(code: str, start: int = 0) -> list[tuple[int, int, str]]:
     return edits
 
 
+_VAR_DECL = re.compile(
+    r"(?P<quals>(?:(?:static|constexpr|const|inline|volatile|extern)\s+)*)"
+    r"(?P<type>[A-Za-z_][\w:]*(?:\s*<[^;{}()]*?>)?(?:\s*[*&]+)?)\s*(?<=[\s*&>])(?P<name>[A-Za-z_]\w*)"
+    r"\s*(?:\[[^\]]*\]\s*)*(?==|;|\{)")
+_DECL_HEADS = {"typedef", "using", "template", "struct", "class", "union", "enum", "namespace",
+               "return", "operator", "friend", "case", "default", "goto", "throw", "delete",
+               "else", "do", "static_assert", "public", "private", "protected"}
+
+
+def _blank_directives(code: str) -> str:
+    """Preprocessor lines (with their continuations) blanked out, layout kept."""
+    out = list(code)
+    for m in re.finditer(r"^[ \t]*#(?:[^\n]*\\\n)*[^\n]*", code, re.M):
+        for i in range(m.start(), m.end()):
+            if out[i] != "\n":
+                out[i] = " "
+    return "".join(out)
+
+
+def unqualified_program_variables(code: str, start: int = 0) -> list[tuple[int, str]]:
+    """(offset, declaration) of each variable after `start` that Metal wants in `constant`:
+    at namespace scope, a static data member, or a static local. `code` has its comments
+    blanked (`_strip_comments_keep_layout`)."""
+    code = _blank_directives(code)
+    scopes = _scopes(code)
+
+    def innermost(p: int) -> str:
+        best = (-1, "top")
+        for o, c, k, _ in scopes:
+            if o < p < c and o > best[0]:
+                best = (o, k)
+        return best[1]
+    hits = []
+    for m in re.finditer(r"(?:^|[;{}])\s*", code[start:]):
+        pos = start + m.end()
+        d = _VAR_DECL.match(code, pos)
+        if not d or pos >= len(code):
+            continue
+        words = set(re.findall(r"\w+", code[pos:d.end()]))
+        if d.group("type").split("<")[0].strip() in _DECL_HEADS or words & {"constant", "threadgroup"}:
+            continue
+        scope = innermost(pos)
+        static = "static" in d.group("quals").split()
+        if scope in ("top", "other") or (scope in ("struct", "code") and static):
+            end = code.find(";", pos)
+            hits.append((pos, " ".join(code[pos:end if end > 0 else d.end()].split())))
+    return hits
+
+
 def lower(src: str, body_offset: int | None = None, body_file: str = "kernel.metal",
           kernel_span: tuple[int, int] | None = None) -> str:
     """The C++ text the emulator compiles for the MSL text `src` (see the module docstring).
@@ -214,6 +266,11 @@ def lower(src: str, body_offset: int | None = None, body_file: str = "kernel.met
             # Zero-initialised aggregate: no constructor call, which clang refuses for objects
             # in an address space (atomic<int>, structs). The runtime refills it anyway.
             edits.append((end, end, " = {}"))
+    if body_offset is not None:
+        for pos, decl in unqualified_program_variables(code, body_offset):
+            raise CompileError(f"{_where(src, pos, body_offset, body_file)}: a program-scope or "
+                               f"static variable must be in the constant address space (Metal "
+                               f"rejects it): {decl}")
     for pos, _, _ in _storage_declarations(code, r"\b(?:(?:constexpr|const)\s+)*constant\b"):
         edits.append((pos, pos, "static "))
     for m in _METHOD_AS.finditer(code):

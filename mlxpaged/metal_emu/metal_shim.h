@@ -42,8 +42,10 @@
 #define __METAL_VERSION__ 310
 #define MLX_METAL_JIT 1
 
-typedef _Float16 half;
-typedef __bf16 bfloat;
+// half and bfloat are type keywords in MSL, like float: macros, not typedefs, so that a variable
+// named after one (`int half = n / 2;`) fails here as it fails in Apple's compiler.
+#define half _Float16
+#define bfloat __bf16
 typedef unsigned char uchar;
 typedef unsigned short ushort;
 typedef unsigned int uint;

@@ -1,0 +1,462 @@
+"""Front-end check: every kernel variant the engine can build, through clang's C++-for-OpenCL
+front end, which shares Metal's keyword and address-space rules.
+
+    python -m mlxpaged.metal_emu.frontend [--source DIR] [--quiet] [--jobs N]
+
+Each variant is assembled as `mx.fast.metal_kernel` assembles it: MLX's generated signature
+(`source.generated_source`: buffers, shapes, attributes), then the header, then the body. OpenCL
+kernels cannot be templates, so the template values become typedefs and constants at the top of
+the kernel body, and the signature is a `__kernel` function; `msl_opencl_prelude.h` maps the
+address spaces (`device` -> `__global`, `threadgroup` -> `__local`, `constant` -> `__constant`,
+`thread` -> `__private`) and declares the metal_stdlib names the sources use. Clang
+(`python -m ziglang clang -cc1 -fsyntax-only -x cl -cl-std=clc++2021 -cl-ext=-all,+__opencl_c_generic_address_space`)
+then rejects what Apple's compiler rejects and the emulator's C++ accepts: `half` (or `bfloat`)
+as a name, casts between address spaces, program-scope variables outside `constant`,
+`threadgroup` storage outside a kernel's outermost scope, exceptions, `new`. The generic address
+space is on because clang's implicit copy constructors need it in C++ for OpenCL (with
+`-cl-ext=-all` alone, passing a struct by value fails); a pointer without an address space then
+takes it, so a second pass over clang's AST (one variant per kernel) reports every declaration
+of a `__generic` pointer or reference. That pass also reports recursion (a cycle in the call
+graph), which clang accepts.
+
+`#line` directives make every message name the `.metal`/`.h` file and line; output is
+`file:line: message` per error (one line per distinct error, with how many variants hit it), and
+the exit status is 1 when there is any. Variants: `variants()` (dtypes x head dims x block sizes
+x query groups x quantization, for single, split and merge decode, varlen lanes, quantized and MMA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+
+from .source import generated_source
+
+HERE = Path(__file__).resolve().parent
+PRELUDE = HERE / "msl_opencl_prelude.h"
+CLANG = [sys.executable, "-m", "ziglang", "clang", "-cc1", "-fsyntax-only", "-x", "cl",
+         "-cl-std=clc++2021"]
+EXT = "-cl-ext=-all,+__opencl_c_generic_address_space"
+# The AST pass: the generic space on, so a pointer without an address space is `__generic`.
+AST_EXT = "-cl-ext=-all,+__opencl_c_generic_address_space"
+FLAGS = ["-ferror-limit", "0", "-Wno-unknown-attributes", "-w"]
+
+DECODE_HEADER = "paged_attention.h"
+DECODE_FILE = "paged_attention.metal"
+VARLEN_FILE = "paged_attention_varlen.metal"
+
+# The variant grid. Every head dim and block size the engine accepts, every dtype and
+# quantization, and query groups covering each register split (1, 2, 4, 8 head groups) and the
+# MMA kernel's limits.
+DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+GROUPS = (1, 2, 4, 7, 8, 16)
+
+
+class FrontendUnavailable(RuntimeError):
+    """clang (the ziglang wheel of the test extra) cannot be run."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    """An input as `generated_source` sees it: dtype, rank and size (>= 8: device space)."""
+
+    dtype: mx.Dtype
+    ndim: int = 1
+    size: int = 8
+
+
+@dataclass
+class Variant:
+    """One kernel variant: what `mx.fast.metal_kernel(...)` and its call are given."""
+
+    group: str  # "decode" or "varlen": the translation unit (header) it belongs to
+    name: str  # metal_kernel's `name`: kind and template values
+    section: str  # the `// @kernel` section holding its body
+    input_names: list[str]
+    output_names: list[str]
+    template: list[tuple]
+    inputs: list[Spec]
+    output_dtypes: list[mx.Dtype]
+    prefix: str = ""  # a line before the body (the quantized views macro)
+    body: str = field(default="", repr=False)
+
+
+def _decode_variants() -> list[Variant]:
+    from ..attention import metal
+
+    out = []
+    T4 = Spec(mx.float32)
+    for dt in DTYPES:
+        for hd in HEAD_DIMS:
+            if not metal.shape_supported(hd, 1, 1):
+                continue
+            out.append(Variant("decode", f"paged_attention_merge_hd{hd}_nsg{metal.MERGE_SIMDGROUPS}",
+                               "paged_attention_merge", *metal.KERNEL_IO["paged_attention_merge"],
+                               [("T", dt), ("HD", hd), ("NSG", metal.MERGE_SIMDGROUPS)],
+                               [T4, T4, T4], [dt]))
+            for bs in BLOCK_SIZES:
+                for g in GROUPS:
+                    if not metal.shape_supported(hd, bs, g):
+                        continue
+                    quants = [None] + [(b, gs) for b in metal.KV_BITS for gs in metal.KV_GROUP_SIZES
+                                       if metal.quant_supported(hd, b, gs)]
+                    for quant in quants:
+                        tmpl = ([("T", dt), ("HD", hd), ("BS", bs), ("G", g),
+                                 ("NSG", metal.NUM_SIMDGROUPS)]
+                                + ([("BITS", quant[0]), ("GS", quant[1])] if quant else []))
+                        cache = ([Spec(mx.uint32), Spec(dt), Spec(dt)] * 2 if quant
+                                 else [Spec(dt), Spec(dt)])
+                        ins = [Spec(dt), *cache, Spec(mx.int32), Spec(mx.int32), Spec(mx.float32, 0, 1)]
+                        variant = metal._variant(hd, bs, g, quant)
+                        for kind in ("paged_attention", "paged_attention_partitioned"):
+                            full = f"{kind}_quant" if quant else kind
+                            io = metal.QUANT_KERNEL_IO[full] if quant else metal.KERNEL_IO[kind]
+                            outs = [dt] if kind == "paged_attention" else [mx.float32] * 3
+                            out.append(Variant("decode", f"{full}_{variant}", kind, *io, tmpl, ins,
+                                               outs, "PA_QUANT_VIEWS" if quant else ""))
+    return out
+
+
+def _varlen_variants() -> list[Variant]:
+    from ..attention import metal, metal_varlen as mv
+
+    out = []
+    for dt in DTYPES:
+        for hd in HEAD_DIMS:
+            for bs in BLOCK_SIZES:
+                for g in GROUPS:
+                    if not metal.shape_supported(hd, bs, g):
+                        continue
+                    quants = [None] + [(b, gs) for b in metal.KV_BITS for gs in metal.KV_GROUP_SIZES
+                                       if metal.quant_supported(hd, b, gs)]
+                    for quant in quants:
+                        p = mv.launch_plan(hd, bs, g, dt.size, quant)
+                        tmpl = mv.template(p, dt)
+                        cache = ([Spec(mx.uint32), Spec(dt), Spec(dt)] * 2 if quant
+                                 else [Spec(dt), Spec(dt)])
+                        ins = [Spec(dt), *cache, *[Spec(mx.int32)] * 4, Spec(mx.float32, 0, 1)]
+                        section = mv.MMA_KERNEL if p.mma else mv.KERNEL
+                        names = mv.QUANT_INPUTS if quant else mv.INPUTS
+                        out.append(Variant("varlen", f"{p.kind}_{p.variant}", section, list(names),
+                                           list(mv.OUTPUTS), tmpl, ins, [dt],
+                                           "PAV_QUANT_VIEWS" if quant else ""))
+    return out
+
+
+def variants() -> list[Variant]:
+    """Every variant of the grid (DTYPES x HEAD_DIMS x BLOCK_SIZES x GROUPS x quantization) the
+    engine's planning accepts, for every kernel kind."""
+    return _decode_variants() + _varlen_variants()
+
+
+def representatives() -> list[Variant]:
+    """One variant per kernel section and quantization (the first of the grid)."""
+    reps: dict[tuple, Variant] = {}
+    for v in variants():
+        reps.setdefault((v.group, v.section, bool(v.prefix)), v)
+    return list(reps.values())
+
+
+@dataclass
+class Sources:
+    """A copy of `metal/`: the decode header, and each group's sections with their first line."""
+
+    root: Path
+    headers: dict[str, tuple[str, str, int]]  # group -> (file, text, first line)
+    sections: dict[str, tuple[str, str, int]]  # section -> (file, body, first line)
+    group_of: dict[str, str]
+
+    @classmethod
+    def load(cls, root: Path) -> "Sources":
+        root = Path(root)
+        headers, sections, group_of = {}, {}, {}
+        headers["decode"] = (DECODE_HEADER, (root / DECODE_HEADER).read_text(), 1)
+        for group, fname in (("decode", DECODE_FILE), ("varlen", VARLEN_FILE)):
+            text = (root / fname).read_text()
+            marks = list(re.finditer(r"^// @kernel (\w+)\n", text, flags=re.M))
+            if group == "varlen":
+                headers["varlen"] = (fname, text[: marks[0].start()] if marks else text, 1)
+            for i, m in enumerate(marks):
+                end = marks[i + 1].start() if i + 1 < len(marks) else len(text)
+                body = text[m.end():end]
+                line = text.count("\n", 0, m.end()) + 1
+                stripped = body.lstrip("\n")
+                line += len(body) - len(stripped)
+                sections[m.group(1)] = (fname, stripped.rstrip("\n") + "\n", line)
+                group_of[m.group(1)] = group
+        return cls(root, headers, sections, group_of)
+
+
+def _template_decl(name: str, value) -> str:
+    if isinstance(value, mx.Dtype):
+        from .source import type_string
+
+        return f"typedef {type_string(value)} {name};"
+    if isinstance(value, bool):
+        return f"constexpr bool {name} = {'true' if value else 'false'};"
+    return f"constexpr int {name} = {int(value)};"
+
+
+def kernel_text(v: Variant, src: Sources) -> str:
+    """The variant as one `__kernel` function: MLX's signature, the template values, the body
+    (its lines numbered as in its file)."""
+    fname, body, line = src.sections[v.section]
+    gen = generated_source(name=v.name, input_names=v.input_names, output_names=v.output_names,
+                           source=body, header="", atomic_outputs=False, inputs=v.inputs,
+                           output_dtypes=v.output_dtypes, template=v.template)
+    lines = [f'#line 1 "<signature of {v.name}>"', f"__kernel void {gen.kernel_name}("]
+    params = [f"  {p.msl_type} {p.name} [[buffer({i})]]" for i, p in enumerate(gen.params)]
+    params += [f"  {t} {a} [[{a}]]" for a, t in gen.attributes]
+    lines.append(",\n".join(params) + ") {")
+    lines += [_template_decl(n, val) for n, val in v.template]
+    if v.prefix:
+        lines.append(v.prefix)
+    path = src.root / fname
+    return "\n".join(lines) + f'\n#line {line} "{path}"\n' + body + "}\n"
+
+
+def translation_unit(group: str, batch: list[Variant], src: Sources) -> str:
+    """Prelude, the group's header (numbered as in its file), then each variant's kernel."""
+    fname, text, line = src.headers[group]
+    parts = [f'#include "{PRELUDE}"\n', f'#line {line} "{src.root / fname}"\n', text, "\n"]
+    parts += [kernel_text(v, src) for v in batch]
+    return "".join(parts)
+
+
+_DIAG = re.compile(r"^(?P<file>[^\n]*?):(?P<line>\d+):(?P<col>\d+): (?P<sev>fatal error|error): (?P<msg>.*)$")
+
+
+def _clang(text: str, ext: str, extra: list[str] = ()) -> subprocess.CompletedProcess:
+    with tempfile.TemporaryDirectory() as tmp:
+        inc = Path(tmp, "include")
+        inc.mkdir()
+        for name in ("metal_stdlib", "metal_simdgroup_matrix"):
+            (inc / name).write_text("// the front-end check's prelude declares metal_stdlib\n")
+        tu = Path(tmp, "kernels.cl")
+        tu.write_text(text)
+        cmd = [*CLANG, ext, *FLAGS, "-I", str(inc), *extra, str(tu)]
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        except FileNotFoundError as e:
+            raise FrontendUnavailable(f"cannot run {cmd[0]}: {e}") from None
+
+
+def clang_available() -> str:
+    """"" when `python -m ziglang clang` runs, else why not."""
+    try:
+        r = subprocess.run([*CLANG[:4], "--version"], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"cannot run {' '.join(CLANG[:4])}: {e}"
+    if r.returncode != 0:
+        return (f"`{' '.join(CLANG[:4])} --version` failed ({r.returncode}): "
+                f"{(r.stderr or r.stdout).strip()[:300]} (install the test extra: pip install -e '.[test]')")
+    return ""
+
+
+@dataclass
+class Error:
+    file: str
+    line: int
+    message: str
+    variants: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        which = f" (e.g. in {self.variants[0]})" if self.variants else ""
+        return f"{self.file}:{self.line}: {self.message}{which}"
+
+
+def _diagnostics(output: str, batch: list[Variant]) -> list[tuple[str, int, str, str]]:
+    """(file, line, message, variant) of each error in clang's output for `batch`."""
+    out, current = [], batch[0].name if batch else ""
+    names = {v.name for v in batch}
+    for ln in output.splitlines():
+        m = _DIAG.match(ln)
+        if not m:
+            continue
+        f = m.group("file")
+        sig = re.match(r"<signature of (\w+)>", f)
+        if sig and sig.group(1) in names:
+            current = sig.group(1)
+        out.append((f, int(m.group("line")), m.group("msg"), current))
+    return out
+
+
+def check_batch(group: str, batch: list[Variant], src: Sources) -> list[tuple[str, int, str, str]]:
+    """Errors of one batch of a group's variants (one clang run), each with the variant whose
+    signature clang read last before it as an example (an error in the header or a body hits
+    every variant that uses that line)."""
+    r = _clang(translation_unit(group, batch, src), EXT)
+    errs = _diagnostics(r.stderr, batch)
+    if r.returncode != 0 and not errs:
+        errs.append(("<clang>", 0, f"clang failed ({r.returncode}): {r.stderr.strip()[-500:]}", ""))
+    return errs
+
+
+# --- the AST pass: unqualified pointers and recursion ---------------------------------------
+
+_LOC = re.compile(r"<invalid sloc>|<built-in>|<scratch space>:\d+:\d+|line:(?P<l2>\d+):\d+|col:\d+"
+                  r"|(?P<f>[^\s<>,:']+):(?P<l>\d+):\d+")
+_NAMED_DECL = re.compile(r">\s+(?:line:\d+:\d+|col:\d+|\S+:\d+:\d+)\s+(?:(?:used|referenced|invalid)\s+)*"
+                         r"(?!(?:used|referenced|invalid)\b)(\w+)\s+'([^']*)'")
+_NODE = re.compile(r"^(?P<indent>[ |`-]*)(?P<kind>\w+) 0x[0-9a-f]+ ")
+
+
+def _ast_nodes(dump: str):
+    """(depth, kind, file, line, text) per node of clang's text AST dump. The dumper writes a
+    location's file and line only when they change from the last location it printed; this
+    tracks both, as the dumper does."""
+    f, l = "", 0
+    for ln in dump.splitlines():
+        m = _NODE.match(ln)
+        if not m:
+            continue
+        first = None
+        rest = ln[m.end():]
+        for lm in _LOC.finditer(rest):
+            tok = lm.group(0)
+            if tok.startswith("<"):
+                continue
+            if lm.group("f"):
+                f, l = lm.group("f"), int(lm.group("l"))
+            elif lm.group("l2"):
+                l = int(lm.group("l2"))
+            if first is None:
+                first = (f, l)
+        if first is None:
+            first = (f, l)
+        yield len(m.group("indent")), m.group("kind"), first[0], first[1], rest
+
+
+def ast_errors(group: str, batch: list[Variant], src: Sources) -> list[tuple[str, int, str, str]]:
+    """Pointers and references without an address space, and recursive calls, in the sources."""
+    r = _clang(translation_unit(group, batch, src), AST_EXT, ["-ast-dump"])
+    ours = {str(src.root / name) for name, _, _ in src.headers.values()}
+    ours |= {str(src.root / name) for name, _, _ in src.sections.values()}
+    errs, seen = [], set()
+    stack: list[tuple[int, str]] = []  # (depth, function name) of enclosing function decls
+    calls: dict[str, set[tuple[str, str, int]]] = {}
+    for depth, kind, f, line, text in _ast_nodes(r.stdout):
+        while stack and stack[-1][0] >= depth:
+            stack.pop()
+        if kind in ("FunctionDecl", "CXXMethodDecl") and f in ours:
+            nm = re.search(r"\b(\w+) '", text)
+            if nm:
+                stack.append((depth, nm.group(1)))
+        if f not in ours:
+            continue
+        if kind in ("ParmVarDecl", "VarDecl", "FieldDecl") and "__generic" in text:
+            # A named declaration (implicit copy constructors' parameters have no name).
+            nm = _NAMED_DECL.search(text)
+            if nm and "__generic" in nm.group(2) and (f, line) not in seen:
+                seen.add((f, line))
+                errs.append((f, line, f"'{nm.group(1)}' is a pointer or reference without an "
+                             f"address space (device, constant, threadgroup or thread)", batch[0].name))
+        if kind == "DeclRefExpr" and stack:
+            cm = re.search(r"Function 0x[0-9a-f]+ '(\w+)'", text)
+            if cm:
+                calls.setdefault(stack[-1][1], set()).add((cm.group(1), f, line))
+    # A cycle in the call graph (by name: template instantiations share their template's).
+    for start in calls:
+        todo, seen_fn = [start], set()
+        while todo:
+            fn = todo.pop()
+            for callee, f, line in calls.get(fn, ()):
+                if callee == start:
+                    key = (f, line)
+                    if key not in seen:
+                        seen.add(key)
+                        errs.append((f, line, f"recursive call: '{fn}' calls '{callee}' (Metal has "
+                                     "no recursion)", batch[0].name))
+                elif callee not in seen_fn:
+                    seen_fn.add(callee)
+                    todo.append(callee)
+    if r.returncode != 0 and not r.stdout:
+        errs.append(("<clang>", 0, f"clang -ast-dump failed ({r.returncode}): {r.stderr.strip()[-300:]}", ""))
+    return errs
+
+
+def _batches(items: list[Variant], n: int) -> list[list[Variant]]:
+    size = max(1, -(-len(items) // n))
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def check(source: Path | None = None, *, jobs: int | None = None,
+          only: list[Variant] | None = None) -> tuple[list[Error], int]:
+    """(errors, variants checked) for the sources in `source` (default: the shipped metal/)."""
+    root = Path(source) if source is not None else default_source()
+    src = Sources.load(root)
+    vs = only if only is not None else variants()
+    for v in vs:
+        v.body = src.sections[v.section][1]
+    jobs = jobs or max(1, min(8, os.cpu_count() or 1))
+    work = []
+    for group in ("decode", "varlen"):
+        items = [v for v in vs if v.group == group]
+        if not items:
+            continue
+        # One variant per section (and quantization) for the AST pass: it checks declarations.
+        reps: dict[tuple, Variant] = {}
+        for v in items:
+            reps.setdefault((v.section, bool(v.prefix)), v)
+        work.append((ast_errors, group, list(reps.values())))
+        work += [(check_batch, group, b) for b in _batches(items, 2 * jobs)]
+    merged: dict[tuple, Error] = {}
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        for errs in pool.map(lambda w: w[0](w[1], w[2], src), work):
+            for f, line, msg, variant in errs:
+                e = merged.setdefault((f, line, msg), Error(f, line, msg))
+                if variant and variant not in e.variants:
+                    e.variants.append(variant)
+    return sorted(merged.values(), key=lambda e: (e.file, e.line, e.message)), len(vs)
+
+
+def default_source() -> Path:
+    """The shipped `metal/` folder (installed package data, or the repository's)."""
+    try:
+        from importlib import resources
+
+        p = Path(str(resources.files("mlxpaged.metal")))
+        if (p / DECODE_FILE).is_file():
+            return p
+    except (ModuleNotFoundError, TypeError):
+        pass
+    return HERE.parents[1] / "metal"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--source", type=Path, help="a copy of metal/ to check (default: the shipped one)")
+    ap.add_argument("--quiet", action="store_true", help="print errors only, no summary")
+    ap.add_argument("--jobs", type=int, help="clang processes at once (default: CPUs, at most 8)")
+    ap.add_argument("--one-per-kernel", action="store_true",
+                    help="a quick check: one variant per kernel section and quantization")
+    args = ap.parse_args(argv)
+    problem = clang_available()
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    errors, n = check(args.source, jobs=args.jobs,
+                      only=representatives() if args.one_per_kernel else None)
+    for e in errors:
+        print(e)
+    if not args.quiet:
+        print(f"{n} kernel variants checked in {time.monotonic() - t0:.1f} s: "
+              f"{len(errors)} error{'s' * (len(errors) != 1)}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""Launch limits and the kernels that run (issue 22): threads x registers fit one GPU core's
+register file, the emulator refuses a launch past it, the variant checked at start-up is the one
+every batch runs, and a kernel failing mid-serving falls back to the reference with one warning.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxpaged.attention import metal, metal_varlen as mv, paged_attention_varlen
+from mlxpaged.attention.reference import paged_attention_varlen_reference
+from mlxpaged.kv_quant import QuantizedPool
+
+emu = pytest.importorskip("mlxpaged.metal_emu")
+
+
+def inputs(rng, q_lens, prefixes, *, head_dim=32, group=1, kv_heads=1, bs=16, dtype=mx.float32):
+    ctx = [n + p for n, p in zip(q_lens, prefixes)]
+    nblocks = [-(-c // bs) for c in ctx]
+    pool = sum(nblocks) + 2
+    ids = rng.permutation(pool)
+    tables = np.zeros((len(ctx), max(nblocks)), np.int32)
+    start = 0
+    for i, n in enumerate(nblocks):
+        tables[i, :n] = ids[start:start + n]
+        start += n
+    shape = (pool, kv_heads, bs, head_dim)
+    return (mx.array(rng.standard_normal((sum(q_lens), kv_heads * group, head_dim)), dtype=dtype),
+            mx.array(rng.standard_normal(shape), dtype=dtype),
+            mx.array(rng.standard_normal(shape), dtype=dtype), mx.array(tables),
+            mx.array(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)),
+            mx.array(np.array(ctx, np.int32)))
+
+
+def reference(q, k, v, *rest, scale):
+    f32 = [x.astype(mx.float32) for x in (q, k, v)]
+    return paged_attention_varlen_reference(*f32, *rest, scale)
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setenv("MLXPAGED_METAL", "emulate")
+    with emu.emulate():
+        yield
+
+
+# --- register file ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mma,quant,group", [(True, None, 2), (False, None, 3), (False, (4, 32), 2)])
+def test_plan_registers_are_the_emulators(emulated, monkeypatch, mma, quant, group):
+    """`Plan.registers` is the emulator's estimate of the launch it plans, and the threadgroup
+    fits the register file."""
+    if not mma:
+        monkeypatch.setattr(mv, "mma_fits", lambda head_dim, group: False)
+    rng = np.random.default_rng(1)
+    q, k, v, *rest = inputs(rng, [3, 18], [0, 5], head_dim=64, group=group, dtype=mx.float16)
+    if quant:
+        k, v = (QuantizedPool.quantize(c, *quant) for c in (k, v))
+    _, (launch,) = mv.run_with_launches(q, k, v, *rest, scale=0.1)
+    p = mv.launch_plan(64, 16, group, 2, quant)
+    st = launch.kernel.last_launch
+    assert p.mma == mma and launch.variant == p.variant
+    assert st.registers == p.registers and st.threads_per_threadgroup == p.threads
+    assert st.threadgroup_register_bytes == p.register_file_bytes <= mv.REGISTER_FILE_BYTES
+
+
+@pytest.mark.parametrize("lanes", [False, True])
+def test_head_splits_compute_the_same(emulated, monkeypatch, lanes):
+    """A register file too small for the whole group splits the query heads over threadgroups
+    (3 heads over 2: the second group has a padding head) with the reference's result."""
+    if lanes:
+        monkeypatch.setattr(mv, "mma_fits", lambda head_dim, group: False)
+    full = mv.plan(64, 16, 3, 4)
+    monkeypatch.setattr(mv, "REGISTER_FILE_BYTES", full.register_file_bytes - 1)
+    p = mv.plan(64, 16, 3, 4)
+    assert p.head_splits == 2 and p.register_file_bytes <= mv.REGISTER_FILE_BYTES
+    rng = np.random.default_rng(2)
+    args = inputs(rng, [20, 1, 7], [9, 30, 0], head_dim=64, group=3, kv_heads=2)
+    out, launches = mv.run_with_launches(*args, scale=0.125)
+    assert launches[0].variant == p.variant and launches[0].call["grid"][0] == 2 * p.threads
+    ref = reference(*args, scale=0.125)
+    np.testing.assert_allclose(np.array(out), np.array(ref), atol=2e-5, rtol=2e-4)
+
+
+def test_every_varlen_plan_fits_the_register_file():
+    for hd in (32, 64, 96, 128, 160, 192, 224, 256):
+        for g in (1, 2, 4, 7, 8, 16, 32):
+            for quant in (None, (4, 32), (8, 64)):
+                if quant and hd % quant[1]:
+                    continue
+                p = mv.launch_plan(hd, 16, g, 2, quant)
+                assert p.register_file_bytes <= mv.REGISTER_FILE_BYTES, p
+
+
+LOCALS = """
+uint i = thread_position_in_grid.x;
+float x[64];
+for (int j = 0; j < 64; j++) { x[j] = a[i] + j; }
+float s = 0.0f;
+for (int j = 0; j < 64; j++) { s += x[j]; }
+out[i] = s;
+"""
+
+
+def test_emulator_refuses_a_launch_past_the_register_file():
+    k = emu.metal_kernel(name="regfile", input_names=["a"], output_names=["out"], source=LOCALS)
+    a = mx.zeros((1024,), dtype=mx.float32)
+    call = dict(inputs=[a], grid=(1024, 1, 1), output_shapes=[(1024,)], output_dtypes=[mx.float32])
+    # 512 threads x 64 registers x 4 bytes = 128 KB: runs.
+    out = k(threadgroup=(512, 1, 1), **call)[0]
+    assert float(out[0]) == sum(range(64))
+    # 1,024 threads: 256 KB, over the 208 KB of an Apple7/8 core.
+    with pytest.raises(emu.MetalEmuError, match=r"launch refused: 1024 threads .* 64 registers"):
+        k(threadgroup=(1024, 1, 1), **call)
+
+
+# --- the checked variant is the one that runs ------------------------------------------------
+
+class Recording:
+    """The emulator, recording the name MLX gives each kernel it runs (template values, input
+    address spaces): a name not built at start-up would be built mid-serving on a Mac."""
+
+    def __init__(self, refuse: str | None = None, after: int = 0):
+        self.names: list[str] = []
+        self.refuse, self.after, self.calls = refuse, after, 0
+
+    def __call__(self, **kernel_kwargs):
+        k = emu.metal_kernel(**kernel_kwargs)
+
+        def call(**c):
+            if self.refuse and kernel_kwargs["name"].startswith(self.refuse):
+                self.calls += 1
+                if self.calls > self.after:
+                    raise RuntimeError("[metal::Device] Unable to build metal library from source\n"
+                                       "program_source:120:5: error: simulated Metal compiler error")
+            outs = k(**c)
+            self.names.append(re.search(r"\[\[kernel\]\] void (custom_kernel_\w+)\(",
+                                        k.last_source).group(1))
+            return outs
+        return call
+
+
+def test_kernel_names_do_not_change_with_the_batch(monkeypatch):
+    factory = Recording()
+    monkeypatch.setattr(metal, "_metal_kernel_factory", lambda: factory)
+    monkeypatch.delenv("MLXPAGED_METAL", raising=False)
+    metal.reset_kernels()
+    rng = np.random.default_rng(3)
+    try:
+        pool = mx.zeros((1, 1, 16, 32), dtype=mx.float32)
+        assert metal.check_family(1, pool)
+        assert mv.check_varlen(1, pool)
+        checked = set(factory.names)
+        used = set()
+        for n in (1, 2, 3, 4, 5, 9, 17, 64):
+            for mix in ("decode", "prefill", "mixed"):
+                q_lens = {"decode": [1] * n, "prefill": list(rng.integers(2, 40, n)),
+                          "mixed": list(rng.choice([1, 1, 2, 17, 33], n))}[mix]
+                prefixes = list(rng.integers(0, 40, n))
+                args = inputs(rng, [int(x) for x in q_lens], [int(p) for p in prefixes])
+                factory.names.clear()
+                out = paged_attention_varlen(*args, scale=0.2, impl="metal")
+                ref = reference(*args, scale=0.2)
+                np.testing.assert_allclose(np.array(out), np.array(ref), atol=2e-5, rtol=2e-4)
+                used |= set(factory.names)
+    finally:
+        metal.reset_kernels()
+    assert used <= checked, used - checked
+    assert len([x for x in used if "varlen" in x]) == 1  # one varlen kernel for every batch
+
+
+def test_mid_serving_failure_falls_back_with_one_warning(monkeypatch):
+    """The varlen kernel passes its start-up check, then fails (as a build would on a Mac):
+    the call still returns the right result, one warning names it, later calls take the
+    reference path, and the doctor's text keeps the compiler's lines."""
+    factory = Recording(refuse="paged_attention_varlen_mma", after=1)
+    monkeypatch.setattr(metal, "_metal_kernel_factory", lambda: factory)
+    monkeypatch.delenv("MLXPAGED_METAL", raising=False)
+    metal.reset_kernels()
+    rng = np.random.default_rng(4)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                args = inputs(rng, [5, 1, 12], [3, 20, 0], group=2)
+                out = paged_attention_varlen(*args, scale=0.3, impl="metal")
+                np.testing.assert_allclose(np.array(out), np.array(reference(*args, scale=0.3)),
+                                           atol=2e-5, rtol=2e-4)
+        runtime = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert len(runtime) == 1, [str(w.message) for w in runtime]
+        assert "Unable to build metal library" in str(runtime[0].message)
+        pool = mx.zeros((1, 1, 16, 32), dtype=mx.float32)
+        text = metal.family_error(2, pool, varlen=True)
+        assert "program_source:120:5: error: simulated Metal compiler error" in text
+        assert factory.calls == 2  # the check, the failed call; then the reference only
+    finally:
+        metal.reset_kernels()
+
+
+def test_mid_serving_failure_raises_when_strict(monkeypatch):
+    factory = Recording(refuse="paged_attention_varlen_mma", after=1)
+    monkeypatch.setattr(metal, "_metal_kernel_factory", lambda: factory)
+    monkeypatch.setenv("MLXPAGED_METAL", "strict")
+    metal.reset_kernels()
+    try:
+        args = inputs(np.random.default_rng(5), [5, 12], [3, 0], group=2)
+        with pytest.raises(RuntimeError, match="simulated Metal compiler error"):
+            paged_attention_varlen(*args, scale=0.3, impl="metal")
+    finally:
+        metal.reset_kernels()
+
+
+# --- context lengths clamped to the real table width -----------------------------------------
+
+def _attend_all(q, k, v, scale):
+    """numpy: each query row attends to every key row (fp64)."""
+    s = np.einsum("thd,khd->thk", q, k) * scale
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("thk,khd->thd", p / p.sum(-1, keepdims=True), v)
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_length_past_the_table_stops_at_its_end(emulated, q_len):
+    """A context length past a one-block table reads that block only: not the padding's block
+    0, which holds another sequence's rows (table width is the real one, not the padded one)."""
+    rng = np.random.default_rng(6)
+    bs, hd = 16, 32
+    k = mx.array(rng.standard_normal((3, 1, bs, hd)), dtype=mx.float32)
+    v = mx.array(rng.standard_normal((3, 1, bs, hd)), dtype=mx.float32)
+    q = mx.array(rng.standard_normal((q_len, 2, hd)), dtype=mx.float32)
+    table = mx.array(np.array([[2]], np.int32))  # one block; block 0 belongs to someone else
+    cu = mx.array(np.array([0, q_len], np.int32))
+    lens = mx.array(np.array([3 * bs + q_len], np.int32))  # past the table's 16 tokens
+    if q_len == 1:
+        out = metal.paged_attention_metal(q, k, v, table, lens, scale=0.2, partition_tokens=0)
+    else:
+        out, _ = mv.run_with_launches(q, k, v, table, cu, lens, scale=0.2)
+    kk = np.array(k)[2, 0][:, None, :].repeat(2, 1)  # the table's block, both query heads
+    vv = np.array(v)[2, 0][:, None, :].repeat(2, 1)
+    want = _attend_all(np.array(q, np.float64), kk, vv, 0.2)
+    np.testing.assert_allclose(np.array(out), want, atol=1e-5, rtol=1e-4)
