@@ -12,6 +12,7 @@ from .engine.llm_engine import LLMEngine
 from .engine.llm import LLM
 from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.sampling_params import SamplingParams
+from .version import __version__
 
 __all__ = [
     "LLM",
@@ -24,4 +25,3 @@ __all__ = [
     "paged_attention_varlen",
     "BeamSearchParams",
 ]
-__version__ = "0.1.0"

@@ -16,7 +16,7 @@ from mlxpaged.attention import metal, metal_varlen as mv, paged_attention_varlen
 from mlxpaged.attention.reference import paged_attention_varlen_reference
 from mlxpaged.kv_quant import QuantizedPool
 
-emu = pytest.importorskip("mlxpaged.metal_emu")
+import mlxpaged.metal_emu as emu  # noqa: E402  (the project's own emulator: never skipped)
 
 
 def inputs(rng, q_lens, prefixes, *, head_dim=32, group=1, kv_heads=1, bs=16, dtype=mx.float32):

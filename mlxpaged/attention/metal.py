@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import re
 import warnings
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..worker.kv_quant import KV_BITS, KV_GROUP_SIZES, QuantizedPool, row_bytes
+from .. import settings
 from ..utils import cdiv
 
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -518,7 +518,7 @@ def kernel_failed(group: int, k_cache, error: BaseException) -> bool:
     """A kernel failed mid-serving (a build or launch the start-up check did not cover): one
     warning, and this shape's decode and varlen families take the reference path from now on.
     False under `MLXPAGED_METAL=strict` or `=emulate` (the caller re-raises)."""
-    if os.environ.get("MLXPAGED_METAL") in ("strict", "emulate"):
+    if settings.metal_strict():
         return False
     text = error_text(error)
     for varlen in (False, True):
@@ -546,7 +546,7 @@ def compare_to_reference(variant: str, run, ref: mx.array, dtype) -> str:
         out = run().astype(mx.float32)
         err = float(mx.max(mx.abs(out - ref) / (atol + rtol * mx.abs(ref))).item())
     except Exception as e:  # compile or launch error: the reference path takes over
-        if os.environ.get("MLXPAGED_METAL") in ("strict", "emulate"):
+        if settings.metal_strict():
             raise
         return f"{variant}: {error_text(e)}"
     if not err <= 1.0:  # NaN fails too
@@ -559,7 +559,7 @@ def settle_check(problem: str) -> bool:
     reference path takes that shape), or `KernelCheckError` under `strict` / `emulate`."""
     if not problem:
         return True
-    if os.environ.get("MLXPAGED_METAL") in ("strict", "emulate"):
+    if settings.metal_strict():
         raise KernelCheckError(f"Metal paged-attention kernel check failed: {problem}")
     # One line: `mlxpaged doctor` prints the compiler's message in full (first lines).
     warnings.warn(f"Metal paged-attention kernel check failed, using the reference path for "
@@ -671,7 +671,7 @@ def run_with_launches(q, k_cache, v_cache, block_tables, context_lens, *, scale:
 
     A shape family whose startup check failed runs the reference instead (no launches)."""
     _check(q, k_cache, v_cache)
-    if os.environ.get("MLXPAGED_DEBUG") == "1":
+    if settings.debug():
         check_metadata(k_cache, block_tables, context_lens)
     if not check_family(q.shape[1] // k_cache.shape[1], k_cache):
         from .reference import paged_attention_reference

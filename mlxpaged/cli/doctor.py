@@ -12,12 +12,13 @@ Invariant: a failed check is reported, never raised (the user's engine falls bac
 from __future__ import annotations
 
 import json
-import os
 import platform
 import sys
 import warnings
 
 import click
+
+from .. import settings
 
 # Shape families checked: (query heads per kv head, head_dim) of Qwen2.5-0.5B, -1.5B and -7B.
 FAMILIES = ((7, 64), (6, 128), (7, 128))
@@ -107,7 +108,7 @@ def collect(seqs: int | None = None, tokens: int | None = None, block_sizes=(16,
 
     from ..attention import metal_native, resolve_impl
 
-    gpu = metal_native() and os.environ.get("MLXPAGED_METAL") != "emulate"
+    gpu = metal_native() and settings.metal_mode() != "emulate"
     q = mx.zeros((1, 14, 64), dtype=mx.float16)  # Qwen2.5-0.5B: 14 heads, 2 kv heads
     pool = mx.zeros((1, 2, 16, 64), dtype=mx.float16)
     seqs = seqs or (8 if gpu else 2)
@@ -119,7 +120,7 @@ def collect(seqs: int | None = None, tokens: int | None = None, block_sizes=(16,
         "device": _device(),
         "kernels_run_on": "apple gpu" if gpu else "MSL emulator (CPU)",
         "attention_impl_auto": resolve_impl("auto", q, pool),
-        "MLXPAGED_METAL": os.environ.get("MLXPAGED_METAL"),
+        "MLXPAGED_METAL": settings.metal_mode(),
         "checks": _checks(16),
         "split_planning": _planning(),
         "kernel_table": _table(gpu, seqs, tokens, list(block_sizes)),

@@ -22,11 +22,11 @@ the call) so missing barriers and writes change results.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 
 import mlx.core as mx
 
+from .. import settings
 from .compiler import CompileError
 from .kernel import (EmulatedKernel, LaunchStats, MetalEmuError, RegisterBudgetWarning, lane_order,
                      metal_kernel)
@@ -57,7 +57,7 @@ def get_metal_kernel():
 
     Overrides: `MLXPAGED_METAL=emulate` in the environment, or an active `emulate()` block.
     """
-    if getattr(_force, "on", False) or os.environ.get("MLXPAGED_METAL") == "emulate":
+    if getattr(_force, "on", False) or settings.metal_mode() == "emulate":
         return metal_kernel
     try:
         native = bool(mx.metal.is_available())

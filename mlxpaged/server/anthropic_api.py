@@ -19,10 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import APIError
 from .guided_request import format_guided, tool_plan
+from .jobs import check_model, sampling_params
 from .middleware import anthropic_error_body
 from .prompts import check_context, encode_messages
 from .turns import TurnEnd, sse, start_turn, turn_events, whole_turn
-
 
 
 class AnthropicError(Exception):
@@ -207,9 +207,7 @@ def register_anthropic(app: FastAPI, state) -> None:
     async def encode(body) -> tuple[list[int], object]:
         plan = plan_of(body)
         try:
-            from .app import _check_model
-
-            _check_model(state, body.model)
+            check_model(state, body.model)
             messages = template_messages(body)
             return await state.off_loop(encode_messages, engine.tokenizer, messages, plan.tools), plan
         except APIError as e:
@@ -223,8 +221,6 @@ def register_anthropic(app: FastAPI, state) -> None:
 
     @router.post("/messages")
     async def messages(request: Request):
-        from .app import _params
-
         body = await _body(request, MessagesRequest)
         ids, plan = await encode(body)
         try:
@@ -238,7 +234,7 @@ def register_anthropic(app: FastAPI, state) -> None:
                 plan.guided = format_guided("json_schema", oc.format.schema_, "output_config.format")
                 plan.param = "output_config.format"
             check_context(len(ids), body.max_tokens, state.context)
-            params = _params(_Sampling(body), body.max_tokens, None, state.vocab_size, guided=plan.guided)
+            params = sampling_params(_Sampling(body), body.max_tokens, None, state.vocab_size, guided=plan.guided)
             job = await start_turn(state, "msg", ids, params, plan.param)
         except APIError as e:
             raise AnthropicError.of(e) from None

@@ -13,34 +13,31 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import MlxPagedError, StepError
 from .anthropic_api import register_anthropic
 from .connections import AcceptErrorLog
-from .engine_loop import ClientTooSlow, EngineDown, EngineLoop, Sink
+from .engine_loop import EngineLoop
 from .errors import APIError, error_body
+from .guided_request import chat_plan
+from .jobs import Job, ServerState, check_model, sampling_params
 from .limits import Capacity, Limits, check_chars, check_request, default_max_tokens, max_token_chars
 from .metrics import CONTENT_TYPE, Metrics
-from .guided_request import chat_plan
 from .middleware import Guard
 from .prompts import check_context, encode_messages, encode_prompt
 from .protocol import ChatCompletionRequest, CompletionRequest
-from .responses import ChoiceStream, TokenText, chat_logprobs, completion_logprobs, envelope, stop_borders, usage
+from .responses import ChoiceStream, TokenText, chat_logprobs, completion_logprobs, envelope, usage
 from .responses_api import register_responses
 from .tools import ToolCallStream, chat_message, stream_tool_delta
 
 DEFAULT_CHAT_MAX_TOKENS = 1024  # when a chat body gives neither max_tokens nor max_completion_tokens
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-YIELD_EVERY = 8  # stream chunks between two yields to the event loop
 DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 
@@ -49,30 +46,6 @@ class ErrorResponse(JSONResponse):
 
     def render(self, content) -> bytes:
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
-
-
-@dataclass
-class ServerState:
-    engine_loop: EngineLoop
-    metrics: Metrics
-    model_id: str
-    model_aliases: frozenset[str]
-    max_queue: int
-    limits: Limits
-    capacity: Capacity
-    tokenize_pool: ThreadPoolExecutor  # tokenizing and chat templates run here, never on the event loop
-    responses_store: int = 0  # --responses-store: Responses kept for previous_response_id (0: stateless)
-
-    @property
-    def context(self) -> int | None:
-        return self.capacity.context
-
-    @property
-    def vocab_size(self) -> int:
-        return self.capacity.vocab_size
-
-    async def off_loop(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
 
 
 def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model_aliases=(), api_key: str | None = None,
@@ -137,7 +110,7 @@ def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
-        _check_model(state, body.model)
+        check_model(state, body.model)
         texts = body.prompts()
         if not texts:
             raise APIError(400, "prompt is empty", param="prompt")
@@ -150,8 +123,8 @@ def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model
                                                            max(map(len, prompts)), body.n)
         for ids in prompts:
             check_context(len(ids), max_tokens, cap.context)
-        params = _params(body, max_tokens, body.logprobs, cap.vocab_size)
-        job = await _Job.start(state, "cmpl", prompts, params)
+        params = sampling_params(body, max_tokens, body.logprobs, cap.vocab_size)
+        job = await Job.start(state, "cmpl", prompts, params)
 
         def choice(index, text, lps, finish, stream: ChoiceStream):
             lp = completion_logprobs(lps, text_of) if lps is not None else None
@@ -166,7 +139,7 @@ def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model
 
     @v1.post("/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        _check_model(state, body.model)
+        check_model(state, body.model)
         messages, plan = chat_plan(body)  # tools, tool_choice and response_format (guided_request.py)
         requested = body.requested_max_tokens()
         check_request(limits, cap, body, 1, requested or 1, max_queue)
@@ -175,8 +148,8 @@ def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model
         max_tokens = requested or default_max_tokens(cap, DEFAULT_CHAT_MAX_TOKENS, len(ids), body.n)
         check_request(limits, cap, body, 1, max_tokens, max_queue)
         check_context(len(ids), max_tokens, cap.context)
-        params = _params(body, max_tokens, body.logprobs_k(), cap.vocab_size, guided=plan.guided)
-        job = await _Job.start(state, "chatcmpl", [ids], params, plan.param)
+        params = sampling_params(body, max_tokens, body.logprobs_k(), cap.vocab_size, guided=plan.guided)
+        job = await Job.start(state, "chatcmpl", [ids], params, plan.param)
 
         def chunk_choice(index, text, lps, finish, stream: ChoiceStream):
             delta = {"content": text}
@@ -226,129 +199,3 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
         param = loc[0] if loc else None
         msg = f"{'.'.join(loc) if loc else 'body'}: {err['msg']}"
     return ErrorResponse(error_body(400, msg.replace("\n", " "), param=param), status_code=400)
-
-
-def _check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model not in state.model_aliases:
-        raise APIError(404, f"unknown model '{model}': this server serves '{state.model_id}'", param="model",
-                       code="model_not_found")
-
-
-def _params(body, max_tokens: int, logprobs: int | None, vocab_size: int | None = None, **extra):
-    try:
-        return body.to_sampling_params(max_tokens, logprobs, vocab_size, **extra)
-    except (ValueError, TypeError) as e:
-        raise APIError(400, str(e), param=str(e).split(" ", 1)[0] if " must " in str(e) else None) from None
-
-
-def _server_error(item: BaseException) -> APIError:
-    if isinstance(item, StepError):
-        return APIError(500, f"{item}", code="engine_step_failed")
-    if isinstance(item, ClientTooSlow):
-        return APIError(408, str(item), code="client_too_slow")
-    return APIError(503 if isinstance(item, EngineDown) else 500, str(item))
-
-
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-class _Job:
-    """The engine requests behind one HTTP request: one per prompt, ids `{resp_id}-{i}`."""
-
-    def __init__(self, state: ServerState, resp_id: str, rids: list[str], sink: Sink, params):
-        self.state, self.resp_id, self.rids, self.sink, self.params = state, resp_id, rids, sink, params
-        self.final: dict = {}
-
-    @classmethod
-    async def start(cls, state: ServerState, prefix: str, prompts: list[list[int]], params,
-                    guided_param: str | None = None) -> _Job:
-        """`guided_param`: the request field a grammar the engine cannot compile is blamed on."""
-        el = state.engine_loop
-        waiting = el.snapshot.get("requests_waiting", 0) + el.pending
-        if waiting + len(prompts) > state.max_queue:
-            raise APIError(503, f"server busy: {waiting} requests waiting (--max-queue {state.max_queue}); retry later",
-                           code="queue_full", headers={"Retry-After": "1"})
-        resp_id = f"{prefix}-{uuid.uuid4().hex}"
-        sink = Sink(asyncio.get_running_loop())
-        rids = [f"{resp_id}-{i}" for i in range(len(prompts))]
-        futs = [el.submit(ids, params, rid, sink) for ids, rid in zip(prompts, rids)]
-        try:
-            for f in futs:
-                await asyncio.wrap_future(f)
-        except BaseException as e:
-            for rid in rids:
-                el.abort(rid)
-            if isinstance(e, ValueError) and params.guided is not None and str(e).startswith("unsupported"):
-                raise APIError(400, f"{guided_param}: {e}", param=guided_param) from None
-            if isinstance(e, (MlxPagedError, ValueError)):
-                param = "prompt" if str(e).startswith("prompt") else ("n" if params.n > 1 else "max_tokens")
-                raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
-            if isinstance(e, EngineDown):
-                raise APIError(503, str(e)) from None
-            raise
-        return cls(state, resp_id, rids, sink, params)
-
-    def index(self, rid: str, sample: int) -> int:
-        return self.rids.index(rid) * self.params.n + sample
-
-    def _abort_unfinished(self) -> None:
-        for rid in self.rids:
-            if rid not in self.final:
-                self.state.engine_loop.abort(rid)
-
-    async def collect(self, request: Request) -> list:
-        """Every request's final output, in prompt order; a client gone while waiting aborts them."""
-        try:
-            while len(self.final) < len(self.rids):
-                items = await self.sink.get(timeout=1.0)
-                if not items:
-                    if await request.is_disconnected():
-                        raise APIError(499, "client disconnected") from None
-                    continue
-                for rid, item in items:
-                    if isinstance(item, BaseException):
-                        self.final[rid] = None
-                        raise _server_error(item)
-                    if item.finished:
-                        self.final[rid] = item
-        finally:
-            self._abort_unfinished()
-        return [self.final[r] for r in self.rids]
-
-    def stream(self, request: Request, kind: str, model: str, make_choice, include_usage: bool) -> StreamingResponse:
-        return StreamingResponse(self._events(kind, model, make_choice, include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def _events(self, kind: str, model: str, make_choice, include_usage: bool):
-        streams: dict[tuple[str, int], ChoiceStream] = {}
-        # the stops' KMP tables, once for all samples and off the loop (64 stops of 1,500 characters: 0.1 s)
-        borders = await self.state.off_loop(stop_borders, self.params.stop) if self.params.stop else []
-        extra = {"usage": None} if include_usage else {}
-        sent = 0
-        try:
-            failed = False
-            while len(self.final) < len(self.rids) and not failed:
-                for rid, item in await self.sink.get():
-                    if isinstance(item, BaseException):
-                        self.final[rid] = None
-                        yield _sse(_server_error(item).body())
-                        failed = True
-                        break
-                    for c in item.outputs:
-                        st = streams.setdefault((rid, c.index), ChoiceStream(self.params.stop, borders))
-                        d = st.advance(c)
-                        choice = make_choice(self.index(rid, c.index), *d, st) if d is not None else None
-                        if choice is not None:  # None: the route holds the delta back (a tool call in progress)
-                            yield _sse(envelope(self.resp_id, kind, model, choices=[choice], **extra))
-                            sent += 1
-                            if sent % YIELD_EVERY == 0:  # many choices or a backlog: let other requests run
-                                await asyncio.sleep(0)
-                    if item.finished:
-                        self.final[rid] = item
-            if not failed:
-                if include_usage:
-                    yield _sse(envelope(self.resp_id, kind, model, choices=[], usage=usage(list(self.final.values()))))
-            yield "data: [DONE]\n\n"
-        finally:
-            self._abort_unfinished()

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from .errors import APIError
 from .guided_request import format_guided, tool_plan
+from .jobs import check_model, sampling_params
 from .prompts import check_context, encode_messages
 from .tools import template_tool_calls
 from .turns import TurnEnd, default_max_tokens, sse, start_turn, turn_events, whole_turn
@@ -205,9 +206,7 @@ def register_responses(router: APIRouter, state, text_of=None) -> None:
 
     @router.post("/responses")
     async def responses(body: ResponsesRequest, request: Request):
-        from .app import _check_model, _params
-
-        _check_model(state, body.model)
+        check_model(state, body.model)
         refuse_unsupported(body)
         history = store.get(body.previous_response_id) if body.previous_response_id else []
         convo = conversation(body, history)
@@ -232,7 +231,7 @@ def register_responses(router: APIRouter, state, text_of=None) -> None:
             if e.param == "max_tokens":
                 e.param, e.message = "max_output_tokens", e.message.replace("max_tokens", "max_output_tokens")
             raise
-        params = _params(_Sampling(body), max_tokens, None, state.vocab_size, guided=plan.guided)
+        params = sampling_params(_Sampling(body), max_tokens, None, state.vocab_size, guided=plan.guided)
         job = await start_turn(state, "resp", ids, params, plan.param)
         resp_id = "resp_" + job.resp_id.split("-", 1)[1]
         created = int(time.time())

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from .jobs import Job, server_error
 from .responses import ChoiceStream
 from .tools import ToolCall, ToolCallStream, parse_tool_calls
 
@@ -30,9 +31,7 @@ class TurnEnd:
 
 async def start_turn(state, prefix: str, ids: list[int], params, guided_param: str | None = None):
     """The engine request of one turn (a 400 before anything streams if it cannot run)."""
-    from .app import _Job  # the chat routes' job: queueing, admission errors, aborts
-
-    return await _Job.start(state, prefix, [ids], params, guided_param)
+    return await Job.start(state, prefix, [ids], params, guided_param)
 
 
 def _end(state, out, c, params, calls: int) -> TurnEnd:
@@ -61,15 +60,13 @@ async def whole_turn(state, job, request: Request, parse) -> tuple[str | None, l
 async def turn_events(state, job, parse):
     """Yields `str` deltas, `ToolCall`s and, last, a `TurnEnd`; a failed step raises APIError.
     Closing the generator early (a client gone) aborts the engine request."""
-    from .app import _server_error
-
     text = ChoiceStream(job.params.stop)
     tools = ToolCallStream(parse) if parse else None
     try:
         async for rid, item in _items(job):
             if isinstance(item, BaseException):
                 job.final[rid] = None
-                raise _server_error(item)
+                raise server_error(item)
             c = item.outputs[0]
             d = text.advance(c)
             if d is not None:

@@ -113,14 +113,14 @@ def _array_digest(arrays) -> str | None:
 
 def namespace_parts(loaded, kv_cache, *, rank: int = 0, world: int = 1, memo_file: Path | None = None) -> dict:
     """Everything that changes a block's bytes, as JSON-able values (digested by `namespace`)."""
-    import mlxpaged
+    from ..version import __version__
 
     s = kv_cache.shape
     model_src = inspect.getsourcefile(type(loaded.model))
     code = hashlib.sha256(Path(model_src).read_bytes()).hexdigest() if model_src else type(loaded.model).__qualname__
     return {
         "format": FORMAT_VERSION,
-        "mlxpaged": mlxpaged.__version__,
+        "mlxpaged": __version__,
         "model_code": code,
         "weights": weights_digest(Path(loaded.path), memo_file),
         "weights_mode": loaded.weights,
