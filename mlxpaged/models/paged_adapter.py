@@ -211,10 +211,20 @@ def model_classes(config: dict):
     return _classes[module.Model], module.ModelArgs
 
 
+# Families with sliding-window layers that mlx-lm's module runs on plain KVCaches (so the
+# caches below cannot tell): which of their layers are local.
+_WINDOWED = {"gemma2": (0, "every other layer")}
+
+
 def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
     """One line naming the first layer a paged full-attention cache cannot hold, or None."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+    if model_type in _WINDOWED:
+        layer, which = _WINDOWED[model_type]
+        return (f"{model_type}: layer {layer} is sliding-window attention ({which}, window "
+                f"{config.get('sliding_window')}), which the paged cache does not hold "
+                "(it pages full-attention layers only); such models are refused")
     types = config.get("layer_types") or (config.get("text_config") or {}).get("layer_types") or []
     for i, c in enumerate(make_prompt_cache(model)):
         if type(c) is KVCache:

@@ -106,7 +106,7 @@ FAMILY_CONFIGS = {
     "phi3": {"architectures": ["Phi3ForCausalLM"], "hidden_size": 384, "num_key_value_heads": 4,
              "tie_word_embeddings": False},  # head_dim 96, as Phi-3-mini's
     "gemma": {"architectures": ["GemmaForCausalLM"], "num_key_value_heads": 1, "head_dim": 64},
-    "granite": {"architectures": ["GraniteForCausalLM"], "num_key_value_heads": 2, "logits_scaling": 2.0,
+    "granite": {"architectures": ["GraniteForCausalLM"], "num_key_value_heads": 2, "logits_scaling": 0.5,
                 "attention_multiplier": 0.1, "embedding_multiplier": 4.0, "residual_multiplier": 0.5,
                 "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False},
     "starcoder2": {"architectures": ["Starcoder2ForCausalLM"], "num_key_value_heads": 2, "norm_epsilon": 1e-5,
