@@ -176,3 +176,38 @@ def test_adapter_fails_loudly_if_attention_bypasses_it(family, monkeypatch):
     with pytest.raises(Exception, match=rf"AdapterError: \S+/{module.__name__.rsplit('.', 1)[-1]}\.py: \w+\.__call__"):
         run_all(engine)
     assert issubclass(AdapterError, MlxPagedError)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "phi3"])
+def test_generate_cli_gives_mlx_lm_greedy_tokens(name, tmp_path):
+    """`mlxpaged generate --model DIR --json --temp 0`, as a user runs it (its own process)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import mlx_lm
+
+    path = write_tiny_family(tmp_path / name, name)
+    cli = str(Path(sys.executable).with_name("mlxpaged"))
+    prompts = PROMPTS[:2]
+    r = subprocess.run([cli, "generate", "--model", str(path), "--json", "--temp", "0", "--no-chat", "-t", "16",
+                        "--ignore-eos", *[a for p in prompts for a in ("--prompt", p)]],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    ref_model, tok = mlx_lm.load(str(path))
+    got = [o["token_ids"] for o in json.loads(r.stdout)["outputs"]]
+    assert got == [contiguous_generate(ref_model, tok.encode(p), 16) for p in prompts], name
+
+
+def test_generate_cli_refuses_an_unsupported_model_in_one_line(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = _config(tmp_path / "m", "mamba", state_size=4, conv_kernel=4, use_bias=False, use_conv_bias=True,
+                   time_step_rank=4, tie_word_embeddings=True)
+    cli = str(Path(sys.executable).with_name("mlxpaged"))
+    r = subprocess.run([cli, "generate", "--model", str(path), "--prompt", "hi"], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    line = r.stderr.strip()
+    assert "\n" not in line and "mamba: layer 0 is" in line and "mlxpaged runs llama, mistral, qwen2" in line, line
