@@ -107,22 +107,24 @@ def _install_sdpa(module) -> None:
         raise AdapterError(f"{where} takes {params}, not {_SDPA_PARAMS}: the paged adapter needs updating")
 
     def _paged_sdpa(*args, **kwargs):
-        bound = inspect.signature(original).bind(*args, **kwargs)
-        cache = bound.arguments.get("cache")
+        cache = args[3] if len(args) > 3 else kwargs.get("cache")
         if isinstance(cache, PagedLayerCache):
-            a = bound.arguments
-            return cache.attend(a["queries"], a["scale"], a["mask"], a.get("sinks"))
+            a = dict(zip(params, args), **kwargs)  # the names were checked above (inspect's bind: ~40 us a call)
+            return cache.attend(a["queries"], a["scale"], a.get("mask"), a.get("sinks"))
         return original(*args, **kwargs)
 
     _paged_sdpa._mlxpaged = True
     module.scaled_dot_product_attention = _paged_sdpa
 
 
-class _NormRows(nn.Module):
+# The pass-only stand-ins below are plain callables, not modules: they are put in the module's
+# dict for one pass (`_swapped`) and hold no parameters.
+class _NormRows:
     """The final norm on only the rows whose logits are sampled (norm is per row)."""
 
+    __slots__ = ("norm", "rows")
+
     def __init__(self, norm: nn.Module, rows: mx.array):
-        super().__init__()
         self.norm = norm
         self.rows = rows
 
@@ -130,11 +132,12 @@ class _NormRows(nn.Module):
         return self.norm(h[self.rows])
 
 
-class _TabledRope(nn.Module):
+class _TabledRope:
     """A layer's `nn.RoPE` for one pass, from cosine/sine tables shared by every layer (rotary.py)."""
 
+    __slots__ = ("rotary",)
+
     def __init__(self, rotary: Rotary):
-        super().__init__()
         self.rotary = rotary
 
     def __call__(self, x: mx.array, offset=0) -> mx.array:
@@ -146,15 +149,16 @@ class _TabledRope(nn.Module):
 
 @contextmanager
 def _swapped(pairs):
-    """Set (module, name, value) attributes for the duration of one pass's graph building."""
-    old = [(m, k, getattr(m, k)) for m, k, _ in pairs]
+    """Replace child modules (module, name, stand-in) for the duration of one pass's graph
+    building. A module is a dict of its children, and attribute access reads that dict."""
+    old = [(m, k, m[k]) for m, k, _ in pairs]
     try:
         for m, k, v in pairs:
-            setattr(m, k, v)
+            m[k] = v
         yield
     finally:
         for m, k, v in old:
-            setattr(m, k, v)
+            m[k] = v
 
 
 class PagedModelMixin:
@@ -169,7 +173,7 @@ class PagedModelMixin:
         layers = self.layers
         caches = [PagedLayerCache(cache, i, meta) for i in range(len(layers))]
         swaps = [(self.model, "norm", _NormRows(self.model.norm, meta.logits_indices))]
-        swaps += _rope_swaps(layers, meta.positions)
+        swaps += _rope_swaps(self, meta.positions)
         with _swapped(swaps):
             logits = super().__call__(inputs[:, None], cache=caches)  # [S, 1, V]
         for c in caches:
@@ -181,17 +185,25 @@ class PagedModelMixin:
         return logits.reshape(logits.shape[0], -1)
 
 
-def _rope_swaps(layers, positions: mx.array) -> list:
+def _plain_ropes(layers) -> list:
+    """(attention module, its rope, the rope's settings) of every layer with a plain non-traditional `nn.RoPE`."""
+    out = []
+    for layer in layers:
+        attn = getattr(layer, "self_attn", None)
+        rope = attn.get("rope") if isinstance(attn, nn.Module) else None
+        if type(rope) is nn.RoPE and not rope.traditional:
+            out.append((attn, rope, (rope.dims, rope.base, rope.scale)))
+    return out
+
+
+def _rope_swaps(model, positions: mx.array) -> list:
     """On the CPU, plain RoPE layers share one pass's cos/sin tables (rotary.py: ~25 ops fewer per call)."""
     if mx.default_device() != mx.cpu:
         return []
+    if "_paged_ropes" not in model.__dict__:  # found once per model (an attribute, not a child module)
+        object.__setattr__(model, "_paged_ropes", _plain_ropes(model.layers))
     swaps, tables = [], {}
-    for layer in layers:
-        attn = getattr(layer, "self_attn", None)
-        rope = getattr(attn, "rope", None)
-        if type(rope) is not nn.RoPE or rope.traditional:
-            continue
-        key = (rope.dims, rope.base, rope.scale)
+    for attn, rope, key in model._paged_ropes:
         if key not in tables:
             tables[key] = _TabledRope(Rotary(rope, positions))
         swaps.append((attn, "rope", tables[key]))
