@@ -143,8 +143,7 @@ class _TabledRope:
     def __call__(self, x: mx.array, offset=0) -> mx.array:
         if offset is not self.rotary.positions:  # someone else's call: the plain rope
             return self.rotary.rope(x, offset=offset)
-        T, H, _, D = x.shape  # [T, heads, 1, head_dim]
-        return self.rotary(x.reshape(T, H, D)).reshape(T, H, 1, D)
+        return self.rotary(x)  # x [T, heads, 1, head_dim]
 
 
 @contextmanager
