@@ -36,7 +36,7 @@ def systems(loaded, ref, batch: int, context: int) -> dict:
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlxpaged import EngineConfig, LLMEngine, SamplingParams
-    from mlxpaged.attention import paged_layer
+    from mlxpaged.models.paged_adapter import PagedLayerCache
 
     rng = random.Random(0)
     vocab = loaded.model.args.vocab_size
@@ -55,28 +55,27 @@ def systems(loaded, ref, batch: int, context: int) -> dict:
     def paged():
         mx.eval(mx.argmax(engine.runner.forward(step), axis=-1), *cache.arrays)
 
-    real_call = paged_layer.PagedAttention.__call__
+    # The stubs replace the adapter's per-layer cache methods (models/paged_adapter.py).
+    real = (PagedLayerCache.update_and_fetch, PagedLayerCache.attend)
     args = loaded.model.args
     kv = mx.random.normal((batch, args.num_key_value_heads, context + 1, args.head_dim)).astype(loaded.dtype)
     mx.eval(kv)
 
-    def no_write(self, q, k, v, cache, meta):
-        out = paged_layer.paged_attention_varlen(q, cache.keys[self.layer_idx], cache.values[self.layer_idx],
-                                                 meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                                                 scale=self.scale, impl=meta.impl, scratch=meta.scratch)
-        return out.reshape(q.shape[0], -1)
+    def no_write(self, keys, values):
+        self.pools = (self.kv_cache.keys[self.layer], self.kv_cache.values[self.layer])
+        return keys, values
 
-    def contiguous(self, q, k, v, cache, meta):
-        out = mx.fast.scaled_dot_product_attention(q[:, :, None, :], kv, kv, scale=self.scale)
-        return out.reshape(q.shape[0], -1)
+    def contiguous(self, queries, scale, mask, sinks=None):
+        self.attended = True
+        return mx.fast.scaled_dot_product_attention(queries, kv, kv, scale=scale)  # [T, heads, 1, hd]: row t is sequence t
 
-    def stubbed(call):
+    def stubbed(write, attend):
         def run():
-            paged_layer.PagedAttention.__call__ = call
+            PagedLayerCache.update_and_fetch, PagedLayerCache.attend = write, attend
             try:
                 paged()
             finally:
-                paged_layer.PagedAttention.__call__ = real_call
+                PagedLayerCache.update_and_fetch, PagedLayerCache.attend = real
         return run
 
     ref_cache = make_prompt_cache(ref)
@@ -88,8 +87,8 @@ def systems(loaded, ref, batch: int, context: int) -> dict:
         for c in ref_cache:
             c.offset -= 1  # stay at `context` tokens: the next pass rewrites the same slot
 
-    return {"mlxpaged": paged, "mlx-lm": mlx_lm, "mlxpaged, no write": stubbed(no_write),
-            "mlxpaged, contiguous": stubbed(contiguous)}
+    return {"mlxpaged": paged, "mlx-lm": mlx_lm, "mlxpaged, no write": stubbed(no_write, real[1]),
+            "mlxpaged, contiguous": stubbed(no_write, contiguous)}
 
 
 def measure(runs: dict, iters: int, repeats: int) -> dict:

@@ -53,6 +53,7 @@ FILE_TIERS = {
     "test_kv_quant.py": "engine", "test_cli.py": "engine", "test_loader.py": "engine",
     "test_gguf_quantized.py": "engine", "test_bench_sharing.py": "engine", "test_bench.py": "engine", "test_prefix_disk.py": "engine",
     "test_kv_pool_growth.py": "engine", "test_bench_http.py": "server",
+    "test_families.py": "engine", "test_gguf_llama.py": "engine",
     "test_guided.py": "engine", "test_cli_knobs.py": "engine", "test_sampling_knobs.py": "engine", "test_notebooks.py": "engine",
     "test_real_model.py": "real_model",
     "test_metal_emu.py": "emulator", "test_metal_kernel.py": "emulator", "test_metal_kernel_v2.py": "emulator",

@@ -534,11 +534,11 @@ def _one_line(e: BaseException) -> str:
 
 
 def test_error_wrong_architecture(tmp_path):
-    p = tmp_path / "llama.gguf"
-    write_tiny_gguf(p, arch="llama")
+    p = tmp_path / "gemma2.gguf"
+    write_tiny_gguf(p, arch="gemma2")
     with pytest.raises(GGUFError) as e:
         convert_gguf(p, cache_dir=tmp_path / "c")
-    assert _one_line(e.value) == f"unsupported architecture 'llama' in {p}: mlxpaged supports qwen2"
+    assert _one_line(e.value) == f"unsupported architecture 'gemma2' in {p}: mlxpaged supports qwen2, qwen3, llama"
 
 
 @pytest.mark.parametrize("fraction", [0.002, 0.3, 0.9])

@@ -59,3 +59,14 @@ def test_other_ropes_call_the_module():
     scaled = Scaled(16)
     rot = Rotary(scaled, positions)
     assert not rot.tabled and mx.array_equal(rot(x), scaled(x[:, :, None], offset=positions)[:, :, 0]).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_tables_on_rows_of_one_token_equal_fast_rope(dtype):
+    """mlx-lm's layout `[T, heads, 1, head_dim]` (the paged adapter's rows of one token)."""
+    rope = nn.RoPE(64, base=1e4)
+    positions = mx.array(np.random.default_rng(5).integers(0, 4096, 9).astype(np.int32))
+    x = mx.random.normal((9, 4, 1, 64), key=mx.random.key(3)).astype(dtype)
+    rot = Rotary(rope, positions)
+    assert mx.array_equal(rot(x), rope(x, offset=positions)).item()
+    assert mx.array_equal(rot(x[:, :, 0]), rope(x, offset=positions)[:, :, 0]).item()  # both layouts, one Rotary

@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import MlxPagedError
-from ..loading.loader import DTYPES, SUPPORTED_MODEL_TYPES, WEIGHTS, LoadedModel, default_dtype, default_weights, resolve_model_path
+from ..loading.loader import DTYPES, WEIGHTS, LoadedModel, default_dtype, default_weights, resolve_model_path
 from .collectives import barrier
 from .sharding import check_shardable, shard_axis, shard_model
 
@@ -59,7 +59,7 @@ def _read_slice(file: Path, start: int, entry: dict, axis: int | None, rank: int
 
 
 def load_shard(model: str | None, dtype: str | None, weights: str | None, group) -> LoadedModel:
-    """This rank's tensor-parallel shard of a Qwen2 checkpoint (see models/sharding.py).
+    """This rank's tensor-parallel shard of a checkpoint of a supported family (see sharding.py).
 
     The model is built lazily (its random initial weights are never evaluated), sharded, and
     filled with the slices this rank reads from the checkpoint's safetensors, so a rank never
@@ -68,7 +68,7 @@ def load_shard(model: str | None, dtype: str | None, weights: str | None, group)
     """
     from mlx_lm.utils import load_tokenizer
 
-    from ..models import qwen2
+    from ..models import paged_adapter
 
     if dtype not in (None, "auto") and dtype not in DTYPES:
         raise MlxPagedError(f"unknown dtype '{dtype}': use auto, {', '.join(DTYPES)}")
@@ -85,11 +85,11 @@ def load_shard(model: str | None, dtype: str | None, weights: str | None, group)
         config = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise MlxPagedError(f"cannot read {path / 'config.json'}: {e}") from None
-    if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
-        raise MlxPagedError(f"unsupported architecture '{config.get('model_type')}' in {path / 'config.json'}: mlxpaged runs qwen2 (Qwen2, Qwen2.5)")
+    paged_adapter.check_family(config.get("model_type"), config, path / "config.json")
     check_shardable(config, world)
     index = _safetensors_index(path)
-    net = qwen2.Model(qwen2.ModelArgs.from_dict(config))
+    model_class, args_class = paged_adapter.model_classes(config)
+    net = paged_adapter.prepare(model_class(args_class.from_dict(config)), config, path / "config.json")
     quant = config.get("quantization")
     if quant:
         if explicit and weights == "float":

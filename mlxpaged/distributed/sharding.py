@@ -1,6 +1,8 @@
-"""Tensor parallelism for the Qwen2 `Model`: shard its layers over an `mx.distributed` group.
+"""Tensor parallelism for an mlx-lm family `Model`: shard its layers over an `mx.distributed` group.
 
-Megatron's split, with mlx.nn's sharded layers (`mlx.nn.layers.distributed.shard_linear`):
+A family whose mlx-lm module has its own `Model.shard()` (llama, mistral, qwen2, qwen3) is
+sharded by it; the others with separate q/k/v and gate/up projections are sharded here, the same
+way. Both are Megatron's split, with mlx.nn's sharded layers (`mlx.nn.layers.distributed.shard_linear`):
 - q/k/v and gate/up are column-sharded ("all-to-sharded"): rank r computes heads
   [r*H/W, (r+1)*H/W) and KV heads [r*KV/W, (r+1)*KV/W), so grouped-query attention stays local
   (q head h reads KV head h // (H/KV), which lies on the same rank);
@@ -27,7 +29,7 @@ ROW = ("o_proj", "down_proj")  # input features split, then all_sum
 
 def check_shardable(config: dict, world: int) -> None:
     """One-line error unless `world` divides the KV heads (and so the query heads and the MLP)."""
-    kv = config["num_key_value_heads"]
+    kv = config.get("num_key_value_heads") or config["num_attention_heads"]
     heads = config["num_attention_heads"]
     inter = config["intermediate_size"]
     if kv % world:
@@ -54,6 +56,17 @@ def shard_axis(name: str) -> int | None:
     return None
 
 
+def _shardable_here(model: nn.Module) -> bool:
+    """Every block has the projections `COLUMN` and `ROW` name (so the split above applies), and
+    no q/k norm spans all heads (olmo2's would need the heads of every rank)."""
+    hd = model.args.head_dim
+    return all(all(hasattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+               and all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
+               and all(getattr(layer.self_attn, n).weight.shape[-1] == hd
+                       for n in ("q_norm", "k_norm") if hasattr(layer.self_attn, n))
+               for layer in model.layers)
+
+
 def shard_model(model: nn.Module, group: mx.distributed.Group) -> nn.Module:
     """Replace the linear layers of every block by their sharded versions, in place.
 
@@ -64,19 +77,24 @@ def shard_model(model: nn.Module, group: mx.distributed.Group) -> nn.Module:
     world = group.size()
     args = model.args
     check_shardable(vars(args), world)
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(attn, name, shard_linear(getattr(attn, name), "all-to-sharded", group=group))
-        attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
-        for name in ("gate_proj", "up_proj"):
-            setattr(mlp, name, shard_linear(getattr(mlp, name), "all-to-sharded", group=group))
-        mlp.down_proj = shard_linear(mlp.down_proj, "sharded-to-all", group=group)
-        # The heads this rank computes, and so the KV heads its pool stores.
-        attn.n_heads //= world
-        attn.n_kv_heads //= world
-        attn.attn.num_heads = attn.n_heads
-        attn.attn.num_kv_heads = attn.n_kv_heads
+    if not _shardable_here(model):
+        raise MlxPagedError(f"tensor parallelism does not support model_type {args.model_type!r} "
+                            "(its layers lack separate q/k/v/o and gate/up/down projections, or norm all heads "
+                            "together); run it on one process")
+    if hasattr(type(model), "shard"):  # mlx-lm's own split (the same one, see the module docstring)
+        model.shard(group)
+    else:
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for name in ("q_proj", "k_proj", "v_proj"):
+                setattr(attn, name, shard_linear(getattr(attn, name), "all-to-sharded", group=group))
+            attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
+            for name in ("gate_proj", "up_proj"):
+                setattr(mlp, name, shard_linear(getattr(mlp, name), "all-to-sharded", group=group))
+            mlp.down_proj = shard_linear(mlp.down_proj, "sharded-to-all", group=group)
+            # The heads this rank computes, and so the KV heads its pool stores.
+            attn.n_heads //= world
+            attn.n_kv_heads //= world
     model.num_local_kv_heads = args.num_key_value_heads // world
     model.tp_group = group
     return model

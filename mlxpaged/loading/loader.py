@@ -1,7 +1,8 @@
 """Find a model (local directory, GGUF file, Hugging Face repo id, or the offline default) and load it.
 
-The weights go into mlxpaged's own Qwen2 modules through mlx-lm's loader, which also handles
-mlx-community quantized checkpoints; the tokenizer (with its chat template and streaming
+The weights go into mlx-lm's own model modules (`mlx_lm.models.<family>`, run on the paged
+cache by models/paged_adapter.py) through mlx-lm's loader, which also handles mlx-community
+quantized checkpoints; the tokenizer (with its chat template and streaming
 detokenizer) is mlx-lm's wrapper.
 
 Weights (``load(..., weights=)``): "quantized" keeps a GGUF's block weights as MLX quantized
@@ -22,7 +23,7 @@ import mlx.nn as nn
 
 from ..errors import MlxPagedError
 
-SUPPORTED_MODEL_TYPES = ("qwen2",)
+from ..models.paged_adapter import FAMILIES as SUPPORTED_MODEL_TYPES  # noqa: E402
 HUB_DEFAULT = "mlx-community/Qwen2.5-0.5B-Instruct-4bit"
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 WEIGHTS = ("auto", "quantized", "float")
@@ -151,7 +152,7 @@ def load(model: str | None = None, dtype: str | None = None, weights: str | None
     `weights` is "quantized", "float", or None/"auto" (see `default_weights`)."""
     from mlx_lm.utils import load_model, load_tokenizer
 
-    from ..models import qwen2
+    from ..models import paged_adapter
 
     if dtype not in (None, "auto") and dtype not in DTYPES:
         raise MlxPagedError(f"unknown dtype '{dtype}': use auto, {', '.join(DTYPES)}")
@@ -163,13 +164,10 @@ def load(model: str | None = None, dtype: str | None = None, weights: str | None
         config = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise MlxPagedError(f"cannot read {path / 'config.json'}: {e}") from None
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise MlxPagedError(
-            f"unsupported architecture '{model_type}' in {path / 'config.json'}: mlxpaged runs qwen2 (Qwen2, Qwen2.5)"
-        )
+    paged_adapter.check_family(config.get("model_type"), config, path / "config.json")
     try:
-        net, config = load_model(path, get_model_classes=lambda config: (qwen2.Model, qwen2.ModelArgs))
+        net, config = load_model(path, get_model_classes=paged_adapter.model_classes)
+        paged_adapter.prepare(net, config, path / "config.json")
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except FileNotFoundError as e:
         raise MlxPagedError(f"incomplete checkpoint {path}: {e}") from None

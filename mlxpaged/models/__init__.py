@@ -1,1 +1,1 @@
-"""Model architectures written against the paged KV cache."""
+"""mlx-lm's model modules on the paged KV cache (paged_adapter.py); RoPE tables (rotary.py)."""

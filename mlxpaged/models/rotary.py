@@ -19,24 +19,30 @@ import mlx.nn as nn
 
 class Rotary:
     """`rotary(x)` rotates x `[T, heads, head_dim]` (token t at `positions[t]`) as
-    `rope(x[:, :, None], offset=positions)[:, :, 0]`; the tables are built on first use per dtype."""
+    `rope(x[:, :, None], offset=positions)[:, :, 0]`, and x `[T, heads, 1, head_dim]` (mlx-lm's
+    layout of T rows of one token) as `rope(x, offset=positions)`; the tables are built on first
+    use per dtype and layout."""
 
     def __init__(self, rope: nn.Module, positions: mx.array):
         self.rope = rope
         self.positions = positions
         self.tabled = type(rope) is nn.RoPE and not rope.traditional and mx.default_device() == mx.cpu
-        self._tables: dict = {}  # dtype -> (cos, sin), each [T, 1, dims / 2]
+        self._tables: dict = {}  # (dtype, ndim) -> (cos, sin), each [T, 1, dims / 2] or [T, 1, 1, dims / 2]
 
     def __call__(self, x: mx.array) -> mx.array:
         if not self.tabled:  # each token a batch row of one position, as rope's offsets are per row
+            if x.ndim == 4:
+                return self.rope(x, offset=self.positions)
             return self.rope(x[:, :, None, :], offset=self.positions)[:, :, 0, :]
         half = self.rope.dims // 2
-        if x.dtype not in self._tables:
+        key = (x.dtype, x.ndim)
+        if key not in self._tables:
             probe = mx.concatenate([mx.ones((half,), x.dtype), mx.zeros((half,), x.dtype)])
             rot = self.rope(mx.broadcast_to(probe, (x.shape[0], 1, 1, 2 * half)), offset=self.positions)
-            rot = rot.reshape(x.shape[0], 1, 2 * half)
-            self._tables[x.dtype] = (rot[..., :half], rot[..., half:])  # 1*cos - 0*sin, 1*sin + 0*cos
-        cos, sin = self._tables[x.dtype]
+            if x.ndim == 3:
+                rot = rot.reshape(x.shape[0], 1, 2 * half)
+            self._tables[key] = (rot[..., :half], rot[..., half:])  # 1*cos - 0*sin, 1*sin + 0*cos
+        cos, sin = self._tables[key]
         x1, x2 = x[..., :half], x[..., half : 2 * half]
         parts = [x1 * cos - x2 * sin, x1 * sin + x2 * cos]
         if 2 * half < x.shape[-1]:

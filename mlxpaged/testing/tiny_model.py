@@ -111,3 +111,68 @@ def write_tiny_qwen2(path: Path, *, seed: int = 0, hidden: int = 256, layers: in
         })
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     return path
+
+
+# Per family: a small config in its checkpoint's own terms (head_dim = 256 / 4 = 64 unless set).
+FAMILY_CONFIGS = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "num_key_value_heads": 2, "tie_word_embeddings": False,
+              "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 256}},
+    "mistral": {"architectures": ["MistralForCausalLM"], "num_attention_heads": 8, "num_key_value_heads": 2,
+                "tie_word_embeddings": False, "sliding_window": None},  # head_dim 32
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "num_key_value_heads": 2, "tie_word_embeddings": False},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "num_key_value_heads": 2, "head_dim": 128,
+              "tie_word_embeddings": True},
+    "phi3": {"architectures": ["Phi3ForCausalLM"], "hidden_size": 384, "num_key_value_heads": 4,
+             "tie_word_embeddings": False},  # head_dim 96, as Phi-3-mini's
+    "gemma": {"architectures": ["GemmaForCausalLM"], "num_key_value_heads": 1, "head_dim": 64},
+    "granite": {"architectures": ["GraniteForCausalLM"], "num_key_value_heads": 2, "logits_scaling": 0.5,
+                "attention_multiplier": 0.1, "embedding_multiplier": 4.0, "residual_multiplier": 0.5,
+                "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False},
+    "starcoder2": {"architectures": ["Starcoder2ForCausalLM"], "num_key_value_heads": 2, "norm_epsilon": 1e-5,
+                   "tie_word_embeddings": False},
+    "olmo2": {"architectures": ["Olmo2ForCausalLM"], "num_key_value_heads": 2, "tie_word_embeddings": False},
+}
+
+
+def write_tiny_family(path: Path, model_type: str, *, seed: int = 0, layers: int = 2,
+                      logit_scale: float = 4.0, **overrides) -> Path:
+    """A tiny random checkpoint of an mlx-lm family, built by mlx-lm's own `ModelArgs` and `Model`.
+
+    The weights are the model's own parameter tree (so its names are the checkpoint's), redrawn
+    from a seeded normal: matrices at 1/sqrt(fan-in), norms at one, the output layer (or a tied
+    embedding) scaled so greedy choices are far from ties.
+    """
+    from mlx.utils import tree_flatten
+
+    from ..models.paged_adapter import family_module
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = write_tokenizer(path)
+    eos = json.loads((path / "tokenizer.json").read_text())["added_tokens"][2]["id"]
+    config = {"model_type": model_type, "hidden_size": 256, "num_hidden_layers": layers, "intermediate_size": 512,
+              "num_attention_heads": 4, "rms_norm_eps": 1e-6, "vocab_size": vocab, "max_position_embeddings": 4096,
+              "rope_theta": 10000.0, "torch_dtype": "float32", "eos_token_id": eos,
+              **FAMILY_CONFIGS.get(model_type, {}), **overrides}
+    config = {k: v for k, v in config.items() if v is not None}
+    module = family_module(model_type)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    rng = np.random.default_rng(seed)
+    hidden = config["hidden_size"]
+    weights = {}
+    for name, p in tree_flatten(model.parameters()):
+        if "norm" in name and p.ndim == 1:  # norm weights one (gemma's RMSNorm adds its own one), biases zero
+            a = np.zeros(p.shape) if (name.endswith("bias") or model_type == "gemma") else np.ones(p.shape)
+        elif p.ndim == 1:
+            a = rng.normal(0, 0.1, size=p.shape)
+        elif name.endswith("embed_tokens.weight"):
+            tied = config.get("tie_word_embeddings", True)
+            a = rng.normal(0, logit_scale * hidden ** -0.5 if tied else 1.0, size=p.shape)
+        elif name == "lm_head.weight":
+            a = rng.normal(0, logit_scale * hidden ** -0.5, size=p.shape)
+        else:
+            a = rng.normal(0, p.shape[-1] ** -0.5, size=p.shape)
+        weights[name] = mx.array(a.astype(np.float32))
+    (path / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return path

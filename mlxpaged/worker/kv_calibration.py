@@ -19,7 +19,7 @@ import numpy as np
 
 from ..attention.metadata import AttentionMetadata
 
-CALIBRATION_TEXT = Path(__file__).parent.parent / "data" / "kv_calibration.txt"
+CALIBRATION_TEXT = Path(__file__).resolve().parent.parent / "data" / "kv_calibration.txt"
 MIN_RELATIVE_STD = 1e-3  # a channel that never moves keeps a floor: its keys stay finite after dividing
 
 

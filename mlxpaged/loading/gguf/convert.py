@@ -1,4 +1,4 @@
-"""Convert a qwen2 GGUF into a Hugging Face-style checkpoint directory, cached.
+"""Convert a qwen2, qwen3 or llama GGUF into a Hugging Face-style checkpoint directory, cached.
 
 The directory holds ``config.json``, ``model.safetensors`` (HF tensor names),
 ``tokenizer.json``, ``tokenizer_config.json`` and ``generation_config.json``; it
@@ -48,7 +48,15 @@ WEIGHTS = ("float", "quantized")
 # and its F32 tensors are exactly representable in float16.
 DEFAULT_DTYPE = "float16"
 
-SUPPORTED_ARCHITECTURES = ("qwen2",)
+SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "llama")
+# Per architecture: the checkpoint's model_type and class, and the per-layer tensors it must have.
+_ARCH = {
+    "qwen2": ("qwen2", "Qwen2ForCausalLM", ("attn_q.bias", "attn_k.bias", "attn_v.bias")),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM", ("attn_q_norm.weight", "attn_k_norm.weight")),
+    "llama": ("llama", "LlamaForCausalLM", ()),
+}
+_PLAIN_LAYER = ("attn_norm.weight", "ffn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+                "attn_output.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
 
 _LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -60,6 +68,8 @@ _LAYER_TENSORS = {
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -155,11 +165,12 @@ def _model_config(g: GGUFFile, vocab_size: int, tied: bool, dtype: str) -> dict[
     n_heads = int(key("attention.head_count"))
     n_kv = int(key("attention.head_count_kv", n_heads))
     head_dim = int(md.get(f"{arch}.attention.key_length", hidden // n_heads))
-    if head_dim * n_heads != hidden:
+    if head_dim * n_heads != hidden and arch == "qwen2":  # qwen2 has no head_dim setting
         raise GGUFError(f"{g.name}: head size {head_dim} x {n_heads} heads != hidden size {hidden}; not supported")
+    model_type, cls, _ = _ARCH[arch]
     config: dict[str, Any] = {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
+        "architectures": [cls],
+        "model_type": model_type,
         "hidden_size": hidden,
         "num_hidden_layers": int(key("block_count")),
         "intermediate_size": int(key("feed_forward_length")),
@@ -172,8 +183,14 @@ def _model_config(g: GGUFFile, vocab_size: int, tied: bool, dtype: str) -> dict[
         "tie_word_embeddings": tied,
         "torch_dtype": dtype,
         "hidden_act": "silu",
-        "use_sliding_window": False,
     }
+    if arch == "qwen2":
+        config["use_sliding_window"] = False
+    else:
+        config["head_dim"] = head_dim
+    if arch == "llama":
+        config["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
+        config["mlp_bias"] = False
     scaling = md.get(f"{arch}.rope.scaling.type")
     if scaling and scaling != "none":
         config["rope_scaling"] = {
@@ -207,7 +224,7 @@ def _hf_name(gguf_name: str, n_layers: int, file: str) -> str:
         if int(parts[1]) >= n_layers:
             raise GGUFError(f"{file}: tensor {gguf_name!r} beyond block_count {n_layers}")
         return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
-    raise GGUFError(f"{file}: unexpected tensor {gguf_name!r} for a qwen2 model")
+    raise GGUFError(f"{file}: unexpected tensor {gguf_name!r} for this model")
 
 
 def _decide_tie(g: GGUFFile) -> tuple[bool, str]:
@@ -235,7 +252,7 @@ def _check_architecture(g: GGUFFile) -> None:
     if arch is None:
         raise GGUFError(f"{g.name}: no general.architecture in the GGUF metadata")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise GGUFError(f"unsupported architecture {arch!r} in {g.name}: mlxpaged supports qwen2")
+        raise GGUFError(f"unsupported architecture {arch!r} in {g.name}: mlxpaged supports {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
 def _write_checkpoint(g: GGUFFile, out: Path, dtype: str, sha256: str, weights_mode: str = "float") -> None:
@@ -254,21 +271,29 @@ def _write_checkpoint(g: GGUFFile, out: Path, dtype: str, sha256: str, weights_m
     config = _model_config(g, vocab_size, tied, dtype)
     mx_dtype = getattr(mx, dtype)
 
+    if "rope_freqs.weight" in g.tensors:
+        config["rope_scaling"] = _llama3_rope_scaling(g, config)
+    per_layer = _PLAIN_LAYER + _ARCH[arch][2]
+    if arch == "llama" and config["attention_bias"]:
+        per_layer += ("attn_q.bias", "attn_k.bias", "attn_v.bias")
     expected = {"model.embed_tokens.weight", "model.norm.weight"} | {
-        f"model.layers.{i}.{v}" for i in range(n_layers) for v in _LAYER_TENSORS.values()
+        f"model.layers.{i}.{_LAYER_TENSORS[t]}" for i in range(n_layers) for t in per_layer
     }
     if not tied:
         expected.add("lm_head.weight")
     sources = {
         _hf_name(name, n_layers, g.name): name
         for name in g.tensors
-        if not (tied and name in ("token_embd.weight", "output.weight"))
+        if not (tied and name in ("token_embd.weight", "output.weight")) and name != "rope_freqs.weight"
     }
     if tied:
         sources["model.embed_tokens.weight"] = embed_src
     missing = sorted(expected - sources.keys())
     if missing:
-        raise GGUFError(f"{g.name}: incomplete qwen2 GGUF, {len(missing)} tensors missing (first: {missing[0]})")
+        raise GGUFError(f"{g.name}: incomplete {arch} GGUF, {len(missing)} tensors missing (first: {missing[0]})")
+    unexpected = sorted(sources.keys() - expected - {"lm_head.weight"})
+    if unexpected:
+        raise GGUFError(f"{g.name}: unexpected tensor {sources[unexpected[0]]!r} for a {arch} model")
     _check_shapes({hf: g.tensors[src].shape for hf, src in sources.items()}, config, g.name)
     report = None
     if weights_mode == "quantized":
@@ -278,6 +303,8 @@ def _write_checkpoint(g: GGUFFile, out: Path, dtype: str, sha256: str, weights_m
         config["quantization"] = config["quantization_config"] = quantization
     else:
         weights = {hf: mx.array(g.dequantize(src)).astype(mx_dtype) for hf, src in sources.items()}
+    if arch == "llama":
+        _undo_qk_permutation(weights, config)
     mx.eval(weights)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     del weights
@@ -316,13 +343,54 @@ def _write_checkpoint(g: GGUFFile, out: Path, dtype: str, sha256: str, weights_m
     _write_json_atomic(out / MARKER, marker)
 
 
+def _llama_rows(rows: int, heads: int) -> "np.ndarray":
+    """The row order that undoes llama.cpp's Q/K permutation (convert_hf_to_gguf.py's
+    `LlamaModel.permute`): each head's rows there are (pair, half) interleaved, here (half, pair)."""
+    gguf_of_hf = np.arange(rows).reshape(heads, 2, rows // heads // 2).swapaxes(1, 2).reshape(rows)
+    return np.argsort(gguf_of_hf)
+
+
+def _undo_qk_permutation(weights: dict, config: dict) -> None:
+    """Put the rows of every q_proj / k_proj tensor (weight, bias, quantized scales and biases) back
+    in Hugging Face order. Row order commutes with quantization: a row's blocks stay whole."""
+    import mlx.core as mx
+
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    for name in list(weights):
+        layer = name.split(".")[-2] if "." in name else ""
+        if layer in heads:
+            a = weights[name]
+            weights[name] = a[mx.array(_llama_rows(a.shape[0], heads[layer]))]
+
+
+def _llama3_rope_scaling(g: GGUFFile, config: dict) -> dict:
+    """Llama 3.1+ keep their RoPE frequency factors as a tensor (rope_freqs.weight); mlx-lm's
+    llama takes the four settings they are computed from. Find the settings whose factors
+    these are (Llama 3.1's and 3.2's), or refuse the file in one line."""
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    factors = np.asarray(g.dequantize("rope_freqs.weight"), dtype=np.float64).reshape(-1)
+    dims, base = config["head_dim"], config["rope_theta"]
+    for factor in (8.0, 32.0, 16.0, 4.0, 2.0):
+        for orig in (8192, 4096, 2048):
+            rs = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": orig}
+            rope = Llama3RoPE(dims, config["max_position_embeddings"], False, base, rs)
+            plain = base ** (np.arange(0, dims, 2) / dims)
+            if factors.shape == plain.shape and np.allclose(np.array(rope._freqs) / plain, factors, rtol=1e-4):
+                return rs
+    raise GGUFError(f"{g.name}: rope_freqs.weight matches no Llama 3 RoPE scaling mlxpaged knows")
+
+
 def _check_shapes(shapes: dict[str, tuple[int, ...]], config: dict, name: str) -> None:
     h, f = config["hidden_size"], config["intermediate_size"]
-    hd = h // config["num_attention_heads"]
+    hd = config.get("head_dim") or h // config["num_attention_heads"]
+    q = config["num_attention_heads"] * hd
     kv = config["num_key_value_heads"] * hd
     want = {
-        "q_proj.weight": (h, h), "q_proj.bias": (h,), "k_proj.weight": (kv, h), "k_proj.bias": (kv,),
-        "v_proj.weight": (kv, h), "v_proj.bias": (kv,), "o_proj.weight": (h, h),
+        "q_proj.weight": (q, h), "q_proj.bias": (q,), "k_proj.weight": (kv, h), "k_proj.bias": (kv,),
+        "v_proj.weight": (kv, h), "v_proj.bias": (kv,), "o_proj.weight": (h, q), "q_norm.weight": (hd,),
+        "k_norm.weight": (hd,),
         "gate_proj.weight": (f, h), "up_proj.weight": (f, h), "down_proj.weight": (h, f),
         "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
     }
@@ -359,7 +427,7 @@ def convert_gguf(
     force: bool = False,
     weights: str = "float",
 ) -> Path:
-    """Convert a qwen2 GGUF to a checkpoint directory and return its path.
+    """Convert a qwen2, qwen3 or llama GGUF to a checkpoint directory and return its path.
 
     The directory is ``<root>/converted/<sha256[:16]>`` (``-<dtype>`` appended
     for a dtype other than float16), with root = ``cache_dir``, else

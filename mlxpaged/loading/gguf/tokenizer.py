@@ -30,8 +30,11 @@ QWEN2_PRETOKENIZE_REGEX = (
 # llama.cpp's token types (gguf.TokenType).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
-# Pre-tokenizer names llama.cpp gives Qwen2-family vocabularies that split like Qwen2.
-_QWEN2_PRE = {"qwen2"}
+# Llama 3's split (its tokenizer.json; llama.cpp's LLAMA_VOCAB_PRE_TYPE_LLAMA3): as Qwen2's,
+# but digits go in runs of up to three.
+LLAMA3_PRETOKENIZE_REGEX = QWEN2_PRETOKENIZE_REGEX.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+# llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) -> the split they stand for.
+PRETOKENIZE_REGEX = {"qwen2": QWEN2_PRETOKENIZE_REGEX, "llama-bpe": LLAMA3_PRETOKENIZE_REGEX}
 
 # Chat models stop at either of these; llama.cpp's end-of-generation list has them too.
 _END_TOKENS = ("<|im_end|>", "<|endoftext|>")
@@ -44,8 +47,8 @@ def _vocab_arrays(md: dict[str, Any], name: str) -> tuple[list[str], list[int], 
     if model != "gpt2":
         raise GGUFError(f"{name}: unsupported tokenizer model {model!r} (mlxpaged reads byte-level BPE, 'gpt2')")
     pre = md.get("tokenizer.ggml.pre", "qwen2")
-    if pre not in _QWEN2_PRE:
-        raise GGUFError(f"{name}: unsupported pre-tokenizer {pre!r} (mlxpaged supports 'qwen2')")
+    if pre not in PRETOKENIZE_REGEX:
+        raise GGUFError(f"{name}: unsupported pre-tokenizer {pre!r} (mlxpaged supports {', '.join(map(repr, PRETOKENIZE_REGEX))})")
     tokens = md.get("tokenizer.ggml.tokens")
     merges = md.get("tokenizer.ggml.merges")
     if not tokens or merges is None:
@@ -87,7 +90,7 @@ def tokenizer_from_metadata(md: dict[str, Any], name: str = "<gguf>") -> Tokeniz
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX[md.get("tokenizer.ggml.pre", "qwen2")]), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
         ]
     )

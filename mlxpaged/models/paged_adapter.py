@@ -1,0 +1,287 @@
+"""Run mlx-lm's own model modules (`mlx_lm.models.<family>`) on the paged KV cache.
+
+Every attention layer of the supported families does, in `mlx_lm/models/<family>.py`:
+
+    queries = self.rope(queries, offset=cache.offset)
+    keys = self.rope(keys, offset=cache.offset)
+    keys, values = cache.update_and_fetch(keys, values)
+    output = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
+
+A step's T packed new tokens enter as T batch rows of length one (ids `[T, 1]`): nothing is
+padded, and `cache.offset` can be the per-token positions, as `mx.fast.rope` takes one offset
+per batch row. Each layer gets a `PagedLayerCache`, whose `update_and_fetch` writes the new K/V
+into the pool through the slot mapping; the family module's `scaled_dot_product_attention`
+(replaced once per module by `_paged_sdpa`, which hands any other cache to mlx-lm's function)
+then runs `paged_attention_varlen` over the step's `AttentionMetadata`. Only the rows at
+`meta.logits_indices` reach the output layer (the final norm gathers them first).
+
+If a future mlx-lm stops making these calls, the first pass raises `AdapterError` naming the
+file and function, instead of attending to nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from contextlib import contextmanager
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..attention import paged_attention_varlen
+from ..attention.metadata import AttentionMetadata
+from ..errors import MlxPagedError
+from .rotary import Rotary
+
+# Families whose every layer is full attention through the calls above, each tested
+# (tests/test_families.py). Checkpoints name them by `model_type`.
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "granite", "olmo2", "starcoder2")
+_SDPA_PARAMS = ["queries", "keys", "values", "cache", "scale", "mask"]
+
+
+class AdapterError(MlxPagedError):
+    """mlx-lm's model code no longer makes the calls the adapter relies on."""
+
+
+def family_module(model_type: str):
+    """`mlx_lm.models.<module>` for a checkpoint's model_type (mlx-lm's own remapping: mistral -> llama)."""
+    from mlx_lm import utils
+
+    name = getattr(utils, "MODEL_REMAPPING", {}).get(model_type, model_type)
+    return importlib.import_module(f"mlx_lm.models.{name}")
+
+
+class PagedLayerCache:
+    """What one mlx-lm attention layer sees as its cache during one paged pass."""
+
+    def __init__(self, kv_cache, layer: int, meta: AttentionMetadata):
+        self.kv_cache = kv_cache
+        self.layer = layer
+        self.meta = meta
+        self.offset = meta.positions  # [T]: one RoPE offset per batch row, i.e. per token
+        self.pools = None  # this layer's (k_pool, v_pool) after the write
+        self.attended = False
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        # Rows of length one need no mask; causality lives in the block tables and context_lens.
+        if window_size is not None:
+            raise AdapterError("mlx_lm base.create_attention_mask: a sliding-window mask was asked of the paged cache")
+        return None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """keys, values `[T, kv_heads, 1, head_dim]` (post-RoPE): written at the step's slots."""
+        if keys.ndim != 4 or keys.shape[2] != 1 or keys.shape[0] != self.offset.shape[0]:
+            raise AdapterError(f"cache.update_and_fetch got keys {keys.shape}; the paged adapter feeds "
+                               f"[T={self.offset.shape[0]}, kv_heads, 1, head_dim] (rows of one token)")
+        T, kvh, _, hd = keys.shape
+        self.pools = self.kv_cache.write(self.layer, keys.reshape(T, kvh, hd), values.reshape(T, kvh, -1),
+                                         self.meta.slot_mapping)
+        return keys, values
+
+    def attend(self, queries: mx.array, scale: float, mask, sinks=None) -> mx.array:
+        """queries `[T, heads, 1, head_dim]` -> `[T, heads, 1, head_dim]` over the paged pools."""
+        if self.pools is None:
+            raise AdapterError("scaled_dot_product_attention was called before cache.update_and_fetch")
+        if sinks is not None or not (mask is None or isinstance(mask, str)):
+            raise AdapterError("scaled_dot_product_attention got attention sinks or an explicit mask; "
+                               "the paged cache supports plain causal attention only")
+        T, H, _, D = queries.shape
+        q = self.kv_cache.scale_queries(self.layer, queries.reshape(T, H, D))
+        m = self.meta
+        out = paged_attention_varlen(q, *self.pools, m.block_tables, m.cu_seqlens_q, m.context_lens,
+                                     scale=scale, impl=m.impl, scratch=m.scratch)
+        self.attended = True
+        return out.reshape(T, H, 1, D)
+
+
+def _install_sdpa(module) -> None:
+    """Route `module.scaled_dot_product_attention` to the paged cache for a `PagedLayerCache`."""
+    where = f"{module.__file__}: scaled_dot_product_attention"
+    original = getattr(module, "scaled_dot_product_attention", None)
+    if original is None:
+        raise AdapterError(f"{where} is not defined: mlx-lm changed how {module.__name__} calls attention")
+    if getattr(original, "_mlxpaged", False):
+        return
+    params = list(inspect.signature(original).parameters)
+    if params[: len(_SDPA_PARAMS)] != _SDPA_PARAMS:
+        raise AdapterError(f"{where} takes {params}, not {_SDPA_PARAMS}: the paged adapter needs updating")
+
+    def _paged_sdpa(*args, **kwargs):
+        cache = args[3] if len(args) > 3 else kwargs.get("cache")
+        if isinstance(cache, PagedLayerCache):
+            a = dict(zip(params, args), **kwargs)  # the names were checked above (inspect's bind: ~40 us a call)
+            return cache.attend(a["queries"], a["scale"], a.get("mask"), a.get("sinks"))
+        return original(*args, **kwargs)
+
+    _paged_sdpa._mlxpaged = True
+    module.scaled_dot_product_attention = _paged_sdpa
+
+
+# The pass-only stand-ins below are plain callables, not modules: they are put in the module's
+# dict for one pass (`_swapped`) and hold no parameters.
+class _NormRows:
+    """The final norm on only the rows whose logits are sampled (norm is per row)."""
+
+    __slots__ = ("norm", "rows")
+
+    def __init__(self, norm: nn.Module, rows: mx.array):
+        self.norm = norm
+        self.rows = rows
+
+    def __call__(self, h: mx.array) -> mx.array:
+        return self.norm(h[self.rows])
+
+
+class _TabledRope:
+    """A layer's `nn.RoPE` for one pass, from cosine/sine tables shared by every layer (rotary.py)."""
+
+    __slots__ = ("rotary",)
+
+    def __init__(self, rotary: Rotary):
+        self.rotary = rotary
+
+    def __call__(self, x: mx.array, offset=0) -> mx.array:
+        if offset is not self.rotary.positions:  # someone else's call: the plain rope
+            return self.rotary.rope(x, offset=offset)
+        return self.rotary(x)  # x [T, heads, 1, head_dim]
+
+
+@contextmanager
+def _swapped(pairs):
+    """Replace child modules (module, name, stand-in) for the duration of one pass's graph
+    building. A module is a dict of its children, and attribute access reads that dict."""
+    old = [(m, k, m[k]) for m, k, _ in pairs]
+    try:
+        for m, k, v in pairs:
+            m[k] = v
+        yield
+    finally:
+        for m, k, v in old:
+            m[k] = v
+
+
+class PagedModelMixin:
+    """Mixed into a family's `Model`: `model(ids [T], paged_kv_cache, meta)` -> logits `[S, V]`.
+
+    Called with anything else it is mlx-lm's model unchanged.
+    """
+
+    def __call__(self, inputs, cache=None, meta: AttentionMetadata | None = None, **kwargs):
+        if meta is None:
+            return super().__call__(inputs, cache, **kwargs)
+        layers = self.layers
+        caches = [PagedLayerCache(cache, i, meta) for i in range(len(layers))]
+        swaps = [(self.model, "norm", _NormRows(self.model.norm, meta.logits_indices))]
+        swaps += _rope_swaps(self, meta.positions)
+        with _swapped(swaps):
+            logits = super().__call__(inputs[:, None], cache=caches)  # [S, 1, V]
+        for c in caches:
+            if c.pools is None or not c.attended:
+                raise AdapterError(
+                    f"{inspect.getfile(type(layers[c.layer].self_attn))}: "
+                    f"{type(layers[c.layer].self_attn).__name__}.__call__ no longer calls cache.update_and_fetch and "
+                    "scaled_dot_product_attention(..., cache=cache): the paged adapter needs updating")
+        return logits.reshape(logits.shape[0], -1)
+
+
+def _plain_ropes(layers) -> list:
+    """(attention module, its rope, the rope's settings) of every layer with a plain non-traditional `nn.RoPE`."""
+    out = []
+    for layer in layers:
+        attn = getattr(layer, "self_attn", None)
+        rope = attn.get("rope") if isinstance(attn, nn.Module) else None
+        if type(rope) is nn.RoPE and not rope.traditional:
+            out.append((attn, rope, (rope.dims, rope.base, rope.scale)))
+    return out
+
+
+def _rope_swaps(model, positions: mx.array) -> list:
+    """On the CPU, plain RoPE layers share one pass's cos/sin tables (rotary.py: ~25 ops fewer per call)."""
+    if mx.default_device() != mx.cpu:
+        return []
+    if "_paged_ropes" not in model.__dict__:  # found once per model (an attribute, not a child module)
+        object.__setattr__(model, "_paged_ropes", _plain_ropes(model.layers))
+    swaps, tables = [], {}
+    for attn, rope, key in model._paged_ropes:
+        if key not in tables:
+            tables[key] = _TabledRope(Rotary(rope, positions))
+        swaps.append((attn, "rope", tables[key]))
+    return swaps
+
+
+_classes: dict = {}
+
+
+def model_classes(config: dict):
+    """`(Paged Model class, ModelArgs class)` of a checkpoint's family, for mlx-lm's `load_model`."""
+    module = family_module(config["model_type"])
+    _install_sdpa(module)
+    if module.Model not in _classes:
+        _classes[module.Model] = type(f"Paged{module.__name__.rsplit('.', 1)[-1].title()}Model",
+                                      (PagedModelMixin, module.Model), {})
+    return _classes[module.Model], module.ModelArgs
+
+
+# Families with sliding-window layers that mlx-lm's module runs on plain KVCaches (so the
+# caches below cannot tell): which of their layers are local.
+_WINDOWED = {"gemma2": (0, "every other layer")}
+
+
+def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
+    """One line naming the first layer a paged full-attention cache cannot hold, or None."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    if model_type in _WINDOWED:
+        layer, which = _WINDOWED[model_type]
+        return (f"{model_type}: layer {layer} is sliding-window attention ({which}, window "
+                f"{config.get('sliding_window')}), which the paged cache does not hold "
+                "(it pages full-attention layers only); such models are refused")
+    types = config.get("layer_types") or (config.get("text_config") or {}).get("layer_types") or []
+    for i, c in enumerate(make_prompt_cache(model)):
+        if type(c) is KVCache:
+            continue
+        kind = {"RotatingKVCache": "sliding-window attention", "ArraysCache": "linear-attention / state-space",
+                "MambaCache": "state-space (Mamba)", "ChunkedKVCache": "chunked local attention"}.get(
+                    type(c).__name__, type(c).__name__)
+        named = f" ({types[i]})" if i < len(types) else ""
+        return (f"{model_type}: layer {i} is {kind}{named}, which the paged cache does not hold "
+                "(it pages full-attention layers only); such models are refused")
+    return None
+
+
+def check_family(model_type: str | None, config: dict, where) -> None:
+    """Raise one line unless `model_type` is a supported family whose layers are all full attention."""
+    if model_type in FAMILIES:
+        return
+    try:
+        module = family_module(model_type) if model_type else None
+    except ImportError:
+        module = None
+    reason = None
+    if module is not None and hasattr(module, "Model"):
+        try:  # built lazily (its random weights are never evaluated) only to see its layer types
+            reason = _refusal(model_type, module.Model(module.ModelArgs.from_dict(config)), config)
+        except Exception:
+            reason = None
+    raise MlxPagedError(f"{reason or f'unsupported model_type {model_type!r}'} in {where}; "
+                        f"mlxpaged runs {', '.join(FAMILIES)}")
+
+
+def prepare(model: nn.Module, config: dict, where) -> nn.Module:
+    """Check a built family model and give its `args` what the engine reads (head_dim, KV heads)."""
+    reason = _refusal(config.get("model_type"), model, config)
+    if reason:
+        raise MlxPagedError(f"{reason} in {where}")
+    inner = getattr(model, "model", None)
+    if not isinstance(getattr(inner, "norm", None), nn.Module):
+        raise AdapterError(f"{inspect.getfile(type(model))}: Model.model.norm is missing: the paged adapter needs updating")
+    args = model.args
+    if getattr(args, "num_key_value_heads", None) is None:
+        args.num_key_value_heads = args.num_attention_heads
+    if getattr(args, "head_dim", None) is None:
+        args.head_dim = args.hidden_size // args.num_attention_heads  # every supported family's default
+    for layer in model.layers:
+        attn = layer.self_attn
+        if getattr(attn, "head_dim", None) is None:
+            attn.head_dim = args.head_dim  # kv_quant.key_offsets reads it
+    return model

@@ -1,0 +1,214 @@
+"""Every supported mlx-lm family on the paged cache, through mlx-lm's own model modules
+(models/paged_adapter.py), against mlx-lm's contiguous `KVCache` on the same checkpoint.
+
+Each checkpoint is tiny and random, written by mlx-lm's own `ModelArgs`/`Model`
+(`write_tiny_family`): llama (llama3 RoPE scaling), mistral (head_dim 32), qwen2 (q/k/v biases),
+qwen3 (q/k norms, head_dim 128, tied embeddings), phi3 (fused qkv, head_dim 96), gemma,
+granite (its multipliers and logit scaling), starcoder2 (LayerNorm, biases), olmo2.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from drive import run_all
+from reference import contiguous_generate, contiguous_samples
+
+from mlxpaged import EngineConfig, LLMEngine, SamplingParams
+from mlxpaged.errors import MlxPagedError
+from mlxpaged.loading.loader import load
+from mlxpaged.metal_emu import emulate
+from mlxpaged.testing.tiny_model import write_tiny_family, write_tokenizer
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "granite", "starcoder2", "olmo2"]
+SYSTEM = "Paged attention borrows an idea from operating systems: virtual memory and paging. "
+# Ragged: 3 to 40-odd tokens; the last three share the first one's leading blocks (prefix hits).
+PROMPTS = ["Write a Python function", SYSTEM + "The KV cache stores", SYSTEM + "Blocks of sixteen",
+           SYSTEM + "Copy-on-write lets many samples share the blocks of one prompt until they diverge."]
+
+
+def greedy(n):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    import mlx_lm
+
+    path = write_tiny_family(tmp_path_factory.mktemp(request.param), request.param)
+    ref_model, tok = mlx_lm.load(str(path))
+    return request.param, load(str(path), "float32"), ref_model, tok
+
+
+def test_ragged_chunked_prefix_hits_match_contiguous(family):
+    """4 ragged prompts, prefill in chunks of 8 tokens, block size 4; the first prompt's
+    blocks are cached before the others arrive, so they start from its prefix."""
+    name, loaded, ref_model, tok = family
+    engine = LLMEngine(loaded, EngineConfig(block_size=4, num_blocks=128, max_num_batched_tokens=8,
+                                            attention_impl="reference"))
+    engine.add_request(SYSTEM, greedy(4), request_id="warm")
+    run_all(engine)
+    rids = [engine.add_request(p, greedy(24)) for p in PROMPTS]
+    done = run_all(engine)
+    for p, r in zip(PROMPTS, rids):
+        assert done[r].outputs[0].token_ids == contiguous_generate(ref_model, tok.encode(p), 24), (name, p)
+    assert min(done[r].num_cached_tokens for r in rids[1:]) >= 8  # prefix hits really happened
+
+
+def test_n4_copy_on_write_and_preemption_match_contiguous(family):
+    """n=4 seeded samples fork copy-on-write from one prefill; a pool too small for all of them
+    preempts and recomputes. Each sample equals mlx-lm's contiguous run of that sample's stream."""
+    name, loaded, ref_model, tok = family
+    prompt = tok.encode(PROMPTS[3])[:30]  # a partly filled last block: forks copy it
+    params = SamplingParams(n=4, temperature=0.8, seed=3, max_tokens=40, ignore_eos=True)
+    # The group peaks at 51 blocks, the other request at about 20: together they overflow 56.
+    engine = LLMEngine(loaded, EngineConfig(block_size=4, num_blocks=56, attention_impl="reference"))
+    rid = engine.add_request(prompt, params)
+    other = engine.add_request(PROMPTS[1], greedy(40))
+    done = run_all(engine)
+    stats = engine.stats_dict()
+    assert stats["cow_copies"] >= 3 and stats["preemptions"] > 0, stats
+    got = [c.token_ids for c in done[rid].outputs]
+    assert got == contiguous_samples(ref_model, prompt, 40, params, seed=3, sample_indices=range(4)), name
+    assert done[other].outputs[0].token_ids == contiguous_generate(ref_model, tok.encode(PROMPTS[1]), 40), name
+
+
+def greedy_with_gaps(model, prompt_ids, n):
+    """mlx-lm's contiguous greedy tokens and each step's top-2 logit gap."""
+    cache, x, out, gaps = make_prompt_cache(model), mx.array([prompt_ids]), [], []
+    for _ in range(n):
+        logits = model(x, cache=cache)[0, -1]
+        top2 = mx.sort(logits)[-2:]
+        out.append(int(mx.argmax(logits).item()))
+        gaps.append(float((top2[1] - top2[0]).item()))
+        x = mx.array([[out[-1]]])
+    return out, gaps
+
+
+def test_8bit_kv_cache_keeps_the_float_tokens(family):
+    """An 8-bit KV cache gives the float contiguous cache's tokens up to the first near-tie,
+    where either token is right. tests/test_kv_quant.py calls a top-2 gap under 0.01 a tie
+    against a reference that rounds K/V as the cache does; against the float cache, 8-bit
+    rounding moves these logits by a few hundredths, so a tie here is a gap under 0.05."""
+    name, loaded, ref_model, tok = family
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=64, kv_bits=8, kv_group_size=32, attention_impl="reference"))
+    rids = [engine.add_request(p, greedy(24)) for p in PROMPTS[:2]]
+    done = run_all(engine)
+    compared = 0
+    for p, r in zip(PROMPTS[:2], rids):
+        want, gaps = greedy_with_gaps(ref_model, tok.encode(p), 24)
+        first_close = next((i for i, g in enumerate(gaps) if g < 0.05), len(gaps))
+        assert done[r].outputs[0].token_ids[:first_close] == want[:first_close], name
+        compared += first_close
+    assert compared >= 8, name  # the comparison covers real ground
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "phi3"])
+@pytest.mark.emulator
+def test_emulated_metal_path_gives_the_reference_tokens(name, tmp_path):
+    """The Metal kernels (decode and varlen), executed by the MSL emulator, for head_dim 64, 128, 96."""
+    loaded = load(str(write_tiny_family(tmp_path / name, name)), "float32")
+
+    def run(impl):
+        engine = LLMEngine(loaded, EngineConfig(block_size=16, num_blocks=32, attention_impl=impl))
+        rids = [engine.add_request(p, greedy(6)) for p in PROMPTS[:2]]
+        done = run_all(engine)
+        return [done[r].outputs[0].token_ids for r in rids]
+
+    want = run("reference")
+    with emulate():
+        assert run("metal") == want
+
+
+def _config(tmp_path, model_type, **extra):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    vocab = write_tokenizer(tmp_path)
+    cfg = {"model_type": model_type, "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+           "vocab_size": vocab, "max_position_embeddings": 512, "rope_theta": 10000.0, **extra}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+@pytest.mark.parametrize("model_type,layer", [("gemma2", 0), ("gemma3_text", 0)])
+def test_sliding_window_family_is_refused_naming_the_layer(tmp_path, model_type, layer):
+    """Gemma 2 and 3 have local (sliding-window) layers: refused at load, in one line naming
+    the family and the layer type (and the supported families)."""
+    path = _config(tmp_path / model_type, model_type, sliding_window=32, sliding_window_pattern=2,
+                   query_pre_attn_scalar=16, attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+    with pytest.raises(MlxPagedError) as e:
+        load(str(path), "float32")
+    msg = str(e.value)
+    assert "\n" not in msg and f"{model_type}: layer {layer} is sliding-window attention" in msg
+    assert "mlxpaged runs llama" in msg
+
+
+def test_sliding_layers_of_a_supported_family_are_refused(tmp_path):
+    path = write_tiny_family(tmp_path / "l", "llama", sliding_window=32, layer_types=["full_attention", "sliding_attention"])
+    with pytest.raises(MlxPagedError, match=r"llama: layer 1 is sliding-window attention \(sliding_attention\)"):
+        load(str(path), "float32")
+
+
+def test_unsupported_model_type_lists_the_supported_ones(tmp_path):
+    path = _config(tmp_path / "x", "no_such_family")
+    with pytest.raises(MlxPagedError) as e:
+        load(str(path), "float32")
+    msg = str(e.value)
+    assert "\n" not in msg and "'no_such_family'" in msg
+    assert all(f in msg for f in FAMILIES)
+
+
+def test_adapter_fails_loudly_if_attention_bypasses_it(family, monkeypatch):
+    """An mlx-lm whose attention no longer calls the module's scaled_dot_product_attention
+    (here: mx.fast's directly) raises, naming the file and function, instead of attending to nothing."""
+    import importlib
+
+    from mlxpaged.models.paged_adapter import AdapterError, family_module
+
+    name, loaded, _, tok = family
+    module = family_module(name)
+    base = importlib.import_module("mlx_lm.models.base")
+    monkeypatch.setattr(module, "scaled_dot_product_attention", base.scaled_dot_product_attention)
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=16, attention_impl="reference"))
+    engine.add_request(PROMPTS[0], greedy(2))
+    with pytest.raises(Exception, match=rf"AdapterError: \S+/{module.__name__.rsplit('.', 1)[-1]}\.py: \w+\.__call__"):
+        run_all(engine)
+    assert issubclass(AdapterError, MlxPagedError)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "phi3"])
+def test_generate_cli_gives_mlx_lm_greedy_tokens(name, tmp_path):
+    """`mlxpaged generate --model DIR --json --temp 0`, as a user runs it (its own process)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import mlx_lm
+
+    path = write_tiny_family(tmp_path / name, name)
+    cli = str(Path(sys.executable).with_name("mlxpaged"))
+    prompts = PROMPTS[:2]
+    r = subprocess.run([cli, "generate", "--model", str(path), "--json", "--temp", "0", "--no-chat", "-t", "16",
+                        "--ignore-eos", *[a for p in prompts for a in ("--prompt", p)]],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    ref_model, tok = mlx_lm.load(str(path))
+    got = [o["token_ids"] for o in json.loads(r.stdout)["outputs"]]
+    assert got == [contiguous_generate(ref_model, tok.encode(p), 16) for p in prompts], name
+
+
+def test_generate_cli_refuses_an_unsupported_model_in_one_line(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = _config(tmp_path / "m", "mamba", state_size=4, conv_kernel=4, use_bias=False, use_conv_bias=True,
+                   time_step_rank=4, tie_word_embeddings=True)
+    cli = str(Path(sys.executable).with_name("mlxpaged"))
+    r = subprocess.run([cli, "generate", "--model", str(path), "--prompt", "hi"], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    line = r.stderr.strip()
+    assert "\n" not in line and "mamba: layer 0 is" in line and "mlxpaged runs llama, mistral, qwen2" in line, line
