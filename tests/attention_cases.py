@@ -3,6 +3,9 @@ pools with scattered block tables, and SDPA over the same keys gathered contiguo
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import KVCache
+
+from mlxpaged.worker.kv_calibration import calibration_ids
 
 
 def make_case(rng, head_dim, group, block_size, context_lens, num_kv_heads=2, scattered=True, dtype=mx.float32):
@@ -66,3 +69,60 @@ CASES = [  # (q_lens, cached prefixes): ragged lengths, decodes mixed with chunk
     ([7, 1, 16, 1], [1000, 3, 0, 15]),
     ([100], [0]),
 ]
+
+
+def rounded_caches(model, tokenizer, bits, gs):
+    """One `RoundedKVCache` per layer, with numpy offsets and the calibration text's scales."""
+    ids = calibration_ids(tokenizer, model.args.vocab_size)
+    return [RoundedKVCache(c, s, bits, gs) for c, s in zip(numpy_key_offsets(model), numpy_key_scales(model, ids))]
+
+
+def numpy_key_offsets(model, num_positions=4096):
+    """Each layer's k_proj bias rotated by RoPE (Qwen2: pairs (j, j + d/2), angle pos * base^(-2j/d)),
+    averaged over positions 0..num_positions-1, in numpy."""
+    args = model.args
+    d = args.hidden_size // args.num_attention_heads
+    theta = args.rope_theta ** (-np.arange(0, d, 2) / d)
+    rot = np.exp(1j * np.outer(np.arange(num_positions), theta)).mean(0)  # [d/2]
+    out = []
+    for layer in model.model.layers:
+        b = np.array(layer.self_attn.k_proj.bias, dtype=np.float64).reshape(-1, d)
+        z = (b[:, : d // 2] + 1j * b[:, d // 2 :]) * rot
+        out.append(np.concatenate([z.real, z.imag], axis=-1))
+    return out
+
+
+def numpy_key_scales(model, ids):
+    """Each layer's per-channel key spread over `ids`, from mlx-lm's own forward pass into its
+    contiguous KVCache (numpy float64): std per (KV head, channel), floored at 1e-3 of the
+    head's widest, over its geometric mean."""
+    cache = [KVCache() for _ in model.model.layers]
+    mx.eval(model(mx.array([ids]), cache=cache))
+    out = []
+    for c in cache:
+        std = np.array(c.keys[0, :, : len(ids)].astype(mx.float32), dtype=np.float64).std(axis=1)  # [kvh, d]
+        std = np.maximum(std, 1e-3 * std.max(axis=-1, keepdims=True) + 1e-12)
+        out.append(std / np.exp(np.log(std).mean(axis=-1, keepdims=True)))
+    return out
+
+
+class RoundedKVCache(KVCache):
+    """mlx-lm's contiguous cache holding K/V exactly as rounded by a quantized paged cache:
+    keys `s * dequantize(quantize((k - c) / s))` (per KV head offsets c, per-channel scales s)
+    and values `dequantize(quantize(v))`; attention is then mlx-lm's own, on float rows."""
+
+    def __init__(self, offset, scale, bits, group_size):
+        super().__init__()
+        # Not `offset`/`bits`: KVCache.offset is the position counter RoPE reads, and mlx-lm takes a
+        # cache with `bits` for a quantized one.
+        self.key_offset = mx.array(offset.astype(np.float32))[None, :, None, :]
+        self.key_scale = mx.array(scale.astype(np.float32))[None, :, None, :]
+        self.round_bits, self.round_group_size = bits, group_size
+
+    def _round(self, x):
+        gs, bits = self.round_group_size, self.round_bits
+        return mx.dequantize(*mx.quantize(x, group_size=gs, bits=bits), group_size=gs, bits=bits)
+
+    def update_and_fetch(self, keys, values):
+        keys = self.key_scale * self._round((keys - self.key_offset) / self.key_scale)
+        return super().update_and_fetch(keys, self._round(values))

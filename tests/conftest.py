@@ -36,6 +36,29 @@ def tiny_loaded(tiny_model_path):
     return load(str(tiny_model_path), "float32")
 
 
+@pytest.fixture
+def emulated(monkeypatch, request):
+    """Run the Metal kernels in the MSL emulator; yields a setter for the emulator's lane order.
+
+    A module that sets `RESET_KERNELS = True` (its tests patch kernel sources or factories) gets
+    fresh kernel caches after each test; the others share compiled kernels across tests.
+    """
+    import mlxpaged.metal_emu as emu
+
+    monkeypatch.setenv("MLXPAGED_METAL", "emulate")
+
+    def set_order(order: str):
+        monkeypatch.setenv("MLXPAGED_EMU_ORDER", order)
+
+    with emu.emulate():
+        yield set_order
+    if getattr(request.module, "RESET_KERNELS", False):
+        from mlxpaged.attention import metal, metal_varlen
+
+        metal.reset_kernels()
+        metal_varlen._kernel.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def mlx_lm_tiny(tiny_model_path):
     """The same checkpoint loaded by mlx-lm's own Qwen2 implementation (the contiguous reference)."""

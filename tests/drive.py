@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from click.testing import CliRunner
+
+from mlxpaged.cli.main import main
+
 
 def run_all(engine, check: bool = True) -> dict:
     """Step `engine` until no request is left; the finished `RequestOutput`s by request id.
@@ -16,3 +20,7 @@ def run_all(engine, check: bool = True) -> dict:
         if check:
             engine.check_invariants()
     return done
+
+
+def run(*args, input=None):
+    return CliRunner().invoke(main, ["generate", *args], input=input)

@@ -6,13 +6,14 @@ step; a token computed after its sample ended is never emitted."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from drive import run_all
-from reference import contiguous_generate
 
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 from mlxpaged.attention import paged_attention
 from mlxpaged.errors import StepError
 from mlxpaged.worker.kv_cache import CacheShape, PagedKVCache
+
+from drive import run_all
+from reference import contiguous_generate
 
 SYSTEM = [(31 * i) % 250 + 1 for i in range(20)]
 

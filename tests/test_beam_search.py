@@ -1,70 +1,21 @@
 """Beam search on shared blocks against a plain beam search over mlx-lm's contiguous caches."""
 
-import copy
 
-import mlx.core as mx
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mlx_lm.models.cache import make_prompt_cache
-from reference import contiguous_generate
 
 from mlxpaged import BeamSearchParams, EngineConfig, LLMEngine, SamplingParams
 from mlxpaged.engine.llm import LLM
 
+from reference import (
+    contiguous_generate,
+    reference_beam_search,  # noqa: E402
+)
+
 PROMPTS = ["The KV cache stores", "Paged attention borrows an idea from operating systems:", "Write a Python"]
 
 
-def reference_beam_search(model, prompt, width, max_tokens, eos=(), length_penalty=1.0):
-    """Hugging Face's early_stopping=True beam search, written plainly: a contiguous mlx-lm cache
-    per beam, copied when a beam is continued more than once; numpy log-softmax and ranking."""
-    cache = make_prompt_cache(model)
-    logits = model(mx.array([prompt]), cache=cache)[0, -1]
-    beams = [([], 0.0, cache, np.array(logits.astype(mx.float32)))]  # (tokens, cumulative logprob, cache, next logits)
-    finished = []  # (score, tokens, cumulative)
-
-    def score(cum, tokens, eos_end):
-        return cum / max(1, len(tokens) - eos_end) ** length_penalty
-
-    def add(hyp):
-        finished.append(hyp)
-        finished.sort(key=lambda h: -h[0])
-        del finished[width:]
-
-    while True:
-        tot = []
-        for toks, cum, _, lg in beams:
-            lg = lg.astype(np.float64)
-            tot.append(cum + lg - (np.log(np.sum(np.exp(lg - lg.max()))) + lg.max()))
-        flat = np.concatenate(tot)
-        best = np.lexsort((np.arange(flat.size), -flat))[: 2 * width]  # by value, ties to the lower (beam, token)
-        vocab = len(tot[0])
-        cands = [(float(flat[i]), int(i // vocab), int(i % vocab)) for i in best]
-        live = []
-        for rank, (cum, b, t) in enumerate(cands):
-            toks = beams[b][0] + [t]
-            if t in eos:
-                if rank < width:
-                    add((score(cum, toks, 1), toks, cum))
-            elif len(live) < width:
-                live.append((toks, cum, b, t))
-        if len(finished) >= width or not live:
-            break
-        if len(live[0][0]) >= max_tokens:
-            for toks, cum, _, _ in live:
-                add((score(cum, toks, 0), toks, cum))
-            break
-        used, nxt = set(), []
-        for toks, cum, b, t in live:
-            c = beams[b][2] if b not in used else copy.deepcopy(beams[b][2])
-            used.add(b)
-            nxt.append((toks, cum, c, t))
-        beams = []
-        for toks, cum, c, t in nxt:
-            lg = model(mx.array([[t]]), cache=c)[0, -1]
-            beams.append((toks, cum, c, np.array(lg.astype(mx.float32))))
-    return finished
 
 
 def engine_beams(loaded, prompts, width, max_tokens, eos=None, num_blocks=256, block_size=16, check=True, ignore_eos=False):

@@ -4,13 +4,11 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from reference import contiguous_generate
 
 from mlxpaged.cli.main import main
 
-
-def run(*args, input=None):
-    return CliRunner().invoke(main, ["generate", *args], input=input)
+from drive import run  # noqa: E402
+from reference import contiguous_generate
 
 
 def test_generate_json_matches_contiguous(tiny_model_path, mlx_lm_tiny):
@@ -120,7 +118,7 @@ def test_generate_sizes_the_pool_to_its_workload(tiny_model_path, mlx_lm_tiny):
 
 
 def test_beam_width_prints_scored_beams(tiny_model_path, mlx_lm_tiny):
-    from test_beam_search import reference_beam_search
+    from reference import reference_beam_search
 
     ref_model, tok = mlx_lm_tiny
     prompt = "The KV cache stores"

@@ -6,7 +6,8 @@ import json
 
 import jsonschema
 import pytest
-from test_cli import run
+
+from drive import run
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
                                            "tag": {"enum": ["a", "b"]}},

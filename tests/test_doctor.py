@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from click.testing import CliRunner
 
 from mlxpaged.attention import metal
 from mlxpaged.cli.main import main
-
-import mlxpaged.metal_emu as emu  # noqa: E402  (the project's own emulator: never skipped)
 
 
 def test_doctor_reports_and_writes_json(tmp_path, monkeypatch):
@@ -36,7 +33,7 @@ def test_doctor_reports_and_writes_json(tmp_path, monkeypatch):
 
 
 def test_doctor_names_a_failing_variant(tmp_path, monkeypatch):
-    from test_metal_kernel_v2 import FaultyFactory
+    from kernel_cases import FaultyFactory
 
     factory = FaultyFactory("paged_attention_partitioned", "compile")
     monkeypatch.setattr(metal, "_metal_kernel_factory", lambda: factory)

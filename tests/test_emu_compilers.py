@@ -30,11 +30,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxpaged.attention import metal
-
 import mlxpaged.metal_emu as emu  # noqa: E402  (the project's own emulator: never skipped)
+from mlxpaged.attention import metal
 from mlxpaged.metal_emu import compiler  # noqa: E402
-from test_metal_kernel import ORDERS, emulated, run_case, sweep_cases  # noqa: E402,F401
+
+from kernel_cases import ORDERS, run_case, sweep_cases  # noqa: E402
 
 COMPILERS = ("ziglang", "system-clang")
 

@@ -2,10 +2,11 @@
 
 import mlx.core as mx
 import pytest
-from reference import contiguous_generate, decode_in_turns, tables_interleave
 
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 from mlxpaged.worker.kv_cache import CacheShape, PagedKVCache
+
+from reference import contiguous_generate, decode_in_turns, tables_interleave
 
 PROMPTS = ["The KV cache stores", "Paged attention borrows an idea from operating systems:"]
 

@@ -1,12 +1,13 @@
 """Request life cycle in the engine: stop tokens out of the text, abort, a failing step, metrics."""
 
 import pytest
-from drive import run_all
-from reference import contiguous_generate
 
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
-from mlxpaged.errors import StepError
 from mlxpaged.core.sequence import RequestStatus
+from mlxpaged.errors import StepError
+
+from drive import run_all
+from reference import contiguous_generate
 
 PROMPT = "The KV cache stores"
 

@@ -14,14 +14,15 @@ import json
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from drive import run_all
-from reference import contiguous_generate, contiguous_samples
 
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 from mlxpaged.errors import MlxPagedError
 from mlxpaged.loading.loader import load
 from mlxpaged.metal_emu import emulate
 from mlxpaged.testing.tiny_model import write_tiny_family, write_tokenizer
+
+from drive import run_all
+from reference import contiguous_generate, contiguous_samples
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "granite", "starcoder2", "olmo2"]
 SYSTEM = "Paged attention borrows an idea from operating systems: virtual memory and paging. "

@@ -18,12 +18,13 @@ gguf = pytest.importorskip("gguf")
 mx = pytest.importorskip("mlx.core")
 
 from gguf import GGMLQuantizationType as T  # noqa: E402
-from reference import contiguous_generate  # noqa: E402
-from test_gguf import random_k_blocks, tiny_vocab  # noqa: E402
 
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from mlxpaged.loading.gguf import GGUFError, convert_gguf  # noqa: E402
 from mlxpaged.loading.loader import load  # noqa: E402
+
+from gguf_cases import random_k_blocks, tiny_vocab  # noqa: E402
+from reference import contiguous_generate  # noqa: E402
 
 H, FFN, HEADS, KV, LAYERS, V = 256, 512, 4, 2, 2, 272
 HEAD_DIM = {"llama": 64, "qwen3": 128}  # qwen3: heads x head_dim != hidden, as in Qwen3-0.6B

@@ -12,21 +12,20 @@ import json
 import math
 import time
 
-import numpy as np
-import pytest
-
 import gguf  # noqa: E402
 import mlx.core as mx  # noqa: E402
-
 import mlx.nn as nn  # noqa: E402
+import numpy as np
+import pytest
 from gguf import GGMLQuantizationType as T  # noqa: E402
-from reference import contiguous_generate  # noqa: E402
-from test_gguf import DATA, IDS, LEGACY, direct_logits, encode_legacy, random_k_blocks, write_tiny_gguf  # noqa: E402
 
 from mlxpaged.errors import MlxPagedError  # noqa: E402
 from mlxpaged.loading.gguf import convert_gguf, dequantize  # noqa: E402
 from mlxpaged.loading.gguf.mlx_quant import EXACT_BITS, GROUP_SIZE, REQUANT_TYPES, pack_codes, to_mlx  # noqa: E402
 from mlxpaged.loading.loader import load  # noqa: E402
+
+from gguf_cases import DATA, IDS, LEGACY, direct_logits, encode_legacy, random_k_blocks, write_tiny_gguf  # noqa: E402
+from reference import contiguous_generate  # noqa: E402
 
 ROWS, COLS = 6, 512  # two K super-blocks and sixteen legacy blocks per row
 
@@ -136,7 +135,6 @@ def test_tiny_quantized_checkpoint(tiny_q):
     path, ref, cache = tiny_q
     ckpt = convert_gguf(path, cache_dir=cache, weights="quantized")
     assert ckpt.name.endswith("-quantized") and ckpt != convert_gguf(path, cache_dir=cache)
-    config = json.loads((ckpt / "config.json").read_text())
     marker = json.loads((ckpt / "mlxpaged_conversion.json").read_text())
     assert marker["weights"] == "quantized" and marker["embedding_from"] == "output.weight"  # Q8_0, not Q4_0
     tensors = mx.load(str(ckpt / "model.safetensors"))
@@ -290,7 +288,7 @@ def test_real_quantized_layers_are_exact_where_promised():
 
 
 def test_real_greedy_tokens_agree_with_float(real_pair, real_dequantized):
-    from mlxpaged import LLMEngine, EngineConfig, SamplingParams
+    from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 
     (models, tok) = real_pair
     text = tok.apply_chat_template([{"role": "user", "content": "Write a Python function that checks whether a "

@@ -8,9 +8,9 @@ from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 from mlxpaged.core.block_pool import BlockPool
 from mlxpaged.errors import MlxPagedError
 from mlxpaged.worker.kv_cache import CacheShape
-from reference import contiguous_generate
 
 from drive import run_all
+from reference import contiguous_generate
 
 
 class Recorder:

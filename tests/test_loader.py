@@ -2,11 +2,12 @@
 
 import mlx.core as mx
 import pytest
-from reference import contiguous_generate
 
 from mlxpaged import LLM, SamplingParams
 from mlxpaged.errors import MlxPagedError
 from mlxpaged.loading.loader import load
+
+from reference import contiguous_generate
 
 
 def test_quantized_mlx_checkpoint_matches_mlx_lm(tiny_model_path, tmp_path):

@@ -8,8 +8,6 @@ with MLX (and with the macOS build's preamble), MSL language features, fp16/bf16
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 import numpy as np
 import pytest

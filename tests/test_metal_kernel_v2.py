@@ -12,22 +12,25 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import mlxpaged.metal_emu as emu  # noqa: E402  (the project's own emulator: never skipped)
 from mlxpaged.attention import metal
 from mlxpaged.attention.reference import paged_attention_reference
-
-import mlxpaged.metal_emu as emu  # noqa: E402  (the project's own emulator: never skipped)
 from mlxpaged.metal_emu.source import generated_source  # noqa: E402
 
-from test_metal_kernel import (CLAMP_CASE, ORDERS, make_inputs, mismatch,  # noqa: E402
-                               run_case)
+from kernel_cases import (  # noqa: E402
+    CLAMP_CASE,
+    ORDERS,
+    FaultyFactory,  # noqa: E402
+    make_inputs,
+    mismatch,
+    run_case,
+)
+
+# These tests patch kernel sources and factories: the `emulated` fixture (conftest) resets the
+# kernel caches after each one.
+RESET_KERNELS = True
 
 
-@pytest.fixture
-def emulated(monkeypatch):
-    monkeypatch.setenv("MLXPAGED_METAL", "emulate")
-    with emu.emulate():
-        yield
-    metal.reset_kernels()
 
 
 @pytest.mark.parametrize("split", [False, True])
@@ -119,24 +122,6 @@ def test_decoding_to_5000_tokens_compiles_nothing_after_the_first_step(monkeypat
     assert cache_at_end == cache_after_first == 3
 
 
-class FaultyFactory:
-    """The emulator, except that kernel kind `kind` fails to build or returns wrong values."""
-
-    def __init__(self, kind: str, how: str):
-        self.kind, self.how = kind, how
-
-    def __call__(self, **kernel_kwargs):
-        real = emu.metal_kernel(**kernel_kwargs)
-        if not kernel_kwargs["name"].startswith(self.kind + "_"):
-            return real
-        if self.how == "compile":
-            raise emu.CompileError("kernel.metal:12:3: error: simulated compiler failure\n"
-                                   "kernel.metal:13:1: note: second line of the diagnostics")
-
-        def wrong(**call):
-            outs = real(**call)
-            return [outs[0] + 1.0] + outs[1:]
-        return wrong
 
 
 @pytest.mark.parametrize("kind,how", [("paged_attention_merge", "compile"),
@@ -322,7 +307,7 @@ def test_cost_model_targets(group, head_dim):
 def test_bytes_read_within_5_percent_at_every_block_size(emulated, block_size):
     """Each K/V row once, table entries once per threadgroup: bytes read <= 1.05 x the minimum
     for the single pass and the planner's split, at Qwen2.5-1.5B head shapes."""
-    from test_metal_kernel import check_reads_only
+    from kernel_cases import check_reads_only
 
     rng = np.random.default_rng(8)
     for lens, split in (([300, 129], False), ([1100, 1030], True)):

@@ -22,14 +22,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxpaged.attention import metal, metal_varlen as mv
-from mlxpaged.attention.reference import (paged_attention_reference,
-                                          paged_attention_varlen_reference)
+import mlxpaged.metal_emu as emu  # noqa: E402  (the project's own emulator: never skipped)
+from mlxpaged.attention import metal
+from mlxpaged.attention import metal_varlen as mv
+from mlxpaged.attention.reference import paged_attention_reference, paged_attention_varlen_reference
 from mlxpaged.worker.kv_quant import QuantizedPool, row_bytes
 
-import mlxpaged.metal_emu as emu  # noqa: E402  (the project's own emulator: never skipped)
+from kernel_cases import pairwise  # noqa: E402
 
-from test_metal_kernel import pairwise  # noqa: E402
+# These tests patch kernel sources and factories: the `emulated` fixture (conftest) resets the
+# kernel caches after each one.
+RESET_KERNELS = True
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 # (atol, rtol) per dtype: the kernel and the reference both round an fp32 result to the dtype;
@@ -122,18 +125,6 @@ def varlen_reference(q, k, v, *rest, scale):
     return paged_attention_varlen_reference(q.astype(mx.float32), *kv, *rest, scale).astype(q.dtype)
 
 
-@pytest.fixture
-def emulated(monkeypatch):
-    """Run kernels in the emulator (a failed startup check raises); yields a lane-order setter."""
-    monkeypatch.setenv("MLXPAGED_METAL", "emulate")
-
-    def set_order(order: str):
-        monkeypatch.setenv("MLXPAGED_EMU_ORDER", order)
-
-    with emu.emulate():
-        yield set_order
-    metal.reset_kernels()
-    mv._kernel.cache_clear()
 
 
 def run_decode(c: dict, seed: int = 0) -> float:

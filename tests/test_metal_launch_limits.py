@@ -5,18 +5,19 @@ every batch runs, and a kernel failing mid-serving falls back to the reference w
 
 from __future__ import annotations
 
-import re
 import warnings
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxpaged.attention import metal, metal_varlen as mv, paged_attention_varlen
-from mlxpaged.attention.reference import paged_attention_varlen_reference
-from mlxpaged.kv_quant import QuantizedPool
-
 import mlxpaged.metal_emu as emu  # noqa: E402  (the project's own emulator: never skipped)
+from mlxpaged.attention import metal, paged_attention_varlen
+from mlxpaged.attention import metal_varlen as mv
+from mlxpaged.attention.reference import paged_attention_varlen_reference
+from mlxpaged.worker.kv_quant import QuantizedPool
+
+from kernel_cases import Recording  # noqa: E402
 
 
 def inputs(rng, q_lens, prefixes, *, head_dim=32, group=1, kv_heads=1, bs=16, dtype=mx.float32):
@@ -42,11 +43,6 @@ def reference(q, k, v, *rest, scale):
     return paged_attention_varlen_reference(*f32, *rest, scale)
 
 
-@pytest.fixture
-def emulated(monkeypatch):
-    monkeypatch.setenv("MLXPAGED_METAL", "emulate")
-    with emu.emulate():
-        yield
 
 
 # --- register file ---------------------------------------------------------------------------
@@ -121,28 +117,6 @@ def test_emulator_refuses_a_launch_past_the_register_file():
 
 # --- the checked variant is the one that runs ------------------------------------------------
 
-class Recording:
-    """The emulator, recording the name MLX gives each kernel it runs (template values, input
-    address spaces): a name not built at start-up would be built mid-serving on a Mac."""
-
-    def __init__(self, refuse: str | None = None, after: int = 0):
-        self.names: list[str] = []
-        self.refuse, self.after, self.calls = refuse, after, 0
-
-    def __call__(self, **kernel_kwargs):
-        k = emu.metal_kernel(**kernel_kwargs)
-
-        def call(**c):
-            if self.refuse and kernel_kwargs["name"].startswith(self.refuse):
-                self.calls += 1
-                if self.calls > self.after:
-                    raise RuntimeError("[metal::Device] Unable to build metal library from source\n"
-                                       "program_source:120:5: error: simulated Metal compiler error")
-            outs = k(**c)
-            self.names.append(re.search(r"\[\[kernel\]\] void (custom_kernel_\w+)\(",
-                                        k.last_source).group(1))
-            return outs
-        return call
 
 
 def test_kernel_names_do_not_change_with_the_batch(monkeypatch):

@@ -9,9 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxpaged.attention import metal
-
 import mlxpaged.metal_emu as emu  # noqa: E402  (the project's own emulator: never skipped)
+from mlxpaged.attention import metal
 
 ORDERS = ("forward", "reverse", "random:5")
 FINITE_MIN = -np.finfo(np.float32).max

@@ -20,10 +20,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxpaged.attention import metal, metal_varlen as mv
-from mlxpaged.attention.reference import paged_attention_varlen_reference
-
 import mlxpaged.metal_emu as emu  # noqa: E402  (the project's own emulator: never skipped)
+from mlxpaged.attention import metal
+from mlxpaged.attention import metal_varlen as mv
+from mlxpaged.attention.reference import paged_attention_varlen_reference
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 # (atol, rtol) per dtype: the kernel and the reference both round an fp32 result to the dtype.
@@ -98,16 +98,6 @@ def path(request, monkeypatch):
 KIND = {"mma": mv.MMA_KERNEL, "lanes": mv.KERNEL}
 
 
-@pytest.fixture
-def emulated(monkeypatch):
-    """Run kernels in the emulator; yields a setter for the lane order."""
-    monkeypatch.setenv("MLXPAGED_METAL", "emulate")
-
-    def set_order(order: str):
-        monkeypatch.setenv("MLXPAGED_EMU_ORDER", order)
-
-    with emu.emulate():
-        yield set_order
 
 
 def mismatch(out: mx.array, ref: mx.array, dtype: str) -> float:

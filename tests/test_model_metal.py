@@ -33,7 +33,8 @@ def test_kernel_failing_mid_serving_never_fails_a_request(tiny_loaded, monkeypat
     import warnings
 
     from mlxpaged.attention import metal
-    from test_metal_launch_limits import Recording
+
+    from kernel_cases import Recording
 
     prompts = ["The KV cache stores", "Paged attention borrows an idea from operating systems:"]
     want = run(tiny_loaded, "reference", prompts)

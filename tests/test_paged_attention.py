@@ -6,9 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from attention_cases import make_case, sdpa_contiguous
-
 from mlxpaged import paged_attention
+
+from attention_cases import make_case, sdpa_contiguous
 
 
 @pytest.mark.parametrize("head_dim,group,block_size", list(itertools.product([64, 128], [1, 2, 6, 7], [1, 16, 256])))

@@ -20,6 +20,7 @@ import pytest
 
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 from mlxpaged.worker import prefix_store
+
 from reference import contiguous_generate
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -357,7 +358,7 @@ def test_generate_cli_reuses_the_prefix_across_runs(tiny_model_path, tmp_path, p
 def test_server_restart_reports_cached_tokens(tiny_model_path, tiny_loaded, tmp_path, prompt600, reference600):
     """`mlxpaged serve` stopped (Ctrl-C) and started again on the same DIR: the same 600-token
     prompt is served from disk, with the first run's (and mlx-lm's) greedy tokens."""
-    from test_server import Server
+    from server_proc import Server
 
     def serve_once() -> tuple[list[int], int, dict]:
         s = Server(tiny_model_path, "--num-blocks", "64", "--prefix-cache-dir", str(tmp_path / "store"))
@@ -386,8 +387,9 @@ def test_tensor_parallel_ranks_keep_their_own_shards(tiny_model_path, tiny_loade
     namespace; after rank 1 loses some files, both ranks use only the blocks both have."""
     import json
 
-    from test_tp import LAUNCH, _free_port_pair, _ring_can_start
     import tp_prefix_worker as w
+
+    from launch import LAUNCH, _free_port_pair, _ring_can_start
 
     why = _ring_can_start()
     if why is not None:

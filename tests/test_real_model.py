@@ -6,17 +6,19 @@ of mlx-lm's contiguous cache.
 
 import mlx.core as mx
 import pytest
-from reference import contiguous_generate, contiguous_samples, decode_in_turns, tables_interleave
 
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
+
+from reference import contiguous_generate, contiguous_samples, decode_in_turns, tables_interleave
 
 
 @pytest.fixture(scope="module")
 def real():
+    import mlx_lm
+
     from mlxpaged.loading.gguf import convert_gguf
     from mlxpaged.loading.loader import load
     from mlxpaged.loading.offline_model import ensure_offline_model
-    import mlx_lm
 
     path = convert_gguf(ensure_offline_model())
     loaded = load(str(path), "float32")
@@ -79,9 +81,9 @@ def test_prefix_caching_on_equals_off(real):
 
 
 def test_beam_search_width_4_matches_contiguous(real):
-    from test_beam_search import reference_beam_search
-
     from mlxpaged import BeamSearchParams
+
+    from reference import reference_beam_search
 
     loaded, ref = real
     tok = loaded.tokenizer
@@ -131,7 +133,8 @@ def test_kv_8bit_greedy_matches_contiguous_quantized_cache(real):
     way (keys less numpy's RoPE of the k_proj bias, over numpy's per-channel scales from the
     calibration text): the same greedy tokens up to the first near-tie (top-2 logit gap < 0.01)."""
     import numpy as np
-    from test_kv_quant import rounded_caches
+
+    from attention_cases import rounded_caches
 
     loaded, ref = real
     tok = loaded.tokenizer

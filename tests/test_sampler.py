@@ -6,49 +6,21 @@ filter order, or the old `seed + i` streams), so passing means something.
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 import numpy as np
 import pytest
-from reference import (filters_first_probs, ref_draw, ref_sample_keys, threefry2x32, vllm_keep_mask,
-                       vllm_probs)
 
 from mlxpaged.engine.outputs import CompletionOutput, TokenLogprob
 from mlxpaged.engine.sampler import filter_logits, sample_batch, sample_key, sample_token
 from mlxpaged.engine.sampling_params import SamplingParams
 
-# Ten tokens; at temperature 2 vLLM's order keeps 5 of them, filtering before temperature keeps 4.
-LOGITS = np.array([2.0, 1.6, 1.3, 1.0, 0.8, 0.5, 0.2, -0.3, -1.0, -2.0], dtype=np.float32)
-ALPHA = 1e-3
-
-
-def chi2_sf(x: float, df: int) -> float:
-    """P(X >= x) for X ~ chi-square(df), in closed form (no scipy)."""
-    half = x / 2
-    if df % 2 == 0:
-        term, total = 1.0, 1.0
-        for j in range(1, df // 2):
-            term *= half / j
-            total += term
-        return math.exp(-half) * total
-    total, term = 0.0, 1.0
-    for j in range(1, (df - 1) // 2 + 1):
-        total += term
-        term *= x / (2 * j + 1)
-    return math.erfc(math.sqrt(half)) + math.sqrt(2 * x / math.pi) * math.exp(-half) * total
-
-
-def gof_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-    """Chi-square goodness of fit of `counts` to the fully specified `probs` (0 where impossible)."""
-    counts, probs = counts.ravel(), probs.ravel()
-    if counts[probs == 0].any():
-        return 0.0  # a draw the distribution forbids
-    n, live = counts.sum(), probs > 0
-    expected = n * probs[live]
-    assert expected.min() >= 5, "too few draws for a chi-square test"
-    stat = float(((counts[live] - expected) ** 2 / expected).sum())
-    return chi2_sf(stat, int(live.sum()) - 1)
+from chi_square import (  # noqa: E402
+    ALPHA,
+    LOGITS,
+    chi2_sf,  # noqa: E402
+    gof_pvalue,
+)
+from reference import filters_first_probs, ref_draw, ref_sample_keys, threefry2x32, vllm_keep_mask, vllm_probs
 
 
 def pair_pvalue(a: np.ndarray, b: np.ndarray, probs: np.ndarray) -> float:

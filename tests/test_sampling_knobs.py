@@ -12,17 +12,24 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from reference import ref_draw
-from test_sampler import ALPHA, LOGITS, gof_pvalue
-
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxpaged.config import EngineConfig
 from mlxpaged.engine.llm_engine import LLMEngine
-from mlxpaged.engine.sampler import (GuideMasks, TokenHistory, process_logits, sample_arrays, sample_batch, sample_key,
-                                     unpack_bitmask)
+from mlxpaged.engine.sampler import (
+    GuideMasks,
+    TokenHistory,
+    process_logits,
+    sample_arrays,
+    sample_batch,
+    sample_key,
+    unpack_bitmask,
+)
 from mlxpaged.engine.sampling_params import SamplingParams
 from mlxpaged.errors import MlxPagedError
+
+from chi_square import ALPHA, LOGITS, gof_pvalue
+from reference import ref_draw
 
 N = 20_000
 

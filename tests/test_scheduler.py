@@ -3,10 +3,11 @@
 import random
 
 import pytest
-from drive import run_all
-from reference import contiguous_generate
 
 from mlxpaged import LLM, EngineConfig, LLMEngine, SamplingParams
+
+from drive import run_all
+from reference import contiguous_generate
 
 
 def tokens(done):

@@ -19,7 +19,8 @@ import time
 
 import httpx
 import pytest
-from test_server import Server, free_port
+
+from server_proc import Server, free_port
 
 BLOCKS = 2048  # 32,768 token slots: room for 32 samples of 700 tokens
 STALL = 3.0  # --stream-stall-timeout of the shared server

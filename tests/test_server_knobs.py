@@ -6,9 +6,10 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from test_server import Server
 
 from mlxpaged import LLM, SamplingParams
+
+from server_proc import Server
 
 PROMPT = "The KV cache stores the keys"
 

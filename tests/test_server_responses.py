@@ -12,9 +12,10 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from test_server import Server
 
 from mlxpaged import LLM, SamplingParams
+
+from server_proc import Server
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
            "additionalProperties": False}

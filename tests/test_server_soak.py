@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from test_server import Server
+
+from server_proc import Server
 
 pytestmark = pytest.mark.soak
 

@@ -14,9 +14,10 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from test_server import Server
 
 from mlxpaged.server.tools import ToolCallStream, parse_tool_calls, tool_call_grammar
+
+from server_proc import Server
 
 # Strings are bounded: the tiny random model, inside a string, would rarely close it before max_tokens.
 WEATHER = {"type": "object", "required": ["city"],

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,39 +16,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 import tp_worker
-from mlxpaged.errors import MlxPagedError
+
 from mlxpaged.distributed.sharding import check_shardable, shard_axis
+from mlxpaged.errors import MlxPagedError
+
+from launch import LAUNCH, _free_port_pair, _ring_can_start  # noqa: E402
 
 WORKER = str(Path(__file__).with_name("tp_worker.py"))
-LAUNCH = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or shutil.which("mlx.launch")
 
 
-def _free_port_pair() -> int:
-    """A port p with p and p + 1 free (the ring backend listens on one per rank)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        with socket.socket() as s2:
-            try:
-                s2.bind(("127.0.0.1", p + 1))
-                return p
-            except OSError:
-                continue
-    raise RuntimeError("no free port pair")
 
 
-def _ring_can_start() -> str | None:
-    """Why two local ring ranks cannot start here, or None when they can."""
-    if LAUNCH is None:
-        return "mlx.launch is not installed"
-    import mlx.core as mx
-
-    if not mx.distributed.is_available():
-        return "MLX was built without distributed support"
-    return None
 
 
 pytestmark = pytest.mark.skipif(_ring_can_start() is not None, reason=str(_ring_can_start()))

@@ -6,12 +6,13 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
-import drive
-from attention_cases import CASES, make_varlen_case, sdpa_with_mask
-from reference import contiguous_generate
 
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 from mlxpaged.attention import paged_attention_varlen
+
+import drive
+from attention_cases import CASES, make_varlen_case, sdpa_with_mask
+from reference import contiguous_generate
 
 
 @pytest.mark.parametrize("head_dim,group,block_size", list(itertools.product([64, 128], [1, 7], [1, 16])) + [(64, 2, 256)])
