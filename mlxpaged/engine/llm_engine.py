@@ -287,6 +287,10 @@ class LLMEngine:
                 f"but the pool has {self.max_blocks}; raise --num-blocks or lower -n/--max-tokens"
             )
 
+    def num_requests_held(self) -> int:
+        """Requests the engine still tracks: a finished one is dropped once its output is reported."""
+        return len(self._requests)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._carried)
 

@@ -30,7 +30,8 @@ class EngineStats:
 
 
 # What /metrics exports (server/metrics.py names them).
-METRIC_KEYS = ("requests_running", "requests_waiting", "kv_blocks_used", "kv_blocks_total", "prefix_cache_hit_tokens",
+METRIC_KEYS = ("requests_running", "requests_waiting", "requests_held", "kv_blocks_used", "kv_blocks_total",
+               "prefix_cache_hit_tokens",
                "preemptions", "generation_tokens", "prefix_cache_disk_hit_tokens")
 
 
@@ -60,6 +61,7 @@ def engine_stats(engine: LLMEngine) -> dict:
         "running_seqs_peak": st.running_seqs_peak,
         "requests_running": len(sched.running),
         "requests_waiting": len(sched.waiting),
+        "requests_held": engine.num_requests_held(),
         "kv_blocks_used": pool.num_used,
         "kv_blocks_total": pool.num_blocks,
     }

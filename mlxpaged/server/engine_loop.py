@@ -339,6 +339,7 @@ class EngineLoop:
 
     def _metrics(self) -> dict:
         m = dict(self.engine.metrics())
+        m["sinks_held"] = len(self._sinks)
         m["mlx_active_memory_bytes"] = mx.get_active_memory()
         m["mlx_peak_memory_bytes"] = mx.get_peak_memory()
         m["mlx_cache_memory_bytes"] = mx.get_cache_memory()

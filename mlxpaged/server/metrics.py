@@ -15,6 +15,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 GAUGES = {
     "requests_running": "Requests with at least one sample scheduled.",
     "requests_waiting": "Requests queued for admission.",
+    "requests_held": "Requests the engine still tracks (a finished one is dropped once reported): 0 when idle.",
+    "sinks_held": "HTTP requests the engine loop still routes outputs to: 0 when idle.",
     "kv_blocks_used": "KV blocks with a reference count above zero.",
     "kv_blocks_total": "KV blocks in the pool.",
     "mlx_active_memory_bytes": "MLX active memory after the last step.",
