@@ -22,6 +22,11 @@ class EngineConfig:
       back, so scheduling, input building, stop checks and detokenizing overlap the device's
       work; the outputs are the same as with it off (engine.py says how, and when a step
       still waits: beam-search rows).
+    speculative: None (off) or "ngram": prompt lookup proposes up to `num_speculative_tokens`
+      tokens per step for each sequence, from the last `prompt_lookup_max` down to
+      `prompt_lookup_min` tokens found earlier in its prompt or output; all are verified in
+      the step's one forward pass (engine/spec_decode.py, docs/speculative.md). Speculation
+      stops while more than `speculative_max_batch_size` samples run.
     """
 
     block_size: int = 16
@@ -36,6 +41,11 @@ class EngineConfig:
     kv_bits: int | None = None
     kv_group_size: int = 64
     async_scheduling: bool = True
+    speculative: str | None = None
+    num_speculative_tokens: int = 5
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    speculative_max_batch_size: int = 8
 
     def __post_init__(self):
         bs = self.block_size
@@ -49,6 +59,15 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.speculative not in (None, "ngram"):
+            what = "the draft-model proposer is not implemented" if self.speculative == "draft" else "choose None or 'ngram'"
+            raise ValueError(f"speculative must be None or 'ngram', got {self.speculative!r} ({what})")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 32:
+            raise ValueError(f"num_speculative_tokens must be an integer from 1 to 32, got {self.num_speculative_tokens!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, {self.prompt_lookup_max}")
+        if self.speculative_max_batch_size < 0:
+            raise ValueError(f"speculative_max_batch_size must be >= 0, got {self.speculative_max_batch_size}")
         from .worker.kv_quant import KV_GROUP_SIZES, check_kv_quant
 
         if self.kv_group_size not in KV_GROUP_SIZES:  # checked even for a float cache: a typo is a typo

@@ -18,6 +18,11 @@ ENGINE_FIELDS = {
     "kv_bits": "kv_bits",
     "kv_group_size": "kv_group_size",
     "async_scheduling": "async_scheduling",
+    "speculative": "speculative",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "prompt_lookup_min": "prompt_lookup_min",
+    "prompt_lookup_max": "prompt_lookup_max",
+    "speculative_max_batch_size": "speculative_max_batch_size",
 }
 
 
@@ -37,6 +42,11 @@ def model_and_engine_options(num_blocks_help: str):
         click.option("--kv-bits", default=None, type=int, metavar="{4,8}", help="Store K/V quantized at this many bits (default: the model's dtype)."),
         click.option("--kv-group-size", default=64, show_default=True, metavar="{32,64}", help="Values sharing one scale and bias in a quantized K/V row."),
         click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True, help="Launch each step before reading back the previous one's tokens (outputs are the same either way)."),
+        click.option("--speculative", default=None, type=click.Choice(["ngram"]), help="Speculative decoding: 'ngram' proposes tokens found earlier in the prompt or output (prompt lookup) and verifies them in the step's forward pass; outputs are unchanged."),
+        click.option("--num-speculative-tokens", default=5, show_default=True, help="Proposals per step at most (adapted per sequence)."),
+        click.option("--prompt-lookup-min", default=2, show_default=True, help="Shortest n-gram the ngram proposer matches."),
+        click.option("--prompt-lookup-max", default=5, show_default=True, help="Longest n-gram the ngram proposer matches."),
+        click.option("--speculative-max-batch-size", default=8, show_default=True, help="No speculation while more samples than this run (larger batches are not bandwidth-bound)."),
     ]
 
     def wrap(f):

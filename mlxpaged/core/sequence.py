@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # core imports no MLX: pending tokens and keys are only held 
 
     from ..engine.beam_search import BeamState
     from .block_pool import Block
+    from .spec_policy import SpecState
     from ..engine.sampling_params import SamplingParams
 
 
@@ -78,6 +79,7 @@ class Sequence:
     logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when asked for
     cumulative_logprob: float = 0.0  # beam search: log-probability of the output tokens
     pending: PendingToken | None = None  # a sampled token not yet read back (see the module invariants)
+    spec: "SpecState | None" = None  # speculative decoding: K and back-off (core/spec_policy.py)
 
     @property
     def num_tokens(self) -> int:

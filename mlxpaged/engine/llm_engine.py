@@ -22,7 +22,13 @@ runs the stop checks and detokenizes, while the device computes t+1. Invariants:
 - a preempted or aborted sequence drops its pending token and keeps its key: the recompute
   samples that position again from the same stream;
 - a step with beam-search rows is read back before the next is scheduled (its beams fork and
-  drop on the values); copy-on-write copies wait for the device inside `copy_blocks`.
+  drop on the values); so is a step after which a sequence may speculate
+  (`SchedulerOutput.read_back_now`: n-gram proposals are looked up in its known tokens, so
+  the token it samples now must be known); copy-on-write copies wait for the device inside
+  `copy_blocks`;
+- a speculating row (spec_decode.py) draws K+1 targets, one per position, with the keys of the
+  sequence's stream; after the read-back `Scheduler.update_from_spec` appends the accepted
+  tokens and rolls back the slots of the rejected ones.
 With the flag off every step is read back at once, in the same order of operations.
 """
 
@@ -47,8 +53,9 @@ from .output import StopChecker, make_output
 from .outputs import RequestOutput
 from .sampler import SampleArrays, read_samples, sample_arrays, sample_key
 from .sampling_params import SamplingParams
-from ..core.scheduler import SampleRow, Scheduler, SchedulerOutput
+from ..core.scheduler import SampleRow, Scheduler, SchedulerOutput, SpecDecode
 from ..core.sequence import PendingToken, Request, Sequence
+from .spec_decode import NgramProposer, key_chain, verified_tokens
 from .stats import METRIC_KEYS, EngineStats, engine_stats
 
 
@@ -64,6 +71,7 @@ class LaunchedStep:
     pairs: list[tuple[Request, Sequence]]  # who draws row j of `sampled`
     sampled: SampleArrays | None
     beam_rows: list[SampleRow]  # read back at once: beams fork and drop on the values
+    spec: list[tuple[SpecDecode, int]]  # speculating rows and the first of their K+1 rows in `sampled`
     logits: mx.array | None  # kept only for beam rows
     num_prefill: int
     launched_at: float
@@ -74,7 +82,8 @@ class LaunchedStep:
 
 def requests_of(out: SchedulerOutput) -> list[Request]:
     """The requests a scheduled step computes tokens for, each once."""
-    return list(dict.fromkeys([r for r, _ in out.decodes] + [c.request for c in out.prefills]))
+    return list(dict.fromkeys([r for r, _ in out.decodes] + [c.request for c in out.prefills]
+                              + [d.request for d in out.spec]))
 
 
 class LLMEngine:
@@ -102,7 +111,8 @@ class LLMEngine:
         self.kv_cache = PagedKVCache.for_model(loaded.model, self.cache_shape, num_blocks, config.block_size, scales)
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.attention_impl)
         self._check_kernels()
-        self.scheduler = Scheduler(config, self.block_manager)
+        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) if config.speculative else None
+        self.scheduler = Scheduler(config, self.block_manager, proposer)
         self.check_stop = StopChecker(set(getattr(self.tokenizer, "eos_token_ids", None) or []))
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -239,7 +249,7 @@ class LLMEngine:
                 progressed += self._read_back(prev)
                 prev = None
             self._commit(cur)
-            if self.config.async_scheduling and not cur.beam_rows:
+            if self.config.async_scheduling and not cur.beam_rows and not out.read_back_now:
                 self._inflight = cur
             else:
                 progressed += self._read_back(cur)
@@ -281,27 +291,57 @@ class LLMEngine:
         pairs = [(r.request, s) for r in plain for s in r.seqs]
         sampled = None
         todo = list(self.kv_cache.arrays)  # every pool array (a QuantizedPool is not an array)
-        if pairs:
-            index = [r.row for r in plain for _ in r.seqs]
+        index = [r.row for r in plain for _ in r.seqs]
+        params = [r.params for r, _ in pairs]
+        keys = [s.current_key() for _, s in pairs]
+        spec = self._spec_rows(out, index, params, keys)
+        if index:
             if index != list(range(logits.shape[0])):
                 logits_rows = logits[mx.array(index)]
             else:
                 logits_rows = logits
-            sampled = sample_arrays(logits_rows, [r.params for r, _ in pairs], [s.current_key() for _, s in pairs])
+            sampled = sample_arrays(logits_rows, params, keys)
             todo += sampled.arrays()
         if beam_rows:
             todo.append(logits)
         mx.async_eval(*todo)
         num_prefill = sum(c.num_tokens for c in out.prefills)
         self.stats.computed_prefill_tokens += num_prefill
-        return LaunchedStep(self.stats.steps, out, pairs, sampled, beam_rows, logits if beam_rows else None,
+        return LaunchedStep(self.stats.steps, out, pairs, sampled, beam_rows, spec, logits if beam_rows else None,
                             num_prefill, t0)
+
+    def _spec_rows(self, out: SchedulerOutput, index: list[int], params: list, keys: list) -> list[tuple[SpecDecode, int]]:
+        """Add the K+1 draws of each speculating row to (`index`, `params`, `keys`): position i of a
+        row draws with key_i of its sequence's chain (spec_decode.key_chain). Returns each row with
+        the index of its first draw."""
+        if not out.spec:
+            return []
+        first = len(out.decodes) + len(out.prefills)  # logits rows of speculating entries follow the others
+        sampled = [d for d in out.spec if not d.request.params.greedy]
+        chain_of = {}
+        if sampled:
+            chain = key_chain(mx.stack([d.seq.rng_key for d in sampled]), 1 + max(len(d.proposal) for d in sampled))
+            chain_of = {id(d): (chain, j) for j, d in enumerate(sampled)}
+        rows = []
+        row = first
+        for d in out.spec:
+            rows.append((d, len(index)))
+            for i in range(1 + len(d.proposal)):
+                index.append(row)
+                params.append(d.request.params)
+                if id(d) in chain_of:
+                    chain, j = chain_of[id(d)]
+                    keys.append((chain[i], j))
+                else:
+                    keys.append(None)
+                row += 1
+        return rows
 
     def _forward(self, out: SchedulerOutput) -> mx.array:
         """The step's one forward pass over every scheduled token, lazily; logits `[len(out.batch()), V]`.
         Copy-on-write copies go first (they wait for the device: `copy_blocks` evaluates)."""
         self.kv_cache.copy_blocks(out.block_copies)
-        return self.runner.forward(out.batch())
+        return self.runner.forward(out.batch(), out.spec_tokens())
 
     def _commit(self, step: LaunchedStep) -> None:
         """The step's tokens are computed (block tables, hashes, forks); its draws become pending."""
@@ -322,6 +362,8 @@ class LLMEngine:
             appended = self.scheduler.update_from_output(step.step_id, step.pairs, toks, logprobs, self.check_stop)
             self.stats.generation_tokens += len(appended)
             progressed += appended
+        if step.spec:
+            progressed += self._verify(step, toks, logprobs)
         if step.beam_rows:
             beams: dict[Request, dict[Sequence, int]] = {}
             for r in step.beam_rows:
@@ -344,7 +386,31 @@ class LLMEngine:
             self.stats.prefill_time += dt
         else:
             self.stats.decode_time += dt
-            self.stats.decode_tokens += len(step.out.decodes)
+            self.stats.decode_tokens += len(step.out.decodes)  # speculating rows count in _verify
+        return progressed
+
+    def _verify(self, step: LaunchedStep, toks: list[int], logprobs: list) -> list[Request]:
+        """Accept each speculating row's proposals against its K+1 target draws (spec_decode.py);
+        the scheduler appends the accepted tokens and rolls back the rest."""
+        s = step.sampled
+        key_row = {i: j for j, i in enumerate(s.sampled)}
+        progressed = []
+        for d, r0 in step.spec:
+            k = len(d.proposal)
+            targets = toks[r0 : r0 + k + 1]
+            tokens = verified_tokens(d.proposal, targets)
+            a = len(tokens) - 1
+            last = r0 + a  # the draw of the last appended token left the sequence's next key
+            key = s.keys[key_row[last]] if last in key_row else None
+            n = self.scheduler.update_from_spec(d.request, d.seq, d, tokens, logprobs[r0 : last + 1], key,
+                                                self.check_stop)
+            self.stats.spec_proposed_tokens += k
+            self.stats.spec_accepted_tokens += a
+            self.stats.spec_verifications += 1
+            self.stats.generation_tokens += n
+            self.stats.decode_tokens += n
+            if n:
+                progressed.append(d.request)
         return progressed
 
     def _track_peaks(self) -> None:

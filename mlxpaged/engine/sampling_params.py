@@ -24,6 +24,7 @@ class SamplingParams:
     max_tokens: generated tokens at most. stop: strings that end a sample (not included in
       its text). stop_token_ids: extra token ids that end a sample. ignore_eos: keep going
       past EOS (benchmarks).
+    speculative: False opts this request out of the engine's speculative decoding.
     """
 
     n: int = 1
@@ -36,6 +37,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    speculative: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -55,6 +57,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 

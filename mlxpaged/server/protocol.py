@@ -37,6 +37,7 @@ class _Sampling(_Body):
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    speculative: bool = True  # false opts this request out of speculative decoding
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None  # accepted and ignored
@@ -50,6 +51,7 @@ class _Sampling(_Body):
         return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               seed=self.seed, max_tokens=max_tokens, stop=self.stop,
                               stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
+                              speculative=self.speculative,
                               **({"logprobs": logprobs} if logprobs is not None else {}))
 
 

@@ -1,0 +1,326 @@
+"""Speculative decoding (n-gram prompt lookup) inside the paged batch.
+
+References: the same engine without speculation (whose tokens the other tests tie to mlx-lm's
+contiguous cache), mlx-lm's contiguous cache itself, exact distributions (numpy) for the
+acceptance rule, and brute-force n-gram search for the proposer. Block accounting is checked
+after every step: the allocator's invariants, and that every block table holds exactly the
+blocks its stored tokens need (a rolled-back slot's block is returned at once).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from reference import contiguous_generate, vllm_probs
+from test_sampler import gof_pvalue
+
+from mlxpaged import EngineConfig, LLMEngine, SamplingParams
+from mlxpaged.engine.beam_search import BeamSearchParams
+from mlxpaged.engine.sampler import sample_arrays, sample_key
+from mlxpaged.engine.spec_decode import NgramProposer, key_chain, verified_tokens
+
+ALPHA = 1e-3
+
+
+# -- driving ------------------------------------------------------------------------------------
+def engine_for(tiny_loaded, spec: bool, **kw) -> LLMEngine:
+    cfg = dict(block_size=4, num_blocks=512, max_num_batched_tokens=64, attention_impl="reference",
+               speculative="ngram" if spec else None, num_speculative_tokens=4)
+    return LLMEngine(tiny_loaded, EngineConfig(**{**cfg, **kw}))
+
+
+def check_blocks(engine: LLMEngine) -> None:
+    """The allocator's invariants, and no block held past a sequence's stored tokens."""
+    engine.check_invariants()
+    bm = engine.block_manager
+    for seq in engine.live_sequences():
+        assert len(seq.block_table) == bm.blocks_for(seq.num_computed_tokens), (
+            f"{len(seq.block_table)} blocks for {seq.num_computed_tokens} stored tokens")
+
+
+def run(engine: LLMEngine, work, arrivals: dict[int, list] | None = None) -> dict:
+    """Queue `work` [(prompt, params)], step to the end checking the blocks after every step;
+    `arrivals[step]` are more (prompt, params) queued before that step. Outputs by request id."""
+    for i, (p, sp) in enumerate(work):
+        engine.add_request(p, sp, request_id=str(i))
+    arrivals = dict(arrivals or {})
+    done, step, n = {}, 0, len(work)
+    while engine.has_unfinished_requests() or arrivals:
+        for p, sp in arrivals.pop(step, []):
+            engine.add_request(p, sp, request_id=str(n))
+            n += 1
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        check_blocks(engine)
+        step += 1
+    assert all(b.ref_cnt == 0 for b in engine.block_manager.pool.blocks)
+    engine.block_manager.pool.check()
+    return {k: [c.token_ids for c in v.outputs] for k, v in done.items()}
+
+
+# Phrases whose greedy continuation on the tiny model falls into loops (found by simulating the
+# proposer on 96 candidates): high acceptance.
+LOOPING = [9, 32, 19, 14, 5, 34, 7, 2, 45]
+
+
+def repeating(i: int) -> list[int]:
+    """A prompt with a repeated phrase, whose greedy answer on the tiny model repeats itself."""
+    c = LOOPING[i % len(LOOPING)]
+    phrase = [(11 * c + 7 * j) % 200 + 3 for j in range(5 + c % 3)]
+    return phrase * 4 + phrase[:2]
+
+
+def mixed(i: int) -> list[int]:
+    return [(13 * i + 5 * j * j) % 300 + 3 for j in range(3 + (7 * i) % 13)]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def spec_stats(engine: LLMEngine) -> tuple[int, int]:
+    return engine.stats.spec_proposed_tokens, engine.stats.spec_accepted_tokens
+
+
+# -- the proposer -------------------------------------------------------------------------------
+def brute_ngram(toks: list[int], k: int, lo: int, hi: int) -> list[int]:
+    for n in range(hi, lo - 1, -1):
+        if n >= len(toks):
+            continue
+        suffix = toks[-n:]
+        starts = [s for s in range(len(toks) - n) if toks[s : s + n] == suffix]
+        if starts:
+            return toks[starts[-1] + n : starts[-1] + n + k]
+    return []
+
+
+def test_ngram_proposer_matches_brute_force():
+    rng = np.random.default_rng(0)
+    prop = NgramProposer(2, 4)
+    for _ in range(300):
+        toks = rng.integers(0, 6, size=int(rng.integers(1, 40))).tolist()
+        k = int(rng.integers(1, 6))
+        assert prop(toks, k) == brute_ngram(toks, k, 2, 4), toks
+    assert prop([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]  # the longest match wins
+    assert prop([5, 6, 7, 8], 4) == []
+    with pytest.raises(ValueError):
+        NgramProposer(3, 2)
+
+
+# -- greedy identity ----------------------------------------------------------------------------
+@pytest.mark.parametrize("overlap", [True, False])
+def test_greedy_identity_high_acceptance(tiny_loaded, mlx_lm_tiny, overlap):
+    """A prompt whose answer loops: most proposals are accepted, 40 tokens take far fewer steps,
+    and the tokens are mlx-lm's."""
+    work = [(repeating(0), GREEDY)]
+    engine = engine_for(tiny_loaded, True, async_scheduling=overlap, prompt_lookup_min=1)
+    got = run(engine, work)
+    model, _ = mlx_lm_tiny
+    assert got["0"][0] == contiguous_generate(model, repeating(0), 40)
+    proposed, accepted = spec_stats(engine)
+    assert accepted >= 0.8 * proposed and accepted >= 15, (proposed, accepted)
+    assert engine.stats.steps < 0.6 * 40  # fewer steps than tokens
+
+
+def test_greedy_identity_batch(tiny_loaded):
+    work = [(repeating(i), GREEDY) for i in range(5)]
+    ref = run(engine_for(tiny_loaded, False), work)
+    engine = engine_for(tiny_loaded, True)
+    assert run(engine, work) == ref
+    assert engine.stats.spec_accepted_tokens > 20
+
+
+def test_ragged_batch_mixed_with_non_speculative(tiny_loaded):
+    """Greedy and seeded samples, some opted out, arriving mid-batch: identical tokens (the
+    acceptance rule draws each position with the key plain decoding would use)."""
+    plans = [dict(temperature=0), dict(temperature=0, speculative=False), dict(temperature=0.8, top_k=30, top_p=0.9, seed=3),
+             dict(temperature=1.0, seed=4, speculative=False), dict(temperature=0, max_tokens=7),
+             dict(temperature=0.7, seed=5, logprobs=2)]
+    work = [((repeating if i % 2 == 0 else mixed)(i), SamplingParams(**{"max_tokens": 30, "ignore_eos": True, **p}))
+            for i, p in enumerate(plans)]
+    later = {3: [(repeating(7), GREEDY)], 6: [(mixed(8), SamplingParams(temperature=0.9, seed=9, max_tokens=25, ignore_eos=True))]}
+    ref = run(engine_for(tiny_loaded, False), work, later)
+    engine = engine_for(tiny_loaded, True)
+    assert run(engine, work, later) == ref
+    assert engine.stats.spec_accepted_tokens > 0
+
+
+def test_opt_out_never_speculates(tiny_loaded):
+    engine = engine_for(tiny_loaded, True)
+    run(engine, [(repeating(0), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, speculative=False))])
+    assert spec_stats(engine) == (0, 0)
+    with pytest.raises(ValueError, match="speculative"):
+        SamplingParams(speculative="no")
+
+
+def test_n4_copy_on_write(tiny_loaded):
+    work = [(repeating(1), SamplingParams(n=4, temperature=0, max_tokens=30, ignore_eos=True)),
+            (repeating(2), SamplingParams(n=4, temperature=0.8, top_p=0.95, seed=7, max_tokens=30, ignore_eos=True))]
+    ref = run(engine_for(tiny_loaded, False, speculative_max_batch_size=16), work)
+    engine = engine_for(tiny_loaded, True, speculative_max_batch_size=16)
+    assert run(engine, work) == ref
+    assert engine.stats.spec_accepted_tokens > 0 and engine.block_manager.num_cow_copies > 0
+
+
+def test_tight_pool_preempts(tiny_loaded):
+    work = [(repeating(i), SamplingParams(temperature=0, max_tokens=36, ignore_eos=True)) for i in range(4)]
+    ref = run(engine_for(tiny_loaded, False, num_blocks=40), work)
+    engine = engine_for(tiny_loaded, True, num_blocks=40)
+    assert run(engine, work) == ref
+    assert engine.scheduler.num_preemptions > 0 and engine.stats.spec_accepted_tokens > 0
+
+
+def test_quantized_kv_cache(tiny_loaded):
+    work = [(repeating(i), GREEDY) for i in range(2)] + [(mixed(3), GREEDY)]
+    ref = run(engine_for(tiny_loaded, False, kv_bits=8, kv_group_size=32), work)
+    engine = engine_for(tiny_loaded, True, kv_bits=8, kv_group_size=32)
+    assert run(engine, work) == ref
+    assert engine.stats.spec_accepted_tokens > 0
+
+
+def test_beam_search_does_not_speculate(tiny_loaded):
+    outs = []
+    for spec in (False, True):
+        engine = engine_for(tiny_loaded, spec)
+        engine.add_beam_request(repeating(0), BeamSearchParams(3, 12, ignore_eos=True))
+        engine.add_request(repeating(1), GREEDY)
+        done = run(engine, [])
+        outs.append(done)
+    assert outs[0] == outs[1]
+
+
+def test_off_above_the_batch_size(tiny_loaded):
+    engine = engine_for(tiny_loaded, True, speculative_max_batch_size=2)
+    run(engine, [(repeating(i), GREEDY) for i in range(3)])
+    assert spec_stats(engine) == (0, 0)
+
+
+# -- rollback: rejected tokens never reach the prefix cache -------------------------------------
+def test_rejected_tokens_are_never_hashed(tiny_loaded, mlx_lm_tiny, monkeypatch):
+    """Proposals chosen to be wrong: every verification rejects some. The sample's blocks are
+    then reused as a prefix by a second request, whose tokens must equal mlx-lm's on the same
+    prompt: a hashed block holding a rejected token's KV would change them."""
+    from mlxpaged.core import spec_policy
+
+    monkeypatch.setattr(spec_policy, "MAX_SKIP", 0)  # keep proposing however often it fails
+    engine = engine_for(tiny_loaded, True, num_speculative_tokens=3)
+    vocab = tiny_loaded.model.args.vocab_size
+    engine.scheduler.proposer = lambda toks, k: [(toks[-1] * 7 + j + 1) % vocab for j in range(k)]
+    first = run(engine, [(mixed(5), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))])["0"][0]
+    proposed, accepted = spec_stats(engine)
+    assert proposed > accepted and proposed > 20
+    assert len(engine.block_manager.pool.cached) > 0
+    prompt = mixed(5) + first
+    engine.scheduler.proposer = None
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), request_id="again")
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    out = done["again"]
+    assert out.num_cached_tokens >= len(prompt) - 8  # all but the last blocks came from the cache
+    model, _ = mlx_lm_tiny
+    assert out.outputs[0].token_ids == contiguous_generate(model, prompt, 10)
+
+
+# -- the acceptance rule against exact distributions -----------------------------------------------
+L0 = np.array([2.0, 1.6, 1.3, 1.0, 0.8, 0.5, 0.2, -0.3, -1.0, -2.0], dtype=np.float32)
+L1 = np.array([-1.0, 0.3, 1.9, 0.1, 1.2, -0.4, 0.9, 1.5, 0.0, -2.0], dtype=np.float32)
+
+
+def spec_draws(proposal: list[int], params: SamplingParams, num: int) -> list[list[int]]:
+    """The tokens a verified row appends, for `num` independent streams: the engine's path
+    (key chain, one `sample_arrays` over the row's positions, `verified_tokens`)."""
+    width = len(proposal) + 1
+    rows = mx.array(np.tile(np.stack([L0, L1][:width]), (num, 1)))  # [num * (K+1), V]: stream by stream
+    chain = key_chain(mx.stack([sample_key(s, 0) for s in range(num)]), width)
+    keys = mx.stack(chain, axis=1).reshape(-1, 2)  # position i of stream s draws with key_i of s
+    s = sample_arrays(rows, [params] * (num * width), [(keys, r) for r in range(num * width)])
+    toks = np.array(s.tokens).reshape(num, width)
+    return [verified_tokens(proposal, t.tolist()) for t in toks]
+
+
+@pytest.mark.parametrize("proposed", [1, 4, 0, 9])  # 9 is outside top-k: never accepted
+def test_acceptance_is_exact_speculative_sampling(proposed):
+    """20,000 draws at temperature 0.8 with top-k and top-p: the first token follows p0 (so the
+    proposal is accepted with probability p0(d)); rejected draws follow p0 without d,
+    renormalized; after an acceptance the next token follows p1."""
+    params = SamplingParams(temperature=0.8, top_k=8, top_p=0.95)
+    p0, p1 = vllm_probs(L0, 0.8, 8, 0.95), vllm_probs(L1, 0.8, 8, 0.95)
+    out = spec_draws([proposed], params, 20_000)
+    first = np.array([o[0] for o in out])
+    assert gof_pvalue(np.bincount(first, minlength=10), p0) > ALPHA
+    accepted = first == proposed
+    if p0[proposed] > 0:
+        assert 0.05 < accepted.mean() < 0.95  # forced both ways
+        second = np.array([o[1] for o in out if len(o) == 2])
+        assert len(second) == accepted.sum()
+        assert gof_pvalue(np.bincount(second, minlength=10), p1) > ALPHA
+    else:
+        assert not accepted.any()
+    rest = p0.copy()
+    rest[proposed] = 0
+    assert gof_pvalue(np.bincount(first[~accepted], minlength=10), rest / rest.sum()) > ALPHA
+    # and the test rejects a rule that always accepts: its first token is always the proposal
+    assert gof_pvalue(np.bincount(np.full(20_000, proposed), minlength=10), p0) < 1e-9
+
+
+def test_seeded_spec_is_reproducible(tiny_loaded):
+    work = [(repeating(i), SamplingParams(temperature=0.9, seed=11, n=2, max_tokens=30, ignore_eos=True)) for i in range(2)]
+    assert run(engine_for(tiny_loaded, True), work) == run(engine_for(tiny_loaded, True), work)
+
+
+# -- settings and visibility --------------------------------------------------------------------
+def test_config_refuses_bad_settings():
+    with pytest.raises(ValueError, match="draft-model proposer is not implemented"):
+        EngineConfig(speculative="draft")
+    with pytest.raises(ValueError, match="speculative must be"):
+        EngineConfig(speculative="medusa")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineConfig(speculative="ngram", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        EngineConfig(speculative="ngram", prompt_lookup_min=4, prompt_lookup_max=2)
+
+
+def test_generate_summary_shows_acceptance(tiny_model_path):
+    from click.testing import CliRunner
+
+    from mlxpaged.cli.main import main
+
+    r = CliRunner().invoke(main, ["generate", "--model", str(tiny_model_path), "--no-chat", "--prompt",
+                                  "The KV cache stores the KV cache stores the KV cache", "-t", "40", "--ignore-eos", "--speculative", "ngram",
+                                  "--num-speculative-tokens", "3", "--prompt-lookup-min", "1", "--attention", "reference"])
+    assert r.exit_code == 0, r.output
+    line = next(ln for ln in r.output.splitlines() if ln.startswith("Speculative decoding:"))
+    accepted, proposed = (int(w) for w in line.split()[2:5:2])
+    assert proposed > 0 and f"({100 * accepted / proposed:.1f}%)" in line and "mean accepted length" in line
+    bad = CliRunner().invoke(main, ["generate", "--model", str(tiny_model_path), "--prompt", "hi", "--speculative", "draft"])
+    assert bad.exit_code != 0 and "Traceback" not in bad.output
+
+
+def test_server_metrics_and_opt_out(tiny_loaded):
+    from fastapi.testclient import TestClient
+
+    from mlxpaged.server.app import build_app
+    from mlxpaged.server.engine_loop import EngineLoop
+    from mlxpaged.server.metrics import Metrics
+
+    metrics = Metrics()
+    loop = EngineLoop(lambda: engine_for(tiny_loaded, True), observer=metrics)
+    loop.start()
+    metrics.attach(loop)
+    app = build_app(loop, metrics, model_id="tiny")
+    prompt = repeating(0)
+    with TestClient(app) as c:
+        off = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True,
+                                              "speculative": False})
+        assert off.status_code == 200
+        on = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True})
+        assert on.status_code == 200
+        assert on.json()["choices"][0]["text"] == off.json()["choices"][0]["text"]
+        assert set(on.json()["usage"]) == set(off.json()["usage"])
+        bad = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "speculative": "yes"})
+        assert bad.status_code == 400
+        text = c.get("/metrics").text
+    vals = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
+    assert vals["mlxpaged_spec_proposed_tokens_total"] >= vals["mlxpaged_spec_accepted_tokens_total"] > 0
