@@ -324,3 +324,31 @@ def test_server_metrics_and_opt_out(tiny_loaded):
         text = c.get("/metrics").text
     vals = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
     assert vals["mlxpaged_spec_proposed_tokens_total"] >= vals["mlxpaged_spec_accepted_tokens_total"] > 0
+
+
+def test_two_tensor_parallel_ranks(tiny_model_path):
+    """`mlx.launch -n 2` generate with speculation: rank 0 prints the tokens of one process
+    without speculation (every rank makes the same proposals, or the ranks would diverge)."""
+    import json
+    import subprocess
+    import sys
+
+    from test_tp import LAUNCH, _free_port_pair, _ring_can_start
+
+    from mlxpaged import LLM
+
+    if _ring_can_start() is not None:
+        pytest.skip(_ring_can_start())
+    prompt = "The KV cache stores the KV cache stores the KV cache"
+    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(_free_port_pair()), "--python", sys.executable,
+           "--", "-m", "mlxpaged.cli", "generate", "--model", str(tiny_model_path), "--no-chat", "--json",
+           "--max-tokens", "40", "--ignore-eos", "--speculative", "ngram", "--prompt-lookup-min", "1", "-p", prompt,
+           "-p", "Blocks of sixteen tokens"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, r.stdout + r.stderr
+    got = json.loads(lines[0])
+    assert got["stats"]["spec_accepted_tokens"] > 0
+    llm = LLM(str(tiny_model_path), dtype="float32")
+    outs = llm.generate([prompt, "Blocks of sixteen tokens"], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert [o["token_ids"] for o in got["outputs"]] == [o.outputs[0].token_ids for o in outs]

@@ -341,7 +341,9 @@ class LLMEngine:
         """The step's one forward pass over every scheduled token, lazily; logits `[len(out.batch()), V]`.
         Copy-on-write copies go first (they wait for the device: `copy_blocks` evaluates)."""
         self.kv_cache.copy_blocks(out.block_copies)
-        return self.runner.forward(out.batch(), out.spec_tokens())
+        if out.spec:
+            return self.runner.forward(out.batch(), out.spec_tokens())
+        return self.runner.forward(out.batch())
 
     def _commit(self, step: LaunchedStep) -> None:
         """The step's tokens are computed (block tables, hashes, forks); its draws become pending."""
