@@ -260,3 +260,7 @@ def kernel(out_dir, plot, seqs, tokens, max_block):
 from .http import add_command as _add_serve_bench  # noqa: E402  (`mlxpaged bench serve`: HTTP, vs mlx_lm.server)
 
 _add_serve_bench(bench, with_common, _plot)
+
+from .spec import add_command as _add_spec_bench  # noqa: E402  (`mlxpaged bench spec`: speculative decoding)
+
+_add_spec_bench(bench, with_common)

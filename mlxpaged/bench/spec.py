@@ -201,3 +201,64 @@ def table(rows: list[dict]) -> list[str]:
                    f"{r['mlx_lm_tps']['median']:12.1f} | {fmt(r['speedup_vs_plain']):>23} | {fmt(r['speedup_vs_mlx_lm']):>17} | "
                    f"{r['acceptance_rate']:6.2f} | {r['mean_accepted_length']:8.2f}")
     return out
+
+
+def parse_list(text: str, option: str, allowed: set[str] | None = None) -> list:
+    """'1,8' -> [1, 8] (or names, checked against `allowed`); a one-line error naming the option."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if allowed is not None:
+        bad = [x for x in items if x not in allowed]
+        if not items or bad:
+            raise ValueError(f"{option} takes a comma-separated subset of {sorted(allowed)}, got '{text}'")
+        return items
+    try:
+        vals = [int(x) for x in items]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < 1:
+        raise ValueError(f"{option} must be comma-separated positive integers, got '{text}'")
+    return vals
+
+
+def run_cli(model, tiny, dtype, workloads, batches, repeats, edit_tokens, sharegpt_tokens, echo=print, progress=None) -> dict:
+    """Load, run and print; returns the payload (what `scripts/bench_spec.py` and `mlxpaged bench spec` share)."""
+    from .models import load_models, model_label
+
+    wls = parse_list(workloads, "--workloads", {"edit", "sharegpt"})
+    levels = parse_list(batches, "--batches")
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
+    loaded, ref = load_models(model, tiny, dtype)
+    label = model_label(loaded, model, tiny)
+    echo(f"model {label} ({loaded.dtype}), device {mx.default_device()}, mlx {mx.__version__}, {repeats} repeats")
+    payload = benchmark(loaded, ref, workloads=wls, batches=levels, repeats=repeats,
+                        max_tokens={"edit": edit_tokens, "sharegpt": sharegpt_tokens}, progress=progress)
+    echo("\n".join(table(payload["rows"])))
+    echo(payload["timed_span"])
+    return {"label": label, **payload}
+
+
+def add_command(bench, with_common) -> None:
+    """`mlxpaged bench spec`."""
+    import sys
+
+    import click
+
+    @bench.command()
+    @with_common
+    @click.option("--workloads", default="edit,sharegpt", show_default=True)
+    @click.option("--batches", default="1,8", show_default=True)
+    @click.option("--repeats", default=3, show_default=True, help="Runs of each case; the order of the three systems rotates.")
+    @click.option("--edit-tokens", default=512, show_default=True, help="max_tokens of the edit workload.")
+    @click.option("--sharegpt-tokens", default=128, show_default=True, help="max_tokens of the ShareGPT workload.")
+    def spec(model, tiny, dtype, out_dir, plot, workloads, batches, repeats, edit_tokens, sharegpt_tokens):
+        """Speculative decoding (n-gram): tokens/s against no speculation and mlx-lm; acceptance."""
+        from ..errors import MlxPagedError
+        from .report import write_result
+
+        try:
+            payload = run_cli(model, tiny, dtype, workloads, batches, repeats, edit_tokens, sharegpt_tokens, echo=click.echo)
+        except (MlxPagedError, ValueError, FileNotFoundError) as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(1)
+        click.echo(f"results: {write_result(out_dir, 'spec', payload.pop('label'), payload)}")
