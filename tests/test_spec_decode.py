@@ -352,3 +352,66 @@ def test_two_tensor_parallel_ranks(tiny_model_path):
     llm = LLM(str(tiny_model_path), dtype="float32")
     outs = llm.generate([prompt, "Blocks of sixteen tokens"], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     assert [o["token_ids"] for o in got["outputs"]] == [o.outputs[0].token_ids for o in outs]
+
+
+# -- the block table's rollback and the speculation policy, in isolation ---------------------------
+def test_truncate_returns_blocks_past_the_kept_tokens():
+    from mlxpaged.core.block_manager import BlockManager
+    from mlxpaged.core.sequence import Sequence
+
+    bm = BlockManager(8, 4)
+    seq = Sequence(list(range(3, 13)), 10)
+    assert bm.allocate_slots(seq, 10) == []
+    seq.num_computed_tokens = 10
+    bm.cache_full_blocks(seq)  # blocks 0 and 1 are full and named
+    assert len(seq.block_table) == 3 and bm.pool.num_free == 5
+    bm.truncate(seq, 9)
+    assert len(seq.block_table) == 3 and seq.num_computed_tokens == 9  # the last block still holds token 8
+    bm.truncate(seq, 8)
+    assert len(seq.block_table) == 2 and bm.pool.num_free == 6 and seq.num_computed_tokens == 8
+    with pytest.raises(ValueError, match="named"):
+        bm.truncate(seq, 7)  # would cut into a block already in the prefix cache
+    with pytest.raises(ValueError, match="stored"):
+        bm.truncate(seq, 9)
+    bm.check([seq])
+
+
+def test_k_adapts_and_backs_off():
+    from mlxpaged.core.spec_policy import SpecState
+
+    st = SpecState(4)
+    st.verified(4, 4, 6)
+    assert st.k == 5
+    st.verified(5, 5, 6)
+    st.verified(6, 6, 6)
+    assert st.k == 6  # at most num_speculative_tokens
+    st.verified(6, 2, 6)
+    assert st.k == 3 and st.misses == 0
+    skips = []
+    for _ in range(7):
+        st.miss()
+        skips.append(st.skip)
+    assert skips == [0, 0, 1, 2, 4, 8, 8] and st.k == 1
+    st.verified(1, 1, 6)
+    assert st.misses == 0 and st.k == 2
+
+
+def test_low_acceptance_backs_off(tiny_loaded):
+    """Proposals that are always wrong: the tokens are unchanged, few proposals are made, and
+    most steps stay overlapped (are not read back before the next is scheduled)."""
+    engine = engine_for(tiny_loaded, True)
+    vocab = tiny_loaded.model.args.vocab_size
+    engine.scheduler.proposer = lambda toks, k: [(toks[-1] * 7 + j + 1) % vocab for j in range(k)]
+    schedule, synced = engine.scheduler.schedule, []
+
+    def counting():
+        out = schedule()
+        synced.append(out.read_back_now)
+        return out
+
+    engine.scheduler.schedule = counting
+    work = [(mixed(2), SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))]
+    assert run(engine, work) == run(engine_for(tiny_loaded, False), work)
+    proposed, accepted = spec_stats(engine)
+    assert accepted <= 2 and proposed < 20
+    assert sum(synced) < 0.4 * len(synced)
