@@ -35,8 +35,17 @@ def main() -> None:
     from mlxpaged.errors import MlxPagedError
 
     try:
-        payload = run_cli(args.model, args.tiny, args.dtype, args.workloads, args.batches, args.repeats,
-                          args.edit_tokens, args.sharegpt_tokens, echo=lambda s: print(s, flush=True))
+        payload = run_cli(
+            args.model,
+            args.tiny,
+            args.dtype,
+            args.workloads,
+            args.batches,
+            args.repeats,
+            args.edit_tokens,
+            args.sharegpt_tokens,
+            echo=lambda s: print(s, flush=True),
+        )
     except (ValueError, MlxPagedError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
     if args.json_out:

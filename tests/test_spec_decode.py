@@ -9,11 +9,12 @@ blocks its stored tokens need (a rolled-back slot's block is returned at once).
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from reference import contiguous_generate, vllm_probs
-from test_sampler import gof_pvalue
 
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 from mlxpaged.engine.beam_search import BeamSearchParams
@@ -23,10 +24,43 @@ from mlxpaged.engine.spec_decode import NgramProposer, key_chain, verified_token
 ALPHA = 1e-3
 
 
+def chi2_sf(x: float, df: int) -> float:
+    """P(X >= x) for X ~ chi-square(df), in closed form (as tests/test_sampler.py, which checks it
+    against tables)."""
+    half = x / 2
+    if df % 2 == 0:
+        term, total = 1.0, 1.0
+        for j in range(1, df // 2):
+            term *= half / j
+            total += term
+        return math.exp(-half) * total
+    total, term = 0.0, 1.0
+    for j in range(1, (df - 1) // 2 + 1):
+        total += term
+        term *= x / (2 * j + 1)
+    return math.erfc(math.sqrt(half)) + math.sqrt(2 * x / math.pi) * math.exp(-half) * total
+
+
+def gof_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Chi-square goodness of fit of `counts` to the fully specified `probs` (0 where impossible)."""
+    if counts[probs == 0].any():
+        return 0.0  # a draw the distribution forbids
+    n, live = counts.sum(), probs > 0
+    expected = n * probs[live]
+    assert expected.min() >= 5, "too few draws for a chi-square test"
+    return chi2_sf(float(((counts[live] - expected) ** 2 / expected).sum()), int(live.sum()) - 1)
+
+
 # -- driving ------------------------------------------------------------------------------------
 def engine_for(tiny_loaded, spec: bool, **kw) -> LLMEngine:
-    cfg = dict(block_size=4, num_blocks=512, max_num_batched_tokens=64, attention_impl="reference",
-               speculative="ngram" if spec else None, num_speculative_tokens=4)
+    cfg = dict(
+        block_size=4,
+        num_blocks=512,
+        max_num_batched_tokens=64,
+        attention_impl="reference",
+        speculative="ngram" if spec else None,
+        num_speculative_tokens=4,
+    )
     return LLMEngine(tiny_loaded, EngineConfig(**{**cfg, **kw}))
 
 
@@ -36,7 +70,8 @@ def check_blocks(engine: LLMEngine) -> None:
     bm = engine.block_manager
     for seq in engine.live_sequences():
         assert len(seq.block_table) == bm.blocks_for(seq.num_computed_tokens), (
-            f"{len(seq.block_table)} blocks for {seq.num_computed_tokens} stored tokens")
+            f"{len(seq.block_table)} blocks for {seq.num_computed_tokens} stored tokens"
+        )
 
 
 def run(engine: LLMEngine, work, arrivals: dict[int, list] | None = None) -> dict:
@@ -134,12 +169,22 @@ def test_greedy_identity_batch(tiny_loaded):
 def test_ragged_batch_mixed_with_non_speculative(tiny_loaded):
     """Greedy and seeded samples, some opted out, arriving mid-batch: identical tokens (the
     acceptance rule draws each position with the key plain decoding would use)."""
-    plans = [dict(temperature=0), dict(temperature=0, speculative=False), dict(temperature=0.8, top_k=30, top_p=0.9, seed=3),
-             dict(temperature=1.0, seed=4, speculative=False), dict(temperature=0, max_tokens=7),
-             dict(temperature=0.7, seed=5, logprobs=2)]
-    work = [((repeating if i % 2 == 0 else mixed)(i), SamplingParams(**{"max_tokens": 30, "ignore_eos": True, **p}))
-            for i, p in enumerate(plans)]
-    later = {3: [(repeating(7), GREEDY)], 6: [(mixed(8), SamplingParams(temperature=0.9, seed=9, max_tokens=25, ignore_eos=True))]}
+    plans = [
+        dict(temperature=0),
+        dict(temperature=0, speculative=False),
+        dict(temperature=0.8, top_k=30, top_p=0.9, seed=3),
+        dict(temperature=1.0, seed=4, speculative=False),
+        dict(temperature=0, max_tokens=7),
+        dict(temperature=0.7, seed=5, logprobs=2),
+    ]
+    work = [
+        ((repeating if i % 2 == 0 else mixed)(i), SamplingParams(**{"max_tokens": 30, "ignore_eos": True, **p}))
+        for i, p in enumerate(plans)
+    ]
+    later = {
+        3: [(repeating(7), GREEDY)],
+        6: [(mixed(8), SamplingParams(temperature=0.9, seed=9, max_tokens=25, ignore_eos=True))],
+    }
     ref = run(engine_for(tiny_loaded, False), work, later)
     engine = engine_for(tiny_loaded, True)
     assert run(engine, work, later) == ref
@@ -155,8 +200,10 @@ def test_opt_out_never_speculates(tiny_loaded):
 
 
 def test_n4_copy_on_write(tiny_loaded):
-    work = [(repeating(1), SamplingParams(n=4, temperature=0, max_tokens=30, ignore_eos=True)),
-            (repeating(2), SamplingParams(n=4, temperature=0.8, top_p=0.95, seed=7, max_tokens=30, ignore_eos=True))]
+    work = [
+        (repeating(1), SamplingParams(n=4, temperature=0, max_tokens=30, ignore_eos=True)),
+        (repeating(2), SamplingParams(n=4, temperature=0.8, top_p=0.95, seed=7, max_tokens=30, ignore_eos=True)),
+    ]
     ref = run(engine_for(tiny_loaded, False, speculative_max_batch_size=16), work)
     engine = engine_for(tiny_loaded, True, speculative_max_batch_size=16)
     assert run(engine, work) == ref
@@ -266,7 +313,9 @@ def test_acceptance_is_exact_speculative_sampling(proposed):
 
 
 def test_seeded_spec_is_reproducible(tiny_loaded):
-    work = [(repeating(i), SamplingParams(temperature=0.9, seed=11, n=2, max_tokens=30, ignore_eos=True)) for i in range(2)]
+    work = [
+        (repeating(i), SamplingParams(temperature=0.9, seed=11, n=2, max_tokens=30, ignore_eos=True)) for i in range(2)
+    ]
     assert run(engine_for(tiny_loaded, True), work) == run(engine_for(tiny_loaded, True), work)
 
 
@@ -287,14 +336,35 @@ def test_generate_summary_shows_acceptance(tiny_model_path):
 
     from mlxpaged.cli.main import main
 
-    r = CliRunner().invoke(main, ["generate", "--model", str(tiny_model_path), "--no-chat", "--prompt",
-                                  "The KV cache stores the KV cache stores the KV cache", "-t", "40", "--ignore-eos", "--speculative", "ngram",
-                                  "--num-speculative-tokens", "3", "--prompt-lookup-min", "1", "--attention", "reference"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "generate",
+            "--model",
+            str(tiny_model_path),
+            "--no-chat",
+            "--prompt",
+            "The KV cache stores the KV cache stores the KV cache",
+            "-t",
+            "40",
+            "--ignore-eos",
+            "--speculative",
+            "ngram",
+            "--num-speculative-tokens",
+            "3",
+            "--prompt-lookup-min",
+            "1",
+            "--attention",
+            "reference",
+        ],
+    )
     assert r.exit_code == 0, r.output
     line = next(ln for ln in r.output.splitlines() if ln.startswith("Speculative decoding:"))
     accepted, proposed = (int(w) for w in line.split()[2:5:2])
     assert proposed > 0 and f"({100 * accepted / proposed:.1f}%)" in line and "mean accepted length" in line
-    bad = CliRunner().invoke(main, ["generate", "--model", str(tiny_model_path), "--prompt", "hi", "--speculative", "draft"])
+    bad = CliRunner().invoke(
+        main, ["generate", "--model", str(tiny_model_path), "--prompt", "hi", "--speculative", "draft"]
+    )
     assert bad.exit_code != 0 and "Traceback" not in bad.output
 
 
@@ -312,8 +382,10 @@ def test_server_metrics_and_opt_out(tiny_loaded):
     app = build_app(loop, metrics, model_id="tiny")
     prompt = repeating(0)
     with TestClient(app) as c:
-        off = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True,
-                                              "speculative": False})
+        off = c.post(
+            "/v1/completions",
+            json={"prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True, "speculative": False},
+        )
         assert off.status_code == 200
         on = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True})
         assert on.status_code == 200
@@ -322,36 +394,10 @@ def test_server_metrics_and_opt_out(tiny_loaded):
         bad = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "speculative": "yes"})
         assert bad.status_code == 400
         text = c.get("/metrics").text
-    vals = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
+    vals = {
+        ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln and not ln.startswith("#")
+    }
     assert vals["mlxpaged_spec_proposed_tokens_total"] >= vals["mlxpaged_spec_accepted_tokens_total"] > 0
-
-
-def test_two_tensor_parallel_ranks(tiny_model_path):
-    """`mlx.launch -n 2` generate with speculation: rank 0 prints the tokens of one process
-    without speculation (every rank makes the same proposals, or the ranks would diverge)."""
-    import json
-    import subprocess
-    import sys
-
-    from test_tp import LAUNCH, _free_port_pair, _ring_can_start
-
-    from mlxpaged import LLM
-
-    if _ring_can_start() is not None:
-        pytest.skip(_ring_can_start())
-    prompt = "The KV cache stores the KV cache stores the KV cache"
-    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(_free_port_pair()), "--python", sys.executable,
-           "--", "-m", "mlxpaged.cli", "generate", "--model", str(tiny_model_path), "--no-chat", "--json",
-           "--max-tokens", "40", "--ignore-eos", "--speculative", "ngram", "--prompt-lookup-min", "1", "-p", prompt,
-           "-p", "Blocks of sixteen tokens"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
-    assert len(lines) == 1, r.stdout + r.stderr
-    got = json.loads(lines[0])
-    assert got["stats"]["spec_accepted_tokens"] > 0
-    llm = LLM(str(tiny_model_path), dtype="float32")
-    outs = llm.generate([prompt, "Blocks of sixteen tokens"], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-    assert [o["token_ids"] for o in got["outputs"]] == [o.outputs[0].token_ids for o in outs]
 
 
 # -- the block table's rollback and the speculation policy, in isolation ---------------------------

@@ -80,9 +80,16 @@ class Inventory:
 '''
 
 # (old, new) identifiers: request i of a batch renames RENAMES[i].
-RENAMES = [("restock", "replenish"), ("unit_price", "price_each"), ("low_stock", "running_low"),
-           ("warehouse_name", "site_name"), ("find_by_tag", "items_tagged"), ("total_value", "stock_value"),
-           ("remove_item", "discard_item"), ("quantity", "count")]
+RENAMES = [
+    ("restock", "replenish"),
+    ("unit_price", "price_each"),
+    ("low_stock", "running_low"),
+    ("warehouse_name", "site_name"),
+    ("find_by_tag", "items_tagged"),
+    ("total_value", "stock_value"),
+    ("remove_item", "discard_item"),
+    ("quantity", "count"),
+]
 
 
 def edit_prompts(tokenizer, batch: int) -> list[list[int]]:
@@ -90,8 +97,10 @@ def edit_prompts(tokenizer, batch: int) -> list[list[int]]:
 
     out = []
     for old, new in (RENAMES * (batch // len(RENAMES) + 1))[:batch]:
-        text = (f"Rewrite this Python file with the identifier `{old}` renamed to `{new}` everywhere. "
-                f"Reply with the whole file only, in one code block.\n\n```python\n{SOURCE}```")
+        text = (
+            f"Rewrite this Python file with the identifier `{old}` renamed to `{new}` everywhere. "
+            f"Reply with the whole file only, in one code block.\n\n```python\n{SOURCE}```"
+        )
         out.append(chat_ids(tokenizer, [{"role": "user", "content": text}]))
     return out
 
@@ -105,15 +114,21 @@ def sharegpt_prompts(tokenizer, batch: int) -> list[list[int]]:
     return [chat_ids(tokenizer, [{"role": "user", "content": p}]) for p, _, _ in reqs]
 
 
-def run_mlxpaged(loaded, prompts: list[list[int]], max_tokens: int, spec: bool, engine_kwargs: dict | None = None) -> dict:
+def run_mlxpaged(
+    loaded, prompts: list[list[int]], max_tokens: int, spec: bool, engine_kwargs: dict | None = None
+) -> dict:
     from ..config import EngineConfig
     from ..engine.llm_engine import LLMEngine
     from ..engine.sampling_params import SamplingParams
 
     bs = 16
     need = sum(-(-(len(p) + max_tokens) // bs) for p in prompts) + 8
-    kw = {"num_blocks": need, "enable_prefix_caching": False, "speculative": "ngram" if spec else None,
-          **(engine_kwargs or {})}
+    kw = {
+        "num_blocks": need,
+        "enable_prefix_caching": False,
+        "speculative": "ngram" if spec else None,
+        **(engine_kwargs or {}),
+    }
     engine = LLMEngine(loaded, EngineConfig(**kw))
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     start = time.perf_counter()
@@ -127,9 +142,17 @@ def run_mlxpaged(loaded, prompts: list[list[int]], max_tokens: int, spec: bool, 
     wall = time.perf_counter() - start
     st = engine.stats_dict()
     n = sum(len(t) for t in tokens)
-    return {"system": "spec" if spec else "plain", "tokens": n, "wall_s": wall, "tps": n / wall,
-            "acceptance_rate": st["spec_acceptance_rate"], "mean_accepted_length": st["spec_mean_accepted_length"],
-            "proposed": st["spec_proposed_tokens"], "accepted": st["spec_accepted_tokens"], "steps": engine.stats.steps}
+    return {
+        "system": "spec" if spec else "plain",
+        "tokens": n,
+        "wall_s": wall,
+        "tps": n / wall,
+        "acceptance_rate": st["spec_acceptance_rate"],
+        "mean_accepted_length": st["spec_mean_accepted_length"],
+        "proposed": st["spec_proposed_tokens"],
+        "accepted": st["spec_accepted_tokens"],
+        "steps": engine.stats.steps,
+    }
 
 
 def run_mlx_lm(model, prompts: list[list[int]], max_tokens: int, eos: set[int]) -> dict:
@@ -144,7 +167,9 @@ def run_mlx_lm(model, prompts: list[list[int]], max_tokens: int, eos: set[int]) 
                 if int(tok) in eos:
                     break
     else:
-        gen = BatchGenerator(model, stop_tokens=[[e] for e in eos], completion_batch_size=len(prompts), prefill_batch_size=len(prompts))
+        gen = BatchGenerator(
+            model, stop_tokens=[[e] for e in eos], completion_batch_size=len(prompts), prefill_batch_size=len(prompts)
+        )
         gen.insert(prompts, [max_tokens] * len(prompts))
         while responses := gen.next_generated():
             n += len(responses)
@@ -153,8 +178,9 @@ def run_mlx_lm(model, prompts: list[list[int]], max_tokens: int, eos: set[int]) 
     return {"system": "mlx_lm", "tokens": n, "wall_s": wall, "tps": n / wall}
 
 
-def benchmark(loaded, ref, *, workloads: list[str], batches: list[int], repeats: int, max_tokens: dict[str, int],
-              progress=None) -> dict:
+def benchmark(
+    loaded, ref, *, workloads: list[str], batches: list[int], repeats: int, max_tokens: dict[str, int], progress=None
+) -> dict:
     eos = set(getattr(loaded.tokenizer, "eos_token_ids", None) or [])
     warm = edit_prompts(loaded.tokenizer, 1)
     run_mlxpaged(loaded, warm, 4, True)
@@ -163,43 +189,57 @@ def benchmark(loaded, ref, *, workloads: list[str], batches: list[int], repeats:
     for wl in workloads:
         for b in batches:
             prompts = edit_prompts(loaded.tokenizer, b) if wl == "edit" else sharegpt_prompts(loaded.tokenizer, b)
-            systems = {"spec": lambda: run_mlxpaged(loaded, prompts, max_tokens[wl], True),
-                       "plain": lambda: run_mlxpaged(loaded, prompts, max_tokens[wl], False),
-                       "mlx_lm": lambda: run_mlx_lm(ref, prompts, max_tokens[wl], eos)}
+            systems = {
+                "spec": lambda: run_mlxpaged(loaded, prompts, max_tokens[wl], True),
+                "plain": lambda: run_mlxpaged(loaded, prompts, max_tokens[wl], False),
+                "mlx_lm": lambda: run_mlx_lm(ref, prompts, max_tokens[wl], eos),
+            }
             order = list(systems)
             runs = []
             for i in range(repeats):
-                rot = order[i % 3:] + order[: i % 3]
+                rot = order[i % 3 :] + order[: i % 3]
                 runs.append({name: systems[name]() for name in rot} | {"order": rot})
                 if progress:
                     progress()
             spec, plain, lm = ([r[k] for r in runs] for k in ("spec", "plain", "mlx_lm"))
-            rows.append({
-                "workload": wl, "batch": b, "max_tokens": max_tokens[wl],
-                "prompt_tokens": [len(p) for p in prompts],
-                "spec_tps": spread([r["tps"] for r in spec]), "plain_tps": spread([r["tps"] for r in plain]),
-                "mlx_lm_tps": spread([r["tps"] for r in lm]),
-                "speedup_vs_plain": spread([s["tps"] / p["tps"] for s, p in zip(spec, plain)]),
-                "speedup_vs_mlx_lm": spread([s["tps"] / m["tps"] for s, m in zip(spec, lm)]),
-                "acceptance_rate": statistics.median(r["acceptance_rate"] for r in spec),
-                "mean_accepted_length": statistics.median(r["mean_accepted_length"] for r in spec),
-                "same_tokens": len({r["tokens"] for r in spec + plain}) == 1,
-                "runs": runs,
-            })
+            rows.append(
+                {
+                    "workload": wl,
+                    "batch": b,
+                    "max_tokens": max_tokens[wl],
+                    "prompt_tokens": [len(p) for p in prompts],
+                    "spec_tps": spread([r["tps"] for r in spec]),
+                    "plain_tps": spread([r["tps"] for r in plain]),
+                    "mlx_lm_tps": spread([r["tps"] for r in lm]),
+                    "speedup_vs_plain": spread([s["tps"] / p["tps"] for s, p in zip(spec, plain)]),
+                    "speedup_vs_mlx_lm": spread([s["tps"] / m["tps"] for s, m in zip(spec, lm)]),
+                    "acceptance_rate": statistics.median(r["acceptance_rate"] for r in spec),
+                    "mean_accepted_length": statistics.median(r["mean_accepted_length"] for r in spec),
+                    "same_tokens": len({r["tokens"] for r in spec + plain}) == 1,
+                    "runs": runs,
+                }
+            )
     return {"dtype": str(loaded.dtype), "repeats": repeats, "rows": rows, "timed_span": TIMED}
 
 
-TIMED = ("clock: from submitting the prompts to the last token (prefill included), engines built before; greedy, "
-         "EOS ends a sequence; prefix caching off; mlx-lm: generate_step (batch 1) or BatchGenerator")
+TIMED = (
+    "clock: from submitting the prompts to the last token (prefill included), engines built before; greedy, "
+    "EOS ends a sequence; prefix caching off; mlx-lm: generate_step (batch 1) or BatchGenerator"
+)
 
 
 def table(rows: list[dict]) -> list[str]:
-    out = [f"{'workload':>9} | {'batch':>5} | {'spec tok/s':>10} | {'plain tok/s':>11} | {'mlx-lm tok/s':>12} | "
-           f"{'vs plain median (range)':>23} | {'vs mlx-lm':>17} | {'accept':>6} | {'mean len':>8}"]
+    out = [
+        f"{'workload':>9} | {'batch':>5} | {'spec tok/s':>10} | {'plain tok/s':>11} | {'mlx-lm tok/s':>12} | "
+        f"{'vs plain median (range)':>23} | {'vs mlx-lm':>17} | {'accept':>6} | {'mean len':>8}"
+    ]
     for r in rows:
-        out.append(f"{r['workload']:>9} | {r['batch']:>5} | {r['spec_tps']['median']:10.1f} | {r['plain_tps']['median']:11.1f} | "
-                   f"{r['mlx_lm_tps']['median']:12.1f} | {fmt(r['speedup_vs_plain']):>23} | {fmt(r['speedup_vs_mlx_lm']):>17} | "
-                   f"{r['acceptance_rate']:6.2f} | {r['mean_accepted_length']:8.2f}")
+        out.append(
+            f"{r['workload']:>9} | {r['batch']:>5} | {r['spec_tps']['median']:10.1f} | "
+            f"{r['plain_tps']['median']:11.1f} | {r['mlx_lm_tps']['median']:12.1f} | "
+            f"{fmt(r['speedup_vs_plain']):>23} | {fmt(r['speedup_vs_mlx_lm']):>17} | "
+            f"{r['acceptance_rate']:6.2f} | {r['mean_accepted_length']:8.2f}"
+        )
     return out
 
 
@@ -220,7 +260,9 @@ def parse_list(text: str, option: str, allowed: set[str] | None = None) -> list:
     return vals
 
 
-def run_cli(model, tiny, dtype, workloads, batches, repeats, edit_tokens, sharegpt_tokens, echo=print, progress=None) -> dict:
+def run_cli(
+    model, tiny, dtype, workloads, batches, repeats, edit_tokens, sharegpt_tokens, echo=print, progress=None
+) -> dict:
     """Load, run and print; returns the payload (what `scripts/bench_spec.py` and `mlxpaged bench spec` share)."""
     from .models import load_models, model_label
 
@@ -231,8 +273,15 @@ def run_cli(model, tiny, dtype, workloads, batches, repeats, edit_tokens, shareg
     loaded, ref = load_models(model, tiny, dtype)
     label = model_label(loaded, model, tiny)
     echo(f"model {label} ({loaded.dtype}), device {mx.default_device()}, mlx {mx.__version__}, {repeats} repeats")
-    payload = benchmark(loaded, ref, workloads=wls, batches=levels, repeats=repeats,
-                        max_tokens={"edit": edit_tokens, "sharegpt": sharegpt_tokens}, progress=progress)
+    payload = benchmark(
+        loaded,
+        ref,
+        workloads=wls,
+        batches=levels,
+        repeats=repeats,
+        max_tokens={"edit": edit_tokens, "sharegpt": sharegpt_tokens},
+        progress=progress,
+    )
     echo("\n".join(table(payload["rows"])))
     echo(payload["timed_span"])
     return {"label": label, **payload}
@@ -248,7 +297,9 @@ def add_command(bench, with_common) -> None:
     @with_common
     @click.option("--workloads", default="edit,sharegpt", show_default=True)
     @click.option("--batches", default="1,8", show_default=True)
-    @click.option("--repeats", default=3, show_default=True, help="Runs of each case; the order of the three systems rotates.")
+    @click.option(
+        "--repeats", default=3, show_default=True, help="Runs of each case; the order of the three systems rotates."
+    )
     @click.option("--edit-tokens", default=512, show_default=True, help="max_tokens of the edit workload.")
     @click.option("--sharegpt-tokens", default=128, show_default=True, help="max_tokens of the ShareGPT workload.")
     def spec(model, tiny, dtype, out_dir, plot, workloads, batches, repeats, edit_tokens, sharegpt_tokens):
@@ -257,7 +308,9 @@ def add_command(bench, with_common) -> None:
         from .report import write_result
 
         try:
-            payload = run_cli(model, tiny, dtype, workloads, batches, repeats, edit_tokens, sharegpt_tokens, echo=click.echo)
+            payload = run_cli(
+                model, tiny, dtype, workloads, batches, repeats, edit_tokens, sharegpt_tokens, echo=click.echo
+            )
         except (MlxPagedError, ValueError, FileNotFoundError) as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(1)

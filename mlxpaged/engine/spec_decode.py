@@ -36,7 +36,9 @@ class NgramProposer:
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int):
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
-            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {prompt_lookup_min}, {prompt_lookup_max}")
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {prompt_lookup_min}, {prompt_lookup_max}"
+            )
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
 
@@ -47,7 +49,7 @@ class NgramProposer:
             return []
         toks = np.asarray(token_ids, dtype=np.int64)
         for n in range(min(self.max_n, num - 1), self.min_n - 1, -1):
-            suffix = toks[num - n:]
+            suffix = toks[num - n :]
             # Windows starting at 0..num-n-1: every earlier occurrence, never the suffix itself.
             windows = np.lib.stride_tricks.sliding_window_view(toks[: num - 1], n)
             hits = np.flatnonzero((windows == suffix).all(axis=1))
