@@ -263,4 +263,4 @@ _add_serve_bench(bench, with_common, _plot)
 
 from .spec import add_command as _add_spec_bench  # noqa: E402  (`mlxpaged bench spec`: speculative decoding)
 
-_add_spec_bench(bench, with_common)
+_add_spec_bench(bench, with_common, _plot)

@@ -287,7 +287,7 @@ def run_cli(
     return {"label": label, **payload}
 
 
-def add_command(bench, with_common) -> None:
+def add_command(bench, with_common, plot_fn) -> None:
     """`mlxpaged bench spec`."""
     import sys
 
@@ -314,4 +314,15 @@ def add_command(bench, with_common) -> None:
         except (MlxPagedError, ValueError, FileNotFoundError) as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(1)
-        click.echo(f"results: {write_result(out_dir, 'spec', payload.pop('label'), payload)}")
+        path = write_result(out_dir, "spec", payload.pop("label"), payload)
+        click.echo(f"results: {path}")
+        if plot:
+            rows = payload["rows"]
+
+            def draw(ax):
+                names = [f"{r['workload']} b{r['batch']}" for r in rows]
+                ax.bar(names, [r["speedup_vs_plain"]["median"] for r in rows])
+                ax.axhline(1.0, color="gray", lw=0.8)
+                ax.set_ylabel("tokens/s with / without speculation")
+
+            plot_fn(path, draw)
