@@ -461,3 +461,17 @@ def test_low_acceptance_backs_off(tiny_loaded):
     proposed, accepted = spec_stats(engine)
     assert accepted <= 2 and proposed < 20
     assert sum(synced) < 0.4 * len(synced)
+
+
+def test_bench_spec_rows(tiny_loaded, mlx_lm_tiny):
+    """The benchmark's rows: the same tokens with and without speculation, ratios formed within
+    each repeat, every system run in a rotating order."""
+    from mlxpaged.bench.spec import benchmark
+
+    model, _ = mlx_lm_tiny
+    payload = benchmark(tiny_loaded, model, workloads=["edit"], batches=[1], repeats=2, max_tokens={"edit": 6})
+    (row,) = payload["rows"]
+    assert row["same_tokens"]
+    assert [r["order"] for r in row["runs"]] == [["spec", "plain", "mlx_lm"], ["plain", "mlx_lm", "spec"]]
+    ratios = [r["spec"]["tps"] / r["plain"]["tps"] for r in row["runs"]]
+    assert row["speedup_vs_plain"]["values"] == pytest.approx(ratios)
