@@ -497,6 +497,8 @@ def test_processed_rows_decode_normally_beside_speculating_ones(tiny_loaded):
     work = [(repeating(i), SamplingParams(**{**base, **p})) for i, p in enumerate(plans)]
     ref = run(engine_for(tiny_loaded, False), work)
     engine = engine_for(tiny_loaded, True)
+    ngram = engine.scheduler.proposer
+    engine.scheduler.proposer = lambda toks, k: ngram(toks, k) or [toks[-1]] * k  # every row has proposals
     schedule, speculated = engine.scheduler.schedule, set()
 
     def recording():
@@ -523,7 +525,14 @@ def test_rolled_back_blocks_never_reach_the_disk_tier(tiny_loaded, mlx_lm_tiny, 
     vocab = tiny_loaded.model.args.vocab_size
     engine.scheduler.proposer = lambda toks, k: [(toks[-1] * 7 + j + 1) % vocab for j in range(k)]
     prompt = mixed(5)
-    first = run(engine, [(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))])["0"][0]
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+        # named blocks go to the store in the step that named them: no later step can write into them first
+        assert engine.block_manager.to_store == []
+        check_blocks(engine)
+    first = done[0].outputs[0].token_ids
     engine.prefix_store.flush()
     proposed, accepted = spec_stats(engine)
     assert proposed > accepted and proposed > 20
