@@ -559,8 +559,9 @@ def test_growing_pool_and_idle_trim(tiny_loaded, mlx_lm_tiny):
     assert [got[str(i)][0] for i in range(3)] == [contiguous_generate(model, p, 40) for p, _ in work]
     assert engine.num_blocks > 8 and engine.stats.spec_accepted_tokens > 20
     engine.trim_pool()
-    again = run(engine, [(repeating(0) + got["0"][0][:8], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))])
-    assert again["0"][0] == contiguous_generate(model, repeating(0) + got["0"][0][:8], 12)
+    prompt = repeating(0) + got["0"][0][:8]
+    again = run(engine, [(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))])
+    assert again["0"][0] == contiguous_generate(model, prompt, 12)
 
 
 def test_runner_returns_every_position_of_a_speculating_row(tiny_loaded, mlx_lm_tiny):

@@ -241,7 +241,8 @@ def _summary(s: dict) -> None:
     )
     if s.get("speculative"):
         click.echo(f"Speculative decoding: {s['spec_accepted_tokens']} of {s['spec_proposed_tokens']} proposed tokens "
-                   f"accepted ({100 * s['spec_acceptance_rate']:.1f}%), mean accepted length {s['spec_mean_accepted_length']:.2f}")
+                   f"accepted ({100 * s['spec_acceptance_rate']:.1f}%), "
+                   f"mean accepted length {s['spec_mean_accepted_length']:.2f}")
     if s["prefix_cache_hit_tokens"] or s["preemptions"]:
         disk = f" ({s['prefix_cache_disk_hit_tokens']} from disk)" if s.get("prefix_cache_disk_hit_tokens") else ""
         click.echo(f"Prefix cache: {s['prefix_cache_hit_tokens']} prompt tokens reused{disk}; preemptions: {s['preemptions']}")

@@ -195,7 +195,8 @@ class Scheduler:
     def _may_speculate_next(self, out: SchedulerOutput) -> bool:
         """Whether a sequence computed in `out` may speculate in the next step, which then needs
         this step's tokens before it is scheduled (the engine reads the step back at once)."""
-        reqs = [r for r, _ in out.decodes] + [d.request for d in out.spec] + [c.request for c in out.prefills if c.sample]
+        reqs = ([r for r, _ in out.decodes] + [d.request for d in out.spec]
+                + [c.request for c in out.prefills if c.sample])
         return any(self._speculates(r, s) and (s.spec is None or s.spec.skip == 0)
                    for r in dict.fromkeys(reqs) for s in r.live_seqs())
 

@@ -71,5 +71,6 @@ def engine_stats(engine: LLMEngine) -> dict:
         "spec_accepted_tokens": st.spec_accepted_tokens,
         "spec_acceptance_rate": st.spec_accepted_tokens / st.spec_proposed_tokens if st.spec_proposed_tokens else 0.0,
         # Tokens a verified row appends: its accepted proposals plus the target's own token (vLLM's figure).
-        "spec_mean_accepted_length": 1 + st.spec_accepted_tokens / st.spec_verifications if st.spec_verifications else 0.0,
+        "spec_mean_accepted_length": (1 + st.spec_accepted_tokens / st.spec_verifications
+                                      if st.spec_verifications else 0.0),
     }
