@@ -27,6 +27,11 @@ class EngineConfig:
     prefix_cache_dir: a directory for the prefix cache's disk tier (docs/prefix-cache.md): full
       blocks are written there by hash and read back on a memory miss, across restarts.
       prefix_cache_disk_gb caps it (least recently used blocks go first; None: no cap).
+    speculative: None (off) or "ngram": prompt lookup proposes up to `num_speculative_tokens`
+      tokens per step for each sequence, from the last `prompt_lookup_max` down to
+      `prompt_lookup_min` tokens found earlier in its prompt or output; all are verified in
+      the step's one forward pass (engine/spec_decode.py, docs/speculative.md). Speculation
+      stops while more than `speculative_max_batch_size` samples run.
     """
 
     block_size: int = 16
@@ -45,6 +50,11 @@ class EngineConfig:
     async_scheduling: bool = True
     prefix_cache_dir: str | None = None
     prefix_cache_disk_gb: float | None = None
+    speculative: str | None = None
+    num_speculative_tokens: int = 5
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    speculative_max_batch_size: int = 8
 
     def __post_init__(self):
         bs = self.block_size
@@ -68,6 +78,18 @@ class EngineConfig:
             raise ValueError(f"prefix_cache_disk_gb must be > 0, got {self.prefix_cache_disk_gb}")
         if self.prefix_cache_disk_gb is not None and self.prefix_cache_dir is None:
             raise ValueError("prefix_cache_disk_gb needs prefix_cache_dir")
+        if self.speculative not in (None, "ngram"):
+            what = ("the draft-model proposer is not implemented" if self.speculative == "draft"
+                    else "choose None or 'ngram'")
+            raise ValueError(f"speculative must be None or 'ngram', got {self.speculative!r} ({what})")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 32:
+            raise ValueError(
+                f"num_speculative_tokens must be an integer from 1 to 32, got {self.num_speculative_tokens!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, "
+                             f"got {self.prompt_lookup_min}, {self.prompt_lookup_max}")
+        if self.speculative_max_batch_size < 0:
+            raise ValueError(f"speculative_max_batch_size must be >= 0, got {self.speculative_max_batch_size}")
         from .worker.kv_quant import KV_GROUP_SIZES, check_kv_quant
 
         if self.kv_group_size not in KV_GROUP_SIZES:  # checked even for a float cache: a typo is a typo

@@ -87,6 +87,7 @@ FILE_TIERS = {
     "test_server.py": "server", "test_server_abuse.py": "server", "test_server_knobs.py": "server",
     "test_server_tools.py": "server", "test_server_anthropic.py": "server", "test_server_responses.py": "server",
     "test_tp.py": "tp",
+    "test_spec_decode.py": "engine", "test_spec_real_model.py": "real_model", "test_spec_tp.py": "tp",
     "test_server_soak.py": "soak",
 }
 # Fixtures that load the offline Qwen2.5 weights: a test using one is in the real_model tier too.

@@ -287,3 +287,8 @@ def prefix_disk(model, tiny, dtype, out_dir, plot, prefix_tokens, question_token
     click.echo("\n".join(table(payload)))
     path = write_result(out_dir, "prefix-disk", model_label(loaded, model, tiny), payload)
     click.echo(f"results: {path}")
+
+
+from .spec import add_command as _add_spec_bench  # noqa: E402  (`mlxpaged bench spec`: speculative decoding)
+
+_add_spec_bench(bench, with_common, _plot)

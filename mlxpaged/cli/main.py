@@ -239,6 +239,10 @@ def _summary(s: dict) -> None:
         f"KV blocks: {s['blocks_in_use_peak']} in use at peak (without sharing: {s['blocks_without_sharing']}), "
         f"{s['cow_copies']} copy-on-write copies{forks}, block size {s['block_size']}, pool {s['num_blocks']}"
     )
+    if s.get("speculative"):
+        click.echo(f"Speculative decoding: {s['spec_accepted_tokens']} of {s['spec_proposed_tokens']} proposed tokens "
+                   f"accepted ({100 * s['spec_acceptance_rate']:.1f}%), "
+                   f"mean accepted length {s['spec_mean_accepted_length']:.2f}")
     if s["prefix_cache_hit_tokens"] or s["preemptions"]:
         disk = f" ({s['prefix_cache_disk_hit_tokens']} from disk)" if s.get("prefix_cache_disk_hit_tokens") else ""
         click.echo(f"Prefix cache: {s['prefix_cache_hit_tokens']} prompt tokens reused{disk}; preemptions: {s['preemptions']}")

@@ -20,6 +20,11 @@ ENGINE_FIELDS = {
     "async_scheduling": "async_scheduling",
     "prefix_cache_dir": "prefix_cache_dir",
     "prefix_cache_disk_gb": "prefix_cache_disk_gb",
+    "speculative": "speculative",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "prompt_lookup_min": "prompt_lookup_min",
+    "prompt_lookup_max": "prompt_lookup_max",
+    "speculative_max_batch_size": "speculative_max_batch_size",
 }
 
 
@@ -41,6 +46,11 @@ def model_and_engine_options(num_blocks_help: str):
         click.option("--prefix-cache-dir", default=None, metavar="DIR", help="Keep full KV blocks on disk under DIR too, by hash: a later run (or a restart) reads a repeated prefix instead of recomputing it (docs/prefix-cache.md)."),
         click.option("--prefix-cache-disk-gb", default=None, type=float, metavar="N", help="Cap the --prefix-cache-dir store at N GB; least recently used blocks go first (default: no cap)."),
         click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True, help="Launch each step before reading back the previous one's tokens (outputs are the same either way)."),
+        click.option("--speculative", default=None, type=click.Choice(["ngram"]), help="Speculative decoding: 'ngram' proposes tokens found earlier in the prompt or output (prompt lookup) and verifies them in the step's forward pass; outputs are unchanged."),
+        click.option("--num-speculative-tokens", default=5, show_default=True, help="Proposals per step at most (adapted per sequence)."),
+        click.option("--prompt-lookup-min", default=2, show_default=True, help="Shortest n-gram the ngram proposer matches."),
+        click.option("--prompt-lookup-max", default=5, show_default=True, help="Longest n-gram the ngram proposer matches."),
+        click.option("--speculative-max-batch-size", default=8, show_default=True, help="No speculation while more samples than this run (larger batches are not bandwidth-bound)."),
     ]
 
     def wrap(f):

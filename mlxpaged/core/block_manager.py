@@ -134,6 +134,23 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_computed_tokens = 0
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep only the first `num_tokens` stored tokens of `seq` (speculative decoding drops
+        the slots of rejected proposals): blocks past them return to the pool, tail first.
+
+        Never touches a named block: only full blocks within the kept tokens have hashes, so a
+        block holding a rejected token is never in the prefix cache.
+        """
+        if not 0 <= num_tokens <= seq.num_computed_tokens:
+            raise ValueError(f"cannot truncate to {num_tokens} tokens: {seq.num_computed_tokens} are stored")
+        if len(seq.block_hashes) * self.block_size > num_tokens:
+            raise ValueError(f"cannot truncate to {num_tokens} tokens: {len(seq.block_hashes)} blocks are named")
+        keep = self.blocks_for(num_tokens)
+        for block in reversed(seq.block_table[keep:]):
+            self.pool.release(block)
+        del seq.block_table[keep:]
+        seq.num_computed_tokens = num_tokens
+
     # -- prefix caching ----------------------------------------------------------------------
     def _block_hash(self, seq: Sequence, i: int) -> bytes:
         parent = seq.block_hashes[i - 1] if i else None

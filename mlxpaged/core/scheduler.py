@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Callable
 from .block_manager import BlockManager
 from ..config import EngineConfig
 from .sequence import FinishReason, PendingToken, Request, RequestStatus, Sequence
+from .spec_policy import SpecState
 
 if TYPE_CHECKING:
     from ..engine.beam_search import BeamStep
@@ -48,6 +49,15 @@ class PrefillChunk:
 
 
 @dataclass
+class SpecDecode:
+    """A speculating decode: `seq`'s last token plus `proposal`, verified in one varlen row."""
+
+    request: Request
+    seq: Sequence
+    proposal: list[int]
+
+
+@dataclass
 class SchedulerOutput:
     prefills: list[PrefillChunk] = field(default_factory=list)
     decodes: list[tuple[Request, Sequence]] = field(default_factory=list)
@@ -56,6 +66,8 @@ class SchedulerOutput:
     # (block_hash, block_id) to fill from the prefix cache's second tier before the forward pass.
     # Kept even if their request is preempted in the same step: the blocks stay cached under the hash.
     loads: list[tuple[bytes, int]] = field(default_factory=list)
+    spec: list[SpecDecode] = field(default_factory=list)
+    read_back_now: bool = False  # a sequence may speculate next step: it needs this step's tokens first
 
     @property
     def block_copies(self) -> list[tuple[int, int]]:
@@ -63,11 +75,18 @@ class SchedulerOutput:
 
     @property
     def empty(self) -> bool:
-        return not self.prefills and not self.decodes
+        return not self.prefills and not self.decodes and not self.spec
 
     def batch(self) -> list[tuple[Sequence, int]]:
-        """(sequence, new tokens) in the order of the step's one forward pass: decodes, then prefill chunks."""
-        return [(s, 1) for _, s in self.decodes] + [(c.seq, c.num_tokens) for c in self.prefills]
+        """(sequence, new tokens) in the order of the step's one forward pass: decodes, prefill chunks,
+        then speculating rows (last, so the other rows keep their logits row = their index)."""
+        return ([(s, 1) for _, s in self.decodes] + [(c.seq, c.num_tokens) for c in self.prefills]
+                + [(d.seq, 1 + len(d.proposal)) for d in self.spec])
+
+    def spec_tokens(self) -> dict[int, list[int]]:
+        """The proposals by index in `batch()`: the runner feeds them after the row's last token."""
+        first = len(self.decodes) + len(self.prefills)
+        return {first + i: d.proposal for i, d in enumerate(self.spec)}
 
 
 @dataclass
@@ -80,9 +99,11 @@ class SampleRow:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 proposer: Callable[[list[int], int], list[int]] | None = None):
         self.config = config
         self.bm = block_manager
+        self.proposer = proposer  # speculative decoding: (token_ids, k) -> up to k proposed tokens
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}  # admission order (dicts keep insertion order)
         self.num_preemptions = 0
@@ -103,14 +124,17 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        spec_on = self._spec_on()
         for req in list(self.running.values()):
             if req.status is RequestStatus.RUNNING and req.prompt_prefilled:
                 for seq in req.live_seqs():
                     if seq.num_uncomputed == 1 and not self._ends_with_pending(req, seq):
+                        if spec_on and self._schedule_spec(req, seq, out):
+                            continue
                         if not self._allocate_or_preempt(req, seq, 1, out):
                             break
                         out.decodes.append((req, seq))
-        budget = self.config.max_num_batched_tokens - len(out.decodes)
+        budget = self.config.max_num_batched_tokens - len(out.decodes) - sum(1 + len(d.proposal) for d in out.spec)
         for req in list(self.running.values()):
             if budget <= 0:
                 break
@@ -121,7 +145,94 @@ class Scheduler:
             req = self.waiting.popleft()
             self._admit(req, out)
             budget = self._schedule_prefill(req, budget, out)
+        out.read_back_now = spec_on and (bool(out.spec) or self._may_speculate_next(out))
         return out
+
+    # -- speculative decoding ------------------------------------------------------------------
+    def _spec_on(self) -> bool:
+        """Speculation runs while the batch is small enough for the step to be bandwidth-bound."""
+        return self.proposer is not None and self._num_running_seqs <= self.config.speculative_max_batch_size
+
+    @staticmethod
+    def _speculates(req: Request, seq: Sequence) -> bool:
+        """Beam searches and requests that opt out do not speculate; nor do rows whose logits are
+        processed with their own history or grammar (penalties, logit_bias, min_p, guided): their
+        K+1 positions would each need the proposals before them as generated tokens."""
+        p = req.params
+        return (req.beam is None and p.speculative and not p.has_penalties and not p.logit_bias
+                and p.min_p == 0 and p.guided is None)
+
+    def _schedule_spec(self, req: Request, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Schedule `seq`'s decode as a speculating row if it has proposals and the pool has room
+        for them (speculation never preempts); False leaves it to the plain decode."""
+        if not self._speculates(req, seq):
+            return False
+        if seq.spec is None:
+            seq.spec = SpecState(self.config.num_speculative_tokens)
+        st = seq.spec
+        if st.skip:
+            st.skip -= 1
+            if st.unmatched and self.proposer(seq.token_ids, 1):
+                st.skip = 0  # a match among the known tokens: read this step back and speculate next
+            return False
+        if seq.pending is not None:
+            return False  # its value is on the device: nothing to look up yet (the next step will be read back)
+        # One slot past `blocks_for_request` at most: the step yields up to k + 1 tokens.
+        used = len(out.decodes) + sum(1 + len(d.proposal) for d in out.spec)
+        k = min(st.k, req.params.max_tokens - seq.num_output_tokens - 1, self.config.max_num_batched_tokens - used - 1)
+        proposal = self.proposer(seq.token_ids, k) if k > 0 else []
+        if not proposal:
+            if k > 0:
+                st.miss(unmatched=True)
+            return False
+        copies = self.bm.allocate_slots(seq, 1 + len(proposal))
+        if copies is None:
+            return False
+        out.copies.extend((seq, s, d) for s, d in copies)
+        out.spec.append(SpecDecode(req, seq, proposal))
+        return True
+
+    def _may_speculate_next(self, out: SchedulerOutput) -> bool:
+        """Whether a sequence computed in `out` may speculate in the next step, which then needs
+        this step's tokens before it is scheduled (the engine reads the step back at once)."""
+        reqs = ([r for r, _ in out.decodes] + [d.request for d in out.spec]
+                + [c.request for c in out.prefills if c.sample])
+        return any(self._speculates(r, s) and (s.spec is None or s.spec.skip == 0)
+                   for r in dict.fromkeys(reqs) for s in r.live_seqs())
+
+    def update_from_spec(self, req: Request, seq: Sequence, spec: SpecDecode, tokens: list[int], logprobs: list,
+                         rng_key, check_stop: Callable[[Request, Sequence, int], FinishReason | None]) -> int:
+        """Carry out a verified speculating row: `tokens` are the accepted proposals and the target's
+        next token (len = accepted + 1), appended with the stop checks token by token (a stop ends
+        the sample there). The row wrote KV for its last token and every proposal; the slots past
+        the known tokens but the last are rolled back (`BlockManager.truncate`) before any block is
+        named, so no rejected token is ever hashed, cached or handed to the disk tier. Returns the
+        tokens appended.
+        """
+        if seq.finished:
+            return 0
+        reason = None
+        appended = 0
+        for j, tok in enumerate(tokens):
+            seq.token_ids.append(tok)
+            if logprobs[j] is not None:
+                seq.logprobs.append(logprobs[j])
+            appended += 1
+            reason = check_stop(req, seq, tok)
+            if reason is not None:
+                break
+        # Stored as after plain decoding: every known token but the last (all accepted proposals, or
+        # fewer when a stop came first); what the row wrote beyond is dropped.
+        seq.num_computed_tokens += 1 + len(spec.proposal)
+        self.bm.truncate(seq, seq.num_tokens - 1)
+        seq.spec.verified(len(spec.proposal), len(tokens) - 1, self.config.num_speculative_tokens)
+        self.bm.cache_full_blocks(seq)
+        if reason is not None:
+            seq.finish_reason = reason
+            self.finish_sequence(req, seq)
+        elif rng_key is not None:
+            seq.rng_key = rng_key
+        return appended
 
     @staticmethod
     def _ends_with_pending(req: Request, seq: Sequence) -> bool:
@@ -209,6 +320,7 @@ class Scheduler:
         seqs = set(victim.seqs)
         out.prefills = [c for c in out.prefills if c.request is not victim]
         out.decodes = [(r, s) for r, s in out.decodes if r is not victim]
+        out.spec = [d for d in out.spec if d.request is not victim]
         out.copies = [c for c in out.copies if c[0] not in seqs]
         out.preempted.append(victim)
         return victim

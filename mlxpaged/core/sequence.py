@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # core imports no MLX: pending tokens and keys are only held 
 
     from ..engine.beam_search import BeamState
     from .block_pool import Block
+    from .spec_policy import SpecState
     from ..engine.sampling_params import SamplingParams
 
 
@@ -81,6 +82,7 @@ class Sequence:
     # guided decoding (engine/guided.py): the grammar's state after the known output tokens; it
     # advances where a token is appended, so a dropped pending token never reaches it
     matcher: object = None
+    spec: "SpecState | None" = None  # speculative decoding: K and back-off (core/spec_policy.py)
 
     @property
     def num_tokens(self) -> int:

@@ -22,12 +22,19 @@ runs the stop checks and detokenizes, while the device computes t+1. Invariants:
 - a preempted or aborted sequence drops its pending token and keeps its key: the recompute
   samples that position again from the same stream;
 - a step with beam-search rows is read back before the next is scheduled (its beams fork and
-  drop on the values); copy-on-write copies wait for the device inside `copy_blocks`;
+  drop on the values); so is a step with speculating rows or after which a sequence may
+  speculate (`SchedulerOutput.read_back_now`: n-gram proposals are looked up in its known
+  tokens, so the token it samples now must be known); copy-on-write copies wait for the device
+  inside `copy_blocks`;
 - a step with grammar-constrained rows (`SamplingParams.guided`) launches its forward pass
   first and its draws after reading back the step before: a row's mask needs the value of its
   previous token, so the CPU advances the matchers and fills the masks while the device runs
   the forward pass, and the draws of all rows (one graph) follow. Steps without such rows
-  launch forward and draws together, as before.
+  launch forward and draws together, as before;
+- a speculating row (spec_decode.py) draws K+1 targets, one per position, with the keys of the
+  sequence's stream; after the read-back `Scheduler.update_from_spec` appends the accepted
+  tokens and rolls back the slots of the rejected ones, and only then names full blocks, which
+  the disk tier copies at once (no later step has been launched to reuse them).
 With the flag off every step is read back at once, in the same order of operations.
 """
 
@@ -36,7 +43,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -54,8 +61,9 @@ from .outputs import RequestOutput
 from .guided import GrammarCompiler, fill_masks, mask_words
 from .sampler import GuideMasks, SampleArrays, TokenHistory, read_samples, sample_arrays, sample_key
 from .sampling_params import SamplingParams
-from ..core.scheduler import SampleRow, Scheduler, SchedulerOutput
+from ..core.scheduler import SampleRow, Scheduler, SchedulerOutput, SpecDecode
 from ..core.sequence import PendingToken, Request, Sequence
+from .spec_decode import NgramProposer, key_chain, verified_tokens
 from .stats import METRIC_KEYS, EngineStats, engine_stats
 
 
@@ -79,6 +87,8 @@ class LaunchedStep:
     # lazily behind the step; handed to the store's writer thread once the step is read back.
     to_store: list[tuple[bytes, tuple[int, ...]]] | None = None
     store_rows: list[mx.array] | None = None
+    # Speculating rows and the first of their K+1 draws in `sampled` (after the rows of `pairs`).
+    spec: list[tuple[SpecDecode, int]] = field(default_factory=list)
 
     def requests(self) -> list[Request]:
         return requests_of(self.out)
@@ -86,7 +96,8 @@ class LaunchedStep:
 
 def requests_of(out: SchedulerOutput) -> list[Request]:
     """The requests a scheduled step computes tokens for, each once."""
-    return list(dict.fromkeys([r for r, _ in out.decodes] + [c.request for c in out.prefills]))
+    return list(dict.fromkeys([r for r, _ in out.decodes] + [c.request for c in out.prefills]
+                              + [d.request for d in out.spec]))
 
 
 class LLMEngine:
@@ -119,7 +130,8 @@ class LLMEngine:
         self._check_kernels()
         self.prefix_store = self._open_prefix_store() if config.prefix_cache_dir else None
         self.block_manager.second_tier = self.prefix_store
-        self.scheduler = Scheduler(config, self.block_manager)
+        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) if config.speculative else None
+        self.scheduler = Scheduler(config, self.block_manager, proposer)
         self.check_stop = StopChecker(set(getattr(self.tokenizer, "eos_token_ids", None) or []))
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -336,11 +348,11 @@ class LLMEngine:
                 progressed += self._read_back(prev)
                 prev = None
             if cur.logits_rows is not None:  # guided rows: their masks needed `prev`'s tokens
-                cur.sampled = self._draws(cur.pairs, cur.logits_rows)
+                cur.sampled = self._draws(cur.pairs, cur.logits_rows, cur.spec)
                 cur.logits_rows = None
                 mx.async_eval(*cur.sampled.arrays())
             self._commit(cur)
-            if self.config.async_scheduling and not cur.beam_rows:
+            if self.config.async_scheduling and not cur.beam_rows and not out.read_back_now:
                 self._inflight = cur
             else:
                 progressed += self._read_back(cur)
@@ -384,8 +396,9 @@ class LLMEngine:
         pairs = [(r.request, s) for r in plain for s in r.seqs]
         sampled = logits_rows = None
         todo = list(self.kv_cache.arrays)  # every pool array (a QuantizedPool is not an array)
-        if pairs:
-            index = [r.row for r in plain for _ in r.seqs]
+        index = [r.row for r in plain for _ in r.seqs]
+        spec = self._spec_rows(out, index)
+        if index:
             if index != list(range(logits.shape[0])):
                 logits_rows = logits[mx.array(index)]
             else:
@@ -393,7 +406,7 @@ class LLMEngine:
             if any(s.matcher is not None for _, s in pairs):
                 todo.append(logits_rows)
             else:
-                sampled = self._draws(pairs, logits_rows)
+                sampled = self._draws(pairs, logits_rows, spec)
                 todo += sampled.arrays()
                 logits_rows = None
         if beam_rows:
@@ -402,18 +415,23 @@ class LLMEngine:
         num_prefill = sum(c.num_tokens for c in out.prefills)
         self.stats.computed_prefill_tokens += num_prefill
         return LaunchedStep(self.stats.steps, out, pairs, sampled, beam_rows, logits if beam_rows else None,
-                            num_prefill, t0, logits_rows)
+                            num_prefill, t0, logits_rows, spec=spec)
 
-    def _draws(self, pairs: list[tuple[Request, Sequence]], logits_rows: mx.array) -> SampleArrays:
-        """The draws of `pairs[j]` from `logits_rows[j]`, one graph: grammar masks for the guided
-        rows, token histories for the rows with penalties (see sampler.py)."""
+    def _draws(self, pairs: list[tuple[Request, Sequence]], logits_rows: mx.array,
+               spec: list[tuple[SpecDecode, int]] = ()) -> SampleArrays:
+        """The draws of `pairs[j]` from `logits_rows[j]`, then the K+1 draws of each speculating
+        row (`spec`), one graph: grammar masks for the guided rows, token histories for the rows
+        with penalties (see sampler.py). Speculating rows have neither (`Scheduler._speculates`)."""
+        params = [r.params for r, _ in pairs]
+        keys = [s.current_key() for _, s in pairs]
+        self._spec_draws(spec, params, keys)
         histories = None
         if any(r.params.has_penalties for r, _ in pairs):
             histories = [TokenHistory(s.token_ids, s.num_prompt_tokens,
                                       (s.pending.tokens, s.pending.row) if s.pending is not None else None)
                          if r.params.has_penalties else None for r, s in pairs]
-        return sample_arrays(logits_rows, [r.params for r, _ in pairs], [s.current_key() for _, s in pairs],
-                             masks=self._guide_masks(pairs), histories=histories)
+            histories += [None] * (len(params) - len(pairs))
+        return sample_arrays(logits_rows, params, keys, masks=self._guide_masks(pairs), histories=histories)
 
     def _guide_masks(self, pairs: list[tuple[Request, Sequence]]) -> GuideMasks | None:
         """Fill the grammar masks of the guided rows on the CPU; None when there are none.
@@ -439,10 +457,43 @@ class LLMEngine:
         fill_masks(matchers, bits)
         return GuideMasks(rows, bits)
 
+    @staticmethod
+    def _spec_rows(out: SchedulerOutput, index: list[int]) -> list[tuple[SpecDecode, int]]:
+        """Add the logits rows of each speculating row's K+1 positions to `index` (they follow the
+        other rows: the runner's `logits_indices` gives every position of such a row). Returns each
+        row with the index of its first draw."""
+        if not out.spec:
+            return []
+        row = len(out.decodes) + len(out.prefills)
+        rows = []
+        for d in out.spec:
+            rows.append((d, len(index)))
+            index.extend(range(row, row + 1 + len(d.proposal)))
+            row += 1 + len(d.proposal)
+        return rows
+
+    @staticmethod
+    def _spec_draws(spec: list[tuple[SpecDecode, int]], params: list, keys: list) -> None:
+        """Append the params and keys of the speculating rows' draws: position i of a row draws with
+        key_i of its sequence's chain (spec_decode.key_chain), as plain decoding would."""
+        if not spec:
+            return
+        sampled = [d for d, _ in spec if not d.request.params.greedy]
+        chain_of = {}
+        if sampled:
+            chain = key_chain(mx.stack([d.seq.rng_key for d in sampled]), 1 + max(len(d.proposal) for d in sampled))
+            chain_of = {id(d): j for j, d in enumerate(sampled)}
+        for d, _ in spec:
+            for i in range(1 + len(d.proposal)):
+                params.append(d.request.params)
+                keys.append((chain[i], chain_of[id(d)]) if id(d) in chain_of else None)
+
     def _forward(self, out: SchedulerOutput) -> mx.array:
         """The step's one forward pass over every scheduled token, lazily; logits `[len(out.batch()), V]`.
         Copy-on-write copies go first (they wait for the device: `copy_blocks` evaluates)."""
         self.kv_cache.copy_blocks(out.block_copies)
+        if out.spec:
+            return self.runner.forward(out.batch(), out.spec_tokens())
         return self.runner.forward(out.batch())
 
     def _commit(self, step: LaunchedStep) -> None:
@@ -465,6 +516,8 @@ class LLMEngine:
             appended = self.scheduler.update_from_output(step.step_id, step.pairs, toks, logprobs, self.check_stop)
             self.stats.generation_tokens += len(appended)
             progressed += appended
+        if step.spec:
+            progressed += self._verify(step, toks, logprobs)
         if step.beam_rows:
             beams: dict[Request, dict[Sequence, int]] = {}
             for r in step.beam_rows:
@@ -481,6 +534,9 @@ class LLMEngine:
                 progressed.append(req)
         now = time.perf_counter()
         self._hand_to_store(step)
+        if step.spec:  # blocks the verification named, after its rollback: no later step was launched yet
+            self._gather_to_store(step)
+            self._hand_to_store(step)
         # Time between read-backs: with overlapped steps, one step's share of the wall clock.
         dt = now - max(step.launched_at, self._last_read)
         self._last_read = now
@@ -488,7 +544,31 @@ class LLMEngine:
             self.stats.prefill_time += dt
         else:
             self.stats.decode_time += dt
-            self.stats.decode_tokens += len(step.out.decodes)
+            self.stats.decode_tokens += len(step.out.decodes)  # speculating rows count in _verify
+        return progressed
+
+    def _verify(self, step: LaunchedStep, toks: list[int], logprobs: list) -> list[Request]:
+        """Accept each speculating row's proposals against its K+1 target draws (spec_decode.py);
+        the scheduler appends the accepted tokens and rolls back the rest."""
+        s = step.sampled
+        key_row = {i: j for j, i in enumerate(s.sampled)}
+        progressed = []
+        for d, r0 in step.spec:
+            k = len(d.proposal)
+            targets = toks[r0 : r0 + k + 1]
+            tokens = verified_tokens(d.proposal, targets)
+            a = len(tokens) - 1
+            last = r0 + a  # the draw of the last appended token left the sequence's next key
+            key = s.keys[key_row[last]] if last in key_row else None
+            n = self.scheduler.update_from_spec(d.request, d.seq, d, tokens, logprobs[r0 : last + 1], key,
+                                                self.check_stop)
+            self.stats.spec_proposed_tokens += k
+            self.stats.spec_accepted_tokens += a
+            self.stats.spec_verifications += 1
+            self.stats.generation_tokens += n
+            self.stats.decode_tokens += n
+            if n:
+                progressed.append(d.request)
         return progressed
 
     def _track_peaks(self) -> None:

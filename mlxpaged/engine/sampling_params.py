@@ -37,6 +37,7 @@ class SamplingParams:
       one multiplied). The order in which all of these act is in `sampler.py`'s docstring.
     guided: a `GuidedDecoding` (JSON schema, any JSON object, or a grammar) every sampled
       token must follow; the sample stops ("stop") when the grammar is complete.
+    speculative: False opts this request out of the engine's speculative decoding.
     """
 
     n: int = 1
@@ -55,6 +56,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     guided: GuidedDecoding | None = None
+    speculative: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -74,6 +76,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:

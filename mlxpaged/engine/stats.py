@@ -27,12 +27,15 @@ class EngineStats:
     blocks_in_use_peak: int = 0
     blocks_without_sharing_peak: int = 0  # sum of table lengths at most, as if nothing were shared
     running_seqs_peak: int = 0
+    spec_proposed_tokens: int = 0  # speculative decoding: tokens proposed and verified
+    spec_accepted_tokens: int = 0  # of those, accepted
+    spec_verifications: int = 0  # speculating rows verified
 
 
 # What /metrics exports (server/metrics.py names them).
 METRIC_KEYS = ("requests_running", "requests_waiting", "requests_held", "kv_blocks_used", "kv_blocks_total",
-               "prefix_cache_hit_tokens",
-               "preemptions", "generation_tokens", "prefix_cache_disk_hit_tokens")
+               "prefix_cache_hit_tokens", "preemptions", "generation_tokens", "prefix_cache_disk_hit_tokens",
+               "spec_proposed_tokens", "spec_accepted_tokens")
 
 
 def engine_stats(engine: LLMEngine) -> dict:
@@ -64,4 +67,11 @@ def engine_stats(engine: LLMEngine) -> dict:
         "requests_held": engine.num_requests_held(),
         "kv_blocks_used": pool.num_used,
         "kv_blocks_total": pool.num_blocks,
+        "speculative": engine.config.speculative,
+        "spec_proposed_tokens": st.spec_proposed_tokens,
+        "spec_accepted_tokens": st.spec_accepted_tokens,
+        "spec_acceptance_rate": st.spec_accepted_tokens / st.spec_proposed_tokens if st.spec_proposed_tokens else 0.0,
+        # Tokens a verified row appends: its accepted proposals plus the target's own token (vLLM's figure).
+        "spec_mean_accepted_length": (1 + st.spec_accepted_tokens / st.spec_verifications
+                                      if st.spec_verifications else 0.0),
     }

@@ -26,6 +26,8 @@ GAUGES = {
 COUNTERS = {
     "preemptions": "Requests preempted for lack of blocks.",
     "generation_tokens": "Tokens generated.",
+    "spec_proposed_tokens": "Speculative decoding: tokens proposed and verified.",
+    "spec_accepted_tokens": "Speculative decoding: proposed tokens accepted.",
 }
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)

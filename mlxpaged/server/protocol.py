@@ -92,6 +92,7 @@ class _Sampling(_Request):
     stop: Text | list[Text] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    speculative: bool = True  # false opts this request out of speculative decoding
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None  # accepted and ignored
@@ -118,6 +119,7 @@ class _Sampling(_Request):
         return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               seed=self.seed, max_tokens=max_tokens, stop=self.stop,
                               stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
+                              speculative=self.speculative,
                               **({"logprobs": logprobs} if logprobs is not None else {}), **knobs,
                               **{k: v for k, v in extra.items() if v is not None})
 

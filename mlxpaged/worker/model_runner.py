@@ -21,7 +21,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.attention_impl = attention_impl
 
-    def forward(self, batch: list[tuple[Sequence, int]]) -> mx.array:
+    def forward(self, batch: list[tuple[Sequence, int]], spec_tokens: dict[int, list[int]] | None = None) -> mx.array:
         """One forward pass over `batch`: for each (sequence, n), its next n uncomputed tokens.
 
         Every token is packed along one axis, with its own position, slot and sequence. Returns
@@ -30,7 +30,12 @@ class ModelRunner:
         meanwhile. A sequence's pending token (sampled by a step still on the device) is
         gathered from that step's token array. The caller has allocated the slots; it advances
         `num_computed_tokens` afterwards.
+
+        `spec_tokens[i]` (speculative decoding) are proposals that follow entry i's one stored-to-be
+        token (n = 1 + len(proposals)); such an entry returns the logits of all its n positions, in
+        place of one row: logits rows follow the entries, each entry contributing 1 or n rows.
         """
+        spec_tokens = spec_tokens or {}
         bs = self.block_size
         num_seqs = len(batch)
         q_lens = np.array([n for _, n in batch], dtype=np.int32)
@@ -51,18 +56,32 @@ class ModelRunner:
             block_tables=mx.array(tables),
             cu_seqlens_q=mx.array(cu),
             context_lens=mx.array(starts + q_lens),
-            logits_indices=mx.array(cu[1:] - 1),
+            logits_indices=mx.array(self._logits_indices(cu, spec_tokens)),
             impl=self.attention_impl,
         )
-        return self.model(self._input_ids(batch, int(cu[-1])), self.kv_cache, meta)
+        return self.model(self._input_ids(batch, int(cu[-1]), spec_tokens), self.kv_cache, meta)
 
     @staticmethod
-    def _input_ids(batch: list[tuple[Sequence, int]], total: int) -> mx.array:
-        """The packed input ids: known ones from `token_ids`, pending ones gathered on the device."""
+    def _logits_indices(cu: np.ndarray, spec_tokens: dict[int, list[int]]) -> np.ndarray:
+        """Each entry's last token, or every token of a speculating entry."""
+        last = cu[1:] - 1
+        if not spec_tokens:
+            return last
+        return np.concatenate([np.arange(cu[i], cu[i + 1]) if i in spec_tokens else last[i : i + 1]
+                               for i in range(len(last))]).astype(np.int32)
+
+    @staticmethod
+    def _input_ids(batch: list[tuple[Sequence, int]], total: int, spec_tokens: dict[int, list[int]]) -> mx.array:
+        """The packed input ids: known ones from `token_ids`, pending ones gathered on the device,
+        proposals after their row's one known token."""
         tokens: list[int] = []
         pending: list[tuple[int, object]] = []  # (position in the pass, the sequence's PendingToken)
-        for s, n in batch:
+        for i, (s, n) in enumerate(batch):
             start = s.num_computed_tokens
+            if i in spec_tokens:
+                assert s.pending is None and n == 1 + len(spec_tokens[i]) and s.num_uncomputed == 1
+                tokens += s.token_ids[start : start + 1] + spec_tokens[i]
+                continue
             known = s.token_ids[start : start + n]
             tokens += known
             if len(known) < n:  # only the last token can be pending
