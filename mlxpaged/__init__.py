@@ -6,10 +6,10 @@ use_system_blas()  # before MLX loads: see _blas.py
 
 
 from .attention import paged_attention, paged_attention_varlen
-from .engine.beam_search import BeamSearchParams
 from .config import EngineConfig
-from .engine.llm_engine import LLMEngine
+from .engine.beam_search import BeamSearchParams
 from .engine.llm import LLM
+from .engine.llm_engine import LLMEngine
 from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.sampling_params import SamplingParams
 from .version import __version__

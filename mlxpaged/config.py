@@ -79,15 +79,21 @@ class EngineConfig:
         if self.prefix_cache_disk_gb is not None and self.prefix_cache_dir is None:
             raise ValueError("prefix_cache_disk_gb needs prefix_cache_dir")
         if self.speculative not in (None, "ngram"):
-            what = ("the draft-model proposer is not implemented" if self.speculative == "draft"
-                    else "choose None or 'ngram'")
+            what = (
+                "the draft-model proposer is not implemented"
+                if self.speculative == "draft"
+                else "choose None or 'ngram'"
+            )
             raise ValueError(f"speculative must be None or 'ngram', got {self.speculative!r} ({what})")
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 32:
             raise ValueError(
-                f"num_speculative_tokens must be an integer from 1 to 32, got {self.num_speculative_tokens!r}")
+                f"num_speculative_tokens must be an integer from 1 to 32, got {self.num_speculative_tokens!r}"
+            )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, "
-                             f"got {self.prompt_lookup_min}, {self.prompt_lookup_max}")
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, "
+                f"got {self.prompt_lookup_min}, {self.prompt_lookup_max}"
+            )
         if self.speculative_max_batch_size < 0:
             raise ValueError(f"speculative_max_batch_size must be >= 0, got {self.speculative_max_batch_size}")
         from .worker.kv_quant import KV_GROUP_SIZES, check_kv_quant

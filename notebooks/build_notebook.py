@@ -326,10 +326,12 @@ CELLS = [
 
 
 def build() -> nbformat.NotebookNode:
-    nb = new_notebook(metadata={
-        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
-        "language_info": {"name": "python"},
-    })
+    nb = new_notebook(
+        metadata={
+            "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+            "language_info": {"name": "python"},
+        }
+    )
     for i, (kind, source) in enumerate(CELLS):
         cell = new_markdown_cell(source) if kind == "markdown" else new_code_cell(source)
         cell["id"] = f"cell-{i:02d}"  # fixed ids: rebuilding gives the same file
@@ -352,8 +354,9 @@ def execute(nb: nbformat.NotebookNode, model: str | None, timeout: int = CELL_TI
     if model:
         env["MLXPAGED_NOTEBOOK_MODEL"] = model
     # No timing metadata: re-running changes only what the cells print and draw.
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
-                            resources={"metadata": {"path": str(HERE)}})
+    client = NotebookClient(
+        nb, timeout=timeout, kernel_name="python3", record_timing=False, resources={"metadata": {"path": str(HERE)}}
+    )
     client.execute(env=env)
     return nb
 
@@ -361,8 +364,11 @@ def execute(nb: nbformat.NotebookNode, model: str | None, timeout: int = CELL_TI
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--execute", action="store_true", help="run the cells and save their outputs")
-    ap.add_argument("--model", default="default",
-                    help="with --execute: 'default' (offline Qwen2.5-Coder-0.5B), 'tiny', or a path / repo id")
+    ap.add_argument(
+        "--model",
+        default="default",
+        help="with --execute: 'default' (offline Qwen2.5-Coder-0.5B), 'tiny', or a path / repo id",
+    )
     ap.add_argument("--out", type=Path, default=OUT, help="where to write the notebook")
     args = ap.parse_args(argv)
     nb = build()

@@ -87,11 +87,19 @@ class ForkRun:
     samples: list[list[int]]  # each sample's generated ids
 
 
-def fork_n(loaded, prompt: list[int], n: int = 4, max_tokens: int = 64, block_size: int = 16,
-           num_blocks: int = 64, seed: int = 7) -> ForkRun:
+def fork_n(
+    loaded,
+    prompt: list[int],
+    n: int = 4,
+    max_tokens: int = 64,
+    block_size: int = 16,
+    num_blocks: int = 64,
+    seed: int = 7,
+) -> ForkRun:
     """Decode ``n`` sampled continuations of ``prompt``, recording block tables at every step."""
-    params = SamplingParams(n=n, temperature=0.9, top_p=0.95, top_k=50, seed=seed, max_tokens=max_tokens,
-                            ignore_eos=True)
+    params = SamplingParams(
+        n=n, temperature=0.9, top_p=0.95, top_k=50, seed=seed, max_tokens=max_tokens, ignore_eos=True
+    )
     engine = LLMEngine(loaded, EngineConfig(block_size=block_size, num_blocks=num_blocks))
     engine.add_request(prompt, params, request_id="fork")
     pool = engine.block_manager.pool
@@ -106,8 +114,9 @@ def fork_n(loaded, prompt: list[int], n: int = 4, max_tokens: int = 64, block_si
         history.append((step, pool.num_used, sum(len(s.block_ids) for s in seqs)))
 
     done = _run(engine, record)
-    return ForkRun(list(prompt), n, block_size, tables, history, engine.stats_dict(),
-                   [c.token_ids for c in done[0].outputs])
+    return ForkRun(
+        list(prompt), n, block_size, tables, history, engine.stats_dict(), [c.token_ids for c in done[0].outputs]
+    )
 
 
 def prefix_prompts(tokenizer, vocab_size: int, length: int = 96, shared: int = 85) -> dict[str, list[int]]:

@@ -97,17 +97,30 @@ def pool_figure(snapshots: dict, shown: list[int], num_blocks: int, block_size: 
             for logical, block in enumerate(ids):
                 kinds[block], labels[block] = owners.index(label) + 1, f"{label}{logical}"
         used = sum(map(len, snapshots[s].values()))
-        draw_grid(ax, kinds.reshape(-1, columns), labels.reshape(-1, columns), colors,
-                  f"after step {s}: {used} of {num_blocks} blocks in use")
+        draw_grid(
+            ax,
+            kinds.reshape(-1, columns),
+            labels.reshape(-1, columns),
+            colors,
+            f"after step {s}: {used} of {num_blocks} blocks in use",
+        )
         ax.set_xticks(range(columns), range(columns))
         ax.set_yticks(range(num_blocks // columns), [f"{columns * r}" for r in range(num_blocks // columns)])
         ax.set_xlabel("pool block id (row start + column)")
     axes[0][0].set_ylabel("row start")
     handles = [Patch(color=c, label=f"sequence {o}") for c, o in zip(colors[1:], owners)]
-    fig.legend(handles=handles + [Patch(color=colors[0], label="free")], loc="lower center", ncol=len(owners) + 1,
-               fontsize=8, bbox_to_anchor=(0.5, -0.14))
-    fig.suptitle(f"Two sequences decoded together, interleaved in one pool ({num_blocks} blocks of {block_size} "
-                 "tokens; label = owner and index in its block table)", y=1.02)
+    fig.legend(
+        handles=handles + [Patch(color=colors[0], label="free")],
+        loc="lower center",
+        ncol=len(owners) + 1,
+        fontsize=8,
+        bbox_to_anchor=(0.5, -0.14),
+    )
+    fig.suptitle(
+        f"Two sequences decoded together, interleaved in one pool ({num_blocks} blocks of {block_size} "
+        "tokens; label = owner and index in its block table)",
+        y=1.02,
+    )
     fig.tight_layout()
     return fig
 
@@ -142,21 +155,34 @@ def fork_figure(run):
         ax.set_yticks(range(run.n), [f"sample {i}" for i in range(run.n)] if ax is axes[0] else [])
         ax.set_xticks(range(width), range(width))
         ax.set_xlabel("index in the block table (cell: pool block id)")
-    axes[0].legend(handles=[Patch(color=c, label=n) for c, n in zip(KIND_COLORS, KIND_NAMES)],
-                   loc="upper center", bbox_to_anchor=(1.1, -0.4), ncol=4, fontsize=8)
+    axes[0].legend(
+        handles=[Patch(color=c, label=n) for c, n in zip(KIND_COLORS, KIND_NAMES)],
+        loc="upper center",
+        bbox_to_anchor=(1.1, -0.4),
+        ncol=4,
+        fontsize=8,
+    )
 
     steps, used, unshared = zip(*run.history)
     st = run.stats
     axes[2].plot(steps, unshared, label="without sharing (sum of table lengths)", color="0.5")
     axes[2].plot(steps, used, label="in use (shared blocks counted once)", color="tab:purple")
-    axes[2].annotate(f"peak {st['blocks_in_use_peak']} vs {st['blocks_without_sharing']}", (steps[-1], used[-1]),
-                     xytext=(-90, 25), textcoords="offset points", arrowprops={"arrowstyle": "->"})
+    axes[2].annotate(
+        f"peak {st['blocks_in_use_peak']} vs {st['blocks_without_sharing']}",
+        (steps[-1], used[-1]),
+        xytext=(-90, 25),
+        textcoords="offset points",
+        arrowprops={"arrowstyle": "->"},
+    )
     axes[2].set_xlabel("engine step")
     axes[2].set_ylabel(f"blocks of {run.block_size} tokens")
     axes[2].legend(fontsize=8)
     axes[2].set_title(f"{run.n} samples: blocks in use", fontsize=10)
-    fig.suptitle(f"Copy-on-write: {run.n} samples of one {len(run.prompt)}-token prompt share its blocks "
-                 f"({st['cow_copies']} copies of the partly filled block)", y=1.03)
+    fig.suptitle(
+        f"Copy-on-write: {run.n} samples of one {len(run.prompt)}-token prompt share its blocks "
+        f"({st['cow_copies']} copies of the partly filled block)",
+        y=1.03,
+    )
     return fig
 
 
@@ -193,8 +219,9 @@ def kernel_figure(rows: list[dict]):
         else:
             axes[0].plot(bs, [r["ratio"] for r in rs], style, color="tab:blue", label=f"chosen path, {layout}")
             if "single_pass_ratio" in rs[0]:  # newer tables also run the one-pass kernel
-                axes[0].plot(bs, [r["single_pass_ratio"] for r in rs], style, color="tab:orange",
-                             label=f"single pass, {layout}")
+                axes[0].plot(
+                    bs, [r["single_pass_ratio"] for r in rs], style, color="tab:orange", label=f"single pass, {layout}"
+                )
             axes[0].set_ylim(1.0, max(1.05, 1.01 * max(r["ratio"] for r in rows)))  # 1 = the minimum
         axes[1].plot(bs, [r["max_error"] for r in rs], style, label=layout)
     axes[0].set_ylabel("milliseconds per call" if timed else "bytes read / minimum")
@@ -207,8 +234,10 @@ def kernel_figure(rows: list[dict]):
         ax.set_xticks(bs, [str(s) for s in bs])
         ax.set_xlabel("block size (tokens)")
         ax.legend(fontsize=8)
-    fig.suptitle("The Metal paged-attention kernel by block size, "
-                 + ("timed on an Apple GPU" if timed else "run by the MSL emulator (no Apple GPU here)"))
+    fig.suptitle(
+        "The Metal paged-attention kernel by block size, "
+        + ("timed on an Apple GPU" if timed else "run by the MSL emulator (no Apple GPU here)")
+    )
     fig.tight_layout()
     return fig
 
@@ -259,9 +288,11 @@ def row_measure(row: dict, system: str, key: str) -> tuple[float, float, float] 
     ``runs`` (repeats) each holding ``{system: {key: ...}}``.
     """
     for name in SYSTEMS[system]:
-        for found in ({key: row.get(f"{name}_{key}")},
-                      {key: row[key].get(name)} if isinstance(row.get(key), dict) else None,
-                      row.get(name)):
+        for found in (
+            {key: row.get(f"{name}_{key}")},
+            {key: row[key].get(name)} if isinstance(row.get(key), dict) else None,
+            row.get(name),
+        ):
             m = measure(found, key) if found else None
             if m:
                 return m
@@ -290,8 +321,15 @@ def _paired_bars(ax, rows: list[dict], key: str, fmt: str):
         ax.bar_label(bars, fmt=fmt, fontsize=7, padding=2)
     for i, (a, b, ratio) in enumerate(zip(ours, theirs, ratios)):
         if ratio is not None:
-            ax.annotate(f"{ratio:.2f}x", (x[i], max(a[2], b[2])), xytext=(0, 16), textcoords="offset points",
-                        ha="center", fontsize=8, weight="bold")
+            ax.annotate(
+                f"{ratio:.2f}x",
+                (x[i], max(a[2], b[2])),
+                xytext=(0, 16),
+                textcoords="offset points",
+                ha="center",
+                fontsize=8,
+                weight="bold",
+            )
     ax.set_xticks(x, [c.replace(", ", "\n") for c in cases], fontsize=8)
     ax.margins(y=0.25)
     return len(cases)
@@ -299,8 +337,14 @@ def _paired_bars(ax, rows: list[dict], key: str, fmt: str):
 
 def bench_figure(decode: dict | list | None, serving: dict | list | None):
     """Throughput and memory of mlxpaged against mlx-lm, from whichever benchmark JSON is given."""
-    panels = [(doc, title) for doc, title in ((decode, "batch decode (scripts/bench_decode.py)"),
-                                              (serving, "serving replay (scripts/bench_serving.py)")) if doc]
+    panels = [
+        (doc, title)
+        for doc, title in (
+            (decode, "batch decode (scripts/bench_decode.py)"),
+            (serving, "serving replay (scripts/bench_serving.py)"),
+        )
+        if doc
+    ]
     if not panels:
         raise ValueError("no benchmark JSON to plot")
     fig, axes = plt.subplots(len(panels), 2, figsize=(12, 4.2 * len(panels)), squeeze=False)
@@ -315,7 +359,11 @@ def bench_figure(decode: dict | list | None, serving: dict | list | None):
         ax_mem.set_title(f"{title}\nKV cache + activations, lower is better (ratio = ours / mlx-lm)", fontsize=10)
         ax_tps.legend(fontsize=8, loc="upper left")
     model = next((Path(str(d["model"])).name for d, _ in panels if isinstance(d, dict) and d.get("model")), None)
-    fig.suptitle("mlxpaged against mlx-lm, same weights, same process" + (f" ({model})" if model else "")
-                 + "; bars: median, whiskers: min-max", fontsize=11)
+    fig.suptitle(
+        "mlxpaged against mlx-lm, same weights, same process"
+        + (f" ({model})" if model else "")
+        + "; bars: median, whiskers: min-max",
+        fontsize=11,
+    )
     fig.tight_layout()
     return fig

@@ -17,8 +17,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
 import mlx.core as mx
+
+import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
 
 
 def main() -> None:
@@ -35,18 +36,28 @@ def main() -> None:
     args = ap.parse_args()
 
     from mlxpaged.bench.models import load_models, model_label
-    from mlxpaged.errors import MlxPagedError
     from mlxpaged.bench.report import write_json
     from mlxpaged.bench.throughput import benchmark, parse_levels, table
+    from mlxpaged.errors import MlxPagedError
 
     try:
         levels = parse_levels(args.batches, "--batches")
         loaded, ref = load_models(args.model, args.tiny, args.dtype)
         label = model_label(loaded, args.model, args.tiny)
-        print(f"model {label} ({loaded.dtype}), device {mx.default_device()}, mlx {mx.__version__}, "
-              f"{args.max_tokens} output tokens per sequence, {args.repeats} repeats", flush=True)
-        payload = benchmark(loaded, ref, levels=levels, samples=args.samples, temperature=args.temp,
-                            max_tokens=args.max_tokens, repeats=args.repeats)
+        print(
+            f"model {label} ({loaded.dtype}), device {mx.default_device()}, mlx {mx.__version__}, "
+            f"{args.max_tokens} output tokens per sequence, {args.repeats} repeats",
+            flush=True,
+        )
+        payload = benchmark(
+            loaded,
+            ref,
+            levels=levels,
+            samples=args.samples,
+            temperature=args.temp,
+            max_tokens=args.max_tokens,
+            repeats=args.repeats,
+        )
     except (ValueError, MlxPagedError) as e:
         sys.exit(f"error: {e}")
     print("\n".join(table(payload["rows"])))

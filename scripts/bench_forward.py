@@ -26,8 +26,9 @@ import statistics
 import sys
 import time
 
-import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
 import mlx.core as mx
+
+import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
 
 
 def systems(loaded, ref, batch: int, context: int) -> dict:
@@ -42,8 +43,15 @@ def systems(loaded, ref, batch: int, context: int) -> dict:
     vocab = loaded.model.args.vocab_size
     prompts = [[rng.randrange(10, vocab) for _ in range(context)] for _ in range(batch)]
     blocks = batch * (-(-(context + 8) // 16)) + 8
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=blocks, enable_prefix_caching=False, async_scheduling=False,
-                                            max_num_batched_tokens=max(2048, batch * context)))
+    engine = LLMEngine(
+        loaded,
+        EngineConfig(
+            num_blocks=blocks,
+            enable_prefix_caching=False,
+            async_scheduling=False,
+            max_num_batched_tokens=max(2048, batch * context),
+        ),
+    )
     for p in prompts:
         engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     while not any(s.num_output_tokens for r in engine.scheduler.running.values() for s in r.seqs):
@@ -67,7 +75,9 @@ def systems(loaded, ref, batch: int, context: int) -> dict:
 
     def contiguous(self, queries, scale, mask, sinks=None):
         self.attended = True
-        return mx.fast.scaled_dot_product_attention(queries, kv, kv, scale=scale)  # [T, heads, 1, hd]: row t is sequence t
+        return mx.fast.scaled_dot_product_attention(
+            queries, kv, kv, scale=scale
+        )  # [T, heads, 1, hd]: row t is sequence t
 
     def stubbed(write, attend):
         def run():
@@ -76,6 +86,7 @@ def systems(loaded, ref, batch: int, context: int) -> dict:
                 paged()
             finally:
                 PagedLayerCache.update_and_fetch, PagedLayerCache.attend = real
+
         return run
 
     ref_cache = make_prompt_cache(ref)
@@ -87,8 +98,12 @@ def systems(loaded, ref, batch: int, context: int) -> dict:
         for c in ref_cache:
             c.offset -= 1  # stay at `context` tokens: the next pass rewrites the same slot
 
-    return {"mlxpaged": paged, "mlx-lm": mlx_lm, "mlxpaged, no write": stubbed(no_write, real[1]),
-            "mlxpaged, contiguous": stubbed(no_write, contiguous)}
+    return {
+        "mlxpaged": paged,
+        "mlx-lm": mlx_lm,
+        "mlxpaged, no write": stubbed(no_write, real[1]),
+        "mlxpaged, contiguous": stubbed(no_write, contiguous),
+    }
 
 
 def measure(runs: dict, iters: int, repeats: int) -> dict:
@@ -96,7 +111,7 @@ def measure(runs: dict, iters: int, repeats: int) -> dict:
     names = list(runs)
     out = {n: [] for n in names}
     for r in range(repeats):
-        for n in names[r % len(names):] + names[: r % len(names)]:
+        for n in names[r % len(names) :] + names[: r % len(names)]:
             for _ in range(3):
                 runs[n]()  # warm: the first passes after a switch build kernels and buffers
             times = []
@@ -131,16 +146,20 @@ def main() -> None:
         loaded, ref = load_models(args.model, args.tiny, args.dtype)
     except (ValueError, MlxPagedError) as e:
         sys.exit(f"error: {e}")
-    print(f"model {model_label(loaded, args.model, args.tiny)} ({loaded.dtype}), device {mx.default_device()}, "
-          f"{args.context} cached tokens, {args.repeats} blocks of {args.iters} passes; ms per pass, median (min-max)")
+    print(
+        f"model {model_label(loaded, args.model, args.tiny)} ({loaded.dtype}), device {mx.default_device()}, "
+        f"{args.context} cached tokens, {args.repeats} blocks of {args.iters} passes; ms per pass, median (min-max)"
+    )
     for b in batches:
         res = measure(systems(loaded, ref, b, args.context), args.iters, args.repeats)
         base = statistics.median(res["mlx-lm"])
         for name, ms in res.items():
             ratio = spread([m / p for m, p in zip(ms, res["mlx-lm"])])
             print(f"batch {b:3d} {name:22s} {fmt(spread(ms), 3):>22s} ms   {fmt(ratio)} x mlx-lm's")
-        print(f"batch {b:3d} paging's share: {statistics.median(res['mlxpaged']) - statistics.median(res['mlxpaged, contiguous']):.3f} ms "
-              f"of {statistics.median(res['mlxpaged']):.3f} (mlx-lm {base:.3f})")
+        print(
+            f"batch {b:3d} paging's share: {statistics.median(res['mlxpaged']) - statistics.median(res['mlxpaged, contiguous']):.3f} ms "
+            f"of {statistics.median(res['mlxpaged']):.3f} (mlx-lm {base:.3f})"
+        )
 
 
 if __name__ == "__main__":

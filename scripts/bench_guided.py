@@ -39,7 +39,12 @@ SCHEMA = {
     "required": ["title", "year", "tags"],
     "additionalProperties": False,
 }
-PROMPTS = ["The KV cache stores", "Paged attention borrows an idea from", "Write a Python function", "Blocks of sixteen"]
+PROMPTS = [
+    "The KV cache stores",
+    "Paged attention borrows an idea from",
+    "Write a Python function",
+    "Blocks of sixteen",
+]
 
 
 def start(engine, batch: int, max_tokens: int, constrained: bool) -> None:
@@ -49,8 +54,10 @@ def start(engine, batch: int, max_tokens: int, constrained: bool) -> None:
 
     guided = GuidedDecoding(json_schema=SCHEMA) if constrained else None
     for i in range(batch):
-        engine.add_request(PROMPTS[i % len(PROMPTS)], SamplingParams(
-            temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True, guided=guided))
+        engine.add_request(
+            PROMPTS[i % len(PROMPTS)],
+            SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True, guided=guided),
+        )
     while any(not r.prompt_prefilled for r in engine.scheduler.running.values()) or engine.scheduler.waiting:
         engine.step()
     engine.step()
@@ -123,21 +130,33 @@ def main():
         order = (False, True) if run % 2 == 0 else (True, False)
         got = one_run(engines, args.batch, args.steps, args.block, order)
         (free, _, free_cpu), (cons, mask, cons_cpu) = got[False], got[True]
-        rows.append({"unconstrained_ms": free * 1e3, "constrained_ms": cons * 1e3, "mask_ms": mask * 1e3,
-                     "unconstrained_cpu_ms": free_cpu * 1e3, "constrained_cpu_ms": cons_cpu * 1e3,
-                     "ratio": cons / free, "cpu_ratio": cons_cpu / free_cpu,
-                     "first": "constrained" if order[0] else "unconstrained"})
-        print(f"run {run}: unconstrained {free * 1e3:.2f} ms/step (cpu {free_cpu * 1e3:.2f}), constrained "
-              f"{cons * 1e3:.2f} ms/step (cpu {cons_cpu * 1e3:.2f}; masks {mask * 1e3:.2f}), ratio {cons / free:.3f} "
-              f"(cpu {cons_cpu / free_cpu:.3f})")
+        rows.append(
+            {
+                "unconstrained_ms": free * 1e3,
+                "constrained_ms": cons * 1e3,
+                "mask_ms": mask * 1e3,
+                "unconstrained_cpu_ms": free_cpu * 1e3,
+                "constrained_cpu_ms": cons_cpu * 1e3,
+                "ratio": cons / free,
+                "cpu_ratio": cons_cpu / free_cpu,
+                "first": "constrained" if order[0] else "unconstrained",
+            }
+        )
+        print(
+            f"run {run}: unconstrained {free * 1e3:.2f} ms/step (cpu {free_cpu * 1e3:.2f}), constrained "
+            f"{cons * 1e3:.2f} ms/step (cpu {cons_cpu * 1e3:.2f}; masks {mask * 1e3:.2f}), ratio {cons / free:.3f} "
+            f"(cpu {cons_cpu / free_cpu:.3f})"
+        )
     summary = {"batch": args.batch, "steps": args.steps, "runs": rows}
     for key in ("ratio", "cpu_ratio"):
         vals = [r[key] for r in rows]
         summary.update({f"{key}_median": statistics.median(vals), f"{key}_min": min(vals), f"{key}_max": max(vals)})
-    print(f"constrained / unconstrained step at batch {args.batch} over {args.runs} runs: wall median "
-          f"{summary['ratio_median']:.3f} (range {summary['ratio_min']:.3f}-{summary['ratio_max']:.3f}), "
-          f"process CPU time median {summary['cpu_ratio_median']:.3f} "
-          f"(range {summary['cpu_ratio_min']:.3f}-{summary['cpu_ratio_max']:.3f})")
+    print(
+        f"constrained / unconstrained step at batch {args.batch} over {args.runs} runs: wall median "
+        f"{summary['ratio_median']:.3f} (range {summary['ratio_min']:.3f}-{summary['ratio_max']:.3f}), "
+        f"process CPU time median {summary['cpu_ratio_median']:.3f} "
+        f"(range {summary['cpu_ratio_min']:.3f}-{summary['cpu_ratio_max']:.3f})"
+    )
     if args.json:
         from mlxpaged.bench.report import write_json
 

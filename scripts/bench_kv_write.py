@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import time
 
-import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
 import mlx.core as mx
 
+import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
 from mlxpaged.worker.kv_cache import CacheShape, PagedKVCache
 
 
@@ -49,14 +49,20 @@ def main() -> None:
     args = ap.parse_args()
     shape = CacheShape(1, args.kv_heads, args.head_dim, mx.float32)
     k = mx.random.normal((args.batch, args.kv_heads, args.head_dim))
-    print(f"one layer, {args.kv_heads} KV heads x {args.head_dim}, float32, {args.batch} tokens per write, device {mx.default_device()}")
-    print(f"{'pool slots':>10} | {'pool MB':>8} | {'in place us':>11} | {'growth B/step':>13} | {'copying us':>10} | {'copy / in place':>15}")
+    print(
+        f"one layer, {args.kv_heads} KV heads x {args.head_dim}, float32, {args.batch} tokens per write, device {mx.default_device()}"
+    )
+    print(
+        f"{'pool slots':>10} | {'pool MB':>8} | {'in place us':>11} | {'growth B/step':>13} | {'copying us':>10} | {'copy / in place':>15}"
+    )
     for slots in [1 << 10, 1 << 13, 1 << 16, 1 << 18]:
         cache = PagedKVCache(shape, slots // 16, 16)
         t_in, grow = time_writes(cache, k, args.steps, keep_alias=False)
         t_copy, _ = time_writes(cache, k, max(5, args.steps // 5), keep_alias=True)
-        print(f"{slots:>10} | {cache.nbytes / 2**20:8.1f} | {t_in * 1e6:11.1f} | {grow / args.steps:13.0f} | "
-              f"{t_copy * 1e6:10.1f} | {t_copy / t_in:15.1f}")
+        print(
+            f"{slots:>10} | {cache.nbytes / 2**20:8.1f} | {t_in * 1e6:11.1f} | {grow / args.steps:13.0f} | "
+            f"{t_copy * 1e6:10.1f} | {t_copy / t_in:15.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -55,11 +55,16 @@ print("RESULT " + json.dumps(out))
 
 
 def run(system: str, args) -> dict:
-    p = subprocess.run([sys.executable, "-c", CHILD, system, args.model or "", args.dtype, str(args.max_tokens), PROMPT],
-                       capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, "-c", CHILD, system, args.model or "", args.dtype, str(args.max_tokens), PROMPT],
+        capture_output=True,
+        text=True,
+    )
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode or not line:
-        sys.exit(f"error: the {system} run failed: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")
+        sys.exit(
+            f"error: the {system} run failed: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}"
+        )
     return json.loads(line[0][7:])
 
 
@@ -76,11 +81,16 @@ def main() -> None:
         for system in order:
             r = run(system, args)
             res[system].append(r)
-            print(f"run {i + 1} {system:>8}: peak {r['peak_gb']:.3f} GB, {r['tokens']} tokens"
-                  + (f", pool {r['pool_gb']:.4f} GB" if "pool_gb" in r else ""), flush=True)
+            print(
+                f"run {i + 1} {system:>8}: peak {r['peak_gb']:.3f} GB, {r['tokens']} tokens"
+                + (f", pool {r['pool_gb']:.4f} GB" if "pool_gb" in r else ""),
+                flush=True,
+            )
     for system, rs in res.items():
         peaks = [r["peak_gb"] for r in rs]
-        print(f"{system:>8}: peak memory median {statistics.median(peaks):.3f} GB (range {min(peaks):.3f}-{max(peaks):.3f})")
+        print(
+            f"{system:>8}: peak memory median {statistics.median(peaks):.3f} GB (range {min(peaks):.3f}-{max(peaks):.3f})"
+        )
     diff = [a["peak_gb"] - b["peak_gb"] for a, b in zip(res["mlxpaged"], res["mlx_lm"])]
     print(f"mlxpaged - mlx-lm: median {statistics.median(diff):+.3f} GB (range {min(diff):+.3f} to {max(diff):+.3f})")
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
 import mlx.core as mx
+
+import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
 
 
 def main() -> None:
@@ -36,10 +37,18 @@ def main() -> None:
     try:
         loaded, _ = load_models(args.model, args.tiny, args.dtype, reference=False)
         label = model_label(loaded, args.model, args.tiny)
-        print(f"model {label} ({loaded.dtype}), device {mx.default_device()}, mlx {mx.__version__}, "
-              f"{args.repeats} repeats", flush=True)
-        payload = benchmark(loaded, prefix_tokens=args.prefix_tokens, question_tokens=args.question_tokens,
-                            repeats=args.repeats, store_dir=args.store_dir)
+        print(
+            f"model {label} ({loaded.dtype}), device {mx.default_device()}, mlx {mx.__version__}, "
+            f"{args.repeats} repeats",
+            flush=True,
+        )
+        payload = benchmark(
+            loaded,
+            prefix_tokens=args.prefix_tokens,
+            question_tokens=args.question_tokens,
+            repeats=args.repeats,
+            store_dir=args.store_dir,
+        )
     except (ValueError, MlxPagedError) as e:
         sys.exit(f"error: {e}")
     print("\n".join(table(payload)))

@@ -34,7 +34,9 @@ def main() -> None:
     ap.add_argument("--kv-tokens", type=int, default=8192, help="mlxpaged's KV budget in tokens")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=32)
-    ap.add_argument("--system-prompt", type=int, default=256, help="shared system prompt tokens in the second case (0 skips it)")
+    ap.add_argument(
+        "--system-prompt", type=int, default=256, help="shared system prompt tokens in the second case (0 skips it)"
+    )
     ap.add_argument("--repeats", type=int, default=3, help="runs of each case, alternating which system goes first")
     ap.add_argument("--json", dest="json_out")
     args = ap.parse_args()
@@ -47,18 +49,38 @@ def main() -> None:
     try:
         loaded, ref = load_models(args.model, args.tiny, args.dtype)
         label = model_label(loaded, args.model, args.tiny)
-        print(f"model {label} ({loaded.dtype}); {args.num_requests} {args.trace} requests at rate "
-              f"{args.rate or 'inf'}; mlxpaged KV budget {args.kv_tokens} tokens; {args.repeats} repeats", flush=True)
-        settings = {k: getattr(args, k) for k in ("trace", "num_requests", "rate", "max_prompt", "max_output", "kv_tokens",
-                                                  "block_size", "max_num_seqs", "system_prompt", "repeats")}
+        print(
+            f"model {label} ({loaded.dtype}); {args.num_requests} {args.trace} requests at rate "
+            f"{args.rate or 'inf'}; mlxpaged KV budget {args.kv_tokens} tokens; {args.repeats} repeats",
+            flush=True,
+        )
+        settings = {
+            k: getattr(args, k)
+            for k in (
+                "trace",
+                "num_requests",
+                "rate",
+                "max_prompt",
+                "max_output",
+                "kv_tokens",
+                "block_size",
+                "max_num_seqs",
+                "system_prompt",
+                "repeats",
+            )
+        }
         rows = compare(loaded, ref, load_trace(args.trace), **{k: v for k, v in settings.items() if k != "trace"})
     except (ValueError, MlxPagedError) as e:
         sys.exit(f"error: {e}")
     for row in rows:
         print("\n" + "\n".join(table(row)))
     if args.json_out:
-        payload = {"dtype": str(loaded.dtype), **settings, "timed_span": "from before the engine / generator is built "
-                   "to the last token, for both", "rows": rows}
+        payload = {
+            "dtype": str(loaded.dtype),
+            **settings,
+            "timed_span": "from before the engine / generator is built to the last token, for both",
+            "rows": rows,
+        }
         print(f"results: {write_json(args.json_out, 'serving', label, payload)}")
 
 

@@ -47,8 +47,9 @@ import statistics
 import time
 from collections import defaultdict
 
-import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
 import mlx.core as mx
+
+import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
 
 PHASES = ("schedule", "launch", "commit", "wait", "read", "other")
 EPS = 0.05e-3  # a wait this short found the values already there
@@ -90,15 +91,28 @@ class TimingMx:
 class Bench:
     """One engine decoding `num_seqs` sequences in steady state, timed a block at a time."""
 
-    def __init__(self, loaded, num_seqs: int, total_steps: int, noop: bool, vocab: int, mode: str,
-                 temperature: float = 0.0, n: int = 1):
+    def __init__(
+        self,
+        loaded,
+        num_seqs: int,
+        total_steps: int,
+        noop: bool,
+        vocab: int,
+        mode: str,
+        temperature: float = 0.0,
+        n: int = 1,
+    ):
         from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 
         self.mode = mode
         max_tokens = total_steps + 8
         blocks = num_seqs * (-(-(20 + max_tokens) // 16))
-        self.engine = engine = LLMEngine(loaded, EngineConfig(num_blocks=blocks + 8, max_num_seqs=num_seqs,
-                                                              attention_impl="reference", async_scheduling=mode == "on"))
+        self.engine = engine = LLMEngine(
+            loaded,
+            EngineConfig(
+                num_blocks=blocks + 8, max_num_seqs=num_seqs, attention_impl="reference", async_scheduling=mode == "on"
+            ),
+        )
         # `num_seqs` rows: num_seqs / n requests of n samples each (their prompts prefilled once).
         for i in range(num_seqs // n):
             params = SamplingParams(temperature=temperature, n=n, seed=i, max_tokens=max_tokens, ignore_eos=True)
@@ -191,9 +205,13 @@ def main() -> None:
     ap.add_argument("--noop", action="store_true", help="forward pass replaced by ready-made logits")
     ap.add_argument("--seqs", default="1,16,64")
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--vocab", type=int, default=151936, help="logits width of the no-op forward (Qwen2.5's vocabulary)")
+    ap.add_argument(
+        "--vocab", type=int, default=151936, help="logits width of the no-op forward (Qwen2.5's vocabulary)"
+    )
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: a Gumbel draw over the vocabulary per row")
+    ap.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy; above 0: a Gumbel draw over the vocabulary per row"
+    )
     ap.add_argument("--n", type=int, default=1, help="samples per request (rows = seqs; seqs / n requests)")
     args = ap.parse_args()
     if args.repeats < 1 or args.steps < 1:
@@ -207,16 +225,22 @@ def main() -> None:
     from mlxpaged.bench.models import load_models
 
     loaded, _ = load_models(args.model, args.tiny, args.dtype, reference=False)
-    print(f"model {loaded.path.name}, {f'no-op forward, vocab {args.vocab}' if args.noop else 'real forward'}; "
-          f"temperature {args.temperature}, n={args.n}; ms per step, median of {args.repeats} blocks of {args.steps} steps (range), engines taking turns")
-    print(f"{'seqs':>4} {'mode':>6} | {'step':>24} | {'unhidden = step - device':>24} | {'idle':>24} | {'bnd':>4} | "
-          + " | ".join(f"{p:>7}" for p in PHASES))
+    print(
+        f"model {loaded.path.name}, {f'no-op forward, vocab {args.vocab}' if args.noop else 'real forward'}; "
+        f"temperature {args.temperature}, n={args.n}; ms per step, median of {args.repeats} blocks of {args.steps} steps (range), engines taking turns"
+    )
+    print(
+        f"{'seqs':>4} {'mode':>6} | {'step':>24} | {'unhidden = step - device':>24} | {'idle':>24} | {'bnd':>4} | "
+        + " | ".join(f"{p:>7}" for p in PHASES)
+    )
     for n in seqs:
-        benches = {m: Bench(loaded, n, args.repeats * (args.steps + 1), args.noop, args.vocab, m, args.temperature, args.n)
-                   for m in MODES}
+        benches = {
+            m: Bench(loaded, n, args.repeats * (args.steps + 1), args.noop, args.vocab, m, args.temperature, args.n)
+            for m in MODES
+        }
         runs: dict[str, list[dict]] = {m: [] for m in MODES}
         for r in range(args.repeats):
-            for mode in MODES[r % 3:] + MODES[: r % 3]:  # each mode goes first in turn
+            for mode in MODES[r % 3 :] + MODES[: r % 3]:  # each mode goes first in turn
                 runs[mode].append(benches[mode].block(args.steps))
         del benches
         device = statistics.median(r["device"] for r in runs["device"])
@@ -230,14 +254,18 @@ def main() -> None:
             # Mostly upper bounds: the figure says little (marked "<=").
             loose = mode != "device" and 2 * bnd > len(rs) * (args.steps - 1)
             idle = ("<=" if loose else "") + stat([r["idle"] for r in rs]) if mode != "device" else ""
-            print(f"{n:>4} {mode:>6} | {stat([r['step'] for r in rs]):>24} | {shown:>24} | {idle:>24} | {bnd:>4} | {cells}")
+            print(
+                f"{n:>4} {mode:>6} | {stat([r['step'] for r in rs]):>24} | {shown:>24} | {idle:>24} | {bnd:>4} | {cells}"
+            )
         med = {m: statistics.median(unhidden[m]) for m in ("off", "on")}
         idle = {m: statistics.median(r["idle"] for r in runs[m]) for m in ("off", "on")}
         steps = {m: statistics.median(r["step"] for r in runs[m]) for m in ("off", "on")}
         ratio = lambda a, b: f"{a / b:.2f}x" if b > 0 else "inf"  # noqa: E731
-        print(f"{n:>4}  ratio | step time off/on {ratio(steps['off'], steps['on'])}; unhidden off/on "
-              f"{ratio(med['off'], med['on'])} ({med['off']:.3f} -> {med['on']:.3f} ms); idle off/on "
-              f"{ratio(idle['off'], idle['on'])} ({idle['off']:.3f} -> {idle['on']:.3f} ms)")
+        print(
+            f"{n:>4}  ratio | step time off/on {ratio(steps['off'], steps['on'])}; unhidden off/on "
+            f"{ratio(med['off'], med['on'])} ({med['off']:.3f} -> {med['on']:.3f} ms); idle off/on "
+            f"{ratio(idle['off'], idle['on'])} ({idle['off']:.3f} -> {idle['on']:.3f} ms)"
+        )
 
 
 if __name__ == "__main__":

@@ -38,10 +38,10 @@ PROMPT = "Write a Python function that merges two sorted lists into one sorted l
 # -- one run (in each rank, or the single process) --------------------------------------------------------
 def worker(a) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
+    import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
     from mlxpaged import LLM, SamplingParams
 
     model = None if a.model == "default" else a.model
@@ -55,10 +55,15 @@ def worker(a) -> None:
     tps = (eng.stats.decode_tokens - n0) / (eng.stats.decode_time - t0)
     args = eng.loaded.model.args
     res = {
-        "world": a.world, "tps": tps, "layers": args.num_hidden_layers, "hidden": args.hidden_size,
+        "world": a.world,
+        "tps": tps,
+        "layers": args.num_hidden_layers,
+        "hidden": args.hidden_size,
         "weight_bytes": sum(v.nbytes for _, v in tree_flatten(eng.loaded.model.parameters())),
-        "pool_bytes": eng.kv_cache.nbytes, "active_bytes": mx.get_active_memory(),
-        "peak_bytes": mx.get_peak_memory(), "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "pool_bytes": eng.kv_cache.nbytes,
+        "active_bytes": mx.get_active_memory(),
+        "peak_bytes": mx.get_peak_memory(),
+        "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     if a.world > 1:
         group = eng.group
@@ -84,7 +89,18 @@ def _free_port() -> int:
 
 def run_once(world: int, a, tmp: Path) -> list[dict]:
     out = str(tmp / f"w{world}-rank{{rank}}.json")
-    args = [__file__, "--worker", "--world", str(world), "--model", a.model, "--max-tokens", str(a.max_tokens), "--out", out]
+    args = [
+        __file__,
+        "--worker",
+        "--world",
+        str(world),
+        "--model",
+        a.model,
+        "--max-tokens",
+        str(a.max_tokens),
+        "--out",
+        out,
+    ]
     for r in range(world):
         Path(out.format(rank=r)).unlink(missing_ok=True)
     # The ranks are started as mlx.launch starts them (MLX_RANK, MLX_HOSTFILE; ring backend), but
@@ -95,8 +111,14 @@ def run_once(world: int, a, tmp: Path) -> list[dict]:
     if a.split_cores:  # each rank gets its share of the cores, as each Mac would have its own
         n = str(max(1, (os.cpu_count() or 1) // world))
         threads = {"OPENBLAS_NUM_THREADS": n, "OMP_NUM_THREADS": n}
-    env = lambda r: {**os.environ, **threads, **({"MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)} if world > 1 else {})}
-    procs = [subprocess.Popen([sys.executable, *args], stderr=subprocess.PIPE, text=True, env=env(r)) for r in range(world)]
+    env = lambda r: {
+        **os.environ,
+        **threads,
+        **({"MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)} if world > 1 else {}),
+    }
+    procs = [
+        subprocess.Popen([sys.executable, *args], stderr=subprocess.PIPE, text=True, env=env(r)) for r in range(world)
+    ]
     errs = [p.communicate()[1] for p in procs]
     try:
         return [json.loads(Path(out.format(rank=r)).read_text()) for r in range(world)]
@@ -124,9 +146,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--mem-gbps", type=float, default=546.0, help="unified-memory bandwidth of each Mac (M4 Max: 546)")
     ap.add_argument("--link-gbps", type=float, default=80.0, help="Thunderbolt 5: 80 Gb/s each way")
-    ap.add_argument("--latency-us", type=float, default=300.0, help="per all_sum; ~300 over TCP (ring), <50 with RDMA (JACCL)")
-    ap.add_argument("--split-cores", action=argparse.BooleanOptionalAction, default=True,
-                    help="give each rank cores/W BLAS threads (W=1 gets all); --no-split-cores lets every rank use all")
+    ap.add_argument(
+        "--latency-us", type=float, default=300.0, help="per all_sum; ~300 over TCP (ring), <50 with RDMA (JACCL)"
+    )
+    ap.add_argument(
+        "--split-cores",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="give each rank cores/W BLAS threads (W=1 gets all); --no-split-cores lets every rank use all",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -141,7 +169,7 @@ def main() -> None:
         a.model = str(write_tiny_qwen2(tmp / "tiny"))
     runs: dict[int, list[list[dict]]] = {1: [], 2: []}
     for i in range(a.repeats):
-        for w in ((1, 2) if i % 2 == 0 else (2, 1)):
+        for w in (1, 2) if i % 2 == 0 else (2, 1):
             runs[w].append(run_once(w, a, tmp))
             print(f"repeat {i + 1}, W={w}: {runs[w][-1][0]['tps']:.2f} tokens/s", file=sys.stderr)
     t1 = [r[0]["tps"] for r in runs[1]]
@@ -152,28 +180,42 @@ def main() -> None:
     per_step_ms = [2 * one["layers"] * u / 1e3 for u in allsum]
     step_ms = [1e3 / t for t in t2]
     gb = 1e9
-    cores = f"{os.cpu_count()} cores, " + ("BLAS threads split between the ranks" if a.split_cores else "every rank on all cores")
-    print(f"model: {a.model}, float32 on the CPU ({cores}), batch 1, {a.max_tokens} greedy tokens, {a.repeats} repeats (alternating)")
+    cores = f"{os.cpu_count()} cores, " + (
+        "BLAS threads split between the ranks" if a.split_cores else "every rank on all cores"
+    )
+    print(
+        f"model: {a.model}, float32 on the CPU ({cores}), batch 1, {a.max_tokens} greedy tokens, {a.repeats} repeats (alternating)"
+    )
     print(f"W=1 decode: {fmt(t1, ' tok/s')}; W=2 decode: {fmt(t2, ' tok/s')}; W=2/W=1: {fmt(ratios, 'x')}")
-    print(f"all_sum [1, {one['hidden']}] float32: {fmt(allsum, ' us')} per call; {2 * one['layers']} per step = "
-          f"{fmt(per_step_ms, ' ms')} of a {fmt(step_ms, ' ms')} W=2 step")
-    print(f"W=1 memory: weights {one['weight_bytes'] / gb:.3f} GB, KV pool {one['pool_bytes'] / gb:.4f} GB, "
-          f"MLX peak {one['peak_bytes'] / gb:.3f} GB, max RSS {one['maxrss_bytes'] / gb:.3f} GB")
+    print(
+        f"all_sum [1, {one['hidden']}] float32: {fmt(allsum, ' us')} per call; {2 * one['layers']} per step = "
+        f"{fmt(per_step_ms, ' ms')} of a {fmt(step_ms, ' ms')} W=2 step"
+    )
+    print(
+        f"W=1 memory: weights {one['weight_bytes'] / gb:.3f} GB, KV pool {one['pool_bytes'] / gb:.4f} GB, "
+        f"MLX peak {one['peak_bytes'] / gb:.3f} GB, max RSS {one['maxrss_bytes'] / gb:.3f} GB"
+    )
     for r in two:
-        print(f"W=2 rank {r['rank']} memory: weights {r['weight_bytes'] / gb:.3f} GB "
-              f"({r['weight_bytes'] / one['weight_bytes']:.2f} of W=1), KV pool {r['pool_bytes'] / gb:.4f} GB "
-              f"({r['pool_bytes'] / one['pool_bytes']:.2f}), MLX peak {r['peak_bytes'] / gb:.3f} GB, "
-              f"max RSS {r['maxrss_bytes'] / gb:.3f} GB")
+        print(
+            f"W=2 rank {r['rank']} memory: weights {r['weight_bytes'] / gb:.3f} GB "
+            f"({r['weight_bytes'] / one['weight_bytes']:.2f} of W=1), KV pool {r['pool_bytes'] / gb:.4f} GB "
+            f"({r['pool_bytes'] / one['pool_bytes']:.2f}), MLX peak {r['peak_bytes'] / gb:.3f} GB, "
+            f"max RSS {r['maxrss_bytes'] / gb:.3f} GB"
+        )
     # The Mac estimate, in float16: 2 bytes a weight.
     w1, w2 = one["weight_bytes"] / 2, two[0]["weight_bytes"] / 2
     for lat, name in ((a.latency_us, "ring over TCP"), (min(a.latency_us, 50.0), "JACCL over RDMA")):
         a2 = argparse.Namespace(**{**vars(a), "latency_us": lat})
         s1, s2 = estimate(w1, w2, one["layers"], one["hidden"], a2)
-        print(f"estimate, two Macs ({a.mem_gbps:g} GB/s) over Thunderbolt 5, {name} ({lat:g} us per all_sum), float16: "
-              f"W=1 {s1:.0f} tok/s, W=2 {s2:.0f} tok/s ({s2 / s1:.2f}x)")
+        print(
+            f"estimate, two Macs ({a.mem_gbps:g} GB/s) over Thunderbolt 5, {name} ({lat:g} us per all_sum), float16: "
+            f"W=1 {s1:.0f} tok/s, W=2 {s2:.0f} tok/s ({s2 / s1:.2f}x)"
+        )
         # A 72B-class model at 4 bits (Qwen2.5-72B: 80 layers, hidden 8192, ~40 GB; ~1 GB replicated embedding/head).
         s1, s2 = estimate(40e9, 20.5e9, 80, 8192, a2)
-        print(f"  same link, a 72B 4-bit model (40 GB; 20.5 GB a rank): W=1 {s1:.1f} tok/s (if it fit), W=2 {s2:.1f} tok/s ({s2 / s1:.2f}x)")
+        print(
+            f"  same link, a 72B 4-bit model (40 GB; 20.5 GB a rank): W=1 {s1:.1f} tok/s (if it fit), W=2 {s2:.1f} tok/s ({s2 / s1:.2f}x)"
+        )
     shutil.rmtree(tmp, ignore_errors=True)
 
 

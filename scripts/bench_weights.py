@@ -23,8 +23,9 @@ import statistics
 import sys
 import time
 
-import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
 import mlx.core as mx
+
+import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
 
 # Unified-memory bandwidths (Apple's published figures) used for the Mac estimate.
 MACS = {"M2 (100 GB/s)": 100e9, "M3 Pro (150 GB/s)": 150e9, "M2 Max (400 GB/s)": 400e9}
@@ -49,8 +50,10 @@ def bytes_per_token(model, as_dtype) -> int:
     total = weight_bytes(model, as_dtype)
     if not model.args.tie_word_embeddings:
         emb = model.model.embed_tokens
-        total -= sum(v.size * as_dtype.size if mx.issubdtype(v.dtype, mx.floating) else v.nbytes
-                     for _, v in tree_flatten(emb.parameters()))
+        total -= sum(
+            v.size * as_dtype.size if mx.issubdtype(v.dtype, mx.floating) else v.nbytes
+            for _, v in tree_flatten(emb.parameters())
+        )
     return total
 
 
@@ -88,11 +91,15 @@ def main() -> None:
     except (MlxPagedError, GGUFError, ValueError) as e:
         sys.exit(f"error: {e}")
     tok = models["float"].tokenizer
-    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
-                                             tokenize=False), add_special_tokens=False)
+    ids = tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
     dtype = models["float"].dtype
-    print(f"device {mx.default_device()}, mlx {mx.__version__}, dtype {dtype}, prompt {len(ids)} tokens, "
-          f"{args.max_tokens} tokens decoded per run, {args.repeats} repeats")
+    print(
+        f"device {mx.default_device()}, mlx {mx.__version__}, dtype {dtype}, prompt {len(ids)} tokens, "
+        f"{args.max_tokens} tokens decoded per run, {args.repeats} repeats"
+    )
     for w in models:
         decode_tps(models[w], ids, 4)  # warm-up: first-call allocations and kernels
     runs: dict[str, list[float]] = {w: [] for w in models}
@@ -100,23 +107,35 @@ def main() -> None:
         order = ("quantized", "float") if r % 2 == 0 else ("float", "quantized")
         for w in order:
             runs[w].append(decode_tps(models[w], ids, args.max_tokens))
-        print(f"  repeat {r + 1} ({order[0]} first): " + ", ".join(f"{w} {runs[w][-1]:.2f} tok/s" for w in models),
-              flush=True)
+        print(
+            f"  repeat {r + 1} ({order[0]} first): " + ", ".join(f"{w} {runs[w][-1]:.2f} tok/s" for w in models),
+            flush=True,
+        )
 
-    print(f"\n| weights | loaded bytes ({dtype}) | decode tok/s, median [min-max] | Mac bytes/token (float16) | "
-          + " | ".join(f"{m} bound tok/s" for m in MACS) + " |")
+    print(
+        f"\n| weights | loaded bytes ({dtype}) | decode tok/s, median [min-max] | Mac bytes/token (float16) | "
+        + " | ".join(f"{m} bound tok/s" for m in MACS)
+        + " |"
+    )
     print("| --- " * (4 + len(MACS)) + "|")
     for w, loaded in models.items():
         mac = bytes_per_token(loaded.model, mx.float16)
-        print(f"| {w} | {weight_bytes(loaded.model) / 1e9:.3f} GB | {statistics.median(runs[w]):.2f} "
-              f"[{min(runs[w]):.2f}-{max(runs[w]):.2f}] | {mac / 1e9:.3f} GB | "
-              + " | ".join(f"{bw / mac:.0f}" for bw in MACS.values()) + " |")
+        print(
+            f"| {w} | {weight_bytes(loaded.model) / 1e9:.3f} GB | {statistics.median(runs[w]):.2f} "
+            f"[{min(runs[w]):.2f}-{max(runs[w]):.2f}] | {mac / 1e9:.3f} GB | "
+            + " | ".join(f"{bw / mac:.0f}" for bw in MACS.values())
+            + " |"
+        )
     ratios = [q / f for q, f in zip(runs["quantized"], runs["float"])]
     mem = weight_bytes(models["float"].model) / weight_bytes(models["quantized"].model)
-    mac_ratio = bytes_per_token(models["float"].model, mx.float16) / bytes_per_token(models["quantized"].model, mx.float16)
-    print(f"\nquantized / float decode tok/s here: median {statistics.median(ratios):.2f} "
-          f"[{min(ratios):.2f}-{max(ratios):.2f}]; weight memory {mem:.2f}x smaller; "
-          f"Mac bytes per token {mac_ratio:.2f}x fewer (bandwidth-bound estimate: {mac_ratio:.2f}x the tokens/s)")
+    mac_ratio = bytes_per_token(models["float"].model, mx.float16) / bytes_per_token(
+        models["quantized"].model, mx.float16
+    )
+    print(
+        f"\nquantized / float decode tok/s here: median {statistics.median(ratios):.2f} "
+        f"[{min(ratios):.2f}-{max(ratios):.2f}]; weight memory {mem:.2f}x smaller; "
+        f"Mac bytes per token {mac_ratio:.2f}x fewer (bandwidth-bound estimate: {mac_ratio:.2f}x the tokens/s)"
+    )
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing
@@ -48,8 +48,11 @@ def blocksize_table(traces: dict, sizes: Sequence[int], shared: int) -> list[dic
         row = {"block_size": bs}
         for name, pairs in traces.items():
             r = waste.paged_row(pairs, bs)
-            row[name] = {"real_share": r.real_share, "blocks_per_request": r.blocks_per_request,
-                         "slots_per_request": r.slots_per_request}
+            row[name] = {
+                "real_share": r.real_share,
+                "blocks_per_request": r.blocks_per_request,
+                "slots_per_request": r.slots_per_request,
+            }
         # A prompt that goes on past the prefix, and one that is exactly the prefix.
         row["prefix_reuse"] = waste.prefix_reuse(shared, bs)
         row["prefix_reuse_prompt_is_prefix"] = waste.prefix_reuse(shared, bs, prompt_len=shared)
@@ -71,19 +74,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps({"shared_prefix": args.shared, "provenance": provenance(), "rows": rows}, indent=2))
         return 0
 
-    print("Real tokens / reserved slots and blocks per running request, averaged over every\n"
-          f"step of every request; tokens of the {args.shared}-token shared prefix reusable "
-          "from a prefix cache\n(full blocks only; 'whole' = the prompt is just the prefix, "
-          "so its last token is recomputed).\n")
-    head = (f"{'block':>5} | {'ShareGPT real':>13} {'blocks/req':>10} | "
-            f"{'Alpaca real':>11} {'blocks/req':>10} | {f'reuse of {args.shared}':>12} {'whole':>6}")
+    print(
+        "Real tokens / reserved slots and blocks per running request, averaged over every\n"
+        f"step of every request; tokens of the {args.shared}-token shared prefix reusable "
+        "from a prefix cache\n(full blocks only; 'whole' = the prompt is just the prefix, "
+        "so its last token is recomputed).\n"
+    )
+    head = (
+        f"{'block':>5} | {'ShareGPT real':>13} {'blocks/req':>10} | "
+        f"{'Alpaca real':>11} {'blocks/req':>10} | {f'reuse of {args.shared}':>12} {'whole':>6}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
         s, a = r["sharegpt"], r["alpaca"]
-        print(f"{r['block_size']:>5} | {100 * s['real_share']:>12.1f}% {s['blocks_per_request']:>10.1f} | "
-              f"{100 * a['real_share']:>10.1f}% {a['blocks_per_request']:>10.1f} | "
-              f"{r['prefix_reuse']:>12} {r['prefix_reuse_prompt_is_prefix']:>6}")
+        print(
+            f"{r['block_size']:>5} | {100 * s['real_share']:>12.1f}% {s['blocks_per_request']:>10.1f} | "
+            f"{100 * a['real_share']:>10.1f}% {a['blocks_per_request']:>10.1f} | "
+            f"{r['prefix_reuse']:>12} {r['prefix_reuse_prompt_is_prefix']:>6}"
+        )
     return 0
 
 

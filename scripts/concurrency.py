@@ -32,8 +32,14 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=15_700, help="KV budget in token slots")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--model", default=None, help="default: a tiny random-weight Qwen2")
-    ap.add_argument("--kv-bits", type=int, nargs="+", choices=[8, 4], default=[],
-                    help="also run quantized K/V caches in the float16 cache's bytes")
+    ap.add_argument(
+        "--kv-bits",
+        type=int,
+        nargs="+",
+        choices=[8, 4],
+        default=[],
+        help="also run quantized K/V caches in the float16 cache's bytes",
+    )
     ap.add_argument("--kv-group-size", type=int, default=64, choices=[32, 64])
     ap.add_argument("--json", dest="json_out")
     args = ap.parse_args()
@@ -53,7 +59,7 @@ def main() -> None:
     except (ValueError, MlxPagedError) as e:
         sys.exit(f"error: {e}")
     out = {}
-    for trace in (["sharegpt", "alpaca"] if args.trace == "both" else [args.trace]):
+    for trace in ["sharegpt", "alpaca"] if args.trace == "both" else [args.trace]:
         pairs = [(p, a) for p, a in load_trace(trace) if a > 0][: args.num_requests]
         try:
             with tqdm(total=len(pairs), desc=f"{trace}: engine", unit="req", file=sys.stderr) as bar:
@@ -64,16 +70,31 @@ def main() -> None:
         print("\n".join(table(rows)))
         out[trace] = {"rows": [r.as_dict() for r in rows], "headline_vs_oracle": headline(rows)}
         if args.kv_bits:
-            with tqdm(total=len(pairs) * (1 + len(args.kv_bits)), desc=f"{trace}: kv bits", unit="req", file=sys.stderr) as bar:
-                kv_rows = compare_kv_bits(loaded, pairs, capacity=args.capacity, block_size=args.block_size,
-                                          bits=args.kv_bits, kv_group_size=args.kv_group_size, progress=bar.update)
+            with tqdm(
+                total=len(pairs) * (1 + len(args.kv_bits)), desc=f"{trace}: kv bits", unit="req", file=sys.stderr
+            ) as bar:
+                kv_rows = compare_kv_bits(
+                    loaded,
+                    pairs,
+                    capacity=args.capacity,
+                    block_size=args.block_size,
+                    bits=args.kv_bits,
+                    kv_group_size=args.kv_group_size,
+                    progress=bar.update,
+                )
             print(f"\n{trace}: the bytes of {args.capacity} float16 KV slots, K/V group {args.kv_group_size}")
             print("\n".join(kv_table(kv_rows)))
             out[trace]["kv_bits"] = [r.as_dict() for r in kv_rows]
     if args.json_out:
-        payload = {"capacity": args.capacity, "block_size": args.block_size, "num_requests": args.num_requests,
-                   "kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size,
-                   "deterministic": "step counts, not timings: one run says all", "traces": out}
+        payload = {
+            "capacity": args.capacity,
+            "block_size": args.block_size,
+            "num_requests": args.num_requests,
+            "kv_bits": args.kv_bits,
+            "kv_group_size": args.kv_group_size,
+            "deterministic": "step counts, not timings: one run says all",
+            "traces": out,
+        }
         path = write_json(args.json_out, "concurrency", model_label(loaded, args.model, args.model is None), payload)
         print(f"results: {path}")
 

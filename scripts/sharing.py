@@ -48,8 +48,16 @@ def main() -> None:
         if args.json_out:  # after every row: a long run that is stopped keeps what it measured
             write_json(args.json_out, "sharing", str(loaded.path.name), {"rows": rows})
 
-    rows = run(loaded, args.datasets.split(","), args.modes.split(","), [int(w) for w in args.widths.split(",")],
-               args.num_prompts, args.max_tokens, done=done, on_row=on_row)
+    rows = run(
+        loaded,
+        args.datasets.split(","),
+        args.modes.split(","),
+        [int(w) for w in args.widths.split(",")],
+        args.num_prompts,
+        args.max_tokens,
+        done=done,
+        on_row=on_row,
+    )
     print(table(rows))
 
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing
@@ -57,17 +57,23 @@ def trace_table(name: str, pairs, args) -> dict:
 
 
 def print_table(t: dict, slots: int) -> None:
-    print(f"{TRACES.get(t['trace'], t['trace'])}: {t['requests']} requests, prompt "
-          f"{t['prompt_mean']:.1f} and answer {t['answer_mean']:.1f} tokens on average")
-    head = (f"  {'scheme':<11} {'real/reserved':>13} {'seed':>7} {'real/req':>9} "
-            f"{'slots/req':>10} {f'running in {slots:,}':>17}")
+    print(
+        f"{TRACES.get(t['trace'], t['trace'])}: {t['requests']} requests, prompt "
+        f"{t['prompt_mean']:.1f} and answer {t['answer_mean']:.1f} tokens on average"
+    )
+    head = (
+        f"  {'scheme':<11} {'real/reserved':>13} {'seed':>7} {'real/req':>9} "
+        f"{'slots/req':>10} {f'running in {slots:,}':>17}"
+    )
     print(head)
     print("  " + "-" * (len(head) - 2))
     for r in t["rows"]:
         seed = f"{100 * r['seed_real_share']:.1f}%" if r["seed_real_share"] is not None else "-"
-        print(f"  {r['scheme']:<11} {100 * r['real_share']:>12.1f}% {seed:>7} "
-              f"{r['real_per_request']:>9.1f} {r['slots_per_request']:>10.1f} "
-              f"{r['requests_in_flight']:>17.1f}")
+        print(
+            f"  {r['scheme']:<11} {100 * r['real_share']:>12.1f}% {seed:>7} "
+            f"{r['real_per_request']:>9.1f} {r['slots_per_request']:>10.1f} "
+            f"{r['requests_in_flight']:>17.1f}"
+        )
     print()
 
 
@@ -75,8 +81,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data-dir", type=Path, default=DATA_DIR, help="where the *_lengths.json traces are")
     ap.add_argument("--trace", choices=list(TRACES), action="append", help="trace(s) to show (default: all)")
-    ap.add_argument("--slots", type=int, default=waste.CAPACITY_SLOTS,
-                    help="KV cache capacity in token slots (default 15,700: the seed's 15.7K)")
+    ap.add_argument(
+        "--slots",
+        type=int,
+        default=waste.CAPACITY_SLOTS,
+        help="KV cache capacity in token slots (default 15,700: the seed's 15.7K)",
+    )
     ap.add_argument("--window", type=int, default=waste.WINDOW, help="context window the max scheme reserves")
     ap.add_argument("--block-size", type=int, default=waste.BLOCK_SIZE, help="paged block size in tokens")
     ap.add_argument("--extra", action="store_true", help="also show pow2_total = next_pow2(prompt + answer)")
@@ -89,12 +99,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         tables.append(trace_table(name, pairs, args))
 
     if args.json:
-        print(json.dumps({"slots": args.slots, "window": args.window, "block_size": args.block_size,
-                          "provenance": provenance(), "traces": tables}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "slots": args.slots,
+                    "window": args.window,
+                    "block_size": args.block_size,
+                    "provenance": provenance(),
+                    "traces": tables,
+                },
+                indent=2,
+            )
+        )
         return 0
-    print(f"KV slots reserved vs. holding a token, averaged over every step of every request;\n"
-          f"window {args.window}, paged blocks of {args.block_size}, "
-          f"{args.slots:,} slots of KV cache.\n")
+    print(
+        f"KV slots reserved vs. holding a token, averaged over every step of every request;\n"
+        f"window {args.window}, paged blocks of {args.block_size}, "
+        f"{args.slots:,} slots of KV cache.\n"
+    )
     for t in tables:
         print_table(t, args.slots)
     return 0

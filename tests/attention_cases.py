@@ -17,8 +17,13 @@ def make_case(rng, head_dim, group, block_size, context_lens, num_kv_heads=2, sc
     k_cache = rng.normal(size=(num_blocks, num_kv_heads, block_size, head_dim)).astype(np.float32)
     v_cache = rng.normal(size=(num_blocks, num_kv_heads, block_size, head_dim)).astype(np.float32)
     q = rng.normal(size=(num_seqs, num_kv_heads * group, head_dim)).astype(np.float32)
-    return (mx.array(q, dtype=dtype), mx.array(k_cache, dtype=dtype), mx.array(v_cache, dtype=dtype),
-            mx.array(tables), mx.array(np.array(context_lens, dtype=np.int32)))
+    return (
+        mx.array(q, dtype=dtype),
+        mx.array(k_cache, dtype=dtype),
+        mx.array(v_cache, dtype=dtype),
+        mx.array(tables),
+        mx.array(np.array(context_lens, dtype=np.int32)),
+    )
 
 
 def sdpa_contiguous(q, k_cache, v_cache, tables, context_lens, scale):
@@ -58,7 +63,9 @@ def sdpa_with_mask(q, kc, vc, tables, cu, ctx, scale):
         v = np.stack([vc[b, :, o] for b, o in rows], axis=1)[None]
         qs = q[cu[s] : cu[s + 1]].transpose(1, 0, 2)[None]  # [1, H, n, d]
         mask = np.arange(c - n, c)[:, None] >= np.arange(c)[None, :]
-        o = mx.fast.scaled_dot_product_attention(mx.array(qs), mx.array(k), mx.array(v), scale=scale, mask=mx.array(mask))
+        o = mx.fast.scaled_dot_product_attention(
+            mx.array(qs), mx.array(k), mx.array(v), scale=scale, mask=mx.array(mask)
+        )
         outs.append(np.array(o[0]).transpose(1, 0, 2))
     return np.concatenate(outs)
 

@@ -68,26 +68,60 @@ def mlx_lm_tiny(tiny_model_path):
 
 
 FILE_TIERS = {
-    "test_block_manager.py": "unit", "test_sampler.py": "unit", "test_waste.py": "unit",
-    "test_paged_attention.py": "unit", "test_rotary.py": "unit", "test_gguf.py": "unit",
-    "test_imports.py": "unit", "test_lint.py": "unit",
-    "test_scheduler.py": "engine", "test_engine.py": "engine", "test_engine_lifecycle.py": "engine",
-    "test_async_step.py": "engine", "test_beam_search.py": "engine", "test_varlen.py": "engine",
-    "test_kv_quant.py": "engine", "test_cli.py": "engine", "test_loader.py": "engine",
-    "test_gguf_quantized.py": "engine", "test_bench_sharing.py": "engine", "test_bench.py": "engine", "test_prefix_disk.py": "engine",
-    "test_kv_pool_growth.py": "engine", "test_bench_http.py": "server",
-    "test_families.py": "engine", "test_gguf_llama.py": "engine",
-    "test_guided.py": "engine", "test_cli_knobs.py": "engine", "test_sampling_knobs.py": "engine", "test_notebooks.py": "engine",
+    "test_block_manager.py": "unit",
+    "test_sampler.py": "unit",
+    "test_waste.py": "unit",
+    "test_paged_attention.py": "unit",
+    "test_rotary.py": "unit",
+    "test_gguf.py": "unit",
+    "test_imports.py": "unit",
+    "test_lint.py": "unit",
+    "test_scheduler.py": "engine",
+    "test_engine.py": "engine",
+    "test_engine_lifecycle.py": "engine",
+    "test_async_step.py": "engine",
+    "test_beam_search.py": "engine",
+    "test_varlen.py": "engine",
+    "test_kv_quant.py": "engine",
+    "test_cli.py": "engine",
+    "test_loader.py": "engine",
+    "test_gguf_quantized.py": "engine",
+    "test_bench_sharing.py": "engine",
+    "test_bench.py": "engine",
+    "test_prefix_disk.py": "engine",
+    "test_kv_pool_growth.py": "engine",
+    "test_bench_http.py": "server",
+    "test_families.py": "engine",
+    "test_gguf_llama.py": "engine",
+    "test_guided.py": "engine",
+    "test_cli_knobs.py": "engine",
+    "test_sampling_knobs.py": "engine",
+    "test_notebooks.py": "engine",
     "test_real_model.py": "real_model",
-    "test_metal_emu.py": "emulator", "test_metal_kernel.py": "emulator", "test_metal_kernel_v2.py": "emulator",
-    "test_metal_kv_quant.py": "emulator", "test_metal_merge.py": "emulator", "test_metal_varlen.py": "emulator",
-    "test_model_metal.py": "emulator", "test_emu_blind_spots.py": "emulator", "test_emu_compilers.py": "emulator",
-    "test_emu_simdgroup_matrix.py": "emulator", "test_doctor.py": "emulator", "test_emu_msl_rules.py": "emulator",
-    "test_metal_frontend.py": "emulator", "test_metal_launch_limits.py": "emulator",
-    "test_server.py": "server", "test_server_abuse.py": "server", "test_server_knobs.py": "server",
-    "test_server_tools.py": "server", "test_server_anthropic.py": "server", "test_server_responses.py": "server",
+    "test_metal_emu.py": "emulator",
+    "test_metal_kernel.py": "emulator",
+    "test_metal_kernel_v2.py": "emulator",
+    "test_metal_kv_quant.py": "emulator",
+    "test_metal_merge.py": "emulator",
+    "test_metal_varlen.py": "emulator",
+    "test_model_metal.py": "emulator",
+    "test_emu_blind_spots.py": "emulator",
+    "test_emu_compilers.py": "emulator",
+    "test_emu_simdgroup_matrix.py": "emulator",
+    "test_doctor.py": "emulator",
+    "test_emu_msl_rules.py": "emulator",
+    "test_metal_frontend.py": "emulator",
+    "test_metal_launch_limits.py": "emulator",
+    "test_server.py": "server",
+    "test_server_abuse.py": "server",
+    "test_server_knobs.py": "server",
+    "test_server_tools.py": "server",
+    "test_server_anthropic.py": "server",
+    "test_server_responses.py": "server",
     "test_tp.py": "tp",
-    "test_spec_decode.py": "engine", "test_spec_real_model.py": "real_model", "test_spec_tp.py": "tp",
+    "test_spec_decode.py": "engine",
+    "test_spec_real_model.py": "real_model",
+    "test_spec_tp.py": "tp",
     "test_server_soak.py": "soak",
 }
 # Fixtures that load the offline Qwen2.5 weights: a test using one is in the real_model tier too.
@@ -122,7 +156,13 @@ def pytest_sessionfinish(session, exitstatus):
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if _unexpected_skips:
-        verdict = "fail the run under CI=true" if os.environ.get("CI") and os.environ.get("MLXPAGED_ALLOW_SKIPS") != "1" else "allowed outside CI"
-        terminalreporter.write_line(f"{len(_unexpected_skips)} unexpected skip(s) ({verdict}; MLXPAGED_ALLOW_SKIPS=1 opts out):")
+        verdict = (
+            "fail the run under CI=true"
+            if os.environ.get("CI") and os.environ.get("MLXPAGED_ALLOW_SKIPS") != "1"
+            else "allowed outside CI"
+        )
+        terminalreporter.write_line(
+            f"{len(_unexpected_skips)} unexpected skip(s) ({verdict}; MLXPAGED_ALLOW_SKIPS=1 opts out):"
+        )
         for line in _unexpected_skips:
             terminalreporter.write_line(f"  {line}")

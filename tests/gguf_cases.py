@@ -56,7 +56,7 @@ def random_k_blocks(qtype: T, nb: int, rng: np.random.Generator, scale: float = 
     size = gguf.GGML_QUANT_SIZES[qtype][1]
     raw = rng.integers(0, 256, size=(nb, size), dtype=np.uint8)
     for off in K_REFS[qtype][1]:
-        raw[:, off:off + 2] = _f16_bytes(rng.uniform(-scale, scale, nb).astype(np.float16))
+        raw[:, off : off + 2] = _f16_bytes(rng.uniform(-scale, scale, nb).astype(np.float16))
     return raw
 
 
@@ -127,12 +127,29 @@ def write_tiny_gguf(
         add("output.weight", "lm_head.weight", rng.normal(0, 0.05, (V, h)).astype(np.float32), T.Q8_0)
     del emb_value
     add("output_norm.weight", "model.norm.weight", 1 + rng.normal(0, 0.1, h).astype(np.float32), T.F32)
-    shapes = {"attn_q": (h, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, h),
-              "ffn_gate": (f, h), "ffn_up": (f, h), "ffn_down": (h, f)}
+    shapes = {
+        "attn_q": (h, h),
+        "attn_k": (kv, h),
+        "attn_v": (kv, h),
+        "attn_output": (h, h),
+        "ffn_gate": (f, h),
+        "ffn_up": (f, h),
+        "ffn_down": (h, f),
+    }
     for i, ltypes in enumerate(LAYER_TYPES):
         p = f"model.layers.{i}."
-        add(f"blk.{i}.attn_norm.weight", p + "input_layernorm.weight", 1 + rng.normal(0, 0.1, h).astype(np.float32), T.F32)
-        add(f"blk.{i}.ffn_norm.weight", p + "post_attention_layernorm.weight", 1 + rng.normal(0, 0.1, h).astype(np.float32), T.F32)
+        add(
+            f"blk.{i}.attn_norm.weight",
+            p + "input_layernorm.weight",
+            1 + rng.normal(0, 0.1, h).astype(np.float32),
+            T.F32,
+        )
+        add(
+            f"blk.{i}.ffn_norm.weight",
+            p + "post_attention_layernorm.weight",
+            1 + rng.normal(0, 0.1, h).astype(np.float32),
+            T.F32,
+        )
         for t in ("attn_q", "attn_k", "attn_v"):
             add(f"blk.{i}.{t}.bias", p + HF[t] + ".bias", rng.normal(0, 0.5, shapes[t][0]).astype(np.float32), T.F32)
         for t, qtype in ltypes.items():
@@ -157,9 +174,15 @@ def direct_logits(ref: dict[str, np.ndarray], ids: list[int], tied: bool) -> np.
     from mlx_lm.models import qwen2
 
     args = qwen2.ModelArgs(
-        model_type="qwen2", hidden_size=TINY["hidden"], num_hidden_layers=TINY["layers"],
-        intermediate_size=TINY["ffn"], num_attention_heads=TINY["heads"], rms_norm_eps=1e-6,
-        vocab_size=TINY["vocab"], num_key_value_heads=TINY["kv_heads"], rope_theta=1e6,
+        model_type="qwen2",
+        hidden_size=TINY["hidden"],
+        num_hidden_layers=TINY["layers"],
+        intermediate_size=TINY["ffn"],
+        num_attention_heads=TINY["heads"],
+        rms_norm_eps=1e-6,
+        vocab_size=TINY["vocab"],
+        num_key_value_heads=TINY["kv_heads"],
+        rope_theta=1e6,
         tie_word_embeddings=tied,
     )
     model = qwen2.Model(args)
@@ -175,8 +198,6 @@ IDS = [259, 1, 17, 258, 100, 260, 261, 3, 200, 257, 90, 12]
 # =====================================================================================
 def _f16_bytes(x: np.ndarray) -> np.ndarray:
     return np.asarray(x, dtype="<f2").view(np.uint8).reshape(-1, 2)
-
-
 
 
 # =====================================================================================
@@ -209,16 +230,35 @@ SPECIALS = [("<|endoftext|>", 3), ("<|im_start|>", 3), ("<|im_end|>", 3), ("<too
 
 # Types given to each layer's tensors, so that one tiny model covers every supported type.
 LAYER_TYPES = [
-    {"attn_q": T.Q4_0, "attn_k": T.Q4_1, "attn_v": T.Q5_0, "attn_output": T.Q5_1,
-     "ffn_gate": T.Q8_0, "ffn_up": T.F16, "ffn_down": T.BF16},
-    {"attn_q": T.Q2_K, "attn_k": T.Q3_K, "attn_v": T.Q4_K, "attn_output": T.Q5_K,
-     "ffn_gate": T.Q6_K, "ffn_up": T.F32, "ffn_down": T.Q4_K},
+    {
+        "attn_q": T.Q4_0,
+        "attn_k": T.Q4_1,
+        "attn_v": T.Q5_0,
+        "attn_output": T.Q5_1,
+        "ffn_gate": T.Q8_0,
+        "ffn_up": T.F16,
+        "ffn_down": T.BF16,
+    },
+    {
+        "attn_q": T.Q2_K,
+        "attn_k": T.Q3_K,
+        "attn_v": T.Q4_K,
+        "attn_output": T.Q5_K,
+        "ffn_gate": T.Q6_K,
+        "ffn_up": T.F32,
+        "ffn_down": T.Q4_K,
+    },
 ]
 
 
 HF = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 
 
@@ -246,7 +286,7 @@ def ref_q2_k(b: bytes) -> list[float]:
     scales, q_all, d, dmin = b[0:16], b[16:80], _h(b, 80), _h(b, 82)
     y, is_ = [], 0
     for n in range(2):
-        q = q_all[32 * n:32 * n + 32]
+        q = q_all[32 * n : 32 * n + 32]
         shift = 0
         for _j in range(4):
             for half in (0, 16):
@@ -271,7 +311,7 @@ def ref_q3_k(b: bytes) -> list[float]:
     scales = struct.unpack("<16b", struct.pack("<4I", *aux))
     y, is_, m = [], 0, 1
     for n in range(2):
-        q = q_all[32 * n:32 * n + 32]
+        q = q_all[32 * n : 32 * n + 32]
         shift = 0
         for _j in range(4):
             for half in (0, 16):
@@ -290,7 +330,7 @@ def ref_q4_k(b: bytes) -> list[float]:
     for n in range(4):
         s1, m1 = _scale_min_k4(2 * n, sc)
         s2, m2 = _scale_min_k4(2 * n + 1, sc)
-        q = qs[32 * n:32 * n + 32]
+        q = qs[32 * n : 32 * n + 32]
         y += [d * s1 * (q[l] & 0xF) - dmin * m1 for l in range(32)]
         y += [d * s2 * (q[l] >> 4) - dmin * m2 for l in range(32)]
     return y
@@ -303,7 +343,7 @@ def ref_q5_k(b: bytes) -> list[float]:
     for n in range(4):
         s1, m1 = _scale_min_k4(2 * n, sc)
         s2, m2 = _scale_min_k4(2 * n + 1, sc)
-        ql = qs[32 * n:32 * n + 32]
+        ql = qs[32 * n : 32 * n + 32]
         y += [d * s1 * ((ql[l] & 0xF) + (16 if qh[l] & u1 else 0)) - dmin * m1 for l in range(32)]
         y += [d * s2 * ((ql[l] >> 4) + (16 if qh[l] & u2 else 0)) - dmin * m2 for l in range(32)]
         u1 <<= 2
@@ -317,7 +357,7 @@ def ref_q6_k(b: bytes) -> list[float]:
     sc_all = struct.unpack("<16b", b[192:208])
     y = [0.0] * 256
     for n in range(2):
-        ql, qh, sc = b[64 * n:64 * n + 64], b[128 + 32 * n:128 + 32 * n + 32], sc_all[8 * n:8 * n + 8]
+        ql, qh, sc = b[64 * n : 64 * n + 64], b[128 + 32 * n : 128 + 32 * n + 32], sc_all[8 * n : 8 * n + 8]
         for l in range(32):
             is_ = l // 16
             q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32

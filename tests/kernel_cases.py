@@ -14,8 +14,7 @@ import mlxpaged.metal_emu as emu
 from mlxpaged.attention import metal
 from mlxpaged.attention.reference import paged_attention_reference
 
-MUTANT_CASE = dict(dtype="float32", head_dim=64, group=2, block_size=16, scattered=True,
-                   split=False)
+MUTANT_CASE = dict(dtype="float32", head_dim=64, group=2, block_size=16, scattered=True, split=False)
 
 
 ORDERS = ("forward", "reverse", "random:7")
@@ -46,8 +45,7 @@ def sweep_cases() -> list[dict]:
     return pairwise(FACTORS)
 
 
-def make_inputs(rng, *, dtype, head_dim, group, block_size, scattered, context_lens,
-                num_kv_heads=2):
+def make_inputs(rng, *, dtype, head_dim, group, block_size, scattered, context_lens, num_kv_heads=2):
     """Random q and pool, and block tables in order or scattered over a larger pool.
 
     Table entries past each sequence's last block hold random block ids the kernel must ignore.
@@ -59,13 +57,12 @@ def make_inputs(rng, *, dtype, head_dim, group, block_size, scattered, context_l
     tables = rng.integers(0, pool, size=(len(context_lens), max_blocks)).astype(np.int32)
     start = 0
     for i, n in enumerate(nblocks):
-        tables[i, :n] = ids[start:start + n]
+        tables[i, :n] = ids[start : start + n]
         start += n
     shape = (pool, num_kv_heads, block_size, head_dim)
     dt = DTYPES[dtype]
     return (
-        mx.array(1.5 * rng.standard_normal((len(context_lens), num_kv_heads * group, head_dim)),
-                 dtype=dt),
+        mx.array(1.5 * rng.standard_normal((len(context_lens), num_kv_heads * group, head_dim)), dtype=dt),
         mx.array(rng.standard_normal(shape), dtype=dt),
         mx.array(rng.standard_normal(shape), dtype=dt),
         mx.array(tables),
@@ -83,8 +80,15 @@ def mismatch(out: mx.array, ref: mx.array, dtype: str) -> float:
 def run_case(c: dict, seed: int = 0) -> float:
     rng = np.random.default_rng(seed)
     lens = context_lens_for(c)
-    args = make_inputs(rng, dtype=c["dtype"], head_dim=c["head_dim"], group=c["group"],
-                       block_size=c["block_size"], scattered=c["scattered"], context_lens=lens)
+    args = make_inputs(
+        rng,
+        dtype=c["dtype"],
+        head_dim=c["head_dim"],
+        group=c["group"],
+        block_size=c["block_size"],
+        scattered=c["scattered"],
+        context_lens=lens,
+    )
     if c.get("overlong"):  # the last sequence's length runs past its table row (and the buffer)
         args, ref_args = overlong(args, c["block_size"])
     else:
@@ -92,9 +96,15 @@ def run_case(c: dict, seed: int = 0) -> float:
     scale = 1.0 / math.sqrt(c["head_dim"])
     if c["split"]:  # the planner's own choice must split this context
         part = metal.plan_partition_tokens(
-            len(lens), args[1].shape[1], args[3].shape[1], c["block_size"], group=c["group"],
-            head_dim=c["head_dim"], kv_row_bytes=metal.kv_row_bytes(args[1]),
-            q_bytes=args[0].dtype.size)
+            len(lens),
+            args[1].shape[1],
+            args[3].shape[1],
+            c["block_size"],
+            group=c["group"],
+            head_dim=c["head_dim"],
+            kv_row_bytes=metal.kv_row_bytes(args[1]),
+            q_bytes=args[0].dtype.size,
+        )
         assert part > 0, "planner did not split the long context"
     # single-pass cases force one pass; split ones take the planner's or the case's partitions
     part = c.get("partition_tokens") if c["split"] else 0
@@ -128,12 +138,15 @@ class FaultyFactory:
         if not kernel_kwargs["name"].startswith(self.kind + "_"):
             return real
         if self.how == "compile":
-            raise emu.CompileError("kernel.metal:12:3: error: simulated compiler failure\n"
-                                   "kernel.metal:13:1: note: second line of the diagnostics")
+            raise emu.CompileError(
+                "kernel.metal:12:3: error: simulated compiler failure\n"
+                "kernel.metal:13:1: note: second line of the diagnostics"
+            )
 
         def wrong(**call):
             outs = real(**call)
             return [outs[0] + 1.0] + outs[1:]
+
         return wrong
 
 
@@ -152,12 +165,14 @@ class Recording:
             if self.refuse and kernel_kwargs["name"].startswith(self.refuse):
                 self.calls += 1
                 if self.calls > self.after:
-                    raise RuntimeError("[metal::Device] Unable to build metal library from source\n"
-                                       "program_source:120:5: error: simulated Metal compiler error")
+                    raise RuntimeError(
+                        "[metal::Device] Unable to build metal library from source\n"
+                        "program_source:120:5: error: simulated Metal compiler error"
+                    )
             outs = k(**c)
-            self.names.append(re.search(r"\[\[kernel\]\] void (custom_kernel_\w+)\(",
-                                        k.last_source).group(1))
+            self.names.append(re.search(r"\[\[kernel\]\] void (custom_kernel_\w+)\(", k.last_source).group(1))
             return outs
+
         return call
 
 
@@ -189,8 +204,7 @@ def context_lens_for(c: dict) -> list[int]:
     lens = [1, 2 * bs, bs + 3]
     if c["split"]:
         size = DTYPES[c["dtype"]].size
-        lens.append(c.get("length") or split_length(c["group"], c["head_dim"], bs,
-                                                     c["head_dim"] * size, size))
+        lens.append(c.get("length") or split_length(c["group"], c["head_dim"], bs, c["head_dim"] * size, size))
     return lens
 
 
@@ -208,8 +222,6 @@ def overlong(args, block_size: int):
 # (None: the text must occur once), case).
 
 
-def split_length(group: int, head_dim: int, block_size: int, kv_row_bytes: int,
-                 q_bytes: int) -> int:
+def split_length(group: int, head_dim: int, block_size: int, kv_row_bytes: int, q_bytes: int) -> int:
     """A context the planner splits at this shape: two of its shortest partitions and then some."""
     return 2 * metal.min_partition_tokens(group, head_dim, kv_row_bytes, q_bytes) + 3 * block_size + 5
-

@@ -88,15 +88,27 @@ def ref_draw(logits: mx.array, params: SamplingParams, key: mx.array) -> tuple[i
     return int(np.argmax(np.where(keep, x, np.float32(-np.inf)) + g)), key
 
 
-def contiguous_generate(model, prompt_ids: list[int], max_tokens: int, params: SamplingParams | None = None,
-                        seed: int = 0, sample_index: int = 0) -> list[int]:
+def contiguous_generate(
+    model,
+    prompt_ids: list[int],
+    max_tokens: int,
+    params: SamplingParams | None = None,
+    seed: int = 0,
+    sample_index: int = 0,
+) -> list[int]:
     """Generate with mlx-lm's model and contiguous cache, as sample `sample_index` of a request
     seeded `seed` (sampled with the numpy reference above)."""
     return contiguous_samples(model, prompt_ids, max_tokens, params, seed, [sample_index])[0]
 
 
-def contiguous_samples(model, prompt_ids: list[int], max_tokens: int, params: SamplingParams | None = None,
-                       seed: int = 0, sample_indices=(0,)) -> list[list[int]]:
+def contiguous_samples(
+    model,
+    prompt_ids: list[int],
+    max_tokens: int,
+    params: SamplingParams | None = None,
+    seed: int = 0,
+    sample_indices=(0,),
+) -> list[list[int]]:
     """`contiguous_generate` for several samples of one prompt at once: one row each in a batch
     of mlx-lm's contiguous cache (the prompt is the same length in every row, so no padding)."""
     params = params or SamplingParams(temperature=0.0, max_tokens=max_tokens)

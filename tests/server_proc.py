@@ -27,12 +27,26 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         # with a key, /metrics needs it too
         self.headers = {"Authorization": f"Bearer {args[args.index('--api-key') + 1]}"} if "--api-key" in args else {}
-        cmd = [sys.executable, "-m", "mlxpaged.cli", "serve", "--model", str(model), "--dtype", "float32",
-               "--port", str(self.port), "--log-level", "warning", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "mlxpaged.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--dtype",
+            "float32",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            *args,
+        ]
         # stderr to a file, not a pipe: a server that logs a lot must never block on a full pipe
         self.log = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True, env=env,
-                                     preexec_fn=preexec_fn)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True, env=env, preexec_fn=preexec_fn
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -50,7 +64,9 @@ class Server:
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(self.url + "/metrics", timeout=5, headers=self.headers).text
-        return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in text.splitlines() if ln and not ln.startswith("#"))}
+        return {
+            k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in text.splitlines() if ln and not ln.startswith("#"))
+        }
 
     def stderr(self) -> str:
         self.log.flush()

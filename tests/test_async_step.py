@@ -30,17 +30,33 @@ def engine_for(tiny_loaded, overlap: bool, **kw) -> LLMEngine:
 def summary(out) -> list:
     """Everything a caller sees of a finished request; logprob values as `pytest.approx` (the
     batch around a row changes the last bits of its log-softmax, not the tokens)."""
-    return [(c.token_ids, c.text, c.finish_reason,
-             None if c.logprobs is None else [(t.token_id, pytest.approx(t.logprob, abs=1e-4),
-                                               [(i, pytest.approx(v, abs=1e-4)) for i, v in t.top_logprobs])
-                                              for t in c.logprobs]) for c in out.outputs]
+    return [
+        (
+            c.token_ids,
+            c.text,
+            c.finish_reason,
+            None
+            if c.logprobs is None
+            else [
+                (
+                    t.token_id,
+                    pytest.approx(t.logprob, abs=1e-4),
+                    [(i, pytest.approx(v, abs=1e-4)) for i, v in t.top_logprobs],
+                )
+                for t in c.logprobs
+            ],
+        )
+        for c in out.outputs
+    ]
 
 
 def reference_tokens(tiny_loaded, n: int = 10, max_tokens: int = 24) -> dict[int, list[int]]:
     """Greedy tokens of the prompts, with the overlap off and nothing that stops them."""
     engine = engine_for(tiny_loaded, False)
     for i in range(n):
-        engine.add_request(prompt(i), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), request_id=str(i))
+        engine.add_request(
+            prompt(i), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), request_id=str(i)
+        )
     return {int(k): o.outputs[0].token_ids for k, o in run_all(engine).items()}
 
 
@@ -137,12 +153,19 @@ def test_beam_search_beside_overlapped_samples(tiny_loaded):
     results = {}
     for overlap in (False, True):
         engine = engine_for(tiny_loaded, overlap)
-        engine.add_request(prompt(1), SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=12, ignore_eos=True), request_id="s")
+        engine.add_request(
+            prompt(1), SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=12, ignore_eos=True), request_id="s"
+        )
         engine.add_beam_request(prompt(2), BeamSearchParams(beam_width=3, max_tokens=10), request_id="b")
         engine.add_request(prompt(3), SamplingParams(temperature=0, max_tokens=15, ignore_eos=True), request_id="g")
         done = run_all(engine)
-        results[overlap] = {k: [(c.token_ids, c.finish_reason, None if c.score is None else pytest.approx(c.score, abs=1e-5))
-                                for c in o.outputs] for k, o in done.items()}
+        results[overlap] = {
+            k: [
+                (c.token_ids, c.finish_reason, None if c.score is None else pytest.approx(c.score, abs=1e-5))
+                for c in o.outputs
+            ]
+            for k, o in done.items()
+        }
     assert results[True] == results[False] and len(results[True]["b"]) == 3
 
 
@@ -177,11 +200,15 @@ def test_a_late_stop_wastes_one_token_and_never_emits_it(tiny_loaded, mlx_lm_tin
     rows = {}
     for overlap in (False, True):
         engine = engine_for(tiny_loaded, overlap, block_size=block_size, num_blocks=1024 // block_size)
-        rid = engine.add_request(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop]))
+        rid = engine.add_request(
+            p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop])
+        )
         other = engine.add_request(prompt(5), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
         seq, seq2 = engine._requests[rid].seqs[0], engine._requests[other].seqs[0]
         forward, calls = engine.runner.forward, []
-        engine.runner.forward = lambda batch: calls.append([any(s is x for s, _ in batch) for x in (seq, seq2)]) or forward(batch)
+        engine.runner.forward = lambda batch: (
+            calls.append([any(s is x for s, _ in batch) for x in (seq, seq2)]) or forward(batch)
+        )
         done = run_all(engine)
         out = done[rid].outputs[0]
         assert out.token_ids == ref[: cut + 1] and out.finish_reason == "stop"
@@ -198,8 +225,11 @@ def test_abort_while_a_step_is_in_flight(tiny_loaded):
     for overlap in (False, True):
         engine = engine_for(tiny_loaded, overlap)
         for i in range(3):
-            engine.add_request(prompt(i), SamplingParams(n=1 + i % 2, temperature=0.8, seed=i, max_tokens=16, ignore_eos=True),
-                               request_id=str(i))
+            engine.add_request(
+                prompt(i),
+                SamplingParams(n=1 + i % 2, temperature=0.8, seed=i, max_tokens=16, ignore_eos=True),
+                request_id=str(i),
+            )
         for _ in range(4):
             engine.step()
         victim = engine._requests["1"]
@@ -237,14 +267,18 @@ def test_failing_step_delivers_the_step_before(tiny_loaded):
 def test_preempted_sequence_drops_its_pending_token(tiny_loaded):
     """Under a tight pool, requests are preempted while a token of theirs is still on the device;
     their recomputation gives the tokens of an ample pool."""
-    work = [(0, prompt(i), SamplingParams(n=1 + i % 2, temperature=0.8 * (i % 2), seed=i, max_tokens=30, ignore_eos=True))
-            for i in range(6)]
+    work = [
+        (0, prompt(i), SamplingParams(n=1 + i % 2, temperature=0.8 * (i % 2), seed=i, max_tokens=30, ignore_eos=True))
+        for i in range(6)
+    ]
     runs = {}
     for num_blocks in (512, 40):
         engine = engine_for(tiny_loaded, True, num_blocks=num_blocks)
         dropped = []
         release = engine.scheduler._release
-        engine.scheduler._release = lambda req: dropped.append(any(s.pending is not None for s in req.seqs)) or release(req)
+        engine.scheduler._release = lambda req: (
+            dropped.append(any(s.pending is not None for s in req.seqs)) or release(req)
+        )
         done, _ = drive(engine, work, eos=-1)
         runs[num_blocks] = ({k: summary(o) for k, o in done.items()}, any(dropped))
     assert runs[40][1] and not runs[512][1]
@@ -282,10 +316,16 @@ def test_bench_step_runs_and_rejects_bad_input():
     from pathlib import Path
 
     script = str(Path(__file__).resolve().parent.parent / "scripts" / "bench_step.py")
-    ok = subprocess.run([sys.executable, script, "--tiny", "--noop", "--vocab", "512", "--seqs", "2", "--steps", "4",
-                         "--repeats", "1"], capture_output=True, text=True, timeout=300)
+    ok = subprocess.run(
+        [sys.executable, script, "--tiny", "--noop", "--vocab", "512", "--seqs", "2", "--steps", "4", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert ok.returncode == 0, ok.stderr
     rows = [line.split("|")[0].split() for line in ok.stdout.splitlines() if line.strip().startswith("2 ")]
     assert [r[1] for r in rows] == ["off", "on", "device", "ratio"]
-    bad = subprocess.run([sys.executable, script, "--tiny", "--seqs", "1,x"], capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        [sys.executable, script, "--tiny", "--seqs", "1,x"], capture_output=True, text=True, timeout=300
+    )
     assert bad.returncode != 0 and "--seqs" in bad.stderr and "Traceback" not in bad.stderr

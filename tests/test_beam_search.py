@@ -1,6 +1,5 @@
 """Beam search on shared blocks against a plain beam search over mlx-lm's contiguous caches."""
 
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -16,9 +15,9 @@ from reference import (
 PROMPTS = ["The KV cache stores", "Paged attention borrows an idea from operating systems:", "Write a Python"]
 
 
-
-
-def engine_beams(loaded, prompts, width, max_tokens, eos=None, num_blocks=256, block_size=16, check=True, ignore_eos=False):
+def engine_beams(
+    loaded, prompts, width, max_tokens, eos=None, num_blocks=256, block_size=16, check=True, ignore_eos=False
+):
     engine = LLMEngine(loaded, EngineConfig(num_blocks=num_blocks, block_size=block_size, attention_impl="reference"))
     if eos is not None:
         engine.eos_token_ids = set(eos)
@@ -82,7 +81,9 @@ def test_beams_beside_ordinary_requests_and_through_llm(tiny_loaded, mlx_lm_tiny
     ref_model, tok = mlx_lm_tiny
     llm = LLM(tiny_loaded, num_blocks=256, attention_impl="reference")
     prompt = tok.encode(PROMPTS[0])
-    other = llm.engine.add_request(tok.encode(PROMPTS[2]), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    other = llm.engine.add_request(
+        tok.encode(PROMPTS[2]), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    )
     (out,) = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=10))
     assert_same(out, reference_beam_search(ref_model, prompt, 3, 10, eos=set(tok.eos_token_ids)))
     assert other not in llm.engine._requests  # the greedy request ran in the same batches and finished
@@ -99,12 +100,18 @@ def test_preempted_beam_search_recomputes_to_the_same_beams(tiny_loaded, mlx_lm_
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(width=st.integers(1, 5), max_tokens=st.integers(1, 20), num_blocks=st.integers(30, 120),
-       block_size=st.sampled_from([1, 2, 4, 16]), num_prompts=st.integers(1, 3))
+@given(
+    width=st.integers(1, 5),
+    max_tokens=st.integers(1, 20),
+    num_blocks=st.integers(30, 120),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    num_prompts=st.integers(1, 3),
+)
 def test_block_accounting_holds(tiny_loaded, width, max_tokens, num_blocks, block_size, num_prompts):
     prompts = [[(7 * i + 3 * j) % 300 + 1 for j in range(5 + 4 * i)] for i in range(num_prompts)]
     need = max(-(-(len(p) + max_tokens) // block_size) * width for p in prompts)  # one search alone, unshared
-    outs, engine = engine_beams(tiny_loaded, prompts, width, max_tokens, num_blocks=max(num_blocks, need),
-                                block_size=block_size)  # invariants checked after every step
+    outs, engine = engine_beams(
+        tiny_loaded, prompts, width, max_tokens, num_blocks=max(num_blocks, need), block_size=block_size
+    )  # invariants checked after every step
     assert all(len(o.outputs) == width for o in outs)  # one EOS id leaves >= W live candidates each step
     assert engine.block_manager.pool.num_free == engine.block_manager.pool.num_blocks

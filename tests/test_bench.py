@@ -22,8 +22,12 @@ def test_alternate_runs_each_side_first_in_turn():
 
 def test_spread_is_median_and_range():
     s = spread([3.0, 1.0, 2.0, 10.0])
-    assert s == {"median": statistics.median([3.0, 1.0, 2.0, 10.0]), "min": 1.0, "max": 10.0,
-                 "values": [3.0, 1.0, 2.0, 10.0]}
+    assert s == {
+        "median": statistics.median([3.0, 1.0, 2.0, 10.0]),
+        "min": 1.0,
+        "max": 10.0,
+        "values": [3.0, 1.0, 2.0, 10.0],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +43,19 @@ def test_throughput_rows_ratio_within_repeat(tiny_loaded, ref_model):
     rows = throughput.compare(tiny_loaded, ref_model, cases, max_tokens=4, repeats=2)
     assert [r["case"] for r in rows] == [c.name for c in cases]
     for r in rows:
-        assert set(r) >= {"case", "requests", "n", "ratio_output_tps", "mlxpaged_output_tps", "mlx_lm_output_tps",
-                          "ttft_ms_median", "itl_ms_median", "peak_memory_gb", "first", "runs"}
+        assert set(r) >= {
+            "case",
+            "requests",
+            "n",
+            "ratio_output_tps",
+            "mlxpaged_output_tps",
+            "mlx_lm_output_tps",
+            "ttft_ms_median",
+            "itl_ms_median",
+            "peak_memory_gb",
+            "first",
+            "runs",
+        }
         assert r["first"] == ["mlxpaged", "mlx_lm"]
         want = [run["mlxpaged"]["output_tps"] / run["mlx_lm"]["output_tps"] for run in r["runs"]]
         assert r["ratio_output_tps"]["values"] == pytest.approx(want)
@@ -52,13 +67,27 @@ def test_throughput_rows_ratio_within_repeat(tiny_loaded, ref_model):
 
 def test_serving_rows_ratio_within_repeat(tiny_loaded, ref_model):
     pairs = [(12, 5), (30, 3), (7, 6), (20, 4)]
-    rows = serving.compare(tiny_loaded, ref_model, pairs, num_requests=4, rate=0.0, max_prompt=32, max_output=6,
-                           kv_tokens=512, block_size=16, max_num_seqs=8, system_prompt=16, repeats=2)
+    rows = serving.compare(
+        tiny_loaded,
+        ref_model,
+        pairs,
+        num_requests=4,
+        rate=0.0,
+        max_prompt=32,
+        max_output=6,
+        kv_tokens=512,
+        block_size=16,
+        max_num_seqs=8,
+        system_prompt=16,
+        repeats=2,
+    )
     assert [r["system_prompt_len"] for r in rows] == [0, 16]
     for r in rows:
         assert r["first"] == ["mlxpaged", "mlx_lm"]
         for k, ratio in r["ratio"].items():
-            assert ratio["values"] == pytest.approx([a / b for a, b in zip(r["mlxpaged"][k]["values"], r["mlx_lm"][k]["values"])])
+            assert ratio["values"] == pytest.approx(
+                [a / b for a, b in zip(r["mlxpaged"][k]["values"], r["mlx_lm"][k]["values"])]
+            )
         assert r["mlxpaged"]["requests"]["values"] == r["mlx_lm"]["requests"]["values"] == [4, 4]
     assert "requests_per_s" in rows[0]["ratio"]
     json.dumps(rows)

@@ -39,17 +39,34 @@ def test_sustainable_rate_says_when_it_is_censored():
 
 # -- ratios within repeats ----------------------------------------------------------------------------
 def _row(server, load, rate, repeat, lat, failed=0, tokens=(8, 8), rss=100.0):
-    return {"server": server, "load": load, "rate": rate, "repeat": repeat, "norm_latency_mean": lat,
-            "norm_latency_median": lat, "failed": failed, "output_tokens": list(tokens), "ttft_ms_median": 1.0,
-            "itl_ms_median": 1.0, "req_per_s": 1.0, "idle_rss_mb": rss, "peak_rss_mb": rss, "after_rss_mb": rss}
+    return {
+        "server": server,
+        "load": load,
+        "rate": rate,
+        "repeat": repeat,
+        "norm_latency_mean": lat,
+        "norm_latency_median": lat,
+        "failed": failed,
+        "output_tokens": list(tokens),
+        "ttft_ms_median": 1.0,
+        "itl_ms_median": 1.0,
+        "req_per_s": 1.0,
+        "idle_rss_mb": rss,
+        "peak_rss_mb": rss,
+        "after_rss_mb": rss,
+    }
 
 
 def test_latency_ratios_are_formed_within_each_repeat():
     # Repeat 0 ran on a loaded machine (both slow), repeat 1 on a quiet one. Within repeats the
     # ratios are 4/2 = 2.0 and 0.6/0.5 = 1.2, median 1.6; the ratio of the medians would be
     # ((4 + 0.6) / 2) / ((2 + 0.5) / 2) = 1.84, mixing the two conditions.
-    rows = [_row("mlxpaged", "sharegpt", 1.0, 0, 2.0), _row("mlx_lm", "sharegpt", 1.0, 0, 4.0),
-            _row("mlxpaged", "sharegpt", 1.0, 1, 0.5), _row("mlx_lm", "sharegpt", 1.0, 1, 0.6)]
+    rows = [
+        _row("mlxpaged", "sharegpt", 1.0, 0, 2.0),
+        _row("mlx_lm", "sharegpt", 1.0, 0, 4.0),
+        _row("mlxpaged", "sharegpt", 1.0, 1, 0.5),
+        _row("mlx_lm", "sharegpt", 1.0, 1, 0.6),
+    ]
     (e,) = http_stats.per_rate(rows)
     r = e["ratio_norm_latency_mean"]
     assert r["median"] == pytest.approx(1.6) and r["min"] == pytest.approx(1.2) and r["max"] == pytest.approx(2.0)
@@ -112,9 +129,30 @@ def test_a_dirty_tree_is_refused(monkeypatch):
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    cmd = [sys.executable, "scripts/bench_http.py", "--tiny", "--trace", "builtin", "--loads", "sharegpt,n4",
-           "--rates", "4", "--repeats", "1", "--extend", "0", "--num-requests", "3", "--max-output", "6",
-           "--settle", "0.3", "--allow-dirty", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "scripts/bench_http.py",
+        "--tiny",
+        "--trace",
+        "builtin",
+        "--loads",
+        "sharegpt,n4",
+        "--rates",
+        "4",
+        "--repeats",
+        "1",
+        "--extend",
+        "0",
+        "--num-requests",
+        "3",
+        "--max-output",
+        "6",
+        "--settle",
+        "0.3",
+        "--allow-dirty",
+        "--out",
+        str(out),
+    ]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     (path,) = out.glob("serve_*.json")
@@ -127,9 +165,18 @@ def test_tiny_run_writes_every_field(tiny_run):
     assert doc["git_at_start"]["commit"] == doc["provenance"]["git"]["commit"]  # nothing committed meanwhile
     for f in ("rates", "repeats", "bound_s_per_token", "peer_args", "mlxpaged_args", "rows", "per_rate", "sustainable"):
         assert f in doc, f
-    assert {(r["server"], r["load"]) for r in doc["rows"]} == {(s, l) for s in ("mlxpaged", "mlx_lm") for l in ("sharegpt", "n4")}
+    assert {(r["server"], r["load"]) for r in doc["rows"]} == {
+        (s, l) for s in ("mlxpaged", "mlx_lm") for l in ("sharegpt", "n4")
+    }
     for r in doc["rows"]:
-        for f in ("norm_latency_mean", "norm_latency_median", "ttft_ms_median", "idle_rss_mb", "peak_rss_mb", "after_rss_mb"):
+        for f in (
+            "norm_latency_mean",
+            "norm_latency_median",
+            "ttft_ms_median",
+            "idle_rss_mb",
+            "peak_rss_mb",
+            "after_rss_mb",
+        ):
             assert r[f] is not None and r[f] > 0, (f, r)
         assert r["failed"] == 0 and r["completed"] == 3, r["errors"]
 
@@ -146,7 +193,9 @@ def test_tiny_run_ratios_come_from_the_same_repeat(tiny_run):
     for e in tiny_run["per_rate"]:
         (a,) = [r for r in rows if r["server"] == "mlxpaged" and r["load"] == e["load"]]
         (b,) = [r for r in rows if r["server"] == "mlx_lm" and r["load"] == e["load"]]
-        assert e["ratio_norm_latency_mean"]["values"] == [pytest.approx(b["norm_latency_mean"] / a["norm_latency_mean"])]
+        assert e["ratio_norm_latency_mean"]["values"] == [
+            pytest.approx(b["norm_latency_mean"] / a["norm_latency_mean"])
+        ]
         assert a["first"] == b["first"]
     firsts = {e["load"]: [r["first"] for r in rows if r["load"] == e["load"]][0] for e in tiny_run["per_rate"]}
     assert set(firsts.values()) == {"mlxpaged", "mlx_lm"}  # two (load, rate) cases, alternating

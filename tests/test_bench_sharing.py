@@ -8,8 +8,12 @@ import sys
 
 
 def _run(tmp_path, *args):
-    return subprocess.run([sys.executable, "-m", "mlxpaged.cli", "bench", "sharing", "--tiny", "--out", str(tmp_path),
-                           *args], capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "mlxpaged.cli", "bench", "sharing", "--tiny", "--out", str(tmp_path), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_sharing_rows_follow_what_is_shared(tmp_path):

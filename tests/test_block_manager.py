@@ -45,13 +45,19 @@ class ShadowKV:
 
 ops = st.lists(
     st.tuples(st.sampled_from(["new", "grow", "fork", "free"]), st.integers(0, 7), st.integers(1, 40)),
-    min_size=1, max_size=60,
+    min_size=1,
+    max_size=60,
 )
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops=ops, block_size=st.sampled_from([1, 2, 4, 16]), num_blocks=st.integers(1, 48),
-       caching=st.booleans(), vocab=st.integers(2, 5))
+@given(
+    ops=ops,
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    num_blocks=st.integers(1, 48),
+    caching=st.booleans(),
+    vocab=st.integers(2, 5),
+)
 def test_random_operations_keep_invariants(ops, block_size, num_blocks, caching, vocab):
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
     kv = ShadowKV(bm)

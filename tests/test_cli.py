@@ -13,8 +13,19 @@ from reference import contiguous_generate
 
 def test_generate_json_matches_contiguous(tiny_model_path, mlx_lm_tiny):
     ref_model, tok = mlx_lm_tiny
-    r = run("--model", str(tiny_model_path), "--prompt", "The KV cache stores", "--prompt", "Paged attention",
-            "--no-chat", "-t", "15", "--ignore-eos", "--json")
+    r = run(
+        "--model",
+        str(tiny_model_path),
+        "--prompt",
+        "The KV cache stores",
+        "--prompt",
+        "Paged attention",
+        "--no-chat",
+        "-t",
+        "15",
+        "--ignore-eos",
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert [o["token_ids"] for o in data["outputs"]] == [
@@ -22,8 +33,18 @@ def test_generate_json_matches_contiguous(tiny_model_path, mlx_lm_tiny):
     ]
     assert [(o["prompt_index"], o["sample_index"]) for o in data["outputs"]] == [(0, 0), (1, 0)]
     st = data["stats"]
-    for key in ["prompt_tokens", "generation_tokens", "prompt_tps", "generation_tps", "peak_memory_gb", "block_size",
-                "num_blocks", "blocks_in_use_peak", "blocks_without_sharing", "cow_copies"]:
+    for key in [
+        "prompt_tokens",
+        "generation_tokens",
+        "prompt_tps",
+        "generation_tps",
+        "peak_memory_gb",
+        "block_size",
+        "num_blocks",
+        "blocks_in_use_peak",
+        "blocks_without_sharing",
+        "cow_copies",
+    ]:
         assert key in st
     assert st["generation_tokens"] == 30 and st["block_size"] == 16
 
@@ -35,8 +56,21 @@ def test_generate_streams_and_summarises(tiny_model_path):
 
 
 def test_n_samples_are_labelled(tiny_model_path):
-    r = run("--model", str(tiny_model_path), "--prompt", "hello", "-n", "3", "-t", "6", "--temp", "0.8", "--ignore-eos",
-            "--block-size", "4")
+    r = run(
+        "--model",
+        str(tiny_model_path),
+        "--prompt",
+        "hello",
+        "-n",
+        "3",
+        "-t",
+        "6",
+        "--temp",
+        "0.8",
+        "--ignore-eos",
+        "--block-size",
+        "4",
+    )
     assert r.exit_code == 0, r.output
     assert all(f"sample {i}" in r.stdout for i in range(3))
     assert "copy-on-write" in r.stdout
@@ -44,8 +78,10 @@ def test_n_samples_are_labelled(tiny_model_path):
 
 def test_prompts_file_jsonl(tiny_model_path, tmp_path):
     f = tmp_path / "p.jsonl"
-    f.write_text('{"prompt": "The KV cache", "max_tokens": 3, "ignore_eos": true}\n'
-                 '{"prompt": "The KV cache", "n": 2, "max_tokens": 4, "temperature": 0.5, "ignore_eos": true}\n')
+    f.write_text(
+        '{"prompt": "The KV cache", "max_tokens": 3, "ignore_eos": true}\n'
+        '{"prompt": "The KV cache", "n": 2, "max_tokens": 4, "temperature": 0.5, "ignore_eos": true}\n'
+    )
     r = run("--model", str(tiny_model_path), "--prompts-file", str(f), "--json", "--block-size", "2")
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
@@ -58,17 +94,20 @@ def test_prompts_file_jsonl(tiny_model_path, tmp_path):
     assert data["stats"]["prefix_cache_hit_tokens"] == cached[1]
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--model", "/nonexistent/model", "--prompt", "hi"], "model not found"),
-    (["--prompt", ""], "empty prompt"),
-    (["--prompt", "hi", "-n", "0"], "n must be"),
-    (["--prompt", "hi", "--max-tokens", "0"], "max_tokens must be"),
-    (["--prompt", "hi", "--block-size", "48"], "power of two"),
-    (["--prompt", "hi", "--block-size", "512"], "power of two"),
-    (["--prompt", "hi " * 200, "--num-blocks", "2"], "cannot fit in the KV pool"),
-    (["--prompts-file", "/nonexistent.txt"], "cannot read prompts file"),
-    ([], "no prompt"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--model", "/nonexistent/model", "--prompt", "hi"], "model not found"),
+        (["--prompt", ""], "empty prompt"),
+        (["--prompt", "hi", "-n", "0"], "n must be"),
+        (["--prompt", "hi", "--max-tokens", "0"], "max_tokens must be"),
+        (["--prompt", "hi", "--block-size", "48"], "power of two"),
+        (["--prompt", "hi", "--block-size", "512"], "power of two"),
+        (["--prompt", "hi " * 200, "--num-blocks", "2"], "cannot fit in the KV pool"),
+        (["--prompts-file", "/nonexistent.txt"], "cannot read prompts file"),
+        ([], "no prompt"),
+    ],
+)
 def test_bad_input_one_line_error(tiny_model_path, args, message):
     if "--model" not in args:
         args = ["--model", str(tiny_model_path), *args]
@@ -106,8 +145,21 @@ def test_generate_sizes_the_pool_to_its_workload(tiny_model_path, mlx_lm_tiny):
     """One prompt, n=3, 20 tokens: the pool holds exactly that, not a server's share of memory."""
     _, tok = mlx_lm_tiny
     prompt = "Paged attention borrows an idea from operating systems"
-    r = run("--model", str(tiny_model_path), "--prompt", prompt, "--no-chat", "-n", "3", "-t", "20", "--temp", "0.5",
-            "--ignore-eos", "--json")
+    r = run(
+        "--model",
+        str(tiny_model_path),
+        "--prompt",
+        prompt,
+        "--no-chat",
+        "-n",
+        "3",
+        "-t",
+        "20",
+        "--temp",
+        "0.5",
+        "--ignore-eos",
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     st = json.loads(r.stdout)["stats"]
     p = len(tok.encode(prompt))
@@ -142,7 +194,11 @@ def test_generate_and_serve_share_model_and_engine_flags():
     shared = ["model", "dtype", "weights", *ENGINE_FIELDS]
     for name in shared:
         g, s = params["generate"][name], params["serve"][name]
-        assert (g.opts, g.default, getattr(g.type, "choices", None)) == (s.opts, s.default, getattr(s.type, "choices", None))
+        assert (g.opts, g.default, getattr(g.type, "choices", None)) == (
+            s.opts,
+            s.default,
+            getattr(s.type, "choices", None),
+        )
     kw = {flag: params["serve"][flag].default for flag in ENGINE_FIELDS} | {"port": 8000}
     assert engine_config(kw) == EngineConfig() and kw == {"port": 8000}  # defaults agree; flags taken out
 

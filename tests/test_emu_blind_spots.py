@@ -17,8 +17,14 @@ from mlxpaged.metal_emu import CompileError, MetalEmuError, RegisterBudgetWarnin
 
 
 def run(k, x, n=64, tg=64, out_n=None, **kw):
-    return k(inputs=[x], grid=(n, 1, 1), threadgroup=(tg, 1, 1), output_shapes=[(out_n or n,)],
-             output_dtypes=[mx.float32], **kw)[0]
+    return k(
+        inputs=[x],
+        grid=(n, 1, 1),
+        threadgroup=(tg, 1, 1),
+        output_shapes=[(out_n or n,)],
+        output_dtypes=[mx.float32],
+        **kw,
+    )[0]
 
 
 # A reversal through threadgroup memory: correct only if the barrier orders threadgroup memory.
@@ -34,12 +40,17 @@ out[tid] = buf[63 - tid];
 @pytest.mark.parametrize("flags", ["mem_flags::mem_none", "mem_flags::mem_device"])
 def test_barrier_without_threadgroup_flag_does_not_order_threadgroup_memory(flags):
     x = mx.arange(64, dtype=mx.float32)
-    bad = metal_kernel(name="rev_" + flags[-4:], input_names=["x"], output_names=["out"],
-                       source=REVERSE.replace("FLAGS", flags))
+    bad = metal_kernel(
+        name="rev_" + flags[-4:], input_names=["x"], output_names=["out"], source=REVERSE.replace("FLAGS", flags)
+    )
     with pytest.raises(MetalEmuError, match="data race on threadgroup array .buf."):
         run(bad, x)
-    good = metal_kernel(name="rev_tg", input_names=["x"], output_names=["out"],
-                        source=REVERSE.replace("FLAGS", "mem_flags::mem_device | mem_flags::mem_threadgroup"))
+    good = metal_kernel(
+        name="rev_tg",
+        input_names=["x"],
+        output_names=["out"],
+        source=REVERSE.replace("FLAGS", "mem_flags::mem_device | mem_flags::mem_threadgroup"),
+    )
     np.testing.assert_array_equal(np.array(run(good, x)), np.arange(64)[::-1])
     assert good.last_launch.barriers == 1
     assert good.last_launch.barriers_without_threadgroup_fence == 0
@@ -54,12 +65,17 @@ def test_simdgroup_barrier_without_threadgroup_flag_is_a_race():
     out[tid] = lanes[tid ^ 1];
     """
     x = mx.arange(32, dtype=mx.float32)
-    bad = metal_kernel(name="sgb_none", input_names=["x"], output_names=["out"],
-                       source=src.replace("FLAGS", "mem_flags::mem_none"))
+    bad = metal_kernel(
+        name="sgb_none", input_names=["x"], output_names=["out"], source=src.replace("FLAGS", "mem_flags::mem_none")
+    )
     with pytest.raises(MetalEmuError, match="data race"):
         run(bad, x, 32, 32)
-    good = metal_kernel(name="sgb_tg", input_names=["x"], output_names=["out"],
-                        source=src.replace("FLAGS", "mem_flags::mem_threadgroup"))
+    good = metal_kernel(
+        name="sgb_tg",
+        input_names=["x"],
+        output_names=["out"],
+        source=src.replace("FLAGS", "mem_flags::mem_threadgroup"),
+    )
     np.testing.assert_array_equal(np.array(run(good, x, 32, 32)), np.arange(32) ^ 1)
 
 
@@ -73,27 +89,47 @@ def test_cast_between_address_spaces_is_rejected():
     out[tid] = p[63 - tid];
     """
     x = mx.arange(64, dtype=mx.float32)
-    bad = metal_kernel(name="ascast", input_names=["x"], output_names=["out"],
-                       source=src.replace("PTR", "device float* p = (device float*)buf;"))
+    bad = metal_kernel(
+        name="ascast",
+        input_names=["x"],
+        output_names=["out"],
+        source=src.replace("PTR", "device float* p = (device float*)buf;"),
+    )
     with pytest.raises(CompileError, match="cast between address spaces"):
         run(bad, x)
-    bad2 = metal_kernel(name="ascast2", input_names=["x"], output_names=["out"],
-                        source=src.replace("PTR", "const threadgroup float* p = (const threadgroup float*)x;"))
+    bad2 = metal_kernel(
+        name="ascast2",
+        input_names=["x"],
+        output_names=["out"],
+        source=src.replace("PTR", "const threadgroup float* p = (const threadgroup float*)x;"),
+    )
     with pytest.raises(CompileError, match="cast between address spaces"):
         run(bad2, x)
     # Casts within one address space (type punning, dropping const, from an integer) still work.
-    good = metal_kernel(name="ascast_ok", input_names=["x"], output_names=["out"], source=src.replace(
-        "PTR", "threadgroup float* p = (threadgroup float*)(threadgroup uint*)buf; "
-               "const device float4* x4 = (const device float4*)x; (void)x4; "
-               "float first = *(const device float*)x4; (void)first;"))
+    good = metal_kernel(
+        name="ascast_ok",
+        input_names=["x"],
+        output_names=["out"],
+        source=src.replace(
+            "PTR",
+            "threadgroup float* p = (threadgroup float*)(threadgroup uint*)buf; "
+            "const device float4* x4 = (const device float4*)x; (void)x4; "
+            "float first = *(const device float*)x4; (void)first;",
+        ),
+    )
     np.testing.assert_array_equal(np.array(run(good, x)), np.arange(64)[::-1])
 
 
 def test_threadgroup_declaration_with_initializer_is_rejected():
-    k = metal_kernel(name="tginit", input_names=["x"], output_names=["out"], source="""
+    k = metal_kernel(
+        name="tginit",
+        input_names=["x"],
+        output_names=["out"],
+        source="""
     threadgroup float buf[2] = {1.0f, 2.0f};
     out[0] = buf[0] + x[0];
-    """)
+    """,
+    )
     with pytest.raises(CompileError, match=r"tginit\.metal:\d+: a threadgroup variable cannot have an initializer"):
         run(k, mx.ones(2), 1, 1, 1)
 
@@ -106,27 +142,44 @@ def test_threadgroup_declaration_outside_kernel_scope_is_rejected():
       return scratch[0];
     }
     """
-    k = metal_kernel(name="tgscope", input_names=["x"], output_names=["out"], header=header,
-                     source="out[0] = helper(x[0]);")
+    k = metal_kernel(
+        name="tgscope", input_names=["x"], output_names=["out"], header=header, source="out[0] = helper(x[0]);"
+    )
     with pytest.raises(CompileError, match="only be declared in the kernel function's scope"):
         run(k, mx.ones(2), 1, 1, 1)
     # The same storage declared by the kernel and passed down is fine.
-    ok = metal_kernel(name="tgscope_ok", input_names=["x"], output_names=["out"], header="""
+    ok = metal_kernel(
+        name="tgscope_ok",
+        input_names=["x"],
+        output_names=["out"],
+        header="""
     inline float helper(threadgroup float* scratch, float v) { scratch[0] = v; return scratch[0]; }
-    """, source="threadgroup float scratch[32];\nout[0] = helper(scratch, x[0] + 1.0f);")
+    """,
+        source="threadgroup float scratch[32];\nout[0] = helper(scratch, x[0] + 1.0f);",
+    )
     assert float(run(ok, mx.ones(2), 1, 1, 1)[0]) == 2.0
 
 
 def test_conflicting_attributes_are_rejected():
-    k = metal_kernel(name="attrs", input_names=["x"], output_names=["out"], source="""
+    k = metal_kernel(
+        name="attrs",
+        input_names=["x"],
+        output_names=["out"],
+        source="""
     uint w = thread_execution_width + threads_per_simdgroup;
     out[thread_position_in_grid.x] = x[0] + float(w);
-    """)
+    """,
+    )
     with pytest.raises(CompileError, match=r"thread_execution_width.*threads_per_simdgroup.*conflict"):
         run(k, mx.ones(2), 32, 32)
-    ok = metal_kernel(name="attrs_ok", input_names=["x"], output_names=["out"], source="""
+    ok = metal_kernel(
+        name="attrs_ok",
+        input_names=["x"],
+        output_names=["out"],
+        source="""
     out[thread_position_in_grid.x] = x[0] + float(threads_per_simdgroup);
-    """)
+    """,
+    )
     np.testing.assert_array_equal(np.array(run(ok, mx.ones(2), 32, 32)), np.full(32, 33.0))
 
 
@@ -146,8 +199,14 @@ def test_register_model_flags_launches_beyond_the_budget(monkeypatch):
     for n in (16, 200):
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
-            out = k(inputs=[x], template=[("N", n)], grid=(64, 1, 1), threadgroup=(64, 1, 1),
-                    output_shapes=[(64,)], output_dtypes=[mx.float32])[0]
+            out = k(
+                inputs=[x],
+                template=[("N", n)],
+                grid=(64, 1, 1),
+                threadgroup=(64, 1, 1),
+                output_shapes=[(64,)],
+                output_dtypes=[mx.float32],
+            )[0]
         a = np.stack([xs[(np.arange(64) + i) % 64] for i in range(n)], 1)
         np.testing.assert_allclose(np.array(out), (a * a[:, ::-1]).sum(1), rtol=1e-4, atol=1e-4)
         assert k.last_launch.registers == n  # one float array of N: N live 32-bit values
@@ -155,8 +214,14 @@ def test_register_model_flags_launches_beyond_the_budget(monkeypatch):
         assert bool(flagged) == (n > 128) == k.last_launch.over_register_budget
     monkeypatch.setenv("MLXPAGED_EMU_REG_BUDGET", "8")
     with pytest.warns(RegisterBudgetWarning, match="16 live 32-bit values.*budget of 8"):
-        k(inputs=[x], template=[("N", 16)], grid=(64, 1, 1), threadgroup=(64, 1, 1),
-          output_shapes=[(64,)], output_dtypes=[mx.float32])
+        k(
+            inputs=[x],
+            template=[("N", 16)],
+            grid=(64, 1, 1),
+            threadgroup=(64, 1, 1),
+            output_shapes=[(64,)],
+            output_dtypes=[mx.float32],
+        )
 
 
 def test_register_model_counts_structs_holding_arrays():
@@ -170,22 +235,26 @@ def test_register_model_counts_structs_holding_arrays():
     for (int i = 0; i < 4; i++) idx[i] = i;
     out[0] = st.v[idx[3]];
     """
-    k = metal_kernel(name="regstruct", input_names=["x"], output_names=["out"], header=header,
-                     source=src)
+    k = metal_kernel(name="regstruct", input_names=["x"], output_names=["out"], header=header, source=src)
     out = run(k, mx.arange(16, dtype=mx.float32), 1, 1, 1)
     assert float(out[0]) == 3.0
     assert k.last_launch.registers == 13 + 4  # sizeof(Acc<12>) / 4 + the index array
 
 
 def test_cost_model_counts_exp_simd_and_loads():
-    k = metal_kernel(name="cost", input_names=["x"], output_names=["out"], source="""
+    k = metal_kernel(
+        name="cost",
+        input_names=["x"],
+        output_names=["out"],
+        source="""
     uint i = thread_position_in_grid.x;
     float4 v = ((const device float4*)x)[i];       // one 16-byte load per lane
     float e = exp(v.x) + exp2(v.y) + fast::exp2(v.z);
     float s = simd_sum(e);                          // one reduction per simdgroup
     float t = simd_shuffle_xor(s, 1);               // one shuffle per simdgroup
     out[i] = t + x[0];                              // one 4-byte load per lane
-    """)
+    """,
+    )
     x = mx.array(np.random.default_rng(1).standard_normal(256).astype(np.float32) * 0.1)
     out = run(k, x, 64, 64)
     v = np.array(x).reshape(64, 4)

@@ -70,8 +70,10 @@ def emu_compiler(request, monkeypatch, cache_dirs):
     if request.param == "system-clang":
         exe = system_clang()
         if exe is None:
-            pytest.skip(f"[expected] no system clang++ >= {compiler.MIN_CLANG} on PATH (e.g. apt-get install "
-                        "clang-19); the ziglang case ran, this one did not")
+            pytest.skip(
+                f"[expected] no system clang++ >= {compiler.MIN_CLANG} on PATH (e.g. apt-get install "
+                "clang-19); the ziglang case ran, this one did not"
+            )
         monkeypatch.setenv("MLXPAGED_EMU_CXX", exe)
     else:
         monkeypatch.delenv("MLXPAGED_EMU_CXX", raising=False)
@@ -95,6 +97,7 @@ def assert_built_by(version: str) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Which compiler
+
 
 def test_default_ignores_system_clang(monkeypatch, tmp_path):
     """A clang on PATH does not replace ziglang: only MLXPAGED_EMU_CXX chooses another."""
@@ -128,8 +131,9 @@ def test_rejects_a_compiler_that_is_not_clang(monkeypatch):
 # The paged-attention kernel in bfloat16
 
 # One single-pass and one split (partitioned + merge) case of the sweep: every bf16 kernel kind.
-BF16_CASES = [next(c for c in sweep_cases() if c["dtype"] == "bfloat16" and c["split"] == split)
-              for split in (False, True)]
+BF16_CASES = [
+    next(c for c in sweep_cases() if c["dtype"] == "bfloat16" and c["split"] == split) for split in (False, True)
+]
 
 
 def test_bf16_paged_attention_matches_reference(emu_compiler, emulated):
@@ -144,18 +148,43 @@ def test_bf16_paged_attention_matches_reference(emu_compiler, emulated):
 # ---------------------------------------------------------------------------------------------
 # float -> bfloat16 inside a kernel (the compiler's codegen plus __truncsfbf2)
 
+
 def special_floats() -> np.ndarray:
     """Ties (even and odd kept LSB), one off a tie, subnormals, the overflow edge, inf, NaNs
     (quiet, signalling, negative, payloads), zeros, plus random bit patterns."""
     bits = [
-        0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001, 0xBF808000, 0xBF818000,  # ties near 1
-        0x00008000, 0x00018000, 0x00000001, 0x00007FFF, 0x007FFFFF, 0x807F8000,  # subnormals
-        0x00800000, 0x0080C000, 0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF, 0xFF7FFFFF,  # normal edges
-        0x7F800000, 0xFF800000, 0x00000000, 0x80000000,
-        0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FA00000, 0x7FFFFFFF, 0x7F80FFFF,
+        0x3F808000,
+        0x3F818000,
+        0x3F807FFF,
+        0x3F808001,
+        0xBF808000,
+        0xBF818000,  # ties near 1
+        0x00008000,
+        0x00018000,
+        0x00000001,
+        0x00007FFF,
+        0x007FFFFF,
+        0x807F8000,  # subnormals
+        0x00800000,
+        0x0080C000,
+        0x7F7F7FFF,
+        0x7F7F8000,
+        0x7F7FFFFF,
+        0xFF7FFFFF,  # normal edges
+        0x7F800000,
+        0xFF800000,
+        0x00000000,
+        0x80000000,
+        0x7FC00000,
+        0xFFC00000,
+        0x7F800001,
+        0xFF800001,
+        0x7FA00000,
+        0x7FFFFFFF,
+        0x7F80FFFF,
     ]
     rng = np.random.default_rng(0)
-    rand = rng.integers(0, 2 ** 32, size=4096, dtype=np.uint64).astype(np.uint32)
+    rand = rng.integers(0, 2**32, size=4096, dtype=np.uint64).astype(np.uint32)
     small = rng.integers(0, 0x01000000, size=512, dtype=np.uint32)  # subnormal / tiny exponents
     return np.concatenate([np.array(bits, np.uint32), rand, small, small | 0x80000000])
 
@@ -176,8 +205,9 @@ def test_bf16_conversion_in_kernel_matches_mlx(emu_compiler):
     bits = special_floats()
     x = mx.array(bits.view(np.float32))
     k = emu.metal_kernel(name="to_bf16", input_names=["x"], output_names=["out"], source=CONVERT)
-    out = k(inputs=[x], grid=(x.size, 1, 1), threadgroup=(256, 1, 1), output_shapes=[x.shape],
-            output_dtypes=[mx.bfloat16])[0]
+    out = k(
+        inputs=[x], grid=(x.size, 1, 1), threadgroup=(256, 1, 1), output_shapes=[x.shape], output_dtypes=[mx.bfloat16]
+    )[0]
     got = np.array(out.view(mx.uint16))
     want = np.array(x.astype(mx.bfloat16).view(mx.uint16))
     check_bf16(bits, got, want)
@@ -187,13 +217,15 @@ def test_bf16_conversion_in_kernel_matches_mlx(emu_compiler):
 # ---------------------------------------------------------------------------------------------
 # The runtime's own conversions (the ones the kernel libraries link, with both compilers)
 
+
 @pytest.fixture
 def runtime_lib(emu_compiler, tmp_path):
     """runtime.cpp as built for kernels, linked alone into a library ctypes can call."""
     cmd, _ = compiler.compiler()
     so = tmp_path / "rt.so"
-    subprocess.run([*cmd, "-shared", "-fPIC", str(compiler.runtime_object()), "-o", str(so)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [*cmd, "-shared", "-fPIC", str(compiler.runtime_object()), "-o", str(so)], check=True, capture_output=True
+    )
     lib = ctypes.CDLL(str(so))
     lib.mlxemu_bf16_from_float.argtypes = [ctypes.c_float]
     lib.mlxemu_bf16_from_float.restype = ctypes.c_uint16
@@ -204,8 +236,7 @@ def runtime_lib(emu_compiler, tmp_path):
 
 def test_runtime_float_to_bf16_matches_mlx(runtime_lib):
     bits = special_floats()
-    got = np.array([runtime_lib.mlxemu_bf16_from_float(float(v)) for v in bits.view(np.float32)],
-                   np.uint16)
+    got = np.array([runtime_lib.mlxemu_bf16_from_float(float(v)) for v in bits.view(np.float32)], np.uint16)
     want = np.array(mx.array(bits.view(np.float32)).astype(mx.bfloat16).view(mx.uint16))
     check_bf16(bits, got, want)
 
@@ -219,8 +250,9 @@ def bf16_values() -> list[Fraction]:
     if not _BF16_VALUES:
         for b in range(0x7F80):
             e, m = b >> 7, b & 0x7F
-            _BF16_VALUES.append(Fraction(m, 128) * Fraction(2) ** -126 if e == 0
-                                else Fraction(128 + m, 128) * Fraction(2) ** (e - 127))
+            _BF16_VALUES.append(
+                Fraction(m, 128) * Fraction(2) ** -126 if e == 0 else Fraction(128 + m, 128) * Fraction(2) ** (e - 127)
+            )
         _BF16_VALUES.append(Fraction(2) ** 128)
     return _BF16_VALUES
 
@@ -246,14 +278,29 @@ def special_doubles() -> list[float]:
     """Random doubles over the whole bf16 range and beyond, and double-rounding traps: just
     above and below each tie, where rounding to float first would make an exact tie."""
     rng = np.random.default_rng(1)
-    vals = [0.0, -0.0, 1.0, -2.5, float("inf"), float("-inf"), 1e-300, -1e-300, 1e300,
-            3.4e38, 3.39e38, 2.0 ** -133, 2.0 ** -134, 3 * 2.0 ** -135, 2.0 ** -150]
+    vals = [
+        0.0,
+        -0.0,
+        1.0,
+        -2.5,
+        float("inf"),
+        float("-inf"),
+        1e-300,
+        -1e-300,
+        1e300,
+        3.4e38,
+        3.39e38,
+        2.0**-133,
+        2.0**-134,
+        3 * 2.0**-135,
+        2.0**-150,
+    ]
     for e in rng.integers(-140, 130, size=300):
         vals.append(float(rng.uniform(1, 2) * 2.0 ** int(e) * rng.choice([-1, 1])))
     bf = bf16_values()
     for i in rng.integers(1, len(bf) - 2, size=150):
         tie = (bf[i] + bf[i + 1]) / 2
-        for nudge in (Fraction(1, 2 ** 40), -Fraction(1, 2 ** 40), 0):
+        for nudge in (Fraction(1, 2**40), -Fraction(1, 2**40), 0):
             vals.append(float(tie * (1 + nudge)))
     return vals
 

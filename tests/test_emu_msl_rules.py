@@ -12,11 +12,9 @@ from mlxpaged.metal_emu import CompileError, metal_kernel
 
 
 def run(body: str, header: str = "") -> np.ndarray:
-    k = metal_kernel(name="rules", input_names=["a"], output_names=["out"], source=body,
-                     header=header)
+    k = metal_kernel(name="rules", input_names=["a"], output_names=["out"], source=body, header=header)
     a = mx.arange(8, dtype=mx.float32)
-    out = k(inputs=[a], grid=(8, 1, 1), threadgroup=(8, 1, 1), output_shapes=[(8,)],
-            output_dtypes=[mx.float32])[0]
+    out = k(inputs=[a], grid=(8, 1, 1), threadgroup=(8, 1, 1), output_shapes=[(8,)], output_dtypes=[mx.float32])[0]
     return np.array(out)
 
 
@@ -35,11 +33,14 @@ def test_half_still_a_type():
     np.testing.assert_array_equal(out, np.arange(8) * 3.0)
 
 
-@pytest.mark.parametrize("header", [
-    "struct Two { static constexpr int value = 2; };\n",  # a static data member
-    "constexpr int TWO = 2;\n",  # a program-scope variable
-    "namespace k { const float two = 2.0f; }\n",
-])
+@pytest.mark.parametrize(
+    "header",
+    [
+        "struct Two { static constexpr int value = 2; };\n",  # a static data member
+        "constexpr int TWO = 2;\n",  # a program-scope variable
+        "namespace k { const float two = 2.0f; }\n",
+    ],
+)
 def test_program_scope_variable_needs_constant(header):
     name = "Two::value" if "Two" in header else ("k::two" if "k::" in header or "namespace" in header else "TWO")
     with pytest.raises(CompileError, match=r"constant address space.*(value|TWO|two)"):
@@ -52,10 +53,13 @@ def test_static_local_needs_constant():
         run(body)
 
 
-@pytest.mark.parametrize("header,name", [
-    ("struct Two { static constexpr constant int value = 2; };\n", "Two::value"),
-    ("constant constexpr int TWO = 2;\n", "TWO"),
-    ("static constant constexpr const int TWO = 2;\n", "TWO"),
-])
+@pytest.mark.parametrize(
+    "header,name",
+    [
+        ("struct Two { static constexpr constant int value = 2; };\n", "Two::value"),
+        ("constant constexpr int TWO = 2;\n", "TWO"),
+        ("static constant constexpr const int TWO = 2;\n", "TWO"),
+    ],
+)
 def test_constant_program_scope_variables_compile(header, name):
     np.testing.assert_array_equal(run(BODY.format(name), header), np.arange(8) * 2.0)

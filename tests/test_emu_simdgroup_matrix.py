@@ -52,9 +52,13 @@ for (uint i = tid; i < NDST; i += 32) out[i] = tg_out[i];
 """
 
 # (elements per row in, origin x, origin y, transpose on load, out: same, transpose on store)
-LAYOUTS = [(8, 0, 0, False, 8, 0, 0, False), (13, 3, 2, False, 11, 1, 4, False),
-           (13, 3, 2, True, 11, 1, 4, False), (10, 2, 1, False, 12, 3, 0, True),
-           (9, 1, 1, True, 16, 5, 2, True)]
+LAYOUTS = [
+    (8, 0, 0, False, 8, 0, 0, False),
+    (13, 3, 2, False, 11, 1, 4, False),
+    (13, 3, 2, True, 11, 1, 4, False),
+    (10, 2, 1, False, 12, 3, 0, True),
+    (9, 1, 1, True, 16, 5, 2, True),
+]
 
 
 def copy_reference(src: np.ndarray, layout, ndst: int) -> np.ndarray:
@@ -72,8 +76,17 @@ def sizes(layout) -> tuple[int, int]:
 
 def template(dtype, layout, **extra):
     epr_in, ox, oy, tr, epr_out, px, py, ts = layout
-    return [("T", dtype), ("EPR_IN", epr_in), ("OX", ox), ("OY", oy), ("TR", tr),
-            ("EPR_OUT", epr_out), ("PX", px), ("PY", py), ("TS", ts)] + list(extra.items())
+    return [
+        ("T", dtype),
+        ("EPR_IN", epr_in),
+        ("OX", ox),
+        ("OY", oy),
+        ("TR", tr),
+        ("EPR_OUT", epr_out),
+        ("PX", px),
+        ("PY", py),
+        ("TS", ts),
+    ] + list(extra.items())
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
@@ -84,12 +97,18 @@ def test_load_store_device(dtype, layout):
     nsrc, ndst = sizes(layout)
     rng = np.random.default_rng(0)
     src = rng.standard_normal((2, nsrc)).astype(np.float32)
-    k = emu.metal_kernel(name="sgm_copy_device", input_names=["src"], output_names=["out"],
-                         source=COPY_DEVICE, header=HEADER)
-    out = k(inputs=[mx.array(src).astype(dtype)],
-            template=template(dtype, layout, SRC_SG=nsrc, DST_SG=ndst),
-            grid=(64, 1, 1), threadgroup=(64, 1, 1), output_shapes=[(2, ndst)],
-            output_dtypes=[dtype], init_value=0)[0]
+    k = emu.metal_kernel(
+        name="sgm_copy_device", input_names=["src"], output_names=["out"], source=COPY_DEVICE, header=HEADER
+    )
+    out = k(
+        inputs=[mx.array(src).astype(dtype)],
+        template=template(dtype, layout, SRC_SG=nsrc, DST_SG=ndst),
+        grid=(64, 1, 1),
+        threadgroup=(64, 1, 1),
+        output_shapes=[(2, ndst)],
+        output_dtypes=[dtype],
+        init_value=0,
+    )[0]
     srcr = np.array(mx.array(src).astype(dtype).astype(mx.float32))
     want = np.stack([copy_reference(srcr[i], layout, ndst) for i in range(2)])
     np.testing.assert_array_equal(np.array(out.astype(mx.float32)), want)
@@ -107,11 +126,18 @@ def test_load_store_threadgroup(layout, order):
     matrix functions' accesses)."""
     nsrc, ndst = sizes(layout)
     src = np.random.default_rng(1).standard_normal(nsrc).astype(np.float16)
-    k = emu.metal_kernel(name="sgm_copy_tg", input_names=["src"], output_names=["out"],
-                         source=COPY_THREADGROUP, header=HEADER)
-    out = k(inputs=[mx.array(src)], template=template(mx.float16, layout, NSRC=nsrc, NDST=ndst),
-            grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(ndst,)],
-            output_dtypes=[mx.float16], order=order)[0]
+    k = emu.metal_kernel(
+        name="sgm_copy_tg", input_names=["src"], output_names=["out"], source=COPY_THREADGROUP, header=HEADER
+    )
+    out = k(
+        inputs=[mx.array(src)],
+        template=template(mx.float16, layout, NSRC=nsrc, NDST=ndst),
+        grid=(32, 1, 1),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(ndst,)],
+        output_dtypes=[mx.float16],
+        order=order,
+    )[0]
     np.testing.assert_array_equal(np.array(out), copy_reference(src, layout, ndst))
 
 
@@ -136,11 +162,15 @@ def run_mma(ta, tb, tc, td, *, acc=True, transpose_a=False, seed=0):
     rng = np.random.default_rng(seed)
     a, b, c = (rng.standard_normal((8, 8)).astype(np.float32) for _ in range(3))
     a, b, c = mx.array(a).astype(ta), mx.array(b).astype(tb), mx.array(c).astype(tc)
-    k = emu.metal_kernel(name="sgm_mma", input_names=["a", "b", "c"], output_names=["out"],
-                         source=MMA, header=HEADER)
-    out = k(inputs=[a, b, c], template=[("TA", ta), ("TB", tb), ("TC", tc), ("TD", td),
-                                        ("ACC", acc), ("TRA", transpose_a)],
-            grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(8, 8)], output_dtypes=[td])[0]
+    k = emu.metal_kernel(name="sgm_mma", input_names=["a", "b", "c"], output_names=["out"], source=MMA, header=HEADER)
+    out = k(
+        inputs=[a, b, c],
+        template=[("TA", ta), ("TB", tb), ("TC", tc), ("TD", td), ("ACC", acc), ("TRA", transpose_a)],
+        grid=(32, 1, 1),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(8, 8)],
+        output_dtypes=[td],
+    )[0]
     f64 = [np.array(x.astype(mx.float32)).astype(np.float64) for x in (a, b, c)]
     am = f64[0].T if transpose_a else f64[0]
     want = am @ f64[1] + (f64[2] if acc else 0)
@@ -150,8 +180,7 @@ def run_mma(ta, tb, tc, td, *, acc=True, transpose_a=False, seed=0):
 @pytest.mark.parametrize("transpose_a", [False, True])
 @pytest.mark.parametrize("acc", [True, False])
 def test_multiply_accumulate_fp32(acc, transpose_a):
-    got, want, st = run_mma(mx.float32, mx.float32, mx.float32, mx.float32, acc=acc,
-                            transpose_a=transpose_a)
+    got, want, st = run_mma(mx.float32, mx.float32, mx.float32, mx.float32, acc=acc, transpose_a=transpose_a)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert (st.simdgroup_mma, st.simdgroup_matrix_loads, st.simdgroup_matrix_stores) == (1, 3, 1)
 
@@ -168,7 +197,7 @@ def test_multiply_accumulate_low_precision_out(dtype):
     """All in half (bfloat): accumulated in fp32, rounded once: within half an ulp of the
     exact result, plus fp32 summation error."""
     got, want, _ = run_mma(dtype, dtype, dtype, dtype, seed=4)
-    eps = 2.0 ** -11 if dtype == mx.float16 else 2.0 ** -8
+    eps = 2.0**-11 if dtype == mx.float16 else 2.0**-8
     assert np.all(np.abs(got - want) <= eps * np.abs(want) + 1e-5)
 
 
@@ -193,10 +222,16 @@ def test_thread_elements_layout():
     storing puts each lane's values there; the diagonal constructor and make_filled fill the
     right elements."""
     src = np.arange(64, dtype=np.float32)
-    k = emu.metal_kernel(name="sgm_layout", input_names=["src"], output_names=["out", "out2"],
-                         source=LAYOUT_KERNEL, header=HEADER)
-    out, out2 = k(inputs=[mx.array(src)], grid=(32, 1, 1), threadgroup=(32, 1, 1),
-                  output_shapes=[(32, 4), (8, 8)], output_dtypes=[mx.float32, mx.float32])
+    k = emu.metal_kernel(
+        name="sgm_layout", input_names=["src"], output_names=["out", "out2"], source=LAYOUT_KERNEL, header=HEADER
+    )
+    out, out2 = k(
+        inputs=[mx.array(src)],
+        grid=(32, 1, 1),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(32, 4), (8, 8)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
     out, out2 = np.array(out), np.array(out2)
     want2 = np.full((8, 8), -1.0, np.float32)
     for lane in range(32):
@@ -206,8 +241,9 @@ def test_thread_elements_layout():
         assert out[lane, 3] == 5.0
         want2[r, c], want2[r, c + 1] = lane, 100 + lane
     np.testing.assert_array_equal(out2, want2)  # every element written exactly by its lane
-    assert sorted((coord(l)[0], coord(l)[1] + i) for l in range(32) for i in (0, 1)) == \
-        [(r, c) for r in range(8) for c in range(8)]
+    assert sorted((coord(l)[0], coord(l)[1] + i) for l in range(32) for i in (0, 1)) == [
+        (r, c) for r in range(8) for c in range(8)
+    ]
 
 
 DIVERGENT = {
@@ -242,18 +278,33 @@ simdgroup_store(m, out);
 @pytest.mark.parametrize("case", list(DIVERGENT))
 def test_divergent_call_is_an_error(case):
     """A matrix function reached by only some lanes of the simdgroup is reported."""
-    k = emu.metal_kernel(name="sgm_diverge", input_names=["src"], output_names=["out"],
-                         source=DIVERGENT[case], header=HEADER)
+    k = emu.metal_kernel(
+        name="sgm_diverge", input_names=["src"], output_names=["out"], source=DIVERGENT[case], header=HEADER
+    )
     with pytest.raises(emu.MetalEmuError, match="divergent"):
-        k(inputs=[mx.array(np.ones(72, np.float32))], grid=(32, 1, 1), threadgroup=(32, 1, 1),
-          output_shapes=[(64,)], output_dtypes=[mx.float32])
+        k(
+            inputs=[mx.array(np.ones(72, np.float32))],
+            grid=(32, 1, 1),
+            threadgroup=(32, 1, 1),
+            output_shapes=[(64,)],
+            output_dtypes=[mx.float32],
+        )
 
 
 def test_out_of_bounds_matrix_load_is_caught():
     """A window past the end of a device buffer is an out-of-bounds read naming it."""
-    k = emu.metal_kernel(name="sgm_oob", input_names=["src"], output_names=["out"],
-                         source="simdgroup_float8x8 m;\nsimdgroup_load(m, src, 8, ulong2(1, 0));\n"
-                                "simdgroup_store(m, out);\n", header=HEADER)
+    k = emu.metal_kernel(
+        name="sgm_oob",
+        input_names=["src"],
+        output_names=["out"],
+        source="simdgroup_float8x8 m;\nsimdgroup_load(m, src, 8, ulong2(1, 0));\nsimdgroup_store(m, out);\n",
+        header=HEADER,
+    )
     with pytest.raises(emu.MetalEmuError, match="out-of-bounds read of buffer 'src'"):
-        k(inputs=[mx.array(np.ones(64, np.float32))], grid=(32, 1, 1), threadgroup=(32, 1, 1),
-          output_shapes=[(64,)], output_dtypes=[mx.float32])
+        k(
+            inputs=[mx.array(np.ones(64, np.float32))],
+            grid=(32, 1, 1),
+            threadgroup=(32, 1, 1),
+            output_shapes=[(64,)],
+            output_dtypes=[mx.float32],
+        )

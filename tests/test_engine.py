@@ -26,7 +26,10 @@ def test_interleaved_turns_match_contiguous(tiny_loaded, mlx_lm_tiny):
 
 def test_batched_decode_matches_contiguous(tiny_loaded, mlx_lm_tiny):
     ref_model, tok = mlx_lm_tiny
-    prompts = PROMPTS + ["Write a Python function", "Blocks of sixteen tokens are found through a block table, one per sequence."]
+    prompts = PROMPTS + [
+        "Write a Python function",
+        "Blocks of sixteen tokens are found through a block table, one per sequence.",
+    ]
     engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=128, attention_impl="reference"))
     rids = [engine.add_request(p, greedy(60)) for p in prompts]
     done = {}
@@ -84,12 +87,16 @@ def test_seeded_sample_does_not_depend_on_batch(tiny_loaded, mlx_lm_tiny):
     engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=128))
     engine.add_request(PROMPTS[0], p, request_id="group")
     engine.add_request(PROMPTS[1], SamplingParams(temperature=1.0, seed=5, max_tokens=25))
-    engine.add_request(PROMPTS[0], SamplingParams(temperature=1.0, seed=11, max_tokens=20, ignore_eos=True), request_id="alone")
+    engine.add_request(
+        PROMPTS[0], SamplingParams(temperature=1.0, seed=11, max_tokens=20, ignore_eos=True), request_id="alone"
+    )
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert done["group"].outputs[0].token_ids == done["alone"].outputs[0].token_ids
-    assert done["group"].outputs[2].token_ids == contiguous_generate(ref_model, tok.encode(PROMPTS[0]), 20, p, seed=11, sample_index=2)
+    assert done["group"].outputs[2].token_ids == contiguous_generate(
+        ref_model, tok.encode(PROMPTS[0]), 20, p, seed=11, sample_index=2
+    )
 
 
 def test_kv_write_in_place():
@@ -109,7 +116,7 @@ def test_kv_write_in_place():
             cache.write(0, k, k, slots + step % 16)
             mx.eval(cache.keys, cache.values)
         growth.append((mx.get_active_memory() - base, mx.get_peak_memory() - base))
-        assert mx.allclose(cache.keys[0][mx.arange(8) , :, 39 % 16], k).item()
+        assert mx.allclose(cache.keys[0][mx.arange(8), :, 39 % 16], k).item()
     pool_bytes = 8192 * 2 * 16 * 64 * 4
     for active, peak in growth:
         assert active < 64 * 1024 and peak < pool_bytes // 16, growth

@@ -50,7 +50,9 @@ def test_abort_frees_blocks_at_once_and_others_go_on(tiny_loaded, mlx_lm_tiny):
     ref_model, tok = mlx_lm_tiny
     engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=64, attention_impl="reference"))
     keep = engine.add_request(PROMPT, greedy(30, ignore_eos=True))
-    drop = engine.add_request("Paged attention borrows an idea", SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=30, ignore_eos=True))
+    drop = engine.add_request(
+        "Paged attention borrows an idea", SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=30, ignore_eos=True)
+    )
     queued = engine.add_request("Write a Python function", greedy(5))
     for _ in range(4):
         engine.step()

@@ -27,8 +27,12 @@ from reference import contiguous_generate, contiguous_samples
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "granite", "starcoder2", "olmo2"]
 SYSTEM = "Paged attention borrows an idea from operating systems: virtual memory and paging. "
 # Ragged: 3 to 40-odd tokens; the last three share the first one's leading blocks (prefix hits).
-PROMPTS = ["Write a Python function", SYSTEM + "The KV cache stores", SYSTEM + "Blocks of sixteen",
-           SYSTEM + "Copy-on-write lets many samples share the blocks of one prompt until they diverge."]
+PROMPTS = [
+    "Write a Python function",
+    SYSTEM + "The KV cache stores",
+    SYSTEM + "Blocks of sixteen",
+    SYSTEM + "Copy-on-write lets many samples share the blocks of one prompt until they diverge.",
+]
 
 
 def greedy(n):
@@ -48,8 +52,9 @@ def test_ragged_chunked_prefix_hits_match_contiguous(family):
     """4 ragged prompts, prefill in chunks of 8 tokens, block size 4; the first prompt's
     blocks are cached before the others arrive, so they start from its prefix."""
     name, loaded, ref_model, tok = family
-    engine = LLMEngine(loaded, EngineConfig(block_size=4, num_blocks=128, max_num_batched_tokens=8,
-                                            attention_impl="reference"))
+    engine = LLMEngine(
+        loaded, EngineConfig(block_size=4, num_blocks=128, max_num_batched_tokens=8, attention_impl="reference")
+    )
     engine.add_request(SYSTEM, greedy(4), request_id="warm")
     run_all(engine)
     rids = [engine.add_request(p, greedy(24)) for p in PROMPTS]
@@ -127,9 +132,20 @@ def test_emulated_metal_path_gives_the_reference_tokens(name, tmp_path):
 def _config(tmp_path, model_type, **extra):
     tmp_path.mkdir(parents=True, exist_ok=True)
     vocab = write_tokenizer(tmp_path)
-    cfg = {"model_type": model_type, "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
-           "vocab_size": vocab, "max_position_embeddings": 512, "rope_theta": 10000.0, **extra}
+    cfg = {
+        "model_type": model_type,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "max_position_embeddings": 512,
+        "rope_theta": 10000.0,
+        **extra,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     return tmp_path
 
@@ -138,8 +154,15 @@ def _config(tmp_path, model_type, **extra):
 def test_sliding_window_family_is_refused_naming_the_layer(tmp_path, model_type, layer):
     """Gemma 2 and 3 have local (sliding-window) layers: refused at load, in one line naming
     the family and the layer type (and the supported families)."""
-    path = _config(tmp_path / model_type, model_type, sliding_window=32, sliding_window_pattern=2,
-                   query_pre_attn_scalar=16, attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+    path = _config(
+        tmp_path / model_type,
+        model_type,
+        sliding_window=32,
+        sliding_window_pattern=2,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+    )
     with pytest.raises(MlxPagedError) as e:
         load(str(path), "float32")
     msg = str(e.value)
@@ -148,7 +171,9 @@ def test_sliding_window_family_is_refused_naming_the_layer(tmp_path, model_type,
 
 
 def test_sliding_layers_of_a_supported_family_are_refused(tmp_path):
-    path = write_tiny_family(tmp_path / "l", "llama", sliding_window=32, layer_types=["full_attention", "sliding_attention"])
+    path = write_tiny_family(
+        tmp_path / "l", "llama", sliding_window=32, layer_types=["full_attention", "sliding_attention"]
+    )
     with pytest.raises(MlxPagedError, match=r"llama: layer 1 is sliding-window attention \(sliding_attention\)"):
         load(str(path), "float32")
 
@@ -192,9 +217,25 @@ def test_generate_cli_gives_mlx_lm_greedy_tokens(name, tmp_path):
     path = write_tiny_family(tmp_path / name, name)
     cli = str(Path(sys.executable).with_name("mlxpaged"))
     prompts = PROMPTS[:2]
-    r = subprocess.run([cli, "generate", "--model", str(path), "--json", "--temp", "0", "--no-chat", "-t", "16",
-                        "--ignore-eos", *[a for p in prompts for a in ("--prompt", p)]],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            cli,
+            "generate",
+            "--model",
+            str(path),
+            "--json",
+            "--temp",
+            "0",
+            "--no-chat",
+            "-t",
+            "16",
+            "--ignore-eos",
+            *[a for p in prompts for a in ("--prompt", p)],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     ref_model, tok = mlx_lm.load(str(path))
     got = [o["token_ids"] for o in json.loads(r.stdout)["outputs"]]
@@ -206,10 +247,20 @@ def test_generate_cli_refuses_an_unsupported_model_in_one_line(tmp_path):
     import sys
     from pathlib import Path
 
-    path = _config(tmp_path / "m", "mamba", state_size=4, conv_kernel=4, use_bias=False, use_conv_bias=True,
-                   time_step_rank=4, tie_word_embeddings=True)
+    path = _config(
+        tmp_path / "m",
+        "mamba",
+        state_size=4,
+        conv_kernel=4,
+        use_bias=False,
+        use_conv_bias=True,
+        time_step_rank=4,
+        tie_word_embeddings=True,
+    )
     cli = str(Path(sys.executable).with_name("mlxpaged"))
-    r = subprocess.run([cli, "generate", "--model", str(path), "--prompt", "hi"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [cli, "generate", "--model", str(path), "--prompt", "hi"], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode != 0 and "Traceback" not in r.stderr
     line = r.stderr.strip()
     assert "\n" not in line and "mamba: layer 0 is" in line and "mlxpaged runs llama, mistral, qwen2" in line, line

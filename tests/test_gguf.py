@@ -57,12 +57,6 @@ from gguf_cases import (  # noqa: E402  # noqa: E402  # noqa: E402  # noqa: E402
 RNG_SEED = 1234
 
 
-
-
-
-
-
-
 @pytest.mark.parametrize("qtype", list(LEGACY), ids=lambda t: t.name)
 def test_legacy_dequant_matches_spec_encoding(qtype):
     rng = np.random.default_rng(RNG_SEED)
@@ -93,24 +87,6 @@ def test_float_types():
     np.testing.assert_array_equal(dequantize(top.view(np.uint8), T.BF16), expected)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def _check_k_blocks(qtype: T, raw: np.ndarray) -> None:
     ref = K_REFS[qtype][0]
     expected = np.array([ref(bytes(block)) for block in raw], dtype=np.float64)
@@ -129,26 +105,12 @@ def test_supported_types_are_the_tested_ones():
     assert set(SUPPORTED_TYPES) == tested
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 def loaded_logits(ckpt: Path, ids: list[int]) -> np.ndarray:
     import mlx_lm
 
     model, _ = mlx_lm.load(str(ckpt))
     model.set_dtype(mx.float32)
     return np.array(model(mx.array([ids])).astype(mx.float32))
-
-
 
 
 @pytest.fixture(scope="module")
@@ -164,8 +126,10 @@ def test_reader_agrees_with_gguf_py(tiny):
     ours = GGUFFile(path)
     theirs = gguf.GGUFReader(str(path))
     assert ours.metadata["general.architecture"] == "qwen2"
-    assert ours.metadata["tokenizer.ggml.tokens"] == [str(bytes(theirs.fields["tokenizer.ggml.tokens"].parts[i]), "utf-8")
-                                                      for i in theirs.fields["tokenizer.ggml.tokens"].data]
+    assert ours.metadata["tokenizer.ggml.tokens"] == [
+        str(bytes(theirs.fields["tokenizer.ggml.tokens"].parts[i]), "utf-8")
+        for i in theirs.fields["tokenizer.ggml.tokens"].data
+    ]
     assert set(ours.tensors) == {t.name for t in theirs.tensors}
     for t in theirs.tensors:
         info = ours.tensors[t.name]
@@ -201,8 +165,10 @@ def test_output_weight_tying(tmp_path, output, tied):
     assert ("lm_head.weight" in names) is not tied
     if tied:
         # The finer (Q8_0) copy supplies the embedding.
-        np.testing.assert_array_equal(np.array(mx.load(str(ckpt / "model.safetensors"))["model.embed_tokens.weight"]),
-                                      ref["model.embed_tokens.weight"])
+        np.testing.assert_array_equal(
+            np.array(mx.load(str(ckpt / "model.safetensors"))["model.embed_tokens.weight"]),
+            ref["model.embed_tokens.weight"],
+        )
     np.testing.assert_allclose(loaded_logits(ckpt, IDS), direct_logits(ref, IDS, tied=tied), rtol=1e-4, atol=1e-4)
 
 
@@ -237,9 +203,9 @@ def test_tiny_tokenizer(tiny):
         assert auto.encode(s) == tok.encode(s).ids
         assert auto.decode(auto.encode(s)) == s
     assert auto.eos_token == "<|im_end|>"
-    assert auto.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True) == (
-        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    )
+    assert auto.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    ) == ("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
 # =====================================================================================
@@ -305,7 +271,9 @@ def test_offline_model_assembly_from_installed_parts(tmp_path, monkeypatch):
         (d / f"part{i:02d}.bin").write_bytes(c)
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setenv("MLXPAGED_CACHE", str(tmp_path / "cache"))
-    good = om.OfflineModel("fake", "test", "fake-gguf-part", "1.0", 3, len(payload), hashlib.sha256(payload).hexdigest())
+    good = om.OfflineModel(
+        "fake", "test", "fake-gguf-part", "1.0", 3, len(payload), hashlib.sha256(payload).hexdigest()
+    )
     monkeypatch.setitem(om.OFFLINE_MODELS, "fake", good)
     path = om.ensure_offline_model("fake", download=False)
     assert path == tmp_path / "cache" / "gguf" / "fake.gguf" and path.read_bytes() == payload
@@ -369,7 +337,9 @@ def test_real_blocks_match_reference(real_gguf):
                 lo = np.concatenate([qs & 0xF, qs >> 4], axis=1)
                 hi = (qh >> np.arange(32, dtype=np.uint32)) & 1
                 expected = d * (lo + 16 * hi - 16)
-            np.testing.assert_allclose(g.dequantize(info.name, slice(0, 1)).reshape(-1), expected.reshape(-1), rtol=1e-6)
+            np.testing.assert_allclose(
+                g.dequantize(info.name, slice(0, 1)).reshape(-1), expected.reshape(-1), rtol=1e-6
+            )
     assert seen == {T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K}
     g.close()
 
@@ -395,7 +365,8 @@ def test_real_tokenizer_matches_autotokenizer(real_gguf, real_ckpt):
     assert len(auto) == 151665 and auto.eos_token == "<|im_end|>" and auto.pad_token == "<|endoftext|>"
     text = auto.apply_chat_template(
         [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list."}],
-        tokenize=False, add_generation_prompt=True,
+        tokenize=False,
+        add_generation_prompt=True,
     )
     assert text == (
         "<|im_start|>system\nYou write Python.<|im_end|>\n"
@@ -407,10 +378,26 @@ def test_real_checkpoint_layout(real_gguf, real_ckpt):
     from mlxpaged.loading.offline_model import default_model
 
     config = json.loads((real_ckpt / "config.json").read_text())
-    assert {k: config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                                    "intermediate_size", "vocab_size", "tie_word_embeddings")} == {
-        "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
-        "intermediate_size": 4864, "vocab_size": 151936, "tie_word_embeddings": True}
+    assert {
+        k: config[k]
+        for k in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+            "vocab_size",
+            "tie_word_embeddings",
+        )
+    } == {
+        "hidden_size": 896,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "intermediate_size": 4864,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    }
     marker = json.loads((real_ckpt / "mlxpaged_conversion.json").read_text())
     assert marker["embedding_from"] == "output.weight"  # the Q8_0 copy, finer than token_embd's Q5_0
     assert json.loads((real_ckpt / "generation_config.json").read_text())["eos_token_id"] == [151645, 151643]
@@ -445,8 +432,12 @@ def test_real_perplexity(real_gguf, real_ckpt):
     good = dict(tree_flatten(model.parameters()))
     g = GGUFFile(real_gguf)
     heads = {"q_proj": 14, "k_proj": 2}
-    permuted = [(f"model.layers.{i}.self_attn.{p}.{a}", _llama_permute(good[f"model.layers.{i}.self_attn.{p}.{a}"], n))
-                for i in range(24) for p, n in heads.items() for a in ("weight", "bias")]
+    permuted = [
+        (f"model.layers.{i}.self_attn.{p}.{a}", _llama_permute(good[f"model.layers.{i}.self_attn.{p}.{a}"], n))
+        for i in range(24)
+        for p, n in heads.items()
+        for a in ("weight", "bias")
+    ]
     # A Q4_K decoder that reads the two nibbles of each byte in the wrong order.
     swapped = []
     for name, info in g.tensors.items():
@@ -455,8 +446,12 @@ def test_real_perplexity(real_gguf, real_ckpt):
             raw[:, 16:] = (raw[:, 16:] << 4) | (raw[:, 16:] >> 4)
             layer = name.split(".")[1]
             assert name.endswith("ffn_down.weight")
-            swapped.append((f"model.layers.{layer}.mlp.down_proj.weight",
-                            mx.array(dequantize(raw.reshape(1, -1), T.Q4_K).reshape(info.shape))))
+            swapped.append(
+                (
+                    f"model.layers.{layer}.mlp.down_proj.weight",
+                    mx.array(dequantize(raw.reshape(1, -1), T.Q4_K).reshape(info.shape)),
+                )
+            )
     g.close()
     for broken in (permuted, swapped):
         model.load_weights(broken, strict=False)

@@ -30,10 +30,26 @@ H, FFN, HEADS, KV, LAYERS, V = 256, 512, 4, 2, 2, 272
 HEAD_DIM = {"llama": 64, "qwen3": 128}  # qwen3: heads x head_dim != hidden, as in Qwen3-0.6B
 PROMPTS = [[259, 1, 17, 258, 100, 260, 261, 3, 200, 257, 90, 12], [40, 41, 42], list(range(60, 95))]
 # Each layer's types: Q8_0 (gguf-py quantizes it) and Q4_K (random blocks), on Q and K alike.
-TYPES = [{"attn_q": T.Q8_0, "attn_k": T.Q4_K, "attn_v": T.Q8_0, "attn_output": T.Q4_K,
-          "ffn_gate": T.Q4_K, "ffn_up": T.Q8_0, "ffn_down": T.Q4_K},
-         {"attn_q": T.Q4_K, "attn_k": T.Q8_0, "attn_v": T.Q4_K, "attn_output": T.Q8_0,
-          "ffn_gate": T.Q8_0, "ffn_up": T.Q4_K, "ffn_down": T.Q8_0}]
+TYPES = [
+    {
+        "attn_q": T.Q8_0,
+        "attn_k": T.Q4_K,
+        "attn_v": T.Q8_0,
+        "attn_output": T.Q4_K,
+        "ffn_gate": T.Q4_K,
+        "ffn_up": T.Q8_0,
+        "ffn_down": T.Q4_K,
+    },
+    {
+        "attn_q": T.Q4_K,
+        "attn_k": T.Q8_0,
+        "attn_v": T.Q4_K,
+        "attn_output": T.Q8_0,
+        "ffn_gate": T.Q8_0,
+        "ffn_up": T.Q4_K,
+        "ffn_down": T.Q8_0,
+    },
+]
 
 
 def permute(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -83,13 +99,26 @@ def write_gguf(path, arch: str, seed: int = 0) -> dict[str, np.ndarray]:
         ref[hfname] = value
 
     add("token_embd.weight", "model.embed_tokens.weight", (V, H), T.Q8_0, scale=1.0)
-    add("output.weight", "lm_head.weight", (V, H), T.Q8_0, scale=4 * H ** -0.5)
+    add("output.weight", "lm_head.weight", (V, H), T.Q8_0, scale=4 * H**-0.5)
     add("output_norm.weight", "model.norm.weight", (H,), T.F32)
-    shapes = {"attn_q": (HEADS * hd, H), "attn_k": (KV * hd, H), "attn_v": (KV * hd, H), "attn_output": (H, HEADS * hd),
-              "ffn_gate": (FFN, H), "ffn_up": (FFN, H), "ffn_down": (H, FFN)}
-    hf = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-          "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-          "ffn_down": "mlp.down_proj"}
+    shapes = {
+        "attn_q": (HEADS * hd, H),
+        "attn_k": (KV * hd, H),
+        "attn_v": (KV * hd, H),
+        "attn_output": (H, HEADS * hd),
+        "ffn_gate": (FFN, H),
+        "ffn_up": (FFN, H),
+        "ffn_down": (H, FFN),
+    }
+    hf = {
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
     for i, ltypes in enumerate(TYPES):
         p = f"model.layers.{i}."
         add(f"blk.{i}.attn_norm.weight", p + "input_layernorm.weight", (H,), T.F32)
@@ -112,10 +141,22 @@ def reference_model(arch: str, ref: dict[str, np.ndarray]):
     from mlx_lm.models import llama, qwen3
 
     module = {"llama": llama, "qwen3": qwen3}[arch]
-    args = module.ModelArgs.from_dict(dict(
-        model_type=arch, hidden_size=H, num_hidden_layers=LAYERS, intermediate_size=FFN, num_attention_heads=HEADS,
-        num_key_value_heads=KV, head_dim=HEAD_DIM[arch], rms_norm_eps=1e-5, vocab_size=V, rope_theta=10000.0,
-        max_position_embeddings=4096, tie_word_embeddings=False))
+    args = module.ModelArgs.from_dict(
+        dict(
+            model_type=arch,
+            hidden_size=H,
+            num_hidden_layers=LAYERS,
+            intermediate_size=FFN,
+            num_attention_heads=HEADS,
+            num_key_value_heads=KV,
+            head_dim=HEAD_DIM[arch],
+            rms_norm_eps=1e-5,
+            vocab_size=V,
+            rope_theta=10000.0,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+        )
+    )
     model = module.Model(args)
     model.load_weights([(k, mx.array(v)) for k, v in ref.items()], strict=True)
     return model
@@ -130,8 +171,9 @@ def test_gguf_gives_mlx_lm_tokens(tmp_path, monkeypatch, arch, weights):
     ref = write_gguf(tmp_path / f"{arch}.gguf", arch)
     loaded = load(str(tmp_path / f"{arch}.gguf"), "float32", weights)
     assert loaded.config["model_type"] == arch and loaded.weights == weights
-    engine = LLMEngine(loaded, EngineConfig(block_size=4, num_blocks=128, max_num_batched_tokens=16,
-                                            attention_impl="reference"))
+    engine = LLMEngine(
+        loaded, EngineConfig(block_size=4, num_blocks=128, max_num_batched_tokens=16, attention_impl="reference")
+    )
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     rids = [engine.add_request(p, params) for p in PROMPTS]
     done = {}
@@ -154,8 +196,13 @@ def test_llama_rows_must_be_unpermuted(tmp_path):
     want = model(ids)
     got = load(str(ckpt), "float32").model(ids)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
-    kept = reference_model("llama", {k: permute(v, HEADS if "q_proj" in k else KV) if k.endswith(("q_proj.weight", "k_proj.weight")) else v
-                                     for k, v in ref.items()})
+    kept = reference_model(
+        "llama",
+        {
+            k: permute(v, HEADS if "q_proj" in k else KV) if k.endswith(("q_proj.weight", "k_proj.weight")) else v
+            for k, v in ref.items()
+        },
+    )
     assert np.abs(np.array(kept(ids)) - np.array(want)).max() > 1e-2
     assert convert._llama_rows(8, 2).tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
 
@@ -167,5 +214,7 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(GGUFError, match=r"^unsupported architecture 'falcon' in .*: mlxpaged supports qwen2, qwen3, llama$"):
+    with pytest.raises(
+        GGUFError, match=r"^unsupported architecture 'falcon' in .*: mlxpaged supports qwen2, qwen3, llama$"
+    ):
         convert_gguf(tmp_path / "f.gguf", cache_dir=tmp_path / "c")

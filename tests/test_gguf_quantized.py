@@ -32,8 +32,15 @@ ROWS, COLS = 6, 512  # two K super-blocks and sixteen legacy blocks per row
 
 def _mx_dequant(q) -> np.ndarray:
     """mx.dequantize in float32, as the CPU path loads it (scales cast to float32)."""
-    return np.array(mx.dequantize(mx.array(q.weight), mx.array(q.scales.astype(np.float32)),
-                                  mx.array(q.biases.astype(np.float32)), group_size=GROUP_SIZE, bits=q.bits))
+    return np.array(
+        mx.dequantize(
+            mx.array(q.weight),
+            mx.array(q.scales.astype(np.float32)),
+            mx.array(q.biases.astype(np.float32)),
+            group_size=GROUP_SIZE,
+            bits=q.bits,
+        )
+    )
 
 
 def _legacy_tensor(qtype: T, rng) -> np.ndarray:
@@ -127,8 +134,15 @@ def tiny_q(tmp_path_factory):
 
 
 def _stored_dequant(tensors: dict, layer: str, bits: int) -> np.ndarray:
-    return np.array(mx.dequantize(tensors[f"{layer}.weight"], tensors[f"{layer}.scales"].astype(mx.float32),
-                                  tensors[f"{layer}.biases"].astype(mx.float32), group_size=GROUP_SIZE, bits=bits))
+    return np.array(
+        mx.dequantize(
+            tensors[f"{layer}.weight"],
+            tensors[f"{layer}.scales"].astype(mx.float32),
+            tensors[f"{layer}.biases"].astype(mx.float32),
+            group_size=GROUP_SIZE,
+            bits=bits,
+        )
+    )
 
 
 def test_tiny_quantized_checkpoint(tiny_q):
@@ -161,7 +175,9 @@ def test_tiny_quantized_checkpoint(tiny_q):
             assert marker["quantized"][hf] == {"gguf_type": qtype.name, "bits": bits, "exact": True}
         else:
             entry = marker["quantized"][hf]
-            assert entry["exact"] is False and entry["max_error"] == pytest.approx(np.abs(stored - ref[hf]).max(), rel=1e-6)
+            assert entry["exact"] is False and entry["max_error"] == pytest.approx(
+                np.abs(stored - ref[hf]).max(), rel=1e-6
+            )
             mixed[hf] = stored
     # The quantized model's logits equal a float model's on the weights it encodes.
     expected = direct_logits(mixed, IDS, tied=True)
@@ -204,7 +220,9 @@ def test_quantized_conversion_is_cached(tiny_q):
     marker = json.loads((first / "mlxpaged_conversion.json").read_text())
     (first / "mlxpaged_conversion.json").write_text(json.dumps({**marker, "quantized_version": 0}))
     assert convert_gguf(path, cache_dir=cache, weights="quantized") == first
-    assert json.loads((first / "mlxpaged_conversion.json").read_text())["quantized_version"] == marker["quantized_version"]
+    assert (
+        json.loads((first / "mlxpaged_conversion.json").read_text())["quantized_version"] == marker["quantized_version"]
+    )
     assert (first / "model.safetensors").stat().st_mtime_ns != stamp
     with pytest.raises(ValueError, match="weights must be one of"):
         convert_gguf(path, cache_dir=cache, weights="int4")
@@ -271,8 +289,9 @@ def real_dequantized():
 def test_real_dequantized_copy_equals_quantized_layers(real_pair, real_dequantized):
     (models, tok) = real_pair
     prefix = mx.array(tok.encode((DATA / "perplexity_snippet.py").read_text()))[None, :16]
-    np.testing.assert_allclose(np.array(real_dequantized(prefix)), np.array(models["quantized"](prefix)),
-                               rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(
+        np.array(real_dequantized(prefix)), np.array(models["quantized"](prefix)), rtol=1e-3, atol=1e-3
+    )
 
 
 def test_real_quantized_layers_are_exact_where_promised():
@@ -291,8 +310,16 @@ def test_real_greedy_tokens_agree_with_float(real_pair, real_dequantized):
     from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 
     (models, tok) = real_pair
-    text = tok.apply_chat_template([{"role": "user", "content": "Write a Python function that checks whether a "
-                                    "string is a palindrome, with a docstring."}], add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        [
+            {
+                "role": "user",
+                "content": "Write a Python function that checks whether a string is a palindrome, with a docstring.",
+            }
+        ],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     prompt = tok.encode(text, add_special_tokens=False)
     float_tokens = contiguous_generate(models["float"], prompt, 100)
     seq = mx.array([prompt + float_tokens[:-1]])
@@ -303,7 +330,9 @@ def test_real_greedy_tokens_agree_with_float(real_pair, real_dequantized):
     confident = top2[:, 1] - top2[:, 0] > GAP
     assert np.array_equal(lf.argmax(-1)[confident], np.array(float_tokens)[confident])
     disagree = np.flatnonzero(confident & (lq.argmax(-1) != np.array(float_tokens)))
-    print(f"\n{confident.sum()} of 100 positions with a float top-2 gap > {GAP}; quantized disagrees at {disagree.tolist()}")
+    print(
+        f"\n{confident.sum()} of 100 positions with a float top-2 gap > {GAP}; quantized disagrees at {disagree.tolist()}"
+    )
     assert disagree.size == 0
     # Free-running on the paged engine (first FREE_RUN tokens, for CPU time): the same tokens
     # until the float path's first close call.
@@ -325,6 +354,8 @@ def test_real_perplexity_within_half_a_percent(real_pair, real_dequantized):
     for w, model in (("float", models["float"]), ("quantized", real_dequantized)):
         losses = nn.losses.cross_entropy(model(ids[:, :-1]).astype(mx.float32), ids[:, 1:], reduction="none")
         ppl[w] = math.exp(losses.mean().item())
-    print(f"\nperplexity over {ids.shape[1]} tokens: float {ppl['float']:.4f}, quantized {ppl['quantized']:.4f} "
-          f"(ratio {ppl['quantized'] / ppl['float']:.5f})")
+    print(
+        f"\nperplexity over {ids.shape[1]} tokens: float {ppl['float']:.4f}, quantized {ppl['quantized']:.4f} "
+        f"(ratio {ppl['quantized'] / ppl['float']:.5f})"
+    )
     assert abs(ppl["quantized"] / ppl["float"] - 1) < PPL_RATIO

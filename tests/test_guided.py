@@ -24,42 +24,76 @@ SCHEMAS = {
     "nested": {
         "type": "object",
         "properties": {
-            "user": {"type": "object", "properties": {"id": {"type": "integer", "minimum": -99, "maximum": 9999}, "name": {"type": "string", "maxLength": 6}},
-                     "required": ["id", "name"], "additionalProperties": False},
-            "meta": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-                     "additionalProperties": False},
+            "user": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": -99, "maximum": 9999},
+                    "name": {"type": "string", "maxLength": 6},
+                },
+                "required": ["id", "name"],
+                "additionalProperties": False,
+            },
+            "meta": {
+                "type": "object",
+                "properties": {"ok": {"type": "boolean"}},
+                "required": ["ok"],
+                "additionalProperties": False,
+            },
         },
-        "required": ["user", "meta"], "additionalProperties": False,
+        "required": ["user", "meta"],
+        "additionalProperties": False,
     },
     "array": {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "minItems": 1, "maxItems": 4},
     "enum": {
         "type": "object",
-        "properties": {"color": {"enum": ["red", "green", "blue"]}, "size": {"type": "string", "enum": ["S", "M", "L"]}},
-        "required": ["color", "size"], "additionalProperties": False,
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "size": {"type": "string", "enum": ["S", "M", "L"]},
+        },
+        "required": ["color", "size"],
+        "additionalProperties": False,
     },
     "bounds": {
         "type": "object",
-        "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 17},
-                       "x": {"type": "number", "minimum": -1.5, "maximum": 2.5},
-                       "k": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10}},
-        "required": ["n", "x", "k"], "additionalProperties": False,
+        "properties": {
+            "n": {"type": "integer", "minimum": 3, "maximum": 17},
+            "x": {"type": "number", "minimum": -1.5, "maximum": 2.5},
+            "k": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10},
+        },
+        "required": ["n", "x", "k"],
+        "additionalProperties": False,
     },
     "optional": {
         "type": "object",
-        "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "name": {"type": "string", "maxLength": 8},
-                       "note": {"type": "string", "maxLength": 5}, "ok": {"type": "boolean"}},
-        "required": ["id", "name"], "additionalProperties": False,
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 999},
+            "name": {"type": "string", "maxLength": 8},
+            "note": {"type": "string", "maxLength": 5},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["id", "name"],
+        "additionalProperties": False,
     },
 }
 
-TOOL_SCHEMA = {"type": "object",
-               "properties": {"name": {"const": "get_weather"},
-                              "arguments": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
-                                            "required": ["city"], "additionalProperties": False}},
-               "required": ["name", "arguments"], "additionalProperties": False}
+TOOL_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"const": "get_weather"},
+        "arguments": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "arguments"],
+    "additionalProperties": False,
+}
 # Compact JSON inside the grammar (llguidance's %json allows free whitespace by default).
-TOOL_GRAMMAR = ('start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json'
-                + json.dumps({**TOOL_SCHEMA, "x-guidance": {"whitespace_flexible": False}}))
+TOOL_GRAMMAR = 'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json' + json.dumps(
+    {**TOOL_SCHEMA, "x-guidance": {"whitespace_flexible": False}}
+)
 
 PROMPTS = ["Reply in JSON.", "The KV cache stores", "Give me an object:", "0123456789"]
 
@@ -87,8 +121,9 @@ def run(engine: LLMEngine, requests: list[tuple[str, SamplingParams]], stream: b
 
 def guided(seed: int, n: int = 1, max_tokens: int = 200, logit_bias=None, **spec) -> SamplingParams:
     # Temperature 1.5: at 1 the random model repeats a digit of a fraction until max_tokens.
-    return SamplingParams(n=n, temperature=1.5, seed=seed, max_tokens=max_tokens, logit_bias=logit_bias,
-                          guided=GuidedDecoding(**spec))
+    return SamplingParams(
+        n=n, temperature=1.5, seed=seed, max_tokens=max_tokens, logit_bias=logit_bias, guided=GuidedDecoding(**spec)
+    )
 
 
 def test_json_schemas_always_validate(tiny_loaded):
@@ -109,8 +144,10 @@ def test_json_schemas_always_validate(tiny_loaded):
 
 def test_unconstrained_model_does_not_write_json(tiny_loaded):
     """The same requests without the grammar: the random model's text is not JSON (so the test above is not vacuous)."""
-    outs, _ = run(make_engine(tiny_loaded), [(PROMPTS[s % 4], SamplingParams(temperature=1.0, seed=s, max_tokens=40))
-                                            for s in range(10)])
+    outs, _ = run(
+        make_engine(tiny_loaded),
+        [(PROMPTS[s % 4], SamplingParams(temperature=1.0, seed=s, max_tokens=40)) for s in range(10)],
+    )
     for o in outs:
         with pytest.raises(ValueError):
             json.loads(o.outputs[0].text)
@@ -121,8 +158,10 @@ def test_json_object_mode_parses_as_object(tiny_loaded):
     quote token (which the grammar still overrides wherever a quote is not allowed) ends them."""
     quote = tiny_loaded.tokenizer.encode('"')
     assert len(quote) == 1
-    outs, _ = run(make_engine(tiny_loaded), [(PROMPTS[s % 4], guided(s, max_tokens=300, logit_bias={quote[0]: 6.0},
-                                                                     json_object=True)) for s in range(20)])
+    outs, _ = run(
+        make_engine(tiny_loaded),
+        [(PROMPTS[s % 4], guided(s, max_tokens=300, logit_bias={quote[0]: 6.0}, json_object=True)) for s in range(20)],
+    )
     assert sum(o.outputs[0].text != "{}" for o in outs) > 10
     for o in outs:
         c = o.outputs[0]
@@ -149,13 +188,24 @@ def test_streamed_n3_and_mixed_with_unconstrained(tiny_loaded, async_scheduling)
     unconstrained requests in the batch produce exactly the tokens they produce without it;
     overlapped and plain steps agree."""
     schema = SCHEMAS["optional"]
-    free = [(PROMPTS[i], SamplingParams(temperature=t, seed=50 + i, max_tokens=30, ignore_eos=True, **kw))
-            for i, (t, kw) in enumerate([(0.0, {}), (1.0, {}), (0.8, dict(top_k=20, min_p=0.05)),
-                                         (1.0, dict(presence_penalty=1.0, logit_bias={5: 3.0}))])]
+    free = [
+        (PROMPTS[i], SamplingParams(temperature=t, seed=50 + i, max_tokens=30, ignore_eos=True, **kw))
+        for i, (t, kw) in enumerate(
+            [
+                (0.0, {}),
+                (1.0, {}),
+                (0.8, dict(top_k=20, min_p=0.05)),
+                (1.0, dict(presence_penalty=1.0, logit_bias={5: 3.0})),
+            ]
+        )
+    ]
     alone, _ = run(make_engine(tiny_loaded, async_scheduling=async_scheduling), free)
     cons = [(PROMPTS[i], guided(i, n=3, json_schema=schema)) for i in range(4)]
-    mixed, pieces = run(make_engine(tiny_loaded, async_scheduling=async_scheduling),
-                        [x for pair in zip(cons, free) for x in pair], stream=True)
+    mixed, pieces = run(
+        make_engine(tiny_loaded, async_scheduling=async_scheduling),
+        [x for pair in zip(cons, free) for x in pair],
+        stream=True,
+    )
     for a, b in zip(alone, mixed[1::2]):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
     for o in mixed[0::2]:
@@ -172,8 +222,10 @@ def test_streamed_n3_and_mixed_with_unconstrained(tiny_loaded, async_scheduling)
 
 def test_preemption_restores_matchers(tiny_loaded):
     """A pool too small for the batch preempts and recomputes; the outputs are those of a roomy pool."""
-    reqs = [(PROMPTS[s % 4], guided(s, n=2 if s % 3 == 0 else 1, max_tokens=100, json_schema=SCHEMAS["nested"]))
-            for s in range(8)]
+    reqs = [
+        (PROMPTS[s % 4], guided(s, n=2 if s % 3 == 0 else 1, max_tokens=100, json_schema=SCHEMAS["nested"]))
+        for s in range(8)
+    ]
     roomy, _ = run(make_engine(tiny_loaded), reqs)
     tight = make_engine(tiny_loaded, num_blocks=32, block_size=8)
     cramped, _ = run(tight, reqs)
@@ -211,12 +263,15 @@ def test_matcher_sync_rolls_back_and_replays(tiny_loaded):
     assert not g.matcher().consume(tiny_loaded.tokenizer.encode("[")[0])  # the schema wants an object
 
 
-@pytest.mark.parametrize("spec,part", [
-    (dict(json_schema={"type": "object", "properties": {"a": {"not": {"type": "string"}}}}), "not"),
-    (dict(json_schema={"type": "string", "pattern": "(?=a)b"}), "look-around"),
-    (dict(json_schema={"type": "object", "dependentSchemas": {"a": {}}}), "dependentSchemas"),
-    (dict(grammar="start: foo"), "foo"),
-])
+@pytest.mark.parametrize(
+    "spec,part",
+    [
+        (dict(json_schema={"type": "object", "properties": {"a": {"not": {"type": "string"}}}}), "not"),
+        (dict(json_schema={"type": "string", "pattern": "(?=a)b"}), "look-around"),
+        (dict(json_schema={"type": "object", "dependentSchemas": {"a": {}}}), "dependentSchemas"),
+        (dict(grammar="start: foo"), "foo"),
+    ],
+)
 def test_unenforceable_spec_is_refused_by_name(tiny_loaded, spec, part):
     engine = make_engine(tiny_loaded, num_blocks=64)
     with pytest.raises(MlxPagedError, match=re.escape(part)) as e:
@@ -225,8 +280,16 @@ def test_unenforceable_spec_is_refused_by_name(tiny_loaded, spec, part):
     assert not engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("kwargs", [dict(), dict(json_object=True, grammar="start: \"a\""),
-                                    dict(json_schema=[1]), dict(grammar="  "), dict(json_schema={"enum": {1, 2}})])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(),
+        dict(json_object=True, grammar='start: "a"'),
+        dict(json_schema=[1]),
+        dict(grammar="  "),
+        dict(json_schema={"enum": {1, 2}}),
+    ],
+)
 def test_guided_decoding_takes_exactly_one_spec(kwargs):
     with pytest.raises(ValueError):
         GuidedDecoding(**kwargs)
@@ -281,4 +344,4 @@ def test_masks_follow_the_read_back_and_overlap_the_forward(tiny_loaded):
     assert len(steady) >= 9 and steady[:3] == ["_launch", "_read_back", "_guide_masks"]
     for i, e in enumerate(steady):
         if e == "_guide_masks":
-            assert steady[i - 2:i] == ["_launch", "_read_back"], steady
+            assert steady[i - 2 : i] == ["_launch", "_read_back"], steady

@@ -112,8 +112,9 @@ def test_idle_trim_frees_memory_and_keeps_the_prefix_cache_correct(tiny_loaded, 
 
 def test_a_request_that_fits_the_cap_is_admitted_and_one_beyond_it_is_refused(tiny_loaded, mlx_lm_tiny):
     bpb = CacheShape.of(tiny_loaded).bytes_per_block(16)
-    engine = LLMEngine(tiny_loaded, EngineConfig(kv_chunk_blocks=2, kv_memory_gb=8.5 * bpb / 1e9,
-                                                 attention_impl="reference"))
+    engine = LLMEngine(
+        tiny_loaded, EngineConfig(kv_chunk_blocks=2, kv_memory_gb=8.5 * bpb / 1e9, attention_impl="reference")
+    )
     assert (engine.num_blocks, engine.max_blocks) == (2, 8)
     prompt = _prompts(1, 100)[0]  # 100 + 28 - 1 tokens: 8 blocks, all the cap holds
     rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True))
@@ -147,6 +148,7 @@ def test_the_server_loop_trims_the_pool_when_it_goes_idle(tiny_loaded):
     loop = EngineLoop(lambda: LLMEngine(tiny_loaded, EngineConfig(kv_chunk_blocks=2, attention_impl="reference")))
     loop.start()
     try:
+
         async def one():
             sink = Sink(asyncio.get_running_loop())
             loop.submit(_prompts(1, 90)[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), "r", sink)

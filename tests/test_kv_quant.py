@@ -50,6 +50,7 @@ def quantize_pools(k, v, bits, gs):
 
 # -- attention ----------------------------------------------------------------------------------
 
+
 def check_decode(rng, head_dim, group, block_size, lens, bits, gs, dtype=mx.float32, atol=2e-5, rtol=1e-4):
     q, k, v, t, c = make_case(rng, head_dim, group, block_size, lens, dtype=dtype)
     qk, qv = quantize_pools(k, v, bits, gs)
@@ -61,8 +62,9 @@ def check_decode(rng, head_dim, group, block_size, lens, bits, gs, dtype=mx.floa
     want = sdpa_contiguous(f32(q), f32(dk), f32(dv), t, c, scale)
     np.testing.assert_allclose(np.array(f32(got)), np.array(want), atol=atol, rtol=rtol)
     # And the float reference on the dequantized pool: the quantized path is that, row for row.
-    np.testing.assert_allclose(np.array(f32(got)), np.array(f32(paged_attention(q, dk, dv, t, c, impl="reference"))),
-                               atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(
+        np.array(f32(got)), np.array(f32(paged_attention(q, dk, dv, t, c, impl="reference"))), atol=1e-6, rtol=1e-6
+    )
 
 
 def check_varlen(rng, head_dim, group, block_size, q_lens, prefixes, bits, gs, atol=3e-5):
@@ -90,7 +92,9 @@ def test_decode_reference_on_quantized_pools_half(dtype, tol, bits, gs):
     check_decode(rng, 128, 7, 16, [1, 16, 53, 37], bits, gs, dtype=dtype, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("head_dim,group,block_size", list(itertools.product([64, 128], [1, 7], [1, 16])) + [(64, 2, 256)])
+@pytest.mark.parametrize(
+    "head_dim,group,block_size", list(itertools.product([64, 128], [1, 7], [1, 16])) + [(64, 2, 256)]
+)
 def test_varlen_reference_on_quantized_pools(head_dim, group, block_size):
     rng = np.random.default_rng(head_dim + 10 * group + block_size)
     for (q_lens, prefixes), (bits, gs) in zip(CASES, QUANT):  # every case, every format
@@ -155,6 +159,7 @@ def test_mixed_or_mismatched_pools_rejected():
 
 # -- writes and copies --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("bits,gs", QUANT)
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
 def test_write_quantizes_rows_in_place(bits, gs, dtype):
@@ -213,8 +218,12 @@ def test_copy_blocks_copies_codes_scales_and_biases():
 
 # -- the engine ---------------------------------------------------------------------------------
 
-PROMPTS = ["The KV cache stores", "Paged attention borrows an idea from operating systems:",
-           "Write a Python function", "Blocks of sixteen tokens are found through a block table, one per sequence."]
+PROMPTS = [
+    "The KV cache stores",
+    "Paged attention borrows an idea from operating systems:",
+    "Write a Python function",
+    "Blocks of sixteen tokens are found through a block table, one per sequence.",
+]
 
 
 def greedy(n):
@@ -229,14 +238,6 @@ def run_all(engine):
             if o.finished:
                 done[o.request_id] = o
     return done
-
-
-
-
-
-
-
-
 
 
 def quantized_contiguous_generate(model, tokenizer, prompt_ids, max_tokens, bits, gs):
@@ -304,8 +305,10 @@ def test_attention_cannot_see_a_key_offset():
     for q_lens, prefixes in CASES[:2]:
         q, kc, vc, tables, cu, ctx = make_varlen_case(rng, 64, 7, 16, q_lens, prefixes)
         c = rng.normal(scale=50.0, size=(1, 2, 1, 64)).astype(np.float32)
-        outs = [paged_attention_varlen(*(mx.array(a) for a in (q, k, vc, tables, cu, ctx)), impl="reference")
-                for k in (kc, kc - c)]
+        outs = [
+            paged_attention_varlen(*(mx.array(a) for a in (q, k, vc, tables, cu, ctx)), impl="reference")
+            for k in (kc, kc - c)
+        ]
         np.testing.assert_allclose(np.array(outs[0]), np.array(outs[1]), atol=2e-4, rtol=1e-4)
 
 
@@ -324,7 +327,9 @@ def test_write_subtracts_key_offsets_and_divides_by_key_scales():
             np.testing.assert_array_equal(rows, np.array(w))
     # Queries take the scales of their KV head: 7 query heads per KV head here.
     q = rng.normal(size=(5, 14, 64)).astype(np.float32)
-    np.testing.assert_allclose(np.array(cache.scale_queries(0, mx.array(q))), q * np.repeat(sc, 7, axis=0)[None], rtol=1e-6)
+    np.testing.assert_allclose(
+        np.array(cache.scale_queries(0, mx.array(q))), q * np.repeat(sc, 7, axis=0)[None], rtol=1e-6
+    )
     with pytest.raises(ValueError, match="key_offsets"):
         PagedKVCache(CacheShape(1, 2, 64, mx.float32), 4, 4, key_offsets=[off])
     with pytest.raises(ValueError, match="key_scales"):
@@ -340,8 +345,17 @@ def test_engine_matches_contiguous_quantized_cache(tiny_loaded, mlx_lm_tiny, bit
     """Batched, block size 4 (tables interleave), chunked prefill: the tokens of mlx-lm's
     contiguous cache rounding K/V the same way, until its first near-tie (top-2 gap < 0.01)."""
     ref_model, tok = mlx_lm_tiny
-    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=128, block_size=4, max_num_batched_tokens=12,
-                                                 kv_bits=bits, kv_group_size=gs, attention_impl="reference"))
+    engine = LLMEngine(
+        tiny_loaded,
+        EngineConfig(
+            num_blocks=128,
+            block_size=4,
+            max_num_batched_tokens=12,
+            kv_bits=bits,
+            kv_group_size=gs,
+            attention_impl="reference",
+        ),
+    )
     rids = [engine.add_request(p, greedy(30)) for p in PROMPTS]
     done = run_all(engine)
     compared = 0
@@ -368,13 +382,17 @@ def test_prefix_cache_on_equals_off_8bit(tiny_loaded):
     system = "You are a careful tutor. Answer with one short code block and one sentence. " * 2
     runs = []
     for caching in (True, False):
-        engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=128, enable_prefix_caching=caching, kv_bits=8,
-                                                     attention_impl="reference"))
+        engine = LLMEngine(
+            tiny_loaded,
+            EngineConfig(num_blocks=128, enable_prefix_caching=caching, kv_bits=8, attention_impl="reference"),
+        )
         outs = {}
         for i, q in enumerate(["Reverse a list.", "Sum a list.", "Sort a dict by value."]):
             engine.add_request(system + q, greedy(16), request_id=str(i))  # one after another: later ones hit
             outs.update(run_all(engine))
-        runs.append(({k: o.outputs[0].token_ids for k, o in outs.items()}, [outs[str(i)].num_cached_tokens for i in range(3)]))
+        runs.append(
+            ({k: o.outputs[0].token_ids for k, o in outs.items()}, [outs[str(i)].num_cached_tokens for i in range(3)])
+        )
     (on, hits_on), (off, hits_off) = runs
     assert on == off
     assert hits_off == [0, 0, 0] and hits_on[0] == 0 and min(hits_on[1:]) >= 16
@@ -411,6 +429,7 @@ def test_llm_api_kv_bits(tiny_model_path):
 
 # -- pool sizing --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("gs,ratio8,ratio4", [(64, (1.85, 1.95), (3.45, 3.6)), (32, (1.75, 1.8), (3.15, 3.25))])
 def test_blocks_for_memory_counts_quantized_rows(monkeypatch, gs, ratio8, ratio4):
     """The 0.5B shape (24 layers, 2 KV heads, head_dim 64) in float16, 1 GB of memory."""
@@ -436,6 +455,7 @@ def test_quantized_pool_bytes_match_its_arrays():
 
 # -- settings and the command line --------------------------------------------------------------
 
+
 def test_bad_settings_raise():
     with pytest.raises(ValueError, match="kv_bits"):
         EngineConfig(kv_bits=3)
@@ -447,8 +467,13 @@ def test_bad_settings_raise():
         CacheShape(1, 2, 32, mx.float32).quantized(8, 64)
 
 
-@pytest.mark.parametrize("args,message", [(["--kv-bits", "3"], "kv_bits must be one of"),
-                                          (["--kv-bits", "8", "--kv-group-size", "48"], "kv_group_size must be one of")])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--kv-bits", "3"], "kv_bits must be one of"),
+        (["--kv-bits", "8", "--kv-group-size", "48"], "kv_group_size must be one of"),
+    ],
+)
 def test_cli_bad_kv_settings_one_line_error(tiny_model_path, args, message):
     r = CliRunner().invoke(main, ["generate", "--model", str(tiny_model_path), "--prompt", "hi", *args])
     assert r.exit_code == 1 and "Traceback" not in r.output
@@ -458,8 +483,25 @@ def test_cli_bad_kv_settings_one_line_error(tiny_model_path, args, message):
 
 def test_cli_generate_kv_bits(tiny_model_path, tiny_loaded):
     prompt = "Paged attention borrows an idea from operating systems"
-    r = CliRunner().invoke(main, ["generate", "--model", str(tiny_model_path), "--prompt", prompt, "--no-chat",
-                                  "-t", "12", "--ignore-eos", "--kv-bits", "8", "--attention", "reference", "--json"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "generate",
+            "--model",
+            str(tiny_model_path),
+            "--prompt",
+            prompt,
+            "--no-chat",
+            "-t",
+            "12",
+            "--ignore-eos",
+            "--kv-bits",
+            "8",
+            "--attention",
+            "reference",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     st = data["stats"]
@@ -469,7 +511,21 @@ def test_cli_generate_kv_bits(tiny_model_path, tiny_loaded):
     engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=8, kv_bits=8, attention_impl="reference"))
     rid = engine.add_request(tiny_loaded.tokenizer.encode(prompt), greedy(12))
     assert data["outputs"][0]["token_ids"] == run_all(engine)[rid].outputs[0].token_ids
-    r = CliRunner().invoke(main, ["generate", "--model", str(tiny_model_path), "--prompt", prompt, "-t", "4",
-                                  "--kv-bits", "4", "--kv-group-size", "32"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "generate",
+            "--model",
+            str(tiny_model_path),
+            "--prompt",
+            prompt,
+            "-t",
+            "4",
+            "--kv-bits",
+            "4",
+            "--kv-group-size",
+            "32",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "4-bit K/V, group 32" in r.stdout

@@ -28,7 +28,9 @@ def test_quantized_mlx_checkpoint_matches_mlx_lm(tiny_model_path, tmp_path):
 
 def test_hub_repo_unreachable_says_so(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(MlxPagedError, match="cannot fetch model 'nobody/no-such-model-xyz' from the Hugging Face hub.*--model PATH"):
+    with pytest.raises(
+        MlxPagedError, match="cannot fetch model 'nobody/no-such-model-xyz' from the Hugging Face hub.*--model PATH"
+    ):
         load("nobody/no-such-model-xyz")
 
 

@@ -20,8 +20,7 @@ ORDERS = ["forward", "reverse", "random:1", "random:7"]
 
 def run1(k, inputs, n, dtype=mx.float32, tg=32, grid=None, **kw):
     grid = grid or (n, 1, 1)
-    return k(inputs=inputs, grid=grid, threadgroup=(tg, 1, 1), output_shapes=[(n,)],
-             output_dtypes=[dtype], **kw)[0]
+    return k(inputs=inputs, grid=grid, threadgroup=(tg, 1, 1), output_shapes=[(n,)], output_dtypes=[dtype], **kw)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -58,8 +57,13 @@ def test_int64_uint32_bool():
     """
     k = metal_kernel(name="ints", input_names=["x"], output_names=["o64", "ou", "ob"], source=src)
     x = mx.arange(10, dtype=mx.int64)
-    o64, ou, ob = k(inputs=[x], grid=(10, 1, 1), threadgroup=(8, 1, 1),
-                    output_shapes=[(10,)] * 3, output_dtypes=[mx.int64, mx.uint32, mx.bool_])
+    o64, ou, ob = k(
+        inputs=[x],
+        grid=(10, 1, 1),
+        threadgroup=(8, 1, 1),
+        output_shapes=[(10,)] * 3,
+        output_dtypes=[mx.int64, mx.uint32, mx.bool_],
+    )
     np.testing.assert_array_equal(np.array(o64), np.arange(10) * 3000000000)
     np.testing.assert_array_equal(np.array(ou), np.arange(10) * 2)
     np.testing.assert_array_equal(np.array(ob), np.arange(10) % 2 == 1)
@@ -83,8 +87,7 @@ if (tid == 0) {
 
 def reduce_kernel(with_barrier: bool):
     src = REDUCE.replace("BARRIER", "threadgroup_barrier(mem_flags::mem_threadgroup);" if with_barrier else "")
-    return metal_kernel(name=f"reduce_{int(with_barrier)}", input_names=["x"], output_names=["out"],
-                        source=src)
+    return metal_kernel(name=f"reduce_{int(with_barrier)}", input_names=["x"], output_names=["out"], source=src)
 
 
 def test_reduction_with_barrier_is_right_under_every_order():
@@ -92,8 +95,14 @@ def test_reduction_with_barrier_is_right_under_every_order():
     want = np.array(x).reshape(4, 64).sum(1)
     k = reduce_kernel(True)
     for order in ORDERS:
-        out = k(inputs=[x], grid=(256, 1, 1), threadgroup=(64, 1, 1), output_shapes=[(4,)],
-                output_dtypes=[mx.float32], order=order)[0]
+        out = k(
+            inputs=[x],
+            grid=(256, 1, 1),
+            threadgroup=(64, 1, 1),
+            output_shapes=[(4,)],
+            output_dtypes=[mx.float32],
+            order=order,
+        )[0]
         np.testing.assert_allclose(np.array(out), want, rtol=1e-5, err_msg=order)
         assert k.last_launch.barriers == 4
 
@@ -103,8 +112,14 @@ def test_missing_barrier_is_a_reported_race():
     k = reduce_kernel(False)
     for order in ORDERS:
         with pytest.raises(MetalEmuError, match="data race on threadgroup array .buf."):
-            k(inputs=[x], grid=(256, 1, 1), threadgroup=(64, 1, 1), output_shapes=[(4,)],
-              output_dtypes=[mx.float32], order=order)
+            k(
+                inputs=[x],
+                grid=(256, 1, 1),
+                threadgroup=(64, 1, 1),
+                output_shapes=[(4,)],
+                output_dtypes=[mx.float32],
+                order=order,
+            )
 
 
 def test_missing_barrier_shows_under_some_order(monkeypatch):
@@ -114,8 +129,14 @@ def test_missing_barrier_shows_under_some_order(monkeypatch):
     k = reduce_kernel(False)
     results = {}
     for order in ORDERS:
-        out = k(inputs=[x], grid=(256, 1, 1), threadgroup=(64, 1, 1), output_shapes=[(4,)],
-                output_dtypes=[mx.float32], order=order)[0]
+        out = k(
+            inputs=[x],
+            grid=(256, 1, 1),
+            threadgroup=(64, 1, 1),
+            output_shapes=[(4,)],
+            output_dtypes=[mx.float32],
+            order=order,
+        )[0]
         results[order] = np.allclose(np.array(out), want, rtol=1e-5)
     # Forward: thread 0 runs to the end before the others store, reads NaN-filled memory.
     assert not results["forward"]
@@ -123,18 +144,27 @@ def test_missing_barrier_shows_under_some_order(monkeypatch):
 
 
 def test_same_simdgroup_exchange_needs_a_simd_sync():
-    k = metal_kernel(name="lockstep", input_names=["x"], output_names=["out"], source="""
+    k = metal_kernel(
+        name="lockstep",
+        input_names=["x"],
+        output_names=["out"],
+        source="""
     threadgroup float lanes[32];
     uint tid = thread_index_in_threadgroup;
     lanes[tid] = x[tid];
     out[tid] = lanes[tid ^ 1];   // relies on lockstep: no simdgroup_barrier
-    """)
+    """,
+    )
     with pytest.raises(MetalEmuError, match="data race.*simdgroup_barrier"):
         run1(k, [mx.ones(32)], 32, order="reverse")
 
 
 def test_atomics_and_synchronised_accesses_are_not_races():
-    k = metal_kernel(name="tg_atomic", input_names=["x"], output_names=["out"], source="""
+    k = metal_kernel(
+        name="tg_atomic",
+        input_names=["x"],
+        output_names=["out"],
+        source="""
     threadgroup atomic<int> count[1];
     threadgroup float lanes[64];
     uint tid = thread_index_in_threadgroup;
@@ -147,9 +177,16 @@ def test_atomics_and_synchronised_accesses_are_not_races():
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (tid == 0) out[0] = atomic_load_explicit(&count[0], memory_order_relaxed);
     out[1 + tid] = nb;
-    """)
-    out = k(inputs=[mx.arange(64, dtype=mx.float32)], grid=(64, 1, 1), threadgroup=(64, 1, 1),
-            output_shapes=[(65,)], output_dtypes=[mx.float32], order="reverse")[0]
+    """,
+    )
+    out = k(
+        inputs=[mx.arange(64, dtype=mx.float32)],
+        grid=(64, 1, 1),
+        threadgroup=(64, 1, 1),
+        output_shapes=[(65,)],
+        output_dtypes=[mx.float32],
+        order="reverse",
+    )[0]
     o = np.array(out)
     assert o[0] == sum(range(64))
     np.testing.assert_array_equal(o[1:], np.arange(64) ^ 1)
@@ -181,23 +218,29 @@ def test_threadgroup_checks_do_not_depend_on_buffer_layout(big_bytes):
     red-zone-checked (they used to be looked up among the buffers and dropped)."""
     big = mx.zeros(big_bytes // 4)
     x = mx.ones(64)
-    race = metal_kernel(name="race_big", input_names=["big", "x"], output_names=["out"],
-                        source=RACE_BIG)
-    oob = metal_kernel(name="oob_big", input_names=["big", "x"], output_names=["out"],
-                       source=OOB_BIG)
+    race = metal_kernel(name="race_big", input_names=["big", "x"], output_names=["out"], source=RACE_BIG)
+    oob = metal_kernel(name="oob_big", input_names=["big", "x"], output_names=["out"], source=OOB_BIG)
     with pytest.raises(MetalEmuError, match="data race on threadgroup array .buf."):
         run1(race, [big, x], 64, tg=64)
     with pytest.raises(MetalEmuError, match=r"out-of-bounds write of threadgroup array 't'.*offset 256"):
         run1(oob, [big, x], 64, tg=64)
     # ...and the buffers are still counted exactly.
-    fixed = metal_kernel(name="race_big_fixed", input_names=["big", "x"], output_names=["out"],
-                         source=RACE_BIG.replace("if (tid == 0)", "threadgroup_barrier(mem_flags::mem_threadgroup);\nif (tid == 0)"))
+    fixed = metal_kernel(
+        name="race_big_fixed",
+        input_names=["big", "x"],
+        output_names=["out"],
+        source=RACE_BIG.replace("if (tid == 0)", "threadgroup_barrier(mem_flags::mem_threadgroup);\nif (tid == 0)"),
+    )
     assert run1(fixed, [big, x], 64, tg=64)[0].item() == 64
     assert fixed.last_stats == {"big": 256, "x": 256}
 
 
 def test_lane_order_selection(monkeypatch):
-    k = metal_kernel(name="who_first", input_names=["x"], output_names=["out"], source="""
+    k = metal_kernel(
+        name="who_first",
+        input_names=["x"],
+        output_names=["out"],
+        source="""
     threadgroup uint first[1];
     uint tid = thread_index_in_threadgroup;
     if (tid == 0 || tid == 31) {
@@ -206,10 +249,10 @@ def test_lane_order_selection(monkeypatch):
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (tid == 0) out[0] = first[0] + x[0];
-    """)
+    """,
+    )
     x = mx.array([0], dtype=mx.uint32)
-    call = dict(inputs=[x], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(1,)],
-                output_dtypes=[mx.uint32])
+    call = dict(inputs=[x], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.uint32])
     assert k(**call, order="forward")[0].item() == 31
     assert k(**call, order="reverse")[0].item() == 0
     monkeypatch.setenv("MLXPAGED_EMU_ORDER", "reverse")
@@ -249,8 +292,14 @@ def test_simd_functions_match_numpy(dtype):
     rng = np.random.default_rng(1)
     xs = rng.integers(-50, 50, 128).astype(np.float32 if dtype == mx.float32 else np.int32)
     k = metal_kernel(name="simd", input_names=["x"], output_names=SIMD_OUTS, source=SIMD)
-    outs = k(inputs=[mx.array(xs)], template=[("T", dtype)], grid=(128, 1, 1),
-             threadgroup=(64, 1, 1), output_shapes=[(128,)] * 9, output_dtypes=[dtype] * 9)
+    outs = k(
+        inputs=[mx.array(xs)],
+        template=[("T", dtype)],
+        grid=(128, 1, 1),
+        threadgroup=(64, 1, 1),
+        output_shapes=[(128,)] * 9,
+        output_dtypes=[dtype] * 9,
+    )
     got = {n: np.array(o).reshape(4, 32) for n, o in zip(SIMD_OUTS, outs)}
     g = xs.reshape(4, 32)
     lane = np.arange(32)
@@ -268,17 +317,23 @@ def test_simd_functions_match_numpy(dtype):
 
 
 def test_simd_with_exited_lanes_uses_live_lanes_only():
-    k = metal_kernel(name="simd_tail", input_names=["x"], output_names=["out"], source="""
+    k = metal_kernel(
+        name="simd_tail",
+        input_names=["x"],
+        output_names=["out"],
+        source="""
     uint gid = thread_position_in_grid.x;
     if (gid >= 20) return;
     out[gid] = simd_sum(x[gid]);
-    """)
+    """,
+    )
     out = run1(k, [mx.ones(32)], 32, init_value=-1)
     np.testing.assert_array_equal(np.array(out), [20.0] * 20 + [-1.0] * 12)
 
 
 # ---------------------------------------------------------------------------------------------
 # Dispatch geometry
+
 
 def test_partial_last_threadgroup():
     src = """
@@ -288,8 +343,13 @@ def test_partial_last_threadgroup():
            + thread_position_in_threadgroup.x + simdgroups_per_threadgroup * 10000;
     """
     k = metal_kernel(name="edge", input_names=["x"], output_names=["out"], source=src)
-    out = k(inputs=[mx.zeros(1)], grid=(70, 3, 1), threadgroup=(32, 2, 1),
-            output_shapes=[(3, 70)], output_dtypes=[mx.uint32])[0]
+    out = k(
+        inputs=[mx.zeros(1)],
+        grid=(70, 3, 1),
+        threadgroup=(32, 2, 1),
+        output_shapes=[(3, 70)],
+        output_dtypes=[mx.uint32],
+    )[0]
     o = np.array(out)
     x = np.arange(70)
     tx = np.where(x < 64, 32, 6)
@@ -304,47 +364,72 @@ def test_partial_last_threadgroup():
 # ---------------------------------------------------------------------------------------------
 # Bug detectors
 
+
 def test_out_of_bounds_read_is_named():
-    k = metal_kernel(name="oob", input_names=["a", "bias"], output_names=["out"], source="""
+    k = metal_kernel(
+        name="oob",
+        input_names=["a", "bias"],
+        output_names=["out"],
+        source="""
     uint i = thread_position_in_grid.x;
     out[i] = bias[i + 1] + a[0];
-    """)
+    """,
+    )
     with pytest.raises(MetalEmuError, match=r"out-of-bounds read of buffer 'bias'.*offset 40"):
         run1(k, [mx.ones(8), mx.ones(10)], 10)
 
 
 def test_out_of_bounds_write_is_named():
-    k = metal_kernel(name="oobw", input_names=["a"], output_names=["out"], source="""
+    k = metal_kernel(
+        name="oobw",
+        input_names=["a"],
+        output_names=["out"],
+        source="""
     uint i = thread_position_in_grid.x;
     out[i * 2] = a[i];
-    """)
+    """,
+    )
     with pytest.raises(MetalEmuError, match="out-of-bounds write of buffer 'out'"):
         run1(k, [mx.ones(16)], 16)
 
 
 def test_threadgroup_overflow_is_reported():
-    k = metal_kernel(name="tgoob", input_names=["x"], output_names=["out"], source="""
+    k = metal_kernel(
+        name="tgoob",
+        input_names=["x"],
+        output_names=["out"],
+        source="""
     threadgroup float t[32];
     uint i = thread_index_in_threadgroup;
     t[i + 1] = x[i];
     threadgroup_barrier(mem_flags::mem_threadgroup);
     out[i] = t[i];
-    """)
+    """,
+    )
     with pytest.raises(MetalEmuError, match=r"out-of-bounds write of threadgroup array 't'.*offset 128"):
         run1(k, [mx.ones(32)], 32)
 
 
 def test_wild_read_past_guard_is_reported():
-    k = metal_kernel(name="oobfar", input_names=["a"], output_names=["out"], source="""
+    k = metal_kernel(
+        name="oobfar",
+        input_names=["a"],
+        output_names=["out"],
+        source="""
     uint i = thread_position_in_grid.x;
     out[i] = a[i - 4096];
-    """)
+    """,
+    )
     with pytest.raises(MetalEmuError):
         run1(k, [mx.ones(16)], 16)
 
 
 def test_divergent_barrier_is_reported():
-    k = metal_kernel(name="divbar", input_names=["x"], output_names=["out"], source="""
+    k = metal_kernel(
+        name="divbar",
+        input_names=["x"],
+        output_names=["out"],
+        source="""
     uint tid = thread_index_in_threadgroup;
     if (tid < 16) {
       threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -352,13 +437,18 @@ def test_divergent_barrier_is_reported():
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
     out[thread_position_in_grid.x] = x[0];
-    """)
+    """,
+    )
     with pytest.raises(MetalEmuError, match="divergent"):
         run1(k, [mx.ones(1)], 64, tg=64)
 
 
 def test_divergent_simd_function_is_reported():
-    k = metal_kernel(name="divsimd", input_names=["x"], output_names=["out"], source="""
+    k = metal_kernel(
+        name="divsimd",
+        input_names=["x"],
+        output_names=["out"],
+        source="""
     uint lane = thread_index_in_simdgroup;
     float v = x[thread_position_in_grid.x];
     if (lane < 8) {
@@ -367,13 +457,18 @@ def test_divergent_simd_function_is_reported():
       v = simd_max(v);
     }
     out[thread_position_in_grid.x] = v;
-    """)
+    """,
+    )
     with pytest.raises(MetalEmuError, match="divergent SIMD-group function"):
         run1(k, [mx.ones(32)], 32)
 
 
 def test_barrier_against_simd_function_deadlock_is_reported():
-    k = metal_kernel(name="deadlock", input_names=["x"], output_names=["out"], source="""
+    k = metal_kernel(
+        name="deadlock",
+        input_names=["x"],
+        output_names=["out"],
+        source="""
     uint lane = thread_index_in_simdgroup;
     float v = x[thread_position_in_grid.x];
     if (lane == 0) {
@@ -382,7 +477,8 @@ def test_barrier_against_simd_function_deadlock_is_reported():
       v = simd_sum(v);
     }
     out[thread_position_in_grid.x] = v;
-    """)
+    """,
+    )
     with pytest.raises(MetalEmuError, match="deadlock"):
         run1(k, [mx.ones(32)], 32)
 
@@ -404,12 +500,22 @@ def test_barrier_after_early_exit(monkeypatch):
 
 
 def test_nan_initialised_output_shows_missed_writes():
-    k = metal_kernel(name="evens", input_names=["x"], output_names=["out", "h", "b", "i"], source="""
+    k = metal_kernel(
+        name="evens",
+        input_names=["x"],
+        output_names=["out", "h", "b", "i"],
+        source="""
     uint j = thread_position_in_grid.x;
     if (j % 2 == 0) { out[j] = x[j]; h[j] = x[j]; b[j] = x[j]; i[j] = 1; }
-    """)
-    call = dict(inputs=[mx.ones(8)], grid=(8, 1, 1), threadgroup=(8, 1, 1),
-                output_shapes=[(8,)] * 4, output_dtypes=[mx.float32, mx.float16, mx.bfloat16, mx.int32])
+    """,
+    )
+    call = dict(
+        inputs=[mx.ones(8)],
+        grid=(8, 1, 1),
+        threadgroup=(8, 1, 1),
+        output_shapes=[(8,)] * 4,
+        output_dtypes=[mx.float32, mx.float16, mx.bfloat16, mx.int32],
+    )
     outs = k(**call)
     for o in outs[:3]:
         a = np.array(o.astype(mx.float32))
@@ -423,15 +529,21 @@ def test_nan_initialised_output_shows_missed_writes():
 # ---------------------------------------------------------------------------------------------
 # Byte counts
 
+
 def test_bytes_read_are_exact():
-    k = metal_kernel(name="bytes", input_names=["a", "h", "idx"], output_names=["out"], source="""
+    k = metal_kernel(
+        name="bytes",
+        input_names=["a", "h", "idx"],
+        output_names=["out"],
+        source="""
     uint i = thread_position_in_grid.x;
     const device half4* h4 = (const device half4*)h;
     half4 v = h4[i];                      // 8 bytes per thread
     float s = a[idx[i]];                  // 4 + 4 bytes per thread
     if (i % 4 == 0) s += a[i + 1];        // 4 more bytes in a quarter of the threads
     out[i] = s + float(v.x) + float(v.w);
-    """)
+    """,
+    )
     n = 64
     idx = mx.array(np.random.default_rng(0).integers(0, 128, n).astype(np.int32))
     run1(k, [mx.ones(128), mx.ones(4 * n, dtype=mx.float16), idx], n)
@@ -441,14 +553,25 @@ def test_bytes_read_are_exact():
 
 
 def test_atomic_outputs_histogram():
-    k = metal_kernel(name="hist", input_names=["x"], output_names=["out"], atomic_outputs=True,
-                     source="""
+    k = metal_kernel(
+        name="hist",
+        input_names=["x"],
+        output_names=["out"],
+        atomic_outputs=True,
+        source="""
     uint i = thread_position_in_grid.x;
     atomic_fetch_add_explicit(&out[x[i]], 1, memory_order_relaxed);
-    """)
+    """,
+    )
     x = np.random.default_rng(0).integers(0, 10, 300).astype(np.int32)
-    out = k(inputs=[mx.array(x)], grid=(300, 1, 1), threadgroup=(64, 1, 1),
-            output_shapes=[(10,)], output_dtypes=[mx.int32], init_value=0)[0]
+    out = k(
+        inputs=[mx.array(x)],
+        grid=(300, 1, 1),
+        threadgroup=(64, 1, 1),
+        output_shapes=[(10,)],
+        output_dtypes=[mx.int32],
+        init_value=0,
+    )[0]
     np.testing.assert_array_equal(np.array(out), np.bincount(x, minlength=10))
 
 
@@ -456,31 +579,76 @@ def test_atomic_outputs_histogram():
 # Compilation: source parity with MLX, Metal's type rules
 
 PARITY_CASES = [
-    dict(kernel=dict(name="p1", input_names=["a", "s"], output_names=["o"],
-                     source="o[thread_position_in_grid.x] = a[thread_position_in_grid.x] * s;"),
-         call=dict(inputs=[mx.ones(16), mx.array(2.0)], grid=(16, 1, 1), threadgroup=(16, 1, 1),
-                   output_shapes=[(16,)], output_dtypes=[mx.float32])),
-    dict(kernel=dict(name="p2", input_names=["a", "small"], output_names=["o", "o2"],
-                     header="#define TWO 2\n",
-                     source="""uint i = thread_position_in_grid.x;
+    dict(
+        kernel=dict(
+            name="p1",
+            input_names=["a", "s"],
+            output_names=["o"],
+            source="o[thread_position_in_grid.x] = a[thread_position_in_grid.x] * s;",
+        ),
+        call=dict(
+            inputs=[mx.ones(16), mx.array(2.0)],
+            grid=(16, 1, 1),
+            threadgroup=(16, 1, 1),
+            output_shapes=[(16,)],
+            output_dtypes=[mx.float32],
+        ),
+    ),
+    dict(
+        kernel=dict(
+            name="p2",
+            input_names=["a", "small"],
+            output_names=["o", "o2"],
+            header="#define TWO 2\n",
+            source="""uint i = thread_position_in_grid.x;
 o[i] = T(a[i] * TWO) + small[i % small_shape[0]] + a_strides[0] + a_ndim;
-o2[i] = simdgroup_index_in_threadgroup + thread_index_in_simdgroup + threads_per_simdgroup;"""),
-         call=dict(inputs=[mx.ones((4, 8), dtype=mx.float16), mx.arange(3, dtype=mx.int32)],
-                   template=[("T", mx.float16), ("K", 4), ("B", False)], grid=(32, 1, 1),
-                   threadgroup=(32, 1, 1), output_shapes=[(32,), (32,)],
-                   output_dtypes=[mx.float16, mx.uint32])),
-    dict(kernel=dict(name="p3", input_names=["x"], output_names=["o"], atomic_outputs=True,
-                     source="atomic_fetch_add_explicit(&o[0], x[thread_position_in_grid.x], memory_order_relaxed);"),
-         call=dict(inputs=[mx.ones(40, dtype=mx.int32)], grid=(40, 1, 1), threadgroup=(8, 1, 1),
-                   output_shapes=[(1,)], output_dtypes=[mx.int32], init_value=0)),
-    dict(kernel=dict(name="p4", input_names=["x"], output_names=["o"],
-                     source="""threadgroup bfloat16_t t[32];
+o2[i] = simdgroup_index_in_threadgroup + thread_index_in_simdgroup + threads_per_simdgroup;""",
+        ),
+        call=dict(
+            inputs=[mx.ones((4, 8), dtype=mx.float16), mx.arange(3, dtype=mx.int32)],
+            template=[("T", mx.float16), ("K", 4), ("B", False)],
+            grid=(32, 1, 1),
+            threadgroup=(32, 1, 1),
+            output_shapes=[(32,), (32,)],
+            output_dtypes=[mx.float16, mx.uint32],
+        ),
+    ),
+    dict(
+        kernel=dict(
+            name="p3",
+            input_names=["x"],
+            output_names=["o"],
+            atomic_outputs=True,
+            source="atomic_fetch_add_explicit(&o[0], x[thread_position_in_grid.x], memory_order_relaxed);",
+        ),
+        call=dict(
+            inputs=[mx.ones(40, dtype=mx.int32)],
+            grid=(40, 1, 1),
+            threadgroup=(8, 1, 1),
+            output_shapes=[(1,)],
+            output_dtypes=[mx.int32],
+            init_value=0,
+        ),
+    ),
+    dict(
+        kernel=dict(
+            name="p4",
+            input_names=["x"],
+            output_names=["o"],
+            source="""threadgroup bfloat16_t t[32];
 uint l = thread_position_in_threadgroup.x;
 t[l] = x[threadgroup_position_in_grid.x * threads_per_threadgroup.x + l];
 threadgroup_barrier(mem_flags::mem_threadgroup);
-o[thread_position_in_grid.x] = t[31 - l] + t[l];"""),
-         call=dict(inputs=[mx.arange(64).astype(mx.bfloat16)], grid=(64, 1, 1), threadgroup=(32, 1, 1),
-                   output_shapes=[(64,)], output_dtypes=[mx.bfloat16])),
+o[thread_position_in_grid.x] = t[31 - l] + t[l];""",
+        ),
+        call=dict(
+            inputs=[mx.arange(64).astype(mx.bfloat16)],
+            grid=(64, 1, 1),
+            threadgroup=(32, 1, 1),
+            output_shapes=[(64,)],
+            output_dtypes=[mx.bfloat16],
+        ),
+    ),
 ]
 
 
@@ -559,25 +727,37 @@ float inf = metal::numeric_limits<float>::infinity();
 def test_msl_features():
     """Vector constructors and swizzles, half literals, as_type, methods with address-space
     qualifiers, program-scope constants, MLX preamble helpers (elem_to_loc, Limits, bfloat SIMD)."""
-    k = metal_kernel(name="features", input_names=["x"], output_names=["out"], source=FEATURES,
-                     header=FEATURES_HEADER)
-    o = k(inputs=[mx.arange(32, dtype=mx.float32)], grid=(8, 1, 1), threadgroup=(8, 1, 1),
-          output_shapes=[(8, 4)], output_dtypes=[mx.float32])[0]
+    k = metal_kernel(name="features", input_names=["x"], output_names=["out"], source=FEATURES, header=FEATURES_HEADER)
+    o = k(
+        inputs=[mx.arange(32, dtype=mx.float32)],
+        grid=(8, 1, 1),
+        threadgroup=(8, 1, 1),
+        output_shapes=[(8, 4)],
+        output_dtypes=[mx.float32],
+    )[0]
     xs = np.arange(32, dtype=np.float32).reshape(8, 4)
-    want = np.stack([
-        xs.sum(1) + np.array([1, 2, 3, 4] * 2),
-        1 + 2 + np.clip((xs[:, 1] + 1) * 0.5, 0, 100) + np.where(xs[:, 0] > 2, 2, 1) + 1.5 + 3,
-        8 + 2 * np.arange(8),
-        np.full(8, 2),
-    ], 1)
+    want = np.stack(
+        [
+            xs.sum(1) + np.array([1, 2, 3, 4] * 2),
+            1 + 2 + np.clip((xs[:, 1] + 1) * 0.5, 0, 100) + np.where(xs[:, 0] > 2, 2, 1) + 1.5 + 3,
+            8 + 2 * np.arange(8),
+            np.full(8, 2),
+        ],
+        1,
+    )
     np.testing.assert_array_equal(np.array(o), want)
 
 
 def test_compile_error_and_address_space_mixing():
-    k = metal_kernel(name="bad", input_names=["a"], output_names=["o"], source="""
+    k = metal_kernel(
+        name="bad",
+        input_names=["a"],
+        output_names=["o"],
+        source="""
     const float* p = a;   // device pointer into a thread pointer: rejected by Metal too
     o[0] = p[0];
-    """)
+    """,
+    )
     with pytest.raises(CompileError, match=r"bad\.metal:\d+"):
         run1(k, [mx.ones(8)], 1, tg=1)
 
@@ -630,6 +810,7 @@ def test_half_matches_numpy_float16():
 # ---------------------------------------------------------------------------------------------
 # Factory
 
+
 def test_get_metal_kernel(monkeypatch):
     monkeypatch.delenv("MLXPAGED_METAL", raising=False)
     if not mx.metal.is_available():
@@ -657,8 +838,10 @@ template [[host_name("k")]] [[kernel]] decltype(f<float>) f<float>;
     assert "struct P { constant float* data;" in out  # a member pointer is not storage
     assert "const MLXEMU_AS_METHOD_constant {" in out
     assert "constant const int64_t * s)" in out
-    assert ('threadgroup float (&buf)[4 * 8] = *(threadgroup float (*)[4 * 8])'
-            'mlxemu_tg_slot(0, sizeof(float[4 * 8]), alignof(float), "buf");') in out
+    assert (
+        "threadgroup float (&buf)[4 * 8] = *(threadgroup float (*)[4 * 8])"
+        'mlxemu_tg_slot(0, sizeof(float[4 * 8]), alignof(float), "buf");'
+    ) in out
     assert "  threadgroup float* q = buf;" in out
     assert "static constexpr constant int K = 2;" in out
     assert "float x = 0.5f + ((half)1.0f) + 2e3f + 1.5f; // 0.5 in a comment stays" in out
@@ -668,18 +851,28 @@ template [[host_name("k")]] [[kernel]] decltype(f<float>) f<float>;
 
 def test_endless_loop_stack_overflow_and_threadgroup_limit(monkeypatch):
     monkeypatch.setenv("MLXPAGED_EMU_TIMEOUT", "1")
-    spin = metal_kernel(name="spin", input_names=["x"], output_names=["out"], source="""
+    spin = metal_kernel(
+        name="spin",
+        input_names=["x"],
+        output_names=["out"],
+        source="""
     float s = 0;
     while (x[0] > 0) { s += 1; if (s < 0) break; }
     out[thread_position_in_grid.x] = s;
-    """)
+    """,
+    )
     with pytest.raises(MetalEmuError, match="did not finish"):
         run1(spin, [mx.ones(1)], 4, tg=4)
-    deep = metal_kernel(name="deep", input_names=["x"], output_names=["out"], source="""
+    deep = metal_kernel(
+        name="deep",
+        input_names=["x"],
+        output_names=["out"],
+        source="""
     float big[100000];
     for (int j = 0; j < 100000; j++) big[j] = x[0] * j;
     out[thread_position_in_grid.x] = big[(int)x[0] * 1000];
-    """)
+    """,
+    )
     with pytest.raises(MetalEmuError, match="stack overflow"):
         run1(deep, [mx.ones(1)], 4, tg=4)
     monkeypatch.setenv("MLXPAGED_EMU_STACK", str(1 << 20))
@@ -688,11 +881,16 @@ def test_endless_loop_stack_overflow_and_threadgroup_limit(monkeypatch):
         run1(deep, [mx.ones(1)], 4, tg=4)
     monkeypatch.setenv("MLXPAGED_EMU_REGFILE_BYTES", "0")
     assert run1(deep, [mx.ones(1)], 4, tg=4)[0].item() == 1000
-    huge = metal_kernel(name="huge", input_names=["x"], output_names=["out"], source="""
+    huge = metal_kernel(
+        name="huge",
+        input_names=["x"],
+        output_names=["out"],
+        source="""
     threadgroup float t[9000];
     t[thread_index_in_threadgroup] = x[0];
     out[0] = t[0];
-    """)
+    """,
+    )
     with pytest.raises(MetalEmuError, match="threadgroup memory"):
         run1(huge, [mx.ones(1)], 1, tg=1)
 
@@ -701,8 +899,9 @@ def test_verbose_prints_like_mlx(capfd):
     case = PARITY_CASES[1]
     metal_kernel(**case["kernel"])(**case["call"], verbose=True)
     printed = capfd.readouterr().out
-    assert printed == ("Generated source code for `p2`:\n```\n"
-                       + emu.mlx_generated_source(case["kernel"], case["call"]) + "\n```\n")
+    assert printed == (
+        "Generated source code for `p2`:\n```\n" + emu.mlx_generated_source(case["kernel"], case["call"]) + "\n```\n"
+    )
 
 
 def _memory_mappings() -> int:
@@ -715,19 +914,30 @@ def test_kernel_libraries_share_fiber_stacks():
     run on one process-wide set of fiber stacks and threadgroup arena. Per-library stacks left
     ~520 memory mappings behind per distinct kernel, and about 125 kernels exhausted
     vm.max_map_count (65530): launches failed with "cannot allocate fiber stacks"."""
-    k = metal_kernel(name="many_tiny", input_names=["x"], output_names=["out"], source="""
+    k = metal_kernel(
+        name="many_tiny",
+        input_names=["x"],
+        output_names=["out"],
+        source="""
     threadgroup float t[256];
     uint i = thread_index_in_threadgroup;
     t[i] = x[i];
     threadgroup_barrier(mem_flags::mem_threadgroup);
     out[i] = t[255 - i] + float(N);
-    """)
+    """,
+    )
     x = mx.arange(256, dtype=mx.float32)
     n_kernels = 40  # distinct template values: one library each
     before = None
     for n in range(n_kernels):
-        out = k(inputs=[x], grid=(256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(256,)],
-                output_dtypes=[mx.float32], template=[("N", 7000 + n)])[0]
+        out = k(
+            inputs=[x],
+            grid=(256, 1, 1),
+            threadgroup=(256, 1, 1),
+            output_shapes=[(256,)],
+            output_dtypes=[mx.float32],
+            template=[("N", 7000 + n)],
+        )[0]
         np.testing.assert_array_equal(np.array(out), np.arange(255, -1, -1) + 7000 + n)
         if before is None:  # after the first launch: the shared stacks exist by now
             before = _memory_mappings()
@@ -735,6 +945,12 @@ def test_kernel_libraries_share_fiber_stacks():
     # A library's own segments are a handful of mappings; 256 stacks would be over 500.
     assert grown <= 16 * (n_kernels - 1), f"{grown / (n_kernels - 1):.0f} mappings per kernel"
     for _ in range(3):  # relaunching keeps the count
-        k(inputs=[x], grid=(256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(256,)],
-          output_dtypes=[mx.float32], template=[("N", 7000)])
+        k(
+            inputs=[x],
+            grid=(256, 1, 1),
+            threadgroup=(256, 1, 1),
+            output_shapes=[(256,)],
+            output_dtypes=[mx.float32],
+            template=[("N", 7000)],
+        )
     assert _memory_mappings() - before <= grown + 8  # (slack for the allocator's own arenas)

@@ -37,20 +37,6 @@ def case_id(c: dict) -> str:
     return f"{c['dtype']}-hd{c['head_dim']}-g{c['group']}-bs{c['block_size']}-{layout}-{path}"
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 @pytest.mark.parametrize("case", sweep_cases(), ids=case_id)
 def test_kernel_matches_reference(emulated, case):
     for order in ORDERS:
@@ -64,10 +50,9 @@ def test_dispatcher_metal_impl(emulated):
     from mlxpaged.attention import paged_attention
 
     rng = np.random.default_rng(1)
-    args = make_inputs(rng, dtype="float16", head_dim=64, group=7, block_size=16,
-                       scattered=True, context_lens=[5, 40])
+    args = make_inputs(rng, dtype="float16", head_dim=64, group=7, block_size=16, scattered=True, context_lens=[5, 40])
     out = paged_attention(*args, impl="metal")
-    ref = paged_attention_reference(*args, 64 ** -0.5)
+    ref = paged_attention_reference(*args, 64**-0.5)
     assert mismatch(out, ref, "float16") <= 1.0
 
 
@@ -76,59 +61,142 @@ def test_dispatcher_metal_impl(emulated):
 # two heads per group; the merge's two partitions on two of its simdgroups.
 LONG_MUTANT_CASE = dict(MUTANT_CASE, block_size=1, split=True, length=1034, partition_tokens=518)
 BARRIER = "threadgroup_barrier(mem_flags::mem_threadgroup);"
-MUTANTS = [
-    ("block table ignored", "h", "? table[b0 + i] : 0", "? b0 + i : 0", None, MUTANT_CASE),
-    ("off-by-one row offset", "h", "(size_t)(t % BS) * HD", "(size_t)(t % BS + 1) * HD", None,
-     MUTANT_CASE),
-    ("no online-softmax rescale", "h", "st.acc[g][i] *= corr;", "", None, MUTANT_CASE),
-    ("exp2 without log2(e) in the scale", "h", "scale * PA_LOG2E", "scale", None, MUTANT_CASE),
-    ("sub-group scores one token too many", "h", "const bool valid = t < c1;",
-     "const bool valid = t <= c1;", None, MUTANT_CASE),
-    ("every sub-group scores the step's first token", "h", "const int t = t0 + sub;",
-     "const int t = t0;", None, MUTANT_CASE),
-    ("queries at the wrong lane's dims", "h", "tg_q + sl * D;", "tg_q;", None, MUTANT_CASE),
-    ("butterfly gathers from the wrong lanes", "h",
-     "(ushort)(base + (P <= L ? j * (L / P) : j / C))", "(ushort)(base + j % L)", None,
-     MUTANT_CASE),
-    ("butterfly gathers from sub-group 0", "h", "const uint base = lane - lane % L;",
-     "const uint base = 0;", None, MUTANT_CASE),
-    ("butterfly keeps the half it sends", "h",
-     "x[j] = (up ? hi : lo) + simd_shuffle_xor(up ? lo : hi, o);",
-     "x[j] = (up ? lo : hi) + simd_shuffle_xor(up ? lo : hi, o);", None, MUTANT_CASE),
-    ("butterfly without its last steps", "h", "x[0] += simd_shuffle_xor(x[0], o);", "",
-     None, MUTANT_CASE),
-    ("one-exp update keeps the old max", "h", "st.m[g] = s[g];", "", None, MUTANT_CASE),
-    ("a new max weighted by the rescale", "h", "p = 1.0f;", "", None, MUTANT_CASE),
-    ("states combined without the other sub-groups", "h",
-     "for (int b = 0; b < S; b++) {\n      o +=", "for (int b = 0; b < 1; b++) {\n      o +=",
-     None, MUTANT_CASE),
-    ("head groups take the same heads", "h", "const int g0 = (int)(sg % HS) * GH;",
-     "const int g0 = 0;", None, dict(MUTANT_CASE, group=11, head_dim=64)),
-    ("head groups sum each other's simdgroups", "h",
-     "for (int s = hg; s < NSG; s += HS) {\n    for (int b = 0; b < S; b++) {\n      o +=",
-     "for (int s = 0; s < NSG; s += 1) {\n    for (int b = 0; b < S; b++) {\n      o +=",
-     None, dict(MUTANT_CASE, group=11, head_dim=64)),
-    ("partition size not derived from the grid", "metal",
-     "const int part_tokens = ((max_blocks * BS + num_parts - 1) / num_parts + BS - 1) / BS * BS;",
-     "const int part_tokens = 512;", None, LONG_MUTANT_CASE),
-    ("single pass without the context clamp", "metal",
-     "const int ctx = clamp(PA_UNIFORM(context_lens[seq], lane), 0, max_blocks * BS);",
-     "const int ctx = PA_UNIFORM(context_lens[seq], lane);", None, CLAMP_CASE),
-    ("split pass without the context clamp", "metal",
-     "min(clamp(PA_UNIFORM(context_lens[seq], lane), 0, max_blocks * BS), tok_begin + part_tokens)",
-     "min(PA_UNIFORM(context_lens[seq], lane), tok_begin + part_tokens)", None,
-     dict(CLAMP_CASE, split=True)),
-    ("uniform length from the wrong lane", "h", "simd_broadcast((lane) == 0 ? (x) : 0, (ushort)0)",
-     "simd_broadcast((lane) == 0 ? (x) : 0, (ushort)1)", None, MUTANT_CASE),
-    ("merge without partition weights", "metal", "acc[i] += wp * po[i];", "acc[i] += po[i];",
-     None, dict(LONG_MUTANT_CASE, partition_tokens=128)),  # 9 partitions: 2-3 per simdgroup
-    ("merge without the cross-simdgroup rescale", "metal", "x += f * tg_acc[s * HD + d];",
-     "x += tg_acc[s * HD + d];", None, LONG_MUTANT_CASE),
-    ("merge sums only its first simdgroup", "metal", "for (int s = 0; s < NSG; s++) {\n    const float f",
-     "for (int s = 0; s < 1; s++) {\n    const float f", None, LONG_MUTANT_CASE),
-] + [  # every threadgroup barrier of the header, one at a time, and the merge's
-    (f"missing barrier {n + 1}", "h", BARRIER, "", n, LONG_MUTANT_CASE) for n in range(3)
-] + [("missing merge barrier", "metal", BARRIER, "", None, LONG_MUTANT_CASE)]
+MUTANTS = (
+    [
+        ("block table ignored", "h", "? table[b0 + i] : 0", "? b0 + i : 0", None, MUTANT_CASE),
+        ("off-by-one row offset", "h", "(size_t)(t % BS) * HD", "(size_t)(t % BS + 1) * HD", None, MUTANT_CASE),
+        ("no online-softmax rescale", "h", "st.acc[g][i] *= corr;", "", None, MUTANT_CASE),
+        ("exp2 without log2(e) in the scale", "h", "scale * PA_LOG2E", "scale", None, MUTANT_CASE),
+        (
+            "sub-group scores one token too many",
+            "h",
+            "const bool valid = t < c1;",
+            "const bool valid = t <= c1;",
+            None,
+            MUTANT_CASE,
+        ),
+        (
+            "every sub-group scores the step's first token",
+            "h",
+            "const int t = t0 + sub;",
+            "const int t = t0;",
+            None,
+            MUTANT_CASE,
+        ),
+        ("queries at the wrong lane's dims", "h", "tg_q + sl * D;", "tg_q;", None, MUTANT_CASE),
+        (
+            "butterfly gathers from the wrong lanes",
+            "h",
+            "(ushort)(base + (P <= L ? j * (L / P) : j / C))",
+            "(ushort)(base + j % L)",
+            None,
+            MUTANT_CASE,
+        ),
+        (
+            "butterfly gathers from sub-group 0",
+            "h",
+            "const uint base = lane - lane % L;",
+            "const uint base = 0;",
+            None,
+            MUTANT_CASE,
+        ),
+        (
+            "butterfly keeps the half it sends",
+            "h",
+            "x[j] = (up ? hi : lo) + simd_shuffle_xor(up ? lo : hi, o);",
+            "x[j] = (up ? lo : hi) + simd_shuffle_xor(up ? lo : hi, o);",
+            None,
+            MUTANT_CASE,
+        ),
+        ("butterfly without its last steps", "h", "x[0] += simd_shuffle_xor(x[0], o);", "", None, MUTANT_CASE),
+        ("one-exp update keeps the old max", "h", "st.m[g] = s[g];", "", None, MUTANT_CASE),
+        ("a new max weighted by the rescale", "h", "p = 1.0f;", "", None, MUTANT_CASE),
+        (
+            "states combined without the other sub-groups",
+            "h",
+            "for (int b = 0; b < S; b++) {\n      o +=",
+            "for (int b = 0; b < 1; b++) {\n      o +=",
+            None,
+            MUTANT_CASE,
+        ),
+        (
+            "head groups take the same heads",
+            "h",
+            "const int g0 = (int)(sg % HS) * GH;",
+            "const int g0 = 0;",
+            None,
+            dict(MUTANT_CASE, group=11, head_dim=64),
+        ),
+        (
+            "head groups sum each other's simdgroups",
+            "h",
+            "for (int s = hg; s < NSG; s += HS) {\n    for (int b = 0; b < S; b++) {\n      o +=",
+            "for (int s = 0; s < NSG; s += 1) {\n    for (int b = 0; b < S; b++) {\n      o +=",
+            None,
+            dict(MUTANT_CASE, group=11, head_dim=64),
+        ),
+        (
+            "partition size not derived from the grid",
+            "metal",
+            "const int part_tokens = ((max_blocks * BS + num_parts - 1) / num_parts + BS - 1) / BS * BS;",
+            "const int part_tokens = 512;",
+            None,
+            LONG_MUTANT_CASE,
+        ),
+        (
+            "single pass without the context clamp",
+            "metal",
+            "const int ctx = clamp(PA_UNIFORM(context_lens[seq], lane), 0, max_blocks * BS);",
+            "const int ctx = PA_UNIFORM(context_lens[seq], lane);",
+            None,
+            CLAMP_CASE,
+        ),
+        (
+            "split pass without the context clamp",
+            "metal",
+            "min(clamp(PA_UNIFORM(context_lens[seq], lane), 0, max_blocks * BS), tok_begin + part_tokens)",
+            "min(PA_UNIFORM(context_lens[seq], lane), tok_begin + part_tokens)",
+            None,
+            dict(CLAMP_CASE, split=True),
+        ),
+        (
+            "uniform length from the wrong lane",
+            "h",
+            "simd_broadcast((lane) == 0 ? (x) : 0, (ushort)0)",
+            "simd_broadcast((lane) == 0 ? (x) : 0, (ushort)1)",
+            None,
+            MUTANT_CASE,
+        ),
+        (
+            "merge without partition weights",
+            "metal",
+            "acc[i] += wp * po[i];",
+            "acc[i] += po[i];",
+            None,
+            dict(LONG_MUTANT_CASE, partition_tokens=128),
+        ),  # 9 partitions: 2-3 per simdgroup
+        (
+            "merge without the cross-simdgroup rescale",
+            "metal",
+            "x += f * tg_acc[s * HD + d];",
+            "x += tg_acc[s * HD + d];",
+            None,
+            LONG_MUTANT_CASE,
+        ),
+        (
+            "merge sums only its first simdgroup",
+            "metal",
+            "for (int s = 0; s < NSG; s++) {\n    const float f",
+            "for (int s = 0; s < 1; s++) {\n    const float f",
+            None,
+            LONG_MUTANT_CASE,
+        ),
+    ]
+    + [  # every threadgroup barrier of the header, one at a time, and the merge's
+        (f"missing barrier {n + 1}", "h", BARRIER, "", n, LONG_MUTANT_CASE) for n in range(3)
+    ]
+    + [("missing merge barrier", "metal", BARRIER, "", None, LONG_MUTANT_CASE)]
+)
 
 
 def mutate(monkeypatch, which: str, old: str, new: str, nth: int | None):
@@ -147,7 +215,7 @@ def mutate(monkeypatch, which: str, old: str, new: str, nth: int | None):
         i = -1
         for _ in range(k + 1):
             i = src.index(old, i + 1)
-        return src[:i] + new + src[i + len(old):]
+        return src[:i] + new + src[i + len(old) :]
 
     if which == "h":
         header = sub(header)
@@ -193,8 +261,7 @@ def test_source_parity(emulated, dtype):
     """For every kernel shipped (single pass, partitioned, merge), the emulator compiled exactly
     the text MLX would hand the Metal compiler."""
     rng = np.random.default_rng(2)
-    args = make_inputs(rng, dtype=dtype, head_dim=64, group=2, block_size=16, scattered=True,
-                       context_lens=[3, 40])
+    args = make_inputs(rng, dtype=dtype, head_dim=64, group=2, block_size=16, scattered=True, context_lens=[3, 40])
     launches = []
     for part in (0, 32):
         launches += metal.run_with_launches(*args, scale=0.125, partition_tokens=part)[1]
@@ -205,8 +272,6 @@ def test_source_parity(emulated, dtype):
         assert kernel.last_source == expected, launch.kind
 
 
-
-
 @pytest.mark.parametrize("block_size,split", [(1, True), (16, False), (256, True)])
 def test_reads_each_row_once(emulated, block_size, split):
     """Bytes read stay within 5% of the minimum (the queries, lengths and scale are read by
@@ -214,8 +279,9 @@ def test_reads_each_row_once(emulated, block_size, split):
     emulated("forward")
     rng = np.random.default_rng(3)
     lens = [2000, 1500] if split else [300, 129]
-    q, k, v, bt, cl = make_inputs(rng, dtype="float16", head_dim=128, group=6,
-                                  block_size=block_size, scattered=True, context_lens=lens)
+    q, k, v, bt, cl = make_inputs(
+        rng, dtype="float16", head_dim=128, group=6, block_size=block_size, scattered=True, context_lens=lens
+    )
     _, launches = metal.run_with_launches(q, k, v, bt, cl, scale=0.1)
     assert (launches[-1].kind == "paged_attention_merge") == split
     check_reads_only(launches)
@@ -282,17 +348,21 @@ def test_plan_keeps_the_partials_small(bits):
         for bs in (1, 2, 16, 64, 256):
             for ctx in (300, 513, 4096, 32768, 200000):
                 max_blocks = -(-ctx // bs)
-                part = metal.plan_partition_tokens(1, 2, max_blocks, bs, group=group,
-                                                   head_dim=hd, kv_row_bytes=row, device=M3_MAX)
+                part = metal.plan_partition_tokens(
+                    1, 2, max_blocks, bs, group=group, head_dim=hd, kv_row_bytes=row, device=M3_MAX
+                )
                 if not part:
                     continue
                 n = -(-max_blocks * bs // part)
                 assert part % bs == 0 and 2 <= n <= metal.MAX_PARTITIONS
                 extra = group * (hd * (2 + 4) + 8) + 8 * metal.NUM_SIMDGROUPS
                 assert extra <= metal.PARTIAL_BYTES_FRACTION * part * 2 * row
-    assert (metal.min_partition_tokens(7, 64, row_bytes(64, 4, 32, mx.float16), 2)
-            > metal.min_partition_tokens(7, 64, row_bytes(64, 8, 32, mx.float16), 2)
-            > metal.min_partition_tokens(7, 64, 128, 2) > metal.MIN_PARTITION_TOKENS)
+    assert (
+        metal.min_partition_tokens(7, 64, row_bytes(64, 4, 32, mx.float16), 2)
+        > metal.min_partition_tokens(7, 64, row_bytes(64, 8, 32, mx.float16), 2)
+        > metal.min_partition_tokens(7, 64, 128, 2)
+        > metal.MIN_PARTITION_TOKENS
+    )
 
 
 @pytest.mark.parametrize("split", [False, True])
@@ -305,31 +375,37 @@ def test_inputs_under_eight_elements(emulated, split):
     rng = np.random.default_rng(4)
     lens = [split_length(1, 64, 256, 128, 2) + 40] if split else [70]
     bs = 256 if split else 16
-    args = make_inputs(rng, dtype="float16", head_dim=64, group=1, block_size=bs,
-                       scattered=True, context_lens=lens, num_kv_heads=1)
+    args = make_inputs(
+        rng, dtype="float16", head_dim=64, group=1, block_size=bs, scattered=True, context_lens=lens, num_kv_heads=1
+    )
     assert args[3].size < 8
     out, launches = metal.run_with_launches(*args, scale=0.125)
     assert launches[-1].kind == ("paged_attention_merge" if split else "paged_attention")
     for launch in launches:
         arrays = [x for x in launch.call["inputs"] if x.ndim > 0]
         assert min(x.size for x in arrays) >= 8, [x.shape for x in arrays]
-        source = metal._kernel(metal._metal_kernel_factory(), launch.kind,
-                               launch.variant).last_source
-        signature = source[source.index("[[kernel]] void"):].split(") {")[0]
-        constant = [ln.split()[3] for ln in signature.splitlines()
-                    if ln.strip().startswith("const constant")]
-        assert constant and all(n == "scale" or n.endswith(("_shape", "_strides", "_ndim"))
-                                for n in constant), constant
+        source = metal._kernel(metal._metal_kernel_factory(), launch.kind, launch.variant).last_source
+        signature = source[source.index("[[kernel]] void") :].split(") {")[0]
+        constant = [ln.split()[3] for ln in signature.splitlines() if ln.strip().startswith("const constant")]
+        assert constant and all(n == "scale" or n.endswith(("_shape", "_strides", "_ndim")) for n in constant), constant
     assert mismatch(out, paged_attention_reference(*args, 0.125), "float16") <= 1.0
 
 
-@pytest.mark.parametrize("head_dim,block_size,group", [(64, 16, 6), (128, 1, 7), (128, 256, 1),
-                                                      (256, 16, 22)])  # heads split 4 ways
+@pytest.mark.parametrize(
+    "head_dim,block_size,group", [(64, 16, 6), (128, 1, 7), (128, 256, 1), (256, 16, 22)]
+)  # heads split 4 ways
 def test_threadgroup_memory(emulated, head_dim, block_size, group):
     """The wrapper's threadgroup-memory estimate (its 32 KiB check) matches the kernel's."""
     rng = np.random.default_rng(5)
-    args = make_inputs(rng, dtype="bfloat16", head_dim=head_dim, group=group,
-                       block_size=block_size, scattered=False, context_lens=[3, 9])
+    args = make_inputs(
+        rng,
+        dtype="bfloat16",
+        head_dim=head_dim,
+        group=group,
+        block_size=block_size,
+        scattered=False,
+        context_lens=[3, 9],
+    )
     _, (launch,) = metal.run_with_launches(*args, scale=0.1, partition_tokens=0)
     kernel = metal._kernel(metal._metal_kernel_factory(), launch.kind, launch.variant)
     expected = metal.threadgroup_bytes(head_dim, block_size, group)
@@ -339,8 +415,9 @@ def test_threadgroup_memory(emulated, head_dim, block_size, group):
 def test_query_dtype_differs_from_cache(emulated):
     """A float32 query on a float16 pool: computed in the pool's dtype, returned in q's."""
     rng = np.random.default_rng(6)
-    q, k, v, bt, cl = make_inputs(rng, dtype="float16", head_dim=64, group=6, block_size=16,
-                                  scattered=True, context_lens=[7, 33])
+    q, k, v, bt, cl = make_inputs(
+        rng, dtype="float16", head_dim=64, group=6, block_size=16, scattered=True, context_lens=[7, 33]
+    )
     q32 = q.astype(mx.float32)
     out = metal.paged_attention_metal(q32, k, v, bt, cl, scale=0.125)
     assert out.dtype == mx.float32
@@ -349,8 +426,9 @@ def test_query_dtype_differs_from_cache(emulated):
 
 def test_unsupported_shapes_are_refused():
     rng = np.random.default_rng(7)
-    q, k, v, bt, cl = make_inputs(rng, dtype="float16", head_dim=64, group=2, block_size=16,
-                                  scattered=False, context_lens=[5])
+    q, k, v, bt, cl = make_inputs(
+        rng, dtype="float16", head_dim=64, group=2, block_size=16, scattered=False, context_lens=[5]
+    )
     with pytest.raises(ValueError, match="head_dim"):
         metal.paged_attention_metal(q[..., :48], k[..., :48], v[..., :48], bt, cl, scale=0.1)
     with pytest.raises(TypeError, match="dtype"):

@@ -31,8 +31,6 @@ from kernel_cases import (  # noqa: E402
 RESET_KERNELS = True
 
 
-
-
 @pytest.mark.parametrize("split", [False, True])
 def test_overlong_context_lengths_are_clamped(emulated, monkeypatch, split):
     """Lengths past the table's width read only the sequence's own row (no out-of-bounds read
@@ -44,8 +42,9 @@ def test_overlong_context_lengths_are_clamped(emulated, monkeypatch, split):
 
 def test_debug_mode_checks_block_ids_and_lengths(emulated, monkeypatch):
     rng = np.random.default_rng(0)
-    q, k, v, bt, cl = make_inputs(rng, dtype="float32", head_dim=64, group=2, block_size=16,
-                                  scattered=True, context_lens=[20, 40])
+    q, k, v, bt, cl = make_inputs(
+        rng, dtype="float32", head_dim=64, group=2, block_size=16, scattered=True, context_lens=[20, 40]
+    )
     monkeypatch.setenv("MLXPAGED_DEBUG", "1")
     out = metal.paged_attention_metal(q, k, v, bt, cl, scale=0.125)  # consistent: runs
     assert mismatch(out, paged_attention_reference(q, k, v, bt, cl, 0.125), "float32") <= 1.0
@@ -53,8 +52,11 @@ def test_debug_mode_checks_block_ids_and_lengths(emulated, monkeypatch):
     for bad_id in (k.shape[0], -1):
         t = tables.copy()
         t[1, 2] = bad_id  # the third block of a 40-token sequence: in use
-        with pytest.raises(ValueError, match=rf"block id {bad_id} at block_tables\[1, 2\] is "
-                                             rf"outside the pool of {k.shape[0]} blocks"):
+        with pytest.raises(
+            ValueError,
+            match=rf"block id {bad_id} at block_tables\[1, 2\] is "
+            rf"outside the pool of {k.shape[0]} blocks",
+        ):
             metal.paged_attention_metal(q, k, v, mx.array(t), cl, scale=0.125)
     t = tables.copy()
     t[0, 2] = k.shape[0]  # past the 20-token sequence's two blocks: never read, not an error
@@ -78,14 +80,21 @@ class NameRecorder:
 
         def kernel(**call):
             gen = generated_source(
-                name=kernel_kwargs["name"], input_names=kernel_kwargs["input_names"],
-                output_names=kernel_kwargs["output_names"], source=kernel_kwargs["source"],
-                header=kernel_kwargs["header"], atomic_outputs=False, inputs=call["inputs"],
-                output_dtypes=call["output_dtypes"], template=call["template"])
+                name=kernel_kwargs["name"],
+                input_names=kernel_kwargs["input_names"],
+                output_names=kernel_kwargs["output_names"],
+                source=kernel_kwargs["source"],
+                header=kernel_kwargs["header"],
+                atomic_outputs=False,
+                inputs=call["inputs"],
+                output_dtypes=call["output_dtypes"],
+                template=call["template"],
+            )
             rec.names[-1].add(gen.kernel_name)
             if not metal._families:
                 return real(**call)
             return [mx.zeros(s, dtype=d) for s, d in zip(call["output_shapes"], call["output_dtypes"])]
+
         return kernel
 
 
@@ -122,11 +131,10 @@ def test_decoding_to_5000_tokens_compiles_nothing_after_the_first_step(monkeypat
     assert cache_at_end == cache_after_first == 3
 
 
-
-
-@pytest.mark.parametrize("kind,how", [("paged_attention_merge", "compile"),
-                                      ("paged_attention", "wrong"),
-                                      ("paged_attention_partitioned", "wrong")])
+@pytest.mark.parametrize(
+    "kind,how",
+    [("paged_attention_merge", "compile"), ("paged_attention", "wrong"), ("paged_attention_partitioned", "wrong")],
+)
 def test_failed_variant_falls_back_to_the_reference_with_one_warning(monkeypatch, kind, how):
     factory = FaultyFactory(kind, how)
     monkeypatch.setattr(metal, "_metal_kernel_factory", lambda: factory)
@@ -137,8 +145,9 @@ def test_failed_variant_falls_back_to_the_reference_with_one_warning(monkeypatch
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             for lens in ([5, 40], [3, 1200]):  # single pass, then the split path
-                args = make_inputs(rng, dtype="float16", head_dim=64, group=2, block_size=16,
-                                   scattered=True, context_lens=lens)
+                args = make_inputs(
+                    rng, dtype="float16", head_dim=64, group=2, block_size=16, scattered=True, context_lens=lens
+                )
                 out = metal.paged_attention_metal(*args, scale=0.125)
                 ref = paged_attention_reference(*args, 0.125)
                 assert mismatch(out, ref, "float16") <= 1.0
@@ -158,13 +167,14 @@ def test_failed_variant_falls_back_to_the_reference_with_one_warning(monkeypatch
 
 def test_healthy_kernels_pass_the_check_silently(emulated):
     rng = np.random.default_rng(3)
-    args = make_inputs(rng, dtype="bfloat16", head_dim=128, group=7, block_size=1,
-                       scattered=True, context_lens=[9, 600])
+    args = make_inputs(
+        rng, dtype="bfloat16", head_dim=128, group=7, block_size=1, scattered=True, context_lens=[9, 600]
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        out = metal.paged_attention_metal(*args, scale=128 ** -0.5)
+        out = metal.paged_attention_metal(*args, scale=128**-0.5)
     assert all(metal._families.values()) and metal._families
-    assert mismatch(out, paged_attention_reference(*args, 128 ** -0.5), "bfloat16") <= 1.0
+    assert mismatch(out, paged_attention_reference(*args, 128**-0.5), "bfloat16") <= 1.0
 
 
 def test_registers_per_lane_are_bounded():
@@ -198,16 +208,16 @@ def test_query_heads_split_across_simdgroups(emulated, monkeypatch, group, head_
     read once per head group."""
     assert metal.head_splits(group, head_dim) == splits
     rng = np.random.default_rng(group)
-    args = make_inputs(rng, dtype="float16", head_dim=head_dim, group=group, block_size=16,
-                       scattered=True, context_lens=[37, 300])
-    ref = paged_attention_reference(*args, head_dim ** -0.5)
+    args = make_inputs(
+        rng, dtype="float16", head_dim=head_dim, group=group, block_size=16, scattered=True, context_lens=[37, 300]
+    )
+    ref = paged_attention_reference(*args, head_dim**-0.5)
     for order in ORDERS:
         monkeypatch.setenv("MLXPAGED_EMU_ORDER", order)
         for part in (0, 64):
             with warnings.catch_warnings():
                 warnings.simplefilter("error", emu.RegisterBudgetWarning)
-                out, launches = metal.run_with_launches(*args, scale=head_dim ** -0.5,
-                                                        partition_tokens=part)
+                out, launches = metal.run_with_launches(*args, scale=head_dim**-0.5, partition_tokens=part)
             assert mismatch(out, ref, "float16") <= 1.0, (order, part)
             for launch in launches:
                 stats = metal.last_launch_stats(launch)
@@ -231,15 +241,15 @@ def test_token_butterfly_at_every_width(emulated, monkeypatch, group, head_dim):
     (pa_token_sums) at every (G, lanes per token) relation; every lane order, both paths,
     against the reference, with no simd_sum left in the token loop."""
     rng = np.random.default_rng(group)
-    args = make_inputs(rng, dtype="float32", head_dim=head_dim, group=group, block_size=16,
-                       scattered=True, context_lens=[5, 77])
-    ref = paged_attention_reference(*args, head_dim ** -0.5)
+    args = make_inputs(
+        rng, dtype="float32", head_dim=head_dim, group=group, block_size=16, scattered=True, context_lens=[5, 77]
+    )
+    ref = paged_attention_reference(*args, head_dim**-0.5)
     assert metal.head_splits(group, head_dim) == 1
     for order in ORDERS:
         monkeypatch.setenv("MLXPAGED_EMU_ORDER", order)
         for part in (0, 32):
-            out, launches = metal.run_with_launches(*args, scale=head_dim ** -0.5,
-                                                    partition_tokens=part)
+            out, launches = metal.run_with_launches(*args, scale=head_dim**-0.5, partition_tokens=part)
             assert mismatch(out, ref, "float32") <= 1.0, (order, part)
             assert metal.last_launch_stats(launches[0]).simd_reductions == 0
 
@@ -262,19 +272,24 @@ def test_token_sums_helper(emulated, monkeypatch, lanes):
     """pa_token_sums alone, in a one-simdgroup kernel: every lane ends with its sub-group's
     totals of all N values (numpy sums), for N = 1..32 and every lane order."""
     header, _ = metal.kernel_sources()
-    kernel = emu.metal_kernel(name="pa_token_sums_test", input_names=["parts"],
-                              output_names=["out"], source=TOKEN_SUMS_KERNEL, header=header)
+    kernel = emu.metal_kernel(
+        name="pa_token_sums_test", input_names=["parts"], output_names=["out"], source=TOKEN_SUMS_KERNEL, header=header
+    )
     rng = np.random.default_rng(lanes)
     for order in ORDERS:
         monkeypatch.setenv("MLXPAGED_EMU_ORDER", order)
         for n in (1, 2, 3, 5, 7, 8, 9, 16, 17, 32):
             parts = rng.standard_normal((32, n)).astype(np.float32)
-            (out,) = kernel(inputs=[mx.array(parts)], template=[("N", n), ("L", lanes)],
-                            grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(32, n)],
-                            output_dtypes=[mx.float32])
+            (out,) = kernel(
+                inputs=[mx.array(parts)],
+                template=[("N", n), ("L", lanes)],
+                grid=(32, 1, 1),
+                threadgroup=(32, 1, 1),
+                output_shapes=[(32, n)],
+                output_dtypes=[mx.float32],
+            )
             want = np.repeat(parts.reshape(32 // lanes, lanes, n).sum(axis=1), lanes, axis=0)
-            np.testing.assert_allclose(np.array(out), want, rtol=1e-5, atol=1e-5,
-                                       err_msg=f"N={n} L={lanes} {order}")
+            np.testing.assert_allclose(np.array(out), want, rtol=1e-5, atol=1e-5, err_msg=f"N={n} L={lanes} {order}")
 
 
 @pytest.mark.parametrize("group,head_dim", [(7, 64), (7, 128)])
@@ -311,10 +326,10 @@ def test_bytes_read_within_5_percent_at_every_block_size(emulated, block_size):
 
     rng = np.random.default_rng(8)
     for lens, split in (([300, 129], False), ([1100, 1030], True)):
-        q, k, v, bt, cl = make_inputs(rng, dtype="float16", head_dim=128, group=6,
-                                      block_size=block_size, scattered=True, context_lens=lens)
-        out, launches = metal.run_with_launches(q, k, v, bt, cl, scale=0.1,
-                                                partition_tokens=None if split else 0)
+        q, k, v, bt, cl = make_inputs(
+            rng, dtype="float16", head_dim=128, group=6, block_size=block_size, scattered=True, context_lens=lens
+        )
+        out, launches = metal.run_with_launches(q, k, v, bt, cl, scale=0.1, partition_tokens=None if split else 0)
         assert (launches[-1].kind == "paged_attention_merge") == split
         check_reads_only(launches)
         ratio = metal.bytes_read(launches) / metal.minimum_bytes(q, k, cl)

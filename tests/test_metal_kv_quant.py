@@ -62,8 +62,7 @@ VARLEN_BATCH = ([1, 7, 16, 33, 20], [300, 1, 15, 0, 16])  # (q_lens, cached pref
 
 def case_id(c: dict) -> str:
     path = ("-split" if c["split"] else "-single") if "split" in c else ""
-    return (f"{c['dtype']}-hd{c['head_dim']}-g{c['group']}-bs{c['block_size']}-q{c['bits']}"
-            f"-gs{c['kv_group']}{path}")
+    return f"{c['dtype']}-hd{c['head_dim']}-g{c['group']}-bs{c['block_size']}-q{c['bits']}-gs{c['kv_group']}{path}"
 
 
 def tables_for(rng, context_lens, block_size):
@@ -75,33 +74,40 @@ def tables_for(rng, context_lens, block_size):
     tables = rng.integers(0, pool, size=(len(context_lens), max(nblocks) + 1)).astype(np.int32)
     start = 0
     for i, n in enumerate(nblocks):
-        tables[i, :n] = ids[start:start + n]
+        tables[i, :n] = ids[start : start + n]
         start += n
     return mx.array(tables), pool
 
 
 def quantized_pools(rng, pool, num_kv_heads, block_size, head_dim, dtype, bits, kv_group):
     shape = (pool, num_kv_heads, block_size, head_dim)
-    return [QuantizedPool.quantize(mx.array(rng.standard_normal(shape), dtype=DTYPES[dtype]),
-                                   bits, kv_group) for _ in range(2)]
+    return [
+        QuantizedPool.quantize(mx.array(rng.standard_normal(shape), dtype=DTYPES[dtype]), bits, kv_group)
+        for _ in range(2)
+    ]
 
 
 def decode_inputs(rng, c, context_lens, num_kv_heads=2):
     tables, pool = tables_for(rng, context_lens, c["block_size"])
-    k, v = quantized_pools(rng, pool, num_kv_heads, c["block_size"], c["head_dim"], c["dtype"],
-                           c["bits"], c["kv_group"])
-    q = mx.array(1.5 * rng.standard_normal((len(context_lens), num_kv_heads * c["group"],
-                                            c["head_dim"])), dtype=DTYPES[c["dtype"]])
+    k, v = quantized_pools(
+        rng, pool, num_kv_heads, c["block_size"], c["head_dim"], c["dtype"], c["bits"], c["kv_group"]
+    )
+    q = mx.array(
+        1.5 * rng.standard_normal((len(context_lens), num_kv_heads * c["group"], c["head_dim"])),
+        dtype=DTYPES[c["dtype"]],
+    )
     return q, k, v, tables, mx.array(np.array(context_lens, np.int32))
 
 
 def varlen_inputs(rng, c, q_lens, prefixes, num_kv_heads=2):
     ctx = [n + p for n, p in zip(q_lens, prefixes)]
     tables, pool = tables_for(rng, ctx, c["block_size"])
-    k, v = quantized_pools(rng, pool, num_kv_heads, c["block_size"], c["head_dim"], c["dtype"],
-                           c["bits"], c["kv_group"])
-    q = mx.array(1.5 * rng.standard_normal((sum(q_lens), num_kv_heads * c["group"],
-                                            c["head_dim"])), dtype=DTYPES[c["dtype"]])
+    k, v = quantized_pools(
+        rng, pool, num_kv_heads, c["block_size"], c["head_dim"], c["dtype"], c["bits"], c["kv_group"]
+    )
+    q = mx.array(
+        1.5 * rng.standard_normal((sum(q_lens), num_kv_heads * c["group"], c["head_dim"])), dtype=DTYPES[c["dtype"]]
+    )
     cu = mx.array(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
     return q, k, v, tables, cu, mx.array(np.array(ctx, np.int32))
 
@@ -125,8 +131,6 @@ def varlen_reference(q, k, v, *rest, scale):
     return paged_attention_varlen_reference(q.astype(mx.float32), *kv, *rest, scale).astype(q.dtype)
 
 
-
-
 def run_decode(c: dict, seed: int = 0) -> float:
     rng = np.random.default_rng(seed)
     bs = c["block_size"]
@@ -135,11 +139,11 @@ def run_decode(c: dict, seed: int = 0) -> float:
     lens = [1, 2 * bs, bs + 3] + ([2 * shortest + 3 * bs + 5] if c["split"] else [])
     q, k, v, bt, cl = decode_inputs(rng, c, lens)
     scale = c["head_dim"] ** -0.5
-    out, launches = metal.run_with_launches(q, k, v, bt, cl, scale=scale,
-                                            partition_tokens=None if c["split"] else 0)
+    out, launches = metal.run_with_launches(q, k, v, bt, cl, scale=scale, partition_tokens=None if c["split"] else 0)
     kinds = [l.kind for l in launches]
-    assert kinds == (["paged_attention_partitioned_quant", "paged_attention_merge"]
-                     if c["split"] else ["paged_attention_quant"]), kinds
+    assert kinds == (
+        ["paged_attention_partitioned_quant", "paged_attention_merge"] if c["split"] else ["paged_attention_quant"]
+    ), kinds
     assert out.dtype == q.dtype and out.shape == q.shape
     return mismatch(out, decode_reference(q, k, v, bt, cl, scale), c["dtype"])
 
@@ -168,15 +172,13 @@ def test_mlx_packs_codes_lsb_first():
             codes = (words[:, j * bits // 32] >> ((j * bits) % 32).astype(np.uint64)) & (2**bits - 1)
             scales = np.repeat(np.array(pool.scales), gs, axis=1)
             biases = np.repeat(np.array(pool.biases), gs, axis=1)
-            np.testing.assert_array_equal(scales * codes.astype(np.float32) + biases,
-                                          np.array(pool.dequantize()))
+            np.testing.assert_array_equal(scales * codes.astype(np.float32) + biases, np.array(pool.dequantize()))
 
 
 DECODE_CASES = pairwise(DECODE_FACTORS)
 
 
-@pytest.mark.parametrize("i,case", list(enumerate(DECODE_CASES)),
-                         ids=[case_id(c) for c in DECODE_CASES])
+@pytest.mark.parametrize("i,case", list(enumerate(DECODE_CASES)), ids=[case_id(c) for c in DECODE_CASES])
 def test_decode_kernel_matches_reference(emulated, i, case):
     order = ORDERS[i % len(ORDERS)]
     emulated(order)
@@ -187,8 +189,7 @@ def test_decode_kernel_matches_reference(emulated, i, case):
 VARLEN_CASES = pairwise(VARLEN_FACTORS)
 
 
-@pytest.mark.parametrize("i,case", list(enumerate(VARLEN_CASES)),
-                         ids=[case_id(c) for c in VARLEN_CASES])
+@pytest.mark.parametrize("i,case", list(enumerate(VARLEN_CASES)), ids=[case_id(c) for c in VARLEN_CASES])
 def test_varlen_kernel_matches_reference(emulated, i, case):
     order = ORDERS[i % len(ORDERS)]
     emulated(order)
@@ -205,19 +206,16 @@ DECODE_MUTANTS = [
     ("wrong group size", r"(PAQuantPool)<T, HD, BITS, GS> ([kv])_cache", WRONG_GS, 2),
     ("scales and biases swapped", r"{([kv])_data, \1_scales, \1_biases}", SWAPPED, 2),
     ("nibble order swapped", re.escape("((i * BITS) % 32)"), "((((i ^ 1) * BITS)) % 32)", 1),
-    ("every lane takes group 0's scale", re.escape("(ushort)(base + sl * D / GS)"),
-     "(ushort)base", 1),
+    ("every lane takes group 0's scale", re.escape("(ushort)(base + sl * D / GS)"), "(ushort)base", 1),
 ]
 VARLEN_MUTANTS = [
     ("wrong group size", r"(PAVQuantPool)<T, HD, BITS, GS> ([kv])_cache", WRONG_GS, 2),
     ("scales and biases swapped", r"{([kv])_data, \1_scales, \1_biases}", SWAPPED, 2),
     ("nibble order swapped", re.escape("(x >> (k * BITS))"), "(x >> ((k ^ 1) * BITS))", 1),
     # Staging over all threads: a group's scale and bias come from its first lane.
-    ("scale and bias not shuffled from the group's lane", re.escape("(ushort)(lane - lane % W)"),
-     "(ushort)lane", 1),
+    ("scale and bias not shuffled from the group's lane", re.escape("(ushort)(lane - lane % W)"), "(ushort)lane", 1),
 ]
-MUTANT_CASE = dict(dtype="float32", head_dim=64, group=2, block_size=16, bits=4, kv_group=32,
-                   split=False)
+MUTANT_CASE = dict(dtype="float32", head_dim=64, group=2, block_size=16, bits=4, kv_group=32, split=False)
 
 
 def caught(run) -> list[str]:
@@ -287,15 +285,13 @@ def quant_minimum_decode(q, k, cl) -> int:
     return rows * per_row + q.nbytes + 4 * sum(-(-n // bs) for n in lens) + 4 * len(lens)
 
 
-@pytest.mark.parametrize("group,head_dim,bits,lens", [(7, 64, 4, [1000, 700]),
-                                                      (7, 128, 8, [300, 129])])
+@pytest.mark.parametrize("group,head_dim,bits,lens", [(7, 64, 4, [1000, 700]), (7, 128, 8, [300, 129])])
 def test_decode_reads_the_quantized_rows_once(emulated, group, head_dim, bits, lens):
     """Qwen2.5-0.5B (G 7, head_dim 64) at 4 bits and -7B (head_dim 128) at 8 bits, block 16,
     single pass: bytes read within 5% of the quantized minimum, every code, scale and bias
     byte read exactly once, and no input written."""
     emulated("forward")
-    c = dict(dtype="float16", head_dim=head_dim, group=group, block_size=16, bits=bits,
-             kv_group=32)
+    c = dict(dtype="float16", head_dim=head_dim, group=group, block_size=16, bits=bits, kv_group=32)
     q, k, v, bt, cl = decode_inputs(np.random.default_rng(3), c, lens)
     out, (launch,) = metal.run_with_launches(q, k, v, bt, cl, scale=0.1, partition_tokens=0)
     stats = metal.last_launch_stats(launch)
@@ -321,8 +317,7 @@ def test_decode_head_dim_32(emulated, bits):
     for order in ORDERS:
         emulated(order)
         for part in (0, 64):
-            out, launches = metal.run_with_launches(q, k, v, bt, cl, scale=0.2,
-                                                    partition_tokens=part)
+            out, launches = metal.run_with_launches(q, k, v, bt, cl, scale=0.2, partition_tokens=part)
             assert mismatch(out, ref, "float16") <= 1.0, (order, part)
     stats = metal.last_launch_stats(launches[0])
     assert stats.bytes_read["k_data"] == stats.bytes_read["v_data"] == 345 * 2 * 32 * bits // 8
@@ -338,8 +333,7 @@ def test_split_path_reads_within_5_percent_of_the_quantized_minimum(emulated, bi
     rng = np.random.default_rng(11)
     q, k, v, bt, cl = decode_inputs(rng, c, [2600, 700])
     out, launches = metal.run_with_launches(q, k, v, bt, cl, scale=0.125)
-    assert [l.kind for l in launches] == ["paged_attention_partitioned_quant",
-                                          "paged_attention_merge"]
+    assert [l.kind for l in launches] == ["paged_attention_partitioned_quant", "paged_attention_merge"]
     ratio = metal.bytes_read(launches) / metal.minimum_bytes(q, k, cl)
     assert 1.0 <= ratio <= 1.05, ratio
     assert mismatch(out, decode_reference(q, k, v, bt, cl, 0.125), "float16") <= 1.0
@@ -378,8 +372,9 @@ def test_startup_check_builds_the_quantized_variants(emulated):
     assert [key[-1] for key in metal._families] == [(8, 64)] and all(metal._families.values())
     factory = metal._metal_kernel_factory()
     for kind in (*metal.QUANT_KERNEL_IO, "paged_attention_merge"):  # each built and run once
-        variant = (f"hd128_nsg{metal.MERGE_SIMDGROUPS}" if kind == "paged_attention_merge"
-                   else "hd128_bs16_g7_nsg8_q8_gs64")
+        variant = (
+            f"hd128_nsg{metal.MERGE_SIMDGROUPS}" if kind == "paged_attention_merge" else "hd128_bs16_g7_nsg8_q8_gs64"
+        )
         assert metal._kernel(factory, kind, variant).last_launch is not None, kind
     assert mismatch(out, decode_reference(q, k, v, bt, cl, 0.1), "bfloat16") <= 1.0
 
@@ -455,7 +450,8 @@ def test_source_parity_and_registers(emulated):
     assert vl[0].kernel.last_source == emu.mlx_compiled_source(vl[0].kernel_kwargs, vl[0].call)
     assert not vl[0].kernel.last_launch.over_register_budget
     assert vl[0].kernel.last_launch.threadgroup_memory_bytes == mv.threadgroup_bytes(
-        mv.plan(128, 8, 7, 2, mma=False), 2)  # a quantized cache keeps the lanes-per-row kernel
+        mv.plan(128, 8, 7, 2, mma=False), 2
+    )  # a quantized cache keeps the lanes-per-row kernel
 
 
 def test_tiny_pools_are_padded_to_device_buffers(emulated):
@@ -475,8 +471,9 @@ def test_tiny_pools_are_padded_to_device_buffers(emulated):
 def run_engine(loaded, impl, bits):
     from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 
-    engine = LLMEngine(loaded, EngineConfig(block_size=16, num_blocks=64, attention_impl=impl,
-                                            kv_bits=bits, kv_group_size=32))
+    engine = LLMEngine(
+        loaded, EngineConfig(block_size=16, num_blocks=64, attention_impl=impl, kv_bits=bits, kv_group_size=32)
+    )
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     for p in ["The KV cache stores", "Paged attention borrows an idea from operating systems:"]:
         engine.add_request(p, params)

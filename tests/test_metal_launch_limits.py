@@ -28,14 +28,17 @@ def inputs(rng, q_lens, prefixes, *, head_dim=32, group=1, kv_heads=1, bs=16, dt
     tables = np.zeros((len(ctx), max(nblocks)), np.int32)
     start = 0
     for i, n in enumerate(nblocks):
-        tables[i, :n] = ids[start:start + n]
+        tables[i, :n] = ids[start : start + n]
         start += n
     shape = (pool, kv_heads, bs, head_dim)
-    return (mx.array(rng.standard_normal((sum(q_lens), kv_heads * group, head_dim)), dtype=dtype),
-            mx.array(rng.standard_normal(shape), dtype=dtype),
-            mx.array(rng.standard_normal(shape), dtype=dtype), mx.array(tables),
-            mx.array(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)),
-            mx.array(np.array(ctx, np.int32)))
+    return (
+        mx.array(rng.standard_normal((sum(q_lens), kv_heads * group, head_dim)), dtype=dtype),
+        mx.array(rng.standard_normal(shape), dtype=dtype),
+        mx.array(rng.standard_normal(shape), dtype=dtype),
+        mx.array(tables),
+        mx.array(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)),
+        mx.array(np.array(ctx, np.int32)),
+    )
 
 
 def reference(q, k, v, *rest, scale):
@@ -43,9 +46,8 @@ def reference(q, k, v, *rest, scale):
     return paged_attention_varlen_reference(*f32, *rest, scale)
 
 
-
-
 # --- register file ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("mma,quant,group", [(True, None, 2), (False, None, 3), (False, (4, 32), 2)])
 def test_plan_registers_are_the_emulators(emulated, monkeypatch, mma, quant, group):
@@ -118,7 +120,6 @@ def test_emulator_refuses_a_launch_past_the_register_file():
 # --- the checked variant is the one that runs ------------------------------------------------
 
 
-
 def test_kernel_names_do_not_change_with_the_batch(monkeypatch):
     factory = Recording()
     monkeypatch.setattr(metal, "_metal_kernel_factory", lambda: factory)
@@ -133,8 +134,11 @@ def test_kernel_names_do_not_change_with_the_batch(monkeypatch):
         used = set()
         for n in (1, 2, 3, 4, 5, 9, 17, 64):
             for mix in ("decode", "prefill", "mixed"):
-                q_lens = {"decode": [1] * n, "prefill": list(rng.integers(2, 40, n)),
-                          "mixed": list(rng.choice([1, 1, 2, 17, 33], n))}[mix]
+                q_lens = {
+                    "decode": [1] * n,
+                    "prefill": list(rng.integers(2, 40, n)),
+                    "mixed": list(rng.choice([1, 1, 2, 17, 33], n)),
+                }[mix]
                 prefixes = list(rng.integers(0, 40, n))
                 args = inputs(rng, [int(x) for x in q_lens], [int(p) for p in prefixes])
                 factory.names.clear()
@@ -163,8 +167,7 @@ def test_mid_serving_failure_falls_back_with_one_warning(monkeypatch):
             for _ in range(3):
                 args = inputs(rng, [5, 1, 12], [3, 20, 0], group=2)
                 out = paged_attention_varlen(*args, scale=0.3, impl="metal")
-                np.testing.assert_allclose(np.array(out), np.array(reference(*args, scale=0.3)),
-                                           atol=2e-5, rtol=2e-4)
+                np.testing.assert_allclose(np.array(out), np.array(reference(*args, scale=0.3)), atol=2e-5, rtol=2e-4)
         runtime = [w for w in caught if issubclass(w.category, RuntimeWarning)]
         assert len(runtime) == 1, [str(w.message) for w in runtime]
         assert "Unable to build metal library" in str(runtime[0].message)
@@ -190,6 +193,7 @@ def test_mid_serving_failure_raises_when_strict(monkeypatch):
 
 
 # --- context lengths clamped to the real table width -----------------------------------------
+
 
 def _attend_all(q, k, v, scale):
     """numpy: each query row attends to every key row (fp64)."""

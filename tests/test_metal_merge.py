@@ -38,8 +38,9 @@ def reference(out, pmax, psum):
     return np.where(total[..., None] > 0, num / np.where(total > 0, total, 1)[..., None], 0.0)
 
 
-@pytest.mark.parametrize("parts,head_dim,empty", [(1, 64, 0.0), (5, 128, 0.3), (37, 64, 0.5),
-                                                  (128, 256, 0.2), (300, 64, 0.1)])
+@pytest.mark.parametrize(
+    "parts,head_dim,empty", [(1, 64, 0.0), (5, 128, 0.3), (37, 64, 0.5), (128, 256, 0.2), (300, 64, 0.1)]
+)
 def test_merge_matches_log_sum_exp(monkeypatch, parts, head_dim, empty):
     """1 partition (one simdgroup busy), a few, 37 (uneven over 4 simdgroups), 128 (one per
     lane) and 300 (each simdgroup folds several rounds of 32 online), with empty partitions."""
@@ -63,13 +64,14 @@ def test_merge_matches_log_sum_exp(monkeypatch, parts, head_dim, empty):
 
 
 MERGE_MUTANTS = [  # (description, exact text of the merge body, replacement)
-    ("no online rescale across rounds", "    acc[i] *= corr;\n  }\n  m = m_new;",
-     "    acc[i] *= 1.0f;\n  }\n  m = m_new;"),
+    (
+        "no online rescale across rounds",
+        "    acc[i] *= corr;\n  }\n  m = m_new;",
+        "    acc[i] *= 1.0f;\n  }\n  m = m_new;",
+    ),
     ("sum of one lane's partition only", "l += simd_sum(w * ps);", "l += w * ps;"),
-    ("simdgroups combined without rescale", "x += f * tg_acc[s * HD + d];",
-     "x += tg_acc[s * HD + d];"),
-    ("partitions strided by one simdgroup", "const int p = p0 + (int)lane * NSG;",
-     "const int p = p0 + (int)lane;"),
+    ("simdgroups combined without rescale", "x += f * tg_acc[s * HD + d];", "x += tg_acc[s * HD + d];"),
+    ("partitions strided by one simdgroup", "const int p = p0 + (int)lane * NSG;", "const int p = p0 + (int)lane;"),
 ]
 
 
@@ -86,8 +88,7 @@ def test_merge_mutants_are_caught(monkeypatch, mutant):
     try:
         with emu.emulate():
             try:
-                got = np.array(metal.merge_launch(*(mx.array(a) for a in arrays),
-                                                  mx.float32).run()[0])
+                got = np.array(metal.merge_launch(*(mx.array(a) for a in arrays), mx.float32).run()[0])
             except emu.MetalEmuError:  # e.g. an out-of-bounds read: caught too
                 return
     finally:

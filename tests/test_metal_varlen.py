@@ -73,7 +73,7 @@ def make_inputs(rng, *, dtype, head_dim, group, block_size, q_lens, prefixes, nu
     tables = rng.integers(0, pool, size=(len(ctx), max(nblocks) + 1)).astype(np.int32)
     start = 0
     for i, n in enumerate(nblocks):
-        tables[i, :n] = ids[start:start + n]
+        tables[i, :n] = ids[start : start + n]
         start += n
     shape = (pool, num_kv_heads, block_size, head_dim)
     dt = DTYPES[dtype]
@@ -98,8 +98,6 @@ def path(request, monkeypatch):
 KIND = {"mma": mv.MMA_KERNEL, "lanes": mv.KERNEL}
 
 
-
-
 def mismatch(out: mx.array, ref: mx.array, dtype: str) -> float:
     """Largest |out - ref| / (atol + rtol |ref|): at most 1 passes; NaN never does."""
     atol, rtol = TOLERANCE[dtype]
@@ -116,8 +114,15 @@ def reference(q, k, v, *rest, scale):
 
 def run_case(c: dict, batch=SMALL_BATCH, seed: int = 0, kind: str | None = None) -> float:
     rng = np.random.default_rng(seed)
-    args = make_inputs(rng, dtype=c["dtype"], head_dim=c["head_dim"], group=c["group"],
-                       block_size=c["block_size"], q_lens=batch[0], prefixes=batch[1])
+    args = make_inputs(
+        rng,
+        dtype=c["dtype"],
+        head_dim=c["head_dim"],
+        group=c["group"],
+        block_size=c["block_size"],
+        q_lens=batch[0],
+        prefixes=batch[1],
+    )
     scale = c["head_dim"] ** -0.5
     out, launches = mv.run_with_launches(*args, scale=scale)
     assert isinstance(launches[0], mv.Launch)  # the varlen kernel ran (decodes may follow)
@@ -138,19 +143,20 @@ def test_kernel_matches_reference(emulated, path, case):
 def test_issue_batch(emulated, path):
     """The issue's ragged batch: a 513-token chunk over nothing, 100 over 16, ... 1 over 1000."""
     emulated("random:11")
-    err = run_case(dict(dtype="float16", head_dim=64, group=1, block_size=16), ISSUE_BATCH,
-                   kind=KIND[path])
+    err = run_case(dict(dtype="float16", head_dim=64, group=1, block_size=16), ISSUE_BATCH, kind=KIND[path])
     assert err <= 1.0, err
 
 
-@pytest.mark.skipif(not FULL_SWEEP, reason="[expected] opt-in (MLXPAGED_FULL_SWEEP=1), about 50 s; the default sweep covers the MMA kernel at smaller shapes")
+@pytest.mark.skipif(
+    not FULL_SWEEP,
+    reason="[expected] opt-in (MLXPAGED_FULL_SWEEP=1), about 50 s; the default sweep covers the MMA kernel at smaller shapes",
+)
 def test_issue_batch_mma_largest_shape(emulated):
     """The issue's batch on the MMA kernel at the default sweep's largest shape (head_dim 128,
     7 query heads per kv head: 14 simdgroups, 16-key chunks) in float32, the tightest tolerance.
     (About 40 s; `MLXPAGED_FULL_SWEEP=1` runs every shape on this batch.)"""
     emulated("reverse")
-    err = run_case(dict(dtype="float32", head_dim=128, group=7, block_size=1), ISSUE_BATCH,
-                   kind=mv.MMA_KERNEL)
+    err = run_case(dict(dtype="float32", head_dim=128, group=7, block_size=1), ISSUE_BATCH, kind=mv.MMA_KERNEL)
     assert err <= 1.0, err
 
 
@@ -171,11 +177,10 @@ def test_dispatcher_metal_impl(emulated, q_lens, prefixes):
     from mlxpaged.attention import paged_attention_varlen
 
     rng = np.random.default_rng(1)
-    args = make_inputs(rng, dtype="float16", head_dim=64, group=7, block_size=16,
-                       q_lens=q_lens, prefixes=prefixes)
+    args = make_inputs(rng, dtype="float16", head_dim=64, group=7, block_size=16, q_lens=q_lens, prefixes=prefixes)
     out = paged_attention_varlen(*args, impl="metal")
     assert out.shape == args[0].shape
-    assert mismatch(out, reference(*args, scale=64 ** -0.5), "float16") <= 1.0
+    assert mismatch(out, reference(*args, scale=64**-0.5), "float16") <= 1.0
 
 
 def test_tile_map():
@@ -222,8 +227,11 @@ MMA_MUTANTS = [
     ("mma: scores not scaled", "sc * sf[kb]", "sf[kb]"),
     ("mma: scores not in the log2 domain", "sc = scale * PAV_LOG2E;", "sc = scale;"),
     ("mma: key blocks past the chunk scored", "if (kb < nkb) {", "if (true) {"),
-    ("mma: query head from the wrong strip", "const int g = hg * GH + sg / (TQ / 8);",
-     "const int g = hg * GH + sg % G;"),
+    (
+        "mma: query head from the wrong strip",
+        "const int g = hg * GH + sg / (TQ / 8);",
+        "const int g = hg * GH + sg % G;",
+    ),
     ("mma: block table ignored", "block_tables[(size_t)seq * max_blocks + b0 + b]", "b0 + b"),
 ] + [(f"mma: missing barrier {n + 1}", BARRIER, n) for n in range(2)]
 
@@ -238,12 +246,11 @@ def mutate(monkeypatch, old: str, new, kind: str = mv.KERNEL):
         i = -1
         for _ in range(new + 1):
             i = body.index(old, i + 1)
-        body = body[:i] + body[i + len(old):]
+        body = body[:i] + body[i + len(old) :]
     else:
         assert old in body, f"mutant anchor {old!r} does not occur"
         body = body.replace(old, new)
-    monkeypatch.setattr(mv, "kernel_sources",
-                        lambda name=mv.KERNEL: (header, body) if name == kind else real(name))
+    monkeypatch.setattr(mv, "kernel_sources", lambda name=mv.KERNEL: (header, body) if name == kind else real(name))
     mv._kernel.cache_clear()
 
 
@@ -310,15 +317,13 @@ def test_tile_map_mutants_are_caught(emulated, path, monkeypatch, mutant):
     assert len(caught_under(ORDERS, run)) == len(ORDERS)
 
 
-@pytest.mark.parametrize("dtype,q_lens,prefixes", [(d, [3, 20], [0, 9]) for d in DTYPES]
-                         + [("float16", [20], [0])])
+@pytest.mark.parametrize("dtype,q_lens,prefixes", [(d, [3, 20], [0, 9]) for d in DTYPES] + [("float16", [20], [0])])
 def test_source_parity(emulated, path, dtype, q_lens, prefixes):
     """The emulator compiled exactly the text MLX would hand the Metal compiler (with one
     sequence too: the block table, cu_seqlens_q, context_lens and tiles are padded to 8
     elements, so MLX passes them in the device address space under the checked name)."""
     rng = np.random.default_rng(2)
-    args = make_inputs(rng, dtype=dtype, head_dim=64, group=2, block_size=16,
-                       q_lens=q_lens, prefixes=prefixes)
+    args = make_inputs(rng, dtype=dtype, head_dim=64, group=2, block_size=16, q_lens=q_lens, prefixes=prefixes)
     _, (launch,) = mv.run_with_launches(*args, scale=0.125)
     assert launch.kind == KIND[path]
     assert launch.kernel.last_source == emu.mlx_compiled_source(launch.kernel_kwargs, launch.call)
@@ -343,8 +348,9 @@ def test_reads_each_row_once_per_tile(emulated, path):
     emulated("forward")
     rng = np.random.default_rng(3)
     q_lens, prefixes = [64, 1], [256, 40]
-    q, k, v, bt, cu, cl = make_inputs(rng, dtype="float16", head_dim=128, group=6, block_size=16,
-                                      q_lens=q_lens, prefixes=prefixes)
+    q, k, v, bt, cu, cl = make_inputs(
+        rng, dtype="float16", head_dim=128, group=6, block_size=16, q_lens=q_lens, prefixes=prefixes
+    )
     _, launches = mv.run_with_launches(q, k, v, bt, cu, cl, scale=0.1)
     assert launches[0].kind == KIND[path]
     kernel = launches[0].kernel
@@ -368,8 +374,7 @@ def test_mma_cost_counts(emulated, monkeypatch):
     emulated("forward")
     rng = np.random.default_rng(7)
     hd, g, q_lens, prefixes = 128, 6, [40, 9], [21, 0]
-    args = make_inputs(rng, dtype="float16", head_dim=hd, group=g, block_size=16,
-                       q_lens=q_lens, prefixes=prefixes)
+    args = make_inputs(rng, dtype="float16", head_dim=hd, group=g, block_size=16, q_lens=q_lens, prefixes=prefixes)
     _, (launch,) = mv.run_with_launches(*args, scale=0.1)
     st = launch.kernel.last_launch
     p = mv.plan(hd, 16, g, 2)
@@ -397,8 +402,9 @@ def test_reads_at_qwen_shapes_512_over_2048(emulated, path):
     at most 1.10x the decode minimum x ceil(512 / 16)."""
     emulated("forward")
     rng = np.random.default_rng(4)
-    q, k, v, bt, cu, cl = make_inputs(rng, dtype="float16", head_dim=128, group=6, block_size=16,
-                                      q_lens=[512], prefixes=[2048])
+    q, k, v, bt, cu, cl = make_inputs(
+        rng, dtype="float16", head_dim=128, group=6, block_size=16, q_lens=[512], prefixes=[2048]
+    )
     _, (launch,) = mv.run_with_launches(q, k, v, bt, cu, cl, scale=0.1)
     read = sum(launch.kernel.last_stats.values())
     assert read <= 1.10 * metal.minimum_bytes(q, k, cl) * 32
@@ -408,8 +414,9 @@ def test_reads_at_qwen_shapes_512_over_2048(emulated, path):
 def test_threadgroup_memory(emulated, head_dim, block_size, group):
     """The wrapper's threadgroup-memory estimate matches the kernel's, under 32 KiB."""
     rng = np.random.default_rng(5)
-    args = make_inputs(rng, dtype="bfloat16", head_dim=head_dim, group=group,
-                       block_size=block_size, q_lens=[3, 18], prefixes=[0, 5])
+    args = make_inputs(
+        rng, dtype="bfloat16", head_dim=head_dim, group=group, block_size=block_size, q_lens=[3, 18], prefixes=[0, 5]
+    )
     _, (launch,) = mv.run_with_launches(*args, scale=0.1)
     p = mv.plan(head_dim, block_size, group, 2)
     assert launch.kernel.last_launch.threadgroup_memory_bytes == mv.threadgroup_bytes(p, 2) <= 32768
@@ -419,8 +426,9 @@ def test_threadgroup_memory(emulated, head_dim, block_size, group):
 def test_query_dtype_differs_from_cache(emulated):
     """A float32 query on a float16 pool: computed in the pool's dtype, returned in q's."""
     rng = np.random.default_rng(6)
-    q, k, v, bt, cu, cl = make_inputs(rng, dtype="float16", head_dim=64, group=6, block_size=16,
-                                      q_lens=[7, 1, 20], prefixes=[3, 30, 0])
+    q, k, v, bt, cu, cl = make_inputs(
+        rng, dtype="float16", head_dim=64, group=6, block_size=16, q_lens=[7, 1, 20], prefixes=[3, 30, 0]
+    )
     q32 = q.astype(mx.float32)
     out = mv.paged_attention_varlen_metal(q32, k, v, bt, cu, cl, scale=0.125)
     assert out.dtype == mx.float32
@@ -432,8 +440,9 @@ def test_plan_fits_every_supported_shape():
     """Every head_dim (multiple of 32 up to 256), group and block size gets lanes for each row,
     at most 32 dims of a row per lane (or an MMA simdgroup per 8 rows), and at most 32 KiB of
     threadgroup memory."""
-    for hd, g, bs, size in itertools.product((32, 64, 128, 160, 256), (1, 2, 6, 7, 16, 40),
-                                             (1, 2, 16, 64, 256), (2, 4)):
+    for hd, g, bs, size in itertools.product(
+        (32, 64, 128, 160, 256), (1, 2, 6, 7, 16, 40), (1, 2, 16, 64, 256), (2, 4)
+    ):
         p = mv.plan(hd, bs, g, size)
         threads = 32 * p.simdgroups
         gh = -(-g // p.head_splits)  # query heads per threadgroup
@@ -461,11 +470,11 @@ def test_engine_prefills_through_the_kernel(tiny_loaded, monkeypatch):
     prompts = [[(7 * i + 3 * j) % 200 + 1 for j in range(n)] for i, n in enumerate((40, 21, 3))]
 
     def run(impl):
-        engine = LLMEngine(tiny_loaded, EngineConfig(block_size=4, num_blocks=96, attention_impl=impl,
-                                                     max_num_batched_tokens=24))
+        engine = LLMEngine(
+            tiny_loaded, EngineConfig(block_size=4, num_blocks=96, attention_impl=impl, max_num_batched_tokens=24)
+        )
         for i, p in enumerate(prompts):
-            engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
-                               request_id=str(i))
+            engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), request_id=str(i))
         done = {}
         while engine.has_unfinished_requests():
             done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
@@ -501,7 +510,10 @@ def test_first_use_check_guards_the_varlen_kernel(monkeypatch):
     with emu.emulate():
         try:
             for _ in range(2):  # a sound kernel: checked once, then used
-                assert mismatch(paged_attention_varlen(*prefill, scale=0.125, impl="metal"), want[id(prefill)], "float16") <= 1.0
+                assert (
+                    mismatch(paged_attention_varlen(*prefill, scale=0.125, impl="metal"), want[id(prefill)], "float16")
+                    <= 1.0
+                )
             assert [r for r in runs if r.startswith("varlen")] == [runs[0]]  # (the decode kernels check their own)
 
             zeros = lambda *a, **k: lambda **call: [mx.zeros(call["output_shapes"][0], call["output_dtypes"][0])]
@@ -509,7 +521,9 @@ def test_first_use_check_guards_the_varlen_kernel(monkeypatch):
             metal.reset_kernels()
             with pytest.warns(RuntimeWarning, match="kernel check failed.*varlen"):
                 out = paged_attention_varlen(*prefill, scale=0.125, impl="metal")
-            same_as_reference = lambda out, a: mx.array_equal(out, paged_attention_varlen(*a, scale=0.125, impl="reference")).item()
+            same_as_reference = lambda out, a: mx.array_equal(
+                out, paged_attention_varlen(*a, scale=0.125, impl="reference")
+            ).item()
             assert same_as_reference(out, prefill)
             import warnings
 
@@ -517,8 +531,13 @@ def test_first_use_check_guards_the_varlen_kernel(monkeypatch):
                 warnings.simplefilter("error")  # the verdict is kept: no second check, no warning
                 assert same_as_reference(paged_attention_varlen(*prefill, scale=0.125, impl="metal"), prefill)
                 _, launches = metal.run_with_launches(*decode[:4], decode[5], scale=0.125)  # the decode kernel itself
-                assert launches and mismatch(paged_attention_varlen(*decode, scale=0.125, impl="metal"),
-                                             want[id(decode)], "float16") <= 1.0
+                assert (
+                    launches
+                    and mismatch(
+                        paged_attention_varlen(*decode, scale=0.125, impl="metal"), want[id(decode)], "float16"
+                    )
+                    <= 1.0
+                )
             assert len([r for r in runs if r.startswith("varlen")]) == 2
 
             metal.reset_kernels()

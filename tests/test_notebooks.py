@@ -57,8 +57,13 @@ def execute(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
 
 def printed(nb: nbformat.NotebookNode) -> str:
     """Everything the cells wrote to stdout, in order."""
-    return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                   for o in c.get("outputs", []) if o.output_type == "stream" and o.name == "stdout")
+    return "".join(
+        o.get("text", "")
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+        if o.output_type == "stream" and o.name == "stdout"
+    )
 
 
 def png_count(nb: nbformat.NotebookNode) -> int:
@@ -79,8 +84,10 @@ def check_engine_figures(text: str) -> None:
     bs, prompt, n, new = 16, 44, 4, 64
     own = -(-(prompt + new) // bs) - prompt // bs
     peak, unshared = prompt // bs + n * own, n * -(-(prompt + new) // bs)
-    assert (f"{prompt}-token prompt, {n} samples of {new} tokens: {peak} blocks in use at peak, "
-            f"{unshared} without sharing, {n - 1} copy-on-write copies") in text
+    assert (
+        f"{prompt}-token prompt, {n} samples of {new} tokens: {peak} blocks in use at peak, "
+        f"{unshared} without sharing, {n - 1} copy-on-write copies"
+    ) in text
     assert "distinct samples: 4 of 4" in text
     # Section 5: RequestOutput.num_cached_tokens of A, B (shares A's first 85 tokens), C.
     for rid, reused in (("A", 0), ("B", 80), ("C", 0)):
@@ -135,7 +142,8 @@ def test_committed_notebook_is_its_source_run_on_the_real_model():
     built = build_notebook.build()
     committed = nbformat.read(WALKTHROUGH, as_version=4)
     assert [(c.cell_type, c.source) for c in committed.cells] == [(c.cell_type, c.source) for c in built.cells], (
-        "paged_attention.ipynb is stale: run python notebooks/build_notebook.py --execute")
+        "paged_attention.ipynb is stale: run python notebooks/build_notebook.py --execute"
+    )
     ran = committed.metadata.get("mlxpaged", {}).get("executed_sources_sha256")
     assert ran == build_notebook.sources_digest(built), "outputs are not from these cells: rerun with --execute"
     code = [c for c in committed.cells if c.cell_type == "code"]
@@ -162,10 +170,16 @@ def test_bench_rows_are_read_in_every_schema():
     ours, theirs = [10.0, 14.0, 11.0], [9.0, 8.0, 12.0]
     want = lambda v: (statistics.median(v), min(v), max(v))  # noqa: E731
     single = {"case": "batch 1", "mlxpaged": {"output_tps": 10.0}, "mlx_lm": {"output_tps": 9.0}}
-    summarised = {"case": "batch 8", "mlxpaged_output_tps": spread(ours), "mlx_lm_output_tps": spread(theirs),
-                  "peak_memory_gb": {"mlxpaged": 0.5, "mlx_lm": 1.5}}
-    repeats = {"run": "replay", "runs": [{"mlxpaged": {"output_tps": a}, "mlx_lm": {"output_tps": b}}
-                                        for a, b in zip(ours, theirs)]}
+    summarised = {
+        "case": "batch 8",
+        "mlxpaged_output_tps": spread(ours),
+        "mlx_lm_output_tps": spread(theirs),
+        "peak_memory_gb": {"mlxpaged": 0.5, "mlx_lm": 1.5},
+    }
+    repeats = {
+        "run": "replay",
+        "runs": [{"mlxpaged": {"output_tps": a}, "mlx_lm": {"output_tps": b}} for a, b in zip(ours, theirs)],
+    }
     assert figures_lib.row_measure(single, "mlxpaged", "output_tps") == (10.0, 10.0, 10.0)
     assert figures_lib.row_measure(summarised, "mlxpaged", "output_tps") == want(ours)
     assert figures_lib.row_measure(summarised, "mlx_lm", "peak_memory_gb") == (1.5, 1.5, 1.5)
@@ -175,15 +189,20 @@ def test_bench_rows_are_read_in_every_schema():
 
 
 def run_figures(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "figures.py"), *args],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "figures.py"), *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_figures_script_draws_every_figure(tmp_path):
     bench = tmp_path / "data"
     bench.mkdir()
-    row = {"case": "batch 8", "mlxpaged_output_tps": spread([30.0, 31.0, 29.0]),
-           "mlx_lm_output_tps": spread([28.0, 29.0, 27.5]), "peak_memory_gb": {"mlxpaged": 0.03, "mlx_lm": 0.09}}
+    row = {
+        "case": "batch 8",
+        "mlxpaged_output_tps": spread([30.0, 31.0, 29.0]),
+        "mlx_lm_output_tps": spread([28.0, 29.0, 27.5]),
+        "peak_memory_gb": {"mlxpaged": 0.03, "mlx_lm": 0.09},
+    }
     (bench / "bench_decode.json").write_text(json.dumps({"model": "m", "rows": [row]}))
     out = tmp_path / "docs"
     r = run_figures("--tiny", "--out", str(out), "--bench-dir", str(bench))

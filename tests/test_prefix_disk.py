@@ -314,7 +314,9 @@ def test_namespace_names_every_setting(tiny_loaded, tmp_path):
     for kw in [{}, {"block_size": 32}, {"kv_bits": 8}, {"kv_bits": 8, "kv_group_size": 32}, {"kv_bits": 4}]:
         e = LLMEngine(tiny_loaded, EngineConfig(num_blocks=8, **kw))
         for rank, world in [(0, 1), (0, 2), (1, 2)]:
-            digests.add(prefix_store.namespace(prefix_store.namespace_parts(tiny_loaded, e.kv_cache, rank=rank, world=world)))
+            digests.add(
+                prefix_store.namespace(prefix_store.namespace_parts(tiny_loaded, e.kv_cache, rank=rank, world=world))
+            )
     assert len(digests) == 15
 
 
@@ -344,8 +346,24 @@ def test_generate_cli_reuses_the_prefix_across_runs(tiny_model_path, tmp_path, p
     import json
 
     prompt = " ".join(["The KV cache stores the keys and values of every token a sequence has seen."] * 20)
-    cmd = [sys.executable, "-m", "mlxpaged.cli", "generate", "--model", str(tiny_model_path), "--dtype", "float32",
-           "--prompt", prompt, "--no-chat", "--max-tokens", "4", "--json", "--prefix-cache-dir", str(tmp_path / "store")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlxpaged.cli",
+        "generate",
+        "--model",
+        str(tiny_model_path),
+        "--dtype",
+        "float32",
+        "--prompt",
+        prompt,
+        "--no-chat",
+        "--max-tokens",
+        "4",
+        "--json",
+        "--prefix-cache-dir",
+        str(tmp_path / "store"),
+    ]
     runs = [json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout) for _ in range(2)]
     first, second = (r["outputs"][0] for r in runs)
     assert first["num_cached_tokens"] == 0 and second["num_cached_tokens"] > 0
@@ -363,8 +381,14 @@ def test_server_restart_reports_cached_tokens(tiny_model_path, tiny_loaded, tmp_
     def serve_once() -> tuple[list[int], int, dict]:
         s = Server(tiny_model_path, "--num-blocks", "64", "--prefix-cache-dir", str(tmp_path / "store"))
         try:
-            r = s.client().completions.create(model=str(tiny_model_path), prompt=prompt600, max_tokens=8,
-                                              temperature=0.0, extra_body={"ignore_eos": True}, logprobs=0)
+            r = s.client().completions.create(
+                model=str(tiny_model_path),
+                prompt=prompt600,
+                max_tokens=8,
+                temperature=0.0,
+                extra_body={"ignore_eos": True},
+                logprobs=0,
+            )
             metrics = s.metrics()
         finally:
             code, err = s.interrupt()
@@ -397,10 +421,30 @@ def test_tensor_parallel_ranks_keep_their_own_shards(tiny_model_path, tiny_loade
     store = tmp_path / "store"
 
     def launch_once(tag: str) -> list[dict]:
-        r = subprocess.run([LAUNCH, "-n", "2", "--backend", "ring", "--starting-port",
-                            str(_free_port_pair()), "--python", sys.executable, "--",
-                            w.__file__, "--model", str(tiny_model_path), "--store", str(store),
-                            "--out", str(tmp_path / tag)], capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [
+                LAUNCH,
+                "-n",
+                "2",
+                "--backend",
+                "ring",
+                "--starting-port",
+                str(_free_port_pair()),
+                "--python",
+                sys.executable,
+                "--",
+                w.__file__,
+                "--model",
+                str(tiny_model_path),
+                "--store",
+                str(store),
+                "--out",
+                str(tmp_path / tag),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         files = [tmp_path / f"{tag}{rank}.json" for rank in range(2)]
         assert all(f.exists() for f in files), r.stdout + r.stderr
         return [json.loads(f.read_text()) for f in files]
@@ -474,8 +518,25 @@ def test_two_processes_on_one_dir(tiny_model_path, tiny_loaded, mlx_lm_tiny, tmp
     prompt = tiny_loaded.tokenizer.encode(text)
     want = contiguous_generate(mlx_lm_tiny[0], prompt, 8)
     store = tmp_path / "store"
-    cmd = [sys.executable, "-m", "mlxpaged.cli", "generate", "--model", str(tiny_model_path), "--dtype", "float32",
-           "--prompt", text, "--no-chat", "--max-tokens", "8", "--ignore-eos", "--json", "--prefix-cache-dir", str(store)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlxpaged.cli",
+        "generate",
+        "--model",
+        str(tiny_model_path),
+        "--dtype",
+        "float32",
+        "--prompt",
+        text,
+        "--no-chat",
+        "--max-tokens",
+        "8",
+        "--ignore-eos",
+        "--json",
+        "--prefix-cache-dir",
+        str(store),
+    ]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, outs):

@@ -41,8 +41,11 @@ def test_seed_prompts_in_turns_match_contiguous(real):
 def test_four_samples_share_a_chat_prompt(real):
     loaded, ref = real
     tok = loaded.tokenizer
-    text = tok.apply_chat_template([{"role": "user", "content": "Tell me a short story about a robot that learns to paint at night."}],
-                                   add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Tell me a short story about a robot that learns to paint at night."}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     prompt = tok.encode(text, add_special_tokens=False)
     assert len(prompt) == 44
     params = SamplingParams(n=4, temperature=0.8, top_p=0.95, seed=3, max_tokens=32, ignore_eos=True)
@@ -52,8 +55,10 @@ def test_four_samples_share_a_chat_prompt(real):
     while engine.has_unfinished_requests():
         done += [o for o in engine.step() if o.finished]
     st = engine.stats_dict()
-    print(f"\nblocks in use at peak {st['blocks_in_use_peak']}, without sharing {st['blocks_without_sharing']}, "
-          f"copy-on-write copies {st['cow_copies']}")
+    print(
+        f"\nblocks in use at peak {st['blocks_in_use_peak']}, without sharing {st['blocks_without_sharing']}, "
+        f"copy-on-write copies {st['cow_copies']}"
+    )
     # 44 + 32 tokens = 5 blocks a sample: 2 shared full blocks, 4 copies of the partly filled third, 2 more each.
     assert (st["blocks_in_use_peak"], st["blocks_without_sharing"], st["cow_copies"]) == (14, 20, 3)
     want = contiguous_samples(ref, prompt, 32, params, seed=3, sample_indices=range(4))
@@ -74,7 +79,9 @@ def test_prefix_caching_on_equals_off(real):
             engine.add_request(p, g, request_id=str(i))
             while engine.has_unfinished_requests():
                 outs.update({o.request_id: o for o in engine.step() if o.finished})
-        runs.append(({k: o.outputs[0].token_ids for k, o in outs.items()}, [outs[str(i)].num_cached_tokens for i in range(3)]))
+        runs.append(
+            ({k: o.outputs[0].token_ids for k, o in outs.items()}, [outs[str(i)].num_cached_tokens for i in range(3)])
+        )
     (on, hits_on), (off, hits_off) = runs
     assert on == off
     assert hits_off == [0, 0, 0] and hits_on[0] == 0 and min(hits_on[1:]) >= 16
@@ -87,8 +94,11 @@ def test_beam_search_width_4_matches_contiguous(real):
 
     loaded, ref = real
     tok = loaded.tokenizer
-    text = tok.apply_chat_template([{"role": "user", "content": "Write a Python function that reverses a string."}],
-                                   add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Write a Python function that reverses a string."}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     prompt = tok.encode(text, add_special_tokens=False)
     engine = LLMEngine(loaded, EngineConfig(num_blocks=64))
     rid = engine.add_beam_request(prompt, BeamSearchParams(beam_width=4, max_tokens=16))
@@ -121,8 +131,10 @@ def test_kv_quant_perplexity_within_bounds(real):
     x = mx.array(ids)[None]
     contiguous = math.exp(nn.losses.cross_entropy(ref(x[:, :-1]), x[:, 1:], reduction="mean").item())
     ppl = {bits: paged_perplexity(loaded, ids, kv_bits=bits, chunk=256) for bits in (None, 8, 4)}
-    print(f"\nperplexity over {len(ids)} tokens: contiguous {contiguous:.4f}, paged float {ppl[None]:.4f}, "
-          f"8-bit {ppl[8]:.4f} ({ppl[8] / ppl[None]:.5f}x), 4-bit {ppl[4]:.4f} ({ppl[4] / ppl[None]:.5f}x)")
+    print(
+        f"\nperplexity over {len(ids)} tokens: contiguous {contiguous:.4f}, paged float {ppl[None]:.4f}, "
+        f"8-bit {ppl[8]:.4f} ({ppl[8] / ppl[None]:.5f}x), 4-bit {ppl[4]:.4f} ({ppl[4] / ppl[None]:.5f}x)"
+    )
     assert ppl[None] == pytest.approx(contiguous, rel=1e-4)
     assert abs(ppl[8] / ppl[None] - 1) < 0.01
     assert abs(ppl[4] / ppl[None] - 1) < 0.05
@@ -138,8 +150,11 @@ def test_kv_8bit_greedy_matches_contiguous_quantized_cache(real):
 
     loaded, ref = real
     tok = loaded.tokenizer
-    text = tok.apply_chat_template([{"role": "user", "content": "Write a Python function that reverses a string."}],
-                                   add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Write a Python function that reverses a string."}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     prompt = tok.encode(text, add_special_tokens=False)
     engine = LLMEngine(loaded, EngineConfig(num_blocks=16, kv_bits=8, attention_impl="reference"))
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))

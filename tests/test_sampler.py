@@ -56,9 +56,11 @@ def test_chi2_sf_matches_tables():
 
 def test_threefry_reference_is_mlx_prng():
     """The numpy Threefry gives Random123's known answers and MLX's own `split`."""
-    kat = [((0, 0), (0, 0), (0x6B200159, 0x99BA4EFE)),
-           ((0xFFFFFFFF, 0xFFFFFFFF), (0xFFFFFFFF, 0xFFFFFFFF), (0x1CB996FC, 0xBB002BE7)),
-           ((0x13198A2E, 0x03707344), (0x243F6A88, 0x85A308D3), (0xC4923A9C, 0x483DF7A0))]
+    kat = [
+        ((0, 0), (0, 0), (0x6B200159, 0x99BA4EFE)),
+        ((0xFFFFFFFF, 0xFFFFFFFF), (0xFFFFFFFF, 0xFFFFFFFF), (0x1CB996FC, 0xBB002BE7)),
+        ((0x13198A2E, 0x03707344), (0x243F6A88, 0x85A308D3), (0xC4923A9C, 0x483DF7A0)),
+    ]
     for key, ctr, want in kat:
         y0, y1 = threefry2x32(key, [ctr[0]], [ctr[1]])
         assert (int(y0[0]), int(y1[0])) == want
@@ -117,8 +119,9 @@ def test_same_seed_same_tokens_whatever_the_batch():
     p = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
     alone, _, _ = sample_batch(logits[:1], [p], [sample_key(5, 2)])
     q = SamplingParams(temperature=1.2, top_k=20)
-    mixed, _, _ = sample_batch(logits[[1, 0, 2]], [q, p, SamplingParams(temperature=0)],
-                               [sample_key(9, 0), sample_key(5, 2), None])
+    mixed, _, _ = sample_batch(
+        logits[[1, 0, 2]], [q, p, SamplingParams(temperature=0)], [sample_key(9, 0), sample_key(5, 2), None]
+    )
     assert mixed[1] == alone[0]
     seq = [draw(mx.stack([sample_key(5, 2)] * 2), p, steps=30)[i].tolist() for i in range(2)]
     assert seq[0] == seq[1] and len(set(seq[0])) > 1
@@ -127,9 +130,14 @@ def test_same_seed_same_tokens_whatever_the_batch():
 def test_sample_batch_matches_numpy_reference():
     """Every row, over several steps, draws the reference's token and advances its key the same way."""
     rng = np.random.default_rng(1)
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=50),
-              SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.3, top_k=40, top_p=0.8),
-              SamplingParams(temperature=0.5, top_k=-1), SamplingParams(temperature=2.0, top_p=0.5, logprobs=3)]
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.7, top_k=50),
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=1.3, top_k=40, top_p=0.8),
+        SamplingParams(temperature=0.5, top_k=-1),
+        SamplingParams(temperature=2.0, top_p=0.5, logprobs=3),
+    ]
     keys = [None if p.greedy else sample_key(42, i) for i, p in enumerate(params)]
     ref_keys = [None if p.greedy else mx.array(ref_sample_keys(42, [i])[0]) for i, p in enumerate(params)]
     for _ in range(5):
@@ -149,8 +157,11 @@ def test_filter_keeps_ties_like_the_reference():
     assert kept.tolist() == [True, True, True, True, False, False]
     for case in range(20):
         x = np.round(rng.normal(size=300) * 4) / 2  # many ties
-        p = SamplingParams(temperature=float(rng.choice([0.6, 1.0, 1.7])), top_k=int(rng.choice([0, 5, 30])),
-                           top_p=float(rng.choice([1.0, 0.5, 0.9])))
+        p = SamplingParams(
+            temperature=float(rng.choice([0.6, 1.0, 1.7])),
+            top_k=int(rng.choice([0, 5, 30])),
+            top_p=float(rng.choice([1.0, 0.5, 0.9])),
+        )
         got = np.isfinite(np.array(filter_logits(mx.array(x.astype(np.float32)), p)))
         want = vllm_keep_mask(x.astype(np.float32) / np.float32(p.temperature), p.top_k, p.top_p)
         assert (got == want).all(), case
@@ -160,9 +171,14 @@ def test_logprobs_match_numpy_log_softmax():
     """Raw log-softmax (before temperature and filters): the chosen token and the top k, best first."""
     rng = np.random.default_rng(3)
     logits_np = rng.normal(size=(6, 3000)).astype(np.float32) * 3
-    params = [SamplingParams(temperature=0.7, top_k=10, logprobs=5), SamplingParams(temperature=1.0),
-              SamplingParams(temperature=0, logprobs=0), SamplingParams(temperature=1.5, top_p=0.9, logprobs=20),
-              SamplingParams(temperature=0, logprobs=1), SamplingParams(temperature=0.3, logprobs=2)]
+    params = [
+        SamplingParams(temperature=0.7, top_k=10, logprobs=5),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0, logprobs=0),
+        SamplingParams(temperature=1.5, top_p=0.9, logprobs=20),
+        SamplingParams(temperature=0, logprobs=1),
+        SamplingParams(temperature=0.3, logprobs=2),
+    ]
     keys = [None if p.greedy else sample_key(7, i) for i, p in enumerate(params)]
     toks, _, lps = sample_batch(mx.array(logits_np), params, keys)
     x = logits_np.astype(np.float64)
@@ -185,8 +201,18 @@ def test_completion_output_logprobs_default_none():
     assert c.logprobs is None
 
 
-@pytest.mark.parametrize("kwargs", [dict(logprobs=-1), dict(logprobs=21), dict(logprobs=2.5), dict(logprobs=True),
-                                    dict(seed=-1), dict(seed=2**64), dict(seed=1.5)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(logprobs=-1),
+        dict(logprobs=21),
+        dict(logprobs=2.5),
+        dict(logprobs=True),
+        dict(seed=-1),
+        dict(seed=2**64),
+        dict(seed=1.5),
+    ],
+)
 def test_bad_sampling_params_are_rejected(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         SamplingParams(**kwargs)

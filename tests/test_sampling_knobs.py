@@ -60,8 +60,9 @@ def draw_counts(params: SamplingParams, history: TokenHistory | None = None, log
     """Token counts of N draws of `params` on `logits`, each with its own key, in one sample_batch."""
     keys = mx.random.split(mx.random.key(1234), N)
     lg = mx.broadcast_to(mx.array(logits), (N, logits.size))
-    toks, _, _ = sample_batch(lg, [params] * N, [(keys, i) for i in range(N)],
-                              histories=[history] * N if history is not None else None)
+    toks, _, _ = sample_batch(
+        lg, [params] * N, [(keys, i) for i in range(N)], histories=[history] * N if history is not None else None
+    )
     return np.bincount(np.array(toks), minlength=logits.size)
 
 
@@ -74,14 +75,26 @@ def history() -> TokenHistory:
     return TokenHistory(PROMPT + KNOWN, len(PROMPT), (mx.array([7, PENDING]), 1))
 
 
-@pytest.mark.parametrize("kwargs,wrong", [
-    (dict(presence_penalty=1.5), lambda p: ref_process(LOGITS, SamplingParams(frequency_penalty=1.5), PROMPT, KNOWN + [PENDING])),
-    (dict(presence_penalty=-1.0), lambda p: ref_process(LOGITS, p, PROMPT, KNOWN)),  # the pending token forgotten
-    (dict(frequency_penalty=0.9), lambda p: ref_process(LOGITS, p, PROMPT, KNOWN)),  # the pending token forgotten
-    (dict(frequency_penalty=-0.7), lambda p: ref_process(LOGITS, SamplingParams(presence_penalty=-0.7), PROMPT, KNOWN + [PENDING])),
-    (dict(repetition_penalty=1.8), lambda p: ref_process(LOGITS, p, [], KNOWN + [PENDING])),  # output only
-    (dict(repetition_penalty=0.5), lambda p: LOGITS / np.where(np.isin(np.arange(10), PROMPT + KNOWN + [PENDING]), 0.5, 1.0)),  # divides all
-])
+@pytest.mark.parametrize(
+    "kwargs,wrong",
+    [
+        (
+            dict(presence_penalty=1.5),
+            lambda p: ref_process(LOGITS, SamplingParams(frequency_penalty=1.5), PROMPT, KNOWN + [PENDING]),
+        ),
+        (dict(presence_penalty=-1.0), lambda p: ref_process(LOGITS, p, PROMPT, KNOWN)),  # the pending token forgotten
+        (dict(frequency_penalty=0.9), lambda p: ref_process(LOGITS, p, PROMPT, KNOWN)),  # the pending token forgotten
+        (
+            dict(frequency_penalty=-0.7),
+            lambda p: ref_process(LOGITS, SamplingParams(presence_penalty=-0.7), PROMPT, KNOWN + [PENDING]),
+        ),
+        (dict(repetition_penalty=1.8), lambda p: ref_process(LOGITS, p, [], KNOWN + [PENDING])),  # output only
+        (
+            dict(repetition_penalty=0.5),
+            lambda p: LOGITS / np.where(np.isin(np.arange(10), PROMPT + KNOWN + [PENDING]), 0.5, 1.0),
+        ),  # divides all
+    ],
+)
 def test_penalties_match_numpy_distribution(kwargs, wrong):
     p = SamplingParams(temperature=1.3, **kwargs)
     want = softmax(ref_process(LOGITS, p, PROMPT, KNOWN + [PENDING]) / 1.3)
@@ -110,12 +123,18 @@ def test_min_p_with_top_k_top_p_and_bias_exact():
     """Processed logits of a mixed batch equal the reference exactly where finite, -inf where dropped."""
     rng = np.random.default_rng(5)
     logits = rng.normal(size=(4, 300)).astype(np.float32) * 3
-    params = [SamplingParams(temperature=0, logit_bias={7: 100.0}, repetition_penalty=1.2),
-              SamplingParams(temperature=0.9, presence_penalty=0.5, frequency_penalty=0.25, logit_bias={3: -100.0, 9: 2.5}),
-              SamplingParams(temperature=1.0),
-              SamplingParams(temperature=0.5, repetition_penalty=0.8)]
-    hists = [TokenHistory([1, 2, 3, 7, 7], 2), TokenHistory([4, 9, 9, 9, 3], 1, (mx.array([11]), 0)), None,
-             TokenHistory([5, 6], 2)]
+    params = [
+        SamplingParams(temperature=0, logit_bias={7: 100.0}, repetition_penalty=1.2),
+        SamplingParams(temperature=0.9, presence_penalty=0.5, frequency_penalty=0.25, logit_bias={3: -100.0, 9: 2.5}),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.5, repetition_penalty=0.8),
+    ]
+    hists = [
+        TokenHistory([1, 2, 3, 7, 7], 2),
+        TokenHistory([4, 9, 9, 9, 3], 1, (mx.array([11]), 0)),
+        None,
+        TokenHistory([5, 6], 2),
+    ]
     got = np.array(process_logits(mx.array(logits), params, None, hists))
     outs = [[3, 7, 7], [9, 9, 9, 3, 11], [], []]
     prompts = [[1, 2], [4], [], [5, 6]]
@@ -123,7 +142,9 @@ def test_min_p_with_top_k_top_p_and_bias_exact():
         want = ref_process(logits[i], p, prompts[i], outs[i])
         np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-4)
     # a greedy row takes the argmax of the processed logits (vLLM): the +100 token
-    s = sample_arrays(mx.array(logits), params, [None, sample_key(1, 0), sample_key(1, 1), sample_key(1, 2)], histories=hists)
+    s = sample_arrays(
+        mx.array(logits), params, [None, sample_key(1, 0), sample_key(1, 1), sample_key(1, 2)], histories=hists
+    )
     assert s.tokens.tolist()[0] == 7
 
 
@@ -136,7 +157,7 @@ def test_no_processor_no_array():
 def test_bitmask_matches_numpy():
     rng = np.random.default_rng(6)
     v = 70  # not a multiple of 32
-    bits = rng.integers(-2**31, 2**31, size=(3, 3), dtype=np.int64).astype(np.int32)
+    bits = rng.integers(-(2**31), 2**31, size=(3, 3), dtype=np.int64).astype(np.int32)
     x = rng.normal(size=(3, v)).astype(np.float32)
     allowed = np.array([[(int(bits[r, t // 32]) >> (t % 32)) & 1 for t in range(v)] for r in range(3)], dtype=bool)
     assert np.array_equal(unpack_bitmask(bits, v), allowed)
@@ -202,12 +223,22 @@ def test_engine_penalties_match_contiguous_reference(tiny_loaded, mlx_lm_tiny, a
     are the reference's (so the penalties count the pending token, which is on the device)."""
     model, tok = mlx_lm_tiny
     prompts = [tok.encode(t) for t in ("The KV cache stores", "Paged attention borrows", "0123456789", "Write a")]
-    params = [SamplingParams(temperature=0, repetition_penalty=1.5, max_tokens=20, ignore_eos=True),
-              SamplingParams(temperature=0, frequency_penalty=1.2, presence_penalty=0.8, max_tokens=20, ignore_eos=True),
-              SamplingParams(temperature=0.8, seed=4, frequency_penalty=0.6, logit_bias={10: 2.0}, max_tokens=20,
-                             ignore_eos=True),
-              SamplingParams(temperature=1.2, seed=8, top_k=30, repetition_penalty=0.7, presence_penalty=-0.5,
-                             max_tokens=20, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0, repetition_penalty=1.5, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0, frequency_penalty=1.2, presence_penalty=0.8, max_tokens=20, ignore_eos=True),
+        SamplingParams(
+            temperature=0.8, seed=4, frequency_penalty=0.6, logit_bias={10: 2.0}, max_tokens=20, ignore_eos=True
+        ),
+        SamplingParams(
+            temperature=1.2,
+            seed=8,
+            top_k=30,
+            repetition_penalty=0.7,
+            presence_penalty=-0.5,
+            max_tokens=20,
+            ignore_eos=True,
+        ),
+    ]
     engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=64, async_scheduling=async_scheduling))
     ids = [engine.add_request(pr, p) for pr, p in zip(prompts, params)]
     done = {}
@@ -226,10 +257,23 @@ def test_logit_bias_outside_vocabulary_is_refused(tiny_loaded):
         engine.add_request("x", SamplingParams(logit_bias={384: 1.0}))
 
 
-@pytest.mark.parametrize("kwargs", [dict(min_p=-0.1), dict(min_p=1.5), dict(presence_penalty=2.5),
-                                    dict(frequency_penalty=-3), dict(repetition_penalty=0), dict(repetition_penalty=-1),
-                                    dict(logit_bias={1: 101}), dict(logit_bias={-1: 1.0}), dict(logit_bias={"a": 1.0}),
-                                    dict(logit_bias=[1]), dict(min_p=float("nan")), dict(guided={"json_object": True})])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(min_p=-0.1),
+        dict(min_p=1.5),
+        dict(presence_penalty=2.5),
+        dict(frequency_penalty=-3),
+        dict(repetition_penalty=0),
+        dict(repetition_penalty=-1),
+        dict(logit_bias={1: 101}),
+        dict(logit_bias={-1: 1.0}),
+        dict(logit_bias={"a": 1.0}),
+        dict(logit_bias=[1]),
+        dict(min_p=float("nan")),
+        dict(guided={"json_object": True}),
+    ],
+)
 def test_bad_knobs_are_rejected(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))) as e:
         SamplingParams(**kwargs)

@@ -38,7 +38,9 @@ def test_prefix_caching_on_equals_off(tiny_loaded, block_size):
     g = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     results = []
     for caching in (True, False):
-        engine = LLMEngine(tiny_loaded, EngineConfig(block_size=block_size, num_blocks=256, enable_prefix_caching=caching))
+        engine = LLMEngine(
+            tiny_loaded, EngineConfig(block_size=block_size, num_blocks=256, enable_prefix_caching=caching)
+        )
         for i, p in enumerate(prompts):
             engine.add_request(p, g, request_id=str(i))
             if i == 0:
@@ -81,7 +83,9 @@ def test_preemption_recomputes_to_the_same_tokens(tiny_loaded, caching):
     params = [SamplingParams(n=1 + i % 3, temperature=0.8, seed=i, max_tokens=40, ignore_eos=True) for i in range(5)]
 
     def run(num_blocks):
-        engine = LLMEngine(tiny_loaded, EngineConfig(block_size=4, num_blocks=num_blocks, enable_prefix_caching=caching))
+        engine = LLMEngine(
+            tiny_loaded, EngineConfig(block_size=4, num_blocks=num_blocks, enable_prefix_caching=caching)
+        )
         for i, (p, sp) in enumerate(zip(prompts, params)):
             engine.add_request(p, sp, request_id=str(i))
         done = run_all(engine)
@@ -98,14 +102,31 @@ def test_preemption_recomputes_to_the_same_tokens(tiny_loaded, caching):
 def test_randomized_workload_keeps_invariants(tiny_loaded):
     rng = random.Random(0)
     for trial in range(3):
-        engine = LLMEngine(tiny_loaded, EngineConfig(block_size=rng.choice([2, 4, 8]), num_blocks=rng.randint(40, 90),
-                                                     max_num_seqs=rng.randint(2, 8), max_num_batched_tokens=rng.randint(16, 64)))
+        engine = LLMEngine(
+            tiny_loaded,
+            EngineConfig(
+                block_size=rng.choice([2, 4, 8]),
+                num_blocks=rng.randint(40, 90),
+                max_num_seqs=rng.randint(2, 8),
+                max_num_batched_tokens=rng.randint(16, 64),
+            ),
+        )
         shared = [rng.randint(1, 300) for _ in range(rng.randint(0, 24))]
         pending = []
         for i in range(10):
             p = shared[: rng.randint(0, len(shared))] + [rng.randint(1, 300) for _ in range(rng.randint(1, 20))]
-            pending.append((p, SamplingParams(n=rng.randint(1, 3), temperature=rng.choice([0, 0.7]), seed=i,
-                                              max_tokens=rng.randint(1, 24), ignore_eos=True)))
+            pending.append(
+                (
+                    p,
+                    SamplingParams(
+                        n=rng.randint(1, 3),
+                        temperature=rng.choice([0, 0.7]),
+                        seed=i,
+                        max_tokens=rng.randint(1, 24),
+                        ignore_eos=True,
+                    ),
+                )
+            )
         finished, max_tokens = 0, {}
         while pending or engine.has_unfinished_requests():
             if pending and rng.random() < 0.4:
@@ -125,8 +146,10 @@ def test_randomized_workload_keeps_invariants(tiny_loaded):
 def test_llm_api(tiny_loaded, mlx_lm_tiny):
     ref_model, tok = mlx_lm_tiny
     llm = LLM(tiny_loaded, num_blocks=128)
-    outs = llm.generate(["The KV cache stores", tok.encode("Paged attention")],
-                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    outs = llm.generate(
+        ["The KV cache stores", tok.encode("Paged attention")],
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    )
     assert [o.outputs[0].token_ids for o in outs] == [
         contiguous_generate(ref_model, tok.encode("The KV cache stores"), 12),
         contiguous_generate(ref_model, tok.encode("Paged attention"), 12),
@@ -135,7 +158,9 @@ def test_llm_api(tiny_loaded, mlx_lm_tiny):
     # Stop strings end the sample and are cut from its text.
     full = outs[0].outputs[0].text
     stop = full[3:6]
-    (o,) = llm.generate("The KV cache stores", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]))
+    (o,) = llm.generate(
+        "The KV cache stores", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])
+    )
     assert o.outputs[0].finish_reason == "stop" and o.outputs[0].text == full[: full.find(stop)]
 
 
@@ -156,7 +181,9 @@ def test_bad_sampling_params(kwargs):
 def test_hash_collision_recomputes_in_the_engine(tiny_loaded, mlx_lm_tiny):
     """Every block hashes alike: B must recompute, never read A's cached blocks."""
     ref_model, _ = mlx_lm_tiny
-    engine = LLMEngine(tiny_loaded, EngineConfig(block_size=4, num_blocks=64), hash_fn=lambda parent, tokens, extra: b"same")
+    engine = LLMEngine(
+        tiny_loaded, EngineConfig(block_size=4, num_blocks=64), hash_fn=lambda parent, tokens, extra: b"same"
+    )
     a = [(5 * i) % 300 + 1 for i in range(24)]
     b = [(7 * i) % 300 + 2 for i in range(24)]
     g = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

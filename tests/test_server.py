@@ -23,15 +23,23 @@ from server_proc import Server  # noqa: E402
 
 NUM_BLOCKS = 128  # 2,048 token slots: small enough that "cannot fit in the pool" is easy to provoke
 PROMPTS = [
-    "The KV cache stores", "Paged attention borrows", "Write a Python function", "Blocks of sixteen tokens",
-    "Copy-on-write lets many", "The quick brown fox", "def reverse(s):", "virtual memory and paging",
-    "one per sequence.", "keys and values of", "until they diverge.", "0123456789 !?",
-    "an idea from operating", "return s[::-1]", "found through a block", "jumps over the lazy",
+    "The KV cache stores",
+    "Paged attention borrows",
+    "Write a Python function",
+    "Blocks of sixteen tokens",
+    "Copy-on-write lets many",
+    "The quick brown fox",
+    "def reverse(s):",
+    "virtual memory and paging",
+    "one per sequence.",
+    "keys and values of",
+    "until they diverge.",
+    "0123456789 !?",
+    "an idea from operating",
+    "return s[::-1]",
+    "found through a block",
+    "jumps over the lazy",
 ]
-
-
-
-
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +86,9 @@ def test_completions_match_generate(server, llm, tiny_model_path, stream, n, tem
     ref = llm.generate(prompt, sp)[0]
     kw = dict(model=model_name(tiny_model_path), prompt=prompt, n=n, temperature=temperature, seed=seed, max_tokens=24)
     if stream:
-        texts, finish, use = collect_stream(server.client().completions.create(
-            **kw, stream=True, stream_options={"include_usage": True}))
+        texts, finish, use = collect_stream(
+            server.client().completions.create(**kw, stream=True, stream_options={"include_usage": True})
+        )
     else:
         r = server.client().completions.create(**kw)
         texts = {c.index: c.text for c in r.choices}
@@ -95,7 +104,10 @@ def test_completions_match_generate(server, llm, tiny_model_path, stream, n, tem
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_matches_generate(server, llm, tiny_model_path, stream):
-    messages = [{"role": "system", "content": "Blocks of sixteen tokens."}, {"role": "user", "content": "Write a Python function"}]
+    messages = [
+        {"role": "system", "content": "Blocks of sixteen tokens."},
+        {"role": "user", "content": "Write a Python function"},
+    ]
     ref = llm.generate(chat_ids(llm.tokenizer, messages), SamplingParams(temperature=0, max_tokens=20))[0]
     kw = dict(model=model_name(tiny_model_path), messages=messages, temperature=0, max_completion_tokens=20)
     if stream:
@@ -104,7 +116,10 @@ def test_chat_matches_generate(server, llm, tiny_model_path, stream):
     else:
         r = server.client().chat.completions.create(**kw)
         assert r.choices[0].message.role == "assistant"
-        assert (r.choices[0].message.content, r.choices[0].finish_reason) == (ref.outputs[0].text, ref.outputs[0].finish_reason)
+        assert (r.choices[0].message.content, r.choices[0].finish_reason) == (
+            ref.outputs[0].text,
+            ref.outputs[0].finish_reason,
+        )
         assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
 
 
@@ -115,9 +130,17 @@ def test_stop_string_streamed_never_taken_back(server, llm, tiny_model_path):
     stop = full[8:11]
     assert stop.strip(), full
     ref = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=stop))[0].outputs[0]
-    texts, finish, _ = collect_stream(server.client().completions.create(
-        model=model_name(tiny_model_path), prompt=prompt, temperature=0, max_tokens=30, stop=stop, stream=True,
-        extra_body={"ignore_eos": True}))
+    texts, finish, _ = collect_stream(
+        server.client().completions.create(
+            model=model_name(tiny_model_path),
+            prompt=prompt,
+            temperature=0,
+            max_tokens=30,
+            stop=stop,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert (texts[0], finish[0]) == (ref.text, "stop") and stop not in texts[0]
 
 
@@ -132,36 +155,52 @@ def test_logprobs_are_the_models(server, llm, tiny_model_path, mlx_lm_tiny):
     messages = [{"role": "user", "content": "The quick brown fox"}]
     prompt_ids = chat_ids(llm.tokenizer, messages)
     out = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0]
-    ref = reference_logprobs(model, prompt_ids + out.token_ids)[len(prompt_ids) - 1:-1]
-    r = server.client().chat.completions.create(model=model_name(tiny_model_path), messages=messages, temperature=0,
-                                                max_tokens=8, logprobs=True, top_logprobs=3,
-                                                extra_body={"ignore_eos": True})
+    ref = reference_logprobs(model, prompt_ids + out.token_ids)[len(prompt_ids) - 1 : -1]
+    r = server.client().chat.completions.create(
+        model=model_name(tiny_model_path),
+        messages=messages,
+        temperature=0,
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == len(out.token_ids)
     for row, tok, entry in zip(ref, out.token_ids, content):
         assert entry.logprob == pytest.approx(row[tok], abs=1e-4)
         assert [t.logprob for t in entry.top_logprobs] == pytest.approx(np.sort(row)[::-1][:3], abs=1e-4)
     # completions: an integer `logprobs`, values of the chosen tokens, with temperature (not transformed)
-    comp = server.client().completions.create(model=model_name(tiny_model_path), prompt=prompt_ids, max_tokens=6,
-                                              temperature=0.7, seed=3, logprobs=2)
+    comp = server.client().completions.create(
+        model=model_name(tiny_model_path), prompt=prompt_ids, max_tokens=6, temperature=0.7, seed=3, logprobs=2
+    )
     lp = comp.choices[0].logprobs
     gen = llm.generate(prompt_ids, SamplingParams(temperature=0.7, seed=3, max_tokens=6))[0].outputs[0].token_ids
-    ref = reference_logprobs(model, prompt_ids + gen)[len(prompt_ids) - 1:-1]
+    ref = reference_logprobs(model, prompt_ids + gen)[len(prompt_ids) - 1 : -1]
     assert lp.token_logprobs == pytest.approx([row[t] for row, t in zip(ref, gen)], abs=1e-4)
     assert [max(d.values()) for d in lp.top_logprobs] == pytest.approx(ref.max(axis=-1), abs=1e-4)
 
 
 # -- concurrency, disconnects, prefix reuse -----------------------------------------------------
 def test_concurrent_streams_equal_alone(server, llm, tiny_model_path):
-    alone = [llm.generate(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0].text
-             for p in PROMPTS]
+    alone = [
+        llm.generate(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0].text
+        for p in PROMPTS
+    ]
     results: dict[int, str] = {}
     running_seen, done = [], threading.Event()
 
     def client(i):
-        texts, _, _ = collect_stream(server.client().completions.create(
-            model=model_name(tiny_model_path), prompt=PROMPTS[i], temperature=0, max_tokens=40, stream=True,
-            extra_body={"ignore_eos": True}))
+        texts, _, _ = collect_stream(
+            server.client().completions.create(
+                model=model_name(tiny_model_path),
+                prompt=PROMPTS[i],
+                temperature=0,
+                max_tokens=40,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+        )
         results[i] = texts[0]
 
     def poll():
@@ -184,8 +223,14 @@ def test_concurrent_streams_equal_alone(server, llm, tiny_model_path):
 def test_disconnect_mid_stream_frees_blocks(server, tiny_model_path):
     before = server.metrics()
     assert before["mlxpaged_kv_blocks_used"] == 0
-    body = {"model": model_name(tiny_model_path), "prompt": "The KV cache stores", "max_tokens": 1500,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": model_name(tiny_model_path),
+        "prompt": "The KV cache stores",
+        "max_tokens": 1500,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.Client(timeout=30) as h:
         with h.stream("POST", server.url + "/v1/completions", json=body) as r:
             lines = r.iter_lines()
@@ -211,10 +256,12 @@ def test_prefix_reuse_reports_cached_tokens(server, llm, tiny_model_path):
     assert n_sys >= 100
     c = server.client()
     kw = dict(model=model_name(tiny_model_path), temperature=0, max_tokens=4)
-    first = c.chat.completions.create(messages=[{"role": "system", "content": system},
-                                                {"role": "user", "content": "The KV cache"}], **kw)
-    second = c.chat.completions.create(messages=[{"role": "system", "content": system},
-                                                 {"role": "user", "content": "Paged attention"}], **kw)
+    first = c.chat.completions.create(
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": "The KV cache"}], **kw
+    )
+    second = c.chat.completions.create(
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": "Paged attention"}], **kw
+    )
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens >= 96
 
@@ -231,10 +278,19 @@ BAD = [
     ("/v1/completions", {"prompt": [[1, 2], [99999]]}, "vocabulary", "prompt"),
     ("/v1/chat/completions", {"messages": []}, "messages", "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages", "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 99, "logprobs": True},
-     "top_logprobs", "top_logprobs"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 99, "logprobs": True},
+        "top_logprobs",
+        "top_logprobs",
+    ),
     # 2,100 prompt tokens > the 128 x 16 = 2,048-token pool: names the pool and the limit
-    ("/v1/completions", {"prompt": [5 + i % 300 for i in range(2100)], "max_tokens": 4}, "prompt cannot fit in the KV pool", "prompt"),
+    (
+        "/v1/completions",
+        {"prompt": [5 + i % 300 for i in range(2100)], "max_tokens": 4},
+        "prompt cannot fit in the KV pool",
+        "prompt",
+    ),
     # fits alone, but not with 4 samples of 600 tokens
     ("/v1/completions", {"prompt": "hi", "max_tokens": 600, "n": 4}, "request cannot fit in the KV pool", "n"),
     # longer than the model's 4,096 positions
@@ -267,17 +323,26 @@ def test_models_health_metrics(server, tiny_model_path):
     assert [m.id for m in server.client().models.list()] == [model_name(tiny_model_path)]
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     m = server.metrics()
-    for name in ("requests_running", "requests_waiting", "kv_blocks_used", 'prefix_cache_hit_tokens_total{tier="memory"}',
-                 'prefix_cache_hit_tokens_total{tier="disk"}',
-                 "preemptions_total", "generation_tokens_total", "time_to_first_token_seconds_count",
-                 "inter_token_latency_seconds_count"):
+    for name in (
+        "requests_running",
+        "requests_waiting",
+        "kv_blocks_used",
+        'prefix_cache_hit_tokens_total{tier="memory"}',
+        'prefix_cache_hit_tokens_total{tier="disk"}',
+        "preemptions_total",
+        "generation_tokens_total",
+        "time_to_first_token_seconds_count",
+        "inter_token_latency_seconds_count",
+    ):
         assert f"mlxpaged_{name}" in m
     assert m["mlxpaged_kv_blocks_total"] == NUM_BLOCKS
 
 
 # -- auth, a full queue, Ctrl-C: a second server ----------------------------------------------------
 def test_auth_queue_and_interrupt(tiny_model_path):
-    s = Server(tiny_model_path, "--api-key", "sekret", "--max-queue", "1", "--max-num-seqs", "1", "--shutdown-timeout", "1")
+    s = Server(
+        tiny_model_path, "--api-key", "sekret", "--max-queue", "1", "--max-num-seqs", "1", "--shutdown-timeout", "1"
+    )
     try:
         name = model_name(tiny_model_path)
         with pytest.raises(openai.AuthenticationError):
@@ -297,12 +362,19 @@ def test_auth_queue_and_interrupt(tiny_model_path):
         first_lines = first.iter_lines()  # kept: closing the iterator closes the response (a disconnect)
         next(first_lines)
         second = []  # sent from a thread: its response headers come only once it is admitted
-        t = threading.Thread(target=lambda: second.append(
-            h.send(h.build_request("POST", s.url + "/v1/completions", json=long), stream=True)), daemon=True)
+        t = threading.Thread(
+            target=lambda: second.append(
+                h.send(h.build_request("POST", s.url + "/v1/completions", json=long), stream=True)
+            ),
+            daemon=True,
+        )
         t.start()
         t0 = time.monotonic()
         while s.metrics()["mlxpaged_requests_waiting"] < 1:
-            assert time.monotonic() - t0 < 10, ({k: v for k, v in s.metrics().items() if "mlxpaged_re" in k or "gen" in k}, second)
+            assert time.monotonic() - t0 < 10, (
+                {k: v for k, v in s.metrics().items() if "mlxpaged_re" in k or "gen" in k},
+                second,
+            )
             time.sleep(0.02)
         busy = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=auth)
         assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
@@ -360,8 +432,10 @@ def test_step_error_fails_only_its_requests(tiny_loaded, monkeypatch):
 
 def test_generate_works_without_serve_extra(tmp_path):
     """`mlxpaged --help` lists serve, and importing the CLI does not import FastAPI."""
-    code = ("import sys, mlxpaged.cli.main; assert 'fastapi' not in sys.modules and 'uvicorn' not in sys.modules; "
-            "print(sorted(mlxpaged.cli.main.main.commands))")
+    code = (
+        "import sys, mlxpaged.cli.main; assert 'fastapi' not in sys.modules and 'uvicorn' not in sys.modules; "
+        "print(sorted(mlxpaged.cli.main.main.commands))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "serve" in out.stdout and "generate" in out.stdout

@@ -33,10 +33,27 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path):
-    s = Server(tiny_model_path, "--num-blocks", str(BLOCKS), "--max-num-seqs", "64", "--header-timeout",
-               str(HEADER_TIMEOUT), "--keep-alive-timeout", "1", "--stream-stall-timeout", str(STALL),
-               "--max-body-bytes", str(MAX_BODY), "--max-stop-strings", "64", "--max-queue", str(MAX_QUEUE),
-               "--max-request-tokens", str(MAX_REQUEST_TOKENS))
+    s = Server(
+        tiny_model_path,
+        "--num-blocks",
+        str(BLOCKS),
+        "--max-num-seqs",
+        "64",
+        "--header-timeout",
+        str(HEADER_TIMEOUT),
+        "--keep-alive-timeout",
+        "1",
+        "--stream-stall-timeout",
+        str(STALL),
+        "--max-body-bytes",
+        str(MAX_BODY),
+        "--max-stop-strings",
+        "64",
+        "--max-queue",
+        str(MAX_QUEUE),
+        "--max-request-tokens",
+        str(MAX_REQUEST_TOKENS),
+    )
     yield s
     s.stop()
 
@@ -51,8 +68,12 @@ def vmrss(pid: int) -> int:
 
 
 def raw_request(path: str, body: bytes, headers: dict[str, str] | None = None, method: str = "POST") -> bytes:
-    head = [f"{method} {path} HTTP/1.1", "Host: localhost", "Content-Type: application/json",
-            f"Content-Length: {len(body)}"]
+    head = [
+        f"{method} {path} HTTP/1.1",
+        "Host: localhost",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+    ]
     head += [f"{k}: {v}" for k, v in (headers or {}).items()]
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
@@ -118,9 +139,19 @@ def test_slow_reader_memory_is_bounded_and_aborted(server, tiny_model_path):
     rss0 = vmrss(server.proc.pid)
     # 20 top logprobs make each token ~1.5 KB of SSE, so the kernel's socket buffers (up to 4 MB) fill in seconds
     samples, max_tokens = 32, 700
-    body = json.dumps({"messages": [{"role": "user", "content": "The KV cache stores"}], "n": samples,
-                       "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.8, "seed": 1, "logprobs": True,
-                       "top_logprobs": 20, "stream": True}).encode()
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": "The KV cache stores"}],
+            "n": samples,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0.8,
+            "seed": 1,
+            "logprobs": True,
+            "top_logprobs": 20,
+            "stream": True,
+        }
+    ).encode()
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the server's writes block
     sock.connect(("127.0.0.1", server.port))
@@ -143,8 +174,10 @@ def test_slow_reader_memory_is_bounded_and_aborted(server, tiny_model_path):
         generated = server.metrics()["mlxpaged_generation_tokens_total"] - base["mlxpaged_generation_tokens_total"]
     finally:
         sock.close()
-    print(f"\nslow reader: RSS {rss0 / 1e6:.0f} -> peak {peak / 1e6:.0f} MB; blocks freed after "
-          f"{freed_at} s with the client still connected; {generated:.0f} of {samples * max_tokens} tokens generated")
+    print(
+        f"\nslow reader: RSS {rss0 / 1e6:.0f} -> peak {peak / 1e6:.0f} MB; blocks freed after "
+        f"{freed_at} s with the client still connected; {generated:.0f} of {samples * max_tokens} tokens generated"
+    )
     assert freed_at is not None, "the stalled request still holds its blocks"
     assert generated < samples * max_tokens, "the stalled request was not aborted: it ran to the end"
     assert peak - rss0 < 150e6, f"RSS grew by {(peak - rss0) / 1e6:.0f} MB for one slow reader"
@@ -158,8 +191,9 @@ def test_health_answers_while_heavy_requests_run(server, tiny_model_path):
         # under the body cap, but more characters than any prompt that fits could have: refused untokenized
         big = "hello world, " * (1_900_000 // 13)
         t0 = time.monotonic()
-        assert_error(h.post(url, json={"prompt": big, "max_tokens": 1}), 400, "prompt", "context_length_exceeded",
-                     "characters")
+        assert_error(
+            h.post(url, json={"prompt": big, "max_tokens": 1}), 400, "prompt", "context_length_exceeded", "characters"
+        )
         assert time.monotonic() - t0 < 2
         # over the body cap: 413 from Content-Length, and from a chunked body as it grows
         assert_error(h.post(url, content=b"x" * (MAX_BODY + 1)), 413, None, "request_too_large", "--max-body-bytes")
@@ -171,8 +205,20 @@ def test_health_answers_while_heavy_requests_run(server, tiny_model_path):
         # 64 stop strings of 1,500 characters that keep almost matching, streamed to 16 samples
         text_stops = [("a" * 1499) + chr(ord("A") + i % 26) for i in range(64)]
         t0 = time.monotonic()
-        with h.stream("POST", url, json={"prompt": "aaaa aaaa", "n": 16, "max_tokens": 200, "ignore_eos": True,
-                                         "temperature": 0.8, "seed": 2, "stop": text_stops, "stream": True}) as r:
+        with h.stream(
+            "POST",
+            url,
+            json={
+                "prompt": "aaaa aaaa",
+                "n": 16,
+                "max_tokens": 200,
+                "ignore_eos": True,
+                "temperature": 0.8,
+                "seed": 2,
+                "stop": text_stops,
+                "stream": True,
+            },
+        ) as r:
             assert r.status_code == 200
             data = [ln for ln in r.iter_lines() if ln.startswith("data:")]
         took = time.monotonic() - t0
@@ -180,8 +226,10 @@ def test_health_answers_while_heavy_requests_run(server, tiny_model_path):
         # a prompt that fits, tokenized on the tokenizer thread
         fits = "The KV cache stores keys. " * 1500
         assert h.post(url, json={"prompt": fits, "max_tokens": 1}).status_code in (200, 400)
-    print(f"\nheavy requests: /health worst {probe.worst:.3f} s over {len(probe.times)} probes; "
-          f"64 x 1,500-character stops over 16 samples streamed in {took:.1f} s")
+    print(
+        f"\nheavy requests: /health worst {probe.worst:.3f} s over {len(probe.times)} probes; "
+        f"64 x 1,500-character stops over 16 samples streamed in {took:.1f} s"
+    )
     assert probe.worst < 1.0
 
 
@@ -230,8 +278,15 @@ def test_fd_exhaustion_recovers_and_logs_once(tiny_model_path):
     try:
         soft = int(next(ln.split()[3] for ln in open(f"/proc/{s.proc.pid}/limits") if ln.startswith("Max open files")))
         per = soft // 2 + 200  # two client processes (each has at most 4,096 descriptors too)
-        holders = [subprocess.Popen([sys.executable, "-c", HOLD_CONNECTIONS, str(s.port), str(per)],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+        holders = [
+            subprocess.Popen(
+                [sys.executable, "-c", HOLD_CONNECTIONS, str(s.port), str(per)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(2)
+        ]
         opened = sum(int(h.stdout.readline()) for h in holders)
         t0 = time.monotonic()
         while "cannot accept" not in s.stderr() and time.monotonic() - t0 < 20:  # a loaded machine accepts slowly
@@ -248,8 +303,10 @@ def test_fd_exhaustion_recovers_and_logs_once(tiny_model_path):
             except httpx.HTTPError:
                 pass
             assert time.monotonic() - t0 < 15, "the server did not recover from a full fd table"
-        print(f"\nfd exhaustion: {opened} connections against {soft} descriptors; log {len(s.stderr())} bytes; "
-              f"/health answered {time.monotonic() - t0:.1f} s later, the connections still held")
+        print(
+            f"\nfd exhaustion: {opened} connections against {soft} descriptors; log {len(s.stderr())} bytes; "
+            f"/health answered {time.monotonic() - t0:.1f} s later, the connections still held"
+        )
         assert len(s.stderr()) < 5000
     finally:
         for h in holders:
@@ -272,8 +329,13 @@ BAD = [
     # known fields this server does not implement
     ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function"}]}, 400, "tools", "tools"),
     ("/v1/chat/completions", {"messages": HI, "tool_choice": "required"}, 400, "tool_choice", "tool_choice"),
-    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "yaml"}}, 400, "response_format",
-     "response_format"),
+    (
+        "/v1/chat/completions",
+        {"messages": HI, "response_format": {"type": "yaml"}},
+        400,
+        "response_format",
+        "response_format",
+    ),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of", "best_of"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo", "echo"),
     ("/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix", "suffix"),
@@ -285,8 +347,13 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": []}]}, 400, "messages", "content"),
     # requests that can never be admitted: 400 naming the limit, not a retryable 503
     ("/v1/completions", {"prompt": [[1, 2]] * 2000, "max_tokens": 1}, 400, "prompt", "--max-queue"),
-    ("/v1/completions", {"prompt": ["hi"] * 10, "n": 64, "max_tokens": 1000}, 400, "max_tokens",
-     "--max-request-tokens"),
+    (
+        "/v1/completions",
+        {"prompt": ["hi"] * 10, "n": 64, "max_tokens": 1000},
+        400,
+        "max_tokens",
+        "--max-request-tokens",
+    ),
     ("/v1/completions", {"prompt": "hi", "stop": ["s"] * 65}, 400, "stop", "--max-stop-strings"),
 ]
 
@@ -300,17 +367,33 @@ def test_bad_inputs_get_their_error_object(server, tiny_model_path):
             assert "retry-after" not in r.headers
             assert "TextEncodeInput" not in r.text
         # an unknown model: OpenAI's 404 model_not_found; the served name is the folder's, not its path
-        err = assert_error(h.post(server.url + "/v1/completions", json={"prompt": "hi", "model": "gpt-9"}), 404,
-                           "model", "model_not_found", "unknown model")
+        err = assert_error(
+            h.post(server.url + "/v1/completions", json={"prompt": "hi", "model": "gpt-9"}),
+            404,
+            "model",
+            "model_not_found",
+            "unknown model",
+        )
         assert str(tiny_model_path.parent) not in err["message"]
         assert [m["id"] for m in h.get(server.url + "/v1/models").json()["data"]] == [tiny_model_path.name]
         # values that ask for nothing, and truly unknown fields, are accepted
-        for extra in ({"presence_penalty": 0}, {"logit_bias": {}}, {"echo": False}, {"best_of": 1},
-                      {"some_vendor_field": 1}):
+        for extra in (
+            {"presence_penalty": 0},
+            {"logit_bias": {}},
+            {"echo": False},
+            {"best_of": 1},
+            {"some_vendor_field": 1},
+        ):
             r = h.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, **extra})
             assert r.status_code == 200, (extra, r.text)
-        r = h.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                              "max_tokens": 2, "response_format": {"type": "text"}})
+        r = h.post(
+            server.url + "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+                "response_format": {"type": "text"},
+            },
+        )
         assert r.status_code == 200, r.text
         # docs are off by default
         for path in ("/docs", "/redoc", "/openapi.json"):
@@ -321,9 +404,18 @@ def test_bad_inputs_get_their_error_object(server, tiny_model_path):
 def test_tiny_temperature_is_greedy(server):
     """A positive temperature of 1e-38 divides logits into float32 infinities; it must act as greedy."""
     with httpx.Client(timeout=60) as h:
+
         def text(t):
-            r = h.post(server.url + "/v1/completions", json={"prompt": "The quick brown fox", "max_tokens": 16,
-                                                             "temperature": t, "ignore_eos": True, "seed": 5})
+            r = h.post(
+                server.url + "/v1/completions",
+                json={
+                    "prompt": "The quick brown fox",
+                    "max_tokens": 16,
+                    "temperature": t,
+                    "ignore_eos": True,
+                    "seed": 5,
+                },
+            )
             assert r.status_code == 200, r.text
             return r.json()["choices"][0]["text"]
 
@@ -333,8 +425,13 @@ def test_tiny_temperature_is_greedy(server):
 
 def test_chat_default_max_tokens_fits_the_pool(server):
     """No max_tokens, 64 samples: the default shrinks to what the pool holds instead of a 400."""
-    body = {"messages": [{"role": "user", "content": "Write a haiku about memory."}], "n": 64, "stream": True,
-            "temperature": 0.8, "seed": 3}
+    body = {
+        "messages": [{"role": "user", "content": "Write a haiku about memory."}],
+        "n": 64,
+        "stream": True,
+        "temperature": 0.8,
+        "seed": 3,
+    }
     with httpx.Client(timeout=60) as h, h.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200, r.read()
         first = next(ln for ln in r.iter_lines() if ln.startswith("data:"))
@@ -416,8 +513,9 @@ def test_public_bind_without_key_warns(tiny_model_path):
 # -- 6. the key is checked before the body; /metrics is protected; SIGTERM drains ----------------------
 @pytest.fixture(scope="module")
 def keyed(tiny_model_path):
-    s = Server(tiny_model_path, "--num-blocks", "256", "--api-key", "sekret", "--enable-docs",
-               "--shutdown-timeout", "3")
+    s = Server(
+        tiny_model_path, "--num-blocks", "256", "--api-key", "sekret", "--enable-docs", "--shutdown-timeout", "3"
+    )
     yield s
     s.stop()
 
@@ -425,8 +523,10 @@ def keyed(tiny_model_path):
 def test_key_is_checked_before_the_body(keyed):
     # a 60 MB body announced but never sent: the 401 comes from the headers alone
     sock = socket.create_connection(("127.0.0.1", keyed.port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: 60000000\r\n\r\n{")
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 60000000\r\n\r\n{"
+    )
     sock.settimeout(2)
     try:
         head = sock.recv(4096)
@@ -436,10 +536,19 @@ def test_key_is_checked_before_the_body(keyed):
     with httpx.Client(timeout=10) as h:
         url = keyed.url + "/v1/completions"
         assert_error(h.post(url, content=b"{not json"), 401, None, "invalid_api_key", "missing")
-        assert_error(h.post(url, json={"prompt": "hi"}, headers={"Authorization": "Bearer nope"}),
-                     401, None, "invalid_api_key", "wrong")
-        for auth in ({"Authorization": "Bearer sekret"}, {"Authorization": "bearer sekret"},
-                     {"Authorization": "BEARER  sekret"}, {"x-api-key": "sekret"}):
+        assert_error(
+            h.post(url, json={"prompt": "hi"}, headers={"Authorization": "Bearer nope"}),
+            401,
+            None,
+            "invalid_api_key",
+            "wrong",
+        )
+        for auth in (
+            {"Authorization": "Bearer sekret"},
+            {"Authorization": "bearer sekret"},
+            {"Authorization": "BEARER  sekret"},
+            {"x-api-key": "sekret"},
+        ):
             assert h.get(keyed.url + "/v1/models", headers=auth).status_code == 200, auth
         assert_error(h.get(keyed.url + "/metrics"), 401, None, "invalid_api_key")
         assert h.get(keyed.url + "/metrics", headers={"Authorization": "Bearer sekret"}).status_code == 200
@@ -456,8 +565,13 @@ def test_sigterm_drains_with_503_and_exits_0(keyed):
     next(lines)
     keyed.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
-    assert_error(h.post(keyed.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}), 503, None,
-                 "server_shutting_down", "shutting down")
+    assert_error(
+        h.post(keyed.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}),
+        503,
+        None,
+        "server_shutting_down",
+        "shutting down",
+    )
     health = httpx.get(keyed.url + "/health", timeout=5)
     assert health.status_code == 503 and health.json()["status"] == "draining"
     rest = [ln for ln in lines if ln.startswith("data:")]

@@ -19,8 +19,9 @@ from server_proc import Server
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}
 TOOLS = [{"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER}]
-OPENAI_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                                  "parameters": WEATHER}}]
+OPENAI_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}}
+]
 GREEDY = {"temperature": 0.0}  # this client no longer sends temperature itself; the API still takes it
 
 
@@ -56,8 +57,13 @@ def prompt_ids(tok, messages, tools=None) -> list[int]:
 def test_text_matches_generate(server, llm, tok, tiny_model_path, stream):
     system = [{"type": "text", "text": "Blocks of sixteen"}, {"type": "text", "text": "tokens."}]
     msgs = [{"role": "user", "content": [{"type": "text", "text": "Write a Python function"}]}]
-    ids = prompt_ids(tok, [{"role": "system", "content": "Blocks of sixteen\ntokens."},
-                           {"role": "user", "content": "Write a Python function"}])
+    ids = prompt_ids(
+        tok,
+        [
+            {"role": "system", "content": "Blocks of sixteen\ntokens."},
+            {"role": "user", "content": "Write a Python function"},
+        ],
+    )
     ref = llm.generate(ids, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
     kw = dict(model=str(tiny_model_path), max_tokens=12, system=system, messages=msgs, extra_body=GREEDY)
     if not stream:
@@ -69,8 +75,11 @@ def test_text_matches_generate(server, llm, tok, tiny_model_path, stream):
         assert (m.usage.input_tokens, m.usage.output_tokens) == (len(ids), len(ref.token_ids))
         return
     with httpx.Client(timeout=60) as h:  # the raw event sequence, as the protocol names it
-        r = h.post(server.url + "/v1/messages", json={**{k: v for k, v in kw.items() if k != "extra_body"}, **GREEDY, "stream": True})
-        names = [ln[len("event: "):] for ln in r.text.splitlines() if ln.startswith("event: ")]
+        r = h.post(
+            server.url + "/v1/messages",
+            json={**{k: v for k, v in kw.items() if k != "extra_body"}, **GREEDY, "stream": True},
+        )
+        names = [ln[len("event: ") :] for ln in r.text.splitlines() if ln.startswith("event: ")]
     assert names[0] == "message_start" and names[1] == "content_block_start"
     assert set(names[2:-3]) == {"content_block_delta"}
     assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
@@ -86,8 +95,13 @@ def test_stop_sequence_is_reported(server, llm, tok, tiny_model_path):
     full = llm.generate(ids, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0].text
     stop = full[10:13]
     for stream in (False, True):
-        kw = dict(model=str(tiny_model_path), max_tokens=30, messages=[{"role": "user", "content": "Paged attention"}],
-                  stop_sequences=["\x00never", stop], extra_body=GREEDY)
+        kw = dict(
+            model=str(tiny_model_path),
+            max_tokens=30,
+            messages=[{"role": "user", "content": "Paged attention"}],
+            stop_sequences=["\x00never", stop],
+            extra_body=GREEDY,
+        )
         if stream:
             with client(server).messages.stream(**kw) as s:
                 text = "".join(s.text_stream)
@@ -101,26 +115,50 @@ def test_stop_sequence_is_reported(server, llm, tok, tiny_model_path):
 
 def test_count_tokens_is_the_templates_length(server, tok, tiny_model_path):
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
-    n = client(server).messages.count_tokens(model=str(tiny_model_path), messages=msgs, system="Be brief.",
-                                             tools=TOOLS).input_tokens
+    n = (
+        client(server)
+        .messages.count_tokens(model=str(tiny_model_path), messages=msgs, system="Be brief.", tools=TOOLS)
+        .input_tokens
+    )
     assert n == len(prompt_ids(tok, [{"role": "system", "content": "Be brief."}, *msgs], OPENAI_TOOLS))
     n = client(server).messages.count_tokens(model=str(tiny_model_path), messages=msgs).input_tokens
     assert n == len(prompt_ids(tok, msgs))
 
 
 def test_tool_result_follow_up_goes_through_the_template(server, tok, tiny_model_path):
-    msgs = [{"role": "user", "content": "Weather in Paris?"},
-            {"role": "assistant", "content": [
+    msgs = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": [
                 {"type": "text", "text": "Checking."},
-                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
-            {"role": "user", "content": [
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
                 {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "sunny"}]},
-                {"type": "text", "text": "And tomorrow?"}]}]
-    ref = [{"role": "user", "content": "Weather in Paris?"},
-           {"role": "assistant", "content": "Checking.", "tool_calls": [
-               {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-           {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
-           {"role": "user", "content": "And tomorrow?"}]
+                {"type": "text", "text": "And tomorrow?"},
+            ],
+        },
+    ]
+    ref = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "tool_calls": [
+                {
+                    "id": "toolu_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
     c = client(server)
     n = c.messages.count_tokens(model=str(tiny_model_path), messages=msgs, tools=TOOLS).input_tokens
     assert n == len(prompt_ids(tok, ref, OPENAI_TOOLS))
@@ -133,8 +171,14 @@ def test_tool_use_turn_and_its_result(server, tiny_model_path, stream):
     """tool_choice any: the grammar makes the tiny random model call the tool, with valid input."""
     c = client(server)
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
-    kw = dict(model=str(tiny_model_path), max_tokens=200, messages=msgs, tools=TOOLS,
-              tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body={"temperature": 1.0})
+    kw = dict(
+        model=str(tiny_model_path),
+        max_tokens=200,
+        messages=msgs,
+        tools=TOOLS,
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        extra_body={"temperature": 1.0},
+    )
     if stream:
         with c.messages.stream(**kw) as s:
             events = list(s)
@@ -146,32 +190,51 @@ def test_tool_use_turn_and_its_result(server, tiny_model_path, stream):
     uses = [b for b in m.content if b.type == "tool_use"]
     assert len(uses) == 1 and uses[0].name == "get_weather" and uses[0].id.startswith("toolu_")
     jsonschema.validate(uses[0].input, WEATHER)
-    follow = msgs + [{"role": "assistant", "content": m.content},
-                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
-                                                   "content": "sunny, 21 C"}]}]
-    m2 = c.messages.create(model=str(tiny_model_path), max_tokens=5, messages=follow, tools=TOOLS,
-                           tool_choice={"type": "none"}, extra_body=GREEDY)
+    follow = msgs + [
+        {"role": "assistant", "content": m.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "sunny, 21 C"}]},
+    ]
+    m2 = c.messages.create(
+        model=str(tiny_model_path),
+        max_tokens=5,
+        messages=follow,
+        tools=TOOLS,
+        tool_choice={"type": "none"},
+        extra_body=GREEDY,
+    )
     assert m2.stop_reason in ("end_turn", "max_tokens") and m2.content[0].type == "text"
 
 
 def test_tool_choice_tool_forces_that_tool(server, tiny_model_path):
     tz = {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 12}}, "required": ["tz"]}
     tools = TOOLS + [{"name": "get_time", "input_schema": tz}]
-    m = client(server).messages.create(model=str(tiny_model_path), max_tokens=200, tools=tools,
-                                       messages=[{"role": "user", "content": "Weather?"}],
-                                       tool_choice={"type": "tool", "name": "get_time"}, extra_body={"temperature": 1.0})
+    m = client(server).messages.create(
+        model=str(tiny_model_path),
+        max_tokens=200,
+        tools=tools,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tool_choice={"type": "tool", "name": "get_time"},
+        extra_body={"temperature": 1.0},
+    )
     uses = [b for b in m.content if b.type == "tool_use"]
     assert m.stop_reason == "tool_use" and [u.name for u in uses] == ["get_time"]
     jsonschema.validate(uses[0].input, tools[1]["input_schema"])
 
 
 def test_json_schema_output_validates(server, tiny_model_path):
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["n"],
-              "additionalProperties": False}
-    m = client(server).messages.create(model=str(tiny_model_path), max_tokens=100,
-                                       messages=[{"role": "user", "content": "a number"}],
-                                       output_config={"format": {"type": "json_schema", "schema": schema}},
-                                       extra_body={"temperature": 1.0})
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    m = client(server).messages.create(
+        model=str(tiny_model_path),
+        max_tokens=100,
+        messages=[{"role": "user", "content": "a number"}],
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+        extra_body={"temperature": 1.0},
+    )
     assert m.stop_reason == "end_turn"
     jsonschema.validate(json.loads(m.content[0].text), schema)
 
@@ -190,8 +253,14 @@ BAD = [
     ({"tools": [{"name": "x y", "input_schema": {}}]}, "tools.0.name"),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
     ({"output_config": {"effort": "high"}}, "effort"),
-    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
-      "tool_choice": {"type": "any"}, "tools": TOOLS}, "cannot be combined"),
+    (
+        {
+            "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
+            "tool_choice": {"type": "any"},
+            "tools": TOOLS,
+        },
+        "cannot be combined",
+    ),
     ({"messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "x"}]}]}, "tool_result"),
     ({"max_tokens": 5000}, "context"),
 ]

@@ -28,22 +28,44 @@ def test_knobs_reach_the_sampler(server, tiny_loaded, tiny_model_path):
     extra = dict(min_p=0.05, repetition_penalty=1.3)
     sp = SamplingParams(temperature=0.9, seed=11, max_tokens=20, ignore_eos=True, **knobs, **extra)
     want = llm.generate(PROMPT, sp)[0].outputs[0].text
-    r = server.client().completions.create(model=str(tiny_model_path), prompt=PROMPT, temperature=0.9, seed=11,
-                                           max_tokens=20, extra_body=dict(ignore_eos=True, **extra), **knobs)
+    r = server.client().completions.create(
+        model=str(tiny_model_path),
+        prompt=PROMPT,
+        temperature=0.9,
+        seed=11,
+        max_tokens=20,
+        extra_body=dict(ignore_eos=True, **extra),
+        **knobs,
+    )
     assert r.choices[0].text == want
     plain = llm.generate(PROMPT, SamplingParams(temperature=0.9, seed=11, max_tokens=20, ignore_eos=True))[0]
     assert plain.outputs[0].text != want  # the knobs changed something
-    forced = server.client().chat.completions.create(model=str(tiny_model_path), messages=[{"role": "user", "content": "hi"}],
-                                                     max_tokens=6, logit_bias={"37": 100}, extra_body=dict(ignore_eos=True))
+    forced = server.client().chat.completions.create(
+        model=str(tiny_model_path),
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        logit_bias={"37": 100},
+        extra_body=dict(ignore_eos=True),
+    )
     assert forced.choices[0].message.content == tiny_loaded.tokenizer.decode([37] * 6)
 
 
-@pytest.mark.parametrize("field,value", [("presence_penalty", 2.5), ("frequency_penalty", -3), ("min_p", 1.5),
-                                         ("repetition_penalty", 0), ("logit_bias", {"5": 101}),
-                                         ("logit_bias", {"x": 1}), ("logit_bias", {"99999": 1})])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0),
+        ("logit_bias", {"5": 101}),
+        ("logit_bias", {"x": 1}),
+        ("logit_bias", {"99999": 1}),
+    ],
+)
 def test_bad_knobs_get_400(server, tiny_model_path, field, value):
-    r = httpx.post(server.url + "/v1/completions", json={"model": str(tiny_model_path), "prompt": "hi", field: value},
-                   timeout=30)
+    r = httpx.post(
+        server.url + "/v1/completions", json={"model": str(tiny_model_path), "prompt": "hi", field: value}, timeout=30
+    )
     assert r.status_code == 400, r.text
     msg = r.json()["error"]["message"]
     assert "logit_bias" in msg if field == "logit_bias" else field in msg

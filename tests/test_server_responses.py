@@ -17,11 +17,16 @@ from mlxpaged import LLM, SamplingParams
 
 from server_proc import Server
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
-           "additionalProperties": False}
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 10}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}]
-CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                                "parameters": WEATHER}}]
+CHAT_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}}
+]
 STORE = 3
 
 
@@ -51,11 +56,21 @@ def prompt_ids(tok, messages, tools=None) -> list[int]:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_text_matches_generate(server, llm, tok, tiny_model_path, stream):
-    ids = prompt_ids(tok, [{"role": "system", "content": "Blocks of sixteen tokens."},
-                           {"role": "user", "content": "Write a Python function"}])
+    ids = prompt_ids(
+        tok,
+        [
+            {"role": "system", "content": "Blocks of sixteen tokens."},
+            {"role": "user", "content": "Write a Python function"},
+        ],
+    )
     ref = llm.generate(ids, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
-    kw = dict(model=str(tiny_model_path), instructions="Blocks of sixteen tokens.", input="Write a Python function",
-              max_output_tokens=12, temperature=0)
+    kw = dict(
+        model=str(tiny_model_path),
+        instructions="Blocks of sixteen tokens.",
+        input="Write a Python function",
+        max_output_tokens=12,
+        temperature=0,
+    )
     if not stream:
         r = server.client().responses.create(**kw)
         assert r.object == "response" and r.id.startswith("resp_")
@@ -65,8 +80,12 @@ def test_text_matches_generate(server, llm, tok, tiny_model_path, stream):
         return
     events = list(server.client().responses.create(**kw, stream=True))
     types = [e.type for e in events]
-    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"]
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
     assert set(types[4:-4]) == {"response.output_text.delta"}
     assert types[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
     assert types[-1] == ("response.incomplete" if ref.finish_reason == "length" else "response.completed")
@@ -77,23 +96,44 @@ def test_text_matches_generate(server, llm, tok, tiny_model_path, stream):
 
 
 def test_function_call_items_go_through_the_template(server, tok, tiny_model_path):
-    items = [{"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
-             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
-             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
-    r = server.client().responses.create(model=str(tiny_model_path), input=items, tools=TOOLS, max_output_tokens=2,
-                                         temperature=0)
-    ref = [{"role": "user", "content": "Weather in Paris?"},
-           {"role": "assistant", "content": "", "tool_calls": [
-               {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-           {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    ]
+    r = server.client().responses.create(
+        model=str(tiny_model_path), input=items, tools=TOOLS, max_output_tokens=2, temperature=0
+    )
+    ref = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
     assert r.usage.input_tokens == len(prompt_ids(tok, ref, CHAT_TOOLS))
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_forced_function_call_and_its_output(server, tok, tiny_model_path, stream):
     c = server.client()
-    kw = dict(model=str(tiny_model_path), input="Weather in Paris?", tools=TOOLS, tool_choice="required",
-              parallel_tool_calls=False, max_output_tokens=200, temperature=1.0)
+    kw = dict(
+        model=str(tiny_model_path),
+        input="Weather in Paris?",
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=200,
+        temperature=1.0,
+    )
     if stream:
         events = list(c.responses.create(**kw, stream=True))
         types = [e.type for e in events]
@@ -108,27 +148,48 @@ def test_forced_function_call_and_its_output(server, tok, tiny_model_path, strea
     assert calls[0].call_id.startswith("call_") and calls[0].id.startswith("fc_")
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
     # the client sends the call back with its output; stateless, so the whole history goes again
-    follow = [{"role": "user", "content": "Weather in Paris?"},
-              {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather",
-               "arguments": calls[0].arguments},
-              {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}]
-    r2 = c.responses.create(model=str(tiny_model_path), input=follow, tools=TOOLS, tool_choice="none",
-                            max_output_tokens=3, temperature=0)
+    follow = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather", "arguments": calls[0].arguments},
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"},
+    ]
+    r2 = c.responses.create(
+        model=str(tiny_model_path), input=follow, tools=TOOLS, tool_choice="none", max_output_tokens=3, temperature=0
+    )
     assert r2.output[0].type == "message"
     # tool_choice none leaves the tools out of the prompt
-    ref = [{"role": "user", "content": "Weather in Paris?"},
-           {"role": "assistant", "content": "", "tool_calls": [{"id": calls[0].call_id, "type": "function", "function": {
-               "name": "get_weather", "arguments": json.loads(calls[0].arguments)}}]},
-           {"role": "tool", "tool_call_id": calls[0].call_id, "content": "sunny"}]
+    ref = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": calls[0].call_id,
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.loads(calls[0].arguments)},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": calls[0].call_id, "content": "sunny"},
+    ]
     assert r2.usage.input_tokens == len(prompt_ids(tok, ref))
 
 
 def test_text_format_json_schema_validates(server, tiny_model_path):
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 50}},
-              "required": ["ok", "n"], "additionalProperties": False}
-    r = server.client().responses.create(model=str(tiny_model_path), input="Give me a record",
-                                         text={"format": {"type": "json_schema", "name": "rec", "schema": schema}},
-                                         max_output_tokens=100, temperature=1.0)
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 50}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    r = server.client().responses.create(
+        model=str(tiny_model_path),
+        input="Give me a record",
+        text={"format": {"type": "json_schema", "name": "rec", "schema": schema}},
+        max_output_tokens=100,
+        temperature=1.0,
+    )
     assert r.status == "completed"
     jsonschema.validate(json.loads(r.output_text), schema)
 
@@ -138,8 +199,11 @@ def test_previous_response_id_continues_and_is_bounded(server, llm, tok, tiny_mo
     kw = dict(model=str(tiny_model_path), max_output_tokens=4, temperature=0)
     first = c.responses.create(input="The KV cache", **kw)
     second = c.responses.create(input="Paged attention", previous_response_id=first.id, **kw)
-    history = [{"role": "user", "content": "The KV cache"}, {"role": "assistant", "content": first.output_text},
-               {"role": "user", "content": "Paged attention"}]
+    history = [
+        {"role": "user", "content": "The KV cache"},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "Paged attention"},
+    ]
     ids = prompt_ids(tok, history)
     assert second.usage.input_tokens == len(ids)
     assert second.output_text == llm.generate(ids, SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].text

@@ -27,13 +27,18 @@ CLIENTS = 8
 def one_request(url: str, model: str, rng: random.Random) -> str:
     """Send one random request; returns what happened ("ok", "disconnect", "bad")."""
     kind = rng.random()
-    body = {"model": model, "prompt": [rng.randrange(5, 300) for _ in range(rng.randint(4, 400))],
-            "n": rng.randint(1, 4), "max_tokens": rng.randint(4, 48), "temperature": rng.choice([0.0, 0.8]),
-            "seed": rng.randrange(1000), "stream": True}
+    body = {
+        "model": model,
+        "prompt": [rng.randrange(5, 300) for _ in range(rng.randint(4, 400))],
+        "n": rng.randint(1, 4),
+        "max_tokens": rng.randint(4, 48),
+        "temperature": rng.choice([0.0, 0.8]),
+        "seed": rng.randrange(1000),
+        "stream": True,
+    }
     with httpx.Client(timeout=120) as h:
         if kind < 0.05:  # bad requests of several kinds
-            bad = rng.choice([{"n": 0}, {"max_tokens": "x"}, {"model": "nope"}, {"prompt": []},
-                              {"prompt": [5] * 5000}])
+            bad = rng.choice([{"n": 0}, {"max_tokens": "x"}, {"model": "nope"}, {"prompt": []}, {"prompt": [5] * 5000}])
             r = h.post(url + "/v1/completions", json={**body, **bad})
             assert r.status_code == (404 if "model" in bad else 400), r.text  # an unknown model is OpenAI's 404
             return "bad"
@@ -53,9 +58,15 @@ def wait_idle(server: Server, timeout: float = 30.0) -> dict:
     t0 = time.monotonic()
     while True:
         m = server.metrics()
-        if m["mlxpaged_kv_blocks_used"] == 0 and m["mlxpaged_requests_running"] == 0 and m["mlxpaged_requests_waiting"] == 0:
+        if (
+            m["mlxpaged_kv_blocks_used"] == 0
+            and m["mlxpaged_requests_running"] == 0
+            and m["mlxpaged_requests_waiting"] == 0
+        ):
             return m
-        assert time.monotonic() - t0 < timeout, {k: v for k, v in m.items() if k.startswith("mlxpaged_re") or "blocks" in k}
+        assert time.monotonic() - t0 < timeout, {
+            k: v for k, v in m.items() if k.startswith("mlxpaged_re") or "blocks" in k
+        }
         time.sleep(0.05)
 
 
@@ -81,11 +92,13 @@ def test_soak_memory_is_flat(tiny_model_path):
             counts[k] = counts.get(k, 0) + v
         active0, active1 = base["mlxpaged_mlx_active_memory_bytes"], end["mlxpaged_mlx_active_memory_bytes"]
         rss0, rss1 = base["process_resident_memory_bytes"], end["process_resident_memory_bytes"]
-        print(f"\nsoak: {total} requests {counts} in {time.monotonic() - t0:.0f} s; "
-              f"generated {end['mlxpaged_generation_tokens_total']:.0f} tokens; "
-              f"preemptions {end['mlxpaged_preemptions_total']:.0f}; "
-              f"MLX active {active0 / 1e6:.1f} -> {active1 / 1e6:.1f} MB; MLX cache "
-              f"{base['mlxpaged_mlx_cache_memory_bytes'] / 1e6:.1f} -> {end['mlxpaged_mlx_cache_memory_bytes'] / 1e6:.1f} MB; RSS {rss0 / 1e6:.1f} -> {rss1 / 1e6:.1f} MB")
+        print(
+            f"\nsoak: {total} requests {counts} in {time.monotonic() - t0:.0f} s; "
+            f"generated {end['mlxpaged_generation_tokens_total']:.0f} tokens; "
+            f"preemptions {end['mlxpaged_preemptions_total']:.0f}; "
+            f"MLX active {active0 / 1e6:.1f} -> {active1 / 1e6:.1f} MB; MLX cache "
+            f"{base['mlxpaged_mlx_cache_memory_bytes'] / 1e6:.1f} -> {end['mlxpaged_mlx_cache_memory_bytes'] / 1e6:.1f} MB; RSS {rss0 / 1e6:.1f} -> {rss1 / 1e6:.1f} MB"
+        )
         assert end["mlxpaged_kv_blocks_used"] == 0
         # Nothing of a finished request stays behind: the engine and the loop hold none when idle.
         assert end["mlxpaged_requests_held"] == 0 and end["mlxpaged_sinks_held"] == 0

@@ -20,13 +20,26 @@ from mlxpaged.server.tools import ToolCallStream, parse_tool_calls, tool_call_gr
 from server_proc import Server
 
 # Strings are bounded: the tiny random model, inside a string, would rarely close it before max_tokens.
-WEATHER = {"type": "object", "required": ["city"],
-           "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["C", "F"]}}}
-TIME = {"type": "object", "required": ["tz"],
-        "properties": {"tz": {"type": "string", "maxLength": 12}, "hours": {"type": "integer", "minimum": 0, "maximum": 23}}}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "description": "Time in a zone", "parameters": TIME}}]
+WEATHER = {
+    "type": "object",
+    "required": ["city"],
+    "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["C", "F"]}},
+}
+TIME = {
+    "type": "object",
+    "required": ["tz"],
+    "properties": {
+        "tz": {"type": "string", "maxLength": 12},
+        "hours": {"type": "integer", "minimum": 0, "maximum": 23},
+    },
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER},
+    },
+    {"type": "function", "function": {"name": "get_time", "description": "Time in a zone", "parameters": TIME}},
+]
 CALLS = [("get_weather", {"city": "Paris", "unit": "C"}), ("get_time", {"tz": "Europe/Paris", "hours": 3})]
 
 
@@ -38,13 +51,20 @@ def hf_tokenizer(path):
 
 def scripted_completion(tok, content: str = "Let me look that up.") -> str:
     """The assistant turn the template writes for two calls: what a model trained on it emits."""
-    msgs = [{"role": "user", "content": "Weather and time in Paris?"},
-            {"role": "assistant", "content": content,
-             "tool_calls": [{"id": f"c{i}", "type": "function", "function": {"name": n, "arguments": a}}
-                            for i, (n, a) in enumerate(CALLS)]}]
+    msgs = [
+        {"role": "user", "content": "Weather and time in Paris?"},
+        {
+            "role": "assistant",
+            "content": content,
+            "tool_calls": [
+                {"id": f"c{i}", "type": "function", "function": {"name": n, "arguments": a}}
+                for i, (n, a) in enumerate(CALLS)
+            ],
+        },
+    ]
     text = tok.apply_chat_template(msgs, tools=TOOLS, tokenize=False)
     start = text.rindex("<|im_start|>assistant") + len("<|im_start|>assistant")
-    return text[start: text.rindex("<|im_end|>")].lstrip("\n")
+    return text[start : text.rindex("<|im_end|>")].lstrip("\n")
 
 
 def events_of(text: str, cuts, names=None) -> list:
@@ -82,14 +102,23 @@ def check_two_calls(text: str, content: str) -> None:
 def test_tiny_template_without_tools_is_plain_chatml(tiny_model_path):
     """The tools support added to the tiny model's template changes nothing for plain chats."""
     tok = hf_tokenizer(tiny_model_path)
-    chatml = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    for msgs in ([{"role": "user", "content": "hi"}],
-                 [{"role": "system", "content": "S"}, {"role": "user", "content": "a\nb"},
-                  {"role": "assistant", "content": "yo"}, {"role": "user", "content": "x"}]):
+    chatml = (
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    for msgs in (
+        [{"role": "user", "content": "hi"}],
+        [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "a\nb"},
+            {"role": "assistant", "content": "yo"},
+            {"role": "user", "content": "x"},
+        ],
+    ):
         for gen in (True, False):
-            assert tok.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False) == \
-                tok.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False, chat_template=chatml)
+            assert tok.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False) == tok.apply_chat_template(
+                msgs, add_generation_prompt=gen, tokenize=False, chat_template=chatml
+            )
 
 
 # -- the parser ---------------------------------------------------------------------------------
@@ -117,9 +146,12 @@ def test_malformed_and_unclosed_spans_stay_text():
     cases = {
         "plain text, no call \n": ("plain text, no call \n", []),
         "a <tool_call>not json</tool_call> b": ("a <tool_call>not json</tool_call> b", []),
-        '<tool_call>{"name": 3, "arguments": {}}</tool_call>': ('<tool_call>{"name": 3, "arguments": {}}</tool_call>', []),
+        '<tool_call>{"name": 3, "arguments": {}}</tool_call>': (
+            '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+            [],
+        ),
         '<tool_call>["f"]</tool_call>': ('<tool_call>["f"]</tool_call>', []),
-        "x <tool_call>\n{\"name\": \"f\"": ("x <tool_call>\n{\"name\": \"f\"", []),  # cut off by max_tokens
+        'x <tool_call>\n{"name": "f"': ('x <tool_call>\n{"name": "f"', []),  # cut off by max_tokens
         "ends with <tool_": ("ends with <tool_", []),
         f"hi\n{good}\n": ("hi", [("f", {"x": 1})]),
         f"{good} then text": ("then text", [("f", {"x": 1})]),
@@ -139,20 +171,23 @@ def test_a_bare_json_call_to_an_offered_function_is_a_call():
     """What Qwen2.5-0.5B answers (greedy) to a weather question with a weather tool: no tags."""
     bare = '{"name": "get_weather", "arguments": {"city": "Lyon"}}'
     names = {"get_weather"}
-    cases = [(bare, names, (None, [("get_weather", {"city": "Lyon"})])),
-             (f"\n {bare}\n", names, (None, [("get_weather", {"city": "Lyon"})])),
-             (bare, {"other"}, (bare, [])),  # not an offered function: text
-             (bare, None, (bare, [])),  # no tools offered: text
-             (bare + " and more", names, (bare + " and more", [])),  # not the whole completion: text
-             ('{"a": 1}', names, ('{"a": 1}', [])),
-             ("Sure: " + bare, names, ("Sure: " + bare, [])),
-             # ... or in a fenced block (the 0.5B answered so through the Responses route)
-             (f"```json\n{bare}\n```", names, (None, [("get_weather", {"city": "Lyon"})])),
-             (f"```\n{bare}\n```\n", names, (None, [("get_weather", {"city": "Lyon"})])),
-             (f"```python\n{bare}\n```", names, (f"```python\n{bare}\n```", [])),
-             (f"```json\n{bare}\n``` done", names, (f"```json\n{bare}\n``` done", [])),
-             ("``", names, ("``", [])), ("`x` is code", names, ("`x` is code", [])),
-             ("``x``", names, ("``x``", []))]
+    cases = [
+        (bare, names, (None, [("get_weather", {"city": "Lyon"})])),
+        (f"\n {bare}\n", names, (None, [("get_weather", {"city": "Lyon"})])),
+        (bare, {"other"}, (bare, [])),  # not an offered function: text
+        (bare, None, (bare, [])),  # no tools offered: text
+        (bare + " and more", names, (bare + " and more", [])),  # not the whole completion: text
+        ('{"a": 1}', names, ('{"a": 1}', [])),
+        ("Sure: " + bare, names, ("Sure: " + bare, [])),
+        # ... or in a fenced block (the 0.5B answered so through the Responses route)
+        (f"```json\n{bare}\n```", names, (None, [("get_weather", {"city": "Lyon"})])),
+        (f"```\n{bare}\n```\n", names, (None, [("get_weather", {"city": "Lyon"})])),
+        (f"```python\n{bare}\n```", names, (f"```python\n{bare}\n```", [])),
+        (f"```json\n{bare}\n``` done", names, (f"```json\n{bare}\n``` done", [])),
+        ("``", names, ("``", [])),
+        ("`x` is code", names, ("`x` is code", [])),
+        ("``x``", names, ("``x``", [])),
+    ]
     for text, offered, (content, calls) in cases:
         got, got_calls = parse_tool_calls(text, offered)
         assert (got, [(c.name, json.loads(c.arguments)) for c in got_calls]) == (content, calls), text
@@ -212,22 +247,39 @@ def test_tools_and_tool_results_go_through_the_template(server, tiny_model_path)
     r = c.chat.completions.create(model=str(tiny_model_path), messages=user, tools=TOOLS, max_tokens=4, temperature=0)
     assert r.usage.prompt_tokens == chat_prompt_len(tok, user, TOOLS) > chat_prompt_len(tok, user)
     # tool_choice none leaves the tools out of the prompt
-    r = c.chat.completions.create(model=str(tiny_model_path), messages=user, tools=TOOLS, tool_choice="none",
-                                  max_tokens=4, temperature=0)
+    r = c.chat.completions.create(
+        model=str(tiny_model_path), messages=user, tools=TOOLS, tool_choice="none", max_tokens=4, temperature=0
+    )
     assert r.usage.prompt_tokens == chat_prompt_len(tok, user)
     # an assistant turn with tool_calls (arguments as OpenAI's JSON string) and the tools' results
     history = user + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-            {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "CET"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                },
+                {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "CET"}'}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
-        {"role": "tool", "tool_call_id": "call_2", "content": "14:00"}]
-    r = c.chat.completions.create(model=str(tiny_model_path), messages=history, tools=TOOLS, max_tokens=4,
-                                  temperature=0)
+        {"role": "tool", "tool_call_id": "call_2", "content": "14:00"},
+    ]
+    r = c.chat.completions.create(
+        model=str(tiny_model_path), messages=history, tools=TOOLS, max_tokens=4, temperature=0
+    )
     ref = [dict(m) for m in history]
-    ref[1] = {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
-        {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": {"tz": "CET"}}}]}
+    ref[1] = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+            {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": {"tz": "CET"}}},
+        ],
+    }
     text = tok.apply_chat_template(ref, tools=TOOLS, add_generation_prompt=True, tokenize=False)
     assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text and "<tool_response>\n14:00" in text
     assert r.usage.prompt_tokens == len(tok.encode(text, add_special_tokens=False))
@@ -241,24 +293,44 @@ BAD = [
     ({"tools": [{"type": "retrieval"}]}, "tools", "tools"),
     ({"response_format": {"type": "json_schema"}}, "schema", "response_format"),
     ({"response_format": {"type": "xml"}}, "response_format", "response_format"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot be combined",
-     "response_format"),
+    (
+        {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+        "cannot be combined",
+        "response_format",
+    ),
     ({"logit_bias": {"999999": 5}}, "logit_bias", "logit_bias"),
     ({"logit_bias": {"abc": 5}}, "logit_bias", "logit_bias"),
     ({"logit_bias": {"5": 300}}, "logit_bias", "logit_bias"),
     ({"min_p": 2}, "min_p", "min_p"),
     ({"presence_penalty": 3}, "presence_penalty", "presence_penalty"),
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, "not valid JSON",
-     "messages"),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}
+                    ],
+                },
+            ]
+        },
+        "not valid JSON",
+        "messages",
+    ),
 ]
 
 
 def test_bad_tool_inputs_get_400_with_error_object(server, tiny_model_path):
     with httpx.Client(timeout=30) as h:
         for extra, words, param in BAD:
-            body = {"model": str(tiny_model_path), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                    **extra}
+            body = {
+                "model": str(tiny_model_path),
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+                **extra,
+            }
             r = h.post(server.url + "/v1/chat/completions", json=body)
             assert r.status_code == 400, (extra, r.text)
             err = r.json()["error"]
@@ -277,8 +349,15 @@ def _check_call(name: str, arguments: str, allowed: set[str]) -> None:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_forced_calls_are_valid_calls(server, tiny_model_path, choice, seed):
     allowed = {"get_weather", "get_time"} if choice == "required" else {"get_time"}
-    kw = dict(model=str(tiny_model_path), messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS,
-              tool_choice=choice, max_tokens=200, temperature=1.0, seed=seed)
+    kw = dict(
+        model=str(tiny_model_path),
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=TOOLS,
+        tool_choice=choice,
+        max_tokens=200,
+        temperature=1.0,
+        seed=seed,
+    )
     r = server.client().chat.completions.create(**kw)
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls", ch
@@ -300,21 +379,36 @@ def test_forced_calls_are_valid_calls(server, tiny_model_path, choice, seed):
                 slot["arguments"] += d.function.arguments or ""
             finish = c.finish_reason or finish
     assert finish == "tool_calls"
-    assert [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)] == \
-        [(tc.function.name, json.loads(tc.function.arguments)) for tc in ch.message.tool_calls]
+    assert [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)] == [
+        (tc.function.name, json.loads(tc.function.arguments)) for tc in ch.message.tool_calls
+    ]
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_json_schema_response_format_validates(server, tiny_model_path, stream):
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                               "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
-              "required": ["name", "tags"], "additionalProperties": False}
-    kw = dict(model=str(tiny_model_path), messages=[{"role": "user", "content": "A record, please"}],
-              response_format={"type": "json_schema", "json_schema": {"name": "rec", "schema": schema, "strict": True}},
-              max_tokens=300, temperature=1.0, seed=5)
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+        },
+        "required": ["name", "tags"],
+        "additionalProperties": False,
+    }
+    kw = dict(
+        model=str(tiny_model_path),
+        messages=[{"role": "user", "content": "A record, please"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "rec", "schema": schema, "strict": True}},
+        max_tokens=300,
+        temperature=1.0,
+        seed=5,
+    )
     if stream:
-        text = "".join(c.choices[0].delta.content or "" for c in server.client().chat.completions.create(**kw, stream=True)
-                       if c.choices)
+        text = "".join(
+            c.choices[0].delta.content or ""
+            for c in server.client().chat.completions.create(**kw, stream=True)
+            if c.choices
+        )
     else:
         r = server.client().chat.completions.create(**kw)
         assert r.choices[0].finish_reason == "stop"
@@ -325,11 +419,18 @@ def test_json_schema_response_format_validates(server, tiny_model_path, stream):
 def test_unsupported_schema_is_a_400_naming_it(server, tiny_model_path):
     with pytest.raises(openai.BadRequestError) as e:
         server.client().chat.completions.create(
-            model=str(tiny_model_path), messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
-                "type": "object", "properties": {"a": {"$ref": "http://example.com/remote.json"}}}}})
+            model=str(tiny_model_path),
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {"type": "object", "properties": {"a": {"$ref": "http://example.com/remote.json"}}},
+                },
+            },
+        )
     assert e.value.body["param"] == "response_format"
-
 
 
 # -- the real model (Qwen2.5-Coder-0.5B-Instruct, offline) ----------------------------------------
@@ -340,28 +441,54 @@ def test_real_model_weather_call_and_extraction():
     from mlxpaged.loading.gguf import convert_gguf
     from mlxpaged.loading.offline_model import ensure_offline_model
 
-    s = Server(convert_gguf(ensure_offline_model()), "--num-blocks", "256", "--served-model-name", "qwen",
-               timeout=300)
+    s = Server(convert_gguf(ensure_offline_model()), "--num-blocks", "256", "--served-model-name", "qwen", timeout=300)
     try:
         c = s.client(timeout=600)
-        tools = [{"type": "function", "function": {
-            "name": "get_weather", "description": "Get the current weather in a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-        r = c.chat.completions.create(model="qwen", messages=[{"role": "user", "content": "What's the weather like "
-                                                                                          "in Lyon right now?"}],
-                                      tools=tools, temperature=0, max_tokens=64)
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "description": "Get the current weather in a city",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+                },
+            }
+        ]
+        r = c.chat.completions.create(
+            model="qwen",
+            messages=[{"role": "user", "content": "What's the weather like in Lyon right now?"}],
+            tools=tools,
+            temperature=0,
+            max_tokens=64,
+        )
         ch = r.choices[0]
         assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1, ch
         call = ch.message.tool_calls[0]
         assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] == "Lyon"
-        schema = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
-                  "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
-                                 "city": {"type": "string"}}}
-        text = ("Extract the person as JSON: Maria Lopez is a 34-year-old software engineer who lives in Valencia "
-                "and writes Python and Rust.")
-        r = c.chat.completions.create(model="qwen", messages=[{"role": "user", "content": text}], temperature=0,
-                                      max_tokens=80, response_format={"type": "json_schema", "json_schema": {
-                                          "name": "person", "schema": schema, "strict": True}})
+        schema = {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name", "age", "city"],
+            "properties": {
+                "name": {"type": "string"},
+                "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                "city": {"type": "string"},
+            },
+        }
+        text = (
+            "Extract the person as JSON: Maria Lopez is a 34-year-old software engineer who lives in Valencia "
+            "and writes Python and Rust."
+        )
+        r = c.chat.completions.create(
+            model="qwen",
+            messages=[{"role": "user", "content": text}],
+            temperature=0,
+            max_tokens=80,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": schema, "strict": True},
+            },
+        )
         assert r.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(r.choices[0].message.content), schema)
     finally:
@@ -377,8 +504,16 @@ def test_logit_bias_and_penalties_reach_the_sampler(server, tiny_model_path, tin
     tok = hf_tokenizer(tiny_model_path)
     c = server.client()
     forced = tok.encode("cache", add_special_tokens=False)[0]
-    r = c.completions.create(model=str(tiny_model_path), prompt="The KV", max_tokens=6, temperature=1.0, seed=3,
-                             logit_bias={str(forced): 100}, logprobs=0, extra_body={"ignore_eos": True})
+    r = c.completions.create(
+        model=str(tiny_model_path),
+        prompt="The KV",
+        max_tokens=6,
+        temperature=1.0,
+        seed=3,
+        logit_bias={str(forced): 100},
+        logprobs=0,
+        extra_body={"ignore_eos": True},
+    )
     assert r.choices[0].logprobs.tokens == [tok.decode([forced])] * 6
     llm = LLM(tiny_loaded, num_blocks=64)
     for prompt in ["The KV cache stores", "Paged attention borrows", "Write a Python function", "The quick brown"]:
@@ -390,7 +525,12 @@ def test_logit_bias_and_penalties_reach_the_sampler(server, tiny_model_path, tin
     assert c.completions.create(**kw).choices[0].logprobs.tokens == [tok.decode([greedy])]
     banned = c.completions.create(**kw, logit_bias={str(greedy): -100}).choices[0].logprobs.tokens
     assert banned != [tok.decode([greedy])]
-    r = c.chat.completions.create(model=str(tiny_model_path), messages=[{"role": "user", "content": "hi"}],
-                                  max_tokens=4, presence_penalty=1.5, frequency_penalty=-0.5,
-                                  extra_body={"repetition_penalty": 1.3, "min_p": 0.1})
+    r = c.chat.completions.create(
+        model=str(tiny_model_path),
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        presence_penalty=1.5,
+        frequency_penalty=-0.5,
+        extra_body={"repetition_penalty": 1.3, "min_p": 0.1},
+    )
     assert r.usage.completion_tokens >= 1

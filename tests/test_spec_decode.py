@@ -9,18 +9,18 @@ blocks its stored tokens need (a rolled-back slot's block is returned at once).
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 import numpy as np
 import pytest
-from chi_square import ALPHA, gof_pvalue
-from reference import contiguous_generate, vllm_probs
 
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 from mlxpaged.engine.beam_search import BeamSearchParams
 from mlxpaged.engine.sampler import sample_arrays, sample_key
 from mlxpaged.engine.spec_decode import NgramProposer, key_chain, verified_tokens
+
+from chi_square import ALPHA, gof_pvalue
+from reference import contiguous_generate, vllm_probs
+
 
 # -- driving ------------------------------------------------------------------------------------
 def engine_for(tiny_loaded, spec: bool, **kw) -> LLMEngine:

@@ -4,9 +4,10 @@ tokens are exactly those of mlx-lm's contiguous cache."""
 
 import mlx.core as mx
 import pytest
-from reference import contiguous_generate
 
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
+
+from reference import contiguous_generate
 
 SNIPPET = """def total_price(items, tax_rate):
     subtotal = sum(item.price * item.quantity for item in items)

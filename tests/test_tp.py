@@ -26,17 +26,27 @@ from launch import LAUNCH, _free_port_pair, _ring_can_start  # noqa: E402
 WORKER = str(Path(__file__).with_name("tp_worker.py"))
 
 
-
-
-
-
 pytestmark = pytest.mark.skipif(_ring_can_start() is not None, reason=str(_ring_can_start()))
 
 
 def launch(out: Path, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`mlx.launch -n 2 --backend ring` the worker; its output files land in `out`."""
-    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(_free_port_pair()),
-           "--python", sys.executable, "--", WORKER, "--out", str(out), *args]
+    cmd = [
+        LAUNCH,
+        "-n",
+        "2",
+        "--backend",
+        "ring",
+        "--starting-port",
+        str(_free_port_pair()),
+        "--python",
+        sys.executable,
+        "--",
+        WORKER,
+        "--out",
+        str(out),
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
@@ -47,8 +57,12 @@ def spawn_ranks(out: Path, *args: str, env: dict | None = None) -> list[subproce
     hostfile = out / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
     return [
-        subprocess.Popen([sys.executable, WORKER, "--out", str(out), *args], stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, **(env or {}), "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)})
+        subprocess.Popen(
+            [sys.executable, WORKER, "--out", str(out), *args],
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {}), "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)},
+        )
         for r in range(2)
     ]
 
@@ -87,8 +101,16 @@ def tp_run(tiny_model_path, tiny_quantized, tmp_path_factory) -> Path:
     """One launch of two ranks running the workload on the float and the quantized checkpoint,
     then on the float one with an 8-bit KV cache (each rank measures its own heads' key scales)."""
     out = tmp_path_factory.mktemp("tp-run")
-    r = launch(out, "--model", str(tiny_model_path), "--model", str(tiny_quantized), "--model", f"{tiny_model_path}#kv8",
-               env={"MLXPAGED_TP_CHECK_EVERY": "1"})
+    r = launch(
+        out,
+        "--model",
+        str(tiny_model_path),
+        "--model",
+        str(tiny_quantized),
+        "--model",
+        f"{tiny_model_path}#kv8",
+        env={"MLXPAGED_TP_CHECK_EVERY": "1"},
+    )
     assert (out / "rank1_2.json").exists(), r.stdout + r.stderr
     return out
 
@@ -128,9 +150,11 @@ def test_two_ranks_equal_one_process(tiny_model_path, tiny_quantized, tp_run, wh
         atol = 1e-2 if kv_bits else 1e-4
         for got, want in zip(steps, ref_steps):
             np.testing.assert_allclose(got, want, rtol=0, atol=atol)
-        print(f"{['float32', 'quantized', 'kv8'][which]} rank {rank}: weights {info['weight_bytes']} of {full_bytes} bytes "
-              f"({info['weight_bytes'] / full_bytes:.3f}), KV heads {info['num_kv_heads']} of {kv_heads}, "
-              f"max |logit diff| {max(np.abs(g - w).max() for g, w in zip(steps, ref_steps)):.2e}")
+        print(
+            f"{['float32', 'quantized', 'kv8'][which]} rank {rank}: weights {info['weight_bytes']} of {full_bytes} bytes "
+            f"({info['weight_bytes'] / full_bytes:.3f}), KV heads {info['num_kv_heads']} of {kv_heads}, "
+            f"max |logit diff| {max(np.abs(g - w).max() for g, w in zip(steps, ref_steps)):.2e}"
+        )
 
 
 def test_generate_cli_under_mlx_launch(tiny_model_path):
@@ -139,9 +163,34 @@ def test_generate_cli_under_mlx_launch(tiny_model_path):
     from mlxpaged import LLM, SamplingParams
 
     prompts = ["The KV cache stores", "Blocks of sixteen tokens"]
-    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(_free_port_pair()), "--python", sys.executable,
-           "--", "-m", "mlxpaged.cli", "generate", "--model", str(tiny_model_path), "--no-chat", "--json",
-           "--max-tokens", "10", "-n", "2", "--temp", "0.7", "--seed", "5", *[a for p in prompts for a in ("-p", p)]]
+    cmd = [
+        LAUNCH,
+        "-n",
+        "2",
+        "--backend",
+        "ring",
+        "--starting-port",
+        str(_free_port_pair()),
+        "--python",
+        sys.executable,
+        "--",
+        "-m",
+        "mlxpaged.cli",
+        "generate",
+        "--model",
+        str(tiny_model_path),
+        "--no-chat",
+        "--json",
+        "--max-tokens",
+        "10",
+        "-n",
+        "2",
+        "--temp",
+        "0.7",
+        "--seed",
+        "5",
+        *[a for p in prompts for a in ("-p", p)],
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, r.stdout + r.stderr  # one JSON object: rank 1 printed nothing
@@ -180,7 +229,9 @@ def test_lost_rank_ends_rank0_within_10s(tiny_model_path, tmp_path, mode):
 
 
 def test_divergence_fails_loudly(tiny_model_path, tmp_path):
-    procs = spawn_ranks(tmp_path, "--model", str(tiny_model_path), "--mode", "diverge", env={"MLXPAGED_TP_CHECK_EVERY": "2"})
+    procs = spawn_ranks(
+        tmp_path, "--model", str(tiny_model_path), "--mode", "diverge", env={"MLXPAGED_TP_CHECK_EVERY": "2"}
+    )
     for rc, err, _ in _finish(procs):
         assert rc != 0 and any("ranks diverged" in line for line in _error_lines(err)), err
 
@@ -221,8 +272,9 @@ def test_real_model_two_ranks_greedy_16(tmp_path):
 def _post(port: int, body: dict) -> dict:
     import urllib.request
 
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())
 
@@ -251,11 +303,26 @@ def test_serve_two_ranks_loopback(tiny_model_path, tmp_path):
     http_port = _free_port_pair()
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
-    procs = [subprocess.Popen([sys.executable, "-m", "mlxpaged.cli", "serve", "--model", str(tiny_model_path),
-                               "--port", str(http_port), "--num-blocks", "256"],
-                              stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile), "MLXPAGED_TP_CHECK_EVERY": "1"})
-             for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mlxpaged.cli",
+                "serve",
+                "--model",
+                str(tiny_model_path),
+                "--port",
+                str(http_port),
+                "--num-blocks",
+                "256",
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile), "MLXPAGED_TP_CHECK_EVERY": "1"},
+        )
+        for r in range(2)
+    ]
     try:
         for _ in range(240):
             try:
@@ -264,7 +331,11 @@ def test_serve_two_ranks_loopback(tiny_model_path, tmp_path):
             except OSError:
                 assert all(p.poll() is None for p in procs), procs[0].stderr.read()
                 time.sleep(0.5)
-        greedy = {"prompt": "Words from outside the corpus: zebra, quartz, jive, vex, ochre.", "max_tokens": 12, "temperature": 0}
+        greedy = {
+            "prompt": "Words from outside the corpus: zebra, quartz, jive, vex, ochre.",
+            "max_tokens": 12,
+            "temperature": 0,
+        }
         sampled = {"prompt": "Paged attention borrows", "max_tokens": 10, "temperature": 0.8, "seed": 3, "n": 2}
         got = [_post(http_port, greedy)]
         _stream_then_hang_up(http_port, {"prompt": "Copy-on-write", "max_tokens": 3000, "ignore_eos": True})

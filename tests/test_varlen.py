@@ -15,7 +15,9 @@ from attention_cases import CASES, make_varlen_case, sdpa_with_mask
 from reference import contiguous_generate
 
 
-@pytest.mark.parametrize("head_dim,group,block_size", list(itertools.product([64, 128], [1, 7], [1, 16])) + [(64, 2, 256)])
+@pytest.mark.parametrize(
+    "head_dim,group,block_size", list(itertools.product([64, 128], [1, 7], [1, 16])) + [(64, 2, 256)]
+)
 def test_varlen_reference_matches_sdpa(head_dim, group, block_size):
     rng = np.random.default_rng(head_dim + 10 * group + block_size)
     for q_lens, prefixes in CASES:
@@ -59,7 +61,9 @@ def test_one_model_call_per_step(tiny_loaded):
     engine.add_request(ragged_prompts(8)[6][:30], greedy(5), request_id="mid")
     calls = []
     model = engine.runner.model
-    engine.runner.model = lambda tokens, cache, meta: calls.append((tokens.shape, meta.cu_seqlens_q.tolist())) or model(tokens, cache, meta)
+    engine.runner.model = lambda tokens, cache, meta: (
+        calls.append((tokens.shape, meta.cu_seqlens_q.tolist())) or model(tokens, cache, meta)
+    )
     out = engine.scheduler
     engine.step()
     assert len(calls) == 1
@@ -78,8 +82,10 @@ def test_ragged_prompts_together_match_contiguous(tiny_loaded, mlx_lm_tiny, cach
     ref_model, _ = mlx_lm_tiny
     prompts = ragged_prompts(8)
     prompts = [prompts[0] + p if i % 2 else p for i, p in enumerate(prompts)]  # some share a prefix
-    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=256, block_size=4, enable_prefix_caching=caching,
-                                                 attention_impl="reference"))
+    engine = LLMEngine(
+        tiny_loaded,
+        EngineConfig(num_blocks=256, block_size=4, enable_prefix_caching=caching, attention_impl="reference"),
+    )
     for i, p in enumerate(prompts):
         engine.add_request(p, greedy(12), request_id=str(i))
     got = run_all(engine)
@@ -91,8 +97,9 @@ def test_ragged_prompts_together_match_contiguous(tiny_loaded, mlx_lm_tiny, cach
 def test_chunked_prefill_at_any_chunk_size(tiny_loaded, mlx_lm_tiny, chunk):
     ref_model, _ = mlx_lm_tiny
     prompts = ragged_prompts(4)[1:]
-    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=128, max_num_batched_tokens=chunk + 3,
-                                                 attention_impl="reference"))
+    engine = LLMEngine(
+        tiny_loaded, EngineConfig(num_blocks=128, max_num_batched_tokens=chunk + 3, attention_impl="reference")
+    )
     for i, p in enumerate(prompts):
         engine.add_request(p, greedy(8), request_id=str(i))
     got = run_all(engine)

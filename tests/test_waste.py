@@ -95,7 +95,18 @@ def test_real_token_steps():
 
 def test_next_pow2():
     assert [waste.next_pow2(n) for n in (0, 1, 2, 3, 4, 5, 8, 9, 1000, 1024, 1025)] == [
-        1, 1, 2, 4, 4, 8, 8, 16, 1024, 1024, 2048]
+        1,
+        1,
+        2,
+        4,
+        4,
+        8,
+        8,
+        16,
+        1024,
+        1024,
+        2048,
+    ]
 
 
 def test_errors():
@@ -110,7 +121,16 @@ def test_errors():
 def test_prefix_reuse():
     # 85 shared tokens, prompt goes on past them: floor(85/bs)*bs
     assert [waste.prefix_reuse(85, bs) for bs in (1, 2, 4, 8, 16, 32, 64, 128, 256)] == [
-        85, 84, 84, 80, 80, 64, 64, 0, 0]
+        85,
+        84,
+        84,
+        80,
+        80,
+        64,
+        64,
+        0,
+        0,
+    ]
     # the prompt is the prefix: its last token is never served from cache
     assert waste.prefix_reuse(85, 1, prompt_len=85) == 84
     assert waste.prefix_reuse(16, 16, prompt_len=16) == 0
@@ -131,8 +151,10 @@ def test_decode_truncated_array():
 
 
 def test_alpaca_text_pairs():
-    recs = [{"instruction": "Add.", "input": "1 2", "output": "3"},
-            {"instruction": "Hi.", "input": "", "output": "Hello"}]
+    recs = [
+        {"instruction": "Add.", "input": "1 2", "output": "3"},
+        {"instruction": "Hi.", "input": "", "output": "Hello"},
+    ]
     assert lengths.alpaca_text_pairs(recs) == [("Add.\n1 2", "3"), ("Hi.", "Hello")]
 
 
@@ -143,12 +165,19 @@ def test_sharegpt_shuffle_then_filter():
         return {"conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": a}]}
 
     words = lambda n: " ".join(["w"] * n)  # noqa: E731
-    convs = [conv(words(5), words(5)), conv(words(3), words(9)), {"conversations": []},
-             conv(words(6), words(7)), conv(words(1100), words(5)), conv(words(8), words(4))]
+    convs = [
+        conv(words(5), words(5)),
+        conv(words(3), words(9)),
+        {"conversations": []},
+        conv(words(6), words(7)),
+        conv(words(1100), words(5)),
+        conv(words(8), words(4)),
+    ]
     pairs = lengths.sharegpt_text_pairs(convs, seed=0)
     assert len(pairs) == 5
     assert sorted(pairs) == sorted(
-        (c["conversations"][0]["value"], c["conversations"][1]["value"]) for c in convs if c["conversations"])
+        (c["conversations"][0]["value"], c["conversations"][1]["value"]) for c in convs if c["conversations"]
+    )
     count = lambda texts: [len(t.split()) for t in texts]  # noqa: E731
     kept, survivors = lengths.filter_sharegpt(pairs, count, limit=2)
     assert survivors == 3  # (3, 9) has a short prompt, (1100, 5) a long one

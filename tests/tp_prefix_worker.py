@@ -28,15 +28,24 @@ def main() -> None:
     args = ap.parse_args()
     from mlxpaged import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype="float32", block_size=BLOCK_SIZE, num_blocks=64, distributed=True,
-              prefix_cache_dir=args.store)
+    llm = LLM(
+        args.model, dtype="float32", block_size=BLOCK_SIZE, num_blocks=64, distributed=True, prefix_cache_dir=args.store
+    )
     out = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
     store = llm.engine.prefix_store
     store.flush()
     rank = llm.engine.rank
-    Path(f"{args.out}{rank}.json").write_text(json.dumps({
-        "rank": rank, "tokens": out.outputs[0].token_ids, "cached": out.num_cached_tokens,
-        "local_hit_blocks": store.stats.hit_blocks, "namespace_dir": str(store.dir)}))
+    Path(f"{args.out}{rank}.json").write_text(
+        json.dumps(
+            {
+                "rank": rank,
+                "tokens": out.outputs[0].token_ids,
+                "cached": out.num_cached_tokens,
+                "local_hit_blocks": store.stats.hit_blocks,
+                "namespace_dir": str(store.dir),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

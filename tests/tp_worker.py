@@ -32,7 +32,9 @@ def workload(llm) -> dict:
     from mlxpaged import SamplingParams
 
     greedy = llm.generate(GREEDY, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-    sampled = llm.generate(GREEDY[0], SamplingParams(n=4, temperature=0.9, top_p=0.95, seed=7, max_tokens=10, ignore_eos=True))
+    sampled = llm.generate(
+        GREEDY[0], SamplingParams(n=4, temperature=0.9, top_p=0.95, seed=7, max_tokens=10, ignore_eos=True)
+    )
     # Shares GREEDY[3]'s first 24 tokens: 6 full blocks of 4 come from the prefix cache.
     hit = llm.generate(GREEDY[3][:24] + [77, 78], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     return {
@@ -97,7 +99,9 @@ def _sabotage(engine, mode: str, out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True, action="append", help="repeatable (mode check): one run each, files rank{r}_{i}.*")
+    ap.add_argument(
+        "--model", required=True, action="append", help="repeatable (mode check): one run each, files rank{r}_{i}.*"
+    )
     ap.add_argument("--model-1", help="rank 1's checkpoint in mode mismatch")
     ap.add_argument("--out", required=True)
     ap.add_argument("--mode", default="check", choices=["check", "real", "die", "hang", "diverge", "mismatch"])
@@ -125,9 +129,14 @@ def run(a, index: int, model: str | None, rank: int, kv_bits: int | None = None)
     try:
         llm = LLM(model, dtype=a.dtype, distributed=True, block_size=block_size, num_blocks=64, kv_bits=kv_bits)
         eng = llm.engine
-        info = {"rank": rank, "world": eng.group.size(), "pool_shape": list(eng.kv_cache.keys[0].shape),
-                "num_kv_heads": eng.cache_shape.num_kv_heads, "weight_bytes": weight_bytes(eng.loaded.model),
-                "active_bytes": mx.get_active_memory()}
+        info = {
+            "rank": rank,
+            "world": eng.group.size(),
+            "pool_shape": list(eng.kv_cache.keys[0].shape),
+            "num_kv_heads": eng.cache_shape.num_kv_heads,
+            "weight_bytes": weight_bytes(eng.loaded.model),
+            "active_bytes": mx.get_active_memory(),
+        }
         if a.mode in ("die", "hang", "diverge") and rank == 1:
             _sabotage(eng, a.mode, Path(a.out))
         steps = record_logits(eng)

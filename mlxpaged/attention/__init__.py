@@ -133,10 +133,13 @@ def paged_attention_varlen(
 
         try:
             if varlen_usable(q, k_cache, cu_seqlens_q):
-                return paged_attention_varlen_metal(q, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                                    context_lens, scale=scale)
+                return paged_attention_varlen_metal(
+                    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=scale
+                )
         except RuntimeError as e:  # a build or launch the start-up check did not cover: never
             # fail the request; one warning, then this shape takes the reference path
             if not kernel_failed(q.shape[1] // k_cache.shape[1], k_cache, e):
                 raise
-    return paged_attention_varlen_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, scratch)
+    return paged_attention_varlen_reference(
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, scratch
+    )

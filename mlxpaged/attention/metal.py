@@ -44,9 +44,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..worker.kv_quant import KV_BITS, KV_GROUP_SIZES, QuantizedPool, row_bytes
 from .. import settings
 from ..utils import cdiv
+from ..worker.kv_quant import KV_BITS, KV_GROUP_SIZES, QuantizedPool, row_bytes
 
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 NUM_SIMDGROUPS = 8  # simdgroups per threadgroup: 256 threads, enough loads in flight per group
@@ -60,10 +60,21 @@ DEFAULT_GPU_CORES = 10
 # GPU cores of the largest configuration of each Apple chip (binned parts have a few fewer),
 # keyed by (generation, tier) as `mx.metal.device_info()["device_name"]` ("Apple M3 Max") names it.
 GPU_CORES = {
-    ("M1", ""): 8, ("M1", "Pro"): 16, ("M1", "Max"): 32, ("M1", "Ultra"): 64,
-    ("M2", ""): 10, ("M2", "Pro"): 19, ("M2", "Max"): 38, ("M2", "Ultra"): 76,
-    ("M3", ""): 10, ("M3", "Pro"): 18, ("M3", "Max"): 40, ("M3", "Ultra"): 80,
-    ("M4", ""): 10, ("M4", "Pro"): 20, ("M4", "Max"): 40,
+    ("M1", ""): 8,
+    ("M1", "Pro"): 16,
+    ("M1", "Max"): 32,
+    ("M1", "Ultra"): 64,
+    ("M2", ""): 10,
+    ("M2", "Pro"): 19,
+    ("M2", "Max"): 38,
+    ("M2", "Ultra"): 76,
+    ("M3", ""): 10,
+    ("M3", "Pro"): 18,
+    ("M3", "Max"): 40,
+    ("M3", "Ultra"): 80,
+    ("M4", ""): 10,
+    ("M4", "Pro"): 20,
+    ("M4", "Max"): 40,
 }
 # An unknown chip by the last letter of its architecture ("applegpu_g15s"), as MLX's own
 # sdpa_vector planning reads it: p phone/tablet, g base, s Max, d Ultra (c: Pro, we assume).
@@ -94,6 +105,7 @@ MIN_DEVICE_ELEMENTS = 8
 class KernelCheckError(RuntimeError):
     """A kernel variant failed its startup check (compile, launch or a wrong result)."""
 
+
 # Kernel kind (a `// @kernel` section of paged_attention.metal) -> (input names, output names).
 KERNEL_IO = {
     "paged_attention": (
@@ -110,7 +122,8 @@ KERNEL_IO = {
 QUANT_INPUTS = ["k_data", "k_scales", "k_biases", "v_data", "v_scales", "v_biases"]
 QUANT_KERNEL_IO = {
     f"{kind}_quant": (["q", *QUANT_INPUTS, "block_tables", "context_lens", "scale"], outputs)
-    for kind, (_, outputs) in KERNEL_IO.items() if kind != "paged_attention_merge"
+    for kind, (_, outputs) in KERNEL_IO.items()
+    if kind != "paged_attention_merge"
 }
 
 
@@ -122,7 +135,7 @@ def _read_source(filename: str) -> str:
         return (Path(__file__).resolve().parents[2] / "metal" / filename).read_text()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kernel_sources() -> tuple[str, dict[str, str]]:
     """(header, {kernel kind: body}) parsed from the shipped Metal sources."""
     header = _read_source("paged_attention.h")
@@ -162,7 +175,7 @@ def kernel_kwargs(kind: str, variant: str) -> dict:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernel(factory, kind: str, variant: str):
     # Built once per variant (and per factory: native or emulated); template values are in the name.
     return factory(**kernel_kwargs(kind, variant))
@@ -182,8 +195,9 @@ class Launch:
 
     def run(self) -> list[mx.array]:
         factory = _metal_kernel_factory()
-        return run_once_checked(_kernel(factory, self.kind, self.variant),
-                                (factory, self.kind, self.variant), self.call)
+        return run_once_checked(
+            _kernel(factory, self.kind, self.variant), (factory, self.kind, self.variant), self.call
+        )
 
 
 def run_once_checked(kernel, key: tuple, call: dict) -> list[mx.array]:
@@ -235,9 +249,18 @@ def min_partition_tokens(group: int, head_dim: int, kv_row_bytes: int, q_bytes: 
     return max(MIN_PARTITION_TOKENS, math.ceil(extra / (PARTIAL_BYTES_FRACTION * 2 * kv_row_bytes)))
 
 
-def plan_partition_tokens(num_seqs: int, num_kv_heads: int, max_blocks: int, block_size: int,
-                          *, group: int = 1, head_dim: int = 128, kv_row_bytes: int | None = None,
-                          q_bytes: int = 2, device: dict | None = None) -> int:
+def plan_partition_tokens(
+    num_seqs: int,
+    num_kv_heads: int,
+    max_blocks: int,
+    block_size: int,
+    *,
+    group: int = 1,
+    head_dim: int = 128,
+    kv_row_bytes: int | None = None,
+    q_bytes: int = 2,
+    device: dict | None = None,
+) -> int:
     """Tokens per partition for the split path, or 0 for the single pass.
 
     The context bound is the block table's width, i.e. the longest context in the batch
@@ -288,8 +311,9 @@ def _cache_inputs(k_cache, v_cache) -> list[mx.array]:
 
 def _template(q, k_cache, head_dim, block_size, group) -> list[tuple]:
     quant = quant_params(k_cache)
-    return ([("T", q.dtype), ("HD", head_dim), ("BS", block_size), ("G", group),
-             ("NSG", NUM_SIMDGROUPS)] + ([("BITS", quant[0]), ("GS", quant[1])] if quant else []))
+    return [("T", q.dtype), ("HD", head_dim), ("BS", block_size), ("G", group), ("NSG", NUM_SIMDGROUPS)] + (
+        [("BITS", quant[0]), ("GS", quant[1])] if quant else []
+    )
 
 
 def single_pass_launch(q, k_cache, v_cache, block_tables, context_lens, scale) -> Launch:
@@ -299,18 +323,21 @@ def single_pass_launch(q, k_cache, v_cache, block_tables, context_lens, scale) -
     group = num_heads // num_kv_heads
     threads = 32 * NUM_SIMDGROUPS
     variant = _variant(head_dim, block_size, group, quant_params(k_cache))
-    return Launch(_kind("paged_attention", k_cache), variant, dict(
-        inputs=[q, *_cache_inputs(k_cache, v_cache), block_tables, context_lens, scale],
-        template=_template(q, k_cache, head_dim, block_size, group),
-        grid=(threads, num_kv_heads, num_seqs),
-        threadgroup=(threads, 1, 1),
-        output_shapes=[q.shape],
-        output_dtypes=[q.dtype],
-    ))
+    return Launch(
+        _kind("paged_attention", k_cache),
+        variant,
+        dict(
+            inputs=[q, *_cache_inputs(k_cache, v_cache), block_tables, context_lens, scale],
+            template=_template(q, k_cache, head_dim, block_size, group),
+            grid=(threads, num_kv_heads, num_seqs),
+            threadgroup=(threads, 1, 1),
+            output_shapes=[q.shape],
+            output_dtypes=[q.dtype],
+        ),
+    )
 
 
-def partitioned_launch(q, k_cache, v_cache, block_tables, context_lens, scale,
-                       part: int) -> Launch:
+def partitioned_launch(q, k_cache, v_cache, block_tables, context_lens, scale, part: int) -> Launch:
     """Launch of the split path's first pass: one threadgroup per (partition, kv head, sequence)."""
     num_seqs, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
@@ -323,15 +350,22 @@ def partitioned_launch(q, k_cache, v_cache, block_tables, context_lens, scale,
     # The max and sum arrays get spare (never written, never read) sequence rows if they would
     # hold under 8 elements: the merge kernel's name must not change with the partition count.
     stat_seqs = max(num_seqs, cdiv(MIN_DEVICE_ELEMENTS, num_heads * num_parts))
-    return Launch(_kind("paged_attention_partitioned", k_cache), variant, dict(
-        inputs=[q, *_cache_inputs(k_cache, v_cache), block_tables, context_lens, scale],
-        template=_template(q, k_cache, head_dim, block_size, group),
-        grid=(threads * num_parts, num_kv_heads, num_seqs),
-        threadgroup=(threads, 1, 1),
-        output_shapes=[(num_seqs, num_heads, num_parts, head_dim),
-                       (stat_seqs, num_heads, num_parts), (stat_seqs, num_heads, num_parts)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32],
-    ))
+    return Launch(
+        _kind("paged_attention_partitioned", k_cache),
+        variant,
+        dict(
+            inputs=[q, *_cache_inputs(k_cache, v_cache), block_tables, context_lens, scale],
+            template=_template(q, k_cache, head_dim, block_size, group),
+            grid=(threads * num_parts, num_kv_heads, num_seqs),
+            threadgroup=(threads, 1, 1),
+            output_shapes=[
+                (num_seqs, num_heads, num_parts, head_dim),
+                (stat_seqs, num_heads, num_parts),
+                (stat_seqs, num_heads, num_parts),
+            ],
+            output_dtypes=[mx.float32, mx.float32, mx.float32],
+        ),
+    )
 
 
 def merge_launch(part_out, part_max, part_sum, dtype) -> Launch:
@@ -339,14 +373,18 @@ def merge_launch(part_out, part_max, part_sum, dtype) -> Launch:
     per (head, sequence)."""
     num_seqs, num_heads, _, head_dim = part_out.shape
     threads = 32 * MERGE_SIMDGROUPS
-    return Launch("paged_attention_merge", f"hd{head_dim}_nsg{MERGE_SIMDGROUPS}", dict(
-        inputs=[part_out, part_max, part_sum],
-        template=[("T", dtype), ("HD", head_dim), ("NSG", MERGE_SIMDGROUPS)],
-        grid=(threads, num_heads, num_seqs),
-        threadgroup=(threads, 1, 1),
-        output_shapes=[(num_seqs, num_heads, head_dim)],
-        output_dtypes=[dtype],
-    ))
+    return Launch(
+        "paged_attention_merge",
+        f"hd{head_dim}_nsg{MERGE_SIMDGROUPS}",
+        dict(
+            inputs=[part_out, part_max, part_sum],
+            template=[("T", dtype), ("HD", head_dim), ("NSG", MERGE_SIMDGROUPS)],
+            grid=(threads, num_heads, num_seqs),
+            threadgroup=(threads, 1, 1),
+            output_shapes=[(num_seqs, num_heads, head_dim)],
+            output_dtypes=[dtype],
+        ),
+    )
 
 
 def token_lanes(head_dim: int) -> int:
@@ -422,12 +460,16 @@ def check_metadata(k_cache, block_tables, context_lens) -> None:
     rows = block_tables.tolist()
     for s, n in enumerate(lens):
         if n < 0 or n > width * bs:
-            raise ValueError(f"paged_attention_metal: context length {n} of sequence {s} is "
-                             f"outside 0..{width * bs} (block table width {width} x block size {bs})")
-        for j, b in enumerate(rows[s][:cdiv(n, bs)]):
+            raise ValueError(
+                f"paged_attention_metal: context length {n} of sequence {s} is "
+                f"outside 0..{width * bs} (block table width {width} x block size {bs})"
+            )
+        for j, b in enumerate(rows[s][: cdiv(n, bs)]):
             if not 0 <= b < num_blocks:
-                raise ValueError(f"paged_attention_metal: block id {b} at block_tables[{s}, {j}] "
-                                 f"is outside the pool of {num_blocks} blocks")
+                raise ValueError(
+                    f"paged_attention_metal: block id {b} at block_tables[{s}, {j}] "
+                    f"is outside the pool of {num_blocks} blocks"
+                )
 
 
 # Shape family (dtype, head_dim, block size, G) -> True (kernels built, checked) or False
@@ -458,9 +500,13 @@ def dequantized(cache) -> mx.array:
     kernels compute it: unrounded, unlike `dequantize()` in a half dtype), a float one as it is."""
     if not quant_params(cache):
         return cache
-    return mx.dequantize(cache.data, cache.scales.astype(mx.float32),
-                         cache.biases.astype(mx.float32), group_size=cache.group_size,
-                         bits=cache.bits)
+    return mx.dequantize(
+        cache.data,
+        cache.scales.astype(mx.float32),
+        cache.biases.astype(mx.float32),
+        group_size=cache.group_size,
+        bits=cache.bits,
+    )
 
 
 def check_family(group: int, k_cache) -> bool:
@@ -482,8 +528,7 @@ def check_family(group: int, k_cache) -> bool:
     nblocks = 3
     lens = [2 * bs + 1, bs]  # two sequences; the first spans 3 blocks
     q = mx.array(rng.standard_normal((2, group, hd)), dtype=k_cache.dtype)
-    pool = [mx.array(rng.standard_normal((2 * nblocks, 1, bs, hd)), dtype=k_cache.dtype)
-            for _ in range(2)]
+    pool = [mx.array(rng.standard_normal((2 * nblocks, 1, bs, hd)), dtype=k_cache.dtype) for _ in range(2)]
     if quant:
         pool = [QuantizedPool.quantize(p, *quant) for p in pool]
     tables = mx.array(np.array([[4, 1, 5], [2, 0, 3]], np.int32))
@@ -525,8 +570,11 @@ def kernel_failed(group: int, k_cache, error: BaseException) -> bool:
         key = family_key(group, k_cache, varlen)
         _families[key] = False
         _family_errors[key] = text
-    warnings.warn(f"Metal paged-attention kernel failed, using the reference path for this "
-                  f"shape: {text.splitlines()[0]}", RuntimeWarning, stacklevel=3)
+    warnings.warn(
+        f"Metal paged-attention kernel failed, using the reference path for this shape: {text.splitlines()[0]}",
+        RuntimeWarning,
+        stacklevel=3,
+    )
     return True
 
 
@@ -537,7 +585,7 @@ def error_text(e: BaseException) -> str:
 
 
 def compare_to_reference(variant: str, run, ref: mx.array, dtype) -> str:
-    """"" when `run()` matches `ref` within CHECK_TOLERANCE[dtype], else what went wrong (a
+    """ "" when `run()` matches `ref` within CHECK_TOLERANCE[dtype], else what went wrong (a
     compile or launch error, or how far off the result is). Under `MLXPAGED_METAL=strict` or
     `=emulate` an error raises as it is: the compiler's or the emulator's report names it best."""
     atol, rtol = CHECK_TOLERANCE[dtype]
@@ -562,8 +610,12 @@ def settle_check(problem: str) -> bool:
     if settings.metal_strict():
         raise KernelCheckError(f"Metal paged-attention kernel check failed: {problem}")
     # One line: `mlxpaged doctor` prints the compiler's message in full (first lines).
-    warnings.warn(f"Metal paged-attention kernel check failed, using the reference path for "
-                  f"this shape: {problem.splitlines()[0]}", RuntimeWarning, stacklevel=4)
+    warnings.warn(
+        f"Metal paged-attention kernel check failed, using the reference path for "
+        f"this shape: {problem.splitlines()[0]}",
+        RuntimeWarning,
+        stacklevel=4,
+    )
     return False
 
 
@@ -582,16 +634,19 @@ def last_launch_stats(launch: Launch):
 def shape_problem(head_dim: int, block_size: int, group: int) -> str:
     """Why the kernels cannot take this (head_dim, block size, G), or "" when they can."""
     if head_dim % 32 or head_dim > 32 * NUM_SIMDGROUPS:
-        return (f"paged_attention_metal: head_dim {head_dim} is not a multiple of 32 "
-                f"up to {32 * NUM_SIMDGROUPS}")
+        return f"paged_attention_metal: head_dim {head_dim} is not a multiple of 32 up to {32 * NUM_SIMDGROUPS}"
     if threadgroup_bytes(head_dim, block_size, group) > 32768:  # Apple GPUs' limit
-        return (f"paged_attention_metal: {group} query heads per kv head of "
-                f"head_dim {head_dim} need more than 32 KiB of threadgroup memory")
+        return (
+            f"paged_attention_metal: {group} query heads per kv head of "
+            f"head_dim {head_dim} need more than 32 KiB of threadgroup memory"
+        )
     heads = cdiv(group, head_splits(group, head_dim))
     if lane_registers(heads, head_dim) > REGISTER_BUDGET:
-        return (f"paged_attention_metal: {group} query heads per kv head of head_dim "
-                f"{head_dim} need {lane_registers(heads, head_dim)} registers per lane "
-                f"even split over 8 simdgroups, over the bound {REGISTER_BUDGET}")
+        return (
+            f"paged_attention_metal: {group} query heads per kv head of head_dim "
+            f"{head_dim} need {lane_registers(heads, head_dim)} registers per lane "
+            f"even split over 8 simdgroups, over the bound {REGISTER_BUDGET}"
+        )
     return ""
 
 
@@ -602,12 +657,13 @@ def shape_supported(head_dim: int, block_size: int, group: int) -> bool:
 def quant_problem(head_dim: int, bits: int, gs: int) -> str:
     """Why the kernels cannot read a cache quantized to (bits, group size), or ""."""
     if bits not in KV_BITS or gs not in KV_GROUP_SIZES or head_dim % gs:
-        return (f"paged_attention_metal: unsupported quantized cache: {bits} bits, "
-                f"group size {gs}, head_dim {head_dim}")
+        return f"paged_attention_metal: unsupported quantized cache: {bits} bits, group size {gs}, head_dim {head_dim}"
     d = lane_dims(head_dim)
     if d & (d - 1) or d * bits < 8:
-        return (f"paged_attention_metal: head_dim {head_dim} at {bits} bits: a lane's "
-                f"{d} values are not whole bytes of one group (head_dim 32, 64, 128 or 256)")
+        return (
+            f"paged_attention_metal: head_dim {head_dim} at {bits} bits: a lane's "
+            f"{d} values are not whole bytes of one group (head_dim 32, 64, 128 or 256)"
+        )
     return ""
 
 
@@ -631,8 +687,10 @@ def _check_quant(head_dim: int, k_cache, v_cache) -> None:
     codes whole bytes of one scale group (power-of-two head_dims: 8 codes per lane)."""
     quant = quant_params(k_cache)
     if quant is None or quant != quant_params(v_cache) or v_cache.dtype != k_cache.dtype:
-        raise ValueError("paged_attention_metal: k_cache and v_cache must be quantized alike "
-                         f"(got {quant} and {quant_params(v_cache)})")
+        raise ValueError(
+            "paged_attention_metal: k_cache and v_cache must be quantized alike "
+            f"(got {quant} and {quant_params(v_cache)})"
+        )
     problem = quant_problem(head_dim, *quant)
     if problem:
         raise ValueError(problem)
@@ -661,12 +719,14 @@ def paged_attention_metal(
 
     `partition_tokens` overrides the split planning (0: single pass).
     """
-    return run_with_launches(q, k_cache, v_cache, block_tables, context_lens, scale=scale,
-                             partition_tokens=partition_tokens)[0]
+    return run_with_launches(
+        q, k_cache, v_cache, block_tables, context_lens, scale=scale, partition_tokens=partition_tokens
+    )[0]
 
 
-def run_with_launches(q, k_cache, v_cache, block_tables, context_lens, *, scale: float,
-                      partition_tokens: int | None = None) -> tuple[mx.array, list[Launch]]:
+def run_with_launches(
+    q, k_cache, v_cache, block_tables, context_lens, *, scale: float, partition_tokens: int | None = None
+) -> tuple[mx.array, list[Launch]]:
     """`paged_attention_metal`, also returning the launches it ran (for tests and tables).
 
     A shape family whose startup check failed runs the reference instead (no launches)."""
@@ -677,8 +737,7 @@ def run_with_launches(q, k_cache, v_cache, block_tables, context_lens, *, scale:
         from .reference import paged_attention_reference
 
         # (quantized pools: the reference gathers and dequantizes only the rows in use)
-        return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens,
-                                         scale).astype(q.dtype), []
+        return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale).astype(q.dtype), []
     return _run(q, k_cache, v_cache, block_tables, context_lens, scale, partition_tokens)
 
 
@@ -707,8 +766,7 @@ def _device_pool(cache):
     if not quant_params(cache) or min(a.size for a in cache.arrays) >= MIN_DEVICE_ELEMENTS:
         return cache
     blocks = cache.data.shape[0] + MIN_DEVICE_ELEMENTS  # >= 8 rows per array
-    return QuantizedPool(*(_pad_to(a, 0, blocks) for a in cache.arrays), cache.bits,
-                         cache.group_size)
+    return QuantizedPool(*(_pad_to(a, 0, blocks) for a in cache.arrays), cache.bits, cache.group_size)
 
 
 def _run(q, k_cache, v_cache, block_tables, context_lens, scale, partition_tokens):
@@ -724,9 +782,15 @@ def _run(q, k_cache, v_cache, block_tables, context_lens, scale, partition_token
     part = partition_tokens
     if part is None:
         part = plan_partition_tokens(
-            q.shape[0], num_kv_heads, block_tables.shape[1], block_size,
-            group=q.shape[1] // num_kv_heads, head_dim=q.shape[2],
-            kv_row_bytes=kv_row_bytes(k_cache), q_bytes=q.dtype.size)
+            q.shape[0],
+            num_kv_heads,
+            block_tables.shape[1],
+            block_size,
+            group=q.shape[1] // num_kv_heads,
+            head_dim=q.shape[2],
+            kv_row_bytes=kv_row_bytes(k_cache),
+            q_bytes=q.dtype.size,
+        )
     args = (q, k_cache, v_cache, block_tables, context_lens, scale_arr)
     if not part:
         launches = [single_pass_launch(*args)]

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ..worker.kv_quant import QuantizedPool
 from ..utils import cdiv
+from ..worker.kv_quant import QuantizedPool
 from . import metal
 
 KERNEL = "paged_attention_varlen"
@@ -61,15 +61,17 @@ REGISTER_FILE_BYTES = 208 * 1024
 MAX_HEAD_SPLITS = 16
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kernel_sources(name: str = KERNEL) -> tuple[str, str]:
     """(header, body of section `name`) of the shipped `paged_attention_varlen.metal`."""
     text = metal._read_source("paged_attention_varlen.metal")
     parts = re.split(r"^// @kernel (\w+)\n", text, flags=re.M)
     sections = dict(zip(parts[1::2], parts[2::2]))
     if parts[1::2] != [KERNEL, MMA_KERNEL]:
-        raise RuntimeError(f"paged_attention_varlen.metal must hold the sections `// @kernel "
-                           f"{KERNEL}` and `// @kernel {MMA_KERNEL}`, in that order")
+        raise RuntimeError(
+            f"paged_attention_varlen.metal must hold the sections `// @kernel "
+            f"{KERNEL}` and `// @kernel {MMA_KERNEL}`, in that order"
+        )
     return parts[0], sections[name].strip("\n") + "\n"
 
 
@@ -92,9 +94,11 @@ class Plan:
     @property
     def variant(self) -> str:
         lanes = "" if self.mma else f"_sp{self.lanes_per_row}_rpt{self.rows_per_group}"
-        return (f"hd{self.head_dim}_bs{self.block_size}_g{self.group}_tq{TILE_TOKENS}"
-                f"_kc{self.chunk_keys}_nsg{self.simdgroups}_hs{self.head_splits}{lanes}"
-                + (f"_q{self.quant[0]}_gs{self.quant[1]}" if self.quant else ""))
+        return (
+            f"hd{self.head_dim}_bs{self.block_size}_g{self.group}_tq{TILE_TOKENS}"
+            f"_kc{self.chunk_keys}_nsg{self.simdgroups}_hs{self.head_splits}{lanes}"
+            + (f"_q{self.quant[0]}_gs{self.quant[1]}" if self.quant else "")
+        )
 
     @property
     def threads(self) -> int:
@@ -134,8 +138,7 @@ def mma_fits(head_dim: int, group: int) -> bool:
     """Whether the simdgroup_matrix kernel covers this shape: whole 8x8 fragments, registers
     for q and the accumulator, one simdgroup per 8 tokens of each query head within 1024
     threads. A function of the shape only."""
-    return (head_dim % 8 == 0 and head_dim <= MMA_MAX_HEAD_DIM
-            and group * TILE_TOKENS // 8 * 32 <= MAX_THREADS)
+    return head_dim % 8 == 0 and head_dim <= MMA_MAX_HEAD_DIM and group * TILE_TOKENS // 8 * 32 <= MAX_THREADS
 
 
 def plan(head_dim: int, block_size: int, group: int, itemsize: int, mma: bool | None = None) -> Plan:
@@ -148,8 +151,9 @@ def plan(head_dim: int, block_size: int, group: int, itemsize: int, mma: bool | 
     return p
 
 
-def plan_split(head_dim: int, block_size: int, group: int, itemsize: int, mma: bool | None = None,
-               head_splits: int = 1) -> Plan:
+def plan_split(
+    head_dim: int, block_size: int, group: int, itemsize: int, mma: bool | None = None, head_splits: int = 1
+) -> Plan:
     """The plan of a threadgroup that takes GH = ceil(G / head_splits) query heads.
 
     The MMA kernel's plan where `mma_fits`: GH * TQ / 8 simdgroups, float staging, KC a power
@@ -167,8 +171,7 @@ def plan_split(head_dim: int, block_size: int, group: int, itemsize: int, mma: b
         kc = MAX_CHUNK_KEYS
         while kc > MMA_MIN_CHUNK_KEYS and kc * head_dim * 4 > STAGE_BYTES:
             kc //= 2
-        return Plan(head_dim, block_size, group, kc, gh * TILE_TOKENS // 8, 0, 0, mma=True,
-                    head_splits=head_splits)
+        return Plan(head_dim, block_size, group, kc, gh * TILE_TOKENS // 8, 0, 0, mma=True, head_splits=head_splits)
     rows = TILE_TOKENS * gh
     sp = 1 << (cdiv(head_dim, 32) - 1).bit_length()  # head_dim is a multiple of 32: SP divides it
     while sp < 32 and rows * sp * 2 <= MIN_THREADS:
@@ -192,8 +195,9 @@ def threadgroup_bytes(p: Plan, itemsize: int) -> int:
 
 def tile_map(cu: list[int]) -> list[tuple[int, int]]:
     """(sequence, first new token) of every tile: sequences with q_len > 1, TILE_TOKENS at a time."""
-    return [(s, i) for s in range(len(cu) - 1) if cu[s + 1] - cu[s] > 1
-            for i in range(0, cu[s + 1] - cu[s], TILE_TOKENS)]
+    return [
+        (s, i) for s in range(len(cu) - 1) if cu[s + 1] - cu[s] > 1 for i in range(0, cu[s + 1] - cu[s], TILE_TOKENS)
+    ]
 
 
 @dataclass
@@ -206,13 +210,15 @@ class Launch:
 
     @property
     def kernel_kwargs(self) -> dict:
-        header, body = (kernel_sources(MMA_KERNEL) if self.kind.startswith(MMA_KERNEL)
-                        else kernel_sources())
+        header, body = kernel_sources(MMA_KERNEL) if self.kind.startswith(MMA_KERNEL) else kernel_sources()
         quant = self.kind.endswith("_quant")
-        return dict(name=f"{self.kind}_{self.variant}",
-                    input_names=list(QUANT_INPUTS if quant else INPUTS),
-                    output_names=list(OUTPUTS),
-                    source=("PAV_QUANT_VIEWS\n" + body) if quant else body, header=header)
+        return dict(
+            name=f"{self.kind}_{self.variant}",
+            input_names=list(QUANT_INPUTS if quant else INPUTS),
+            output_names=list(OUTPUTS),
+            source=("PAV_QUANT_VIEWS\n" + body) if quant else body,
+            header=header,
+        )
 
     @property
     def kernel(self):
@@ -220,18 +226,20 @@ class Launch:
 
     def run(self) -> mx.array:
         factory = metal._metal_kernel_factory()
-        return metal.run_once_checked(_kernel(factory, self.variant, self.kind),
-                                      (factory, self.kind, self.variant), self.call)[0]
+        return metal.run_once_checked(
+            _kernel(factory, self.variant, self.kind), (factory, self.kind, self.variant), self.call
+        )[0]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernel(factory, variant: str, kind: str = KERNEL):
     # Built once per variant and factory (native or emulated); template values are in the name.
     return factory(**Launch(variant, {}, kind).kernel_kwargs)
 
 
-def launch_plan(head_dim: int, block_size: int, group: int, itemsize: int,
-                quant: tuple[int, int] | None = None) -> Plan:
+def launch_plan(
+    head_dim: int, block_size: int, group: int, itemsize: int, quant: tuple[int, int] | None = None
+) -> Plan:
     """The plan a call with these shapes runs (`plan`, with the cache's quantization)."""
     # A quantized cache keeps the lanes-per-row kernel (its MMA variant is not tested yet).
     p = plan(head_dim, block_size, group, itemsize, mma=None if not quant else False)
@@ -243,14 +251,23 @@ def launch_plan(head_dim: int, block_size: int, group: int, itemsize: int,
 def template(p: Plan, dtype) -> list[tuple]:
     """The kernel's template values for plan `p` and element type `dtype`."""
     lanes = [] if p.mma else [("SP", p.lanes_per_row), ("RPT", p.rows_per_group)]
-    return ([("T", dtype), ("HD", p.head_dim), ("BS", p.block_size), ("G", p.group),
-             ("TQ", TILE_TOKENS), ("KC", p.chunk_keys), ("NSG", p.simdgroups),
-             ("HS", p.head_splits)] + lanes
-            + ([("BITS", p.quant[0]), ("GS", p.quant[1])] if p.quant else []))
+    return (
+        [
+            ("T", dtype),
+            ("HD", p.head_dim),
+            ("BS", p.block_size),
+            ("G", p.group),
+            ("TQ", TILE_TOKENS),
+            ("KC", p.chunk_keys),
+            ("NSG", p.simdgroups),
+            ("HS", p.head_splits),
+        ]
+        + lanes
+        + ([("BITS", p.quant[0]), ("GS", p.quant[1])] if p.quant else [])
+    )
 
 
-def varlen_launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, tiles,
-                  scale: float) -> Launch:
+def varlen_launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, tiles, scale: float) -> Launch:
     """The launch covering `tiles` ([(sequence, first token)], non-empty); q in the cache dtype."""
     _, num_kv_heads, block_size, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
@@ -261,28 +278,38 @@ def varlen_launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     # name, the one checked at start-up, is the same for any number of sequences and tiles.
     pad = metal.MIN_DEVICE_ELEMENTS
     tile_arr = metal._pad_to(mx.array(tiles, dtype=mx.int32), 0, cdiv(pad, 2))
-    return Launch(p.variant, dict(
-        inputs=[q, *metal._cache_inputs(k_cache, v_cache), metal.pad_table(block_tables),
+    return Launch(
+        p.variant,
+        dict(
+            inputs=[
+                q,
+                *metal._cache_inputs(k_cache, v_cache),
+                metal.pad_table(block_tables),
                 metal._pad_to(cu_seqlens_q.astype(mx.int32), 0, pad),
                 metal._pad_to(context_lens.astype(mx.int32), 0, pad),
-                tile_arr, mx.array(scale, dtype=mx.float32)],
-        template=template(p, q.dtype),
-        grid=(threads * p.head_splits, num_kv_heads, len(tiles)),
-        threadgroup=(threads, 1, 1),
-        output_shapes=[q.shape],
-        output_dtypes=[q.dtype],
-    ), p.kind)
+                tile_arr,
+                mx.array(scale, dtype=mx.float32),
+            ],
+            template=template(p, q.dtype),
+            grid=(threads * p.head_splits, num_kv_heads, len(tiles)),
+            threadgroup=(threads, 1, 1),
+            output_shapes=[q.shape],
+            output_dtypes=[q.dtype],
+        ),
+        p.kind,
+    )
 
 
-def paged_attention_varlen_metal(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                                 *, scale: float) -> mx.array:
+def paged_attention_varlen_metal(
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, *, scale: float
+) -> mx.array:
     """`mlxpaged.paged_attention_varlen` on the Metal kernels: [T, num_heads, head_dim], q's dtype."""
-    return run_with_launches(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                             scale=scale)[0]
+    return run_with_launches(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=scale)[0]
 
 
-def run_with_launches(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, *,
-                      scale: float) -> tuple[mx.array, list]:
+def run_with_launches(
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, *, scale: float
+) -> tuple[mx.array, list]:
     """`paged_attention_varlen_metal`, also returning its launches: the varlen kernel's
     (`Launch`) and the decode kernel's (`metal.Launch`)."""
     metal._check(q, k_cache, v_cache)
@@ -293,20 +320,19 @@ def run_with_launches(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_l
     tiles = tile_map(cu)
     launches: list = []
     if len(decode) == len(cu) - 1:  # all decodes: q's rows are the sequences
-        out, launches = metal.run_with_launches(q, k_cache, v_cache, block_tables, context_lens,
-                                                scale=scale)
+        out, launches = metal.run_with_launches(q, k_cache, v_cache, block_tables, context_lens, scale=scale)
         return out, launches
     qc = q.astype(k_cache.dtype)  # one element type T for q, caches and output
     out = None
     if tiles:
-        launches.append(varlen_launch(qc, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                      context_lens, tiles, scale))
+        launches.append(varlen_launch(qc, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, tiles, scale))
         out = launches[0].run()
     if decode:
         rows = mx.array([cu[s] for s in decode], dtype=mx.int32)
         seqs = mx.array(decode, dtype=mx.int32)
-        dec, dec_launches = metal.run_with_launches(qc[rows], k_cache, v_cache, block_tables[seqs],
-                                                    context_lens[seqs], scale=scale)
+        dec, dec_launches = metal.run_with_launches(
+            qc[rows], k_cache, v_cache, block_tables[seqs], context_lens[seqs], scale=scale
+        )
         launches += dec_launches
         out = mx.zeros_like(qc) if out is None else out
         out[rows] = dec
@@ -333,7 +359,7 @@ def check_varlen(group: int, k_cache) -> bool:
     widths = [cdiv(c, bs) for c in ctx]
     order = rng.permutation(sum(widths)).astype(np.int32)  # sequence 0's blocks, then sequence 1's
     tables = np.zeros((2, max(widths)), np.int32)
-    tables[0, : widths[0]], tables[1, : widths[1]] = order[: widths[0]], order[widths[0]:]
+    tables[0, : widths[0]], tables[1, : widths[1]] = order[: widths[0]], order[widths[0] :]
     q = mx.array(rng.standard_normal((sum(q_lens), group, hd)), dtype=k_cache.dtype)
     pool = [mx.array(rng.standard_normal((sum(widths), 1, bs, hd)), dtype=k_cache.dtype) for _ in range(2)]
     if quant:
@@ -343,8 +369,9 @@ def check_varlen(group: int, k_cache) -> bool:
     f32 = [metal.dequantized(p).astype(mx.float32) for p in pool]
     ref = paged_attention_varlen_reference(q.astype(mx.float32), *f32, *args, 0.3)
     name = f"varlen {plan(hd, bs, group, k_cache.dtype.size).variant} {k_cache.dtype}"
-    problem = metal.compare_to_reference(name, lambda: paged_attention_varlen_metal(q, *pool, *args, scale=0.3),
-                                         ref, k_cache.dtype)
+    problem = metal.compare_to_reference(
+        name, lambda: paged_attention_varlen_metal(q, *pool, *args, scale=0.3), ref, k_cache.dtype
+    )
     metal._families[key] = ok = metal.settle_check(problem)
     if problem:
         metal._family_errors[key] = problem

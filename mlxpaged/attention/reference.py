@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..worker import kv_quant
 from ..utils import cdiv
+from ..worker import kv_quant
 
 
 def block_rows(block_tables: mx.array, num_kv_heads: int) -> mx.array:
@@ -26,8 +26,9 @@ def block_rows(block_tables: mx.array, num_kv_heads: int) -> mx.array:
     return block_tables[:, None, :] * num_kv_heads + mx.arange(num_kv_heads)[None, :, None]
 
 
-def gather_blocks(pool: mx.array | kv_quant.QuantizedPool, block_tables: mx.array,
-                  rows: mx.array | None = None) -> mx.array:
+def gather_blocks(
+    pool: mx.array | kv_quant.QuantizedPool, block_tables: mx.array, rows: mx.array | None = None
+) -> mx.array:
     """The blocks of each sequence laid out contiguously (dequantized, for a quantized pool).
 
     pool `[num_blocks, kvh, bs, d]`, block_tables `[S, nb]` -> `[S, kvh, nb * bs, d]`. Seeing the
@@ -101,8 +102,11 @@ def paged_attention_varlen_reference(
             if (s, e) == (0, num_seqs):  # decodes only: no slicing at all
                 pieces.append(paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale, run))
             else:
-                pieces.append(paged_attention_reference(q[cu[s] : cu[e]], k_cache, v_cache, block_tables[s:e],
-                                                        context_lens[s:e], scale, run))
+                pieces.append(
+                    paged_attention_reference(
+                        q[cu[s] : cu[e]], k_cache, v_cache, block_tables[s:e], context_lens[s:e], scale, run
+                    )
+                )
             s = e
             continue
         n, c = cu[s + 1] - cu[s], ctx[s]

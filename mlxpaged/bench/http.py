@@ -99,15 +99,30 @@ class RunResult:
         med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
         mean = lambda xs: statistics.fmean(xs) if xs else None  # noqa: E731
         ms = lambda x: None if x is None else 1e3 * x  # noqa: E731
-        return {"server": self.server, "load": self.load, "rate": self.rate, "repeat": self.repeat, "n": self.n,
-                "completed": self.completed, "failed": self.failed, "length_mismatches": self.length_mismatches,
-                "req_per_s": self.completed / self.duration_s if self.duration_s else 0.0, "duration_s": self.duration_s,
-                "ttft_ms_median": ms(med(self.ttft)), "ttft_ms_p90": ms(q(self.ttft, 9)),
-                "itl_ms_median": ms(med(self.itl)), "itl_ms_p90": ms(q(self.itl, 9)),
-                "norm_latency_mean": mean(self.norm_latency), "norm_latency_median": med(self.norm_latency),
-                "output_tokens": self.output_tokens, "cached_prompt_tokens": self.cached_tokens,
-                "idle_rss_mb": self.idle_rss_mb, "peak_rss_mb": self.peak_rss_mb, "after_rss_mb": self.after_rss_mb,
-                "errors": self.errors[:5]}
+        return {
+            "server": self.server,
+            "load": self.load,
+            "rate": self.rate,
+            "repeat": self.repeat,
+            "n": self.n,
+            "completed": self.completed,
+            "failed": self.failed,
+            "length_mismatches": self.length_mismatches,
+            "req_per_s": self.completed / self.duration_s if self.duration_s else 0.0,
+            "duration_s": self.duration_s,
+            "ttft_ms_median": ms(med(self.ttft)),
+            "ttft_ms_p90": ms(q(self.ttft, 9)),
+            "itl_ms_median": ms(med(self.itl)),
+            "itl_ms_p90": ms(q(self.itl, 9)),
+            "norm_latency_mean": mean(self.norm_latency),
+            "norm_latency_median": med(self.norm_latency),
+            "output_tokens": self.output_tokens,
+            "cached_prompt_tokens": self.cached_tokens,
+            "idle_rss_mb": self.idle_rss_mb,
+            "peak_rss_mb": self.peak_rss_mb,
+            "after_rss_mb": self.after_rss_mb,
+            "errors": self.errors[:5],
+        }
 
 
 # -- the load --------------------------------------------------------------------------------------
@@ -138,8 +153,10 @@ def shared_system_prompt(tokenizer, tokens: int = SYSTEM_PROMPT_TOKENS) -> str:
     """An agent-like system prompt of about `tokens` tokens: instructions, then worked examples."""
     from .prompts import builtin_texts
 
-    head = ("You are a careful coding agent. Read the task, plan, then answer. Tools: search(query), "
-            "read_file(path), run(cmd). Follow these examples.\n")
+    head = (
+        "You are a careful coding agent. Read the task, plan, then answer. Tools: search(query), "
+        "read_file(path), run(cmd). Follow these examples.\n"
+    )
     text, i, examples = head, 0, builtin_texts()
     while len(tokenizer.encode(text)) < tokens:
         text += f"Example {i}: {examples[i % len(examples)]}\n"
@@ -198,10 +215,23 @@ class ServerProc:
 
 def server_command(name: str, model_path: str, port: int, extra: list[str]) -> list[str]:
     if name == "mlxpaged":
-        return [sys.executable, "-m", "mlxpaged.cli", "serve", "--model", model_path, "--port", str(port),
-                "--log-level", "warning", *extra]
+        return [
+            sys.executable,
+            "-m",
+            "mlxpaged.cli",
+            "serve",
+            "--model",
+            model_path,
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            *extra,
+        ]
     # The same BLAS as mlxpaged: load the system OpenBLAS before MLX, then run mlx_lm.server as `-m` would.
-    boot = "import mlxpaged._blas as b, runpy; b.use_system_blas(); runpy.run_module('mlx_lm.server', run_name='__main__')"
+    boot = (
+        "import mlxpaged._blas as b, runpy; b.use_system_blas(); runpy.run_module('mlx_lm.server', run_name='__main__')"
+    )
     return [sys.executable, "-c", boot, "--model", model_path, "--port", str(port), "--log-level", "WARNING", *extra]
 
 
@@ -214,9 +244,17 @@ def start_server(name: str, model_path: str, extra: list[str]) -> ServerProc:
 def request_body(server: str, model: str, req: Req, n: int, eos: list[int]) -> dict:
     """The chat request `server` gets for `req` of a load with n samples per request (mlx_lm.server
     gets n copies of it, without `n`); both sample at the same temperature."""
-    messages = ([{"role": "system", "content": req.system}] if req.system else []) + [{"role": "user", "content": req.prompt}]
-    body = {"model": model, "messages": messages, "max_tokens": req.max_tokens, "temperature": 0.0 if n == 1 else 0.8,
-            "stream": True, "stream_options": {"include_usage": True}}
+    messages = ([{"role": "system", "content": req.system}] if req.system else []) + [
+        {"role": "user", "content": req.prompt}
+    ]
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": req.max_tokens,
+        "temperature": 0.0 if n == 1 else 0.8,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if server == "mlxpaged":
         body["ignore_eos"] = True
         if n > 1:
@@ -244,7 +282,7 @@ async def stream_one(client, url: str, body: dict) -> Part:
                     part.error = str(obj["error"])[:200]
                 if obj.get("usage"):
                     part.completion_tokens = obj["usage"]["completion_tokens"]
-                    part.cached_tokens = ((obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+                    part.cached_tokens = (obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 if any((c.get("delta") or {}).get("content") for c in obj.get("choices", [])):
                     part.last = time.perf_counter()
                     part.first = part.first or part.last
@@ -278,8 +316,17 @@ def record(res: RunResult, i: int, req: Req, parts: list[Part], n: int) -> None:
     res.norm_latency.append((end - t0) / req.max_tokens)
 
 
-async def run_load(server: ServerProc, model: str, reqs: list[Req], rate: float, n: int, load: str,
-                   eos: list[int], seed: int = 0, repeat: int = 0) -> RunResult:
+async def run_load(
+    server: ServerProc,
+    model: str,
+    reqs: list[Req],
+    rate: float,
+    n: int,
+    load: str,
+    eos: list[int],
+    seed: int = 0,
+    repeat: int = 0,
+) -> RunResult:
     """Send `reqs` at Poisson arrivals of `rate`/s (arrival times seeded by `seed`, the same for
     both servers); an n-sample request goes to mlx_lm.server as n requests at the same instant."""
     import httpx
@@ -314,8 +361,20 @@ async def run_load(server: ServerProc, model: str, reqs: list[Req], rate: float,
     return res
 
 
-def measure(name: str, path: str, extra: list[str], warm: list[Req], reqs: list[Req], rate: float, n: int,
-            load: str, eos: list[int], seed: int, repeat: int, settle_s: float = 3.0) -> RunResult:
+def measure(
+    name: str,
+    path: str,
+    extra: list[str],
+    warm: list[Req],
+    reqs: list[Req],
+    rate: float,
+    n: int,
+    load: str,
+    eos: list[int],
+    seed: int,
+    repeat: int,
+    settle_s: float = 3.0,
+) -> RunResult:
     """One fresh server: warm it, read its idle RSS, run the load, read its RSS `settle_s` after."""
     server = start_server(name, path, extra)
     try:
@@ -363,8 +422,9 @@ def float32_copy(path: str) -> str:
     dst.mkdir(parents=True, exist_ok=True)
     weights = {}
     for f in sorted(src.glob("*.safetensors")):
-        weights.update({k: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v
-                        for k, v in mx.load(str(f)).items()})
+        weights.update(
+            {k: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in mx.load(str(f)).items()}
+        )
     mx.save_safetensors(str(dst / "model.tmp.safetensors"), weights)
     for f in src.iterdir():
         if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json" and f.is_file():
@@ -380,9 +440,21 @@ def first_server(case: int, repeat: int) -> str:
     return "mlxpaged" if (case + repeat) % 2 == 0 else "mlx_lm"
 
 
-def sweep(path: str, rates: list[float], loads: list[str], num_requests: int, max_prompt: int, max_output: int,
-          repeats: int, mlxpaged_args: list[str], trace: str = "sharegpt", bound: float = 1.0,
-          extend: int = 0, settle_s: float = 3.0, progress=print) -> list[dict]:
+def sweep(
+    path: str,
+    rates: list[float],
+    loads: list[str],
+    num_requests: int,
+    max_prompt: int,
+    max_output: int,
+    repeats: int,
+    mlxpaged_args: list[str],
+    trace: str = "sharegpt",
+    bound: float = 1.0,
+    extend: int = 0,
+    settle_s: float = 3.0,
+    progress=print,
+) -> list[dict]:
     """Every (load, rate, repeat) on a fresh server of each kind, alternating which goes first.
 
     After the listed rates, up to `extend` more rates (each double the last) are swept for a
@@ -407,8 +479,20 @@ def sweep(path: str, rates: list[float], loads: list[str], num_requests: int, ma
                 a = first_server(case, rep)
                 for name in (a, "mlx_lm" if a == "mlxpaged" else "mlxpaged"):
                     args = mlxpaged_args if name == "mlxpaged" else PEER_ARGS.get(load, [])
-                    res = measure(name, path, args, with_sys(warm), with_sys(reqs), rate, LOADS[load], load, eos,
-                                  seed=rep, repeat=rep, settle_s=settle_s)
+                    res = measure(
+                        name,
+                        path,
+                        args,
+                        with_sys(warm),
+                        with_sys(reqs),
+                        rate,
+                        LOADS[load],
+                        load,
+                        eos,
+                        seed=rep,
+                        repeat=rep,
+                        settle_s=settle_s,
+                    )
                     rows.append({**res.summary(), "first": a, "server_args": args})
                     progress(_line(rows[-1]))
             case += 1
@@ -422,11 +506,13 @@ def sweep(path: str, rates: list[float], loads: list[str], num_requests: int, ma
 
 def _line(r: dict) -> str:
     f = lambda x, spec: "   n/a" if x is None else format(x, spec)  # noqa: E731
-    return (f"{r['server']:>8} {r['load']:>8} rate {r['rate']:5.2f} rep {r['repeat']}: {r['req_per_s']:5.2f} req/s, "
-            f"TTFT {f(r['ttft_ms_median'], '7.0f')} ms, ITL {f(r['itl_ms_median'], '6.1f')} ms, norm mean/median "
-            f"{f(r['norm_latency_mean'], '6.3f')}/{f(r['norm_latency_median'], '6.3f')} s/tok, RSS idle/peak/after "
-            f"{r['idle_rss_mb']:5.0f}/{r['peak_rss_mb']:5.0f}/{r['after_rss_mb']:5.0f} MB, cached "
-            f"{r['cached_prompt_tokens']}, failed {r['failed']}")
+    return (
+        f"{r['server']:>8} {r['load']:>8} rate {r['rate']:5.2f} rep {r['repeat']}: {r['req_per_s']:5.2f} req/s, "
+        f"TTFT {f(r['ttft_ms_median'], '7.0f')} ms, ITL {f(r['itl_ms_median'], '6.1f')} ms, norm mean/median "
+        f"{f(r['norm_latency_mean'], '6.3f')}/{f(r['norm_latency_median'], '6.3f')} s/tok, RSS idle/peak/after "
+        f"{r['idle_rss_mb']:5.0f}/{r['peak_rss_mb']:5.0f}/{r['after_rss_mb']:5.0f} MB, cached "
+        f"{r['cached_prompt_tokens']}, failed {r['failed']}"
+    )
 
 
 def add_command(bench_group, with_common, write_plot) -> None:
@@ -436,27 +522,68 @@ def add_command(bench_group, with_common, write_plot) -> None:
     @bench_group.command("serve")
     @with_common
     @click.option("--rates", default="0.25,0.5,1,2,4", show_default=True, help="Request rates (req/s) to sweep.")
-    @click.option("--extend", default=3, show_default=True, help="Extra rates (each double the last) while either server still meets the bound.")
+    @click.option(
+        "--extend",
+        default=3,
+        show_default=True,
+        help="Extra rates (each double the last) while either server still meets the bound.",
+    )
     @click.option("--num-requests", default=16, show_default=True, help="Requests per run.")
     @click.option("--max-prompt", default=256, show_default=True, help="Cap on the traced prompt length (tokens).")
     @click.option("--max-output", default=32, show_default=True, help="Cap on the traced output length (tokens).")
-    @click.option("--loads", default="sharegpt,system,n4", show_default=True, help=f"sharegpt, system ({SYSTEM_PROMPT_TOKENS}-token shared system prompt), n4 (n=4 each).")
-    @click.option("--trace", default="sharegpt", type=click.Choice(["sharegpt", "alpaca", "builtin"]), show_default=True)
-    @click.option("--repeats", default=3, show_default=True, help="Runs of each case, alternating which server goes first.")
-    @click.option("--bound", default=1.0, show_default=True, help="Mean normalized-latency bound (s/token) for the sustainable rate.")
-    @click.option("--settle", default=3.0, show_default=True, help="Seconds before reading idle RSS and after the load.")
+    @click.option(
+        "--loads",
+        default="sharegpt,system,n4",
+        show_default=True,
+        help=f"sharegpt, system ({SYSTEM_PROMPT_TOKENS}-token shared system prompt), n4 (n=4 each).",
+    )
+    @click.option(
+        "--trace", default="sharegpt", type=click.Choice(["sharegpt", "alpaca", "builtin"]), show_default=True
+    )
+    @click.option(
+        "--repeats", default=3, show_default=True, help="Runs of each case, alternating which server goes first."
+    )
+    @click.option(
+        "--bound",
+        default=1.0,
+        show_default=True,
+        help="Mean normalized-latency bound (s/token) for the sustainable rate.",
+    )
+    @click.option(
+        "--settle", default=3.0, show_default=True, help="Seconds before reading idle RSS and after the load."
+    )
     @click.option("--num-blocks", default=None, type=int, help="mlxpaged's KV pool (default: grown on demand).")
     @click.option("--allow-dirty", is_flag=True, help="Run from a tree with uncommitted changes (the result says so).")
-    def serve_cmd(model, tiny, dtype, out_dir, plot, rates, extend, num_requests, max_prompt, max_output, loads, trace,
-                  repeats, bound, settle, num_blocks, allow_dirty):
+    def serve_cmd(
+        model,
+        tiny,
+        dtype,
+        out_dir,
+        plot,
+        rates,
+        extend,
+        num_requests,
+        max_prompt,
+        max_output,
+        loads,
+        trace,
+        repeats,
+        bound,
+        settle,
+        num_blocks,
+        allow_dirty,
+    ):
         """mlxpaged serve vs mlx_lm.server over HTTP: Poisson arrivals, TTFT, ITL, normalized latency, RSS."""
         from .http_stats import report, write_figure
         from .report import git_state, write_result
 
         git = git_state()
         if git["dirty"] and not allow_dirty:
-            click.echo("error: the tree has uncommitted changes; commit them (a result names its commit) "
-                       "or pass --allow-dirty", err=True)
+            click.echo(
+                "error: the tree has uncommitted changes; commit them (a result names its commit) "
+                "or pass --allow-dirty",
+                err=True,
+            )
             sys.exit(1)
         try:
             rate_list = [float(r) for r in rates.split(",") if r]
@@ -466,23 +593,60 @@ def add_command(bench_group, with_common, write_plot) -> None:
         load_list = [x for x in loads.split(",") if x]
         bad = set(load_list) - set(LOADS)
         if bad or not rate_list or min(rate_list) <= 0:
-            click.echo(f"error: unknown load(s) {sorted(bad)}; choose from {sorted(LOADS)}" if bad
-                       else "error: --rates needs at least one positive rate", err=True)
+            click.echo(
+                f"error: unknown load(s) {sorted(bad)}; choose from {sorted(LOADS)}"
+                if bad
+                else "error: --rates needs at least one positive rate",
+                err=True,
+            )
             sys.exit(1)
         path = float32_copy(model_path(model, tiny)) if dtype in ("auto", "float32") else model_path(model, tiny)
         extra = ["--dtype", dtype] + (["--num-blocks", str(num_blocks)] if num_blocks else [])
-        rows = sweep(path, rate_list, load_list, num_requests, max_prompt, max_output, repeats, extra, trace,
-                     bound, extend, settle, progress=lambda s: click.echo(s, err=True))
+        rows = sweep(
+            path,
+            rate_list,
+            load_list,
+            num_requests,
+            max_prompt,
+            max_output,
+            repeats,
+            extra,
+            trace,
+            bound,
+            extend,
+            settle,
+            progress=lambda s: click.echo(s, err=True),
+        )
         summary = report(rows, load_list, bound, echo=click.echo)
-        out = write_result(out_dir, "serve", Path(path).name, {
-            "rates": rate_list, "extend": extend, "num_requests": num_requests, "max_prompt": max_prompt,
-            "max_output": max_output, "trace": trace, "repeats": repeats, "warmup_requests": WARMUP,
-            "system_prompt_tokens": SYSTEM_PROMPT_TOKENS if "system" in load_list else None,
-            "prompt_text": f"{trace} text, cut to max_prompt tokens", "bound_s_per_token": bound,
-            "mlxpaged_args": extra, "peer_args": PEER_ARGS,
-            "fairness": ["fresh server per (load, rate, repeat, server)", "equal output tokens per request asserted",
-                         "no seed to either server", "first server alternates per (load, rate) and repeat"],
-            "git_at_start": git, "rows": rows, **summary})
+        out = write_result(
+            out_dir,
+            "serve",
+            Path(path).name,
+            {
+                "rates": rate_list,
+                "extend": extend,
+                "num_requests": num_requests,
+                "max_prompt": max_prompt,
+                "max_output": max_output,
+                "trace": trace,
+                "repeats": repeats,
+                "warmup_requests": WARMUP,
+                "system_prompt_tokens": SYSTEM_PROMPT_TOKENS if "system" in load_list else None,
+                "prompt_text": f"{trace} text, cut to max_prompt tokens",
+                "bound_s_per_token": bound,
+                "mlxpaged_args": extra,
+                "peer_args": PEER_ARGS,
+                "fairness": [
+                    "fresh server per (load, rate, repeat, server)",
+                    "equal output tokens per request asserted",
+                    "no seed to either server",
+                    "first server alternates per (load, rate) and repeat",
+                ],
+                "git_at_start": git,
+                "rows": rows,
+                **summary,
+            },
+        )
         click.echo(f"results: {out}")
         if plot:
             try:

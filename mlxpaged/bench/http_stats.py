@@ -66,12 +66,22 @@ def per_rate(rows: list[dict]) -> list[dict]:
         here = [r for r in rows if r["load"] == load and r["rate"] == rate]
         by = {(r["server"], r["repeat"]): r for r in here}
         reps = sorted({r["repeat"] for r in here})
-        pairs = [(by[("mlxpaged", k)], by[("mlx_lm", k)]) for k in reps if ("mlxpaged", k) in by and ("mlx_lm", k) in by]
+        pairs = [
+            (by[("mlxpaged", k)], by[("mlx_lm", k)]) for k in reps if ("mlxpaged", k) in by and ("mlx_lm", k) in by
+        ]
         entry = {"load": load, "rate": rate, "repeats": len(reps)}
         for s in SERVERS:
             rs = [r for r in here if r["server"] == s]
-            for f in ("norm_latency_mean", "norm_latency_median", "ttft_ms_median", "itl_ms_median", "req_per_s",
-                      "idle_rss_mb", "peak_rss_mb", "after_rss_mb"):
+            for f in (
+                "norm_latency_mean",
+                "norm_latency_median",
+                "ttft_ms_median",
+                "itl_ms_median",
+                "req_per_s",
+                "idle_rss_mb",
+                "peak_rss_mb",
+                "after_rss_mb",
+            ):
                 entry[f"{s}_{f}"] = spread([r[f] for r in rs])
             entry[f"{s}_failed"] = sum(r["failed"] for r in rs)
         entry["lengths_equal"] = [p["output_tokens"] == q["output_tokens"] for p, q in pairs]
@@ -88,8 +98,11 @@ def sustainable(rows: list[dict], load: str, bound: float) -> dict:
     for k in sorted({r["repeat"] for r in rows if r["load"] == load}):
         rep = {"repeat": k}
         for s in SERVERS:
-            pts = [(r["rate"], r["norm_latency_mean"], r["failed"]) for r in rows
-                   if r["load"] == load and r["repeat"] == k and r["server"] == s]
+            pts = [
+                (r["rate"], r["norm_latency_mean"], r["failed"])
+                for r in rows
+                if r["load"] == load and r["repeat"] == k and r["server"] == s
+            ]
             rep[s], rep[f"{s}_censored"] = sustainable_rate(pts, bound)
         a, b = rep["mlxpaged"], rep["mlx_lm"]
         rep["ratio"] = a / b if b else None  # undefined when the peer failed even the lowest rate
@@ -108,16 +121,20 @@ def report(rows: list[dict], loads: list[str], bound: float, echo=print) -> dict
     rates = per_rate(rows)
     echo(f"\nmedian (min-max) over repeats; ratios mlx_lm/mlxpaged formed within each repeat; bound {bound} s/token")
     for e in rates:
-        echo(f"{e['load']:>8} rate {e['rate']:5.2f}: mean norm latency mlxpaged {_fmt(e['mlxpaged_norm_latency_mean'], 3)}"
-             f", mlx_lm {_fmt(e['mlx_lm_norm_latency_mean'], 3)}, ratio {_fmt(e['ratio_norm_latency_mean'])}; "
-             f"median ratio {_fmt(e['ratio_norm_latency_median'])}; peak RSS mlxpaged {_fmt(e['mlxpaged_peak_rss_mb'], 0)}"
-             f" MB, mlx_lm {_fmt(e['mlx_lm_peak_rss_mb'], 0)} MB; equal lengths {all(e['lengths_equal'])}")
+        echo(
+            f"{e['load']:>8} rate {e['rate']:5.2f}: mean norm latency mlxpaged {_fmt(e['mlxpaged_norm_latency_mean'], 3)}"
+            f", mlx_lm {_fmt(e['mlx_lm_norm_latency_mean'], 3)}, ratio {_fmt(e['ratio_norm_latency_mean'])}; "
+            f"median ratio {_fmt(e['ratio_norm_latency_median'])}; peak RSS mlxpaged {_fmt(e['mlxpaged_peak_rss_mb'], 0)}"
+            f" MB, mlx_lm {_fmt(e['mlx_lm_peak_rss_mb'], 0)} MB; equal lengths {all(e['lengths_equal'])}"
+        )
     sus = {}
     for load in loads:
         sus[load] = s = sustainable(rows, load, bound)
         cens = sorted({f"{k}: {r[k + '_censored']}" for r in s["per_repeat"] for k in SERVERS if r[k + "_censored"]})
-        echo(f"{load:>8}: sustainable rate mlxpaged {_fmt(s['mlxpaged'])}, mlx_lm {_fmt(s['mlx_lm'])} req/s, "
-             f"ratio {_fmt(s['ratio'])}" + (f"  (censored {', '.join(cens)})" if cens else ""))
+        echo(
+            f"{load:>8}: sustainable rate mlxpaged {_fmt(s['mlxpaged'])}, mlx_lm {_fmt(s['mlx_lm'])} req/s, "
+            f"ratio {_fmt(s['ratio'])}" + (f"  (censored {', '.join(cens)})" if cens else "")
+        )
     return {"per_rate": rates, "sustainable": sus}
 
 

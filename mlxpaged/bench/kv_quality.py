@@ -19,9 +19,9 @@ import mlx.core as mx
 import numpy as np
 
 from ..attention.metadata import AttentionMetadata
+from ..utils import cdiv
 from ..worker.kv_cache import CacheShape, PagedKVCache, slot_mapping
 from ..worker.kv_calibration import model_key_scales
-from ..utils import cdiv
 
 SNIPPET = Path(__file__).resolve().parents[2] / "tests" / "data" / "perplexity_snippet.py"
 
@@ -32,14 +32,25 @@ def alpaca_text(num_records: int = 12) -> str:
 
     records = alpaca_records()[:num_records]
     return "\n\n".join(
-        f"Instruction: {r['instruction']}\n" + (f"Input: {r['input']}\n" if r["input"] else "") + f"Response: {r['output']}"
+        f"Instruction: {r['instruction']}\n"
+        + (f"Input: {r['input']}\n" if r["input"] else "")
+        + f"Response: {r['output']}"
         for r in records
     )
 
 
-def paged_perplexity(loaded, ids: list[int], *, kv_bits: int | None = None, kv_group_size: int = 64,
-                     chunk: int = 16, block_size: int = 16, impl: str = "reference", seed: int = 0,
-                     calibrate: bool = True) -> float:
+def paged_perplexity(
+    loaded,
+    ids: list[int],
+    *,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    chunk: int = 16,
+    block_size: int = 16,
+    impl: str = "reference",
+    seed: int = 0,
+    calibrate: bool = True,
+) -> float:
     """Perplexity of `ids` (next-token, positions 1..n-1) on a paged cache of `kv_bits`
     (with per-channel key scales from the calibration text unless `calibrate` is False).
 
@@ -74,8 +85,9 @@ def paged_perplexity(loaded, ids: list[int], *, kv_bits: int | None = None, kv_g
     return math.exp(nll / count)
 
 
-def tokens_per_gb(shape: CacheShape, kv_bits: int | None, kv_group_size: int = 64, block_size: int = 16,
-                  dtype: mx.Dtype | None = None) -> float:
+def tokens_per_gb(
+    shape: CacheShape, kv_bits: int | None, kv_group_size: int = 64, block_size: int = 16, dtype: mx.Dtype | None = None
+) -> float:
     """Tokens (K and V of every layer) one GB (1e9 bytes) of pool holds, by the cache's accounting."""
     s = replace(shape, dtype=dtype or shape.dtype).quantized(kv_bits, kv_group_size)
     return 1e9 * block_size / s.bytes_per_block(block_size)

@@ -18,7 +18,9 @@ from pathlib import Path
 from .repeat import fmt, spread
 
 
-def prompt_ids(tokenizer, vocab_size: int, prefix_tokens: int, question_tokens: int, run: int) -> tuple[list[int], list[int]]:
+def prompt_ids(
+    tokenizer, vocab_size: int, prefix_tokens: int, question_tokens: int, run: int
+) -> tuple[list[int], list[int]]:
     """(the shared prefix, question number `run`): text tokens from the calibration text, so the
     model sees language; the question is a slice that starts elsewhere for every run."""
     from importlib.resources import files
@@ -42,8 +44,15 @@ def _ttft(engine, prompt: list[int]) -> tuple[float, int, list[int]]:
                 return time.perf_counter() - t0, out.num_cached_tokens, out.outputs[0].token_ids
 
 
-def benchmark(loaded, *, prefix_tokens: int = 2000, question_tokens: int = 50, repeats: int = 3,
-              store_dir: str | None = None, progress=lambda: None) -> dict:
+def benchmark(
+    loaded,
+    *,
+    prefix_tokens: int = 2000,
+    question_tokens: int = 50,
+    repeats: int = 3,
+    store_dir: str | None = None,
+    progress=lambda: None,
+) -> dict:
     from ..config import EngineConfig
     from ..engine.llm_engine import LLMEngine
 
@@ -102,13 +111,23 @@ def benchmark(loaded, *, prefix_tokens: int = 2000, question_tokens: int = 50, r
 
 def table(p: dict) -> list[str]:
     t = p["ttft_s"]
-    lines = [f"time to first token, {p['prefix_tokens']}-token prefix + {p['question_tokens']}-token question "
-             f"(median (min-max) of {p['repeats']} runs, seconds):"]
-    for case, label in (("cold", "cold (no cache)"), ("warm", "warm in memory"), ("disk", "after a restart, from disk")):
+    lines = [
+        f"time to first token, {p['prefix_tokens']}-token prefix + {p['question_tokens']}-token question "
+        f"(median (min-max) of {p['repeats']} runs, seconds):"
+    ]
+    for case, label in (
+        ("cold", "cold (no cache)"),
+        ("warm", "warm in memory"),
+        ("disk", "after a restart, from disk"),
+    ):
         lines.append(f"  {label:28s} {fmt(t[case], 3)}   cached tokens {p['cached_tokens'][case]}")
-    lines.append(f"disk / cold: {fmt(p['disk_over_cold'], 4)}; same first tokens in all three: {p['same_first_tokens']}")
-    lines.append(f"disk bytes per token: {p['disk_bytes_per_token']:.0f}; "
-                 f"read {fmt(p['read_ms_per_block'], 2)} ms per block vs computing it cold "
-                 f"{fmt(p['cold_compute_ms_per_block'], 1)} ms; reading pays down to "
-                 f"{fmt(p['break_even_read_mb_per_s'], 1)} MB/s")
+    lines.append(
+        f"disk / cold: {fmt(p['disk_over_cold'], 4)}; same first tokens in all three: {p['same_first_tokens']}"
+    )
+    lines.append(
+        f"disk bytes per token: {p['disk_bytes_per_token']:.0f}; "
+        f"read {fmt(p['read_ms_per_block'], 2)} ms per block vs computing it cold "
+        f"{fmt(p['cold_compute_ms_per_block'], 1)} ms; reading pays down to "
+        f"{fmt(p['break_even_read_mb_per_s'], 1)} MB/s"
+    )
     return lines

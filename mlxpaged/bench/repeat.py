@@ -9,7 +9,8 @@ and a ratio is formed within each repeat, so both sides of a ratio saw the same 
 from __future__ import annotations
 
 import statistics
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 R = TypeVar("R")
 

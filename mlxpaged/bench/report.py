@@ -26,8 +26,12 @@ def machine_name() -> str:
     """The chip ("Apple M3 Pro") on a Mac, the CPU model elsewhere."""
     try:
         if platform.system() == "Darwin":
-            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
-                                  timeout=5).stdout.strip() or platform.machine()
+            return (
+                subprocess.run(
+                    ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5
+                ).stdout.strip()
+                or platform.machine()
+            )
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
@@ -88,8 +92,13 @@ def provenance() -> dict:
         "python": sys.executable,
         "cwd": os.getcwd(),
         "git": git_state(),
-        "machine": {"platform": platform.platform(), "cpu": machine_name(), "cores": os.cpu_count(), "ram_gb": ram_gb(),
-                    "python": platform.python_version()},
+        "machine": {
+            "platform": platform.platform(),
+            "cpu": machine_name(),
+            "cores": os.cpu_count(),
+            "ram_gb": ram_gb(),
+            "python": platform.python_version(),
+        },
         "mlx": {"version": mx.__version__, "device": str(mx.default_device()), "blas": _blas.loaded or "bundled"},
     }
 

@@ -33,8 +33,17 @@ class Workload:
     system_prompt_len: int = 0  # tokens every prompt starts with (0: none)
 
 
-def make_workload(pairs: list[tuple[int, int]], num_requests: int, *, vocab: int, seed: int = 0, rate: float = 0.0,
-                  system_prompt_len: int = 0, max_prompt: int = 1024, max_output: int = 256) -> Workload:
+def make_workload(
+    pairs: list[tuple[int, int]],
+    num_requests: int,
+    *,
+    vocab: int,
+    seed: int = 0,
+    rate: float = 0.0,
+    system_prompt_len: int = 0,
+    max_prompt: int = 1024,
+    max_output: int = 256,
+) -> Workload:
     """Synthetic prompts of the traced lengths (capped), Poisson arrivals at `rate` req/s (0: all at once)."""
     rng = random.Random(seed)
     system = [rng.randrange(10, vocab) for _ in range(system_prompt_len)]
@@ -63,11 +72,16 @@ class ServingResult:
             return statistics.quantiles(xs, n=10)[q - 1] if len(xs) >= 2 else (xs[0] if xs else 0.0)
 
         return {
-            "system": self.system, "requests": self.num_requests, "wall_s": round(self.wall_s, 3),
-            "requests_per_s": self.num_requests / self.wall_s, "output_tps": self.output_tokens / self.wall_s,
-            "ttft_ms_median": statistics.median(self.ttft_ms), "ttft_ms_p90": pct(self.ttft_ms, 9),
+            "system": self.system,
+            "requests": self.num_requests,
+            "wall_s": round(self.wall_s, 3),
+            "requests_per_s": self.num_requests / self.wall_s,
+            "output_tps": self.output_tokens / self.wall_s,
+            "ttft_ms_median": statistics.median(self.ttft_ms),
+            "ttft_ms_p90": pct(self.ttft_ms, 9),
             "itl_ms_median": statistics.median(self.itl_ms) if self.itl_ms else 0.0,
-            "itl_ms_p90": pct(self.itl_ms, 9) if self.itl_ms else 0.0, **self.extra,
+            "itl_ms_p90": pct(self.itl_ms, 9) if self.itl_ms else 0.0,
+            **self.extra,
         }
 
 
@@ -95,7 +109,9 @@ def serve_mlxpaged(loaded, wl: Workload, engine_config, progress=None) -> Servin
         now = time.perf_counter() - start
         while pending and wl.arrivals[pending[0]] <= now:
             i = pending.pop(0)
-            rid = engine.add_request(wl.prompts[i], SamplingParams(temperature=0, max_tokens=wl.output_lens[i], ignore_eos=True))
+            rid = engine.add_request(
+                wl.prompts[i], SamplingParams(temperature=0, max_tokens=wl.output_lens[i], ignore_eos=True)
+            )
             arrival[rid] = wl.arrivals[i]
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, wl.arrivals[pending[0]] - now))
@@ -111,8 +127,10 @@ def serve_mlxpaged(loaded, wl: Workload, engine_config, progress=None) -> Servin
     res.wall_s = time.perf_counter() - start
     st = engine.stats_dict()
     res.output_tokens = st["generation_tokens"]
-    res.extra = {k: st[k] for k in ("running_seqs_peak", "preemptions", "prefix_cache_hit_tokens", "num_blocks",
-                                    "blocks_in_use_peak")}
+    res.extra = {
+        k: st[k]
+        for k in ("running_seqs_peak", "preemptions", "prefix_cache_hit_tokens", "num_blocks", "blocks_in_use_peak")
+    }
     res.extra["computed_prefill_tokens"] = engine.stats.computed_prefill_tokens
     res.extra["peak_memory_gb"] = (mx.get_peak_memory() - base) / 1e9  # above the weights
     return res
@@ -143,7 +161,9 @@ def serve_mlx_lm(model, wl: Workload, max_concurrency: int, progress=None, promp
             prompts, caches = [wl.prompts[i] for i in ready], None
             if lru is not None and wl.system_prompt_len:
                 system = wl.prompts[ready[0]][: wl.system_prompt_len]
-                if len(lru) == 0:  # the first arrival: prefill the system prompt once, as the server's cache would hold it
+                if (
+                    len(lru) == 0
+                ):  # the first arrival: prefill the system prompt once, as the server's cache would hold it
                     lru.insert_cache("model", system, prefill_prefix(model, system), cache_type="system")
                 found = [lru.fetch_nearest_cache("model", p) for p in prompts]
                 caches, prompts = [c for c, _ in found], [rest for _, rest in found]
@@ -168,53 +188,101 @@ def serve_mlx_lm(model, wl: Workload, max_concurrency: int, progress=None, promp
     return res
 
 
-METRICS = ["requests_per_s", "output_tps", "ttft_ms_median", "ttft_ms_p90", "itl_ms_median", "itl_ms_p90", "peak_memory_gb"]
+METRICS = [
+    "requests_per_s",
+    "output_tps",
+    "ttft_ms_median",
+    "ttft_ms_p90",
+    "itl_ms_median",
+    "itl_ms_p90",
+    "peak_memory_gb",
+]
 
 
-def compare(loaded, ref, pairs, *, num_requests: int, rate: float, max_prompt: int, max_output: int, kv_tokens: int,
-            block_size: int, max_num_seqs: int, system_prompt: int, repeats: int) -> list[dict]:
+def compare(
+    loaded,
+    ref,
+    pairs,
+    *,
+    num_requests: int,
+    rate: float,
+    max_prompt: int,
+    max_output: int,
+    kv_tokens: int,
+    block_size: int,
+    max_num_seqs: int,
+    system_prompt: int,
+    repeats: int,
+) -> list[dict]:
     """The replay without and (if `system_prompt`) with a shared system prompt, each `repeats` times alternating."""
     from ..config import EngineConfig
 
     vocab = loaded.model.args.vocab_size
 
     def config(prefix_caching: bool):
-        return EngineConfig(block_size=block_size, num_blocks=kv_tokens // block_size, max_num_seqs=max_num_seqs,
-                            enable_prefix_caching=prefix_caching)
+        return EngineConfig(
+            block_size=block_size,
+            num_blocks=kv_tokens // block_size,
+            max_num_seqs=max_num_seqs,
+            enable_prefix_caching=prefix_caching,
+        )
 
     warm = make_workload(pairs, 2, vocab=vocab, max_output=4)
     serve_mlxpaged(loaded, warm, config(False))
     serve_mlx_lm(ref, warm, max_num_seqs)
-    cases = [("no shared prefix", 0)] + ([(f"shared {system_prompt}-token system prompt", system_prompt)]
-                                         if system_prompt else [])
+    cases = [("no shared prefix", 0)] + (
+        [(f"shared {system_prompt}-token system prompt", system_prompt)] if system_prompt else []
+    )
     rows = []
     for label, sys_len in cases:
-        wl = make_workload(pairs, num_requests, vocab=vocab, rate=rate, system_prompt_len=sys_len,
-                           max_prompt=max_prompt, max_output=max_output)
-        runs = alternate(lambda: serve_mlxpaged(loaded, wl, config(sys_len > 0)).summary(),
-                         lambda: serve_mlx_lm(ref, wl, max_num_seqs, prompt_cache=sys_len > 0).summary(), repeats)
+        wl = make_workload(
+            pairs,
+            num_requests,
+            vocab=vocab,
+            rate=rate,
+            system_prompt_len=sys_len,
+            max_prompt=max_prompt,
+            max_output=max_output,
+        )
+        runs = alternate(
+            lambda: serve_mlxpaged(loaded, wl, config(sys_len > 0)).summary(),
+            lambda: serve_mlx_lm(ref, wl, max_num_seqs, prompt_cache=sys_len > 0).summary(),
+            repeats,
+        )
         ours, theirs = [r[0] for r in runs], [r[1] for r in runs]
-        rows.append({
-            "case": label, "system_prompt_len": sys_len,
-            "peer": "mlx-lm BatchGenerator" + (" + LRUPromptCache seeded with the system prompt" if sys_len else ""),
-            "mlxpaged_prefix_caching": sys_len > 0,
-            "ratio": {k: spread([a[k] / b[k] for a, b in zip(ours, theirs)]) for k in METRICS if all(b[k] for b in theirs)},
-            "mlxpaged": {k: spread([a[k] for a in ours]) for k in ours[0] if isinstance(ours[0][k], (int, float))},
-            "mlx_lm": {k: spread([b[k] for b in theirs]) for k in theirs[0] if isinstance(theirs[0][k], (int, float))},
-            "first": ["mlxpaged" if f == "a" else "mlx_lm" for _, _, f in runs],
-        })
+        rows.append(
+            {
+                "case": label,
+                "system_prompt_len": sys_len,
+                "peer": "mlx-lm BatchGenerator"
+                + (" + LRUPromptCache seeded with the system prompt" if sys_len else ""),
+                "mlxpaged_prefix_caching": sys_len > 0,
+                "ratio": {
+                    k: spread([a[k] / b[k] for a, b in zip(ours, theirs)]) for k in METRICS if all(b[k] for b in theirs)
+                },
+                "mlxpaged": {k: spread([a[k] for a in ours]) for k in ours[0] if isinstance(ours[0][k], (int, float))},
+                "mlx_lm": {
+                    k: spread([b[k] for b in theirs]) for k in theirs[0] if isinstance(theirs[0][k], (int, float))
+                },
+                "first": ["mlxpaged" if f == "a" else "mlx_lm" for _, _, f in runs],
+            }
+        )
     return rows
 
 
 def table(row: dict) -> list[str]:
     """One case's printed summary: medians over repeats and the ratio with its min-max range."""
     a, b = row["mlxpaged"], row["mlx_lm"]
-    out = [f"== {row['case']} (peer: {row['peer']}) ==",
-           f"{'metric':>16} | {'mlxpaged':>10} | {'mlx-lm':>10} | ratio median (min-max)"]
+    out = [
+        f"== {row['case']} (peer: {row['peer']}) ==",
+        f"{'metric':>16} | {'mlxpaged':>10} | {'mlx-lm':>10} | ratio median (min-max)",
+    ]
     for k in METRICS:
         r = fmt(row["ratio"][k]) if k in row["ratio"] else "-"
         out.append(f"{k:>16} | {a[k]['median']:10.2f} | {b[k]['median']:10.2f} | {r}")
-    out.append(f"mlxpaged: peak running seqs {a['running_seqs_peak']['median']:.0f}, preemptions {a['preemptions']['median']:.0f}, "
-               f"prefix-cache hit tokens {a['prefix_cache_hit_tokens']['median']:.0f}, prefill tokens computed "
-               f"{a['computed_prefill_tokens']['median']:.0f}; mlx-lm prompt-cache hit tokens {b['prompt_cache_hit_tokens']['median']:.0f}")
+    out.append(
+        f"mlxpaged: peak running seqs {a['running_seqs_peak']['median']:.0f}, preemptions {a['preemptions']['median']:.0f}, "
+        f"prefix-cache hit tokens {a['prefix_cache_hit_tokens']['median']:.0f}, prefill tokens computed "
+        f"{a['computed_prefill_tokens']['median']:.0f}; mlx-lm prompt-cache hit tokens {b['prompt_cache_hit_tokens']['median']:.0f}"
+    )
     return out

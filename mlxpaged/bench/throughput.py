@@ -61,8 +61,15 @@ def _memory_baseline() -> int:
     return mx.get_active_memory()
 
 
-def run_mlxpaged(loaded, prompts: list[list[int]], max_tokens: int, *, n: int = 1, temperature: float = 0.0,
-                 engine_kwargs: dict | None = None) -> RunResult:
+def run_mlxpaged(
+    loaded,
+    prompts: list[list[int]],
+    max_tokens: int,
+    *,
+    n: int = 1,
+    temperature: float = 0.0,
+    engine_kwargs: dict | None = None,
+) -> RunResult:
     """All prompts submitted at once to a fresh `LLMEngine` (prefix caching off unless asked); EOS ignored."""
     from ..config import EngineConfig
     from ..engine.llm_engine import LLMEngine
@@ -71,8 +78,12 @@ def run_mlxpaged(loaded, prompts: list[list[int]], max_tokens: int, *, n: int = 
     # A pool sized to the workload, as a user would set --num-blocks: peak memory is then comparable.
     bs = (engine_kwargs or {}).get("block_size", 16)
     need = sum(-(-(len(p) + max_tokens) // bs) for p in prompts) * n + 8
-    kw = {"max_num_seqs": max(64, len(prompts) * n), "num_blocks": need, "enable_prefix_caching": False,
-          **(engine_kwargs or {})}
+    kw = {
+        "max_num_seqs": max(64, len(prompts) * n),
+        "num_blocks": need,
+        "enable_prefix_caching": False,
+        **(engine_kwargs or {}),
+    }
     params = SamplingParams(n=n, temperature=temperature, seed=0, max_tokens=max_tokens, ignore_eos=True)
     base = _memory_baseline()
     start = time.perf_counter()
@@ -93,9 +104,25 @@ def run_mlxpaged(loaded, prompts: list[list[int]], max_tokens: int, *, n: int = 
     wall = time.perf_counter() - start
     ttft, itl = _latencies(first, stamps, start)
     st = engine.stats_dict()
-    return RunResult("mlxpaged", len(prompts), st["generation_tokens"], wall, ttft, itl, (mx.get_peak_memory() - base) / 1e9,
-                     {k: st[k] for k in ("blocks_in_use_peak", "blocks_without_sharing", "cow_copies", "num_blocks",
-                                         "prefix_cache_hit_tokens")})
+    return RunResult(
+        "mlxpaged",
+        len(prompts),
+        st["generation_tokens"],
+        wall,
+        ttft,
+        itl,
+        (mx.get_peak_memory() - base) / 1e9,
+        {
+            k: st[k]
+            for k in (
+                "blocks_in_use_peak",
+                "blocks_without_sharing",
+                "cow_copies",
+                "num_blocks",
+                "prefix_cache_hit_tokens",
+            )
+        },
+    )
 
 
 def prefill_prefix(model, tokens: list[int]) -> list:
@@ -120,8 +147,13 @@ def run_mlx_lm(model, prompts: list[list[int]], max_tokens: int, *, n: int = 1, 
     total = len(prompts) * n
     base = _memory_baseline()
     start = time.perf_counter()
-    gen = BatchGenerator(model, stop_tokens=[], sampler=make_sampler(temp=temperature),
-                         completion_batch_size=max(32, total), prefill_batch_size=min(8, total))
+    gen = BatchGenerator(
+        model,
+        stop_tokens=[],
+        sampler=make_sampler(temp=temperature),
+        completion_batch_size=max(32, total),
+        prefill_batch_size=min(8, total),
+    )
     if n == 1:
         uids = gen.insert(prompts, [max_tokens] * total)
     else:
@@ -139,8 +171,9 @@ def run_mlx_lm(model, prompts: list[list[int]], max_tokens: int, *, n: int = 1, 
     wall = time.perf_counter() - start
     gen.close()
     ttft, itl = _latencies(first, stamps, start)
-    return RunResult("mlx-lm", total, count, wall, ttft, itl, (mx.get_peak_memory() - base) / 1e9,
-                     {"shared_prompt_cache": n > 1})
+    return RunResult(
+        "mlx-lm", total, count, wall, ttft, itl, (mx.get_peak_memory() - base) / 1e9, {"shared_prompt_cache": n > 1}
+    )
 
 
 def parse_levels(text: str, option: str) -> list[int]:
@@ -169,23 +202,37 @@ def compare(loaded, ref, cases: list[Case], max_tokens: int, repeats: int, progr
     run_mlx_lm(ref, warm, 4)
     rows = []
     for case in cases:
-        pairs = alternate(lambda: run_mlxpaged(loaded, case.prompts, max_tokens, n=case.n, temperature=case.temperature),
-                          lambda: run_mlx_lm(ref, case.prompts, max_tokens, n=case.n, temperature=case.temperature),
-                          repeats)
+        pairs = alternate(
+            lambda: run_mlxpaged(loaded, case.prompts, max_tokens, n=case.n, temperature=case.temperature),
+            lambda: run_mlx_lm(ref, case.prompts, max_tokens, n=case.n, temperature=case.temperature),
+            repeats,
+        )
         ours, theirs = [p[0] for p in pairs], [p[1] for p in pairs]
-        rows.append({
-            "case": case.name, "requests": len(case.prompts), "n": case.n, "temperature": case.temperature,
-            "ratio_output_tps": spread([a.output_tps / b.output_tps for a, b in zip(ours, theirs)]),
-            "mlxpaged_output_tps": spread([a.output_tps for a in ours]),
-            "mlx_lm_output_tps": spread([b.output_tps for b in theirs]),
-            "ttft_ms_median": {"mlxpaged": statistics.median(a.ttft_ms_median for a in ours),
-                               "mlx_lm": statistics.median(b.ttft_ms_median for b in theirs)},
-            "itl_ms_median": {"mlxpaged": statistics.median(a.itl_ms_median for a in ours),
-                              "mlx_lm": statistics.median(b.itl_ms_median for b in theirs)},
-            "peak_memory_gb": {"mlxpaged": max(a.peak_memory_gb for a in ours), "mlx_lm": max(b.peak_memory_gb for b in theirs)},
-            "first": ["mlxpaged" if f == "a" else "mlx_lm" for _, _, f in pairs],
-            "runs": [{"mlxpaged": a.as_dict(), "mlx_lm": b.as_dict()} for a, b, _ in pairs],
-        })
+        rows.append(
+            {
+                "case": case.name,
+                "requests": len(case.prompts),
+                "n": case.n,
+                "temperature": case.temperature,
+                "ratio_output_tps": spread([a.output_tps / b.output_tps for a, b in zip(ours, theirs)]),
+                "mlxpaged_output_tps": spread([a.output_tps for a in ours]),
+                "mlx_lm_output_tps": spread([b.output_tps for b in theirs]),
+                "ttft_ms_median": {
+                    "mlxpaged": statistics.median(a.ttft_ms_median for a in ours),
+                    "mlx_lm": statistics.median(b.ttft_ms_median for b in theirs),
+                },
+                "itl_ms_median": {
+                    "mlxpaged": statistics.median(a.itl_ms_median for a in ours),
+                    "mlx_lm": statistics.median(b.itl_ms_median for b in theirs),
+                },
+                "peak_memory_gb": {
+                    "mlxpaged": max(a.peak_memory_gb for a in ours),
+                    "mlx_lm": max(b.peak_memory_gb for b in theirs),
+                },
+                "first": ["mlxpaged" if f == "a" else "mlx_lm" for _, _, f in pairs],
+                "runs": [{"mlxpaged": a.as_dict(), "mlx_lm": b.as_dict()} for a, b, _ in pairs],
+            }
+        )
         if progress:
             progress()
     return rows
@@ -193,27 +240,40 @@ def compare(loaded, ref, cases: list[Case], max_tokens: int, repeats: int, progr
 
 def table(rows: list[dict]) -> list[str]:
     """The printed summary: medians over repeats, the ratio with its min-max range."""
-    out = [f"{'case':>16} | {'mlxpaged tok/s':>14} | {'mlx-lm tok/s':>12} | {'ratio median (min-max)':>22} | "
-           f"{'TTFT ms (ours/theirs)':>21} | {'ITL ms (ours/theirs)':>20} | {'peak GB (ours/theirs)':>21}"]
+    out = [
+        f"{'case':>16} | {'mlxpaged tok/s':>14} | {'mlx-lm tok/s':>12} | {'ratio median (min-max)':>22} | "
+        f"{'TTFT ms (ours/theirs)':>21} | {'ITL ms (ours/theirs)':>20} | {'peak GB (ours/theirs)':>21}"
+    ]
     for r in rows:
         t, i, m = r["ttft_ms_median"], r["itl_ms_median"], r["peak_memory_gb"]
-        out.append(f"{r['case']:>16} | {r['mlxpaged_output_tps']['median']:14.1f} | {r['mlx_lm_output_tps']['median']:12.1f} | "
-                   f"{fmt(r['ratio_output_tps']):>22} | {t['mlxpaged']:9.0f} / {t['mlx_lm']:9.0f} | "
-                   f"{i['mlxpaged']:8.1f} / {i['mlx_lm']:8.1f} | {m['mlxpaged']:9.3f} / {m['mlx_lm']:9.3f}")
+        out.append(
+            f"{r['case']:>16} | {r['mlxpaged_output_tps']['median']:14.1f} | {r['mlx_lm_output_tps']['median']:12.1f} | "
+            f"{fmt(r['ratio_output_tps']):>22} | {t['mlxpaged']:9.0f} / {t['mlx_lm']:9.0f} | "
+            f"{i['mlxpaged']:8.1f} / {i['mlx_lm']:8.1f} | {m['mlxpaged']:9.3f} / {m['mlx_lm']:9.3f}"
+        )
     return out
 
 
-SPAN = ("clock: from before the engine / BatchGenerator is built (mlxpaged's KV pool allocation included) "
-        "to the last token, for both; prefix caching off in mlxpaged; mlx-lm's n-sample requests share one "
-        "prefilled prompt cache")
+SPAN = (
+    "clock: from before the engine / BatchGenerator is built (mlxpaged's KV pool allocation included) "
+    "to the last token, for both; prefix caching off in mlxpaged; mlx-lm's n-sample requests share one "
+    "prefilled prompt cache"
+)
 
 
-def benchmark(loaded, ref, *, levels: list[int], samples: int, temperature: float, max_tokens: int, repeats: int,
-              progress=None) -> dict:
+def benchmark(
+    loaded, ref, *, levels: list[int], samples: int, temperature: float, max_tokens: int, repeats: int, progress=None
+) -> dict:
     """The whole throughput benchmark as a JSON-ready payload (rows, settings, what was timed)."""
     from .prompts import alpaca_path, encode_chat, load_prompts
 
     prompts = encode_chat(loaded.tokenizer, load_prompts(max(levels)))
     rows = compare(loaded, ref, make_cases(prompts, levels, samples, temperature), max_tokens, repeats, progress)
-    return {"dtype": str(loaded.dtype), "max_tokens": max_tokens, "repeats": repeats,
-            "prompts": "alpaca" if alpaca_path() else "builtin", "timed_span": SPAN, "rows": rows}
+    return {
+        "dtype": str(loaded.dtype),
+        "max_tokens": max_tokens,
+        "repeats": repeats,
+        "prompts": "alpaca" if alpaca_path() else "builtin",
+        "timed_span": SPAN,
+        "rows": rows,
+    }

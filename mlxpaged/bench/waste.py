@@ -59,9 +59,9 @@ The schemes (reserved slots at every step of a request)
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 WINDOW = 2048
 """The model's context window, as in the seed design doc (vLLM's benchmark filter caps
@@ -178,9 +178,7 @@ def contiguous_row(
     return WasteRow(scheme, real / reserved, real / steps, per_req, capacity / per_req)
 
 
-def paged_row(
-    pairs: Sequence[Pair], block_size: int = BLOCK_SIZE, capacity: int = CAPACITY_SLOTS
-) -> WasteRow:
+def paged_row(pairs: Sequence[Pair], block_size: int = BLOCK_SIZE, capacity: int = CAPACITY_SLOTS) -> WasteRow:
     """Waste of a paged cache with blocks of ``block_size`` tokens on a trace."""
     if block_size < 1:
         raise ValueError("block_size must be >= 1")
@@ -191,7 +189,11 @@ def paged_row(
     reserved = blocks * block_size
     per_req = reserved / steps
     return WasteRow(
-        f"paged-{block_size}", real / reserved, real / steps, per_req, capacity / per_req,
+        f"paged-{block_size}",
+        real / reserved,
+        real / steps,
+        per_req,
+        capacity / per_req,
         blocks / steps,
     )
 

@@ -33,8 +33,12 @@ def _device() -> dict:
     info: dict = {"metal_available": metal_native()}
     if info["metal_available"]:
         try:
-            info.update({k: (v if isinstance(v, (int, float, str, bool)) else str(v))
-                         for k, v in mx.metal.device_info().items()})
+            info.update(
+                {
+                    k: (v if isinstance(v, (int, float, str, bool)) else str(v))
+                    for k, v in mx.metal.device_info().items()
+                }
+            )
         except Exception as e:  # an MLX without device_info: say so, carry on
             info["device_info_error"] = f"{type(e).__name__}: {e}"
     return info
@@ -58,9 +62,17 @@ def _checks(block_size: int) -> list[dict]:
                     error = metal.family_error(group, pool) or "; ".join(str(w.message) for w in caught)
                 except Exception as e:  # strict mode, or the emulator's own report
                     ok, error = False, metal.error_text(e)
-            rows.append(dict(dtype=dtype, group=group, head_dim=hd, block_size=block_size,
-                             variant=metal._variant(hd, block_size, group), ok=ok,
-                             error=error or None))
+            rows.append(
+                dict(
+                    dtype=dtype,
+                    group=group,
+                    head_dim=hd,
+                    block_size=block_size,
+                    variant=metal._variant(hd, block_size, group),
+                    ok=ok,
+                    error=error or None,
+                )
+            )
     return rows
 
 
@@ -69,15 +81,16 @@ def _table(gpu: bool, seqs: int, tokens: int, block_sizes) -> dict:
 
     if gpu:
         rows = kbench.gpu_rows(seqs, tokens, block_sizes)
-        return {"kind": "gpu", "note": "ms per call, 16 calls per mx.eval; ratio = paged / SDPA",
-                "rows": rows}
+        return {"kind": "gpu", "note": "ms per call, 16 calls per mx.eval; ratio = paged / SDPA", "rows": rows}
     rows = kbench.emulator_rows(seqs, tokens, block_sizes)
-    cost = [dict(model=m, **kbench.cost_model(g, hd, seqs=2, tokens=512))
-            for m, g, hd in kbench.COST_SHAPES]
-    return {"kind": "emulator",
-            "note": "no Apple GPU: kernels ran in the MSL emulator; bytes read vs the minimum "
-                    "and operation counts, no timings",
-            "rows": rows, "cost_model": cost}
+    cost = [dict(model=m, **kbench.cost_model(g, hd, seqs=2, tokens=512)) for m, g, hd in kbench.COST_SHAPES]
+    return {
+        "kind": "emulator",
+        "note": "no Apple GPU: kernels ran in the MSL emulator; bytes read vs the minimum "
+        "and operation counts, no timings",
+        "rows": rows,
+        "cost_model": cost,
+    }
 
 
 def _planning() -> dict:
@@ -94,12 +107,16 @@ def _planning() -> dict:
     parts = {}
     for label, bits in (("float16", None), ("4-bit", 4)):
         row = row_bytes(64, bits, 32, mx.float16)
-        parts[label] = {ctx: metal.plan_partition_tokens(1, 2, ctx // 16, 16, group=7, head_dim=64,
-                                                         kv_row_bytes=row, device=info)
-                        for ctx in (1024, 4096, 32768)}
-    return {"gpu_cores": cores, "from_device_info": bool(info),
-            "threadgroup_target": cores * metal.THREADGROUPS_PER_CORE,
-            "partition_tokens_one_sequence": parts}
+        parts[label] = {
+            ctx: metal.plan_partition_tokens(1, 2, ctx // 16, 16, group=7, head_dim=64, kv_row_bytes=row, device=info)
+            for ctx in (1024, 4096, 32768)
+        }
+    return {
+        "gpu_cores": cores,
+        "from_device_info": bool(info),
+        "threadgroup_target": cores * metal.THREADGROUPS_PER_CORE,
+        "partition_tokens_one_sequence": parts,
+    }
 
 
 def collect(seqs: int | None = None, tokens: int | None = None, block_sizes=(16,)) -> dict:
@@ -128,30 +145,48 @@ def collect(seqs: int | None = None, tokens: int | None = None, block_sizes=(16,
 
 
 @click.command()
-@click.option("--out", "out_path", default="mlxpaged-doctor.json", show_default=True,
-              type=click.Path(dir_okay=False), help="Where to write the JSON report.")
+@click.option(
+    "--out",
+    "out_path",
+    default="mlxpaged-doctor.json",
+    show_default=True,
+    type=click.Path(dir_okay=False),
+    help="Where to write the JSON report.",
+)
 @click.option("--seqs", type=int, default=None, help="Kernel table: sequences (default 8 on a GPU, 2 emulated).")
-@click.option("--tokens", type=int, default=None, help="Kernel table: tokens each (default 2048 on a GPU, 256 emulated).")
-@click.option("--block-size", "block_sizes", type=int, multiple=True, default=(16,), show_default=True,
-              help="Kernel table block sizes; repeatable.")
+@click.option(
+    "--tokens", type=int, default=None, help="Kernel table: tokens each (default 2048 on a GPU, 256 emulated)."
+)
+@click.option(
+    "--block-size",
+    "block_sizes",
+    type=int,
+    multiple=True,
+    default=(16,),
+    show_default=True,
+    help="Kernel table block sizes; repeatable.",
+)
 def doctor(out_path, seqs, tokens, block_sizes):
     """Check the Metal kernels on this machine and write a report to attach to a bug report."""
     if seqs is not None and seqs < 1 or tokens is not None and tokens < 1:
         raise click.UsageError("--seqs and --tokens must be positive")
     report = collect(seqs, tokens, block_sizes)
     click.echo(f"MLX {report['mlx_version']} on {report['platform']}")
-    click.echo(f"kernels run on: {report['kernels_run_on']}; impl='auto' picks "
-               f"{report['attention_impl_auto']}")
+    click.echo(f"kernels run on: {report['kernels_run_on']}; impl='auto' picks {report['attention_impl_auto']}")
     dev = report["device"]
     if dev.get("metal_available"):
         click.echo("device: " + ", ".join(f"{k}={v}" for k, v in dev.items() if k != "metal_available"))
     plan = report["split_planning"]
-    click.echo(f"split planning: {plan['gpu_cores']} GPU cores "
-               f"({'from device_info' if plan['from_device_info'] else 'default: no device info'}), "
-               f"target {plan['threadgroup_target']} threadgroups; partition tokens for one "
-               f"sequence (0: single pass): " + "; ".join(
-                   f"{kv} " + ", ".join(f"{ctx}: {p}" for ctx, p in ps.items())
-                   for kv, ps in plan["partition_tokens_one_sequence"].items()))
+    click.echo(
+        f"split planning: {plan['gpu_cores']} GPU cores "
+        f"({'from device_info' if plan['from_device_info'] else 'default: no device info'}), "
+        f"target {plan['threadgroup_target']} threadgroups; partition tokens for one "
+        f"sequence (0: single pass): "
+        + "; ".join(
+            f"{kv} " + ", ".join(f"{ctx}: {p}" for ctx, p in ps.items())
+            for kv, ps in plan["partition_tokens_one_sequence"].items()
+        )
+    )
     failed = [c for c in report["checks"] if not c["ok"]]
     click.echo(f"kernel checks: {len(report['checks']) - len(failed)}/{len(report['checks'])} passed")
     for c in failed:
@@ -164,18 +199,24 @@ def doctor(out_path, seqs, tokens, block_sizes):
     for r in table["rows"]:
         layout = "scattered" if r["scattered"] else "in order"
         if table["kind"] == "gpu":
-            click.echo(f"  block {r['block_size']:>3} {layout:>9}: paged {r['paged_ms']:.3f} ms, "
-                       f"SDPA {r['sdpa_ms']:.3f} ms, ratio {r['paged_over_sdpa']:.2f}, "
-                       f"{r['paged_gb_s']:.0f} GB/s")
+            click.echo(
+                f"  block {r['block_size']:>3} {layout:>9}: paged {r['paged_ms']:.3f} ms, "
+                f"SDPA {r['sdpa_ms']:.3f} ms, ratio {r['paged_over_sdpa']:.2f}, "
+                f"{r['paged_gb_s']:.0f} GB/s"
+            )
         else:
-            click.echo(f"  block {r['block_size']:>3} {layout:>9}: bytes read {r['ratio']:.4f} x "
-                       f"the minimum, max error {r['max_error']:.2g}")
+            click.echo(
+                f"  block {r['block_size']:>3} {layout:>9}: bytes read {r['ratio']:.4f} x "
+                f"the minimum, max error {r['max_error']:.2g}"
+            )
     for c in table.get("cost_model", []):
-        click.echo(f"  cost {c['model']} (G={c['group']}, head_dim {c['head_dim']}): "
-                   f"{c['exp_per_token_head']:.2f} exp per token per query head, "
-                   f"{c['simd_reductions_per_token']:.2f} SIMD reductions and "
-                   f"{c['simd_shuffles_per_token']:.2f} shuffles per token, "
-                   f"{c['loop_barriers_per_256_tokens']:.2f} loop barriers per 256 tokens")
+        click.echo(
+            f"  cost {c['model']} (G={c['group']}, head_dim {c['head_dim']}): "
+            f"{c['exp_per_token_head']:.2f} exp per token per query head, "
+            f"{c['simd_reductions_per_token']:.2f} SIMD reductions and "
+            f"{c['simd_shuffles_per_token']:.2f} shuffles per token, "
+            f"{c['loop_barriers_per_256_tokens']:.2f} loop barriers per 256 tokens"
+        )
     with open(out_path, "w") as f:
         json.dump(report, f, indent=1, default=str)
     click.echo(f"report written to {out_path}")

@@ -9,10 +9,10 @@ import sys
 
 import click
 
-from .options import engine_config, model_and_engine_options
-from ..errors import MlxPagedError
 from ..engine.guided import GuidedDecoding
 from ..engine.sampling_params import SamplingParams
+from ..errors import MlxPagedError
+from .options import engine_config, model_and_engine_options
 
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -38,15 +38,17 @@ def _read_prompts_file(path: str) -> list[tuple[str, dict]]:
             except json.JSONDecodeError as e:
                 raise MlxPagedError(f"{path}:{i}: invalid JSON ({e.msg})") from None
             if not isinstance(obj.get("prompt"), str):
-                raise MlxPagedError(f"{path}:{i}: a JSON line needs a string \"prompt\"")
+                raise MlxPagedError(f'{path}:{i}: a JSON line needs a string "prompt"')
             unknown = set(obj) - SAMPLING_FIELDS - {"prompt"}
             if unknown:
                 raise MlxPagedError(f"{path}:{i}: unknown fields {sorted(unknown)}")
-            if isinstance(obj.get("guided"), dict):  # {"json_schema": {...}} or {"json_object": true} or {"grammar": "..."}
+            if isinstance(
+                obj.get("guided"), dict
+            ):  # {"json_schema": {...}} or {"json_object": true} or {"grammar": "..."}
                 try:
                     obj["guided"] = GuidedDecoding(**obj["guided"])
                 except (TypeError, ValueError) as e:
-                    raise MlxPagedError(f"{path}:{i}: bad \"guided\": {e}") from None
+                    raise MlxPagedError(f'{path}:{i}: bad "guided": {e}') from None
             items.append((obj.pop("prompt"), obj))
         else:
             items.append((line.replace("\\n", "\n"), {}))
@@ -97,28 +99,96 @@ def main():
 @main.command()
 @model_and_engine_options("what the prompts, -n and --max-tokens can use, capped by free memory")
 @click.option("--prompt", "-p", "prompts", multiple=True, help="A prompt; repeat for a batch. '-' reads stdin.")
-@click.option("--prompts-file", type=click.Path(dir_okay=False), help="One prompt per line, or JSONL with \"prompt\" and sampling fields.")
+@click.option(
+    "--prompts-file",
+    type=click.Path(dir_okay=False),
+    help='One prompt per line, or JSONL with "prompt" and sampling fields.',
+)
 @click.option("-n", "n", default=1, show_default=True, help="Samples per prompt (share the prompt's blocks).")
 @click.option("--max-tokens", "-t", default=256, show_default=True, help="Tokens to generate at most.")
 @click.option("--temp", default=0.0, show_default=True, help="Sampling temperature (0 = greedy).")
 @click.option("--top-p", default=1.0, show_default=True)
 @click.option("--top-k", default=0, show_default=True, help="0 disables.")
-@click.option("--seed", default=0, show_default=True, help="Seed of each prompt; sample i draws from its own stream derived from (seed, i).")
-@click.option("--min-p", default=0.0, show_default=True, help="Drop tokens less likely than min_p times the most likely one (0 disables).")
-@click.option("--logit-bias", multiple=True, metavar="TOKEN_ID=BIAS", help="Add BIAS in [-100, 100] to a token's logit (100 forces, -100 bans); repeatable.")
-@click.option("--presence-penalty", default=0.0, show_default=True, help="OpenAI's, in [-2, 2]: subtracted once from each token already generated.")
-@click.option("--frequency-penalty", default=0.0, show_default=True, help="OpenAI's, in [-2, 2]: subtracted per occurrence of each generated token.")
-@click.option("--repetition-penalty", default=1.0, show_default=True, help="HF's, > 0: divides positive (multiplies negative) logits of prompt and generated tokens (1 disables).")
-@click.option("--json-schema", "json_schema", type=click.Path(dir_okay=False), help="A JSON schema file every completion must follow (grammar-constrained decoding).")
+@click.option(
+    "--seed",
+    default=0,
+    show_default=True,
+    help="Seed of each prompt; sample i draws from its own stream derived from (seed, i).",
+)
+@click.option(
+    "--min-p",
+    default=0.0,
+    show_default=True,
+    help="Drop tokens less likely than min_p times the most likely one (0 disables).",
+)
+@click.option(
+    "--logit-bias",
+    multiple=True,
+    metavar="TOKEN_ID=BIAS",
+    help="Add BIAS in [-100, 100] to a token's logit (100 forces, -100 bans); repeatable.",
+)
+@click.option(
+    "--presence-penalty",
+    default=0.0,
+    show_default=True,
+    help="OpenAI's, in [-2, 2]: subtracted once from each token already generated.",
+)
+@click.option(
+    "--frequency-penalty",
+    default=0.0,
+    show_default=True,
+    help="OpenAI's, in [-2, 2]: subtracted per occurrence of each generated token.",
+)
+@click.option(
+    "--repetition-penalty",
+    default=1.0,
+    show_default=True,
+    help="HF's, > 0: divides positive (multiplies negative) logits of prompt and generated tokens (1 disables).",
+)
+@click.option(
+    "--json-schema",
+    "json_schema",
+    type=click.Path(dir_okay=False),
+    help="A JSON schema file every completion must follow (grammar-constrained decoding).",
+)
 @click.option("--stop", multiple=True, help="A stop string; repeatable.")
-@click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap each prompt in the model's chat template.")
+@click.option(
+    "--chat/--no-chat", default=True, show_default=True, help="Wrap each prompt in the model's chat template."
+)
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS (benchmarks).")
-@click.option("--beam-width", default=0, show_default=True, help="Beam search with this many beams on shared blocks (0: sample).")
-@click.option("--length-penalty", default=1.0, show_default=True, help="Beam score = cumulative logprob / length ** this.")
+@click.option(
+    "--beam-width", default=0, show_default=True, help="Beam search with this many beams on shared blocks (0: sample)."
+)
+@click.option(
+    "--length-penalty", default=1.0, show_default=True, help="Beam score = cumulative logprob / length ** this."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with outputs and stats.")
-def generate(model, dtype, weights, prompts, prompts_file, n, max_tokens, temp, top_p, top_k, seed, min_p, logit_bias,
-             presence_penalty, frequency_penalty, repetition_penalty, json_schema, stop, chat,
-             ignore_eos, beam_width, length_penalty, as_json, **engine_flags):
+def generate(
+    model,
+    dtype,
+    weights,
+    prompts,
+    prompts_file,
+    n,
+    max_tokens,
+    temp,
+    top_p,
+    top_k,
+    seed,
+    min_p,
+    logit_bias,
+    presence_penalty,
+    frequency_penalty,
+    repetition_penalty,
+    json_schema,
+    stop,
+    chat,
+    ignore_eos,
+    beam_width,
+    length_penalty,
+    as_json,
+    **engine_flags,
+):
     """Generate completions for one or more prompts on a paged KV cache."""
     try:
         items = [(sys.stdin.read() if p == "-" else p, {}) for p in prompts]
@@ -126,17 +196,33 @@ def generate(model, dtype, weights, prompts, prompts_file, n, max_tokens, temp, 
             items += _read_prompts_file(prompts_file)
         if not items:
             raise MlxPagedError("no prompt: give --prompt TEXT (repeatable) or --prompts-file FILE")
-        base = dict(n=n, max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, seed=seed,
-                    stop=list(stop), ignore_eos=ignore_eos, min_p=min_p, logit_bias=_parse_logit_bias(logit_bias),
-                    presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                    repetition_penalty=repetition_penalty,
-                    guided=GuidedDecoding(json_schema=_read_json_schema(json_schema)) if json_schema else None)
+        base = dict(
+            n=n,
+            max_tokens=max_tokens,
+            temperature=temp,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=list(stop),
+            ignore_eos=ignore_eos,
+            min_p=min_p,
+            logit_bias=_parse_logit_bias(logit_bias),
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            guided=GuidedDecoding(json_schema=_read_json_schema(json_schema)) if json_schema else None,
+        )
         params = [SamplingParams(**{**base, **extra}) for _, extra in items]
         beam = None
         if beam_width:
-            knobs = {"--min-p": min_p != 0, "--logit-bias": bool(logit_bias), "--presence-penalty": presence_penalty != 0,
-                     "--frequency-penalty": frequency_penalty != 0, "--repetition-penalty": repetition_penalty != 1,
-                     "--json-schema": bool(json_schema)}
+            knobs = {
+                "--min-p": min_p != 0,
+                "--logit-bias": bool(logit_bias),
+                "--presence-penalty": presence_penalty != 0,
+                "--frequency-penalty": frequency_penalty != 0,
+                "--repetition-penalty": repetition_penalty != 1,
+                "--json-schema": bool(json_schema),
+            }
             if any(knobs.values()):
                 raise MlxPagedError(f"{', '.join(k for k, v in knobs.items() if v)} cannot be used with --beam-width")
             from ..engine.beam_search import BeamSearchParams
@@ -176,10 +262,18 @@ def generate(model, dtype, weights, prompts, prompts_file, n, max_tokens, temp, 
     stats = engine.stats_dict()
     if as_json:
         outputs = [
-            {"prompt_index": i, "sample_index": c.index, "text": c.text, "token_ids": c.token_ids,
-             "finish_reason": c.finish_reason, "num_cached_tokens": done[r].num_cached_tokens,
-             **({"cumulative_logprob": c.cumulative_logprob, "score": c.score} if beam is not None else {})}
-            for i, r in enumerate(rids) if r in done for c in done[r].outputs
+            {
+                "prompt_index": i,
+                "sample_index": c.index,
+                "text": c.text,
+                "token_ids": c.token_ids,
+                "finish_reason": c.finish_reason,
+                "num_cached_tokens": done[r].num_cached_tokens,
+                **({"cumulative_logprob": c.cumulative_logprob, "score": c.score} if beam is not None else {}),
+            }
+            for i, r in enumerate(rids)
+            if r in done
+            for c in done[r].outputs
         ]
         click.echo(json.dumps({"outputs": outputs, "stats": stats}))
     else:
@@ -232,20 +326,26 @@ def _summary(s: dict) -> None:
     click.echo(f"Prompt: {s['prompt_tokens']} tokens, {s['prompt_tps']:.1f} tokens-per-sec")
     click.echo(f"Generation: {s['generation_tokens']} tokens, {s['generation_tps']:.1f} tokens-per-sec")
     kv = f"{s['kv_bits']}-bit K/V, group {s['kv_group_size']}" if s.get("kv_bits") else "K/V in the model's dtype"
-    click.echo(f"Peak memory: {s['peak_memory_gb']:.3f} GB (KV pool: {s['num_blocks']} blocks of "
-               f"{s['block_size']} tokens, {kv}, {s['pool_gb']:.3f} GB)")
+    click.echo(
+        f"Peak memory: {s['peak_memory_gb']:.3f} GB (KV pool: {s['num_blocks']} blocks of "
+        f"{s['block_size']} tokens, {kv}, {s['pool_gb']:.3f} GB)"
+    )
     forks = f", {s['beam_forks']} beam forks, {s['beam_frees']} beams freed" if s["beam_forks"] else ""
     click.echo(
         f"KV blocks: {s['blocks_in_use_peak']} in use at peak (without sharing: {s['blocks_without_sharing']}), "
         f"{s['cow_copies']} copy-on-write copies{forks}, block size {s['block_size']}, pool {s['num_blocks']}"
     )
     if s.get("speculative"):
-        click.echo(f"Speculative decoding: {s['spec_accepted_tokens']} of {s['spec_proposed_tokens']} proposed tokens "
-                   f"accepted ({100 * s['spec_acceptance_rate']:.1f}%), "
-                   f"mean accepted length {s['spec_mean_accepted_length']:.2f}")
+        click.echo(
+            f"Speculative decoding: {s['spec_accepted_tokens']} of {s['spec_proposed_tokens']} proposed tokens "
+            f"accepted ({100 * s['spec_acceptance_rate']:.1f}%), "
+            f"mean accepted length {s['spec_mean_accepted_length']:.2f}"
+        )
     if s["prefix_cache_hit_tokens"] or s["preemptions"]:
         disk = f" ({s['prefix_cache_disk_hit_tokens']} from disk)" if s.get("prefix_cache_disk_hit_tokens") else ""
-        click.echo(f"Prefix cache: {s['prefix_cache_hit_tokens']} prompt tokens reused{disk}; preemptions: {s['preemptions']}")
+        click.echo(
+            f"Prefix cache: {s['prefix_cache_hit_tokens']} prompt tokens reused{disk}; preemptions: {s['preemptions']}"
+        )
 
 
 def _add_bench() -> None:

@@ -15,13 +15,14 @@ lists the newly named blocks it wants (`to_store`) for the engine to hand over.
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
+from ..utils import cdiv
 from .block_pool import BlockPool
 from .sequence import Sequence
-from ..utils import cdiv
 
 HashFn = Callable[[bytes | None, tuple[int, ...], bytes], bytes]
 

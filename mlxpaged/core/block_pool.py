@@ -13,8 +13,8 @@ Invariants (checked by `BlockPool.check()` and the property tests):
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 # (new number of blocks, (src, dst) block copies to apply first): resizes the KV pools to match.
 ResizeFn = Callable[[int, list[tuple[int, int]]], None]
@@ -63,7 +63,12 @@ class BlockPool:
         free block, and `trim()` back to its present size; `resize` makes the KV pools match."""
         if max_blocks < self.num_blocks or chunk_blocks < 1:
             raise ValueError(f"cannot grow {self.num_blocks} blocks to {max_blocks} by {chunk_blocks}")
-        self.max_blocks, self.min_blocks, self.chunk_blocks, self._resize = max_blocks, self.num_blocks, chunk_blocks, resize
+        self.max_blocks, self.min_blocks, self.chunk_blocks, self._resize = (
+            max_blocks,
+            self.num_blocks,
+            chunk_blocks,
+            resize,
+        )
 
     def _grow(self) -> bool:
         new = min(self.max_blocks, self.num_blocks + self.chunk_blocks)
@@ -87,7 +92,7 @@ class BlockPool:
         cached = [b for b in self.free_queue.values() if b.block_hash is not None]  # LRU order
         for b in cached[: max(0, len(cached) - self.min_blocks)]:
             self._uncache(b)
-        kept = cached[max(0, len(cached) - self.min_blocks):]
+        kept = cached[max(0, len(cached) - self.min_blocks) :]
         new = self.min_blocks
         movers = [b for b in kept if b.block_id >= new]
         spare = (b for b in self.blocks[:new] if b.block_hash is None)

@@ -26,11 +26,12 @@ preemption takes from its end; FINISHED ones are in neither.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
-from .block_manager import BlockManager
 from ..config import EngineConfig
+from .block_manager import BlockManager
 from .sequence import FinishReason, PendingToken, Request, RequestStatus, Sequence
 from .spec_policy import SpecState
 
@@ -80,8 +81,11 @@ class SchedulerOutput:
     def batch(self) -> list[tuple[Sequence, int]]:
         """(sequence, new tokens) in the order of the step's one forward pass: decodes, prefill chunks,
         then speculating rows (last, so the other rows keep their logits row = their index)."""
-        return ([(s, 1) for _, s in self.decodes] + [(c.seq, c.num_tokens) for c in self.prefills]
-                + [(d.seq, 1 + len(d.proposal)) for d in self.spec])
+        return (
+            [(s, 1) for _, s in self.decodes]
+            + [(c.seq, c.num_tokens) for c in self.prefills]
+            + [(d.seq, 1 + len(d.proposal)) for d in self.spec]
+        )
 
     def spec_tokens(self) -> dict[int, list[int]]:
         """The proposals by index in `batch()`: the runner feeds them after the row's last token."""
@@ -99,8 +103,12 @@ class SampleRow:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager,
-                 proposer: Callable[[list[int], int], list[int]] | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        proposer: Callable[[list[int], int], list[int]] | None = None,
+    ):
         self.config = config
         self.bm = block_manager
         self.proposer = proposer  # speculative decoding: (token_ids, k) -> up to k proposed tokens
@@ -140,8 +148,12 @@ class Scheduler:
                 break
             if req.status is RequestStatus.RUNNING:
                 budget = self._schedule_prefill(req, budget, out)
-        while (self.waiting and budget > 0 and self._can_admit(self.waiting[0])
-               and not self._prefix_in_flight(self.waiting[0])):
+        while (
+            self.waiting
+            and budget > 0
+            and self._can_admit(self.waiting[0])
+            and not self._prefix_in_flight(self.waiting[0])
+        ):
             req = self.waiting.popleft()
             self._admit(req, out)
             budget = self._schedule_prefill(req, budget, out)
@@ -159,8 +171,14 @@ class Scheduler:
         processed with their own history or grammar (penalties, logit_bias, min_p, guided): their
         K+1 positions would each need the proposals before them as generated tokens."""
         p = req.params
-        return (req.beam is None and p.speculative and not p.has_penalties and not p.logit_bias
-                and p.min_p == 0 and p.guided is None)
+        return (
+            req.beam is None
+            and p.speculative
+            and not p.has_penalties
+            and not p.logit_bias
+            and p.min_p == 0
+            and p.guided is None
+        )
 
     def _schedule_spec(self, req: Request, seq: Sequence, out: SchedulerOutput) -> bool:
         """Schedule `seq`'s decode as a speculating row if it has proposals and the pool has room
@@ -195,13 +213,25 @@ class Scheduler:
     def _may_speculate_next(self, out: SchedulerOutput) -> bool:
         """Whether a sequence computed in `out` may speculate in the next step, which then needs
         this step's tokens before it is scheduled (the engine reads the step back at once)."""
-        reqs = ([r for r, _ in out.decodes] + [d.request for d in out.spec]
-                + [c.request for c in out.prefills if c.sample])
-        return any(self._speculates(r, s) and (s.spec is None or s.spec.skip == 0)
-                   for r in dict.fromkeys(reqs) for s in r.live_seqs())
+        reqs = (
+            [r for r, _ in out.decodes] + [d.request for d in out.spec] + [c.request for c in out.prefills if c.sample]
+        )
+        return any(
+            self._speculates(r, s) and (s.spec is None or s.spec.skip == 0)
+            for r in dict.fromkeys(reqs)
+            for s in r.live_seqs()
+        )
 
-    def update_from_spec(self, req: Request, seq: Sequence, spec: SpecDecode, tokens: list[int], logprobs: list,
-                         rng_key, check_stop: Callable[[Request, Sequence, int], FinishReason | None]) -> int:
+    def update_from_spec(
+        self,
+        req: Request,
+        seq: Sequence,
+        spec: SpecDecode,
+        tokens: list[int],
+        logprobs: list,
+        rng_key,
+        check_stop: Callable[[Request, Sequence, int], FinishReason | None],
+    ) -> int:
         """Carry out a verified speculating row: `tokens` are the accepted proposals and the target's
         next token (len = accepted + 1), appended with the stop checks token by token (a stop ends
         the sample there). The row wrote KV for its last token and every proposal; the slots past
@@ -346,11 +376,15 @@ class Scheduler:
             if not chunk.sample:
                 continue
             req = chunk.request
-            completes = not req.prompt_prefilled and chunk.seq.num_computed_tokens + chunk.num_tokens >= req.prefill_target()
+            completes = (
+                not req.prompt_prefilled and chunk.seq.num_computed_tokens + chunk.num_tokens >= req.prefill_target()
+            )
             rows.append(SampleRow(req, req.live_seqs() if completes else [chunk.seq], i))
         return rows
 
-    def update_from_forward(self, out: SchedulerOutput, pending: list[tuple[Sequence, PendingToken]] = ()) -> list[SampleRow]:
+    def update_from_forward(
+        self, out: SchedulerOutput, pending: list[tuple[Sequence, PendingToken]] = ()
+    ) -> list[SampleRow]:
         """Record that the scheduled tokens were computed; say who samples from which logits row.
 
         Full blocks are named (prefix cache): every token they hold is known by now, since the
@@ -382,8 +416,14 @@ class Scheduler:
                 seq.pending = p
         return [r for r in rows if not r.request.finished]
 
-    def update_from_output(self, step: int, pairs: list[tuple[Request, Sequence]], tokens: list[int], logprobs: list,
-                           check_stop: Callable[[Request, Sequence, int], FinishReason | None]) -> list[Request]:
+    def update_from_output(
+        self,
+        step: int,
+        pairs: list[tuple[Request, Sequence]],
+        tokens: list[int],
+        logprobs: list,
+        check_stop: Callable[[Request, Sequence, int], FinishReason | None],
+    ) -> list[Request]:
         """Append the read-back tokens of step `step` (`pairs[j]` drew `tokens[j]`) and apply each one's
         stop decision; returns the request of every appended token (so its length counts them).
 

@@ -21,9 +21,9 @@ if TYPE_CHECKING:  # core imports no MLX: pending tokens and keys are only held 
     import mlx.core as mx
 
     from ..engine.beam_search import BeamState
+    from ..engine.sampling_params import SamplingParams
     from .block_pool import Block
     from .spec_policy import SpecState
-    from ..engine.sampling_params import SamplingParams
 
 
 class FinishReason(str, enum.Enum):
@@ -69,7 +69,7 @@ class Sequence:
     token_ids: list[int]
     num_prompt_tokens: int
     sample_index: int = 0
-    block_table: list["Block"] = field(default_factory=list)
+    block_table: list[Block] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_computed_tokens: int = 0
     rng_key: mx.array | None = None
@@ -82,7 +82,7 @@ class Sequence:
     # guided decoding (engine/guided.py): the grammar's state after the known output tokens; it
     # advances where a token is appended, so a dropped pending token never reaches it
     matcher: object = None
-    spec: "SpecState | None" = None  # speculative decoding: K and back-off (core/spec_policy.py)
+    spec: SpecState | None = None  # speculative decoding: K and back-off (core/spec_policy.py)
 
     @property
     def num_tokens(self) -> int:
@@ -98,7 +98,7 @@ class Sequence:
         """Generated tokens whose value is known (the pending one is not counted)."""
         return len(self.token_ids) - self.num_prompt_tokens
 
-    def current_key(self) -> "mx.array | tuple[mx.array, int] | None":
+    def current_key(self) -> mx.array | tuple[mx.array, int] | None:
         """The key the next draw starts from: its own, or a row of the pending step's keys."""
         if self.pending is not None and self.pending.keys is not None:
             return (self.pending.keys, self.pending.key_row)
@@ -129,14 +129,14 @@ class Request:
 
     request_id: str
     prompt_token_ids: list[int]
-    params: "SamplingParams"
+    params: SamplingParams
     seqs: list[Sequence]
     prompt_text: str | None = None
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the first admission
     status: RequestStatus = RequestStatus.WAITING
     prompt_prefilled: bool = False
     num_preemptions: int = 0
-    beam: "BeamState | None" = None  # set for a beam-search request: its beams are `seqs`
+    beam: BeamState | None = None  # set for a beam-search request: its beams are `seqs`
 
     @property
     def max_live_seqs(self) -> int:

@@ -28,7 +28,6 @@ import numpy as np
 from ..errors import MlxPagedError
 
 
-
 class RankFailure(MlxPagedError):
     """Another rank died, hung, diverged or disagrees: this rank cannot go on."""
 
@@ -62,7 +61,9 @@ def collective(fn, *args, group):
         return out
     except RuntimeError as e:
         if peer_lost(e):
-            raise RankFailure(f"rank {group.rank()}: lost the connection to another rank ({str(e).splitlines()[0]})") from None
+            raise RankFailure(
+                f"rank {group.rank()}: lost the connection to another rank ({str(e).splitlines()[0]})"
+            ) from None
         raise
 
 
@@ -125,7 +126,9 @@ def check_same_everywhere(group: mx.distributed.Group, parts: dict[str, object])
     for r in range(1, group.size()):
         for i, name in enumerate(names):
             if not np.array_equal(every[r, i], every[0, i]):
-                raise RankFailure(f"rank {r} and rank 0 have different {name}: every rank must run the same checkpoint and settings")
+                raise RankFailure(
+                    f"rank {r} and rank 0 have different {name}: every rank must run the same checkpoint and settings"
+                )
 
 
 # -- the watchdog ---------------------------------------------------------------------------------------
@@ -154,7 +157,9 @@ class Watchdog:
             time.sleep(min(0.25, self.timeout / 4))
             d = self._deadline
             if d is not None and time.monotonic() > d:
-                sys.stderr.write(f"error: rank {self.rank}: no answer from the other ranks for {self.timeout:g} s "
-                                 f"during {self._what} (a rank died or hung); exiting\n")
+                sys.stderr.write(
+                    f"error: rank {self.rank}: no answer from the other ranks for {self.timeout:g} s "
+                    f"during {self._what} (a rank died or hung); exiting\n"
+                )
                 sys.stderr.flush()
                 os._exit(1)

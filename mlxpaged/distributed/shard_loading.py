@@ -17,8 +17,17 @@ from ..loading.loader import DTYPES, WEIGHTS, LoadedModel, default_dtype, defaul
 from .collectives import barrier
 from .sharding import check_shardable, shard_axis, shard_model
 
-_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "U32": "uint32", "I32": "int32",
-              "U8": "uint8", "I8": "int8", "I64": "int64", "U16": "uint16"}
+_ST_DTYPES = {
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "U32": "uint32",
+    "I32": "int32",
+    "U8": "uint8",
+    "I8": "int8",
+    "I64": "int64",
+    "U16": "uint16",
+}
 
 
 def _safetensors_index(path: Path) -> dict[str, tuple[Path, int, dict]]:
@@ -45,7 +54,9 @@ def _read_slice(file: Path, start: int, entry: dict, axis: int | None, rank: int
         raise MlxPagedError(f"{file}: unsupported safetensors dtype {entry['dtype']}")
     shape, (b, e) = tuple(entry["shape"]), entry["data_offsets"]
     np_kind = "uint16" if kind == "bfloat16" else kind  # numpy has no bfloat16: read the bits
-    full = np.memmap(file, dtype=np_kind, mode="r", offset=start + b, shape=shape) if e > b else np.zeros(shape, np_kind)
+    full = (
+        np.memmap(file, dtype=np_kind, mode="r", offset=start + b, shape=shape) if e > b else np.zeros(shape, np_kind)
+    )
     if axis is not None:
         size = shape[axis]
         if size % world:
@@ -93,12 +104,21 @@ def load_shard(model: str | None, dtype: str | None, weights: str | None, group)
     quant = config.get("quantization")
     if quant:
         if explicit and weights == "float":
-            raise MlxPagedError(f"{path} holds quantized weights; tensor parallelism loads them as stored (drop --weights float)")
+            raise MlxPagedError(
+                f"{path} holds quantized weights; tensor parallelism loads them as stored (drop --weights float)"
+            )
         per_layer = {k: v for k, v in quant.items() if isinstance(v, dict)}
-        nn.quantize(net, group_size=quant["group_size"], bits=quant["bits"], mode=quant.get("mode", "affine"),
-                    class_predicate=lambda p, m: per_layer.get(p, f"{p}.scales" in index))
+        nn.quantize(
+            net,
+            group_size=quant["group_size"],
+            bits=quant["bits"],
+            mode=quant.get("mode", "affine"),
+            class_predicate=lambda p, m: per_layer.get(p, f"{p}.scales" in index),
+        )
     elif explicit and weights == "quantized":
-        raise MlxPagedError(f"--weights quantized needs a GGUF file or a quantized MLX checkpoint; {path} holds float weights")
+        raise MlxPagedError(
+            f"--weights quantized needs a GGUF file or a quantized MLX checkpoint; {path} holds float weights"
+        )
     shard_model(net, group)
     dt = default_dtype(config) if dtype in (None, "auto") else DTYPES[dtype]
 

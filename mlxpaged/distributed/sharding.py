@@ -60,11 +60,16 @@ def _shardable_here(model: nn.Module) -> bool:
     """Every block has the projections `COLUMN` and `ROW` name (so the split above applies), and
     no q/k norm spans all heads (olmo2's would need the heads of every rank)."""
     hd = model.args.head_dim
-    return all(all(hasattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-               and all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
-               and all(getattr(layer.self_attn, n).weight.shape[-1] == hd
-                       for n in ("q_norm", "k_norm") if hasattr(layer.self_attn, n))
-               for layer in model.layers)
+    return all(
+        all(hasattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        and all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
+        and all(
+            getattr(layer.self_attn, n).weight.shape[-1] == hd
+            for n in ("q_norm", "k_norm")
+            if hasattr(layer.self_attn, n)
+        )
+        for layer in model.layers
+    )
 
 
 def shard_model(model: nn.Module, group: mx.distributed.Group) -> nn.Module:
@@ -78,9 +83,11 @@ def shard_model(model: nn.Module, group: mx.distributed.Group) -> nn.Module:
     args = model.args
     check_shardable(vars(args), world)
     if not _shardable_here(model):
-        raise MlxPagedError(f"tensor parallelism does not support model_type {args.model_type!r} "
-                            "(its layers lack separate q/k/v/o and gate/up/down projections, or norm all heads "
-                            "together); run it on one process")
+        raise MlxPagedError(
+            f"tensor parallelism does not support model_type {args.model_type!r} "
+            "(its layers lack separate q/k/v/o and gate/up/down projections, or norm all heads "
+            "together); run it on one process"
+        )
     if hasattr(type(model), "shard"):  # mlx-lm's own split (the same one, see the module docstring)
         model.shard(group)
     else:

@@ -10,12 +10,20 @@ import random
 import mlx.core as mx
 import numpy as np
 
-from ..engine.llm_engine import LLMEngine
 from .. import settings
+from ..engine.llm_engine import LLMEngine
 from ..errors import StepError
 from ..worker.kv_cache import pool_blocks
-from .collectives import (RankFailure, Watchdog, agree_min, broadcast_int, check_same_everywhere, collective, peer_lost,
-                          weights_identity)
+from .collectives import (
+    RankFailure,
+    Watchdog,
+    agree_min,
+    broadcast_int,
+    check_same_everywhere,
+    collective,
+    peer_lost,
+    weights_identity,
+)
 
 
 # -- the engine ---------------------------------------------------------------------------------------
@@ -26,8 +34,7 @@ class TPEngine(LLMEngine):
     the rank (the others would otherwise wait forever in the next all_sum).
     """
 
-    def __init__(self, loaded, config, group: mx.distributed.Group, *, seed: int,
-                 timeout: float, check_every: int):
+    def __init__(self, loaded, config, group: mx.distributed.Group, *, seed: int, timeout: float, check_every: int):
         super().__init__(loaded, config)
         self.group = group
         self.rank = group.rank()
@@ -57,9 +64,13 @@ class TPEngine(LLMEngine):
         except StepError as e:
             cause = e.__cause__
             if peer_lost(cause):
-                raise RankFailure(f"rank {self.rank}: lost the connection to another rank during step {self.stats.steps} "
-                                  f"({str(cause).splitlines()[0]})") from None
-            raise RankFailure(f"rank {self.rank}: step {self.stats.steps} failed ({cause}); the ranks cannot go on apart") from None
+                raise RankFailure(
+                    f"rank {self.rank}: lost the connection to another rank during step {self.stats.steps} "
+                    f"({str(cause).splitlines()[0]})"
+                ) from None
+            raise RankFailure(
+                f"rank {self.rank}: step {self.stats.steps} failed ({cause}); the ranks cannot go on apart"
+            ) from None
         finally:
             self.watchdog.disarm()
 
@@ -77,21 +88,33 @@ class TPEngine(LLMEngine):
         self.num_checks += 1
         bad = [r for r in range(1, self.group.size()) if not np.array_equal(every[r], every[0])]
         if bad:
-            raise RankFailure(f"ranks diverged by step {self.stats.steps}: rank(s) {bad} sampled other tokens than rank 0")
+            raise RankFailure(
+                f"ranks diverged by step {self.stats.steps}: rank(s) {bad} sampled other tokens than rank 0"
+            )
 
 
-def tp_engine(loaded, config, group: mx.distributed.Group, *, timeout: float | None = None,
-              check_every: int | None = None) -> TPEngine:
+def tp_engine(
+    loaded, config, group: mx.distributed.Group, *, timeout: float | None = None, check_every: int | None = None
+) -> TPEngine:
     """A `TPEngine` once every rank agrees on the pool size, the checkpoint and the settings."""
     # Free memory differs per host (and `generate` caps its pool by it): take what every rank can hold.
     config.num_blocks = agree_min(group, pool_blocks(loaded, config))
     timeout = settings.tp_timeout() if timeout is None else timeout
     check_every = settings.tp_check_every() if check_every is None else check_every
-    check_same_everywhere(group, {
-        "checkpoint config": loaded.config,
-        "weights": weights_identity(loaded.path),
-        "engine settings": {**dataclasses.asdict(config), "dtype": str(loaded.dtype), "weights": loaded.weights,
-                            "world": group.size(), "check_every": check_every, "mlx": mx.__version__},
-    })
+    check_same_everywhere(
+        group,
+        {
+            "checkpoint config": loaded.config,
+            "weights": weights_identity(loaded.path),
+            "engine settings": {
+                **dataclasses.asdict(config),
+                "dtype": str(loaded.dtype),
+                "weights": loaded.weights,
+                "world": group.size(),
+                "check_every": check_every,
+                "mlx": mx.__version__,
+            },
+        },
+    )
     seed = broadcast_int(group, random.getrandbits(62))
     return TPEngine(loaded, config, group, seed=seed, timeout=timeout, check_every=check_every)

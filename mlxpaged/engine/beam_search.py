@@ -17,8 +17,9 @@ L its generated tokens not counting a final EOS (at least 1); only the W best ar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
@@ -124,11 +125,16 @@ def beam_step(state: BeamState, live: list[Sequence], logits: mx.array, is_eos: 
     lp = params.length_penalty
     for c in ended:
         tokens = live[c.beam].output_token_ids + [c.token]
-        state.add(Hypothesis(tokens, c.cumulative_logprob, beam_score(c.cumulative_logprob, len(tokens), True, lp), "stop"))
+        state.add(
+            Hypothesis(tokens, c.cumulative_logprob, beam_score(c.cumulative_logprob, len(tokens), True, lp), "stop")
+        )
     at_max = bool(next_beams) and live[0].num_output_tokens + 1 >= params.max_tokens
     if at_max and not state.done:  # the beams reach max_tokens: they become hypotheses too
         for c in next_beams:
             tokens = live[c.beam].output_token_ids + [c.token]
-            state.add(Hypothesis(tokens, c.cumulative_logprob, beam_score(c.cumulative_logprob, len(tokens), False, lp),
-                                 "length"))
+            state.add(
+                Hypothesis(
+                    tokens, c.cumulative_logprob, beam_score(c.cumulative_logprob, len(tokens), False, lp), "length"
+                )
+            )
     return BeamStep(next_beams, state.done or not next_beams or at_max, len(next_beams) + len(ended))

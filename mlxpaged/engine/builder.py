@@ -20,20 +20,29 @@ if TYPE_CHECKING:
     import mlx.core as mx
 
 
-def load_model(model: str | None, dtype: str | None = None, weights: str | None = None,
-               group: mx.distributed.Group | None = None) -> LoadedModel:
+def load_model(
+    model: str | None, dtype: str | None = None, weights: str | None = None, group: mx.distributed.Group | None = None
+) -> LoadedModel:
     """The whole model, or this rank's shard of it when `group` is a tensor-parallel group."""
     return load(model, dtype, weights) if group is None else load_shard(model, dtype, weights, group)
 
 
-def build_engine(model: str | LoadedModel | None, config: EngineConfig | None = None, *, dtype: str | None = None,
-                 weights: str | None = None, group: mx.distributed.Group | None = None) -> LLMEngine:
+def build_engine(
+    model: str | LoadedModel | None,
+    config: EngineConfig | None = None,
+    *,
+    dtype: str | None = None,
+    weights: str | None = None,
+    group: mx.distributed.Group | None = None,
+) -> LLMEngine:
     """An engine over `model` (a path, repo id, `.gguf` file, `LoadedModel`, or None for the
     offline default), tensor-parallel over `group` when it is given."""
     config = config or EngineConfig()
     if isinstance(model, LoadedModel):
         if group is not None and getattr(model.model, "tp_group", None) is None:
-            raise ValueError("a tensor-parallel engine needs a model path (each rank loads its shard), not a loaded model")
+            raise ValueError(
+                "a tensor-parallel engine needs a model path (each rank loads its shard), not a loaded model"
+            )
         loaded = model
     else:
         loaded = load_model(model, dtype, weights, group)

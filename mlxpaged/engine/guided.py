@@ -88,7 +88,7 @@ class Matcher:
         if num_tokens:
             if not self._m.rollback(num_tokens):
                 raise RuntimeError(f"grammar matcher could not roll back {num_tokens} tokens: {self._m.get_error()}")
-            del self.consumed[len(self.consumed) - num_tokens:]
+            del self.consumed[len(self.consumed) - num_tokens :]
 
     def reset(self) -> None:
         self._m.reset()

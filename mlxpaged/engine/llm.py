@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
-from .beam_search import BeamSearchParams
 from ..config import EngineConfig
 from ..distributed.collectives import init_group
 from ..loading.loader import LoadedModel
+from .beam_search import BeamSearchParams
 from .builder import build_engine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams

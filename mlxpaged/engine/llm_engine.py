@@ -49,26 +49,26 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 
-from .beam_search import BeamSearchParams, BeamState, beam_step
-from ..core.block_manager import BlockManager, HashFn, blocks_for_request, sha256_block_hash
 from ..config import EngineConfig
+from ..core.block_manager import BlockManager, HashFn, blocks_for_request, sha256_block_hash
+from ..core.scheduler import SampleRow, Scheduler, SchedulerOutput, SpecDecode
+from ..core.sequence import PendingToken, Request, Sequence
 from ..errors import MlxPagedError, StepError
 from ..worker.kv_cache import CacheShape, PagedKVCache, growable_pool, pool_blocks
 from ..worker.kv_calibration import model_key_scales
 from ..worker.model_runner import ModelRunner
+from .beam_search import BeamSearchParams, BeamState, beam_step
+from .guided import GrammarCompiler, fill_masks, mask_words
 from .output import StopChecker, make_output
 from .outputs import RequestOutput
-from .guided import GrammarCompiler, fill_masks, mask_words
 from .sampler import GuideMasks, SampleArrays, TokenHistory, read_samples, sample_arrays, sample_key
 from .sampling_params import SamplingParams
-from ..core.scheduler import SampleRow, Scheduler, SchedulerOutput, SpecDecode
-from ..core.sequence import PendingToken, Request, Sequence
 from .spec_decode import NgramProposer, key_chain, verified_tokens
 from .stats import METRIC_KEYS, EngineStats, engine_stats
 
-
 if TYPE_CHECKING:  # annotations only: loading imports nothing of the engine
     from ..loading.loader import LoadedModel
+
 
 @dataclass
 class LaunchedStep:
@@ -96,8 +96,9 @@ class LaunchedStep:
 
 def requests_of(out: SchedulerOutput) -> list[Request]:
     """The requests a scheduled step computes tokens for, each once."""
-    return list(dict.fromkeys([r for r, _ in out.decodes] + [c.request for c in out.prefills]
-                              + [d.request for d in out.spec]))
+    return list(
+        dict.fromkeys([r for r, _ in out.decodes] + [c.request for c in out.prefills] + [d.request for d in out.spec])
+    )
 
 
 class LLMEngine:
@@ -155,10 +156,19 @@ class LLMEngine:
 
             rank, world, agree = group.rank(), group.size(), (lambda n: agree_min(group, n))
         root = Path(self.config.prefix_cache_dir).expanduser()
-        parts = namespace_parts(self.loaded, self.kv_cache, rank=rank, world=world, memo_file=root / "weights-digests.json")
+        parts = namespace_parts(
+            self.loaded, self.kv_cache, rank=rank, world=world, memo_file=root / "weights-digests.json"
+        )
         gb = self.config.prefix_cache_disk_gb
-        return PrefixStore(root, namespace(parts), self.kv_cache.block_nbytes(), self.config.block_size,
-                           cap_bytes=None if gb is None else int(gb * 1e9), agree=agree, parts=parts)
+        return PrefixStore(
+            root,
+            namespace(parts),
+            self.kv_cache.block_nbytes(),
+            self.config.block_size,
+            cap_bytes=None if gb is None else int(gb * 1e9),
+            agree=agree,
+            parts=parts,
+        )
 
     def _load_blocks(self, loads: list[tuple[bytes, int]]) -> None:
         """Copy the blocks the scheduler took from the disk tier into the pool, before the step's forward pass."""
@@ -240,7 +250,9 @@ class LLMEngine:
         ids, text = self._prompt_ids(prompt)
         self._check_fits(len(ids), params.n, params.max_tokens)
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
-            raise MlxPagedError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary (size {self.vocab_size})")
+            raise MlxPagedError(
+                f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary (size {self.vocab_size})"
+            )
         grammar = None
         if params.guided is not None:
             try:
@@ -249,10 +261,14 @@ class LLMEngine:
                 raise MlxPagedError(str(e)) from None
         seed = params.seed if params.seed is not None else random.getrandbits(31)
         seqs = [
-            Sequence(list(ids), len(ids), sample_index=i,
-                     rng_key=None if params.greedy else sample_key(seed, i),
-                     detokenizer=self.tokenizer.detokenizer,
-                     matcher=grammar.matcher() if grammar is not None else None)
+            Sequence(
+                list(ids),
+                len(ids),
+                sample_index=i,
+                rng_key=None if params.greedy else sample_key(seed, i),
+                detokenizer=self.tokenizer.detokenizer,
+                matcher=grammar.matcher() if grammar is not None else None,
+            )
             for i in range(params.n)
         ]
         return self._queue(Request(self._new_id(request_id), list(ids), params, seqs, text))
@@ -414,11 +430,22 @@ class LLMEngine:
         mx.async_eval(*todo)
         num_prefill = sum(c.num_tokens for c in out.prefills)
         self.stats.computed_prefill_tokens += num_prefill
-        return LaunchedStep(self.stats.steps, out, pairs, sampled, beam_rows, logits if beam_rows else None,
-                            num_prefill, t0, logits_rows, spec=spec)
+        return LaunchedStep(
+            self.stats.steps,
+            out,
+            pairs,
+            sampled,
+            beam_rows,
+            logits if beam_rows else None,
+            num_prefill,
+            t0,
+            logits_rows,
+            spec=spec,
+        )
 
-    def _draws(self, pairs: list[tuple[Request, Sequence]], logits_rows: mx.array,
-               spec: list[tuple[SpecDecode, int]] = ()) -> SampleArrays:
+    def _draws(
+        self, pairs: list[tuple[Request, Sequence]], logits_rows: mx.array, spec: list[tuple[SpecDecode, int]] = ()
+    ) -> SampleArrays:
         """The draws of `pairs[j]` from `logits_rows[j]`, then the K+1 draws of each speculating
         row (`spec`), one graph: grammar masks for the guided rows, token histories for the rows
         with penalties (see sampler.py). Speculating rows have neither (`Scheduler._speculates`)."""
@@ -427,9 +454,16 @@ class LLMEngine:
         self._spec_draws(spec, params, keys)
         histories = None
         if any(r.params.has_penalties for r, _ in pairs):
-            histories = [TokenHistory(s.token_ids, s.num_prompt_tokens,
-                                      (s.pending.tokens, s.pending.row) if s.pending is not None else None)
-                         if r.params.has_penalties else None for r, s in pairs]
+            histories = [
+                TokenHistory(
+                    s.token_ids,
+                    s.num_prompt_tokens,
+                    (s.pending.tokens, s.pending.row) if s.pending is not None else None,
+                )
+                if r.params.has_penalties
+                else None
+                for r, s in pairs
+            ]
             histories += [None] * (len(params) - len(pairs))
         return sample_arrays(logits_rows, params, keys, masks=self._guide_masks(pairs), histories=histories)
 
@@ -451,8 +485,9 @@ class LLMEngine:
             m = seq.matcher
             # the usual case, checked without copying the tokens: the matcher took every output token
             n = seq.num_output_tokens
-            synced = (len(m.consumed) == n and (n == 0 or m.consumed[-1] == seq.token_ids[-1])
-                      or m.sync(seq.output_token_ids))
+            synced = (
+                len(m.consumed) == n and (n == 0 or m.consumed[-1] == seq.token_ids[-1]) or m.sync(seq.output_token_ids)
+            )
             matchers.append(None if seq.finished or not synced else m)
         fill_masks(matchers, bits)
         return GuideMasks(rows, bits)
@@ -502,8 +537,10 @@ class LLMEngine:
         s = step.sampled
         if s is not None:
             key_row = {i: j for j, i in enumerate(s.sampled)}
-            pending = [(seq, PendingToken(step.step_id, s.tokens, j, s.keys if j in key_row else None, key_row.get(j, 0)))
-                       for j, (_, seq) in enumerate(step.pairs)]
+            pending = [
+                (seq, PendingToken(step.step_id, s.tokens, j, s.keys if j in key_row else None, key_row.get(j, 0)))
+                for j, (_, seq) in enumerate(step.pairs)
+            ]
         self.scheduler.update_from_forward(step.out, pending)
         self._gather_to_store(step)
 
@@ -527,8 +564,12 @@ class LLMEngine:
                     continue
                 live = req.live_seqs()
                 assert set(seq_rows) == set(live), "every live beam computes its logits in the same step"
-                decided = beam_step(req.beam, live, step.logits[mx.array([seq_rows[s] for s in live])],
-                                    lambda t: t in self.eos_token_ids)
+                decided = beam_step(
+                    req.beam,
+                    live,
+                    step.logits[mx.array([seq_rows[s] for s in live])],
+                    lambda t: t in self.eos_token_ids,
+                )
                 self.scheduler.update_beams(req, live, decided)
                 self.stats.generation_tokens += decided.num_tokens
                 progressed.append(req)
@@ -560,8 +601,9 @@ class LLMEngine:
             a = len(tokens) - 1
             last = r0 + a  # the draw of the last appended token left the sequence's next key
             key = s.keys[key_row[last]] if last in key_row else None
-            n = self.scheduler.update_from_spec(d.request, d.seq, d, tokens, logprobs[r0 : last + 1], key,
-                                                self.check_stop)
+            n = self.scheduler.update_from_spec(
+                d.request, d.seq, d, tokens, logprobs[r0 : last + 1], key, self.check_stop
+            )
             self.stats.spec_proposed_tokens += k
             self.stats.spec_accepted_tokens += a
             self.stats.spec_verifications += 1

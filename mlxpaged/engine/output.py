@@ -32,8 +32,12 @@ class StopChecker:
         grammar_done = False
         if seq.matcher is not None:
             if not seq.matcher.consume(tok):  # the mask forbids this: a bug, not the request's fault
-                logging.getLogger(__name__).warning("request %s: the grammar rejected token %d (%s); sample stopped",
-                                                    req.request_id, tok, seq.matcher.error())
+                logging.getLogger(__name__).warning(
+                    "request %s: the grammar rejected token %d (%s); sample stopped",
+                    req.request_id,
+                    tok,
+                    seq.matcher.error(),
+                )
                 return FinishReason.STOP
             grammar_done = seq.matcher.is_stopped
         before = len(seq.detokenizer.text)
@@ -59,8 +63,16 @@ def make_output(req: Request, tokenizer) -> RequestOutput:
         if req.finished:
             for i, h in enumerate(req.beam.finished):
                 text_ids = h.token_ids[:-1] if h.finish_reason == "stop" else h.token_ids
-                outs.append(CompletionOutput(i, tokenizer.decode(text_ids), list(h.token_ids), h.finish_reason,
-                                             cumulative_logprob=h.cumulative_logprob, score=h.score))
+                outs.append(
+                    CompletionOutput(
+                        i,
+                        tokenizer.decode(text_ids),
+                        list(h.token_ids),
+                        h.finish_reason,
+                        cumulative_logprob=h.cumulative_logprob,
+                        score=h.score,
+                    )
+                )
     else:
         for s in req.seqs:
             if s.finished:
@@ -68,7 +80,15 @@ def make_output(req: Request, tokenizer) -> RequestOutput:
             text = s.detokenizer.text
             if s.stop_text_len is not None:
                 text = text[: s.stop_text_len]
-            outs.append(CompletionOutput(s.sample_index, text, list(s.output_token_ids),
-                                         s.finish_reason.value if s.finish_reason else None,
-                                         logprobs=list(s.logprobs) if req.params.logprobs is not None else None))
-    return RequestOutput(req.request_id, req.prompt_text, req.prompt_token_ids, outs, req.finished, req.num_cached_tokens)
+            outs.append(
+                CompletionOutput(
+                    s.sample_index,
+                    text,
+                    list(s.output_token_ids),
+                    s.finish_reason.value if s.finish_reason else None,
+                    logprobs=list(s.logprobs) if req.params.logprobs is not None else None,
+                )
+            )
+    return RequestOutput(
+        req.request_id, req.prompt_text, req.prompt_token_ids, outs, req.finished, req.num_cached_tokens
+    )

@@ -135,7 +135,9 @@ def unpack_bitmask(bits: np.ndarray, vocab_size: int) -> np.ndarray:
 
     Unpacked on the CPU (little-endian words: byte `4w + b // 8`, bit `b % 8`), so the graph
     applies it with one `where`."""
-    return np.unpackbits(np.ascontiguousarray(bits).view(np.uint8), axis=1, bitorder="little")[:, :vocab_size].view(bool)
+    return np.unpackbits(np.ascontiguousarray(bits).view(np.uint8), axis=1, bitorder="little")[:, :vocab_size].view(
+        bool
+    )
 
 
 def apply_penalties(x: mx.array, params: list[SamplingParams], histories: list[TokenHistory]) -> mx.array:
@@ -143,7 +145,7 @@ def apply_penalties(x: mx.array, params: list[SamplingParams], histories: list[T
     r, v = x.shape
     out_rows, out_toks, prompt_rows, prompt_toks, pend_rows, pend_refs = [], [], [], [], [], []
     for i, (p, h) in enumerate(zip(params, histories)):
-        gen = h.token_ids[h.num_prompt_tokens:]
+        gen = h.token_ids[h.num_prompt_tokens :]
         out_rows += [i] * len(gen)
         out_toks += gen
         if h.pending is not None:
@@ -162,7 +164,8 @@ def apply_penalties(x: mx.array, params: list[SamplingParams], histories: list[T
     rep = mx.array([p.repetition_penalty for p in params], dtype=mx.float32)[:, None]
     if prompt_rows:
         seen = counts + mx.zeros((r, v), dtype=mx.float32).at[
-            mx.array(np.array(prompt_rows, dtype=np.int32)), mx.array(np.array(prompt_toks, dtype=np.int32))].add(1.0)
+            mx.array(np.array(prompt_rows, dtype=np.int32)), mx.array(np.array(prompt_toks, dtype=np.int32))
+        ].add(1.0)
     else:
         seen = counts
     rep = mx.where(seen > 0, rep, 1.0)
@@ -179,8 +182,9 @@ def apply_min_p(x: mx.array, min_p: mx.array) -> mx.array:
     return mx.where(x >= cut, x, mx.array(-mx.inf, dtype=x.dtype))
 
 
-def process_logits(logits: mx.array, params: list[SamplingParams], masks: GuideMasks | None,
-                   histories: list | None) -> mx.array:
+def process_logits(
+    logits: mx.array, params: list[SamplingParams], masks: GuideMasks | None, histories: list | None
+) -> mx.array:
     """Steps 1-3 of the module's order on `logits [B, V]`; `logits` itself when no row needs any."""
     bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
     pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
@@ -206,7 +210,9 @@ def process_logits(logits: mx.array, params: list[SamplingParams], masks: GuideM
                 rows.append(i)
                 toks.append(t)
                 vals.append(val)
-        x = x + mx.zeros((b, v), dtype=mx.float32).at[mx.array(rows), mx.array(toks)].add(mx.array(vals, dtype=mx.float32))
+        x = x + mx.zeros((b, v), dtype=mx.float32).at[mx.array(rows), mx.array(toks)].add(
+            mx.array(vals, dtype=mx.float32)
+        )
     if pen_rows:
         if histories is None or any(histories[i] is None for i in pen_rows):
             raise ValueError("rows with penalties need their token histories")
@@ -271,8 +277,14 @@ class SampleArrays:
         return [a for a in (self.tokens, self.keys, self.chosen, self.top_ids, self.top_vals) if a is not None]
 
 
-def sample_arrays(logits: mx.array, params: list[SamplingParams], keys: list, *,
-                  masks: GuideMasks | None = None, histories: list | None = None) -> SampleArrays:
+def sample_arrays(
+    logits: mx.array,
+    params: list[SamplingParams],
+    keys: list,
+    *,
+    masks: GuideMasks | None = None,
+    histories: list | None = None,
+) -> SampleArrays:
     """Build (without evaluating) the draw of row `i` of `logits [B, V]` with `params[i]` and
     `keys[i]` (an array, `(array, row)` as for `gather_rows`, or None for greedy rows), in the
     module's order. `masks`: the grammar masks of the constrained rows; `histories[i]`: a
@@ -300,7 +312,9 @@ def sample_arrays(logits: mx.array, params: list[SamplingParams], keys: list, *,
         filt = [j for j, i in enumerate(sampled) if params[i].needs_filter(vocab)]
         if filt:
             fidx = mx.array(filt)
-            top_k = mx.array([params[sampled[j]].top_k if 0 < params[sampled[j]].top_k < vocab else vocab for j in filt])
+            top_k = mx.array(
+                [params[sampled[j]].top_k if 0 < params[sampled[j]].top_k < vocab else vocab for j in filt]
+            )
             top_p = mx.array([params[sampled[j]].top_p for j in filt], dtype=mx.float32)
             x[fidx] = filter_rows(x[fidx], top_k, top_p)
         drawn, drawn_keys = _draw_rows(x, gather_rows([keys[i] for i in sampled]))
@@ -336,8 +350,14 @@ def read_samples(s: SampleArrays, *, key_slices: bool = True):
     return token_list, new_keys, logprobs
 
 
-def sample_batch(logits: mx.array, params: list[SamplingParams], keys: list[mx.array | None], *,
-                 masks: GuideMasks | None = None, histories: list | None = None):
+def sample_batch(
+    logits: mx.array,
+    params: list[SamplingParams],
+    keys: list[mx.array | None],
+    *,
+    masks: GuideMasks | None = None,
+    histories: list | None = None,
+):
     """Sample row `i` of `logits [B, V]` with `params[i]` and `keys[i]`, every row in one graph
     and one `eval`; `sample_arrays` then `read_samples`.
 

@@ -33,9 +33,19 @@ class EngineStats:
 
 
 # What /metrics exports (server/metrics.py names them).
-METRIC_KEYS = ("requests_running", "requests_waiting", "requests_held", "kv_blocks_used", "kv_blocks_total",
-               "prefix_cache_hit_tokens", "preemptions", "generation_tokens", "prefix_cache_disk_hit_tokens",
-               "spec_proposed_tokens", "spec_accepted_tokens")
+METRIC_KEYS = (
+    "requests_running",
+    "requests_waiting",
+    "requests_held",
+    "kv_blocks_used",
+    "kv_blocks_total",
+    "prefix_cache_hit_tokens",
+    "preemptions",
+    "generation_tokens",
+    "prefix_cache_disk_hit_tokens",
+    "spec_proposed_tokens",
+    "spec_accepted_tokens",
+)
 
 
 def engine_stats(engine: LLMEngine) -> dict:
@@ -72,6 +82,7 @@ def engine_stats(engine: LLMEngine) -> dict:
         "spec_accepted_tokens": st.spec_accepted_tokens,
         "spec_acceptance_rate": st.spec_accepted_tokens / st.spec_proposed_tokens if st.spec_proposed_tokens else 0.0,
         # Tokens a verified row appends: its accepted proposals plus the target's own token (vLLM's figure).
-        "spec_mean_accepted_length": (1 + st.spec_accepted_tokens / st.spec_verifications
-                                      if st.spec_verifications else 0.0),
+        "spec_mean_accepted_length": (
+            1 + st.spec_accepted_tokens / st.spec_verifications if st.spec_verifications else 0.0
+        ),
     }

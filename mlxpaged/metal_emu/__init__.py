@@ -28,14 +28,22 @@ import mlx.core as mx
 
 from .. import settings
 from .compiler import CompileError
-from .kernel import (EmulatedKernel, LaunchStats, MetalEmuError, RegisterBudgetWarning, lane_order,
-                     metal_kernel)
+from .kernel import EmulatedKernel, LaunchStats, MetalEmuError, RegisterBudgetWarning, lane_order, metal_kernel
 from .source import metal_utils_preamble, mlx_compiled_source, mlx_generated_source
 
 __all__ = [
-    "metal_kernel", "get_metal_kernel", "emulate", "lane_order", "mlx_compiled_source",
-    "mlx_generated_source", "metal_utils_preamble", "EmulatedKernel", "LaunchStats",
-    "MetalEmuError", "CompileError", "RegisterBudgetWarning",
+    "metal_kernel",
+    "get_metal_kernel",
+    "emulate",
+    "lane_order",
+    "mlx_compiled_source",
+    "mlx_generated_source",
+    "metal_utils_preamble",
+    "EmulatedKernel",
+    "LaunchStats",
+    "MetalEmuError",
+    "CompileError",
+    "RegisterBudgetWarning",
 ]
 
 _force = threading.local()

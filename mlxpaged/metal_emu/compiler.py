@@ -30,21 +30,43 @@ HERE = Path(__file__).resolve().parent
 # Per-operation rounding for half/bfloat (no excess precision), no FMA contraction (results
 # comparable with numpy), and load/store tracing for the byte counts and bounds checks.
 KERNEL_FLAGS = [
-    "-std=c++17", "-O1", "-fPIC", "-g0", "-fno-sanitize=all",
-    "-Xclang", "-ffloat16-excess-precision=none", "-Xclang", "-fbfloat16-excess-precision=none",
+    "-std=c++17",
+    "-O1",
+    "-fPIC",
+    "-g0",
+    "-fno-sanitize=all",
+    "-Xclang",
+    "-ffloat16-excess-precision=none",
+    "-Xclang",
+    "-fbfloat16-excess-precision=none",
     "-ffp-contract=off",
-    "-fno-exceptions", "-fno-threadsafe-statics", "-fno-strict-aliasing",
+    "-fno-exceptions",
+    "-fno-threadsafe-statics",
+    "-fno-strict-aliasing",
     # Vectorizers could merge loads into widths the tracing does not report (> 16 bytes).
-    "-fno-vectorize", "-fno-slp-vectorize",
+    "-fno-vectorize",
+    "-fno-slp-vectorize",
     "-fstack-clash-protection",  # large frames probe each page, so they hit the guard page
     # zig targets the host CPU; AVX512-BF16 / AVX-NE-CONVERT float->bf16 instructions flush
     # subnormals to zero, so bf16 always goes through __truncsfbf2 (exact, same on every CPU).
-    "-Xclang", "-target-feature", "-Xclang", "-avx512bf16",
-    "-Xclang", "-target-feature", "-Xclang", "-avxneconvert",
+    "-Xclang",
+    "-target-feature",
+    "-Xclang",
+    "-avx512bf16",
+    "-Xclang",
+    "-target-feature",
+    "-Xclang",
+    "-avxneconvert",
     "-fsanitize-coverage=inline-8bit-counters,trace-loads,trace-stores",
-    "-Wno-unknown-attributes", "-Wno-ignored-attributes", "-Wno-gcc-compat",
-    "-Wno-c++20-extensions", "-Wno-c++2b-extensions", "-Wno-unused-value",
-    "-Wno-deprecated-declarations", "-Wno-unknown-pragmas", "-Wno-c++17-extensions",
+    "-Wno-unknown-attributes",
+    "-Wno-ignored-attributes",
+    "-Wno-gcc-compat",
+    "-Wno-c++20-extensions",
+    "-Wno-c++2b-extensions",
+    "-Wno-unused-value",
+    "-Wno-deprecated-declarations",
+    "-Wno-unknown-pragmas",
+    "-Wno-c++17-extensions",
     "-Wno-macro-redefined",
 ]
 # The oldest clang that compiles the kernels (__bf16 arithmetic, -fbfloat16-excess-precision).
@@ -70,7 +92,7 @@ def clang_major(cmd: tuple[str, ...]) -> int:
     return int(m.group(1)) if m else 0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cpu_identity() -> str:
     """Libraries are built for the host CPU: a cache shared between machines must not mix them."""
     try:
@@ -84,7 +106,7 @@ def _cpu_identity() -> str:
         return platform.machine()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiler() -> tuple[tuple[str, ...], str]:
     """(command prefix, identity string for the cache key) of the C++ compiler to use."""
     env = os.environ.get("MLXPAGED_EMU_CXX", "").strip()
@@ -93,8 +115,7 @@ def compiler() -> tuple[tuple[str, ...], str]:
         major = clang_major(cmd)
         if major < MIN_CLANG:
             found = f"clang {major}" if major else "not a clang that runs"
-            raise CompileError(
-                f"MLXPAGED_EMU_CXX={env!r}: the MSL emulator needs clang >= {MIN_CLANG} ({found})")
+            raise CompileError(f"MLXPAGED_EMU_CXX={env!r}: the MSL emulator needs clang >= {MIN_CLANG} ({found})")
         return cmd, f"{env} {compiler_version(cmd)} {_cpu_identity()}"
     try:
         import ziglang  # noqa: F401
@@ -110,8 +131,7 @@ def compiler() -> tuple[tuple[str, ...], str]:
 def compiler_version(cmd: tuple[str, ...]) -> str:
     """The compiler's full `--version` text: any upgrade changes the cache key."""
     try:
-        return subprocess.run([*cmd, "--version"], capture_output=True, text=True,
-                              timeout=300).stdout.strip()
+        return subprocess.run([*cmd, "--version"], capture_output=True, text=True, timeout=300).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -129,9 +149,17 @@ def include_dir() -> Path:
     d = cache_dir() / f"include-{h}"
     if not (d / "metal_stdlib").exists():
         tmp = Path(tempfile.mkdtemp(dir=cache_dir()))
-        for name in ("metal_stdlib", "metal_math", "metal_simdgroup", "metal_atomic",
-                     "metal_compute", "metal_integer", "metal_common", "metal_logging",
-                     "metal_simdgroup_matrix"):
+        for name in (
+            "metal_stdlib",
+            "metal_math",
+            "metal_simdgroup",
+            "metal_atomic",
+            "metal_compute",
+            "metal_integer",
+            "metal_common",
+            "metal_logging",
+            "metal_simdgroup_matrix",
+        ):
             (tmp / name).write_text(f'#include "{shim}"\n')
         try:
             tmp.rename(d)
@@ -145,7 +173,7 @@ def shim_bytes() -> bytes:
     return b"\0".join((HERE / n).read_bytes() for n in SHIM_HEADERS)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def runtime_object() -> Path:
     """runtime.cpp compiled once (without tracing: its own accesses must not count)."""
     cmd, ident = compiler()
@@ -164,9 +192,11 @@ def build(lowered_source: str, driver: str) -> Path:
     cmd, ident = compiler()
     shim = shim_bytes()
     rt = runtime_object()
-    key = hashlib.sha256(b"\0".join([
-        lowered_source.encode(), driver.encode(), shim, rt.read_bytes(),
-        repr((KERNEL_FLAGS, ident)).encode()])).hexdigest()[:32]
+    key = hashlib.sha256(
+        b"\0".join(
+            [lowered_source.encode(), driver.encode(), shim, rt.read_bytes(), repr((KERNEL_FLAGS, ident)).encode()]
+        )
+    ).hexdigest()[:32]
     out = cache_dir() / f"k-{key}.so"
     if out.exists():
         return out
@@ -176,10 +206,8 @@ def build(lowered_source: str, driver: str) -> Path:
         drv = Path(tmp) / "driver.cpp"
         drv.write_text(f'#include "{src}"\n{driver}')
         obj = Path(tmp) / "kernel.o"
-        _run([*cmd, *KERNEL_FLAGS, "-I", str(include_dir()), "-c", str(drv), "-o", str(obj)],
-             "compiling the kernel")
+        _run([*cmd, *KERNEL_FLAGS, "-I", str(include_dir()), "-c", str(drv), "-o", str(obj)], "compiling the kernel")
         so = Path(tmp) / "k.so"
-        _run([*cmd, "-shared", "-fPIC", "-fno-sanitize=all", str(obj), str(rt), "-o", str(so)],
-             "linking the kernel")
+        _run([*cmd, "-shared", "-fPIC", "-fno-sanitize=all", str(obj), str(rt), "-o", str(so)], "linking the kernel")
         os.replace(so, out)
     return out

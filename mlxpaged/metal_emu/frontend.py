@@ -44,8 +44,7 @@ from .source import generated_source
 
 HERE = Path(__file__).resolve().parent
 PRELUDE = HERE / "msl_opencl_prelude.h"
-CLANG = [sys.executable, "-m", "ziglang", "clang", "-cc1", "-fsyntax-only", "-x", "cl",
-         "-cl-std=clc++2021"]
+CLANG = [sys.executable, "-m", "ziglang", "clang", "-cc1", "-fsyntax-only", "-x", "cl", "-cl-std=clc++2021"]
 EXT = "-cl-ext=-all,+__opencl_c_generic_address_space"
 # The AST pass: the generic space on, so a pointer without an address space is `__generic`.
 AST_EXT = "-cl-ext=-all,+__opencl_c_generic_address_space"
@@ -102,35 +101,56 @@ def _decode_variants() -> list[Variant]:
         for hd in HEAD_DIMS:
             if not metal.shape_supported(hd, 1, 1):
                 continue
-            out.append(Variant("decode", f"paged_attention_merge_hd{hd}_nsg{metal.MERGE_SIMDGROUPS}",
-                               "paged_attention_merge", *metal.KERNEL_IO["paged_attention_merge"],
-                               [("T", dt), ("HD", hd), ("NSG", metal.MERGE_SIMDGROUPS)],
-                               [T4, T4, T4], [dt]))
+            out.append(
+                Variant(
+                    "decode",
+                    f"paged_attention_merge_hd{hd}_nsg{metal.MERGE_SIMDGROUPS}",
+                    "paged_attention_merge",
+                    *metal.KERNEL_IO["paged_attention_merge"],
+                    [("T", dt), ("HD", hd), ("NSG", metal.MERGE_SIMDGROUPS)],
+                    [T4, T4, T4],
+                    [dt],
+                )
+            )
             for bs in BLOCK_SIZES:
                 for g in GROUPS:
                     if not metal.shape_supported(hd, bs, g):
                         continue
-                    quants = [None] + [(b, gs) for b in metal.KV_BITS for gs in metal.KV_GROUP_SIZES
-                                       if metal.quant_supported(hd, b, gs)]
+                    quants = [None] + [
+                        (b, gs)
+                        for b in metal.KV_BITS
+                        for gs in metal.KV_GROUP_SIZES
+                        if metal.quant_supported(hd, b, gs)
+                    ]
                     for quant in quants:
-                        tmpl = ([("T", dt), ("HD", hd), ("BS", bs), ("G", g),
-                                 ("NSG", metal.NUM_SIMDGROUPS)]
-                                + ([("BITS", quant[0]), ("GS", quant[1])] if quant else []))
-                        cache = ([Spec(mx.uint32), Spec(dt), Spec(dt)] * 2 if quant
-                                 else [Spec(dt), Spec(dt)])
+                        tmpl = [("T", dt), ("HD", hd), ("BS", bs), ("G", g), ("NSG", metal.NUM_SIMDGROUPS)] + (
+                            [("BITS", quant[0]), ("GS", quant[1])] if quant else []
+                        )
+                        cache = [Spec(mx.uint32), Spec(dt), Spec(dt)] * 2 if quant else [Spec(dt), Spec(dt)]
                         ins = [Spec(dt), *cache, Spec(mx.int32), Spec(mx.int32), Spec(mx.float32, 0, 1)]
                         variant = metal._variant(hd, bs, g, quant)
                         for kind in ("paged_attention", "paged_attention_partitioned"):
                             full = f"{kind}_quant" if quant else kind
                             io = metal.QUANT_KERNEL_IO[full] if quant else metal.KERNEL_IO[kind]
                             outs = [dt] if kind == "paged_attention" else [mx.float32] * 3
-                            out.append(Variant("decode", f"{full}_{variant}", kind, *io, tmpl, ins,
-                                               outs, "PA_QUANT_VIEWS" if quant else ""))
+                            out.append(
+                                Variant(
+                                    "decode",
+                                    f"{full}_{variant}",
+                                    kind,
+                                    *io,
+                                    tmpl,
+                                    ins,
+                                    outs,
+                                    "PA_QUANT_VIEWS" if quant else "",
+                                )
+                            )
     return out
 
 
 def _varlen_variants() -> list[Variant]:
-    from ..attention import metal, metal_varlen as mv
+    from ..attention import metal
+    from ..attention import metal_varlen as mv
 
     out = []
     for dt in DTYPES:
@@ -139,19 +159,32 @@ def _varlen_variants() -> list[Variant]:
                 for g in GROUPS:
                     if not metal.shape_supported(hd, bs, g):
                         continue
-                    quants = [None] + [(b, gs) for b in metal.KV_BITS for gs in metal.KV_GROUP_SIZES
-                                       if metal.quant_supported(hd, b, gs)]
+                    quants = [None] + [
+                        (b, gs)
+                        for b in metal.KV_BITS
+                        for gs in metal.KV_GROUP_SIZES
+                        if metal.quant_supported(hd, b, gs)
+                    ]
                     for quant in quants:
                         p = mv.launch_plan(hd, bs, g, dt.size, quant)
                         tmpl = mv.template(p, dt)
-                        cache = ([Spec(mx.uint32), Spec(dt), Spec(dt)] * 2 if quant
-                                 else [Spec(dt), Spec(dt)])
+                        cache = [Spec(mx.uint32), Spec(dt), Spec(dt)] * 2 if quant else [Spec(dt), Spec(dt)]
                         ins = [Spec(dt), *cache, *[Spec(mx.int32)] * 4, Spec(mx.float32, 0, 1)]
                         section = mv.MMA_KERNEL if p.mma else mv.KERNEL
                         names = mv.QUANT_INPUTS if quant else mv.INPUTS
-                        out.append(Variant("varlen", f"{p.kind}_{p.variant}", section, list(names),
-                                           list(mv.OUTPUTS), tmpl, ins, [dt],
-                                           "PAV_QUANT_VIEWS" if quant else ""))
+                        out.append(
+                            Variant(
+                                "varlen",
+                                f"{p.kind}_{p.variant}",
+                                section,
+                                list(names),
+                                list(mv.OUTPUTS),
+                                tmpl,
+                                ins,
+                                [dt],
+                                "PAV_QUANT_VIEWS" if quant else "",
+                            )
+                        )
     return out
 
 
@@ -179,7 +212,7 @@ class Sources:
     group_of: dict[str, str]
 
     @classmethod
-    def load(cls, root: Path) -> "Sources":
+    def load(cls, root: Path) -> Sources:
         root = Path(root)
         headers, sections, group_of = {}, {}, {}
         headers["decode"] = (DECODE_HEADER, (root / DECODE_HEADER).read_text(), 1)
@@ -190,7 +223,7 @@ class Sources:
                 headers["varlen"] = (fname, text[: marks[0].start()] if marks else text, 1)
             for i, m in enumerate(marks):
                 end = marks[i + 1].start() if i + 1 < len(marks) else len(text)
-                body = text[m.end():end]
+                body = text[m.end() : end]
                 line = text.count("\n", 0, m.end()) + 1
                 stripped = body.lstrip("\n")
                 line += len(body) - len(stripped)
@@ -213,9 +246,17 @@ def kernel_text(v: Variant, src: Sources) -> str:
     """The variant as one `__kernel` function: MLX's signature, the template values, the body
     (its lines numbered as in its file)."""
     fname, body, line = src.sections[v.section]
-    gen = generated_source(name=v.name, input_names=v.input_names, output_names=v.output_names,
-                           source=body, header="", atomic_outputs=False, inputs=v.inputs,
-                           output_dtypes=v.output_dtypes, template=v.template)
+    gen = generated_source(
+        name=v.name,
+        input_names=v.input_names,
+        output_names=v.output_names,
+        source=body,
+        header="",
+        atomic_outputs=False,
+        inputs=v.inputs,
+        output_dtypes=v.output_dtypes,
+        template=v.template,
+    )
     lines = [f'#line 1 "<signature of {v.name}>"', f"__kernel void {gen.kernel_name}("]
     params = [f"  {p.msl_type} {p.name} [[buffer({i})]]" for i, p in enumerate(gen.params)]
     params += [f"  {t} {a} [[{a}]]" for a, t in gen.attributes]
@@ -254,14 +295,16 @@ def _clang(text: str, ext: str, extra: list[str] = ()) -> subprocess.CompletedPr
 
 
 def clang_available() -> str:
-    """"" when `python -m ziglang clang` runs, else why not."""
+    """ "" when `python -m ziglang clang` runs, else why not."""
     try:
         r = subprocess.run([*CLANG[:4], "--version"], capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"cannot run {' '.join(CLANG[:4])}: {e}"
     if r.returncode != 0:
-        return (f"`{' '.join(CLANG[:4])} --version` failed ({r.returncode}): "
-                f"{(r.stderr or r.stdout).strip()[:300]} (install the test extra: pip install -e '.[test]')")
+        return (
+            f"`{' '.join(CLANG[:4])} --version` failed ({r.returncode}): "
+            f"{(r.stderr or r.stdout).strip()[:300]} (install the test extra: pip install -e '.[test]')"
+        )
     return ""
 
 
@@ -306,10 +349,14 @@ def check_batch(group: str, batch: list[Variant], src: Sources) -> list[tuple[st
 
 # --- the AST pass: unqualified pointers and recursion ---------------------------------------
 
-_LOC = re.compile(r"<invalid sloc>|<built-in>|<scratch space>:\d+:\d+|line:(?P<l2>\d+):\d+|col:\d+"
-                  r"|(?P<f>[^\s<>,:']+):(?P<l>\d+):\d+")
-_NAMED_DECL = re.compile(r">\s+(?:line:\d+:\d+|col:\d+|\S+:\d+:\d+)\s+(?:(?:used|referenced|invalid)\s+)*"
-                         r"(?!(?:used|referenced|invalid)\b)(\w+)\s+'([^']*)'")
+_LOC = re.compile(
+    r"<invalid sloc>|<built-in>|<scratch space>:\d+:\d+|line:(?P<l2>\d+):\d+|col:\d+"
+    r"|(?P<f>[^\s<>,:']+):(?P<l>\d+):\d+"
+)
+_NAMED_DECL = re.compile(
+    r">\s+(?:line:\d+:\d+|col:\d+|\S+:\d+:\d+)\s+(?:(?:used|referenced|invalid)\s+)*"
+    r"(?!(?:used|referenced|invalid)\b)(\w+)\s+'([^']*)'"
+)
 _NODE = re.compile(r"^(?P<indent>[ |`-]*)(?P<kind>\w+) 0x[0-9a-f]+ ")
 
 
@@ -323,7 +370,7 @@ def _ast_nodes(dump: str):
         if not m:
             continue
         first = None
-        rest = ln[m.end():]
+        rest = ln[m.end() :]
         for lm in _LOC.finditer(rest):
             tok = lm.group(0)
             if tok.startswith("<"):
@@ -361,8 +408,15 @@ def ast_errors(group: str, batch: list[Variant], src: Sources) -> list[tuple[str
             nm = _NAMED_DECL.search(text)
             if nm and "__generic" in nm.group(2) and (f, line) not in seen:
                 seen.add((f, line))
-                errs.append((f, line, f"'{nm.group(1)}' is a pointer or reference without an "
-                             f"address space (device, constant, threadgroup or thread)", batch[0].name))
+                errs.append(
+                    (
+                        f,
+                        line,
+                        f"'{nm.group(1)}' is a pointer or reference without an "
+                        f"address space (device, constant, threadgroup or thread)",
+                        batch[0].name,
+                    )
+                )
         if kind == "DeclRefExpr" and stack:
             cm = re.search(r"Function 0x[0-9a-f]+ '(\w+)'", text)
             if cm:
@@ -377,8 +431,14 @@ def ast_errors(group: str, batch: list[Variant], src: Sources) -> list[tuple[str
                     key = (f, line)
                     if key not in seen:
                         seen.add(key)
-                        errs.append((f, line, f"recursive call: '{fn}' calls '{callee}' (Metal has "
-                                     "no recursion)", batch[0].name))
+                        errs.append(
+                            (
+                                f,
+                                line,
+                                f"recursive call: '{fn}' calls '{callee}' (Metal has no recursion)",
+                                batch[0].name,
+                            )
+                        )
                 elif callee not in seen_fn:
                     seen_fn.add(callee)
                     todo.append(callee)
@@ -389,11 +449,12 @@ def ast_errors(group: str, batch: list[Variant], src: Sources) -> list[tuple[str
 
 def _batches(items: list[Variant], n: int) -> list[list[Variant]]:
     size = max(1, -(-len(items) // n))
-    return [items[i:i + size] for i in range(0, len(items), size)]
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def check(source: Path | None = None, *, jobs: int | None = None,
-          only: list[Variant] | None = None) -> tuple[list[Error], int]:
+def check(
+    source: Path | None = None, *, jobs: int | None = None, only: list[Variant] | None = None
+) -> tuple[list[Error], int]:
     """(errors, variants checked) for the sources in `source` (default: the shipped metal/)."""
     root = Path(source) if source is not None else default_source()
     src = Sources.load(root)
@@ -440,21 +501,24 @@ def main(argv=None) -> int:
     ap.add_argument("--source", type=Path, help="a copy of metal/ to check (default: the shipped one)")
     ap.add_argument("--quiet", action="store_true", help="print errors only, no summary")
     ap.add_argument("--jobs", type=int, help="clang processes at once (default: CPUs, at most 8)")
-    ap.add_argument("--one-per-kernel", action="store_true",
-                    help="a quick check: one variant per kernel section and quantization")
+    ap.add_argument(
+        "--one-per-kernel", action="store_true", help="a quick check: one variant per kernel section and quantization"
+    )
     args = ap.parse_args(argv)
     problem = clang_available()
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     t0 = time.monotonic()
-    errors, n = check(args.source, jobs=args.jobs,
-                      only=representatives() if args.one_per_kernel else None)
+    errors, n = check(args.source, jobs=args.jobs, only=representatives() if args.one_per_kernel else None)
     for e in errors:
         print(e)
     if not args.quiet:
-        print(f"{n} kernel variants checked in {time.monotonic() - t0:.1f} s: "
-              f"{len(errors)} error{'s' * (len(errors) != 1)}", file=sys.stderr)
+        print(
+            f"{n} kernel variants checked in {time.monotonic() - t0:.1f} s: "
+            f"{len(errors)} error{'s' * (len(errors) != 1)}",
+            file=sys.stderr,
+        )
     return 1 if errors else 0
 
 

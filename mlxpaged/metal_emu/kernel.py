@@ -28,15 +28,25 @@ from .lower import lower
 from .source import Generated, generated_source, metal_utils_preamble
 
 ATTR_OFFSETS = {
-    "thread_position_in_grid": 0, "threadgroup_position_in_grid": 3,
-    "thread_position_in_threadgroup": 6, "threads_per_threadgroup": 9,
-    "dispatch_threads_per_threadgroup": 12, "threadgroups_per_grid": 15,
-    "threads_per_grid": 18, "grid_size": 18, "grid_origin": 21,
-    "thread_index_in_threadgroup": 24, "simdgroup_index_in_threadgroup": 25,
-    "thread_index_in_simdgroup": 26, "threads_per_simdgroup": 27,
-    "simdgroups_per_threadgroup": 28, "dispatch_simdgroups_per_threadgroup": 29,
-    "quadgroup_index_in_threadgroup": 30, "thread_index_in_quadgroup": 31,
-    "quadgroups_per_threadgroup": 32, "dispatch_quadgroups_per_threadgroup": 33,
+    "thread_position_in_grid": 0,
+    "threadgroup_position_in_grid": 3,
+    "thread_position_in_threadgroup": 6,
+    "threads_per_threadgroup": 9,
+    "dispatch_threads_per_threadgroup": 12,
+    "threadgroups_per_grid": 15,
+    "threads_per_grid": 18,
+    "grid_size": 18,
+    "grid_origin": 21,
+    "thread_index_in_threadgroup": 24,
+    "simdgroup_index_in_threadgroup": 25,
+    "thread_index_in_simdgroup": 26,
+    "threads_per_simdgroup": 27,
+    "simdgroups_per_threadgroup": 28,
+    "dispatch_simdgroups_per_threadgroup": 29,
+    "quadgroup_index_in_threadgroup": 30,
+    "thread_index_in_quadgroup": 31,
+    "quadgroups_per_threadgroup": 32,
+    "dispatch_quadgroups_per_threadgroup": 33,
     "thread_execution_width": 34,
 }
 ORDERS = {"forward": 0, "reverse": 1, "random": 2}
@@ -63,22 +73,38 @@ class RegisterBudgetWarning(UserWarning):
 
 
 class _Buffer(ctypes.Structure):
-    _fields_ = [("name", ctypes.c_char_p), ("lo", ctypes.c_void_p), ("hi", ctypes.c_void_p),
-                ("map_lo", ctypes.c_void_p), ("map_hi", ctypes.c_void_p),
-                ("bytes_read", ctypes.c_uint64), ("bytes_written", ctypes.c_uint64),
-                ("is_output", ctypes.c_int64), ("written_map", ctypes.c_void_p),
-                ("bytes_unwritten", ctypes.c_uint64)]
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("lo", ctypes.c_void_p),
+        ("hi", ctypes.c_void_p),
+        ("map_lo", ctypes.c_void_p),
+        ("map_hi", ctypes.c_void_p),
+        ("bytes_read", ctypes.c_uint64),
+        ("bytes_written", ctypes.c_uint64),
+        ("is_output", ctypes.c_int64),
+        ("written_map", ctypes.c_void_p),
+        ("bytes_unwritten", ctypes.c_uint64),
+    ]
 
 
 class _LaunchDesc(ctypes.Structure):
-    _fields_ = [("grid", ctypes.c_int32 * 3), ("tg", ctypes.c_int32 * 3),
-                ("order", ctypes.c_int32), ("strict_barriers", ctypes.c_int32),
-                ("race_check", ctypes.c_int32), ("reserved", ctypes.c_int32),
-                ("seed", ctypes.c_uint64), ("timeout_s", ctypes.c_int64),
-                ("stack_size", ctypes.c_int64),
-                ("entry", ctypes.c_void_p), ("args", ctypes.POINTER(ctypes.c_void_p)),
-                ("buffers", ctypes.POINTER(_Buffer)), ("n_buffers", ctypes.c_int64),
-                ("stats", ctypes.c_uint64 * 24), ("pool", ctypes.c_void_p)]
+    _fields_ = [
+        ("grid", ctypes.c_int32 * 3),
+        ("tg", ctypes.c_int32 * 3),
+        ("order", ctypes.c_int32),
+        ("strict_barriers", ctypes.c_int32),
+        ("race_check", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+        ("seed", ctypes.c_uint64),
+        ("timeout_s", ctypes.c_int64),
+        ("stack_size", ctypes.c_int64),
+        ("entry", ctypes.c_void_p),
+        ("args", ctypes.POINTER(ctypes.c_void_p)),
+        ("buffers", ctypes.POINTER(_Buffer)),
+        ("n_buffers", ctypes.c_int64),
+        ("stats", ctypes.c_uint64 * 24),
+        ("pool", ctypes.c_void_p),
+    ]
 
 
 @dataclass
@@ -136,7 +162,7 @@ _order_override = threading.local()
 
 
 def parse_order(text: str) -> tuple[str, int]:
-    """"forward" | "reverse" | "random[:seed]" -> (name, seed)."""
+    """ "forward" | "reverse" | "random[:seed]" -> (name, seed)."""
     name, _, seed = text.strip().partition(":")
     if name not in ORDERS:
         raise ValueError(f"lane order must be forward, reverse or random[:seed], not {text!r}")
@@ -175,8 +201,12 @@ def _load(path) -> ctypes.CDLL:
         lib = ctypes.CDLL(key)
         lib.mlxemu_launch.argtypes = [ctypes.POINTER(_LaunchDesc), ctypes.c_char_p, ctypes.c_int]
         lib.mlxemu_launch.restype = ctypes.c_int
-        lib.mlxemu_alloc.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
-                                     ctypes.POINTER(ctypes.c_void_p)]
+        lib.mlxemu_alloc.argtypes = [
+            ctypes.c_int64,
+            ctypes.c_int,
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.POINTER(ctypes.c_void_p),
+        ]
         lib.mlxemu_alloc.restype = ctypes.c_void_p
         lib.mlxemu_free.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         _libs[key] = lib
@@ -196,7 +226,7 @@ def _driver(gen: Generated) -> str:
         args.append(f"metal::uint3{{t[{o}], t[{o + 1}], t[{o + 2}]}}" if ty == "uint3" else f"t[{o}]")
     fn = gen.kernel_name + gen.template_def
     return (
-        "\nextern \"C\" __attribute__((visibility(\"default\"), used))\n"
+        '\nextern "C" __attribute__((visibility("default"), used))\n'
         "void mlxemu_entry(void* const* a, const unsigned int* t) {\n"
         f"  (void)a; (void)t;\n  {fn}(\n    " + ",\n    ".join(args) + ");\n}\n"
     )
@@ -224,8 +254,9 @@ class EmulatedKernel:
     MLX would compile), `last_stats` ({input name: bytes read}) and `last_launch`
     (`LaunchStats`)."""
 
-    def __init__(self, name, input_names, output_names, source, header="",
-                 ensure_row_contiguous=True, atomic_outputs=False):
+    def __init__(
+        self, name, input_names, output_names, source, header="", ensure_row_contiguous=True, atomic_outputs=False
+    ):
         if not output_names:
             raise ValueError("[metal_kernel] Must specify at least one output.")
         self.name = name
@@ -240,21 +271,42 @@ class EmulatedKernel:
         self.last_launch: LaunchStats | None = None
         self._libs: dict[str, ctypes.CDLL] = {}  # generated source -> its library
 
-    def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup,
-                 template=None, init_value=None, verbose=False, stream=None, order=None):
+    def __call__(
+        self,
+        *,
+        inputs,
+        output_shapes,
+        output_dtypes,
+        grid,
+        threadgroup,
+        template=None,
+        init_value=None,
+        verbose=False,
+        stream=None,
+        order=None,
+    ):
         inputs = [x if isinstance(x, mx.array) else mx.array(x) for x in inputs]
-        for got, want, what in ((len(inputs), len(self.input_names), "inputs"),
-                                (len(output_shapes), len(self.output_names), "output_shapes"),
-                                (len(output_dtypes), len(self.output_names), "output_dtypes")):
+        for got, want, what in (
+            (len(inputs), len(self.input_names), "inputs"),
+            (len(output_shapes), len(self.output_names), "output_shapes"),
+            (len(output_dtypes), len(self.output_names), "output_dtypes"),
+        ):
             if got != want:
                 raise ValueError(f"[metal_kernel] Expected `{what}` to have size {want} but got size {got}.")
         grid, threadgroup = tuple(int(v) for v in grid), tuple(int(v) for v in threadgroup)
         if len(grid) != 3 or len(threadgroup) != 3 or min(grid + threadgroup) < 1:
             raise ValueError(f"[metal_kernel] bad grid {grid} or threadgroup {threadgroup}")
-        gen = generated_source(name=self.name, input_names=self.input_names,
-                               output_names=self.output_names, source=self.source,
-                               header=self.header, atomic_outputs=self.atomic_outputs,
-                               inputs=inputs, output_dtypes=output_dtypes, template=template)
+        gen = generated_source(
+            name=self.name,
+            input_names=self.input_names,
+            output_names=self.output_names,
+            source=self.source,
+            header=self.header,
+            atomic_outputs=self.atomic_outputs,
+            inputs=inputs,
+            output_dtypes=output_dtypes,
+            template=template,
+        )
         preamble = metal_utils_preamble()
         full = preamble + gen.source
         self.last_source = full
@@ -266,22 +318,21 @@ class EmulatedKernel:
                 if (a, "uint") in gen.attributes and (b, "uint") in gen.attributes:
                     raise compiler.CompileError(
                         f"{self.name}.metal: attributes [[{a}]] and [[{b}]] conflict (one kernel "
-                        "may declare only one of them)")
-            body = len(preamble) + gen.source.index(") {\n", gen.source.index(
-                f"[[kernel]] void {gen.kernel_name}(")) + 4
-            lowered = lower(full, len(preamble), f"{self.name}.metal",
-                            kernel_span=(body, body + len(self.source)))
+                        "may declare only one of them)"
+                    )
+            body = (
+                len(preamble) + gen.source.index(") {\n", gen.source.index(f"[[kernel]] void {gen.kernel_name}(")) + 4
+            )
+            lowered = lower(full, len(preamble), f"{self.name}.metal", kernel_span=(body, body + len(self.source)))
             lib = self._libs[gen.source] = _load(compiler.build(lowered, _driver(gen)))
 
         # MLX clamps the threadgroup to the grid (group_dims = min(tg, grid)).
         tg = tuple(min(t, g) for t, g in zip(threadgroup, grid))
         order_name, seed = current_order(order)
         with _lock:
-            return self._launch(lib, gen, inputs, output_shapes, output_dtypes, grid, tg,
-                                init_value, order_name, seed)
+            return self._launch(lib, gen, inputs, output_shapes, output_dtypes, grid, tg, init_value, order_name, seed)
 
-    def _launch(self, lib, gen, inputs, output_shapes, output_dtypes, grid, tg, init_value,
-                order_name, seed):
+    def _launch(self, lib, gen, inputs, output_shapes, output_dtypes, grid, tg, init_value, order_name, seed):
         datas: list[bytes | None] = []
         fills: list[int] = []
         for p in gen.params:
@@ -291,7 +342,7 @@ class EmulatedKernel:
                 datas.append(np.array(inputs[p.input_index].shape, np.int32).tobytes())
             elif p.kind == "strides":
                 shape = inputs[p.input_index].shape
-                strides = [int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape))]
+                strides = [int(np.prod(shape[i + 1 :], dtype=np.int64)) for i in range(len(shape))]
                 datas.append(np.array(strides, np.int64).tobytes())
             elif p.kind == "ndim":
                 datas.append(np.array(inputs[p.input_index].ndim, np.int32).tobytes())
@@ -320,8 +371,18 @@ class EmulatedKernel:
                 if p.kind == "output":
                     wmap = np.zeros(n // 8 + 1, np.uint8)
                     maps.append(wmap)
-                bufs[i] = _Buffer(names[i], ptr, ptr + n, lo.value, hi.value, 0, 0,
-                                  p.kind == "output", wmap.ctypes.data if wmap is not None else None, 0)
+                bufs[i] = _Buffer(
+                    names[i],
+                    ptr,
+                    ptr + n,
+                    lo.value,
+                    hi.value,
+                    0,
+                    0,
+                    p.kind == "output",
+                    wmap.ctypes.data if wmap is not None else None,
+                    0,
+                )
                 args[i] = ptr
             desc = _LaunchDesc()
             desc.grid[:] = grid
@@ -343,23 +404,32 @@ class EmulatedKernel:
             st = list(desc.stats)
             self.last_launch = LaunchStats(
                 order=order_name if order_name != "random" else f"random:{seed}",
-                threads=st[0], threadgroups=st[1], barriers=st[2], simd_ops=st[3],
-                barriers_with_exited_threads=st[4], threadgroup_memory_bytes=st[5],
+                threads=st[0],
+                threadgroups=st[1],
+                barriers=st[2],
+                simd_ops=st[3],
+                barriers_with_exited_threads=st[4],
+                threadgroup_memory_bytes=st[5],
                 bytes_read={p.name: bufs[i].bytes_read for i, p in enumerate(gen.params)},
                 bytes_written={p.name: bufs[i].bytes_written for i, p in enumerate(gen.params)},
-                bytes_unwritten={p.name: bufs[i].bytes_unwritten for i, p in enumerate(gen.params)
-                                 if p.kind == "output"},
+                bytes_unwritten={
+                    p.name: bufs[i].bytes_unwritten for i, p in enumerate(gen.params) if p.kind == "output"
+                },
                 registers=st[6] // 4,
                 register_budget=int(os.environ.get("MLXPAGED_EMU_REG_BUDGET", DEFAULT_REGISTER_BUDGET)),
                 threads_per_threadgroup=tg[0] * tg[1] * tg[2],
-                register_file_bytes=int(os.environ.get("MLXPAGED_EMU_REGFILE_BYTES",
-                                                       DEFAULT_REGISTER_FILE_BYTES)),
-                exp_calls=st[7], exp2_calls=st[8], simd_shuffles=st[9], simd_reductions=st[10],
+                register_file_bytes=int(os.environ.get("MLXPAGED_EMU_REGFILE_BYTES", DEFAULT_REGISTER_FILE_BYTES)),
+                exp_calls=st[7],
+                exp2_calls=st[8],
+                simd_shuffles=st[9],
+                simd_reductions=st[10],
                 barriers_without_threadgroup_fence=st[11],
                 device_loads={w: st[12 + i] for i, w in enumerate((1, 2, 4, 8, 16))},
-                simdgroup_mma=st[17], simdgroup_matrix_loads=st[18], simdgroup_matrix_stores=st[19])
-            self.last_stats = {p.name: bufs[i].bytes_read for i, p in enumerate(gen.params)
-                               if p.kind == "input"}
+                simdgroup_mma=st[17],
+                simdgroup_matrix_loads=st[18],
+                simdgroup_matrix_stores=st[19],
+            )
+            self.last_stats = {p.name: bufs[i].bytes_read for i, p in enumerate(gen.params) if p.kind == "input"}
             if rc != 0:
                 raise MetalEmuError(f"[{self.name}] {err.value.decode(errors='replace')}")
             st_ = self.last_launch
@@ -369,12 +439,16 @@ class EmulatedKernel:
                     f"threadgroup x about {st_.registers} registers each = "
                     f"{st_.threadgroup_register_bytes / 1024:.0f} KB of registers, over one GPU "
                     f"core's register file ({st_.register_file_bytes / 1024:.0f} KB on Apple7/8): "
-                    "use fewer threads per threadgroup")
+                    "use fewer threads per threadgroup"
+                )
             if self.last_launch.over_register_budget:
-                warnings.warn(f"[{self.name}] about {self.last_launch.registers} live 32-bit values "
-                              f"per thread exceed the register budget of "
-                              f"{self.last_launch.register_budget} (Apple GPUs spill beyond it)",
-                              RegisterBudgetWarning, stacklevel=3)
+                warnings.warn(
+                    f"[{self.name}] about {self.last_launch.registers} live 32-bit values "
+                    f"per thread exceed the register budget of "
+                    f"{self.last_launch.register_budget} (Apple GPUs spill beyond it)",
+                    RegisterBudgetWarning,
+                    stacklevel=3,
+                )
             outs = []
             for i, p in enumerate(gen.params):
                 if p.kind == "output":
@@ -388,8 +462,8 @@ class EmulatedKernel:
                     lib.mlxemu_free(b.map_lo, b.map_hi)
 
 
-def metal_kernel(name, input_names, output_names, source, header="",
-                 ensure_row_contiguous=True, atomic_outputs=False) -> EmulatedKernel:
+def metal_kernel(
+    name, input_names, output_names, source, header="", ensure_row_contiguous=True, atomic_outputs=False
+) -> EmulatedKernel:
     """Same signature as `mx.fast.metal_kernel`; the kernel runs on the CPU emulator."""
-    return EmulatedKernel(name, input_names, output_names, source, header,
-                          ensure_row_contiguous, atomic_outputs)
+    return EmulatedKernel(name, input_names, output_names, source, header, ensure_row_contiguous, atomic_outputs)

@@ -43,7 +43,9 @@ _METHOD_AS = re.compile(r"\)(\s*(?:const\s+)?)(constant|device|threadgroup)\b(?=
 _INST_ATTRS = re.compile(r"\btemplate(\s*)((?:\[\[.*?\]\]\s*)+)(?=decltype|void|\w)", re.S)
 # An array parameter in an address space (`constant const int64_t strides[2]`): clang rejects
 # the array form, so it becomes the pointer it decays to anyway.
-_AS_ARRAY_PARAM = re.compile(r"(?<=[(,])(\s*(?:const\s+)?(?:constant|device|threadgroup)\b[^,;(){}\[\]]*?)\b(\w+)\s*\[[^\]]*\]\s*(?=[,)])")
+_AS_ARRAY_PARAM = re.compile(
+    r"(?<=[(,])(\s*(?:const\s+)?(?:constant|device|threadgroup)\b[^,;(){}\[\]]*?)\b(\w+)\s*\[[^\]]*\]\s*(?=[,)])"
+)
 _FLOAT_LIT = re.compile(r"(?<![\w.])((?:\d+\.\d*|\.\d+)(?:[eE][+-]?\d+)?|\d+[eE][+-]?\d+)(?![\w.])")
 _HALF_LIT = re.compile(r"(?<![\w.])((?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?)(h|H|bf)\b")
 
@@ -70,7 +72,7 @@ def _storage_declarations(code: str, pattern: str) -> list[tuple[int, int, bool]
         if i >= 0 and code[i] not in ";{}":
             continue
         end = code.find(";", m.end())
-        decl = code[m.end(): end if end >= 0 else len(code)]
+        decl = code[m.end() : end if end >= 0 else len(code)]
         head = decl.split("=", 1)[0].split("[", 1)[0].split("{", 1)[0]
         if "*" in head or "&" in head or "(" in head:
             continue
@@ -87,7 +89,7 @@ def _tg_slot(decl: str, slot_id: int) -> str | None:
     The arena gives each array red zones and a race shadow, which a static cannot have.
     Newlines are kept so later lines keep their numbers.
     """
-    rest = decl[len("threadgroup"):]
+    rest = decl[len("threadgroup") :]
     depth = 0
     for ch in rest:  # several declarators (a top-level comma): leave it to the static form
         depth += ch in "<([" and 1 or (ch in ">)]" and -1 or 0)
@@ -100,8 +102,10 @@ def _tg_slot(decl: str, slot_id: int) -> str | None:
     dims = " ".join(m.group("dims").split())
     ref = f"(&{name}){dims}" if dims else f"&{name}"
     ptr = f"(*){dims}" if dims else "*"
-    text = (f"threadgroup {ty} {ref} = *(threadgroup {ty} {ptr})mlxemu_tg_slot("
-            f'{slot_id}, sizeof({ty}{dims}), alignof({ty}), "{name}")')
+    text = (
+        f"threadgroup {ty} {ref} = *(threadgroup {ty} {ptr})mlxemu_tg_slot("
+        f'{slot_id}, sizeof({ty}{dims}), alignof({ty}), "{name}")'
+    )
     return text + "\n" * decl.count("\n")
 
 
@@ -114,14 +118,29 @@ def _where(src: str, pos: int, body_offset: int | None, body_file: str) -> str:
 
 _AS_CAST = re.compile(
     r"\(\s*((?:(?:const|volatile)\s+)*(?:device|constant|threadgroup|thread)\s+(?:const\s+)?"
-    r"[A-Za-z_][\w:]*(?:\s*<[^()<>;]*>)?\s*(?:const\s*)?\*+\s*(?:const\s*)?)\)(?=\s*[\w(*&!~])")
+    r"[A-Za-z_][\w:]*(?:\s*<[^()<>;]*>)?\s*(?:const\s*)?\*+\s*(?:const\s*)?)\)(?=\s*[\w(*&!~])"
+)
 _SCOPE_OPEN = re.compile(r"[;{}]")
 _ARRAY_DECL = re.compile(
     r"\s*(?P<type>(?:const\s+)?[A-Za-z_][\w:]*(?:\s*<[^;{}()]*?>)?)\s+(?P<name>[A-Za-z_]\w*)\s*"
-    r"(?P<dims>(?:\[[^\]]+\]\s*)+)(?:=[^;]*)?;")
+    r"(?P<dims>(?:\[[^\]]+\]\s*)+)(?:=[^;]*)?;"
+)
 _STRUCT_VAR = r"\s*(?:const\s+)?(?:{names})\b(?:\s*<[^;{{}}]*?>)?\s+(?P<name>[A-Za-z_]\w*)\s*;"
-_NOT_TYPES = {"threadgroup", "constant", "device", "static", "return", "typedef", "using",
-              "else", "case", "goto", "delete", "throw", "constexpr"}
+_NOT_TYPES = {
+    "threadgroup",
+    "constant",
+    "device",
+    "static",
+    "return",
+    "typedef",
+    "using",
+    "else",
+    "case",
+    "goto",
+    "delete",
+    "throw",
+    "constexpr",
+}
 
 
 def _scopes(code: str) -> list[tuple[int, int, str, str]]:
@@ -131,7 +150,7 @@ def _scopes(code: str) -> list[tuple[int, int, str, str]]:
     for m in _SCOPE_OPEN.finditer(code):
         ch = m.group()
         if ch == "{":
-            head = code[prev:m.start()]
+            head = code[prev : m.start()]
             sm = re.search(r"\b(?:struct|class|union)\s+(\w+)?[^()]*$", head)
             if sm:
                 kind = "struct"
@@ -160,11 +179,14 @@ def _register_notes(code: str, start: int = 0) -> list[tuple[int, int, str]]:
             if o < p < c and o > best[0]:
                 best = (o, k)
         return best[1]
+
     holders = set()
     for o, c, k, name in scopes:
-        if k == "struct" and name and any(
-                m.group("type").split()[-1] not in _NOT_TYPES
-                for m in _ARRAY_DECL.finditer(code, o + 1, c)):
+        if (
+            k == "struct"
+            and name
+            and any(m.group("type").split()[-1] not in _NOT_TYPES for m in _ARRAY_DECL.finditer(code, o + 1, c))
+        ):
             holders.add(name)
     pats = [_ARRAY_DECL]
     if holders:
@@ -188,10 +210,32 @@ def _register_notes(code: str, start: int = 0) -> list[tuple[int, int, str]]:
 _VAR_DECL = re.compile(
     r"(?P<quals>(?:(?:static|constexpr|const|inline|volatile|extern)\s+)*)"
     r"(?P<type>[A-Za-z_][\w:]*(?:\s*<[^;{}()]*?>)?(?:\s*[*&]+)?)\s*(?<=[\s*&>])(?P<name>[A-Za-z_]\w*)"
-    r"\s*(?:\[[^\]]*\]\s*)*(?==|;|\{)")
-_DECL_HEADS = {"typedef", "using", "template", "struct", "class", "union", "enum", "namespace",
-               "return", "operator", "friend", "case", "default", "goto", "throw", "delete",
-               "else", "do", "static_assert", "public", "private", "protected"}
+    r"\s*(?:\[[^\]]*\]\s*)*(?==|;|\{)"
+)
+_DECL_HEADS = {
+    "typedef",
+    "using",
+    "template",
+    "struct",
+    "class",
+    "union",
+    "enum",
+    "namespace",
+    "return",
+    "operator",
+    "friend",
+    "case",
+    "default",
+    "goto",
+    "throw",
+    "delete",
+    "else",
+    "do",
+    "static_assert",
+    "public",
+    "private",
+    "protected",
+}
 
 
 def _blank_directives(code: str) -> str:
@@ -217,25 +261,30 @@ def unqualified_program_variables(code: str, start: int = 0) -> list[tuple[int, 
             if o < p < c and o > best[0]:
                 best = (o, k)
         return best[1]
+
     hits = []
     for m in re.finditer(r"(?:^|[;{}])\s*", code[start:]):
         pos = start + m.end()
         d = _VAR_DECL.match(code, pos)
         if not d or pos >= len(code):
             continue
-        words = set(re.findall(r"\w+", code[pos:d.end()]))
+        words = set(re.findall(r"\w+", code[pos : d.end()]))
         if d.group("type").split("<")[0].strip() in _DECL_HEADS or words & {"constant", "threadgroup"}:
             continue
         scope = innermost(pos)
         static = "static" in d.group("quals").split()
         if scope in ("top", "other") or (scope in ("struct", "code") and static):
             end = code.find(";", pos)
-            hits.append((pos, " ".join(code[pos:end if end > 0 else d.end()].split())))
+            hits.append((pos, " ".join(code[pos : end if end > 0 else d.end()].split())))
     return hits
 
 
-def lower(src: str, body_offset: int | None = None, body_file: str = "kernel.metal",
-          kernel_span: tuple[int, int] | None = None) -> str:
+def lower(
+    src: str,
+    body_offset: int | None = None,
+    body_file: str = "kernel.metal",
+    kernel_span: tuple[int, int] | None = None,
+) -> str:
     """The C++ text the emulator compiles for the MSL text `src` (see the module docstring).
 
     `body_offset` (the start of a line: where MLX's preamble ends) gets a `#line` directive so
@@ -252,11 +301,15 @@ def lower(src: str, body_offset: int | None = None, body_file: str = "kernel.met
     for slot_id, (pos, end, has_init) in enumerate(_storage_declarations(code, r"\bthreadgroup\b")):
         where = _where(src, pos, body_offset, body_file)
         if has_init:
-            raise CompileError(f"{where}: a threadgroup variable cannot have an initializer "
-                               f"(Metal rejects it): {' '.join(code[pos:end].split())}")
+            raise CompileError(
+                f"{where}: a threadgroup variable cannot have an initializer "
+                f"(Metal rejects it): {' '.join(code[pos:end].split())}"
+            )
         if kernel_span is not None and not kernel_span[0] <= pos < kernel_span[1]:
-            raise CompileError(f"{where}: threadgroup memory can only be declared in the kernel "
-                               f"function's scope: {' '.join(code[pos:end].split())}")
+            raise CompileError(
+                f"{where}: threadgroup memory can only be declared in the kernel "
+                f"function's scope: {' '.join(code[pos:end].split())}"
+            )
         slot = _tg_slot(code[pos:end], slot_id) if end > 0 and not has_init else None
         if slot is not None:
             edits.append((pos, end, slot))
@@ -268,9 +321,11 @@ def lower(src: str, body_offset: int | None = None, body_file: str = "kernel.met
             edits.append((end, end, " = {}"))
     if body_offset is not None:
         for pos, decl in unqualified_program_variables(code, body_offset):
-            raise CompileError(f"{_where(src, pos, body_offset, body_file)}: a program-scope or "
-                               f"static variable must be in the constant address space (Metal "
-                               f"rejects it): {decl}")
+            raise CompileError(
+                f"{_where(src, pos, body_offset, body_file)}: a program-scope or "
+                f"static variable must be in the constant address space (Metal "
+                f"rejects it): {decl}"
+            )
     for pos, _, _ in _storage_declarations(code, r"\b(?:(?:constexpr|const)\s+)*constant\b"):
         edits.append((pos, pos, "static "))
     for m in _METHOD_AS.finditer(code):

@@ -48,10 +48,20 @@ METAL_ATTRIBUTES = (
 )
 
 _TYPE_STRINGS = {
-    mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t",
-    mx.float64: "double", mx.complex64: "complex64_t", mx.bool_: "bool",
-    mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
-    mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t",
+    mx.float32: "float",
+    mx.float16: "float16_t",
+    mx.bfloat16: "bfloat16_t",
+    mx.float64: "double",
+    mx.complex64: "complex64_t",
+    mx.bool_: "bool",
+    mx.int8: "int8_t",
+    mx.int16: "int16_t",
+    mx.int32: "int32_t",
+    mx.int64: "int64_t",
+    mx.uint8: "uint8_t",
+    mx.uint16: "uint16_t",
+    mx.uint32: "uint32_t",
+    mx.uint64: "uint64_t",
 }
 
 
@@ -68,9 +78,9 @@ class ParamInfo:
     """How one kernel parameter is passed (what the signature says about it)."""
 
     name: str
-    kind: str          # "input", "shape", "strides", "ndim", "output"
-    msl_type: str      # e.g. "const device float*"
-    input_index: int   # index into inputs/outputs this parameter belongs to
+    kind: str  # "input", "shape", "strides", "ndim", "output"
+    msl_type: str  # e.g. "const device float*"
+    input_index: int  # index into inputs/outputs this parameter belongs to
 
 
 @dataclass(frozen=True)
@@ -78,10 +88,10 @@ class Generated:
     """The generated part of a kernel's source and how to call it."""
 
     kernel_name: str
-    source: str                      # header + signature + body + instantiation
-    params: tuple[ParamInfo, ...]    # buffer parameters in [[buffer(i)]] order
+    source: str  # header + signature + body + instantiation
+    params: tuple[ParamInfo, ...]  # buffer parameters in [[buffer(i)]] order
     attributes: tuple[tuple[str, str], ...]  # (name, MSL type) in signature order
-    template_def: str                # "<float, 3, 1>" or ""
+    template_def: str  # "<float, 3, 1>" or ""
 
 
 def _template_value(arg) -> tuple[str, str]:
@@ -96,16 +106,16 @@ def _template_value(arg) -> tuple[str, str]:
 
 
 def shape_infos(source: str, input_names) -> list[tuple[bool, bool, bool]]:
-    return [(f"{n}_shape" in source, f"{n}_strides" in source, f"{n}_ndim" in source)
-            for n in input_names]
+    return [(f"{n}_shape" in source, f"{n}_strides" in source, f"{n}_ndim" in source) for n in input_names]
 
 
 def attributes_in(source: str) -> tuple[tuple[str, str], ...]:
     return tuple((a, t) for a, t in METAL_ATTRIBUTES if a in source)
 
 
-def generated_source(*, name, input_names, output_names, source, header, atomic_outputs,
-                     inputs, output_dtypes, template) -> Generated:
+def generated_source(
+    *, name, input_names, output_names, source, header, atomic_outputs, inputs, output_dtypes, template
+) -> Generated:
     """The text MLX prints with verbose=True: header, signature, body and instantiation."""
     template = list(template or [])
     infos = shape_infos(source, input_names)
@@ -127,8 +137,7 @@ def generated_source(*, name, input_names, output_names, source, header, atomic_
 
     out = [header]
     if template:
-        out.append("template <" + ", ".join(f"{_template_value(v)[0]} {n}" for n, v in template)
-                   + ">\n")
+        out.append("template <" + ", ".join(f"{_template_value(v)[0]} {n}" for n, v in template) + ">\n")
     out.append(f"[[kernel]] void {kernel_name}(\n")
     params = []
     index = 0
@@ -140,9 +149,11 @@ def generated_source(*, name, input_names, output_names, source, header, atomic_
         params.append(ParamInfo(n, "input", ty, i))
         index += 1
         if arr.ndim > 0:
-            for flag, suffix, pty in zip(infos[i], ("shape", "strides", "ndim"),
-                                         ("const constant int*", "const constant int64_t*",
-                                          "const constant int&")):
+            for flag, suffix, pty in zip(
+                infos[i],
+                ("shape", "strides", "ndim"),
+                ("const constant int*", "const constant int64_t*", "const constant int&"),
+            ):
                 if flag:
                     out.append(f"  {pty} {n}_{suffix} [[buffer({index})]],\n")
                     params.append(ParamInfo(f"{n}_{suffix}", suffix, pty, i))
@@ -179,7 +190,7 @@ def _mlx_include_dir() -> Path:
     raise FileNotFoundError("the installed MLX ships no include/ directory")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def metal_utils_preamble() -> str:
     """`metal::utils()`: MLX's utils.h with its local includes expanded, as MLX's build does.
 
@@ -209,8 +220,7 @@ def metal_utils_preamble() -> str:
     for h in order:
         lines += [bar, f'// Contents from "{h}"', bar, "", f'#line 1 "{h}"']
         text = (root / h).read_text()
-        lines += [ln for ln in text.split("\n")[: -1 if text.endswith("\n") else None]
-                  if not drop.search(ln)]
+        lines += [ln for ln in text.split("\n")[: -1 if text.endswith("\n") else None] if not drop.search(ln)]
         lines.append("")
     lines.append(bar)
     return "\n" + "\n".join(lines) + "\n"

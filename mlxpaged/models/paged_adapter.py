@@ -71,11 +71,14 @@ class PagedLayerCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """keys, values `[T, kv_heads, 1, head_dim]` (post-RoPE): written at the step's slots."""
         if keys.ndim != 4 or keys.shape[2] != 1 or keys.shape[0] != self.offset.shape[0]:
-            raise AdapterError(f"cache.update_and_fetch got keys {keys.shape}; the paged adapter feeds "
-                               f"[T={self.offset.shape[0]}, kv_heads, 1, head_dim] (rows of one token)")
+            raise AdapterError(
+                f"cache.update_and_fetch got keys {keys.shape}; the paged adapter feeds "
+                f"[T={self.offset.shape[0]}, kv_heads, 1, head_dim] (rows of one token)"
+            )
         T, kvh, _, hd = keys.shape
-        self.pools = self.kv_cache.write(self.layer, keys.reshape(T, kvh, hd), values.reshape(T, kvh, -1),
-                                         self.meta.slot_mapping)
+        self.pools = self.kv_cache.write(
+            self.layer, keys.reshape(T, kvh, hd), values.reshape(T, kvh, -1), self.meta.slot_mapping
+        )
         return keys, values
 
     def attend(self, queries: mx.array, scale: float, mask, sinks=None) -> mx.array:
@@ -83,13 +86,16 @@ class PagedLayerCache:
         if self.pools is None:
             raise AdapterError("scaled_dot_product_attention was called before cache.update_and_fetch")
         if sinks is not None or not (mask is None or isinstance(mask, str)):
-            raise AdapterError("scaled_dot_product_attention got attention sinks or an explicit mask; "
-                               "the paged cache supports plain causal attention only")
+            raise AdapterError(
+                "scaled_dot_product_attention got attention sinks or an explicit mask; "
+                "the paged cache supports plain causal attention only"
+            )
         T, H, _, D = queries.shape
         q = self.kv_cache.scale_queries(self.layer, queries.reshape(T, H, D))
         m = self.meta
-        out = paged_attention_varlen(q, *self.pools, m.block_tables, m.cu_seqlens_q, m.context_lens,
-                                     scale=scale, impl=m.impl, scratch=m.scratch)
+        out = paged_attention_varlen(
+            q, *self.pools, m.block_tables, m.cu_seqlens_q, m.context_lens, scale=scale, impl=m.impl, scratch=m.scratch
+        )
         self.attended = True
         return out.reshape(T, H, 1, D)
 
@@ -180,7 +186,8 @@ class PagedModelMixin:
                 raise AdapterError(
                     f"{inspect.getfile(type(layers[c.layer].self_attn))}: "
                     f"{type(layers[c.layer].self_attn).__name__}.__call__ no longer calls cache.update_and_fetch and "
-                    "scaled_dot_product_attention(..., cache=cache): the paged adapter needs updating")
+                    "scaled_dot_product_attention(..., cache=cache): the paged adapter needs updating"
+                )
         return logits.reshape(logits.shape[0], -1)
 
 
@@ -217,8 +224,9 @@ def model_classes(config: dict):
     module = family_module(config["model_type"])
     _install_sdpa(module)
     if module.Model not in _classes:
-        _classes[module.Model] = type(f"Paged{module.__name__.rsplit('.', 1)[-1].title()}Model",
-                                      (PagedModelMixin, module.Model), {})
+        _classes[module.Model] = type(
+            f"Paged{module.__name__.rsplit('.', 1)[-1].title()}Model", (PagedModelMixin, module.Model), {}
+        )
     return _classes[module.Model], module.ModelArgs
 
 
@@ -233,19 +241,26 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
 
     if model_type in _WINDOWED:
         layer, which = _WINDOWED[model_type]
-        return (f"{model_type}: layer {layer} is sliding-window attention ({which}, window "
-                f"{config.get('sliding_window')}), which the paged cache does not hold "
-                "(it pages full-attention layers only); such models are refused")
+        return (
+            f"{model_type}: layer {layer} is sliding-window attention ({which}, window "
+            f"{config.get('sliding_window')}), which the paged cache does not hold "
+            "(it pages full-attention layers only); such models are refused"
+        )
     types = config.get("layer_types") or (config.get("text_config") or {}).get("layer_types") or []
     for i, c in enumerate(make_prompt_cache(model)):
         if type(c) is KVCache:
             continue
-        kind = {"RotatingKVCache": "sliding-window attention", "ArraysCache": "linear-attention / state-space",
-                "MambaCache": "state-space (Mamba)", "ChunkedKVCache": "chunked local attention"}.get(
-                    type(c).__name__, type(c).__name__)
+        kind = {
+            "RotatingKVCache": "sliding-window attention",
+            "ArraysCache": "linear-attention / state-space",
+            "MambaCache": "state-space (Mamba)",
+            "ChunkedKVCache": "chunked local attention",
+        }.get(type(c).__name__, type(c).__name__)
         named = f" ({types[i]})" if i < len(types) else ""
-        return (f"{model_type}: layer {i} is {kind}{named}, which the paged cache does not hold "
-                "(it pages full-attention layers only); such models are refused")
+        return (
+            f"{model_type}: layer {i} is {kind}{named}, which the paged cache does not hold "
+            "(it pages full-attention layers only); such models are refused"
+        )
     return None
 
 
@@ -263,8 +278,9 @@ def check_family(model_type: str | None, config: dict, where) -> None:
             reason = _refusal(model_type, module.Model(module.ModelArgs.from_dict(config)), config)
         except Exception:
             reason = None
-    raise MlxPagedError(f"{reason or f'unsupported model_type {model_type!r}'} in {where}; "
-                        f"mlxpaged runs {', '.join(FAMILIES)}")
+    raise MlxPagedError(
+        f"{reason or f'unsupported model_type {model_type!r}'} in {where}; mlxpaged runs {', '.join(FAMILIES)}"
+    )
 
 
 def prepare(model: nn.Module, config: dict, where) -> nn.Module:
@@ -274,7 +290,9 @@ def prepare(model: nn.Module, config: dict, where) -> nn.Module:
         raise MlxPagedError(f"{reason} in {where}")
     inner = getattr(model, "model", None)
     if not isinstance(getattr(inner, "norm", None), nn.Module):
-        raise AdapterError(f"{inspect.getfile(type(model))}: Model.model.norm is missing: the paged adapter needs updating")
+        raise AdapterError(
+            f"{inspect.getfile(type(model))}: Model.model.norm is missing: the paged adapter needs updating"
+        )
     args = model.args
     if getattr(args, "num_key_value_heads", None) is None:
         args.num_key_value_heads = args.num_attention_heads

@@ -11,7 +11,7 @@ and `x-api-key` authenticates as `Authorization: Bearer` does.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -31,7 +31,7 @@ class AnthropicError(Exception):
         self.status, self.message, self.headers = status, message, headers or {}
 
     @classmethod
-    def of(cls, e: APIError) -> "AnthropicError":
+    def of(cls, e: APIError) -> AnthropicError:
         return cls(e.status, e.message, e.headers)
 
     def body(self) -> dict:
@@ -58,32 +58,35 @@ class ToolUseBlock(_Body):
 class ToolResultBlock(_Body):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: Union[str, list[TextBlock], None] = None
+    content: str | list[TextBlock] | None = None
     is_error: bool = False
 
     def text(self) -> str:
-        body = self.content if isinstance(self.content, str) or self.content is None else \
-            "".join(b.text for b in self.content)
+        body = (
+            self.content
+            if isinstance(self.content, str) or self.content is None
+            else "".join(b.text for b in self.content)
+        )
         return f"Error: {body or ''}" if self.is_error else (body or "")
 
 
-Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock], Field(discriminator="type")]
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
 
 
 class Message(_Body):
     role: Literal["user", "assistant"]
-    content: Union[str, list[Block]]
+    content: str | list[Block]
 
 
 class Tool(_Body):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: Optional[str] = None
+    description: str | None = None
     input_schema: dict[str, Any]
 
 
 class ToolChoice(_Body):
     type: Literal["auto", "any", "tool", "none"]
-    name: Optional[str] = None
+    name: str | None = None
     disable_parallel_tool_use: bool = False
 
 
@@ -93,28 +96,28 @@ class JsonFormat(_Body):
 
 
 class OutputConfig(_Body):
-    format: Optional[JsonFormat] = None
-    effort: Optional[str] = None  # refused when set: no reasoning models here
+    format: JsonFormat | None = None
+    effort: str | None = None  # refused when set: no reasoning models here
 
 
 class CountTokensRequest(_Body):
     model: str
     messages: list[Message] = Field(min_length=1)
-    system: Union[str, list[TextBlock], None] = None
-    tools: Optional[list[Tool]] = None
-    tool_choice: Optional[ToolChoice] = None
-    thinking: Optional[dict[str, Any]] = None
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: dict[str, Any] | None = None
 
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
-    stop_sequences: Optional[list[str]] = None
+    stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: float = Field(1.0, ge=0, le=1)
-    top_p: Optional[float] = Field(None, gt=0, le=1)
-    top_k: Optional[int] = Field(None, ge=0)
-    metadata: Optional[dict[str, Any]] = None  # accepted and ignored (user_id)
-    output_config: Optional[OutputConfig] = None  # structured output: format json_schema
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    metadata: dict[str, Any] | None = None  # accepted and ignored (user_id)
+    output_config: OutputConfig | None = None  # structured output: format json_schema
 
 
 def _parse(model, raw) -> BaseModel:
@@ -150,8 +153,11 @@ def template_messages(body: CountTokensRequest) -> list[dict]:
         if m.role == "assistant":
             if any(isinstance(b, ToolResultBlock) for b in m.content):
                 raise AnthropicError(400, "messages: tool_result blocks belong in a user message")
-            calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
-                     for b in m.content if isinstance(b, ToolUseBlock)]
+            calls = [
+                {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+                for b in m.content
+                if isinstance(b, ToolUseBlock)
+            ]
             msg = {"role": "assistant", "content": "".join(texts)}
             if calls:
                 msg["tool_calls"] = calls
@@ -160,8 +166,11 @@ def template_messages(body: CountTokensRequest) -> list[dict]:
         if any(isinstance(b, ToolUseBlock) for b in m.content):
             raise AnthropicError(400, "messages: tool_use blocks belong in an assistant message")
         # The template wants tool results right after the call, then the user's words.
-        out += [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
-                for b in m.content if isinstance(b, ToolResultBlock)]
+        out += [
+            {"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
+            for b in m.content
+            if isinstance(b, ToolResultBlock)
+        ]
         if texts or not any(isinstance(b, ToolResultBlock) for b in m.content):
             out.append({"role": "user", "content": "".join(texts)})
     return out
@@ -186,7 +195,8 @@ def plan_of(body: CountTokensRequest):
 # -- responses ------------------------------------------------------------------------------------
 def stop_reason(end: TurnEnd) -> str:
     return {"tool_calls": "tool_use", "length": "max_tokens"}.get(
-        end.finish_reason, "stop_sequence" if end.stop_sequence is not None else "end_turn")
+        end.finish_reason, "stop_sequence" if end.stop_sequence is not None else "end_turn"
+    )
 
 
 def tool_use_block(call) -> dict:
@@ -229,8 +239,11 @@ def register_anthropic(app: FastAPI, state) -> None:
                 raise APIError(400, "output_config.effort: not supported by this server (no reasoning models)")
             if oc is not None and oc.format is not None:
                 if plan.guided is not None:
-                    raise APIError(400, "output_config.format: cannot be combined with tool_choice any or tool "
-                                   "(both constrain the output)")
+                    raise APIError(
+                        400,
+                        "output_config.format: cannot be combined with tool_choice any or tool "
+                        "(both constrain the output)",
+                    )
                 plan.guided = format_guided("json_schema", oc.format.schema_, "output_config.format")
                 plan.param = "output_config.format"
             check_context(len(ids), body.max_tokens, state.context)
@@ -241,15 +254,25 @@ def register_anthropic(app: FastAPI, state) -> None:
         msg_id = "msg_" + job.resp_id.split("-", 1)[1][:24]
         head = {"id": msg_id, "type": "message", "role": "assistant", "model": state.model_id}
         if body.stream:
-            return StreamingResponse(_stream(state, job, plan.parse, head, len(ids)), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                _stream(state, job, plan.parse, head, len(ids)),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         try:
             content, calls, end = await whole_turn(state, job, request, plan.parse)
         except APIError as e:
             raise AnthropicError.of(e) from None
-        blocks = ([{"type": "text", "text": content}] if content or not calls else []) + [tool_use_block(c) for c in calls]
-        return {**head, "content": blocks, "stop_reason": stop_reason(end), "stop_sequence": end.stop_sequence,
-                "usage": {"input_tokens": end.prompt_tokens, "output_tokens": end.completion_tokens}}
+        blocks = ([{"type": "text", "text": content}] if content or not calls else []) + [
+            tool_use_block(c) for c in calls
+        ]
+        return {
+            **head,
+            "content": blocks,
+            "stop_reason": stop_reason(end),
+            "stop_sequence": end.stop_sequence,
+            "usage": {"input_tokens": end.prompt_tokens, "output_tokens": end.completion_tokens},
+        }
 
     app.include_router(router)
 
@@ -264,9 +287,14 @@ class _Sampling:
         from ..engine.sampling_params import SamplingParams
 
         b = self.body
-        return SamplingParams(temperature=b.temperature, top_p=b.top_p if b.top_p is not None else 1.0,
-                              top_k=b.top_k or 0, max_tokens=max_tokens, stop=list(b.stop_sequences or []),
-                              **{k: v for k, v in extra.items() if v is not None})
+        return SamplingParams(
+            temperature=b.temperature,
+            top_p=b.top_p if b.top_p is not None else 1.0,
+            top_k=b.top_k or 0,
+            max_tokens=max_tokens,
+            stop=list(b.stop_sequences or []),
+            **{k: v for k, v in extra.items() if v is not None},
+        )
 
 
 async def _stream(state, job, parse, head: dict, n_prompt: int):
@@ -274,28 +302,49 @@ async def _stream(state, job, parse, head: dict, n_prompt: int):
     content_block_stop, then message_delta (stop_reason, usage) and message_stop."""
     index = -1
     text_open = False
-    yield sse("message_start", {"type": "message_start", "message": {
-        **head, "content": [], "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": n_prompt, "output_tokens": 0}}})
+    yield sse(
+        "message_start",
+        {
+            "type": "message_start",
+            "message": {
+                **head,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {"input_tokens": n_prompt, "output_tokens": 0},
+            },
+        },
+    )
     try:
         async for e in turn_events(state, job, parse):
             if isinstance(e, str):
                 if not text_open:
                     index, text_open = index + 1, True
-                    yield sse("content_block_start", {"type": "content_block_start", "index": index,
-                                                      "content_block": {"type": "text", "text": ""}})
-                yield sse("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                  "delta": {"type": "text_delta", "text": e}})
+                    yield sse(
+                        "content_block_start",
+                        {"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}},
+                    )
+                yield sse(
+                    "content_block_delta",
+                    {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": e}},
+                )
             elif isinstance(e, TurnEnd):
                 if index < 0:  # an empty turn still has one (empty) text block, as the whole message does
                     index, text_open = 0, True
-                    yield sse("content_block_start", {"type": "content_block_start", "index": 0,
-                                                      "content_block": {"type": "text", "text": ""}})
+                    yield sse(
+                        "content_block_start",
+                        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+                    )
                 if text_open:
                     yield sse("content_block_stop", {"type": "content_block_stop", "index": index})
-                yield sse("message_delta", {"type": "message_delta",
-                                            "delta": {"stop_reason": stop_reason(e), "stop_sequence": e.stop_sequence},
-                                            "usage": {"input_tokens": e.prompt_tokens, "output_tokens": e.completion_tokens}})
+                yield sse(
+                    "message_delta",
+                    {
+                        "type": "message_delta",
+                        "delta": {"stop_reason": stop_reason(e), "stop_sequence": e.stop_sequence},
+                        "usage": {"input_tokens": e.prompt_tokens, "output_tokens": e.completion_tokens},
+                    },
+                )
                 yield sse("message_stop", {"type": "message_stop"})
             else:  # a complete tool call: one tool_use block, its input as one input_json_delta
                 if text_open:
@@ -303,11 +352,18 @@ async def _stream(state, job, parse, head: dict, n_prompt: int):
                     text_open = False
                 index += 1
                 block = tool_use_block(e)
-                yield sse("content_block_start", {"type": "content_block_start", "index": index,
-                                                  "content_block": {**block, "input": {}}})
-                yield sse("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                  "delta": {"type": "input_json_delta", "partial_json": e.arguments}})
+                yield sse(
+                    "content_block_start",
+                    {"type": "content_block_start", "index": index, "content_block": {**block, "input": {}}},
+                )
+                yield sse(
+                    "content_block_delta",
+                    {
+                        "type": "content_block_delta",
+                        "index": index,
+                        "delta": {"type": "input_json_delta", "partial_json": e.arguments},
+                    },
+                )
                 yield sse("content_block_stop", {"type": "content_block_stop", "index": index})
     except APIError as err:
         yield sse("error", AnthropicError.of(err).body())
-

@@ -48,14 +48,28 @@ class ErrorResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
-def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model_aliases=(), api_key: str | None = None,
-              max_queue: int = 1024, limits: Limits | None = None, responses_store: int = 0) -> FastAPI:
+def build_app(
+    engine_loop: EngineLoop,
+    metrics: Metrics,
+    *,
+    model_id: str,
+    model_aliases=(),
+    api_key: str | None = None,
+    max_queue: int = 1024,
+    limits: Limits | None = None,
+    responses_store: int = 0,
+) -> FastAPI:
     """Routes over a started `engine_loop`; the app's shutdown stops it."""
     engine = engine_loop.engine
     args = engine.loaded.model.args
     limits = limits or Limits()
-    cap = Capacity(getattr(args, "max_position_embeddings", None), args.vocab_size, engine.num_blocks,
-                   engine.config.block_size, max_token_chars(engine.tokenizer))
+    cap = Capacity(
+        getattr(args, "max_position_embeddings", None),
+        args.vocab_size,
+        engine.num_blocks,
+        engine.config.block_size,
+        max_token_chars(engine.tokenizer),
+    )
     # One tokenizer thread: HF tokenizers are not safe to call from several threads at once.
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxpaged-tokenize")
     names = frozenset({model_id, *model_aliases})
@@ -72,12 +86,21 @@ def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model
             pool.shutdown(wait=False, cancel_futures=True)
 
     docs = limits.enable_docs
-    app = FastAPI(title="mlxpaged", lifespan=lifespan, docs_url="/docs" if docs else None,
-                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
+    app = FastAPI(
+        title="mlxpaged",
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
     app.state.server = state
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes,
-                       open_paths=frozenset({"/health", *(DOCS_PATHS if docs else ())}),
-                       draining=lambda: engine_loop.draining)
+    app.add_middleware(
+        Guard,
+        api_key=api_key,
+        max_body_bytes=limits.max_body_bytes,
+        open_paths=frozenset({"/health", *(DOCS_PATHS if docs else ())}),
+        draining=lambda: engine_loop.draining,
+    )
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -105,8 +128,10 @@ def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model
 
     @v1.get("/models")
     async def models():
-        return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": 0,
-                                            "owned_by": "mlxpaged"}]}
+        return {
+            "object": "list",
+            "data": [{"id": state.model_id, "object": "model", "created": 0, "owned_by": "mlxpaged"}],
+        }
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -119,8 +144,9 @@ def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model
             if isinstance(p, str):
                 check_chars(cap, len(p), "prompt")
         prompts = await state.off_loop(lambda: [encode_prompt(engine.tokenizer, p, cap.vocab_size) for p in texts])
-        max_tokens = body.max_tokens or default_max_tokens(cap, DEFAULT_COMPLETION_MAX_TOKENS,
-                                                           max(map(len, prompts)), body.n)
+        max_tokens = body.max_tokens or default_max_tokens(
+            cap, DEFAULT_COMPLETION_MAX_TOKENS, max(map(len, prompts)), body.n
+        )
         for ids in prompts:
             check_context(len(ids), max_tokens, cap.context)
         params = sampling_params(body, max_tokens, body.logprobs, cap.vocab_size)
@@ -133,8 +159,11 @@ def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model
         if body.stream:
             return job.stream(request, "text_completion", state.model_id, choice, body.include_usage)
         outs = await job.collect(request)
-        choices = [choice(job.index(o.request_id, c.index), c.text, getattr(c, "logprobs", None), c.finish_reason, None)
-                   for o in outs for c in o.outputs]
+        choices = [
+            choice(job.index(o.request_id, c.index), c.text, getattr(c, "logprobs", None), c.finish_reason, None)
+            for o in outs
+            for c in o.outputs
+        ]
         return envelope(job.resp_id, "text_completion", state.model_id, choices=choices, usage=usage(outs))
 
     @v1.post("/chat/completions")
@@ -168,11 +197,17 @@ def build_app(engine_loop: EngineLoop, metrics: Metrics, *, model_id: str, model
         if body.stream:
             return job.stream(request, "chat.completion.chunk", state.model_id, chunk_choice, body.include_usage)
         outs = await job.collect(request)
-        choices = [{"index": c.index, "message": msg,
-                    "logprobs": chat_logprobs(c.logprobs, text_of) if getattr(c, "logprobs", None) is not None else None,
-                    "finish_reason": finish}
-                   for o in outs for c in o.outputs
-                   for msg, finish in [chat_message(c.text, c.finish_reason, plan.parse)]]  # tools.py: parsed calls
+        choices = [
+            {
+                "index": c.index,
+                "message": msg,
+                "logprobs": chat_logprobs(c.logprobs, text_of) if getattr(c, "logprobs", None) is not None else None,
+                "finish_reason": finish,
+            }
+            for o in outs
+            for c in o.outputs
+            for msg, finish in [chat_message(c.text, c.finish_reason, plan.parse)]
+        ]  # tools.py: parsed calls
         return envelope(job.resp_id, "chat.completion", state.model_id, choices=choices, usage=usage(outs))
 
     register_responses(v1, state, text_of)

@@ -40,50 +40,137 @@ def _check_port(host: str, port: int) -> None:
 
 @click.command()
 @model_and_engine_options("sized from free memory")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0 exposes the server to the network).")
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on (0.0.0.0 exposes the server to the network).",
+)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
-@click.option("--api-key", envvar="MLXPAGED_API_KEY", default=None,
-              help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health "
-                   "(env MLXPAGED_API_KEY).")
-@click.option("--max-queue", default=1024, show_default=True, type=click.IntRange(1), help="Requests waiting for admission before new ones get 503.")
-@click.option("--responses-store", default=0, show_default=True, type=click.IntRange(0),
-              help="Responses kept in memory (LRU) for /v1/responses' previous_response_id; 0: stateless.")
-@click.option("--served-model-name", default=None,
-              help="The model id of /v1/models (default: the checkpoint's folder or file name).")
-@click.option("--shutdown-timeout", default=5.0, show_default=True,
-              help="Seconds SIGINT/SIGTERM lets running requests finish before aborting them.")
-@click.option("--kv-memory-gb", default=None, type=click.FloatRange(min=0, min_open=True),
-              help="Cap of the KV pool, which grows as blocks are needed and shrinks when idle (default: a quarter "
-                   "of free memory; --num-blocks fixes the pool instead).")
-@click.option("--max-body-bytes", default=Limits.max_body_bytes, show_default=True, type=click.IntRange(1024),
-              help="Larger request bodies get 413 before they are read.")
-@click.option("--max-stop-strings", default=Limits.max_stop_strings, show_default=True,
-              type=click.IntRange(1, MAX_STOPS_CAP),
-              help="Stop strings one request may give (OpenAI: 4).")
-@click.option("--max-request-tokens", default=Limits.max_request_tokens, show_default=True, type=click.IntRange(1),
-              help="Largest prompts x n x max_tokens one request may ask for.")
-@click.option("--stream-stall-timeout", default=Limits.stream_stall_timeout, show_default=True,
-              type=click.FloatRange(0),
-              help="Abort a request whose client stays behind its stream this many seconds (0: never).")
-@click.option("--max-connections", default=1024, show_default=True, type=click.IntRange(1),
-              help="Open connections and requests at once; beyond it new requests get 503.")
-@click.option("--header-timeout", default=10.0, show_default=True, type=click.FloatRange(0.01),
-              help="Close a connection whose request headers have not all arrived in this many seconds.")
-@click.option("--keep-alive-timeout", default=5.0, show_default=True, type=click.FloatRange(0.01),
-              help="Close an idle keep-alive connection after this many seconds.")
+@click.option(
+    "--api-key",
+    envvar="MLXPAGED_API_KEY",
+    default=None,
+    help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health (env MLXPAGED_API_KEY).",
+)
+@click.option(
+    "--max-queue",
+    default=1024,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Requests waiting for admission before new ones get 503.",
+)
+@click.option(
+    "--responses-store",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Responses kept in memory (LRU) for /v1/responses' previous_response_id; 0: stateless.",
+)
+@click.option(
+    "--served-model-name",
+    default=None,
+    help="The model id of /v1/models (default: the checkpoint's folder or file name).",
+)
+@click.option(
+    "--shutdown-timeout",
+    default=5.0,
+    show_default=True,
+    help="Seconds SIGINT/SIGTERM lets running requests finish before aborting them.",
+)
+@click.option(
+    "--kv-memory-gb",
+    default=None,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Cap of the KV pool, which grows as blocks are needed and shrinks when idle (default: a quarter "
+    "of free memory; --num-blocks fixes the pool instead).",
+)
+@click.option(
+    "--max-body-bytes",
+    default=Limits.max_body_bytes,
+    show_default=True,
+    type=click.IntRange(1024),
+    help="Larger request bodies get 413 before they are read.",
+)
+@click.option(
+    "--max-stop-strings",
+    default=Limits.max_stop_strings,
+    show_default=True,
+    type=click.IntRange(1, MAX_STOPS_CAP),
+    help="Stop strings one request may give (OpenAI: 4).",
+)
+@click.option(
+    "--max-request-tokens",
+    default=Limits.max_request_tokens,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Largest prompts x n x max_tokens one request may ask for.",
+)
+@click.option(
+    "--stream-stall-timeout",
+    default=Limits.stream_stall_timeout,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="Abort a request whose client stays behind its stream this many seconds (0: never).",
+)
+@click.option(
+    "--max-connections",
+    default=1024,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Open connections and requests at once; beyond it new requests get 503.",
+)
+@click.option(
+    "--header-timeout",
+    default=10.0,
+    show_default=True,
+    type=click.FloatRange(0.01),
+    help="Close a connection whose request headers have not all arrived in this many seconds.",
+)
+@click.option(
+    "--keep-alive-timeout",
+    default=5.0,
+    show_default=True,
+    type=click.FloatRange(0.01),
+    help="Close an idle keep-alive connection after this many seconds.",
+)
 @click.option("--enable-docs", is_flag=True, help="Serve /docs, /redoc and /openapi.json (off by default).")
-@click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]), show_default=True)
-def serve(model, dtype, weights, host, port, api_key, max_queue, responses_store, served_model_name, shutdown_timeout,
-          kv_memory_gb, max_body_bytes, max_stop_strings, max_request_tokens, stream_stall_timeout, max_connections,
-          header_timeout, keep_alive_timeout, enable_docs, log_level, **engine_flags):
+@click.option(
+    "--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]), show_default=True
+)
+def serve(
+    model,
+    dtype,
+    weights,
+    host,
+    port,
+    api_key,
+    max_queue,
+    responses_store,
+    served_model_name,
+    shutdown_timeout,
+    kv_memory_gb,
+    max_body_bytes,
+    max_stop_strings,
+    max_request_tokens,
+    stream_stall_timeout,
+    max_connections,
+    header_timeout,
+    keep_alive_timeout,
+    enable_docs,
+    log_level,
+    **engine_flags,
+):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /health, /metrics)
     and Anthropic's (/v1/messages, /v1/messages/count_tokens)."""
     if api_key is None and "MLXPAGED_API_KEY" in os.environ:  # click reads an empty variable as unset
         api_key = os.environ["MLXPAGED_API_KEY"]
     if api_key is not None:
         if not api_key.strip():  # `--api-key ""` or `MLXPAGED_API_KEY=`: never silently serve everyone
-            _fail("the API key is empty (--api-key or MLXPAGED_API_KEY): give a key, "
-                  "or leave both unset to serve without one")
+            _fail(
+                "the API key is empty (--api-key or MLXPAGED_API_KEY): give a key, "
+                "or leave both unset to serve without one"
+            )
         api_key = api_key.strip()
     try:
         import fastapi  # noqa: F401
@@ -108,8 +195,10 @@ def serve(model, dtype, weights, host, port, api_key, max_queue, responses_store
         return _follow(make, group)
     _check_port(host, port)
     if not api_key and not _is_loopback(host):
-        click.echo(f"warning: listening on {host} without --api-key: anyone who can reach port {port} "
-                   "can use this server", err=True)
+        click.echo(
+            f"warning: listening on {host} without --api-key: anyone who can reach port {port} can use this server",
+            err=True,
+        )
     from .app import build_app
     from .connections import header_timeout_protocol, raise_fd_limit
     from .engine_loop import EngineLoop
@@ -127,18 +216,39 @@ def serve(model, dtype, weights, host, port, api_key, max_queue, responses_store
     engine, loaded = engine_loop.engine, engine_loop.engine.loaded
     model_id = served_model_name or default_model_name(model, loaded.path)
     metrics.attach(engine_loop)
-    limits = Limits(max_body_bytes=max_body_bytes, max_stop_strings=max_stop_strings,
-                    max_request_tokens=max_request_tokens, stream_stall_timeout=stream_stall_timeout or None,
-                    enable_docs=enable_docs)
+    limits = Limits(
+        max_body_bytes=max_body_bytes,
+        max_stop_strings=max_stop_strings,
+        max_request_tokens=max_request_tokens,
+        stream_stall_timeout=stream_stall_timeout or None,
+        enable_docs=enable_docs,
+    )
     aliases = {loaded.path.name, str(loaded.path), *([model] if model else [])}
-    app = build_app(engine_loop, metrics, model_id=model_id, model_aliases=aliases, api_key=api_key,
-                    max_queue=max_queue, limits=limits, responses_store=responses_store)
+    app = build_app(
+        engine_loop,
+        metrics,
+        model_id=model_id,
+        model_aliases=aliases,
+        api_key=api_key,
+        max_queue=max_queue,
+        limits=limits,
+        responses_store=responses_store,
+    )
     raise_fd_limit()  # after loading: importing mlx_lm sets (2048, 4096)
     _announce(host, port, model_id, loaded, engine, api_key)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
-                            timeout_graceful_shutdown=shutdown_timeout + 5, lifespan="on", loop="asyncio",
-                            http=header_timeout_protocol(header_timeout), limit_concurrency=max_connections,
-                            timeout_keep_alive=keep_alive_timeout)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=log_level == "debug",
+        timeout_graceful_shutdown=shutdown_timeout + 5,
+        lifespan="on",
+        loop="asyncio",
+        http=header_timeout_protocol(header_timeout),
+        limit_concurrency=max_connections,
+        timeout_keep_alive=keep_alive_timeout,
+    )
 
     class Server(uvicorn.Server):
         """SIGINT and SIGTERM alike: the first drains (new requests get 503, /health says "draining",
@@ -224,8 +334,11 @@ def _announce(host, port, model_id, loaded, engine, api_key) -> None:
     cfg = engine.config
     kv = f" ({cfg.kv_bits}-bit K/V, group {cfg.kv_group_size})" if cfg.kv_bits else ""
     cap = engine.max_blocks
-    grows = (f", grows to {cap} blocks ({cap * engine.kv_cache.shape.bytes_per_block(bs) / 1e9:.3f} GB) as needed"
-             if cap > engine.num_blocks else "")
+    grows = (
+        f", grows to {cap} blocks ({cap * engine.kv_cache.shape.bytes_per_block(bs) / 1e9:.3f} GB) as needed"
+        if cap > engine.num_blocks
+        else ""
+    )
     click.echo(
         f"mlxpaged serve: http://{host}:{port}/v1  model {model_id} ({loaded.path}, {loaded.dtype})\n"
         f"  KV pool: {engine.num_blocks} blocks x {bs} tokens = {engine.num_blocks * bs} tokens, "

@@ -248,8 +248,15 @@ class EngineLoop:
         """This iteration's engine calls, to the other ranks (`follow` replays them in this order)."""
         from ..distributed.collectives import broadcast_json
 
-        broadcast_json(self._group, {"drained": drained, "aborts": list(aborts), "stop": stop,
-                                     "adds": [[list(p), dataclasses.asdict(sp), rid] for p, sp, rid, *_ in adds]})
+        broadcast_json(
+            self._group,
+            {
+                "drained": drained,
+                "aborts": list(aborts),
+                "stop": stop,
+                "adds": [[list(p), dataclasses.asdict(sp), rid] for p, sp, rid, *_ in adds],
+            },
+        )
 
     def _add(self, prompt, params, rid, sink, fut, arrival) -> None:
         try:
@@ -291,8 +298,12 @@ class EngineLoop:
             limit = self.stall_timeout
             if not out.finished and limit is not None and sink.behind_for(time.monotonic()) > limit:
                 log.warning("aborting request %s: its client read nothing new for %.0f s", out.request_id, limit)
-                self._fail(out.request_id, ClientTooSlow(
-                    f"the client stayed behind the stream for more than {limit:g} s (--stream-stall-timeout)"))
+                self._fail(
+                    out.request_id,
+                    ClientTooSlow(
+                        f"the client stayed behind the stream for more than {limit:g} s (--stream-stall-timeout)"
+                    ),
+                )
                 # aborted before the next step, through the queue, so tensor-parallel ranks see the same abort
                 self._stalled.add(out.request_id)
                 self.abort(out.request_id)

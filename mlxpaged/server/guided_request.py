@@ -49,8 +49,9 @@ class ToolPlan:
     param: str | None = None  # the request field that asked for `guided` (named in its errors)
 
 
-def tool_plan(functions: list[dict], choice: str, named: str | None = None, *, parallel: bool = True,
-              param: str = "tool_choice") -> ToolPlan:
+def tool_plan(
+    functions: list[dict], choice: str, named: str | None = None, *, parallel: bool = True, param: str = "tool_choice"
+) -> ToolPlan:
     """functions: `{"name", "description", "parameters"}`; choice: auto, none, required or named.
 
     `none` leaves the tools out of the prompt (a small model shown tools tends to call them), so
@@ -71,8 +72,9 @@ def tool_plan(functions: list[dict], choice: str, named: str | None = None, *, p
         return ToolPlan(rendered, frozenset(names))
     if choice == "named":
         if named not in names:
-            raise APIError(400, f"{param}: function '{named}' is not among the offered tools ({', '.join(names)})",
-                           param=param)
+            raise APIError(
+                400, f"{param}: function '{named}' is not among the offered tools ({', '.join(names)})", param=param
+            )
         forced = [f for f in functions if f["name"] == named]
     else:
         forced = functions
@@ -91,8 +93,10 @@ def chat_plan(body) -> tuple[list[dict], ToolPlan]:
         messages = template_messages(body.messages)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
-    functions = [{"name": t.function.name, "description": t.function.description, "parameters": t.function.parameters}
-                 for t in body.tools or []]
+    functions = [
+        {"name": t.function.name, "description": t.function.description, "parameters": t.function.parameters}
+        for t in body.tools or []
+    ]
     tc = body.tool_choice
     if isinstance(tc, NamedToolChoice):
         choice, named = "named", tc.function.name
@@ -102,8 +106,11 @@ def chat_plan(body) -> tuple[list[dict], ToolPlan]:
     rf = body.response_format
     if rf is not None and rf.type != "text":
         if plan.guided is not None:
-            raise APIError(400, f"response_format: cannot be combined with tool_choice '{named or choice}' (both "
-                           "constrain the output)", param="response_format")
+            raise APIError(
+                400,
+                f"response_format: cannot be combined with tool_choice '{named or choice}' (both constrain the output)",
+                param="response_format",
+            )
         spec = rf.json_schema
         plan.guided = format_guided(rf.type, spec.schema_ if spec is not None else None, "response_format")
         plan.param = "response_format"

@@ -53,8 +53,12 @@ class ServerState:
 
 def check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model not in state.model_aliases:
-        raise APIError(404, f"unknown model '{model}': this server serves '{state.model_id}'", param="model",
-                       code="model_not_found")
+        raise APIError(
+            404,
+            f"unknown model '{model}': this server serves '{state.model_id}'",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def sampling_params(body, max_tokens: int, logprobs: int | None, vocab_size: int | None = None, **extra):
@@ -84,14 +88,19 @@ class Job:
         self.final: dict = {}
 
     @classmethod
-    async def start(cls, state: ServerState, prefix: str, prompts: list[list[int]], params,
-                    guided_param: str | None = None) -> Job:
+    async def start(
+        cls, state: ServerState, prefix: str, prompts: list[list[int]], params, guided_param: str | None = None
+    ) -> Job:
         """`guided_param`: the request field a grammar the engine cannot compile is blamed on."""
         el = state.engine_loop
         waiting = el.snapshot.get("requests_waiting", 0) + el.pending
         if waiting + len(prompts) > state.max_queue:
-            raise APIError(503, f"server busy: {waiting} requests waiting (--max-queue {state.max_queue}); retry later",
-                           code="queue_full", headers={"Retry-After": "1"})
+            raise APIError(
+                503,
+                f"server busy: {waiting} requests waiting (--max-queue {state.max_queue}); retry later",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
         resp_id = f"{prefix}-{uuid.uuid4().hex}"
         sink = Sink(asyncio.get_running_loop())
         rids = [f"{resp_id}-{i}" for i in range(len(prompts))]
@@ -140,8 +149,11 @@ class Job:
         return [self.final[r] for r in self.rids]
 
     def stream(self, request: Request, kind: str, model: str, make_choice, include_usage: bool) -> StreamingResponse:
-        return StreamingResponse(self._events(kind, model, make_choice, include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            self._events(kind, model, make_choice, include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
     async def _events(self, kind: str, model: str, make_choice, include_usage: bool):
         streams: dict[tuple[str, int], ChoiceStream] = {}
@@ -171,7 +183,9 @@ class Job:
                         self.final[rid] = item
             if not failed:
                 if include_usage:
-                    yield sse_data(envelope(self.resp_id, kind, model, choices=[], usage=usage(list(self.final.values()))))
+                    yield sse_data(
+                        envelope(self.resp_id, kind, model, choices=[], usage=usage(list(self.final.values())))
+                    )
             yield "data: [DONE]\n\n"
         finally:
             self._abort_unfinished()

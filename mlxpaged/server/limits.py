@@ -50,29 +50,45 @@ def max_token_chars(tokenizer) -> int | None:
 def check_chars(cap: Capacity, num_chars: int, param: str) -> None:
     """Refuse a text that cannot tokenize to few enough tokens, before spending time tokenizing it."""
     if cap.max_token_chars and num_chars > cap.max_prompt_tokens * cap.max_token_chars:
-        raise APIError(400, f"{param} has {num_chars} characters, more than the {cap.max_prompt_tokens} tokens this "
-                       f"server takes could hold ({cap.max_token_chars} characters a token at most)", param=param,
-                       code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"{param} has {num_chars} characters, more than the {cap.max_prompt_tokens} tokens this "
+            f"server takes could hold ({cap.max_token_chars} characters a token at most)",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def check_request(limits: Limits, cap: Capacity, body, num_prompts: int, max_tokens: int, max_queue: int) -> None:
     """The checks that need no tokenizing: counts, ids and the total work asked for."""
     stops = body.stops()
     if len(stops) > limits.max_stop_strings:
-        raise APIError(400, f"stop has {len(stops)} strings; this server takes at most {limits.max_stop_strings} "
-                       f"(--max-stop-strings)", param="stop")
+        raise APIError(
+            400,
+            f"stop has {len(stops)} strings; this server takes at most {limits.max_stop_strings} (--max-stop-strings)",
+            param="stop",
+        )
     bad = [t for t in body.stop_token_ids if not 0 <= t < cap.vocab_size]
     if bad:
-        raise APIError(400, f"stop_token_ids: {bad[0]} is outside the vocabulary (0..{cap.vocab_size - 1})",
-                       param="stop_token_ids")
+        raise APIError(
+            400, f"stop_token_ids: {bad[0]} is outside the vocabulary (0..{cap.vocab_size - 1})", param="stop_token_ids"
+        )
     if num_prompts > max_queue:
-        raise APIError(400, f"{num_prompts} prompts in one request can never be admitted: at most {max_queue} "
-                       f"requests may wait (--max-queue)", param="prompt")
+        raise APIError(
+            400,
+            f"{num_prompts} prompts in one request can never be admitted: at most {max_queue} "
+            f"requests may wait (--max-queue)",
+            param="prompt",
+        )
     work = num_prompts * body.n * max_tokens
     if work > limits.max_request_tokens:
-        raise APIError(400, f"the request asks for up to {work} generated tokens (prompts x n x max_tokens = "
-                       f"{num_prompts} x {body.n} x {max_tokens}); this server takes at most "
-                       f"{limits.max_request_tokens} (--max-request-tokens)", param="max_tokens")
+        raise APIError(
+            400,
+            f"the request asks for up to {work} generated tokens (prompts x n x max_tokens = "
+            f"{num_prompts} x {body.n} x {max_tokens}); this server takes at most "
+            f"{limits.max_request_tokens} (--max-request-tokens)",
+            param="max_tokens",
+        )
 
 
 def default_max_tokens(cap: Capacity, default: int, num_prompt: int, n: int) -> int:

@@ -44,8 +44,9 @@ class _EngineCollector:
         for key, doc in COUNTERS.items():
             yield CounterMetricFamily(f"mlxpaged_{key}", doc, value=snap.get(key, 0))  # exposed as *_total
         # One family split by where the blocks came from: the pool ("memory") or the disk tier.
-        hits = CounterMetricFamily("mlxpaged_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
-                                   labels=["tier"])
+        hits = CounterMetricFamily(
+            "mlxpaged_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.", labels=["tier"]
+        )
         disk = snap.get("prefix_cache_disk_hit_tokens", 0)
         hits.add_metric(["memory"], snap.get("prefix_cache_hit_tokens", 0) - disk)
         hits.add_metric(["disk"], disk)
@@ -58,10 +59,18 @@ class Metrics:
     def __init__(self, engine_loop=None):
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes etc. (Linux)
-        self.ttft = Histogram("mlxpaged_time_to_first_token_seconds", "Time from arrival to the first token.",
-                              buckets=TTFT_BUCKETS, registry=self.registry)
-        self.itl = Histogram("mlxpaged_inter_token_latency_seconds", "Time between two tokens of one sample.",
-                             buckets=ITL_BUCKETS, registry=self.registry)
+        self.ttft = Histogram(
+            "mlxpaged_time_to_first_token_seconds",
+            "Time from arrival to the first token.",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "mlxpaged_inter_token_latency_seconds",
+            "Time between two tokens of one sample.",
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        )
         if engine_loop is not None:
             self.attach(engine_loop)
 

@@ -23,9 +23,15 @@ CLOSE = {"connection": "close"}  # refusals close the connection: an unread body
 
 
 # Anthropic's error types by status, for the routes that speak its protocol (/v1/messages...).
-ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                         503: "overloaded_error"}
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 ANTHROPIC_PATHS = ("/v1/messages",)
 
 
@@ -34,17 +40,22 @@ def anthropic_error_body(status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-def error_bytes(status: int, message: str, *, param: str | None = None, code: str | None = None,
-                path: str = "") -> bytes:
+def error_bytes(
+    status: int, message: str, *, param: str | None = None, code: str | None = None, path: str = ""
+) -> bytes:
     """The route's own error object: Anthropic's on its paths, OpenAI's everywhere else."""
-    body = (anthropic_error_body(status, message) if path.startswith(ANTHROPIC_PATHS)
-            else error_body(status, message, param=param, code=code))
+    body = (
+        anthropic_error_body(status, message)
+        if path.startswith(ANTHROPIC_PATHS)
+        else error_body(status, message, param=param, code=code)
+    )
     # ASCII-escaped: a message quoting client text with a lone surrogate still encodes.
     return json.dumps(body, ensure_ascii=True).encode("ascii")
 
 
-async def send_error(send, status: int, message: str, *, code: str | None = None, headers: dict | None = None,
-                     path: str = "") -> None:
+async def send_error(
+    send, status: int, message: str, *, code: str | None = None, headers: dict | None = None, path: str = ""
+) -> None:
     body = error_bytes(status, message, code=code, path=path)
     hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -87,23 +98,38 @@ class Guard:
         except Exception as e:
             log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
             if not started:
-                await send_error(send, 500,
-                                 f"internal server error ({type(e).__name__}); the server log has the details",
-                                 path=scope.get("path", ""))
+                await send_error(
+                    send,
+                    500,
+                    f"internal server error ({type(e).__name__}); the server log has the details",
+                    path=scope.get("path", ""),
+                )
 
     async def _checked(self, scope, receive, send):
         path = scope.get("path", "")
         if self.draining() and path != "/health":
-            return await send_error(send, 503, "the server is shutting down", code="server_shutting_down",
-                                    headers={"connection": "close"}, path=path)
+            return await send_error(
+                send,
+                503,
+                "the server is shutting down",
+                code="server_shutting_down",
+                headers={"connection": "close"},
+                path=path,
+            )
         headers = dict(scope.get("headers") or [])
         if self.api_key and path not in self.open_paths:
             ok = key_matches(headers, self.api_key)
             if not ok:
                 # closed after the answer: an unread body is never read (nor discarded byte by byte)
-                return await send_error(send, 401, f"{'missing' if ok is None else 'wrong'} API key: send "
-                                        "'Authorization: Bearer KEY' or 'x-api-key: KEY'", code="invalid_api_key",
-                                        headers=CLOSE, path=path)
+                return await send_error(
+                    send,
+                    401,
+                    f"{'missing' if ok is None else 'wrong'} API key: send "
+                    "'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+                    code="invalid_api_key",
+                    headers=CLOSE,
+                    path=path,
+                )
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             return await send_error(send, 413, self._too_large(), code="request_too_large", headers=CLOSE, path=path)
@@ -116,8 +142,9 @@ class Guard:
                 return
             size += len(message.get("body", b""))
             if size > self.max_body_bytes:
-                return await send_error(send, 413, self._too_large(), code="request_too_large",
-                                        headers={"connection": "close"}, path=path)
+                return await send_error(
+                    send, 413, self._too_large(), code="request_too_large", headers={"connection": "close"}, path=path
+                )
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break

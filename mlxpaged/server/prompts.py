@@ -42,8 +42,17 @@ def encode_messages(tokenizer, messages: list[dict], tools: list[dict] | None = 
 def check_context(num_prompt: int, max_tokens: int, context: int | None) -> None:
     """A prompt plus its completion must fit the model's positions (e.g. 32,768 for Qwen2.5)."""
     if context and num_prompt >= context:
-        raise APIError(400, f"prompt has {num_prompt} tokens but the model's context is {context} tokens",
-                       param="prompt", code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"prompt has {num_prompt} tokens but the model's context is {context} tokens",
+            param="prompt",
+            code="context_length_exceeded",
+        )
     if context and num_prompt + max_tokens > context:
-        raise APIError(400, f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds the model's "
-                       f"context of {context} tokens", param="max_tokens", code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds the model's "
+            f"context of {context} tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )

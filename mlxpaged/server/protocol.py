@@ -57,8 +57,7 @@ def refuse_unimplemented(data):
     if isinstance(data, dict):
         for name, no_ops in UNIMPLEMENTED.items():
             if name in data and not _asks_for_nothing(data[name], no_ops):
-                raise PydanticCustomError("unimplemented", "{field} is not supported by this server",
-                                          {"field": name})
+                raise PydanticCustomError("unimplemented", "{field} is not supported by this server", {"field": name})
     return data
 
 
@@ -110,18 +109,32 @@ class _Sampling(_Request):
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def to_sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int | None = None,
-                           **extra) -> SamplingParams:
+    def to_sampling_params(
+        self, max_tokens: int, logprobs: int | None, vocab_size: int | None = None, **extra
+    ) -> SamplingParams:
         """Raises ValueError (SamplingParams' own checks) for values the types let through."""
-        knobs = dict(presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                     repetition_penalty=self.repetition_penalty, min_p=self.min_p,
-                     logit_bias=logit_bias_ids(self.logit_bias, vocab_size))
-        return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              seed=self.seed, max_tokens=max_tokens, stop=self.stop,
-                              stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
-                              speculative=self.speculative,
-                              **({"logprobs": logprobs} if logprobs is not None else {}), **knobs,
-                              **{k: v for k, v in extra.items() if v is not None})
+        knobs = dict(
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_p=self.min_p,
+            logit_bias=logit_bias_ids(self.logit_bias, vocab_size),
+        )
+        return SamplingParams(
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            stop=self.stop,
+            stop_token_ids=list(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            speculative=self.speculative,
+            **({"logprobs": logprobs} if logprobs is not None else {}),
+            **knobs,
+            **{k: v for k, v in extra.items() if v is not None},
+        )
 
 
 def logit_bias_ids(bias: dict[str, float] | None, vocab_size: int | None) -> dict[int, float] | None:

@@ -59,7 +59,7 @@ def stop_borders(stops: list[str]) -> list[list[int]]:
 def hold_back(text: str, stops: list[str]) -> int:
     """Length of the longest tail of `text` that is a proper prefix of a stop string."""
     m = StopMatcher(stops)
-    m.feed(text[-max((len(s) for s in stops), default=0):] if stops else "")
+    m.feed(text[-max((len(s) for s in stops), default=0) :] if stops else "")
     return m.hold_back()
 
 
@@ -80,16 +80,16 @@ class ChoiceStream:
         if not text.startswith(self.seen):  # the text changed behind us (not seen so far): start over
             self.matcher = StopMatcher(self.matcher.stops, self.matcher.borders)
             self.seen = ""
-        self.matcher.feed(text[len(self.seen):])
+        self.matcher.feed(text[len(self.seen) :])
         self.seen = text
         return self.matcher.hold_back()
 
     def advance(self, c) -> tuple[str, list | None, str | None] | None:
         """(text delta, new TokenLogprobs or None, finish_reason) to send, or None if nothing new."""
         end = len(c.text) if c.finish_reason else len(c.text) - self._hold_back(c.text)
-        delta = c.text[self.sent_text:end] if end > self.sent_text else ""
+        delta = c.text[self.sent_text : end] if end > self.sent_text else ""
         lps = getattr(c, "logprobs", None)
-        new_lps = lps[self.sent_tokens:] if lps is not None else None
+        new_lps = lps[self.sent_tokens :] if lps is not None else None
         if not delta and not new_lps and not c.finish_reason:
             return None
         self.sent_text = max(self.sent_text, end)
@@ -127,8 +127,11 @@ def chat_logprobs(lps: list, text_of: TokenText) -> dict:
         s = text_of(tid)
         return {"token": s, "logprob": float(lp), "bytes": list(s.encode("utf-8"))}
 
-    return {"content": [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top_logprobs]}
-                        for t in lps]}
+    return {
+        "content": [
+            {**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top_logprobs]} for t in lps
+        ]
+    }
 
 
 def usage(outputs: list) -> dict:
@@ -136,8 +139,12 @@ def usage(outputs: list) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def envelope(resp_id: str, kind: str, model: str, created: int | None = None, **rest) -> dict:

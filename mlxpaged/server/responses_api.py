@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import OrderedDict
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -41,7 +41,7 @@ class ContentPart(_Body):
 class MessageItem(_Body):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Union[str, list[ContentPart]]
+    content: str | list[ContentPart]
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -57,7 +57,7 @@ class FunctionCallItem(_Body):
 class FunctionCallOutputItem(_Body):
     type: Literal["function_call_output"]
     call_id: str
-    output: Union[str, list[ContentPart]]
+    output: str | list[ContentPart]
 
     def text(self) -> str:
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
@@ -67,16 +67,20 @@ def _item_type(v) -> str:
     return (v.get("type") if isinstance(v, dict) else getattr(v, "type", None)) or "message"
 
 
-Item = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
-                       Annotated[FunctionCallOutputItem, Tag("function_call_output")]], Discriminator(_item_type)]
+Item = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(_item_type),
+]
 
 
 class FunctionTool(_Body):
     type: Literal["function"]
     name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
-    description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = None
-    strict: Optional[bool] = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
 class FunctionChoice(_Body):
@@ -86,40 +90,40 @@ class FunctionChoice(_Body):
 
 class TextFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
-    name: Optional[str] = None
-    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
-    strict: Optional[bool] = None
-    description: Optional[str] = None
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
 
 
 class TextConfig(_Body):
-    format: Optional[TextFormat] = None
+    format: TextFormat | None = None
 
 
 class ResponsesRequest(_Body):
-    model: Optional[str] = None
-    input: Union[str, list[Item]]
-    instructions: Optional[str] = None
-    tools: Optional[list[FunctionTool]] = None
-    tool_choice: Union[Literal["none", "auto", "required"], FunctionChoice, None] = None
+    model: str | None = None
+    input: str | list[Item]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool = True
-    max_output_tokens: Optional[int] = Field(None, ge=1)
+    max_output_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    text: Optional[TextConfig] = None
+    text: TextConfig | None = None
     stream: bool = False
-    previous_response_id: Optional[str] = None
+    previous_response_id: str | None = None
     store: bool = True
-    metadata: Optional[dict[str, str]] = None
-    user: Optional[str] = None  # accepted and ignored
+    metadata: dict[str, str] | None = None
+    user: str | None = None  # accepted and ignored
     # Fields this server does not implement: refused by name when set (see `refuse_unsupported`).
-    reasoning: Optional[dict[str, Any]] = None
-    background: Optional[bool] = None
-    max_tool_calls: Optional[int] = None
-    top_logprobs: Optional[int] = None
+    reasoning: dict[str, Any] | None = None
+    background: bool | None = None
+    max_tool_calls: int | None = None
+    top_logprobs: int | None = None
     conversation: Any = None
     prompt: Any = None
-    truncation: Optional[str] = None  # "disabled" (OpenAI's default) only
+    truncation: str | None = None  # "disabled" (OpenAI's default) only
 
 
 def refuse_unsupported(body: ResponsesRequest) -> None:
@@ -141,12 +145,19 @@ class ResponseStore:
 
     def get(self, resp_id: str) -> list[dict]:
         if self.capacity <= 0:
-            raise APIError(400, "previous_response_id: this server keeps no responses (start it with "
-                           "--responses-store N to keep the last N)", param="previous_response_id")
+            raise APIError(
+                400,
+                "previous_response_id: this server keeps no responses (start it with "
+                "--responses-store N to keep the last N)",
+                param="previous_response_id",
+            )
         if resp_id not in self._items:
-            raise APIError(400, f"previous_response_id: response '{resp_id}' is not stored (this server keeps the "
-                           f"last {self.capacity} responses, --responses-store {self.capacity})",
-                           param="previous_response_id")
+            raise APIError(
+                400,
+                f"previous_response_id: response '{resp_id}' is not stored (this server keeps the "
+                f"last {self.capacity} responses, --responses-store {self.capacity})",
+                param="previous_response_id",
+            )
         self._items.move_to_end(resp_id)
         return self._items[resp_id]
 
@@ -168,8 +179,9 @@ def conversation(body: ResponsesRequest, history: list[dict]) -> list[dict]:
             out.append({"role": "system" if item.role == "developer" else item.role, "content": item.text()})
         elif isinstance(item, FunctionCallItem):
             try:
-                call = template_tool_calls([{"id": item.call_id, "function": {"name": item.name,
-                                                                               "arguments": item.arguments}}])[0]
+                call = template_tool_calls(
+                    [{"id": item.call_id, "function": {"name": item.name, "arguments": item.arguments}}]
+                )[0]
             except ValueError as e:
                 raise APIError(400, f"input.{i}: {e}", param="input") from None
             if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:  # parallel calls: one turn
@@ -184,19 +196,34 @@ def conversation(body: ResponsesRequest, history: list[dict]) -> list[dict]:
 
 
 def _usage(end: TurnEnd) -> dict:
-    return {"input_tokens": end.prompt_tokens, "input_tokens_details": {"cached_tokens": end.cached_tokens},
-            "output_tokens": end.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": end.prompt_tokens + end.completion_tokens}
+    return {
+        "input_tokens": end.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": end.cached_tokens},
+        "output_tokens": end.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": end.prompt_tokens + end.completion_tokens,
+    }
 
 
 def _message_item(item_id: str, text: str, status: str = "completed") -> dict:
-    return {"id": item_id, "type": "message", "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
+    return {
+        "id": item_id,
+        "type": "message",
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else [],
+    }
 
 
 def _call_item(call, status: str = "completed") -> dict:
-    return {"id": "fc_" + call.id.removeprefix("call_"), "type": "function_call", "status": status,
-            "call_id": call.id, "name": call.name, "arguments": call.arguments if status == "completed" else ""}
+    return {
+        "id": "fc_" + call.id.removeprefix("call_"),
+        "type": "function_call",
+        "status": status,
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments if status == "completed" else "",
+    }
 
 
 def register_responses(router: APIRouter, state, text_of=None) -> None:
@@ -211,16 +238,22 @@ def register_responses(router: APIRouter, state, text_of=None) -> None:
         history = store.get(body.previous_response_id) if body.previous_response_id else []
         convo = conversation(body, history)
         messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + convo
-        functions = [{"name": t.name, "description": t.description, "parameters": t.parameters} for t in body.tools or []]
+        functions = [
+            {"name": t.name, "description": t.description, "parameters": t.parameters} for t in body.tools or []
+        ]
         tc = body.tool_choice
         choice = ("named" if isinstance(tc, FunctionChoice) else tc) or ("auto" if functions else "none")
-        plan = tool_plan(functions, choice, tc.name if isinstance(tc, FunctionChoice) else None,
-                         parallel=body.parallel_tool_calls)
+        plan = tool_plan(
+            functions, choice, tc.name if isinstance(tc, FunctionChoice) else None, parallel=body.parallel_tool_calls
+        )
         fmt = body.text.format if body.text else None
         if fmt is not None and fmt.type != "text":
             if plan.guided is not None:
-                raise APIError(400, f"text.format: cannot be combined with tool_choice '{choice}' (both constrain "
-                               "the output)", param="text")
+                raise APIError(
+                    400,
+                    f"text.format: cannot be combined with tool_choice '{choice}' (both constrain the output)",
+                    param="text",
+                )
             plan.guided = format_guided(fmt.type, fmt.schema_, "text.format")
             plan.param = "text"
         ids = await state.off_loop(encode_messages, engine.tokenizer, messages, plan.tools)
@@ -237,17 +270,31 @@ def register_responses(router: APIRouter, state, text_of=None) -> None:
         created = int(time.time())
 
         def envelope(status: str, output: list, end: TurnEnd | None) -> dict:
-            return {"id": resp_id, "object": "response", "created_at": created, "status": status, "error": None,
-                    "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                    "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-                    "model": state.model_id, "output": output, "parallel_tool_calls": body.parallel_tool_calls,
-                    "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
-                    "store": body.store and store.capacity > 0, "temperature": body.temperature,
-                    "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
-                    "tool_choice": tc.model_dump() if isinstance(tc, FunctionChoice) else (tc or "auto"),
-                    "tools": [t.model_dump(exclude_none=True) for t in body.tools or []], "top_p": body.top_p,
-                    "truncation": "disabled", "usage": _usage(end) if end else None, "user": body.user,
-                    "metadata": body.metadata or {}}
+            return {
+                "id": resp_id,
+                "object": "response",
+                "created_at": created,
+                "status": status,
+                "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "instructions": body.instructions,
+                "max_output_tokens": body.max_output_tokens,
+                "model": state.model_id,
+                "output": output,
+                "parallel_tool_calls": body.parallel_tool_calls,
+                "previous_response_id": body.previous_response_id,
+                "reasoning": {"effort": None, "summary": None},
+                "store": body.store and store.capacity > 0,
+                "temperature": body.temperature,
+                "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+                "tool_choice": tc.model_dump() if isinstance(tc, FunctionChoice) else (tc or "auto"),
+                "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+                "top_p": body.top_p,
+                "truncation": "disabled",
+                "usage": _usage(end) if end else None,
+                "user": body.user,
+                "metadata": body.metadata or {},
+            }
 
         def finish(content: str | None, calls: list, end: TurnEnd) -> str:
             """Store the turn; the response's status."""
@@ -255,17 +302,21 @@ def register_responses(router: APIRouter, state, text_of=None) -> None:
                 turn = {"role": "assistant", "content": content or ""}
                 if calls:
                     turn["tool_calls"] = template_tool_calls(
-                        [{"id": c.id, "function": {"name": c.name, "arguments": c.arguments}} for c in calls])
+                        [{"id": c.id, "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+                    )
                 store.put(resp_id, convo + [turn])
             return "incomplete" if end.finish_reason == "length" else "completed"
 
         if body.stream:
-            return StreamingResponse(_stream(state, job, plan.parse, envelope, finish),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                _stream(state, job, plan.parse, envelope, finish),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         content, calls, end = await whole_turn(state, job, request, plan.parse)
-        output = ([_message_item("msg_" + uuid.uuid4().hex[:24], content)] if content or not calls else []) + \
-            [_call_item(c) for c in calls]
+        output = ([_message_item("msg_" + uuid.uuid4().hex[:24], content)] if content or not calls else []) + [
+            _call_item(c) for c in calls
+        ]
         return envelope(finish(content, calls, end), output, end)
 
 
@@ -276,8 +327,12 @@ class _Sampling:
     def to_sampling_params(self, max_tokens, logprobs, vocab_size=None, **extra):
         from ..engine.sampling_params import SamplingParams
 
-        return SamplingParams(temperature=self.body.temperature, top_p=self.body.top_p, max_tokens=max_tokens,
-                              **{k: v for k, v in extra.items() if v is not None})
+        return SamplingParams(
+            temperature=self.body.temperature,
+            top_p=self.body.top_p,
+            max_tokens=max_tokens,
+            **{k: v for k, v in extra.items() if v is not None},
+        )
 
 
 async def _stream(state, job, parse, envelope, finish):
@@ -299,9 +354,11 @@ async def _stream(state, job, parse, envelope, finish):
         output[open_msg["index"]] = item
         part = item["content"][0]
         common = {"item_id": item["id"], "output_index": open_msg["index"], "content_index": 0}
-        return [event("response.output_text.done", **common, text=part["text"], logprobs=[]),
-                event("response.content_part.done", **common, part=part),
-                event("response.output_item.done", output_index=open_msg["index"], item=item)]
+        return [
+            event("response.output_text.done", **common, text=part["text"], logprobs=[]),
+            event("response.content_part.done", **common, part=part),
+            event("response.output_item.done", output_index=open_msg["index"], item=item),
+        ]
 
     yield event("response.created", response=envelope("in_progress", [], None))
     yield event("response.in_progress", response=envelope("in_progress", [], None))
@@ -316,18 +373,34 @@ async def _stream(state, job, parse, envelope, finish):
                     text_parts = []
                     output.append(_message_item(open_msg["id"], "", "in_progress"))
                     yield event("response.output_item.added", output_index=open_msg["index"], item=output[-1])
-                    yield event("response.content_part.added", item_id=open_msg["id"], output_index=open_msg["index"],
-                                content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                    yield event(
+                        "response.content_part.added",
+                        item_id=open_msg["id"],
+                        output_index=open_msg["index"],
+                        content_index=0,
+                        part={"type": "output_text", "text": "", "annotations": []},
+                    )
                 text_parts.append(e)
-                yield event("response.output_text.delta", item_id=open_msg["id"], output_index=open_msg["index"],
-                            content_index=0, delta=e, logprobs=[])
+                yield event(
+                    "response.output_text.delta",
+                    item_id=open_msg["id"],
+                    output_index=open_msg["index"],
+                    content_index=0,
+                    delta=e,
+                    logprobs=[],
+                )
             elif isinstance(e, TurnEnd):
                 if open_msg is None and not calls:  # an empty turn: one empty message, as the whole response has
                     open_msg = {"id": "msg_" + uuid.uuid4().hex[:24], "index": 0}
                     output.append(_message_item(open_msg["id"], "", "in_progress"))
                     yield event("response.output_item.added", output_index=0, item=output[-1])
-                    yield event("response.content_part.added", item_id=open_msg["id"], output_index=0,
-                                content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                    yield event(
+                        "response.content_part.added",
+                        item_id=open_msg["id"],
+                        output_index=0,
+                        content_index=0,
+                        part={"type": "output_text", "text": "", "annotations": []},
+                    )
                 if open_msg is not None:
                     for ev in close_message():
                         yield ev
@@ -343,10 +416,16 @@ async def _stream(state, job, parse, envelope, finish):
                 output.append(_call_item(e))
                 added = _call_item(e, "in_progress")
                 yield event("response.output_item.added", output_index=index, item=added)
-                yield event("response.function_call_arguments.delta", item_id=added["id"], output_index=index,
-                            delta=e.arguments)
-                yield event("response.function_call_arguments.done", item_id=added["id"], output_index=index,
-                            name=e.name, arguments=e.arguments)
+                yield event(
+                    "response.function_call_arguments.delta", item_id=added["id"], output_index=index, delta=e.arguments
+                )
+                yield event(
+                    "response.function_call_arguments.done",
+                    item_id=added["id"],
+                    output_index=index,
+                    name=e.name,
+                    arguments=e.arguments,
+                )
                 yield event("response.output_item.done", output_index=index, item=output[index])
     except APIError as err:
         yield event("error", code=err.code, message=err.message, param=err.param)

@@ -128,9 +128,9 @@ class ToolCallStream:
                 j = self.buf.find(CLOSE)
                 if j < 0:
                     return events
-                span, self.buf = self.buf[: j + len(CLOSE)], self.buf[j + len(CLOSE):]
+                span, self.buf = self.buf[: j + len(CLOSE)], self.buf[j + len(CLOSE) :]
                 self.in_call = False
-                call = _call_of(span[len(OPEN): j])
+                call = _call_of(span[len(OPEN) : j])
                 if call is None:  # malformed: the span, and the whitespace held before it, are text
                     events.append(self.ws + span)
                 else:
@@ -150,7 +150,7 @@ class ToolCallStream:
             body = text.rstrip()
             if body:
                 events.append(body)
-            self.ws, self.buf = text[len(body):], self.buf[end:]
+            self.ws, self.buf = text[len(body) :], self.buf[end:]
             if i < 0:
                 return events
             self.in_call = True
@@ -218,7 +218,7 @@ def tool_call_grammar(functions: list[dict], *, parallel: bool = True) -> str:
         rules.append(f"call_{i}: {_lark_str(head)} args_{i} {_lark_str('}' + chr(10) + CLOSE)}")
         rules.append(f"args_{i}: %json{json.dumps(schema, ensure_ascii=False)}")
     alts = " | ".join(f"call_{i}" for i in range(len(functions)))
-    start = "start: call (\"\\n\" call)*" if parallel else "start: call"
+    start = 'start: call ("\\n" call)*' if parallel else "start: call"
     return "\n".join([start, f"call: {alts}", *rules]) + "\n"
 
 
@@ -249,8 +249,10 @@ def stream_tool_delta(parser: ToolCallStream, text: str, finish: str | None) -> 
         delta["content"] = content
     calls = [e for e in events if isinstance(e, ToolCall)]
     if calls:
-        delta["tool_calls"] = [{"index": first + k, "id": c.id, "type": "function",
-                                "function": {"name": c.name, "arguments": c.arguments}} for k, c in enumerate(calls)]
+        delta["tool_calls"] = [
+            {"index": first + k, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for k, c in enumerate(calls)
+        ]
     if finish == "stop" and parser.num_calls:
         finish = "tool_calls"
     return delta, finish
@@ -264,6 +266,7 @@ def chat_message(text: str, finish: str | None, names=None) -> tuple[dict, str |
     content, calls = parse_tool_calls(text, names)
     msg: dict = {"role": "assistant", "content": content}
     if calls:
-        msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                             for c in calls]
+        msg["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+        ]
     return msg, "tool_calls" if calls and finish == "stop" else finish

@@ -44,8 +44,8 @@ def _end(state, out, c, params, calls: int) -> TurnEnd:
         last = c.token_ids[-1]
         if last not in engine.eos_token_ids and last not in params.stop_token_ids:
             # Ended by a stop string: the engine cut it off the text; it follows the text in the tokens.
-            tail = engine.tokenizer.decode(c.token_ids)[len(c.text):]
-            stop = min(params.stop, key=lambda s: (tail.find(s) if s in tail else 1 << 30))
+            tail = engine.tokenizer.decode(c.token_ids)[len(c.text) :]
+            stop = min(params.stop, key=lambda s: tail.find(s) if s in tail else 1 << 30)
     return TurnEnd(finish, stop, len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens)
 
 
@@ -100,4 +100,3 @@ def default_max_tokens(state, num_prompt: int) -> int:
 def sse(event: str, data: dict) -> str:
     """One server-sent event with its name (Anthropic's and Responses' streams name every event)."""
     return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
-

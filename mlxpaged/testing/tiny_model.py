@@ -23,13 +23,13 @@ CHAT_TEMPLATE = (
     "assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
     "{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}{{ '\n</tools>\n\nFor each function call, return a "
     "json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n' }}{% endif %}"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n\' }}{% endif %}'
     "{%- for message in messages %}"
     "{%- if tools and loop.first and message['role'] == 'system' %}"
     "{%- elif message['role'] == 'assistant' and message.tool_calls %}{{ '<|im_start|>assistant' }}"
     "{% if message['content'] %}{{ '\n' + message['content'] }}{% endif %}"
     "{% for tc in message.tool_calls %}{% set f = tc.function if tc.function is defined else tc %}"
-    "{{ '\n<tool_call>\n{\"name\": \"' + f.name + '\", \"arguments\": ' }}{{ f.arguments | tojson }}"
+    '{{ \'\n<tool_call>\n{"name": "\' + f.name + \'", "arguments": \' }}{{ f.arguments | tojson }}'
     "{{ '}\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\n' }}"
     "{%- elif message['role'] == 'tool' %}"
     "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
@@ -63,30 +63,52 @@ def write_tokenizer(path: Path, vocab_size: int = 384) -> int:
     )
     tok.train_from_iterator(CORPUS, trainer)
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "chat_template": CHAT_TEMPLATE,
-        "model_max_length": 4096,
-    }))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "chat_template": CHAT_TEMPLATE,
+                "model_max_length": 4096,
+            }
+        )
+    )
     return tok.get_vocab_size()
 
 
-def write_tiny_qwen2(path: Path, *, seed: int = 0, hidden: int = 256, layers: int = 2, heads: int = 4,
-                     kv_heads: int = 2, intermediate: int = 512, logit_scale: float = 4.0) -> Path:
+def write_tiny_qwen2(
+    path: Path,
+    *,
+    seed: int = 0,
+    hidden: int = 256,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 512,
+    logit_scale: float = 4.0,
+) -> Path:
     """A Qwen2 checkpoint directory at `path` (head_dim = hidden / heads)."""
     path.mkdir(parents=True, exist_ok=True)
     vocab = write_tokenizer(path)
     eos = json.loads((path / "tokenizer.json").read_text())["added_tokens"][2]["id"]
     hd = hidden // heads
     config = {
-        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": hidden,
-        "num_hidden_layers": layers, "intermediate_size": intermediate, "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-6, "vocab_size": vocab,
-        "max_position_embeddings": 4096, "rope_theta": 10000.0, "tie_word_embeddings": False,
-        "torch_dtype": "float32", "eos_token_id": eos,
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": intermediate,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "eos_token_id": eos,
     }
     (path / "config.json").write_text(json.dumps(config))
     rng = np.random.default_rng(seed)
@@ -95,48 +117,92 @@ def write_tiny_qwen2(path: Path, *, seed: int = 0, hidden: int = 256, layers: in
         scale = scale if scale is not None else shape[-1] ** -0.5
         return mx.array(rng.normal(0, scale, size=shape).astype(np.float32))
 
-    weights = {"model.embed_tokens.weight": w(vocab, hidden, scale=1.0),
-               "model.norm.weight": mx.ones((hidden,)),
-               "lm_head.weight": w(vocab, hidden, scale=logit_scale * hidden ** -0.5)}
+    weights = {
+        "model.embed_tokens.weight": w(vocab, hidden, scale=1.0),
+        "model.norm.weight": mx.ones((hidden,)),
+        "lm_head.weight": w(vocab, hidden, scale=logit_scale * hidden**-0.5),
+    }
     for i in range(layers):
         p = f"model.layers.{i}."
-        weights.update({
-            p + "self_attn.q_proj.weight": w(heads * hd, hidden), p + "self_attn.q_proj.bias": w(heads * hd, scale=0.1),
-            p + "self_attn.k_proj.weight": w(kv_heads * hd, hidden), p + "self_attn.k_proj.bias": w(kv_heads * hd, scale=0.1),
-            p + "self_attn.v_proj.weight": w(kv_heads * hd, hidden), p + "self_attn.v_proj.bias": w(kv_heads * hd, scale=0.1),
-            p + "self_attn.o_proj.weight": w(hidden, heads * hd),
-            p + "mlp.gate_proj.weight": w(intermediate, hidden), p + "mlp.up_proj.weight": w(intermediate, hidden),
-            p + "mlp.down_proj.weight": w(hidden, intermediate),
-            p + "input_layernorm.weight": mx.ones((hidden,)), p + "post_attention_layernorm.weight": mx.ones((hidden,)),
-        })
+        weights.update(
+            {
+                p + "self_attn.q_proj.weight": w(heads * hd, hidden),
+                p + "self_attn.q_proj.bias": w(heads * hd, scale=0.1),
+                p + "self_attn.k_proj.weight": w(kv_heads * hd, hidden),
+                p + "self_attn.k_proj.bias": w(kv_heads * hd, scale=0.1),
+                p + "self_attn.v_proj.weight": w(kv_heads * hd, hidden),
+                p + "self_attn.v_proj.bias": w(kv_heads * hd, scale=0.1),
+                p + "self_attn.o_proj.weight": w(hidden, heads * hd),
+                p + "mlp.gate_proj.weight": w(intermediate, hidden),
+                p + "mlp.up_proj.weight": w(intermediate, hidden),
+                p + "mlp.down_proj.weight": w(hidden, intermediate),
+                p + "input_layernorm.weight": mx.ones((hidden,)),
+                p + "post_attention_layernorm.weight": mx.ones((hidden,)),
+            }
+        )
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     return path
 
 
 # Per family: a small config in its checkpoint's own terms (head_dim = 256 / 4 = 64 unless set).
 FAMILY_CONFIGS = {
-    "llama": {"architectures": ["LlamaForCausalLM"], "num_key_value_heads": 2, "tie_word_embeddings": False,
-              "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                               "high_freq_factor": 4.0, "original_max_position_embeddings": 256}},
-    "mistral": {"architectures": ["MistralForCausalLM"], "num_attention_heads": 8, "num_key_value_heads": 2,
-                "tie_word_embeddings": False, "sliding_window": None},  # head_dim 32
+    "llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
+    },
+    "mistral": {
+        "architectures": ["MistralForCausalLM"],
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+        "sliding_window": None,
+    },  # head_dim 32
     "qwen2": {"architectures": ["Qwen2ForCausalLM"], "num_key_value_heads": 2, "tie_word_embeddings": False},
-    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "num_key_value_heads": 2, "head_dim": 128,
-              "tie_word_embeddings": True},
-    "phi3": {"architectures": ["Phi3ForCausalLM"], "hidden_size": 384, "num_key_value_heads": 4,
-             "tie_word_embeddings": False},  # head_dim 96, as Phi-3-mini's
+    "qwen3": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "tie_word_embeddings": True,
+    },
+    "phi3": {
+        "architectures": ["Phi3ForCausalLM"],
+        "hidden_size": 384,
+        "num_key_value_heads": 4,
+        "tie_word_embeddings": False,
+    },  # head_dim 96, as Phi-3-mini's
     "gemma": {"architectures": ["GemmaForCausalLM"], "num_key_value_heads": 1, "head_dim": 64},
-    "granite": {"architectures": ["GraniteForCausalLM"], "num_key_value_heads": 2, "logits_scaling": 0.5,
-                "attention_multiplier": 0.1, "embedding_multiplier": 4.0, "residual_multiplier": 0.5,
-                "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False},
-    "starcoder2": {"architectures": ["Starcoder2ForCausalLM"], "num_key_value_heads": 2, "norm_epsilon": 1e-5,
-                   "tie_word_embeddings": False},
+    "granite": {
+        "architectures": ["GraniteForCausalLM"],
+        "num_key_value_heads": 2,
+        "logits_scaling": 0.5,
+        "attention_multiplier": 0.1,
+        "embedding_multiplier": 4.0,
+        "residual_multiplier": 0.5,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+    },
+    "starcoder2": {
+        "architectures": ["Starcoder2ForCausalLM"],
+        "num_key_value_heads": 2,
+        "norm_epsilon": 1e-5,
+        "tie_word_embeddings": False,
+    },
     "olmo2": {"architectures": ["Olmo2ForCausalLM"], "num_key_value_heads": 2, "tie_word_embeddings": False},
 }
 
 
-def write_tiny_family(path: Path, model_type: str, *, seed: int = 0, layers: int = 2,
-                      logit_scale: float = 4.0, **overrides) -> Path:
+def write_tiny_family(
+    path: Path, model_type: str, *, seed: int = 0, layers: int = 2, logit_scale: float = 4.0, **overrides
+) -> Path:
     """A tiny random checkpoint of an mlx-lm family, built by mlx-lm's own `ModelArgs` and `Model`.
 
     The weights are the model's own parameter tree (so its names are the checkpoint's), redrawn
@@ -150,10 +216,21 @@ def write_tiny_family(path: Path, model_type: str, *, seed: int = 0, layers: int
     path.mkdir(parents=True, exist_ok=True)
     vocab = write_tokenizer(path)
     eos = json.loads((path / "tokenizer.json").read_text())["added_tokens"][2]["id"]
-    config = {"model_type": model_type, "hidden_size": 256, "num_hidden_layers": layers, "intermediate_size": 512,
-              "num_attention_heads": 4, "rms_norm_eps": 1e-6, "vocab_size": vocab, "max_position_embeddings": 4096,
-              "rope_theta": 10000.0, "torch_dtype": "float32", "eos_token_id": eos,
-              **FAMILY_CONFIGS.get(model_type, {}), **overrides}
+    config = {
+        "model_type": model_type,
+        "hidden_size": 256,
+        "num_hidden_layers": layers,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "torch_dtype": "float32",
+        "eos_token_id": eos,
+        **FAMILY_CONFIGS.get(model_type, {}),
+        **overrides,
+    }
     config = {k: v for k, v in config.items() if v is not None}
     module = family_module(model_type)
     model = module.Model(module.ModelArgs.from_dict(config))
@@ -167,9 +244,9 @@ def write_tiny_family(path: Path, model_type: str, *, seed: int = 0, layers: int
             a = rng.normal(0, 0.1, size=p.shape)
         elif name.endswith("embed_tokens.weight"):
             tied = config.get("tie_word_embeddings", True)
-            a = rng.normal(0, logit_scale * hidden ** -0.5 if tied else 1.0, size=p.shape)
+            a = rng.normal(0, logit_scale * hidden**-0.5 if tied else 1.0, size=p.shape)
         elif name == "lm_head.weight":
-            a = rng.normal(0, logit_scale * hidden ** -0.5, size=p.shape)
+            a = rng.normal(0, logit_scale * hidden**-0.5, size=p.shape)
         else:
             a = rng.normal(0, p.shape[-1] ** -0.5, size=p.shape)
         weights[name] = mx.array(a.astype(np.float32))

@@ -34,12 +34,17 @@ class CacheShape:
     kv_group_size: int = 64
 
     @classmethod
-    def of(cls, loaded) -> "CacheShape":
+    def of(cls, loaded) -> CacheShape:
         """The cache shape of a `LoadedModel`'s layers, in its dtype."""
         args = loaded.model.args
-        return cls(args.num_hidden_layers, getattr(loaded.model, "num_local_kv_heads", args.num_key_value_heads), args.head_dim, loaded.dtype)
+        return cls(
+            args.num_hidden_layers,
+            getattr(loaded.model, "num_local_kv_heads", args.num_key_value_heads),
+            args.head_dim,
+            loaded.dtype,
+        )
 
-    def quantized(self, kv_bits: int | None, kv_group_size: int = 64) -> "CacheShape":
+    def quantized(self, kv_bits: int | None, kv_group_size: int = 64) -> CacheShape:
         """This shape with K/V rows stored at `kv_bits` (None: float); checks the pair fits head_dim."""
         check_kv_quant(kv_bits, kv_group_size, self.head_dim)
         return replace(self, kv_bits=kv_bits, kv_group_size=kv_group_size)
@@ -113,8 +118,14 @@ def growable_pool(loaded, config) -> tuple[int, int, int] | None:
 class PagedKVCache:
     """Per-layer K/V pools plus the two operations the allocator needs: write and copy blocks."""
 
-    def __init__(self, shape: CacheShape, num_blocks: int, block_size: int,
-                 key_offsets: list[mx.array | None] | None = None, key_scales: list[mx.array] | None = None):
+    def __init__(
+        self,
+        shape: CacheShape,
+        num_blocks: int,
+        block_size: int,
+        key_offsets: list[mx.array | None] | None = None,
+        key_scales: list[mx.array] | None = None,
+    ):
         """`key_offsets[layer]` (`[num_kv_heads, head_dim]` or None) is subtracted from that
         layer's keys before they are quantized and `key_scales[layer]` (`[num_kv_heads,
         head_dim]`, positive) divides them: a quantized K row holds `quantize((k - offset) /
@@ -123,8 +134,11 @@ class PagedKVCache:
             if per_layer is not None and (shape.kv_bits is None or len(per_layer) != shape.num_layers):
                 raise ValueError(f"{name} need a quantized cache and one entry per layer")
         if key_scales is not None and any(
-                tuple(c.shape) != (shape.num_kv_heads, shape.head_dim) or not bool((c > 0).all()) for c in key_scales):
-            raise ValueError(f"key_scales must be positive [num_kv_heads, head_dim] = {[shape.num_kv_heads, shape.head_dim]}")
+            tuple(c.shape) != (shape.num_kv_heads, shape.head_dim) or not bool((c > 0).all()) for c in key_scales
+        ):
+            raise ValueError(
+                f"key_scales must be positive [num_kv_heads, head_dim] = {[shape.num_kv_heads, shape.head_dim]}"
+            )
         self.key_offsets = key_offsets
         self.key_scales = key_scales
         self.shape = shape
@@ -137,8 +151,9 @@ class PagedKVCache:
         self._write_index: tuple | None = None  # (slot_mapping, blocks, heads, offsets) of the last write
 
     @classmethod
-    def for_model(cls, model, shape: CacheShape, num_blocks: int, block_size: int,
-                  key_scales: list[mx.array] | None = None) -> "PagedKVCache":
+    def for_model(
+        cls, model, shape: CacheShape, num_blocks: int, block_size: int, key_scales: list[mx.array] | None = None
+    ) -> PagedKVCache:
         """The cache for `model`'s layers. A quantized one takes the model's key offsets and
         `key_scales` (`kv_calibration.model_key_scales`), if given."""
         if shape.kv_bits is None:
@@ -149,8 +164,9 @@ class PagedKVCache:
         s = self.shape
         if s.kv_bits is None:
             return mx.zeros((self.num_blocks, s.num_kv_heads, self.block_size, s.head_dim), dtype=s.dtype)
-        return QuantizedPool.zeros(self.num_blocks, s.num_kv_heads, self.block_size, s.head_dim, s.dtype,
-                                   s.kv_bits, s.kv_group_size)
+        return QuantizedPool.zeros(
+            self.num_blocks, s.num_kv_heads, self.block_size, s.head_dim, s.dtype, s.kv_bits, s.kv_group_size
+        )
 
     @property
     def quantized(self) -> bool:

@@ -48,8 +48,12 @@ def key_scales(model, ids: list[int], block_size: int = 16) -> list[mx.array]:
     if len(ids) < 2:
         raise ValueError(f"key_scales needs at least 2 calibration tokens, got {len(ids)}")
     args = model.args
-    shape = CacheShape(args.num_hidden_layers, getattr(model, "num_local_kv_heads", args.num_key_value_heads),
-                       args.head_dim, mx.float32)
+    shape = CacheShape(
+        args.num_hidden_layers,
+        getattr(model, "num_local_kv_heads", args.num_key_value_heads),
+        args.head_dim,
+        mx.float32,
+    )
     n = len(ids)
     num_blocks = -(-n // block_size)
     cache = PagedKVCache(shape, num_blocks, block_size)

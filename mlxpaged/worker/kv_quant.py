@@ -51,8 +51,16 @@ class QuantizedPool:
     group_size: int
 
     @classmethod
-    def zeros(cls, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
-              dtype: mx.Dtype, bits: int, group_size: int) -> "QuantizedPool":
+    def zeros(
+        cls,
+        num_blocks: int,
+        num_kv_heads: int,
+        block_size: int,
+        head_dim: int,
+        dtype: mx.Dtype,
+        bits: int,
+        group_size: int,
+    ) -> QuantizedPool:
         check_kv_quant(bits, group_size, head_dim)
         lead = (num_blocks, num_kv_heads, block_size)
         return cls(
@@ -64,7 +72,7 @@ class QuantizedPool:
         )
 
     @classmethod
-    def quantize(cls, x: mx.array, bits: int, group_size: int) -> "QuantizedPool":
+    def quantize(cls, x: mx.array, bits: int, group_size: int) -> QuantizedPool:
         """Quantize float rows `x [..., head_dim]` (a whole pool, or the rows of a write)."""
         check_kv_quant(bits, group_size, x.shape[-1])
         data, scales, biases = mx.quantize(x, group_size=group_size, bits=bits)
@@ -108,7 +116,6 @@ def gather_rows(pool: QuantizedPool, rows: mx.array) -> mx.array:
     nb, kvh, bs, _ = pool.shape
     data, scales, biases = (a.reshape(nb * kvh, bs, a.shape[-1])[rows] for a in pool.arrays)
     return dequantize_rows(data, scales, biases, pool.bits, pool.group_size)
-
 
 
 def key_offsets(model, num_positions: int = 4096) -> list[mx.array | None]:

@@ -7,9 +7,9 @@ import mlx.nn as nn
 import numpy as np
 
 from ..attention.metadata import AttentionMetadata
-from .kv_cache import PagedKVCache, slot_mapping
-from ..engine.sampler import gather_rows
 from ..core.sequence import Sequence
+from ..engine.sampler import gather_rows
+from .kv_cache import PagedKVCache, slot_mapping
 
 
 class ModelRunner:
@@ -67,8 +67,9 @@ class ModelRunner:
         last = cu[1:] - 1
         if not spec_tokens:
             return last
-        return np.concatenate([np.arange(cu[i], cu[i + 1]) if i in spec_tokens else last[i : i + 1]
-                               for i in range(len(last))]).astype(np.int32)
+        return np.concatenate(
+            [np.arange(cu[i], cu[i + 1]) if i in spec_tokens else last[i : i + 1] for i in range(len(last))]
+        ).astype(np.int32)
 
     @staticmethod
     def _input_ids(batch: list[tuple[Sequence, int]], total: int, spec_tokens: dict[int, list[int]]) -> mx.array:

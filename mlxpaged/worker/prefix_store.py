@@ -37,9 +37,9 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -176,9 +176,17 @@ class PrefixStore:
     `agree` (tensor parallelism) turns a local hit count into the count every rank has.
     """
 
-    def __init__(self, root: str | os.PathLike, ns: bytes, block_nbytes: list[int], block_size: int, *,
-                 cap_bytes: int | None = None, agree: Callable[[int], int] | None = None,
-                 parts: dict | None = None):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        ns: bytes,
+        block_nbytes: list[int],
+        block_size: int,
+        *,
+        cap_bytes: int | None = None,
+        agree: Callable[[int], int] | None = None,
+        parts: dict | None = None,
+    ):
         self.root = Path(root)
         self.ns = ns
         self.dir = self.root / ns.hex()[:32]
@@ -202,7 +210,9 @@ class PrefixStore:
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         if cap_bytes is not None and cap_bytes < self.file_nbytes:
-            raise ValueError(f"prefix cache disk cap of {cap_bytes} bytes holds no block ({self.file_nbytes} bytes each)")
+            raise ValueError(
+                f"prefix cache disk cap of {cap_bytes} bytes holds no block ({self.file_nbytes} bytes each)"
+            )
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             if parts is not None:
@@ -339,7 +349,7 @@ class PrefixStore:
         if len(data) != off + nbytes:
             self._bad_file(path, "is truncated" if len(data) < off + nbytes else "has trailing bytes")
             return None
-        tok_bytes = data[_HEADER.size:_HEADER.size + 8 * num_tokens]
+        tok_bytes = data[_HEADER.size : _HEADER.size + 8 * num_tokens]
         payload = data[off:]
         if zlib.crc32(payload, zlib.crc32(tok_bytes)) != crc:
             self._bad_file(path, "fails its checksum")
@@ -364,7 +374,7 @@ class PrefixStore:
         buf = np.frombuffer(b"".join(payloads), np.uint8).reshape(len(payloads), self.payload_nbytes)
         out, off = [], 0
         for nb in self.block_nbytes:
-            out.append(buf[:, off:off + nb])
+            out.append(buf[:, off : off + nb])
             off += nb
         return out
 

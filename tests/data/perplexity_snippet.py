@@ -2,7 +2,8 @@
 
 import time
 from collections import OrderedDict
-from typing import Generic, Hashable, Optional, TypeVar
+from collections.abc import Hashable
+from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -17,14 +18,14 @@ class ExpiringLRUCache(Generic[K, V]):
         self.capacity = capacity
         self.ttl = ttl
         self._clock = clock
-        self._items: "OrderedDict[K, tuple[float, V]]" = OrderedDict()
+        self._items: OrderedDict[K, tuple[float, V]] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def get(self, key: K, default: Optional[V] = None) -> Optional[V]:
+    def get(self, key: K, default: V | None = None) -> V | None:
         entry = self._items.get(key)
         if entry is None:
             self.misses += 1

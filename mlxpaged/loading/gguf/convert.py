@@ -55,8 +55,17 @@ _ARCH = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM", ("attn_q_norm.weight", "attn_k_norm.weight")),
     "llama": ("llama", "LlamaForCausalLM", ()),
 }
-_PLAIN_LAYER = ("attn_norm.weight", "ffn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
-                "attn_output.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+_PLAIN_LAYER = (
+    "attn_norm.weight",
+    "ffn_norm.weight",
+    "attn_q.weight",
+    "attn_k.weight",
+    "attn_v.weight",
+    "attn_output.weight",
+    "ffn_gate.weight",
+    "ffn_up.weight",
+    "ffn_down.weight",
+)
 
 _LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -252,7 +261,9 @@ def _check_architecture(g: GGUFFile) -> None:
     if arch is None:
         raise GGUFError(f"{g.name}: no general.architecture in the GGUF metadata")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise GGUFError(f"unsupported architecture {arch!r} in {g.name}: mlxpaged supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise GGUFError(
+            f"unsupported architecture {arch!r} in {g.name}: mlxpaged supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
 
 
 def _write_checkpoint(g: GGUFFile, out: Path, dtype: str, sha256: str, weights_mode: str = "float") -> None:
@@ -343,7 +354,7 @@ def _write_checkpoint(g: GGUFFile, out: Path, dtype: str, sha256: str, weights_m
     _write_json_atomic(out / MARKER, marker)
 
 
-def _llama_rows(rows: int, heads: int) -> "np.ndarray":
+def _llama_rows(rows: int, heads: int) -> np.ndarray:
     """The row order that undoes llama.cpp's Q/K permutation (convert_hf_to_gguf.py's
     `LlamaModel.permute`): each head's rows there are (pair, half) interleaved, here (half, pair)."""
     gguf_of_hf = np.arange(rows).reshape(heads, 2, rows // heads // 2).swapaxes(1, 2).reshape(rows)
@@ -373,8 +384,13 @@ def _llama3_rope_scaling(g: GGUFFile, config: dict) -> dict:
     dims, base = config["head_dim"], config["rope_theta"]
     for factor in (8.0, 32.0, 16.0, 4.0, 2.0):
         for orig in (8192, 4096, 2048):
-            rs = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": orig}
+            rs = {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": orig,
+            }
             rope = Llama3RoPE(dims, config["max_position_embeddings"], False, base, rs)
             plain = base ** (np.arange(0, dims, 2) / dims)
             if factors.shape == plain.shape and np.allclose(np.array(rope._freqs) / plain, factors, rtol=1e-4):
@@ -388,11 +404,20 @@ def _check_shapes(shapes: dict[str, tuple[int, ...]], config: dict, name: str) -
     q = config["num_attention_heads"] * hd
     kv = config["num_key_value_heads"] * hd
     want = {
-        "q_proj.weight": (q, h), "q_proj.bias": (q,), "k_proj.weight": (kv, h), "k_proj.bias": (kv,),
-        "v_proj.weight": (kv, h), "v_proj.bias": (kv,), "o_proj.weight": (h, q), "q_norm.weight": (hd,),
+        "q_proj.weight": (q, h),
+        "q_proj.bias": (q,),
+        "k_proj.weight": (kv, h),
+        "k_proj.bias": (kv,),
+        "v_proj.weight": (kv, h),
+        "v_proj.bias": (kv,),
+        "o_proj.weight": (h, q),
+        "q_norm.weight": (hd,),
         "k_norm.weight": (hd,),
-        "gate_proj.weight": (f, h), "up_proj.weight": (f, h), "down_proj.weight": (h, f),
-        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "gate_proj.weight": (f, h),
+        "up_proj.weight": (f, h),
+        "down_proj.weight": (h, f),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
     }
     for k, shape in shapes.items():
         suffix = ".".join(k.split(".")[-2:])
@@ -414,8 +439,12 @@ def _is_current(d: Path, dtype: str, weights: str = "float") -> bool:
     same = marker.get("dtype") == dtype and marker.get("weights", "float") == weights
     if weights == "quantized":
         same = same and marker.get("quantized_version") == QUANTIZED_VERSION
-    return marker.get("converter_version") == CONVERTER_VERSION and same and all(
-        (d / f).exists() for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+    return (
+        marker.get("converter_version") == CONVERTER_VERSION
+        and same
+        and all(
+            (d / f).exists() for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+        )
     )
 
 

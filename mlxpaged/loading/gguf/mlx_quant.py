@@ -73,8 +73,8 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     shifts = np.arange(bits, dtype=np.uint8)
     step = max(1, (1 << 24) // max(cols * bits, 1))  # bounds the bit-plane buffer to ~16 MB
     for r in range(0, rows, step):
-        planes = (codes[r:r + step, :, None] >> shifts) & 1
-        out[r:r + step] = np.packbits(planes.reshape(planes.shape[0], cols * bits), axis=1, bitorder="little")
+        planes = (codes[r : r + step, :, None] >> shifts) & 1
+        out[r : r + step] = np.packbits(planes.reshape(planes.shape[0], cols * bits), axis=1, bitorder="little")
     return out.view("<u4")
 
 
@@ -99,7 +99,7 @@ def _legacy(blocks: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray, np.nd
     pos = 4 if has_min else 2
     codes = _nibbles(blocks[:, -16:])
     if qtype in (T.Q5_0, T.Q5_1):
-        qh = np.ascontiguousarray(blocks[:, pos:pos + 4]).view("<u4")
+        qh = np.ascontiguousarray(blocks[:, pos : pos + 4]).view("<u4")
         codes = codes | ((((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8))
     if has_min:
         return codes, d, m
@@ -124,7 +124,7 @@ def _k_quant(blocks: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray, np.n
     codes = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(n, 8, 32)
     if qtype == T.Q5_K:
         qh = blocks[:, 16:48]  # bit j of qh[l] is the fifth bit of value l of sub-block j
-        codes = codes | ((((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4))
+        codes = codes | (((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4)
     return codes.reshape(n, 256).astype(np.uint8), d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
 
 
@@ -159,11 +159,13 @@ def _requantize(raw: np.ndarray, qtype: T, shape: tuple[int, int]) -> MLXQuantiz
     codes = np.clip(np.rint((ref - lo) / safe), 0, (1 << REQUANT_BITS) - 1).astype(np.uint8)
     weight = pack_codes(codes.reshape(rows, cols), REQUANT_BITS)
     scales, biases = scale.reshape(rows, -1).astype(np.float32), lo.reshape(rows, -1).astype(np.float32)
-    back = np.array(mx.dequantize(mx.array(weight), mx.array(scales), mx.array(biases),
-                                  group_size=GROUP_SIZE, bits=REQUANT_BITS))
+    back = np.array(
+        mx.dequantize(mx.array(weight), mx.array(scales), mx.array(biases), group_size=GROUP_SIZE, bits=REQUANT_BITS)
+    )
     err = back.astype(np.float64) - ref.reshape(rows, cols)
-    return MLXQuantized(weight, scales, biases, REQUANT_BITS, False,
-                        float(np.abs(err).max()), float(np.sqrt(np.mean(err * err))))
+    return MLXQuantized(
+        weight, scales, biases, REQUANT_BITS, False, float(np.abs(err).max()), float(np.sqrt(np.mean(err * err)))
+    )
 
 
 def to_mlx(raw: np.ndarray, qtype: T, shape: tuple[int, int]) -> MLXQuantized:

@@ -76,8 +76,16 @@ def quantized_tensors(
         if not q.exact:
             rms_w = float(np.sqrt(np.mean(np.square(g.dequantize(src), dtype=np.float64))))
             entry.update(max_error=q.max_error, rms_error=q.rms_error, rms_weight=rms_w)
-            log.info("requantized %s (%s -> %d-bit, group %d): max error %.3g, RMS error %.3g (RMS weight %.3g)",
-                     src, info.type.name, q.bits, GROUP_SIZE, q.max_error, q.rms_error, rms_w)
+            log.info(
+                "requantized %s (%s -> %d-bit, group %d): max error %.3g, RMS error %.3g (RMS weight %.3g)",
+                src,
+                info.type.name,
+                q.bits,
+                GROUP_SIZE,
+                q.max_error,
+                q.rms_error,
+                rms_w,
+            )
         report[hf] = entry
     default_bits = Counter(layer_bits.values()).most_common(1)[0][0] if layer_bits else 8
     quantization: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": default_bits, "mode": "affine"}

@@ -45,8 +45,19 @@ DEFAULT_ALIGNMENT = 32
 SUPPORTED_TYPES = frozenset(
     GGMLQuantizationType[name]
     for name in (
-        "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+        "F32",
+        "F16",
+        "BF16",
+        "Q8_0",
+        "Q4_0",
+        "Q4_1",
+        "Q5_0",
+        "Q5_1",
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
     )
 )
 
@@ -104,8 +115,10 @@ class _Cursor:
     def take(self, n: int) -> memoryview:
         end = self.pos + n
         if n < 0 or end > self.size:
-            raise GGUFError(f"{self.name}: truncated or corrupt GGUF (header runs past the end of the file at byte {self.pos})")
-        view = memoryview(self.buf)[self.pos:end]
+            raise GGUFError(
+                f"{self.name}: truncated or corrupt GGUF (header runs past the end of the file at byte {self.pos})"
+            )
+        view = memoryview(self.buf)[self.pos : end]
         self.pos = end
         return view
 
@@ -139,7 +152,9 @@ class _Cursor:
                 # Numeric arrays (token types, scores) can be 150k long: decode in one go.
                 return np.frombuffer(raw, dtype=np.dtype(fmt)).tolist()
             if count > self.size - self.pos:
-                raise GGUFError(f"{self.name}: truncated or corrupt GGUF (array of {count} items past the end of the file)")
+                raise GGUFError(
+                    f"{self.name}: truncated or corrupt GGUF (array of {count} items past the end of the file)"
+                )
             return [self.value(etype) for _ in range(count)]
         return self.scalar(_SCALAR_FORMATS[vtype])
 
@@ -206,7 +221,9 @@ class GGUFFile:
             block, type_size = GGML_QUANT_SIZES[qtype]
             n = int(np.prod(ne, dtype=np.int64)) if ne else 1
             if ne and ne[0] % block:
-                raise GGUFError(f"{self.name}: corrupt GGUF (row of {name!r} is {ne[0]} values, not a multiple of {block})")
+                raise GGUFError(
+                    f"{self.name}: corrupt GGUF (row of {name!r} is {ne[0]} values, not a multiple of {block})"
+                )
             nbytes = n // block * type_size
             start = data_start + offset
             if start + nbytes > size:
@@ -251,7 +268,7 @@ class GGUFFile:
             # numpy views of the mapping are still alive; the mapping goes when they do.
             pass
 
-    def __enter__(self) -> "GGUFFile":
+    def __enter__(self) -> GGUFFile:
         return self
 
     def __exit__(self, *exc) -> None:

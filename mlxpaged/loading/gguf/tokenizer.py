@@ -23,9 +23,7 @@ __all__ = ["load_gguf_tokenizer", "tokenizer_from_metadata", "tokenizer_config_f
 
 # Qwen2's pre-tokenizer split, verbatim from its tokenizer.json (llama.cpp's
 # LLAMA_VOCAB_PRE_TYPE_QWEN2 is the same expression with the case-insensitive group spelled out).
-QWEN2_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+QWEN2_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 # llama.cpp's token types (gguf.TokenType).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -48,7 +46,9 @@ def _vocab_arrays(md: dict[str, Any], name: str) -> tuple[list[str], list[int], 
         raise GGUFError(f"{name}: unsupported tokenizer model {model!r} (mlxpaged reads byte-level BPE, 'gpt2')")
     pre = md.get("tokenizer.ggml.pre", "qwen2")
     if pre not in PRETOKENIZE_REGEX:
-        raise GGUFError(f"{name}: unsupported pre-tokenizer {pre!r} (mlxpaged supports {', '.join(map(repr, PRETOKENIZE_REGEX))})")
+        raise GGUFError(
+            f"{name}: unsupported pre-tokenizer {pre!r} (mlxpaged supports {', '.join(map(repr, PRETOKENIZE_REGEX))})"
+        )
     tokens = md.get("tokenizer.ggml.tokens")
     merges = md.get("tokenizer.ggml.merges")
     if not tokens or merges is None:
@@ -90,14 +90,18 @@ def tokenizer_from_metadata(md: dict[str, Any], name: str = "<gguf>") -> Tokeniz
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX[md.get("tokenizer.ggml.pre", "qwen2")]), behavior="isolated", invert=False),
+            pre_tokenizers.Split(
+                Regex(PRETOKENIZE_REGEX[md.get("tokenizer.ggml.pre", "qwen2")]), behavior="isolated", invert=False
+            ),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
         ]
     )
     tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     added = [
-        AddedToken(tokens[i], special=(types[i] == CONTROL), normalized=False, lstrip=False, rstrip=False, single_word=False)
+        AddedToken(
+            tokens[i], special=(types[i] == CONTROL), normalized=False, lstrip=False, rstrip=False, single_word=False
+        )
         for i in range(len(tokens))
         if types[i] in (CONTROL, USER_DEFINED)
     ]
