@@ -157,7 +157,8 @@ def main() -> None:
             ratio = spread([m / p for m, p in zip(ms, res["mlx-lm"])])
             print(f"batch {b:3d} {name:22s} {fmt(spread(ms), 3):>22s} ms   {fmt(ratio)} x mlx-lm's")
         print(
-            f"batch {b:3d} paging's share: {statistics.median(res['mlxpaged']) - statistics.median(res['mlxpaged, contiguous']):.3f} ms "
+            f"batch {b:3d} paging's share: "
+            f"{statistics.median(res['mlxpaged']) - statistics.median(res['mlxpaged, contiguous']):.3f} ms "
             f"of {statistics.median(res['mlxpaged']):.3f} (mlx-lm {base:.3f})"
         )
 

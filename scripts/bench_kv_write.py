@@ -50,10 +50,12 @@ def main() -> None:
     shape = CacheShape(1, args.kv_heads, args.head_dim, mx.float32)
     k = mx.random.normal((args.batch, args.kv_heads, args.head_dim))
     print(
-        f"one layer, {args.kv_heads} KV heads x {args.head_dim}, float32, {args.batch} tokens per write, device {mx.default_device()}"
+        f"one layer, {args.kv_heads} KV heads x {args.head_dim}, float32, {args.batch} tokens per write, "
+        f"device {mx.default_device()}"
     )
     print(
-        f"{'pool slots':>10} | {'pool MB':>8} | {'in place us':>11} | {'growth B/step':>13} | {'copying us':>10} | {'copy / in place':>15}"
+        f"{'pool slots':>10} | {'pool MB':>8} | {'in place us':>11} | {'growth B/step':>13} | "
+        f"{'copying us':>10} | {'copy / in place':>15}"
     )
     for slots in [1 << 10, 1 << 13, 1 << 16, 1 << 18]:
         cache = PagedKVCache(shape, slots // 16, 16)

@@ -89,7 +89,8 @@ def main() -> None:
     for system, rs in res.items():
         peaks = [r["peak_gb"] for r in rs]
         print(
-            f"{system:>8}: peak memory median {statistics.median(peaks):.3f} GB (range {min(peaks):.3f}-{max(peaks):.3f})"
+            f"{system:>8}: peak memory median {statistics.median(peaks):.3f} GB "
+            f"(range {min(peaks):.3f}-{max(peaks):.3f})"
         )
     diff = [a["peak_gb"] - b["peak_gb"] for a, b in zip(res["mlxpaged"], res["mlx_lm"])]
     print(f"mlxpaged - mlx-lm: median {statistics.median(diff):+.3f} GB (range {min(diff):+.3f} to {max(diff):+.3f})")

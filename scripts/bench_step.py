@@ -227,7 +227,8 @@ def main() -> None:
     loaded, _ = load_models(args.model, args.tiny, args.dtype, reference=False)
     print(
         f"model {loaded.path.name}, {f'no-op forward, vocab {args.vocab}' if args.noop else 'real forward'}; "
-        f"temperature {args.temperature}, n={args.n}; ms per step, median of {args.repeats} blocks of {args.steps} steps (range), engines taking turns"
+        f"temperature {args.temperature}, n={args.n}; ms per step, median of {args.repeats} blocks of "
+        f"{args.steps} steps (range), engines taking turns"
     )
     print(
         f"{'seqs':>4} {'mode':>6} | {'step':>24} | {'unhidden = step - device':>24} | {'idle':>24} | {'bnd':>4} | "
@@ -255,7 +256,8 @@ def main() -> None:
             loose = mode != "device" and 2 * bnd > len(rs) * (args.steps - 1)
             idle = ("<=" if loose else "") + stat([r["idle"] for r in rs]) if mode != "device" else ""
             print(
-                f"{n:>4} {mode:>6} | {stat([r['step'] for r in rs]):>24} | {shown:>24} | {idle:>24} | {bnd:>4} | {cells}"
+                f"{n:>4} {mode:>6} | {stat([r['step'] for r in rs]):>24} | {shown:>24} | {idle:>24} | "
+                f"{bnd:>4} | {cells}"
             )
         med = {m: statistics.median(unhidden[m]) for m in ("off", "on")}
         idle = {m: statistics.median(r["idle"] for r in runs[m]) for m in ("off", "on")}

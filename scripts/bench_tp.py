@@ -1,7 +1,8 @@
 """Tensor parallelism on one machine: decode tokens/s and per-rank memory, W=1 against W=2.
 
 W=1 is the plain engine in one process; W=2 is `LLM(..., distributed=True)` on two ranks of the
-ring backend on this machine (started with the environment `mlx.launch -n 2 --backend ring` gives them). Each repeat runs both, alternating which goes
+ring backend on this machine (started with the environment `mlx.launch -n 2 --backend ring` gives them).
+Each repeat runs both, alternating which goes
 first; the clock is the engine's own decode span (pure-decode steps, after a warm-up request),
 the same span for both. Here the two ranks share the same CPU cores, so W=2 cannot be faster:
 this measures TP's overhead, and the all_sum time per step says how much of it is the collective
@@ -111,11 +112,14 @@ def run_once(world: int, a, tmp: Path) -> list[dict]:
     if a.split_cores:  # each rank gets its share of the cores, as each Mac would have its own
         n = str(max(1, (os.cpu_count() or 1) // world))
         threads = {"OPENBLAS_NUM_THREADS": n, "OMP_NUM_THREADS": n}
-    env = lambda r: {
-        **os.environ,
-        **threads,
-        **({"MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)} if world > 1 else {}),
-    }
+
+    def env(r):
+        return {
+            **os.environ,
+            **threads,
+            **({"MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)} if world > 1 else {}),
+        }
+
     procs = [
         subprocess.Popen([sys.executable, *args], stderr=subprocess.PIPE, text=True, env=env(r)) for r in range(world)
     ]
@@ -184,7 +188,8 @@ def main() -> None:
         "BLAS threads split between the ranks" if a.split_cores else "every rank on all cores"
     )
     print(
-        f"model: {a.model}, float32 on the CPU ({cores}), batch 1, {a.max_tokens} greedy tokens, {a.repeats} repeats (alternating)"
+        f"model: {a.model}, float32 on the CPU ({cores}), batch 1, {a.max_tokens} greedy tokens, "
+        f"{a.repeats} repeats (alternating)"
     )
     print(f"W=1 decode: {fmt(t1, ' tok/s')}; W=2 decode: {fmt(t2, ' tok/s')}; W=2/W=1: {fmt(ratios, 'x')}")
     print(
@@ -214,7 +219,8 @@ def main() -> None:
         # A 72B-class model at 4 bits (Qwen2.5-72B: 80 layers, hidden 8192, ~40 GB; ~1 GB replicated embedding/head).
         s1, s2 = estimate(40e9, 20.5e9, 80, 8192, a2)
         print(
-            f"  same link, a 72B 4-bit model (40 GB; 20.5 GB a rank): W=1 {s1:.1f} tok/s (if it fit), W=2 {s2:.1f} tok/s ({s2 / s1:.2f}x)"
+            f"  same link, a 72B 4-bit model (40 GB; 20.5 GB a rank): W=1 {s1:.1f} tok/s (if it fit), "
+            f"W=2 {s2:.1f} tok/s ({s2 / s1:.2f}x)"
         )
     shutil.rmtree(tmp, ignore_errors=True)
 

@@ -1,4 +1,5 @@
-"""Tiny GGUF files written with the `gguf` package, quantized blocks encoded in numpy, and logits computed directly from the file (the references of the GGUF tests)."""
+"""Tiny GGUF files written with the `gguf` package, quantized blocks encoded in numpy, and logits computed directly
+from the file (the references of the GGUF tests)."""
 
 from __future__ import annotations
 
@@ -293,7 +294,7 @@ def ref_q2_k(b: bytes) -> list[float]:
                 sc = scales[is_]
                 is_ += 1
                 dl, ml = d * (sc & 0xF), dmin * (sc >> 4)
-                y += [dl * ((q[l + half] >> shift) & 3) - ml for l in range(16)]
+                y += [dl * ((q[idx + half] >> shift) & 3) - ml for idx in range(16)]
             shift += 2
     return y
 
@@ -317,7 +318,7 @@ def ref_q3_k(b: bytes) -> list[float]:
             for half in (0, 16):
                 dl = d * (scales[is_] - 32)
                 is_ += 1
-                y += [dl * (((q[l + half] >> shift) & 3) - (0 if hm[l + half] & m else 4)) for l in range(16)]
+                y += [dl * (((q[idx + half] >> shift) & 3) - (0 if hm[idx + half] & m else 4)) for idx in range(16)]
             shift += 2
             m <<= 1
     return y
@@ -331,8 +332,8 @@ def ref_q4_k(b: bytes) -> list[float]:
         s1, m1 = _scale_min_k4(2 * n, sc)
         s2, m2 = _scale_min_k4(2 * n + 1, sc)
         q = qs[32 * n : 32 * n + 32]
-        y += [d * s1 * (q[l] & 0xF) - dmin * m1 for l in range(32)]
-        y += [d * s2 * (q[l] >> 4) - dmin * m2 for l in range(32)]
+        y += [d * s1 * (q[idx] & 0xF) - dmin * m1 for idx in range(32)]
+        y += [d * s2 * (q[idx] >> 4) - dmin * m2 for idx in range(32)]
     return y
 
 
@@ -344,8 +345,8 @@ def ref_q5_k(b: bytes) -> list[float]:
         s1, m1 = _scale_min_k4(2 * n, sc)
         s2, m2 = _scale_min_k4(2 * n + 1, sc)
         ql = qs[32 * n : 32 * n + 32]
-        y += [d * s1 * ((ql[l] & 0xF) + (16 if qh[l] & u1 else 0)) - dmin * m1 for l in range(32)]
-        y += [d * s2 * ((ql[l] >> 4) + (16 if qh[l] & u2 else 0)) - dmin * m2 for l in range(32)]
+        y += [d * s1 * ((ql[idx] & 0xF) + (16 if qh[idx] & u1 else 0)) - dmin * m1 for idx in range(32)]
+        y += [d * s2 * ((ql[idx] >> 4) + (16 if qh[idx] & u2 else 0)) - dmin * m2 for idx in range(32)]
         u1 <<= 2
         u2 <<= 2
     return y
@@ -358,17 +359,17 @@ def ref_q6_k(b: bytes) -> list[float]:
     y = [0.0] * 256
     for n in range(2):
         ql, qh, sc = b[64 * n : 64 * n + 64], b[128 + 32 * n : 128 + 32 * n + 32], sc_all[8 * n : 8 * n + 8]
-        for l in range(32):
-            is_ = l // 16
-            q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32
-            q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32
-            q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32
-            q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32
+        for idx in range(32):
+            is_ = idx // 16
+            q1 = ((ql[idx] & 0xF) | (((qh[idx] >> 0) & 3) << 4)) - 32
+            q2 = ((ql[idx + 32] & 0xF) | (((qh[idx] >> 2) & 3) << 4)) - 32
+            q3 = ((ql[idx] >> 4) | (((qh[idx] >> 4) & 3) << 4)) - 32
+            q4 = ((ql[idx + 32] >> 4) | (((qh[idx] >> 6) & 3) << 4)) - 32
             base = 128 * n
-            y[base + l] = d * sc[is_ + 0] * q1
-            y[base + l + 32] = d * sc[is_ + 2] * q2
-            y[base + l + 64] = d * sc[is_ + 4] * q3
-            y[base + l + 96] = d * sc[is_ + 6] * q4
+            y[base + idx] = d * sc[is_ + 0] * q1
+            y[base + idx + 32] = d * sc[is_ + 2] * q2
+            y[base + idx + 64] = d * sc[is_ + 4] * q3
+            y[base + idx + 96] = d * sc[is_ + 6] * q4
     return y
 
 

@@ -180,7 +180,7 @@ def reference_beam_search(model, prompt, width, max_tokens, eos=(), length_penal
 
     while True:
         tot = []
-        for toks, cum, _, lg in beams:
+        for _toks, cum, _, lg in beams:
             lg = lg.astype(np.float64)
             tot.append(cum + lg - (np.log(np.sum(np.exp(lg - lg.max()))) + lg.max()))
         flat = np.concatenate(tot)

@@ -166,7 +166,7 @@ def test_tiny_run_writes_every_field(tiny_run):
     for f in ("rates", "repeats", "bound_s_per_token", "peer_args", "mlxpaged_args", "rows", "per_rate", "sustainable"):
         assert f in doc, f
     assert {(r["server"], r["load"]) for r in doc["rows"]} == {
-        (s, l) for s in ("mlxpaged", "mlx_lm") for l in ("sharegpt", "n4")
+        (s, load) for s in ("mlxpaged", "mlx_lm") for load in ("sharegpt", "n4")
     }
     for r in doc["rows"]:
         for f in (

@@ -241,7 +241,7 @@ def test_thread_elements_layout():
         assert out[lane, 3] == 5.0
         want2[r, c], want2[r, c + 1] = lane, 100 + lane
     np.testing.assert_array_equal(out2, want2)  # every element written exactly by its lane
-    assert sorted((coord(l)[0], coord(l)[1] + i) for l in range(32) for i in (0, 1)) == [
+    assert sorted((coord(lane)[0], coord(lane)[1] + i) for lane in range(32) for i in (0, 1)) == [
         (r, c) for r in range(8) for c in range(8)
     ]
 

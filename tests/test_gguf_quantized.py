@@ -331,7 +331,8 @@ def test_real_greedy_tokens_agree_with_float(real_pair, real_dequantized):
     assert np.array_equal(lf.argmax(-1)[confident], np.array(float_tokens)[confident])
     disagree = np.flatnonzero(confident & (lq.argmax(-1) != np.array(float_tokens)))
     print(
-        f"\n{confident.sum()} of 100 positions with a float top-2 gap > {GAP}; quantized disagrees at {disagree.tolist()}"
+        f"\n{confident.sum()} of 100 positions with a float top-2 gap > {GAP}; "
+        f"quantized disagrees at {disagree.tolist()}"
     )
     assert disagree.size == 0
     # Free-running on the paged engine (first FREE_RUN tokens, for CPU time): the same tokens

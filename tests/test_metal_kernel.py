@@ -265,7 +265,7 @@ def test_source_parity(emulated, dtype):
     launches = []
     for part in (0, 32):
         launches += metal.run_with_launches(*args, scale=0.125, partition_tokens=part)[1]
-    assert [l.kind for l in launches] == list(metal.KERNEL_IO)
+    assert [launch.kind for launch in launches] == list(metal.KERNEL_IO)
     for launch in launches:
         kernel = metal._kernel(metal._metal_kernel_factory(), launch.kind, launch.variant)
         expected = emu.mlx_compiled_source(launch.kernel_kwargs, launch.call)

@@ -118,7 +118,7 @@ def test_decoding_to_5000_tokens_compiles_nothing_after_the_first_step(monkeypat
             tables = mx.array(np.arange(seqs * width, dtype=np.int32).reshape(seqs, width))
             lens = mx.full((seqs,), ctx, dtype=mx.int32)
             _, launches = metal.run_with_launches(q, pool, pool, tables, lens, scale=0.125)
-            kinds |= {l.kind for l in launches}
+            kinds |= {launch.kind for launch in launches}
             if ctx == 1:
                 after_first = set(rec.names[-1])
                 cache_after_first = metal._kernel.cache_info().currsize

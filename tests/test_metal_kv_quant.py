@@ -140,7 +140,7 @@ def run_decode(c: dict, seed: int = 0) -> float:
     q, k, v, bt, cl = decode_inputs(rng, c, lens)
     scale = c["head_dim"] ** -0.5
     out, launches = metal.run_with_launches(q, k, v, bt, cl, scale=scale, partition_tokens=None if c["split"] else 0)
-    kinds = [l.kind for l in launches]
+    kinds = [launch.kind for launch in launches]
     assert kinds == (
         ["paged_attention_partitioned_quant", "paged_attention_merge"] if c["split"] else ["paged_attention_quant"]
     ), kinds
@@ -333,7 +333,7 @@ def test_split_path_reads_within_5_percent_of_the_quantized_minimum(emulated, bi
     rng = np.random.default_rng(11)
     q, k, v, bt, cl = decode_inputs(rng, c, [2600, 700])
     out, launches = metal.run_with_launches(q, k, v, bt, cl, scale=0.125)
-    assert [l.kind for l in launches] == ["paged_attention_partitioned_quant", "paged_attention_merge"]
+    assert [launch.kind for launch in launches] == ["paged_attention_partitioned_quant", "paged_attention_merge"]
     ratio = metal.bytes_read(launches) / metal.minimum_bytes(q, k, cl)
     assert 1.0 <= ratio <= 1.05, ratio
     assert mismatch(out, decode_reference(q, k, v, bt, cl, 0.125), "float16") <= 1.0

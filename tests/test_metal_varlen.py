@@ -149,7 +149,10 @@ def test_issue_batch(emulated, path):
 
 @pytest.mark.skipif(
     not FULL_SWEEP,
-    reason="[expected] opt-in (MLXPAGED_FULL_SWEEP=1), about 50 s; the default sweep covers the MMA kernel at smaller shapes",
+    reason=(
+        "[expected] opt-in (MLXPAGED_FULL_SWEEP=1), about 50 s; "
+        "the default sweep covers the MMA kernel at smaller shapes"
+    ),
 )
 def test_issue_batch_mma_largest_shape(emulated):
     """The issue's batch on the MMA kernel at the default sweep's largest shape (head_dim 128,
@@ -516,14 +519,17 @@ def test_first_use_check_guards_the_varlen_kernel(monkeypatch):
                 )
             assert [r for r in runs if r.startswith("varlen")] == [runs[0]]  # (the decode kernels check their own)
 
-            zeros = lambda *a, **k: lambda **call: [mx.zeros(call["output_shapes"][0], call["output_dtypes"][0])]
+            def zeros(*a, **k):
+                return lambda **call: [mx.zeros(call["output_shapes"][0], call["output_dtypes"][0])]
+
             monkeypatch.setattr(mv, "_kernel", zeros)
             metal.reset_kernels()
             with pytest.warns(RuntimeWarning, match="kernel check failed.*varlen"):
                 out = paged_attention_varlen(*prefill, scale=0.125, impl="metal")
-            same_as_reference = lambda out, a: mx.array_equal(
-                out, paged_attention_varlen(*a, scale=0.125, impl="reference")
-            ).item()
+
+            def same_as_reference(out, a):
+                return mx.array_equal(out, paged_attention_varlen(*a, scale=0.125, impl="reference")).item()
+
             assert same_as_reference(out, prefill)
             import warnings
 

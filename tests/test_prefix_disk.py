@@ -332,7 +332,7 @@ def test_reads_slower_than_recomputing_are_not_used(tiny_loaded, tmp_path, promp
     assert out.num_cached_tokens == 0 and s.stats.skipped_slow == 1 and out.outputs[0].token_ids == reference600
 
 
-# -- settings and the CLI ------------------------------------------------------------------------------------------------
+# -- settings and the CLI ----------------------------------------------------------------------------------------------
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="prefix caching"):
         EngineConfig(prefix_cache_dir="/tmp/x", enable_prefix_caching=False)
@@ -371,7 +371,7 @@ def test_generate_cli_reuses_the_prefix_across_runs(tiny_model_path, tmp_path, p
     assert runs[1]["stats"]["prefix_cache_disk_hit_tokens"] == second["num_cached_tokens"]
 
 
-# -- a server restart over HTTP ----------------------------------------------------------------------------------------------
+# -- a server restart over HTTP ----------------------------------------------------------------------------------------
 @pytest.mark.server
 def test_server_restart_reports_cached_tokens(tiny_model_path, tiny_loaded, tmp_path, prompt600, reference600):
     """`mlxpaged serve` stopped (Ctrl-C) and started again on the same DIR: the same 600-token
@@ -404,7 +404,7 @@ def test_server_restart_reports_cached_tokens(tiny_model_path, tiny_loaded, tmp_
     assert m2['mlxpaged_prefix_cache_hit_tokens_total{tier="memory"}'] == 0
 
 
-# -- tensor parallelism ---------------------------------------------------------------------------------------------------------
+# -- tensor parallelism ------------------------------------------------------------------------------------------------
 @pytest.mark.tp
 def test_tensor_parallel_ranks_keep_their_own_shards(tiny_model_path, tiny_loaded, tmp_path):
     """Two ranks (mlx.launch, ring backend), launched twice on one DIR: each rank has its own
@@ -475,7 +475,7 @@ def _chain_hashes_bs(loaded, prompt: list[int], bs: int) -> list[bytes]:
     return hashes
 
 
-# -- the real-model tier -------------------------------------------------------------------------------------------------------
+# -- the real-model tier -----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def real():
     import mlx_lm

@@ -101,7 +101,7 @@ def test_preemption_recomputes_to_the_same_tokens(tiny_loaded, caching):
 
 def test_randomized_workload_keeps_invariants(tiny_loaded):
     rng = random.Random(0)
-    for trial in range(3):
+    for _trial in range(3):
         engine = LLMEngine(
             tiny_loaded,
             EngineConfig(

@@ -3,7 +3,8 @@
 Requests over HTTP with random prompt lengths, random n in 1..4, a tenth of the clients
 disconnecting mid-stream and some bad requests. Afterwards no KV block is in use, and MLX's
 active memory returns to within 64 KB of its value after the first 50 requests, the engine and
-its loop hold no finished request, and resident memory stays within 5% (plus one malloc arena). MLXPAGED_SOAK_REQUESTS sets the size (default 100; the full run is 1,000).
+its loop hold no finished request, and resident memory stays within 5% (plus one malloc arena).
+MLXPAGED_SOAK_REQUESTS sets the size (default 100; the full run is 1,000).
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def test_soak_memory_is_flat(tiny_model_path):
             f"generated {end['mlxpaged_generation_tokens_total']:.0f} tokens; "
             f"preemptions {end['mlxpaged_preemptions_total']:.0f}; "
             f"MLX active {active0 / 1e6:.1f} -> {active1 / 1e6:.1f} MB; MLX cache "
-            f"{base['mlxpaged_mlx_cache_memory_bytes'] / 1e6:.1f} -> {end['mlxpaged_mlx_cache_memory_bytes'] / 1e6:.1f} MB; RSS {rss0 / 1e6:.1f} -> {rss1 / 1e6:.1f} MB"
+            f"{base['mlxpaged_mlx_cache_memory_bytes'] / 1e6:.1f} -> "
+            f"{end['mlxpaged_mlx_cache_memory_bytes'] / 1e6:.1f} MB; RSS {rss0 / 1e6:.1f} -> {rss1 / 1e6:.1f} MB"
         )
         assert end["mlxpaged_kv_blocks_used"] == 0
         # Nothing of a finished request stays behind: the engine and the loop hold none when idle.

@@ -151,7 +151,8 @@ def test_two_ranks_equal_one_process(tiny_model_path, tiny_quantized, tp_run, wh
         for got, want in zip(steps, ref_steps):
             np.testing.assert_allclose(got, want, rtol=0, atol=atol)
         print(
-            f"{['float32', 'quantized', 'kv8'][which]} rank {rank}: weights {info['weight_bytes']} of {full_bytes} bytes "
+            f"{['float32', 'quantized', 'kv8'][which]} rank {rank}: weights {info['weight_bytes']} "
+            f"of {full_bytes} bytes "
             f"({info['weight_bytes'] / full_bytes:.3f}), KV heads {info['num_kv_heads']} of {kv_heads}, "
             f"max |logit diff| {max(np.abs(g - w).max() for g, w in zip(steps, ref_steps)):.2e}"
         )

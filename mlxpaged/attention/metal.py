@@ -623,7 +623,7 @@ def bytes_read(launches: list[Launch]) -> int:
     """Bytes the launches' kernels read from their inputs on their last run (emulator only:
     its kernels count every load)."""
     factory = _metal_kernel_factory()
-    return sum(sum(_kernel(factory, l.kind, l.variant).last_stats.values()) for l in launches)
+    return sum(sum(_kernel(factory, launch.kind, launch.variant).last_stats.values()) for launch in launches)
 
 
 def last_launch_stats(launch: Launch):

@@ -122,9 +122,11 @@ def report(rows: list[dict], loads: list[str], bound: float, echo=print) -> dict
     echo(f"\nmedian (min-max) over repeats; ratios mlx_lm/mlxpaged formed within each repeat; bound {bound} s/token")
     for e in rates:
         echo(
-            f"{e['load']:>8} rate {e['rate']:5.2f}: mean norm latency mlxpaged {_fmt(e['mlxpaged_norm_latency_mean'], 3)}"
+            f"{e['load']:>8} rate {e['rate']:5.2f}: mean norm latency mlxpaged "
+            f"{_fmt(e['mlxpaged_norm_latency_mean'], 3)}"
             f", mlx_lm {_fmt(e['mlx_lm_norm_latency_mean'], 3)}, ratio {_fmt(e['ratio_norm_latency_mean'])}; "
-            f"median ratio {_fmt(e['ratio_norm_latency_median'])}; peak RSS mlxpaged {_fmt(e['mlxpaged_peak_rss_mb'], 0)}"
+            f"median ratio {_fmt(e['ratio_norm_latency_median'])}; peak RSS mlxpaged "
+            f"{_fmt(e['mlxpaged_peak_rss_mb'], 0)}"
             f" MB, mlx_lm {_fmt(e['mlx_lm_peak_rss_mb'], 0)} MB; equal lengths {all(e['lengths_equal'])}"
         )
     sus = {}

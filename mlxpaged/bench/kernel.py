@@ -1,4 +1,5 @@
-"""The paged-attention kernel table at Qwen2.5-1.5B decode shapes (used by `scripts/kernel.py` and `mlxpaged bench kernel`).
+"""The paged-attention kernel table at Qwen2.5-1.5B decode shapes (used by `scripts/kernel.py` and
+`mlxpaged bench kernel`).
 
 On an Apple GPU: the kernel's time against contiguous `mx.fast.scaled_dot_product_attention` on
 the same keys and values, and its max error against the reference. Elsewhere: the bytes the
@@ -111,7 +112,7 @@ def emulator_rows(seqs: int, tokens: int, sizes: Sequence[int]) -> list[dict]:
                     dict(
                         block_size=bs,
                         scattered=scattered,
-                        kernels="+".join(l.kind for l in launches),
+                        kernels="+".join(launch.kind for launch in launches),
                         bytes_read=read,
                         minimum_bytes=least,
                         ratio=read / least,
@@ -151,7 +152,7 @@ def _emulated_stats(
         out, launches = metal.run_with_launches(
             q, k, v, bt, cl, scale=head_dim**-0.5, partition_tokens=partition_tokens
         )
-        stats = [metal.last_launch_stats(l) for l in launches]
+        stats = [metal.last_launch_stats(launch) for launch in launches]
     ref = paged_attention_reference(q, metal.dequantized(k), metal.dequantized(v), bt, cl, head_dim**-0.5)
     return out, ref, launches, stats
 
@@ -189,7 +190,7 @@ def cost_model(
         block_size=block_size,
         dtype=str(dtype),
         kv_bits=kv_bits or 16,
-        kernels="+".join(l.kind for l in launches),
+        kernels="+".join(launch.kind for launch in launches),
         max_error=max_error(out, ref),
         simd_reductions_per_token=total(lambda s: s.simd_reductions) / rows,
         simd_reductions_per_token_head=total(lambda s: s.simd_reductions) / heads,
@@ -242,7 +243,7 @@ def kv_bytes_rows(
                     head_dim=head_dim,
                     kv_bits=bits or 16,
                     group_size=group_size if bits else None,
-                    kernels="+".join(l.kind for l in launches),
+                    kernels="+".join(launch.kind for launch in launches),
                     bytes_per_token=read / (seqs * tokens),
                     minimum_per_token=least / (seqs * tokens),
                     ratio=read / least,

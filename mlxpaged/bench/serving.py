@@ -281,8 +281,10 @@ def table(row: dict) -> list[str]:
         r = fmt(row["ratio"][k]) if k in row["ratio"] else "-"
         out.append(f"{k:>16} | {a[k]['median']:10.2f} | {b[k]['median']:10.2f} | {r}")
     out.append(
-        f"mlxpaged: peak running seqs {a['running_seqs_peak']['median']:.0f}, preemptions {a['preemptions']['median']:.0f}, "
+        f"mlxpaged: peak running seqs {a['running_seqs_peak']['median']:.0f}, "
+        f"preemptions {a['preemptions']['median']:.0f}, "
         f"prefix-cache hit tokens {a['prefix_cache_hit_tokens']['median']:.0f}, prefill tokens computed "
-        f"{a['computed_prefill_tokens']['median']:.0f}; mlx-lm prompt-cache hit tokens {b['prompt_cache_hit_tokens']['median']:.0f}"
+        f"{a['computed_prefill_tokens']['median']:.0f}; mlx-lm prompt-cache hit tokens "
+        f"{b['prompt_cache_hit_tokens']['median']:.0f}"
     )
     return out

@@ -247,7 +247,8 @@ def table(rows: list[dict]) -> list[str]:
     for r in rows:
         t, i, m = r["ttft_ms_median"], r["itl_ms_median"], r["peak_memory_gb"]
         out.append(
-            f"{r['case']:>16} | {r['mlxpaged_output_tps']['median']:14.1f} | {r['mlx_lm_output_tps']['median']:12.1f} | "
+            f"{r['case']:>16} | {r['mlxpaged_output_tps']['median']:14.1f} | "
+            f"{r['mlx_lm_output_tps']['median']:12.1f} | "
             f"{fmt(r['ratio_output_tps']):>22} | {t['mlxpaged']:9.0f} / {t['mlx_lm']:9.0f} | "
             f"{i['mlxpaged']:8.1f} / {i['mlx_lm']:8.1f} | {m['mlxpaged']:9.3f} / {m['mlx_lm']:9.3f}"
         )

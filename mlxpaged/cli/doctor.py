@@ -1,7 +1,8 @@
 """`mlxpaged doctor`: what a bug report about the Metal kernel needs, printed and saved as JSON.
 
 Reports the MLX version, the device (`mx.metal.device_info()` when Metal is available), the
-GPU cores the split planner assumes and its partitions, the attention implementation `impl="auto"` picks at Qwen2.5-0.5B shapes, each kernel shape
+GPU cores the split planner assumes and its partitions, the attention implementation `impl="auto"` picks at
+Qwen2.5-0.5B shapes, each kernel shape
 family's startup check (`metal.check_family`: built, run and compared with the reference), and
 a small kernel table: on an Apple GPU, the kernel's time against contiguous SDPA (many launches
 per `mx.eval`) in GB/s; elsewhere the kernels run in the MSL emulator, which says so and gives

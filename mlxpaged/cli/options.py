@@ -36,7 +36,10 @@ def model_and_engine_options(num_blocks_help: str):
             "--model",
             "-m",
             default=None,
-            help="Checkpoint directory, .gguf file or Hugging Face repo id (default: the offline Qwen2.5-Coder-0.5B-Instruct).",
+            help=(
+                "Checkpoint directory, .gguf file or Hugging Face repo id "
+                "(default: the offline Qwen2.5-Coder-0.5B-Instruct)."
+            ),
         ),
         click.option(
             "--dtype", default="auto", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), show_default=True
@@ -46,7 +49,10 @@ def model_and_engine_options(num_blocks_help: str):
             default="auto",
             type=click.Choice(["auto", "quantized", "float"]),
             show_default=True,
-            help="GGUF block weights kept quantized (MLX quantized layers) or dequantized; auto: quantized on a GPU, float on the CPU (faster there).",
+            help=(
+                "GGUF block weights kept quantized (MLX quantized layers) or dequantized; "
+                "auto: quantized on a GPU, float on the CPU (faster there)."
+            ),
         ),
         click.option("--block-size", default=16, show_default=True, help="Tokens per KV block (power of two, 1..256)."),
         click.option(
@@ -85,7 +91,10 @@ def model_and_engine_options(num_blocks_help: str):
             "--prefix-cache-dir",
             default=None,
             metavar="DIR",
-            help="Keep full KV blocks on disk under DIR too, by hash: a later run (or a restart) reads a repeated prefix instead of recomputing it (docs/prefix-cache.md).",
+            help=(
+                "Keep full KV blocks on disk under DIR too, by hash: a later run (or a restart) reads a repeated "
+                "prefix instead of recomputing it (docs/prefix-cache.md)."
+            ),
         ),
         click.option(
             "--prefix-cache-disk-gb",
@@ -104,7 +113,10 @@ def model_and_engine_options(num_blocks_help: str):
             "--speculative",
             default=None,
             type=click.Choice(["ngram"]),
-            help="Speculative decoding: 'ngram' proposes tokens found earlier in the prompt or output (prompt lookup) and verifies them in the step's forward pass; outputs are unchanged.",
+            help=(
+                "Speculative decoding: 'ngram' proposes tokens found earlier in the prompt or output (prompt "
+                "lookup) and verifies them in the step's forward pass; outputs are unchanged."
+            ),
         ),
         click.option(
             "--num-speculative-tokens",

@@ -394,7 +394,7 @@ class Scheduler:
         scheduled is skipped: its blocks are gone and its token is never used.
         """
         rows = self.sample_rows(out)
-        for req, seq in out.decodes:
+        for _req, seq in out.decodes:
             if seq.finished:
                 continue
             seq.num_computed_tokens += 1

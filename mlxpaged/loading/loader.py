@@ -179,7 +179,8 @@ def load(model: str | None = None, dtype: str | None = None, weights: str | None
             f"--weights quantized needs a GGUF file or a quantized MLX checkpoint; {path} holds float weights"
         )
     dt = default_dtype(config) if dtype in (None, "auto") else DTYPES[dtype]
-    # On a float16 GPU run the K-quant scales round to float16 here (relative 2^-12), as MLX computes in the scale dtype.
+    # On a float16 GPU run the K-quant scales round to float16 here (relative 2^-12), as MLX computes in the
+    # scale dtype.
     net.set_dtype(dt)
     mx.eval(net.parameters())
     return LoadedModel(net, tokenizer, config, path, dt, "quantized" if _is_quantized(net) else "float")

@@ -14,7 +14,8 @@ and writes (named by buffer), threadgroup-memory data races (a missing barrier),
 functions (simdgroup_matrix loads, stores and multiplies included) and barriers in divergent
 control flow, deadlocks, endless loops, barriers without
 `mem_threadgroup` used to order threadgroup memory, casts between address spaces, misplaced
-threadgroup declarations; a register estimate over budget is a `RegisterBudgetWarning`. See README.md. Threadgroup memory and outputs start as NaN (0xFF bytes), and lanes run in a chosen
+threadgroup declarations; a register estimate over budget is a `RegisterBudgetWarning`. See README.md.
+Threadgroup memory and outputs start as NaN (0xFF bytes), and lanes run in a chosen
 order (`MLXPAGED_EMU_ORDER=forward|reverse|random[:seed]`, `lane_order(...)`, or `order=` on
 the call) so missing barriers and writes change results.
 """

@@ -364,7 +364,7 @@ def _ast_nodes(dump: str):
     """(depth, kind, file, line, text) per node of clang's text AST dump. The dumper writes a
     location's file and line only when they change from the last location it printed; this
     tracks both, as the dumper does."""
-    f, l = "", 0
+    f, line = "", 0
     for ln in dump.splitlines():
         m = _NODE.match(ln)
         if not m:
@@ -376,13 +376,13 @@ def _ast_nodes(dump: str):
             if tok.startswith("<"):
                 continue
             if lm.group("f"):
-                f, l = lm.group("f"), int(lm.group("l"))
+                f, line = lm.group("f"), int(lm.group("l"))
             elif lm.group("l2"):
-                l = int(lm.group("l2"))
+                line = int(lm.group("l2"))
             if first is None:
-                first = (f, l)
+                first = (f, line)
         if first is None:
-            first = (f, l)
+            first = (f, line)
         yield len(m.group("indent")), m.group("kind"), first[0], first[1], rest
 
 

@@ -19,9 +19,11 @@ import numpy as np
 # server exercises tool calling. Without tools it renders exactly as plain ChatML.
 CHAT_TEMPLATE = (
     "{%- if tools %}{{ '<|im_start|>system\n' }}{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
-    "{% else %}{{ 'You are a helpful assistant.' }}{% endif %}{{ '\n\n# Tools\n\nYou may call one or more functions to "
-    "assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
-    "{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}{{ '\n</tools>\n\nFor each function call, return a "
+    "{% else %}{{ 'You are a helpful assistant.' }}{% endif %}{{ '\n\n# Tools\n\nYou may call one or more "
+    "functions to assist with the user query.\n\nYou are provided with function signatures within "
+    "<tools></tools> XML tags:\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}{{ '\n</tools>\n\nFor each function call, "
+    "return a "
     "json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
     '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n\' }}{% endif %}'
     "{%- for message in messages %}"
