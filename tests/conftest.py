@@ -140,9 +140,25 @@ def pytest_collection_modifyitems(config, items):
 
 
 _unexpected_skips: list[str] = []
+_tier_seconds: dict[str, float] = {}
+_tier_of: dict[str, str] = {}  # nodeid -> its tier, for the timing summary
+TIERS = ("unit", "engine", "emulator", "server", "tp", "soak", "real_model")
+
+
+def pytest_collection_finish(session):
+    for item in session.items:
+        marks = {m.name for m in item.iter_markers()}
+        # A test counts in its most specific tier: real_model, tp, soak, emulator, server, then the file's.
+        _tier_of[item.nodeid] = next(
+            (t for t in ("real_model", "tp", "soak", "emulator", "server") if t in marks),
+            FILE_TIERS.get(item.path.name, "?"),
+        )
 
 
 def pytest_runtest_logreport(report):
+    tier = _tier_of.get(report.nodeid)
+    if tier is not None:
+        _tier_seconds[tier] = _tier_seconds.get(tier, 0.0) + report.duration
     if report.skipped and not hasattr(report, "wasxfail"):
         reason = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
         if EXPECTED_SKIP not in reason:
@@ -155,6 +171,12 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _tier_seconds:
+        counts = {t: sum(1 for v in _tier_of.values() if v == t) for t in _tier_seconds}
+        terminalreporter.write_line(
+            "time per tier (setup + call + teardown): "
+            + ", ".join(f"{t} {_tier_seconds[t]:.0f} s ({counts[t]} tests)" for t in TIERS if t in _tier_seconds)
+        )
     if _unexpected_skips:
         verdict = (
             "fail the run under CI=true"
