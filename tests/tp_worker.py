@@ -89,9 +89,13 @@ def _sabotage(engine, mode: str, out: Path) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             if mode == "hang":
                 os.kill(os.getpid(), signal.SIGSTOP)
-            if mode == "diverge":
-                append = engine._append_token
-                engine._append_token = lambda req, seq, tok, lp: append(req, seq, (tok + 1) % 300, lp)
+            if mode == "diverge":  # the scheduler appends what it is given: hand it other tokens
+                update = engine.scheduler.update_from_output
+
+                def altered(step_id, pairs, tokens, logprobs, check_stop):
+                    return update(step_id, pairs, [(t + 1) % 300 for t in tokens], logprobs, check_stop)
+
+                engine.scheduler.update_from_output = altered
         return step()
 
     engine.step = sabotaged
