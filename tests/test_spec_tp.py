@@ -3,36 +3,16 @@ proposals are a function of the tokens, so every rank makes the same ones and ra
 tokens of one process without speculation."""
 
 import json
-import shutil
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
-import mlx.core as mx
 import pytest
 
 from mlxpaged import LLM, SamplingParams
 
-LAUNCH = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or shutil.which("mlx.launch")
-pytestmark = pytest.mark.skipif(
-    LAUNCH is None or not mx.distributed.is_available(), reason="mlx.launch or MLX's distributed support is missing"
-)
+from launch import LAUNCH, _free_port_pair, _ring_can_start
 
-
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free (the ring backend listens on one per rank)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        with socket.socket() as s2:
-            try:
-                s2.bind(("127.0.0.1", p + 1))
-                return p
-            except OSError:
-                continue
-    raise RuntimeError("no free port pair")
+pytestmark = pytest.mark.skipif(_ring_can_start() is not None, reason=str(_ring_can_start()))
 
 
 @pytest.mark.timeout(600)
@@ -47,7 +27,7 @@ def test_two_tensor_parallel_ranks(tiny_model_path):
         "--backend",
         "ring",
         "--starting-port",
-        str(free_port_pair()),
+        str(_free_port_pair()),
         "--python",
         sys.executable,
         "--",
