@@ -31,7 +31,9 @@ class EngineConfig:
       tokens per step for each sequence, from the last `prompt_lookup_max` down to
       `prompt_lookup_min` tokens found earlier in its prompt or output; all are verified in
       the step's one forward pass (engine/spec_decode.py, docs/speculative.md). Speculation
-      stops while more than `speculative_max_batch_size` samples run.
+      stops while more than `speculative_max_batch_size` samples run. "draft": `draft_model` (a
+      smaller checkpoint with the target's tokenizer) proposes them greedily, on its own pool with
+      the target pool's block ids (engine/draft.py).
     """
 
     block_size: int = 16
@@ -55,6 +57,7 @@ class EngineConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     speculative_max_batch_size: int = 8
+    draft_model: str | None = None
 
     def __post_init__(self):
         bs = self.block_size
@@ -78,13 +81,14 @@ class EngineConfig:
             raise ValueError(f"prefix_cache_disk_gb must be > 0, got {self.prefix_cache_disk_gb}")
         if self.prefix_cache_disk_gb is not None and self.prefix_cache_dir is None:
             raise ValueError("prefix_cache_disk_gb needs prefix_cache_dir")
-        if self.speculative not in (None, "ngram"):
-            what = (
-                "the draft-model proposer is not implemented"
-                if self.speculative == "draft"
-                else "choose None or 'ngram'"
+        if self.speculative not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative must be None, 'ngram' or 'draft', got {self.speculative!r}")
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ValueError(
+                "speculative='draft' needs a draft model (--draft-model)"
+                if self.draft_model is None
+                else f"a draft model needs speculative='draft', got {self.speculative!r}"
             )
-            raise ValueError(f"speculative must be None or 'ngram', got {self.speculative!r} ({what})")
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 32:
             raise ValueError(
                 f"num_speculative_tokens must be an integer from 1 to 32, got {self.num_speculative_tokens!r}"

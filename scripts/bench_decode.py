@@ -10,6 +10,7 @@ the same code (`mlxpaged.bench.throughput`).
     python scripts/bench_decode.py                      # the offline Qwen2.5-Coder-0.5B
     python scripts/bench_decode.py --model PATH --max-tokens 128 --batches 1,8,32 --repeats 5
     python scripts/bench_decode.py --tiny               # a tiny random model, seconds
+    python scripts/bench_decode.py --tiny phi3          # a tiny random Phi-3 (head_dim 96)
 """
 
 from __future__ import annotations
@@ -17,15 +18,24 @@ from __future__ import annotations
 import argparse
 import sys
 
-import mlx.core as mx
+import mlxpaged  # noqa: F401  (first: OpenBLAS must load before MLX, mlxpaged/_blas.py)
 
-import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
+# isort: split
+import mlx.core as mx
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--tiny", action="store_true", help="use a tiny random-weight Qwen2 (for a quick check)")
+    ap.add_argument(
+        "--tiny",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="FAMILY",
+        help="a tiny random-weight checkpoint: mlxpaged's Qwen2, or FAMILY's (llama, qwen3, phi3, ...) "
+        "written through mlx-lm's ModelArgs and Model",
+    )
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--batches", default="1,8,32")

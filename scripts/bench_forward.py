@@ -26,9 +26,10 @@ import statistics
 import sys
 import time
 
-import mlx.core as mx
+import mlxpaged  # noqa: F401  (first: OpenBLAS must load before MLX, mlxpaged/_blas.py)
 
-import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
+# isort: split
+import mlx.core as mx
 
 
 def systems(loaded, ref, batch: int, context: int) -> dict:

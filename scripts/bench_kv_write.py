@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import time
 
+import mlxpaged  # noqa: F401  (first: OpenBLAS must load before MLX, mlxpaged/_blas.py)
+
+# isort: split
 import mlx.core as mx
 
-import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
 from mlxpaged.worker.kv_cache import CacheShape, PagedKVCache
 
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-import mlx.core as mx
+import mlxpaged  # noqa: F401  (first: OpenBLAS must load before MLX, mlxpaged/_blas.py)
 
-import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
+# isort: split
+import mlx.core as mx
 
 
 def main() -> None:

@@ -1,11 +1,13 @@
-"""Speculative decoding (n-gram prompt lookup) on the real model: tokens/s against mlxpaged without
-speculation and against mlx-lm's generate loop, acceptance rate and mean accepted length, for the
+"""Speculative decoding (n-gram prompt lookup, and a draft model if given) on the real model:
+tokens/s against mlxpaged without speculation and against mlx-lm's generate loop, acceptance
+rate and mean accepted length, for the
 edit workload (rewrite a ~400-token Python file with one identifier renamed) and ShareGPT, at
 batch 1 and 8, `--repeats` runs each with the order of the three systems rotating
 (`mlxpaged.bench.spec`; `mlxpaged bench spec` runs the same code).
 
     python scripts/bench_spec.py                                  # the offline Qwen2.5-Coder-0.5B
     python scripts/bench_spec.py --workloads edit --batches 1 --repeats 1 --edit-tokens 128
+    python scripts/bench_spec.py --draft-layers 6                 # also a draft: the model's first 6 layers
     python scripts/bench_spec.py --tiny --edit-tokens 32 --sharegpt-tokens 16   # a smoke run
 """
 
@@ -27,6 +29,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--edit-tokens", type=int, default=512)
     ap.add_argument("--sharegpt-tokens", type=int, default=128)
+    ap.add_argument("--draft-model", default=None, help="also measure --speculative draft with this draft model")
+    ap.add_argument("--draft-layers", type=int, default=None, help="also measure a draft of the model's first N layers")
     ap.add_argument("--json", dest="json_out", default=None, help="write results to this file")
     args = ap.parse_args()
 
@@ -45,6 +49,8 @@ def main() -> None:
             args.edit_tokens,
             args.sharegpt_tokens,
             echo=lambda s: print(s, flush=True),
+            draft_model=args.draft_model,
+            draft_layers=args.draft_layers,
         )
     except (ValueError, MlxPagedError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")

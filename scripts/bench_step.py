@@ -47,9 +47,10 @@ import statistics
 import time
 from collections import defaultdict
 
-import mlx.core as mx
+import mlxpaged  # noqa: F401  (first: OpenBLAS must load before MLX, mlxpaged/_blas.py)
 
-import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
+# isort: split
+import mlx.core as mx
 
 PHASES = ("schedule", "launch", "commit", "wait", "read", "other")
 EPS = 0.05e-3  # a wait this short found the values already there

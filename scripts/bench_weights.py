@@ -23,9 +23,10 @@ import statistics
 import sys
 import time
 
-import mlx.core as mx
+import mlxpaged  # noqa: F401  (first: OpenBLAS must load before MLX, mlxpaged/_blas.py)
 
-import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
+# isort: split
+import mlx.core as mx
 
 # Unified-memory bandwidths (Apple's published figures) used for the Mac estimate.
 MACS = {"M2 (100 GB/s)": 100e9, "M3 Pro (150 GB/s)": 150e9, "M2 Max (400 GB/s)": 400e9}

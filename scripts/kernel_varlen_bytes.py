@@ -20,10 +20,12 @@ from __future__ import annotations
 import sys
 import time
 
+import mlxpaged  # noqa: F401  (first: OpenBLAS must load before MLX, mlxpaged/_blas.py)
+
+# isort: split
 import mlx.core as mx
 import numpy as np
 
-import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
 from mlxpaged.attention import metal, metal_varlen
 from mlxpaged.attention.reference import paged_attention_varlen_reference
 from mlxpaged.metal_emu import emulate

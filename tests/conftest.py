@@ -120,6 +120,7 @@ FILE_TIERS = {
     "test_server_responses.py": "server",
     "test_tp.py": "tp",
     "test_spec_decode.py": "engine",
+    "test_spec_draft.py": "engine",
     "test_spec_real_model.py": "real_model",
     "test_spec_tp.py": "tp",
     "test_server_soak.py": "soak",

@@ -119,6 +119,27 @@ def test_cow_copies_partial_shared_block_only():
     assert kv.read(a) == list(range(6)) + [100] and kv.read(b) == list(range(6)) + [200]
 
 
+def test_draft_rows_follow_the_blocks():
+    """`draft_computed` (a draft model's rows in the same blocks) never counts rows the draft's
+    pool does not hold: a fork shares them, copy-on-write starts the copied block over (the copy
+    is made in the target's pool), a rollback cuts it, freeing resets it."""
+    bm = BlockManager(16, 4, enable_prefix_caching=False)
+    a = Sequence(list(range(7)), 7)
+    assert bm.allocate_slots(a, 7) == []
+    a.num_computed_tokens = a.draft_computed = 6  # blocks [0..3] full, [4, 5] partial
+    b = Sequence(list(range(7)), 7)
+    bm.fork(a, b)
+    assert b.draft_computed == 6
+    assert bm.allocate_slots(a, 1) != [] and a.draft_computed == 4  # its block 1 is a copy now
+    assert b.draft_computed == 6 and bm.allocate_slots(b, 1) == []  # last holder: no copy, rows kept
+    assert b.draft_computed == 6
+    b.num_computed_tokens = 7
+    bm.truncate(b, 5)
+    assert b.draft_computed == 5
+    bm.free(b)
+    assert b.draft_computed == 0
+
+
 def test_no_room_is_none_not_a_crash():
     bm = BlockManager(2, 4)
     s = Sequence(list(range(12)), 12)

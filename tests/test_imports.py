@@ -110,3 +110,33 @@ def test_every_package_says_what_it_owns():
     for init in ROOT.glob("*/__init__.py"):
         doc = ast.get_docstring(ast.parse(init.read_text()))
         assert doc and len(doc) > 40, f"{init.parent.name}/__init__.py has no docstring saying what it owns"
+
+
+def _mlx_before_mlxpaged(source: str) -> int | None:
+    """The line of a module-level MLX (or mlx-lm) import that runs before any mlxpaged import, if any."""
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module]
+        else:
+            continue
+        tops = {n.split(".")[0] for n in names}
+        if "mlxpaged" in tops:
+            return None
+        if tops & {"mlx", "mlx_lm"}:
+            return node.lineno
+    return None
+
+
+def test_scripts_load_openblas_before_mlx():
+    """A script run on its own must import mlxpaged (which loads the system OpenBLAS, _blas.py)
+    before MLX: once MLX is loaded it keeps the wheel's reference BLAS, about 15x slower on the
+    CPU, and every figure the script prints is off. (An import sorter moves `import mlx.core`
+    above `import mlxpaged`; the scripts keep an `# isort: split` after it.)"""
+    scripts = sorted((ROOT.parent / "scripts").glob("*.py"))
+    assert scripts
+    bad = {p.name: line for p in scripts if (line := _mlx_before_mlxpaged(p.read_text())) is not None}
+    assert bad == {}, f"MLX imported before mlxpaged at: {bad}"
+    assert _mlx_before_mlxpaged("import sys\nimport mlx.core as mx\nimport mlxpaged\n") == 2
+    assert _mlx_before_mlxpaged("import mlxpaged\nimport mlx.core as mx\n") is None

@@ -330,13 +330,18 @@ def test_generate_summary_shows_acceptance(tiny_model_path):
         ],
     )
     assert r.exit_code == 0, r.output
-    line = next(ln for ln in r.output.splitlines() if ln.startswith("Speculative decoding:"))
-    accepted, proposed = (int(w) for w in line.split()[2:5:2])
+    line = next(ln for ln in r.output.splitlines() if ln.startswith("Speculative decoding (ngram):"))
+    accepted, proposed = (int(w) for w in line.split()[3:6:2])
     assert proposed > 0 and f"({100 * accepted / proposed:.1f}%)" in line and "mean accepted length" in line
     bad = CliRunner().invoke(
         main, ["generate", "--model", str(tiny_model_path), "--prompt", "hi", "--speculative", "draft"]
     )
     assert bad.exit_code != 0 and "Traceback" not in bad.output
+
+
+def proposed(client) -> float:
+    line = next(ln for ln in client.get("/metrics").text.splitlines() if ln.startswith("mlxpaged_spec_proposed"))
+    return float(line.rsplit(" ", 1)[1])
 
 
 def test_server_metrics_and_opt_out(tiny_loaded):
@@ -365,6 +370,20 @@ def test_server_metrics_and_opt_out(tiny_loaded):
         bad = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "speculative": "yes"})
         assert bad.status_code == 400
         text = c.get("/metrics").text
+        # The Anthropic and Responses routes take the same opt-out: no proposal while it is off.
+        words = tiny_loaded.tokenizer.decode(prompt)
+        routes = [
+            ("/v1/messages", {"messages": [{"role": "user", "content": words}], "max_tokens": 24}),
+            ("/v1/responses", {"input": words, "max_output_tokens": 24}),
+        ]
+        for route, body in routes:
+            body = {**body, "temperature": 0}
+            before = proposed(c)
+            assert c.post(route, json={**body, "speculative": False}).status_code == 200
+            assert proposed(c) == before, route
+            assert c.post(route, json=body).status_code == 200
+            assert proposed(c) > before, route
+            assert c.post(route, json={**body, "speculative": "yes"}).status_code == 400
     vals = {
         ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln and not ln.startswith("#")
     }
@@ -434,18 +453,34 @@ def test_low_acceptance_backs_off(tiny_loaded):
     assert sum(synced) < 0.4 * len(synced)
 
 
-def test_bench_spec_rows(tiny_loaded, mlx_lm_tiny):
+def test_bench_spec_rows(tiny_loaded, mlx_lm_tiny, tiny_model_path, tmp_path):
     """The benchmark's rows: the same tokens with and without speculation, ratios formed within
-    each repeat, every system run in a rotating order."""
-    from mlxpaged.bench.spec import benchmark
+    each repeat, every system run in a rotating order; a truncated draft keeps the first layers."""
+    import json
 
+    from mlxpaged.bench.spec import benchmark, truncated_checkpoint
+
+    draft = truncated_checkpoint(tiny_model_path, 1, tmp_path / "draft")
+    cfg = json.loads((tmp_path / "draft" / "config.json").read_text())
+    weights = mx.load(str(tmp_path / "draft" / "model.safetensors"))
+    assert cfg["num_hidden_layers"] == 1 and not any(".layers.1." in k for k in weights)
+    source = mx.load(str(tiny_model_path / "model.safetensors"))
+    assert set(weights) == {k for k in source if ".layers.1." not in k}
+    assert all(mx.array_equal(weights[k], source[k]) for k in weights)
     model, _ = mlx_lm_tiny
-    payload = benchmark(tiny_loaded, model, workloads=["edit"], batches=[1], repeats=2, max_tokens={"edit": 6})
+    payload = benchmark(
+        tiny_loaded, model, workloads=["edit"], batches=[1], repeats=2, max_tokens={"edit": 6}, draft_model=draft
+    )
     (row,) = payload["rows"]
     assert row["same_tokens"]
-    assert [r["order"] for r in row["runs"]] == [["spec", "plain", "mlx_lm"], ["plain", "mlx_lm", "spec"]]
-    ratios = [r["spec"]["tps"] / r["plain"]["tps"] for r in row["runs"]]
-    assert row["speedup_vs_plain"]["values"] == pytest.approx(ratios)
+    assert [r["order"] for r in row["runs"]] == [
+        ["ngram", "draft", "plain", "mlx_lm"],
+        ["draft", "plain", "mlx_lm", "ngram"],
+    ]
+    for name in ("ngram", "draft"):
+        ratios = [r[name]["tps"] / r["plain"]["tps"] for r in row["runs"]]
+        assert row[name]["speedup_vs_plain"]["values"] == pytest.approx(ratios)
+        assert {r[name]["system"] for r in row["runs"]} == {name}
 
 
 # -- with main's features: processed logits, the disk tier, a growing pool, the adapter's rows ----

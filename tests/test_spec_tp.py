@@ -16,9 +16,12 @@ pytestmark = pytest.mark.skipif(_ring_can_start() is not None, reason=str(_ring_
 
 
 @pytest.mark.timeout(600)
-def test_two_tensor_parallel_ranks(tiny_model_path):
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_two_tensor_parallel_ranks(tiny_model_path, proposer):
     """`mlx.launch -n 2` generate with speculation: rank 0 prints the tokens of one process
-    without speculation (every rank makes the same proposals, or the ranks would diverge)."""
+    without speculation (every rank makes the same proposals, or the ranks would diverge). The
+    draft (the target's own checkpoint, whole on each rank) has every greedy proposal accepted."""
+    how = ["--prompt-lookup-min", "1"] if proposer == "ngram" else ["--draft-model", str(tiny_model_path)]
     prompt = "The KV cache stores the KV cache stores the KV cache"
     cmd = [
         LAUNCH,
@@ -42,9 +45,8 @@ def test_two_tensor_parallel_ranks(tiny_model_path):
         "40",
         "--ignore-eos",
         "--speculative",
-        "ngram",
-        "--prompt-lookup-min",
-        "1",
+        proposer,
+        *how,
         "-p",
         prompt,
         "-p",
@@ -55,6 +57,8 @@ def test_two_tensor_parallel_ranks(tiny_model_path):
     assert len(lines) == 1, r.stdout + r.stderr
     got = json.loads(lines[0])
     assert got["stats"]["spec_accepted_tokens"] > 0
+    if proposer == "draft":
+        assert got["stats"]["spec_accepted_tokens"] == got["stats"]["spec_proposed_tokens"]
     llm = LLM(str(tiny_model_path), dtype="float32")
     outs = llm.generate(
         [prompt, "Blocks of sixteen tokens"], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

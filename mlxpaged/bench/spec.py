@@ -1,5 +1,6 @@
-"""Speculative decoding benchmark: mlxpaged with `--speculative ngram` against mlxpaged without it
-and against mlx-lm's `generate` loop, on the same token-id prompts, greedy.
+"""Speculative decoding benchmark: mlxpaged with `--speculative ngram` (and `--speculative draft`,
+given a draft model) against mlxpaged without speculation and against mlx-lm's `generate` loop,
+on the same token-id prompts, greedy.
 
 Workloads:
 - edit: "rewrite this file with one identifier renamed" over a Python file of about 400 tokens
@@ -8,8 +9,12 @@ Workloads:
 - sharegpt: the first ShareGPT prompts that pass vLLM's length filter; answers have little
   overlap with their prompts: the off-switch's case.
 
-Each configuration (workload x batch) runs `repeats` times; within a repeat the three systems run
-in an order that rotates by one each repeat. What is timed: from submitting the prompts to the
+Draft: `--draft-model PATH`, or `--draft-layers L` for the target's first L layers
+(`truncated_checkpoint`: an early-exit draft, the only smaller model with the offline model's
+tokenizer on this machine).
+
+Each configuration (workload x batch) runs `repeats` times; within a repeat the systems run in
+an order that rotates by one each repeat. What is timed: from submitting the prompts to the
 last token (prefill included), in this process; EOS ends a sequence (greedy, so with and without
 speculation the tokens are the same), `max_tokens` caps it. mlx-lm runs `generate_step` (the loop
 of `mlx_lm.generate`) one prompt after another for batch 1, and its `BatchGenerator` for larger
@@ -115,8 +120,10 @@ def sharegpt_prompts(tokenizer, batch: int) -> list[list[int]]:
 
 
 def run_mlxpaged(
-    loaded, prompts: list[list[int]], max_tokens: int, spec: bool, engine_kwargs: dict | None = None
+    loaded, prompts: list[list[int]], max_tokens: int, spec: bool | dict, engine_kwargs: dict | None = None
 ) -> dict:
+    """One timed run. `spec`: False (no speculation), True (n-gram) or the EngineConfig fields of
+    a proposer (`{"speculative": "draft", "draft_model": PATH}`)."""
     from ..config import EngineConfig
     from ..engine.llm_engine import LLMEngine
     from ..engine.sampling_params import SamplingParams
@@ -126,7 +133,7 @@ def run_mlxpaged(
     kw = {
         "num_blocks": need,
         "enable_prefix_caching": False,
-        "speculative": "ngram" if spec else None,
+        **(spec if isinstance(spec, dict) else {"speculative": "ngram" if spec else None}),
         **(engine_kwargs or {}),
     }
     engine = LLMEngine(loaded, EngineConfig(**kw))
@@ -143,7 +150,7 @@ def run_mlxpaged(
     st = engine.stats_dict()
     n = sum(len(t) for t in tokens)
     return {
-        "system": "spec" if spec else "plain",
+        "system": engine.config.speculative or "plain",
         "tokens": n,
         "wall_s": wall,
         "tps": n / wall,
@@ -178,48 +185,100 @@ def run_mlx_lm(model, prompts: list[list[int]], max_tokens: int, eos: set[int]) 
     return {"system": "mlx_lm", "tokens": n, "wall_s": wall, "tps": n / wall}
 
 
+def truncated_checkpoint(src, layers: int, dst) -> str:
+    """A draft for `src`: its first `layers` decoder layers, with its embeddings, final norm, output
+    layer and tokenizer (an early-exit draft; the only smaller model with the offline model's
+    tokenizer this machine can have). Written to `dst`; returns its path."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    src, dst = Path(src), Path(dst)
+    config = json.loads((src / "config.json").read_text())
+    if not 1 <= layers < config["num_hidden_layers"]:
+        raise ValueError(f"--draft-layers must be from 1 to {config['num_hidden_layers'] - 1}, got {layers}")
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy(f, dst / f.name)
+    weights = {}
+    for f in sorted(src.glob("*.safetensors")):
+        for name, w in mx.load(str(f)).items():
+            parts = name.split(".")
+            if "layers" in parts and int(parts[parts.index("layers") + 1]) >= layers:
+                continue
+            weights[name] = w
+    mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (dst / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+    return str(dst)
+
+
 def benchmark(
-    loaded, ref, *, workloads: list[str], batches: list[int], repeats: int, max_tokens: dict[str, int], progress=None
+    loaded,
+    ref,
+    *,
+    workloads: list[str],
+    batches: list[int],
+    repeats: int,
+    max_tokens: dict[str, int],
+    draft_model: str | None = None,
+    progress=None,
 ) -> dict:
+    """Rows per (workload, batch): each proposer (n-gram, and the draft model if given) against
+    mlxpaged without speculation and against mlx-lm, ratios formed within each repeat."""
     eos = set(getattr(loaded.tokenizer, "eos_token_ids", None) or [])
+    proposers = {"ngram": {"speculative": "ngram"}}
+    if draft_model is not None:
+        proposers["draft"] = {"speculative": "draft", "draft_model": draft_model}
     warm = edit_prompts(loaded.tokenizer, 1)
-    run_mlxpaged(loaded, warm, 4, True)
+    for how in proposers.values():
+        run_mlxpaged(loaded, warm, 4, how)
     run_mlx_lm(ref, warm, 4, eos)
     rows = []
     for wl in workloads:
         for b in batches:
             prompts = edit_prompts(loaded.tokenizer, b) if wl == "edit" else sharegpt_prompts(loaded.tokenizer, b)
             systems = {
-                "spec": lambda: run_mlxpaged(loaded, prompts, max_tokens[wl], True),
-                "plain": lambda: run_mlxpaged(loaded, prompts, max_tokens[wl], False),
-                "mlx_lm": lambda: run_mlx_lm(ref, prompts, max_tokens[wl], eos),
+                name: (lambda how=how: run_mlxpaged(loaded, prompts, max_tokens[wl], how))
+                for name, how in proposers.items()
             }
+            systems["plain"] = lambda: run_mlxpaged(loaded, prompts, max_tokens[wl], False)
+            systems["mlx_lm"] = lambda: run_mlx_lm(ref, prompts, max_tokens[wl], eos)
             order = list(systems)
             runs = []
             for i in range(repeats):
-                rot = order[i % 3 :] + order[: i % 3]
+                rot = order[i % len(order) :] + order[: i % len(order)]
                 runs.append({name: systems[name]() for name in rot} | {"order": rot})
                 if progress:
                     progress()
-            spec, plain, lm = ([r[k] for r in runs] for k in ("spec", "plain", "mlx_lm"))
-            rows.append(
-                {
-                    "workload": wl,
-                    "batch": b,
-                    "max_tokens": max_tokens[wl],
-                    "prompt_tokens": [len(p) for p in prompts],
-                    "spec_tps": spread([r["tps"] for r in spec]),
-                    "plain_tps": spread([r["tps"] for r in plain]),
-                    "mlx_lm_tps": spread([r["tps"] for r in lm]),
+            plain, lm = ([r[k] for r in runs] for k in ("plain", "mlx_lm"))
+            row = {
+                "workload": wl,
+                "batch": b,
+                "max_tokens": max_tokens[wl],
+                "prompt_tokens": [len(p) for p in prompts],
+                "plain_tps": spread([r["tps"] for r in plain]),
+                "mlx_lm_tps": spread([r["tps"] for r in lm]),
+                "same_tokens": len({r["tokens"] for r in plain + [r[p] for r in runs for p in proposers]}) == 1,
+                "runs": runs,
+            }
+            for name in proposers:
+                spec = [r[name] for r in runs]
+                row[name] = {
+                    "tps": spread([r["tps"] for r in spec]),
                     "speedup_vs_plain": spread([s["tps"] / p["tps"] for s, p in zip(spec, plain)]),
                     "speedup_vs_mlx_lm": spread([s["tps"] / m["tps"] for s, m in zip(spec, lm)]),
                     "acceptance_rate": statistics.median(r["acceptance_rate"] for r in spec),
                     "mean_accepted_length": statistics.median(r["mean_accepted_length"] for r in spec),
-                    "same_tokens": len({r["tokens"] for r in spec + plain}) == 1,
-                    "runs": runs,
                 }
-            )
-    return {"dtype": str(loaded.dtype), "repeats": repeats, "rows": rows, "timed_span": TIMED}
+            rows.append(row)
+    return {
+        "dtype": str(loaded.dtype),
+        "repeats": repeats,
+        "draft_model": draft_model,
+        "rows": rows,
+        "timed_span": TIMED,
+    }
 
 
 TIMED = (
@@ -230,16 +289,20 @@ TIMED = (
 
 def table(rows: list[dict]) -> list[str]:
     out = [
-        f"{'workload':>9} | {'batch':>5} | {'spec tok/s':>10} | {'plain tok/s':>11} | {'mlx-lm tok/s':>12} | "
-        f"{'vs plain median (range)':>23} | {'vs mlx-lm':>17} | {'accept':>6} | {'mean len':>8}"
+        f"{'workload':>9} | {'batch':>5} | {'proposer':>8} | {'tok/s':>7} | {'plain tok/s':>11} | "
+        f"{'mlx-lm tok/s':>12} | {'vs plain median (range)':>23} | {'vs mlx-lm':>17} | {'accept':>6} | {'mean len':>8}"
     ]
     for r in rows:
-        out.append(
-            f"{r['workload']:>9} | {r['batch']:>5} | {r['spec_tps']['median']:10.1f} | "
-            f"{r['plain_tps']['median']:11.1f} | {r['mlx_lm_tps']['median']:12.1f} | "
-            f"{fmt(r['speedup_vs_plain']):>23} | {fmt(r['speedup_vs_mlx_lm']):>17} | "
-            f"{r['acceptance_rate']:6.2f} | {r['mean_accepted_length']:8.2f}"
-        )
+        for name in ("ngram", "draft"):
+            if name not in r:
+                continue
+            p = r[name]
+            out.append(
+                f"{r['workload']:>9} | {r['batch']:>5} | {name:>8} | {p['tps']['median']:7.1f} | "
+                f"{r['plain_tps']['median']:11.1f} | {r['mlx_lm_tps']['median']:12.1f} | "
+                f"{fmt(p['speedup_vs_plain']):>23} | {fmt(p['speedup_vs_mlx_lm']):>17} | "
+                f"{p['acceptance_rate']:6.2f} | {p['mean_accepted_length']:8.2f}"
+            )
     return out
 
 
@@ -261,18 +324,40 @@ def parse_list(text: str, option: str, allowed: set[str] | None = None) -> list:
 
 
 def run_cli(
-    model, tiny, dtype, workloads, batches, repeats, edit_tokens, sharegpt_tokens, echo=print, progress=None
+    model,
+    tiny,
+    dtype,
+    workloads,
+    batches,
+    repeats,
+    edit_tokens,
+    sharegpt_tokens,
+    echo=print,
+    progress=None,
+    draft_model: str | None = None,
+    draft_layers: int | None = None,
 ) -> dict:
     """Load, run and print; returns the payload (what `scripts/bench_spec.py` and `mlxpaged bench spec` share)."""
+    import tempfile
+
     from .models import load_models, model_label
 
     wls = parse_list(workloads, "--workloads", {"edit", "sharegpt"})
     levels = parse_list(batches, "--batches")
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
+    if draft_model is not None and draft_layers is not None:
+        raise ValueError("give --draft-model or --draft-layers, not both")
     loaded, ref = load_models(model, tiny, dtype)
     label = model_label(loaded, model, tiny)
-    echo(f"model {label} ({loaded.dtype}), device {mx.default_device()}, mlx {mx.__version__}, {repeats} repeats")
+    if draft_layers is not None:
+        draft_model = truncated_checkpoint(loaded.path, draft_layers, tempfile.mkdtemp(prefix="mlxpaged-draft-"))
+    draft = (
+        f", draft {draft_model}" + (f" (first {draft_layers} layers)" if draft_layers else "") if draft_model else ""
+    )
+    echo(
+        f"model {label} ({loaded.dtype}), device {mx.default_device()}, mlx {mx.__version__}, {repeats} repeats{draft}"
+    )
     payload = benchmark(
         loaded,
         ref,
@@ -280,6 +365,7 @@ def run_cli(
         batches=levels,
         repeats=repeats,
         max_tokens={"edit": edit_tokens, "sharegpt": sharegpt_tokens},
+        draft_model=draft_model,
         progress=progress,
     )
     echo("\n".join(table(payload["rows"])))
@@ -302,14 +388,39 @@ def add_command(bench, with_common, plot_fn) -> None:
     )
     @click.option("--edit-tokens", default=512, show_default=True, help="max_tokens of the edit workload.")
     @click.option("--sharegpt-tokens", default=128, show_default=True, help="max_tokens of the ShareGPT workload.")
-    def spec(model, tiny, dtype, out_dir, plot, workloads, batches, repeats, edit_tokens, sharegpt_tokens):
-        """Speculative decoding (n-gram): tokens/s against no speculation and mlx-lm; acceptance."""
+    @click.option("--draft-model", default=None, help="Also measure --speculative draft with this draft model.")
+    @click.option("--draft-layers", type=int, default=None, help="Also measure a draft of the model's first N layers.")
+    def spec(
+        model,
+        tiny,
+        dtype,
+        out_dir,
+        plot,
+        workloads,
+        batches,
+        repeats,
+        edit_tokens,
+        sharegpt_tokens,
+        draft_model,
+        draft_layers,
+    ):
+        """Speculative decoding (n-gram, draft): tokens/s against no speculation and mlx-lm; acceptance."""
         from ..errors import MlxPagedError
         from .report import write_result
 
         try:
             payload = run_cli(
-                model, tiny, dtype, workloads, batches, repeats, edit_tokens, sharegpt_tokens, echo=click.echo
+                model,
+                tiny,
+                dtype,
+                workloads,
+                batches,
+                repeats,
+                edit_tokens,
+                sharegpt_tokens,
+                echo=click.echo,
+                draft_model=draft_model,
+                draft_layers=draft_layers,
             )
         except (MlxPagedError, ValueError, FileNotFoundError) as e:
             click.echo(f"error: {e}", err=True)
@@ -320,8 +431,10 @@ def add_command(bench, with_common, plot_fn) -> None:
             rows = payload["rows"]
 
             def draw(ax):
-                names = [f"{r['workload']} b{r['batch']}" for r in rows]
-                ax.bar(names, [r["speedup_vs_plain"]["median"] for r in rows])
+                bars = [
+                    (f"{r['workload']} b{r['batch']} {p}", r[p]) for r in rows for p in ("ngram", "draft") if p in r
+                ]
+                ax.bar([n for n, _ in bars], [v["speedup_vs_plain"]["median"] for _, v in bars])
                 ax.axhline(1.0, color="gray", lw=0.8)
                 ax.set_ylabel("tokens/s with / without speculation")
 

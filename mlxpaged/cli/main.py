@@ -337,7 +337,8 @@ def _summary(s: dict) -> None:
     )
     if s.get("speculative"):
         click.echo(
-            f"Speculative decoding: {s['spec_accepted_tokens']} of {s['spec_proposed_tokens']} proposed tokens "
+            f"Speculative decoding ({s['speculative']}): {s['spec_accepted_tokens']} of "
+            f"{s['spec_proposed_tokens']} proposed tokens "
             f"accepted ({100 * s['spec_acceptance_rate']:.1f}%), "
             f"mean accepted length {s['spec_mean_accepted_length']:.2f}"
         )

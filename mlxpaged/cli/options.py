@@ -25,6 +25,7 @@ ENGINE_FIELDS = {
     "prompt_lookup_min": "prompt_lookup_min",
     "prompt_lookup_max": "prompt_lookup_max",
     "speculative_max_batch_size": "speculative_max_batch_size",
+    "draft_model": "draft_model",
 }
 
 
@@ -112,11 +113,17 @@ def model_and_engine_options(num_blocks_help: str):
         click.option(
             "--speculative",
             default=None,
-            type=click.Choice(["ngram"]),
+            type=click.Choice(["ngram", "draft"]),
             help=(
                 "Speculative decoding: 'ngram' proposes tokens found earlier in the prompt or output (prompt "
-                "lookup) and verifies them in the step's forward pass; outputs are unchanged."
+                "lookup), 'draft' the greedy tokens of --draft-model; the step's forward pass verifies them and "
+                "outputs are unchanged."
             ),
+        ),
+        click.option(
+            "--draft-model",
+            default=None,
+            help="With --speculative draft: a smaller checkpoint (directory or .gguf) with the model's tokenizer.",
         ),
         click.option(
             "--num-speculative-tokens",

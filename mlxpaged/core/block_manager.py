@@ -114,6 +114,9 @@ class BlockManager:
                 self.pool.release(last)
                 seq.block_table[-1] = fresh
                 self.num_cow_copies += 1
+                # The copy is the target pool's: a draft model's rows of that block start over.
+                start = (len(seq.block_table) - 1) * self.block_size
+                seq.draft_computed = min(seq.draft_computed, start)
         end = seq.num_computed_tokens + num_new_tokens
         while len(seq.block_table) < self.blocks_for(end):
             seq.block_table.append(self.pool.allocate())
@@ -126,6 +129,7 @@ class BlockManager:
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
+        child.draft_computed = parent.draft_computed
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, tail first, so the LRU evicts its tail before its head."""
@@ -134,6 +138,7 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+        seq.draft_computed = 0
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Keep only the first `num_tokens` stored tokens of `seq` (speculative decoding drops
@@ -151,6 +156,7 @@ class BlockManager:
             self.pool.release(block)
         del seq.block_table[keep:]
         seq.num_computed_tokens = num_tokens
+        seq.draft_computed = min(seq.draft_computed, num_tokens)
 
     # -- prefix caching ----------------------------------------------------------------------
     def _block_hash(self, seq: Sequence, i: int) -> bytes:

@@ -6,6 +6,7 @@ Sequence invariants:
   so `len(block_table) >= ceil(num_computed_tokens / block_size)`; only the last block may be
   partly empty;
 - `block_hashes[i]` names block `i` (full blocks only), so `len(block_hashes) <= num_computed_tokens // block_size`;
+- `draft_computed <= num_computed_tokens` (only the draft proposer raises it, within the stored tokens);
 - `pending` is set while one sampled token is still being computed on the device (overlapped
   steps, engine.py): it counts in `num_tokens` but is not in `token_ids`, so nothing can read
   its value before the engine appends it; hashing, stop checks and outputs see known tokens only.
@@ -83,6 +84,9 @@ class Sequence:
     # advances where a token is appended, so a dropped pending token never reaches it
     matcher: object = None
     spec: SpecState | None = None  # speculative decoding: K and back-off (core/spec_policy.py)
+    # draft-model speculation: the draft's pool holds the KV of token_ids[:draft_computed] in this
+    # sequence's blocks; the block manager keeps it <= num_computed_tokens (engine/draft.py)
+    draft_computed: int = 0
 
     @property
     def num_tokens(self) -> int:

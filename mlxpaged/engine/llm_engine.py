@@ -58,6 +58,7 @@ from ..worker.kv_cache import CacheShape, PagedKVCache, growable_pool, pool_bloc
 from ..worker.kv_calibration import model_key_scales
 from ..worker.model_runner import ModelRunner
 from .beam_search import BeamSearchParams, BeamState, beam_step
+from .draft import DraftProposer, draft_slots
 from .guided import GrammarCompiler, fill_masks, mask_words
 from .output import StopChecker, make_output
 from .outputs import RequestOutput
@@ -113,8 +114,11 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
         self.cache_shape = CacheShape.of(loaded).quantized(config.kv_bits, config.kv_group_size)
-        growth = growable_pool(loaded, config)  # (start, cap, chunk), or None for a fixed pool
-        num_blocks = growth[0] if growth else pool_blocks(loaded, config)
+        draft = self._load_draft() if config.speculative == "draft" else None
+        # The draft's pool has the target pool's block ids: its bytes count in every block.
+        extra = CacheShape.of(draft).bytes_per_block(config.block_size) if draft is not None else 0
+        growth = growable_pool(loaded, config, extra)  # (start, cap, chunk), or None for a fixed pool
+        num_blocks = growth[0] if growth else pool_blocks(loaded, config, extra_block_bytes=extra)
         self.block_manager = BlockManager(
             num_blocks,
             config.block_size,
@@ -125,13 +129,22 @@ class LLMEngine:
         # A quantized cache divides keys by per-channel scales, measured once per loaded model (kv_calibration.py).
         scales = model_key_scales(loaded) if config.kv_bits is not None else None
         self.kv_cache = PagedKVCache.for_model(loaded.model, self.cache_shape, num_blocks, config.block_size, scales)
+        self.drafter = (
+            DraftProposer(draft, loaded, num_blocks, config.block_size, config.attention_impl)
+            if draft is not None
+            else None
+        )
         if growth:
-            self.block_manager.pool.enable_growth(growth[1], growth[2], self.kv_cache.resize)
+            self.block_manager.pool.enable_growth(growth[1], growth[2], self._resize_pools)
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.attention_impl)
         self._check_kernels()
         self.prefix_store = self._open_prefix_store() if config.prefix_cache_dir else None
         self.block_manager.second_tier = self.prefix_store
-        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) if config.speculative else None
+        proposer = None
+        if config.speculative == "ngram":
+            proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        elif config.speculative == "draft":
+            proposer = draft_slots
         self.scheduler = Scheduler(config, self.block_manager, proposer)
         self.check_stop = StopChecker(set(getattr(self.tokenizer, "eos_token_ids", None) or []))
         self.stats = EngineStats()
@@ -141,6 +154,19 @@ class LLMEngine:
         self._carried: list[Request] = []  # read back during a failed step: reported at the next
         self._last_read = 0.0
         self._grammars: GrammarCompiler | None = None  # built by the first guided request
+
+    def _load_draft(self) -> LoadedModel:
+        """The draft model, in the target's dtype (engine/draft.py checks its tokenizer)."""
+        from ..loading.loader import DTYPES, load
+
+        dtype = next(name for name, d in DTYPES.items() if d == self.loaded.dtype)
+        return load(self.config.draft_model, dtype)
+
+    def _resize_pools(self, num_blocks: int, copies: list[tuple[int, int]] = ()) -> None:
+        """Grow or trim the KV pool, and the draft's beside it (the same block ids)."""
+        self.kv_cache.resize(num_blocks, copies)
+        if self.drafter is not None:
+            self.drafter.resize(num_blocks, copies)
 
     def _open_prefix_store(self):
         """The disk tier, namespaced by everything that changes a block's bytes (prefix_store.py);
@@ -203,6 +229,9 @@ class LLMEngine:
 
             args = self.loaded.model.args
             check_family(args.num_attention_heads // args.num_key_value_heads, self.kv_cache.keys[0])
+            if self.drafter is not None:
+                dargs = self.drafter.loaded.model.args
+                check_family(dargs.num_attention_heads // dargs.num_key_value_heads, self.drafter.kv_cache.keys[0])
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -527,6 +556,8 @@ class LLMEngine:
         """The step's one forward pass over every scheduled token, lazily; logits `[len(out.batch()), V]`.
         Copy-on-write copies go first (they wait for the device: `copy_blocks` evaluates)."""
         self.kv_cache.copy_blocks(out.block_copies)
+        if self.drafter is not None and out.spec:
+            self.drafter.propose(out.spec)  # fills the placeholders the scheduler reserved
         if out.spec:
             return self.runner.forward(out.batch(), out.spec_tokens())
         return self.runner.forward(out.batch())

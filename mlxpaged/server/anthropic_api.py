@@ -118,6 +118,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(None, ge=0)
     metadata: dict[str, Any] | None = None  # accepted and ignored (user_id)
     output_config: OutputConfig | None = None  # structured output: format json_schema
+    speculative: bool = True  # mlxpaged's extension: false opts this request out of speculative decoding
 
 
 def _parse(model, raw) -> BaseModel:
@@ -293,6 +294,7 @@ class _Sampling:
             top_k=b.top_k or 0,
             max_tokens=max_tokens,
             stop=list(b.stop_sequences or []),
+            speculative=b.speculative,
             **{k: v for k, v in extra.items() if v is not None},
         )
 

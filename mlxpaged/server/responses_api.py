@@ -116,6 +116,7 @@ class ResponsesRequest(_Body):
     store: bool = True
     metadata: dict[str, str] | None = None
     user: str | None = None  # accepted and ignored
+    speculative: bool = True  # mlxpaged's extension: false opts this request out of speculative decoding
     # Fields this server does not implement: refused by name when set (see `refuse_unsupported`).
     reasoning: dict[str, Any] | None = None
     background: bool | None = None
@@ -331,6 +332,7 @@ class _Sampling:
             temperature=self.body.temperature,
             top_p=self.body.top_p,
             max_tokens=max_tokens,
+            speculative=self.body.speculative,
             **{k: v for k, v in extra.items() if v is not None},
         )
 

@@ -74,15 +74,18 @@ def available_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def blocks_for_memory(shape: CacheShape, block_size: int, fraction: float, max_tokens: int) -> int:
-    """How many blocks fit in `fraction` of the available memory, capped at `max_tokens` slots."""
+def blocks_for_memory(
+    shape: CacheShape, block_size: int, fraction: float, max_tokens: int, extra_block_bytes: int = 0
+) -> int:
+    """How many blocks fit in `fraction` of the available memory, capped at `max_tokens` slots
+    (`extra_block_bytes`: what each block costs besides `shape`'s rows, e.g. a draft model's pool)."""
     if not 0 < fraction <= 1:
         raise ValueError(f"memory fraction must be in (0, 1], got {fraction}")
-    n = int(available_memory() * fraction) // shape.bytes_per_block(block_size)
+    n = int(available_memory() * fraction) // (shape.bytes_per_block(block_size) + extra_block_bytes)
     return max(1, min(n, max_tokens // block_size))
 
 
-def pool_blocks(loaded, config, need: int | None = None) -> int:
+def pool_blocks(loaded, config, need: int | None = None, extra_block_bytes: int = 0) -> int:
     """The one pool-sizing rule, used by a single process and by every tensor-parallel rank.
 
     `config.num_blocks` if set; else `need` blocks (a known workload, as `generate` has) capped
@@ -91,14 +94,16 @@ def pool_blocks(loaded, config, need: int | None = None) -> int:
     if config.num_blocks is not None:
         return config.num_blocks
     shape = CacheShape.of(loaded).quantized(config.kv_bits, config.kv_group_size)  # quantized rows are smaller
-    cap = blocks_for_memory(shape, config.block_size, config.kv_memory_fraction, config.max_kv_tokens)
+    cap = blocks_for_memory(
+        shape, config.block_size, config.kv_memory_fraction, config.max_kv_tokens, extra_block_bytes
+    )
     return cap if need is None else max(1, min(need, cap))
 
 
 CHUNK_TOKENS = 4096  # a growable pool grows and shrinks by this many token slots (a whole number of blocks)
 
 
-def growable_pool(loaded, config) -> tuple[int, int, int] | None:
+def growable_pool(loaded, config, extra_block_bytes: int = 0) -> tuple[int, int, int] | None:
     """(initial blocks, cap, chunk) of a pool that grows as blocks are needed, or None for a
     fixed pool (`config.num_blocks` set). The cap is `config.kv_memory_gb` if set, else
     `config.kv_memory_fraction` of the memory free now, and at most `config.max_kv_tokens` slots;
@@ -108,9 +113,10 @@ def growable_pool(loaded, config) -> tuple[int, int, int] | None:
     shape = CacheShape.of(loaded).quantized(config.kv_bits, config.kv_group_size)
     bs = config.block_size
     if getattr(config, "kv_memory_gb", None) is not None:
-        cap = max(1, min(int(config.kv_memory_gb * 1e9) // shape.bytes_per_block(bs), config.max_kv_tokens // bs))
+        per_block = shape.bytes_per_block(bs) + extra_block_bytes
+        cap = max(1, min(int(config.kv_memory_gb * 1e9) // per_block, config.max_kv_tokens // bs))
     else:
-        cap = blocks_for_memory(shape, bs, config.kv_memory_fraction, config.max_kv_tokens)
+        cap = blocks_for_memory(shape, bs, config.kv_memory_fraction, config.max_kv_tokens, extra_block_bytes)
     chunk = getattr(config, "kv_chunk_blocks", None) or max(1, CHUNK_TOKENS // bs)
     return min(chunk, cap), cap, chunk
 
