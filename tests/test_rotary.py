@@ -70,3 +70,19 @@ def test_tables_on_rows_of_one_token_equal_fast_rope(dtype):
     rot = Rotary(rope, positions)
     assert mx.array_equal(rot(x), rope(x, offset=positions)).item()
     assert mx.array_equal(rot(x[:, :, 0]), rope(x, offset=positions)[:, :, 0]).item()  # both layouts, one Rotary
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_llama3_scaled_rope_tables_equal_the_module(dtype):
+    """mlx-lm's Llama 3 RoPE (its own frequencies) only rotates: tabled, bit for bit."""
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    cfg = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    rope = Llama3RoPE(64, max_position_embeddings=4096, base=500000.0, scaling_config=cfg)
+    positions = mx.array(np.random.default_rng(7).integers(0, 4096, 13).astype(np.int32))
+    x = mx.random.normal((13, 4, 1, 64), key=mx.random.key(9)).astype(dtype)
+    rot = Rotary(rope, positions)
+    assert rot.tabled and mx.array_equal(rot(x), rope(x, offset=positions)).item()
+    # Its tables differ from a plain RoPE of the same base: the frequencies are its own.
+    plain = Rotary(nn.RoPE(64, base=500000.0), positions)
+    assert not mx.array_equal(plain(x), rot(x)).item()

@@ -19,6 +19,7 @@ from mlxpaged.engine.sampler import sample_arrays, sample_key
 from mlxpaged.engine.spec_decode import NgramProposer, key_chain, verified_tokens
 
 from chi_square import ALPHA, gof_pvalue
+from drive import run_work
 from reference import contiguous_generate, vllm_probs
 
 
@@ -48,22 +49,9 @@ def check_blocks(engine: LLMEngine) -> None:
 def run(engine: LLMEngine, work, arrivals: dict[int, list] | None = None) -> dict:
     """Queue `work` [(prompt, params)], step to the end checking the blocks after every step;
     `arrivals[step]` are more (prompt, params) queued before that step. Outputs by request id."""
-    for i, (p, sp) in enumerate(work):
-        engine.add_request(p, sp, request_id=str(i))
-    arrivals = dict(arrivals or {})
-    done, step, n = {}, 0, len(work)
-    while engine.has_unfinished_requests() or arrivals:
-        for p, sp in arrivals.pop(step, []):
-            engine.add_request(p, sp, request_id=str(n))
-            n += 1
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        check_blocks(engine)
-        step += 1
-    assert all(b.ref_cnt == 0 for b in engine.block_manager.pool.blocks)
+    got = run_work(engine, work, arrivals, after_step=check_blocks)
     engine.block_manager.pool.check()
-    return {k: [c.token_ids for c in v.outputs] for k, v in done.items()}
+    return got
 
 
 # Phrases whose greedy continuation on the tiny model falls into loops (found by simulating the
@@ -292,7 +280,7 @@ def test_seeded_spec_is_reproducible(tiny_loaded):
 
 # -- settings and visibility --------------------------------------------------------------------
 def test_config_refuses_bad_settings():
-    with pytest.raises(ValueError, match="draft-model proposer is not implemented"):
+    with pytest.raises(ValueError, match="needs a draft model"):
         EngineConfig(speculative="draft")
     with pytest.raises(ValueError, match="speculative must be"):
         EngineConfig(speculative="medusa")
@@ -373,13 +361,14 @@ def test_server_metrics_and_opt_out(tiny_loaded):
         # The Anthropic and Responses routes take the same opt-out: no proposal while it is off.
         words = tiny_loaded.tokenizer.decode(prompt)
         routes = [
-            ("/v1/messages", {"messages": [{"role": "user", "content": words}], "max_tokens": 24}),
-            ("/v1/responses", {"input": words, "max_output_tokens": 24}),
+            ("/v1/messages", {"model": "tiny", "messages": [{"role": "user", "content": words}], "max_tokens": 24}),
+            ("/v1/responses", {"model": "tiny", "input": words, "max_output_tokens": 24}),
         ]
         for route, body in routes:
             body = {**body, "temperature": 0}
             before = proposed(c)
-            assert c.post(route, json={**body, "speculative": False}).status_code == 200
+            r = c.post(route, json={**body, "speculative": False})
+            assert r.status_code == 200, r.text
             assert proposed(c) == before, route
             assert c.post(route, json=body).status_code == 200
             assert proposed(c) > before, route

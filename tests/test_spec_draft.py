@@ -19,6 +19,7 @@ from mlxpaged.engine.draft import DraftProposer
 from mlxpaged.errors import MlxPagedError
 from mlxpaged.testing.tiny_model import write_tiny_family, write_tiny_qwen2, write_tokenizer
 
+from drive import run_work
 from reference import contiguous_generate
 
 
@@ -46,26 +47,16 @@ def engine_for(tiny_loaded, draft: str | None, **kw) -> LLMEngine:
     return LLMEngine(tiny_loaded, EngineConfig(**{**cfg, **kw}))
 
 
+def check_draft_rows(engine: LLMEngine) -> None:
+    engine.check_invariants()
+    for seq in engine.live_sequences():
+        assert seq.draft_computed <= seq.num_computed_tokens
+
+
 def run(engine: LLMEngine, work, arrivals: dict[int, list] | None = None) -> dict:
     """Queue `work` [(prompt, params)], step to the end checking the allocator after every step
     (and the draft's stored count against the target's); outputs by request id."""
-    for i, (p, sp) in enumerate(work):
-        engine.add_request(p, sp, request_id=str(i))
-    arrivals = dict(arrivals or {})
-    done, step, n = {}, 0, len(work)
-    while engine.has_unfinished_requests() or arrivals:
-        for p, sp in arrivals.pop(step, []):
-            engine.add_request(p, sp, request_id=str(n))
-            n += 1
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.check_invariants()
-        for seq in engine.live_sequences():
-            assert seq.draft_computed <= seq.num_computed_tokens
-        step += 1
-    assert all(b.ref_cnt == 0 for b in engine.block_manager.pool.blocks)
-    return {k: [c.token_ids for c in v.outputs] for k, v in done.items()}
+    return run_work(engine, work, arrivals, after_step=check_draft_rows)
 
 
 def record_proposals(monkeypatch) -> list[tuple[list[int], list[int]]]:

@@ -159,6 +159,11 @@ def run_mlxpaged(
         "proposed": st["spec_proposed_tokens"],
         "accepted": st["spec_accepted_tokens"],
         "steps": engine.stats.steps,
+        **(
+            {"draft_passes": engine.drafter.passes, "draft_s": engine.drafter.seconds}
+            if engine.drafter is not None
+            else {}
+        ),
     }
 
 

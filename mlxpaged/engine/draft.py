@@ -23,6 +23,7 @@ sample. Every tensor-parallel rank runs the whole draft on the same tokens, so t
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -79,6 +80,7 @@ class DraftProposer:
         # Ids past the tokenizer's vocabulary (padding rows of an embedding) are never proposed.
         self.vocab = min(target.model.args.vocab_size, draft.model.args.vocab_size)
         self.passes = 0  # draft forward passes run (one per proposal position)
+        self.seconds = 0.0  # wall time in `propose` (the draft's share of the steps)
 
     def resize(self, num_blocks: int, copies: list[tuple[int, int]] = ()) -> None:
         self.kv_cache.resize(num_blocks, copies)
@@ -86,6 +88,7 @@ class DraftProposer:
     def propose(self, specs: list[SpecDecode]) -> None:
         """Fill each row's `proposal` (placeholders, `len` = K of that row) with the draft's greedy
         tokens; the row's sequence has every token known and K + 1 slots allocated past them."""
+        t0 = time.perf_counter()
         rows: list[tuple[SpecDecode, _DraftRow]] = []
         batch: list[tuple[_DraftRow, int]] = []
         for d in specs:
@@ -110,3 +113,4 @@ class DraftProposer:
             known = len(d.seq.token_ids)
             d.proposal[:] = row.token_ids[known : known + len(d.proposal)]
             d.seq.draft_computed = row.num_computed_tokens
+        self.seconds += time.perf_counter() - t0

@@ -31,7 +31,7 @@ import mlx.nn as nn
 from ..attention import paged_attention_varlen
 from ..attention.metadata import AttentionMetadata
 from ..errors import MlxPagedError
-from .rotary import Rotary
+from .rotary import Rotary, is_rotation, table_key
 
 # Families whose every layer is full attention through the calls above, each tested
 # (tests/test_families.py). Checkpoints name them by `model_type`.
@@ -192,13 +192,13 @@ class PagedModelMixin:
 
 
 def _plain_ropes(layers) -> list:
-    """(attention module, its rope, the rope's settings) of every layer with a plain non-traditional `nn.RoPE`."""
+    """(attention module, its rope, the rope's table key) of every layer whose rope only rotates (rotary.py)."""
     out = []
     for layer in layers:
         attn = getattr(layer, "self_attn", None)
         rope = attn.get("rope") if isinstance(attn, nn.Module) else None
-        if type(rope) is nn.RoPE and not rope.traditional:
-            out.append((attn, rope, (rope.dims, rope.base, rope.scale)))
+        if rope is not None and is_rotation(rope):
+            out.append((attn, rope, table_key(rope)))
     return out
 
 

@@ -8,13 +8,28 @@ own rope module on a probe row (ones in the rotated first half, zeros in the sec
 rotation is `(cos, sin)` exactly, and each layer then applies only the rotation, with the
 fallback's own ops in its own order: the result is bit-identical to `rope(x, offset=positions)`.
 On a GPU the fused kernel is one launch, cheaper than the rotation's nine ops, so it is called
-as it is; so are rope variants other than plain `nn.RoPE` (scaled ropes pre-multiply x).
+as it is. Tables apply to ropes that only rotate: plain `nn.RoPE` and mlx-lm's `Llama3RoPE`
+(Llama 3.1+: its own frequencies, `freqs`), non-traditional; other variants are called as they
+are (YaRN and Phi-3's SuScaled ropes pre-multiply x, so a table would round differently).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+
+
+def is_rotation(rope) -> bool:
+    """A rope that only rotates x by the positions, in halves: its tables are exact (see above)."""
+    rotates = type(rope) is nn.RoPE or type(rope).__name__ == "Llama3RoPE"
+    return rotates and not rope.traditional
+
+
+def table_key(rope) -> tuple:
+    """Ropes with equal keys rotate alike: one table serves all of them in a pass."""
+    if type(rope) is nn.RoPE:
+        return ("rope", rope.dims, rope.base, rope.scale)
+    return (type(rope).__name__, rope.dims, tuple(rope._freqs.tolist()))
 
 
 class Rotary:
@@ -26,7 +41,7 @@ class Rotary:
     def __init__(self, rope: nn.Module, positions: mx.array):
         self.rope = rope
         self.positions = positions
-        self.tabled = type(rope) is nn.RoPE and not rope.traditional and mx.default_device() == mx.cpu
+        self.tabled = is_rotation(rope) and mx.default_device() == mx.cpu
         self._tables: dict = {}  # (dtype, ndim) -> (cos, sin), each [T, 1, dims / 2] or [T, 1, 1, dims / 2]
 
     def __call__(self, x: mx.array) -> mx.array:
