@@ -25,6 +25,13 @@ def _free_port_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
+def ring_command(*args: str) -> list[str]:
+    """`mlx.launch -n 2 --backend ring` on a free port pair with this Python, then `args` (a
+    script and its arguments, or `-m module ...`)."""
+    port = str(_free_port_pair())
+    return [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", port, "--python", sys.executable, "--", *args]
+
+
 def _ring_can_start() -> str | None:
     """Why two local ring ranks cannot start here, or None when they can."""
     if LAUNCH is None:

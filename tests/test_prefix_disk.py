@@ -413,7 +413,7 @@ def test_tensor_parallel_ranks_keep_their_own_shards(tiny_model_path, tiny_loade
 
     import tp_prefix_worker as w
 
-    from launch import LAUNCH, _free_port_pair, _ring_can_start
+    from launch import _ring_can_start, ring_command
 
     why = _ring_can_start()
     if why is not None:
@@ -423,16 +423,7 @@ def test_tensor_parallel_ranks_keep_their_own_shards(tiny_model_path, tiny_loade
     def launch_once(tag: str) -> list[dict]:
         r = subprocess.run(
             [
-                LAUNCH,
-                "-n",
-                "2",
-                "--backend",
-                "ring",
-                "--starting-port",
-                str(_free_port_pair()),
-                "--python",
-                sys.executable,
-                "--",
+                *ring_command(),
                 w.__file__,
                 "--model",
                 str(tiny_model_path),

@@ -4,13 +4,12 @@ tokens of one process without speculation."""
 
 import json
 import subprocess
-import sys
 
 import pytest
 
 from mlxpaged import LLM, SamplingParams
 
-from launch import LAUNCH, _free_port_pair, _ring_can_start
+from launch import _ring_can_start, ring_command
 
 pytestmark = pytest.mark.skipif(_ring_can_start() is not None, reason=str(_ring_can_start()))
 
@@ -24,16 +23,7 @@ def test_two_tensor_parallel_ranks(tiny_model_path, proposer):
     how = ["--prompt-lookup-min", "1"] if proposer == "ngram" else ["--draft-model", str(tiny_model_path)]
     prompt = "The KV cache stores the KV cache stores the KV cache"
     cmd = [
-        LAUNCH,
-        "-n",
-        "2",
-        "--backend",
-        "ring",
-        "--starting-port",
-        str(_free_port_pair()),
-        "--python",
-        sys.executable,
-        "--",
+        *ring_command(),
         "-m",
         "mlxpaged.cli",
         "generate",

@@ -21,7 +21,7 @@ import tp_worker
 from mlxpaged.distributed.sharding import check_shardable, shard_axis
 from mlxpaged.errors import MlxPagedError
 
-from launch import LAUNCH, _free_port_pair, _ring_can_start  # noqa: E402
+from launch import _free_port_pair, _ring_can_start, ring_command  # noqa: E402
 
 WORKER = str(Path(__file__).with_name("tp_worker.py"))
 
@@ -32,16 +32,7 @@ pytestmark = pytest.mark.skipif(_ring_can_start() is not None, reason=str(_ring_
 def launch(out: Path, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`mlx.launch -n 2 --backend ring` the worker; its output files land in `out`."""
     cmd = [
-        LAUNCH,
-        "-n",
-        "2",
-        "--backend",
-        "ring",
-        "--starting-port",
-        str(_free_port_pair()),
-        "--python",
-        sys.executable,
-        "--",
+        *ring_command(),
         WORKER,
         "--out",
         str(out),
@@ -165,16 +156,7 @@ def test_generate_cli_under_mlx_launch(tiny_model_path):
 
     prompts = ["The KV cache stores", "Blocks of sixteen tokens"]
     cmd = [
-        LAUNCH,
-        "-n",
-        "2",
-        "--backend",
-        "ring",
-        "--starting-port",
-        str(_free_port_pair()),
-        "--python",
-        sys.executable,
-        "--",
+        *ring_command(),
         "-m",
         "mlxpaged.cli",
         "generate",
