@@ -10,7 +10,9 @@ mlxpaged's extra time goes, with the attention layer swapped for stubs that comp
 useful (timing only):
 - `no write`: attention over the pool as it is, without this step's scatter of the new K/V;
 - `contiguous`: SDPA over one fixed contiguous K/V array per layer: no write, no gather, no
-  mask, which is what the paging layer costs, at most.
+  mask, which is what the paging layer costs, at most;
+- `no attention`: the attention layer returns its queries: the rest of the pass (projections,
+  MLP, norms, logits), the part both engines share, which paging cannot make faster.
 Each block times `--iters` passes of every system in turn (the order rotating between blocks,
 `--repeats` blocks); the figure is the median over blocks of each block's median, with the range.
 
@@ -80,6 +82,10 @@ def systems(loaded, ref, batch: int, context: int) -> dict:
             queries, kv, kv, scale=scale
         )  # [T, heads, 1, hd]: row t is sequence t
 
+    def no_attention(self, queries, scale, mask, sinks=None):
+        self.attended = True
+        return queries  # [T, heads, 1, hd]: what is left is the projections, MLP, norms and logits
+
     def stubbed(write, attend):
         def run():
             PagedLayerCache.update_and_fetch, PagedLayerCache.attend = write, attend
@@ -104,6 +110,7 @@ def systems(loaded, ref, batch: int, context: int) -> dict:
         "mlx-lm": mlx_lm,
         "mlxpaged, no write": stubbed(no_write, real[1]),
         "mlxpaged, contiguous": stubbed(no_write, contiguous),
+        "mlxpaged, no attention": stubbed(no_write, no_attention),
     }
 
 
@@ -160,7 +167,8 @@ def main() -> None:
         print(
             f"batch {b:3d} paging's share: "
             f"{statistics.median(res['mlxpaged']) - statistics.median(res['mlxpaged, contiguous']):.3f} ms "
-            f"of {statistics.median(res['mlxpaged']):.3f} (mlx-lm {base:.3f})"
+            f"of {statistics.median(res['mlxpaged']):.3f} (mlx-lm {base:.3f}); "
+            f"without attention {statistics.median(res['mlxpaged, no attention']):.3f} ms"
         )
 
 

@@ -89,6 +89,65 @@ def test_sustainable_ratio_is_formed_within_each_repeat():
     assert s["mlxpaged"]["values"] == [pytest.approx(3.0), 4.0] and s["mlx_lm"]["values"] == [pytest.approx(1.5), 1.0]
 
 
+def _doc(rows, bound=1.0, commit="c0", dirty=False, **over):
+    return {
+        "kind": "serve",
+        "model": "m",
+        "provenance": {"command": "python scripts/bench_http.py ..."},
+        "rates": sorted({r["rate"] for r in rows}),
+        "extend": 0,
+        "num_requests": 16,
+        "max_prompt": 256,
+        "max_output": 32,
+        "trace": "sharegpt",
+        "repeats": 2,
+        "bound_s_per_token": bound,
+        "mlxpaged_args": ["--dtype", "float32"],
+        "git_at_start": {"commit": commit, "dirty": dirty},
+        "rows": rows,
+        **over,
+    }
+
+
+def test_merged_runs_keep_each_loads_ratios():
+    # The n4 rows of test_sustainable_ratio_is_formed_within_each_repeat (ratios 2.0 and 4.0) and
+    # the sharegpt rows of test_latency_ratios_are_formed_within_each_repeat (1.2 and 2.0), run apart.
+    n4 = []
+    for rate, a, b in ((1.0, 0.2, 0.6), (2.0, 0.6, 1.4), (4.0, 1.4, 3.0)):
+        n4 += [_row("mlxpaged", "n4", rate, 0, a), _row("mlx_lm", "n4", rate, 0, b)]
+    for rate, a, b in ((1.0, 0.1, 0.5), (2.0, 0.2, 0.9), (4.0, 0.3, 3.0)):
+        n4 += [_row("mlxpaged", "n4", rate, 1, a), _row("mlx_lm", "n4", rate, 1, b, failed=int(rate == 2.0))]
+    share = [
+        _row("mlxpaged", "sharegpt", 0.5, 0, 2.0),
+        _row("mlx_lm", "sharegpt", 0.5, 0, 4.0),
+        _row("mlxpaged", "sharegpt", 0.5, 1, 0.5),
+        _row("mlx_lm", "sharegpt", 0.5, 1, 0.6),
+    ]
+    m = http_stats.merge([_doc(share), _doc(n4, system_prompt_tokens=None)], bounds=(2.0,))
+    assert m["loads"] == ["sharegpt", "n4"] and len(m["rows"]) == len(share) + len(n4)
+    assert m["rates"] == [0.5, 1.0, 2.0, 4.0] and [s["loads"] for s in m["sources"]] == [["sharegpt"], ["n4"]]
+    assert [r["ratio"] for r in m["sustainable"]["n4"]["per_repeat"]] == [pytest.approx(2.0), pytest.approx(4.0)]
+    (e,) = [e for e in m["per_rate"] if e["load"] == "sharegpt"]
+    assert e["ratio_norm_latency_mean"]["values"] == [pytest.approx(2.0), pytest.approx(1.2)]
+    # At 2 s/token: repeat 0, mlxpaged passes all (4.0, censored above) and mlx_lm fails 4 at 3.0,
+    # so 2 + (2 - 1.4) / (3.0 - 1.4) * 2 = 2.75; repeat 1, mlx_lm failed a request at 2 -> 1.0.
+    at2 = m["sustainable_by_bound"]["2"]["n4"]["per_repeat"]
+    assert [r["ratio"] for r in at2] == [pytest.approx(4.0 / 2.75), pytest.approx(4.0)]
+
+
+def test_runs_with_other_settings_or_code_are_not_merged():
+    a = [_row("mlxpaged", "sharegpt", 1.0, 0, 0.5), _row("mlx_lm", "sharegpt", 1.0, 0, 0.6)]
+    b = [_row("mlxpaged", "n4", 1.0, 0, 0.5), _row("mlx_lm", "n4", 1.0, 0, 0.6)]
+    with pytest.raises(ValueError, match="bound_s_per_token"):
+        http_stats.merge([_doc(a), _doc(b, bound=0.5)])
+    with pytest.raises(ValueError, match="clean commit"):
+        http_stats.merge([_doc(a), _doc(b, dirty=True)])
+    with pytest.raises(ValueError, match="clean commit"):
+        http_stats.merge([_doc(a), _doc(b, commit="c1")])
+    with pytest.raises(ValueError, match="more than one run"):
+        http_stats.merge([_doc(a), _doc(a)])
+
+
 def test_first_server_alternates_per_case_and_per_repeat():
     assert [http.first_server(c, 0) for c in range(4)] == ["mlxpaged", "mlx_lm", "mlxpaged", "mlx_lm"]
     assert [http.first_server(0, r) for r in range(3)] == ["mlxpaged", "mlx_lm", "mlxpaged"]

@@ -117,6 +117,15 @@ def _fmt(s: dict | None, digits: int = 2) -> str:
     return "n/a" if s is None else f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
 
 
+def sustainable_line(load: str, s: dict) -> str:
+    """One load's sustainable rates and ratio (`sustainable`'s result), with any censoring."""
+    cens = sorted({f"{k}: {r[k + '_censored']}" for r in s["per_repeat"] for k in SERVERS if r[k + "_censored"]})
+    return (
+        f"{load:>8}: sustainable rate mlxpaged {_fmt(s['mlxpaged'])}, mlx_lm {_fmt(s['mlx_lm'])} req/s, "
+        f"ratio {_fmt(s['ratio'])}" + (f"  (censored {', '.join(cens)})" if cens else "")
+    )
+
+
 def report(rows: list[dict], loads: list[str], bound: float, echo=print) -> dict:
     rates = per_rate(rows)
     echo(f"\nmedian (min-max) over repeats; ratios mlx_lm/mlxpaged formed within each repeat; bound {bound} s/token")
@@ -131,12 +140,8 @@ def report(rows: list[dict], loads: list[str], bound: float, echo=print) -> dict
         )
     sus = {}
     for load in loads:
-        sus[load] = s = sustainable(rows, load, bound)
-        cens = sorted({f"{k}: {r[k + '_censored']}" for r in s["per_repeat"] for k in SERVERS if r[k + "_censored"]})
-        echo(
-            f"{load:>8}: sustainable rate mlxpaged {_fmt(s['mlxpaged'])}, mlx_lm {_fmt(s['mlx_lm'])} req/s, "
-            f"ratio {_fmt(s['ratio'])}" + (f"  (censored {', '.join(cens)})" if cens else "")
-        )
+        sus[load] = sustainable(rows, load, bound)
+        echo(sustainable_line(load, sus[load]))
     return {"per_rate": rates, "sustainable": sus}
 
 
@@ -167,3 +172,68 @@ def write_figure(path, rates: list[dict], loads: list[str], bound: float):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return path
+
+
+# Settings that must agree for runs to be merged into one result (loads, rates and request counts may differ).
+# Fields of a run's result that the merge recomputes or keeps per source.
+_PER_RUN = (
+    "kind",
+    "model",
+    "provenance",
+    "rows",
+    "per_rate",
+    "sustainable",
+    "rates",
+    "extend",
+    "system_prompt_tokens",
+    "num_requests",
+)
+MERGE_SAME = ("max_prompt", "max_output", "trace", "repeats", "bound_s_per_token", "mlxpaged_args")
+
+
+def merge(docs: list[dict], bounds: tuple[float, ...] = ()) -> dict:
+    """One result from several runs of `bench serve` (one per load, say): the rows concatenated and
+    the statistics recomputed from them; `sustainable_by_bound` adds each load's sustainable rates
+    at the other latency `bounds` (s/token), since one bound can sit below or above a whole
+    load's curve (the runs' own bound stays the headline). Raises ValueError when the runs' settings differ, when two
+    runs measured the same load, or when a run started from a dirty tree or another commit."""
+    if not docs:
+        raise ValueError("nothing to merge")
+    for f in MERGE_SAME:
+        if len({repr(d.get(f)) for d in docs}) > 1:
+            raise ValueError(f"{f} differs between the runs: {[d.get(f) for d in docs]}")
+    starts = [d.get("git_at_start") or {} for d in docs]
+    if any(s.get("dirty") is not False for s in starts) or len({s.get("commit") for s in starts}) > 1:
+        raise ValueError(f"every run must start from the same clean commit: {starts}")
+    loads: list[str] = []
+    for d in docs:
+        these = list(dict.fromkeys(r["load"] for r in d["rows"]))
+        if set(these) & set(loads):
+            raise ValueError(f"load(s) {sorted(set(these) & set(loads))} measured by more than one run")
+        loads += these
+    rows = [r for d in docs for r in d["rows"]]
+    bound = docs[0]["bound_s_per_token"]
+    sources = [
+        {
+            "command": d["provenance"]["command"],
+            "git_at_start": d["git_at_start"],
+            "loads": list(dict.fromkeys(r["load"] for r in d["rows"])),
+            "rates": d["rates"],
+            "extend": d.get("extend"),
+            "num_requests": d["num_requests"],
+        }
+        for d in docs
+    ]
+    settings = {k: v for k, v in docs[0].items() if k not in _PER_RUN}
+    sys_tokens = {d.get("system_prompt_tokens") for d in docs} - {None}
+    rates = sorted({r["rate"] for r in rows})
+    return {
+        **settings,
+        "loads": loads,
+        "rates": rates,
+        "system_prompt_tokens": sys_tokens.pop() if sys_tokens else None,
+        "sources": sources,
+        "rows": rows,
+        **report(rows, loads, bound, echo=lambda s: None),
+        "sustainable_by_bound": {f"{b:g}": {ld: sustainable(rows, ld, b) for ld in loads} for b in bounds},
+    }
