@@ -73,16 +73,21 @@ def test_latency_ratios_are_formed_within_each_repeat():
     assert e["lengths_equal"] == [True, True]
 
 
-def test_sustainable_ratio_is_formed_within_each_repeat():
+def _n4_rows() -> list[dict]:
+    """Two repeats of three rates. At the 1 s/token bound:
+    repeat 0: mlxpaged passes 1 and 2, fails 4 at 1.4 -> 3.0; mlx_lm fails 2 at 1.4 -> 1.5; ratio 2.0.
+    repeat 1: mlxpaged passes everything -> 4.0 (censored above); mlx_lm fails 2 by a failed request,
+    not interpolated -> 1.0; ratio 4.0."""
     rows = []
-    # repeat 0: mlxpaged passes 1 and 2, fails 4 at 1.4 -> 3.0; mlx_lm fails 2 at 1.4 -> 1.5; ratio 2.0.
-    # repeat 1: mlxpaged passes everything -> 4.0 (censored above); mlx_lm fails 2 by a failed request,
-    # not interpolated -> 1.0; ratio 4.0.
     for rate, a, b in ((1.0, 0.2, 0.6), (2.0, 0.6, 1.4), (4.0, 1.4, 3.0)):
         rows += [_row("mlxpaged", "n4", rate, 0, a), _row("mlx_lm", "n4", rate, 0, b)]
     for rate, a, b in ((1.0, 0.1, 0.5), (2.0, 0.2, 0.9), (4.0, 0.3, 3.0)):
         rows += [_row("mlxpaged", "n4", rate, 1, a), _row("mlx_lm", "n4", rate, 1, b, failed=int(rate == 2.0))]
-    s = http_stats.sustainable(rows, "n4", 1.0)
+    return rows
+
+
+def test_sustainable_ratio_is_formed_within_each_repeat():
+    s = http_stats.sustainable(_n4_rows(), "n4", 1.0)
     assert [r["ratio"] for r in s["per_repeat"]] == [pytest.approx(2.0), pytest.approx(4.0)]
     assert s["ratio"]["median"] == pytest.approx(3.0)
     assert s["per_repeat"][1]["mlxpaged_censored"] == "above"
@@ -110,13 +115,9 @@ def _doc(rows, bound=1.0, commit="c0", dirty=False, **over):
 
 
 def test_merged_runs_keep_each_loads_ratios():
-    # The n4 rows of test_sustainable_ratio_is_formed_within_each_repeat (ratios 2.0 and 4.0) and
-    # the sharegpt rows of test_latency_ratios_are_formed_within_each_repeat (1.2 and 2.0), run apart.
-    n4 = []
-    for rate, a, b in ((1.0, 0.2, 0.6), (2.0, 0.6, 1.4), (4.0, 1.4, 3.0)):
-        n4 += [_row("mlxpaged", "n4", rate, 0, a), _row("mlx_lm", "n4", rate, 0, b)]
-    for rate, a, b in ((1.0, 0.1, 0.5), (2.0, 0.2, 0.9), (4.0, 0.3, 3.0)):
-        n4 += [_row("mlxpaged", "n4", rate, 1, a), _row("mlx_lm", "n4", rate, 1, b, failed=int(rate == 2.0))]
+    # _n4_rows (ratios 2.0 and 4.0) and the sharegpt rows of
+    # test_latency_ratios_are_formed_within_each_repeat (1.2 and 2.0), run apart.
+    n4 = _n4_rows()
     share = [
         _row("mlxpaged", "sharegpt", 0.5, 0, 2.0),
         _row("mlx_lm", "sharegpt", 0.5, 0, 4.0),
