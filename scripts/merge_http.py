@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import mlxpaged  # noqa: F401  (first: OpenBLAS must load before MLX, mlxpaged/_blas.py)
 
@@ -24,12 +25,22 @@ def main() -> int:
     ap.add_argument("--bounds", default="", help="more latency bounds (s/token, comma-separated) to report")
     ap.add_argument("--plot", action="store_true", help="also write the figure beside it (.png)")
     a = ap.parse_args()
-    docs = [json.loads(open(p).read()) for p in a.runs]
     try:
         bounds = tuple(float(b) for b in a.bounds.split(",") if b)
+    except ValueError:
+        print(f"error: --bounds must be numbers separated by commas, got {a.bounds!r}", file=sys.stderr)
+        return 1
+    try:
+        docs = [json.loads(Path(p).read_text()) for p in a.runs]
         merged = merge(docs, bounds)
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"error: cannot read a run's result: {e}", file=sys.stderr)
+        return 1
+    except KeyError as e:
+        print(f"error: not a bench_http.py result (no {e} field)", file=sys.stderr)
+        return 1
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)  # settings that differ, or a bad --bounds
+        print(f"error: {e}", file=sys.stderr)  # runs whose settings, commit or loads do not fit together
         return 1
     report(merged["rows"], merged["loads"], merged["bound_s_per_token"])
     for b, per_load in merged["sustainable_by_bound"].items():

@@ -174,7 +174,6 @@ def write_figure(path, rates: list[dict], loads: list[str], bound: float):
     return path
 
 
-# Settings that must agree for runs to be merged into one result (loads, rates and request counts may differ).
 # Fields of a run's result that the merge recomputes or keeps per source.
 _PER_RUN = (
     "kind",
@@ -188,6 +187,7 @@ _PER_RUN = (
     "system_prompt_tokens",
     "num_requests",
 )
+# Settings that must agree for runs to be merged into one result (loads, rates and request counts may differ).
 MERGE_SAME = ("max_prompt", "max_output", "trace", "repeats", "bound_s_per_token", "mlxpaged_args")
 
 
@@ -206,8 +206,8 @@ def merge(docs: list[dict], bounds: tuple[float, ...] = ()) -> dict:
     if any(s.get("dirty") is not False for s in starts) or len({s.get("commit") for s in starts}) > 1:
         raise ValueError(f"every run must start from the same clean commit: {starts}")
     loads: list[str] = []
-    for d in docs:
-        these = list(dict.fromkeys(r["load"] for r in d["rows"]))
+    per_doc = [list(dict.fromkeys(r["load"] for r in d["rows"])) for d in docs]
+    for these in per_doc:
         if set(these) & set(loads):
             raise ValueError(f"load(s) {sorted(set(these) & set(loads))} measured by more than one run")
         loads += these
@@ -217,12 +217,12 @@ def merge(docs: list[dict], bounds: tuple[float, ...] = ()) -> dict:
         {
             "command": d["provenance"]["command"],
             "git_at_start": d["git_at_start"],
-            "loads": list(dict.fromkeys(r["load"] for r in d["rows"])),
+            "loads": these,
             "rates": d["rates"],
             "extend": d.get("extend"),
             "num_requests": d["num_requests"],
         }
-        for d in docs
+        for d, these in zip(docs, per_doc)
     ]
     settings = {k: v for k, v in docs[0].items() if k not in _PER_RUN}
     sys_tokens = {d.get("system_prompt_tokens") for d in docs} - {None}
