@@ -1,5 +1,6 @@
-"""One result from several `bench_http.py` runs (one per load): rows concatenated, ratios and
-sustainable rates recomputed, and one figure with a panel per load.
+"""One result from several `bench_http.py` runs (one per load, or more rates of a load, or an
+earlier merged result plus new runs): rows concatenated, ratios and sustainable rates
+recomputed, and one figure with a panel per load.
 
 python scripts/merge_http.py RUN1.json RUN2.json ... --out docs/data/serve_http_sweep.json --bounds 1.5,2 --plot
 """
@@ -20,7 +21,7 @@ from mlxpaged.bench.report import write_json
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("runs", nargs="+", help="result JSONs of bench_http.py")
+    ap.add_argument("runs", nargs="+", help="result JSONs of bench_http.py (or of an earlier merge)")
     ap.add_argument("--out", required=True, help="the merged JSON")
     ap.add_argument("--bounds", default="", help="more latency bounds (s/token, comma-separated) to report")
     ap.add_argument("--plot", action="store_true", help="also write the figure beside it (.png)")

@@ -147,6 +147,29 @@ def test_runs_with_other_settings_or_code_are_not_merged():
         http_stats.merge([_doc(a), _doc(b, commit="c1")])
     with pytest.raises(ValueError, match="more than one run"):
         http_stats.merge([_doc(a), _doc(a)])
+    other_rate = [dict(r, rate=2.0) for r in a]
+    with pytest.raises(ValueError, match="sharegpt ran with 16 and 8 requests"):
+        http_stats.merge([_doc(a), _doc(other_rate, num_requests=8)])
+
+
+def test_a_merge_takes_more_rates_of_a_load_and_an_earlier_merge():
+    # The merge of test_merged_runs_keep_each_loads_ratios, then n4 at rate 8 from a later run.
+    # Repeat 1's mlxpaged passed every rate up to 4 (0.3 s/token, censored above at 4.0); at 8 it
+    # reads 1.3, so the bound is crossed at 4 + (1 - 0.3) / (1.3 - 0.3) * 4 = 6.8 and the ratio
+    # against mlx_lm's 1.0 becomes 6.8. Repeat 0 had failed already at 4: unchanged at 2.0.
+    share = [_row("mlxpaged", "sharegpt", 0.5, 0, 2.0), _row("mlx_lm", "sharegpt", 0.5, 0, 4.0)]
+    first = http_stats.merge([_doc(share), _doc(_n4_rows())])
+    more = [
+        _row(s, "n4", 8.0, k, lat)
+        for k, (a, b) in enumerate(((3.0, 5.0), (1.3, 5.0)))
+        for s, lat in (("mlxpaged", a), ("mlx_lm", b))
+    ]
+    m = http_stats.merge([first, _doc(more, provenance={"command": "later"})])
+    assert m["loads"] == ["sharegpt", "n4"] and m["rates"] == [0.5, 1.0, 2.0, 4.0, 8.0]
+    assert m["sources"][-1]["command"] == "later"
+    assert len(m["sources"]) == 3 and len(m["rows"]) == len(first["rows"]) + 4
+    n4 = m["sustainable"]["n4"]["per_repeat"]
+    assert [r["ratio"] for r in n4] == [pytest.approx(2.0), pytest.approx(6.8)] and n4[1]["mlxpaged_censored"] is None
 
 
 def test_first_server_alternates_per_case_and_per_repeat():

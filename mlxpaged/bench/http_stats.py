@@ -182,48 +182,66 @@ _PER_RUN = (
     "rows",
     "per_rate",
     "sustainable",
+    "sustainable_by_bound",
     "rates",
+    "loads",
     "extend",
     "system_prompt_tokens",
     "num_requests",
+    "sources",
+    "merged_from",
 )
 # Settings that must agree for runs to be merged into one result (loads, rates and request counts may differ).
 MERGE_SAME = ("max_prompt", "max_output", "trace", "repeats", "bound_s_per_token", "mlxpaged_args")
 
 
+def _sources(doc: dict) -> list[dict]:
+    """Where a result's rows come from: one entry for a run, its own list for an earlier merge."""
+    if "sources" in doc:
+        return doc["sources"]
+    return [
+        {
+            "command": doc["provenance"]["command"],
+            "git_at_start": doc["git_at_start"],
+            "loads": list(dict.fromkeys(r["load"] for r in doc["rows"])),
+            "rates": doc["rates"],
+            "extend": doc.get("extend"),
+            "num_requests": doc["num_requests"],
+        }
+    ]
+
+
 def merge(docs: list[dict], bounds: tuple[float, ...] = ()) -> dict:
-    """One result from several runs of `bench serve` (one per load, say): the rows concatenated and
-    the statistics recomputed from them; `sustainable_by_bound` adds each load's sustainable rates
-    at the other latency `bounds` (s/token), since one bound can sit below or above a whole
-    load's curve (the runs' own bound stays the headline). Raises ValueError when the runs' settings differ, when two
-    runs measured the same load, or when a run started from a dirty tree or another commit."""
+    """One result from several runs of `bench serve` (one per load, or more rates of a load, or an
+    earlier merge plus new runs): the rows concatenated and the statistics recomputed from them;
+    `sustainable_by_bound` adds each load's sustainable rates at the other latency `bounds`
+    (s/token), since one bound can sit below or above a whole load's curve (the runs' own bound
+    stays the headline). Raises ValueError when the runs' settings differ, when two runs measured
+    the same (load, rate), when one load ran with two request counts (its points would not be one
+    curve), or when a run started from a dirty tree or another commit."""
     if not docs:
         raise ValueError("nothing to merge")
     for f in MERGE_SAME:
         if len({repr(d.get(f)) for d in docs}) > 1:
             raise ValueError(f"{f} differs between the runs: {[d.get(f) for d in docs]}")
-    starts = [d.get("git_at_start") or {} for d in docs]
+    sources = [s for d in docs for s in _sources(d)]
+    starts = [s.get("git_at_start") or {} for s in sources]
     if any(s.get("dirty") is not False for s in starts) or len({s.get("commit") for s in starts}) > 1:
         raise ValueError(f"every run must start from the same clean commit: {starts}")
-    loads: list[str] = []
-    per_doc = [list(dict.fromkeys(r["load"] for r in d["rows"])) for d in docs]
-    for these in per_doc:
-        if set(these) & set(loads):
-            raise ValueError(f"load(s) {sorted(set(these) & set(loads))} measured by more than one run")
-        loads += these
+    seen: set = set()
+    for d in docs:
+        cases = {(r["load"], r["rate"]) for r in d["rows"]}
+        if cases & seen:
+            raise ValueError(f"(load, rate) {sorted(cases & seen)} measured by more than one run")
+        seen |= cases
+    requests: dict[str, int] = {}
+    for s in sources:
+        for load in s["loads"]:
+            if requests.setdefault(load, s["num_requests"]) != s["num_requests"]:
+                raise ValueError(f"{load} ran with {requests[load]} and {s['num_requests']} requests per run")
+    loads = list(dict.fromkeys(load for s in sources for load in s["loads"]))
     rows = [r for d in docs for r in d["rows"]]
     bound = docs[0]["bound_s_per_token"]
-    sources = [
-        {
-            "command": d["provenance"]["command"],
-            "git_at_start": d["git_at_start"],
-            "loads": these,
-            "rates": d["rates"],
-            "extend": d.get("extend"),
-            "num_requests": d["num_requests"],
-        }
-        for d, these in zip(docs, per_doc)
-    ]
     settings = {k: v for k, v in docs[0].items() if k not in _PER_RUN}
     sys_tokens = {d.get("system_prompt_tokens") for d in docs} - {None}
     rates = sorted({r["rate"] for r in rows})
