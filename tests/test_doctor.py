@@ -20,7 +20,13 @@ def test_doctor_reports_and_writes_json(tmp_path, monkeypatch):
     report = json.loads(out.read_text())
     assert report["mlx_version"]
     assert report["kernel_table"]["kind"] == "emulator"
-    assert len(report["checks"]) == 9 and all(c["ok"] for c in report["checks"])
+    assert len(report["checks"]) == 18 and all(c["ok"] for c in report["checks"])
+    # The prefill kernel is checked too, for every family the decode kernels are.
+    families = {
+        k: {(c["dtype"], c["group"], c["head_dim"]) for c in report["checks"] if c["kernel"] == k}
+        for k in ("decode", "varlen")
+    }
+    assert families["decode"] == families["varlen"] and len(families["varlen"]) == 9
     row = report["kernel_table"]["rows"][0]
     assert 1.0 <= row["ratio"] <= 1.05 and row["max_error"] < 1e-3
     assert {c["model"] for c in report["kernel_table"]["cost_model"]} == {"Qwen2.5-0.5B", "Qwen2.5-7B"}
@@ -32,10 +38,11 @@ def test_doctor_reports_and_writes_json(tmp_path, monkeypatch):
     assert "split planning: 10 GPU cores (default: no device info)" in r.output
 
 
-def test_doctor_names_a_failing_variant(tmp_path, monkeypatch):
+def _doctor_with_faulty(kind: str, tmp_path, monkeypatch):
+    """`mlxpaged doctor` where kernel kind `kind` fails to compile: (CLI result, JSON report)."""
     from kernel_cases import FaultyFactory
 
-    factory = FaultyFactory("paged_attention_partitioned", "compile")
+    factory = FaultyFactory(kind, "compile")
     monkeypatch.setattr(metal, "_metal_kernel_factory", lambda: factory)
     monkeypatch.delenv("MLXPAGED_METAL", raising=False)
     monkeypatch.setattr("mlxpaged.cli.doctor._table", lambda *a: {"kind": "emulator", "note": "", "rows": []})
@@ -44,13 +51,29 @@ def test_doctor_names_a_failing_variant(tmp_path, monkeypatch):
         r = CliRunner().invoke(main, ["doctor", "--out", str(tmp_path / "r.json")])
     finally:
         metal.reset_kernels()
+    return r, json.loads((tmp_path / "r.json").read_text())
+
+
+def test_doctor_names_a_failing_variant(tmp_path, monkeypatch):
+    r, report = _doctor_with_faulty("paged_attention_partitioned", tmp_path, monkeypatch)
     assert r.exit_code == 1
-    assert "kernel checks: 0/9 passed" in r.output
-    assert "FAILED float16 hd64_bs16_g7_nsg8" in r.output and "simulated compiler failure" in r.output
+    assert "kernel checks: 9/18 passed" in r.output  # the varlen kernels still pass
+    assert "FAILED decode float16 hd64_bs16_g7_nsg8" in r.output and "simulated compiler failure" in r.output
     # The compiler's own text, first lines kept, not just the first one (issue 22).
     assert "      kernel.metal:13:1: note: second line of the diagnostics" in r.output
-    report = json.loads((tmp_path / "r.json").read_text())
     assert "second line of the diagnostics" in report["checks"][0]["error"]
+
+
+def test_doctor_names_a_failing_varlen_kernel(tmp_path, monkeypatch):
+    # A Mac whose compiler rejects only the prefill (varlen) kernel: the engine still decodes
+    # with the kernel but prefills on the reference path, and the report must say which.
+    r, report = _doctor_with_faulty("paged_attention_varlen", tmp_path, monkeypatch)
+    assert r.exit_code == 1
+    assert "kernel checks: 9/18 passed" in r.output
+    assert "FAILED varlen float16 hd64_bs16_g7_tq16_kc32_nsg14_hs1" in r.output
+    failed = [c for c in report["checks"] if not c["ok"]]
+    assert {c["kernel"] for c in failed} == {"varlen"} and len(failed) == 9
+    assert all("second line of the diagnostics" in c["error"] for c in failed)
 
 
 def test_doctor_rejects_bad_options():

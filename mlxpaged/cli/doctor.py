@@ -3,7 +3,8 @@
 Reports the MLX version, the device (`mx.metal.device_info()` when Metal is available), the
 GPU cores the split planner assumes and its partitions, the attention implementation `impl="auto"` picks at
 Qwen2.5-0.5B shapes, each kernel shape
-family's startup check (`metal.check_family`: built, run and compared with the reference), and
+family's startup checks (`metal.check_family` for the decode kernels, `metal_varlen.check_varlen`
+for the prefill/varlen kernel: built, run and compared with the reference), and
 a small kernel table: on an Apple GPU, the kernel's time against contiguous SDPA (many launches
 per `mx.eval`) in GB/s; elsewhere the kernels run in the MSL emulator, which says so and gives
 bytes read against the minimum and the cost model's operation counts instead of timings.
@@ -46,34 +47,47 @@ def _device() -> dict:
 
 
 def _checks(block_size: int) -> list[dict]:
-    """Each family's startup check: ok, or the warning the engine would give."""
+    """Each family's startup checks, decode then varlen: ok, or the warning the engine would give
+    (a failed varlen check sends prefill chunks to the reference path, a failed decode check
+    everything)."""
     import mlx.core as mx
 
-    from ..attention import metal
+    from ..attention import metal, metal_varlen
 
     rows = []
-    for dtype in DTYPES:
-        for group, hd in FAMILIES:
-            pool = mx.zeros((1, 1, block_size, hd), dtype=getattr(mx, dtype))
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                try:
-                    ok = metal.check_family(group, pool)
-                    # The compiler's own message, first lines (the warning keeps one line).
-                    error = metal.family_error(group, pool) or "; ".join(str(w.message) for w in caught)
-                except Exception as e:  # strict mode, or the emulator's own report
-                    ok, error = False, metal.error_text(e)
-            rows.append(
-                dict(
-                    dtype=dtype,
-                    group=group,
-                    head_dim=hd,
-                    block_size=block_size,
-                    variant=metal._variant(hd, block_size, group),
-                    ok=ok,
-                    error=error or None,
+    for kernel, check, variant in (
+        ("decode", metal.check_family, lambda hd, group, dt: metal._variant(hd, block_size, group)),
+        (
+            "varlen",
+            metal_varlen.check_varlen,
+            lambda hd, group, dt: metal_varlen.plan(hd, block_size, group, dt.size).variant,
+        ),
+    ):
+        for dtype in DTYPES:
+            for group, hd in FAMILIES:
+                pool = mx.zeros((1, 1, block_size, hd), dtype=getattr(mx, dtype))
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    try:
+                        ok = check(group, pool)
+                        # The compiler's own message, first lines (the warning keeps one line).
+                        error = metal.family_error(group, pool, varlen=kernel == "varlen") or "; ".join(
+                            str(w.message) for w in caught
+                        )
+                    except Exception as e:  # strict mode, or the emulator's own report
+                        ok, error = False, metal.error_text(e)
+                rows.append(
+                    dict(
+                        kernel=kernel,
+                        dtype=dtype,
+                        group=group,
+                        head_dim=hd,
+                        block_size=block_size,
+                        variant=variant(hd, group, pool.dtype),
+                        ok=ok,
+                        error=error or None,
+                    )
                 )
-            )
     return rows
 
 
@@ -192,7 +206,7 @@ def doctor(out_path, seqs, tokens, block_sizes):
     click.echo(f"kernel checks: {len(report['checks']) - len(failed)}/{len(report['checks'])} passed")
     for c in failed:
         lines = (c["error"] or "").splitlines() or [""]
-        click.echo(f"  FAILED {c['dtype']} {c['variant']}: {lines[0]}")
+        click.echo(f"  FAILED {c['kernel']} {c['dtype']} {c['variant']}: {lines[0]}")
         for ln in lines[1:]:  # the compiler's message, first lines
             click.echo(f"      {ln}")
     table = report["kernel_table"]
