@@ -4,6 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+KV_BITS = (4, 8)
+KV_GROUP_SIZES = (32, 64)
+
+
+def check_kv_quant(bits: int | None, group_size: int, head_dim: int | None = None) -> None:
+    """Raise `ValueError` unless `bits`/`group_size` name a supported quantized cache."""
+    if bits is None:
+        return
+    if bits not in KV_BITS:
+        raise ValueError(f"kv_bits must be one of {KV_BITS} (or None for a float cache), got {bits}")
+    if group_size not in KV_GROUP_SIZES:
+        raise ValueError(f"kv_group_size must be one of {KV_GROUP_SIZES}, got {group_size}")
+    if head_dim is not None and head_dim % group_size:
+        raise ValueError(f"head_dim {head_dim} is not a multiple of kv_group_size {group_size}")
+
 
 @dataclass
 class EngineConfig:
@@ -100,8 +115,6 @@ class EngineConfig:
             )
         if self.speculative_max_batch_size < 0:
             raise ValueError(f"speculative_max_batch_size must be >= 0, got {self.speculative_max_batch_size}")
-        from .worker.kv_quant import KV_GROUP_SIZES, check_kv_quant
-
         if self.kv_group_size not in KV_GROUP_SIZES:  # checked even for a float cache: a typo is a typo
             raise ValueError(f"kv_group_size must be one of {KV_GROUP_SIZES}, got {self.kv_group_size}")
         check_kv_quant(self.kv_bits, self.kv_group_size)

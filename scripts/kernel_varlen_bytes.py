@@ -27,10 +27,10 @@ import mlx.core as mx
 import numpy as np
 
 from mlxpaged.attention import metal, metal_varlen
+from mlxpaged.attention.kv_quant import QuantizedPool
 from mlxpaged.attention.reference import paged_attention_varlen_reference
 from mlxpaged.metal_emu import emulate
 from mlxpaged.utils import cdiv
-from mlxpaged.worker.kv_quant import QuantizedPool
 
 MODELS = {"0.5b": ("Qwen2.5-0.5B", 14, 2, 64), "1.5b": ("Qwen2.5-1.5B", 12, 2, 128)}
 

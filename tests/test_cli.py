@@ -187,8 +187,8 @@ def test_beam_width_prints_scored_beams(tiny_model_path, mlx_lm_tiny):
 def test_generate_and_serve_share_model_and_engine_flags():
     """Both commands take the model and engine flags from one declaration: same names, defaults
     and choices, and each engine flag reaches its EngineConfig field."""
-    from mlxpaged.cli.options import ENGINE_FIELDS, engine_config
     from mlxpaged.config import EngineConfig
+    from mlxpaged.engine.flags import ENGINE_FIELDS, engine_config
 
     params = {cmd: {p.name: p for p in main.commands[cmd].params} for cmd in ("generate", "serve")}
     shared = ["model", "dtype", "weights", *ENGINE_FIELDS]

@@ -22,12 +22,11 @@ import pytest
 from click.testing import CliRunner
 
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
-from mlxpaged.attention import paged_attention, paged_attention_varlen
+from mlxpaged.attention import kv_quant, paged_attention, paged_attention_varlen
+from mlxpaged.attention.kv_quant import QuantizedPool
 from mlxpaged.cli.main import main
-from mlxpaged.worker import kv_quant
 from mlxpaged.worker.kv_cache import CacheShape, PagedKVCache, blocks_for_memory
 from mlxpaged.worker.kv_calibration import calibration_ids, key_scales
-from mlxpaged.worker.kv_quant import QuantizedPool
 
 from attention_cases import (  # noqa: E402
     CASES,

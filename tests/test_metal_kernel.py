@@ -341,7 +341,7 @@ def test_plan_keeps_the_partials_small(bits):
     """Partitions are long enough that the bytes only the split reads (queries again, fp32
     partials through the merge) stay within PARTIAL_BYTES_FRACTION of the K/V bytes: longer for
     a quantized cache's smaller rows. Checked by counting those bytes, at every block size."""
-    from mlxpaged.worker.kv_quant import row_bytes
+    from mlxpaged.attention.kv_quant import row_bytes
 
     for group, hd in ((7, 64), (7, 128), (1, 128), (8, 256)):
         row = row_bytes(hd, bits, 32, mx.float16)

@@ -25,8 +25,8 @@ import pytest
 import mlxpaged.metal_emu as emu  # noqa: E402  (the project's own emulator: never skipped)
 from mlxpaged.attention import metal
 from mlxpaged.attention import metal_varlen as mv
+from mlxpaged.attention.kv_quant import QuantizedPool, row_bytes
 from mlxpaged.attention.reference import paged_attention_reference, paged_attention_varlen_reference
-from mlxpaged.worker.kv_quant import QuantizedPool, row_bytes
 
 from kernel_cases import pairwise  # noqa: E402
 

@@ -14,8 +14,8 @@ import pytest
 import mlxpaged.metal_emu as emu  # noqa: E402  (the project's own emulator: never skipped)
 from mlxpaged.attention import metal, paged_attention_varlen
 from mlxpaged.attention import metal_varlen as mv
+from mlxpaged.attention.kv_quant import QuantizedPool
 from mlxpaged.attention.reference import paged_attention_varlen_reference
-from mlxpaged.worker.kv_quant import QuantizedPool
 
 from kernel_cases import Recording  # noqa: E402
 

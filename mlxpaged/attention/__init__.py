@@ -6,6 +6,8 @@ sequence) over a paged KV cache, with interchangeable implementations.
 on the CPU by the MSL emulator; `impl="auto"` takes the kernel when it can run natively.
 Both take float pools (`mx.array`) or quantized ones (`kv_quant.QuantizedPool`, rows
 quantized along head_dim) for k_cache and v_cache, the same kind for both.
+The quantized rows' format is `kv_quant.py`, which the worker's writers share.
+May import: `metal_emu` (the kernels' emulator, on Linux).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import math
 
 import mlx.core as mx
 
-from ..worker.kv_quant import QuantizedPool
+from .kv_quant import QuantizedPool
 from .reference import paged_attention_reference, paged_attention_varlen_reference
 
 IMPLS = ("auto", "reference", "metal")

@@ -46,7 +46,7 @@ import numpy as np
 
 from .. import settings
 from ..utils import cdiv
-from ..worker.kv_quant import KV_BITS, KV_GROUP_SIZES, QuantizedPool, row_bytes
+from .kv_quant import KV_BITS, KV_GROUP_SIZES, QuantizedPool, row_bytes
 
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 NUM_SIMDGROUPS = 8  # simdgroups per threadgroup: 256 threads, enough loads in flight per group

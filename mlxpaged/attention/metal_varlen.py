@@ -35,8 +35,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..utils import cdiv
-from ..worker.kv_quant import QuantizedPool
 from . import metal
+from .kv_quant import QuantizedPool
 
 KERNEL = "paged_attention_varlen"
 QUANT_KERNEL = f"{KERNEL}_quant"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..utils import cdiv
-from ..worker import kv_quant
+from . import kv_quant
 
 
 def block_rows(block_tables: mx.array, num_kv_heads: int) -> mx.array:

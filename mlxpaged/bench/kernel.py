@@ -135,7 +135,7 @@ def _emulated_stats(
     quantized to `kv_bits` in groups of `kv_group`, when given)."""
     from mlxpaged.metal_emu import emulate
 
-    from ..worker.kv_quant import QuantizedPool
+    from ..attention.kv_quant import QuantizedPool
 
     rng = np.random.default_rng(0)
     per_seq = -(-tokens // block_size)
@@ -216,7 +216,7 @@ def kv_bytes_rows(
     float) minimum and the max error against the reference on the (dequantized) pools."""
     from mlxpaged.metal_emu import emulate
 
-    from ..worker.kv_quant import QuantizedPool
+    from ..attention.kv_quant import QuantizedPool
 
     rows = []
     for model, heads, kv_heads, head_dim in KV_BYTES_SHAPES:

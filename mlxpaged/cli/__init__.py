@@ -1,2 +1,3 @@
-"""The `mlxpaged` command: `generate` (main.py), the flags `generate` and `serve` share
-(options.py) and `doctor`. `serve` and `bench` live in server/ and bench/ and load on demand."""
+"""The `mlxpaged` command: `generate` (main.py) and `doctor`; the flags `generate` and `serve`
+share live in `engine/flags.py`. `serve` and `bench` live in server/ and bench/ and load on demand.
+May import: `engine`, `core`, `worker`, `attention`, `server`, `bench`."""

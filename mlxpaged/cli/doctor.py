@@ -115,7 +115,7 @@ def _planning() -> dict:
     import mlx.core as mx
 
     from ..attention import metal
-    from ..worker.kv_quant import row_bytes
+    from ..attention.kv_quant import row_bytes
 
     info = metal.device_info()
     cores = metal.gpu_cores(info)

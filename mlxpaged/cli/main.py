@@ -9,17 +9,12 @@ import sys
 
 import click
 
+from ..engine.flags import engine_config, launched_rank, model_and_engine_options, user_errors
 from ..engine.guided import GuidedDecoding
 from ..engine.sampling_params import SamplingParams
 from ..errors import MlxPagedError
-from .options import engine_config, model_and_engine_options
 
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-
-
-def _fail(msg: str) -> None:
-    click.echo(f"error: {msg}", err=True)
-    sys.exit(1)
 
 
 def _read_prompts_file(path: str) -> list[tuple[str, dict]]:
@@ -190,7 +185,7 @@ def generate(
     **engine_flags,
 ):
     """Generate completions for one or more prompts on a paged KV cache."""
-    try:
+    with user_errors():
         items = [(sys.stdin.read() if p == "-" else p, {}) for p in prompts]
         if prompts_file:
             items += _read_prompts_file(prompts_file)
@@ -233,12 +228,11 @@ def generate(
         if any(not p.strip() for p, _ in items):
             raise MlxPagedError("empty prompt")
         from ..core.block_manager import blocks_for_request
-        from ..distributed.collectives import launched_group
         from ..engine.builder import build_engine, load_model
         from ..worker.kv_cache import pool_blocks
 
-        group = launched_group()  # one rank of several under mlx.launch: tensor parallelism
-        if group is not None and group.rank() != 0:
+        group, follower = launched_rank()  # one rank of several under mlx.launch: tensor parallelism
+        if follower:
             sys.stdout = open(os.devnull, "w")  # rank 0 prints; the others only compute
         loaded = load_model(model, dtype, weights, group)
         ids = [_encode(loaded.tokenizer, p, chat) for p, _ in items]
@@ -250,14 +244,10 @@ def generate(
             rids = [engine.add_beam_request(i, beam) for i in ids]
         else:
             rids = [engine.add_request(i, sp) for i, sp in zip(ids, params)]
-    except (MlxPagedError, ValueError) as e:
-        _fail(str(e))
 
     stream = not as_json and len(items) == 1 and params[0].n == 1 and beam is None
-    try:
+    with user_errors():  # MlxPagedError: a tensor-parallel rank lost its peers or diverged
         done = _run(engine, rids, stream=stream, progress=bool(prompts_file) and not stream, as_json=as_json)
-    except MlxPagedError as e:  # a tensor-parallel rank lost its peers or diverged
-        _fail(str(e))
     # The cache's format first, so a stats_dict that reports it itself wins.
     stats = engine.stats_dict()
     if as_json:

@@ -28,15 +28,26 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..config import EngineConfig
 from .block_manager import BlockManager
 from .sequence import FinishReason, PendingToken, Request, RequestStatus, Sequence
 from .spec_policy import SpecState
 
-if TYPE_CHECKING:
-    from ..engine.beam_search import BeamStep
+
+class NextBeam(Protocol):
+    beam: int  # the old live beam it continues
+    token: int
+    cumulative_logprob: float
+
+
+class BeamStep(Protocol):
+    """What one beam-search step decided (the engine's `beam_search.BeamStep`): the live beams
+    after it, best first, and whether the search ends with it."""
+
+    next_beams: list[NextBeam]
+    done: bool
 
 
 @dataclass

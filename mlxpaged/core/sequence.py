@@ -16,15 +16,35 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # core imports no MLX: pending tokens and keys are only held here, never computed on
     import mlx.core as mx
 
-    from ..engine.beam_search import BeamState
-    from ..engine.sampling_params import SamplingParams
     from .block_pool import Block
     from .spec_policy import SpecState
+
+
+class RequestParams(Protocol):
+    """What core reads of a request's sampling parameters (the engine's `SamplingParams` has it):
+    core names no engine type, so it states what it needs here."""
+
+    max_tokens: int
+    speculative: bool
+    has_penalties: bool
+    logit_bias: dict | None
+    min_p: float
+    guided: object
+
+
+class BeamWidth(Protocol):
+    beam_width: int
+
+
+class BeamSearch(Protocol):
+    """What core reads of a beam search's state (the engine's `BeamState`): how many beams it keeps."""
+
+    params: BeamWidth
 
 
 class FinishReason(str, enum.Enum):
@@ -133,14 +153,14 @@ class Request:
 
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: RequestParams
     seqs: list[Sequence]
     prompt_text: str | None = None
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the first admission
     status: RequestStatus = RequestStatus.WAITING
     prompt_prefilled: bool = False
     num_preemptions: int = 0
-    beam: BeamState | None = None  # set for a beam-search request: its beams are `seqs`
+    beam: BeamSearch | None = None  # set for a beam-search request: its beams are `seqs`
 
     @property
     def max_live_seqs(self) -> int:

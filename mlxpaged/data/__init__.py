@@ -3,6 +3,7 @@
 `sharegpt_lengths.json` and `alpaca_lengths.json` are written by `scripts/lengths.py` from the
 raw data sets with the Qwen2.5 tokenizer; they ship inside the wheel, so `mlxpaged bench` needs
 no checkout.
+May import: `bench.waste` (the trace reader).
 """
 
 from __future__ import annotations

@@ -44,6 +44,11 @@ class TPEngine(LLMEngine):
         self._token_hash = hashlib.sha256()
         self.num_checks = 0
 
+    def _ranks(self):
+        """The disk tier is namespaced by rank, and its lookups agree on the smallest hit count."""
+        group = self.loaded.model.tp_group
+        return group.rank(), group.size(), lambda n: agree_min(group, n)
+
     def add_request(self, prompt, params=None, request_id=None) -> str:
         from ..engine.sampling_params import SamplingParams
 

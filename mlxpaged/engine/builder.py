@@ -3,7 +3,9 @@
 A plain process loads the whole model and gets an `LLMEngine`; one rank of a tensor-parallel
 group (started by `mlx.launch`) loads only its shard and gets a `TPEngine`, built once every
 rank agrees on the pool size, the checkpoint and the settings. Pool sizing is
-`worker.kv_cache.pool_blocks` in both cases.
+`worker.kv_cache.pool_blocks` in both cases. The only door to `distributed/`: the commands and
+`LLM` find their group (`launched_group`, `init_group`) and the server's ranks talk
+(`broadcast_json`, `RankFailure`) through the names it re-exports.
 """
 
 from __future__ import annotations
@@ -11,6 +13,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..config import EngineConfig
+
+# The rest of mlxpaged reaches tensor parallelism through this module only (engine/'s import rule):
+# the group, rank 0's broadcasts to the followers and the failure that ends a rank.
+from ..distributed.collectives import RankFailure, broadcast_json, init_group, launched_group  # noqa: F401
 from ..distributed.shard_loading import load_shard
 from ..distributed.tp_engine import tp_engine
 from ..loading.loader import LoadedModel, load

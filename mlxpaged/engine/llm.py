@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from ..config import EngineConfig
-from ..distributed.collectives import init_group
 from ..loading.loader import LoadedModel
 from .beam_search import BeamSearchParams
-from .builder import build_engine
+from .builder import build_engine, init_group
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 

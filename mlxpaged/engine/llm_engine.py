@@ -175,12 +175,7 @@ class LLMEngine:
 
         from ..worker.prefix_store import PrefixStore, namespace, namespace_parts
 
-        group = getattr(self.loaded.model, "tp_group", None)
-        rank, world, agree = 0, 1, None
-        if group is not None:
-            from ..distributed.collectives import agree_min
-
-            rank, world, agree = group.rank(), group.size(), (lambda n: agree_min(group, n))
+        rank, world, agree = self._ranks()
         root = Path(self.config.prefix_cache_dir).expanduser()
         parts = namespace_parts(
             self.loaded, self.kv_cache, rank=rank, world=world, memo_file=root / "weights-digests.json"
@@ -195,6 +190,10 @@ class LLMEngine:
             agree=agree,
             parts=parts,
         )
+
+    def _ranks(self):
+        """(rank, world size, agree): a plain engine is rank 0 of 1 and agrees with itself (TPEngine overrides)."""
+        return 0, 1, None
 
     def _load_blocks(self, loads: list[tuple[bytes, int]]) -> None:
         """Copy the blocks the scheduler took from the disk tier into the pool, before the step's forward pass."""

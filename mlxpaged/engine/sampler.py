@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from ..worker.model_runner import gather_rows
 from .outputs import TokenLogprob
 from .sampling_params import SamplingParams
 
@@ -241,18 +242,6 @@ def _logprob_arrays(logits: mx.array, tokens: mx.array, rows: list[int], top: in
         return chosen, None, None
     ids = mx.argpartition(-lp, kth=top - 1, axis=-1)[:, :top]
     return chosen, ids, mx.take_along_axis(lp, ids, axis=-1)
-
-
-def gather_rows(refs: list) -> mx.array:
-    """Stack `refs` into one array; each is an array or `(array, row)`, a row of an earlier
-    step's (maybe still lazy) output. Rows of one array in order cost one gather, or nothing."""
-    first = refs[0]
-    if isinstance(first, tuple) and all(isinstance(r, tuple) and r[0] is first[0] for r in refs):
-        rows = [r[1] for r in refs]
-        if rows == list(range(first[0].shape[0])):
-            return first[0]
-        return first[0][mx.array(rows)]
-    return mx.stack([r[0][r[1]] if isinstance(r, tuple) else r for r in refs])
 
 
 @dataclass

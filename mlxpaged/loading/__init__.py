@@ -1,2 +1,2 @@
 """Finding and loading weights: local checkpoints, Hugging Face repos, GGUF files (gguf/) and the
-offline default model. Imports models, never the engine."""
+offline default model; never the engine. May import: `models`."""

@@ -18,6 +18,7 @@ threadgroup declarations; a register estimate over budget is a `RegisterBudgetWa
 Threadgroup memory and outputs start as NaN (0xFF bytes), and lanes run in a chosen
 order (`MLXPAGED_EMU_ORDER=forward|reverse|random[:seed]`, `lane_order(...)`, or `order=` on
 the call) so missing barriers and writes change results.
+May import: `attention` (the front-end check reads the kernels' sources).
 """
 
 from __future__ import annotations

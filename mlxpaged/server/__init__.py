@@ -6,4 +6,5 @@ Layout: `protocol` (typed request bodies), `errors` (the one OpenAI error object
 request may ask), `middleware` (auth, body cap, draining, the catch-all 500, for every route),
 `connections` (header deadline, fd limit, accept errors), `app` (FastAPI routes), `cli` (the
 click command). Behaviour under hostile clients: docs/server.md.
+May import: `engine`, `core`, `attention`.
 """

@@ -17,14 +17,8 @@ from pathlib import Path
 
 import click
 
-from ..cli.options import engine_config, model_and_engine_options
-from ..errors import MlxPagedError
+from ..engine.flags import engine_config, fail, launched_rank, model_and_engine_options, user_errors
 from .limits import MAX_STOPS_CAP, Limits
-
-
-def _fail(msg: str) -> None:
-    click.echo(f"error: {msg}", err=True)
-    sys.exit(1)
 
 
 def _check_port(host: str, port: int) -> None:
@@ -35,7 +29,7 @@ def _check_port(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as e:
-            _fail(f"cannot listen on {host}:{port}: {e.strerror}")
+            fail(f"cannot listen on {host}:{port}: {e.strerror}")
 
 
 @click.command()
@@ -167,7 +161,7 @@ def serve(
         api_key = os.environ["MLXPAGED_API_KEY"]
     if api_key is not None:
         if not api_key.strip():  # `--api-key ""` or `MLXPAGED_API_KEY=`: never silently serve everyone
-            _fail(
+            fail(
                 "the API key is empty (--api-key or MLXPAGED_API_KEY): give a key, "
                 "or leave both unset to serve without one"
             )
@@ -177,21 +171,17 @@ def serve(
         import prometheus_client  # noqa: F401
         import uvicorn
     except ImportError as e:
-        _fail(f"`serve` needs {e.name}: install mlxpaged[serve] (pip install 'mlxpaged[serve]')")
+        fail(f"`serve` needs {e.name}: install mlxpaged[serve] (pip install 'mlxpaged[serve]')")
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    from ..distributed.collectives import launched_group
-
-    group = launched_group()  # under mlx.launch: tensor parallel; rank 0 serves HTTP, the others follow it
-    try:
+    with user_errors():
+        group, follower = launched_rank()  # under mlx.launch: tensor parallel; rank 0 serves HTTP, the others follow it
         config = engine_config(engine_flags)
         if kv_memory_gb is not None:
             if config.num_blocks is not None:
                 raise ValueError("--kv-memory-gb caps a growing pool; --num-blocks fixes its size: give one")
             config = dataclasses.replace(config, kv_memory_gb=kv_memory_gb)
-    except ValueError as e:
-        _fail(str(e))
     make = lambda: _load_engine(model, dtype, weights, config, group)  # noqa: E731
-    if group is not None and group.rank() != 0:
+    if follower:
         return _follow(make, group)
     _check_port(host, port)
     if not api_key and not _is_loopback(host):
@@ -207,9 +197,8 @@ def serve(
     metrics = Metrics()
     engine_loop = EngineLoop(make, observer=metrics, group=group, stall_timeout=stream_stall_timeout or None)
     try:
-        engine_loop.start()
-    except (MlxPagedError, ValueError) as e:
-        _fail(str(e))
+        with user_errors():
+            engine_loop.start()
     except KeyboardInterrupt:
         click.echo("interrupted while loading the model", err=True)
         sys.exit(130)
@@ -306,10 +295,8 @@ def _follow(make_engine, group) -> None:
     """A rank other than 0 of a tensor-parallel server: no HTTP; replay rank 0's steps until it stops."""
     from .engine_loop import follow
 
-    try:
+    with user_errors():
         engine = make_engine()
-    except (MlxPagedError, ValueError) as e:
-        _fail(str(e))
     click.echo(f"mlxpaged serve: rank {group.rank()} of {group.size()} following rank 0", err=True)
     follow(engine, group)
     click.echo(f"mlxpaged serve: rank {group.rank()} stopped", err=True)

@@ -246,7 +246,7 @@ class EngineLoop:
 
     def _broadcast(self, drained: list[str], adds: list[tuple], aborts: list[str], stop: bool = False) -> None:
         """This iteration's engine calls, to the other ranks (`follow` replays them in this order)."""
-        from ..distributed.collectives import broadcast_json
+        from ..engine.builder import broadcast_json
 
         broadcast_json(
             self._group,
@@ -367,7 +367,7 @@ def _die(msg: str) -> None:
 def follow(engine, group) -> None:
     """Ranks other than 0 of a tensor-parallel server: replay rank 0's engine calls, step for step,
     until rank 0 stops. No HTTP here; outputs are dropped (rank 0 answers the clients)."""
-    from ..distributed.collectives import RankFailure, broadcast_json
+    from ..engine.builder import RankFailure, broadcast_json
 
     try:
         while True:

@@ -1,2 +1,2 @@
-"""Helpers for tests and quick benchmarks: tiny random-weight checkpoints. Imports nothing of the
-engine."""
+"""Helpers for tests and quick benchmarks: tiny random-weight checkpoints; nothing of the engine.
+May import: `models`."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 import numpy as np
 
-from .kv_quant import QuantizedPool, check_kv_quant, key_offsets, row_bytes
+from ..attention.kv_quant import QuantizedPool, check_kv_quant, key_offsets, row_bytes
 
 
 @dataclass

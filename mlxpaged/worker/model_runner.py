@@ -8,8 +8,19 @@ import numpy as np
 
 from ..attention.metadata import AttentionMetadata
 from ..core.sequence import Sequence
-from ..engine.sampler import gather_rows
 from .kv_cache import PagedKVCache, slot_mapping
+
+
+def gather_rows(refs: list) -> mx.array:
+    """Stack `refs` into one array; each is an array or `(array, row)`, a row of an earlier
+    step's (maybe still lazy) output. Rows of one array in order cost one gather, or nothing."""
+    first = refs[0]
+    if isinstance(first, tuple) and all(isinstance(r, tuple) and r[0] is first[0] for r in refs):
+        rows = [r[1] for r in refs]
+        if rows == list(range(first[0].shape[0])):
+            return first[0]
+        return first[0][mx.array(rows)]
+    return mx.stack([r[0][r[1]] if isinstance(r, tuple) else r for r in refs])
 
 
 class ModelRunner:

@@ -1,11 +1,18 @@
-"""The flags `mlxpaged generate` and `mlxpaged serve` share: the model and the engine's
-settings, declared once so both commands spell, default and document them alike."""
+"""The command-line side of building an engine, which `mlxpaged generate` and `mlxpaged serve`
+share (as vLLM's `engine/arg_utils.py` serves its CLI and its server): the model and engine flags,
+declared once so both commands spell, default and document them alike; the one-line failure of a
+bad flag or input (`fail`, `user_errors`); and which rank this process is (`launched_rank`).
+"""
 
 from __future__ import annotations
+
+import contextlib
+import sys
 
 import click
 
 from ..config import EngineConfig
+from ..errors import MlxPagedError
 
 # Flag (python name) -> EngineConfig field; what `engine_config` takes out of a command's kwargs.
 ENGINE_FIELDS = {
@@ -156,3 +163,28 @@ def model_and_engine_options(num_blocks_help: str):
 def engine_config(kwargs: dict) -> EngineConfig:
     """The `EngineConfig` of a command's engine flags, removing them from `kwargs`."""
     return EngineConfig(**{field: kwargs.pop(flag) for flag, field in ENGINE_FIELDS.items()})
+
+
+def fail(msg: str) -> None:
+    """End the command with one line on stderr and exit status 1 (no traceback)."""
+    click.echo(f"error: {msg}", err=True)
+    sys.exit(1)
+
+
+@contextlib.contextmanager
+def user_errors():
+    """Bad input, a bad setting or a failed load (`MlxPagedError`, `ValueError`) ends the command in one line."""
+    try:
+        yield
+    except (MlxPagedError, ValueError) as e:
+        fail(str(e))
+
+
+def launched_rank():
+    """(group, follower): the tensor-parallel group when `mlx.launch` started this process as one
+    of several ranks (else None), and whether this is a rank other than 0, which computes but
+    neither prints nor serves."""
+    from .builder import launched_group  # loads MLX: only once a command runs
+
+    group = launched_group()
+    return group, group is not None and group.rank() != 0

@@ -12,20 +12,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-KV_BITS = (4, 8)
-KV_GROUP_SIZES = (32, 64)
-
-
-def check_kv_quant(bits: int | None, group_size: int, head_dim: int | None = None) -> None:
-    """Raise `ValueError` unless `bits`/`group_size` name a supported quantized cache."""
-    if bits is None:
-        return
-    if bits not in KV_BITS:
-        raise ValueError(f"kv_bits must be one of {KV_BITS} (or None for a float cache), got {bits}")
-    if group_size not in KV_GROUP_SIZES:
-        raise ValueError(f"kv_group_size must be one of {KV_GROUP_SIZES}, got {group_size}")
-    if head_dim is not None and head_dim % group_size:
-        raise ValueError(f"head_dim {head_dim} is not a multiple of kv_group_size {group_size}")
+# The supported formats are config's (it validates them with no MLX); re-exported for the kernels.
+from ..config import KV_BITS, KV_GROUP_SIZES, check_kv_quant  # noqa: F401
 
 
 def row_bytes(head_dim: int, bits: int | None, group_size: int, dtype: mx.Dtype) -> int:
