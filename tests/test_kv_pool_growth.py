@@ -14,33 +14,39 @@ from reference import contiguous_generate
 
 
 class Recorder:
-    def __init__(self):
-        self.calls = []
+    """The resizes a pool reports (`take_resize`), collected after each call as the engine does."""
 
-    def __call__(self, n, copies):
-        self.calls.append((n, list(copies)))
+    def __init__(self, pool):
+        self.pool, self.calls = pool, []
+
+    def __call__(self, result=None):
+        if (r := self.pool.take_resize()) is not None:
+            self.calls.append((r[0], list(r[1])))
+        return result
 
 
 def test_pool_grows_a_chunk_at_a_time_up_to_the_cap():
-    pool, rec = BlockPool(2), Recorder()
-    pool.enable_growth(7, 2, rec)
+    pool = BlockPool(2)
+    rec = Recorder(pool)
+    pool.enable_growth(7, 2)
     assert pool.num_free == 7  # what allocations can take, growth included
-    got = [pool.allocate() for _ in range(7)]
+    got = [rec(pool.allocate()) for _ in range(7)]
     assert [b.block_id for b in got] == list(range(7))
     assert rec.calls == [(4, []), (6, []), (7, [])]  # the last chunk stops at the cap
-    assert pool.allocate() is None and pool.num_free == 0
+    assert rec(pool.allocate()) is None and pool.num_free == 0 and len(rec.calls) == 3
     pool.check()
 
 
 def test_trim_keeps_the_most_recent_cached_blocks_and_copies_them_down():
-    pool, rec = BlockPool(2), Recorder()
-    pool.enable_growth(8, 2, rec)
-    blocks = [pool.allocate() for _ in range(6)]
+    pool = BlockPool(2)
+    rec = Recorder(pool)
+    pool.enable_growth(8, 2)
+    blocks = [rec(pool.allocate()) for _ in range(6)]
     for b in blocks:
         pool.cache(b, bytes([b.block_id]), (b.block_id,))
     for i in (0, 1, 2, 3, 5, 4):  # 5 then 4 released last: the two most recently used
         pool.release(blocks[i])
-    assert pool.trim() == 4
+    assert rec(pool.trim()) == 4
     assert pool.num_blocks == 2 and len(pool.blocks) == 2
     n, copies = rec.calls[-1]
     assert n == 2 and sorted(src for src, _ in copies) == [4, 5] and sorted(d for _, d in copies) == [0, 1]
@@ -56,8 +62,8 @@ def test_trim_keeps_the_most_recent_cached_blocks_and_copies_them_down():
 
 
 def test_trim_waits_while_any_block_is_in_use():
-    pool, rec = BlockPool(2), Recorder()
-    pool.enable_growth(8, 2, rec)
+    pool = BlockPool(2)
+    pool.enable_growth(8, 2)
     blocks = [pool.allocate() for _ in range(5)]
     for b in blocks[1:]:
         pool.release(b)

@@ -8,16 +8,19 @@ Invariants (checked by `BlockPool.check()` and the property tests):
 - a block with a `block_hash` is full and holds exactly `token_ids`; it may be free and still
   cached ("evictable"): the free queue is then also the LRU order of eviction;
 - `cached[h]` is the one block registered under hash `h`, and that block's `block_hash == h`.
+
+A growable pool (`enable_growth`) changes only its own bookkeeping when it grows or trims: it
+calls nothing above it. The device pools follow through `take_resize`, which the scheduler
+reports in each step's output and the engine applies before that step touches a block.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 
-# (new number of blocks, (src, dst) block copies to apply first): resizes the KV pools to match.
-ResizeFn = Callable[[int, list[tuple[int, int]]], None]
+# (new number of blocks, (src, dst) block copies to apply first): what the KV pools must do to match.
+Resize = tuple[int, list[tuple[int, int]]]
 
 
 @dataclass(eq=False)
@@ -49,7 +52,8 @@ class BlockPool:
         self.max_blocks = num_blocks
         self.min_blocks = num_blocks
         self.chunk_blocks = 0
-        self._resize: ResizeFn | None = None
+        self._device_blocks = num_blocks  # the size the device pools were last told (take_resize)
+        self._copies: list[tuple[int, int]] = []  # block copies (trim) the device pools have not made yet
 
     @property
     def num_free(self) -> int:
@@ -58,23 +62,26 @@ class BlockPool:
         return len(self.free_queue) + self.max_blocks - self.num_blocks
 
     # -- growth -------------------------------------------------------------------------------
-    def enable_growth(self, max_blocks: int, chunk_blocks: int, resize: ResizeFn) -> None:
+    def enable_growth(self, max_blocks: int, chunk_blocks: int) -> None:
         """Let the pool grow `chunk_blocks` at a time up to `max_blocks` when `allocate()` finds no
-        free block, and `trim()` back to its present size; `resize` makes the KV pools match."""
+        free block, and `trim()` back to its present size (the device pools follow: `take_resize`)."""
         if max_blocks < self.num_blocks or chunk_blocks < 1:
             raise ValueError(f"cannot grow {self.num_blocks} blocks to {max_blocks} by {chunk_blocks}")
-        self.max_blocks, self.min_blocks, self.chunk_blocks, self._resize = (
-            max_blocks,
-            self.num_blocks,
-            chunk_blocks,
-            resize,
-        )
+        self.max_blocks, self.min_blocks, self.chunk_blocks = max_blocks, self.num_blocks, chunk_blocks
+
+    def take_resize(self) -> Resize | None:
+        """What the device pools must do to match this pool since the last call (copy the blocks a
+        trim moved down, then take the new size), or None when nothing changed."""
+        if self.num_blocks == self._device_blocks and not self._copies:
+            return None
+        out = (self.num_blocks, self._copies)
+        self._device_blocks, self._copies = self.num_blocks, []
+        return out
 
     def _grow(self) -> bool:
         new = min(self.max_blocks, self.num_blocks + self.chunk_blocks)
-        if new <= self.num_blocks or self._resize is None:
+        if new <= self.num_blocks or not self.chunk_blocks:
             return False
-        self._resize(new, [])
         fresh = [Block(i) for i in range(self.num_blocks, new)]
         self.blocks += fresh
         self.free_queue.update((b.block_id, b) for b in fresh)
@@ -87,7 +94,7 @@ class BlockPool:
         blocks that fit in the starting size and evicting the rest. Kept blocks above the new size
         are copied down (their ids change, which is safe: no sequence holds any block). Returns
         the blocks given back; 0 when some block is in use or there is nothing to give back."""
-        if self._resize is None or self.num_used or self.num_blocks <= self.min_blocks:
+        if not self.chunk_blocks or self.num_used or self.num_blocks <= self.min_blocks:
             return 0
         cached = [b for b in self.free_queue.values() if b.block_hash is not None]  # LRU order
         for b in cached[: max(0, len(cached) - self.min_blocks)]:
@@ -106,7 +113,7 @@ class BlockPool:
         moved = {s: d for s, d in copies}
         order = [self.blocks[moved.get(b.block_id, b.block_id)] for b in kept]  # kept is in LRU order
         uncached = [b for b in self.blocks[:new] if b.block_hash is None]
-        self._resize(new, copies)
+        self._copies += copies  # the device pools copy them before they shrink (take_resize)
         given = self.num_blocks - new
         self.blocks = self.blocks[:new]
         # Never-cached blocks first (lowest id first), then the kept cached ones in LRU order.

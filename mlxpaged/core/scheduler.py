@@ -32,6 +32,7 @@ from typing import Protocol
 
 from ..config import EngineConfig
 from .block_manager import BlockManager
+from .block_pool import Resize
 from .sequence import FinishReason, PendingToken, Request, RequestStatus, Sequence
 from .spec_policy import SpecState
 
@@ -80,6 +81,8 @@ class SchedulerOutput:
     loads: list[tuple[bytes, int]] = field(default_factory=list)
     spec: list[SpecDecode] = field(default_factory=list)
     read_back_now: bool = False  # a sequence may speculate next step: it needs this step's tokens first
+    # The pool grew while this step was scheduled: the device pools take its size before the step runs.
+    resize: Resize | None = None
 
     @property
     def block_copies(self) -> list[tuple[int, int]]:
@@ -169,6 +172,7 @@ class Scheduler:
             self._admit(req, out)
             budget = self._schedule_prefill(req, budget, out)
         out.read_back_now = spec_on and (bool(out.spec) or self._may_speculate_next(out))
+        out.resize = self.bm.pool.take_resize()
         return out
 
     # -- speculative decoding ------------------------------------------------------------------

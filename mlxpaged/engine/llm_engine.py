@@ -135,7 +135,7 @@ class LLMEngine:
             else None
         )
         if growth:
-            self.block_manager.pool.enable_growth(growth[1], growth[2], self._resize_pools)
+            self.block_manager.pool.enable_growth(growth[1], growth[2])
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.attention_impl)
         self._check_kernels()
         self.prefix_store = self._open_prefix_store() if config.prefix_cache_dir else None
@@ -264,7 +264,11 @@ class LLMEngine:
         """Give an idle engine's unneeded KV blocks back (`BlockPool.trim`); returns how many."""
         if self.has_unfinished_requests():
             return 0
-        return self.block_manager.pool.trim()
+        pool = self.block_manager.pool
+        given = pool.trim()
+        if resize := pool.take_resize():
+            self._resize_pools(*resize)
+        return given
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(
@@ -372,6 +376,8 @@ class LLMEngine:
         self._carried = []
         prev, self._inflight = self._inflight, None
         out = self.scheduler.schedule()
+        if out.resize:  # the pool grew while scheduling: the device pools follow before any block is touched
+            self._resize_pools(*out.resize)
         if out.loads:  # even if the step is empty: those blocks are cached under their hash now
             self._load_blocks(out.loads)
         if out.empty:
