@@ -13,6 +13,8 @@ Stopping and scoring, as Hugging Face transformers' `early_stopping=True`: the r
 when W hypotheses are finished, or when the beams reach `max_tokens`, in which case the live
 beams become hypotheses too. A hypothesis scores `cumulative_logprob / L ** length_penalty`,
 L its generated tokens not counting a final EOS (at least 1); only the W best are kept.
+
+The ranking is policy only (`beam_step`); `BeamLayer` joins it to the step pipeline.
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from .step import StepLayer
+
 if TYPE_CHECKING:
     from ..core.sequence import Sequence
+    from .step import LaunchedStep
 
 
 @dataclass
@@ -138,3 +143,27 @@ def beam_step(state: BeamState, live: list[Sequence], logits: mx.array, is_eos: 
                 )
             )
     return BeamStep(next_beams, state.done or not next_beams or at_max, len(next_beams) + len(ended))
+
+
+class BeamLayer(StepLayer):
+    """The step's beam-search rows, once read back: each request ranks its beams' continuations
+    (`beam_step`) and the scheduler forks, drops and reorders its beams (`update_beams`)."""
+
+    def __init__(self, scheduler, stats, is_eos: Callable[[int], bool]):
+        self.scheduler, self.stats, self.is_eos = scheduler, stats, is_eos
+
+    def read_back(self, step: LaunchedStep) -> list:
+        beams: dict = {}
+        for r in step.beam_rows:
+            beams.setdefault(r.request, {}).update({s: r.row for s in r.seqs})
+        progressed = []
+        for req, seq_rows in beams.items():
+            if req.finished:
+                continue
+            live = req.live_seqs()
+            assert set(seq_rows) == set(live), "every live beam computes its logits in the same step"
+            decided = beam_step(req.beam, live, step.logits[mx.array([seq_rows[s] for s in live])], self.is_eos)
+            self.scheduler.update_beams(req, live, decided)
+            self.stats.generation_tokens += decided.num_tokens
+            progressed.append(req)
+        return progressed

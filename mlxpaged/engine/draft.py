@@ -33,6 +33,7 @@ from ..core.sequence import Sequence
 from ..errors import MlxPagedError
 from ..worker.kv_cache import CacheShape, PagedKVCache
 from ..worker.model_runner import ModelRunner
+from .step import StepLayer
 
 PROPOSED_LATER = -1  # a placeholder the scheduler reserves a slot for; `DraftProposer.propose` fills it
 
@@ -68,9 +69,11 @@ def check_draft(target, draft) -> None:
         )
 
 
-class DraftProposer:
+class DraftProposer(StepLayer):
     """Owns the draft model and its pool `[num_blocks, kv_heads, block_size, head_dim]` per layer,
-    whose block ids are the target pool's (same `num_blocks` and `block_size` at all times)."""
+    whose block ids are the target pool's (same `num_blocks` and `block_size` at all times: the
+    pool follows every resize of the target's). As a step layer it fills the proposals of the
+    step's speculating rows before the forward pass."""
 
     def __init__(self, draft, target, num_blocks: int, block_size: int, attention_impl: str = "auto"):
         check_draft(target, draft)
@@ -84,6 +87,16 @@ class DraftProposer:
 
     def resize(self, num_blocks: int, copies: list[tuple[int, int]] = ()) -> None:
         self.kv_cache.resize(num_blocks, copies)
+
+    def check_kernels(self) -> None:
+        from ..attention.metal import check_family
+
+        args = self.loaded.model.args
+        check_family(args.num_attention_heads // args.num_key_value_heads, self.kv_cache.keys[0])
+
+    def before_forward(self, out) -> None:
+        if out.spec:
+            self.propose(out.spec)  # fills the placeholders the scheduler reserved
 
     def propose(self, specs: list[SpecDecode]) -> None:
         """Fill each row's `proposal` (placeholders, `len` = K of that row) with the draft's greedy

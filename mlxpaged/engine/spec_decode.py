@@ -25,8 +25,17 @@ rank makes the same ones.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import mlx.core as mx
 import numpy as np
+
+from .step import StepLayer
+
+if TYPE_CHECKING:
+    from ..core.scheduler import Scheduler, SchedulerOutput, SpecDecode
+    from ..core.sequence import Request
+    from .step import LaunchedStep
 
 
 class NgramProposer:
@@ -88,3 +97,64 @@ def key_chain(keys: mx.array, length: int) -> list[mx.array]:
     for _ in range(length - 1):
         chain.append(_split_rows(chain[-1])[:, 0])
     return chain
+
+
+# -- the layer: speculating rows in the step's draws, and their verification -----------------------
+def spec_rows(out: SchedulerOutput, index: list[int]) -> list[tuple[SpecDecode, int]]:
+    """Add the logits rows of each speculating row's K+1 positions to `index` (they follow the
+    other rows: the runner's `logits_indices` gives every position of such a row). Returns each
+    row with the index of its first draw; nothing for a step without speculating rows."""
+    row = len(out.decodes) + len(out.prefills)
+    rows = []
+    for d in out.spec:
+        rows.append((d, len(index)))
+        index.extend(range(row, row + 1 + len(d.proposal)))
+        row += 1 + len(d.proposal)
+    return rows
+
+
+def spec_draws(spec: list[tuple[SpecDecode, int]], params: list, keys: list) -> None:
+    """Append the params and keys of the speculating rows' draws: position i of a row draws with
+    key_i of its sequence's chain (`key_chain`), as plain decoding would."""
+    sampled = [d for d, _ in spec if not d.request.params.greedy]
+    chain_of = {}
+    if sampled:
+        chain = key_chain(mx.stack([d.seq.rng_key for d in sampled]), 1 + max(len(d.proposal) for d in sampled))
+        chain_of = {id(d): j for j, d in enumerate(sampled)}
+    for d, _ in spec:
+        for i in range(1 + len(d.proposal)):
+            params.append(d.request.params)
+            keys.append((chain[i], chain_of[id(d)]) if id(d) in chain_of else None)
+
+
+class Verifier(StepLayer):
+    """After the read-back, accept each speculating row's proposals against its K+1 target draws;
+    the scheduler appends the accepted tokens and rolls back the rest (`update_from_spec`)."""
+
+    def __init__(self, scheduler: Scheduler, stats, check_stop):
+        self.scheduler, self.stats, self.check_stop = scheduler, stats, check_stop
+
+    def read_back(self, step: LaunchedStep) -> list[Request]:
+        if not step.spec:
+            return []
+        s, toks, logprobs = step.sampled, step.tokens, step.logprobs
+        key_row = {i: j for j, i in enumerate(s.sampled)}
+        progressed = []
+        for d, r0 in step.spec:
+            k = len(d.proposal)
+            tokens = verified_tokens(d.proposal, toks[r0 : r0 + k + 1])
+            a = len(tokens) - 1
+            last = r0 + a  # the draw of the last appended token left the sequence's next key
+            key = s.keys[key_row[last]] if last in key_row else None
+            n = self.scheduler.update_from_spec(
+                d.request, d.seq, d, tokens, logprobs[r0 : last + 1], key, self.check_stop
+            )
+            st = self.stats
+            st.spec_proposed_tokens += k
+            st.spec_accepted_tokens += a
+            st.spec_verifications += 1
+            st.generation_tokens += n
+            st.decode_tokens += n
+            if n:
+                progressed.append(d.request)
+        return progressed
