@@ -329,3 +329,52 @@ def test_bench_step_runs_and_rejects_bad_input():
         [sys.executable, script, "--tiny", "--seqs", "1,x"], capture_output=True, text=True, timeout=300
     )
     assert bad.returncode != 0 and "--seqs" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_layer_joins_every_stage_of_the_step(tiny_loaded, mlx_lm_tiny):
+    """A feature is a `StepLayer` the engine calls at each stage (engine/step.py), with no branch in
+    `step()`: a recording layer sees every launched step go scheduled -> before_forward ->
+    committed -> read_back, never more than one step in flight, and in `read_back` exactly the
+    tokens the requests report, which are mlx-lm's."""
+    from mlxpaged.engine.step import StepLayer
+
+    ref_model, _ = mlx_lm_tiny
+    events, seen = [], {}
+
+    class Recorder(StepLayer):
+        def scheduled(self, out):
+            events.append(("scheduled", out))
+
+        def before_forward(self, out):
+            events.append(("before_forward", out))
+
+        def committed(self, step):
+            events.append(("committed", step.out))
+
+        def read_back(self, step):
+            events.append(("read_back", step.out))
+            for (req, _seq), tok in zip(step.pairs, step.tokens):
+                seen.setdefault(req.request_id, []).append(tok)
+            return []
+
+    engine = engine_for(tiny_loaded, True)
+    engine.layers.append(Recorder())
+    prompts = [prompt(i) for i in range(3)]
+    for i, p in enumerate(prompts):
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True), request_id=str(i))
+    done = run_all(engine)
+    for i, p in enumerate(prompts):
+        assert seen[str(i)] == done[str(i)].outputs[0].token_ids == contiguous_generate(ref_model, p, 7)
+    launched = [o for k, o in events if k == "before_forward"]
+    assert len(launched) >= 7
+    for o in launched:
+        stages = [k for k, x in events if x is o]  # the objects stay alive in `events`: no id reuse
+        assert stages == ["scheduled", "before_forward", "committed", "read_back"], stages
+    in_flight = 0
+    for k, _ in events:
+        in_flight += {"before_forward": 1, "read_back": -1}.get(k, 0)
+        assert 0 <= in_flight <= 2
+    assert in_flight == 0
+    # overlapped: some step is read back only after the next one was launched
+    order = [k for k, _ in events if k in ("before_forward", "read_back")]
+    assert "before_forward" in [order[i + 1] for i, k in enumerate(order[:-1]) if k == "before_forward"]

@@ -34,7 +34,7 @@ from ..config import EngineConfig
 from .block_manager import BlockManager
 from .block_pool import Resize
 from .sequence import FinishReason, PendingToken, Request, RequestStatus, Sequence
-from .spec_policy import SpecState
+from .spec_policy import SpecDecode, SpecPolicy
 
 
 class NextBeam(Protocol):
@@ -62,15 +62,6 @@ class PrefillChunk:
 
 
 @dataclass
-class SpecDecode:
-    """A speculating decode: `seq`'s last token plus `proposal`, verified in one varlen row."""
-
-    request: Request
-    seq: Sequence
-    proposal: list[int]
-
-
-@dataclass
 class SchedulerOutput:
     prefills: list[PrefillChunk] = field(default_factory=list)
     decodes: list[tuple[Request, Sequence]] = field(default_factory=list)
@@ -87,6 +78,12 @@ class SchedulerOutput:
     @property
     def block_copies(self) -> list[tuple[int, int]]:
         return [(src, dst) for _, src, dst in self.copies]
+
+    @property
+    def num_decode_tokens(self) -> int:
+        """Tokens the decodes compute: one each, plus a speculating row's proposals (vLLM's
+        `num_tokens_with_spec` less what is computed): speculation is just more scheduled tokens."""
+        return len(self.decodes) + sum(1 + len(d.proposal) for d in self.spec)
 
     @property
     def empty(self) -> bool:
@@ -125,7 +122,7 @@ class Scheduler:
     ):
         self.config = config
         self.bm = block_manager
-        self.proposer = proposer  # speculative decoding: (token_ids, k) -> up to k proposed tokens
+        self.spec = SpecPolicy(config, block_manager, proposer)
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}  # admission order (dicts keep insertion order)
         self.num_preemptions = 0
@@ -135,6 +132,15 @@ class Scheduler:
         self.num_beam_frees = 0
         self._num_running_seqs = 0  # live samples of running requests
         self._headroom_blocks = int(config.watermark * block_manager.pool.max_blocks)
+
+    @property
+    def proposer(self) -> Callable[[list[int], int], list[int]] | None:
+        """Speculative decoding's proposer, (token_ids, k) -> up to k tokens; None: no speculation."""
+        return self.spec.proposer
+
+    @proposer.setter
+    def proposer(self, fn) -> None:
+        self.spec.proposer = fn
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -146,17 +152,17 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        spec_on = self._spec_on()
+        speculate = self.spec.active(self._num_running_seqs)
         for req in list(self.running.values()):
             if req.status is RequestStatus.RUNNING and req.prompt_prefilled:
                 for seq in req.live_seqs():
                     if seq.num_uncomputed == 1 and not self._ends_with_pending(req, seq):
-                        if spec_on and self._schedule_spec(req, seq, out):
-                            continue
+                        if speculate and self.spec.schedule(req, seq, out):
+                            continue  # a decode with its proposals: 1 + K scheduled tokens
                         if not self._allocate_or_preempt(req, seq, 1, out):
                             break
                         out.decodes.append((req, seq))
-        budget = self.config.max_num_batched_tokens - len(out.decodes) - sum(1 + len(d.proposal) for d in out.spec)
+        budget = self.config.max_num_batched_tokens - out.num_decode_tokens
         for req in list(self.running.values()):
             if budget <= 0:
                 break
@@ -171,72 +177,11 @@ class Scheduler:
             req = self.waiting.popleft()
             self._admit(req, out)
             budget = self._schedule_prefill(req, budget, out)
-        out.read_back_now = spec_on and (bool(out.spec) or self._may_speculate_next(out))
+        out.read_back_now = speculate and self.spec.needs_read_back(out)
         out.resize = self.bm.pool.take_resize()
         return out
 
-    # -- speculative decoding ------------------------------------------------------------------
-    def _spec_on(self) -> bool:
-        """Speculation runs while the batch is small enough for the step to be bandwidth-bound."""
-        return self.proposer is not None and self._num_running_seqs <= self.config.speculative_max_batch_size
-
-    @staticmethod
-    def _speculates(req: Request, seq: Sequence) -> bool:
-        """Beam searches and requests that opt out do not speculate; nor do rows whose logits are
-        processed with their own history or grammar (penalties, logit_bias, min_p, guided): their
-        K+1 positions would each need the proposals before them as generated tokens."""
-        p = req.params
-        return (
-            req.beam is None
-            and p.speculative
-            and not p.has_penalties
-            and not p.logit_bias
-            and p.min_p == 0
-            and p.guided is None
-        )
-
-    def _schedule_spec(self, req: Request, seq: Sequence, out: SchedulerOutput) -> bool:
-        """Schedule `seq`'s decode as a speculating row if it has proposals and the pool has room
-        for them (speculation never preempts); False leaves it to the plain decode."""
-        if not self._speculates(req, seq):
-            return False
-        if seq.spec is None:
-            seq.spec = SpecState(self.config.num_speculative_tokens)
-        st = seq.spec
-        if st.skip:
-            st.skip -= 1
-            if st.unmatched and self.proposer(seq.token_ids, 1):
-                st.skip = 0  # a match among the known tokens: read this step back and speculate next
-            return False
-        if seq.pending is not None:
-            return False  # its value is on the device: nothing to look up yet (the next step will be read back)
-        # One slot past `blocks_for_request` at most: the step yields up to k + 1 tokens.
-        used = len(out.decodes) + sum(1 + len(d.proposal) for d in out.spec)
-        k = min(st.k, req.params.max_tokens - seq.num_output_tokens - 1, self.config.max_num_batched_tokens - used - 1)
-        proposal = self.proposer(seq.token_ids, k) if k > 0 else []
-        if not proposal:
-            if k > 0:
-                st.miss(unmatched=True)
-            return False
-        copies = self.bm.allocate_slots(seq, 1 + len(proposal))
-        if copies is None:
-            return False
-        out.copies.extend((seq, s, d) for s, d in copies)
-        out.spec.append(SpecDecode(req, seq, proposal))
-        return True
-
-    def _may_speculate_next(self, out: SchedulerOutput) -> bool:
-        """Whether a sequence computed in `out` may speculate in the next step, which then needs
-        this step's tokens before it is scheduled (the engine reads the step back at once)."""
-        reqs = (
-            [r for r, _ in out.decodes] + [d.request for d in out.spec] + [c.request for c in out.prefills if c.sample]
-        )
-        return any(
-            self._speculates(r, s) and (s.spec is None or s.spec.skip == 0)
-            for r in dict.fromkeys(reqs)
-            for s in r.live_seqs()
-        )
-
+    # -- speculative decoding: the scheduler's side is core/spec_policy.py -------------------------
     def update_from_spec(
         self,
         req: Request,
