@@ -103,6 +103,11 @@ class BlockManager:
         """
         if num_new_tokens < 0:
             raise ValueError("num_new_tokens must be >= 0")
+        table, computed = seq.block_table, seq.num_computed_tokens
+        if computed + num_new_tokens <= len(table) * self.block_size and (
+            not computed % self.block_size or table[-1].ref_cnt == 1
+        ):
+            return []  # the usual decode: room in its own last block (what the general path finds, cheaper)
         if self.blocks_needed(seq, num_new_tokens) > self.pool.num_free:
             return None
         copies = []

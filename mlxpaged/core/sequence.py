@@ -173,7 +173,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
+        return all(s.finish_reason is not None for s in self.seqs)
 
     @property
     def carrier(self) -> Sequence:
@@ -190,4 +190,5 @@ class Request:
         return self.num_prompt_tokens if len(live) > 1 else live[0].num_tokens
 
     def live_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if not s.finished]
+        """The unfinished samples, in order (a new list: callers may change `seqs` meanwhile)."""
+        return [s for s in self.seqs if s.finish_reason is None]

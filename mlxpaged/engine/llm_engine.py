@@ -552,10 +552,15 @@ class LLMEngine:
 
     def _track_peaks(self) -> None:
         st = self.stats
-        running = [s for r in self.scheduler.running.values() for s in r.live_seqs()]
+        num_seqs = num_blocks = 0
+        for r in self.scheduler.running.values():
+            for s in r.seqs:
+                if s.finish_reason is None:
+                    num_seqs += 1
+                    num_blocks += len(s.block_table)
         st.blocks_in_use_peak = max(st.blocks_in_use_peak, self.block_manager.pool.num_used)
-        st.blocks_without_sharing_peak = max(st.blocks_without_sharing_peak, sum(len(s.block_table) for s in running))
-        st.running_seqs_peak = max(st.running_seqs_peak, len(running))
+        st.blocks_without_sharing_peak = max(st.blocks_without_sharing_peak, num_blocks)
+        st.running_seqs_peak = max(st.running_seqs_peak, num_seqs)
 
     def _finish_or_report(self, req: Request) -> RequestOutput:
         if req.finished:
