@@ -152,6 +152,9 @@ class BeamLayer(StepLayer):
     def __init__(self, scheduler, stats, is_eos: Callable[[int], bool]):
         self.scheduler, self.stats, self.is_eos = scheduler, stats, is_eos
 
+    def reads_at_once(self, step: LaunchedStep) -> bool:
+        return bool(step.beam_rows)  # beams fork and drop on the values before the next schedule
+
     def read_back(self, step: LaunchedStep) -> list:
         beams: dict = {}
         for r in step.beam_rows:

@@ -14,27 +14,6 @@ import click
 from ..config import EngineConfig
 from ..errors import MlxPagedError
 
-# Flag (python name) -> EngineConfig field; what `engine_config` takes out of a command's kwargs.
-ENGINE_FIELDS = {
-    "block_size": "block_size",
-    "num_blocks": "num_blocks",
-    "max_num_seqs": "max_num_seqs",
-    "max_num_batched_tokens": "max_num_batched_tokens",
-    "prefix_caching": "enable_prefix_caching",
-    "attention_impl": "attention_impl",
-    "kv_bits": "kv_bits",
-    "kv_group_size": "kv_group_size",
-    "async_scheduling": "async_scheduling",
-    "prefix_cache_dir": "prefix_cache_dir",
-    "prefix_cache_disk_gb": "prefix_cache_disk_gb",
-    "speculative": "speculative",
-    "num_speculative_tokens": "num_speculative_tokens",
-    "prompt_lookup_min": "prompt_lookup_min",
-    "prompt_lookup_max": "prompt_lookup_max",
-    "speculative_max_batch_size": "speculative_max_batch_size",
-    "draft_model": "draft_model",
-}
-
 
 def model_and_engine_options(num_blocks_help: str):
     """Decorator adding --model, --dtype, --weights and the engine flags to a click command;
@@ -158,6 +137,23 @@ def model_and_engine_options(num_blocks_help: str):
         return f
 
     return wrap
+
+
+# A flag whose python name is not its EngineConfig field's; every other engine flag is named as its field.
+RENAMED = {"prefix_caching": "enable_prefix_caching"}
+MODEL_FLAGS = ("model", "dtype", "weights")
+
+
+@model_and_engine_options("")
+def _declared(**kwargs):
+    """Never called: the options above, applied once to read their names."""
+
+
+# Flag (python name) -> EngineConfig field: what `engine_config` takes out of a command's kwargs,
+# read off the declarations themselves (no second list to keep in step).
+ENGINE_FIELDS = {
+    p.name: RENAMED.get(p.name, p.name) for p in reversed(_declared.__click_params__) if p.name not in MODEL_FLAGS
+}
 
 
 def engine_config(kwargs: dict) -> EngineConfig:

@@ -4,7 +4,10 @@ Wiring, all explicit: `Scheduler` (who runs, and the one owner of the block tabl
 request's state, through `BlockManager`) -> `ModelRunner` (the forward pass over `PagedKVCache`)
 -> `sampler` (which token) -> `Scheduler.update_from_output` (appends, with `output.StopChecker`
 deciding stops and detokenizing) -> `output.make_output`. The engine never changes a block table
-or a sequence itself: it launches steps, reads them back and reports.
+or a sequence itself: it launches steps, reads them back and reports. `step()` is the same five
+stages for every step (schedule, launch, commit, read back, report); each feature beyond them (the
+draft model, verifying speculation, beam search, the disk tier) is a `StepLayer` (step.py)
+registered in `__init__` and called at each stage, so the step itself names none.
 
 Overlapped steps (`EngineConfig.async_scheduling`, on by default), as mlx-lm's generate loop:
 one `step()` call schedules step t+1, builds its inputs and its sampling graph and launches it
@@ -373,8 +376,10 @@ class LLMEngine:
 
     def _overlaps(self, step: LaunchedStep) -> bool:
         """Whether `step` stays in flight while the next is scheduled: not when its values decide
-        the next schedule (beams fork on them; a row may speculate on them, `read_back_now`)."""
-        return self.config.async_scheduling and not step.beam_rows and not step.out.read_back_now
+        the next schedule (a row may speculate on them, `read_back_now`; a layer's, e.g. beams)."""
+        if not self.config.async_scheduling or step.out.read_back_now:
+            return False
+        return not any(layer.reads_at_once(step) for layer in self.layers)
 
     def _draw_guided(self, step: LaunchedStep) -> None:
         """Guided rows draw once the step before is read back: their masks needed its tokens."""

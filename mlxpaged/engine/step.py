@@ -60,8 +60,9 @@ class StepLayer:
 
     Invariant: a layer changes block tables and request state only through the scheduler (the
     one owner), and only at its stage: the step calls `scheduled` after `Scheduler.schedule`,
-    `before_forward` as the step is launched, `committed` after `update_from_forward`, and
-    `read_back` once the step's values are known (layers in registration order).
+    `before_forward` as the step is launched, `committed` after `update_from_forward` (then
+    `reads_at_once` decides whether the step may stay in flight), and `read_back` once the
+    step's values are known (layers in registration order).
     """
 
     def resize(self, num_blocks: int, copies: list[tuple[int, int]]) -> None:
@@ -78,6 +79,10 @@ class StepLayer:
 
     def committed(self, step: LaunchedStep) -> None:
         """The step's tokens are computed (block tables, hashes, forks recorded); it may be in flight."""
+
+    def reads_at_once(self, step: LaunchedStep) -> bool:
+        """Whether the step must be read back before the next is scheduled (its values decide it)."""
+        return False
 
     def read_back(self, step: LaunchedStep) -> list[Request]:
         """The step's values are known; returns the requests that progressed through this layer."""
