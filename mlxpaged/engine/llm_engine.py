@@ -464,7 +464,7 @@ class LLMEngine:
     ) -> SampleArrays:
         """The draws of `pairs[j]` from `logits_rows[j]`, then the K+1 draws of each speculating
         row (`spec`), one graph: grammar masks for the guided rows, token histories for the rows
-        with penalties (see sampler.py). Speculating rows have neither (`Scheduler._speculates`)."""
+        with penalties (see sampler.py). Speculating rows have neither (`SpecPolicy.speculates`)."""
         params = [r.params for r, _ in pairs]
         keys = [s.current_key() for _, s in pairs]
         spec_draws(spec, params, keys)
