@@ -209,7 +209,8 @@ def test_register_model_flags_launches_beyond_the_budget(monkeypatch):
             )[0]
         a = np.stack([xs[(np.arange(64) + i) % 64] for i in range(n)], 1)
         np.testing.assert_allclose(np.array(out), (a * a[:, ::-1]).sum(1), rtol=1e-4, atol=1e-4)
-        assert k.last_launch.registers == n  # one float array of N: N live 32-bit values
+        # one float array of N and the float s: N + 1 live 32-bit values; the spill budget is the array's
+        assert k.last_launch.registers == n + 1 and k.last_launch.array_registers == n
         flagged = [m for m in w if issubclass(m.category, RegisterBudgetWarning)]
         assert bool(flagged) == (n > 128) == k.last_launch.over_register_budget
     monkeypatch.setenv("MLXPAGED_EMU_REG_BUDGET", "8")
@@ -239,6 +240,27 @@ def test_register_model_counts_structs_holding_arrays():
     out = run(k, mx.arange(16, dtype=mx.float32), 1, 1, 1)
     assert float(out[0]) == 3.0
     assert k.last_launch.registers == 13 + 4  # sizeof(Acc<12>) / 4 + the index array
+
+
+def test_register_model_counts_scalars_not_constants():
+    """Scalars and vectors of built-in types count (a 64-bit one as 2, a bool as 1); constexpr
+    and constant values, loop counters and pointers do not."""
+    src = """
+    constexpr int K = 3;
+    const uint i = thread_position_in_grid.x;
+    float s = x[i];
+    size_t off = (size_t)i * K;
+    float4 v = float4(s, s, s, s);
+    bool odd = (i & 1) != 0;
+    device const float* p = x + off;
+    for (int j = 0; j < K; j++) { s += p[j] + v[j]; }
+    out[i] = odd ? s : -s;
+    """
+    k = metal_kernel(name="regscalars", input_names=["x"], output_names=["out"], source=src)
+    out = run(k, mx.arange(16, dtype=mx.float32), 1, 1, 1)
+    assert float(out[0]) == -(0 + 1 + 2)  # -(x[0] + x[1] + x[2])
+    st = k.last_launch
+    assert st.registers == st.scalar_registers == 1 + 1 + 2 + 4 + 1  # i, s, off, v, odd
 
 
 def test_cost_model_counts_exp_simd_and_loads():

@@ -85,14 +85,41 @@ def test_head_splits_compute_the_same(emulated, monkeypatch, lanes):
     np.testing.assert_allclose(np.array(out), np.array(ref), atol=2e-5, rtol=2e-4)
 
 
-def test_every_varlen_plan_fits_the_register_file():
-    for hd in (32, 64, 96, 128, 160, 192, 224, 256):
-        for g in (1, 2, 4, 7, 8, 16, 32):
-            for quant in (None, (4, 32), (8, 64)):
-                if quant and hd % quant[1]:
+# Every plan the planner can make: each shape the engine accepts (`metal.shape_supported`), both
+# element sizes, float and every quantized cache, and the lanes kernel forced where MMA would run.
+def _every_plan():
+    for hd in range(32, 257, 32):
+        for bs in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            for g in range(1, 129):
+                if not metal.shape_supported(hd, bs, g):
                     continue
-                p = mv.launch_plan(hd, 16, g, 2, quant)
-                assert p.register_file_bytes <= mv.REGISTER_FILE_BYTES, p
+                for size in (2, 4):
+                    yield mv.plan(hd, bs, g, size, mma=False)
+                    for quant in (None, (4, 32), (4, 64), (8, 32), (8, 64)):
+                        if quant is None or metal.quant_supported(hd, *quant):
+                            yield mv.launch_plan(hd, bs, g, size, quant)
+
+
+def test_every_varlen_plan_launches_on_every_mac():
+    """At most 256 threads per threadgroup (what every Mac's pipelines allow: MLX refuses a launch
+    over a pipeline's maxTotalThreadsPerThreadgroup, 896 on an M2 Ultra in mlx-vlm#1799), registers
+    within one core's register file, arrays within the spill budget, threadgroup memory within
+    32 KB; every query row has a lane group, and each query head a threadgroup."""
+    n = 0
+    for p in _every_plan():
+        n += 1
+        assert 32 * p.simdgroups <= 256, p
+        assert 4 * 32 * p.simdgroups * p.registers <= 208 * 1024, p
+        assert p.array_registers <= 128, p
+        itemsize = 4 if p.mma else 2
+        assert mv.threadgroup_bytes(p, itemsize) <= 32768, p
+        gh = -(-p.group // p.head_splits)
+        assert gh * p.head_splits >= p.group and (gh - 1) * p.head_splits < p.group, p
+        if p.mma:
+            assert p.simdgroups * 8 == mv.TILE_TOKENS * gh, p
+        else:
+            assert 32 * p.simdgroups // p.lanes_per_row * p.rows_per_group >= mv.TILE_TOKENS * gh, p
+    assert n > 30000
 
 
 LOCALS = """
@@ -105,16 +132,33 @@ out[i] = s;
 """
 
 
-def test_emulator_refuses_a_launch_past_the_register_file():
+def test_emulator_refuses_a_launch_past_the_register_file(monkeypatch):
+    monkeypatch.setenv("MLXPAGED_EMU_MAX_THREADS", "1024")  # the thread cap is tested below
     k = emu.metal_kernel(name="regfile", input_names=["a"], output_names=["out"], source=LOCALS)
     a = mx.zeros((1024,), dtype=mx.float32)
     call = dict(inputs=[a], grid=(1024, 1, 1), output_shapes=[(1024,)], output_dtypes=[mx.float32])
-    # 512 threads x 64 registers x 4 bytes = 128 KB: runs.
+    # 512 threads x 66 registers (the array, i and s) x 4 bytes = 132 KB: runs.
     out = k(threadgroup=(512, 1, 1), **call)[0]
     assert float(out[0]) == sum(range(64))
-    # 1,024 threads: 256 KB, over the 208 KB of an Apple7/8 core.
-    with pytest.raises(emu.MetalEmuError, match=r"launch refused: 1024 threads .* 64 registers"):
+    assert k.last_launch.registers == 66 and k.last_launch.scalar_registers == 2
+    # 1,024 threads: 264 KB, over the 208 KB of an Apple7/8 core.
+    with pytest.raises(emu.MetalEmuError, match=r"launch refused: 1024 threads .* 66 registers"):
         k(threadgroup=(1024, 1, 1), **call)
+
+
+def test_emulator_refuses_a_threadgroup_over_256_threads():
+    """A tiny kernel (1 register) still may not launch 257 threads: the cap is MLX's pipeline
+    limit, not the register file."""
+    k = emu.metal_kernel(
+        name="cap", input_names=["a"], output_names=["out"], source="out[thread_position_in_grid.x] = a[0];"
+    )
+    a = mx.ones((1,), dtype=mx.float32)
+    call = dict(inputs=[a], grid=(512, 1, 1), output_shapes=[(512,)], output_dtypes=[mx.float32])
+    assert float(k(threadgroup=(256, 1, 1), **call)[0][511]) == 1.0
+    with pytest.raises(emu.MetalEmuError, match=r"launch refused: a threadgroup of 257 threads is over 256"):
+        k(threadgroup=(257, 1, 1), **call)
+    with pytest.raises(emu.MetalEmuError, match=r"threadgroup of 512 threads is over 256"):
+        k(threadgroup=(16, 32, 1), **call | dict(grid=(16, 32, 1)))
 
 
 # --- the checked variant is the one that runs ------------------------------------------------

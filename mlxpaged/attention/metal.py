@@ -128,11 +128,13 @@ QUANT_KERNEL_IO = {
 
 
 def _read_source(filename: str) -> str:
-    """Text of a file in `metal/`: from the installed package data, else from the repository."""
-    try:
-        return resources.files("mlxpaged.metal").joinpath(filename).read_text()
-    except (ModuleNotFoundError, FileNotFoundError, OSError):
-        return (Path(__file__).resolve().parents[2] / "metal" / filename).read_text()
+    """Text of a file in `metal/`: the checkout's beside this package when there is one (an
+    editable install maps `mlxpaged.metal` to the checkout it was installed from, which need
+    not be this one), else the installed package data."""
+    local = Path(__file__).resolve().parents[2] / "metal" / filename
+    if local.is_file():
+        return local.read_text()
+    return resources.files("mlxpaged.metal").joinpath(filename).read_text()
 
 
 @functools.cache

@@ -46,7 +46,11 @@ QUANT_INPUTS = ["q", *metal.QUANT_INPUTS, *INPUTS[3:]]
 OUTPUTS = ["out"]
 TILE_TOKENS = 16  # query tokens per threadgroup: each K/V row is read ceil(q_len / 16) times
 MIN_THREADS = 32  # lanes per tile at least: more lanes per row cost log2(SP) shuffles per key
-MAX_THREADS = 1024  # Metal's limit per threadgroup
+# Threads per threadgroup, at most. Metal allows 1024, but MLX refuses a launch over the compiled
+# pipeline's maxTotalThreadsPerThreadgroup, which Apple's compiler lowers for register-heavy
+# kernels (896 on an M2 Ultra, mlx-vlm#1799); 256 is within every pipeline's (MLX's steel
+# attention runs 128). Past it the planner splits query heads over more threadgroups.
+MAX_THREADS = 256
 STAGE_BYTES = 8192  # threadgroup bytes for each of the staged K and V chunks
 MAX_CHUNK_KEYS = 32  # bounds the per-row score registers
 # MMA path: q and the output accumulator cost head_dim / 2 fp32 registers per lane, 64 at 128.
@@ -58,7 +62,14 @@ MMA_ROW_PAD = 4  # floats of padding per staged MMA tile row (LD = HD + 4 in the
 # emulator's register estimate (`registers`, 32-bit values per thread) x 4 bytes stays within
 # it; a plan over it splits the G query heads over HS threadgroups (`head_splits`).
 REGISTER_FILE_BYTES = 208 * 1024
-MAX_HEAD_SPLITS = 16
+# Thread-private arrays beyond this many 32-bit values per thread spill (the emulator's
+# RegisterBudgetWarning); the planner splits heads rather than give a lane more query rows.
+ARRAY_REGISTER_BUDGET = 128
+MAX_HEAD_SPLITS = 64
+# Thread-private scalars of each kernel (indices, positions, a 64-bit offset takes 2), as the
+# emulator counts them (metal_emu/lower.py item 7: each declaration once): the lanes body 37,
+# the quantized staging 7 more, the MMA body 46.
+SCALAR_REGISTERS = {"paged_attention_varlen": 37, "paged_attention_varlen_quant": 44, "paged_attention_varlen_mma": 46}
 
 
 @functools.cache
@@ -105,16 +116,22 @@ class Plan:
         return 32 * self.simdgroups
 
     @property
-    def registers(self) -> int:
-        """Live 32-bit values per thread, as the emulator estimates them (its thread-private
-        arrays: `LaunchStats.registers`). MMA: the strip's q and output fragments (HD / 8 each)
-        and the chunk's score fragments (KC / 8), 2 values per lane each. Lanes: per query row
-        of the lane its q and accumulator dims (2 * HD / SP), max, sum, position and a 64-bit
-        offset; and the chunk's KC scores."""
+    def array_registers(self) -> int:
+        """32-bit values per thread in thread-private arrays, as the emulator counts them. MMA:
+        the strip's q and output fragments (HD / 8 each), the chunk's score fragments (KC / 8)
+        and a K and a V fragment, 2 values per lane each. Lanes: per query row of the lane its q
+        and accumulator dims (2 * HD / SP), max, sum, position and a 64-bit offset; and the
+        chunk's KC scores."""
         if self.mma:
             return 2 * (2 * (self.head_dim // 8) + self.chunk_keys // 8)
         dpt = self.head_dim // self.lanes_per_row
         return self.rows_per_group * (2 * dpt + 5) + self.chunk_keys
+
+    @property
+    def registers(self) -> int:
+        """Live 32-bit values per thread as the emulator estimates them (`LaunchStats.registers`):
+        the arrays and the kernel's scalars."""
+        return self.array_registers + SCALAR_REGISTERS[self.kind]
 
     @property
     def register_file_bytes(self) -> int:
@@ -136,17 +153,35 @@ class Plan:
 
 def mma_fits(head_dim: int, group: int) -> bool:
     """Whether the simdgroup_matrix kernel covers this shape: whole 8x8 fragments, registers
-    for q and the accumulator, one simdgroup per 8 tokens of each query head within 1024
-    threads. A function of the shape only."""
-    return head_dim % 8 == 0 and head_dim <= MMA_MAX_HEAD_DIM and group * TILE_TOKENS // 8 * 32 <= MAX_THREADS
+    for q and the accumulator, one simdgroup per 8 tokens of each query head within MAX_THREADS
+    once the heads are split over at most MAX_HEAD_SPLITS threadgroups. A function of the shape only."""
+    heads = cdiv(group, MAX_HEAD_SPLITS)
+    return head_dim % 8 == 0 and head_dim <= MMA_MAX_HEAD_DIM and heads * TILE_TOKENS // 8 * 32 <= MAX_THREADS
 
 
-def plan(head_dim: int, block_size: int, group: int, itemsize: int, mma: bool | None = None) -> Plan:
-    """`plan_split` with the fewest head splits (1, 2, 4, ...) whose threadgroup fits
-    REGISTER_FILE_BYTES."""
+def fits(p: Plan) -> bool:
+    """Whether a plan's threadgroup launches on every Mac: at most MAX_THREADS threads, its
+    registers within REGISTER_FILE_BYTES, its arrays within ARRAY_REGISTER_BUDGET."""
+    return (
+        p.threads <= MAX_THREADS
+        and p.register_file_bytes <= REGISTER_FILE_BYTES
+        and p.array_registers <= ARRAY_REGISTER_BUDGET
+    )
+
+
+def plan(
+    head_dim: int,
+    block_size: int,
+    group: int,
+    itemsize: int,
+    mma: bool | None = None,
+    quant: tuple[int, int] | None = None,
+) -> Plan:
+    """`plan_split` with the fewest head splits (1, 2, 4, ...) that `fits`; `quant`: the
+    (bits, group size) of a quantized cache, whose staging holds more scalars."""
     for hs in (1 << i for i in range(MAX_HEAD_SPLITS.bit_length())):
-        p = plan_split(head_dim, block_size, group, itemsize, mma, hs)
-        if p.register_file_bytes <= REGISTER_FILE_BYTES or hs >= min(group, MAX_HEAD_SPLITS):
+        p = dataclasses.replace(plan_split(head_dim, block_size, group, itemsize, mma, hs), quant=quant)
+        if fits(p) or hs >= min(group, MAX_HEAD_SPLITS):
             return p
     return p
 
@@ -241,11 +276,9 @@ def launch_plan(
     head_dim: int, block_size: int, group: int, itemsize: int, quant: tuple[int, int] | None = None
 ) -> Plan:
     """The plan a call with these shapes runs (`plan`, with the cache's quantization)."""
-    # A quantized cache keeps the lanes-per-row kernel (its MMA variant is not tested yet).
-    p = plan(head_dim, block_size, group, itemsize, mma=None if not quant else False)
-    if quant:  # staged as T all the same: the plan (and threadgroup memory) is the float one's
-        p = dataclasses.replace(p, quant=quant)
-    return p
+    # A quantized cache keeps the lanes-per-row kernel (its MMA variant is not tested yet); it
+    # is staged as T all the same, so threadgroup memory is the float plan's.
+    return plan(head_dim, block_size, group, itemsize, mma=None if not quant else False, quant=quant)
 
 
 def template(p: Plan, dtype) -> list[tuple]:

@@ -484,16 +484,14 @@ def check(
 
 
 def default_source() -> Path:
-    """The shipped `metal/` folder (installed package data, or the repository's)."""
-    try:
-        from importlib import resources
+    """The shipped `metal/` folder: the checkout's beside this package (as `attention.metal`
+    reads it), else the installed package data."""
+    local = HERE.parents[1] / "metal"
+    if (local / DECODE_FILE).is_file():
+        return local
+    from importlib import resources
 
-        p = Path(str(resources.files("mlxpaged.metal")))
-        if (p / DECODE_FILE).is_file():
-            return p
-    except (ModuleNotFoundError, TypeError):
-        pass
-    return HERE.parents[1] / "metal"
+    return Path(str(resources.files("mlxpaged.metal")))
 
 
 def main(argv=None) -> int:
