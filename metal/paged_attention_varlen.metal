@@ -397,7 +397,7 @@ for (int c0 = 0; c0 < kv_end; c0 += KC) {
 
 l += simd_shuffle_xor(l, 1);  // the row's sum over its 4 lanes
 l += simd_shuffle_xor(l, 8);
-if (valid) {
+if (pos >= 0) {  // a token before position 0 (context shorter than q_len: bad metadata) sees no key
   for (int d = 0; d < HB; d++) {
     for (int e = 0; e < 2; e++) {
       out[row_off + d * 8 + fn + e] = static_cast<T>(of[d].thread_elements()[e] / l);

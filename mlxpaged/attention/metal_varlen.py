@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from .. import settings
 from ..utils import cdiv
 from ..worker.kv_quant import QuantizedPool
 from . import metal
@@ -262,7 +263,10 @@ class Launch:
     def run(self) -> mx.array:
         factory = metal._metal_kernel_factory()
         return metal.run_once_checked(
-            _kernel(factory, self.variant, self.kind), (factory, self.kind, self.variant), self.call
+            lambda: _kernel(factory, self.variant, self.kind),
+            (factory, self.kind, self.variant),
+            self.call,
+            f"{self.kind}_{self.variant}",
         )[0]
 
 
@@ -328,6 +332,9 @@ def varlen_launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
             threadgroup=(threads, 1, 1),
             output_shapes=[q.shape],
             output_dtypes=[q.dtype],
+            # Rows no tile writes (a sequence whose context is shorter than its new tokens, bad
+            # metadata that only MLXPAGED_DEBUG=1 reports) read 0, never stale memory.
+            init_value=0,
         ),
         p.kind,
     )
@@ -346,9 +353,11 @@ def run_with_launches(
     """`paged_attention_varlen_metal`, also returning its launches: the varlen kernel's
     (`Launch`) and the decode kernel's (`metal.Launch`)."""
     metal._check(q, k_cache, v_cache)
+    cu = [int(x) for x in cu_seqlens_q.tolist()]
+    if settings.debug():
+        check_metadata(k_cache, block_tables, cu, context_lens, q.shape[0])
     k_cache, v_cache = metal._device_pool(k_cache), metal._device_pool(v_cache)
     out_dtype = q.dtype
-    cu = [int(x) for x in cu_seqlens_q.tolist()]
     decode = [s for s in range(len(cu) - 1) if cu[s + 1] - cu[s] == 1]
     tiles = tile_map(cu)
     launches: list = []
@@ -372,6 +381,41 @@ def run_with_launches(
     if out is None:  # no sequence has a new token
         out = mx.zeros_like(qc)
     return out.astype(out_dtype), launches
+
+
+def check_metadata(k_cache, block_tables, cu: list[int], context_lens, num_rows: int) -> None:
+    """`MLXPAGED_DEBUG=1`: the query offsets rise from 0 to the query's rows, every sequence's
+    context holds its new tokens and fits its table row, and every block id in use names a
+    block of the pool; else ValueError naming the first bad sequence (costs a device sync)."""
+    num_blocks, _, bs, _ = k_cache.shape
+    width = block_tables.shape[1]
+    lens = [int(n) for n in context_lens.tolist()]
+    rows = block_tables.tolist()
+    if cu[0] != 0 or cu[-1] != num_rows:
+        raise ValueError(
+            f"paged_attention_varlen_metal: cu_seqlens_q runs from {cu[0]} to {cu[-1]}, not from 0 to "
+            f"the query's {num_rows} rows"
+        )
+    for s, n in enumerate(lens):
+        q_len = cu[s + 1] - cu[s]
+        if q_len < 0:
+            raise ValueError(f"paged_attention_varlen_metal: cu_seqlens_q falls at sequence {s}: {cu[s]} > {cu[s + 1]}")
+        if n < q_len:
+            raise ValueError(
+                f"paged_attention_varlen_metal: context length {n} of sequence {s} is less than its {q_len} "
+                f"new tokens (query rows {cu[s]}..{cu[s + 1] - 1})"
+            )
+        if n > width * bs:
+            raise ValueError(
+                f"paged_attention_varlen_metal: context length {n} of sequence {s} is over its block table "
+                f"row's {width * bs} tokens ({width} blocks of {bs})"
+            )
+        for j, b in enumerate(rows[s][: cdiv(n, bs)]):
+            if not 0 <= b < num_blocks:
+                raise ValueError(
+                    f"paged_attention_varlen_metal: block id {b} at block_tables[{s}, {j}] "
+                    f"is outside the pool of {num_blocks} blocks"
+                )
 
 
 def check_varlen(group: int, k_cache) -> bool:
