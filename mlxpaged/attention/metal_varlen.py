@@ -18,10 +18,16 @@ A quantized cache (`kv_quant.QuantizedPool` for k_cache and v_cache) runs kernel
 `paged_attention_varlen_quant`: the same body over `PAV_QUANT_VIEWS` of its (data, scales,
 biases) inputs, bits and group size in the name; each group is dequantized as it is staged.
 
-On a float cache, shapes the 8x8 simdgroup_matrix path covers (`mma_fits`: head_dim <= 128,
-G * 16 / 8 <= 32 simdgroups) run `paged_attention_varlen_mma` instead: the kernel is a function
-of the shape and cache type alone, never of the context lengths. A quantized cache keeps the
-lanes-per-row kernel (the .metal header already stages its groups as float for an MMA variant).
+On a float cache, shapes the 8x8 simdgroup_matrix path covers (`mma_fits`: head_dim <= 128)
+run `paged_attention_varlen_mma` instead: the kernel is a function of the shape and cache type
+alone, never of the context lengths. A quantized cache keeps the lanes-per-row kernel (the .metal
+header already stages its groups as float for an MMA variant).
+
+Launch limits (issue 40): every plan runs at most MAX_THREADS = 256 threads per threadgroup (MLX
+refuses a launch over the compiled pipeline's maxTotalThreadsPerThreadgroup, which can be under
+1024), its registers (the emulator's estimate, scalars included) fit one core's register file
+and its arrays the spill budget (`fits`); past that the G query heads are split over HS
+threadgroups, each reading the tile's K/V rows once more.
 """
 
 from __future__ import annotations
