@@ -168,9 +168,12 @@ def test_kernel_chosen_by_shape_only():
     plan (hence the kernel name) depends on the shape, never on lengths."""
     assert mv.plan(128, 16, 6, 2).mma and mv.plan(64, 1, 16, 4).mma and mv.plan(32, 16, 1, 2).mma
     assert not mv.plan(256, 16, 1, 2).mma and not mv.plan(160, 16, 2, 2).mma
-    assert not mv.plan(64, 16, 40, 2).mma  # 80 simdgroups would exceed 1024 threads
-    assert mv.plan(128, 16, 6, 2).variant == "hd128_bs16_g6_tq16_kc16_nsg12_hs1"
-    assert mv.plan(128, 16, 6, 2, mma=False).variant == "hd128_bs16_g6_tq16_kc32_nsg12_hs1_sp4_rpt1"
+    # 40 heads: 80 simdgroups in one threadgroup; split over 16 threadgroups of 3 heads (192 threads)
+    p = mv.plan(64, 16, 40, 2)
+    assert p.mma and p.head_splits == 16 and p.threads == 192
+    # 6 heads at 128: 12 simdgroups (384 threads) before the 256-thread cap, 2 x 3 heads now
+    assert mv.plan(128, 16, 6, 2).variant == "hd128_bs16_g6_tq16_kc16_nsg6_hs2"
+    assert mv.plan(128, 16, 6, 2, mma=False).variant == "hd128_bs16_g6_tq16_kc32_nsg6_hs2_sp4_rpt1"
 
 
 @pytest.mark.parametrize("q_lens,prefixes", [([1, 1, 1], [5, 0, 40]), ([40], [0]), ([0, 5, 1], [3, 4, 9])])
