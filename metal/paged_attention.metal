@@ -35,7 +35,10 @@ const uint tid = thread_index_in_threadgroup;
 
 constexpr int HS = pa_head_splits(G, pa_lane_dims(HD));  // head groups (1 unless registers bound)
 constexpr int GH = pa_heads_per_simdgroup(G, pa_lane_dims(HD));
-threadgroup float tg_qo[PA_QO_FLOATS(G, HD, NSG)];  // queries [G, HD], then outputs [2, STATES, HD]
+// queries [G, HD], then outputs [2, STATES, HD]; declared float4 because pa_dot reads it as
+// float4 (a float array is only 4-byte aligned). PA_QO_FLOATS is a multiple of 4 (HD is of 32).
+threadgroup float4 tg_qo4[PA_QO_FLOATS(G, HD, NSG) / 4];
+threadgroup float* tg_qo = (threadgroup float*)tg_qo4;
 threadgroup int tg_blocks[2 * PA_CHUNK_BLOCKS(BS)];
 threadgroup float tg_stats[2 * PA_STATES(HD, NSG) * GH];
 
@@ -110,7 +113,10 @@ if (tok_begin >= tok_end) {
 
 constexpr int HS = pa_head_splits(G, pa_lane_dims(HD));  // head groups (1 unless registers bound)
 constexpr int GH = pa_heads_per_simdgroup(G, pa_lane_dims(HD));
-threadgroup float tg_qo[PA_QO_FLOATS(G, HD, NSG)];  // queries [G, HD], then outputs [2, STATES, HD]
+// queries [G, HD], then outputs [2, STATES, HD]; declared float4 because pa_dot reads it as
+// float4 (a float array is only 4-byte aligned). PA_QO_FLOATS is a multiple of 4 (HD is of 32).
+threadgroup float4 tg_qo4[PA_QO_FLOATS(G, HD, NSG) / 4];
+threadgroup float* tg_qo = (threadgroup float*)tg_qo4;
 threadgroup int tg_blocks[2 * PA_CHUNK_BLOCKS(BS)];
 threadgroup float tg_stats[2 * PA_STATES(HD, NSG) * GH];
 

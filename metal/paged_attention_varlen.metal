@@ -13,8 +13,9 @@
 //
 // Kernel paged_attention_varlen_mma (same inputs and staging walk) computes QK^T and PV with
 // 8x8 simdgroup_matrix multiply-accumulates in fp32 instead: each simdgroup owns 8 tokens of
-// one query head (NSG = G * TQ / 8), K and V are staged as float. The wrapper picks it by shape
-// (head_dim <= 128, G * TQ / 8 <= 32 simdgroups); other shapes run the kernel above.
+// one query head (NSG = GH * TQ / 8), K and V are staged as float. The wrapper picks it by shape
+// (head_dim <= 128; the heads split over HS threadgroups so that NSG <= 8, 256 threads); other
+// shapes run the kernel above.
 //
 // Template parameters: T (q/cache/out dtype), HD (head_dim), BS (block size), G (query heads
 // per kv head), TQ (query tokens per tile), KC (keys per chunk), NSG (simdgroups per
@@ -397,7 +398,7 @@ for (int c0 = 0; c0 < kv_end; c0 += KC) {
 
 l += simd_shuffle_xor(l, 1);  // the row's sum over its 4 lanes
 l += simd_shuffle_xor(l, 8);
-if (valid) {
+if (pos >= 0) {  // a token before position 0 (context shorter than q_len: bad metadata) sees no key
   for (int d = 0; d < HB; d++) {
     for (int e = 0; e < 2; e++) {
       out[row_off + d * 8 + fn + e] = static_cast<T>(of[d].thread_elements()[e] / l);

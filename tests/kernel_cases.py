@@ -154,9 +154,10 @@ class Recording:
     """The emulator, recording the name MLX gives each kernel it runs (template values, input
     address spaces): a name not built at start-up would be built mid-serving on a Mac."""
 
-    def __init__(self, refuse: str | None = None, after: int = 0):
+    def __init__(self, refuse: str | None = None, after: int = 0, error: Exception | None = None):
         self.names: list[str] = []
         self.refuse, self.after, self.calls = refuse, after, 0
+        self.error = error  # what a refused call raises (default: a Metal library build error)
 
     def __call__(self, **kernel_kwargs):
         k = emu.metal_kernel(**kernel_kwargs)
@@ -165,6 +166,8 @@ class Recording:
             if self.refuse and kernel_kwargs["name"].startswith(self.refuse):
                 self.calls += 1
                 if self.calls > self.after:
+                    if self.error is not None:
+                        raise self.error
                     raise RuntimeError(
                         "[metal::Device] Unable to build metal library from source\n"
                         "program_source:120:5: error: simulated Metal compiler error"

@@ -70,7 +70,7 @@ def test_doctor_names_a_failing_varlen_kernel(tmp_path, monkeypatch):
     r, report = _doctor_with_faulty("paged_attention_varlen", tmp_path, monkeypatch)
     assert r.exit_code == 1
     assert "kernel checks: 9/18 passed" in r.output
-    assert "FAILED varlen float16 hd64_bs16_g7_tq16_kc32_nsg14_hs1" in r.output
+    assert "FAILED varlen float16 hd64_bs16_g7_tq16_kc32_nsg8_hs2" in r.output
     failed = [c for c in report["checks"] if not c["ok"]]
     assert {c["kernel"] for c in failed} == {"varlen"} and len(failed) == 9
     assert all("second line of the diagnostics" in c["error"] for c in failed)

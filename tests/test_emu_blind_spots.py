@@ -209,7 +209,8 @@ def test_register_model_flags_launches_beyond_the_budget(monkeypatch):
             )[0]
         a = np.stack([xs[(np.arange(64) + i) % 64] for i in range(n)], 1)
         np.testing.assert_allclose(np.array(out), (a * a[:, ::-1]).sum(1), rtol=1e-4, atol=1e-4)
-        assert k.last_launch.registers == n  # one float array of N: N live 32-bit values
+        # one float array of N and the float s: N + 1 live 32-bit values; the spill budget is the array's
+        assert k.last_launch.registers == n + 1 and k.last_launch.array_registers == n
         flagged = [m for m in w if issubclass(m.category, RegisterBudgetWarning)]
         assert bool(flagged) == (n > 128) == k.last_launch.over_register_budget
     monkeypatch.setenv("MLXPAGED_EMU_REG_BUDGET", "8")
@@ -241,6 +242,27 @@ def test_register_model_counts_structs_holding_arrays():
     assert k.last_launch.registers == 13 + 4  # sizeof(Acc<12>) / 4 + the index array
 
 
+def test_register_model_counts_scalars_not_constants():
+    """Scalars and vectors of built-in types count (a 64-bit one as 2, a bool as 1); constexpr
+    and constant values, loop counters and pointers do not."""
+    src = """
+    constexpr int K = 3;
+    const uint i = thread_position_in_grid.x;
+    float s = x[i];
+    size_t off = (size_t)i * K;
+    float4 v = float4(s, s, s, s);
+    bool odd = (i & 1) != 0;
+    device const float* p = x + off;
+    for (int j = 0; j < K; j++) { s += p[j] + v[j]; }
+    out[i] = odd ? s : -s;
+    """
+    k = metal_kernel(name="regscalars", input_names=["x"], output_names=["out"], source=src)
+    out = run(k, mx.arange(16, dtype=mx.float32), 1, 1, 1)
+    assert float(out[0]) == -(0 + 1 + 2)  # -(x[0] + x[1] + x[2])
+    st = k.last_launch
+    assert st.registers == st.scalar_registers == 1 + 1 + 2 + 4 + 1  # i, s, off, v, odd
+
+
 def test_cost_model_counts_exp_simd_and_loads():
     k = metal_kernel(
         name="cost",
@@ -266,3 +288,56 @@ def test_cost_model_counts_exp_simd_and_loads():
     assert (st.simd_reductions, st.simd_shuffles) == (2, 2)
     assert st.device_loads[16] == 64 and st.device_loads[4] == 64
     assert st.device_loads[1] == st.device_loads[2] == st.device_loads[8] == 0
+
+
+ALIGN = """
+threadgroup {decl};
+const uint i = thread_position_in_grid.x;
+{view}[i] = x[i];
+threadgroup_barrier(mem_flags::mem_threadgroup);
+if (i < 4) {{
+  const float4 v = *(const threadgroup float4*)({view} + 4 * i);
+  out[i] = v[0] + v[1] + v[2] + v[3];
+}}
+"""
+
+
+@pytest.mark.parametrize(
+    "decl,view,ok",
+    [
+        ("float buf[16]", "buf", False),  # 4-byte aligned: a float4 load may fault on a GPU
+        ("float4 buf4[4]", "((threadgroup float*)buf4)", True),  # declared as the vector type
+    ],
+)
+def test_vector_load_from_threadgroup_array_must_be_aligned(decl, view, ok):
+    """A `threadgroup float` array read through a float4 cast is only 4-byte aligned; the
+    emulator places it so and refuses the load, naming the array. The float4 declaration passes."""
+    src = ALIGN.format(decl=decl, view=view)
+    k = metal_kernel(name=f"align_{ok}", input_names=["x"], output_names=["out"], source=src)
+    x = mx.arange(16, dtype=mx.float32)
+    if not ok:
+        with pytest.raises(MetalEmuError, match=r"misaligned 16-byte read of threadgroup array 'buf'"):
+            run(k, x, 16, 16, 4)
+        return
+    out = run(k, x, 16, 16, 4)
+    np.testing.assert_array_equal(np.array(out), np.arange(16).reshape(4, 4).sum(1))
+
+
+def test_vector_load_from_device_memory_must_be_aligned():
+    src = """
+    const uint i = thread_position_in_grid.x;
+    const float2 v = *(const device float2*)(x + 2 * i + off[0]);
+    out[i] = v[0] + v[1];
+    """
+    k = metal_kernel(name="align_dev", input_names=["x", "off"], output_names=["out"], source=src)
+    x = mx.arange(16, dtype=mx.float32)
+
+    def call(o):
+        off = mx.array([o] * 8, dtype=mx.int32)
+        return k(
+            inputs=[x, off], grid=(4, 1, 1), threadgroup=(4, 1, 1), output_shapes=[(4,)], output_dtypes=[mx.float32]
+        )
+
+    np.testing.assert_array_equal(np.array(call(2)[0]), [5, 9, 13, 17])
+    with pytest.raises(MetalEmuError, match=r"misaligned 8-byte read of device memory"):
+        call(1)

@@ -839,8 +839,8 @@ template [[host_name("k")]] [[kernel]] decltype(f<float>) f<float>;
     assert "const MLXEMU_AS_METHOD_constant {" in out
     assert "constant const int64_t * s)" in out
     assert (
-        "threadgroup float (&buf)[4 * 8] = *(threadgroup float (*)[4 * 8])"
-        'mlxemu_tg_slot(0, sizeof(float[4 * 8]), alignof(float), "buf");'
+        "threadgroup mlxemu_type<float> (&buf)[4 * 8] = *(threadgroup mlxemu_type<float> (*)[4 * 8])"
+        'mlxemu_tg_slot(0, sizeof(mlxemu_type<float>[4 * 8]), alignof(mlxemu_type<float>), "buf");'
     ) in out
     assert "  threadgroup float* q = buf;" in out
     assert "static constexpr constant int K = 2;" in out

@@ -73,9 +73,17 @@ def _inject(root: Path, fname: str, old: str, new: str) -> int:
     return text.count("\n", 0, i) + 1 + new[: len(new) - len(new.lstrip("\n"))].count("\n")
 
 
+def one_per_section() -> list:
+    """One variant per kernel section and quantization (float16): what these injections need."""
+    reps: dict[tuple, frontend.Variant] = {}
+    for v in frontend.variants():
+        reps.setdefault((v.group, v.section, bool(v.prefix)), v)
+    return list(reps.values())
+
+
 def _errors_at(root: Path, fname: str) -> dict[int, list[str]]:
-    errors, n = frontend.check(root, only=frontend.representatives())
-    assert n == len(frontend.representatives())
+    errors, n = frontend.check(root, only=one_per_section())
+    assert n == len(one_per_section())
     out: dict[int, list[str]] = {}
     for e in errors:
         assert e.file.endswith(fname) or e.file.endswith(".h") or e.file.endswith(".metal"), str(e)
@@ -168,3 +176,246 @@ def test_cli_passes_on_a_clean_copy(tmp_path):
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout == ""
+
+
+# --- issue 40: the rules MSL adds to C++, each with an injected error and its legal twin ----
+#
+# Each rule: (file, anchor, error snippet, legal twin, message regex). The snippet goes before
+# the anchor; its line marked `// <-` is where the error must be reported. All errors go into
+# one copy of metal/ and all twins into another (two front-end runs, every dtype's and
+# quantization's variant through the AST pass), so each rule costs no run of its own.
+H = "paged_attention.h"
+V = "paged_attention_varlen.metal"
+TOP = "// Smallest power of two >= n, for 1 <= n <= 32."
+# Edits both copies get: the fp32-only template's caller (every dtype's varlen body calls it).
+COMMON = [("fe_f32 call", V, "const float qscale = scale * PAV_LOG2E;", "const float fe_probe = fe_f32(q);\n", False)]
+RULES = {
+    # MSL's concrete overloads: no template over any type.
+    "ambiguous max(half, float)": (
+        H,
+        TOP,
+        "inline float fe_mix(half h, float f) { return max(h, f); }  // <-\n",
+        "inline float fe_mix(half h, float f) { return max(static_cast<float>(h), f); }\n",
+        r"call to 'max' is ambiguous",
+    ),
+    "simd function on a struct": (
+        H,
+        TOP,
+        "struct FeS { float v; };\ninline float fe_shuf(FeS s) { return simd_shuffle(s, 0).v; }  // <-\n",
+        "struct FeS { float v; };\ninline float fe_shuf(FeS s) { return simd_shuffle(s.v, 0); }\n",
+        r"no matching function for call to 'simd_shuffle'",
+    ),
+    "atomic on a plain int": (
+        H,
+        TOP,
+        "inline void fe_at(device int* a) { atomic_fetch_add_explicit(a, 1, memory_order_relaxed); }  // <-\n",
+        "inline void fe_at(device atomic_int* a) { atomic_fetch_add_explicit(a, 1, memory_order_relaxed); }\n",
+        r"no matching function for call to 'atomic_fetch_add_explicit'",
+    ),
+    # The specification's "C++ features not supported" list, item by item (recursion: above).
+    "lambda": (
+        H,
+        TOP,
+        "inline int fe_lam(int x) {\n  auto f = [](int y) { return y + 1; };  // <-\n  return f(x);\n}\n",
+        "inline int fe_one(int y) { return y + 1; }\ninline int fe_lam(int x) { return fe_one(x); }\n",
+        r"lambda expression: not supported in Metal",
+    ),
+    "dynamic_cast": (
+        H,
+        TOP,
+        "struct FeD { int v; };\ninline int fe_dc(thread FeD* p) { return dynamic_cast<thread FeD*>(p)->v; }  // <-\n",
+        "struct FeD { int v; };\ninline int fe_dc(thread FeD* p) { return static_cast<thread FeD*>(p)->v; }\n",
+        r"dynamic_cast",
+    ),
+    "typeid": (
+        H,
+        TOP,
+        "inline bool fe_ti(int x) { return typeid(x) == typeid(int); }  // <-\n",
+        "inline bool fe_ti(int x) { return sizeof(x) == sizeof(int); }\n",
+        r"typeid",
+    ),
+    "new and delete": (
+        H,
+        TOP,
+        "inline int fe_new() { thread int* p = new int(1); return *p; }  // <-\n",
+        "inline int fe_new() { int one = 1; thread int* p = &one; return *p; }\n",
+        r"new",
+    ),
+    "noexcept operator": (
+        H,
+        TOP,
+        "inline bool fe_ne(int x) { return noexcept(x + 1); }  // <-\n",
+        "inline bool fe_ne(int x) { return x + 1 > x; }\n",
+        r"noexcept operator: not supported in Metal",
+    ),
+    "goto": (
+        H,
+        TOP,
+        "inline int fe_go(int x) {\n  if (x > 0) goto done;  // <-\n  x = 1;\ndone:\n  return x;\n}\n",
+        "inline int fe_go(int x) {\n  if (x <= 0) x = 1;\n  return x;\n}\n",
+        r"goto statement: not supported in Metal",
+    ),
+    "register": (
+        H,
+        TOP,
+        "inline int fe_reg(int x) {\n  register int r = x;  // <-\n  return r;\n}\n",
+        "inline int fe_reg(int x) {\n  int r = x;\n  return r;\n}\n",
+        r"register",
+    ),
+    "thread_local": (
+        H,
+        TOP,
+        "thread_local int fe_tl = 1;  // <-\n",
+        "constant int fe_tl = 1;\n",
+        r"thread|tls",
+    ),
+    "virtual function": (
+        H,
+        TOP,
+        "struct FeVirt {\n  virtual int f() const { return 1; }  // <-\n};\n",
+        "struct FeVirt {\n  int f() const { return 1; }\n};\n",
+        r"virtual functions? (are )?not supported",
+    ),
+    "derived class": (
+        H,
+        TOP,
+        "struct FeBase { int a; };\nstruct FeDerived : FeBase {  // <-\n  int b;\n};\n",
+        "struct FeBase { int a; };\nstruct FeDerived {\n  FeBase base;\n  int b;\n};\n",
+        r"derived class",
+    ),
+    "exceptions": (
+        H,
+        TOP,
+        "inline int fe_throw(int x) {\n  if (x < 0) throw x;  // <-\n  return x;\n}\n",
+        "inline int fe_throw(int x) {\n  return x < 0 ? 0 : x;\n}\n",
+        r"throw|exception",
+    ),
+    "standard library": (
+        H,
+        TOP,
+        "inline int fe_std(int a, int b) { return std::max(a, b); }  // <-\n",
+        "inline int fe_std(int a, int b) { return max(a, b); }\n",
+        r"std::max: the C\+\+ standard library is not available in Metal",
+    ),
+    # MLX's preamble precedes every source: a name it declares clashes.
+    "a name of MLX's preamble": (
+        H,
+        TOP,
+        "inline int ceildiv(int a, int b) { return (a + b - 1) / b; }  // <-\n",
+        "inline int pa_ceildiv(int a, int b) { return (a + b - 1) / b; }\n",
+        r"'ceildiv' is also declared by MLX's preamble",
+    ),
+    # Threadgroup memory per variant within 32 KB (the largest variants are 16-24 KB).
+    "threadgroup memory over 32 KB": (
+        V,
+        "threadgroup T tg_k[KC * HD];",
+        "threadgroup T tg_k[KC * HD * 4];  // <-\n",
+        "threadgroup T tg_k[KC * HD];\n",
+        r"threadgroup memory of this variant over 32 KB",
+    ),
+    # An unqualified pointer in code only the float32 variants instantiate: the AST pass takes
+    # a variant of every dtype.
+    "pointer without address space in fp32-only code": (
+        V,
+        "// @kernel paged_attention_varlen\n",
+        "template <typename T>\ninline float fe_f32(const device T* p) {\n  if constexpr (sizeof(T) == 4) {\n"
+        "    const T* r = p;  // <-\n    return r[0];\n  }\n  return static_cast<float>(p[0]);\n}\n",
+        "template <typename T>\ninline float fe_f32(const device T* p) {\n  if constexpr (sizeof(T) == 4) {\n"
+        "    const device T* r = p;\n    return r[0];\n  }\n  return static_cast<float>(p[0]);\n}\n",
+        r"'r' is a pointer or reference without an address space",
+    ),
+    # Only MSL 4.0 sees this block: each check runs as MSL 3.2 and 4.0.
+    "an error under MSL 4.0 only": (
+        H,
+        TOP,
+        "#if __METAL_VERSION__ >= 400\ninline int fe_v4() { return fe_undeclared; }  // <-\n#endif\n",
+        "#if __METAL_VERSION__ >= 400\ninline int fe_v4() { return 4; }\n#endif\n",
+        r"use of undeclared identifier 'fe_undeclared'",
+    ),
+}
+# Legal MSL the check used to reject (issue 40's false positives): twins only, no error.
+LEGAL = {
+    "atomic_int": (
+        H,
+        TOP,
+        "inline int fe_atomic(device atomic_int* a) {\n"
+        "  return atomic_fetch_add_explicit(a, 1, memory_order_relaxed);\n}\n",
+    ),
+    "a half variable": (
+        H,
+        TOP,
+        "inline float fe_half(float x) {\n  half h = static_cast<half>(x);\n"
+        "  h = h * h;\n  return static_cast<float>(h);\n}\n",
+    ),
+    "a 1.0h literal": (H, TOP, "inline half fe_lit(half x) { return x + 1.0h; }\n"),
+    "a chain of template specialisations": (
+        H,
+        TOP,
+        "template <int N> inline int fe_depth() { return 1 + fe_depth<N / 2>(); }\n"
+        "template <> inline int fe_depth<1>() { return 0; }\n"
+        "template <int N> struct FeLog { static constexpr constant int value = 1 + FeLog<N / 2>::value; };\n"
+        "template <> struct FeLog<1> { static constexpr constant int value = 0; };\n"
+        "inline int fe_depths() { return fe_depth<8>() + FeLog<16>::value; }\n",
+    ),
+}
+
+
+def _apply(root: Path, edits: list[tuple[str, str, str, str, bool]]) -> dict[str, tuple[str, int]]:
+    """Each (name, file, anchor, text, replace): `text` before `anchor` in root/file (or in its
+    place). Returns {name: (file, line of its `// <-` mark)}."""
+    for name, fname, anchor, text, replace in edits:
+        path = root / fname
+        t = path.read_text()
+        assert anchor in t, (fname, anchor)
+        marked = text.replace("  // <-", f"  // <- {name}")
+        path.write_text(t.replace(anchor, marked if replace else marked + anchor, 1))
+    where = {}
+    for name, fname, _, text, _ in edits:
+        if "// <-" in text:
+            lines = (root / fname).read_text().splitlines()
+            where[name] = (fname, next(i + 1 for i, ln in enumerate(lines) if ln.endswith(f"// <- {name}")))
+    return where
+
+
+@pytest.fixture(scope="module")
+def rule_runs(tmp_path_factory):
+    """(errors of the copy with every injected error, where each was injected, errors of the
+    copy with every legal twin and the false positives)."""
+    only = frontend.representatives()
+    bad = _copy(tmp_path_factory.mktemp("bad"))
+    where = _apply(bad, COMMON + [(n, f, a, e, a.startswith("threadgroup")) for n, (f, a, e, _, _) in RULES.items()])
+    bad_errors, _ = frontend.check(bad, only=only)
+    good = _copy(tmp_path_factory.mktemp("good"))
+    twins = COMMON + [(n, f, a, t, a.startswith("threadgroup")) for n, (f, a, _, t, _) in RULES.items()]
+    twins += [(n, f, a, t, False) for n, (f, a, t) in LEGAL.items()]
+    _apply(good, twins)
+    good_errors, _ = frontend.check(good, only=only)
+    return bad, bad_errors, where, good_errors
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_rule_rejects_its_error_at_its_line(rule_runs, rule):
+    root, errors, where, _ = rule_runs
+    fname, line = where[rule]
+    at = [e for e in errors if e.file == str(root / fname) and e.line == line]
+    assert at, f"no error at {fname}:{line}; got {[str(e) for e in errors]}"
+    assert any(re.search(RULES[rule][4], e.message) for e in at), [e.message for e in at]
+
+
+def test_every_legal_twin_and_former_false_positive_passes(rule_runs):
+    *_, good_errors = rule_runs
+    assert good_errors == [], [str(e) for e in good_errors]
+
+
+def test_msl_4_only_error_names_the_version(rule_runs):
+    _, errors, where, _ = rule_runs
+    fname, line = where["an error under MSL 4.0 only"]
+    (e,) = [e for e in errors if e.line == line and e.file.endswith(fname)]
+    assert e.variants and all(v.endswith("(MSL 4.0)") for v in e.variants), e.variants
+
+
+def test_include_outside_metal_stdlib_is_rejected(tmp_path):
+    root = _copy(tmp_path)
+    line = _inject(root, H, "#include <metal_stdlib>", "#include <metal_stdlib>\n#include <cstdint>")
+    errs = frontend._restriction_errors(frontend.Sources.load(root))
+    assert [(Path(f).name, ln) for f, ln, m, _ in errs if "standard library" in m] == [(H, line + 1)]

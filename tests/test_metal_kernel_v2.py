@@ -221,7 +221,7 @@ def test_query_heads_split_across_simdgroups(emulated, monkeypatch, group, head_
             assert mismatch(out, ref, "float16") <= 1.0, (order, part)
             for launch in launches:
                 stats = metal.last_launch_stats(launch)
-                assert stats.registers <= metal.REGISTER_BUDGET, (launch.kind, stats.registers)
+                assert stats.array_registers <= metal.REGISTER_BUDGET, (launch.kind, stats.array_registers)
     q, k, v, bt, cl = args
     _, (launch,) = metal.run_with_launches(*args, scale=0.1, partition_tokens=0)
     kv = metal.bytes_read([launch]) - q.nbytes
@@ -314,7 +314,9 @@ def test_cost_model_targets(group, head_dim):
     assert c["device_loads_per_token"][16] >= 2 * lanes  # K and V: one 16-byte load per lane
     assert c["device_loads_per_token"].get(2, 0) < 1  # no scalar fp16 K/V loads
     assert c["device_loads_per_token"].get(8, 0) < 1
-    assert c["registers"] <= 128
+    # Scalars counted too (issue 40): 256 threads x the estimate fit one core's register file;
+    # the arrays' spill budget is test_query_heads_split_across_simdgroups's.
+    assert 4 * 256 * c["registers"] <= 208 * 1024
     assert math.isfinite(c["barriers_per_256_tokens"])
 
 

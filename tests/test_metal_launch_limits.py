@@ -5,6 +5,7 @@ every batch runs, and a kernel failing mid-serving falls back to the reference w
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import mlx.core as mx
@@ -85,14 +86,41 @@ def test_head_splits_compute_the_same(emulated, monkeypatch, lanes):
     np.testing.assert_allclose(np.array(out), np.array(ref), atol=2e-5, rtol=2e-4)
 
 
-def test_every_varlen_plan_fits_the_register_file():
-    for hd in (32, 64, 96, 128, 160, 192, 224, 256):
-        for g in (1, 2, 4, 7, 8, 16, 32):
-            for quant in (None, (4, 32), (8, 64)):
-                if quant and hd % quant[1]:
+# Every plan the planner can make: each shape the engine accepts (`metal.shape_supported`), both
+# element sizes, float and every quantized cache, and the lanes kernel forced where MMA would run.
+def _every_plan():
+    for hd in range(32, 257, 32):
+        for bs in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            for g in range(1, 129):
+                if not metal.shape_supported(hd, bs, g):
                     continue
-                p = mv.launch_plan(hd, 16, g, 2, quant)
-                assert p.register_file_bytes <= mv.REGISTER_FILE_BYTES, p
+                for size in (2, 4):
+                    yield mv.plan(hd, bs, g, size, mma=False)
+                    for quant in (None, (4, 32), (4, 64), (8, 32), (8, 64)):
+                        if quant is None or metal.quant_supported(hd, *quant):
+                            yield mv.launch_plan(hd, bs, g, size, quant)
+
+
+def test_every_varlen_plan_launches_on_every_mac():
+    """At most 256 threads per threadgroup (what every Mac's pipelines allow: MLX refuses a launch
+    over a pipeline's maxTotalThreadsPerThreadgroup, 896 on an M2 Ultra in mlx-vlm#1799), registers
+    within one core's register file, arrays within the spill budget, threadgroup memory within
+    32 KB; every query row has a lane group, and each query head a threadgroup."""
+    n = 0
+    for p in _every_plan():
+        n += 1
+        assert 32 * p.simdgroups <= 256, p
+        assert 4 * 32 * p.simdgroups * p.registers <= 208 * 1024, p
+        assert p.array_registers <= 128, p
+        itemsize = 4 if p.mma else 2
+        assert mv.threadgroup_bytes(p, itemsize) <= 32768, p
+        gh = -(-p.group // p.head_splits)
+        assert gh * p.head_splits >= p.group and (gh - 1) * p.head_splits < p.group, p
+        if p.mma:
+            assert p.simdgroups * 8 == mv.TILE_TOKENS * gh, p
+        else:
+            assert 32 * p.simdgroups // p.lanes_per_row * p.rows_per_group >= mv.TILE_TOKENS * gh, p
+    assert n > 30000
 
 
 LOCALS = """
@@ -105,16 +133,33 @@ out[i] = s;
 """
 
 
-def test_emulator_refuses_a_launch_past_the_register_file():
+def test_emulator_refuses_a_launch_past_the_register_file(monkeypatch):
+    monkeypatch.setenv("MLXPAGED_EMU_MAX_THREADS", "1024")  # the thread cap is tested below
     k = emu.metal_kernel(name="regfile", input_names=["a"], output_names=["out"], source=LOCALS)
     a = mx.zeros((1024,), dtype=mx.float32)
     call = dict(inputs=[a], grid=(1024, 1, 1), output_shapes=[(1024,)], output_dtypes=[mx.float32])
-    # 512 threads x 64 registers x 4 bytes = 128 KB: runs.
+    # 512 threads x 66 registers (the array, i and s) x 4 bytes = 132 KB: runs.
     out = k(threadgroup=(512, 1, 1), **call)[0]
     assert float(out[0]) == sum(range(64))
-    # 1,024 threads: 256 KB, over the 208 KB of an Apple7/8 core.
-    with pytest.raises(emu.MetalEmuError, match=r"launch refused: 1024 threads .* 64 registers"):
+    assert k.last_launch.registers == 66 and k.last_launch.scalar_registers == 2
+    # 1,024 threads: 264 KB, over the 208 KB of an Apple7/8 core.
+    with pytest.raises(emu.MetalEmuError, match=r"launch refused: 1024 threads .* 66 registers"):
         k(threadgroup=(1024, 1, 1), **call)
+
+
+def test_emulator_refuses_a_threadgroup_over_256_threads():
+    """A tiny kernel (1 register) still may not launch 257 threads: the cap is MLX's pipeline
+    limit, not the register file."""
+    k = emu.metal_kernel(
+        name="cap", input_names=["a"], output_names=["out"], source="out[thread_position_in_grid.x] = a[0];"
+    )
+    a = mx.ones((1,), dtype=mx.float32)
+    call = dict(inputs=[a], grid=(512, 1, 1), output_shapes=[(512,)], output_dtypes=[mx.float32])
+    assert float(k(threadgroup=(256, 1, 1), **call)[0][511]) == 1.0
+    with pytest.raises(emu.MetalEmuError, match=r"launch refused: a threadgroup of 257 threads is over 256"):
+        k(threadgroup=(257, 1, 1), **call)
+    with pytest.raises(emu.MetalEmuError, match=r"threadgroup of 512 threads is over 256"):
+        k(threadgroup=(16, 32, 1), **call | dict(grid=(16, 32, 1)))
 
 
 # --- the checked variant is the one that runs ------------------------------------------------
@@ -179,6 +224,76 @@ def test_mid_serving_failure_falls_back_with_one_warning(monkeypatch):
         metal.reset_kernels()
 
 
+# What MLX raises for a launch over the pipeline's limit (mlx/backend/metal/custom_kernel.cpp).
+THREADS_ERROR = (
+    "[custom_kernel] Trying to launch with 1024 threads per threadgroup but the maximum allowed "
+    "threads per threadgroup is 896"
+)
+
+
+@pytest.mark.parametrize("path", ["varlen", "decode"])
+@pytest.mark.parametrize("error", [ValueError(THREADS_ERROR), TypeError("any other exception")])
+def test_mid_serving_failure_of_any_kind_falls_back(monkeypatch, path, error):
+    """MLX's launch-configuration errors are ValueError, not RuntimeError: a kernel raising any
+    exception mid-serving still gives the reference's result and one warning naming the kernel."""
+    refuse = "paged_attention_varlen_mma" if path == "varlen" else "paged_attention_hd32"
+    factory = Recording(refuse=refuse, after=1, error=error)
+    monkeypatch.setattr(metal, "_metal_kernel_factory", lambda: factory)
+    monkeypatch.delenv("MLXPAGED_METAL", raising=False)
+    metal.reset_kernels()
+    rng = np.random.default_rng(4)
+    q_lens = [5, 1, 12] if path == "varlen" else [1, 1, 1]
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if path == "decode":
+                assert metal.check_family(2, mx.zeros((1, 1, 16, 32), dtype=mx.float32))
+            for _ in range(3):
+                args = inputs(rng, q_lens, [3, 20, 0], group=2)
+                out = paged_attention_varlen(*args, scale=0.3, impl="metal")
+                np.testing.assert_allclose(np.array(out), np.array(reference(*args, scale=0.3)), atol=2e-5, rtol=2e-4)
+        runtime = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert len(runtime) == 1, runtime
+        assert re.search(rf"kernel {refuse}_\w+ failed", runtime[0]), runtime[0]
+        assert str(error) in runtime[0]
+    finally:
+        metal.reset_kernels()
+
+
+def test_startup_failure_of_any_kind_names_the_kernel(monkeypatch):
+    factory = Recording(refuse="paged_attention_partitioned", error=ValueError(THREADS_ERROR))
+    monkeypatch.setattr(metal, "_metal_kernel_factory", lambda: factory)
+    monkeypatch.delenv("MLXPAGED_METAL", raising=False)
+    metal.reset_kernels()
+    try:
+        with pytest.warns(RuntimeWarning, match=r"kernel paged_attention_partitioned_hd32_\w+: ValueError: "):
+            assert not metal.check_family(1, mx.zeros((1, 1, 16, 32), dtype=mx.float32))
+    finally:
+        metal.reset_kernels()
+
+
+def test_bad_input_is_not_a_kernel_failure(monkeypatch):
+    """A ValueError about the caller's arguments is raised as it is, with no fallback: here
+    MLXPAGED_DEBUG=1's metadata check (a block id outside the pool)."""
+    factory = Recording()
+    monkeypatch.setattr(metal, "_metal_kernel_factory", lambda: factory)
+    monkeypatch.delenv("MLXPAGED_METAL", raising=False)
+    monkeypatch.setenv("MLXPAGED_DEBUG", "1")
+    metal.reset_kernels()
+    try:
+        q, k, v, bt, cu, cl = inputs(np.random.default_rng(8), [5, 12], [3, 0])
+        bad = np.array(bt)
+        bad[1, 0] = 99  # sequence 1's first block: past the pool's 4
+        bad = mx.array(bad)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            with pytest.raises(ValueError, match=r"block id 99 at block_tables\[1, 0\]"):
+                paged_attention_varlen(q, k, v, bad, cu, cl, scale=0.3, impl="metal")
+        assert metal._families == {} or all(metal._families.values())
+    finally:
+        metal.reset_kernels()
+
+
 def test_mid_serving_failure_raises_when_strict(monkeypatch):
     factory = Recording(refuse="paged_attention_varlen_mma", after=1)
     monkeypatch.setattr(metal, "_metal_kernel_factory", lambda: factory)
@@ -222,3 +337,28 @@ def test_length_past_the_table_stops_at_its_end(emulated, q_len):
     vv = np.array(v)[2, 0][:, None, :].repeat(2, 1)
     want = _attend_all(np.array(q, np.float64), kk, vv, 0.2)
     np.testing.assert_allclose(np.array(out), want, atol=1e-5, rtol=1e-4)
+
+
+# --- bad varlen metadata ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lanes", [False, True])
+def test_context_shorter_than_its_new_tokens(emulated, monkeypatch, lanes):
+    """Sequence 1 claims 12 new tokens in a context of 4: MLXPAGED_DEBUG=1 names it; without it,
+    its 8 tokens before position 0 see no key and read 0 (the launch's init_value), never stale
+    memory, and sequence 0 is untouched."""
+    if lanes:
+        monkeypatch.setattr(mv, "mma_fits", lambda head_dim, group: False)
+    q, k, v, bt, cu, cl = inputs(np.random.default_rng(9), [5, 12], [3, 0], group=2)
+    bad = mx.array(np.array([8, 4], np.int32))
+    monkeypatch.setenv("MLXPAGED_DEBUG", "1")
+    with pytest.raises(ValueError, match=r"context length 4 of sequence 1 is less than its 12 new tokens"):
+        mv.run_with_launches(q, k, v, bt, cu, bad, scale=0.3)
+    monkeypatch.delenv("MLXPAGED_DEBUG")
+    out, (launch,) = mv.run_with_launches(q, k, v, bt, cu, bad, scale=0.3)
+    assert launch.kind == (mv.KERNEL if lanes else mv.MMA_KERNEL)
+    out = np.array(out)
+    assert (out[5:13] == 0).all()  # tokens 0..7 of sequence 1: positions -8..-1
+    ref = np.array(reference(q, k, v, bt, cu, cl, scale=0.3))
+    np.testing.assert_allclose(out[:5], ref[:5], atol=2e-5, rtol=2e-4)
+    assert np.isfinite(out).all()

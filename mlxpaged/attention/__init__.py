@@ -65,12 +65,13 @@ def paged_attention(
     scale = _check_shapes("paged_attention", q, k_cache, v_cache, scale)
     impl = resolve_impl(impl, q, k_cache)
     if impl == "metal":
-        from .metal import kernel_failed, paged_attention_metal
+        from .metal import failed_kernel, kernel_failed, paged_attention_metal
 
         try:
             return paged_attention_metal(q, k_cache, v_cache, block_tables, context_lens, scale=scale)
-        except RuntimeError as e:  # a build or launch the start-up check did not cover
-            if not kernel_failed(q.shape[1] // k_cache.shape[1], k_cache, e):
+        except Exception as e:  # any error a build or launch raised (MLX's are RuntimeError or
+            # ValueError) that the start-up check did not cover; bad input is raised as it is
+            if failed_kernel(e) is None or not kernel_failed(q.shape[1] // k_cache.shape[1], k_cache, e):
                 raise
     return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
 
@@ -130,7 +131,7 @@ def paged_attention_varlen(
     if resolve_impl(impl, q, k_cache) == "metal":
         # Multi-token sequences on the varlen kernel, one-token ones on the decode kernel; a
         # varlen kernel that failed its first-use check on this machine leaves it to the reference.
-        from .metal import kernel_failed
+        from .metal import failed_kernel, kernel_failed
         from .metal_varlen import paged_attention_varlen_metal, varlen_usable
 
         try:
@@ -138,9 +139,9 @@ def paged_attention_varlen(
                 return paged_attention_varlen_metal(
                     q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=scale
                 )
-        except RuntimeError as e:  # a build or launch the start-up check did not cover: never
-            # fail the request; one warning, then this shape takes the reference path
-            if not kernel_failed(q.shape[1] // k_cache.shape[1], k_cache, e):
+        except Exception as e:  # any error a build or launch raised that the start-up check did
+            # not cover: never fail the request; one warning, then this shape takes the reference
+            if failed_kernel(e) is None or not kernel_failed(q.shape[1] // k_cache.shape[1], k_cache, e):
                 raise
     return paged_attention_varlen_reference(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, scratch

@@ -106,6 +106,10 @@ class KernelCheckError(RuntimeError):
     """A kernel variant failed its startup check (compile, launch or a wrong result)."""
 
 
+# The attribute naming the kernel on an exception its build or launch raised (run_once_checked).
+KERNEL_ATTR = "mlxpaged_kernel"
+
+
 # Kernel kind (a `// @kernel` section of paged_attention.metal) -> (input names, output names).
 KERNEL_IO = {
     "paged_attention": (
@@ -128,11 +132,13 @@ QUANT_KERNEL_IO = {
 
 
 def _read_source(filename: str) -> str:
-    """Text of a file in `metal/`: from the installed package data, else from the repository."""
-    try:
-        return resources.files("mlxpaged.metal").joinpath(filename).read_text()
-    except (ModuleNotFoundError, FileNotFoundError, OSError):
-        return (Path(__file__).resolve().parents[2] / "metal" / filename).read_text()
+    """Text of a file in `metal/`: the checkout's beside this package when there is one (an
+    editable install maps `mlxpaged.metal` to the checkout it was installed from, which need
+    not be this one), else the installed package data."""
+    local = Path(__file__).resolve().parents[2] / "metal" / filename
+    if local.is_file():
+        return local.read_text()
+    return resources.files("mlxpaged.metal").joinpath(filename).read_text()
 
 
 @functools.cache
@@ -196,19 +202,35 @@ class Launch:
     def run(self) -> list[mx.array]:
         factory = _metal_kernel_factory()
         return run_once_checked(
-            _kernel(factory, self.kind, self.variant), (factory, self.kind, self.variant), self.call
+            lambda: _kernel(factory, self.kind, self.variant),
+            (factory, self.kind, self.variant),
+            self.call,
+            f"{self.kind}_{self.variant}",
         )
 
 
-def run_once_checked(kernel, key: tuple, call: dict) -> list[mx.array]:
-    """`kernel(**call)`; the first launch of each MLX kernel name is evaluated at once, so that
-    a Metal library build error (raised at evaluation on a Mac) reaches the caller's fallback."""
-    outs = kernel(**call)
-    name = key + tuple((x.dtype, x.ndim == 0, x.size < MIN_DEVICE_ELEMENTS) for x in call["inputs"])
-    if name not in _evaluated:
-        mx.eval(outs)
-        _evaluated.add(name)
+def run_once_checked(build, key: tuple, call: dict, kernel_name: str) -> list[mx.array]:
+    """`build()(**call)`; the first launch of each MLX kernel name is evaluated at once, so that
+    a Metal library build error (raised at evaluation on a Mac) reaches the caller's fallback.
+
+    Whatever the build or the launch raises (MLX's launch-configuration errors are ValueError,
+    its library build errors RuntimeError) leaves with `kernel_name` in attribute KERNEL_ATTR:
+    the callers' fallback takes exactly the exceptions a kernel raised, never bad input."""
+    try:
+        outs = build()(**call)
+        name = key + tuple((x.dtype, x.ndim == 0, x.size < MIN_DEVICE_ELEMENTS) for x in call["inputs"])
+        if name not in _evaluated:
+            mx.eval(outs)
+            _evaluated.add(name)
+    except Exception as e:
+        setattr(e, KERNEL_ATTR, kernel_name)
+        raise
     return outs
+
+
+def failed_kernel(e: BaseException) -> str | None:
+    """The kernel whose build or launch raised `e` (`run_once_checked`), None for other errors."""
+    return getattr(e, KERNEL_ATTR, None)
 
 
 @functools.lru_cache(maxsize=1)
@@ -571,7 +593,8 @@ def kernel_failed(group: int, k_cache, error: BaseException) -> bool:
         _families[key] = False
         _family_errors[key] = text
     warnings.warn(
-        f"Metal paged-attention kernel failed, using the reference path for this shape: {text.splitlines()[0]}",
+        f"Metal paged-attention kernel {failed_kernel(error) or '?'} failed, using the reference path for "
+        f"this shape: {text.splitlines()[0]}",
         RuntimeWarning,
         stacklevel=3,
     )
@@ -579,9 +602,12 @@ def kernel_failed(group: int, k_cache, error: BaseException) -> bool:
 
 
 def error_text(e: BaseException) -> str:
-    """`Type: message`, the message's first ERROR_LINES lines (a compiler's diagnostics)."""
+    """`[kernel NAME] Type: message`, the message's first ERROR_LINES lines (a compiler's
+    diagnostics); the kernel when a build or launch raised it."""
     lines = str(e).splitlines() or [""]
-    return f"{type(e).__name__}: " + "\n".join(ln[:300] for ln in lines[:ERROR_LINES])
+    name = failed_kernel(e)
+    where = f"kernel {name}: " if name else ""
+    return f"{where}{type(e).__name__}: " + "\n".join(ln[:300] for ln in lines[:ERROR_LINES])
 
 
 def compare_to_reference(variant: str, run, ref: mx.array, dtype) -> str:

@@ -18,10 +18,16 @@ A quantized cache (`kv_quant.QuantizedPool` for k_cache and v_cache) runs kernel
 `paged_attention_varlen_quant`: the same body over `PAV_QUANT_VIEWS` of its (data, scales,
 biases) inputs, bits and group size in the name; each group is dequantized as it is staged.
 
-On a float cache, shapes the 8x8 simdgroup_matrix path covers (`mma_fits`: head_dim <= 128,
-G * 16 / 8 <= 32 simdgroups) run `paged_attention_varlen_mma` instead: the kernel is a function
-of the shape and cache type alone, never of the context lengths. A quantized cache keeps the
-lanes-per-row kernel (the .metal header already stages its groups as float for an MMA variant).
+On a float cache, shapes the 8x8 simdgroup_matrix path covers (`mma_fits`: head_dim <= 128)
+run `paged_attention_varlen_mma` instead: the kernel is a function of the shape and cache type
+alone, never of the context lengths. A quantized cache keeps the lanes-per-row kernel (the .metal
+header already stages its groups as float for an MMA variant).
+
+Launch limits (issue 40): every plan runs at most MAX_THREADS = 256 threads per threadgroup (MLX
+refuses a launch over the compiled pipeline's maxTotalThreadsPerThreadgroup, which can be under
+1024), its registers (the emulator's estimate, scalars included) fit one core's register file
+and its arrays the spill budget (`fits`); past that the G query heads are split over HS
+threadgroups, each reading the tile's K/V rows once more.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from .. import settings
 from ..utils import cdiv
 from . import metal
 from .kv_quant import QuantizedPool
@@ -46,7 +53,11 @@ QUANT_INPUTS = ["q", *metal.QUANT_INPUTS, *INPUTS[3:]]
 OUTPUTS = ["out"]
 TILE_TOKENS = 16  # query tokens per threadgroup: each K/V row is read ceil(q_len / 16) times
 MIN_THREADS = 32  # lanes per tile at least: more lanes per row cost log2(SP) shuffles per key
-MAX_THREADS = 1024  # Metal's limit per threadgroup
+# Threads per threadgroup, at most. Metal allows 1024, but MLX refuses a launch over the compiled
+# pipeline's maxTotalThreadsPerThreadgroup, which Apple's compiler lowers for register-heavy
+# kernels (896 on an M2 Ultra, mlx-vlm#1799); 256 is within every pipeline's (MLX's steel
+# attention runs 128). Past it the planner splits query heads over more threadgroups.
+MAX_THREADS = 256
 STAGE_BYTES = 8192  # threadgroup bytes for each of the staged K and V chunks
 MAX_CHUNK_KEYS = 32  # bounds the per-row score registers
 # MMA path: q and the output accumulator cost head_dim / 2 fp32 registers per lane, 64 at 128.
@@ -58,7 +69,14 @@ MMA_ROW_PAD = 4  # floats of padding per staged MMA tile row (LD = HD + 4 in the
 # emulator's register estimate (`registers`, 32-bit values per thread) x 4 bytes stays within
 # it; a plan over it splits the G query heads over HS threadgroups (`head_splits`).
 REGISTER_FILE_BYTES = 208 * 1024
-MAX_HEAD_SPLITS = 16
+# Thread-private arrays beyond this many 32-bit values per thread spill (the emulator's
+# RegisterBudgetWarning); the planner splits heads rather than give a lane more query rows.
+ARRAY_REGISTER_BUDGET = 128
+MAX_HEAD_SPLITS = 64
+# Thread-private scalars of each kernel (indices, positions, a 64-bit offset takes 2), as the
+# emulator counts them (metal_emu/lower.py item 7: each declaration once): the lanes body 37,
+# the quantized staging 7 more, the MMA body 46.
+SCALAR_REGISTERS = {"paged_attention_varlen": 37, "paged_attention_varlen_quant": 44, "paged_attention_varlen_mma": 46}
 
 
 @functools.cache
@@ -105,16 +123,22 @@ class Plan:
         return 32 * self.simdgroups
 
     @property
-    def registers(self) -> int:
-        """Live 32-bit values per thread, as the emulator estimates them (its thread-private
-        arrays: `LaunchStats.registers`). MMA: the strip's q and output fragments (HD / 8 each)
-        and the chunk's score fragments (KC / 8), 2 values per lane each. Lanes: per query row
-        of the lane its q and accumulator dims (2 * HD / SP), max, sum, position and a 64-bit
-        offset; and the chunk's KC scores."""
+    def array_registers(self) -> int:
+        """32-bit values per thread in thread-private arrays, as the emulator counts them. MMA:
+        the strip's q and output fragments (HD / 8 each), the chunk's score fragments (KC / 8)
+        and a K and a V fragment, 2 values per lane each. Lanes: per query row of the lane its q
+        and accumulator dims (2 * HD / SP), max, sum, position and a 64-bit offset; and the
+        chunk's KC scores."""
         if self.mma:
             return 2 * (2 * (self.head_dim // 8) + self.chunk_keys // 8)
         dpt = self.head_dim // self.lanes_per_row
         return self.rows_per_group * (2 * dpt + 5) + self.chunk_keys
+
+    @property
+    def registers(self) -> int:
+        """Live 32-bit values per thread as the emulator estimates them (`LaunchStats.registers`):
+        the arrays and the kernel's scalars."""
+        return self.array_registers + SCALAR_REGISTERS[self.kind]
 
     @property
     def register_file_bytes(self) -> int:
@@ -136,17 +160,35 @@ class Plan:
 
 def mma_fits(head_dim: int, group: int) -> bool:
     """Whether the simdgroup_matrix kernel covers this shape: whole 8x8 fragments, registers
-    for q and the accumulator, one simdgroup per 8 tokens of each query head within 1024
-    threads. A function of the shape only."""
-    return head_dim % 8 == 0 and head_dim <= MMA_MAX_HEAD_DIM and group * TILE_TOKENS // 8 * 32 <= MAX_THREADS
+    for q and the accumulator, one simdgroup per 8 tokens of each query head within MAX_THREADS
+    once the heads are split over at most MAX_HEAD_SPLITS threadgroups. A function of the shape only."""
+    heads = cdiv(group, MAX_HEAD_SPLITS)
+    return head_dim % 8 == 0 and head_dim <= MMA_MAX_HEAD_DIM and heads * TILE_TOKENS // 8 * 32 <= MAX_THREADS
 
 
-def plan(head_dim: int, block_size: int, group: int, itemsize: int, mma: bool | None = None) -> Plan:
-    """`plan_split` with the fewest head splits (1, 2, 4, ...) whose threadgroup fits
-    REGISTER_FILE_BYTES."""
+def fits(p: Plan) -> bool:
+    """Whether a plan's threadgroup launches on every Mac: at most MAX_THREADS threads, its
+    registers within REGISTER_FILE_BYTES, its arrays within ARRAY_REGISTER_BUDGET."""
+    return (
+        p.threads <= MAX_THREADS
+        and p.register_file_bytes <= REGISTER_FILE_BYTES
+        and p.array_registers <= ARRAY_REGISTER_BUDGET
+    )
+
+
+def plan(
+    head_dim: int,
+    block_size: int,
+    group: int,
+    itemsize: int,
+    mma: bool | None = None,
+    quant: tuple[int, int] | None = None,
+) -> Plan:
+    """`plan_split` with the fewest head splits (1, 2, 4, ...) that `fits`; `quant`: the
+    (bits, group size) of a quantized cache, whose staging holds more scalars."""
     for hs in (1 << i for i in range(MAX_HEAD_SPLITS.bit_length())):
-        p = plan_split(head_dim, block_size, group, itemsize, mma, hs)
-        if p.register_file_bytes <= REGISTER_FILE_BYTES or hs >= min(group, MAX_HEAD_SPLITS):
+        p = dataclasses.replace(plan_split(head_dim, block_size, group, itemsize, mma, hs), quant=quant)
+        if fits(p) or hs >= min(group, MAX_HEAD_SPLITS):
             return p
     return p
 
@@ -227,7 +269,10 @@ class Launch:
     def run(self) -> mx.array:
         factory = metal._metal_kernel_factory()
         return metal.run_once_checked(
-            _kernel(factory, self.variant, self.kind), (factory, self.kind, self.variant), self.call
+            lambda: _kernel(factory, self.variant, self.kind),
+            (factory, self.kind, self.variant),
+            self.call,
+            f"{self.kind}_{self.variant}",
         )[0]
 
 
@@ -241,11 +286,9 @@ def launch_plan(
     head_dim: int, block_size: int, group: int, itemsize: int, quant: tuple[int, int] | None = None
 ) -> Plan:
     """The plan a call with these shapes runs (`plan`, with the cache's quantization)."""
-    # A quantized cache keeps the lanes-per-row kernel (its MMA variant is not tested yet).
-    p = plan(head_dim, block_size, group, itemsize, mma=None if not quant else False)
-    if quant:  # staged as T all the same: the plan (and threadgroup memory) is the float one's
-        p = dataclasses.replace(p, quant=quant)
-    return p
+    # A quantized cache keeps the lanes-per-row kernel (its MMA variant is not tested yet); it
+    # is staged as T all the same, so threadgroup memory is the float plan's.
+    return plan(head_dim, block_size, group, itemsize, mma=None if not quant else False, quant=quant)
 
 
 def template(p: Plan, dtype) -> list[tuple]:
@@ -295,6 +338,9 @@ def varlen_launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
             threadgroup=(threads, 1, 1),
             output_shapes=[q.shape],
             output_dtypes=[q.dtype],
+            # Rows no tile writes (a sequence whose context is shorter than its new tokens, bad
+            # metadata that only MLXPAGED_DEBUG=1 reports) read 0, never stale memory.
+            init_value=0,
         ),
         p.kind,
     )
@@ -313,9 +359,11 @@ def run_with_launches(
     """`paged_attention_varlen_metal`, also returning its launches: the varlen kernel's
     (`Launch`) and the decode kernel's (`metal.Launch`)."""
     metal._check(q, k_cache, v_cache)
+    cu = [int(x) for x in cu_seqlens_q.tolist()]
+    if settings.debug():
+        check_metadata(k_cache, block_tables, cu, context_lens, q.shape[0])
     k_cache, v_cache = metal._device_pool(k_cache), metal._device_pool(v_cache)
     out_dtype = q.dtype
-    cu = [int(x) for x in cu_seqlens_q.tolist()]
     decode = [s for s in range(len(cu) - 1) if cu[s + 1] - cu[s] == 1]
     tiles = tile_map(cu)
     launches: list = []
@@ -339,6 +387,41 @@ def run_with_launches(
     if out is None:  # no sequence has a new token
         out = mx.zeros_like(qc)
     return out.astype(out_dtype), launches
+
+
+def check_metadata(k_cache, block_tables, cu: list[int], context_lens, num_rows: int) -> None:
+    """`MLXPAGED_DEBUG=1`: the query offsets rise from 0 to the query's rows, every sequence's
+    context holds its new tokens and fits its table row, and every block id in use names a
+    block of the pool; else ValueError naming the first bad sequence (costs a device sync)."""
+    num_blocks, _, bs, _ = k_cache.shape
+    width = block_tables.shape[1]
+    lens = [int(n) for n in context_lens.tolist()]
+    rows = block_tables.tolist()
+    if cu[0] != 0 or cu[-1] != num_rows:
+        raise ValueError(
+            f"paged_attention_varlen_metal: cu_seqlens_q runs from {cu[0]} to {cu[-1]}, not from 0 to "
+            f"the query's {num_rows} rows"
+        )
+    for s, n in enumerate(lens):
+        q_len = cu[s + 1] - cu[s]
+        if q_len < 0:
+            raise ValueError(f"paged_attention_varlen_metal: cu_seqlens_q falls at sequence {s}: {cu[s]} > {cu[s + 1]}")
+        if n < q_len:
+            raise ValueError(
+                f"paged_attention_varlen_metal: context length {n} of sequence {s} is less than its {q_len} "
+                f"new tokens (query rows {cu[s]}..{cu[s + 1] - 1})"
+            )
+        if n > width * bs:
+            raise ValueError(
+                f"paged_attention_varlen_metal: context length {n} of sequence {s} is over its block table "
+                f"row's {width * bs} tokens ({width} blocks of {bs})"
+            )
+        for j, b in enumerate(rows[s][: cdiv(n, bs)]):
+            if not 0 <= b < num_blocks:
+                raise ValueError(
+                    f"paged_attention_varlen_metal: block id {b} at block_tables[{s}, {j}] "
+                    f"is outside the pool of {num_blocks} blocks"
+                )
 
 
 def check_varlen(group: int, k_cache) -> bool:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import os
 import re
 import subprocess
@@ -45,9 +46,12 @@ from .source import generated_source
 HERE = Path(__file__).resolve().parent
 PRELUDE = HERE / "msl_opencl_prelude.h"
 CLANG = [sys.executable, "-m", "ziglang", "clang", "-cc1", "-fsyntax-only", "-x", "cl", "-cl-std=clc++2021"]
-EXT = "-cl-ext=-all,+__opencl_c_generic_address_space"
+# cl_khr_fp16: MSL's half (variables, arithmetic, `1.0h`).
+EXT = "-cl-ext=-all,+cl_khr_fp16,+__opencl_c_generic_address_space"
 # The AST pass: the generic space on, so a pointer without an address space is `__generic`.
-AST_EXT = "-cl-ext=-all,+__opencl_c_generic_address_space"
+AST_EXT = EXT
+# The MSL versions MLX 0.32 compiles for: 3.2 on macOS 15, 4.0 on macOS 26 (`__METAL_VERSION__`).
+METAL_VERSIONS = (320, 400)
 FLAGS = ["-ferror-limit", "0", "-Wno-unknown-attributes", "-w"]
 
 DECODE_HEADER = "paged_attention.h"
@@ -195,10 +199,11 @@ def variants() -> list[Variant]:
 
 
 def representatives() -> list[Variant]:
-    """One variant per kernel section and quantization (the first of the grid)."""
+    """One variant per `ast_key`: kernel section, dtype, quantization and any flag (the first
+    of the grid)."""
     reps: dict[tuple, Variant] = {}
     for v in variants():
-        reps.setdefault((v.group, v.section, bool(v.prefix)), v)
+        reps.setdefault(ast_key(v), v)
     return list(reps.values())
 
 
@@ -265,7 +270,32 @@ def kernel_text(v: Variant, src: Sources) -> str:
     if v.prefix:
         lines.append(v.prefix)
     path = src.root / fname
-    return "\n".join(lines) + f'\n#line {line} "{path}"\n' + body + "}\n"
+    return "\n".join(lines) + f'\n#line {line} "{path}"\n' + body + _threadgroup_limit(body, line, path) + "}\n"
+
+
+THREADGROUP_LIMIT = 32768  # bytes of threadgroup memory a kernel may use on every Apple GPU
+
+
+def _threadgroup_limit(body: str, line: int, path: Path) -> str:
+    """A static_assert, at the body's first `threadgroup` array, that this variant's arrays
+    (each rounded up to 16 bytes, as Metal counts them) fit THREADGROUP_LIMIT: clang evaluates
+    it with the variant's template values."""
+    from .lower import _DECLARATOR, _storage_declarations, _strip_comments_keep_layout
+
+    code = _strip_comments_keep_layout(body)
+    names, first = [], None
+    for start, end, _ in _storage_declarations(code, r"\bthreadgroup\b"):
+        m = _DECLARATOR.fullmatch(code[start + len("threadgroup") : end])
+        if m:
+            names.append(m.group("name"))
+            first = first if first is not None else line + code.count("\n", 0, start)
+    if not names:
+        return ""
+    total = " + ".join(f"(sizeof({n}) + 15) / 16 * 16" for n in names)
+    return (
+        f'#line {first} "{path}"\n'
+        f'static_assert({total} <= {THREADGROUP_LIMIT}, "threadgroup memory of this variant over 32 KB");\n'
+    )
 
 
 def translation_unit(group: str, batch: list[Variant], src: Sources) -> str:
@@ -279,7 +309,7 @@ def translation_unit(group: str, batch: list[Variant], src: Sources) -> str:
 _DIAG = re.compile(r"^(?P<file>[^\n]*?):(?P<line>\d+):(?P<col>\d+): (?P<sev>fatal error|error): (?P<msg>.*)$")
 
 
-def _clang(text: str, ext: str, extra: list[str] = ()) -> subprocess.CompletedProcess:
+def _clang(text: str, ext: str, extra: list[str] = (), version: int = METAL_VERSIONS[0]) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory() as tmp:
         inc = Path(tmp, "include")
         inc.mkdir()
@@ -287,7 +317,7 @@ def _clang(text: str, ext: str, extra: list[str] = ()) -> subprocess.CompletedPr
             (inc / name).write_text("// the front-end check's prelude declares metal_stdlib\n")
         tu = Path(tmp, "kernels.cl")
         tu.write_text(text)
-        cmd = [*CLANG, ext, *FLAGS, "-I", str(inc), *extra, str(tu)]
+        cmd = [*CLANG, ext, *FLAGS, f"-D__METAL_VERSION__={version}", "-I", str(inc), *extra, str(tu)]
         try:
             return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         except FileNotFoundError as e:
@@ -336,38 +366,68 @@ def _diagnostics(output: str, batch: list[Variant]) -> list[tuple[str, int, str,
     return out
 
 
-def check_batch(group: str, batch: list[Variant], src: Sources) -> list[tuple[str, int, str, str]]:
+def _as_version(variant: str, version: int) -> str:
+    """A variant's name as an error's example, with the MSL version when it is not the first."""
+    return variant if version == METAL_VERSIONS[0] or not variant else f"{variant} (MSL {version / 100:.1f})"
+
+
+def check_batch(
+    group: str, batch: list[Variant], src: Sources, version: int = METAL_VERSIONS[0]
+) -> list[tuple[str, int, str, str]]:
     """Errors of one batch of a group's variants (one clang run), each with the variant whose
     signature clang read last before it as an example (an error in the header or a body hits
     every variant that uses that line)."""
-    r = _clang(translation_unit(group, batch, src), EXT)
-    errs = _diagnostics(r.stderr, batch)
+    r = _clang(translation_unit(group, batch, src), EXT, version=version)
+    errs = [(f, ln, msg, _as_version(v, version)) for f, ln, msg, v in _diagnostics(r.stderr, batch)]
     if r.returncode != 0 and not errs:
         errs.append(("<clang>", 0, f"clang failed ({r.returncode}): {r.stderr.strip()[-500:]}", ""))
     return errs
 
 
-# --- the AST pass: unqualified pointers and recursion ---------------------------------------
+# --- the AST pass: unqualified pointers, recursion, MSL's restrictions, MLX's names ---------
 
 _LOC = re.compile(
     r"<invalid sloc>|<built-in>|<scratch space>:\d+:\d+|line:(?P<l2>\d+):\d+|col:\d+"
     r"|(?P<f>[^\s<>,:']+):(?P<l>\d+):\d+"
 )
 _NAMED_DECL = re.compile(
-    r">\s+(?:line:\d+:\d+|col:\d+|\S+:\d+:\d+)\s+(?:(?:used|referenced|invalid)\s+)*"
-    r"(?!(?:used|referenced|invalid)\b)(\w+)\s+'([^']*)'"
+    r">\s+(?:line:\d+:\d+|col:\d+|\S+:\d+:\d+)\s+(?:(?:used|referenced|invalid|implicit)\s+)*"
+    r"(?!(?:used|referenced|invalid|implicit)\b)(\w+)\s+'([^']*)'"
 )
-_NODE = re.compile(r"^(?P<indent>[ |`-]*)(?P<kind>\w+) 0x[0-9a-f]+ ")
+_NODE = re.compile(r"^(?P<indent>[ |`-]*)(?P<kind>\w+) (?P<addr>0x[0-9a-f]+) ")
+
+# The MSL specification's list of C++ features Metal does not support ("Metal and C++": lambda
+# expressions, recursive function calls, dynamic_cast, type identification, new and delete,
+# the noexcept operator, goto, register and thread_local, virtual functions, derived classes,
+# exception handling, the C++ standard library), as clang AST nodes: each is reported at its
+# line, whatever clang's OpenCL mode happens to accept. Recursion is the call-graph check below;
+# the standard library is `std::` names and #includes other than <metal_*>.
+RESTRICTED_NODES = {
+    "LambdaExpr": "a lambda expression",
+    "CXXDynamicCastExpr": "dynamic_cast",
+    "CXXTypeidExpr": "typeid (type identification)",
+    "CXXNewExpr": "the new operator",
+    "CXXDeleteExpr": "the delete operator",
+    "CXXNoexceptExpr": "the noexcept operator",
+    "GotoStmt": "a goto statement",
+    "IndirectGotoStmt": "a goto statement",
+    "CXXThrowExpr": "exception handling (throw)",
+    "CXXTryStmt": "exception handling (try)",
+}
 
 
 def _ast_nodes(dump: str):
-    """(depth, kind, file, line, text) per node of clang's text AST dump. The dumper writes a
-    location's file and line only when they change from the last location it printed; this
-    tracks both, as the dumper does."""
+    """(depth, kind, address, file, line, text) per node of clang's text AST dump. The dumper
+    writes a location's file and line only when they change from the last location it printed;
+    this tracks both, as the dumper does."""
     f, line = "", 0
     for ln in dump.splitlines():
         m = _NODE.match(ln)
         if not m:
+            # A base specifier ("public 'Base'") has no address: a derived class's.
+            b = re.match(r"^(?P<indent>[ |`-]*)(?:virtual )?(?:public|private|protected) '", ln)
+            if b:
+                yield len(b.group("indent")), "BaseSpecifier", "", f, line, ln
             continue
         first = None
         rest = ln[m.end() :]
@@ -383,62 +443,167 @@ def _ast_nodes(dump: str):
                 first = (f, line)
         if first is None:
             first = (f, line)
-        yield len(m.group("indent")), m.group("kind"), first[0], first[1], rest
+        yield len(m.group("indent")), m.group("kind"), m.group("addr"), first[0], first[1], rest
 
 
-def ast_errors(group: str, batch: list[Variant], src: Sources) -> list[tuple[str, int, str, str]]:
-    """Pointers and references without an address space, and recursive calls, in the sources."""
-    r = _clang(translation_unit(group, batch, src), AST_EXT, ["-ast-dump"])
+@functools.cache
+def mlx_preamble_names() -> frozenset[str]:
+    """Names MLX's preamble (`utils.h` and what it includes, which every `metal_kernel` source
+    follows) declares at namespace scope: macros, types, functions, constants."""
+    from .lower import _strip_comments_keep_layout
+    from .source import metal_utils_preamble
+
+    text = _strip_comments_keep_layout(metal_utils_preamble())
+    names = set(re.findall(r"^\s*#\s*define\s+(\w+)", text, re.M))
+    names |= set(re.findall(r"\b(?:struct|class|union|enum(?:\s+class)?)\s+(\w+)\s*[:{<;]", text))
+    names |= set(re.findall(r"\btypedef\b[^;{}]*?\b(\w+)\s*;", text))
+    names |= set(re.findall(r"\busing\s+(\w+)\s*=", text))
+    names |= set(re.findall(r"\b(?:METAL_FUNC|inline|constexpr|static)\b[^;{}()=]*?\b(\w+)\s*\(", text))
+    names |= set(re.findall(r"\bconstant\b[^;{}()]*?\b(\w+)\s*=", text))
+    return frozenset(n for n in names if len(n) > 2 and not n.startswith("_") and n not in _CPP_WORDS)
+
+
+_CPP_WORDS = {"operator", "if", "for", "while", "return", "sizeof", "static_assert", "decltype", "switch"}
+# Declarations at namespace scope whose names must not be MLX's.
+_TOP_DECLS = {
+    "FunctionDecl",
+    "FunctionTemplateDecl",
+    "CXXRecordDecl",
+    "ClassTemplateDecl",
+    "VarDecl",
+    "TypedefDecl",
+    "TypeAliasDecl",
+    "EnumDecl",
+}
+
+
+def _restriction_errors(src: Sources) -> list[tuple[str, int, str, str]]:
+    """Source-level rules: the standard library (`std::`, #include other than <metal_*>) and
+    macros named as MLX's preamble names things."""
+    errs = []
+    mlx = mlx_preamble_names()
+    from .lower import _strip_comments_keep_layout
+
+    files = {name: text for name, text, _ in src.headers.values()}
+    files |= {name: (src.root / name).read_text() for name, _, _ in src.sections.values()}
+    for name, text in files.items():
+        path = str(src.root / name)
+        code = _strip_comments_keep_layout(text)
+        for m in re.finditer(r"^\s*#\s*include\s*[<\"]([^>\"]+)[>\"]", text, re.M):
+            if not m.group(1).startswith("metal_"):
+                errs.append(
+                    (
+                        path,
+                        text.count("\n", 0, m.start()) + 1,
+                        f"#include <{m.group(1)}>: the C++ standard library is not available in Metal",
+                        "",
+                    )
+                )
+        for m in re.finditer(r"\bstd\s*::\s*(\w+)", code):
+            errs.append(
+                (
+                    path,
+                    code.count("\n", 0, m.start()) + 1,
+                    f"std::{m.group(1)}: the C++ standard library is not available in Metal",
+                    "",
+                )
+            )
+        for m in re.finditer(r"^\s*#\s*define\s+(\w+)", code, re.M):
+            if m.group(1) in mlx:
+                errs.append((path, code.count("\n", 0, m.start()) + 1, _clash(m.group(1)), ""))
+    return errs
+
+
+def _clash(name: str) -> str:
+    return (
+        f"'{name}' is also declared by MLX's preamble (mlx/backend/metal/kernels/utils.h), "
+        "which precedes every metal_kernel's source"
+    )
+
+
+def ast_errors(
+    group: str, batch: list[Variant], src: Sources, version: int = METAL_VERSIONS[0]
+) -> list[tuple[str, int, str, str]]:
+    """Pointers and references without an address space, recursive calls, the C++ features
+    MSL does not support (RESTRICTED_NODES, `register`, `thread_local`, virtual functions,
+    derived classes) and names MLX's preamble declares, in the sources."""
+    r = _clang(translation_unit(group, batch, src), AST_EXT, ["-ast-dump"], version=version)
     ours = {str(src.root / name) for name, _, _ in src.headers.values()}
     ours |= {str(src.root / name) for name, _, _ in src.sections.values()}
+    mlx = mlx_preamble_names()
+    example = _as_version(batch[0].name, version)
     errs, seen = [], set()
-    stack: list[tuple[int, str]] = []  # (depth, function name) of enclosing function decls
+
+    def report(f, line, msg):
+        if (f, line, msg) not in seen:
+            seen.add((f, line, msg))
+            errs.append((f, line, msg, example))
+
+    record = None  # (file, line) of the last class definition in our files
+    stack: list[tuple[int, str]] = []  # (depth, address) of enclosing function decls
+    canon: dict[str, str] = {}  # a function declaration's address -> its first declaration's
+    names: dict[str, str] = {}
     calls: dict[str, set[tuple[str, str, int]]] = {}
-    for depth, kind, f, line, text in _ast_nodes(r.stdout):
+    for depth, kind, addr, f, line, text in _ast_nodes(r.stdout):
         while stack and stack[-1][0] >= depth:
             stack.pop()
-        if kind in ("FunctionDecl", "CXXMethodDecl") and f in ours:
+        if kind in ("FunctionDecl", "CXXMethodDecl"):
+            prev = re.match(r"(?:parent 0x[0-9a-f]+ )?prev (0x[0-9a-f]+) ", text)
+            canon[addr] = canon.get(prev.group(1), prev.group(1)) if prev else addr
             nm = re.search(r"\b(\w+) '", text)
             if nm:
-                stack.append((depth, nm.group(1)))
+                names[canon[addr]] = nm.group(1)
+                if f in ours:
+                    stack.append((depth, canon[addr]))
         if f not in ours:
+            if kind == "CXXRecordDecl":
+                record = None
             continue
         if kind in ("ParmVarDecl", "VarDecl", "FieldDecl") and "__generic" in text:
             # A named declaration (implicit copy constructors' parameters have no name).
             nm = _NAMED_DECL.search(text)
-            if nm and "__generic" in nm.group(2) and (f, line) not in seen:
-                seen.add((f, line))
-                errs.append(
-                    (
-                        f,
-                        line,
-                        f"'{nm.group(1)}' is a pointer or reference without an "
-                        f"address space (device, constant, threadgroup or thread)",
-                        batch[0].name,
-                    )
+            if nm and "__generic" in nm.group(2):
+                report(
+                    f,
+                    line,
+                    f"'{nm.group(1)}' is a pointer or reference without an address space "
+                    "(device, constant, threadgroup or thread)",
                 )
+        if kind in RESTRICTED_NODES:
+            report(f, line, f"{RESTRICTED_NODES[kind]}: not supported in Metal")
+        if kind == "VarDecl" and re.search(r"' (?:\w+ )*(?:tls|tls_dynamic)\b", text):
+            report(f, line, "thread_local storage: not supported in Metal")
+        if kind == "VarDecl" and re.search(r"' (?:\w+ )*register\b", text):
+            report(f, line, "register storage: not supported in Metal")
+        if kind == "CXXMethodDecl" and re.search(r"\bvirtual\b", text):
+            report(f, line, "a virtual function: not supported in Metal")
+        if kind == "CXXRecordDecl" and " definition" in text:
+            record = (f, line)
+        if kind == "BaseSpecifier" and record:
+            report(*record, "a derived class (a class with a base class): not supported in Metal")
+        if depth <= 2 and kind in _TOP_DECLS and "implicit" not in text.split("'")[0]:
+            nm = _NAMED_DECL.search(text) or re.search(r"\b(?:struct|class|union|enum)\s+(\w+)", text)
+            if nm and nm.group(1) in mlx:
+                report(f, line, _clash(nm.group(1)))
         if kind == "DeclRefExpr" and stack:
-            cm = re.search(r"Function 0x[0-9a-f]+ '(\w+)'", text)
+            cm = re.search(r"Function (0x[0-9a-f]+) '(\w+)'", text)
             if cm:
                 calls.setdefault(stack[-1][1], set()).add((cm.group(1), f, line))
-    # A cycle in the call graph (by name: template instantiations share their template's).
+    # A cycle in the call graph, over declarations (each template instantiation is its own
+    # node: a chain of specialisations f<8> -> f<4> -> f<1> is not recursion).
     for start in calls:
         todo, seen_fn = [start], set()
         while todo:
             fn = todo.pop()
             for callee, f, line in calls.get(fn, ()):
+                callee = canon.get(callee, callee)
                 if callee == start:
-                    key = (f, line)
-                    if key not in seen:
-                        seen.add(key)
-                        errs.append(
-                            (
-                                f,
-                                line,
-                                f"recursive call: '{fn}' calls '{callee}' (Metal has no recursion)",
-                                batch[0].name,
-                            )
-                        )
+                    report(
+                        f,
+                        line,
+                        f"recursive call: '{names.get(fn, fn)}' calls '{names.get(callee, callee)}' "
+                        "(Metal has no recursion)",
+                    )
                 elif callee not in seen_fn:
                     seen_fn.add(callee)
                     todo.append(callee)
@@ -452,30 +617,53 @@ def _batches(items: list[Variant], n: int) -> list[list[Variant]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
+# Template values that only size a variant (the AST pass checks declarations, whose types and
+# address spaces these never change: the kernels have no `if constexpr`). Every other template
+# value (dtype, quantization bits and group, any flag a later kernel adds) gets its own
+# variants in the AST pass.
+SHAPE_VALUES = {"HD", "BS", "G", "TQ", "KC", "NSG", "HS", "SP", "RPT"}
+
+
+def ast_key(v: Variant) -> tuple:
+    """What the AST pass needs one variant of: section, quantized views, non-shape template values."""
+    return (v.group, v.section, v.prefix, tuple((n, str(x)) for n, x in v.template if n not in SHAPE_VALUES))
+
+
 def check(
     source: Path | None = None, *, jobs: int | None = None, only: list[Variant] | None = None
 ) -> tuple[list[Error], int]:
-    """(errors, variants checked) for the sources in `source` (default: the shipped metal/)."""
+    """(errors, variants checked) for the sources in `source` (default: the shipped metal/).
+
+    Every variant through clang's front end as MSL 3.2 (and 4.0 too when a source tests
+    `__METAL_VERSION__`: otherwise both preprocess alike); the AST pass over one variant per
+    `ast_key` (every dtype, quantization and flag) as both MSL 3.2 and 4.0."""
     root = Path(source) if source is not None else default_source()
     src = Sources.load(root)
     vs = only if only is not None else variants()
     for v in vs:
         v.body = src.sections[v.section][1]
     jobs = jobs or max(1, min(8, os.cpu_count() or 1))
+    texts = [t for _, t, _ in src.headers.values()] + [
+        (root / name).read_text() for name, _, _ in src.sections.values()
+    ]
+    grid_versions = METAL_VERSIONS if any("__METAL_VERSION__" in t for t in texts) else METAL_VERSIONS[:1]
     work = []
     for group in ("decode", "varlen"):
         items = [v for v in vs if v.group == group]
         if not items:
             continue
-        # One variant per section (and quantization) for the AST pass: it checks declarations.
         reps: dict[tuple, Variant] = {}
         for v in items:
-            reps.setdefault((v.section, bool(v.prefix)), v)
-        work.append((ast_errors, group, list(reps.values())))
-        work += [(check_batch, group, b) for b in _batches(items, 2 * jobs)]
+            reps.setdefault(ast_key(v), v)
+        for version in METAL_VERSIONS:
+            work += [(ast_errors, group, b, version) for b in _batches(list(reps.values()), jobs)]
+        for version in grid_versions:
+            work += [(check_batch, group, b, version) for b in _batches(items, 2 * jobs)]
     merged: dict[tuple, Error] = {}
+    for f, line, msg, _ in _restriction_errors(src):
+        merged.setdefault((f, line, msg), Error(f, line, msg))
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        for errs in pool.map(lambda w: w[0](w[1], w[2], src), work):
+        for errs in pool.map(lambda w: w[0](w[1], w[2], src, w[3]), work):
             for f, line, msg, variant in errs:
                 e = merged.setdefault((f, line, msg), Error(f, line, msg))
                 if variant and variant not in e.variants:
@@ -484,16 +672,14 @@ def check(
 
 
 def default_source() -> Path:
-    """The shipped `metal/` folder (installed package data, or the repository's)."""
-    try:
-        from importlib import resources
+    """The shipped `metal/` folder: the checkout's beside this package (as `attention.metal`
+    reads it), else the installed package data."""
+    local = HERE.parents[1] / "metal"
+    if (local / DECODE_FILE).is_file():
+        return local
+    from importlib import resources
 
-        p = Path(str(resources.files("mlxpaged.metal")))
-        if (p / DECODE_FILE).is_file():
-            return p
-    except (ModuleNotFoundError, TypeError):
-        pass
-    return HERE.parents[1] / "metal"
+    return Path(str(resources.files("mlxpaged.metal")))
 
 
 def main(argv=None) -> int:

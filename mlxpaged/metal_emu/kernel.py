@@ -56,6 +56,11 @@ DEFAULT_REGISTER_BUDGET = 128
 # the smallest, hold about 208 KB. A launch whose threads per threadgroup x register estimate
 # x 4 bytes exceeds it is refused ($MLXPAGED_EMU_REGFILE_BYTES overrides; 0 disables).
 DEFAULT_REGISTER_FILE_BYTES = 208 * 1024
+# Threads per threadgroup a launch may use. Metal's limit is 1024, but MLX checks each compiled
+# pipeline's maxTotalThreadsPerThreadgroup, which the compiler lowers for register-heavy kernels
+# (896 on an M2 Ultra in mlx-vlm#1799); 256 is what every pipeline we know of allows (MLX's steel
+# attention runs 128). A launch over it is refused ($MLXPAGED_EMU_MAX_THREADS overrides).
+DEFAULT_MAX_THREADS = 256
 # Attribute pairs Metal rejects together in one kernel signature (two names for one value).
 CONFLICTING_ATTRIBUTES = (("thread_execution_width", "threads_per_simdgroup"),)
 DEFAULT_STACK = 256 * 1024
@@ -124,8 +129,10 @@ class LaunchStats:
     bytes_written: dict = field(default_factory=dict)
     bytes_unwritten: dict = field(default_factory=dict)  # output name -> bytes no store touched
     # Register model: live 32-bit values per thread estimated from the thread-private arrays
-    # (and structs holding arrays) the launch declared, summed; an upper bound, not a compile.
+    # (and structs holding arrays) and built-in scalars and vectors the launch declared, summed
+    # (each declaration once, however often it ran); an upper bound, not a compile.
     registers: int = 0
+    scalar_registers: int = 0  # the scalars' and vectors' part of `registers`
     register_budget: int = DEFAULT_REGISTER_BUDGET
     threads_per_threadgroup: int = 0
     register_file_bytes: int = DEFAULT_REGISTER_FILE_BYTES
@@ -143,8 +150,14 @@ class LaunchStats:
     simdgroup_matrix_stores: int = 0
 
     @property
+    def array_registers(self) -> int:
+        """The arrays' part of `registers`: what spills first (indexed storage)."""
+        return self.registers - self.scalar_registers
+
+    @property
     def over_register_budget(self) -> bool:
-        return self.registers > self.register_budget
+        # The spill budget is about indexed storage; scalars count against the register file.
+        return self.array_registers > self.register_budget
 
     @property
     def threadgroup_register_bytes(self) -> int:
@@ -328,6 +341,13 @@ class EmulatedKernel:
 
         # MLX clamps the threadgroup to the grid (group_dims = min(tg, grid)).
         tg = tuple(min(t, g) for t, g in zip(threadgroup, grid))
+        cap = int(os.environ.get("MLXPAGED_EMU_MAX_THREADS", DEFAULT_MAX_THREADS))
+        if 0 < cap < tg[0] * tg[1] * tg[2]:
+            raise MetalEmuError(
+                f"[{self.name}] launch refused: a threadgroup of {tg[0] * tg[1] * tg[2]} threads is over "
+                f"{cap}, what every Mac's pipelines allow (MLX raises when a pipeline's "
+                "maxTotalThreadsPerThreadgroup is lower)"
+            )
         order_name, seed = current_order(order)
         with _lock:
             return self._launch(lib, gen, inputs, output_shapes, output_dtypes, grid, tg, init_value, order_name, seed)
@@ -416,6 +436,7 @@ class EmulatedKernel:
                     p.name: bufs[i].bytes_unwritten for i, p in enumerate(gen.params) if p.kind == "output"
                 },
                 registers=st[6] // 4,
+                scalar_registers=st[20] // 4,
                 register_budget=int(os.environ.get("MLXPAGED_EMU_REG_BUDGET", DEFAULT_REGISTER_BUDGET)),
                 threads_per_threadgroup=tg[0] * tg[1] * tg[2],
                 register_file_bytes=int(os.environ.get("MLXPAGED_EMU_REGFILE_BYTES", DEFAULT_REGISTER_FILE_BYTES)),
@@ -443,7 +464,7 @@ class EmulatedKernel:
                 )
             if self.last_launch.over_register_budget:
                 warnings.warn(
-                    f"[{self.name}] about {self.last_launch.registers} live 32-bit values "
+                    f"[{self.name}] about {self.last_launch.array_registers} live 32-bit values "
                     f"per thread exceed the register budget of "
                     f"{self.last_launch.register_budget} (Apple GPUs spill beyond it)",
                     RegisterBudgetWarning,

@@ -24,9 +24,11 @@ messages and error reports are lines of `last_source`:
 6. Casts to an address-space pointer type, `(device T*)x`, become `mlxemu_ascast<device T*>{} % x`
    (metal_shim.h): a cast between address spaces fails to compile, as in Metal (clang's C-style
    cast would convert silently). Only after `body_offset` (MLX's own preamble is trusted).
-7. Register model: after each statement-level declaration of a thread-private array, or of a
-   struct type that holds arrays, `mlxemu_regs(site, sizeof(name));` is appended on the same
-   line; the runtime sums the sites a launch reached (`LaunchStats.registers`).
+7. Register model: after each statement-level declaration of a thread-private array, of a
+   struct type that holds arrays, or of a scalar or vector of a built-in type (not `constexpr`
+   or `constant`: compile-time values), `mlxemu_regs(site, bytes);` is appended on the same
+   line (bytes in whole 32-bit registers); the runtime sums the sites a launch reached
+   (`LaunchStats.registers`).
 
 Rejected with `CompileError` (Metal rejects them; C++ would not): a `threadgroup` declaration
 with an initializer, and, when `kernel_span` is given, one outside the kernel function's body;
@@ -102,6 +104,8 @@ def _tg_slot(decl: str, slot_id: int) -> str | None:
     dims = " ".join(m.group("dims").split())
     ref = f"(&{name}){dims}" if dims else f"&{name}"
     ptr = f"(*){dims}" if dims else "*"
+    # The type through an identity alias: `float4 (&x)` would call the shim's float4(...) macro.
+    ty = f"mlxemu_type<{ty}>"
     text = (
         f"threadgroup {ty} {ref} = *(threadgroup {ty} {ptr})mlxemu_tg_slot("
         f'{slot_id}, sizeof({ty}{dims}), alignof({ty}), "{name}")'
@@ -126,6 +130,17 @@ _ARRAY_DECL = re.compile(
     r"(?P<dims>(?:\[[^\]]+\]\s*)+)(?:=[^;]*)?;"
 )
 _STRUCT_VAR = r"\s*(?:const\s+)?(?:{names})\b(?:\s*<[^;{{}}]*?>)?\s+(?P<name>[A-Za-z_]\w*)\s*;"
+# Thread-private scalars and vectors (`const int seq = ...;`, `float2 sb;`): MSL's built-in
+# arithmetic types. `constexpr` and `constant` ones are compile-time values, never registers;
+# loop counters (declared after `(`) are not counted.
+_SCALAR_TYPES = (
+    r"(?:(?:bool|char|uchar|short|ushort|int|uint|long|ulong|half|bfloat|float)(?:[234])?"
+    r"|size_t|u?int(?:8|16|32|64)_t)"
+)
+SCALAR_SITES = 512  # runtime.cpp: N_REG_SITES / 2
+_SCALAR_DECL = re.compile(
+    r"\s*(?:const\s+)?(?:thread\s+)?(?P<type>" + _SCALAR_TYPES + r")\s+(?P<name>[A-Za-z_]\w*)\s*(?:=[^;{}]*)?;"
+)
 _NOT_TYPES = {
     "threadgroup",
     "constant",
@@ -188,7 +203,7 @@ def _register_notes(code: str, start: int = 0) -> list[tuple[int, int, str]]:
             and any(m.group("type").split()[-1] not in _NOT_TYPES for m in _ARRAY_DECL.finditer(code, o + 1, c))
         ):
             holders.add(name)
-    pats = [_ARRAY_DECL]
+    pats = [_ARRAY_DECL, _SCALAR_DECL]
     if holders:
         pats.append(re.compile(_STRUCT_VAR.format(names="|".join(sorted(holders)))))
     edits, site = [], 0
@@ -202,7 +217,11 @@ def _register_notes(code: str, start: int = 0) -> list[tuple[int, int, str]]:
                 continue
             if innermost(s) != "code":  # a function or block body: a statement can follow
                 continue
-            edits.append((m.end(), m.end(), f" mlxemu_regs({site}, sizeof({m.group('name')}));"))
+            # Whole 32-bit registers: a bool or half takes one.
+            size = f"(sizeof({m.group('name')}) + 3) / 4 * 4"
+            # Scalar sites are numbered from SCALAR_SITES, so the runtime can tell them apart.
+            n = site + SCALAR_SITES if pat is _SCALAR_DECL else site
+            edits.append((m.end(), m.end(), f" mlxemu_regs({n}, {size});"))
             site += 1
     return edits
 

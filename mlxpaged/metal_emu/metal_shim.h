@@ -66,6 +66,9 @@ void mlxemu_atomic(int enter);  // brackets atomic operations: exempt from the r
 // Storage of one `threadgroup` declaration (lower.py rewrites declarations to call it).
 void* mlxemu_tg_slot(int id, size_t size, size_t align, const char* name);
 }
+// lower.py names a threadgroup array's type through this alias (a vector type's name followed by
+// `(` would be the shim's constructor macro).
+template <class T> using mlxemu_type = T;
 // Casts to an address-space pointer type (lower.py turns `(device T*)x` into
 // `mlxemu_ascast<device T*>{} % x`, and `*(device T*)x` into `*mlxemu_ascast<...>{} % x`): the
 // source and target pointee address spaces must agree, as Metal requires (clang's C-style cast

@@ -44,6 +44,7 @@ enum {
   STAT_REG_BYTES, STAT_EXP, STAT_EXP2, STAT_SHUFFLES, STAT_REDUCTIONS, STAT_NOFENCE_BARRIERS,
   STAT_LOAD1, STAT_LOAD2, STAT_LOAD4, STAT_LOAD8, STAT_LOAD16,
   STAT_MMA, STAT_MLOAD, STAT_MSTORE,  // simdgroup_matrix calls, per simdgroup
+  STAT_SCALAR_REG_BYTES,  // the part of STAT_REG_BYTES from scalar and vector sites (lower.py: site >= 512)
 };
 // SIMD sync kinds of the simdgroup_matrix functions (metal_simdgroup_matrix.h).
 enum { K_MLOAD = 6, K_MSTORE = 7, K_MMA = 8 };
@@ -318,10 +319,29 @@ static void __attribute__((noinline)) tg_access(const char* p, size_t n, int sto
 // The arena is tested first: it may lie anywhere, between two buffer mappings included (the
 // hull below is not a set of buffers), and an arena access must always reach the race and
 // red-zone checks.
+// A vector access (8 or 16 bytes: float2, half4, float4 ...) must be aligned to its size, as on
+// a GPU; a `threadgroup float` array cast to `float4*` is not, unless declared so (the arena
+// places arrays of smaller alignment off 16 bytes on purpose, see mlxemu_tg_slot).
+static void __attribute__((noinline)) misaligned(const char* p, size_t n, int store) {
+  if ((uintptr_t)p - (uintptr_t)g_arena < TG_CAP) {
+    size_t off = (size_t)(p - g_arena);
+    const TgVar* v = off < TG_CAP && g_owner[off] ? &g_vars[g_owner[off] - 1] : nullptr;
+    set_error("misaligned %zu-byte %s of threadgroup array '%s' at byte offset %ld: declare the "
+              "array with the vector type (or alignas(%zu))", n, store ? "write" : "read",
+              v ? v->name : "?", v ? (long)(off - v->off) : (long)off, n);
+  } else {
+    set_error("misaligned %zu-byte %s of device memory at address %p", n, store ? "write" : "read", (const void*)p);
+  }
+  if (g_cur) fiber_abort();
+}
+
 static inline void access(const void* p, size_t n, int store) {
   if (!g_desc) return;
-  if ((uintptr_t)p - (uintptr_t)g_arena < TG_CAP) tg_access((const char*)p, n, store);
-  else if ((uintptr_t)p - g_lo < g_span) access_slow((const char*)p, n, store);
+  const bool tg = (uintptr_t)p - (uintptr_t)g_arena < TG_CAP;
+  if (!tg && (uintptr_t)p - g_lo >= g_span) return;
+  if (n >= 8 && ((uintptr_t)p & (n - 1))) misaligned((const char*)p, n, store);
+  if (tg) tg_access((const char*)p, n, store);
+  else access_slow((const char*)p, n, store);
 }
 
 // Called by each thread when it reaches a `threadgroup` declaration (lower.py rewrites it to
@@ -329,8 +349,11 @@ static inline void access(const void* p, size_t n, int store) {
 EXPORT void* mlxemu_tg_slot(int id, size_t size, size_t align, const char* name) {
   for (int i = 0; i < g_nvars; ++i)
     if (g_vars[i].id == id && g_vars[i].size == size) return g_arena + g_vars[i].off;
-  if (align < 16) align = 16;
-  size_t off = (g_arena_used + align - 1) / align * align;
+  // Arrays of alignment under 16 start at `align` past a 16-byte boundary, the least a GPU
+  // promises them, so a vector cast that needs more faults here as it may on a Mac.
+  size_t off = (g_arena_used + 15) / 16 * 16;
+  if (align < 16) off += align;
+  else off = (g_arena_used + align - 1) / align * align;
   size_t rounded = (size + 15) / 16 * 16;
   if (g_tg_bytes + rounded > TG_LIMIT || off + size + TG_RED > TG_CAP || g_nvars == 512) {
     set_error("threadgroup memory exceeds %zu bytes with '%s' (%zu bytes)", (size_t)TG_LIMIT, name, size);
@@ -878,7 +901,10 @@ EXPORT int mlxemu_launch(LaunchDesc* d, char* err, int errlen) {
   }
   g_span = 0;
   d->stats[STAT_TG_BYTES] = mlxemu_tg_bytes();
-  for (int k = 0; k < N_REG_SITES; ++k) d->stats[STAT_REG_BYTES] += g_reg_site[k];
+  for (int k = 0; k < N_REG_SITES; ++k) {
+    d->stats[STAT_REG_BYTES] += g_reg_site[k];
+    if (k >= N_REG_SITES / 2) d->stats[STAT_SCALAR_REG_BYTES] += g_reg_site[k];
+  }
   for (int64_t i = 0; i < d->n_buffers; ++i) {
     Buffer* b = &d->buffers[i];
     if (!b->written_map) continue;
