@@ -14,15 +14,17 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
-from .errors import APIError
+from ..engine.sampling_params import SamplingParams
+from .admission import Ask, admit
+from .admission import count_tokens as admission_count
+from .bodies import Body, CheckedBody
+from .errors import APIError, ErrorResponse
 from .guided_request import format_guided, tool_plan
-from .jobs import check_model, sampling_params
+from .jobs import JobStream
 from .middleware import anthropic_error_body
-from .prompts import check_context, encode_messages
-from .turns import TurnEnd, sse, start_turn, turn_events, whole_turn
+from .turns import TurnEnd, add_format, sse, turn_events, whole_turn
 
 
 class AnthropicError(Exception):
@@ -39,23 +41,19 @@ class AnthropicError(Exception):
 
 
 # -- request bodies -------------------------------------------------------------------------------
-class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class TextBlock(_Body):
+class TextBlock(Body):
     type: Literal["text"]
     text: str
 
 
-class ToolUseBlock(_Body):
+class ToolUseBlock(Body):
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any]
 
 
-class ToolResultBlock(_Body):
+class ToolResultBlock(Body):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock] | None = None
@@ -73,34 +71,34 @@ class ToolResultBlock(_Body):
 Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
 
 
-class Message(_Body):
+class Message(Body):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
-class Tool(_Body):
+class Tool(Body):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     input_schema: dict[str, Any]
 
 
-class ToolChoice(_Body):
+class ToolChoice(Body):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool = False
 
 
-class JsonFormat(_Body):
+class JsonFormat(Body):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(_Body):
+class OutputConfig(Body):
     format: JsonFormat | None = None
     effort: str | None = None  # refused when set: no reasoning models here
 
 
-class CountTokensRequest(_Body):
+class CountTokensRequest(CheckedBody):
     model: str
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
@@ -135,6 +133,8 @@ async def _body(request: Request, model):
         raw = await request.json()
     except ValueError as e:
         raise AnthropicError(400, f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise AnthropicError(400, "malformed JSON body: nested too deeply") from None
     if not isinstance(raw, dict):
         raise AnthropicError(400, "the request needs a JSON object body")
     return _parse(model, raw)
@@ -206,60 +206,74 @@ def tool_use_block(call) -> dict:
 
 def register_anthropic(app: FastAPI, state) -> None:
     """The routes and their error handler; the OpenAI routes keep OpenAI's error object."""
-    engine = state.engine_loop.engine
 
     @app.exception_handler(AnthropicError)
     async def _anthropic_error(request, exc: AnthropicError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return ErrorResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     # The API key is checked by the Guard middleware before the body is read (in Anthropic's error shape here).
     router = APIRouter(prefix="/v1")
 
-    async def encode(body) -> tuple[list[int], object]:
+    def ask(body, max_tokens: int = 1):
+        """The body as an `Ask` (admission.py); `plan.guided` set from `output_config` too."""
         plan = plan_of(body)
-        try:
-            check_model(state, body.model)
-            messages = template_messages(body)
-            return await state.off_loop(encode_messages, engine.tokenizer, messages, plan.tools), plan
-        except APIError as e:
-            raise AnthropicError.of(e) from None
+        oc = getattr(body, "output_config", None)
+        if oc is not None and oc.effort is not None:
+            raise AnthropicError(400, "output_config.effort: not supported by this server (no reasoning models)")
+        if oc is not None and oc.format is not None:
+            try:
+                guided = format_guided("json_schema", oc.format.schema_, "output_config.format")
+                add_format(plan, guided, "output_config.format", "tool_choice any or tool")
+            except APIError as e:
+                raise AnthropicError.of(e) from None
+        stops = list(getattr(body, "stop_sequences", None) or [])
+
+        def params(max_tokens: int) -> SamplingParams:
+            return SamplingParams(
+                temperature=body.temperature,
+                top_p=body.top_p if body.top_p is not None else 1.0,
+                top_k=body.top_k or 0,
+                max_tokens=max_tokens,
+                stop=stops,
+                speculative=body.speculative,
+                guided=plan.guided,
+            )
+
+        a = Ask(
+            "msg",
+            body.model,
+            params,
+            max_tokens,
+            messages=template_messages(body),
+            tools=plan.tools,
+            stops=stops,
+            max_tokens=max_tokens,
+            guided_param=plan.param,
+            names={"stop": "stop_sequences"},
+        )
+        return a, plan
 
     @router.post("/messages/count_tokens")
     async def count_tokens(request: Request):
-        body = await _body(request, CountTokensRequest)
-        ids, _ = await encode(body)
-        return {"input_tokens": len(ids)}
+        a, _ = ask(await _body(request, CountTokensRequest))
+        try:
+            return {"input_tokens": await admission_count(state, a)}
+        except APIError as e:
+            raise AnthropicError.of(e) from None
 
     @router.post("/messages")
     async def messages(request: Request):
         body = await _body(request, MessagesRequest)
-        ids, plan = await encode(body)
+        a, plan = ask(body, body.max_tokens)
         try:
-            oc = body.output_config
-            if oc is not None and oc.effort is not None:
-                raise APIError(400, "output_config.effort: not supported by this server (no reasoning models)")
-            if oc is not None and oc.format is not None:
-                if plan.guided is not None:
-                    raise APIError(
-                        400,
-                        "output_config.format: cannot be combined with tool_choice any or tool "
-                        "(both constrain the output)",
-                    )
-                plan.guided = format_guided("json_schema", oc.format.schema_, "output_config.format")
-                plan.param = "output_config.format"
-            check_context(len(ids), body.max_tokens, state.context)
-            params = sampling_params(_Sampling(body), body.max_tokens, None, state.vocab_size, guided=plan.guided)
-            job = await start_turn(state, "msg", ids, params, plan.param)
+            job, prompts = await admit(state, a)
         except APIError as e:
             raise AnthropicError.of(e) from None
+        ids = prompts[0]
         msg_id = "msg_" + job.resp_id.split("-", 1)[1][:24]
         head = {"id": msg_id, "type": "message", "role": "assistant", "model": state.model_id}
         if body.stream:
-            return StreamingResponse(
-                _stream(state, job, plan.parse, head, len(ids)),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
+            return JobStream(job, _stream(state, job, plan.parse, head, len(ids)))
         try:
             content, calls, end = await whole_turn(state, job, request, plan.parse)
         except APIError as e:
@@ -276,27 +290,6 @@ def register_anthropic(app: FastAPI, state) -> None:
         }
 
     app.include_router(router)
-
-
-class _Sampling:
-    """The Anthropic body's sampling fields, as `to_sampling_params` reads them."""
-
-    def __init__(self, body: MessagesRequest):
-        self.body = body
-
-    def to_sampling_params(self, max_tokens, logprobs, vocab_size=None, **extra):
-        from ..engine.sampling_params import SamplingParams
-
-        b = self.body
-        return SamplingParams(
-            temperature=b.temperature,
-            top_p=b.top_p if b.top_p is not None else 1.0,
-            top_k=b.top_k or 0,
-            max_tokens=max_tokens,
-            stop=list(b.stop_sequences or []),
-            speculative=b.speculative,
-            **{k: v for k, v in extra.items() if v is not None},
-        )
 
 
 async def _stream(state, job, parse, head: dict, n_prompt: int):

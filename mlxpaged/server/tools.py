@@ -29,6 +29,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from .bodies import loads_json
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 JSON_STYLE = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}  # llguidance's options
 
@@ -47,15 +49,15 @@ class ToolCall:
 def _call_of(body: str) -> ToolCall | None:
     """The call a span's body holds, or None when it is not one (then the span stays text)."""
     try:
-        obj = json.loads(body)
-    except ValueError:
+        obj = loads_json(body)
+    except ValueError:  # not JSON, or nested deeper than any arguments we take
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters"))
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
-            args = json.loads(args)
+            args = loads_json(args)
         except ValueError:
             return None
     if not isinstance(args, dict):
@@ -179,9 +181,9 @@ def template_tool_calls(calls: list[dict]) -> list[dict]:
         args = fn.get("arguments")
         if isinstance(args, str):
             try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError:
-                raise ValueError(f"tool call {c.get('id', '')!r}: arguments are not valid JSON") from None
+                args = loads_json(args) if args.strip() else {}
+            except ValueError as e:
+                raise ValueError(f"tool call {c.get('id', '')!r}: arguments are not valid JSON ({e})") from None
         out.append({"id": c.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args or {}}})
     return out
 

@@ -1,0 +1,100 @@
+"""OpenAI's `POST /v1/completions` and `POST /v1/chat/completions`, over the one admission path.
+
+Each handler converts its body to an `Ask` (admission.py), which checks, tokenizes and starts the
+job; then it renders the job's outputs as OpenAI's JSON, whole or as `chat.completion.chunk` /
+`text_completion` events (jobs.py streams them). Errors are OpenAI's error object.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from .admission import Ask, admit
+from .guided_request import chat_plan
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .responses import ChoiceStream, chat_logprobs, completion_logprobs, envelope, usage
+from .tools import ToolCallStream, chat_message, stream_tool_delta
+
+DEFAULT_CHAT_MAX_TOKENS = 1024  # when a chat body gives neither max_tokens nor max_completion_tokens
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def register_openai(router: APIRouter, state, text_of) -> None:
+    vocab = state.capacity.vocab_size
+
+    @router.post("/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        ask = Ask(
+            "cmpl",
+            body.model,
+            lambda max_tokens: body.to_sampling_params(max_tokens, body.logprobs, vocab),
+            DEFAULT_COMPLETION_MAX_TOKENS,
+            prompts=body.prompts(),
+            stops=body.stops(),
+            stop_token_ids=body.stop_token_ids,
+            n=body.n,
+            max_tokens=body.max_tokens,
+        )
+        job, _ = await admit(state, ask)
+
+        def choice(index, text, lps, finish, stream: ChoiceStream):
+            lp = completion_logprobs(lps, text_of) if lps is not None else None
+            return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+
+        if body.stream:
+            return job.stream(request, "text_completion", state.model_id, choice, body.include_usage)
+        outs = await job.collect(request)
+        choices = [
+            choice(job.index(o.request_id, c.index), c.text, getattr(c, "logprobs", None), c.finish_reason, None)
+            for o in outs
+            for c in o.outputs
+        ]
+        return envelope(job.resp_id, "text_completion", state.model_id, choices=choices, usage=usage(outs))
+
+    @router.post("/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        messages, plan = chat_plan(body)  # tools, tool_choice and response_format (guided_request.py)
+        ask = Ask(
+            "chatcmpl",
+            body.model,
+            lambda max_tokens: body.to_sampling_params(max_tokens, body.logprobs_k(), vocab, guided=plan.guided),
+            DEFAULT_CHAT_MAX_TOKENS,
+            messages=messages,
+            tools=plan.tools,
+            stops=body.stops(),
+            stop_token_ids=body.stop_token_ids,
+            n=body.n,
+            max_tokens=body.requested_max_tokens(),
+            guided_param=plan.param,
+        )
+        job, _ = await admit(state, ask)
+
+        def chunk_choice(index, text, lps, finish, stream: ChoiceStream):
+            delta = {"content": text}
+            if plan.parse:  # content the tool-call parser lets through, and the calls it completed
+                if not hasattr(stream, "tools"):
+                    stream.tools = ToolCallStream(plan.parse)
+                delta, finish = stream_tool_delta(stream.tools, text, finish)
+                if not delta and not finish and not lps:
+                    return None
+            if not stream.started:
+                delta = {"role": "assistant", **delta}
+                stream.started = True
+            lp = chat_logprobs(lps, text_of) if lps is not None else None
+            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+
+        if body.stream:
+            return job.stream(request, "chat.completion.chunk", state.model_id, chunk_choice, body.include_usage)
+        outs = await job.collect(request)
+        choices = [
+            {
+                "index": c.index,
+                "message": msg,
+                "logprobs": chat_logprobs(c.logprobs, text_of) if getattr(c, "logprobs", None) is not None else None,
+                "finish_reason": finish,
+            }
+            for o in outs
+            for c in o.outputs
+            for msg, finish in [chat_message(c.text, c.finish_reason, plan.parse)]
+        ]  # tools.py: parsed calls
+        return envelope(job.resp_id, "chat.completion", state.model_id, choices=choices, usage=usage(outs))

@@ -1,0 +1,328 @@
+"""One spine for every route (issue 36) and the route findings of issue 38, in one process.
+
+The app runs in-process (FastAPI's TestClient) over one engine on the tiny model: every route
+goes through `admission.admit`, so the same over-limit body is refused on all four, each in its
+own error object and before any tokenizing. Each finding of issue 38 that touches the routes has
+its reproducer here, scaled to run in a second.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jsonschema
+import pytest
+
+from mlxpaged.server.limits import Limits
+
+POOL_BLOCKS = 64  # 1,024 token slots
+MAX_STOPS = 4
+MAX_REQUEST_TOKENS = 5_000
+STORE = 8
+ROUTES = ("chat", "completions", "messages", "responses")
+
+
+@pytest.fixture(scope="module")
+def spine(tiny_loaded):
+    import mlx.core as mx
+    from fastapi.testclient import TestClient
+
+    from mlxpaged.config import EngineConfig
+    from mlxpaged.engine.llm_engine import LLMEngine
+    from mlxpaged.server.app import build_app
+    from mlxpaged.server.engine_loop import EngineLoop
+    from mlxpaged.server.metrics import Metrics
+
+    mx.eval(tiny_loaded.model.parameters())
+    loop = EngineLoop(lambda: LLMEngine(tiny_loaded, EngineConfig(num_blocks=POOL_BLOCKS)))
+    loop.start()
+    limits = Limits(max_stop_strings=MAX_STOPS, max_request_tokens=MAX_REQUEST_TOKENS)
+    app = build_app(loop, Metrics(), model_id="tiny", limits=limits, responses_store=STORE)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        yield c, app.state.server
+
+
+def post(c, route: str, body: dict, **kw):
+    path = {
+        "chat": "/v1/chat/completions",
+        "completions": "/v1/completions",
+        "messages": "/v1/messages",
+        "responses": "/v1/responses",
+    }[route]
+    # json.dumps escapes a lone surrogate as JSON allows ("\\ud800"); httpx's json= cannot encode it
+    return c.post(path, content=json.dumps(body), headers={"content-type": "application/json"}, **kw)
+
+
+def body_for(route: str, *, text="hi", system=None, messages=None, stops=None, max_tokens=4, tool_text=None):
+    """The same request in each route's shape."""
+    msgs = messages if messages is not None else [{"role": "user", "content": text}]
+    tools = [{"name": "f", "description": tool_text, "parameters": {"type": "object"}}] if tool_text else None
+    if route == "completions":
+        b = {"model": "tiny", "prompt": (system or "") + (tool_text or "") + text, "max_tokens": max_tokens}
+        return {**b, "stop": stops} if stops is not None else b
+    if route == "chat":
+        b = {"model": "tiny", "messages": ([{"role": "system", "content": system}] if system else []) + msgs}
+        b["max_tokens"] = max_tokens
+        if tools:
+            b["tools"] = [{"type": "function", "function": t} for t in tools]
+        return {**b, "stop": stops} if stops is not None else b
+    if route == "messages":
+        b = {"model": "tiny", "messages": msgs, "max_tokens": max_tokens}
+        if system:
+            b["system"] = system
+        if tools:
+            b["tools"] = [{"name": "f", "description": tool_text, "input_schema": {"type": "object"}}]
+        return {**b, "stop_sequences": stops} if stops is not None else b
+    b = {"model": "tiny", "input": msgs, "max_output_tokens": max_tokens}
+    if system:
+        b["instructions"] = system
+    if tools:
+        b["tools"] = [{"type": "function", **t} for t in tools]
+    return b if stops is None else {**b, "stop": stops}
+
+
+def error_of(route: str, r) -> str:
+    """The message of the route's own 4xx error object (Anthropic's on Messages, OpenAI's elsewhere)."""
+    assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    j = r.json()
+    if route == "messages":
+        assert j["type"] == "error" and set(j["error"]) == {"type", "message"}, j
+        assert j["error"]["type"] == "invalid_request_error", j
+        return j["error"]["message"]
+    assert set(j["error"]) == {"message", "type", "param", "code"} and j["error"]["type"] == "invalid_request_error"
+    return j["error"]["message"]
+
+
+def too_long(state) -> int:
+    """More characters than the pool's tokens could hold, at the vocabulary's longest token."""
+    cap = state.capacity
+    return cap.max_prompt_tokens * cap.max_token_chars + 1
+
+
+CASES = {
+    # what is over the limit -> (body keywords, words the refusal must have)
+    "system text": (lambda st: {"system": "x" * too_long(st)}, "characters"),
+    "tool description": (lambda st: {"tool_text": "x" * too_long(st)}, "characters"),
+    "empty messages": (
+        lambda st: {"messages": [{"role": "user", "content": ""}] * (st.capacity.max_prompt_tokens + 1)},
+        "characters",
+    ),
+    "stops": (lambda st: {"stops": [f"s{i}" for i in range(MAX_STOPS + 1)]}, "--max-stop-strings"),
+    "work": (lambda st: {"max_tokens": MAX_REQUEST_TOKENS + 1}, "--max-request-tokens"),
+}
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_over_limit_body_is_refused_on_every_route_before_tokenizing(spine, monkeypatch, route, case):
+    c, state = spine
+    if route == "completions" and case == "empty messages":
+        pytest.skip("[expected] a completion has no messages")
+    if route == "responses" and case == "stops":
+        pytest.skip("[expected] the Responses API has no stop strings")
+    calls = []
+    real = state.off_loop
+
+    async def counted(fn, *a):
+        calls.append(fn)
+        return await real(fn, *a)
+
+    monkeypatch.setattr(state, "off_loop", counted)
+    make, words = CASES[case]
+    r = post(c, route, body_for(route, **make(state)))
+    msg = error_of(route, r)
+    assert words in msg, msg
+    assert calls == [], "refused only after tokenizing"
+    if case == "stops":  # in the route's own field name
+        assert msg.startswith({"messages": "stop_sequences", "responses": "stop"}.get(route, "stop") + " has"), msg
+    if case == "work" and route == "responses":
+        assert "max_output_tokens" in msg and "max_tokens" not in msg.replace("max_output_tokens", ""), msg
+
+
+def test_default_max_tokens_is_against_the_pools_maximum(tiny_loaded, monkeypatch):
+    """A growable pool that starts small: the default max_tokens is the route's default (the model's
+    context and the pool's cap leave room), not what the pool's starting size would hold."""
+    import mlx.core as mx
+    from fastapi.testclient import TestClient
+
+    from mlxpaged.config import EngineConfig
+    from mlxpaged.engine.llm_engine import LLMEngine
+    from mlxpaged.server.app import build_app
+    from mlxpaged.server.engine_loop import EngineLoop
+    from mlxpaged.server.metrics import Metrics
+
+    mx.eval(tiny_loaded.model.parameters())
+    config = EngineConfig(num_blocks=None, kv_chunk_blocks=4, kv_memory_gb=0.5, max_kv_tokens=16384)
+    loop = EngineLoop(lambda: LLMEngine(tiny_loaded, config))
+    loop.start()
+    app = build_app(loop, Metrics(), model_id="tiny")
+    seen = []
+    submit = loop.submit
+
+    def recording(prompt, params, rid, sink):
+        seen.append((len(prompt), params.max_tokens, params.n))
+        return submit(prompt, params, rid, sink)
+
+    monkeypatch.setattr(loop, "submit", recording)
+    engine = loop.engine
+    assert engine.num_blocks * 16 < 4 * 1024 <= engine.max_blocks * 16  # the start is too small, the cap is not
+    context = tiny_loaded.model.args.max_position_embeddings
+    with TestClient(app) as c:
+        for route, n in (("chat", 4), ("responses", 1)):
+            seen.clear()
+            body = {**body_for(route, text="Paged attention"), "stream": True}
+            body.pop("max_tokens", None), body.pop("max_output_tokens", None)
+            if route == "chat":
+                body["n"] = n
+            with c.stream(
+                "POST", {"chat": "/v1/chat/completions", "responses": "/v1/responses"}[route], json=body
+            ) as r:
+                assert r.status_code == 200
+                next(r.iter_lines())  # admitted; leaving aborts it
+            (num_prompt, max_tokens, got_n) = seen[0]
+            assert got_n == n and max_tokens == min(1024, context - num_prompt), (route, seen)
+
+
+def test_stored_conversation_is_never_changed_by_later_requests(spine):
+    """Issue 38 finding 1: refused continuations, and other clients' continuations, leave the stored
+    conversation as it was: the same continuation has the same prompt before and after them."""
+    c, _ = spine
+    first = post(c, "responses", {"model": "tiny", "input": "hi", "max_output_tokens": 2}).json()
+
+    def call(who: str):
+        return {"type": "function_call", "call_id": f"call_{who}", "name": "send", "arguments": json.dumps({"to": who})}
+
+    def cont(who: str, **extra):
+        items = [call(who), {"type": "function_call_output", "call_id": f"call_{who}", "output": "ok"}]
+        body = {"model": "tiny", "input": items, "previous_response_id": first["id"], "max_output_tokens": 2}
+        return post(c, "responses", {**body, **extra})
+
+    before = cont("client A's secret").json()["usage"]["input_tokens"]
+    for _ in range(5):  # valid up to the tool choice, which names a function not offered: 400
+        r = cont("client A's secret", tool_choice={"type": "function", "name": "nope"})
+        assert r.status_code == 400, r.text
+    r = cont("b")
+    assert r.status_code == 200
+    assert cont("client A's secret").json()["usage"]["input_tokens"] == before
+
+
+def _wait_idle(state, seconds: float = 2.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not state.engine_loop.busy:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.mark.parametrize("route", ["responses", "messages", "chat"])
+def test_a_stream_that_fails_on_its_first_event_aborts_its_request(spine, monkeypatch, route):
+    """Issue 38 finding 2: the response ends at its first event (here an event that cannot be
+    encoded); its engine request is aborted at once, not left generating for nobody."""
+    import mlxpaged.server.anthropic_api as anthropic_api
+    import mlxpaged.server.jobs as jobs
+    import mlxpaged.server.responses_api as responses_api
+
+    c, state = spine
+
+    async def failing(*a, **kw):
+        raise UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed")
+        yield  # an async generator that fails before its first event
+
+    if route == "responses":
+        monkeypatch.setattr(responses_api, "_stream", failing)
+    elif route == "messages":
+        monkeypatch.setattr(anthropic_api, "_stream", failing)
+    else:
+        monkeypatch.setattr(jobs.Job, "_events", failing)
+    body = {**body_for(route, max_tokens=900), "stream": True}
+    post(c, route, body)
+    assert _wait_idle(state, 0.5), "the engine request kept running after its response ended"
+
+
+SURROGATE = "\ud800"
+
+
+@pytest.mark.parametrize(
+    "route,body",
+    [
+        ("messages", {"model": SURROGATE}),
+        (
+            "messages",
+            {"tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "tool", "name": SURROGATE}},
+        ),
+        ("count_tokens", {"model": SURROGATE}),
+        ("responses", {"metadata": {SURROGATE: "v"}}),
+        ("responses", {"metadata": {"k": SURROGATE}}),
+        ("responses", {"user": SURROGATE}),
+        ("responses", {"user": SURROGATE, "stream": True}),
+        ("responses", {"text": {"format": {"type": "json_object", "name": SURROGATE}}}),
+        ("responses", {"text": {"format": {"type": "json_object", "description": SURROGATE}}}),
+    ],
+)
+def test_lone_surrogates_are_a_400_not_a_500(spine, route, body):
+    """Issue 38 finding 7: each route answers its own 400 object, ASCII-escaped, never a 500."""
+    c, _ = spine
+    if route == "count_tokens":
+        base = body_for("messages")
+        base.pop("max_tokens")
+        raw = json.dumps({**base, **body})
+        r = c.post("/v1/messages/count_tokens", content=raw, headers={"content-type": "application/json"})
+        route = "messages"
+    else:
+        r = post(c, route, {**body_for(route), **body})
+    assert r.status_code == 400, r.text
+    r.content.decode("ascii")
+    assert "surrogate" in error_of(route, r)
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("where", ["messages metadata", "chat arguments", "responses arguments"])
+def test_deep_nesting_is_a_400_not_a_500(spine, where):
+    """Issue 38 finding 8: JSON nested past the recursion limit is a 400 in the route's object."""
+    c, _ = spine
+    deep = _nested(100_000)
+    if where == "messages metadata":
+        raw = json.dumps(body_for("messages"))[:-1] + ', "metadata": {"a": ' + deep + "}}"
+        r = c.post("/v1/messages", content=raw, headers={"content-type": "application/json"})
+        route = "messages"
+    elif where == "chat arguments":
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}
+        msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+        r = post(c, "chat", body_for("chat", messages=msgs + [{"role": "tool", "tool_call_id": "c1", "content": "x"}]))
+        route = "chat"
+    else:
+        items = [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": deep}]
+        r = post(c, "responses", body_for("responses", messages=items))
+        route = "responses"
+    error_of(route, r)
+
+
+def test_deeply_nested_model_output_stays_text():
+    """Issue 38 finding 8, the model's side: a call span nested past the recursion limit is text."""
+    from mlxpaged.server.tools import parse_tool_calls
+
+    text = '<tool_call>\n{"name": "f", "arguments": {"a": ' + _nested(100_000) + "}}\n</tool_call>"
+    content, calls = parse_tool_calls(text, {"f"})
+    assert calls == [] and content == text
+
+
+def test_a_grammar_ended_turn_is_not_a_stop_sequence(spine):
+    """Issue 38 finding 15: a turn ended by its grammar, with stop_sequences given that never
+    occur, ends with `end_turn` and no stop sequence; a stop string that did end it is named."""
+    c, _ = spine
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"]}
+    schema["additionalProperties"] = False
+    body = {
+        **body_for("messages", max_tokens=64, stops=["never-occurs-1", "never-occurs-2"]),
+        "temperature": 0,
+        "output_config": {"format": {"type": "json_schema", "schema": schema}},
+    }
+    r = post(c, "messages", body).json()
+    text = r["content"][0]["text"]
+    jsonschema.validate(json.loads(text), schema)
+    assert (r["stop_reason"], r["stop_sequence"]) == ("end_turn", None), r
