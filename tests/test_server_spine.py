@@ -326,3 +326,166 @@ def test_a_grammar_ended_turn_is_not_a_stop_sequence(spine):
     text = r["content"][0]["text"]
     jsonschema.validate(json.loads(text), schema)
     assert (r["stop_reason"], r["stop_sequence"]) == ("end_turn", None), r
+
+
+# -- forced tool calls on the default model's real tokenizer ---------------------------------------
+def write_tiny_with_tokenizer(path, tok_dir, hidden: int = 64, inter: int = 128):
+    """A one-layer random Qwen2 checkpoint carrying the tokenizer (and vocabulary size) of `tok_dir`."""
+    import shutil
+
+    import mlx.core as mx
+    import numpy as np
+
+    path.mkdir(parents=True, exist_ok=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok_dir / f, path / f)
+    src = json.loads((tok_dir / "config.json").read_text())
+    vocab, heads, kv_heads = src["vocab_size"], 2, 1
+    hd = hidden // heads
+    config = {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": hidden,
+        "num_hidden_layers": 1,
+        "intermediate_size": inter,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+        "eos_token_id": src["eos_token_id"],
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(0)
+
+    def w(*shape, scale=None):
+        return mx.array(rng.normal(0, scale or shape[-1] ** -0.5, size=shape).astype(np.float32))
+
+    p = "model.layers.0."
+    weights = {
+        "model.embed_tokens.weight": w(vocab, hidden, scale=1.0),
+        "model.norm.weight": mx.ones((hidden,)),
+        p + "self_attn.q_proj.weight": w(heads * hd, hidden),
+        p + "self_attn.q_proj.bias": w(heads * hd, scale=0.1),
+        p + "self_attn.k_proj.weight": w(kv_heads * hd, hidden),
+        p + "self_attn.k_proj.bias": w(kv_heads * hd, scale=0.1),
+        p + "self_attn.v_proj.weight": w(kv_heads * hd, hidden),
+        p + "self_attn.v_proj.bias": w(kv_heads * hd, scale=0.1),
+        p + "self_attn.o_proj.weight": w(hidden, heads * hd),
+        p + "mlp.gate_proj.weight": w(inter, hidden),
+        p + "mlp.up_proj.weight": w(inter, hidden),
+        p + "mlp.down_proj.weight": w(hidden, inter),
+        p + "input_layernorm.weight": mx.ones((hidden,)),
+        p + "post_attention_layernorm.weight": mx.ones((hidden,)),
+    }
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def qwen_tok(tmp_path_factory):
+    """The app on a tiny random model with Qwen2.5's real tokenizer, where `<tool_call>` is one
+    added token (id 151657), as on the default model."""
+    from fastapi.testclient import TestClient
+
+    from mlxpaged.config import EngineConfig
+    from mlxpaged.engine.llm_engine import LLMEngine
+    from mlxpaged.loading.gguf import convert_gguf
+    from mlxpaged.loading.loader import load
+    from mlxpaged.loading.offline_model import ensure_offline_model
+    from mlxpaged.server.app import build_app
+    from mlxpaged.server.engine_loop import EngineLoop
+    from mlxpaged.server.metrics import Metrics
+
+    path = write_tiny_with_tokenizer(tmp_path_factory.mktemp("qwen-tok"), convert_gguf(ensure_offline_model()))
+    loaded = load(str(path), "float32")
+    assert loaded.tokenizer.encode("<tool_call>", add_special_tokens=False) == [151657]
+    loop = EngineLoop(lambda: LLMEngine(loaded, EngineConfig(num_blocks=64)))
+    loop.start()
+    app = build_app(loop, Metrics(), model_id="tiny")
+    with TestClient(app) as c:
+        yield c
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}
+TIME["additionalProperties"] = False
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+
+
+def _sse(text: str) -> list[dict]:
+    return [json.loads(ln[6:]) for ln in text.splitlines() if ln.startswith("data: ") and ln != "data: [DONE]"]
+
+
+def forced_calls(c, api: str, choice: str, stream: bool) -> list[tuple[str, dict]]:
+    """(name, arguments) of the calls a forced request returns, read from the API's own shapes."""
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    if api == "chat":
+        tools = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in SCHEMAS.items()]
+        tc = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else "required"
+        body = {"model": "tiny", "messages": msgs, "tools": tools, "tool_choice": tc, "max_tokens": 80}
+        body.update(stream=stream, parallel_tool_calls=False)
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        if not stream:
+            choice0 = r.json()["choices"][0]
+            assert choice0["finish_reason"] == "tool_calls", choice0
+            calls = choice0["message"]["tool_calls"]
+        else:
+            chunks = [ch["choices"][0] for ch in _sse(r.text) if ch["choices"]]
+            assert chunks[-1]["finish_reason"] == "tool_calls", chunks[-1]
+            calls = [tc for ch in chunks for tc in ch["delta"].get("tool_calls", [])]
+        return [(x["function"]["name"], json.loads(x["function"]["arguments"])) for x in calls]
+    if api == "messages":
+        tools = [{"name": n, "input_schema": s} for n, s in SCHEMAS.items()]
+        tc = {"type": "tool", "name": "get_weather"} if choice == "named" else {"type": "any"}
+        tc["disable_parallel_tool_use"] = True
+        body = {"model": "tiny", "messages": msgs, "tools": tools, "tool_choice": tc, "max_tokens": 80}
+        body["stream"] = stream
+        r = c.post("/v1/messages", json=body)
+        assert r.status_code == 200, r.text
+        if not stream:
+            assert r.json()["stop_reason"] == "tool_use", r.json()
+            return [(b["name"], b["input"]) for b in r.json()["content"] if b["type"] == "tool_use"]
+        events = _sse(r.text)
+        starts = {e["index"]: e["content_block"] for e in events if e["type"] == "content_block_start"}
+        parts: dict[int, str] = {}
+        for e in events:
+            if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta":
+                parts[e["index"]] = parts.get(e["index"], "") + e["delta"]["partial_json"]
+        assert [e for e in events if e["type"] == "message_delta"][0]["delta"]["stop_reason"] == "tool_use"
+        return [(starts[i]["name"], json.loads(p)) for i, p in sorted(parts.items())]
+    tools = [{"type": "function", "name": n, "parameters": s} for n, s in SCHEMAS.items()]
+    tc = {"type": "function", "name": "get_weather"} if choice == "named" else "required"
+    body = {"model": "tiny", "input": msgs, "tools": tools, "tool_choice": tc, "max_output_tokens": 80}
+    body.update(stream=stream, parallel_tool_calls=False)
+    r = c.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    if not stream:
+        out = r.json()["output"]
+    else:
+        done = [e for e in _sse(r.text) if e["type"] == "response.completed"]
+        assert done, r.text[-500:]
+        out = done[0]["response"]["output"]
+    return [(o["name"], json.loads(o["arguments"])) for o in out if o["type"] == "function_call"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("choice", ["named", "required"])
+@pytest.mark.parametrize("api", ["chat", "messages", "responses"])
+def test_forced_tool_call_on_qwens_real_tokenizer(qwen_tok, api, choice, stream):
+    """Issue 36: a named or required tool choice returns a valid call when `<tool_call>` is a
+    special token: one call, to an offered function (the named one), arguments valid for its schema."""
+    calls = forced_calls(qwen_tok, api, choice, stream)
+    assert len(calls) == 1, calls
+    name, args = calls[0]
+    assert name in SCHEMAS and (choice != "named" or name == "get_weather"), calls
+    jsonschema.validate(args, SCHEMAS[name])

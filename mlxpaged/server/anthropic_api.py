@@ -177,7 +177,7 @@ def template_messages(body: CountTokensRequest) -> list[dict]:
     return out
 
 
-def plan_of(body: CountTokensRequest):
+def plan_of(body: CountTokensRequest, markers=None):
     if body.thinking and body.thinking.get("type") != "disabled":
         raise AnthropicError(400, "thinking: extended thinking is not supported by this server")
     functions = [{"name": t.name, "description": t.description, "parameters": t.input_schema} for t in body.tools or []]
@@ -188,7 +188,7 @@ def plan_of(body: CountTokensRequest):
     choice = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[kind]
     parallel = not (tc and tc.disable_parallel_tool_use)
     try:
-        return tool_plan(functions, choice, tc.name if tc else None, parallel=parallel)
+        return tool_plan(functions, choice, tc.name if tc else None, parallel=parallel, markers=markers)
     except APIError as e:
         raise AnthropicError.of(e) from None
 
@@ -216,7 +216,7 @@ def register_anthropic(app: FastAPI, state) -> None:
 
     def ask(body, max_tokens: int = 1):
         """The body as an `Ask` (admission.py); `plan.guided` set from `output_config` too."""
-        plan = plan_of(body)
+        plan = plan_of(body, state.markers)
         oc = getattr(body, "output_config", None)
         if oc is not None and oc.effort is not None:
             raise AnthropicError(400, "output_config.effort: not supported by this server (no reasoning models)")

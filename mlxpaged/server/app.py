@@ -31,6 +31,7 @@ from .middleware import Guard
 from .openai_api import register_openai
 from .responses import TokenText
 from .responses_api import register_responses
+from .tools import CallMarkers
 
 DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
@@ -60,7 +61,8 @@ def build_app(
     # One tokenizer thread: HF tokenizers are not safe to call from several threads at once.
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxpaged-tokenize")
     names = frozenset({model_id, *model_aliases})
-    state = ServerState(engine_loop, metrics, model_id, names, max_queue, limits, cap, pool, responses_store)
+    markers = CallMarkers.of(engine.tokenizer)
+    state = ServerState(engine_loop, metrics, model_id, names, max_queue, limits, cap, pool, responses_store, markers)
     text_of = TokenText(engine.tokenizer)
 
     @asynccontextmanager

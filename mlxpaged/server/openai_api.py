@@ -53,7 +53,7 @@ def register_openai(router: APIRouter, state, text_of) -> None:
 
     @router.post("/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        messages, plan = chat_plan(body)  # tools, tool_choice and response_format (guided_request.py)
+        messages, plan = chat_plan(body, state.markers)  # tools, tool_choice and response_format (guided_request.py)
         ask = Ask(
             "chatcmpl",
             body.model,

@@ -245,7 +245,11 @@ def register_responses(router: APIRouter, state, text_of=None) -> None:
         tc = body.tool_choice
         choice = ("named" if isinstance(tc, FunctionChoice) else tc) or ("auto" if functions else "none")
         plan = tool_plan(
-            functions, choice, tc.name if isinstance(tc, FunctionChoice) else None, parallel=body.parallel_tool_calls
+            functions,
+            choice,
+            tc.name if isinstance(tc, FunctionChoice) else None,
+            parallel=body.parallel_tool_calls,
+            markers=state.markers,
         )
         fmt = body.text.format if body.text else None
         if fmt is not None and fmt.type != "text":

@@ -205,19 +205,41 @@ def _lark_str(s: str) -> str:
     return json.dumps(s, ensure_ascii=False)
 
 
-def tool_call_grammar(functions: list[dict], *, parallel: bool = True) -> str:
+@dataclass(frozen=True)
+class CallMarkers:
+    """A call span's markers as the forcing grammar writes them: a quoted string each, or, when the
+    checkpoint's tokenizer has the marker as one added token (Qwen2.5's real tokenizer: `<tool_call>`
+    is id 151657), that token by id (`<[151657]>`): llguidance never matches such a token to text,
+    and the model writes the marker as that token."""
+
+    open: str = json.dumps(OPEN)
+    close: str = json.dumps(CLOSE)
+
+    @classmethod
+    def of(cls, tokenizer) -> CallMarkers:
+        return cls(_marker(tokenizer, OPEN), _marker(tokenizer, CLOSE))
+
+
+def _marker(tokenizer, text: str) -> str:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    added = getattr(getattr(tokenizer, "_tokenizer", tokenizer), "added_tokens_decoder", None) or {}
+    return f"<[{ids[0]}]>" if len(ids) == 1 and ids[0] in added else _lark_str(text)
+
+
+def tool_call_grammar(functions: list[dict], *, parallel: bool = True, markers: CallMarkers | None = None) -> str:
     """A Lark grammar whose sentences are one (or, `parallel`, several) Qwen2.5 tool-call spans,
     each a call to one of `functions` (`{"name", "parameters"}`) with arguments valid for its
     schema. Qwen writes them exactly so (see its template's tool instructions)."""
     if not functions:
         raise ValueError("no function to call")
+    m = markers or CallMarkers()
     rules = []
     for i, f in enumerate(functions):
         # Compact JSON with the separators Qwen's template writes (tojson's ", " and ": "): no free
         # whitespace a weak model could pad the arguments with until max_tokens.
         schema = {**(f.get("parameters") or {"type": "object"}), "x-guidance": JSON_STYLE}
-        head = f'{OPEN}\n{{"name": {json.dumps(f["name"], ensure_ascii=False)}, "arguments": '
-        rules.append(f"call_{i}: {_lark_str(head)} args_{i} {_lark_str('}' + chr(10) + CLOSE)}")
+        head = f'\n{{"name": {json.dumps(f["name"], ensure_ascii=False)}, "arguments": '
+        rules.append(f"call_{i}: {m.open} {_lark_str(head)} args_{i} {_lark_str('}' + chr(10))} {m.close}")
         rules.append(f"args_{i}: %json{json.dumps(schema, ensure_ascii=False)}")
     alts = " | ".join(f"call_{i}" for i in range(len(functions)))
     start = 'start: call ("\\n" call)*' if parallel else "start: call"
