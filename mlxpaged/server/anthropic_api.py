@@ -20,9 +20,9 @@ from ..engine.sampling_params import SamplingParams
 from .admission import Ask, admit
 from .admission import count_tokens as admission_count
 from .bodies import Body, CheckedBody
-from .errors import APIError, ErrorResponse
+from .errors import APIError
 from .guided_request import format_guided, tool_plan
-from .jobs import JobStream
+from .jobs import ErrorResponse, JobStream
 from .middleware import anthropic_error_body
 from .turns import TurnEnd, add_format, sse, turn_events, whole_turn
 

@@ -23,8 +23,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .anthropic_api import register_anthropic
 from .connections import AcceptErrorLog
 from .engine_loop import EngineLoop
-from .errors import APIError, ErrorResponse, error_body
-from .jobs import ServerState
+from .errors import APIError, error_body
+from .jobs import ErrorResponse, ServerState
 from .limits import Capacity, Limits, max_token_chars
 from .metrics import CONTENT_TYPE, Metrics
 from .middleware import Guard

@@ -6,17 +6,6 @@ answers are `invalid_request_error`, 5xx answers `server_error`.
 
 from __future__ import annotations
 
-import json
-
-from fastapi.responses import JSONResponse
-
-
-class ErrorResponse(JSONResponse):
-    """An error object, ASCII-escaped: a message quoting client text with a lone surrogate still encodes."""
-
-    def render(self, content) -> bytes:
-        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
-
 
 class APIError(Exception):
     """A failure with its HTTP status; raised anywhere in a route, rendered by `error_body`."""

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..errors import MlxPagedError, StepError
 from .engine_loop import ClientTooSlow, EngineDown, EngineLoop, Sink
@@ -23,6 +23,14 @@ from .errors import APIError
 from .limits import Capacity, Limits
 from .metrics import Metrics
 from .responses import ChoiceStream, envelope, stop_borders, usage
+
+
+class ErrorResponse(JSONResponse):
+    """An error object, ASCII-escaped: a message quoting client text with a lone surrogate still encodes."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
 
 YIELD_EVERY = 8  # stream chunks between two yields to the event loop
 
