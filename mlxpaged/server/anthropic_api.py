@@ -228,21 +228,13 @@ def register_anthropic(app: FastAPI, state) -> None:
                 raise AnthropicError.of(e) from None
         stops = list(getattr(body, "stop_sequences", None) or [])
 
-        def params(max_tokens: int) -> SamplingParams:
-            return SamplingParams(
-                temperature=body.temperature,
-                top_p=body.top_p if body.top_p is not None else 1.0,
-                top_k=body.top_k or 0,
-                max_tokens=max_tokens,
-                stop=stops,
-                speculative=body.speculative,
-                guided=plan.guided,
-            )
-
+        top_p = body.top_p if body.top_p is not None else 1.0
+        knobs = dict(temperature=body.temperature, top_p=top_p, top_k=body.top_k or 0, stop=stops)
+        knobs.update(speculative=body.speculative, guided=plan.guided)
         a = Ask(
             "msg",
             body.model,
-            params,
+            lambda n: SamplingParams(max_tokens=n, **knobs),
             max_tokens,
             messages=template_messages(body),
             tools=plan.tools,

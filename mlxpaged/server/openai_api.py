@@ -41,15 +41,10 @@ def register_openai(router: APIRouter, state, text_of) -> None:
             lp = completion_logprobs(lps, text_of) if lps is not None else None
             return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
-        if body.stream:
-            return job.stream(request, "text_completion", state.model_id, choice, body.include_usage)
-        outs = await job.collect(request)
-        choices = [
-            choice(job.index(o.request_id, c.index), c.text, getattr(c, "logprobs", None), c.finish_reason, None)
-            for o in outs
-            for c in o.outputs
-        ]
-        return envelope(job.resp_id, "text_completion", state.model_id, choices=choices, usage=usage(outs))
+        def whole(o, c):
+            return choice(job.index(o.request_id, c.index), c.text, getattr(c, "logprobs", None), c.finish_reason, None)
+
+        return await answer(state, job, request, body, ("text_completion", "text_completion"), choice, whole)
 
     @router.post("/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -83,18 +78,21 @@ def register_openai(router: APIRouter, state, text_of) -> None:
             lp = chat_logprobs(lps, text_of) if lps is not None else None
             return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
 
-        if body.stream:
-            return job.stream(request, "chat.completion.chunk", state.model_id, chunk_choice, body.include_usage)
-        outs = await job.collect(request)
-        choices = [
-            {
-                "index": c.index,
-                "message": msg,
-                "logprobs": chat_logprobs(c.logprobs, text_of) if getattr(c, "logprobs", None) is not None else None,
-                "finish_reason": finish,
-            }
-            for o in outs
-            for c in o.outputs
-            for msg, finish in [chat_message(c.text, c.finish_reason, plan.parse)]
-        ]  # tools.py: parsed calls
-        return envelope(job.resp_id, "chat.completion", state.model_id, choices=choices, usage=usage(outs))
+        def whole(o, c):
+            msg, finish = chat_message(c.text, c.finish_reason, plan.parse)  # tools.py: parsed calls
+            lps = getattr(c, "logprobs", None)
+            lp = chat_logprobs(lps, text_of) if lps is not None else None
+            return {"index": c.index, "message": msg, "logprobs": lp, "finish_reason": finish}
+
+        kinds = ("chat.completion.chunk", "chat.completion")
+        return await answer(state, job, request, body, kinds, chunk_choice, whole)
+
+
+async def answer(state, job, request: Request, body, kinds: tuple[str, str], chunk, whole):
+    """The job's outputs: streamed as `kinds[0]` events (each choice from `chunk`), or one
+    `kinds[1]` object (each choice `whole(output, completion)`)."""
+    if body.stream:
+        return job.stream(request, kinds[0], state.model_id, chunk, body.include_usage)
+    outs = await job.collect(request)
+    choices = [whole(o, c) for o in outs for c in o.outputs]
+    return envelope(job.resp_id, kinds[1], state.model_id, choices=choices, usage=usage(outs))

@@ -255,19 +255,11 @@ def register_responses(router: APIRouter, state, text_of=None) -> None:
         if fmt is not None and fmt.type != "text":
             add_format(plan, format_guided(fmt.type, fmt.schema_, "text.format"), "text", f"tool_choice '{choice}'")
 
-        def params(max_tokens: int) -> SamplingParams:
-            return SamplingParams(
-                temperature=body.temperature,
-                top_p=body.top_p,
-                max_tokens=max_tokens,
-                speculative=body.speculative,
-                guided=plan.guided,
-            )
-
+        knobs = dict(temperature=body.temperature, top_p=body.top_p, speculative=body.speculative, guided=plan.guided)
         ask = Ask(
             "resp",
             body.model,
-            params,
+            lambda n: SamplingParams(max_tokens=n, **knobs),
             DEFAULT_MAX_TOKENS,
             messages=messages,
             tools=plan.tools,
