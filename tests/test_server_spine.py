@@ -539,3 +539,100 @@ def test_special_token_text_in_client_content_is_text(spine, route):
     # system (the tools), user, assistant's call, the tool result's user turn, the generation prompt
     assert seen[0].count(im_start[0]) == 5, tok.decode(seen[0])
     assert forged in tok.decode(seen[0])  # the client's text is all there, as characters
+
+
+# -- tool calls in each family's format (mlx-lm's parsers) -----------------------------------------
+def tokenizer_dir(path, template: str):
+    """The tiny tokenizer with another chat template (mlx-lm picks the tool parser from it)."""
+    from mlxpaged.testing.tiny_model import write_tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    return path
+
+
+PLAIN = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+FAMILIES = {
+    # family -> (a template mark mlx-lm knows it by, the parser, an answer, its content, its calls)
+    "mistral": (
+        "{# [TOOL_CALLS] #}",
+        "mistral",
+        'Let me check.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}',
+        "Let me check.",
+        [("get_weather", {"city": "Paris", "days": 2})],
+    ),
+    "qwen3-coder": (
+        "{# <tool_call>\n<function= #}",
+        "qwen3_coder",
+        "Sure. <tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n</function>\n</tool_call>",
+        "Sure.",
+        [("get_time", {"zone": "UTC"})],
+    ),
+    "qwen2.5 (hermes)": (
+        "{# <tool_call> tool_call.name #}",
+        "hermes",
+        'ok <tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
+        "ok",
+        [("get_time", {"zone": "CET"})],
+    ),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_tool_calls_in_each_familys_format(tmp_path, family):
+    """The parser mlx-lm picks for the checkpoint reads the family's own call format; streamed in
+    two pieces at every split point, the events equal the whole answer's."""
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxpaged.server.tools import ToolCall, ToolCallStream, ToolFormat, parse_tool_calls
+
+    mark, parser, text, content, calls = FAMILIES[family]
+    fmt = ToolFormat.of(load_tokenizer(tokenizer_dir(tmp_path, PLAIN + mark)))
+    assert fmt is not None and fmt.name == parser and fmt.forcible == (parser == "hermes")
+    names = {"get_weather", "get_time"}
+    got_content, got_calls = parse_tool_calls(text, names, fmt)
+    assert got_content == content and [(c.name, c.input) for c in got_calls] == calls
+    for cut in range(len(text) + 1):
+        s = ToolCallStream(names, fmt)
+        events = s.feed(text[:cut]) + s.feed(text[cut:]) + s.finish()
+        streamed = [(e.name, e.input) for e in events if isinstance(e, ToolCall)]
+        assert "".join(e for e in events if isinstance(e, str)) == content and streamed == calls, cut
+
+
+def test_a_family_without_a_parser_serves_text_and_refuses_forced_calls(tmp_path, caplog):
+    """A Llama 3.x-style template (`<|python_tag|>`): mlx-lm has no parser, so start-up says so in
+    one line, tool calls are served as text, and a forced call is a 400 naming why."""
+    import logging
+    import shutil
+
+    import mlx.core as mx
+    from fastapi.testclient import TestClient
+
+    from mlxpaged.config import EngineConfig
+    from mlxpaged.engine.llm_engine import LLMEngine
+    from mlxpaged.loading.loader import load
+    from mlxpaged.server.app import build_app
+    from mlxpaged.server.engine_loop import EngineLoop
+    from mlxpaged.server.metrics import Metrics
+    from mlxpaged.testing.tiny_model import write_tiny_qwen2
+
+    path = write_tiny_qwen2(tmp_path / "llama-style", hidden=64, layers=1, intermediate=128)
+    shutil.copy(tokenizer_dir(tmp_path / "tok", PLAIN + "{# <|python_tag|> #}") / "tokenizer_config.json", path)
+    loaded = load(str(path), "float32")
+    mx.eval(loaded.model.parameters())
+    loop = EngineLoop(lambda: LLMEngine(loaded, EngineConfig(num_blocks=32)))
+    loop.start()
+    with caplog.at_level(logging.WARNING, logger="mlxpaged.server"):
+        app = build_app(loop, Metrics(), model_id="tiny")
+    assert [r.message for r in caplog.records if "tool calls" in r.message] == [
+        "tool calls: mlx-lm has no tool-call parser for this checkpoint; they are served as text"
+    ]
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 3}
+    with TestClient(app) as c:
+        r = c.post("/v1/chat/completions", json={**body, "tool_choice": "required"})
+        assert "forcing a call is not supported" in error_of("chat", r)
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200 and "tool_calls" not in r.json()["choices"][0]["message"]

@@ -24,7 +24,7 @@ from .errors import APIError
 from .guided_request import format_guided, tool_plan
 from .jobs import ErrorResponse, JobStream
 from .middleware import anthropic_error_body
-from .turns import TurnEnd, add_format, sse, turn_events, whole_turn
+from .turns import TurnEnd, add_format, sse, turn_events, turn_parse, whole_turn
 
 
 class AnthropicError(Exception):
@@ -258,6 +258,7 @@ def register_anthropic(app: FastAPI, state) -> None:
         body = await _body(request, MessagesRequest)
         a, plan = ask(body, body.max_tokens)
         try:
+            parse = turn_parse(state, plan)
             job, prompts = await admit(state, a)
         except APIError as e:
             raise AnthropicError.of(e) from None
@@ -265,9 +266,9 @@ def register_anthropic(app: FastAPI, state) -> None:
         msg_id = "msg_" + job.resp_id.split("-", 1)[1][:24]
         head = {"id": msg_id, "type": "message", "role": "assistant", "model": state.model_id}
         if body.stream:
-            return JobStream(job, _stream(state, job, plan.parse, head, len(ids)))
+            return JobStream(job, _stream(state, job, parse, head, len(ids)))
         try:
-            content, calls, end = await whole_turn(state, job, request, plan.parse)
+            content, calls, end = await whole_turn(state, job, request, parse)
         except APIError as e:
             raise AnthropicError.of(e) from None
         blocks = ([{"type": "text", "text": content}] if content or not calls else []) + [

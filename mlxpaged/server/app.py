@@ -12,6 +12,7 @@ cancelled stream, an error) aborts the engine requests it still owns, in a `fina
 from __future__ import annotations
 
 import asyncio
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
@@ -31,8 +32,9 @@ from .middleware import Guard
 from .openai_api import register_openai
 from .responses import TokenText
 from .responses_api import register_responses
-from .tools import CallMarkers
+from .tools import CallMarkers, ToolFormat
 
+log = logging.getLogger("mlxpaged.server")
 DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 
@@ -61,8 +63,14 @@ def build_app(
     # One tokenizer thread: HF tokenizers are not safe to call from several threads at once.
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxpaged-tokenize")
     names = frozenset({model_id, *model_aliases})
-    markers = CallMarkers.of(engine.tokenizer)
-    state = ServerState(engine_loop, metrics, model_id, names, max_queue, limits, cap, pool, responses_store, markers)
+    markers, tool_format = CallMarkers.of(engine.tokenizer), ToolFormat.of(engine.tokenizer)
+    if tool_format is None:
+        log.warning("tool calls: mlx-lm has no tool-call parser for this checkpoint; they are served as text")
+    elif not tool_format.forcible:
+        log.warning("tool calls: mlx-lm's '%s' parser; tool_choice required or named is refused", tool_format.name)
+    state = ServerState(
+        engine_loop, metrics, model_id, names, max_queue, limits, cap, pool, responses_store, markers, tool_format
+    )
     text_of = TokenText(engine.tokenizer)
 
     @asynccontextmanager

@@ -47,6 +47,7 @@ class ServerState:
     tokenize_pool: ThreadPoolExecutor  # tokenizing and chat templates run here, never on the event loop
     responses_store: int = 0  # --responses-store: Responses kept for previous_response_id (0: stateless)
     markers: object = None  # tools.CallMarkers: how the forcing grammar writes a call span's markers
+    tool_format: object = None  # tools.ToolFormat of the checkpoint, or None: tool calls are served as text
 
     @property
     def context(self) -> int | None:

@@ -13,7 +13,7 @@ from .admission import Ask, admit
 from .guided_request import chat_plan
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import ChoiceStream, chat_logprobs, completion_logprobs, envelope, usage
-from .tools import ToolCallStream, chat_message, stream_tool_delta
+from .tools import ToolCallStream, chat_message, check_forcible, stream_tool_delta
 
 DEFAULT_CHAT_MAX_TOKENS = 1024  # when a chat body gives neither max_tokens nor max_completion_tokens
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -49,6 +49,8 @@ def register_openai(router: APIRouter, state, text_of) -> None:
     @router.post("/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         messages, plan = chat_plan(body, state.markers)  # tools, tool_choice and response_format (guided_request.py)
+        check_forcible(state.tool_format, plan)
+        parse, fmt = (plan.parse, state.tool_format) if state.tool_format else (None, None)
         ask = Ask(
             "chatcmpl",
             body.model,
@@ -66,9 +68,9 @@ def register_openai(router: APIRouter, state, text_of) -> None:
 
         def chunk_choice(index, text, lps, finish, stream: ChoiceStream):
             delta = {"content": text}
-            if plan.parse:  # content the tool-call parser lets through, and the calls it completed
+            if parse:  # content the tool-call parser lets through, and the calls it completed
                 if not hasattr(stream, "tools"):
-                    stream.tools = ToolCallStream(plan.parse)
+                    stream.tools = ToolCallStream(parse, fmt)
                 delta, finish = stream_tool_delta(stream.tools, text, finish)
                 if not delta and not finish and not lps:
                     return None
@@ -79,7 +81,7 @@ def register_openai(router: APIRouter, state, text_of) -> None:
             return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
 
         def whole(o, c):
-            msg, finish = chat_message(c.text, c.finish_reason, plan.parse)  # tools.py: parsed calls
+            msg, finish = chat_message(c.text, c.finish_reason, parse, fmt)  # tools.py: parsed calls
             lps = getattr(c, "logprobs", None)
             lp = chat_logprobs(lps, text_of) if lps is not None else None
             return {"index": c.index, "message": msg, "logprobs": lp, "finish_reason": finish}

@@ -28,7 +28,7 @@ from .errors import APIError
 from .guided_request import format_guided, tool_plan
 from .jobs import JobStream
 from .tools import template_tool_calls
-from .turns import TurnEnd, add_format, sse, turn_events, whole_turn
+from .turns import TurnEnd, add_format, sse, turn_events, turn_parse, whole_turn
 
 DEFAULT_MAX_TOKENS = 1024  # as the chat route: when a body gives no max_output_tokens
 
@@ -267,6 +267,7 @@ def register_responses(router: APIRouter, state, text_of=None) -> None:
             guided_param=plan.param,
             names={"max_tokens": "max_output_tokens", "messages": "input"},
         )
+        parse = turn_parse(state, plan)
         job, _ = await admit(state, ask)
         resp_id = "resp_" + job.resp_id.split("-", 1)[1]
         created = int(time.time())
@@ -310,8 +311,8 @@ def register_responses(router: APIRouter, state, text_of=None) -> None:
             return "incomplete" if end.finish_reason == "length" else "completed"
 
         if body.stream:
-            return JobStream(job, _stream(state, job, plan.parse, envelope, finish))
-        content, calls, end = await whole_turn(state, job, request, plan.parse)
+            return JobStream(job, _stream(state, job, parse, envelope, finish))
+        content, calls, end = await whole_turn(state, job, request, parse)
         output = ([_message_item("msg_" + uuid.uuid4().hex[:24], content)] if content or not calls else []) + [
             _call_item(c) for c in calls
         ]

@@ -16,7 +16,7 @@ from fastapi import Request
 from .errors import APIError
 from .jobs import server_error
 from .responses import ChoiceStream
-from .tools import ToolCall, ToolCallStream, parse_tool_calls
+from .tools import ToolCall, ToolCallStream, check_forcible, parse_tool_calls
 
 
 @dataclass
@@ -40,14 +40,14 @@ async def whole_turn(state, job, request: Request, parse) -> tuple[str | None, l
     """(content, calls, end) of a finished turn."""
     out = (await job.collect(request))[0]
     c = out.outputs[0]
-    content, calls = parse_tool_calls(c.text, parse) if parse else (c.text, [])
+    content, calls = parse_tool_calls(c.text, parse, state.tool_format) if parse else (c.text, [])
     return content, calls, _end(out, c, len(calls))
 
 
 async def turn_events(state, job, parse):
     """Yields `str` deltas, `ToolCall`s and, last, a `TurnEnd`; a failed step raises APIError.
     Closing the generator early (a client gone) aborts the engine request."""
-    tools = ToolCallStream(parse) if parse else None
+    tools = ToolCallStream(parse, state.tool_format) if parse else None
     try:
         text = ChoiceStream(job.params.stop, await job.borders())
         async for rid, item in _items(job):
@@ -78,6 +78,13 @@ async def _items(job):
     while True:
         for item in await job.sink.get():
             yield item
+
+
+def turn_parse(state, plan):
+    """The names a turn's output is parsed for calls with (None: served as text), after refusing a
+    forced call the checkpoint's format cannot be forced in."""
+    check_forcible(state.tool_format, plan)
+    return plan.parse if state.tool_format else None
 
 
 def add_format(plan, guided, param: str, conflict: str) -> None:
