@@ -610,7 +610,7 @@ def test_stop_hold_back_equals_brute_force():
     """The KMP hold-back, fed in pieces as a stream grows, against the definition by slicing."""
     import random
 
-    from mlxpaged.server.responses import ChoiceStream, hold_back
+    from mlxpaged.server.openai_format import ChoiceStream, hold_back
 
     def brute(text, stops):
         return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)

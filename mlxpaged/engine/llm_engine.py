@@ -2,8 +2,8 @@
 
 Wiring, all explicit: `Scheduler` (who runs, and the one owner of the block tables and of every
 request's state, through `BlockManager`) -> `ModelRunner` (the forward pass over `PagedKVCache`)
--> `sampler` (which token) -> `Scheduler.update_from_output` (appends, with `output.StopChecker`
-deciding stops and detokenizing) -> `output.make_output`. The engine never changes a block table
+-> `sampler` (which token) -> `Scheduler.update_from_output` (appends, with `stopping.StopChecker`
+deciding stops and detokenizing) -> `stopping.make_output`. The engine never changes a block table
 or a sequence itself: it launches steps, reads them back and reports.
 
 Overlapped steps (`EngineConfig.async_scheduling`, on by default), as mlx-lm's generate loop:
@@ -60,12 +60,12 @@ from ..worker.model_runner import ModelRunner
 from .beam_search import BeamSearchParams, BeamState, beam_step
 from .draft import DraftProposer, draft_slots
 from .guided import GrammarCompiler, fill_masks, mask_words
-from .output import StopChecker, make_output
 from .outputs import RequestOutput
 from .sampler import GuideMasks, SampleArrays, TokenHistory, read_samples, sample_arrays, sample_key
 from .sampling_params import SamplingParams
 from .spec_decode import NgramProposer, key_chain, verified_tokens
 from .stats import METRIC_KEYS, EngineStats, engine_stats
+from .stopping import StopChecker, make_output
 
 if TYPE_CHECKING:  # annotations only: loading imports nothing of the engine
     from ..loading.loader import LoadedModel

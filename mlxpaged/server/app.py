@@ -30,7 +30,7 @@ from .limits import Capacity, Limits, max_token_chars
 from .metrics import CONTENT_TYPE, Metrics
 from .middleware import Guard
 from .openai_api import register_openai
-from .responses import TokenText
+from .openai_format import TokenText
 from .responses_api import register_responses
 from .tools import CallMarkers, ToolFormat
 

@@ -22,7 +22,7 @@ from .engine_loop import ClientTooSlow, EngineDown, EngineLoop, Sink
 from .errors import APIError
 from .limits import Capacity, Limits
 from .metrics import Metrics
-from .responses import ChoiceStream, envelope, stop_borders, usage
+from .openai_format import ChoiceStream, envelope, stop_borders, usage
 
 
 class ErrorResponse(JSONResponse):

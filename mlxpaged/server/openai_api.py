@@ -11,8 +11,8 @@ from fastapi import APIRouter, Request
 
 from .admission import Ask, admit
 from .guided_request import chat_plan
+from .openai_format import ChoiceStream, chat_logprobs, completion_logprobs, envelope, usage
 from .protocol import ChatCompletionRequest, CompletionRequest
-from .responses import ChoiceStream, chat_logprobs, completion_logprobs, envelope, usage
 from .tools import ToolCallStream, chat_message, check_forcible, stream_tool_delta
 
 DEFAULT_CHAT_MAX_TOKENS = 1024  # when a chat body gives neither max_tokens nor max_completion_tokens

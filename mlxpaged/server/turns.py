@@ -15,7 +15,7 @@ from fastapi import Request
 
 from .errors import APIError
 from .jobs import server_error
-from .responses import ChoiceStream
+from .openai_format import ChoiceStream
 from .tools import ToolCall, ToolCallStream, check_forcible, parse_tool_calls
 
 
