@@ -636,3 +636,117 @@ def test_a_family_without_a_parser_serves_text_and_refuses_forced_calls(tmp_path
         assert "forcing a call is not supported" in error_of("chat", r)
         r = c.post("/v1/chat/completions", json=body)
         assert r.status_code == 200 and "tool_calls" not in r.json()["choices"][0]["message"]
+
+
+# -- reasoning kept apart from the answer ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    """The app on a tiny model whose tokenizer has `<think>`/`</think>` (mlx-lm then finds the
+    markers) and whose template opens the think block in the generation prompt, as Qwen3's does."""
+    from fastapi.testclient import TestClient
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from mlxpaged.config import EngineConfig
+    from mlxpaged.engine.llm_engine import LLMEngine
+    from mlxpaged.loading.loader import load
+    from mlxpaged.server.app import build_app
+    from mlxpaged.server.engine_loop import EngineLoop
+    from mlxpaged.server.metrics import Metrics
+    from mlxpaged.testing.tiny_model import CHAT_TEMPLATE, CORPUS, write_tiny_qwen2
+
+    path = write_tiny_qwen2(tmp_path_factory.mktemp("thinker"), hidden=64, layers=1, intermediate=128)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=384, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    gen = "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE.replace(gen, gen.replace("assistant\n", "assistant\n<think>\n"))
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    loaded = load(str(path), "float32")
+    assert loaded.tokenizer.has_thinking
+    loop = EngineLoop(lambda: LLMEngine(loaded, EngineConfig(num_blocks=64)))
+    loop.start()
+    with TestClient(build_app(loop, Metrics(), model_id="tiny")) as c:
+        yield c, loaded.tokenizer
+
+
+QUESTION = [{"role": "user", "content": "The KV cache stores"}]
+MAX = 24
+
+
+def raw_completion(c, tok, bias: dict | None = None) -> str:
+    """The reference: the same prompt's text through /v1/completions, markers and all."""
+    prompt = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX, "temperature": 0, "logit_bias": bias}
+    return c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_reasoning_is_reasoning_content_not_the_answer(thinker, stream):
+    """A biased `</think>` ends the reasoning mid-answer: before it is `reasoning_content`, after it
+    the content, as the raw completion splits at the marker."""
+    c, tok = thinker
+    end = tok.encode("</think>", add_special_tokens=False)
+    bias = {str(end[0]): 5}
+    raw = raw_completion(c, tok, bias)
+    want_reasoning, marker, want_content = raw.partition("</think>")
+    assert marker and want_reasoning and want_content, raw  # the case under test: both sides present
+    body = {"model": "tiny", "messages": QUESTION, "max_tokens": MAX, "temperature": 0, "logit_bias": bias}
+    r = c.post("/v1/chat/completions", json={**body, "stream": stream})
+    if stream:
+        deltas = [ch["choices"][0]["delta"] for ch in _sse(r.text) if ch["choices"]]
+        reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+        content = "".join(d.get("content") or "" for d in deltas)
+    else:
+        msg = r.json()["choices"][0]["message"]
+        reasoning, content = msg.get("reasoning_content", ""), msg["content"]
+    assert (reasoning, content) == (want_reasoning, want_content)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("api", ["messages", "responses"])
+def test_reasoning_is_a_thinking_block_and_a_reasoning_item(thinker, api, stream):
+    """The think block the prompt opened never closes here: all the text is reasoning (Messages'
+    `thinking` block, a Responses `reasoning` item) and the answer is empty."""
+    c, tok = thinker
+    raw = raw_completion(c, tok)
+    assert raw and "</think>" not in raw
+    if api == "messages":
+        body = {"model": "tiny", "messages": QUESTION, "max_tokens": MAX, "temperature": 0, "stream": stream}
+        r = c.post("/v1/messages", json=body)
+        if stream:
+            events = _sse(r.text)
+            thinking = "".join(
+                e["delta"]["thinking"]
+                for e in events
+                if e["type"] == "content_block_delta" and e["delta"]["type"] == "thinking_delta"
+            )
+            kinds = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+            text = "".join(
+                e["delta"]["text"]
+                for e in events
+                if e["type"] == "content_block_delta" and e["delta"]["type"] == "text_delta"
+            )
+        else:
+            blocks = r.json()["content"]
+            kinds = [b["type"] for b in blocks]
+            thinking = "".join(b["thinking"] for b in blocks if b["type"] == "thinking")
+            text = "".join(b["text"] for b in blocks if b["type"] == "text")
+        assert kinds == ["thinking", "text"] and (thinking, text) == (raw, "")
+        return
+    body = {"model": "tiny", "input": QUESTION, "max_output_tokens": MAX, "temperature": 0, "stream": stream}
+    r = c.post("/v1/responses", json=body)
+    if stream:
+        events = _sse(r.text)
+        deltas = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+        out = [e for e in events if e["type"] in ("response.completed", "response.incomplete")][0]["response"]["output"]
+        assert deltas == raw
+    else:
+        out = r.json()["output"]
+    assert [o["type"] for o in out] == ["reasoning", "message"], out
+    assert out[0]["content"][0]["text"] == raw and out[1]["content"][0]["text"] == ""

@@ -24,7 +24,7 @@ from .errors import APIError
 from .guided_request import format_guided, tool_plan
 from .jobs import ErrorResponse, JobStream
 from .middleware import anthropic_error_body
-from .turns import TurnEnd, add_format, sse, turn_events, turn_parse, whole_turn
+from .turns import Thinking, TurnEnd, add_format, sse, turn_events, turn_parse, whole_turn
 
 
 class AnthropicError(Exception):
@@ -204,6 +204,10 @@ def tool_use_block(call) -> dict:
     return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name, "input": call.input}
 
 
+def thinking_block(text: str) -> dict:
+    return {"type": "thinking", "thinking": text, "signature": ""}  # no signature: nothing is verified here
+
+
 def register_anthropic(app: FastAPI, state) -> None:
     """The routes and their error handler; the OpenAI routes keep OpenAI's error object."""
 
@@ -268,12 +272,13 @@ def register_anthropic(app: FastAPI, state) -> None:
         if body.stream:
             return JobStream(job, _stream(state, job, parse, head, len(ids)))
         try:
-            content, calls, end = await whole_turn(state, job, request, parse)
+            content, calls, end, reasoning = await whole_turn(state, job, request, parse)
         except APIError as e:
             raise AnthropicError.of(e) from None
-        blocks = ([{"type": "text", "text": content}] if content or not calls else []) + [
-            tool_use_block(c) for c in calls
-        ]
+        blocks = ([thinking_block(reasoning)] if reasoning else []) + (
+            [{"type": "text", "text": content}] if content or not calls else []
+        )
+        blocks += [tool_use_block(c) for c in calls]
         return {
             **head,
             "content": blocks,
@@ -289,7 +294,7 @@ async def _stream(state, job, parse, head: dict, n_prompt: int):
     """Anthropic's event sequence: message_start, then per block content_block_start, deltas and
     content_block_stop, then message_delta (stop_reason, usage) and message_stop."""
     index = -1
-    text_open = False
+    text_open = think_open = answered = False  # answered: a text or tool_use block was opened
     yield sse(
         "message_start",
         {
@@ -305,9 +310,23 @@ async def _stream(state, job, parse, head: dict, n_prompt: int):
     )
     try:
         async for e in turn_events(state, job, parse):
+            if isinstance(e, Thinking):  # the model's reasoning: a thinking block before the answer
+                if text_open:
+                    yield sse("content_block_stop", {"type": "content_block_stop", "index": index})
+                    text_open = False
+                if not think_open:
+                    index, think_open = index + 1, True
+                    block = {"type": "content_block_start", "index": index, "content_block": thinking_block("")}
+                    yield sse("content_block_start", block)
+                delta = {"type": "thinking_delta", "thinking": e.text}
+                yield sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+                continue
+            if think_open:
+                yield sse("content_block_stop", {"type": "content_block_stop", "index": index})
+                think_open = False
             if isinstance(e, str):
                 if not text_open:
-                    index, text_open = index + 1, True
+                    index, text_open, answered = index + 1, True, True
                     yield sse(
                         "content_block_start",
                         {"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}},
@@ -317,11 +336,11 @@ async def _stream(state, job, parse, head: dict, n_prompt: int):
                     {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": e}},
                 )
             elif isinstance(e, TurnEnd):
-                if index < 0:  # an empty turn still has one (empty) text block, as the whole message does
-                    index, text_open = 0, True
+                if not answered:  # an empty answer still has one (empty) text block, as the whole message does
+                    index, text_open = index + 1, True
                     yield sse(
                         "content_block_start",
-                        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+                        {"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}},
                     )
                 if text_open:
                     yield sse("content_block_stop", {"type": "content_block_stop", "index": index})
@@ -338,7 +357,7 @@ async def _stream(state, job, parse, head: dict, n_prompt: int):
                 if text_open:
                     yield sse("content_block_stop", {"type": "content_block_stop", "index": index})
                     text_open = False
-                index += 1
+                index, answered = index + 1, True
                 block = tool_use_block(e)
                 yield sse(
                     "content_block_start",

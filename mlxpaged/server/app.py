@@ -31,6 +31,7 @@ from .metrics import CONTENT_TYPE, Metrics
 from .middleware import Guard
 from .openai_api import register_openai
 from .openai_format import TokenText
+from .reasoning import ThinkMarkers
 from .responses_api import register_responses
 from .tools import CallMarkers, ToolFormat
 
@@ -71,6 +72,7 @@ def build_app(
     state = ServerState(
         engine_loop, metrics, model_id, names, max_queue, limits, cap, pool, responses_store, markers, tool_format
     )
+    state.think = ThinkMarkers.of(engine.tokenizer)
     text_of = TokenText(engine.tokenizer)
 
     @asynccontextmanager

@@ -48,6 +48,7 @@ class ServerState:
     responses_store: int = 0  # --responses-store: Responses kept for previous_response_id (0: stateless)
     markers: object = None  # tools.CallMarkers: how the forcing grammar writes a call span's markers
     tool_format: object = None  # tools.ToolFormat of the checkpoint, or None: tool calls are served as text
+    think: object = None  # reasoning.ThinkMarkers of a thinking model, else None
 
     @property
     def context(self) -> int | None:
@@ -89,6 +90,7 @@ class Job:
     def __init__(self, state: ServerState, resp_id: str, rids: list[str], sink: Sink, params):
         self.state, self.resp_id, self.rids, self.sink, self.params = state, resp_id, rids, sink, params
         self.final: dict = {}
+        self.prompts: list[list[int]] = []  # set by `start`
 
     @classmethod
     async def start(
@@ -122,7 +124,9 @@ class Job:
             if isinstance(e, EngineDown):
                 raise APIError(503, str(e)) from None
             raise
-        return cls(state, resp_id, rids, sink, params)
+        job = cls(state, resp_id, rids, sink, params)
+        job.prompts = prompts
+        return job
 
     def index(self, rid: str, sample: int) -> int:
         return self.rids.index(rid) * self.params.n + sample

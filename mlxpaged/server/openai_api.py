@@ -13,6 +13,7 @@ from .admission import Ask, admit
 from .guided_request import chat_plan
 from .openai_format import ChoiceStream, chat_logprobs, completion_logprobs, envelope, usage
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .reasoning import split_reasoning, thinking_of
 from .tools import ToolCallStream, chat_message, check_forcible, stream_tool_delta
 
 DEFAULT_CHAT_MAX_TOKENS = 1024  # when a chat body gives neither max_tokens nor max_completion_tokens
@@ -64,16 +65,21 @@ def register_openai(router: APIRouter, state, text_of) -> None:
             max_tokens=body.requested_max_tokens(),
             guided_param=plan.param,
         )
-        job, _ = await admit(state, ask)
+        job, prompts = await admit(state, ask)
 
         def chunk_choice(index, text, lps, finish, stream: ChoiceStream):
-            delta = {"content": text}
+            if not hasattr(stream, "think"):
+                stream.think = thinking_of(state, prompts[0])
+            reasoning, text = split_reasoning(stream.think, text, finish is not None)
+            delta = {"content": text} if text or not reasoning else {}
             if parse:  # content the tool-call parser lets through, and the calls it completed
                 if not hasattr(stream, "tools"):
                     stream.tools = ToolCallStream(parse, fmt)
                 delta, finish = stream_tool_delta(stream.tools, text, finish)
-                if not delta and not finish and not lps:
-                    return None
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if (parse or state.think) and not delta and not finish and not lps:
+                return None
             if not stream.started:
                 delta = {"role": "assistant", **delta}
                 stream.started = True
@@ -81,7 +87,10 @@ def register_openai(router: APIRouter, state, text_of) -> None:
             return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
 
         def whole(o, c):
-            msg, finish = chat_message(c.text, c.finish_reason, parse, fmt)  # tools.py: parsed calls
+            reasoning, text = split_reasoning(thinking_of(state, prompts[0]), c.text)
+            msg, finish = chat_message(text, c.finish_reason, parse, fmt)  # tools.py: parsed calls
+            if reasoning:
+                msg["reasoning_content"] = reasoning
             lps = getattr(c, "logprobs", None)
             lp = chat_logprobs(lps, text_of) if lps is not None else None
             return {"index": c.index, "message": msg, "logprobs": lp, "finish_reason": finish}

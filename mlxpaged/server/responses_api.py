@@ -28,7 +28,7 @@ from .errors import APIError
 from .guided_request import format_guided, tool_plan
 from .jobs import JobStream
 from .tools import template_tool_calls
-from .turns import TurnEnd, add_format, sse, turn_events, turn_parse, whole_turn
+from .turns import Thinking, TurnEnd, add_format, sse, turn_events, turn_parse, whole_turn
 
 DEFAULT_MAX_TOKENS = 1024  # as the chat route: when a body gives no max_output_tokens
 
@@ -218,6 +218,11 @@ def _message_item(item_id: str, text: str, status: str = "completed") -> dict:
     }
 
 
+def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
+    content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    return {"id": item_id, "type": "reasoning", "status": status, "summary": [], "content": content}
+
+
 def _call_item(call, status: str = "completed") -> dict:
     return {
         "id": "fc_" + call.id.removeprefix("call_"),
@@ -312,10 +317,10 @@ def register_responses(router: APIRouter, state, text_of=None) -> None:
 
         if body.stream:
             return JobStream(job, _stream(state, job, parse, envelope, finish))
-        content, calls, end = await whole_turn(state, job, request, parse)
-        output = ([_message_item("msg_" + uuid.uuid4().hex[:24], content)] if content or not calls else []) + [
-            _call_item(c) for c in calls
-        ]
+        content, calls, end, reasoning = await whole_turn(state, job, request, parse)
+        output = [_reasoning_item("rs_" + uuid.uuid4().hex[:24], reasoning)] if reasoning else []
+        output += [_message_item("msg_" + uuid.uuid4().hex[:24], content)] if content or not calls else []
+        output += [_call_item(c) for c in calls]
         return envelope(finish(content, calls, end), output, end)
 
 
@@ -348,8 +353,25 @@ async def _stream(state, job, parse, envelope, finish):
     yield event("response.in_progress", response=envelope("in_progress", [], None))
     content_all: list[str] = []
     calls = []
+    think: dict | None = None  # the open reasoning item: id, index, text so far
     try:
         async for e in turn_events(state, job, parse):
+            if isinstance(e, Thinking):  # the model's reasoning: a reasoning item before the answer
+                if think is None:
+                    think = {"id": "rs_" + uuid.uuid4().hex[:24], "index": len(output), "text": []}
+                    output.append(_reasoning_item(think["id"], "", "in_progress"))
+                    yield event("response.output_item.added", output_index=think["index"], item=output[-1])
+                think["text"].append(e.text)
+                common = {"item_id": think["id"], "output_index": think["index"], "content_index": 0}
+                yield event("response.reasoning_text.delta", **common, delta=e.text)
+                continue
+            if think is not None and think.get("open", True):
+                think["open"] = False
+                item = _reasoning_item(think["id"], "".join(think["text"]))
+                output[think["index"]] = item
+                common = {"item_id": think["id"], "output_index": think["index"], "content_index": 0}
+                yield event("response.reasoning_text.done", **common, text=item["content"][0]["text"])
+                yield event("response.output_item.done", output_index=think["index"], item=item)
             if isinstance(e, str):
                 content_all.append(e)
                 if open_msg is None:
@@ -375,13 +397,13 @@ async def _stream(state, job, parse, envelope, finish):
                 )
             elif isinstance(e, TurnEnd):
                 if open_msg is None and not calls:  # an empty turn: one empty message, as the whole response has
-                    open_msg = {"id": "msg_" + uuid.uuid4().hex[:24], "index": 0}
+                    open_msg = {"id": "msg_" + uuid.uuid4().hex[:24], "index": len(output)}
                     output.append(_message_item(open_msg["id"], "", "in_progress"))
-                    yield event("response.output_item.added", output_index=0, item=output[-1])
+                    yield event("response.output_item.added", output_index=open_msg["index"], item=output[-1])
                     yield event(
                         "response.content_part.added",
                         item_id=open_msg["id"],
-                        output_index=0,
+                        output_index=open_msg["index"],
                         content_index=0,
                         part={"type": "output_text", "text": "", "annotations": []},
                     )

@@ -153,7 +153,7 @@ def _unfenced(text: str) -> str:
     return text
 
 
-def _partial_open(buf: str, opener: str = OPEN) -> int:
+def partial_prefix(buf: str, opener: str = OPEN) -> int:
     """Length of the longest tail of `buf` that is a proper prefix of `opener`."""
     for k in range(min(len(opener) - 1, len(buf)), 0, -1):
         if buf.endswith(opener[:k]):
@@ -213,7 +213,7 @@ class ToolCallStream:
                     return events
                 self.buf, self.after_call = stripped, False
             i = self.buf.find(opener)
-            end = i if i >= 0 else len(self.buf) - _partial_open(self.buf, opener)
+            end = i if i >= 0 else len(self.buf) - partial_prefix(self.buf, opener)
             text = self.ws + self.buf[:end]
             body = text.rstrip()
             if body:

@@ -16,7 +16,13 @@ from fastapi import Request
 from .errors import APIError
 from .jobs import server_error
 from .openai_format import ChoiceStream
+from .reasoning import split_reasoning, thinking_of
 from .tools import ToolCall, ToolCallStream, check_forcible, parse_tool_calls
+
+
+@dataclass
+class Thinking:
+    text: str  # a piece of the model's reasoning
 
 
 @dataclass
@@ -36,18 +42,20 @@ def _end(out, c, calls: int) -> TurnEnd:
     return TurnEnd(finish, stop, len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens)
 
 
-async def whole_turn(state, job, request: Request, parse) -> tuple[str | None, list[ToolCall], TurnEnd]:
-    """(content, calls, end) of a finished turn."""
+async def whole_turn(state, job, request: Request, parse) -> tuple[str | None, list[ToolCall], TurnEnd, str]:
+    """(content, calls, end, reasoning) of a finished turn."""
     out = (await job.collect(request))[0]
     c = out.outputs[0]
-    content, calls = parse_tool_calls(c.text, parse, state.tool_format) if parse else (c.text, [])
-    return content, calls, _end(out, c, len(calls))
+    reasoning, text = split_reasoning(thinking_of(state, job.prompts[0]), c.text)
+    content, calls = parse_tool_calls(text, parse, state.tool_format) if parse else (text, [])
+    return content, calls, _end(out, c, len(calls)), reasoning
 
 
 async def turn_events(state, job, parse):
-    """Yields `str` deltas, `ToolCall`s and, last, a `TurnEnd`; a failed step raises APIError.
+    """Yields `Thinking` pieces, `str` deltas, `ToolCall`s and, last, a `TurnEnd`; a failed step raises APIError.
     Closing the generator early (a client gone) aborts the engine request."""
     tools = ToolCallStream(parse, state.tool_format) if parse else None
+    think = thinking_of(state, job.prompts[0])
     try:
         text = ChoiceStream(job.params.stop, await job.borders())
         async for rid, item in _items(job):
@@ -58,6 +66,9 @@ async def turn_events(state, job, parse):
             d = text.advance(c)
             if d is not None:
                 delta, _, finish = d
+                reasoning, delta = split_reasoning(think, delta, finish is not None)
+                if reasoning:
+                    yield Thinking(reasoning)
                 if tools is None:
                     if delta:
                         yield delta
