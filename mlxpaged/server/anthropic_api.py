@@ -95,7 +95,7 @@ class JsonFormat(Body):
 
 class OutputConfig(Body):
     format: JsonFormat | None = None
-    effort: str | None = None  # refused when set: no reasoning models here
+    effort: str | None = None  # refused when set: a thinking model thinks as its template says
 
 
 class CountTokensRequest(CheckedBody):
@@ -179,7 +179,13 @@ def template_messages(body: CountTokensRequest) -> list[dict]:
 
 def plan_of(body: CountTokensRequest, markers=None):
     if body.thinking and body.thinking.get("type") != "disabled":
-        raise AnthropicError(400, "thinking: extended thinking is not supported by this server")
+        raise AnthropicError(
+            400,
+            (
+                "thinking: a thinking budget is not supported by this server "
+                "(a thinking model's reasoning comes back as thinking blocks)"
+            ),
+        )
     functions = [{"name": t.name, "description": t.description, "parameters": t.input_schema} for t in body.tools or []]
     tc = body.tool_choice
     kind = tc.type if tc else ("auto" if functions else "none")
@@ -223,7 +229,7 @@ def register_anthropic(app: FastAPI, state) -> None:
         plan = plan_of(body, state.markers)
         oc = getattr(body, "output_config", None)
         if oc is not None and oc.effort is not None:
-            raise AnthropicError(400, "output_config.effort: not supported by this server (no reasoning models)")
+            raise AnthropicError(400, "output_config.effort: not supported by this server")
         if oc is not None and oc.format is not None:
             try:
                 guided = format_guided("json_schema", oc.format.schema_, "output_config.format")

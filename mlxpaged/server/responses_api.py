@@ -129,7 +129,14 @@ class ResponsesRequest(CheckedBody):
 
 def refuse_unsupported(body: ResponsesRequest) -> None:
     if body.reasoning and any(v is not None for v in body.reasoning.values()):
-        raise APIError(400, "reasoning: this server runs no reasoning models", param="reasoning")
+        raise APIError(
+            400,
+            (
+                "reasoning: effort and summaries are not supported by this server "
+                "(a thinking model's reasoning comes back as a reasoning item)"
+            ),
+            param="reasoning",
+        )
     if body.truncation not in (None, "disabled"):
         raise APIError(400, f"truncation: only 'disabled' is supported, got {body.truncation!r}", param="truncation")
     for name in ("background", "max_tool_calls", "top_logprobs", "conversation", "prompt"):
