@@ -447,7 +447,7 @@ def test_default_max_tokens_is_the_largest_the_engine_admits(tiny_loaded):
     from mlxpaged.server.limits import Capacity, default_max_tokens
 
     engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=100))
-    cap = Capacity(4096, 384, engine.num_blocks, engine.config.block_size, 13)
+    cap = Capacity(4096, 384, engine.max_blocks, engine.config.block_size, 13)
     for num_prompt, n in [(10, 1), (10, 8), (100, 64), (17, 3), (600, 5)]:
         m = default_max_tokens(cap, 1024, num_prompt, n)
         rid = f"ok{num_prompt}-{n}"
