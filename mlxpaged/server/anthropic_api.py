@@ -238,9 +238,11 @@ def register_anthropic(app: FastAPI, state) -> None:
                 raise AnthropicError.of(e) from None
         stops = list(getattr(body, "stop_sequences", None) or [])
 
-        top_p = body.top_p if body.top_p is not None else 1.0
-        knobs = dict(temperature=body.temperature, top_p=top_p, top_k=body.top_k or 0, stop=stops)
-        knobs.update(speculative=body.speculative, guided=plan.guided)
+        knobs = {}  # count_tokens has no sampling fields
+        if isinstance(body, MessagesRequest):
+            top_p = body.top_p if body.top_p is not None else 1.0
+            knobs = dict(temperature=body.temperature, top_p=top_p, top_k=body.top_k or 0, stop=stops)
+            knobs.update(speculative=body.speculative, guided=plan.guided)
         a = Ask(
             "msg",
             body.model,
