@@ -345,6 +345,14 @@ async def _stream(state, job, parse, envelope, finish):
         seq += 1
         return sse(kind, {"type": kind, "sequence_number": seq - 1, **data})
 
+    def open_message():
+        output.append(_message_item(open_msg["id"], "", "in_progress"))
+        common = {"item_id": open_msg["id"], "output_index": open_msg["index"], "content_index": 0}
+        return [
+            event("response.output_item.added", output_index=open_msg["index"], item=output[-1]),
+            event("response.content_part.added", **common, part={"type": "output_text", "text": "", "annotations": []}),
+        ]
+
     def close_message():
         item = _message_item(open_msg["id"], "".join(text_parts))
         output[open_msg["index"]] = item
@@ -382,17 +390,9 @@ async def _stream(state, job, parse, envelope, finish):
             if isinstance(e, str):
                 content_all.append(e)
                 if open_msg is None:
-                    open_msg = {"id": "msg_" + uuid.uuid4().hex[:24], "index": len(output)}
-                    text_parts = []
-                    output.append(_message_item(open_msg["id"], "", "in_progress"))
-                    yield event("response.output_item.added", output_index=open_msg["index"], item=output[-1])
-                    yield event(
-                        "response.content_part.added",
-                        item_id=open_msg["id"],
-                        output_index=open_msg["index"],
-                        content_index=0,
-                        part={"type": "output_text", "text": "", "annotations": []},
-                    )
+                    open_msg, text_parts = {"id": "msg_" + uuid.uuid4().hex[:24], "index": len(output)}, []
+                    for ev in open_message():
+                        yield ev
                 text_parts.append(e)
                 yield event(
                     "response.output_text.delta",
@@ -404,16 +404,9 @@ async def _stream(state, job, parse, envelope, finish):
                 )
             elif isinstance(e, TurnEnd):
                 if open_msg is None and not calls:  # an empty turn: one empty message, as the whole response has
-                    open_msg = {"id": "msg_" + uuid.uuid4().hex[:24], "index": len(output)}
-                    output.append(_message_item(open_msg["id"], "", "in_progress"))
-                    yield event("response.output_item.added", output_index=open_msg["index"], item=output[-1])
-                    yield event(
-                        "response.content_part.added",
-                        item_id=open_msg["id"],
-                        output_index=open_msg["index"],
-                        content_index=0,
-                        part={"type": "output_text", "text": "", "annotations": []},
-                    )
+                    open_msg, text_parts = {"id": "msg_" + uuid.uuid4().hex[:24], "index": len(output)}, []
+                    for ev in open_message():
+                        yield ev
                 if open_msg is not None:
                     for ev in close_message():
                         yield ev
