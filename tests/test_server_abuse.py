@@ -447,7 +447,7 @@ def test_default_max_tokens_is_the_largest_the_engine_admits(tiny_loaded):
     from mlxpaged.server.limits import Capacity, default_max_tokens
 
     engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=100))
-    cap = Capacity(4096, 384, engine.num_blocks, engine.config.block_size, 13)
+    cap = Capacity(4096, 384, engine.max_blocks, engine.config.block_size, 13)
     for num_prompt, n in [(10, 1), (10, 8), (100, 64), (17, 3), (600, 5)]:
         m = default_max_tokens(cap, 1024, num_prompt, n)
         rid = f"ok{num_prompt}-{n}"
@@ -610,7 +610,7 @@ def test_stop_hold_back_equals_brute_force():
     """The KMP hold-back, fed in pieces as a stream grows, against the definition by slicing."""
     import random
 
-    from mlxpaged.server.responses import ChoiceStream, hold_back
+    from mlxpaged.server.openai_format import ChoiceStream, hold_back
 
     def brute(text, stops):
         return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)

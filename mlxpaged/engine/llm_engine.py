@@ -2,8 +2,8 @@
 
 Wiring, all explicit: `Scheduler` (who runs, and the one owner of the block tables and of every
 request's state, through `BlockManager`) -> `ModelRunner` (the forward pass over `PagedKVCache`)
--> `sampler` (which token) -> `Scheduler.update_from_output` (appends, with `output.StopChecker`
-deciding stops and detokenizing) -> `output.make_output`. The engine never changes a block table
+-> `sampler` (which token) -> `Scheduler.update_from_output` (appends, with `stopping.StopChecker`
+deciding stops and detokenizing) -> `stopping.make_output`. The engine never changes a block table
 or a sequence itself: it launches steps, reads them back and reports. `step()` is the same five
 stages for every step (schedule, launch, commit, read back, report); each feature beyond them (the
 draft model, verifying speculation, beam search, the disk tier) is a `StepLayer` (step.py)
@@ -63,13 +63,13 @@ from .beam_search import BeamLayer, BeamSearchParams, BeamState
 from .draft import DraftProposer, draft_slots
 from .guided import GrammarCompiler, fill_masks, mask_words
 from .kv_connector import DiskConnector
-from .output import StopChecker, make_output
 from .outputs import RequestOutput
 from .sampler import GuideMasks, SampleArrays, TokenHistory, read_samples, sample_arrays, sample_key
 from .sampling_params import SamplingParams
 from .spec_decode import NgramProposer, Verifier, spec_draws, spec_rows
 from .stats import METRIC_KEYS, EngineStats, engine_stats
 from .step import LaunchedStep, StepLayer, requests_of
+from .stopping import StopChecker, make_output
 
 if TYPE_CHECKING:  # annotations only: loading imports nothing of the engine
     from ..loading.loader import LoadedModel

@@ -24,6 +24,9 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None  # one per generated token when SamplingParams.logprobs is set
     cumulative_logprob: float | None = None  # beam search: log-probability of token_ids
     score: float | None = None  # beam search: cumulative_logprob / length ** length_penalty
+    # vLLM's: what ended a "stop" sample other than EOS or its grammar: the stop string (cut off
+    # `text`) or the `stop_token_ids` entry; None otherwise
+    stop_reason: str | int | None = None
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass, field
 
@@ -102,6 +103,20 @@ class SamplingParams:
             self.logit_bias = bias or None
         if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
             raise ValueError(f"guided must be a GuidedDecoding, got {type(self.guided).__name__}")
+
+    def to_wire(self) -> dict:
+        """JSON data that `from_wire` turns back into equal params, guided spec included (what
+        rank 0 of a tensor-parallel server sends the other ranks)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
+        d["guided"] = dataclasses.asdict(self.guided) if self.guided is not None else None
+        return d
+
+    @classmethod
+    def from_wire(cls, data: dict) -> SamplingParams:
+        d = dict(data)
+        guided = d.pop("guided", None)
+        return cls(**d, guided=GuidedDecoding(**guided) if guided is not None else None)
 
     def needs_filter(self, vocab_size: int) -> bool:
         """Whether top-k or top-p can drop any token of a `vocab_size` vocabulary."""

@@ -1,10 +1,17 @@
-"""`mlxpaged serve`: an OpenAI-compatible HTTP server on `LLMEngine` (needs the `serve` extra).
+"""`mlxpaged serve`: an OpenAI- and Anthropic-compatible HTTP server on `LLMEngine` (needs the `serve` extra).
 
-Layout: `protocol` (typed request bodies), `errors` (the one OpenAI error object), `prompts`
-(messages and prompts to token ids), `engine_loop` (the one thread that drives the engine),
-`responses` (outputs to JSON and stream chunks), `metrics` (Prometheus), `limits` (what one
-request may ask), `middleware` (auth, body cap, draining, the catch-all 500, for every route),
-`connections` (header deadline, fd limit, accept errors), `app` (FastAPI routes), `cli` (the
-click command). Behaviour under hostile clients: docs/server.md.
+Layout: `bodies` (the strict body base; surrogate and nesting checks), `protocol` (OpenAI's typed
+bodies), `anthropic_api`, `responses_api` and `openai_api` (each family's routes and its wire
+format), `admission` (the one way in for every route: limits, the character count, tokenizing off
+the event loop, the default max_tokens, the job), `jobs` (the engine requests behind one HTTP
+request, streams that abort them however they end), `turns` (one assistant turn as events, for
+Messages and Responses), `tools` (tool-call formats: rendering, parsing, streaming, the forcing
+grammar), `guided_request` (which tools, which grammar), `prompts` (messages and prompts to token
+ids; client text is text), `openai_format` (outputs to OpenAI JSON, stream hold-back), `errors`
+(the one OpenAI error object), `engine_loop` (the one thread that drives the engine; requests'
+wire form for tensor parallelism), `metrics` (Prometheus), `limits` (what one request may ask),
+`middleware` (auth, body cap, draining, the catch-all 500, for every route), `connections`
+(header deadline, fd limit, accept errors), `app` (wiring), `cli` (the click command).
+Behaviour under hostile clients: docs/server.md.
 May import: `engine`, `core`, `attention`.
 """

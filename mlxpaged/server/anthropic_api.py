@@ -14,15 +14,17 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
+from ..engine.sampling_params import SamplingParams
+from .admission import Ask, admit
+from .admission import count_tokens as admission_count
+from .bodies import Body, CheckedBody
 from .errors import APIError
 from .guided_request import format_guided, tool_plan
-from .jobs import check_model, sampling_params
+from .jobs import ErrorResponse, JobStream
 from .middleware import anthropic_error_body
-from .prompts import check_context, encode_messages
-from .turns import TurnEnd, sse, start_turn, turn_events, whole_turn
+from .turns import Thinking, TurnEnd, add_format, sse, turn_events, turn_parse, whole_turn
 
 
 class AnthropicError(Exception):
@@ -39,23 +41,19 @@ class AnthropicError(Exception):
 
 
 # -- request bodies -------------------------------------------------------------------------------
-class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class TextBlock(_Body):
+class TextBlock(Body):
     type: Literal["text"]
     text: str
 
 
-class ToolUseBlock(_Body):
+class ToolUseBlock(Body):
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any]
 
 
-class ToolResultBlock(_Body):
+class ToolResultBlock(Body):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock] | None = None
@@ -73,34 +71,34 @@ class ToolResultBlock(_Body):
 Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
 
 
-class Message(_Body):
+class Message(Body):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
-class Tool(_Body):
+class Tool(Body):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     input_schema: dict[str, Any]
 
 
-class ToolChoice(_Body):
+class ToolChoice(Body):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool = False
 
 
-class JsonFormat(_Body):
+class JsonFormat(Body):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(_Body):
+class OutputConfig(Body):
     format: JsonFormat | None = None
-    effort: str | None = None  # refused when set: no reasoning models here
+    effort: str | None = None  # refused when set: a thinking model thinks as its template says
 
 
-class CountTokensRequest(_Body):
+class CountTokensRequest(CheckedBody):
     model: str
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
@@ -135,6 +133,8 @@ async def _body(request: Request, model):
         raw = await request.json()
     except ValueError as e:
         raise AnthropicError(400, f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise AnthropicError(400, "malformed JSON body: nested too deeply") from None
     if not isinstance(raw, dict):
         raise AnthropicError(400, "the request needs a JSON object body")
     return _parse(model, raw)
@@ -177,9 +177,15 @@ def template_messages(body: CountTokensRequest) -> list[dict]:
     return out
 
 
-def plan_of(body: CountTokensRequest):
+def plan_of(body: CountTokensRequest, markers=None):
     if body.thinking and body.thinking.get("type") != "disabled":
-        raise AnthropicError(400, "thinking: extended thinking is not supported by this server")
+        raise AnthropicError(
+            400,
+            (
+                "thinking: a thinking budget is not supported by this server "
+                "(a thinking model's reasoning comes back as thinking blocks)"
+            ),
+        )
     functions = [{"name": t.name, "description": t.description, "parameters": t.input_schema} for t in body.tools or []]
     tc = body.tool_choice
     kind = tc.type if tc else ("auto" if functions else "none")
@@ -188,7 +194,7 @@ def plan_of(body: CountTokensRequest):
     choice = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[kind]
     parallel = not (tc and tc.disable_parallel_tool_use)
     try:
-        return tool_plan(functions, choice, tc.name if tc else None, parallel=parallel)
+        return tool_plan(functions, choice, tc.name if tc else None, parallel=parallel, markers=markers)
     except APIError as e:
         raise AnthropicError.of(e) from None
 
@@ -204,69 +210,83 @@ def tool_use_block(call) -> dict:
     return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name, "input": call.input}
 
 
+def thinking_block(text: str) -> dict:
+    return {"type": "thinking", "thinking": text, "signature": ""}  # no signature: nothing is verified here
+
+
 def register_anthropic(app: FastAPI, state) -> None:
     """The routes and their error handler; the OpenAI routes keep OpenAI's error object."""
-    engine = state.engine_loop.engine
 
     @app.exception_handler(AnthropicError)
     async def _anthropic_error(request, exc: AnthropicError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return ErrorResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     # The API key is checked by the Guard middleware before the body is read (in Anthropic's error shape here).
     router = APIRouter(prefix="/v1")
 
-    async def encode(body) -> tuple[list[int], object]:
-        plan = plan_of(body)
-        try:
-            check_model(state, body.model)
-            messages = template_messages(body)
-            return await state.off_loop(encode_messages, engine.tokenizer, messages, plan.tools), plan
-        except APIError as e:
-            raise AnthropicError.of(e) from None
+    def ask(body, max_tokens: int = 1):
+        """The body as an `Ask` (admission.py); `plan.guided` set from `output_config` too."""
+        plan = plan_of(body, state.markers)
+        oc = getattr(body, "output_config", None)
+        if oc is not None and oc.effort is not None:
+            raise AnthropicError(400, "output_config.effort: not supported by this server")
+        if oc is not None and oc.format is not None:
+            try:
+                guided = format_guided("json_schema", oc.format.schema_, "output_config.format")
+                add_format(plan, guided, "output_config.format", "tool_choice any or tool")
+            except APIError as e:
+                raise AnthropicError.of(e) from None
+        stops = list(getattr(body, "stop_sequences", None) or [])
+
+        knobs = {}  # count_tokens has no sampling fields
+        if isinstance(body, MessagesRequest):
+            top_p = body.top_p if body.top_p is not None else 1.0
+            knobs = dict(temperature=body.temperature, top_p=top_p, top_k=body.top_k or 0, stop=stops)
+            knobs.update(speculative=body.speculative, guided=plan.guided)
+        a = Ask(
+            "msg",
+            body.model,
+            lambda n: SamplingParams(max_tokens=n, **knobs),
+            max_tokens,
+            messages=template_messages(body),
+            tools=plan.tools,
+            stops=stops,
+            max_tokens=max_tokens,
+            guided_param=plan.param,
+            names={"stop": "stop_sequences"},
+        )
+        return a, plan
 
     @router.post("/messages/count_tokens")
     async def count_tokens(request: Request):
-        body = await _body(request, CountTokensRequest)
-        ids, _ = await encode(body)
-        return {"input_tokens": len(ids)}
+        a, _ = ask(await _body(request, CountTokensRequest))
+        try:
+            return {"input_tokens": await admission_count(state, a)}
+        except APIError as e:
+            raise AnthropicError.of(e) from None
 
     @router.post("/messages")
     async def messages(request: Request):
         body = await _body(request, MessagesRequest)
-        ids, plan = await encode(body)
+        a, plan = ask(body, body.max_tokens)
         try:
-            oc = body.output_config
-            if oc is not None and oc.effort is not None:
-                raise APIError(400, "output_config.effort: not supported by this server (no reasoning models)")
-            if oc is not None and oc.format is not None:
-                if plan.guided is not None:
-                    raise APIError(
-                        400,
-                        "output_config.format: cannot be combined with tool_choice any or tool "
-                        "(both constrain the output)",
-                    )
-                plan.guided = format_guided("json_schema", oc.format.schema_, "output_config.format")
-                plan.param = "output_config.format"
-            check_context(len(ids), body.max_tokens, state.context)
-            params = sampling_params(_Sampling(body), body.max_tokens, None, state.vocab_size, guided=plan.guided)
-            job = await start_turn(state, "msg", ids, params, plan.param)
+            parse = turn_parse(state, plan)
+            job, prompts = await admit(state, a)
         except APIError as e:
             raise AnthropicError.of(e) from None
+        ids = prompts[0]
         msg_id = "msg_" + job.resp_id.split("-", 1)[1][:24]
         head = {"id": msg_id, "type": "message", "role": "assistant", "model": state.model_id}
         if body.stream:
-            return StreamingResponse(
-                _stream(state, job, plan.parse, head, len(ids)),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
+            return JobStream(job, _stream(state, job, parse, head, len(ids)))
         try:
-            content, calls, end = await whole_turn(state, job, request, plan.parse)
+            content, calls, end, reasoning = await whole_turn(state, job, request, parse)
         except APIError as e:
             raise AnthropicError.of(e) from None
-        blocks = ([{"type": "text", "text": content}] if content or not calls else []) + [
-            tool_use_block(c) for c in calls
-        ]
+        blocks = ([thinking_block(reasoning)] if reasoning else []) + (
+            [{"type": "text", "text": content}] if content or not calls else []
+        )
+        blocks += [tool_use_block(c) for c in calls]
         return {
             **head,
             "content": blocks,
@@ -278,32 +298,11 @@ def register_anthropic(app: FastAPI, state) -> None:
     app.include_router(router)
 
 
-class _Sampling:
-    """The Anthropic body's sampling fields, as `to_sampling_params` reads them."""
-
-    def __init__(self, body: MessagesRequest):
-        self.body = body
-
-    def to_sampling_params(self, max_tokens, logprobs, vocab_size=None, **extra):
-        from ..engine.sampling_params import SamplingParams
-
-        b = self.body
-        return SamplingParams(
-            temperature=b.temperature,
-            top_p=b.top_p if b.top_p is not None else 1.0,
-            top_k=b.top_k or 0,
-            max_tokens=max_tokens,
-            stop=list(b.stop_sequences or []),
-            speculative=b.speculative,
-            **{k: v for k, v in extra.items() if v is not None},
-        )
-
-
 async def _stream(state, job, parse, head: dict, n_prompt: int):
     """Anthropic's event sequence: message_start, then per block content_block_start, deltas and
     content_block_stop, then message_delta (stop_reason, usage) and message_stop."""
     index = -1
-    text_open = False
+    text_open = think_open = answered = False  # answered: a text or tool_use block was opened
     yield sse(
         "message_start",
         {
@@ -319,9 +318,23 @@ async def _stream(state, job, parse, head: dict, n_prompt: int):
     )
     try:
         async for e in turn_events(state, job, parse):
+            if isinstance(e, Thinking):  # the model's reasoning: a thinking block before the answer
+                if text_open:
+                    yield sse("content_block_stop", {"type": "content_block_stop", "index": index})
+                    text_open = False
+                if not think_open:
+                    index, think_open = index + 1, True
+                    block = {"type": "content_block_start", "index": index, "content_block": thinking_block("")}
+                    yield sse("content_block_start", block)
+                delta = {"type": "thinking_delta", "thinking": e.text}
+                yield sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+                continue
+            if think_open:
+                yield sse("content_block_stop", {"type": "content_block_stop", "index": index})
+                think_open = False
             if isinstance(e, str):
                 if not text_open:
-                    index, text_open = index + 1, True
+                    index, text_open, answered = index + 1, True, True
                     yield sse(
                         "content_block_start",
                         {"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}},
@@ -331,11 +344,11 @@ async def _stream(state, job, parse, head: dict, n_prompt: int):
                     {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": e}},
                 )
             elif isinstance(e, TurnEnd):
-                if index < 0:  # an empty turn still has one (empty) text block, as the whole message does
-                    index, text_open = 0, True
+                if not answered:  # an empty answer still has one (empty) text block, as the whole message does
+                    index, text_open = index + 1, True
                     yield sse(
                         "content_block_start",
-                        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+                        {"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}},
                     )
                 if text_open:
                     yield sse("content_block_stop", {"type": "content_block_stop", "index": index})
@@ -352,7 +365,7 @@ async def _stream(state, job, parse, head: dict, n_prompt: int):
                 if text_open:
                     yield sse("content_block_stop", {"type": "content_block_stop", "index": index})
                     text_open = False
-                index += 1
+                index, answered = index + 1, True
                 block = tool_use_block(e)
                 yield sse(
                     "content_block_start",

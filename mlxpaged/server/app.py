@@ -12,11 +12,11 @@ cancelled stream, an error) aborts the engine requests it still owns, in a `fina
 from __future__ import annotations
 
 import asyncio
-import json
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -25,27 +25,18 @@ from .anthropic_api import register_anthropic
 from .connections import AcceptErrorLog
 from .engine_loop import EngineLoop
 from .errors import APIError, error_body
-from .guided_request import chat_plan
-from .jobs import Job, ServerState, check_model, sampling_params
-from .limits import Capacity, Limits, check_chars, check_request, default_max_tokens, max_token_chars
+from .jobs import ErrorResponse, ServerState
+from .limits import Capacity, Limits, max_token_chars
 from .metrics import CONTENT_TYPE, Metrics
 from .middleware import Guard
-from .prompts import check_context, encode_messages, encode_prompt
-from .protocol import ChatCompletionRequest, CompletionRequest
-from .responses import ChoiceStream, TokenText, chat_logprobs, completion_logprobs, envelope, usage
+from .openai_api import register_openai
+from .openai_format import TokenText
+from .reasoning import ThinkMarkers
 from .responses_api import register_responses
-from .tools import ToolCallStream, chat_message, stream_tool_delta
+from .tools import CallMarkers, ToolFormat
 
-DEFAULT_CHAT_MAX_TOKENS = 1024  # when a chat body gives neither max_tokens nor max_completion_tokens
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+log = logging.getLogger("mlxpaged.server")
 DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
-
-
-class ErrorResponse(JSONResponse):
-    """An error object, ASCII-escaped: a message quoting client text with a lone surrogate still encodes."""
-
-    def render(self, content) -> bytes:
-        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 def build_app(
@@ -66,14 +57,22 @@ def build_app(
     cap = Capacity(
         getattr(args, "max_position_embeddings", None),
         args.vocab_size,
-        engine.num_blocks,
+        engine.max_blocks,
         engine.config.block_size,
         max_token_chars(engine.tokenizer),
     )
     # One tokenizer thread: HF tokenizers are not safe to call from several threads at once.
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxpaged-tokenize")
     names = frozenset({model_id, *model_aliases})
-    state = ServerState(engine_loop, metrics, model_id, names, max_queue, limits, cap, pool, responses_store)
+    markers, tool_format = CallMarkers.of(engine.tokenizer), ToolFormat.of(engine.tokenizer)
+    if tool_format is None:
+        log.warning("tool calls: mlx-lm has no tool-call parser for this checkpoint; they are served as text")
+    elif not tool_format.forcible:
+        log.warning("tool calls: mlx-lm's '%s' parser; tool_choice required or named is refused", tool_format.name)
+    state = ServerState(
+        engine_loop, metrics, model_id, names, max_queue, limits, cap, pool, responses_store, markers, tool_format
+    )
+    state.think = ThinkMarkers.of(engine.tokenizer)
     text_of = TokenText(engine.tokenizer)
 
     @asynccontextmanager
@@ -133,83 +132,7 @@ def build_app(
             "data": [{"id": state.model_id, "object": "model", "created": 0, "owned_by": "mlxpaged"}],
         }
 
-    @v1.post("/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        check_model(state, body.model)
-        texts = body.prompts()
-        if not texts:
-            raise APIError(400, "prompt is empty", param="prompt")
-        check_request(limits, cap, body, len(texts), body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, max_queue)
-        for p in texts:
-            if isinstance(p, str):
-                check_chars(cap, len(p), "prompt")
-        prompts = await state.off_loop(lambda: [encode_prompt(engine.tokenizer, p, cap.vocab_size) for p in texts])
-        max_tokens = body.max_tokens or default_max_tokens(
-            cap, DEFAULT_COMPLETION_MAX_TOKENS, max(map(len, prompts)), body.n
-        )
-        for ids in prompts:
-            check_context(len(ids), max_tokens, cap.context)
-        params = sampling_params(body, max_tokens, body.logprobs, cap.vocab_size)
-        job = await Job.start(state, "cmpl", prompts, params)
-
-        def choice(index, text, lps, finish, stream: ChoiceStream):
-            lp = completion_logprobs(lps, text_of) if lps is not None else None
-            return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
-
-        if body.stream:
-            return job.stream(request, "text_completion", state.model_id, choice, body.include_usage)
-        outs = await job.collect(request)
-        choices = [
-            choice(job.index(o.request_id, c.index), c.text, getattr(c, "logprobs", None), c.finish_reason, None)
-            for o in outs
-            for c in o.outputs
-        ]
-        return envelope(job.resp_id, "text_completion", state.model_id, choices=choices, usage=usage(outs))
-
-    @v1.post("/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request):
-        check_model(state, body.model)
-        messages, plan = chat_plan(body)  # tools, tool_choice and response_format (guided_request.py)
-        requested = body.requested_max_tokens()
-        check_request(limits, cap, body, 1, requested or 1, max_queue)
-        check_chars(cap, sum(len(m["content"]) for m in messages), "messages")
-        ids = await state.off_loop(encode_messages, engine.tokenizer, messages, plan.tools)
-        max_tokens = requested or default_max_tokens(cap, DEFAULT_CHAT_MAX_TOKENS, len(ids), body.n)
-        check_request(limits, cap, body, 1, max_tokens, max_queue)
-        check_context(len(ids), max_tokens, cap.context)
-        params = sampling_params(body, max_tokens, body.logprobs_k(), cap.vocab_size, guided=plan.guided)
-        job = await Job.start(state, "chatcmpl", [ids], params, plan.param)
-
-        def chunk_choice(index, text, lps, finish, stream: ChoiceStream):
-            delta = {"content": text}
-            if plan.parse:  # content the tool-call parser lets through, and the calls it completed
-                if not hasattr(stream, "tools"):
-                    stream.tools = ToolCallStream(plan.parse)
-                delta, finish = stream_tool_delta(stream.tools, text, finish)
-                if not delta and not finish and not lps:
-                    return None
-            if not stream.started:
-                delta = {"role": "assistant", **delta}
-                stream.started = True
-            lp = chat_logprobs(lps, text_of) if lps is not None else None
-            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
-
-        if body.stream:
-            return job.stream(request, "chat.completion.chunk", state.model_id, chunk_choice, body.include_usage)
-        outs = await job.collect(request)
-        choices = [
-            {
-                "index": c.index,
-                "message": msg,
-                "logprobs": chat_logprobs(c.logprobs, text_of) if getattr(c, "logprobs", None) is not None else None,
-                "finish_reason": finish,
-            }
-            for o in outs
-            for c in o.outputs
-            for msg, finish in [chat_message(c.text, c.finish_reason, plan.parse)]
-        ]  # tools.py: parsed calls
-        return envelope(job.resp_id, "chat.completion", state.model_id, choices=choices, usage=usage(outs))
-
+    register_openai(v1, state, text_of)
     register_responses(v1, state, text_of)
     app.include_router(v1)
     register_anthropic(app, state)

@@ -28,6 +28,7 @@ import ctypes
 import dataclasses
 import logging
 import os
+import random
 import sys
 import threading
 import time
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ..engine.sampling_params import SamplingParams
-from ..errors import StepError
+from ..errors import MlxPagedError, StepError
 
 log = logging.getLogger("mlxpaged.server")
 HEARTBEAT = 1.0  # seconds between two broadcasts of an idle tensor-parallel rank 0
@@ -102,6 +103,24 @@ class Sink:
                 await asyncio.wait_for(self._ready.wait(), timeout)
             except asyncio.TimeoutError:
                 return []
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request as the engine takes it (`add_request`), and its explicit wire form: what rank 0
+    of a tensor-parallel server sends the other ranks, which rebuild an equal request from it."""
+
+    prompt: list[int]
+    params: SamplingParams
+    request_id: str
+
+    def to_wire(self) -> list:
+        return [list(self.prompt), self.params.to_wire(), self.request_id]
+
+    @classmethod
+    def from_wire(cls, wire: list) -> EngineRequest:
+        prompt, params, rid = wire
+        return cls(list(prompt), SamplingParams.from_wire(params), rid)
 
 
 @dataclass
@@ -180,11 +199,14 @@ class EngineLoop:
     def submit(self, prompt: list[int], params: SamplingParams, rid: str, sink: Sink) -> concurrent.futures.Future:
         """Queue a request; the future resolves to `rid` once the engine accepted it, or to its error."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self._group is not None and params.seed is None:  # every rank must draw the same samples
+            params = dataclasses.replace(params, seed=random.getrandbits(31))
+        req = EngineRequest(list(prompt), params, rid)
         with self._cv:
             if self._stopping or self._drain_deadline is not None:
                 fut.set_exception(EngineDown("the server is shutting down"))
                 return fut
-            self._adds.append((prompt, params, rid, sink, fut, time.perf_counter()))
+            self._adds.append((req, sink, fut, time.perf_counter()))
             self._cv.notify()
         return fut
 
@@ -254,13 +276,14 @@ class EngineLoop:
                 "drained": drained,
                 "aborts": list(aborts),
                 "stop": stop,
-                "adds": [[list(p), dataclasses.asdict(sp), rid] for p, sp, rid, *_ in adds],
+                "adds": [req.to_wire() for req, *_ in adds],
             },
         )
 
-    def _add(self, prompt, params, rid, sink, fut, arrival) -> None:
+    def _add(self, req: EngineRequest, sink, fut, arrival) -> None:
+        rid = req.request_id
         try:
-            self.engine.add_request(prompt, params, request_id=rid)
+            self.engine.add_request(req.prompt, req.params, request_id=rid)
         except Exception as e:  # MlxPagedError / ValueError: the request's own fault
             fut.set_exception(e)
             return
@@ -378,14 +401,17 @@ def follow(engine, group) -> None:
                 return
             for rid in msg["drained"]:
                 engine.abort_request(rid)
-            for prompt, params, rid in msg["adds"]:
+            for wire in msg["adds"]:
+                req = EngineRequest.from_wire(wire)  # failing here is a bug: it ends this rank, loudly
                 try:
-                    engine.add_request(prompt, SamplingParams(**params), request_id=rid)
-                except Exception:  # rank 0 hit the same error and told its client
-                    pass
+                    engine.add_request(req.prompt, req.params, request_id=req.request_id)
+                except (MlxPagedError, ValueError) as e:  # the request's own fault: rank 0 refused it too
+                    log.debug("request %s refused on this rank too: %s", req.request_id, e)
             for rid in msg["aborts"]:
                 engine.abort_request(rid)
             if engine.has_unfinished_requests():
                 engine.step()
     except RankFailure as e:
         _die(str(e))
+    except Exception as e:  # the ranks would fall out of step: end, saying why
+        _die(f"tensor-parallel rank failed: {type(e).__name__}: {e}")

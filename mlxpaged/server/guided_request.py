@@ -50,7 +50,13 @@ class ToolPlan:
 
 
 def tool_plan(
-    functions: list[dict], choice: str, named: str | None = None, *, parallel: bool = True, param: str = "tool_choice"
+    functions: list[dict],
+    choice: str,
+    named: str | None = None,
+    *,
+    parallel: bool = True,
+    param: str = "tool_choice",
+    markers=None,
 ) -> ToolPlan:
     """functions: `{"name", "description", "parameters"}`; choice: auto, none, required or named.
 
@@ -79,13 +85,13 @@ def tool_plan(
     else:
         forced = functions
     try:
-        grammar = tool_call_grammar(forced, parallel=parallel and choice != "named")
+        grammar = tool_call_grammar(forced, parallel=parallel and choice != "named", markers=markers)
     except ValueError as e:
         raise APIError(400, f"tools: {e}", param="tools") from None
     return ToolPlan(rendered, frozenset(names), guided("tools", grammar=grammar), "tools")
 
 
-def chat_plan(body) -> tuple[list[dict], ToolPlan]:
+def chat_plan(body, markers=None) -> tuple[list[dict], ToolPlan]:
     """An OpenAI chat body's template messages and its tool plan, `response_format` included."""
     from .protocol import NamedToolChoice
 
@@ -102,7 +108,7 @@ def chat_plan(body) -> tuple[list[dict], ToolPlan]:
         choice, named = "named", tc.function.name
     else:
         choice, named = tc or ("auto" if functions else "none"), None
-    plan = tool_plan(functions, choice, named, parallel=body.parallel_tool_calls)
+    plan = tool_plan(functions, choice, named, parallel=body.parallel_tool_calls, markers=markers)
     rf = body.response_format
     if rf is not None and rf.type != "text":
         if plan.guided is not None:

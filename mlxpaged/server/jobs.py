@@ -15,14 +15,22 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..errors import MlxPagedError, StepError
 from .engine_loop import ClientTooSlow, EngineDown, EngineLoop, Sink
 from .errors import APIError
 from .limits import Capacity, Limits
 from .metrics import Metrics
-from .responses import ChoiceStream, envelope, stop_borders, usage
+from .openai_format import ChoiceStream, envelope, stop_borders, usage
+
+
+class ErrorResponse(JSONResponse):
+    """An error object, ASCII-escaped: a message quoting client text with a lone surrogate still encodes."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
 
 YIELD_EVERY = 8  # stream chunks between two yields to the event loop
 
@@ -38,6 +46,9 @@ class ServerState:
     capacity: Capacity
     tokenize_pool: ThreadPoolExecutor  # tokenizing and chat templates run here, never on the event loop
     responses_store: int = 0  # --responses-store: Responses kept for previous_response_id (0: stateless)
+    markers: object = None  # tools.CallMarkers: how the forcing grammar writes a call span's markers
+    tool_format: object = None  # tools.ToolFormat of the checkpoint, or None: tool calls are served as text
+    think: object = None  # reasoning.ThinkMarkers of a thinking model, else None
 
     @property
     def context(self) -> int | None:
@@ -61,13 +72,6 @@ def check_model(state: ServerState, model: str | None) -> None:
         )
 
 
-def sampling_params(body, max_tokens: int, logprobs: int | None, vocab_size: int | None = None, **extra):
-    try:
-        return body.to_sampling_params(max_tokens, logprobs, vocab_size, **extra)
-    except (ValueError, TypeError) as e:
-        raise APIError(400, str(e), param=str(e).split(" ", 1)[0] if " must " in str(e) else None) from None
-
-
 def server_error(item: BaseException) -> APIError:
     if isinstance(item, StepError):
         return APIError(500, f"{item}", code="engine_step_failed")
@@ -86,6 +90,7 @@ class Job:
     def __init__(self, state: ServerState, resp_id: str, rids: list[str], sink: Sink, params):
         self.state, self.resp_id, self.rids, self.sink, self.params = state, resp_id, rids, sink, params
         self.final: dict = {}
+        self.prompts: list[list[int]] = []  # set by `start`
 
     @classmethod
     async def start(
@@ -119,7 +124,9 @@ class Job:
             if isinstance(e, EngineDown):
                 raise APIError(503, str(e)) from None
             raise
-        return cls(state, resp_id, rids, sink, params)
+        job = cls(state, resp_id, rids, sink, params)
+        job.prompts = prompts
+        return job
 
     def index(self, rid: str, sample: int) -> int:
         return self.rids.index(rid) * self.params.n + sample
@@ -149,19 +156,18 @@ class Job:
         return [self.final[r] for r in self.rids]
 
     def stream(self, request: Request, kind: str, model: str, make_choice, include_usage: bool) -> StreamingResponse:
-        return StreamingResponse(
-            self._events(kind, model, make_choice, include_usage),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        return JobStream(self, self._events(kind, model, make_choice, include_usage))
+
+    async def borders(self) -> list[list[int]]:
+        """The stops' KMP tables, once for all samples and off the loop (64 stops of 1,500 characters: 0.1 s)."""
+        return await self.state.off_loop(stop_borders, self.params.stop) if self.params.stop else []
 
     async def _events(self, kind: str, model: str, make_choice, include_usage: bool):
         streams: dict[tuple[str, int], ChoiceStream] = {}
-        # the stops' KMP tables, once for all samples and off the loop (64 stops of 1,500 characters: 0.1 s)
-        borders = await self.state.off_loop(stop_borders, self.params.stop) if self.params.stop else []
         extra = {"usage": None} if include_usage else {}
         sent = 0
         try:
+            borders = await self.borders()
             failed = False
             while len(self.final) < len(self.rids) and not failed:
                 for rid, item in await self.sink.get():
@@ -189,3 +195,21 @@ class Job:
             yield "data: [DONE]\n\n"
         finally:
             self._abort_unfinished()
+
+
+class JobStream(StreamingResponse):
+    """A job's server-sent events. Invariant: however the response ends (its events all sent, a
+    failure, a client gone, or an event that cannot be encoded before the generator ever ran its
+    own `finally`), the job's unfinished engine requests are aborted."""
+
+    def __init__(self, job: Job, events):
+        super().__init__(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+        self.job = job
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job._abort_unfinished()

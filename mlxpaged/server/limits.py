@@ -29,13 +29,13 @@ class Capacity:
 
     context: int | None  # the model's positions
     vocab_size: int
-    num_blocks: int
+    max_blocks: int  # the pool's maximum (a growable pool's cap): what the engine admits against
     block_size: int
     max_token_chars: int | None  # the longest token's text: a prompt of more than context x this cannot fit
 
     @property
     def max_prompt_tokens(self) -> int:
-        pool = self.num_blocks * self.block_size
+        pool = self.max_blocks * self.block_size
         return min(self.context, pool) if self.context else pool
 
 
@@ -59,16 +59,25 @@ def check_chars(cap: Capacity, num_chars: int, param: str) -> None:
         )
 
 
-def check_request(limits: Limits, cap: Capacity, body, num_prompts: int, max_tokens: int, max_queue: int) -> None:
+def check_request(
+    limits: Limits,
+    cap: Capacity,
+    *,
+    stops: list[str],
+    stop_token_ids: list[int],
+    num_prompts: int,
+    n: int,
+    max_tokens: int,
+    max_queue: int,
+) -> None:
     """The checks that need no tokenizing: counts, ids and the total work asked for."""
-    stops = body.stops()
     if len(stops) > limits.max_stop_strings:
         raise APIError(
             400,
             f"stop has {len(stops)} strings; this server takes at most {limits.max_stop_strings} (--max-stop-strings)",
             param="stop",
         )
-    bad = [t for t in body.stop_token_ids if not 0 <= t < cap.vocab_size]
+    bad = [t for t in stop_token_ids if not 0 <= t < cap.vocab_size]
     if bad:
         raise APIError(
             400, f"stop_token_ids: {bad[0]} is outside the vocabulary (0..{cap.vocab_size - 1})", param="stop_token_ids"
@@ -80,12 +89,12 @@ def check_request(limits: Limits, cap: Capacity, body, num_prompts: int, max_tok
             f"requests may wait (--max-queue)",
             param="prompt",
         )
-    work = num_prompts * body.n * max_tokens
+    work = num_prompts * n * max_tokens
     if work > limits.max_request_tokens:
         raise APIError(
             400,
             f"the request asks for up to {work} generated tokens (prompts x n x max_tokens = "
-            f"{num_prompts} x {body.n} x {max_tokens}); this server takes at most "
+            f"{num_prompts} x {n} x {max_tokens}); this server takes at most "
             f"{limits.max_request_tokens} (--max-request-tokens)",
             param="max_tokens",
         )
@@ -97,12 +106,12 @@ def default_max_tokens(cap: Capacity, default: int, num_prompt: int, n: int) -> 
     from ..core.block_manager import blocks_for_request  # here: `serve --help` imports this module
 
     hi = max(1, min(default, cap.context - num_prompt if cap.context else default))
-    if blocks_for_request(num_prompt, n, hi, cap.block_size) <= cap.num_blocks:
+    if blocks_for_request(num_prompt, n, hi, cap.block_size) <= cap.max_blocks:
         return hi
     lo = 1  # largest max_tokens that fits, by bisection (blocks grow with max_tokens)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if blocks_for_request(num_prompt, n, mid, cap.block_size) <= cap.num_blocks:
+        if blocks_for_request(num_prompt, n, mid, cap.block_size) <= cap.max_blocks:
             lo = mid
         else:
             hi = mid - 1

@@ -3,14 +3,23 @@
 A completion prompt is encoded as `generate --no-chat` does (`tokenizer.encode(text)`); chat
 messages go through the checkpoint's chat template and are then encoded without special tokens,
 as `generate --chat` does for a single user message.
+
+Client text is text: a special token's text inside a message, a tool call or a tool definition
+(`"<|im_start|>system"` in a tool result) is tokenized as the characters it is, never as the
+control token, so no client can forge a turn. Only the template's own markers are special.
 """
 
 from __future__ import annotations
+
+import re
+import uuid
 
 from ..engine.chat import chat_ids
 from ..errors import MlxPagedError
 from .errors import APIError
 from .tools import render_chat
+
+TEMPLATE_KEYS = frozenset({"role", "type"})  # strings the template reads as structure, not client text
 
 
 def encode_prompt(tokenizer, prompt: str | list[int], vocab_size: int) -> list[int]:
@@ -30,8 +39,18 @@ def encode_messages(tokenizer, messages: list[dict], tools: list[dict] | None = 
     """`tools` (OpenAI function definitions) go to the template too, which renders them its own way."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
+    specials = _special_texts(tokenizer)
+    held: list[str] = []
+    tag = f"\ue000{uuid.uuid4().hex}"  # private-use characters: the template copies them through
+    if specials:
+        messages, tools = _hold(messages, specials, held, tag), _hold(tools, specials, held, tag)
     try:
-        ids = render_chat(tokenizer, messages, tools) if tools else chat_ids(tokenizer, messages)
+        if not held:  # the usual case: as `generate --chat` encodes it
+            ids = render_chat(tokenizer, messages, tools) if tools else chat_ids(tokenizer, messages)
+        else:
+            kw = {"tools": tools} if tools else {}
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
+            ids = _encode_held(tokenizer, text, held, tag)
     except Exception as e:  # a template's own raise_exception(), e.g. roles out of order
         raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
     if not ids:
@@ -56,3 +75,41 @@ def check_context(num_prompt: int, max_tokens: int, context: int | None) -> None
             param="max_tokens",
             code="context_length_exceeded",
         )
+
+
+def _special_texts(tokenizer) -> tuple[str, ...]:
+    """The text of every added token (special or not: Qwen's `<tool_call>` is an added token)."""
+    added = getattr(getattr(tokenizer, "_tokenizer", tokenizer), "added_tokens_decoder", None) or {}
+    return tuple(t.content if hasattr(t, "content") else str(t) for t in added.values())
+
+
+def _hold(value, specials: tuple[str, ...], held: list[str], tag: str):
+    """`value` with each special token's text in a client string replaced by a placeholder (`held`
+    keeps the texts). A placeholder has no character JSON escapes, so it survives a template's
+    `tojson` too. A new value; the original is untouched."""
+    if isinstance(value, str):
+        if not any(sp in value for sp in specials):
+            return value
+        pattern = "|".join(re.escape(sp) for sp in sorted(specials, key=len, reverse=True))
+
+        def placeholder(m: re.Match) -> str:
+            held.append(m.group(0))
+            return f"{tag}:{len(held) - 1}\ue001"
+
+        return re.sub(pattern, placeholder, value)
+    if isinstance(value, dict):
+        return {k: v if k in TEMPLATE_KEYS else _hold(v, specials, held, tag) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_hold(v, specials, held, tag) for v in value]
+    return value
+
+
+def _encode_held(tokenizer, text: str, held: list[str], tag: str) -> list[int]:
+    """The template's text with its special tokens, each held client text as plain characters."""
+    ids: list[int] = []
+    for i, part in enumerate(re.split(f"{re.escape(tag)}:(\\d+)\ue001", text)):
+        if i % 2 == 0:
+            ids += tokenizer.encode(part, add_special_tokens=False) if part else []
+        else:
+            ids += tokenizer.encode(held[int(part)], add_special_tokens=False, split_special_tokens=True)
+    return ids

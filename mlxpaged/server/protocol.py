@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..engine.sampling_params import SamplingParams
+from .bodies import Body
 
 MAX_TOP_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
@@ -61,8 +62,7 @@ def refuse_unimplemented(data):
     return data
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+_Body = Body
 
 
 class _Request(_Body):

@@ -12,33 +12,33 @@ conversation: input and output, not the instructions, as OpenAI does) in an LRU,
 
 from __future__ import annotations
 
+import copy
 import time
 import uuid
 from collections import OrderedDict
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag
 
+from ..engine.sampling_params import SamplingParams
+from .admission import Ask, admit
+from .bodies import Body, CheckedBody
 from .errors import APIError
 from .guided_request import format_guided, tool_plan
-from .jobs import check_model, sampling_params
-from .prompts import check_context, encode_messages
+from .jobs import JobStream
 from .tools import template_tool_calls
-from .turns import TurnEnd, default_max_tokens, sse, start_turn, turn_events, whole_turn
+from .turns import Thinking, TurnEnd, add_format, sse, turn_events, turn_parse, whole_turn
+
+DEFAULT_MAX_TOKENS = 1024  # as the chat route: when a body gives no max_output_tokens
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class ContentPart(_Body):
+class ContentPart(Body):
     type: Literal["input_text", "output_text", "text"]
     text: str
 
 
-class MessageItem(_Body):
+class MessageItem(Body):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[ContentPart]
@@ -47,14 +47,14 @@ class MessageItem(_Body):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class FunctionCallItem(_Body):
+class FunctionCallItem(Body):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
 
 
-class FunctionCallOutputItem(_Body):
+class FunctionCallOutputItem(Body):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[ContentPart]
@@ -75,7 +75,7 @@ Item = Annotated[
 ]
 
 
-class FunctionTool(_Body):
+class FunctionTool(Body):
     type: Literal["function"]
     name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
     description: str | None = None
@@ -83,12 +83,12 @@ class FunctionTool(_Body):
     strict: bool | None = None
 
 
-class FunctionChoice(_Body):
+class FunctionChoice(Body):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(_Body):
+class TextFormat(Body):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
@@ -96,11 +96,11 @@ class TextFormat(_Body):
     description: str | None = None
 
 
-class TextConfig(_Body):
+class TextConfig(Body):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(CheckedBody):
     model: str | None = None
     input: str | list[Item]
     instructions: str | None = None
@@ -129,7 +129,14 @@ class ResponsesRequest(_Body):
 
 def refuse_unsupported(body: ResponsesRequest) -> None:
     if body.reasoning and any(v is not None for v in body.reasoning.values()):
-        raise APIError(400, "reasoning: this server runs no reasoning models", param="reasoning")
+        raise APIError(
+            400,
+            (
+                "reasoning: effort and summaries are not supported by this server "
+                "(a thinking model's reasoning comes back as a reasoning item)"
+            ),
+            param="reasoning",
+        )
     if body.truncation not in (None, "disabled"):
         raise APIError(400, f"truncation: only 'disabled' is supported, got {body.truncation!r}", param="truncation")
     for name in ("background", "max_tool_calls", "top_logprobs", "conversation", "prompt"):
@@ -138,13 +145,16 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
 
 
 class ResponseStore:
-    """The conversations of the last `capacity` responses, by id (least recently used out first)."""
+    """The conversations of the last `capacity` responses, by id (least recently used out first).
+
+    Invariant: a stored conversation never changes. `put` takes its own copy, `get` hands out a
+    tuple, and `conversation` builds each request's messages without writing into it."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self._items: OrderedDict[str, list[dict]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[dict, ...]] = OrderedDict()
 
-    def get(self, resp_id: str) -> list[dict]:
+    def get(self, resp_id: str) -> tuple[dict, ...]:
         if self.capacity <= 0:
             raise APIError(
                 400,
@@ -165,13 +175,14 @@ class ResponseStore:
     def put(self, resp_id: str, messages: list[dict]) -> None:
         if self.capacity <= 0:
             return
-        self._items[resp_id] = messages
+        self._items[resp_id] = copy.deepcopy(tuple(messages))
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
 
 
-def conversation(body: ResponsesRequest, history: list[dict]) -> list[dict]:
-    """The template messages of `history` plus this body's input (instructions not included)."""
+def conversation(body: ResponsesRequest, history) -> list[dict]:
+    """The template messages of `history` plus this body's input (instructions not included).
+    `history`'s messages are read, never written: a call joining the last assistant turn makes a new turn."""
     out = list(history)
     if isinstance(body.input, str):
         return out + [{"role": "user", "content": body.input}]
@@ -185,10 +196,8 @@ def conversation(body: ResponsesRequest, history: list[dict]) -> list[dict]:
                 )[0]
             except ValueError as e:
                 raise APIError(400, f"input.{i}: {e}", param="input") from None
-            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:  # parallel calls: one turn
-                out[-1]["tool_calls"].append(call)
-            elif out and out[-1]["role"] == "assistant" and "tool_calls" not in out[-1]:
-                out[-1]["tool_calls"] = [call]
+            if out and out[-1]["role"] == "assistant":  # parallel calls, or calls after its text: one turn
+                out[-1] = {**out[-1], "tool_calls": [*out[-1].get("tool_calls", ()), call]}
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         else:
@@ -216,6 +225,11 @@ def _message_item(item_id: str, text: str, status: str = "completed") -> dict:
     }
 
 
+def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
+    content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    return {"id": item_id, "type": "reasoning", "status": status, "summary": [], "content": content}
+
+
 def _call_item(call, status: str = "completed") -> dict:
     return {
         "id": "fc_" + call.id.removeprefix("call_"),
@@ -229,12 +243,10 @@ def _call_item(call, status: str = "completed") -> dict:
 
 def register_responses(router: APIRouter, state, text_of=None) -> None:
     """`POST /v1/responses` on the OpenAI router (its auth and error object)."""
-    engine = state.engine_loop.engine
     store = ResponseStore(state.responses_store)
 
     @router.post("/responses")
     async def responses(body: ResponsesRequest, request: Request):
-        check_model(state, body.model)
         refuse_unsupported(body)
         history = store.get(body.previous_response_id) if body.previous_response_id else []
         convo = conversation(body, history)
@@ -245,28 +257,30 @@ def register_responses(router: APIRouter, state, text_of=None) -> None:
         tc = body.tool_choice
         choice = ("named" if isinstance(tc, FunctionChoice) else tc) or ("auto" if functions else "none")
         plan = tool_plan(
-            functions, choice, tc.name if isinstance(tc, FunctionChoice) else None, parallel=body.parallel_tool_calls
+            functions,
+            choice,
+            tc.name if isinstance(tc, FunctionChoice) else None,
+            parallel=body.parallel_tool_calls,
+            markers=state.markers,
         )
         fmt = body.text.format if body.text else None
         if fmt is not None and fmt.type != "text":
-            if plan.guided is not None:
-                raise APIError(
-                    400,
-                    f"text.format: cannot be combined with tool_choice '{choice}' (both constrain the output)",
-                    param="text",
-                )
-            plan.guided = format_guided(fmt.type, fmt.schema_, "text.format")
-            plan.param = "text"
-        ids = await state.off_loop(encode_messages, engine.tokenizer, messages, plan.tools)
-        max_tokens = body.max_output_tokens or default_max_tokens(state, len(ids))
-        try:
-            check_context(len(ids), max_tokens, state.context)
-        except APIError as e:  # the chat routes' words, in this API's field names
-            if e.param == "max_tokens":
-                e.param, e.message = "max_output_tokens", e.message.replace("max_tokens", "max_output_tokens")
-            raise
-        params = sampling_params(_Sampling(body), max_tokens, None, state.vocab_size, guided=plan.guided)
-        job = await start_turn(state, "resp", ids, params, plan.param)
+            add_format(plan, format_guided(fmt.type, fmt.schema_, "text.format"), "text", f"tool_choice '{choice}'")
+
+        knobs = dict(temperature=body.temperature, top_p=body.top_p, speculative=body.speculative, guided=plan.guided)
+        ask = Ask(
+            "resp",
+            body.model,
+            lambda n: SamplingParams(max_tokens=n, **knobs),
+            DEFAULT_MAX_TOKENS,
+            messages=messages,
+            tools=plan.tools,
+            max_tokens=body.max_output_tokens,
+            guided_param=plan.param,
+            names={"max_tokens": "max_output_tokens", "messages": "input"},
+        )
+        parse = turn_parse(state, plan)
+        job, _ = await admit(state, ask)
         resp_id = "resp_" + job.resp_id.split("-", 1)[1]
         created = int(time.time())
 
@@ -309,32 +323,12 @@ def register_responses(router: APIRouter, state, text_of=None) -> None:
             return "incomplete" if end.finish_reason == "length" else "completed"
 
         if body.stream:
-            return StreamingResponse(
-                _stream(state, job, plan.parse, envelope, finish),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        content, calls, end = await whole_turn(state, job, request, plan.parse)
-        output = ([_message_item("msg_" + uuid.uuid4().hex[:24], content)] if content or not calls else []) + [
-            _call_item(c) for c in calls
-        ]
+            return JobStream(job, _stream(state, job, parse, envelope, finish))
+        content, calls, end, reasoning = await whole_turn(state, job, request, parse)
+        output = [_reasoning_item("rs_" + uuid.uuid4().hex[:24], reasoning)] if reasoning else []
+        output += [_message_item("msg_" + uuid.uuid4().hex[:24], content)] if content or not calls else []
+        output += [_call_item(c) for c in calls]
         return envelope(finish(content, calls, end), output, end)
-
-
-class _Sampling:
-    def __init__(self, body: ResponsesRequest):
-        self.body = body
-
-    def to_sampling_params(self, max_tokens, logprobs, vocab_size=None, **extra):
-        from ..engine.sampling_params import SamplingParams
-
-        return SamplingParams(
-            temperature=self.body.temperature,
-            top_p=self.body.top_p,
-            max_tokens=max_tokens,
-            speculative=self.body.speculative,
-            **{k: v for k, v in extra.items() if v is not None},
-        )
 
 
 async def _stream(state, job, parse, envelope, finish):
@@ -351,6 +345,14 @@ async def _stream(state, job, parse, envelope, finish):
         seq += 1
         return sse(kind, {"type": kind, "sequence_number": seq - 1, **data})
 
+    def open_message():
+        output.append(_message_item(open_msg["id"], "", "in_progress"))
+        common = {"item_id": open_msg["id"], "output_index": open_msg["index"], "content_index": 0}
+        return [
+            event("response.output_item.added", output_index=open_msg["index"], item=output[-1]),
+            event("response.content_part.added", **common, part={"type": "output_text", "text": "", "annotations": []}),
+        ]
+
     def close_message():
         item = _message_item(open_msg["id"], "".join(text_parts))
         output[open_msg["index"]] = item
@@ -366,22 +368,31 @@ async def _stream(state, job, parse, envelope, finish):
     yield event("response.in_progress", response=envelope("in_progress", [], None))
     content_all: list[str] = []
     calls = []
+    think: dict | None = None  # the open reasoning item: id, index, text so far
     try:
         async for e in turn_events(state, job, parse):
+            if isinstance(e, Thinking):  # the model's reasoning: a reasoning item before the answer
+                if think is None:
+                    think = {"id": "rs_" + uuid.uuid4().hex[:24], "index": len(output), "text": []}
+                    output.append(_reasoning_item(think["id"], "", "in_progress"))
+                    yield event("response.output_item.added", output_index=think["index"], item=output[-1])
+                think["text"].append(e.text)
+                common = {"item_id": think["id"], "output_index": think["index"], "content_index": 0}
+                yield event("response.reasoning_text.delta", **common, delta=e.text)
+                continue
+            if think is not None and think.get("open", True):
+                think["open"] = False
+                item = _reasoning_item(think["id"], "".join(think["text"]))
+                output[think["index"]] = item
+                common = {"item_id": think["id"], "output_index": think["index"], "content_index": 0}
+                yield event("response.reasoning_text.done", **common, text=item["content"][0]["text"])
+                yield event("response.output_item.done", output_index=think["index"], item=item)
             if isinstance(e, str):
                 content_all.append(e)
                 if open_msg is None:
-                    open_msg = {"id": "msg_" + uuid.uuid4().hex[:24], "index": len(output)}
-                    text_parts = []
-                    output.append(_message_item(open_msg["id"], "", "in_progress"))
-                    yield event("response.output_item.added", output_index=open_msg["index"], item=output[-1])
-                    yield event(
-                        "response.content_part.added",
-                        item_id=open_msg["id"],
-                        output_index=open_msg["index"],
-                        content_index=0,
-                        part={"type": "output_text", "text": "", "annotations": []},
-                    )
+                    open_msg, text_parts = {"id": "msg_" + uuid.uuid4().hex[:24], "index": len(output)}, []
+                    for ev in open_message():
+                        yield ev
                 text_parts.append(e)
                 yield event(
                     "response.output_text.delta",
@@ -393,16 +404,9 @@ async def _stream(state, job, parse, envelope, finish):
                 )
             elif isinstance(e, TurnEnd):
                 if open_msg is None and not calls:  # an empty turn: one empty message, as the whole response has
-                    open_msg = {"id": "msg_" + uuid.uuid4().hex[:24], "index": 0}
-                    output.append(_message_item(open_msg["id"], "", "in_progress"))
-                    yield event("response.output_item.added", output_index=0, item=output[-1])
-                    yield event(
-                        "response.content_part.added",
-                        item_id=open_msg["id"],
-                        output_index=0,
-                        content_index=0,
-                        part={"type": "output_text", "text": "", "annotations": []},
-                    )
+                    open_msg, text_parts = {"id": "msg_" + uuid.uuid4().hex[:24], "index": len(output)}, []
+                    for ev in open_message():
+                        yield ev
                 if open_msg is not None:
                     for ev in close_message():
                         yield ev

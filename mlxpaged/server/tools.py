@@ -29,6 +29,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from .bodies import loads_json
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 JSON_STYLE = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}  # llguidance's options
 
@@ -47,15 +49,15 @@ class ToolCall:
 def _call_of(body: str) -> ToolCall | None:
     """The call a span's body holds, or None when it is not one (then the span stays text)."""
     try:
-        obj = json.loads(body)
-    except ValueError:
+        obj = loads_json(body)
+    except ValueError:  # not JSON, or nested deeper than any arguments we take
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters"))
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
-            args = json.loads(args)
+            args = loads_json(args)
         except ValueError:
             return None
     if not isinstance(args, dict):
@@ -63,10 +65,79 @@ def _call_of(body: str) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def parse_tool_calls(text: str, names=None) -> tuple[str | None, list[ToolCall]]:
+@dataclass(frozen=True)
+class ToolFormat:
+    """How a checkpoint writes tool calls: a span from `open` to `close` ("": to the sample's end)
+    whose body `parse` turns into calls ([]: not a call, the span stays text). Hermes spans
+    (Qwen2.5's) are parsed here, and only they can be forced by a grammar (`forcible`); other
+    families use the parser mlx-lm picks for the checkpoint (`mlx_lm/tool_parsers/`)."""
+
+    name: str
+    open: str
+    close: str
+    parse: object  # body -> list[ToolCall]
+    forcible: bool = False  # tool_call_grammar writes this format
+    bare_json: bool = False  # a whole completion that is one call object counts (small Qwen models)
+
+    @classmethod
+    def of(cls, tokenizer) -> ToolFormat | None:
+        """The checkpoint's format, or None when mlx-lm knows no parser for it (tools are then text)."""
+        parser = getattr(tokenizer, "tool_parser", None)
+        start, end = getattr(tokenizer, "tool_call_start", None), getattr(tokenizer, "tool_call_end", None)
+        module = getattr(parser, "__module__", "").rsplit(".", 1)[-1]
+        if parser is None:  # mlx-lm found none; a template that writes Hermes spans gets ours
+            return HERMES if OPEN in (getattr(tokenizer, "chat_template", None) or "") else None
+        if module == "json_tools" or not start:
+            return HERMES
+        return cls(module, start, end or "", _mlx_parse(parser))
+
+
+def check_forcible(fmt: ToolFormat | None, plan) -> None:
+    """A plan that forces a call needs a format the forcing grammar writes (Hermes spans)."""
+    if plan.guided is not None and plan.param == "tools" and not (fmt and fmt.forcible):
+        from .errors import APIError
+
+        what = f"'{fmt.name}' tool-call format" if fmt else "checkpoint (no tool-call format known)"
+        raise APIError(
+            400, f"tool_choice: forcing a call is not supported for this {what}; use 'auto'", param="tool_choice"
+        )
+
+
+def _hermes(body: str) -> list[ToolCall]:
+    call = _call_of(body)
+    return [call] if call is not None else []
+
+
+HERMES = ToolFormat("hermes", OPEN, CLOSE, _hermes, forcible=True, bare_json=True)
+
+
+def _mlx_parse(parser):
+    """mlx-lm's `parse_tool_call(text, tools)` (a dict or a list of dicts with `name` and
+    `arguments`) as a body -> calls function; any failure leaves the span as text."""
+
+    def parse(body: str) -> list[ToolCall]:
+        try:
+            got = parser(body, None)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError):
+            return []
+        out = []
+        for c in got if isinstance(got, list) else [got]:
+            if not isinstance(c, dict) or not isinstance(c.get("name"), str):
+                return []
+            args = c.get("arguments", {})
+            call = _call_of(json.dumps({"name": c["name"], "arguments": args}, ensure_ascii=False))
+            if call is None:
+                return []
+            out.append(call)
+        return out
+
+    return parse
+
+
+def parse_tool_calls(text: str, names=None, fmt: ToolFormat | None = None) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a whole completion; content is None when it is empty and there are calls.
     `names`: the offered functions, which a bare JSON completion may call (None: only spans)."""
-    s = ToolCallStream(names)
+    s = ToolCallStream(names, fmt)
     events = s.feed(text) + s.finish()
     content = "".join(e for e in events if isinstance(e, str))
     calls = [e for e in events if isinstance(e, ToolCall)]
@@ -82,10 +153,10 @@ def _unfenced(text: str) -> str:
     return text
 
 
-def _partial_open(buf: str) -> int:
-    """Length of the longest tail of `buf` that is a proper prefix of `<tool_call>`."""
-    for k in range(min(len(OPEN) - 1, len(buf)), 0, -1):
-        if buf.endswith(OPEN[:k]):
+def partial_prefix(buf: str, opener: str = OPEN) -> int:
+    """Length of the longest tail of `buf` that is a proper prefix of `opener`."""
+    for k in range(min(len(opener) - 1, len(buf)), 0, -1):
+        if buf.endswith(opener[:k]):
             return k
     return 0
 
@@ -93,14 +164,16 @@ def _partial_open(buf: str) -> int:
 class ToolCallStream:
     """Text deltas in, events out: `str` (content to show) and `ToolCall` (a complete call).
 
-    Holds back what could still become a call: a tail that may grow into `<tool_call>`,
-    whitespace that would be dropped if a call follows, and an open span until it closes.
+    Holds back what could still become a call: a tail that may grow into the format's opening
+    marker, whitespace that would be dropped if a call follows, and an open span until it closes.
     The events of any split of a text equal those of the whole text (`parse_tool_calls`).
     """
 
-    def __init__(self, names=None):
+    def __init__(self, names=None, fmt: ToolFormat | None = None):
+        self.fmt = fmt or HERMES
         self.names = frozenset(names or ())  # functions a bare JSON completion may call
-        self.lead: str | None = "" if self.names else None  # held while the completion may be a bare call
+        bare = self.names and self.fmt.bare_json
+        self.lead: str | None = "" if bare else None  # held while the completion may be a bare call
         self.bare = False  # the completion starts with "{": hold it all until it ends
         self.buf = ""  # text not yet decided (while `in_call`: the open span so far)
         self.in_call = False
@@ -123,20 +196,15 @@ class ToolCallStream:
     def _feed(self, delta: str) -> list:
         self.buf += delta
         events: list = []
+        opener, closer = self.fmt.open, self.fmt.close
         while True:
             if self.in_call:
-                j = self.buf.find(CLOSE)
+                j = self.buf.find(closer) if closer else -1  # no closing marker: the span runs to the end
                 if j < 0:
                     return events
-                span, self.buf = self.buf[: j + len(CLOSE)], self.buf[j + len(CLOSE) :]
+                span, self.buf = self.buf[: j + len(closer)], self.buf[j + len(closer) :]
                 self.in_call = False
-                call = _call_of(span[len(OPEN) : j])
-                if call is None:  # malformed: the span, and the whitespace held before it, are text
-                    events.append(self.ws + span)
-                else:
-                    events.append(call)
-                    self.num_calls += 1
-                self.ws, self.after_call = "", call is not None
+                self._span(events, span, span[len(opener) : j])
                 continue
             if self.after_call:
                 stripped = self.buf.lstrip()
@@ -144,8 +212,8 @@ class ToolCallStream:
                     self.buf = ""
                     return events
                 self.buf, self.after_call = stripped, False
-            i = self.buf.find(OPEN)
-            end = i if i >= 0 else len(self.buf) - _partial_open(self.buf)
+            i = self.buf.find(opener)
+            end = i if i >= 0 else len(self.buf) - partial_prefix(self.buf, opener)
             text = self.ws + self.buf[:end]
             body = text.rstrip()
             if body:
@@ -155,8 +223,18 @@ class ToolCallStream:
                 return events
             self.in_call = True
 
+    def _span(self, events: list, span: str, body: str) -> None:
+        calls = self.fmt.parse(body)
+        if not calls:  # malformed: the span, and the whitespace held before it, are text
+            events.append(self.ws + span)
+        else:
+            events.extend(calls)
+            self.num_calls += len(calls)
+        self.ws, self.after_call = "", bool(calls)
+
     def finish(self) -> list:
-        """The sample ended: whatever is held back is text (an unclosed span included)."""
+        """The sample ended: whatever is held back is text (an unclosed span included, unless the
+        format's spans run to the end of the sample)."""
         if self.lead is not None:
             lead, self.lead = self.lead, None
             call = _call_of(_unfenced(lead.strip())) if self.bare else None
@@ -164,6 +242,11 @@ class ToolCallStream:
                 self.num_calls += 1
                 return [call]
             return self._feed(lead) + self.finish()
+        if self.in_call and not self.fmt.close:
+            events: list = []
+            self._span(events, self.buf, self.buf[len(self.fmt.open) :])
+            self.buf, self.in_call = "", False
+            return events + self.finish()
         rest = self.ws + self.buf
         self.buf, self.ws, self.in_call = "", "", False
         return [rest] if rest else []
@@ -179,9 +262,9 @@ def template_tool_calls(calls: list[dict]) -> list[dict]:
         args = fn.get("arguments")
         if isinstance(args, str):
             try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError:
-                raise ValueError(f"tool call {c.get('id', '')!r}: arguments are not valid JSON") from None
+                args = loads_json(args) if args.strip() else {}
+            except ValueError as e:
+                raise ValueError(f"tool call {c.get('id', '')!r}: arguments are not valid JSON ({e})") from None
         out.append({"id": c.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args or {}}})
     return out
 
@@ -203,19 +286,41 @@ def _lark_str(s: str) -> str:
     return json.dumps(s, ensure_ascii=False)
 
 
-def tool_call_grammar(functions: list[dict], *, parallel: bool = True) -> str:
+@dataclass(frozen=True)
+class CallMarkers:
+    """A call span's markers as the forcing grammar writes them: a quoted string each, or, when the
+    checkpoint's tokenizer has the marker as one added token (Qwen2.5's real tokenizer: `<tool_call>`
+    is id 151657), that token by id (`<[151657]>`): llguidance never matches such a token to text,
+    and the model writes the marker as that token."""
+
+    open: str = json.dumps(OPEN)
+    close: str = json.dumps(CLOSE)
+
+    @classmethod
+    def of(cls, tokenizer) -> CallMarkers:
+        return cls(_marker(tokenizer, OPEN), _marker(tokenizer, CLOSE))
+
+
+def _marker(tokenizer, text: str) -> str:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    added = getattr(getattr(tokenizer, "_tokenizer", tokenizer), "added_tokens_decoder", None) or {}
+    return f"<[{ids[0]}]>" if len(ids) == 1 and ids[0] in added else _lark_str(text)
+
+
+def tool_call_grammar(functions: list[dict], *, parallel: bool = True, markers: CallMarkers | None = None) -> str:
     """A Lark grammar whose sentences are one (or, `parallel`, several) Qwen2.5 tool-call spans,
     each a call to one of `functions` (`{"name", "parameters"}`) with arguments valid for its
     schema. Qwen writes them exactly so (see its template's tool instructions)."""
     if not functions:
         raise ValueError("no function to call")
+    m = markers or CallMarkers()
     rules = []
     for i, f in enumerate(functions):
         # Compact JSON with the separators Qwen's template writes (tojson's ", " and ": "): no free
         # whitespace a weak model could pad the arguments with until max_tokens.
         schema = {**(f.get("parameters") or {"type": "object"}), "x-guidance": JSON_STYLE}
-        head = f'{OPEN}\n{{"name": {json.dumps(f["name"], ensure_ascii=False)}, "arguments": '
-        rules.append(f"call_{i}: {_lark_str(head)} args_{i} {_lark_str('}' + chr(10) + CLOSE)}")
+        head = f'\n{{"name": {json.dumps(f["name"], ensure_ascii=False)}, "arguments": '
+        rules.append(f"call_{i}: {m.open} {_lark_str(head)} args_{i} {_lark_str('}' + chr(10))} {m.close}")
         rules.append(f"args_{i}: %json{json.dumps(schema, ensure_ascii=False)}")
     alts = " | ".join(f"call_{i}" for i in range(len(functions)))
     start = 'start: call ("\\n" call)*' if parallel else "start: call"
@@ -258,12 +363,12 @@ def stream_tool_delta(parser: ToolCallStream, text: str, finish: str | None) -> 
     return delta, finish
 
 
-def chat_message(text: str, finish: str | None, names=None) -> tuple[dict, str | None]:
+def chat_message(text: str, finish: str | None, names=None, fmt: ToolFormat | None = None) -> tuple[dict, str | None]:
     """A whole assistant message and its finish_reason: with `names` (tools offered), its parsed
     calls, and `tool_calls` for a sample that ended by itself with calls."""
     if names is None:
         return {"role": "assistant", "content": text}, finish
-    content, calls = parse_tool_calls(text, names)
+    content, calls = parse_tool_calls(text, names, fmt)
     msg: dict = {"role": "assistant", "content": content}
     if calls:
         msg["tool_calls"] = [

@@ -13,11 +13,16 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from .jobs import Job, server_error
-from .responses import ChoiceStream
-from .tools import ToolCall, ToolCallStream, parse_tool_calls
+from .errors import APIError
+from .jobs import server_error
+from .openai_format import ChoiceStream
+from .reasoning import split_reasoning, thinking_of
+from .tools import ToolCall, ToolCallStream, check_forcible, parse_tool_calls
 
-DEFAULT_MAX_TOKENS = 1024  # as the chat route: when a Responses body gives no max_output_tokens
+
+@dataclass
+class Thinking:
+    text: str  # a piece of the model's reasoning
 
 
 @dataclass
@@ -29,40 +34,30 @@ class TurnEnd:
     cached_tokens: int
 
 
-async def start_turn(state, prefix: str, ids: list[int], params, guided_param: str | None = None):
-    """The engine request of one turn (a 400 before anything streams if it cannot run)."""
-    return await Job.start(state, prefix, [ids], params, guided_param)
-
-
-def _end(state, out, c, params, calls: int) -> TurnEnd:
-    stop = None
+def _end(out, c, calls: int) -> TurnEnd:
     finish = c.finish_reason or "length"
     if finish == "stop" and calls:
         finish = "tool_calls"
-    elif finish == "stop" and params.stop and c.token_ids:
-        engine = state.engine_loop.engine
-        last = c.token_ids[-1]
-        if last not in engine.eos_token_ids and last not in params.stop_token_ids:
-            # Ended by a stop string: the engine cut it off the text; it follows the text in the tokens.
-            tail = engine.tokenizer.decode(c.token_ids)[len(c.text) :]
-            stop = min(params.stop, key=lambda s: tail.find(s) if s in tail else 1 << 30)
+    stop = c.stop_reason if finish == "stop" and isinstance(c.stop_reason, str) else None  # the engine's record
     return TurnEnd(finish, stop, len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens)
 
 
-async def whole_turn(state, job, request: Request, parse) -> tuple[str | None, list[ToolCall], TurnEnd]:
-    """(content, calls, end) of a finished turn."""
+async def whole_turn(state, job, request: Request, parse) -> tuple[str | None, list[ToolCall], TurnEnd, str]:
+    """(content, calls, end, reasoning) of a finished turn."""
     out = (await job.collect(request))[0]
     c = out.outputs[0]
-    content, calls = parse_tool_calls(c.text, parse) if parse else (c.text, [])
-    return content, calls, _end(state, out, c, job.params, len(calls))
+    reasoning, text = split_reasoning(thinking_of(state, job.prompts[0]), c.text)
+    content, calls = parse_tool_calls(text, parse, state.tool_format) if parse else (text, [])
+    return content, calls, _end(out, c, len(calls)), reasoning
 
 
 async def turn_events(state, job, parse):
-    """Yields `str` deltas, `ToolCall`s and, last, a `TurnEnd`; a failed step raises APIError.
+    """Yields `Thinking` pieces, `str` deltas, `ToolCall`s and, last, a `TurnEnd`; a failed step raises APIError.
     Closing the generator early (a client gone) aborts the engine request."""
-    text = ChoiceStream(job.params.stop)
-    tools = ToolCallStream(parse) if parse else None
+    tools = ToolCallStream(parse, state.tool_format) if parse else None
+    think = thinking_of(state, job.prompts[0])
     try:
+        text = ChoiceStream(job.params.stop, await job.borders())
         async for rid, item in _items(job):
             if isinstance(item, BaseException):
                 job.final[rid] = None
@@ -71,6 +66,9 @@ async def turn_events(state, job, parse):
             d = text.advance(c)
             if d is not None:
                 delta, _, finish = d
+                reasoning, delta = split_reasoning(think, delta, finish is not None)
+                if reasoning:
+                    yield Thinking(reasoning)
                 if tools is None:
                     if delta:
                         yield delta
@@ -79,7 +77,7 @@ async def turn_events(state, job, parse):
                         yield e
             if item.finished:
                 job.final[rid] = item
-                yield _end(state, item, c, job.params, tools.num_calls if tools else 0)
+                yield _end(item, c, tools.num_calls if tools else 0)
                 return
     finally:
         job._abort_unfinished()
@@ -93,8 +91,20 @@ async def _items(job):
             yield item
 
 
-def default_max_tokens(state, num_prompt: int) -> int:
-    return max(1, min(DEFAULT_MAX_TOKENS, (state.context or 1 << 30) - num_prompt))
+def turn_parse(state, plan):
+    """The names a turn's output is parsed for calls with (None: served as text), after refusing a
+    forced call the checkpoint's format cannot be forced in."""
+    check_forcible(state.tool_format, plan)
+    return plan.parse if state.tool_format else None
+
+
+def add_format(plan, guided, param: str, conflict: str) -> None:
+    """A structured-output format joins a tool plan, unless the plan already forces a call."""
+    if guided is None:
+        return
+    if plan.guided is not None:
+        raise APIError(400, f"{param}: cannot be combined with {conflict} (both constrain the output)", param=param)
+    plan.guided, plan.param = guided, param
 
 
 def sse(event: str, data: dict) -> str:

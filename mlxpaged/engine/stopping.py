@@ -78,8 +78,14 @@ def make_output(req: Request, tokenizer) -> RequestOutput:
             if s.finished:
                 s.detokenizer.finalize()
             text = s.detokenizer.text
+            stop_reason = None  # vLLM's: the stop string that ended the sample, or the stop token id
             if s.stop_text_len is not None:
+                # the first occurrence that ended it: of the stops found there, the one StopChecker saw first
+                stop_reason = next((x for x in req.params.stop if text.startswith(x, s.stop_text_len)), None)
                 text = text[: s.stop_text_len]
+            elif s.finish_reason is FinishReason.STOP and s.output_token_ids:
+                last = s.output_token_ids[-1]
+                stop_reason = last if last in req.params.stop_token_ids else None
             outs.append(
                 CompletionOutput(
                     s.sample_index,
@@ -87,6 +93,7 @@ def make_output(req: Request, tokenizer) -> RequestOutput:
                     list(s.output_token_ids),
                     s.finish_reason.value if s.finish_reason else None,
                     logprobs=list(s.logprobs) if req.params.logprobs is not None else None,
+                    stop_reason=stop_reason,
                 )
             )
     return RequestOutput(

@@ -1,0 +1,125 @@
+"""The one way in to the engine, for every route (OpenAI chat and completions, Messages, Responses).
+
+A route turns its body into an `Ask` (its template messages and tools, or completion prompts; its
+stops, n, the max_tokens it asked for, and how to build its `SamplingParams`) and calls `admit`,
+which, here and nowhere else, in this order:
+1. checks the model name;
+2. bounds the stops, the stop token ids, the prompts and the work asked for (limits.py);
+3. counts every character the template will render (system, messages, tool definitions, tool
+   calls and results, and one token's worth per message for the template's own markers) and
+   refuses a prompt that cannot fit the pool, before any tokenizing;
+4. tokenizes on the tokenizer thread, never on the event loop;
+5. picks the default max_tokens against the pool's maximum and the model's context;
+6. checks the context and the work again, builds the parameters and starts the `Job`.
+
+Errors are `APIError`s; `Ask.names` renames OpenAI's field names in them to the route's own
+(`max_output_tokens`, `stop_sequences`), and the route renders them as its own error object.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .errors import APIError
+from .jobs import Job, check_model
+from .limits import check_chars, check_request, default_max_tokens
+from .prompts import check_context, encode_messages, encode_prompt
+
+
+@dataclass
+class Ask:
+    """What one request asks of the engine. Exactly one of `messages` (chat-template messages, with
+    `tools` in OpenAI's function form) and `prompts` (completion prompts: text or token ids) is set."""
+
+    prefix: str  # the engine request ids' prefix (chatcmpl, cmpl, msg, resp)
+    model: str | None
+    make_params: Callable[[int], object]  # max_tokens -> SamplingParams; ValueError/TypeError: a 400
+    default_max_tokens: int
+    messages: list[dict] | None = None
+    tools: list[dict] | None = None
+    prompts: list | None = None
+    stops: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    n: int = 1
+    max_tokens: int | None = None  # as asked; None: the default, lowered to what fits
+    guided_param: str | None = None  # the field a grammar the engine refuses is blamed on
+    names: dict[str, str] = field(default_factory=dict)  # OpenAI field name -> this route's
+
+
+def template_chars(messages: list[dict], tools: list[dict] | None, per_message: int) -> int:
+    """Characters the template renders from these messages and tools, at least (its own markers:
+    `per_message` a message, a token's worth: every template writes at least one token per message)."""
+    n = len(json.dumps(tools, ensure_ascii=False)) if tools else 0
+    for m in messages:
+        n += per_message + len(m.get("role") or "") + len(m.get("content") or "") + len(m.get("tool_call_id") or "")
+        for c in m.get("tool_calls") or ():
+            fn = c.get("function") or {}
+            n += len(fn.get("name") or "") + len(json.dumps(fn.get("arguments"), ensure_ascii=False))
+    return n
+
+
+def _check_limits(state, ask: Ask, max_tokens: int) -> None:
+    check_request(
+        state.limits,
+        state.capacity,
+        stops=ask.stops,
+        stop_token_ids=ask.stop_token_ids,
+        num_prompts=len(ask.prompts) if ask.prompts is not None else 1,
+        n=ask.n,
+        max_tokens=max_tokens,
+        max_queue=state.max_queue,
+    )
+
+
+async def tokenize(state, ask: Ask) -> list[list[int]]:
+    """Steps 1-4: the prompts' ids, or a 400 before any tokenizing when they cannot fit."""
+    check_model(state, ask.model)
+    _check_limits(state, ask, ask.max_tokens or 1)
+    cap, tok = state.capacity, state.engine_loop.engine.tokenizer
+    if ask.prompts is not None:
+        if not ask.prompts:
+            raise APIError(400, "prompt is empty", param="prompt")
+        for p in ask.prompts:
+            if isinstance(p, str):
+                check_chars(cap, len(p), "prompt")
+        return await state.off_loop(lambda: [encode_prompt(tok, p, cap.vocab_size) for p in ask.prompts])
+    check_chars(cap, template_chars(ask.messages, ask.tools, cap.max_token_chars or 1), "messages")
+    return [await state.off_loop(encode_messages, tok, ask.messages, ask.tools)]
+
+
+async def admit(state, ask: Ask) -> tuple[Job, list[list[int]]]:
+    """All six steps: the started job and its prompts' ids."""
+    try:
+        prompts = await tokenize(state, ask)
+        cap = state.capacity
+        longest = max(map(len, prompts))
+        max_tokens = ask.max_tokens or default_max_tokens(cap, ask.default_max_tokens, longest, ask.n)
+        _check_limits(state, ask, max_tokens)
+        for ids in prompts:
+            check_context(len(ids), max_tokens, cap.context)
+        try:
+            params = ask.make_params(max_tokens)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), param=str(e).split(" ", 1)[0] if " must " in str(e) else None) from None
+        return await Job.start(state, ask.prefix, prompts, params, ask.guided_param), prompts
+    except APIError as e:
+        raise renamed(e, ask.names) from None
+
+
+async def count_tokens(state, ask: Ask) -> int:
+    try:
+        return len((await tokenize(state, ask))[0])
+    except APIError as e:
+        raise renamed(e, ask.names) from None
+
+
+def renamed(e: APIError, names: dict[str, str]) -> APIError:
+    """`e` in the route's field names (OpenAI's `max_tokens` is Responses' `max_output_tokens`)."""
+    for old, new in names.items():
+        e.message = re.sub(rf"(?<![\w-]){old}(?![\w-])", new, e.message)  # a field, not a flag's part
+        if e.param == old:
+            e.param = new
+    return e

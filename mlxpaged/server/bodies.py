@@ -1,0 +1,69 @@
+"""What every route's body shares: the strict pydantic base and the checks of raw JSON values.
+
+JSON allows what the rest of the server cannot take: lone UTF-16 surrogates (`"\\ud800"`: no UTF-8
+encoding, so neither the tokenizer nor a response echoing the text can encode them) and nesting
+deeper than Python's recursion limit (`json.loads` and `json.dumps` recurse). `check_json` refuses
+both anywhere in a value, iteratively, before a field of the value is used; `loads_json` parses
+client or model text and raises ValueError, never RecursionError.
+"""
+
+from __future__ import annotations
+
+import json
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+MAX_DEPTH = 64  # JSON nesting a body (and a tool call's arguments) may have
+
+
+class Body(BaseModel):
+    """A part of a request body: strict types (`"5"` is not 5), unknown fields ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class CheckedBody(Body):
+    """A whole request body: refused when any string in it has a lone surrogate or it nests too deeply."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _checked(cls, data):
+        check_json(data)
+        return data
+
+
+def check_json(value, where: str = "body") -> None:
+    """Raise ValueError naming the first place where `value` nests deeper than MAX_DEPTH or has a
+    string (value or key) with a lone surrogate."""
+    stack = [(value, where, 0)]
+    while stack:
+        v, path, depth = stack.pop()
+        if isinstance(v, str):
+            _no_surrogate(v, path)
+        elif isinstance(v, (dict, list)):
+            if depth >= MAX_DEPTH:
+                raise ValueError(f"{path}: nested more than {MAX_DEPTH} levels deep")
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            for k, x in items:
+                if isinstance(k, str):
+                    _no_surrogate(k, f"{path} key {k.encode('utf-8', 'backslashreplace').decode()[:40]!r}")
+                stack.append((x, f"{path}.{k}", depth + 1))
+
+
+def _no_surrogate(s: str, path: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{path}: contains a lone UTF-16 surrogate at character {e.start}; send valid Unicode"
+        ) from None
+
+
+def loads_json(text: str):
+    """`json.loads`, with nesting past MAX_DEPTH (or past the recursion limit) a ValueError."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"JSON nested more than {MAX_DEPTH} levels deep") from None
+    check_json(value, "JSON")
+    return value
