@@ -59,7 +59,7 @@ from ..worker.kv_calibration import model_key_scales
 from ..worker.model_runner import ModelRunner
 from .beam_search import BeamSearchParams, BeamState, beam_step
 from .draft import DraftProposer, draft_slots
-from .guided import GrammarCompiler, fill_masks, mask_words
+from .guided import GrammarCompiler, GrammarTooSlow, fill_masks, mask_budget_spent, mask_words
 from .output import StopChecker, make_output
 from .outputs import RequestOutput
 from .sampler import GuideMasks, SampleArrays, TokenHistory, read_samples, sample_arrays, sample_key
@@ -154,6 +154,9 @@ class LLMEngine:
         self._carried: list[Request] = []  # read back during a failed step: reported at the next
         self._last_read = 0.0
         self._grammars: GrammarCompiler | None = None  # built by the first guided request
+        # guided requests past their mask-time budget (guided.py), failed at the next step; not under
+        # tensor parallelism, where each rank's own timing would make the ranks' decisions differ
+        self._too_slow: dict[Request, str] = {} if getattr(loaded.model, "tp_group", None) is None else None
 
     def _load_draft(self) -> LoadedModel:
         """The draft model, in the target's dtype (engine/draft.py checks its tokenizer)."""
@@ -369,6 +372,10 @@ class LLMEngine:
         that step are aborted (their blocks freed) and the engine goes on with the others at
         the next call; tokens of the step before, read back meanwhile, come with the next call.
         """
+        if self._too_slow:
+            slow, self._too_slow = self._too_slow, {}
+            if live := [r for r in slow if r.request_id in self._requests]:
+                self._fail(live, self._carried, GrammarTooSlow(slow[live[0]]))
         progressed: list[Request] = self._carried
         self._carried = []
         prev, self._inflight = self._inflight, None
@@ -519,6 +526,11 @@ class LLMEngine:
             )
             matchers.append(None if seq.finished or not synced else m)
         fill_masks(matchers, bits)
+        if self._too_slow is not None:
+            for req in dict.fromkeys(pairs[j][0] for j in rows):
+                why = mask_budget_spent(s.matcher for s in req.seqs)
+                if why:
+                    self._too_slow[req] = why
         return GuideMasks(rows, bits)
 
     @staticmethod

@@ -25,11 +25,11 @@ from .anthropic_api import register_anthropic
 from .connections import AcceptErrorLog
 from .engine_loop import EngineLoop
 from .errors import APIError, error_body
-from .guided_request import chat_plan
+from .guided_request import GrammarGate, chat_plan
 from .jobs import Job, ServerState, check_model, sampling_params
 from .limits import Capacity, Limits, check_chars, check_request, default_max_tokens, max_token_chars
 from .metrics import CONTENT_TYPE, Metrics
-from .middleware import Guard
+from .middleware import Guard, error_bytes
 from .prompts import check_context, encode_messages, encode_prompt
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import ChoiceStream, TokenText, chat_logprobs, completion_logprobs, envelope, usage
@@ -74,6 +74,7 @@ def build_app(
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxpaged-tokenize")
     names = frozenset({model_id, *model_aliases})
     state = ServerState(engine_loop, metrics, model_id, names, max_queue, limits, cap, pool, responses_store)
+    state.grammars = GrammarGate(engine.grammar_compiler)  # builds llguidance's tokenizer now, on its thread
     text_of = TokenText(engine.tokenizer)
 
     @asynccontextmanager
@@ -84,6 +85,7 @@ def build_app(
         finally:  # after uvicorn's graceful shutdown: abort what is still running
             engine_loop.stop()
             pool.shutdown(wait=False, cancel_futures=True)
+            state.grammars.close()
 
     docs = limits.enable_docs
     app = FastAPI(
@@ -111,8 +113,9 @@ def build_app(
         return _validation_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(request, exc: StarletteHTTPException):
-        return ErrorResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+    async def _http(request, exc: StarletteHTTPException):  # 404, 405: in the error shape of the path's protocol
+        body = error_bytes(exc.status_code, str(exc.detail), path=request.url.path)
+        return Response(body, status_code=exc.status_code, media_type="application/json", headers=exc.headers)
 
     v1 = APIRouter(prefix="/v1")
 
