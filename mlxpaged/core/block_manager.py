@@ -234,7 +234,9 @@ class BlockManager:
             seq.block_hashes.append(h)
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             self.pool.cache(seq.block_table[i], h, tokens)
-            if self.second_tier is not None and self.second_tier.wants(h):
+            # the disk tier keeps prompt blocks only: a generated block is rarely asked for again
+            prompt_block = (i + 1) * self.block_size <= seq.num_prompt_tokens
+            if self.second_tier is not None and prompt_block and self.second_tier.wants(h):
                 self.to_store.append((h, seq.block_table[i].block_id, tokens))
 
     # -- accounting ----------------------------------------------------------------------------
