@@ -189,3 +189,30 @@ def test_slow_mask_grammar_ends_with_an_error(server, stream):
     # the server goes on: the same route answers a plain request
     r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     assert r.status_code == 200
+
+
+def test_grammar_gate_refuses_a_compile_past_its_time_limit():
+    """The gate's time limit, in process: a compiler that takes 5 s against a limit of 0.2 s."""
+    import asyncio
+
+    from mlxpaged.engine.guided import GuidedDecoding
+    from mlxpaged.server.errors import APIError
+    from mlxpaged.server.guided_request import GrammarGate
+
+    class Slow:
+        def warm(self):
+            pass
+
+        def lookup(self, spec):
+            return None
+
+        def compile(self, spec):
+            time.sleep(5)
+
+    gate = GrammarGate(Slow(), timeout_s=0.2)
+    t0 = time.monotonic()
+    with pytest.raises(APIError) as e:
+        asyncio.run(gate.compile(GuidedDecoding(json_object=True), "response_format"))
+    assert e.value.status == 400 and "longer than 0.2 s to compile" in str(e.value.body()), e.value.body()
+    assert time.monotonic() - t0 < 2
+    gate.close()
