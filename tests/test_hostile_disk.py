@@ -130,3 +130,14 @@ def test_a_store_without_a_cap_is_bounded_by_default(tiny_loaded, tmp_path, monk
     e = engine(tiny_loaded, tmp_path / "small")
     run(e, [ids(300 + i, 2 * BLOCK + 1) for i in range(4)])
     assert len(block_files(tmp_path / "small")) == 3
+
+
+# -- 13: a salted prompt's blocks on disk are found only with its salt ---------------------------------------
+def test_salted_blocks_come_back_from_disk_only_with_the_salt(tiny_loaded, tmp_path):
+    store, prompt = tmp_path / "store", ids(11, 4 * BLOCK + 2)
+    salted = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, cache_salt="client-a")
+    run(engine(tiny_loaded, store), [prompt], salted)
+    assert run(engine(tiny_loaded, store), [prompt])[0].num_cached_tokens == 0  # a restart, unsalted
+    other = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, cache_salt="client-b")
+    assert run(engine(tiny_loaded, store), [prompt], other)[0].num_cached_tokens == 0
+    assert run(engine(tiny_loaded, store), [prompt], salted)[0].num_cached_tokens == 4 * BLOCK

@@ -216,3 +216,24 @@ def test_grammar_gate_refuses_a_compile_past_its_time_limit():
     assert e.value.status == 400 and "longer than 0.2 s to compile" in str(e.value.body()), e.value.body()
     assert time.monotonic() - t0 < 2
     gate.close()
+
+
+# -- 13: cache_salt isolates one client's prefix cache from another's cached_tokens ----------------------------
+def test_cache_salt_isolates_cached_tokens(server):
+    """A guess of another client's prompt shows up in `cached_tokens` unless that client salts it."""
+    secret = "Payroll memo. Employee 4411 salary: 93,500 EUR. " * 8  # several full blocks
+
+    def cached(salt=None):
+        body = {"messages": [{"role": "user", "content": secret}], "max_tokens": 1}
+        if salt is not None:
+            body["cache_salt"] = salt
+        r = post(server, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text[:300]
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("client-a") == 0  # the victim, salted
+    assert cached() == 0 and cached("client-b") == 0  # the guesses of others see nothing
+    assert cached("client-a") > 0  # the same salt shares, as before
+    assert cached() > 0  # unsalted requests share with each other, as before
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "cache_salt": ""})
+    assert r.status_code == 400 and "cache_salt" in r.json()["error"]["message"], r.text[:300]

@@ -130,6 +130,7 @@ class BlockManager:
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
         child.draft_computed = parent.draft_computed
+        child.cache_salt = parent.cache_salt
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, tail first, so the LRU evicts its tail before its head."""
@@ -162,7 +163,8 @@ class BlockManager:
     def _block_hash(self, seq: Sequence, i: int) -> bytes:
         parent = seq.block_hashes[i - 1] if i else None
         tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-        return self.hash_fn(parent, tokens, self.extra_key)
+        # a salted request's chain starts from its salt (vLLM's cache_salt): other salts never match it
+        return self.hash_fn(parent, tokens, self.extra_key + seq.cache_salt if i == 0 else self.extra_key)
 
     def match_prefix(self, seq: Sequence, num_tokens: int | None = None) -> int:
         """Take cached blocks for an empty sequence's leading full blocks; return tokens reused.
@@ -205,7 +207,7 @@ class BlockManager:
         parent = seq.block_hashes[-1] if first else None
         for i in range(first, last):
             t = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            parent = self.hash_fn(parent, t, self.extra_key)
+            parent = self.hash_fn(parent, t, self.extra_key + seq.cache_salt if i == 0 else self.extra_key)
             hashes.append(parent)
             tokens.append(t)
         n = min(self.second_tier.lookup(hashes, tokens), self.pool.num_free)

@@ -63,7 +63,7 @@ from .guided import GrammarCompiler, GrammarTooSlow, fill_masks, mask_budget_spe
 from .output import StopChecker, make_output
 from .outputs import RequestOutput
 from .sampler import GuideMasks, SampleArrays, TokenHistory, read_samples, sample_arrays, sample_key
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, salt_key
 from .spec_decode import NgramProposer, key_chain, verified_tokens
 from .stats import METRIC_KEYS, EngineStats, engine_stats
 
@@ -300,6 +300,7 @@ class LLMEngine:
                 rng_key=None if params.greedy else sample_key(seed, i),
                 detokenizer=self.tokenizer.detokenizer,
                 matcher=grammar.matcher() if grammar is not None else None,
+                cache_salt=salt_key(params.cache_salt),
             )
             for i in range(params.n)
         ]
