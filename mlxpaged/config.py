@@ -41,7 +41,7 @@ class EngineConfig:
       still waits: beam-search rows).
     prefix_cache_dir: a directory for the prefix cache's disk tier (docs/prefix-cache.md): full
       blocks are written there by hash and read back on a memory miss, across restarts.
-      prefix_cache_disk_gb caps it (least recently used blocks go first; None: no cap).
+      prefix_cache_disk_gb caps it (least recently used blocks go first; None: 8 GB or a quarter of the free space).
     speculative: None (off) or "ngram": prompt lookup proposes up to `num_speculative_tokens`
       tokens per step for each sequence, from the last `prompt_lookup_max` down to
       `prompt_lookup_min` tokens found earlier in its prompt or output; all are verified in

@@ -120,6 +120,8 @@ FILE_TIERS = {
     "test_server_responses.py": "server",
     "test_server_spine.py": "server",
     "test_server_tp.py": "tp",
+    "test_hostile_guided.py": "server",
+    "test_hostile_disk.py": "engine",
     "test_tp.py": "tp",
     "test_spec_decode.py": "engine",
     "test_spec_draft.py": "engine",

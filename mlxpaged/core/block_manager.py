@@ -135,6 +135,7 @@ class BlockManager:
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
         child.draft_computed = parent.draft_computed
+        child.cache_salt = parent.cache_salt
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, tail first, so the LRU evicts its tail before its head."""
@@ -167,7 +168,8 @@ class BlockManager:
     def _block_hash(self, seq: Sequence, i: int) -> bytes:
         parent = seq.block_hashes[i - 1] if i else None
         tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-        return self.hash_fn(parent, tokens, self.extra_key)
+        # a salted request's chain starts from its salt (vLLM's cache_salt): other salts never match it
+        return self.hash_fn(parent, tokens, self.extra_key + seq.cache_salt if i == 0 else self.extra_key)
 
     def match_prefix(self, seq: Sequence, num_tokens: int | None = None) -> int:
         """Take cached blocks for an empty sequence's leading full blocks; return tokens reused.
@@ -210,7 +212,7 @@ class BlockManager:
         parent = seq.block_hashes[-1] if first else None
         for i in range(first, last):
             t = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            parent = self.hash_fn(parent, t, self.extra_key)
+            parent = self.hash_fn(parent, t, self.extra_key + seq.cache_salt if i == 0 else self.extra_key)
             hashes.append(parent)
             tokens.append(t)
         n = min(self.second_tier.lookup(hashes, tokens), self.pool.num_free)
@@ -239,7 +241,9 @@ class BlockManager:
             seq.block_hashes.append(h)
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             self.pool.cache(seq.block_table[i], h, tokens)
-            if self.second_tier is not None and self.second_tier.wants(h):
+            # the disk tier keeps prompt blocks only: a generated block is rarely asked for again
+            prompt_block = (i + 1) * self.block_size <= seq.num_prompt_tokens
+            if self.second_tier is not None and prompt_block and self.second_tier.wants(h):
                 self.to_store.append((h, seq.block_table[i].block_id, tokens))
 
     # -- accounting ----------------------------------------------------------------------------

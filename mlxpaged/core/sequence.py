@@ -107,6 +107,7 @@ class Sequence:
     # draft-model speculation: the draft's pool holds the KV of token_ids[:draft_computed] in this
     # sequence's blocks; the block manager keeps it <= num_computed_tokens (engine/draft.py)
     draft_computed: int = 0
+    cache_salt: bytes = b""  # folded into the first block's hash: blocks are shared only within one salt
 
     @property
     def num_tokens(self) -> int:

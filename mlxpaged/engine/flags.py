@@ -88,7 +88,8 @@ def model_and_engine_options(num_blocks_help: str):
             default=None,
             type=float,
             metavar="N",
-            help="Cap the --prefix-cache-dir store at N GB; least recently used blocks go first (default: no cap).",
+            help="Cap the --prefix-cache-dir store at N GB; least recently used blocks go first "
+            "(default: 8 GB, or a quarter of the free disk space if less).",
         ),
         click.option(
             "--async-scheduling/--no-async-scheduling",

@@ -61,11 +61,11 @@ from ..worker.kv_calibration import model_key_scales
 from ..worker.model_runner import ModelRunner
 from .beam_search import BeamLayer, BeamSearchParams, BeamState
 from .draft import DraftProposer, draft_slots
-from .guided import GrammarCompiler, fill_masks, mask_words
+from .guided import GrammarCompiler, GrammarTooSlow, fill_masks, mask_budget_spent, mask_words
 from .kv_connector import DiskConnector
 from .outputs import RequestOutput
 from .sampler import GuideMasks, SampleArrays, TokenHistory, read_samples, sample_arrays, sample_key
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, salt_key
 from .spec_decode import NgramProposer, Verifier, spec_draws, spec_rows
 from .stats import METRIC_KEYS, EngineStats, engine_stats
 from .step import LaunchedStep, StepLayer, requests_of
@@ -133,6 +133,9 @@ class LLMEngine:
         self._carried: list[Request] = []  # read back during a failed step: reported at the next
         self._last_read = 0.0
         self._grammars: GrammarCompiler | None = None  # built by the first guided request
+        # guided requests past their mask-time budget (guided.py), failed at the next step; not under
+        # tensor parallelism, where each rank's own timing would make the ranks' decisions differ
+        self._too_slow: dict[Request, str] = {} if getattr(loaded.model, "tp_group", None) is None else None
 
     def _load_draft(self) -> LoadedModel:
         """The draft model, in the target's dtype (engine/draft.py checks its tokenizer)."""
@@ -255,6 +258,7 @@ class LLMEngine:
                 rng_key=None if params.greedy else sample_key(seed, i),
                 detokenizer=self.tokenizer.detokenizer,
                 matcher=grammar.matcher() if grammar is not None else None,
+                cache_salt=salt_key(params.cache_salt),
             )
             for i in range(params.n)
         ]
@@ -327,6 +331,7 @@ class LLMEngine:
         that step are aborted (their blocks freed) and the engine goes on with the others at
         the next call; tokens of the step before, read back meanwhile, come with the next call.
         """
+        self._fail_too_slow()
         progressed, self._carried = self._carried, []
         prev, self._inflight = self._inflight, None
         out = self._schedule()  # 1 schedule
@@ -350,6 +355,14 @@ class LLMEngine:
         self.stats.steps += 1
         self._track_peaks()
         return self._report(progressed + [c.request for c in out.prefills])  # 5 report
+
+    def _fail_too_slow(self) -> None:
+        """Fail the guided requests whose masks spent their time budget (guided.py) in the last
+        step; reported with this step's outputs."""
+        if self._too_slow:
+            slow, self._too_slow = self._too_slow, {}
+            if live := [r for r in slow if r.request_id in self._requests]:
+                self._fail(live, self._carried, GrammarTooSlow(slow[live[0]]))
 
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's next step; the device pools take the pool's new size before any block
@@ -506,6 +519,11 @@ class LLMEngine:
             )
             matchers.append(None if seq.finished or not synced else m)
         fill_masks(matchers, bits)
+        if self._too_slow is not None:
+            for req in dict.fromkeys(pairs[j][0] for j in rows):
+                why = mask_budget_spent(s.matcher for s in req.seqs)
+                if why:
+                    self._too_slow[req] = why
         return GuideMasks(rows, bits)
 
     def _forward(self, out: SchedulerOutput) -> mx.array:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import numbers
 from dataclasses import dataclass, field
 
@@ -39,6 +40,8 @@ class SamplingParams:
     guided: a `GuidedDecoding` (JSON schema, any JSON object, or a grammar) every sampled
       token must follow; the sample stops ("stop") when the grammar is complete.
     speculative: False opts this request out of the engine's speculative decoding.
+    cache_salt: a non-empty string folded into the first block's hash: the request shares cached
+      blocks (memory and disk) only with requests of the same salt (docs/prefix-cache.md).
     """
 
     n: int = 1
@@ -58,8 +61,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     guided: GuidedDecoding | None = None
     speculative: bool = True
+    cache_salt: str | None = None
 
     def __post_init__(self):
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or [])]
@@ -139,3 +145,8 @@ def _is_real(v) -> bool:
 
 def _is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def salt_key(salt: str | None) -> bytes:
+    """The bytes a `cache_salt` adds to a first block's hash key (none without a salt)."""
+    return b"" if salt is None else b"salt:" + hashlib.sha256(salt.encode("utf-8", "surrogatepass")).digest()

@@ -25,10 +25,11 @@ from .anthropic_api import register_anthropic
 from .connections import AcceptErrorLog
 from .engine_loop import EngineLoop
 from .errors import APIError, error_body
+from .guided_request import GrammarGate
 from .jobs import ErrorResponse, ServerState
 from .limits import Capacity, Limits, max_token_chars
 from .metrics import CONTENT_TYPE, Metrics
-from .middleware import Guard
+from .middleware import Guard, error_bytes
 from .openai_api import register_openai
 from .openai_format import TokenText
 from .reasoning import ThinkMarkers
@@ -73,6 +74,7 @@ def build_app(
         engine_loop, metrics, model_id, names, max_queue, limits, cap, pool, responses_store, markers, tool_format
     )
     state.think = ThinkMarkers.of(engine.tokenizer)
+    state.grammars = GrammarGate(engine.grammar_compiler)  # builds llguidance's tokenizer now, on its thread
     text_of = TokenText(engine.tokenizer)
 
     @asynccontextmanager
@@ -83,6 +85,7 @@ def build_app(
         finally:  # after uvicorn's graceful shutdown: abort what is still running
             engine_loop.stop()
             pool.shutdown(wait=False, cancel_futures=True)
+            state.grammars.close()
 
     docs = limits.enable_docs
     app = FastAPI(
@@ -110,8 +113,9 @@ def build_app(
         return _validation_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(request, exc: StarletteHTTPException):
-        return ErrorResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+    async def _http(request, exc: StarletteHTTPException):  # 404, 405: in the error shape of the path's protocol
+        body = error_bytes(exc.status_code, str(exc.detail), path=request.url.path)
+        return Response(body, status_code=exc.status_code, media_type="application/json", headers=exc.headers)
 
     v1 = APIRouter(prefix="/v1")
 

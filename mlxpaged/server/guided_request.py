@@ -4,10 +4,15 @@ Every route maps its own fields here: OpenAI chat (`tools`, `tool_choice`, `resp
 Anthropic (`tools`, `tool_choice` auto/any/tool/none) and Responses (`tools`, `tool_choice`,
 `text.format`). The grammar engine is the engine's (`engine/guided.py`); a schema it cannot
 enforce raises ValueError there, which becomes a 400 naming the field here.
+
+`GrammarGate` compiles a request's grammar before the engine sees it, on a thread of its own:
+never on the engine thread (a compile stalls every request's decoding) nor on the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .errors import APIError
@@ -24,6 +29,42 @@ def guided(param: str, *, json_schema: dict | None = None, json_object: bool = F
         return GuidedDecoding(json_schema=json_schema, json_object=json_object, grammar=grammar)
     except (ValueError, TypeError) as e:
         raise APIError(400, f"{param}: {e}", param=param) from None
+
+
+COMPILE_TIMEOUT_S = 10.0  # a grammar that takes longer to compile is refused (its compile runs on)
+
+
+class GrammarGate:
+    """Compiles the grammars requests ask for, one at a time on its own thread, within
+    `timeout_s`; builds llguidance's tokenizer there at start.
+
+    Invariant: a route's grammar reaches the engine compiled: `compile` returns the `Grammar`,
+    and while the caller holds it the engine thread's `GrammarCompiler.compile` finds it
+    without compiling (guided.py). Oversized specs never get here (`GuidedDecoding` refuses them).
+    """
+
+    def __init__(self, compiler, timeout_s: float = COMPILE_TIMEOUT_S):
+        self.compiler, self.timeout_s = compiler, timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxpaged-grammar")
+        self._pool.submit(compiler.warm)
+
+    async def compile(self, spec, param: str | None):
+        """The compiled grammar of `spec`, or a 400 on `param` (unenforceable, or too slow to compile)."""
+        g = self.compiler.lookup(spec)
+        if g is not None:
+            return g
+        fut = self._pool.submit(self.compiler.compile, spec)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(
+                400, f"{param}: the grammar took longer than {self.timeout_s:g} s to compile; simplify it", param=param
+            ) from None
+        except ValueError as e:
+            raise APIError(400, f"{param}: {e}", param=param) from None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def format_guided(kind: str, schema: dict | None, param: str):
@@ -84,6 +125,12 @@ def tool_plan(
         forced = [f for f in functions if f["name"] == named]
     else:
         forced = functions
+    from ..engine.guided import unsatisfiable
+
+    for f in forced:  # a call with no possible arguments: the grammar would write half a call
+        why = unsatisfiable(f.get("parameters") or {"type": "object"})
+        if why:
+            raise APIError(400, f"tools: the parameters of function '{f['name']}': {why}", param="tools")
     try:
         grammar = tool_call_grammar(forced, parallel=parallel and choice != "named", markers=markers)
     except ValueError as e:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ..engine.guided import GrammarTooSlow
 from ..errors import MlxPagedError, StepError
 from .engine_loop import ClientTooSlow, EngineDown, EngineLoop, Sink
 from .errors import APIError
@@ -49,6 +50,7 @@ class ServerState:
     markers: object = None  # tools.CallMarkers: how the forcing grammar writes a call span's markers
     tool_format: object = None  # tools.ToolFormat of the checkpoint, or None: tool calls are served as text
     think: object = None  # reasoning.ThinkMarkers of a thinking model, else None
+    grammars: object = None  # guided_request.GrammarGate: grammars compile there, off the engine thread
 
     @property
     def context(self) -> int | None:
@@ -73,6 +75,8 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 
 def server_error(item: BaseException) -> APIError:
+    if isinstance(item, StepError) and isinstance(item.cause, GrammarTooSlow):
+        return APIError(400, str(item.cause), code="grammar_too_slow")
     if isinstance(item, StepError):
         return APIError(500, f"{item}", code="engine_step_failed")
     if isinstance(item, ClientTooSlow):
@@ -106,6 +110,9 @@ class Job:
                 code="queue_full",
                 headers={"Retry-After": "1"},
             )
+        held = None  # the grammar, compiled off the engine thread and held until the engine took it (GrammarGate)
+        if params.guided is not None and state.grammars is not None:
+            held = await state.grammars.compile(params.guided, guided_param)
         resp_id = f"{prefix}-{uuid.uuid4().hex}"
         sink = Sink(asyncio.get_running_loop())
         rids = [f"{resp_id}-{i}" for i in range(len(prompts))]
@@ -113,6 +120,7 @@ class Job:
         try:
             for f in futs:
                 await asyncio.wrap_future(f)
+            del held
         except BaseException as e:
             for rid in rids:
                 el.abort(rid)

@@ -5,7 +5,7 @@
    and its traceback is logged once (not re-raised to uvicorn, which would log it again);
 2. draining: once shutdown began, new requests get 503 (`/health` itself says "draining");
 3. the API key, from the headers alone, before a byte of the body is read: `Authorization: Bearer
-   KEY` (the scheme in any case) or `x-api-key: KEY`, compared in constant time;
+   KEY` (the scheme in any case) or `x-api-key: KEY`, compared as bytes (the key's UTF-8) in constant time;
 4. the body cap: a `Content-Length` above it gets 413 at once, and a body that grows past it
    (chunked) gets 413 as soon as it does; the body read here is replayed to the route.
 """
@@ -64,17 +64,20 @@ async def send_error(
 
 
 def key_matches(headers: dict[bytes, bytes], api_key: str) -> bool | None:
-    """True/False for a right/wrong key, None when none was sent."""
+    """True/False for a right/wrong key, None when none was sent.
+
+    Compared as bytes: the key's UTF-8 against the header's raw bytes (HTTP headers are bytes;
+    decoding them as Latin-1 first made a non-ASCII key match only its Latin-1 spelling)."""
     given = None
     auth = headers.get(b"authorization")
     if auth is not None:
-        scheme, _, token = auth.decode("latin-1").strip().partition(" ")
-        given = token.strip() if scheme.lower() == "bearer" else ""
+        scheme, _, token = auth.strip().partition(b" ")
+        given = token.strip() if scheme.lower() == b"bearer" else b""
     elif b"x-api-key" in headers:  # Anthropic's clients send the key this way
-        given = headers[b"x-api-key"].decode("latin-1").strip()
+        given = headers[b"x-api-key"].strip()
     if given is None:
         return None
-    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), api_key.encode("utf-8"))
+    return hmac.compare_digest(given, api_key.encode("utf-8", "surrogateescape"))
 
 
 class Guard:

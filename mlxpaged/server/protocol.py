@@ -92,6 +92,7 @@ class _Sampling(_Request):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     speculative: bool = True  # false opts this request out of speculative decoding
+    cache_salt: str | None = None  # vLLM's: prefix-cache isolation (blocks shared only within one salt)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None  # accepted and ignored
@@ -131,6 +132,7 @@ class _Sampling(_Request):
             stop_token_ids=list(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
             speculative=self.speculative,
+            cache_salt=self.cache_salt,
             **({"logprobs": logprobs} if logprobs is not None else {}),
             **knobs,
             **{k: v for k, v in extra.items() if v is not None},

@@ -165,7 +165,8 @@ class ResponseStore:
         if resp_id not in self._items:
             raise APIError(
                 400,
-                f"previous_response_id: response '{resp_id}' is not stored (this server keeps the "
+                f"previous_response_id: response '{resp_id[:64]}{'...' if len(resp_id) > 64 else ''}' is not stored "
+                f"(this server keeps the "
                 f"last {self.capacity} responses, --responses-store {self.capacity})",
                 param="previous_response_id",
             )

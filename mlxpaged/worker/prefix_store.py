@@ -19,8 +19,12 @@ DIR need no lock, a reader sees a whole file or none, and a file deleted while a
 process reads it stays readable through its open descriptor. An `OSError` on write (disk
 full, read-only directory) logs one warning and turns the tier off; serving goes on.
 
-`--prefix-cache-disk-gb` caps the bytes under DIR (all namespaces): before a write, the least
-recently used files (by mtime; a read hit touches its file) are deleted until the new one fits.
+`--prefix-cache-disk-gb` caps the bytes of block files under DIR (all namespaces; by default
+`default_cap`: 8 GB, or a quarter of the free space if less): before a write, the least recently
+used files (by mtime; a read hit touches its file) are deleted until the new one fits. Only the
+tier's own names are counted, evicted or cleaned up (`NS_DIR`, `SHARD_DIR`, `BLOCK_FILE`,
+`OWN_TMP`): anything else under DIR is left alone. Which blocks are written is the block
+manager's rule: prompt blocks only (`BlockManager.cache_full_blocks`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ import json
 import logging
 import os
 import queue
+import re
+import shutil
+import stat
 import struct
 import threading
 import time
@@ -54,6 +61,37 @@ SUFFIX = ".kvb"
 RESCAN_S = 10.0  # how stale this process's view of other processes' files may get
 
 
+# The tier's own names: DIR/<NS_DIR>/<SHARD_DIR>/<BLOCK_FILE>, and `_atomic_write`'s temporary names.
+NS_DIR = re.compile(r"[0-9a-f]{32}")
+SHARD_DIR = re.compile(r"[0-9a-f]{2}")
+BLOCK_FILE = re.compile(r"[0-9a-f]{64}\.kvb")
+OWN_TMP = re.compile(r"\.(?:[0-9a-f]{64}\.kvb|namespace\.json|weights-digests\.json)\.\d+\.\d+\.tmp")
+
+
+DEFAULT_CAP_BYTES = 8 * 10**9  # without --prefix-cache-disk-gb: this, or a quarter of the free space, if less
+
+
+def default_cap(root: Path) -> int:
+    """The cap when none is given: `DEFAULT_CAP_BYTES`, or a quarter of the space free at start on
+    DIR's filesystem if that is less (the tier never fills a disk by default)."""
+    p = root
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        free = shutil.disk_usage(p).free
+    except OSError:
+        return DEFAULT_CAP_BYTES
+    return min(DEFAULT_CAP_BYTES, free // 4)
+
+
+def _entries(path) -> list:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except OSError:
+        return []
+
+
 def payload_offset(num_tokens: int) -> int:
     end = _HEADER.size + 8 * num_tokens
     return -(-end // _ALIGN) * _ALIGN
@@ -61,16 +99,21 @@ def payload_offset(num_tokens: int) -> int:
 
 # -- the namespace -----------------------------------------------------------------------------------
 def _file_digest(f: Path, memo: dict) -> str:
+    """The SHA-256 of `f`, or its remembered one while the file is the same file unchanged: same
+    device, inode, size, mtime and ctime. ctime is the kernel's (no `cp -p`, `touch -r` or
+    `os.utime` sets it), so weights replaced with the same size and mtime are hashed again."""
     st = f.stat()
     key = str(f.resolve())
+    stamp = {"dev": st.st_dev, "ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    stamp["ctime_ns"] = st.st_ctime_ns
     hit = memo.get(key)
-    if hit and hit["size"] == st.st_size and hit["mtime_ns"] == st.st_mtime_ns:
+    if hit and all(hit.get(k) == v for k, v in stamp.items()):
         return hit["sha256"]
     h = hashlib.sha256()
     with open(f, "rb") as fh:
         while chunk := fh.read(1 << 22):
             h.update(chunk)
-    memo[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": h.hexdigest()}
+    memo[key] = {**stamp, "sha256": h.hexdigest()}
     return h.hexdigest()
 
 
@@ -78,8 +121,9 @@ def weights_digest(path: Path, memo_file: Path | None = None) -> str:
     """SHA-256 of a checkpoint's config.json and every *.safetensors file, whole.
 
     Hashing every byte (unlike the sampled `collectives.weights_identity`) catches a change to a
-    single weight; the per-file digests are remembered in `memo_file` by (path, size, mtime), so
-    a restart hashes nothing that did not change.
+    single weight; the per-file digests are remembered in `memo_file` (written at the first start,
+    its directory made if need be) by file identity and change times (`_file_digest`), so a
+    restart hashes nothing that did not change.
     """
     memo = {}
     if memo_file is not None:
@@ -94,6 +138,7 @@ def weights_digest(path: Path, memo_file: Path | None = None) -> str:
             h.update(f"{f.name}|{_file_digest(f, memo)}".encode())
     if memo_file is not None:
         try:
+            memo_file.parent.mkdir(parents=True, exist_ok=True)
             _atomic_write(memo_file, json.dumps(memo).encode())
         except OSError:
             pass  # only a cache of digests
@@ -194,7 +239,8 @@ class PrefixStore:
         self.payload_nbytes = sum(block_nbytes)
         self.block_size = block_size
         self.file_nbytes = payload_offset(block_size) + self.payload_nbytes
-        self.cap_bytes = cap_bytes
+        given = cap_bytes is not None
+        self.cap_bytes = cap_bytes if given else default_cap(self.root)
         self.agree = agree
         self.stats = StoreStats()
         self.enabled = True
@@ -209,10 +255,13 @@ class PrefixStore:
         self._last_scan = 0.0
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
-        if cap_bytes is not None and cap_bytes < self.file_nbytes:
+        if given and cap_bytes < self.file_nbytes:
             raise ValueError(
                 f"prefix cache disk cap of {cap_bytes} bytes holds no block ({self.file_nbytes} bytes each)"
             )
+        if self.cap_bytes < self.file_nbytes:
+            self._disable(f"the disk under {self.root} is too full for the default cap (--prefix-cache-disk-gb)")
+            return
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             if parts is not None:
@@ -234,25 +283,42 @@ class PrefixStore:
 
     def _scan(self) -> None:
         """Rebuild the LRU view of every block file under root (all namespaces), oldest first;
-        removes temporary files a killed process left behind (older than a minute)."""
+        removes temporary files a killed process left behind (older than a minute).
+
+        Only this tier's own layout is looked at (`NS_DIR`/`SHARD_DIR`/`BLOCK_FILE`, `OWN_TMP`):
+        DIR may be shared with other files, which are never counted, evicted or deleted."""
         found = []
         now = time.time()
-        for dirpath, _, names in os.walk(self.root):
-            for name in names:
-                p = os.path.join(dirpath, name)
-                try:
-                    st = os.stat(p)
-                except OSError:
+
+        def stale_tmp(p: str, name: str) -> None:
+            try:
+                if OWN_TMP.fullmatch(name) and now - os.stat(p).st_mtime > 60:
+                    os.unlink(p)
+            except OSError:
+                pass
+
+        for ns in _entries(self.root):
+            if not ns.is_dir(follow_symlinks=False):
+                stale_tmp(ns.path, ns.name)  # the digest memo's temporary files live in DIR itself
+                continue
+            if not NS_DIR.fullmatch(ns.name):
+                continue
+            for shard in _entries(ns.path):
+                if not shard.is_dir(follow_symlinks=False):
+                    stale_tmp(shard.path, shard.name)
                     continue
-                if name.endswith(".tmp"):
-                    if now - st.st_mtime > 60:
+                if not SHARD_DIR.fullmatch(shard.name):
+                    continue
+                for f in _entries(shard.path):
+                    if BLOCK_FILE.fullmatch(f.name) and f.name.startswith(shard.name):
                         try:
-                            os.unlink(p)
+                            st = f.stat(follow_symlinks=False)
                         except OSError:
-                            pass
-                    continue
-                if name.endswith(SUFFIX):
-                    found.append((st.st_mtime_ns, p, st.st_size))
+                            continue
+                        if stat.S_ISREG(st.st_mode):
+                            found.append((st.st_mtime_ns, f.path, st.st_size))
+                    else:
+                        stale_tmp(f.path, f.name)
         found.sort()
         with self._lock:
             self._files = OrderedDict((p, size) for _, p, size in found)
@@ -449,8 +515,6 @@ class PrefixStore:
 
     def _make_room(self, size: int) -> None:
         """Delete least recently used files until `size` more bytes fit under the cap."""
-        if self.cap_bytes is None:
-            return
         if self._total + size > self.cap_bytes and time.monotonic() - self._last_scan > RESCAN_S:
             self._scan()  # count what other processes wrote (and forget what they deleted)
         while self._total + size > self.cap_bytes and self._files:
