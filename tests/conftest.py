@@ -118,6 +118,7 @@ FILE_TIERS = {
     "test_server_tools.py": "server",
     "test_server_anthropic.py": "server",
     "test_server_responses.py": "server",
+    "test_web.py": "server",
     "test_tp.py": "tp",
     "test_spec_decode.py": "engine",
     "test_spec_draft.py": "engine",

@@ -35,6 +35,8 @@ from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import ChoiceStream, TokenText, chat_logprobs, completion_logprobs, envelope, usage
 from .responses_api import register_responses
 from .tools import ToolCallStream, chat_message, stream_tool_delta
+from .web import OPEN_PATHS as WEB_PATHS
+from .web import register_web
 
 DEFAULT_CHAT_MAX_TOKENS = 1024  # when a chat body gives neither max_tokens nor max_completion_tokens
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -58,6 +60,7 @@ def build_app(
     max_queue: int = 1024,
     limits: Limits | None = None,
     responses_store: int = 0,
+    web: bool = True,
 ) -> FastAPI:
     """Routes over a started `engine_loop`; the app's shutdown stops it."""
     engine = engine_loop.engine
@@ -98,7 +101,7 @@ def build_app(
         Guard,
         api_key=api_key,
         max_body_bytes=limits.max_body_bytes,
-        open_paths=frozenset({"/health", *(DOCS_PATHS if docs else ())}),
+        open_paths=frozenset({"/health", *(DOCS_PATHS if docs else ()), *(WEB_PATHS if web else ())}),
         draining=lambda: engine_loop.draining,
     )
 
@@ -213,6 +216,8 @@ def build_app(
     register_responses(v1, state, text_of)
     app.include_router(v1)
     register_anthropic(app, state)
+    if web:  # the page and its cache view (web.py); --no-web leaves them out
+        register_web(app, engine_loop)
     return app
 
 
