@@ -310,3 +310,41 @@ def test_no_web(tiny_model_path):
         assert s.client().models.list().data  # the API itself is on
     finally:
         s.stop()
+
+
+def test_cache_view_counts_a_forked_request(tiny_loaded):
+    """In process, n=4 on a 40-token prompt: the picture's sharing and fill follow from paging
+    itself. The prompt's 2 full blocks are shared by the 4 samples (reference count 4); each
+    sample copied the partly filled third block on its first write (3 copies; the last sample
+    keeps the original); the stored tokens are the prompt's full blocks once plus each sample's
+    own tokens past them, and waste is the rest of the slots the used blocks reserve."""
+    from mlxpaged.config import EngineConfig
+    from mlxpaged.engine.cache_view import Labels, cache_view
+    from mlxpaged.engine.llm_engine import LLMEngine
+    from mlxpaged.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=64))
+    prompt = [(7 * i + 3) % 300 + 20 for i in range(40)]
+    engine.add_request(prompt, SamplingParams(n=4, max_tokens=30, temperature=1.0, seed=0, ignore_eos=True))
+    seqs = lambda: [s for r in engine.scheduler.running.values() for s in r.seqs]  # noqa: E731
+    while not (len(seqs()) == 4 and all(s.num_computed_tokens >= 50 for s in seqs())):
+        engine.step()
+    v = cache_view(engine, Labels())
+    full = 40 // BS
+    samples = v["requests"][0]["samples"]
+    assert v["requests"][0]["forked"] and len(samples) == 4
+    heads = {tuple(s["blocks"][:full]) for s in samples}
+    assert len(heads) == 1 and sorted(v["shared"]) == sorted([b, 4] for b in heads.pop())
+    assert len({s["blocks"][full] for s in samples}) == 4  # the third block: each sample's own
+    c = v["counters"]
+    assert c["cow_copies"] == 3
+    stored = full * BS + sum(s["tokens"] - full * BS for s in samples)
+    used = len({b for s in samples for b in s["blocks"]})
+    assert (c["tokens_stored"], c["blocks_used"], v["pool"].count("u")) == (stored, used, used)
+    assert c["blocks_without_sharing"] == sum(len(s["blocks"]) for s in samples)
+    assert c["waste"] == pytest.approx(1 - stored / (used * BS))
+    assert c["tokens_per_block"] == pytest.approx(stored / used)
+    while engine.has_unfinished_requests():
+        engine.step()
+    v = cache_view(engine, Labels())
+    assert v["requests"] == [] and v["counters"]["blocks_used"] == 0 and "u" not in v["pool"]
