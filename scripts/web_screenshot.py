@@ -30,11 +30,13 @@ SYSTEM = (
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="checkpoint (default: the offline default model)")
+    ap.add_argument("--served-model-name", default="Qwen2.5-Coder-0.5B-Instruct", help="'' for the default name")
     ap.add_argument("--out", default="docs/web.png")
     ap.add_argument("--port", type=int, default=8765)
     a = ap.parse_args()
     cmd = [sys.executable, "-m", "mlxpaged.cli", "serve", "--port", str(a.port), "--num-blocks", "96"]
     cmd += ["--log-level", "warning"] + (["--model", a.model] if a.model else [])
+    cmd += ["--served-model-name", a.served_model_name] if a.served_model_name else []
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{a.port}"
     try:

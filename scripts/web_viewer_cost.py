@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from pathlib import Path
 import httpx
 import openai
 
+from mlxpaged.bench.report import write_json
 from mlxpaged.testing.tiny_model import write_tiny_qwen2
 
 
@@ -130,8 +132,9 @@ def main() -> None:
         cost, pictures = picture_cost(tiny, a.num_blocks, a.requests, a.max_tokens)
         print(f"one picture (built + serialized, {a.num_blocks} blocks): {cost * 1e6:.0f} us, mean of {pictures}")
         if a.json:
-            out = {"args": vars(a), "runs": rows, "picture_us": cost * 1e6, "pictures": pictures}
-            Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
+            out = {"settings": vars(a), "load_average": os.getloadavg(), "runs": rows}
+            out |= {"picture_us": cost * 1e6, "pictures": pictures}
+            write_json(a.json, "web_viewer_cost", "tiny-qwen2", out)
     finally:
         proc.kill()
         proc.wait()

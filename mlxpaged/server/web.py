@@ -29,7 +29,7 @@ WAIT_FIRST = 5.0  # seconds /web/cache.json waits for a first picture
 
 def register_web(app: FastAPI, engine_loop: EngineLoop) -> CacheFeed:
     """Add the page's routes and hook a `CacheFeed` into the engine loop; returns the feed."""
-    feed = CacheFeed()
+    feed = CacheFeed(min_interval=PUSH_INTERVAL)  # no picture is built that no viewer would be sent
     engine_loop.on_step = feed.publish
 
     def watch() -> None:
