@@ -3,7 +3,9 @@
 One `mlxpaged serve` on the tiny random checkpoint; each run sends the same load (`--requests`
 chat requests at once, n=2, `--max-tokens` tokens each, EOS ignored) and divides its wall time
 by the engine steps it took (/health counts them). Runs alternate: no viewer, then a viewer
-reading /web/cache (server-sent events) for the whole run, `--repeats` times each.
+reading /web/cache (server-sent events) for the whole run, `--repeats` times each, back to back in
+alternating order; the ratio is formed within each repeat. Then, in process, the time one picture
+takes to build and serialize (what the engine and event-loop threads spend per picture).
 
     python scripts/web_viewer_cost.py [--repeats 3] [--num-blocks 1024] [--json out.json]
 """
@@ -122,17 +124,21 @@ def main() -> None:
         _run(url, model, a.requests, 32, False)  # warm-up
         rows = {"none": [], "viewer": []}
         for rep in range(a.repeats):
-            for kind in ("none", "viewer"):
+            # back to back, the order alternating, so a load that drifts favours neither
+            for kind in ("none", "viewer") if rep % 2 == 0 else ("viewer", "none"):
                 ms, steps, pictures = _run(url, model, a.requests, a.max_tokens, kind == "viewer")
                 rows[kind].append({"ms_per_step": ms, "steps": steps, "pictures": pictures})
                 print(f"repeat {rep + 1} {kind:6s}: {ms:.2f} ms/step over {steps} steps, {pictures} pictures received")
         for kind, rs in rows.items():
             ms = [r["ms_per_step"] for r in rs]
             print(f"{kind:6s}: median {statistics.median(ms):.2f} ms/step (runs {', '.join(f'{m:.2f}' for m in ms)})")
+        ratios = [v["ms_per_step"] / n["ms_per_step"] for v, n in zip(rows["viewer"], rows["none"])]
+        med, lo, hi = statistics.median(ratios), min(ratios), max(ratios)
+        print(f"viewer / none within a repeat: median {med:.2f} (min {lo:.2f}, max {hi:.2f})")
         cost, pictures = picture_cost(tiny, a.num_blocks, a.requests, a.max_tokens)
         print(f"one picture (built + serialized, {a.num_blocks} blocks): {cost * 1e6:.0f} us, mean of {pictures}")
         if a.json:
-            out = {"settings": vars(a), "load_average": os.getloadavg(), "runs": rows}
+            out = {"settings": vars(a), "load_average": os.getloadavg(), "runs": rows, "ratios": ratios}
             out |= {"picture_us": cost * 1e6, "pictures": pictures}
             write_json(a.json, "web_viewer_cost", "tiny-qwen2", out)
     finally:
