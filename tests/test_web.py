@@ -224,6 +224,33 @@ def test_api_key_wrong_then_right(tiny_model_path, browser):
         with_key.stop()
 
 
+def test_preemption_shows_as_it_happens(tiny_model_path, browser):
+    """Two requests that cannot both grow in a 12-block pool: the newer is preempted; the page's
+    events say so and its counter ends at the number Prometheus' /metrics gives."""
+    s = Server(tiny_model_path, "--num-blocks", "12")
+    try:
+        _open(browser, s)
+        model = s.client().models.list().data[0].id
+
+        # two prompts in one body: the engine gets both requests at once
+        prompts = ["request one " * 3, "request two " * 3]
+        run = lambda: s.client().completions.create(  # noqa: E731
+            model=model, prompt=prompts, max_tokens=120, extra_body={"ignore_eos": True}
+        )
+        t = threading.Thread(target=run)
+        t.start()
+        _wait(browser, lambda d: "preempted" in _text(d, "#events"), timeout=60, what="a preemption event")
+        t.join()
+        count = next(v for k, v in s.metrics().items() if "preemptions" in k)
+        assert count >= 1
+        _wait(browser, lambda d: _text(d, "#c-preemptions") == str(int(count)), what="the preemption counter")
+        assert _console_errors(browser) == []
+    finally:
+        s.stop()
+        browser.get("about:blank")
+        browser.get_log("browser")  # the page's failed reconnects to the stopped server
+
+
 # -- the cache view's JSON: shapes and counts only ------------------------------------------------------
 _INT = {"type": "integer", "minimum": 0}
 _REQUEST = {
@@ -276,7 +303,12 @@ def test_cache_view_shows_shapes_and_counts_only(server):
     def run():
         try:
             server.client().completions.create(
-                model=server.client().models.list().data[0].id, prompt=prompt, max_tokens=300, n=2, temperature=1.0
+                model=server.client().models.list().data[0].id,
+                prompt=prompt,
+                max_tokens=300,
+                n=2,
+                temperature=1.0,
+                extra_body={"ignore_eos": True},  # both samples live to the end, sharing the prompt's blocks
             )
         finally:
             done.set()

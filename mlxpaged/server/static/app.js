@@ -316,10 +316,16 @@ function renderEvents(view) {
     }
     if (r.forked && p && !p.forked) note(`#${r.id} forked into ${r.n} samples sharing the prompt's blocks`);
   }
-  for (const r of view.waiting) {
+  let preempted = 0;
+  for (const r of [...view.requests, ...view.waiting]) {
     const p = before.get(r.id);
-    if (p && r.preemptions > p.preemptions) note(`#${r.id} preempted: its blocks were freed; it will be recomputed`);
+    if (p && r.preemptions > p.preemptions) {
+      note(`#${r.id} preempted: its blocks were freed; it is recomputed when readmitted`);
+      preempted += r.preemptions - p.preemptions;
+    }
   }
+  const missed = view.counters.preemptions - prev.counters.preemptions - preempted;
+  if (missed > 0) note(`${missed} preempted between two pictures`);
   const now = new Set([...view.requests, ...view.waiting].map((r) => r.id));
   for (const id of before.keys()) if (!now.has(id)) note(`#${id} finished: its blocks went back to the pool`);
   const cow = view.counters.cow_copies - prev.counters.cow_copies;
