@@ -122,6 +122,7 @@ FILE_TIERS = {
     "test_server_tp.py": "tp",
     "test_hostile_guided.py": "server",
     "test_hostile_disk.py": "engine",
+    "test_web.py": "server",
     "test_tp.py": "tp",
     "test_spec_decode.py": "engine",
     "test_spec_draft.py": "engine",

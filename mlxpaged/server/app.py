@@ -35,6 +35,8 @@ from .openai_format import TokenText
 from .reasoning import ThinkMarkers
 from .responses_api import register_responses
 from .tools import CallMarkers, ToolFormat
+from .web import OPEN_PATHS as WEB_PATHS
+from .web import register_web
 
 log = logging.getLogger("mlxpaged.server")
 DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
@@ -50,6 +52,7 @@ def build_app(
     max_queue: int = 1024,
     limits: Limits | None = None,
     responses_store: int = 0,
+    web: bool = True,
 ) -> FastAPI:
     """Routes over a started `engine_loop`; the app's shutdown stops it."""
     engine = engine_loop.engine
@@ -100,7 +103,7 @@ def build_app(
         Guard,
         api_key=api_key,
         max_body_bytes=limits.max_body_bytes,
-        open_paths=frozenset({"/health", *(DOCS_PATHS if docs else ())}),
+        open_paths=frozenset({"/health", *(DOCS_PATHS if docs else ()), *(WEB_PATHS if web else ())}),
         draining=lambda: engine_loop.draining,
     )
 
@@ -140,6 +143,8 @@ def build_app(
     register_responses(v1, state, text_of)
     app.include_router(v1)
     register_anthropic(app, state)
+    if web:  # the page and its cache view (web.py); --no-web leaves them out
+        register_web(app, engine_loop)
     return app
 
 

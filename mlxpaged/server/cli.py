@@ -129,6 +129,7 @@ def _check_port(host: str, port: int) -> None:
     help="Close an idle keep-alive connection after this many seconds.",
 )
 @click.option("--enable-docs", is_flag=True, help="Serve /docs, /redoc and /openapi.json (off by default).")
+@click.option("--no-web", is_flag=True, help="Do not serve the web page (/: chat and the live KV-cache view).")
 @click.option(
     "--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]), show_default=True
 )
@@ -152,6 +153,7 @@ def serve(
     header_timeout,
     keep_alive_timeout,
     enable_docs,
+    no_web,
     log_level,
     **engine_flags,
 ):
@@ -222,6 +224,7 @@ def serve(
         max_queue=max_queue,
         limits=limits,
         responses_store=responses_store,
+        web=not no_web,
     )
     raise_fd_limit()  # after loading: importing mlx_lm sets (2048, 4096)
     _announce(host, port, model_id, loaded, engine, api_key)

@@ -155,6 +155,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="mlxpaged-engine", daemon=True)
         self.steps = 0
         self.snapshot: dict = {}
+        self.on_step = None  # (engine, idle) after each iteration, on this thread: the web page's cache view
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
 
@@ -240,6 +241,8 @@ class EngineLoop:
                 mx.clear_cache()  # going idle: give freed buffers back (cheap; the next step refills what it needs)
                 _trim_heap()
                 self.snapshot = self._metrics()
+                if self.on_step is not None:
+                    self.on_step(self.engine, True)
             with self._cv:
                 while not (self._stopping or self._adds or self._aborts or self.engine.has_unfinished_requests()):
                     self._cv.wait(HEARTBEAT if tp else None if self._drain_deadline is None else 0.5)
@@ -264,6 +267,8 @@ class EngineLoop:
             if self.engine.has_unfinished_requests():
                 self._step()
             self.snapshot = self._metrics()
+            if self.on_step is not None:
+                self.on_step(self.engine, False)
         self._shutdown()
 
     def _broadcast(self, drained: list[str], adds: list[tuple], aborts: list[str], stop: bool = False) -> None:
