@@ -34,8 +34,14 @@ from ..errors import MlxPagedError
 from .rotary import Rotary, is_rotation, table_key
 
 # Families whose every layer is full attention through the calls above, each tested
-# (tests/test_families.py). Checkpoints name them by `model_type`.
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "granite", "olmo2", "starcoder2")
+# (tests/test_families.py). Checkpoints name them by `model_type`. The MoE ones route each
+# token's MLP through mlx-lm's SwitchGLU experts: rows of one token route as mlx-lm's rows do.
+DENSE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "granite", "olmo2", "starcoder2")
+MOE = ("qwen3_moe", "mixtral", "glm4_moe", "phimoe")
+# The text model sits inside another module (mistral3: `language_model`) or reuses another
+# family's layers (smollm3: llama's, some without RoPE); ministral3 scales queries by position.
+WRAPPERS = ("mistral3", "smollm3", "ministral3")
+FAMILIES = DENSE + MOE + WRAPPERS
 _SDPA_PARAMS = ["queries", "keys", "values", "cache", "scale", "mask"]
 
 
@@ -98,6 +104,32 @@ class PagedLayerCache:
         )
         self.attended = True
         return out.reshape(T, H, 1, D)
+
+
+def text_body(model: nn.Module) -> nn.Module:
+    """The module holding the text model's final `norm` and its `layers`: `model.model` for
+    most families, `model.language_model.model` for a wrapper such as mistral3."""
+    m = model
+    for _ in range(4):
+        inner = m.get("language_model") if isinstance(m.get("language_model"), nn.Module) else m.get("model")
+        if not isinstance(inner, nn.Module):
+            break
+        if isinstance(inner.get("norm"), nn.Module) and "layers" in inner:
+            return inner
+        m = inner
+    raise AdapterError(
+        f"{inspect.getfile(type(model))}: no text model with a final norm under Model.model or "
+        "Model.language_model: the paged adapter needs updating"
+    )
+
+
+def attention_modules(model: nn.Module) -> list:
+    """The mlx-lm modules that define the attention classes of `model`'s layers (a wrapper's
+    layers come from another module: smollm3's and mistral3's from llama's or ministral3's)."""
+    import sys
+
+    names = dict.fromkeys(type(layer.self_attn).__module__ for layer in model.layers)
+    return [sys.modules[n] for n in names]
 
 
 def _install_sdpa(module) -> None:
@@ -177,7 +209,8 @@ class PagedModelMixin:
             return super().__call__(inputs, cache, **kwargs)
         layers = self.layers
         caches = [PagedLayerCache(cache, i, meta) for i in range(len(layers))]
-        swaps = [(self.model, "norm", _NormRows(self.model.norm, meta.logits_indices))]
+        body = text_body(self)
+        swaps = [(body, "norm", _NormRows(body.norm, meta.logits_indices))]
         swaps += _rope_swaps(self, meta.positions)
         with _swapped(swaps):
             logits = super().__call__(inputs[:, None], cache=caches)  # [S, 1, V]
@@ -221,8 +254,7 @@ _classes: dict = {}
 
 def model_classes(config: dict):
     """`(Paged Model class, ModelArgs class)` of a checkpoint's family, for mlx-lm's `load_model`."""
-    module = family_module(config["model_type"])
-    _install_sdpa(module)
+    module = family_module(config["model_type"])  # its attention modules are patched by `prepare`
     if module.Model not in _classes:
         _classes[module.Model] = type(
             f"Paged{module.__name__.rsplit('.', 1)[-1].title()}Model", (PagedModelMixin, module.Model), {}
@@ -283,17 +315,30 @@ def check_family(model_type: str | None, config: dict, where) -> None:
     )
 
 
+_TEXT_ARGS = (
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_size",
+    "vocab_size",
+    "max_position_embeddings",
+)
+
+
 def prepare(model: nn.Module, config: dict, where) -> nn.Module:
     """Check a built family model and give its `args` what the engine reads (head_dim, KV heads)."""
     reason = _refusal(config.get("model_type"), model, config)
     if reason:
         raise MlxPagedError(f"{reason} in {where}")
-    inner = getattr(model, "model", None)
-    if not isinstance(getattr(inner, "norm", None), nn.Module):
-        raise AdapterError(
-            f"{inspect.getfile(type(model))}: Model.model.norm is missing: the paged adapter needs updating"
-        )
+    text_body(model)  # raises if the final norm cannot be found
+    for module in attention_modules(model):
+        _install_sdpa(module)
     args = model.args
+    text_args = getattr(text_body(model), "args", None)
+    for name in _TEXT_ARGS:  # a wrapper's args hold only its text_config: the engine reads these
+        if getattr(args, name, None) is None and getattr(text_args, name, None) is not None:
+            setattr(args, name, getattr(text_args, name))
     if getattr(args, "num_key_value_heads", None) is None:
         args.num_key_value_heads = args.num_attention_heads
     if getattr(args, "head_dim", None) is None:
