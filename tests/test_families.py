@@ -4,7 +4,10 @@
 Each checkpoint is tiny and random, written by mlx-lm's own `ModelArgs`/`Model`
 (`write_tiny_family`): llama (llama3 RoPE scaling), mistral (head_dim 32), qwen2 (q/k/v biases),
 qwen3 (q/k norms, head_dim 128, tied embeddings), phi3 (fused qkv, head_dim 96), gemma,
-granite (its multipliers and logit scaling), starcoder2 (LayerNorm, biases), olmo2.
+granite (its multipliers and logit scaling), starcoder2 (LayerNorm, biases), olmo2; the MoE
+families qwen3_moe, mixtral, glm4_moe (a dense first layer, shared expert, partial RoPE) and
+phimoe, 4 experts with 2 a token; ministral3 (Llama 4's position-dependent query scale) and the
+wrappers mistral3 (the text model under `language_model`) and smollm3 (llama's layers, NoPE ones).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import json
 
 import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -24,7 +29,10 @@ from mlxpaged.testing.tiny_model import write_tiny_family, write_tokenizer
 from drive import run_all
 from reference import contiguous_generate, contiguous_samples
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "granite", "starcoder2", "olmo2"]
+DENSE = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "granite", "starcoder2", "olmo2"]
+MOE = ["qwen3_moe", "mixtral", "glm4_moe", "phimoe"]
+WRAPPERS = ["ministral3", "mistral3", "smollm3"]
+FAMILIES = DENSE + MOE + WRAPPERS
 SYSTEM = "Paged attention borrows an idea from operating systems: virtual memory and paging. "
 # Ragged: 3 to 40-odd tokens; the last three share the first one's leading blocks (prefix hits).
 PROMPTS = [
@@ -82,15 +90,57 @@ def test_n4_copy_on_write_and_preemption_match_contiguous(family):
     assert done[other].outputs[0].token_ids == contiguous_generate(ref_model, tok.encode(PROMPTS[1]), 40), name
 
 
+# A relative band margin of 1e-3 counts as a logit gap of 0.05 (router logits here are a few units).
+BAND_TO_LOGIT = 50.0
+
+
+class _RouterMargins:
+    """Stands in for an MoE block's router (`gate`, an nn.Linear) and records, per call, how close
+    its routing came to another choice: the smallest gap between the top k + 1 router logits
+    (which experts), and for phimoe's sparsemixer the smallest distance of any logit to the edge
+    of its relative 2 * jitter_eps band (which logits weigh the chosen expert)."""
+
+    def __init__(self, gate, top_k: int, jitter_eps: float | None, out: list):
+        self.gate, self.top_k, self.eps, self.out = gate, top_k, jitter_eps, out
+
+    def __call__(self, x):
+        y = self.gate(x)
+        g = np.array(y.astype(mx.float32)).reshape(-1, y.shape[-1])
+        s = -np.sort(-g, axis=-1)[:, : self.top_k + 1]
+        margin = float(np.min(s[:, :-1] - s[:, 1:]))
+        if self.eps is not None:  # the band is relative: (top - g) / max(|g|, top) against 2 * eps
+            for k in range(self.top_k):
+                top = s[:, k : k + 1]
+                rel = (top - g) / np.maximum(np.abs(g), top)
+                margin = min(margin, float(np.min(np.abs(rel - 2 * self.eps))) * BAND_TO_LOGIT)
+        self.out.append(margin)
+        return y
+
+
 def greedy_with_gaps(model, prompt_ids, n):
-    """mlx-lm's contiguous greedy tokens and each step's top-2 logit gap."""
+    """mlx-lm's contiguous greedy tokens and each step's closeness to another token: the top-2
+    logit gap, or for an MoE family the smallest router margin (`_RouterMargins`) if smaller."""
+    routers = [
+        (m, _RouterMargins(m.gate, m.top_k, getattr(m, "jitter_eps", None), []))
+        for _, m in model.named_modules()
+        if isinstance(m.get("gate"), nn.Linear) and hasattr(m, "top_k")
+    ]
     cache, x, out, gaps = make_prompt_cache(model), mx.array([prompt_ids]), [], []
-    for _ in range(n):
-        logits = model(x, cache=cache)[0, -1]
-        top2 = mx.sort(logits)[-2:]
-        out.append(int(mx.argmax(logits).item()))
-        gaps.append(float((top2[1] - top2[0]).item()))
-        x = mx.array([[out[-1]]])
+    try:
+        for m, r in routers:
+            m["gate"] = r
+        for _ in range(n):
+            logits = model(x, cache=cache)[0, -1]
+            top2 = mx.sort(logits)[-2:]
+            out.append(int(mx.argmax(logits).item()))
+            route = min((min(r.out) for _, r in routers), default=np.inf)
+            gaps.append(min(float((top2[1] - top2[0]).item()), route))
+            for _, r in routers:
+                r.out.clear()
+            x = mx.array([[out[-1]]])
+    finally:
+        for m, r in routers:
+            m["gate"] = r.gate
     return out, gaps
 
 
@@ -98,13 +148,15 @@ def test_8bit_kv_cache_keeps_the_float_tokens(family):
     """An 8-bit KV cache gives the float contiguous cache's tokens up to the first near-tie,
     where either token is right. tests/test_kv_quant.py calls a top-2 gap under 0.01 a tie
     against a reference that rounds K/V as the cache does; against the float cache, 8-bit
-    rounding moves these logits by a few hundredths, so a tie here is a gap under 0.05."""
+    rounding moves these logits by a few hundredths, so a tie here is a gap under 0.05. An MoE
+    family's router is a second place where a few hundredths change the output: a routing
+    margin under 0.05 counts as a tie too."""
     name, loaded, ref_model, tok = family
     engine = LLMEngine(loaded, EngineConfig(num_blocks=64, kv_bits=8, kv_group_size=32, attention_impl="reference"))
-    rids = [engine.add_request(p, greedy(24)) for p in PROMPTS[:2]]
+    rids = [engine.add_request(p, greedy(24)) for p in PROMPTS]
     done = run_all(engine)
     compared = 0
-    for p, r in zip(PROMPTS[:2], rids):
+    for p, r in zip(PROMPTS, rids):
         want, gaps = greedy_with_gaps(ref_model, tok.encode(p), 24)
         first_close = next((i for i, g in enumerate(gaps) if g < 0.05), len(gaps))
         assert done[r].outputs[0].token_ids[:first_close] == want[:first_close], name
@@ -192,10 +244,10 @@ def test_adapter_fails_loudly_if_attention_bypasses_it(family, monkeypatch):
     (here: mx.fast's directly) raises, naming the file and function, instead of attending to nothing."""
     import importlib
 
-    from mlxpaged.models.paged_adapter import AdapterError, family_module
+    from mlxpaged.models.paged_adapter import AdapterError, attention_modules
 
     name, loaded, _, tok = family
-    module = family_module(name)
+    (module,) = attention_modules(loaded.model)  # a wrapper's layers come from another module (smollm3: llama)
     base = importlib.import_module("mlx_lm.models.base")
     monkeypatch.setattr(module, "scaled_dot_product_attention", base.scaled_dot_product_attention)
     engine = LLMEngine(loaded, EngineConfig(num_blocks=16, attention_impl="reference"))

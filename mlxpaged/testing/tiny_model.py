@@ -270,6 +270,10 @@ FAMILY_CONFIGS = {
 
 # Families whose RMSNorm scales by 1 + weight: their norm weights are written as zeros.
 ONE_PLUS_NORMS = ("gemma", "gemma2", "gemma3_text")
+# An MoE router's weights are drawn this much larger than other matrices, so the experts a token
+# picks are far apart (as `logit_scale` does for the output layer): tiny float differences
+# between two correct implementations, or an 8-bit KV cache, cannot flip a routing choice.
+ROUTER_SCALE = 8.0
 # Keys a config may hold as null (GLM-4.5's rope_scaling is; its ModelArgs requires the key).
 KEEP_NULL = ("rope_scaling",)
 # Per wrapper family: the keys that stay at the top level; the rest go to `text_config`.
@@ -328,6 +332,8 @@ def write_tiny_family(
         elif name.endswith("embed_tokens.weight"):
             tied = text.get("tie_word_embeddings", True)
             a = rng.normal(0, logit_scale * hidden**-0.5 if tied else 1.0, size=p.shape)
+        elif name.endswith((".gate.weight", ".router.weight")):  # an MoE router: expert choices far from ties
+            a = rng.normal(0, ROUTER_SCALE * p.shape[-1] ** -0.5, size=p.shape)
         elif name.endswith("lm_head.weight"):
             a = rng.normal(0, logit_scale * hidden**-0.5, size=p.shape)
         else:

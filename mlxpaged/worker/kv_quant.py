@@ -130,7 +130,7 @@ def key_offsets(model, num_positions: int = 4096) -> list[mx.array | None]:
     None for a layer without a k_proj bias (nothing to remove).
     """
     offsets = []
-    for layer in model.model.layers:
+    for layer in model.layers:  # (a wrapper such as mistral3 has no model.model)
         attn = layer.self_attn
         bias = getattr(attn.k_proj, "bias", None) if hasattr(attn, "k_proj") else None
         if bias is None or not hasattr(attn, "rope"):
