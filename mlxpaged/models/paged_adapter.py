@@ -41,7 +41,11 @@ MOE = ("qwen3_moe", "mixtral", "glm4_moe", "phimoe")
 # The text model sits inside another module (mistral3: `language_model`) or reuses another
 # family's layers (smollm3: llama's, some without RoPE); ministral3 scales queries by position.
 WRAPPERS = ("mistral3", "smollm3", "ministral3")
-FAMILIES = DENSE + MOE + WRAPPERS
+# Families with sliding-window layers, each run with its per-layer window (mlx-lm's own
+# `make_prompt_cache` gives those layers a RotatingKVCache of that size); gpt_oss adds per-head
+# attention sinks and MoE. On the reference attention path only (the Metal kernels lack both).
+WINDOWED = ("gemma3_text", "gpt_oss", "olmo3")
+FAMILIES = DENSE + MOE + WRAPPERS + WINDOWED
 _SDPA_PARAMS = ["queries", "keys", "values", "cache", "scale", "mask"]
 
 
@@ -58,20 +62,29 @@ def family_module(model_type: str):
 
 
 class PagedLayerCache:
-    """What one mlx-lm attention layer sees as its cache during one paged pass."""
+    """What one mlx-lm attention layer sees as its cache during one paged pass.
 
-    def __init__(self, kv_cache, layer: int, meta: AttentionMetadata):
+    `window`: this layer's sliding window (None: full attention), from mlx-lm's own cache for
+    the layer (`layer_windows`); the attention call masks by it, so the model's mask is not needed.
+    """
+
+    def __init__(self, kv_cache, layer: int, meta: AttentionMetadata, window: int | None = None):
         self.kv_cache = kv_cache
         self.layer = layer
         self.meta = meta
+        self.window = window
         self.offset = meta.positions  # [T]: one RoPE offset per batch row, i.e. per token
         self.pools = None  # this layer's (k_pool, v_pool) after the write
         self.attended = False
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
-        # Rows of length one need no mask; causality lives in the block tables and context_lens.
-        if window_size is not None:
-            raise AdapterError("mlx_lm base.create_attention_mask: a sliding-window mask was asked of the paged cache")
+        # Rows of length one need no mask; causality lives in the block tables and context_lens,
+        # the window in `self.window`, which must be the one the model asks for.
+        if window_size is not None and window_size != self.window:
+            raise AdapterError(
+                f"mlx_lm base.create_attention_mask: a window of {window_size} was asked of layer {self.layer}, "
+                f"whose mlx-lm cache has window {self.window}: the paged adapter needs updating"
+            )
         return None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -91,16 +104,25 @@ class PagedLayerCache:
         """queries `[T, heads, 1, head_dim]` -> `[T, heads, 1, head_dim]` over the paged pools."""
         if self.pools is None:
             raise AdapterError("scaled_dot_product_attention was called before cache.update_and_fetch")
-        if sinks is not None or not (mask is None or isinstance(mask, str)):
+        if not (mask is None or isinstance(mask, str)):
             raise AdapterError(
-                "scaled_dot_product_attention got attention sinks or an explicit mask; "
-                "the paged cache supports plain causal attention only"
+                "scaled_dot_product_attention got an explicit mask; the paged cache supports causal "
+                "attention, with a per-layer sliding window and attention sinks"
             )
         T, H, _, D = queries.shape
         q = self.kv_cache.scale_queries(self.layer, queries.reshape(T, H, D))
         m = self.meta
         out = paged_attention_varlen(
-            q, *self.pools, m.block_tables, m.cu_seqlens_q, m.context_lens, scale=scale, impl=m.impl, scratch=m.scratch
+            q,
+            *self.pools,
+            m.block_tables,
+            m.cu_seqlens_q,
+            m.context_lens,
+            scale=scale,
+            impl=m.impl,
+            scratch=m.scratch,
+            window=self.window,
+            sinks=sinks,
         )
         self.attended = True
         return out.reshape(T, H, 1, D)
@@ -208,7 +230,8 @@ class PagedModelMixin:
         if meta is None:
             return super().__call__(inputs, cache, **kwargs)
         layers = self.layers
-        caches = [PagedLayerCache(cache, i, meta) for i in range(len(layers))]
+        windows = self.__dict__.get("_paged_windows") or [None] * len(layers)
+        caches = [PagedLayerCache(cache, i, meta, windows[i]) for i in range(len(layers))]
         body = text_body(self)
         swaps = [(body, "norm", _NormRows(body.norm, meta.logits_indices))]
         swaps += _rope_swaps(self, meta.positions)
@@ -264,23 +287,34 @@ def model_classes(config: dict):
 
 # Families with sliding-window layers that mlx-lm's module runs on plain KVCaches (so the
 # caches below cannot tell): which of their layers are local.
-_WINDOWED = {"gemma2": (0, "every other layer")}
+_PLAIN_CACHED_WINDOWS = {"gemma2": (0, "every other layer")}
+
+
+def layer_windows(model: nn.Module) -> list:
+    """Per layer, its sliding window (the `max_size` of the RotatingKVCache mlx-lm's own
+    `make_prompt_cache` gives it), or None for a full-attention layer (a plain KVCache)."""
+    from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+
+    return [c.max_size if isinstance(c, RotatingKVCache) else None for c in make_prompt_cache(model)]
 
 
 def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
-    """One line naming the first layer a paged full-attention cache cannot hold, or None."""
-    from mlx_lm.models.cache import KVCache, make_prompt_cache
+    """One line naming the first layer the paged cache cannot hold, or None. Sliding-window
+    layers (a RotatingKVCache that keeps no prefix) are held for the `WINDOWED` families."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-    if model_type in _WINDOWED:
-        layer, which = _WINDOWED[model_type]
+    if model_type in _PLAIN_CACHED_WINDOWS:
+        layer, which = _PLAIN_CACHED_WINDOWS[model_type]
         return (
             f"{model_type}: layer {layer} is sliding-window attention ({which}, window "
-            f"{config.get('sliding_window')}), which the paged cache does not hold "
-            "(it pages full-attention layers only); such models are refused"
+            f"{config.get('sliding_window')}), which mlx-lm's {model_type} module runs on a full cache; "
+            "the paged cache holds windows only for " + ", ".join(WINDOWED) + "; such models are refused"
         )
     types = config.get("layer_types") or (config.get("text_config") or {}).get("layer_types") or []
     for i, c in enumerate(make_prompt_cache(model)):
         if type(c) is KVCache:
+            continue
+        if type(c) is RotatingKVCache and model_type in WINDOWED and c.keep == 0:
             continue
         kind = {
             "RotatingKVCache": "sliding-window attention",
@@ -290,8 +324,8 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
         }.get(type(c).__name__, type(c).__name__)
         named = f" ({types[i]})" if i < len(types) else ""
         return (
-            f"{model_type}: layer {i} is {kind}{named}, which the paged cache does not hold "
-            "(it pages full-attention layers only); such models are refused"
+            f"{model_type}: layer {i} is {kind}{named}, which the paged cache does not hold (it pages "
+            f"full-attention layers, and sliding windows for {', '.join(WINDOWED)}); such models are refused"
         )
     return None
 
@@ -332,6 +366,7 @@ def prepare(model: nn.Module, config: dict, where) -> nn.Module:
     if reason:
         raise MlxPagedError(f"{reason} in {where}")
     text_body(model)  # raises if the final norm cannot be found
+    object.__setattr__(model, "_paged_windows", layer_windows(model))  # an attribute, not a child module
     for module in attention_modules(model):
         _install_sdpa(module)
     args = model.args

@@ -258,6 +258,33 @@ FAMILY_CONFIGS = {
         },
         "tie_word_embeddings": False,
     },
+    # Sliding windows (overridden per test: smaller than, equal to and larger than a block).
+    "gemma3_text": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "query_pre_attn_scalar": 64,
+        "sliding_window": 3,
+        "sliding_window_pattern": 2,  # layer 0 local, layer 1 global
+        "rope_scaling": None,
+    },
+    "gpt_oss": {
+        "architectures": ["GptOssForCausalLM"],
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_scaling": None,
+    },
+    "olmo3": {
+        "architectures": ["Olmo3ForCausalLM"],
+        "num_key_value_heads": 2,
+        "sliding_window": 9,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "tie_word_embeddings": False,
+    },
     # Wrappers: the text model sits inside another module (mistral3) or reuses another family's (smollm3).
     "mistral3": {"architectures": ["Mistral3ForConditionalGeneration"], "text_config": "mistral"},
     "smollm3": {
@@ -327,6 +354,8 @@ def write_tiny_family(
     for name, p in tree_flatten(model.parameters()):
         if "norm" in name and p.ndim == 1:  # norm weights one (gemma's RMSNorm adds its own one), biases zero
             a = np.zeros(p.shape) if (name.endswith("bias") or model_type in ONE_PLUS_NORMS) else np.ones(p.shape)
+        elif name.endswith("sinks"):  # gpt-oss's per-head sink logits: large enough to change the tokens
+            a = rng.normal(1.0, 1.0, size=p.shape)
         elif p.ndim == 1:
             a = rng.normal(0, 0.1, size=p.shape)
         elif name.endswith("embed_tokens.weight"):
