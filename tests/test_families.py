@@ -7,7 +7,9 @@ qwen3 (q/k norms, head_dim 128, tied embeddings), phi3 (fused qkv, head_dim 96),
 granite (its multipliers and logit scaling), starcoder2 (LayerNorm, biases), olmo2; the MoE
 families qwen3_moe, mixtral, glm4_moe (a dense first layer, shared expert, partial RoPE) and
 phimoe, 4 experts with 2 a token; ministral3 (Llama 4's position-dependent query scale) and the
-wrappers mistral3 (the text model under `language_model`) and smollm3 (llama's layers, NoPE ones).
+wrappers mistral3 (the text model under `language_model`) and smollm3 (llama's layers, NoPE ones);
+the sliding-window families gemma3_text, gpt_oss (with attention sinks and MoE) and olmo3, whose
+reference is mlx-lm's own `make_prompt_cache` (a RotatingKVCache on each windowed layer).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from reference import contiguous_generate, contiguous_samples
 DENSE = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "granite", "starcoder2", "olmo2"]
 MOE = ["qwen3_moe", "mixtral", "glm4_moe", "phimoe"]
 WRAPPERS = ["ministral3", "mistral3", "smollm3"]
-FAMILIES = DENSE + MOE + WRAPPERS
+# Windows 3, 4 and 9 (tiny_model.FAMILY_CONFIGS): below, at and above the block size of 4 used below.
+WINDOWED = ["gemma3_text", "gpt_oss", "olmo3"]
+FAMILIES = DENSE + MOE + WRAPPERS + WINDOWED
 SYSTEM = "Paged attention borrows an idea from operating systems: virtual memory and paging. "
 # Ragged: 3 to 40-odd tokens; the last three share the first one's leading blocks (prefix hits).
 PROMPTS = [
@@ -95,7 +99,7 @@ BAND_TO_LOGIT = 50.0
 
 
 class _RouterMargins:
-    """Stands in for an MoE block's router (`gate`, an nn.Linear) and records, per call, how close
+    """Stands in for an MoE block's router (`gate` or `router`, an nn.Linear) and records, per call, how close
     its routing came to another choice: the smallest gap between the top k + 1 router logits
     (which experts), and for phimoe's sparsemixer the smallest distance of any logit to the edge
     of its relative 2 * jitter_eps band (which logits weigh the chosen expert)."""
@@ -120,27 +124,29 @@ class _RouterMargins:
 def greedy_with_gaps(model, prompt_ids, n):
     """mlx-lm's contiguous greedy tokens and each step's closeness to another token: the top-2
     logit gap, or for an MoE family the smallest router margin (`_RouterMargins`) if smaller."""
-    routers = [
-        (m, _RouterMargins(m.gate, m.top_k, getattr(m, "jitter_eps", None), []))
+    routers = [  # (MoE block, its router's name, the recorder)
+        (m, name, _RouterMargins(m[name], k, getattr(m, "jitter_eps", None), []))
         for _, m in model.named_modules()
-        if isinstance(m.get("gate"), nn.Linear) and hasattr(m, "top_k")
+        for name in ("gate", "router")
+        if isinstance(m.get(name), nn.Linear)
+        and (k := getattr(m, "top_k", None) or getattr(m, "num_experts_per_tok", None))
     ]
     cache, x, out, gaps = make_prompt_cache(model), mx.array([prompt_ids]), [], []
     try:
-        for m, r in routers:
-            m["gate"] = r
+        for m, name, r in routers:
+            m[name] = r
         for _ in range(n):
             logits = model(x, cache=cache)[0, -1]
             top2 = mx.sort(logits)[-2:]
             out.append(int(mx.argmax(logits).item()))
-            route = min((min(r.out) for _, r in routers), default=np.inf)
+            route = min((min(r.out) for *_, r in routers), default=np.inf)
             gaps.append(min(float((top2[1] - top2[0]).item()), route))
-            for _, r in routers:
+            for *_, r in routers:
                 r.out.clear()
             x = mx.array([[out[-1]]])
     finally:
-        for m, r in routers:
-            m["gate"] = r.gate
+        for m, name, r in routers:
+            m[name] = r.gate
     return out, gaps
 
 
@@ -202,10 +208,10 @@ def _config(tmp_path, model_type, **extra):
     return tmp_path
 
 
-@pytest.mark.parametrize("model_type,layer", [("gemma2", 0), ("gemma3_text", 0)])
+@pytest.mark.parametrize("model_type,layer", [("gemma2", 0)])
 def test_sliding_window_family_is_refused_naming_the_layer(tmp_path, model_type, layer):
-    """Gemma 2 and 3 have local (sliding-window) layers: refused at load, in one line naming
-    the family and the layer type (and the supported families)."""
+    """Gemma 2 has local (sliding-window) layers that mlx-lm's module runs on full caches:
+    refused at load, in one line naming the family and the layer type (and the supported families)."""
     path = _config(
         tmp_path / model_type,
         model_type,

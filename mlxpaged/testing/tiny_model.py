@@ -300,7 +300,7 @@ ONE_PLUS_NORMS = ("gemma", "gemma2", "gemma3_text")
 # An MoE router's weights are drawn this much larger than other matrices, so the experts a token
 # picks are far apart (as `logit_scale` does for the output layer): tiny float differences
 # between two correct implementations, or an 8-bit KV cache, cannot flip a routing choice.
-ROUTER_SCALE = 8.0
+ROUTER_SCALE = 16.0
 # Keys a config may hold as null (GLM-4.5's rope_scaling is; its ModelArgs requires the key).
 KEEP_NULL = ("rope_scaling",)
 # Per wrapper family: the keys that stay at the top level; the rest go to `text_config`.
