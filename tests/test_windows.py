@@ -145,3 +145,24 @@ def test_llm_api_gives_mlx_lm_tokens_for_a_windowed_family(gpt_oss):
     outs = llm.generate([SYSTEM, LONG], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     for prompt, o in zip([SYSTEM, LONG], outs):
         assert o.outputs[0].token_ids == contiguous_generate(ref_model, tok.encode(prompt), 12)
+
+
+
+def test_no_key_offsets_on_layers_with_sinks(gpt_oss):
+    """A quantized cache stores keys less a per-head constant c (kv_quant.key_offsets), which
+    shifts a query's scores by q.c: invisible to softmax, but not to a sink logit, which does not
+    shift. So gpt-oss's layers (k_proj biases, which would get offsets, and sinks) get none."""
+    from mlxpaged.worker.kv_quant import key_offsets
+
+    model = gpt_oss[4][1].model
+    assert all(layer.self_attn.k_proj.get("bias") is not None for layer in model.layers)
+    assert key_offsets(model) == [None] * len(model.layers)
+    # The shift itself: scores less q.c with a sink is not the same attention (numpy).
+    rng = np.random.default_rng(3)
+    q, k, c, v = rng.normal(size=8), rng.normal(size=(5, 8)), rng.normal(size=8), rng.normal(size=(5, 3))
+
+    def attend(scores, sink):
+        w = np.exp(np.append(scores, sink))
+        return (w[:-1] / w.sum()) @ v
+
+    assert not np.allclose(attend(k @ q, 1.0), attend((k - c) @ q, 1.0))
