@@ -147,7 +147,6 @@ def test_llm_api_gives_mlx_lm_tokens_for_a_windowed_family(gpt_oss):
         assert o.outputs[0].token_ids == contiguous_generate(ref_model, tok.encode(prompt), 12)
 
 
-
 def test_no_key_offsets_on_layers_with_sinks(gpt_oss):
     """A quantized cache stores keys less a per-head constant c (kv_quant.key_offsets), which
     shifts a query's scores by q.c: invisible to softmax, but not to a sink logit, which does not

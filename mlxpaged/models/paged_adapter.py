@@ -330,23 +330,127 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
     return None
 
 
+_MLA = "multi-head latent attention (MLA: its cache holds a compressed latent, not per-head keys and values)"
+_GEMMA4 = "per-layer KV shapes (a global_head_dim on the full layers) and layers that reuse another layer's KV"
+# What the paged cache lacks for mlx-lm architectures whose per-layer caches do not say it.
+MISSING = {
+    **dict.fromkeys(
+        (
+            "deepseek_v2",
+            "deepseek_v3",
+            "deepseek_v32",
+            "glm4_moe_lite",
+            "glm_moe_dsa",
+            "kimi_k3",
+            "kimi_vl",
+            "longcat_flash",
+            "longcat_flash_ngram",
+            "minicpm3",
+            "mistral4",
+            "youtu_llm",
+            "bailing_moe_v3",
+        ),
+        _MLA,
+    ),
+    # Modules whose make_cache has an ArraysCache or MambaCache (mlx-lm 0.32), for configs too
+    # bare to build: their recurrent state is no key/value cache.
+    **dict.fromkeys(
+        (
+            "baichuan_m1",
+            "bailing_hybrid",
+            "bailing_moe_linear",
+            "falcon_h1",
+            "gear",
+            "granitemoehybrid",
+            "jamba",
+            "kimi_linear",
+            "lfm2",
+            "lfm2_moe",
+            "mamba",
+            "mamba2",
+            "nemotron_h",
+            "olmo_hybrid",
+            "plamo2",
+            "qwen3_5",
+            "qwen3_5_moe",
+            "qwen3_next",
+            "recurrent_gemma",
+            "rwkv7",
+        ),
+        "linear-attention / state-space layers (their recurrent state is no key/value cache)",
+    ),
+    "gemma4_text": _GEMMA4,
+    "gemma4": _GEMMA4,
+    "gemma3n": _GEMMA4,
+    "llama4": "chunked local attention (mlx-lm's ChunkedKVCache) in a multimodal wrapper",
+    "llama4_text": "chunked local attention (mlx-lm's ChunkedKVCache)",
+}
+
+
+def _not_run(model_type: str, config: dict) -> str:
+    """Why mlxpaged does not run `model_type`: one line naming what the paged cache lacks."""
+    import contextlib
+    import io
+
+    printed = io.StringIO()
+    try:  # some modules print and exit when an optional package is missing (olmo: ai2-olmo)
+        with contextlib.redirect_stdout(printed):
+            module = family_module(model_type)
+    except ModuleNotFoundError as e:
+        if e.name and e.name.startswith("mlx_lm.models"):
+            from mlx_lm import __version__
+
+            return f"unsupported model_type {model_type!r}: mlx-lm {__version__} has no model module for it"
+        return f"unsupported model_type {model_type!r}: its mlx-lm module needs the missing package {e.name!r}"
+    except (Exception, SystemExit) as e:
+        why = (printed.getvalue().strip() or str(e).strip() or type(e).__name__).splitlines()[0][:120]
+        return f"unsupported model_type {model_type!r}: its mlx-lm module fails to import ({why})"
+    missing = MISSING.get(model_type)
+    missing = missing and f"{model_type}: needs {missing}, which the paged cache does not hold; refused"
+    if not hasattr(module, "Model"):
+        return missing or f"unsupported model_type {model_type!r}: {module.__name__} defines no Model"
+    try:  # built lazily (its random weights are never evaluated) only to see its layers' caches
+        reason = _refusal(model_type, module.Model(module.ModelArgs.from_dict(config)), config)
+    except Exception as e:
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        return missing or (
+            f"unsupported model_type {model_type!r}: not on mlxpaged's list, and {module.__name__} cannot "
+            f"build this config to see its layers ({type(e).__name__}: {why})"
+        )
+    return (
+        reason
+        or missing
+        or (
+            f"unsupported model_type {model_type!r}: {module.__name__} is not on mlxpaged's list (its "
+            "attention has not been checked against the paged cache)"
+        )
+    )
+
+
 def check_family(model_type: str | None, config: dict, where) -> None:
-    """Raise one line unless `model_type` is a supported family whose layers are all full attention."""
+    """Raise one line unless `model_type` is a supported family (`FAMILIES`)."""
     if model_type in FAMILIES:
         return
-    try:
-        module = family_module(model_type) if model_type else None
-    except ImportError:
-        module = None
-    reason = None
-    if module is not None and hasattr(module, "Model"):
-        try:  # built lazily (its random weights are never evaluated) only to see its layer types
-            reason = _refusal(model_type, module.Model(module.ModelArgs.from_dict(config)), config)
-        except Exception:
-            reason = None
-    raise MlxPagedError(
-        f"{reason or f'unsupported model_type {model_type!r}'} in {where}; mlxpaged runs {', '.join(FAMILIES)}"
-    )
+    reason = _not_run(model_type, config) if model_type else "no model_type in the config"
+    raise MlxPagedError(f"{reason} in {where}; mlxpaged runs {', '.join(FAMILIES)}")
+
+
+# Tensor parallelism (distributed/sharding.py) splits dense attention and MLP layers; these
+# families it does not split yet, each for the reason given.
+_MOE_TP = "its MoE experts (mlx-lm's SwitchGLU, stacked [experts, out, in]) are not split by mlxpaged's shard loader"
+TP_REFUSED = {
+    **dict.fromkeys(MOE + ("gpt_oss",), _MOE_TP),
+    "mistral3": "the shard loader reads a flat config, and mistral3 keeps its text model's in text_config",
+}
+
+
+def check_tensor_parallel(model_type: str | None) -> None:
+    """Raise one line naming why `model_type` cannot run tensor-parallel, if it cannot."""
+    if model_type in TP_REFUSED:
+        raise MlxPagedError(
+            f"tensor parallelism does not support model_type {model_type!r}: {TP_REFUSED[model_type]}; "
+            "run it on one process"
+        )
 
 
 _TEXT_ARGS = (
