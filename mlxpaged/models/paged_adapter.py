@@ -15,6 +15,11 @@ into the pool through the slot mapping; the family module's `scaled_dot_product_
 then runs `paged_attention_varlen` over the step's `AttentionMetadata`. Only the rows at
 `meta.logits_indices` reach the output layer (the final norm gathers them first).
 
+A sliding-window layer (mlx-lm's own `make_prompt_cache` gives it a RotatingKVCache) attends
+with that cache's window, and attention sinks passed to the call (gpt-oss) are kept. A wrapper's
+text model is found under `Model.model` or `Model.language_model.model`, and the function is
+replaced in the module that defines each layer's attention class.
+
 If a future mlx-lm stops making these calls, the first pass raises `AdapterError` naming the
 file and function, instead of attending to nothing.
 """
@@ -33,9 +38,9 @@ from ..attention.metadata import AttentionMetadata
 from ..errors import MlxPagedError
 from .rotary import Rotary, is_rotation, table_key
 
-# Families whose every layer is full attention through the calls above, each tested
-# (tests/test_families.py). Checkpoints name them by `model_type`. The MoE ones route each
-# token's MLP through mlx-lm's SwitchGLU experts: rows of one token route as mlx-lm's rows do.
+# Families whose every layer makes the calls above, each tested (tests/test_families.py).
+# Checkpoints name them by `model_type`. The MoE ones route each token's MLP through mlx-lm's
+# SwitchGLU experts: rows of one token route as mlx-lm's rows do.
 DENSE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "granite", "olmo2", "starcoder2")
 MOE = ("qwen3_moe", "mixtral", "glm4_moe", "phimoe")
 # The text model sits inside another module (mistral3: `language_model`) or reuses another
