@@ -35,7 +35,7 @@ DENSE = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "granite", "star
 MOE = ["qwen3_moe", "mixtral", "glm4_moe", "phimoe"]
 WRAPPERS = ["ministral3", "mistral3", "smollm3"]
 # Windows 3, 4 and 9 (tiny_model.FAMILY_CONFIGS): below, at and above the block size of 4 used below.
-WINDOWED = ["gemma3_text", "gpt_oss", "olmo3"]
+WINDOWED = ["gemma3_text", "gemma3", "gpt_oss", "olmo3"]  # gemma3: the multimodal wrapper, text only
 FAMILIES = DENSE + MOE + WRAPPERS + WINDOWED
 SYSTEM = "Paged attention borrows an idea from operating systems: virtual memory and paging. "
 # Ragged: 3 to 40-odd tokens; the last three share the first one's leading blocks (prefix hits).
@@ -367,7 +367,7 @@ def test_refusal_names_what_is_missing(tmp_path, model_type, missing):
     assert "\n" not in str(e.value) and missing in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "mistral3"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "mistral3", "gemma3"])
 def test_tensor_parallel_refuses_moe_and_wrapped_families_by_name(tmp_path, name):
     """MoE experts and mistral3's nested config are not split by the shard loader yet: refused
     by name before any weight is read (here on a group of one, which needs no launcher)."""

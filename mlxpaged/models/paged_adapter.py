@@ -49,7 +49,7 @@ WRAPPERS = ("mistral3", "smollm3", "ministral3")
 # Families with sliding-window layers, each run with its per-layer window (mlx-lm's own
 # `make_prompt_cache` gives those layers a RotatingKVCache of that size); gpt_oss adds per-head
 # attention sinks and MoE. On the reference attention path only (the Metal kernels lack both).
-WINDOWED = ("gemma3_text", "gpt_oss", "olmo3")
+WINDOWED = ("gemma3_text", "gemma3", "gpt_oss", "olmo3")  # gemma3: gemma3_text under `language_model`
 FAMILIES = DENSE + MOE + WRAPPERS + WINDOWED
 _SDPA_PARAMS = ["queries", "keys", "values", "cache", "scale", "mask"]
 
@@ -445,7 +445,7 @@ def check_family(model_type: str | None, config: dict, where) -> None:
 _MOE_TP = "its MoE experts (mlx-lm's SwitchGLU, stacked [experts, out, in]) are not split by mlxpaged's shard loader"
 TP_REFUSED = {
     **dict.fromkeys(MOE + ("gpt_oss",), _MOE_TP),
-    "mistral3": "the shard loader reads a flat config, and mistral3 keeps its text model's in text_config",
+    **dict.fromkeys(("mistral3", "gemma3"), "the shard loader reads a flat config; this wrapper nests its text config"),
 }
 
 

@@ -278,6 +278,7 @@ FAMILY_CONFIGS = {
         "layer_types": ["sliding_attention", "full_attention"],
         "rope_scaling": None,
     },
+    "gemma3": {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": "gemma3_text"},  # multimodal wrapper
     "olmo3": {
         "architectures": ["Olmo3ForCausalLM"],
         "num_key_value_heads": 2,
@@ -296,7 +297,7 @@ FAMILY_CONFIGS = {
 }
 
 # Families whose RMSNorm scales by 1 + weight: their norm weights are written as zeros.
-ONE_PLUS_NORMS = ("gemma", "gemma2", "gemma3_text")
+ONE_PLUS_NORMS = ("gemma", "gemma2", "gemma3_text", "gemma3")
 # An MoE router's weights are drawn this much larger than other matrices, so the experts a token
 # picks are far apart (as `logit_scale` does for the output layer): tiny float differences
 # between two correct implementations, or an 8-bit KV cache, cannot flip a routing choice.
