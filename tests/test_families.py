@@ -170,10 +170,11 @@ def test_8bit_kv_cache_keeps_the_float_tokens(family):
     assert compared >= 8, name  # the comparison covers real ground
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "phi3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "phi3", "gemma3_text"])
 @pytest.mark.emulator
 def test_emulated_metal_path_gives_the_reference_tokens(name, tmp_path):
-    """The Metal kernels (decode and varlen), executed by the MSL emulator, for head_dim 64, 128, 96."""
+    """The Metal kernels (decode and varlen), executed by the MSL emulator, for head_dim 64, 128, 96;
+    gemma3_text's global layer runs on them while its windowed layer takes the reference path."""
     loaded = load(str(write_tiny_family(tmp_path / name, name)), "float32")
 
     def run(impl):
