@@ -4,7 +4,8 @@
 Each checkpoint is tiny and random, written by mlx-lm's own `ModelArgs`/`Model`
 (`write_tiny_family`): llama (llama3 RoPE scaling), mistral (head_dim 32), qwen2 (q/k/v biases),
 qwen3 (q/k norms, head_dim 128, tied embeddings), phi3 (fused qkv, head_dim 96), gemma,
-granite (its multipliers and logit scaling), starcoder2 (LayerNorm, biases), olmo2; the MoE
+granite (its multipliers and logit scaling), starcoder2 (LayerNorm, biases), olmo2, llama4_text
+(mlx-lm's full-attention Llama 4 text model: a NoPE layer, weightless q/k norms); the MoE
 families qwen3_moe, mixtral, glm4_moe (a dense first layer, shared expert, partial RoPE) and
 phimoe, 4 experts with 2 a token; ministral3 (Llama 4's position-dependent query scale) and the
 wrappers mistral3 (the text model under `language_model`) and smollm3 (llama's layers, NoPE ones);
@@ -31,7 +32,7 @@ from mlxpaged.testing.tiny_model import write_tiny_family, write_tokenizer
 from drive import run_all
 from reference import contiguous_generate, contiguous_samples
 
-DENSE = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "granite", "starcoder2", "olmo2"]
+DENSE = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "granite", "starcoder2", "olmo2", "llama4_text"]
 MOE = ["qwen3_moe", "mixtral", "glm4_moe", "phimoe"]
 WRAPPERS = ["ministral3", "mistral3", "smollm3"]
 # Windows 3, 4 and 9 (tiny_model.FAMILY_CONFIGS): below, at and above the block size of 4 used below.
@@ -356,7 +357,7 @@ def test_every_mlx_lm_architecture_is_run_or_refused_in_one_line(tmp_path):
     "model_type,missing",
     [
         ("gemma4_text", "per-layer KV shapes"),
-        ("llama4_text", "chunked local attention"),
+        ("llama4", "chunked local attention"),
         ("deepseek_v3", "multi-head latent attention"),
         ("qwen3_next", "linear-attention"),
     ],
@@ -368,7 +369,7 @@ def test_refusal_names_what_is_missing(tmp_path, model_type, missing):
     assert "\n" not in str(e.value) and missing in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "mistral3", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "mistral3", "gemma3", "llama4_text"])
 def test_tensor_parallel_refuses_moe_and_wrapped_families_by_name(tmp_path, name):
     """MoE experts and mistral3's nested config are not split by the shard loader yet: refused
     by name before any weight is read (here on a group of one, which needs no launcher)."""

@@ -41,7 +41,7 @@ from .rotary import Rotary, is_rotation, table_key
 # Families whose every layer makes the calls above, each tested (tests/test_families.py).
 # Checkpoints name them by `model_type`. The MoE ones route each token's MLP through mlx-lm's
 # SwitchGLU experts: rows of one token route as mlx-lm's rows do.
-DENSE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "granite", "olmo2", "starcoder2")
+DENSE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "granite", "olmo2", "starcoder2", "llama4_text")
 MOE = ("qwen3_moe", "mixtral", "glm4_moe", "phimoe")
 # The text model sits inside another module (mistral3: `language_model`) or reuses another
 # family's layers (smollm3: llama's, some without RoPE); ministral3 scales queries by position.
@@ -388,7 +388,6 @@ MISSING = {
     "gemma4": _GEMMA4,
     "gemma3n": _GEMMA4,
     "llama4": "chunked local attention (mlx-lm's ChunkedKVCache) in a multimodal wrapper",
-    "llama4_text": "chunked local attention (mlx-lm's ChunkedKVCache)",
 }
 
 
@@ -445,6 +444,7 @@ def check_family(model_type: str | None, config: dict, where) -> None:
 _MOE_TP = "its MoE experts (mlx-lm's SwitchGLU, stacked [experts, out, in]) are not split by mlxpaged's shard loader"
 TP_REFUSED = {
     **dict.fromkeys(MOE + ("gpt_oss",), _MOE_TP),
+    "llama4_text": "its MLP is `feed_forward`, which the split in distributed/sharding.py does not name",
     **dict.fromkeys(("mistral3", "gemma3"), "the shard loader reads a flat config; this wrapper nests its text config"),
 }
 

@@ -286,6 +286,16 @@ FAMILY_CONFIGS = {
         "layer_types": ["sliding_attention", "full_attention"],
         "tie_word_embeddings": False,
     },
+    # mlx-lm's llama4_text (MobileLLM-R1): full attention, NoPE layers, q/k RMS norm without weights.
+    "llama4_text": {
+        "architectures": ["Llama4ForCausalLM"],
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "intermediate_size_mlp": 512,
+        "no_rope_layers": [1, 0],
+        "use_qk_norm": True,
+        "tie_word_embeddings": False,
+    },
     # Wrappers: the text model sits inside another module (mistral3) or reuses another family's (smollm3).
     "mistral3": {"architectures": ["Mistral3ForConditionalGeneration"], "text_config": "mistral"},
     "smollm3": {
@@ -364,7 +374,7 @@ def write_tiny_family(
             a = rng.normal(0, logit_scale * hidden**-0.5 if tied else 1.0, size=p.shape)
         elif name.endswith((".gate.weight", ".router.weight")):  # an MoE router: expert choices far from ties
             a = rng.normal(0, ROUTER_SCALE * p.shape[-1] ** -0.5, size=p.shape)
-        elif name.endswith("lm_head.weight"):
+        elif name.endswith("lm_head.weight") or name == "output.weight":  # llama4_text names it output
             a = rng.normal(0, logit_scale * hidden**-0.5, size=p.shape)
         else:
             a = rng.normal(0, p.shape[-1] ** -0.5, size=p.shape)
