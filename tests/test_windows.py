@@ -165,3 +165,30 @@ def test_no_key_offsets_on_layers_with_sinks(gpt_oss):
         return (w[:-1] / w.sum()) @ v
 
     assert not np.allclose(attend(k @ q, 1.0), attend((k - c) @ q, 1.0))
+
+
+def test_ngram_speculation_on_a_windowed_family_gives_plain_decoding(gpt_oss):
+    """Verification rows are varlen rows: the window masks them, and a rejected slot rolls back,
+    for the windowed layers too (greedy: the tokens equal mlx-lm's)."""
+    _, loaded, ref_model, tok = gpt_oss[3]
+    engine = LLMEngine(
+        loaded,
+        EngineConfig(
+            block_size=4, num_blocks=96, speculative="ngram", num_speculative_tokens=3, attention_impl="reference"
+        ),
+    )
+    ids = tok.encode(LONG)
+    # The lookup proposes what followed the last tokens before: the model's own continuation
+    # (accepted) in one prompt; in the other its first 2 tokens, then the prompt reversed
+    # (rejected, so slots roll back).
+    cont = contiguous_generate(ref_model, ids, 16)
+    prompts = [ids + cont + ids, ids + cont[:2] + ids[::-1][:14] + ids]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    done, rids = {}, []
+    for p in prompts:  # one at a time (speculation pauses in larger batches)
+        rids.append(engine.add_request(p, params))
+        done |= run_all(engine)
+    st = engine.stats_dict()
+    assert st["spec_accepted_tokens"] > 0 and st["spec_proposed_tokens"] > st["spec_accepted_tokens"], st
+    for p, r in zip(prompts, rids):
+        assert done[r].outputs[0].token_ids == contiguous_generate(ref_model, p, 24)
