@@ -92,6 +92,7 @@ FILE_TIERS = {
     "test_kv_pool_growth.py": "engine",
     "test_bench_http.py": "server",
     "test_families.py": "engine",
+    "test_windows.py": "engine",
     "test_gguf_llama.py": "engine",
     "test_guided.py": "engine",
     "test_cli_knobs.py": "engine",

@@ -6,6 +6,8 @@ sequence) over a paged KV cache, with interchangeable implementations.
 on the CPU by the MSL emulator; `impl="auto"` takes the kernel when it can run natively.
 Both take float pools (`mx.array`) or quantized ones (`kv_quant.QuantizedPool`, rows
 quantized along head_dim) for k_cache and v_cache, the same kind for both.
+A sliding `window` or per-head attention `sinks` run on the reference path only: the Metal
+kernels do not implement them yet, so such calls never reach them.
 The quantized rows' format is `kv_quant.py`, which the worker's writers share.
 May import: `metal_emu` (the kernels' emulator, on Linux).
 """
@@ -52,6 +54,8 @@ def paged_attention(
     *,
     scale: float | None = None,
     impl: str = "auto",
+    window: int | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Attend one query per sequence to its cached keys and values.
 
@@ -60,11 +64,14 @@ def paged_attention(
     logical shape); block_tables:
     `[num_seqs, max_blocks]` int32 (entries past a sequence's last block are ignored);
     context_lens: `[num_seqs]` int32, each >= 1. Returns `[num_seqs, num_heads, head_dim]`
-    in q's dtype. `scale` defaults to `head_dim ** -0.5`.
+    in q's dtype. `scale` defaults to `head_dim ** -0.5`. `window`: each query sees only the
+    last `window` positions (its own included); `sinks`: `[num_heads]` logits added to each
+    head's softmax denominator (gpt-oss's attention sinks).
     """
     scale = _check_shapes("paged_attention", q, k_cache, v_cache, scale)
+    _check_window_sinks("paged_attention", q, window, sinks)
     impl = resolve_impl(impl, q, k_cache)
-    if impl == "metal":
+    if impl == "metal" and window is None and sinks is None:
         from .metal import failed_kernel, kernel_failed, paged_attention_metal
 
         try:
@@ -73,7 +80,14 @@ def paged_attention(
             # ValueError) that the start-up check did not cover; bad input is raised as it is
             if failed_kernel(e) is None or not kernel_failed(q.shape[1] // k_cache.shape[1], k_cache, e):
                 raise
-    return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale, None, window, sinks)
+
+
+def _check_window_sinks(name: str, q: mx.array, window, sinks) -> None:
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"{name}: window must be a positive int or None, got {window!r}")
+    if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"{name}: sinks {tuple(sinks.shape)} must be one logit per query head ({q.shape[1]},)")
 
 
 def _check_shapes(name: str, q: mx.array, k_cache, v_cache, scale: float | None) -> float:
@@ -106,6 +120,8 @@ def paged_attention_varlen(
     scale: float | None = None,
     impl: str = "auto",
     scratch: dict | None = None,
+    window: int | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Attend the new tokens of several sequences, packed along one axis, to their caches.
 
@@ -120,15 +136,17 @@ def paged_attention_varlen(
     on the Metal decode kernel and longer ones on the varlen kernel (`metal_varlen.py`).
     `scratch`: a dict kept for one forward pass (`AttentionMetadata.scratch`), in which the
     reference keeps the index arrays it derives from the tables, so later layers reuse them.
+    `window` and `sinks` as in `paged_attention` (reference path only).
     """
     scale = _check_shapes("paged_attention_varlen", q, k_cache, v_cache, scale)
+    _check_window_sinks("paged_attention_varlen", q, window, sinks)
     num_seqs = block_tables.shape[0]
     if cu_seqlens_q.shape != (num_seqs + 1,) or context_lens.shape != (num_seqs,):
         raise ValueError(
             f"paged_attention_varlen: cu_seqlens_q {cu_seqlens_q.shape} and context_lens {context_lens.shape} "
             f"do not match {num_seqs} block-table rows"
         )
-    if resolve_impl(impl, q, k_cache) == "metal":
+    if resolve_impl(impl, q, k_cache) == "metal" and window is None and sinks is None:
         # Multi-token sequences on the varlen kernel, one-token ones on the decode kernel; a
         # varlen kernel that failed its first-use check on this machine leaves it to the reference.
         from .metal import failed_kernel, kernel_failed
@@ -144,5 +162,5 @@ def paged_attention_varlen(
             if failed_kernel(e) is None or not kernel_failed(q.shape[1] // k_cache.shape[1], k_cache, e):
                 raise
     return paged_attention_varlen_reference(
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, scratch
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, scratch, window, sinks
     )

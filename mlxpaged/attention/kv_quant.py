@@ -118,10 +118,11 @@ def key_offsets(model, num_positions: int = 4096) -> list[mx.array | None]:
     None for a layer without a k_proj bias (nothing to remove).
     """
     offsets = []
-    for layer in model.model.layers:
+    for layer in model.layers:  # (a wrapper such as mistral3 has no model.model)
         attn = layer.self_attn
         bias = getattr(attn.k_proj, "bias", None) if hasattr(attn, "k_proj") else None
-        if bias is None or not hasattr(attn, "rope"):
+        # Attention sinks (gpt-oss) are logits the shift q.c does not move: softmax would see it.
+        if bias is None or not hasattr(attn, "rope") or "sinks" in attn:
             offsets.append(None)
             continue
         b = bias.astype(mx.float32).reshape(1, -1, 1, attn.head_dim)  # [1, kvh, L=1, d], as the model ropes keys

@@ -8,6 +8,11 @@ arrays derived from the tables are built once per forward pass when the caller p
 Varlen: sequences with one new token go through the decode path together; each longer one
 gathers its own blocks and runs `mx.fast.scaled_dot_product_attention` with a causal mask
 offset by its cached prefix.
+Two options per layer: `window` (sliding-window attention: a token at position p sees keys at
+positions p - window + 1 .. p, as mlx-lm's RotatingKVCache and HF's sliding_window do) masks the
+older keys out; `sinks` (`[num_heads]` logits, gpt-oss) add one per-head logit to every softmax's
+denominator that no value goes with. Both go to `mx.fast.scaled_dot_product_attention` as a mask
+and its `sinks`.
 A quantized pool (`QuantizedPool`) is read the same way: the gather takes only the rows of the
 tables (codes, scales, biases) and dequantizes those, never the whole pool; everything after
 the gather is the float path, so the result is the float reference on `pool.dequantize()`.
@@ -60,21 +65,27 @@ def paged_attention_reference(
     context_lens: mx.array,  # [num_seqs] int32
     scale: float,
     scratch: dict | None = None,  # per-pass memo of the index arrays (see _memo)
+    window: int | None = None,  # sliding window: the last `window` positions only
+    sinks: mx.array | None = None,  # [num_heads] per-head sink logits
 ) -> mx.array:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     ctx = block_tables.shape[1] * block_size
 
     def index():
-        valid = mx.arange(ctx)[None, :] < context_lens[:, None]  # [S, ctx]
+        pos = mx.arange(ctx)[None, :]
+        valid = pos < context_lens[:, None]  # [S, ctx]
+        if window is not None:
+            valid = valid & (pos >= context_lens[:, None] - window)
         return block_rows(block_tables, num_kv_heads), valid[:, None, None, :]
 
-    rows, valid = _memo(scratch, ("decode", num_kv_heads), index)
+    rows, valid = _memo(scratch, ("decode", num_kv_heads, window), index)
     k = gather_blocks(k_cache, block_tables, rows).astype(mx.float32)
     v = gather_blocks(v_cache, block_tables, rows).astype(mx.float32)
     # float32 throughout; SDPA groups the query heads over their KV head itself.
     qf = q.astype(mx.float32)[:, :, None, :]  # [S, H, 1, d]
-    out = mx.fast.scaled_dot_product_attention(qf, k, v, scale=scale, mask=valid)
+    sinks = None if sinks is None else sinks.astype(mx.float32)
+    out = mx.fast.scaled_dot_product_attention(qf, k, v, scale=scale, mask=valid, sinks=sinks)
     return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
 
 
@@ -87,6 +98,8 @@ def paged_attention_varlen_reference(
     context_lens: mx.array,  # [S] int32: cached plus new tokens
     scale: float,
     scratch: dict | None = None,  # per-pass memo of the index arrays (see _memo)
+    window: int | None = None,  # sliding window: the last `window` positions only
+    sinks: mx.array | None = None,  # [num_heads] per-head sink logits
 ) -> mx.array:  # [T, num_heads, head_dim]
     cu, ctx = _memo(scratch, "host", lambda: (cu_seqlens_q.tolist(), context_lens.tolist()))
     block_size = k_cache.shape[2]
@@ -100,11 +113,23 @@ def paged_attention_varlen_reference(
                 e += 1  # a run of decodes: one batched call
             run = None if scratch is None else scratch.setdefault(("run", s, e), {})
             if (s, e) == (0, num_seqs):  # decodes only: no slicing at all
-                pieces.append(paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale, run))
+                pieces.append(
+                    paged_attention_reference(
+                        q, k_cache, v_cache, block_tables, context_lens, scale, run, window, sinks
+                    )
+                )
             else:
                 pieces.append(
                     paged_attention_reference(
-                        q[cu[s] : cu[e]], k_cache, v_cache, block_tables[s:e], context_lens[s:e], scale, run
+                        q[cu[s] : cu[e]],
+                        k_cache,
+                        v_cache,
+                        block_tables[s:e],
+                        context_lens[s:e],
+                        scale,
+                        run,
+                        window,
+                        sinks,
                     )
                 )
             s = e
@@ -113,14 +138,21 @@ def paged_attention_varlen_reference(
 
         def index(s=s, n=n, c=c):
             table = block_tables[s : s + 1, : cdiv(c, block_size)]
-            # New token j sits at position c - n + j and sees every position up to its own.
-            mask = "causal" if n == c else mx.arange(c - n, c)[:, None] >= mx.arange(c)[None, :]
+            # New token j sits at position c - n + j and sees every position up to its own
+            # (and, in a window, none before c - n + j - window + 1).
+            if window is None and n == c:
+                return table, block_rows(table, num_kv_heads), "causal"
+            qpos, kpos = mx.arange(c - n, c)[:, None], mx.arange(c)[None, :]
+            mask = qpos >= kpos
+            if window is not None:
+                mask = mask & (kpos > qpos - window)
             return table, block_rows(table, num_kv_heads), mask
 
-        table, rows, mask = _memo(scratch, ("prefill", s), index)
+        table, rows, mask = _memo(scratch, ("prefill", s, window), index)
         k, v = (gather_blocks(p, table, rows)[:, :, :c].astype(q.dtype) for p in (k_cache, v_cache))
         qs = q[cu[s] : cu[s + 1]].transpose(1, 0, 2)[None]  # [1, H, n, d]
-        out = mx.fast.scaled_dot_product_attention(qs, k, v, scale=scale, mask=mask)
+        snk = None if sinks is None else sinks.astype(q.dtype)
+        out = mx.fast.scaled_dot_product_attention(qs, k, v, scale=scale, mask=mask, sinks=snk)
         pieces.append(out[0].transpose(1, 0, 2))
         s += 1
     return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)

@@ -97,6 +97,7 @@ def load_shard(model: str | None, dtype: str | None, weights: str | None, group)
     except (OSError, json.JSONDecodeError) as e:
         raise MlxPagedError(f"cannot read {path / 'config.json'}: {e}") from None
     paged_adapter.check_family(config.get("model_type"), config, path / "config.json")
+    paged_adapter.check_tensor_parallel(config.get("model_type"))
     check_shardable(config, world)
     index = _safetensors_index(path)
     model_class, args_class = paged_adapter.model_classes(config)

@@ -170,7 +170,7 @@ def load(model: str | None = None, dtype: str | None = None, weights: str | None
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except FileNotFoundError as e:
         raise MlxPagedError(f"incomplete checkpoint {path}: {e}") from None
-    except (ValueError, KeyError, OSError, RuntimeError) as e:
+    except (ValueError, KeyError, TypeError, OSError, RuntimeError) as e:  # TypeError: a config missing a field
         raise MlxPagedError(f"cannot load checkpoint {path}: {str(e).splitlines()[0][:200]}") from None
     if explicit and weights == "float" and _is_quantized(net):
         dequantize_layers(net)

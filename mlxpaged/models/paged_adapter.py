@@ -15,6 +15,11 @@ into the pool through the slot mapping; the family module's `scaled_dot_product_
 then runs `paged_attention_varlen` over the step's `AttentionMetadata`. Only the rows at
 `meta.logits_indices` reach the output layer (the final norm gathers them first).
 
+A sliding-window layer (mlx-lm's own `make_prompt_cache` gives it a RotatingKVCache) attends
+with that cache's window, and attention sinks passed to the call (gpt-oss) are kept. A wrapper's
+text model is found under `Model.model` or `Model.language_model.model`, and the function is
+replaced in the module that defines each layer's attention class.
+
 If a future mlx-lm stops making these calls, the first pass raises `AdapterError` naming the
 file and function, instead of attending to nothing.
 """
@@ -33,9 +38,19 @@ from ..attention.metadata import AttentionMetadata
 from ..errors import MlxPagedError
 from .rotary import Rotary, is_rotation, table_key
 
-# Families whose every layer is full attention through the calls above, each tested
-# (tests/test_families.py). Checkpoints name them by `model_type`.
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "granite", "olmo2", "starcoder2")
+# Families whose every layer makes the calls above, each tested (tests/test_families.py).
+# Checkpoints name them by `model_type`. The MoE ones route each token's MLP through mlx-lm's
+# SwitchGLU experts: rows of one token route as mlx-lm's rows do.
+DENSE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "granite", "olmo2", "starcoder2", "llama4_text")
+MOE = ("qwen3_moe", "mixtral", "glm4_moe", "phimoe")
+# The text model sits inside another module (mistral3: `language_model`) or reuses another
+# family's layers (smollm3: llama's, some without RoPE); ministral3 scales queries by position.
+WRAPPERS = ("mistral3", "smollm3", "ministral3")
+# Families with sliding-window layers, each run with its per-layer window (mlx-lm's own
+# `make_prompt_cache` gives those layers a RotatingKVCache of that size); gpt_oss adds per-head
+# attention sinks and MoE. On the reference attention path only (the Metal kernels lack both).
+WINDOWED = ("gemma3_text", "gemma3", "gpt_oss", "olmo3")  # gemma3: gemma3_text under `language_model`
+FAMILIES = DENSE + MOE + WRAPPERS + WINDOWED
 _SDPA_PARAMS = ["queries", "keys", "values", "cache", "scale", "mask"]
 
 
@@ -52,20 +67,29 @@ def family_module(model_type: str):
 
 
 class PagedLayerCache:
-    """What one mlx-lm attention layer sees as its cache during one paged pass."""
+    """What one mlx-lm attention layer sees as its cache during one paged pass.
 
-    def __init__(self, kv_cache, layer: int, meta: AttentionMetadata):
+    `window`: this layer's sliding window (None: full attention), from mlx-lm's own cache for
+    the layer (`layer_windows`); the attention call masks by it, so the model's mask is not needed.
+    """
+
+    def __init__(self, kv_cache, layer: int, meta: AttentionMetadata, window: int | None = None):
         self.kv_cache = kv_cache
         self.layer = layer
         self.meta = meta
+        self.window = window
         self.offset = meta.positions  # [T]: one RoPE offset per batch row, i.e. per token
         self.pools = None  # this layer's (k_pool, v_pool) after the write
         self.attended = False
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
-        # Rows of length one need no mask; causality lives in the block tables and context_lens.
-        if window_size is not None:
-            raise AdapterError("mlx_lm base.create_attention_mask: a sliding-window mask was asked of the paged cache")
+        # Rows of length one need no mask; causality lives in the block tables and context_lens,
+        # the window in `self.window`, which must be the one the model asks for.
+        if window_size is not None and window_size != self.window:
+            raise AdapterError(
+                f"mlx_lm base.create_attention_mask: a window of {window_size} was asked of layer {self.layer}, "
+                f"whose mlx-lm cache has window {self.window}: the paged adapter needs updating"
+            )
         return None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -85,19 +109,54 @@ class PagedLayerCache:
         """queries `[T, heads, 1, head_dim]` -> `[T, heads, 1, head_dim]` over the paged pools."""
         if self.pools is None:
             raise AdapterError("scaled_dot_product_attention was called before cache.update_and_fetch")
-        if sinks is not None or not (mask is None or isinstance(mask, str)):
+        if not (mask is None or isinstance(mask, str)):
             raise AdapterError(
-                "scaled_dot_product_attention got attention sinks or an explicit mask; "
-                "the paged cache supports plain causal attention only"
+                "scaled_dot_product_attention got an explicit mask; the paged cache supports causal "
+                "attention, with a per-layer sliding window and attention sinks"
             )
         T, H, _, D = queries.shape
         q = self.kv_cache.scale_queries(self.layer, queries.reshape(T, H, D))
         m = self.meta
         out = paged_attention_varlen(
-            q, *self.pools, m.block_tables, m.cu_seqlens_q, m.context_lens, scale=scale, impl=m.impl, scratch=m.scratch
+            q,
+            *self.pools,
+            m.block_tables,
+            m.cu_seqlens_q,
+            m.context_lens,
+            scale=scale,
+            impl=m.impl,
+            scratch=m.scratch,
+            window=self.window,
+            sinks=sinks,
         )
         self.attended = True
         return out.reshape(T, H, 1, D)
+
+
+def text_body(model: nn.Module) -> nn.Module:
+    """The module holding the text model's final `norm` and its `layers`: `model.model` for
+    most families, `model.language_model.model` for a wrapper such as mistral3."""
+    m = model
+    for _ in range(4):
+        inner = m.get("language_model") if isinstance(m.get("language_model"), nn.Module) else m.get("model")
+        if not isinstance(inner, nn.Module):
+            break
+        if isinstance(inner.get("norm"), nn.Module) and "layers" in inner:
+            return inner
+        m = inner
+    raise AdapterError(
+        f"{inspect.getfile(type(model))}: no text model with a final norm under Model.model or "
+        "Model.language_model: the paged adapter needs updating"
+    )
+
+
+def attention_modules(model: nn.Module) -> list:
+    """The mlx-lm modules that define the attention classes of `model`'s layers (a wrapper's
+    layers come from another module: smollm3's and mistral3's from llama's or ministral3's)."""
+    import sys
+
+    names = dict.fromkeys(type(layer.self_attn).__module__ for layer in model.layers)
+    return [sys.modules[n] for n in names]
 
 
 def _install_sdpa(module) -> None:
@@ -176,8 +235,10 @@ class PagedModelMixin:
         if meta is None:
             return super().__call__(inputs, cache, **kwargs)
         layers = self.layers
-        caches = [PagedLayerCache(cache, i, meta) for i in range(len(layers))]
-        swaps = [(self.model, "norm", _NormRows(self.model.norm, meta.logits_indices))]
+        windows = self.__dict__.get("_paged_windows") or [None] * len(layers)
+        caches = [PagedLayerCache(cache, i, meta, windows[i]) for i in range(len(layers))]
+        body = text_body(self)
+        swaps = [(body, "norm", _NormRows(body.norm, meta.logits_indices))]
         swaps += _rope_swaps(self, meta.positions)
         with _swapped(swaps):
             logits = super().__call__(inputs[:, None], cache=caches)  # [S, 1, V]
@@ -221,8 +282,7 @@ _classes: dict = {}
 
 def model_classes(config: dict):
     """`(Paged Model class, ModelArgs class)` of a checkpoint's family, for mlx-lm's `load_model`."""
-    module = family_module(config["model_type"])
-    _install_sdpa(module)
+    module = family_module(config["model_type"])  # its attention modules are patched by `prepare`
     if module.Model not in _classes:
         _classes[module.Model] = type(
             f"Paged{module.__name__.rsplit('.', 1)[-1].title()}Model", (PagedModelMixin, module.Model), {}
@@ -232,23 +292,34 @@ def model_classes(config: dict):
 
 # Families with sliding-window layers that mlx-lm's module runs on plain KVCaches (so the
 # caches below cannot tell): which of their layers are local.
-_WINDOWED = {"gemma2": (0, "every other layer")}
+_PLAIN_CACHED_WINDOWS = {"gemma2": (0, "every other layer")}
+
+
+def layer_windows(model: nn.Module) -> list:
+    """Per layer, its sliding window (the `max_size` of the RotatingKVCache mlx-lm's own
+    `make_prompt_cache` gives it), or None for a full-attention layer (a plain KVCache)."""
+    from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+
+    return [c.max_size if isinstance(c, RotatingKVCache) else None for c in make_prompt_cache(model)]
 
 
 def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
-    """One line naming the first layer a paged full-attention cache cannot hold, or None."""
-    from mlx_lm.models.cache import KVCache, make_prompt_cache
+    """One line naming the first layer the paged cache cannot hold, or None. Sliding-window
+    layers (a RotatingKVCache that keeps no prefix) are held for the `WINDOWED` families."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-    if model_type in _WINDOWED:
-        layer, which = _WINDOWED[model_type]
+    if model_type in _PLAIN_CACHED_WINDOWS:
+        layer, which = _PLAIN_CACHED_WINDOWS[model_type]
         return (
             f"{model_type}: layer {layer} is sliding-window attention ({which}, window "
-            f"{config.get('sliding_window')}), which the paged cache does not hold "
-            "(it pages full-attention layers only); such models are refused"
+            f"{config.get('sliding_window')}), which mlx-lm's {model_type} module runs on a full cache; "
+            "the paged cache holds windows only for " + ", ".join(WINDOWED) + "; such models are refused"
         )
     types = config.get("layer_types") or (config.get("text_config") or {}).get("layer_types") or []
     for i, c in enumerate(make_prompt_cache(model)):
         if type(c) is KVCache:
+            continue
+        if type(c) is RotatingKVCache and model_type in WINDOWED and c.keep == 0:
             continue
         kind = {
             "RotatingKVCache": "sliding-window attention",
@@ -258,29 +329,144 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
         }.get(type(c).__name__, type(c).__name__)
         named = f" ({types[i]})" if i < len(types) else ""
         return (
-            f"{model_type}: layer {i} is {kind}{named}, which the paged cache does not hold "
-            "(it pages full-attention layers only); such models are refused"
+            f"{model_type}: layer {i} is {kind}{named}, which the paged cache does not hold (it pages "
+            f"full-attention layers, and sliding windows for {', '.join(WINDOWED)}); such models are refused"
         )
     return None
 
 
+_MLA = "multi-head latent attention (MLA: its cache holds a compressed latent, not per-head keys and values)"
+_GEMMA4 = "per-layer KV shapes (a global_head_dim on the full layers) and layers that reuse another layer's KV"
+# What the paged cache lacks for mlx-lm architectures whose per-layer caches do not say it.
+MISSING = {
+    **dict.fromkeys(
+        (
+            "deepseek_v2",
+            "deepseek_v3",
+            "deepseek_v32",
+            "glm4_moe_lite",
+            "glm_moe_dsa",
+            "kimi_k3",
+            "kimi_vl",
+            "longcat_flash",
+            "longcat_flash_ngram",
+            "minicpm3",
+            "mistral4",
+            "youtu_llm",
+            "bailing_moe_v3",
+        ),
+        _MLA,
+    ),
+    # Modules whose make_cache has an ArraysCache or MambaCache (mlx-lm 0.32), for configs too
+    # bare to build: their recurrent state is no key/value cache.
+    **dict.fromkeys(
+        (
+            "baichuan_m1",
+            "bailing_hybrid",
+            "bailing_moe_linear",
+            "falcon_h1",
+            "gear",
+            "granitemoehybrid",
+            "jamba",
+            "kimi_linear",
+            "lfm2",
+            "lfm2_moe",
+            "mamba",
+            "mamba2",
+            "nemotron_h",
+            "olmo_hybrid",
+            "plamo2",
+            "qwen3_5",
+            "qwen3_5_moe",
+            "qwen3_next",
+            "recurrent_gemma",
+            "rwkv7",
+        ),
+        "linear-attention / state-space layers (their recurrent state is no key/value cache)",
+    ),
+    "gemma4_text": _GEMMA4,
+    "gemma4": _GEMMA4,
+    "gemma3n": _GEMMA4,
+    "llama4": "chunked local attention (mlx-lm's ChunkedKVCache) in a multimodal wrapper",
+}
+
+
+def _not_run(model_type: str, config: dict) -> str:
+    """Why mlxpaged does not run `model_type`: one line naming what the paged cache lacks."""
+    import contextlib
+    import io
+
+    printed = io.StringIO()
+    try:  # some modules print and exit when an optional package is missing (olmo: ai2-olmo)
+        with contextlib.redirect_stdout(printed):
+            module = family_module(model_type)
+    except ModuleNotFoundError as e:
+        if e.name and e.name.startswith("mlx_lm.models"):
+            from mlx_lm import __version__
+
+            return f"unsupported model_type {model_type!r}: mlx-lm {__version__} has no model module for it"
+        return f"unsupported model_type {model_type!r}: its mlx-lm module needs the missing package {e.name!r}"
+    except (Exception, SystemExit) as e:
+        why = (printed.getvalue().strip() or str(e).strip() or type(e).__name__).splitlines()[0][:120]
+        return f"unsupported model_type {model_type!r}: its mlx-lm module fails to import ({why})"
+    missing = MISSING.get(model_type)
+    missing = missing and f"{model_type}: needs {missing}, which the paged cache does not hold; refused"
+    if not hasattr(module, "Model"):
+        return missing or f"unsupported model_type {model_type!r}: {module.__name__} defines no Model"
+    try:  # built lazily (its random weights are never evaluated) only to see its layers' caches
+        reason = _refusal(model_type, module.Model(module.ModelArgs.from_dict(config)), config)
+    except Exception as e:
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        return missing or (
+            f"unsupported model_type {model_type!r}: not on mlxpaged's list, and {module.__name__} cannot "
+            f"build this config to see its layers ({type(e).__name__}: {why})"
+        )
+    return (
+        reason
+        or missing
+        or (
+            f"unsupported model_type {model_type!r}: {module.__name__} is not on mlxpaged's list (its "
+            "attention has not been checked against the paged cache)"
+        )
+    )
+
+
 def check_family(model_type: str | None, config: dict, where) -> None:
-    """Raise one line unless `model_type` is a supported family whose layers are all full attention."""
+    """Raise one line unless `model_type` is a supported family (`FAMILIES`)."""
     if model_type in FAMILIES:
         return
-    try:
-        module = family_module(model_type) if model_type else None
-    except ImportError:
-        module = None
-    reason = None
-    if module is not None and hasattr(module, "Model"):
-        try:  # built lazily (its random weights are never evaluated) only to see its layer types
-            reason = _refusal(model_type, module.Model(module.ModelArgs.from_dict(config)), config)
-        except Exception:
-            reason = None
-    raise MlxPagedError(
-        f"{reason or f'unsupported model_type {model_type!r}'} in {where}; mlxpaged runs {', '.join(FAMILIES)}"
-    )
+    reason = _not_run(model_type, config) if model_type else "no model_type in the config"
+    raise MlxPagedError(f"{reason} in {where}; mlxpaged runs {', '.join(FAMILIES)}")
+
+
+# Tensor parallelism (distributed/sharding.py) splits dense attention and MLP layers; these
+# families it does not split yet, each for the reason given.
+_MOE_TP = "its MoE experts (mlx-lm's SwitchGLU, stacked [experts, out, in]) are not split by mlxpaged's shard loader"
+TP_REFUSED = {
+    **dict.fromkeys(MOE + ("gpt_oss",), _MOE_TP),
+    "llama4_text": "its MLP is `feed_forward`, which the split in distributed/sharding.py does not name",
+    **dict.fromkeys(("mistral3", "gemma3"), "the shard loader reads a flat config; this wrapper nests its text config"),
+}
+
+
+def check_tensor_parallel(model_type: str | None) -> None:
+    """Raise one line naming why `model_type` cannot run tensor-parallel, if it cannot."""
+    if model_type in TP_REFUSED:
+        raise MlxPagedError(
+            f"tensor parallelism does not support model_type {model_type!r}: {TP_REFUSED[model_type]}; "
+            "run it on one process"
+        )
+
+
+_TEXT_ARGS = (
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_size",
+    "vocab_size",
+    "max_position_embeddings",
+)
 
 
 def prepare(model: nn.Module, config: dict, where) -> nn.Module:
@@ -288,12 +474,15 @@ def prepare(model: nn.Module, config: dict, where) -> nn.Module:
     reason = _refusal(config.get("model_type"), model, config)
     if reason:
         raise MlxPagedError(f"{reason} in {where}")
-    inner = getattr(model, "model", None)
-    if not isinstance(getattr(inner, "norm", None), nn.Module):
-        raise AdapterError(
-            f"{inspect.getfile(type(model))}: Model.model.norm is missing: the paged adapter needs updating"
-        )
+    text_body(model)  # raises if the final norm cannot be found
+    object.__setattr__(model, "_paged_windows", layer_windows(model))  # an attribute, not a child module
+    for module in attention_modules(model):
+        _install_sdpa(module)
     args = model.args
+    text_args = getattr(text_body(model), "args", None)
+    for name in _TEXT_ARGS:  # a wrapper's args hold only its text_config: the engine reads these
+        if getattr(args, name, None) is None and getattr(text_args, name, None) is not None:
+            setattr(args, name, getattr(text_args, name))
     if getattr(args, "num_key_value_heads", None) is None:
         args.num_key_value_heads = args.num_attention_heads
     if getattr(args, "head_dim", None) is None:

@@ -199,7 +199,123 @@ FAMILY_CONFIGS = {
         "tie_word_embeddings": False,
     },
     "olmo2": {"architectures": ["Olmo2ForCausalLM"], "num_key_value_heads": 2, "tie_word_embeddings": False},
+    # MoE: 4 experts, 2 a token, so routing is exercised (and a routing flip would change tokens).
+    "qwen3_moe": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 128,
+        "norm_topk_prob": True,
+        "tie_word_embeddings": False,
+    },
+    "mixtral": {
+        "architectures": ["MixtralForCausalLM"],
+        "num_key_value_heads": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "tie_word_embeddings": False,
+    },
+    "glm4_moe": {
+        "architectures": ["Glm4MoeForCausalLM"],
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "moe_intermediate_size": 128,
+        "norm_topk_prob": True,
+        "n_group": 1,
+        "topk_group": 1,
+        "n_shared_experts": 1,
+        "n_routed_experts": 4,
+        "routed_scaling_factor": 1.0,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,  # layer 0 dense, layer 1 MoE (as GLM-4.5's first layers)
+        "rope_scaling": None,
+        "use_qk_norm": True,
+        "attention_bias": True,
+        "partial_rotary_factor": 0.5,
+        "tie_word_embeddings": False,
+    },
+    "phimoe": {
+        "architectures": ["PhiMoEForCausalLM"],
+        "num_key_value_heads": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "rope_scaling": None,
+    },
+    "ministral3": {
+        "architectures": ["Ministral3ForCausalLM"],
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        # Llama 4's position-dependent query scaling: with 16 original positions it varies within the prompts.
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "llama_4_scaling_beta": 0.1,
+            "original_max_position_embeddings": 16,
+        },
+        "tie_word_embeddings": False,
+    },
+    # Sliding windows (overridden per test: smaller than, equal to and larger than a block).
+    "gemma3_text": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "query_pre_attn_scalar": 64,
+        "sliding_window": 3,
+        "sliding_window_pattern": 2,  # layer 0 local, layer 1 global
+        "rope_scaling": None,
+    },
+    "gpt_oss": {
+        "architectures": ["GptOssForCausalLM"],
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_scaling": None,
+    },
+    "gemma3": {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": "gemma3_text"},  # multimodal wrapper
+    "olmo3": {
+        "architectures": ["Olmo3ForCausalLM"],
+        "num_key_value_heads": 2,
+        "sliding_window": 9,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "tie_word_embeddings": False,
+    },
+    # mlx-lm's llama4_text (MobileLLM-R1): full attention, NoPE layers, q/k RMS norm without weights.
+    "llama4_text": {
+        "architectures": ["Llama4ForCausalLM"],
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "intermediate_size_mlp": 512,
+        "no_rope_layers": [1, 0],
+        "use_qk_norm": True,
+        "tie_word_embeddings": False,
+    },
+    # Wrappers: the text model sits inside another module (mistral3) or reuses another family's (smollm3).
+    "mistral3": {"architectures": ["Mistral3ForConditionalGeneration"], "text_config": "mistral"},
+    "smollm3": {
+        "architectures": ["SmolLM3ForCausalLM"],
+        "num_key_value_heads": 2,
+        "no_rope_layer_interval": 2,  # layer 1 of 2 has no RoPE (NoPE)
+        "tie_word_embeddings": True,
+    },
 }
+
+# Families whose RMSNorm scales by 1 + weight: their norm weights are written as zeros.
+ONE_PLUS_NORMS = ("gemma", "gemma2", "gemma3_text", "gemma3")
+# An MoE router's weights are drawn this much larger than other matrices, so the experts a token
+# picks are far apart (as `logit_scale` does for the output layer): tiny float differences
+# between two correct implementations, or an 8-bit KV cache, cannot flip a routing choice.
+ROUTER_SCALE = 16.0
+# Keys a config may hold as null (GLM-4.5's rope_scaling is; its ModelArgs requires the key).
+KEEP_NULL = ("rope_scaling",)
+# Per wrapper family: the keys that stay at the top level; the rest go to `text_config`.
+WRAPPER_KEYS = ("model_type", "architectures", "torch_dtype", "eos_token_id", "vocab_size")
 
 
 def write_tiny_family(
@@ -233,21 +349,32 @@ def write_tiny_family(
         **FAMILY_CONFIGS.get(model_type, {}),
         **overrides,
     }
-    config = {k: v for k, v in config.items() if v is not None}
+    config = {k: v for k, v in config.items() if v is not None or k in KEEP_NULL}
+    if isinstance(config.get("text_config"), str):  # a wrapper: the text model is that family's config
+        inner = {**config, **FAMILY_CONFIGS.get(config["text_config"], {}), "model_type": config["text_config"]}
+        inner.pop("architectures", None)
+        inner.pop("text_config")
+        inner = {k: v for k, v in inner.items() if v is not None}
+        config = {k: v for k, v in config.items() if k in WRAPPER_KEYS} | {"text_config": inner}
     module = family_module(model_type)
     model = module.Model(module.ModelArgs.from_dict(config))
     rng = np.random.default_rng(seed)
-    hidden = config["hidden_size"]
+    text = config.get("text_config") or config
+    hidden = text["hidden_size"]
     weights = {}
     for name, p in tree_flatten(model.parameters()):
         if "norm" in name and p.ndim == 1:  # norm weights one (gemma's RMSNorm adds its own one), biases zero
-            a = np.zeros(p.shape) if (name.endswith("bias") or model_type == "gemma") else np.ones(p.shape)
+            a = np.zeros(p.shape) if (name.endswith("bias") or model_type in ONE_PLUS_NORMS) else np.ones(p.shape)
+        elif name.endswith("sinks"):  # gpt-oss's per-head sink logits: large enough to change the tokens
+            a = rng.normal(1.0, 1.0, size=p.shape)
         elif p.ndim == 1:
             a = rng.normal(0, 0.1, size=p.shape)
         elif name.endswith("embed_tokens.weight"):
-            tied = config.get("tie_word_embeddings", True)
+            tied = text.get("tie_word_embeddings", True)
             a = rng.normal(0, logit_scale * hidden**-0.5 if tied else 1.0, size=p.shape)
-        elif name == "lm_head.weight":
+        elif name.endswith((".gate.weight", ".router.weight")):  # an MoE router: expert choices far from ties
+            a = rng.normal(0, ROUTER_SCALE * p.shape[-1] ** -0.5, size=p.shape)
+        elif name.endswith("lm_head.weight") or name == "output.weight":  # llama4_text names it output
             a = rng.normal(0, logit_scale * hidden**-0.5, size=p.shape)
         else:
             a = rng.normal(0, p.shape[-1] ** -0.5, size=p.shape)
