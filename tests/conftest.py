@@ -67,6 +67,32 @@ def mlx_lm_tiny(tiny_model_path):
     return mlx_lm.load(str(tiny_model_path))
 
 
+@pytest.fixture(scope="session")
+def real_ref():
+    """mlx-lm's own model of the offline Qwen2.5-0.5B (its float16 checkpoint, in float32) and its
+    tokenizer: the contiguous reference of the real-model tier, loaded once for all its files.
+    Shared, so a test that swaps its weights must put them back (in a `finally`)."""
+    import mlx.core as mx
+    import mlx_lm
+
+    from mlxpaged.loading.gguf import convert_gguf
+    from mlxpaged.loading.offline_model import ensure_offline_model
+
+    model, tokenizer = mlx_lm.load(str(convert_gguf(ensure_offline_model())))
+    model.set_dtype(mx.float32)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def real(real_ref):
+    """(mlxpaged's load of the same checkpoint in float32, the mlx-lm reference model)."""
+    from mlxpaged.loading.gguf import convert_gguf
+    from mlxpaged.loading.loader import load
+    from mlxpaged.loading.offline_model import ensure_offline_model
+
+    return load(str(convert_gguf(ensure_offline_model())), "float32"), real_ref[0]
+
+
 FILE_TIERS = {
     "test_block_manager.py": "unit",
     "test_sampler.py": "unit",
@@ -132,7 +158,7 @@ FILE_TIERS = {
     "test_server_soak.py": "soak",
 }
 # Fixtures that load the offline Qwen2.5 weights: a test using one is in the real_model tier too.
-REAL_MODEL_FIXTURES = {"real", "real_gguf", "real_ckpt", "real_pair", "real_dequantized"}
+REAL_MODEL_FIXTURES = {"real", "real_ref", "real_gguf", "real_ckpt", "real_pair", "real_dequantized"}
 EXPECTED_SKIP = "[expected]"
 
 

@@ -12,21 +12,6 @@ from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 from reference import contiguous_generate, contiguous_samples, decode_in_turns, tables_interleave
 
 
-@pytest.fixture(scope="module")
-def real():
-    import mlx_lm
-
-    from mlxpaged.loading.gguf import convert_gguf
-    from mlxpaged.loading.loader import load
-    from mlxpaged.loading.offline_model import ensure_offline_model
-
-    path = convert_gguf(ensure_offline_model())
-    loaded = load(str(path), "float32")
-    ref, _ = mlx_lm.load(str(path))
-    ref.set_dtype(mx.float32)
-    return loaded, ref
-
-
 def test_seed_prompts_in_turns_match_contiguous(real):
     loaded, ref = real
     tok = loaded.tokenizer

@@ -4,7 +4,6 @@ tokens are exactly those of mlx-lm's contiguous cache. For the draft proposer, t
 with this tokenizer here is the model itself (every greedy proposal accepted) or its first
 layers (an early exit: proposals mostly rejected, so rollbacks happen)."""
 
-import mlx.core as mx
 import pytest
 
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
@@ -16,21 +15,6 @@ SNIPPET = """def total_price(items, tax_rate):
     subtotal = sum(item.price * item.quantity for item in items)
     return subtotal * (1 + tax_rate)
 """
-
-
-@pytest.fixture(scope="module")
-def real():
-    import mlx_lm
-
-    from mlxpaged.loading.gguf import convert_gguf
-    from mlxpaged.loading.loader import load
-    from mlxpaged.loading.offline_model import ensure_offline_model
-
-    path = convert_gguf(ensure_offline_model())
-    loaded = load(str(path), "float32")
-    ref, _ = mlx_lm.load(str(path))
-    ref.set_dtype(mx.float32)
-    return loaded, ref
 
 
 def edit_prompt(tokenizer) -> list[int]:
