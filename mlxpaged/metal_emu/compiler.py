@@ -46,6 +46,10 @@ KERNEL_FLAGS = [
     # Vectorizers could merge loads into widths the tracing does not report (> 16 bytes).
     "-fno-vectorize",
     "-fno-slp-vectorize",
+    # Nor may loop idioms: clang 19 turns a two-float copy loop into an 8-byte memcpy, then one
+    # i64 store, which the alignment check would blame on the kernel (a GPU stores two floats).
+    "-fno-builtin-memcpy",
+    "-fno-builtin-memset",
     "-fstack-clash-protection",  # large frames probe each page, so they hit the guard page
     # zig targets the host CPU; AVX512-BF16 / AVX-NE-CONVERT float->bf16 instructions flush
     # subnormals to zero, so bf16 always goes through __truncsfbf2 (exact, same on every CPU).
