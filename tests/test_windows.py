@@ -15,7 +15,7 @@ from mlxpaged import LLM, EngineConfig, LLMEngine, SamplingParams
 from mlxpaged.attention import paged_attention, paged_attention_varlen
 from mlxpaged.loading.loader import load
 from mlxpaged.testing.tiny_model import write_tiny_family
-from mlxpaged.worker.kv_quant import QuantizedPool
+from mlxpaged.attention.kv_quant import QuantizedPool
 
 from attention_cases import make_varlen_case
 from drive import run_all
@@ -151,7 +151,7 @@ def test_no_key_offsets_on_layers_with_sinks(gpt_oss):
     """A quantized cache stores keys less a per-head constant c (kv_quant.key_offsets), which
     shifts a query's scores by q.c: invisible to softmax, but not to a sink logit, which does not
     shift. So gpt-oss's layers (k_proj biases, which would get offsets, and sinks) get none."""
-    from mlxpaged.worker.kv_quant import key_offsets
+    from mlxpaged.attention.kv_quant import key_offsets
 
     model = gpt_oss[4][1].model
     assert all(layer.self_attn.k_proj.get("bias") is not None for layer in model.layers)
