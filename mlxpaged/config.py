@@ -26,8 +26,9 @@ class EngineConfig:
 
     num_blocks: blocks in the pool; `None` makes the pool grow as blocks are needed, a chunk
       (`kv_chunk_blocks`, default 4096 slots) at a time, up to `kv_memory_gb` GB if set, else
-      `kv_memory_fraction` of the available memory, capped at `max_kv_tokens` slots; an idle
-      server trims it back (`BlockPool.trim`).
+      `kv_memory_fraction` of the available memory (memory alone: it holds what is in use); an
+      idle server trims it back (`BlockPool.trim`). `max_kv_tokens` caps only a fixed pool sized
+      from memory (`generate`'s, a tensor-parallel rank's).
     max_num_seqs: sequences (samples) running at once. max_num_batched_tokens: tokens one step
       computes (decodes plus prefill chunks); a longer prompt is prefilled in chunks.
     watermark: share of the pool kept free when admitting a request, so running sequences

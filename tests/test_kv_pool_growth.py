@@ -7,7 +7,7 @@ import pytest
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 from mlxpaged.core.block_pool import BlockPool
 from mlxpaged.errors import MlxPagedError
-from mlxpaged.worker.kv_cache import CacheShape
+from mlxpaged.worker.kv_cache import CHUNK_TOKENS, CacheShape
 
 from drive import run_all
 from reference import contiguous_generate
@@ -128,6 +128,20 @@ def test_a_request_that_fits_the_cap_is_admitted_and_one_beyond_it_is_refused(ti
     assert out.outputs[0].token_ids == contiguous_generate(mlx_lm_tiny[0], prompt, 28)
     with pytest.raises(MlxPagedError, match="pool has 8"):
         engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=30))
+
+
+def test_a_growing_pool_is_capped_by_memory_not_by_max_kv_tokens(tiny_loaded):
+    """An agent's context (issue 39: 27k prompt tokens + max_tokens 32,000) must fit whatever
+    the memory cap allows; the cap once stopped at max_kv_tokens // block_size = 4,096 blocks."""
+    bpb = CacheShape.of(tiny_loaded).bytes_per_block(16)
+    config = EngineConfig(kv_memory_gb=9000.5 * bpb / 1e9, attention_impl="reference")
+    engine = LLMEngine(tiny_loaded, config)
+    assert config.max_kv_tokens // 16 < engine.max_blocks == 9000
+    assert engine.num_blocks == CHUNK_TOKENS // 16  # nothing beyond the first chunk until used
+    prompt = _prompts(1, 20)[0]
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=70_000 - 20, ignore_eos=True))
+    with pytest.raises(MlxPagedError, match="raise --kv-memory-gb"):
+        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=9001 * 16))
 
 
 def test_a_fixed_pool_does_not_grow_or_trim(tiny_loaded):

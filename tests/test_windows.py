@@ -13,9 +13,9 @@ import pytest
 
 from mlxpaged import LLM, EngineConfig, LLMEngine, SamplingParams
 from mlxpaged.attention import paged_attention, paged_attention_varlen
+from mlxpaged.attention.kv_quant import QuantizedPool
 from mlxpaged.loading.loader import load
 from mlxpaged.testing.tiny_model import write_tiny_family
-from mlxpaged.attention.kv_quant import QuantizedPool
 
 from attention_cases import make_varlen_case
 from drive import run_all

@@ -303,8 +303,15 @@ class LLMEngine:
             raise MlxPagedError(
                 f"{what} cannot fit in the KV pool: {num_prompt} prompt tokens, n={n}, "
                 f"max_tokens={max_tokens} need up to {need} blocks of {bm.block_size} "
-                f"but the pool has {self.max_blocks}; raise --num-blocks or lower -n/--max-tokens"
+                f"but the pool has {self.max_blocks}; {self._pool_flag} or lower -n/--max-tokens"
             )
+
+    @property
+    def _pool_flag(self) -> str:
+        """Which flag makes the pool larger: a fixed pool's size, or a growing pool's memory cap."""
+        if self.config.num_blocks is not None:
+            return "raise --num-blocks"
+        return "raise --kv-memory-gb (the pool grows up to it; default a quarter of the free memory)"
 
     def num_requests_held(self) -> int:
         """Requests the engine still tracks: a finished one is dropped once its output is reported."""

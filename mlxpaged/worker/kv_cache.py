@@ -105,18 +105,21 @@ CHUNK_TOKENS = 4096  # a growable pool grows and shrinks by this many token slot
 
 def growable_pool(loaded, config, extra_block_bytes: int = 0) -> tuple[int, int, int] | None:
     """(initial blocks, cap, chunk) of a pool that grows as blocks are needed, or None for a
-    fixed pool (`config.num_blocks` set). The cap is `config.kv_memory_gb` if set, else
-    `config.kv_memory_fraction` of the memory free now, and at most `config.max_kv_tokens` slots;
-    the pool starts at one chunk (`config.kv_chunk_blocks`, default CHUNK_TOKENS of slots)."""
+    fixed pool (`config.num_blocks` set). The cap is memory alone: `config.kv_memory_gb` if set,
+    else `config.kv_memory_fraction` of the memory free now. `max_kv_tokens` bounds only a fixed
+    pool sized from memory (`pool_blocks`): a growing pool holds what is in use and trims back
+    when idle, so a token cap would only refuse agent-sized contexts (a 27k-token prompt with
+    `max_tokens` 32,000) that the memory holds. The pool starts at one chunk
+    (`config.kv_chunk_blocks`, default CHUNK_TOKENS of slots)."""
     if config.num_blocks is not None:
         return None
     shape = CacheShape.of(loaded).quantized(config.kv_bits, config.kv_group_size)
     bs = config.block_size
+    per_block = shape.bytes_per_block(bs) + extra_block_bytes
     if getattr(config, "kv_memory_gb", None) is not None:
-        per_block = shape.bytes_per_block(bs) + extra_block_bytes
-        cap = max(1, min(int(config.kv_memory_gb * 1e9) // per_block, config.max_kv_tokens // bs))
+        cap = max(1, int(config.kv_memory_gb * 1e9) // per_block)
     else:
-        cap = blocks_for_memory(shape, bs, config.kv_memory_fraction, config.max_kv_tokens, extra_block_bytes)
+        cap = blocks_for_memory(shape, bs, config.kv_memory_fraction, 1 << 62, extra_block_bytes)
     chunk = getattr(config, "kv_chunk_blocks", None) or max(1, CHUNK_TOKENS // bs)
     return min(chunk, cap), cap, chunk
 
