@@ -954,3 +954,27 @@ def test_kernel_libraries_share_fiber_stacks():
             template=[("N", 7000)],
         )
     assert _memory_mappings() - before <= grown + 8  # (slack for the allocator's own arenas)
+
+
+def test_include_dir_follows_the_checkout(tmp_path, monkeypatch):
+    """Two checkouts with the same shim get their own include directories: the headers there name
+    the shim by absolute path, so a removed checkout's must never serve another (it did: every
+    kernel failed with "metal_shim.h file not found" after a worktree was deleted)."""
+    import shutil
+
+    from mlxpaged.metal_emu import compiler
+
+    monkeypatch.setenv("MLXPAGED_EMU_CACHE", str(tmp_path / "cache"))
+    dirs, source = [], compiler.HERE
+    for name in ("a", "b"):
+        here = tmp_path / name
+        here.mkdir()
+        for header in compiler.SHIM_HEADERS:
+            shutil.copy(source / header, here / header)
+        monkeypatch.setattr(compiler, "HERE", here)
+        d = compiler.include_dir()
+        assert f'#include "{here / "metal_shim.h"}"' in (d / "metal_stdlib").read_text()
+        dirs.append(d)
+        if name == "a":
+            shutil.rmtree(here)
+    assert dirs[0] != dirs[1]

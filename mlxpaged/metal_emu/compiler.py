@@ -147,9 +147,11 @@ def _run(cmd: list[str], what: str) -> None:
 
 
 def include_dir() -> Path:
-    """A directory holding `metal_stdlib` & co. that include the shim (made once per shim)."""
+    """A directory holding `metal_stdlib` & co. that include the shim (made once per shim and
+    place: the headers name the shim's absolute path, so a checkout moved or removed must not
+    leave its successor including a file that is gone)."""
     shim = HERE / "metal_shim.h"
-    h = hashlib.sha256(shim_bytes()).hexdigest()[:16]
+    h = hashlib.sha256(shim_bytes() + str(shim).encode()).hexdigest()[:16]
     d = cache_dir() / f"include-{h}"
     if not (d / "metal_stdlib").exists():
         tmp = Path(tempfile.mkdtemp(dir=cache_dir()))
