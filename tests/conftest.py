@@ -104,6 +104,7 @@ FILE_TIERS = {
     "test_lint.py": "unit",
     "test_scheduler.py": "engine",
     "test_engine.py": "engine",
+    "test_deltas.py": "engine",
     "test_engine_lifecycle.py": "engine",
     "test_async_step.py": "engine",
     "test_beam_search.py": "engine",
