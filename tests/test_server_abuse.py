@@ -604,4 +604,3 @@ def test_sink_keeps_only_the_newest_output_per_request():
         assert await sink.get() == [("a", "a1000")]
 
     asyncio.run(run())
-

@@ -221,7 +221,7 @@ def test_a_stream_that_fails_on_its_first_event_aborts_its_request(spine, monkey
     """Issue 38 finding 2: the response ends at its first event (here an event that cannot be
     encoded); its engine request is aborted at once, not left generating for nobody."""
     import mlxpaged.server.anthropic_api as anthropic_api
-    import mlxpaged.server.jobs as jobs
+    import mlxpaged.server.openai_api as openai_api
     import mlxpaged.server.responses_api as responses_api
 
     c, state = spine
@@ -235,7 +235,7 @@ def test_a_stream_that_fails_on_its_first_event_aborts_its_request(spine, monkey
     elif route == "messages":
         monkeypatch.setattr(anthropic_api, "_stream", failing)
     else:
-        monkeypatch.setattr(jobs.Job, "_events", failing)
+        monkeypatch.setattr(openai_api, "_chunks", failing)
     body = {**body_for(route, max_tokens=900), "stream": True}
     post(c, route, body)
     assert _wait_idle(state, 0.5), "the engine request kept running after its response ended"

@@ -7,7 +7,7 @@ later delta into an earlier one, so any run of deltas sums to the cumulative out
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass
@@ -49,14 +49,15 @@ class RequestOutput:
         mine = {c.index: c for c in self.outputs}
         for c in later.outputs:
             m = mine.get(c.index)
-            if m is None:
-                self.outputs.append(c)
-                mine[c.index] = c
+            if m is None:  # a copy: `later` stays as it was
+                lps = list(c.logprobs) if c.logprobs is not None else None
+                m = mine[c.index] = replace(c, token_ids=list(c.token_ids), logprobs=lps)
+                self.outputs.append(m)
                 continue
             m.text += c.text
-            m.token_ids = m.token_ids + c.token_ids
+            m.token_ids += c.token_ids
             if c.logprobs is not None:
-                m.logprobs = (m.logprobs or []) + c.logprobs
+                m.logprobs = list(c.logprobs) if m.logprobs is None else m.logprobs + c.logprobs
             m.finish_reason, m.stop_reason = c.finish_reason, c.stop_reason
             m.cumulative_logprob, m.score = c.cumulative_logprob, c.score
         self.outputs.sort(key=lambda c: c.index)
