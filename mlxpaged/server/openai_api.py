@@ -57,7 +57,7 @@ def register_openai(router: APIRouter, state, text_of) -> None:
         if body.stream:
             return JobStream(job, _chunks(state, job, "text_completion", chunk, body.include_usage, None, False))
         outs = await job.collect(request)
-        choices = [whole(o, c) for o in outs for c in o.outputs]
+        choices = await _render(state, job, lambda: [whole(o, c) for o in outs for c in o.outputs])
         return envelope(job.resp_id, "text_completion", state.model_id, choices=choices, usage=usage(outs))
 
     @router.post("/chat/completions")
@@ -114,9 +114,17 @@ def register_openai(router: APIRouter, state, text_of) -> None:
         if body.stream:
             return JobStream(job, _chunks(state, job, "chat.completion.chunk", chunk, body.include_usage, parse, True))
         outs = await job.collect(request)
-        choices = [whole(o, c) for o in outs for c in o.outputs]
+        choices = await _render(state, job, lambda: [whole(o, c) for o in outs for c in o.outputs])
         thought = sum(reasoning_tokens(state, p, c.token_ids) for p, o in zip(prompts, outs) for c in o.outputs)
         return envelope(job.resp_id, "chat.completion", state.model_id, choices=choices, usage=usage(outs, thought))
+
+
+async def _render(state, job, fn, *args):
+    """`fn(*args)`; on the tokenizer thread when logprobs are asked for (naming their tokens decodes),
+    so the event loop does no tokenizer work."""
+    if job.params.logprobs is None:
+        return fn(*args)
+    return await state.off_loop(fn, *args)
 
 
 def _gather(events: list) -> tuple[str, str, list[ToolCall], list, TurnEnd | None]:
@@ -137,7 +145,7 @@ async def _chunks(state, job, kind: str, chunk, include_usage: bool, parse, thin
     thought = 0
     try:
         async for index, events in job_events(state, job, parse, think):
-            choice = chunk(index, events, calls.get(index, 0))
+            choice = await _render(state, job, chunk, index, events, calls.get(index, 0))
             calls[index] = calls.get(index, 0) + sum(isinstance(e, ToolCall) for e in events)
             thought += sum(e.reasoning_tokens for e in events if isinstance(e, TurnEnd))
             if choice is None:
