@@ -4,7 +4,7 @@ must never hand out text a stop string later takes back."""
 
 import random
 
-from mlxpaged import EngineConfig, LLMEngine, SamplingParams
+from mlxpaged import LLM, EngineConfig, LLMEngine, SamplingParams
 from mlxpaged.engine.outputs import RequestOutput
 from mlxpaged.engine.stopping import StopMatcher, hold_back
 
@@ -84,3 +84,15 @@ def test_stop_hold_back_equals_brute_force():
             m.feed(text[cut:nxt])
             cut = nxt
             assert m.hold_back() == brute(text[:cut], stops), (text[:cut], stops)
+
+
+def test_generate_returns_whole_outputs_for_delta_params(tiny_loaded):
+    """`LLM.generate` streams deltas to `on_output` and still returns what cumulative params return."""
+    llm = LLM(tiny_loaded, num_blocks=64)
+    base = dict(temperature=0, max_tokens=20, logprobs=1)
+    want = llm.generate(PROMPT, SamplingParams(**base))[0].outputs[0]
+    seen = []
+    got = llm.generate(PROMPT, SamplingParams(**base, output_kind="delta"), on_output=seen.append)[0].outputs[0]
+    assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+    assert len(seen) > 1 and all(o.delta for o in seen)
+    assert "".join(c.text for o in seen for c in o.outputs) == want.text
