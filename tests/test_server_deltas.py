@@ -8,8 +8,6 @@ token id, for the reasoning token counts).
 
 from __future__ import annotations
 
-import json
-
 import anthropic
 import openai
 import pytest
@@ -163,26 +161,11 @@ def test_n_choices_stream_their_own_deltas(app):
 # -- reasoning tokens ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def thinker(tmp_path_factory):
-    """A tiny model whose tokenizer has `<think>`/`</think>` and whose template opens the think
-    block in the generation prompt, as Qwen3's does; its app and an `LLM` of the same weights."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
+    """The app on a tiny model that thinks (`write_tiny_thinker`), and an `LLM` of the same weights."""
     from mlxpaged.loading.loader import load
-    from mlxpaged.testing.tiny_model import CHAT_TEMPLATE, CORPUS, write_tiny_qwen2
+    from mlxpaged.testing.tiny_model import write_tiny_thinker
 
-    path = write_tiny_qwen2(tmp_path_factory.mktemp("thinker"), hidden=64, layers=1, intermediate=128)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=384, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    gen = "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config["chat_template"] = CHAT_TEMPLATE.replace(gen, gen.replace("assistant\n", "assistant\n<think>\n"))
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    path = write_tiny_thinker(tmp_path_factory.mktemp("thinker"))
     loaded = load(str(path), "float32")
     c, loop = _app(loaded)
     with c:

@@ -644,7 +644,6 @@ def thinker(tmp_path_factory):
     """The app on a tiny model whose tokenizer has `<think>`/`</think>` (mlx-lm then finds the
     markers) and whose template opens the think block in the generation prompt, as Qwen3's does."""
     from fastapi.testclient import TestClient
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from mlxpaged.config import EngineConfig
     from mlxpaged.engine.llm_engine import LLMEngine
@@ -652,21 +651,9 @@ def thinker(tmp_path_factory):
     from mlxpaged.server.app import build_app
     from mlxpaged.server.engine_loop import EngineLoop
     from mlxpaged.server.metrics import Metrics
-    from mlxpaged.testing.tiny_model import CHAT_TEMPLATE, CORPUS, write_tiny_qwen2
+    from mlxpaged.testing.tiny_model import write_tiny_thinker
 
-    path = write_tiny_qwen2(tmp_path_factory.mktemp("thinker"), hidden=64, layers=1, intermediate=128)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=384, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    gen = "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config["chat_template"] = CHAT_TEMPLATE.replace(gen, gen.replace("assistant\n", "assistant\n<think>\n"))
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    path = write_tiny_thinker(tmp_path_factory.mktemp("thinker"))
     loaded = load(str(path), "float32")
     assert loaded.tokenizer.has_thinking
     loop = EngineLoop(lambda: LLMEngine(loaded, EngineConfig(num_blocks=64)))
