@@ -1,5 +1,6 @@
 """The one thread that owns an `LLMEngine` and drives `step()`; HTTP handlers talk to it by queue,
-and read their outputs from a `Sink` (the newest output per request: a slow reader holds one).
+and read their outputs from a `Sink` (one output per request: unread deltas are added up, so a
+slow reader holds one and loses nothing).
 
 Invariants:
 - Only this thread calls the engine (`add_request`, `step`, `abort_request`, `metrics`), and it
