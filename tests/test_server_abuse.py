@@ -604,23 +604,3 @@ def test_sink_keeps_only_the_newest_output_per_request():
         assert await sink.get() == [("a", "a1000")]
 
     asyncio.run(run())
-
-
-def test_stop_hold_back_equals_brute_force():
-    """The KMP hold-back, fed in pieces as a stream grows, against the definition by slicing."""
-    import random
-
-    from mlxpaged.server.openai_format import ChoiceStream, hold_back
-
-    def brute(text, stops):
-        return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-
-    rng = random.Random(0)
-    for _ in range(3000):
-        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 7))) for _ in range(rng.randint(1, 3))]
-        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 14)))
-        assert hold_back(text, stops) == brute(text, stops), (text, stops)
-        stream, cut = ChoiceStream(stops), 0
-        while cut < len(text):
-            cut = min(len(text), cut + rng.randint(1, 3))
-            assert stream._hold_back(text[:cut]) == brute(text[:cut], stops), (text[:cut], stops)

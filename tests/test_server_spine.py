@@ -221,7 +221,7 @@ def test_a_stream_that_fails_on_its_first_event_aborts_its_request(spine, monkey
     """Issue 38 finding 2: the response ends at its first event (here an event that cannot be
     encoded); its engine request is aborted at once, not left generating for nobody."""
     import mlxpaged.server.anthropic_api as anthropic_api
-    import mlxpaged.server.jobs as jobs
+    import mlxpaged.server.openai_api as openai_api
     import mlxpaged.server.responses_api as responses_api
 
     c, state = spine
@@ -235,7 +235,7 @@ def test_a_stream_that_fails_on_its_first_event_aborts_its_request(spine, monkey
     elif route == "messages":
         monkeypatch.setattr(anthropic_api, "_stream", failing)
     else:
-        monkeypatch.setattr(jobs.Job, "_events", failing)
+        monkeypatch.setattr(openai_api, "_chunks", failing)
     body = {**body_for(route, max_tokens=900), "stream": True}
     post(c, route, body)
     assert _wait_idle(state, 0.5), "the engine request kept running after its response ended"
@@ -644,7 +644,6 @@ def thinker(tmp_path_factory):
     """The app on a tiny model whose tokenizer has `<think>`/`</think>` (mlx-lm then finds the
     markers) and whose template opens the think block in the generation prompt, as Qwen3's does."""
     from fastapi.testclient import TestClient
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from mlxpaged.config import EngineConfig
     from mlxpaged.engine.llm_engine import LLMEngine
@@ -652,21 +651,9 @@ def thinker(tmp_path_factory):
     from mlxpaged.server.app import build_app
     from mlxpaged.server.engine_loop import EngineLoop
     from mlxpaged.server.metrics import Metrics
-    from mlxpaged.testing.tiny_model import CHAT_TEMPLATE, CORPUS, write_tiny_qwen2
+    from mlxpaged.testing.tiny_model import write_tiny_thinker
 
-    path = write_tiny_qwen2(tmp_path_factory.mktemp("thinker"), hidden=64, layers=1, intermediate=128)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=384, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    gen = "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config["chat_template"] = CHAT_TEMPLATE.replace(gen, gen.replace("assistant\n", "assistant\n<think>\n"))
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    path = write_tiny_thinker(tmp_path_factory.mktemp("thinker"))
     loaded = load(str(path), "float32")
     assert loaded.tokenizer.has_thinking
     loop = EngineLoop(lambda: LLMEngine(loaded, EngineConfig(num_blocks=64)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 from ..config import EngineConfig
@@ -57,7 +58,8 @@ class LLM:
         """Run every prompt to completion; outputs in the order of `prompts`.
 
         A single string or a single list of ints is one prompt. `on_output` sees each
-        intermediate output (for streaming or progress bars).
+        intermediate output (for streaming or progress bars): with `output_kind="delta"` what is
+        new in it; the outputs returned are whole either way.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -70,10 +72,15 @@ class LLM:
 
     def _drain(self, ids: list[str], on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
+        totals: dict[str, RequestOutput] = {}  # a delta request's outputs so far, added up
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if on_output is not None:
                     on_output(out)
+                if out.delta:
+                    if out.request_id not in totals:
+                        totals[out.request_id] = dataclasses.replace(out, outputs=[])
+                    out = totals[out.request_id].add(out)
                 if out.finished:
                     done[out.request_id] = out
         return [done[i] for i in ids]

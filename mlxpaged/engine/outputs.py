@@ -1,8 +1,13 @@
-"""What `LLM.generate` and `LLMEngine.step` return, shaped like vLLM's outputs."""
+"""What `LLM.generate` and `LLMEngine.step` return, shaped like vLLM's outputs.
+
+An output is cumulative (everything so far) or, for `SamplingParams(output_kind="delta")`, a
+delta: the text, token ids and logprobs new since the request's previous output. `add` folds a
+later delta into an earlier one, so any run of deltas sums to the cumulative output.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass
@@ -37,3 +42,24 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    delta: bool = False  # `outputs` hold only what is new since the previous output
+
+    def add(self, later: RequestOutput) -> RequestOutput:
+        """This delta followed by `later` (a delta of the same request), as one delta; in place."""
+        mine = {c.index: c for c in self.outputs}
+        for c in later.outputs:
+            m = mine.get(c.index)
+            if m is None:  # a copy: `later` stays as it was
+                lps = list(c.logprobs) if c.logprobs is not None else None
+                m = mine[c.index] = replace(c, token_ids=list(c.token_ids), logprobs=lps)
+                self.outputs.append(m)
+                continue
+            m.text += c.text
+            m.token_ids += c.token_ids
+            if c.logprobs is not None:
+                m.logprobs = list(c.logprobs) if m.logprobs is None else m.logprobs + c.logprobs
+            m.finish_reason, m.stop_reason = c.finish_reason, c.stop_reason
+            m.cumulative_logprob, m.score = c.cumulative_logprob, c.score
+        self.outputs.sort(key=lambda c: c.index)
+        self.finished = later.finished
+        return self

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from .guided import GuidedDecoding
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below it sample greedily
+OUTPUT_KINDS = ("cumulative", "delta")  # vLLM's RequestOutputKind.CUMULATIVE and DELTA
 
 
 @dataclass
@@ -42,6 +43,9 @@ class SamplingParams:
     speculative: False opts this request out of the engine's speculative decoding.
     cache_salt: a non-empty string folded into the first block's hash: the request shares cached
       blocks (memory and disk) only with requests of the same salt (docs/prefix-cache.md).
+    output_kind: "cumulative" (each output holds everything so far, as `LLM.generate` returns) or
+      "delta" (each holds what is new since the last: text, token ids, logprobs; text that may
+      still grow into a stop string is held back until it cannot). See `stopping.make_output`.
     """
 
     n: int = 1
@@ -62,8 +66,11 @@ class SamplingParams:
     guided: GuidedDecoding | None = None
     speculative: bool = True
     cache_salt: str | None = None
+    output_kind: str = "cumulative"
 
     def __post_init__(self):
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         if isinstance(self.stop, str):

@@ -1,12 +1,18 @@
 """After a token is appended: stop checks, detokenizing, and the outputs a caller sees.
 
 `check_stop` is what the scheduler calls on every appended token (`Scheduler.update_from_output`);
-`make_output` turns a request into the `RequestOutput` that `LLMEngine.step` returns.
+`make_output` turns a request into the `RequestOutput` that `LLMEngine.step` returns: cumulative,
+or (`output_kind="delta"`) what is new since the last one. A delta holds back the tail of the text
+that could still grow into a stop string (`StopMatcher`), so a streamed stop string is never sent
+and taken back: the deltas of a sample sum to its cumulative output. This is the one place stop
+strings are held back; the server only renders deltas.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
+from dataclasses import dataclass
 
 from ..core.sequence import FinishReason, Request, Sequence
 from .outputs import CompletionOutput, RequestOutput
@@ -56,8 +62,108 @@ class StopChecker:
         return None
 
 
+def _borders(s: str) -> list[int]:
+    """KMP's failure function: `b[i]` is the longest proper prefix of `s[:i + 1]` that is also its suffix."""
+    b, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = b[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        b[i] = k
+    return b
+
+
+class StopMatcher:
+    """For each stop string, the longest prefix of it that the text fed so far ends with.
+
+    Fed incrementally (a KMP automaton per stop), so a stream of T characters costs O(T) per
+    stop in all, not O(len(stop)^2) slicing per step."""
+
+    def __init__(self, stops: list[str], borders: list[list[int]] | None = None):
+        self.stops = stops
+        self.borders = borders if borders is not None else [_borders(s) for s in stops]  # shareable: read-only
+        self.state = [0] * len(stops)
+
+    def feed(self, text: str) -> None:
+        for j, (s, b) in enumerate(zip(self.stops, self.borders)):
+            q, m = self.state[j], len(s)
+            for ch in text:
+                if q == m:
+                    q = b[m - 1]
+                while q and s[q] != ch:
+                    q = b[q - 1]
+                if s[q] == ch:
+                    q += 1
+            self.state[j] = q
+
+    def hold_back(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        return max((q if q < len(s) else b[q - 1] for s, b, q in zip(self.stops, self.borders, self.state)), default=0)
+
+
+def hold_back(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+    m = StopMatcher(stops)
+    m.feed(text[-max((len(s) for s in stops), default=0) :] if stops else "")
+    return m.hold_back()
+
+
+@dataclass
+class _Sent:
+    """What the deltas of one sample have handed out so far."""
+
+    matcher: StopMatcher | None
+    fed: int = 0  # characters of the text the matcher has seen
+    chars: int = 0  # characters handed out
+    tokens: int = 0  # token ids (and logprobs) handed out
+    finished: bool = False  # the finish reason was handed out: nothing more comes
+
+
+# Per-sample delta state, dropped with its Sequence (core/ owns Sequence; this is the output side's
+# own record). The stops' KMP tables are built once per request, for all its samples.
+_SENT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BORDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _delta(req: Request, s: Sequence, text: str, stop_reason) -> CompletionOutput | None:
+    """What is new in sample `s` since its last delta (None: nothing, not even its end)."""
+    st = _SENT.get(s)
+    if st is None:
+        stops = req.params.stop
+        if stops and req not in _BORDERS:
+            _BORDERS[req] = [_borders(x) for x in stops]
+        st = _SENT[s] = _Sent(StopMatcher(stops, _BORDERS[req]) if stops else None)
+    if st.finished:
+        return None
+    if s.finished:
+        end = len(text)  # the final text: the stop string, if one ended it, is already cut off
+    else:
+        if st.matcher is not None:
+            st.matcher.feed(text[st.fed :])
+            st.fed = len(text)
+        end = len(text) - (st.matcher.hold_back() if st.matcher is not None else 0)
+    end = max(end, st.chars)
+    ids = s.output_token_ids[st.tokens :]
+    if end == st.chars and not ids and not s.finished:
+        return None
+    lps = s.logprobs[st.tokens :] if req.params.logprobs is not None else None
+    out = CompletionOutput(
+        s.sample_index,
+        text[st.chars : end],
+        list(ids),
+        s.finish_reason.value if s.finish_reason else None,
+        logprobs=lps,
+        stop_reason=stop_reason,
+    )
+    st.chars, st.tokens, st.finished = end, st.tokens + len(ids), s.finished
+    return out
+
+
 def make_output(req: Request, tokenizer) -> RequestOutput:
-    """The request's samples so far (or, for a beam search, its finished hypotheses, best first)."""
+    """The request's samples so far (or, for a beam search, its finished hypotheses, best first);
+    for `output_kind="delta"`, only what is new since the previous output."""
+    delta = req.beam is None and getattr(req.params, "output_kind", "cumulative") == "delta"
     outs = []
     if req.beam is not None:
         if req.finished:
@@ -86,6 +192,11 @@ def make_output(req: Request, tokenizer) -> RequestOutput:
             elif s.finish_reason is FinishReason.STOP and s.output_token_ids:
                 last = s.output_token_ids[-1]
                 stop_reason = last if last in req.params.stop_token_ids else None
+            if delta:
+                d = _delta(req, s, text, stop_reason)
+                if d is not None:
+                    outs.append(d)
+                continue
             outs.append(
                 CompletionOutput(
                     s.sample_index,
@@ -97,5 +208,5 @@ def make_output(req: Request, tokenizer) -> RequestOutput:
                 )
             )
     return RequestOutput(
-        req.request_id, req.prompt_text, req.prompt_token_ids, outs, req.finished, req.num_cached_tokens
+        req.request_id, req.prompt_text, req.prompt_token_ids, outs, req.finished, req.num_cached_tokens, delta
     )

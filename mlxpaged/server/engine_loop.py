@@ -1,5 +1,6 @@
 """The one thread that owns an `LLMEngine` and drives `step()`; HTTP handlers talk to it by queue,
-and read their outputs from a `Sink` (the newest output per request: a slow reader holds one).
+and read their outputs from a `Sink` (one output per request: unread deltas are added up, so a
+slow reader holds one and loses nothing).
 
 Invariants:
 - Only this thread calls the engine (`add_request`, `step`, `abort_request`, `metrics`), and it
@@ -62,9 +63,10 @@ class ClientTooSlow(RuntimeError):
 class Sink:
     """Where one HTTP request's outputs go: the newest `RequestOutput` (or exception) per request id.
 
-    Outputs are cumulative, so an unread output is dropped when a newer one arrives: a slow reader
-    costs one output per request, not one per step (n x T^2 bytes over a stream). A terminal item is
-    never followed by another (the engine loop forgets the sink's request then).
+    An unread output is folded into the newer one: a cumulative output is replaced, a delta
+    (`RequestOutput.delta`, what the server asks for) is added to (`RequestOutput.add`). Either way
+    a slow reader holds one output per request, not one per step, and loses nothing. A terminal
+    item is never followed by another (the engine loop forgets the sink's request then).
     `put` and `behind_for` run on the engine thread, `get` on the sink's event loop.
     """
 
@@ -77,8 +79,11 @@ class Sink:
 
     def put(self, rid: str, item) -> None:
         with self._lock:
-            if rid in self._latest and self._behind_since is None:
+            prev = self._latest.get(rid)
+            if prev is not None and self._behind_since is None:
                 self._behind_since = time.monotonic()
+            if getattr(prev, "delta", False) and getattr(item, "delta", False):
+                item = prev.add(item)
             self._latest[rid] = item
         try:
             self.loop.call_soon_threadsafe(self._ready.set)
@@ -346,7 +351,7 @@ class EngineLoop:
         if t is None or self.observer is None:
             return
         for c in out.outputs:
-            k = len(c.token_ids) - t.tokens.get(c.index, 0)
+            k = len(c.token_ids) - (0 if out.delta else t.tokens.get(c.index, 0))
             if k <= 0:
                 continue
             if c.index in t.last:
@@ -355,7 +360,7 @@ class EngineLoop:
             elif not t.last:  # the request's first token (its n samples share one prefill)
                 self.observer.first_token(now - t.arrival)
             t.last[c.index] = now
-            t.tokens[c.index] = len(c.token_ids)
+            t.tokens[c.index] = t.tokens.get(c.index, 0) + k
 
     def _fail(self, rid: str, exc: BaseException) -> None:
         sink = self._sinks.pop(rid, None)

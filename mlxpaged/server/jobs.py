@@ -1,14 +1,14 @@
 """What every route shares: the server's state, the engine requests behind one HTTP request
-(`Job`: queueing, admission errors, aborts, reading outputs and streaming them), and the small
-conversions from bodies to engine parameters and from engine failures to error objects.
+(`Job`: queueing, admission errors, aborts, reading the engine's delta outputs and adding them
+up), and the small conversions from engine failures to error objects.
 
-The OpenAI routes (app.py), the Anthropic and Responses routes and their turns import it; it
-imports none of them.
+Every route streams through `turns.job_events`; this module imports no route and no renderer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +23,6 @@ from .engine_loop import ClientTooSlow, EngineDown, EngineLoop, Sink
 from .errors import APIError
 from .limits import Capacity, Limits
 from .metrics import Metrics
-from .openai_format import ChoiceStream, envelope, stop_borders, usage
 
 
 class ErrorResponse(JSONResponse):
@@ -31,9 +30,6 @@ class ErrorResponse(JSONResponse):
 
     def render(self, content) -> bytes:
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
-
-
-YIELD_EVERY = 8  # stream chunks between two yields to the event loop
 
 
 @dataclass
@@ -84,16 +80,13 @@ def server_error(item: BaseException) -> APIError:
     return APIError(503 if isinstance(item, EngineDown) else 500, str(item))
 
 
-def sse_data(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
 class Job:
     """The engine requests behind one HTTP request: one per prompt, ids `{resp_id}-{i}`."""
 
     def __init__(self, state: ServerState, resp_id: str, rids: list[str], sink: Sink, params):
         self.state, self.resp_id, self.rids, self.sink, self.params = state, resp_id, rids, sink, params
-        self.final: dict = {}
+        self.totals: dict = {}  # request id -> its delta outputs so far, added up (`RequestOutput.add`)
+        self.final: dict = {}  # request id -> its total once finished (None: it failed)
         self.prompts: list[list[int]] = []  # set by `start`
 
     @classmethod
@@ -110,6 +103,7 @@ class Job:
                 code="queue_full",
                 headers={"Retry-After": "1"},
             )
+        params = dataclasses.replace(params, output_kind="delta")  # the engine hands out what is new, stops held back
         held = None  # the grammar, compiled off the engine thread and held until the engine took it (GrammarGate)
         if params.guided is not None and state.grammars is not None:
             held = await state.grammars.compile(params.guided, guided_param)
@@ -139,6 +133,20 @@ class Job:
     def index(self, rid: str, sample: int) -> int:
         return self.rids.index(rid) * self.params.n + sample
 
+    def absorb(self, rid: str, item):
+        """Add a delta output to its request's total; the total, final once `item.finished`."""
+        total = self.totals.get(rid)
+        if total is None:
+            total = self.totals[rid] = dataclasses.replace(item, outputs=[])
+        total.add(item)
+        if item.finished:
+            self.final[rid] = total
+        return total
+
+    def fail(self, rid: str, item: BaseException) -> APIError:
+        self.final[rid] = None
+        return server_error(item)
+
     def _abort_unfinished(self) -> None:
         for rid in self.rids:
             if rid not in self.final:
@@ -155,54 +163,11 @@ class Job:
                     continue
                 for rid, item in items:
                     if isinstance(item, BaseException):
-                        self.final[rid] = None
-                        raise server_error(item)
-                    if item.finished:
-                        self.final[rid] = item
+                        raise self.fail(rid, item)
+                    self.absorb(rid, item)
         finally:
             self._abort_unfinished()
         return [self.final[r] for r in self.rids]
-
-    def stream(self, request: Request, kind: str, model: str, make_choice, include_usage: bool) -> StreamingResponse:
-        return JobStream(self, self._events(kind, model, make_choice, include_usage))
-
-    async def borders(self) -> list[list[int]]:
-        """The stops' KMP tables, once for all samples and off the loop (64 stops of 1,500 characters: 0.1 s)."""
-        return await self.state.off_loop(stop_borders, self.params.stop) if self.params.stop else []
-
-    async def _events(self, kind: str, model: str, make_choice, include_usage: bool):
-        streams: dict[tuple[str, int], ChoiceStream] = {}
-        extra = {"usage": None} if include_usage else {}
-        sent = 0
-        try:
-            borders = await self.borders()
-            failed = False
-            while len(self.final) < len(self.rids) and not failed:
-                for rid, item in await self.sink.get():
-                    if isinstance(item, BaseException):
-                        self.final[rid] = None
-                        yield sse_data(server_error(item).body())
-                        failed = True
-                        break
-                    for c in item.outputs:
-                        st = streams.setdefault((rid, c.index), ChoiceStream(self.params.stop, borders))
-                        d = st.advance(c)
-                        choice = make_choice(self.index(rid, c.index), *d, st) if d is not None else None
-                        if choice is not None:  # None: the route holds the delta back (a tool call in progress)
-                            yield sse_data(envelope(self.resp_id, kind, model, choices=[choice], **extra))
-                            sent += 1
-                            if sent % YIELD_EVERY == 0:  # many choices or a backlog: let other requests run
-                                await asyncio.sleep(0)
-                    if item.finished:
-                        self.final[rid] = item
-            if not failed:
-                if include_usage:
-                    yield sse_data(
-                        envelope(self.resp_id, kind, model, choices=[], usage=usage(list(self.final.values())))
-                    )
-            yield "data: [DONE]\n\n"
-        finally:
-            self._abort_unfinished()
 
 
 class JobStream(StreamingResponse):

@@ -1,8 +1,9 @@
 """OpenAI's `POST /v1/completions` and `POST /v1/chat/completions`, over the one admission path.
 
 Each handler converts its body to an `Ask` (admission.py), which checks, tokenizes and starts the
-job; then it renders the job's outputs as OpenAI's JSON, whole or as `chat.completion.chunk` /
-`text_completion` events (jobs.py streams them). Errors are OpenAI's error object.
+job; then it renders the job's events (`turns.job_events`) as OpenAI's JSON: whole, or as
+`chat.completion.chunk` / `text_completion` events, one chunk per choice per delta. Errors are
+OpenAI's error object.
 """
 
 from __future__ import annotations
@@ -10,11 +11,14 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from .admission import Ask, admit
+from .errors import APIError
 from .guided_request import chat_plan
-from .openai_format import ChoiceStream, chat_logprobs, completion_logprobs, envelope, usage
+from .jobs import JobStream
+from .openai_format import chat_logprobs, completion_logprobs, envelope, sse_data, usage
 from .protocol import ChatCompletionRequest, CompletionRequest
-from .reasoning import split_reasoning, thinking_of
-from .tools import ToolCallStream, chat_message, check_forcible, stream_tool_delta
+from .reasoning import reasoning_tokens, split_reasoning, thinking_of
+from .tools import ToolCall, chat_message, check_forcible
+from .turns import Logprobs, Thinking, TurnEnd, job_events
 
 DEFAULT_CHAT_MAX_TOKENS = 1024  # when a chat body gives neither max_tokens nor max_completion_tokens
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -37,15 +41,24 @@ def register_openai(router: APIRouter, state, text_of) -> None:
             max_tokens=body.max_tokens,
         )
         job, _ = await admit(state, ask)
+        asked_lps = job.params.logprobs is not None
 
-        def choice(index, text, lps, finish, stream: ChoiceStream):
-            lp = completion_logprobs(lps, text_of) if lps is not None else None
+        def choice(index, text, lps, finish):
+            lp = completion_logprobs(lps, text_of) if asked_lps else None
             return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
-        def whole(o, c):
-            return choice(job.index(o.request_id, c.index), c.text, getattr(c, "logprobs", None), c.finish_reason, None)
+        def chunk(index, events, sent):
+            text, _, _, lps, end = _gather(events)
+            return choice(index, text, lps, end.finish_reason if end else None)
 
-        return await answer(state, job, request, body, ("text_completion", "text_completion"), choice, whole)
+        def whole(o, c):
+            return choice(job.index(o.request_id, c.index), c.text, c.logprobs or [], c.finish_reason)
+
+        if body.stream:
+            return JobStream(job, _chunks(state, job, "text_completion", chunk, body.include_usage, None, False))
+        outs = await job.collect(request)
+        choices = await _render(state, job, lambda: [whole(o, c) for o in outs for c in o.outputs])
+        return envelope(job.resp_id, "text_completion", state.model_id, choices=choices, usage=usage(outs))
 
     @router.post("/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -66,44 +79,84 @@ def register_openai(router: APIRouter, state, text_of) -> None:
             guided_param=plan.param,
         )
         job, prompts = await admit(state, ask)
+        asked_lps = job.params.logprobs is not None
 
-        def chunk_choice(index, text, lps, finish, stream: ChoiceStream):
-            if not hasattr(stream, "think"):
-                stream.think = thinking_of(state, prompts[0])
-            reasoning, text = split_reasoning(stream.think, text, finish is not None)
-            delta = {"content": text} if text or not reasoning else {}
-            if parse:  # content the tool-call parser lets through, and the calls it completed
-                if not hasattr(stream, "tools"):
-                    stream.tools = ToolCallStream(parse, fmt)
-                delta, finish = stream_tool_delta(stream.tools, text, finish)
+        def chunk(index, events, sent):
+            """One choice of a chunk, from one delta's events (None: nothing to send yet);
+            `sent`: the tool calls this choice sent before."""
+            text, reasoning, calls, lps, end = _gather(events)
+            delta = {"content": text} if text or not (reasoning or parse) else {}
+            if calls:
+                delta["tool_calls"] = [
+                    {
+                        "index": sent + k,
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments},
+                    }
+                    for k, c in enumerate(calls)
+                ]
             if reasoning:
                 delta["reasoning_content"] = reasoning
-            if (parse or state.think) and not delta and not finish and not lps:
+            if not delta and end is None and not lps:
                 return None
-            if not stream.started:
-                delta = {"role": "assistant", **delta}
-                stream.started = True
-            lp = chat_logprobs(lps, text_of) if lps is not None else None
-            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            lp = chat_logprobs(lps, text_of) if asked_lps else None
+            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": end.finish_reason if end else None}
 
         def whole(o, c):
             reasoning, text = split_reasoning(thinking_of(state, prompts[0]), c.text)
             msg, finish = chat_message(text, c.finish_reason, parse, fmt)  # tools.py: parsed calls
             if reasoning:
                 msg["reasoning_content"] = reasoning
-            lps = getattr(c, "logprobs", None)
-            lp = chat_logprobs(lps, text_of) if lps is not None else None
+            lp = chat_logprobs(c.logprobs or [], text_of) if asked_lps else None
             return {"index": c.index, "message": msg, "logprobs": lp, "finish_reason": finish}
 
-        kinds = ("chat.completion.chunk", "chat.completion")
-        return await answer(state, job, request, body, kinds, chunk_choice, whole)
+        if body.stream:
+            return JobStream(job, _chunks(state, job, "chat.completion.chunk", chunk, body.include_usage, parse, True))
+        outs = await job.collect(request)
+        choices = await _render(state, job, lambda: [whole(o, c) for o in outs for c in o.outputs])
+        thought = sum(reasoning_tokens(state, p, c.token_ids) for p, o in zip(prompts, outs) for c in o.outputs)
+        return envelope(job.resp_id, "chat.completion", state.model_id, choices=choices, usage=usage(outs, thought))
 
 
-async def answer(state, job, request: Request, body, kinds: tuple[str, str], chunk, whole):
-    """The job's outputs: streamed as `kinds[0]` events (each choice from `chunk`), or one
-    `kinds[1]` object (each choice `whole(output, completion)`)."""
-    if body.stream:
-        return job.stream(request, kinds[0], state.model_id, chunk, body.include_usage)
-    outs = await job.collect(request)
-    choices = [whole(o, c) for o in outs for c in o.outputs]
-    return envelope(job.resp_id, kinds[1], state.model_id, choices=choices, usage=usage(outs))
+async def _render(state, job, fn, *args):
+    """`fn(*args)`; on the tokenizer thread when logprobs are asked for (naming their tokens decodes),
+    so the event loop does no tokenizer work."""
+    if job.params.logprobs is None:
+        return fn(*args)
+    return await state.off_loop(fn, *args)
+
+
+def _gather(events: list) -> tuple[str, str, list[ToolCall], list, TurnEnd | None]:
+    """(answer text, reasoning text, tool calls, logprobs, end) of one delta's events."""
+    text = "".join(e for e in events if isinstance(e, str))
+    reasoning = "".join(e.text for e in events if isinstance(e, Thinking))
+    lps = [t for e in events if isinstance(e, Logprobs) for t in e.items]
+    end = next((e for e in events if isinstance(e, TurnEnd)), None)
+    return text, reasoning, [e for e in events if isinstance(e, ToolCall)], lps, end
+
+
+async def _chunks(state, job, kind: str, chunk, include_usage: bool, parse, think: bool):
+    """The job's events as OpenAI chunks of `kind`, then the usage chunk (if asked for) and
+    `[DONE]`. A failed step sends the error object in place of the rest."""
+    extra = {"usage": None} if include_usage else {}
+    calls: dict[int, int] = {}  # choice index -> tool calls sent
+    started: set[int] = set()
+    thought = 0
+    try:
+        async for index, events in job_events(state, job, parse, think):
+            choice = await _render(state, job, chunk, index, events, calls.get(index, 0))
+            calls[index] = calls.get(index, 0) + sum(isinstance(e, ToolCall) for e in events)
+            thought += sum(e.reasoning_tokens for e in events if isinstance(e, TurnEnd))
+            if choice is None:
+                continue
+            if kind == "chat.completion.chunk" and index not in started:
+                choice["delta"] = {"role": "assistant", **choice["delta"]}
+                started.add(index)
+            yield sse_data(envelope(job.resp_id, kind, state.model_id, choices=[choice], **extra))
+        if include_usage:
+            outs = [job.final[r] for r in job.rids]
+            yield sse_data(envelope(job.resp_id, kind, state.model_id, choices=[], usage=usage(outs, thought)))
+    except APIError as e:
+        yield sse_data(e.body())
+    yield "data: [DONE]\n\n"

@@ -75,3 +75,20 @@ def split_reasoning(split: ReasoningSplit | None, text: str, final: bool = True)
         return "", text
     pieces = split.feed(text) + (split.finish() if final else [])
     return "".join(t for r, t in pieces if r), "".join(t for r, t in pieces if not r)
+
+
+def reasoning_tokens(state, prompt: list[int], output: list[int]) -> int:
+    """Output tokens inside the think block, its markers excluded (`reasoning_tokens` in usage):
+    found by token ids, so counting decodes nothing."""
+    if state.think is None or not output:
+        return 0
+    tok = state.engine_loop.engine.tokenizer
+    if opens_thinking(tok, prompt):
+        start = 0
+    else:
+        i = tok.find_think_start(output)
+        if i < 0:
+            return 0
+        start = i + len(tok.think_start_tokens)
+    j = tok.find_think_end(output, start)
+    return (j if j >= 0 else len(output)) - start

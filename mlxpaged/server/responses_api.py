@@ -211,7 +211,7 @@ def _usage(end: TurnEnd) -> dict:
         "input_tokens": end.prompt_tokens,
         "input_tokens_details": {"cached_tokens": end.cached_tokens},
         "output_tokens": end.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": end.reasoning_tokens},
         "total_tokens": end.prompt_tokens + end.completion_tokens,
     }
 

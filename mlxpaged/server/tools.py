@@ -343,26 +343,6 @@ def template_messages(messages) -> list[dict]:
     return out
 
 
-def stream_tool_delta(parser: ToolCallStream, text: str, finish: str | None) -> tuple[dict, str | None]:
-    """One chat chunk's delta from a text delta: content the parser let through, and the calls
-    it completed as OpenAI `delta.tool_calls` entries (each whole, with its `index`)."""
-    first = parser.num_calls
-    events = parser.feed(text) + (parser.finish() if finish else [])
-    delta: dict = {}
-    content = "".join(e for e in events if isinstance(e, str))
-    if content:
-        delta["content"] = content
-    calls = [e for e in events if isinstance(e, ToolCall)]
-    if calls:
-        delta["tool_calls"] = [
-            {"index": first + k, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for k, c in enumerate(calls)
-        ]
-    if finish == "stop" and parser.num_calls:
-        finish = "tool_calls"
-    return delta, finish
-
-
 def chat_message(text: str, finish: str | None, names=None, fmt: ToolFormat | None = None) -> tuple[dict, str | None]:
     """A whole assistant message and its finish_reason: with `names` (tools offered), its parsed
     calls, and `tool_calls` for a sample that ended by itself with calls."""

@@ -1,28 +1,37 @@
-"""One assistant turn for the Anthropic and Responses routes: submit it, then read it as events.
+"""The one event stream of every route, and the helpers of the Anthropic and Responses turns.
 
-Both routes see a turn the same way: content text, `ToolCall`s (when tools were offered) and
-one closing `TurnEnd`. Each renders them in its own protocol. Streamed text is held back the
-way `ChoiceStream` holds it (a tail that may grow into a stop string), and tool-call spans the
-way `ToolCallStream` does, so the streamed events equal the whole turn's.
+`job_events` reads a job's delta outputs (the engine already holds back what may grow into a stop
+string) and turns each into events: `str` answer text, `Thinking` reasoning text (split at the
+checkpoint's think markers), `ToolCall`s (when tools were offered; `ToolCallStream` holds back a
+span until it closes), `Logprobs` of the delta's tokens and, once per sample, a `TurnEnd` (finish
+reason, stop sequence, usage). Each route renders them into its own wire format: OpenAI chunks
+(openai_api.py), Anthropic events (anthropic_api.py), Responses events (responses_api.py). The
+whole answer of a route that does not stream is the sum of the same pieces (`whole_turn`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 
 from fastapi import Request
 
 from .errors import APIError
-from .jobs import server_error
-from .openai_format import ChoiceStream
-from .reasoning import split_reasoning, thinking_of
+from .reasoning import reasoning_tokens, split_reasoning, thinking_of
 from .tools import ToolCall, ToolCallStream, check_forcible, parse_tool_calls
+
+YIELD_EVERY = 8  # event lists between two yields to the event loop
 
 
 @dataclass
 class Thinking:
     text: str  # a piece of the model's reasoning
+
+
+@dataclass
+class Logprobs:
+    items: list  # the `TokenLogprob`s of one delta's tokens
 
 
 @dataclass
@@ -32,14 +41,83 @@ class TurnEnd:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    reasoning_tokens: int = 0  # of completion_tokens, those inside the think block
 
 
-def _end(out, c, calls: int) -> TurnEnd:
+def turn_end(state, prompt: list[int], out, c, calls: int) -> TurnEnd:
+    """The end of sample `c` of the total output `out` (`calls`: tool calls it made)."""
     finish = c.finish_reason or "length"
     if finish == "stop" and calls:
         finish = "tool_calls"
     stop = c.stop_reason if finish == "stop" and isinstance(c.stop_reason, str) else None  # the engine's record
-    return TurnEnd(finish, stop, len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens)
+    return TurnEnd(
+        finish,
+        stop,
+        len(out.prompt_token_ids),
+        len(c.token_ids),
+        out.num_cached_tokens,
+        reasoning_tokens(state, prompt, c.token_ids),
+    )
+
+
+class _Sample:
+    """One sample's way from deltas to events: its reasoning split and its tool-call parser."""
+
+    def __init__(self, state, prompt: list[int], parse, think: bool):
+        self.think = thinking_of(state, prompt) if think else None
+        self.tools = ToolCallStream(parse, state.tool_format) if parse else None
+
+    def events(self, c) -> list:
+        final = c.finish_reason is not None
+        reasoning, text = split_reasoning(self.think, c.text, final)
+        out: list = [Thinking(reasoning)] if reasoning else []
+        if self.tools is None:
+            out += [text] if text else []
+        else:
+            out += self.tools.feed(text) + (self.tools.finish() if final else [])
+        if c.logprobs:
+            out.append(Logprobs(c.logprobs))
+        return out
+
+
+async def job_events(state, job, parse=None, think: bool = True):
+    """Yields `(choice index, events)` for each delta of each sample of the job that has any, the
+    sample's `TurnEnd` last in its last list; a failed step raises APIError. `parse`: the function
+    names a sample's calls are parsed for (None: text); `think`: split reasoning off (chat and the
+    turns; not completions). Closing the generator early (a client gone) aborts the engine requests."""
+    samples: dict[tuple[str, int], _Sample] = {}
+    sent = 0
+    try:
+        while len(job.final) < len(job.rids):
+            for rid, item in await job.sink.get():
+                if isinstance(item, BaseException):
+                    raise job.fail(rid, item)
+                total = job.absorb(rid, item)
+                prompt = job.prompts[job.rids.index(rid)]
+                for c in item.outputs:
+                    key = (rid, c.index)
+                    if key not in samples:
+                        samples[key] = _Sample(state, prompt, parse, think)
+                    s = samples[key]
+                    events = s.events(c)
+                    if c.finish_reason is not None:
+                        whole = next(x for x in total.outputs if x.index == c.index)
+                        events.append(turn_end(state, prompt, total, whole, s.tools.num_calls if s.tools else 0))
+                    if events:
+                        yield job.index(rid, c.index), events
+                        sent += 1
+                        if sent % YIELD_EVERY == 0:  # many choices or a backlog: let other requests run
+                            await asyncio.sleep(0)
+    finally:
+        job._abort_unfinished()
+
+
+async def turn_events(state, job, parse):
+    """One turn's events, flat: `Thinking`, `str`, `ToolCall` and, last, its `TurnEnd`."""
+    async for _, events in job_events(state, job, parse):
+        for e in events:
+            if not isinstance(e, Logprobs):
+                yield e
 
 
 async def whole_turn(state, job, request: Request, parse) -> tuple[str | None, list[ToolCall], TurnEnd, str]:
@@ -48,47 +126,7 @@ async def whole_turn(state, job, request: Request, parse) -> tuple[str | None, l
     c = out.outputs[0]
     reasoning, text = split_reasoning(thinking_of(state, job.prompts[0]), c.text)
     content, calls = parse_tool_calls(text, parse, state.tool_format) if parse else (text, [])
-    return content, calls, _end(out, c, len(calls)), reasoning
-
-
-async def turn_events(state, job, parse):
-    """Yields `Thinking` pieces, `str` deltas, `ToolCall`s and, last, a `TurnEnd`; a failed step raises APIError.
-    Closing the generator early (a client gone) aborts the engine request."""
-    tools = ToolCallStream(parse, state.tool_format) if parse else None
-    think = thinking_of(state, job.prompts[0])
-    try:
-        text = ChoiceStream(job.params.stop, await job.borders())
-        async for rid, item in _items(job):
-            if isinstance(item, BaseException):
-                job.final[rid] = None
-                raise server_error(item)
-            c = item.outputs[0]
-            d = text.advance(c)
-            if d is not None:
-                delta, _, finish = d
-                reasoning, delta = split_reasoning(think, delta, finish is not None)
-                if reasoning:
-                    yield Thinking(reasoning)
-                if tools is None:
-                    if delta:
-                        yield delta
-                else:
-                    for e in tools.feed(delta) + (tools.finish() if finish else []):
-                        yield e
-            if item.finished:
-                job.final[rid] = item
-                yield _end(item, c, tools.num_calls if tools else 0)
-                return
-    finally:
-        job._abort_unfinished()
-
-
-async def _items(job):
-    """(request id, newest output or exception), as the job's engine request reports them: the one
-    place that reads the job's sink (outputs are cumulative: a skipped one loses nothing)."""
-    while True:
-        for item in await job.sink.get():
-            yield item
+    return content, calls, turn_end(state, job.prompts[0], out, c, len(calls)), reasoning
 
 
 def turn_parse(state, plan):

@@ -318,6 +318,27 @@ KEEP_NULL = ("rope_scaling",)
 WRAPPER_KEYS = ("model_type", "architectures", "torch_dtype", "eos_token_id", "vocab_size")
 
 
+def write_tiny_thinker(path: Path) -> Path:
+    """A tiny Qwen2 checkpoint whose tokenizer has `<think>`/`</think>` (mlx-lm then finds the
+    markers) and whose template opens the think block in the generation prompt, as Qwen3's does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    write_tiny_qwen2(path, hidden=64, layers=1, intermediate=128)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=384, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    gen = "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE.replace(gen, gen.replace("assistant\n", "assistant\n<think>\n"))
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
 def write_tiny_family(
     path: Path, model_type: str, *, seed: int = 0, layers: int = 2, logit_scale: float = 4.0, **overrides
 ) -> Path:
