@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 
 from .admission import Ask, admit
 from .guided_request import chat_plan
+from .keepalive import keepalive
 from .openai_format import ChoiceStream, chat_logprobs, completion_logprobs, envelope, usage
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .reasoning import split_reasoning, thinking_of
@@ -103,7 +104,9 @@ async def answer(state, job, request: Request, body, kinds: tuple[str, str], chu
     """The job's outputs: streamed as `kinds[0]` events (each choice from `chunk`), or one
     `kinds[1]` object (each choice `whole(output, completion)`)."""
     if body.stream:
-        return job.stream(request, kinds[0], state.model_id, chunk, body.include_usage)
+        resp = job.stream(request, kinds[0], state.model_id, chunk, body.include_usage)
+        resp.body_iterator = keepalive(resp.body_iterator)  # comments while the request waits or prefills
+        return resp
     outs = await job.collect(request)
     choices = [whole(o, c) for o in outs for c in o.outputs]
     return envelope(job.resp_id, kinds[1], state.model_id, choices=choices, usage=usage(outs))
