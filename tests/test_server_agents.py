@@ -307,3 +307,46 @@ def test_special_tokens_never_reach_the_text(agents, monkeypatch, tail, bias):
     assert ("<tool_call>" in text) == (TOOL_CALL in ids) and (text != "") == (
         IM_START not in ids and ENDOFTEXT not in ids
     )
+
+
+# Qwen3's switch, reduced: with thinking off the generation prompt holds an empty think block.
+THINK_SWITCH = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    "route, field, off",
+    [
+        ("messages", {"thinking": {"type": "disabled"}}, True),
+        ("messages", {"thinking": {"type": "enabled", "budget_tokens": 1024}}, False),
+        ("messages", {"thinking": {"type": "adaptive"}, "output_config": {"effort": "high"}}, None),
+        ("responses", {"reasoning": {"effort": "minimal"}}, True),
+        ("responses", {"reasoning": {"effort": "high", "summary": "auto"}}, False),
+        ("responses", {"reasoning": {"summary": "auto"}}, None),
+    ],
+)
+def test_thinking_switches_a_reasoning_models_template(agents, monkeypatch, route, field, off):
+    """On a reasoning model whose template reads `enable_thinking`, the prompt is the template's
+    own rendering (mlx-lm's apply_chat_template, the reference) with enable_thinking false / true /
+    left out (None: mlx-lm's default)."""
+    from mlxpaged.server import reasoning
+
+    c, state, tok, _ = agents
+    # The tokenizer made a reasoning one: the markers, and where the prompt's think block stands
+    monkeypatch.setattr(state, "think", reasoning.ThinkMarkers("<think>", "</think>"))
+    monkeypatch.setattr(reasoning, "opens_thinking", lambda tokenizer, prompt: False)
+    monkeypatch.setattr(tok._tokenizer, "chat_template", THINK_SWITCH)
+    seen = recorded_prompts(state, monkeypatch)
+    msgs = [{"role": "user", "content": "hi"}]
+    if route == "messages":
+        r = c.post("/v1/messages", json={"model": "tiny", "max_tokens": 2, "messages": msgs, **field})
+    else:
+        r = c.post("/v1/responses", json={"model": "tiny", "max_output_tokens": 2, "input": msgs, **field})
+    assert r.status_code == 200, r.text
+    kw = {} if off is None else {"enable_thinking": not off}
+    want = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kw)  # mlx-lm's
+    assert off is None or ("</think>" in want) == off
+    assert seen[0] == tok.encode(want, add_special_tokens=False)

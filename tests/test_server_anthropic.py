@@ -243,7 +243,7 @@ BAD = [
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": None}, "max_tokens"),
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "narrator", "content": "x"}]}, "messages.0.role"),  # system is a role Claude Code sends
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
     ({"temperature": 1.5}, "temperature"),
     ({"top_k": -1}, "top_k"),

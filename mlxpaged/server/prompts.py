@@ -39,7 +39,7 @@ def encode_messages(
     tokenizer, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
 ) -> list[int]:
     """`tools` (OpenAI function definitions) go to the template too, which renders them its own way.
-    `template_kwargs` (`enable_thinking`) reach the template only where its source names them."""
+    `template_kwargs` (`enable_thinking`) go to the template; one that does not read them ignores them."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
     try:
@@ -69,8 +69,7 @@ def _encode(tokenizer, messages: list[dict], tools: list[dict] | None, template_
     tag = f"\ue000{uuid.uuid4().hex}"  # private-use characters: the template copies them through
     if specials:
         messages, tools = _hold(messages, specials, held, tag), _hold(tools, specials, held, tag)
-    source = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
-    extra = {k: v for k, v in (template_kwargs or {}).items() if k in source}
+    extra = template_kwargs or {}  # mlx-lm renames enable_thinking to the template's own switch
     try:
         if not held and not extra:  # the usual case: as `generate --chat` encodes it
             ids = render_chat(tokenizer, messages, tools) if tools else chat_ids(tokenizer, messages)
