@@ -230,7 +230,9 @@ def test_access_log_lines_and_4xx_reasons(agents, caplog):
     assert r.status_code == 404
     r = c.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 0})
     assert r.status_code == 400
-    lines = [r.getMessage() for r in caplog.records if r.name == "mlxpaged.server"]
+    assert c.get("/health").status_code == 200  # a probe: DEBUG only
+    lines = [r.getMessage() for r in caplog.records if r.name == "mlxpaged.server" and r.levelno >= logging.INFO]
+    assert not any(ln.startswith("GET /health") for ln in lines), lines
     assert any(ln.startswith(f"POST /v1/chat/completions 200 prompt={n_prompt} output={n_out} ") for ln in lines), lines
     assert any(ln.startswith("POST /v1/messages 404 ") and "unknown model 'nope'" in ln for ln in lines), lines
     assert any(ln.startswith("POST /v1/completions 400 ") and "max_tokens" in ln for ln in lines), lines

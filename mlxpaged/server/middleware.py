@@ -176,6 +176,7 @@ class Guard:
 # set by AccessLog; a route's task and its stream's tasks share the dict.
 _INFO: ContextVar[dict | None] = ContextVar("mlxpaged_request_info", default=None)
 ERROR_BODY_KEEP = 8192  # bytes of an error body read for its message
+QUIET_PATHS = frozenset({"/health", "/metrics"})
 
 
 def note(**facts) -> None:
@@ -245,4 +246,7 @@ class AccessLog:
         line += f" {seconds:.3f}s"
         if status is None or status >= 400:
             line += f": {_reason(err) if err else 'no response (client gone)'}"
-        log.log(logging.WARNING if status is None or status >= 500 else logging.INFO, "%s", line)
+        level = logging.WARNING if status is None or status >= 500 else logging.INFO
+        if status == 200 and scope.get("path") in QUIET_PATHS:
+            level = logging.DEBUG  # probes and scrapes, every few seconds: not worth a line each
+        log.log(level, "%s", line)
