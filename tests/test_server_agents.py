@@ -352,3 +352,30 @@ def test_thinking_switches_a_reasoning_models_template(agents, monkeypatch, rout
     want = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kw)  # mlx-lm's
     assert off is None or ("</think>" in want) == off
     assert seen[0] == tok.encode(want, add_special_tokens=False)
+
+
+STRICT_SYSTEM = (
+    "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+    "{{ raise_exception('System role must be first') }}{% endif %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_late_system_message_is_folded_where_the_template_refuses_it(agents, monkeypatch):
+    """A template that takes one system turn, first (as many do): Claude Code's late system
+    message joins the first one, in order, instead of a 400."""
+    c, state, tok, _ = agents
+    monkeypatch.setattr(tok._tokenizer, "chat_template", STRICT_SYSTEM)
+    seen = recorded_prompts(state, monkeypatch)
+    msgs = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "system", "content": "Late."},
+        {"role": "user", "content": "bye"},
+    ]
+    r = c.post("/v1/messages", json={"model": "tiny", "max_tokens": 2, "system": "First.", "messages": msgs})
+    assert r.status_code == 200, r.text
+    folded = [{"role": "system", "content": "First.\n\nLate."}, *[m for m in msgs if m["role"] != "system"]]
+    want = tok.apply_chat_template(folded, add_generation_prompt=True, tokenize=False)
+    assert seen[0] == tok.encode(want, add_special_tokens=False)
