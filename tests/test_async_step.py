@@ -64,7 +64,7 @@ def workload(tiny_loaded, ref: dict[int, list[int]]) -> list[tuple[int, list[int
     """(call index at which it arrives, prompt, params): greedy and seeded samples (n up to 3,
     top-k/top-p, logprobs) ending by EOS, stop token, stop string or max_tokens, mid-batch."""
     tok = tiny_loaded.tokenizer
-    stop_text = tok.decode(ref[3][:8])[-3:]
+    stop_text = tok.decode(ref[3][:8], skip_special_tokens=True)[-3:]  # special tokens are not text
     plans = [
         dict(temperature=0, max_tokens=24, ignore_eos=True),
         dict(temperature=0, max_tokens=24),  # ends at EOS (the engine's EOS is set from ref[1])

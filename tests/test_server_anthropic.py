@@ -243,7 +243,7 @@ BAD = [
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": None}, "max_tokens"),
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "narrator", "content": "x"}]}, "messages.0.role"),  # system is a role Claude Code sends
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
     ({"temperature": 1.5}, "temperature"),
     ({"top_k": -1}, "top_k"),
@@ -251,8 +251,8 @@ BAD = [
     ({"tool_choice": {"type": "tool", "name": "nope"}, "tools": TOOLS}, "'nope'"),
     ({"tool_choice": {"type": "any"}}, "needs tools"),
     ({"tools": [{"name": "x y", "input_schema": {}}]}, "tools.0.name"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
-    ({"output_config": {"effort": "high"}}, "effort"),
+    ({"thinking": {"type": "sometimes"}}, "thinking"),
+    ({"output_config": {"effort": "huge"}}, "effort"),
     (
         {
             "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
@@ -262,7 +262,6 @@ BAD = [
         "cannot be combined",
     ),
     ({"messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "x"}]}]}, "tool_result"),
-    ({"max_tokens": 5000}, "context"),
 ]
 
 

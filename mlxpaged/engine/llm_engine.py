@@ -69,7 +69,7 @@ from .sampling_params import SamplingParams, salt_key
 from .spec_decode import NgramProposer, Verifier, spec_draws, spec_rows
 from .stats import METRIC_KEYS, EngineStats, engine_stats
 from .step import LaunchedStep, StepLayer, requests_of
-from .stopping import StopChecker, make_output
+from .stopping import StopChecker, hidden_token_ids, make_output
 
 if TYPE_CHECKING:  # annotations only: loading imports nothing of the engine
     from ..loading.loader import LoadedModel
@@ -117,7 +117,9 @@ class LLMEngine:
         elif config.speculative == "draft":
             proposer = draft_slots
         self.scheduler = Scheduler(config, self.block_manager, proposer)
-        self.check_stop = StopChecker(set(getattr(self.tokenizer, "eos_token_ids", None) or []))
+        self.check_stop = StopChecker(
+            set(getattr(self.tokenizer, "eos_token_ids", None) or []), hidden_token_ids(self.tokenizer)
+        )
         self.stats = EngineStats()
         # The features beyond the plain pipeline, called at each of its stages in this order (step.py).
         self.layers: list[StepLayer] = [self.drafter] if self.drafter is not None else []

@@ -28,8 +28,9 @@ class StopChecker:
     when the grammar is complete.
     """
 
-    def __init__(self, eos_token_ids: set[int]):
+    def __init__(self, eos_token_ids: set[int], hidden_ids: frozenset[int] = frozenset()):
         self.eos_token_ids = eos_token_ids
+        self.hidden_ids = hidden_ids  # control tokens: kept in token_ids, never in the text
 
     def __call__(self, req: Request, seq: Sequence, tok: int) -> FinishReason | None:
         p = req.params
@@ -47,7 +48,8 @@ class StopChecker:
                 return FinishReason.STOP
             grammar_done = seq.matcher.is_stopped
         before = len(seq.detokenizer.text)
-        seq.detokenizer.add_token(tok)
+        if tok not in self.hidden_ids:
+            seq.detokenizer.add_token(tok)
         if p.stop:
             text = seq.detokenizer.text
             # A stop string completed by this token starts after `before - len(stop) + 1`.
@@ -158,6 +160,15 @@ def _delta(req: Request, s: Sequence, text: str, stop_reason) -> CompletionOutpu
     )
     st.chars, st.tokens, st.finished = end, st.tokens + len(ids), s.finished
     return out
+
+
+def hidden_token_ids(tokenizer) -> frozenset[int]:
+    """Ids of the tokenizer's special added tokens (`<|im_start|>`, `<|endoftext|>`), which a
+    random or confused model may sample: they are control tokens, not text (HF's
+    `skip_special_tokens`). The thinking and tool-call markers stay: the server parses them."""
+    added = getattr(getattr(tokenizer, "_tokenizer", tokenizer), "added_tokens_decoder", None) or {}
+    keep = {getattr(tokenizer, k, None) for k in ("think_start", "think_end", "tool_call_start", "tool_call_end")}
+    return frozenset(i for i, t in added.items() if getattr(t, "special", False) and t.content not in keep)
 
 
 def make_output(req: Request, tokenizer) -> RequestOutput:

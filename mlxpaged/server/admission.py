@@ -9,7 +9,9 @@ which, here and nowhere else, in this order:
    calls and results, and one token's worth per message for the template's own markers) and
    refuses a prompt that cannot fit the pool, before any tokenizing;
 4. tokenizes on the tokenizer thread, never on the event loop;
-5. picks the default max_tokens against the pool's maximum and the model's context;
+5. picks the default max_tokens against the pool's maximum and the model's context, and clamps an
+   asked max_tokens to what the context leaves (Claude Code asks 32,000 whatever the model): the
+   response says so in its `x-mlxpaged-max-tokens-clamped` header;
 6. checks the context and the work again, builds the parameters and starts the `Job`.
 
 Errors are `APIError`s; `Ask.names` renames OpenAI's field names in them to the route's own
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from .errors import APIError
 from .jobs import Job, check_model
 from .limits import check_chars, check_request, default_max_tokens
+from .middleware import note
 from .prompts import check_context, encode_messages, encode_prompt
 
 
@@ -47,6 +50,7 @@ class Ask:
     max_tokens: int | None = None  # as asked; None: the default, lowered to what fits
     guided_param: str | None = None  # the field a grammar the engine refuses is blamed on
     names: dict[str, str] = field(default_factory=dict)  # OpenAI field name -> this route's
+    template_kwargs: dict = field(default_factory=dict)  # e.g. enable_thinking, for templates that read it
 
 
 def template_chars(messages: list[dict], tools: list[dict] | None, per_message: int) -> int:
@@ -87,7 +91,7 @@ async def tokenize(state, ask: Ask) -> list[list[int]]:
                 check_chars(cap, len(p), "prompt")
         return await state.off_loop(lambda: [encode_prompt(tok, p, cap.vocab_size) for p in ask.prompts])
     check_chars(cap, template_chars(ask.messages, ask.tools, cap.max_token_chars or 1), "messages")
-    return [await state.off_loop(encode_messages, tok, ask.messages, ask.tools)]
+    return [await state.off_loop(encode_messages, tok, ask.messages, ask.tools, ask.template_kwargs)]
 
 
 async def admit(state, ask: Ask) -> tuple[Job, list[list[int]]]:
@@ -97,6 +101,9 @@ async def admit(state, ask: Ask) -> tuple[Job, list[list[int]]]:
         cap = state.capacity
         longest = max(map(len, prompts))
         max_tokens = ask.max_tokens or default_max_tokens(cap, ask.default_max_tokens, longest, ask.n)
+        if ask.max_tokens and cap.context and longest < cap.context and longest + max_tokens > cap.context:
+            max_tokens = cap.context - longest  # clamped, not refused: the prompt itself fits
+            note(max_tokens_clamped=max_tokens)
         _check_limits(state, ask, max_tokens)
         for ids in prompts:
             check_context(len(ids), max_tokens, cap.context)
@@ -104,7 +111,9 @@ async def admit(state, ask: Ask) -> tuple[Job, list[list[int]]]:
             params = ask.make_params(max_tokens)
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0] if " must " in str(e) else None) from None
-        return await Job.start(state, ask.prefix, prompts, params, ask.guided_param), prompts
+        job = await Job.start(state, ask.prefix, prompts, params, ask.guided_param)
+        note(job=job)  # the access log line reads its tokens when the response ends
+        return job, prompts
     except APIError as e:
         raise renamed(e, ask.names) from None
 

@@ -2,8 +2,14 @@
 
 A body becomes chat messages for the checkpoint's template: `system` (a string or text blocks)
 is the system turn; `tool_use` blocks become the assistant's `tool_calls`; `tool_result` blocks
-become `role: "tool"` messages. `tool_choice` maps to the chat route's: auto -> auto, any ->
+become `role: "tool"` messages; a `role: "system"` message inside `messages` (Claude Code sends
+them) is a system turn where it stands. `tool_choice` maps to the chat route's: auto -> auto, any ->
 required, tool -> a named function, none -> none (all in `guided_request.tool_plan`).
+
+`thinking` (adaptive, enabled with its budget, disabled) and `output_config.effort` are accepted.
+A model without reasoning answers without thinking; a reasoning model's template gets
+`enable_thinking` (false for disabled, true for enabled, its default for adaptive) where the
+template reads it. A budget is not enforced apart from `max_tokens`, which bounds both.
 
 Errors on these routes are Anthropic's object, `{"type": "error", "error": {"type", "message"}}`,
 and `x-api-key` authenticates as `Authorization: Bearer` does.
@@ -23,7 +29,9 @@ from .bodies import Body, CheckedBody
 from .errors import APIError
 from .guided_request import format_guided, tool_plan
 from .jobs import ErrorResponse, JobStream
+from .keepalive import PING, keepalive
 from .middleware import anthropic_error_body
+from .prompts import thinking_kwargs
 from .turns import Thinking, TurnEnd, add_format, sse, turn_events, turn_parse, whole_turn
 
 
@@ -68,12 +76,24 @@ class ToolResultBlock(Body):
         return f"Error: {body or ''}" if self.is_error else (body or "")
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(Body):
+    """A thinking model's earlier reasoning, sent back by the client: not rendered (templates drop
+    past reasoning too)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
 
 
 class Message(Body):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
+
+
+class ThinkingConfig(Body):
+    type: Literal["adaptive", "enabled", "disabled"]
+    budget_tokens: int | None = Field(None, ge=1)  # bounded by max_tokens only (see the module's docstring)
 
 
 class Tool(Body):
@@ -95,7 +115,7 @@ class JsonFormat(Body):
 
 class OutputConfig(Body):
     format: JsonFormat | None = None
-    effort: str | None = None  # refused when set: a thinking model thinks as its template says
+    effort: Literal["low", "medium", "high", "max"] | None = None  # accepted: thinking follows `thinking`
 
 
 class CountTokensRequest(CheckedBody):
@@ -104,7 +124,7 @@ class CountTokensRequest(CheckedBody):
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
-    thinking: dict[str, Any] | None = None
+    thinking: ThinkingConfig | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -151,6 +171,11 @@ def template_messages(body: CountTokensRequest) -> list[dict]:
             out.append({"role": m.role, "content": m.content})
             continue
         texts = [b.text for b in m.content if isinstance(b, TextBlock)]
+        if m.role == "system":
+            if len(texts) != len(m.content):
+                raise AnthropicError(400, "messages: a system message takes text blocks only")
+            out.append({"role": "system", "content": "\n".join(texts)})
+            continue
         if m.role == "assistant":
             if any(isinstance(b, ToolResultBlock) for b in m.content):
                 raise AnthropicError(400, "messages: tool_result blocks belong in a user message")
@@ -177,15 +202,13 @@ def template_messages(body: CountTokensRequest) -> list[dict]:
     return out
 
 
+def thinking_on(body: CountTokensRequest) -> bool | None:
+    """Thinking on (True), off (False) or as the template's default (None)."""
+    kind = body.thinking.type if body.thinking else "adaptive"
+    return {"enabled": True, "disabled": False}.get(kind)
+
+
 def plan_of(body: CountTokensRequest, markers=None):
-    if body.thinking and body.thinking.get("type") != "disabled":
-        raise AnthropicError(
-            400,
-            (
-                "thinking: a thinking budget is not supported by this server "
-                "(a thinking model's reasoning comes back as thinking blocks)"
-            ),
-        )
     functions = [{"name": t.name, "description": t.description, "parameters": t.input_schema} for t in body.tools or []]
     tc = body.tool_choice
     kind = tc.type if tc else ("auto" if functions else "none")
@@ -228,8 +251,6 @@ def register_anthropic(app: FastAPI, state) -> None:
         """The body as an `Ask` (admission.py); `plan.guided` set from `output_config` too."""
         plan = plan_of(body, state.markers)
         oc = getattr(body, "output_config", None)
-        if oc is not None and oc.effort is not None:
-            raise AnthropicError(400, "output_config.effort: not supported by this server")
         if oc is not None and oc.format is not None:
             try:
                 guided = format_guided("json_schema", oc.format.schema_, "output_config.format")
@@ -254,6 +275,7 @@ def register_anthropic(app: FastAPI, state) -> None:
             max_tokens=max_tokens,
             guided_param=plan.param,
             names={"stop": "stop_sequences"},
+            template_kwargs=thinking_kwargs(state, thinking_on(body)),
         )
         return a, plan
 
@@ -278,7 +300,7 @@ def register_anthropic(app: FastAPI, state) -> None:
         msg_id = "msg_" + job.resp_id.split("-", 1)[1][:24]
         head = {"id": msg_id, "type": "message", "role": "assistant", "model": state.model_id}
         if body.stream:
-            return JobStream(job, _stream(state, job, parse, head, len(ids)))
+            return JobStream(job, keepalive(_stream(state, job, parse, head, len(ids)), PING))
         try:
             content, calls, end, reasoning = await whole_turn(state, job, request, parse)
         except APIError as e:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
@@ -29,7 +30,7 @@ from .guided_request import GrammarGate
 from .jobs import ErrorResponse, ServerState
 from .limits import Capacity, Limits, max_token_chars
 from .metrics import CONTENT_TYPE, Metrics
-from .middleware import Guard, error_bytes
+from .middleware import AccessLog, Guard, error_bytes
 from .openai_api import register_openai
 from .openai_format import TokenText
 from .reasoning import ThinkMarkers
@@ -106,6 +107,8 @@ def build_app(
         open_paths=frozenset({"/health", *(DOCS_PATHS if docs else ()), *(WEB_PATHS if web else ())}),
         draining=lambda: engine_loop.draining,
     )
+    app.add_middleware(AccessLog, metrics=metrics)  # added last: outermost, so it sees Guard's refusals too
+    started = int(time.time())
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -136,7 +139,11 @@ def build_app(
     async def models():
         return {
             "object": "list",
-            "data": [{"id": state.model_id, "object": "model", "created": 0, "owned_by": "mlxpaged"}],
+            # created: the server's start; max_model_len: vLLM's name for the context length (Codex reads it)
+            "data": [
+                {"id": state.model_id, "object": "model", "created": started, "owned_by": "mlxpaged"}
+                | {"max_model_len": cap.context}
+            ],
         }
 
     register_openai(v1, state, text_of)

@@ -7,7 +7,7 @@ counts blocks with a reference count above zero; cached, evictable blocks are fr
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -71,6 +71,17 @@ class Metrics:
             buckets=ITL_BUCKETS,
             registry=self.registry,
         )
+        # Counted by the server as each request ends (middleware.AccessLog), from its engine outputs.
+        self.prompt_computed = Counter(
+            "mlxpaged_prompt_tokens_computed",
+            "Prompt tokens prefilled (not served from the prefix cache), of requests that finished.",
+            registry=self.registry,
+        )
+        self.prompt_cached = Counter(
+            "mlxpaged_prompt_tokens_cached",
+            "Prompt tokens served from the prefix cache, of requests that finished.",
+            registry=self.registry,
+        )
         if engine_loop is not None:
             self.attach(engine_loop)
 
@@ -82,6 +93,10 @@ class Metrics:
 
     def inter_token(self, seconds: float) -> None:
         self.itl.observe(seconds)
+
+    def prompt_tokens(self, computed: int, cached: int) -> None:
+        self.prompt_computed.inc(computed)
+        self.prompt_cached.inc(cached)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -8,6 +8,10 @@
    KEY` (the scheme in any case) or `x-api-key: KEY`, compared as bytes (the key's UTF-8) in constant time;
 4. the body cap: a `Content-Length` above it gets 413 at once, and a body that grows past it
    (chunked) gets 413 as soon as it does; the body read here is replayed to the route.
+
+`AccessLog`, outside it, writes one line per request on the `mlxpaged.server` logger (method,
+path, status, prompt and output tokens when a job ran, seconds, and a 4xx/5xx's message), counts
+the prompt tokens on /metrics, and adds the headers a route `note`d (`x-mlxpaged-max-tokens-clamped`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import time
+from contextvars import ContextVar
 
 from .errors import error_body
 
@@ -164,3 +170,83 @@ class Guard:
 
     def _too_large(self) -> str:
         return f"request body larger than {self.max_body_bytes} bytes (--max-body-bytes)"
+
+
+# What the route learnt about its request (its job, a clamped max_tokens): one dict per request,
+# set by AccessLog; a route's task and its stream's tasks share the dict.
+_INFO: ContextVar[dict | None] = ContextVar("mlxpaged_request_info", default=None)
+ERROR_BODY_KEEP = 8192  # bytes of an error body read for its message
+QUIET_PATHS = frozenset({"/health", "/metrics"})
+
+
+def note(**facts) -> None:
+    """Record facts about the current request for its access line and headers (no-op outside one)."""
+    info = _INFO.get()
+    if info is not None:
+        info.update(facts)
+
+
+def _tokens(job) -> tuple[int | None, int | None, int, int]:
+    """(prompt tokens, output tokens, computed, cached) of a job's finished engine requests."""
+    if job is None:
+        return None, None, 0, 0
+    prompt = sum(map(len, job.prompts))
+    outs = [o for o in job.final.values() if o is not None]
+    output = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outs)
+    computed = sum(len(o.prompt_token_ids) for o in outs) - cached
+    return prompt, output, computed, cached
+
+
+def _reason(body: bytes) -> str:
+    try:
+        err = json.loads(body).get("error")
+        return str(err.get("message") if isinstance(err, dict) else err)
+    except (ValueError, AttributeError):
+        return body[:200].decode("utf-8", "replace")
+
+
+class AccessLog:
+    def __init__(self, app, metrics=None):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        info: dict = {}
+        token = _INFO.set(info)
+        t0, status, err = time.monotonic(), None, bytearray()
+
+        async def logged_send(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                if "max_tokens_clamped" in info:
+                    clamp = (b"x-mlxpaged-max-tokens-clamped", str(info["max_tokens_clamped"]).encode())
+                    message = {**message, "headers": [*message.get("headers", ()), clamp]}
+            elif message["type"] == "http.response.body" and (status or 0) >= 400 and len(err) < ERROR_BODY_KEEP:
+                err.extend(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, logged_send)
+        finally:
+            _INFO.reset(token)
+            self._log(scope, status, info, bytes(err), time.monotonic() - t0)
+
+    def _log(self, scope, status, info: dict, err: bytes, seconds: float) -> None:
+        prompt, output, computed, cached = _tokens(info.get("job"))
+        if self.metrics is not None and (computed or cached):
+            self.metrics.prompt_tokens(computed, cached)
+        line = f"{scope.get('method')} {scope.get('path')} {status if status is not None else '-'}"
+        if prompt is not None:
+            line += f" prompt={prompt} output={output}"
+        if "max_tokens_clamped" in info:
+            line += f" max_tokens_clamped={info['max_tokens_clamped']}"
+        line += f" {seconds:.3f}s"
+        if status is None or status >= 400:
+            line += f": {_reason(err) if err else 'no response (client gone)'}"
+        level = logging.WARNING if status is None or status >= 500 else logging.INFO
+        if status == 200 and scope.get("path") in QUIET_PATHS:
+            level = logging.DEBUG  # probes and scrapes, every few seconds: not worth a line each
+        log.log(level, "%s", line)

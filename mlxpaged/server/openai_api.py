@@ -14,6 +14,7 @@ from .admission import Ask, admit
 from .errors import APIError
 from .guided_request import chat_plan
 from .jobs import JobStream
+from .keepalive import keepalive
 from .openai_format import chat_logprobs, completion_logprobs, envelope, sse_data, usage
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .reasoning import reasoning_tokens, split_reasoning, thinking_of
@@ -55,7 +56,8 @@ def register_openai(router: APIRouter, state, text_of) -> None:
             return choice(job.index(o.request_id, c.index), c.text, c.logprobs or [], c.finish_reason)
 
         if body.stream:
-            return JobStream(job, _chunks(state, job, "text_completion", chunk, body.include_usage, None, False))
+            events = _chunks(state, job, "text_completion", chunk, body.include_usage, None, False)
+            return JobStream(job, keepalive(events))  # keep-alive comments while it waits or prefills
         outs = await job.collect(request)
         choices = await _render(state, job, lambda: [whole(o, c) for o in outs for c in o.outputs])
         return envelope(job.resp_id, "text_completion", state.model_id, choices=choices, usage=usage(outs))
@@ -112,7 +114,9 @@ def register_openai(router: APIRouter, state, text_of) -> None:
             return {"index": c.index, "message": msg, "logprobs": lp, "finish_reason": finish}
 
         if body.stream:
-            return JobStream(job, _chunks(state, job, "chat.completion.chunk", chunk, body.include_usage, parse, True))
+            return JobStream(  # keep-alive comments while the request waits or prefills
+                job, keepalive(_chunks(state, job, "chat.completion.chunk", chunk, body.include_usage, parse, True))
+            )
         outs = await job.collect(request)
         choices = await _render(state, job, lambda: [whole(o, c) for o in outs for c in o.outputs])
         thought = sum(reasoning_tokens(state, p, c.token_ids) for p, o in zip(prompts, outs) for c in o.outputs)

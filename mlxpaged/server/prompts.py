@@ -35,27 +35,59 @@ def encode_prompt(tokenizer, prompt: str | list[int], vocab_size: int) -> list[i
     return list(prompt)
 
 
-def encode_messages(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-    """`tools` (OpenAI function definitions) go to the template too, which renders them its own way."""
+def encode_messages(
+    tokenizer, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
+) -> list[int]:
+    """`tools` (OpenAI function definitions) go to the template too, which renders them its own way.
+    `template_kwargs` (`enable_thinking`) go to the template; one that does not read them ignores them."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
+    try:
+        return _encode(tokenizer, messages, tools, template_kwargs)
+    except APIError:
+        folded = fold_systems(messages)
+        if folded is None:
+            raise
+        return _encode(tokenizer, folded, tools, template_kwargs)  # a template that takes one system turn, first
+
+
+def fold_systems(messages: list[dict]) -> list[dict] | None:
+    """The system messages after the first message folded into one leading system turn, in order;
+    None when there are none (Claude Code sends system messages mid-conversation)."""
+    late = [m for m in messages[1:] if m.get("role") == "system"]
+    if not late:
+        return None
+    first = [messages[0]] if messages[0].get("role") == "system" else []
+    text = "\n\n".join(m.get("content") or "" for m in first + late)
+    rest = [m for m in messages[len(first) :] if m.get("role") != "system"]
+    return [{"role": "system", "content": text}, *rest]
+
+
+def _encode(tokenizer, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None) -> list[int]:
     specials = _special_texts(tokenizer)
     held: list[str] = []
     tag = f"\ue000{uuid.uuid4().hex}"  # private-use characters: the template copies them through
     if specials:
         messages, tools = _hold(messages, specials, held, tag), _hold(tools, specials, held, tag)
+    extra = template_kwargs or {}  # mlx-lm renames enable_thinking to the template's own switch
     try:
-        if not held:  # the usual case: as `generate --chat` encodes it
+        if not held and not extra:  # the usual case: as `generate --chat` encodes it
             ids = render_chat(tokenizer, messages, tools) if tools else chat_ids(tokenizer, messages)
         else:
-            kw = {"tools": tools} if tools else {}
+            kw = {"tools": tools, **extra} if tools else extra
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
-            ids = _encode_held(tokenizer, text, held, tag)
+            ids = _encode_held(tokenizer, text, held, tag)  # nothing held: the template's text as it is
     except Exception as e:  # a template's own raise_exception(), e.g. roles out of order
         raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
     if not ids:
         raise MlxPagedError("empty prompt")
     return ids
+
+
+def thinking_kwargs(state, on: bool | None) -> dict:
+    """The template keyword that switches a reasoning model's thinking (Qwen3's `enable_thinking`);
+    nothing for a model that does not reason (it answers without thinking) or for the default."""
+    return {"enable_thinking": on} if state.think is not None and on is not None else {}
 
 
 def check_context(num_prompt: int, max_tokens: int, context: int | None) -> None:

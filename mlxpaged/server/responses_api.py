@@ -8,18 +8,26 @@ object, as on the chat routes.
 Stateless by default. With `--responses-store N` the server keeps the last N responses (their
 conversation: input and output, not the instructions, as OpenAI does) in an LRU, and
 `previous_response_id` continues one; otherwise `previous_response_id` is a 400 naming the limit.
+
+Codex's requests as it sends them: a `namespace` tool is its functions, offered as such; a hosted
+tool (`web_search`, `file_search`, ...) runs on OpenAI's side, so it is accepted, never offered to
+the model, and logged once; `reasoning.effort` switches a reasoning model's thinking as
+anthropic_api.py does (`none`/`minimal`: off), and `reasoning.summary` is accepted (the
+reasoning item carries the reasoning itself). `include`, `prompt_cache_key` and
+`client_metadata` change nothing here and are ignored.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import time
 import uuid
 from collections import OrderedDict
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag, field_validator
 
 from ..engine.sampling_params import SamplingParams
 from .admission import Ask, admit
@@ -27,9 +35,12 @@ from .bodies import Body, CheckedBody
 from .errors import APIError
 from .guided_request import format_guided, tool_plan
 from .jobs import JobStream
+from .keepalive import keepalive
+from .prompts import thinking_kwargs
 from .tools import template_tool_calls
 from .turns import Thinking, TurnEnd, add_format, sse, turn_events, turn_parse, whole_turn
 
+log = logging.getLogger("mlxpaged.server")
 DEFAULT_MAX_TOKENS = 1024  # as the chat route: when a body gives no max_output_tokens
 
 
@@ -63,6 +74,12 @@ class FunctionCallOutputItem(Body):
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
+class ReasoningInputItem(Body):
+    """An earlier turn's reasoning sent back (Codex with `store: false`): not rendered."""
+
+    type: Literal["reasoning"]
+
+
 def _item_type(v) -> str:
     return (v.get("type") if isinstance(v, dict) else getattr(v, "type", None)) or "message"
 
@@ -70,7 +87,8 @@ def _item_type(v) -> str:
 Item = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningInputItem, Tag("reasoning")],
     Discriminator(_item_type),
 ]
 
@@ -81,6 +99,62 @@ class FunctionTool(Body):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+
+class NamespaceTool(Body):
+    """A group of functions under one name (Codex's `multi_agent_v1`): offered as its functions."""
+
+    type: Literal["namespace"]
+    name: str
+    description: str | None = None
+    tools: list[FunctionTool]
+
+
+# Tools OpenAI runs on its side: this server cannot, so the model is never offered them.
+HOSTED_TOOLS = frozenset(
+    {
+        "web_search",
+        "web_search_preview",
+        "web_search_preview_2025_03_11",
+        "file_search",
+        "code_interpreter",
+        "image_generation",
+        "computer_use_preview",
+        "computer_use",
+        "mcp",
+        "local_shell",
+    }
+)
+
+
+class HostedTool(Body):
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _hosted(cls, v: str) -> str:
+        if v not in HOSTED_TOOLS:
+            raise ValueError(f"tool type '{v[:64]}' is not supported (function, namespace or a hosted tool)")
+        return v
+
+
+def _tool_type(v) -> str:
+    t = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    return t if t in ("function", "namespace") else "hosted"
+
+
+AnyTool = Annotated[
+    Annotated[FunctionTool, Tag("function")]
+    | Annotated[NamespaceTool, Tag("namespace")]
+    | Annotated[HostedTool, Tag("hosted")],
+    Discriminator(_tool_type),
+]
+
+
+class Reasoning(Body):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # its older name
 
 
 class FunctionChoice(Body):
@@ -104,7 +178,7 @@ class ResponsesRequest(CheckedBody):
     model: str | None = None
     input: str | list[Item]
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[AnyTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool = True
     max_output_tokens: int | None = Field(None, ge=1)
@@ -117,8 +191,8 @@ class ResponsesRequest(CheckedBody):
     metadata: dict[str, str] | None = None
     user: str | None = None  # accepted and ignored
     speculative: bool = True  # mlxpaged's extension: false opts this request out of speculative decoding
+    reasoning: Reasoning | None = None
     # Fields this server does not implement: refused by name when set (see `refuse_unsupported`).
-    reasoning: dict[str, Any] | None = None
     background: bool | None = None
     max_tool_calls: int | None = None
     top_logprobs: int | None = None
@@ -128,15 +202,6 @@ class ResponsesRequest(CheckedBody):
 
 
 def refuse_unsupported(body: ResponsesRequest) -> None:
-    if body.reasoning and any(v is not None for v in body.reasoning.values()):
-        raise APIError(
-            400,
-            (
-                "reasoning: effort and summaries are not supported by this server "
-                "(a thinking model's reasoning comes back as a reasoning item)"
-            ),
-            param="reasoning",
-        )
     if body.truncation not in (None, "disabled"):
         raise APIError(400, f"truncation: only 'disabled' is supported, got {body.truncation!r}", param="truncation")
     for name in ("background", "max_tool_calls", "top_logprobs", "conversation", "prompt"):
@@ -201,9 +266,31 @@ def conversation(body: ResponsesRequest, history) -> list[dict]:
                 out[-1] = {**out[-1], "tool_calls": [*out[-1].get("tool_calls", ()), call]}
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        else:
+        elif isinstance(item, FunctionCallOutputItem):
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
     return out
+
+
+def offered_functions(tools) -> list[dict]:
+    """The functions the model is offered: function tools, and each namespace's functions, in order.
+    Hosted tools are left out, with one log line naming them."""
+    functions, hosted = [], []
+    for t in tools or ():
+        if isinstance(t, HostedTool):
+            hosted.append(t.type)
+            continue
+        for f in t.tools if isinstance(t, NamespaceTool) else [t]:
+            functions.append({"name": f.name, "description": f.description, "parameters": f.parameters})
+    if hosted:
+        log.info("responses: hosted tools not offered to the model (this server cannot run them): %s", hosted)
+    return functions
+
+
+def thinking_of_effort(reasoning: Reasoning | None) -> bool | None:
+    """`none`/`minimal` effort: thinking off; any other: on; no effort: the template's default."""
+    if reasoning is None or reasoning.effort is None:
+        return None
+    return reasoning.effort not in ("none", "minimal")
 
 
 def _usage(end: TurnEnd) -> dict:
@@ -252,9 +339,7 @@ def register_responses(router: APIRouter, state, text_of=None) -> None:
         history = store.get(body.previous_response_id) if body.previous_response_id else []
         convo = conversation(body, history)
         messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + convo
-        functions = [
-            {"name": t.name, "description": t.description, "parameters": t.parameters} for t in body.tools or []
-        ]
+        functions = offered_functions(body.tools)
         tc = body.tool_choice
         choice = ("named" if isinstance(tc, FunctionChoice) else tc) or ("auto" if functions else "none")
         plan = tool_plan(
@@ -279,6 +364,7 @@ def register_responses(router: APIRouter, state, text_of=None) -> None:
             max_tokens=body.max_output_tokens,
             guided_param=plan.param,
             names={"max_tokens": "max_output_tokens", "messages": "input"},
+            template_kwargs=thinking_kwargs(state, thinking_of_effort(body.reasoning)),
         )
         parse = turn_parse(state, plan)
         job, _ = await admit(state, ask)
@@ -299,7 +385,10 @@ def register_responses(router: APIRouter, state, text_of=None) -> None:
                 "output": output,
                 "parallel_tool_calls": body.parallel_tool_calls,
                 "previous_response_id": body.previous_response_id,
-                "reasoning": {"effort": None, "summary": None},
+                "reasoning": {
+                    "effort": body.reasoning.effort if body.reasoning else None,
+                    "summary": (body.reasoning.summary or body.reasoning.generate_summary) if body.reasoning else None,
+                },
                 "store": body.store and store.capacity > 0,
                 "temperature": body.temperature,
                 "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
@@ -324,7 +413,7 @@ def register_responses(router: APIRouter, state, text_of=None) -> None:
             return "incomplete" if end.finish_reason == "length" else "completed"
 
         if body.stream:
-            return JobStream(job, _stream(state, job, parse, envelope, finish))
+            return JobStream(job, keepalive(_stream(state, job, parse, envelope, finish)))
         content, calls, end, reasoning = await whole_turn(state, job, request, parse)
         output = [_reasoning_item("rs_" + uuid.uuid4().hex[:24], reasoning)] if reasoning else []
         output += [_message_item("msg_" + uuid.uuid4().hex[:24], content)] if content or not calls else []
