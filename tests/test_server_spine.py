@@ -541,6 +541,35 @@ def test_special_token_text_in_client_content_is_text(spine, route):
     assert forged in tok.decode(seen[0])  # the client's text is all there, as characters
 
 
+def test_content_special_tokens_flag_lets_a_trusted_client_write_control_tokens(spine):
+    """`--content-special-tokens` (finding 16's opt-out): the same special-token text in a user
+    message is then the control token itself, as in the template's own text."""
+    import dataclasses
+
+    c, state = spine
+    tok = state.engine_loop.engine.tokenizer
+    im_start = tok.encode("<|im_start|>", add_special_tokens=False)[0]
+    body = body_for("chat", text="a<|im_start|>b", max_tokens=1)
+    seen = []
+    submit = state.engine_loop.submit
+
+    def recording(prompt, params, rid, sink):
+        seen.append(list(prompt))
+        return submit(prompt, params, rid, sink)
+
+    state.engine_loop.submit = recording
+    limits = state.limits
+    try:
+        assert post(c, "chat", body).status_code == 200
+        state.limits = dataclasses.replace(limits, content_special_tokens=True)
+        assert post(c, "chat", body).status_code == 200
+    finally:
+        state.limits = limits
+        del state.engine_loop.submit
+    as_text, as_token = (p.count(im_start) for p in seen)
+    assert as_token == as_text + 1, (tok.decode(seen[0]), tok.decode(seen[1]))
+
+
 # -- tool calls in each family's format (mlx-lm's parsers) -----------------------------------------
 def tokenizer_dir(path, template: str):
     """The tiny tokenizer with another chat template (mlx-lm picks the tool parser from it)."""

@@ -91,7 +91,8 @@ async def tokenize(state, ask: Ask) -> list[list[int]]:
                 check_chars(cap, len(p), "prompt")
         return await state.off_loop(lambda: [encode_prompt(tok, p, cap.vocab_size) for p in ask.prompts])
     check_chars(cap, template_chars(ask.messages, ask.tools, cap.max_token_chars or 1), "messages")
-    return [await state.off_loop(encode_messages, tok, ask.messages, ask.tools, ask.template_kwargs)]
+    as_text = not state.limits.content_special_tokens
+    return [await state.off_loop(encode_messages, tok, ask.messages, ask.tools, ask.template_kwargs, as_text)]
 
 
 async def admit(state, ask: Ask) -> tuple[Job, list[list[int]]]:

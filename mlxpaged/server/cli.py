@@ -108,6 +108,12 @@ def _check_port(host: str, port: int) -> None:
     help="Abort a request whose client stays behind its stream this many seconds (0: never).",
 )
 @click.option(
+    "--content-special-tokens",
+    is_flag=True,
+    help="Encode special-token text in client messages as those tokens (trusted clients only: "
+    "by default it is text, so no client can forge a turn).",
+)
+@click.option(
     "--max-connections",
     default=1024,
     show_default=True,
@@ -149,6 +155,7 @@ def serve(
     max_stop_strings,
     max_request_tokens,
     stream_stall_timeout,
+    content_special_tokens,
     max_connections,
     header_timeout,
     keep_alive_timeout,
@@ -213,6 +220,7 @@ def serve(
         max_request_tokens=max_request_tokens,
         stream_stall_timeout=stream_stall_timeout or None,
         enable_docs=enable_docs,
+        content_special_tokens=content_special_tokens,
     )
     aliases = {loaded.path.name, str(loaded.path), *([model] if model else [])}
     app = build_app(

@@ -21,6 +21,9 @@ class Limits:
     max_request_tokens: int = 1 << 20  # --max-request-tokens: prompts x n x max_tokens
     stream_stall_timeout: float | None = 60.0  # --stream-stall-timeout
     enable_docs: bool = False  # --enable-docs
+    # --content-special-tokens: a special token's text in client content is that token (a trusted
+    # client writing raw control tokens); off, it is text and no client can forge a turn
+    content_special_tokens: bool = False
 
 
 @dataclass(frozen=True)

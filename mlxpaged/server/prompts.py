@@ -36,19 +36,26 @@ def encode_prompt(tokenizer, prompt: str | list[int], vocab_size: int) -> list[i
 
 
 def encode_messages(
-    tokenizer, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
+    tokenizer,
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    template_kwargs: dict | None = None,
+    specials_as_text: bool = True,
 ) -> list[int]:
     """`tools` (OpenAI function definitions) go to the template too, which renders them its own way.
-    `template_kwargs` (`enable_thinking`) go to the template; one that does not read them ignores them."""
+    `template_kwargs` (`enable_thinking`) go to the template; one that does not read them ignores them.
+    `specials_as_text=False` (`--content-special-tokens`) encodes a special token's text in client
+    content as that token, as the template's own text is."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
     try:
-        return _encode(tokenizer, messages, tools, template_kwargs)
+        return _encode(tokenizer, messages, tools, template_kwargs, specials_as_text)
     except APIError:
         folded = fold_systems(messages)
         if folded is None:
             raise
-        return _encode(tokenizer, folded, tools, template_kwargs)  # a template that takes one system turn, first
+        # a template that takes one system turn, first
+        return _encode(tokenizer, folded, tools, template_kwargs, specials_as_text)
 
 
 def fold_systems(messages: list[dict]) -> list[dict] | None:
@@ -63,8 +70,10 @@ def fold_systems(messages: list[dict]) -> list[dict] | None:
     return [{"role": "system", "content": text}, *rest]
 
 
-def _encode(tokenizer, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None) -> list[int]:
-    specials = _special_texts(tokenizer)
+def _encode(
+    tokenizer, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None, specials_as_text: bool
+) -> list[int]:
+    specials = _special_texts(tokenizer) if specials_as_text else ()
     held: list[str] = []
     tag = f"\ue000{uuid.uuid4().hex}"  # private-use characters: the template copies them through
     if specials:
