@@ -102,7 +102,9 @@ def boundaries(llm, tok, route: str) -> tuple[str, list[int]]:
         )
     out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=MAX))[0].outputs[0]
     ends = [
-        len(t) for t in (tok.decode(out.token_ids[:k]) for k in range(1, len(out.token_ids))) if out.text.startswith(t)
+        len(t)
+        for t in (tok.decode(out.token_ids[:k], skip_special_tokens=True) for k in range(1, len(out.token_ids)))
+        if out.text.startswith(t)
     ]
     return out.text, ends
 

@@ -86,9 +86,13 @@ def reasoning_tokens(state, prompt: list[int], output: list[int]) -> int:
     if opens_thinking(tok, prompt):
         start = 0
     else:
+        if not getattr(tok, "think_start_tokens", None):  # mlx-lm found no start marker to look for
+            return 0
         i = tok.find_think_start(output)
         if i < 0:
             return 0
         start = i + len(tok.think_start_tokens)
+    if not getattr(tok, "think_end_tokens", None):
+        return len(output) - start
     j = tok.find_think_end(output, start)
     return (j if j >= 0 else len(output)) - start
