@@ -8,6 +8,7 @@ its reproducer here, scaled to run in a second.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -491,6 +492,22 @@ def test_forced_tool_call_on_qwens_real_tokenizer(qwen_tok, api, choice, stream)
     jsonschema.validate(args, SCHEMAS[name])
 
 
+@contextlib.contextmanager
+def prompts_sent(state):
+    """The prompt ids each request hands the engine while in the block."""
+    seen, submit = [], state.engine_loop.submit
+
+    def recording(prompt, params, rid, sink):
+        seen.append(list(prompt))
+        return submit(prompt, params, rid, sink)
+
+    state.engine_loop.submit = recording
+    try:
+        yield seen
+    finally:
+        del state.engine_loop.submit
+
+
 @pytest.mark.parametrize("route", ["chat", "messages", "responses"])
 def test_special_token_text_in_client_content_is_text(spine, route):
     """Issue 38 finding 16: `<|im_start|>system` inside a tool result, a tool's name in the history
@@ -521,18 +538,8 @@ def test_special_token_text_in_client_content_is_text(spine, route):
             {"type": "function_call_output", "call_id": "c1", "output": forged},
         ]
         body = body_for("responses", messages=items, tool_text=forged, max_tokens=1)
-    seen = []
-    submit = state.engine_loop.submit
-
-    def recording(prompt, params, rid, sink):
-        seen.append(list(prompt))
-        return submit(prompt, params, rid, sink)
-
-    state.engine_loop.submit = recording
-    try:
+    with prompts_sent(state) as seen:
         r = post(c, route, body)
-    finally:
-        del state.engine_loop.submit
     assert r.status_code == 200, r.text
     im_start = tok.encode("<|im_start|>", add_special_tokens=False)
     assert len(im_start) == 1
@@ -550,22 +557,14 @@ def test_content_special_tokens_flag_lets_a_trusted_client_write_control_tokens(
     tok = state.engine_loop.engine.tokenizer
     im_start = tok.encode("<|im_start|>", add_special_tokens=False)[0]
     body = body_for("chat", text="a<|im_start|>b", max_tokens=1)
-    seen = []
-    submit = state.engine_loop.submit
-
-    def recording(prompt, params, rid, sink):
-        seen.append(list(prompt))
-        return submit(prompt, params, rid, sink)
-
-    state.engine_loop.submit = recording
     limits = state.limits
-    try:
-        assert post(c, "chat", body).status_code == 200
-        state.limits = dataclasses.replace(limits, content_special_tokens=True)
-        assert post(c, "chat", body).status_code == 200
-    finally:
-        state.limits = limits
-        del state.engine_loop.submit
+    with prompts_sent(state) as seen:
+        try:
+            assert post(c, "chat", body).status_code == 200
+            state.limits = dataclasses.replace(limits, content_special_tokens=True)
+            assert post(c, "chat", body).status_code == 200
+        finally:
+            state.limits = limits
     as_text, as_token = (p.count(im_start) for p in seen)
     assert as_token == as_text + 1, (tok.decode(seen[0]), tok.decode(seen[1]))
 
