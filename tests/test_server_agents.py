@@ -379,3 +379,33 @@ def test_a_late_system_message_is_folded_where_the_template_refuses_it(agents, m
     folded = [{"role": "system", "content": "First.\n\nLate."}, *[m for m in msgs if m["role"] != "system"]]
     want = tok.apply_chat_template(folded, add_generation_prompt=True, tokenize=False)
     assert seen[0] == tok.encode(want, add_special_tokens=False)
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(agents):
+    """lm-eval's remote tokenizer and token-counting scripts: `/tokenize` gives the ids the
+    `tokenizers` library gives (the reference), `/detokenize` its text back; bad input is the
+    route's 4xx naming the field."""
+    from tokenizers import Tokenizer
+
+    c, state, tok, tok_dir = agents
+    ref = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    text = "def f(x):\n    return x  # héllo 🙂<|im_start|>"
+    r = c.post("/tokenize", json={"model": "tiny", "prompt": text})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == ref.encode(text).ids and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == CONTEXT
+    r = c.post("/detokenize", json={"model": "tiny", "tokens": body["tokens"]})
+    assert r.status_code == 200 and r.json()["prompt"] == ref.decode(body["tokens"], skip_special_tokens=False) == text
+    ids = [1, 2, 3]
+    assert c.post("/tokenize", json={"model": "tiny", "prompt": ids}).json()["tokens"] == ids
+    vocab = state.capacity.vocab_size
+    for path, bad, field in (
+        ("/detokenize", {"model": "tiny", "tokens": [vocab]}, "tokens"),
+        ("/tokenize", {"model": "tiny", "prompt": [vocab]}, "prompt"),
+        ("/tokenize", {"model": "tiny", "prompt": ""}, "prompt"),
+        ("/tokenize", {"model": "tiny", "prompt": 5}, "prompt"),
+    ):
+        r = c.post(path, json=bad)
+        assert r.status_code == 400 and field in r.json()["error"]["message"], (path, bad, r.text)
+    assert c.post("/tokenize", json={"model": "nope", "prompt": "hi"}).status_code == 404

@@ -11,9 +11,9 @@ ids; client text is text), `openai_format` (outputs to OpenAI JSON, stream hold-
 (the one OpenAI error object), `engine_loop` (the one thread that drives the engine; requests'
 wire form for tensor parallelism), `metrics` (Prometheus), `limits` (what one request may ask),
 `middleware` (auth, body cap, draining, the catch-all 500, the access line, for every route),
-`keepalive` (beats on a silent stream), `connections`
-(header deadline, fd limit, accept errors), `app` (wiring), `web` (the page at `/` and its cache
-view, docs/web.md), `cli` (the click command).
+`keepalive` (beats on a silent stream), `connections` (header deadline, fd limit, accept
+errors), `tokenize_api` (vLLM's /tokenize and /detokenize), `app` (wiring), `web` (the page at
+`/` and its cache view, docs/web.md), `cli` (the click command).
 Behaviour under hostile clients: docs/server.md.
 May import: `engine`, `core`, `attention`.
 """

@@ -35,6 +35,7 @@ from .openai_api import register_openai
 from .openai_format import TokenText
 from .reasoning import ThinkMarkers
 from .responses_api import register_responses
+from .tokenize_api import register_tokenize
 from .tools import CallMarkers, ToolFormat
 from .web import OPEN_PATHS as WEB_PATHS
 from .web import register_web
@@ -150,6 +151,7 @@ def build_app(
     register_responses(v1, state, text_of)
     app.include_router(v1)
     register_anthropic(app, state)
+    register_tokenize(app, state)  # at the root, as vLLM serves them
     if web:  # the page and its cache view (web.py); --no-web leaves them out
         register_web(app, engine_loop)
     return app
