@@ -82,6 +82,8 @@ def _open(driver, server) -> None:
     model = server.client().models.list().data[0].id
     _wait(driver, lambda d: _text(d, "#model") == model, what="the model's name")
     _wait(driver, lambda d: _text(d, "#cache-state").startswith("live"), what="the cache view's stream")
+    # "live" is shown when the stream opens; the first picture may draw a moment later
+    _wait(driver, lambda d: _pool(d)["total"] > 0, what="the cache view's first picture")
 
 
 def _ask(driver, text: str, *, n=1, temperature=0.0, max_tokens=16) -> None:
