@@ -153,20 +153,29 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         speculate = self.spec.active(self._num_running_seqs)
+        prefilling = []  # the running requests with tokens to prefill, in order
         for req in list(self.running.values()):
-            if req.status is RequestStatus.RUNNING and req.prompt_prefilled:
-                for seq in req.live_seqs():
-                    if seq.num_uncomputed == 1 and not self._ends_with_pending(req, seq):
-                        if speculate and self.spec.schedule(req, seq, out):
-                            continue  # a decode with its proposals: 1 + K scheduled tokens
-                        if not self._allocate_or_preempt(req, seq, 1, out):
-                            break
-                        out.decodes.append((req, seq))
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            if not req.prompt_prefilled:
+                prefilling.append(req)
+                continue
+            for seq in req.live_seqs():
+                todo = seq.num_uncomputed
+                if todo > 1:
+                    if not prefilling or prefilling[-1] is not req:
+                        prefilling.append(req)
+                elif todo == 1 and not self._ends_with_pending(req, seq):
+                    if speculate and self.spec.schedule(req, seq, out):
+                        continue  # a decode with its proposals: 1 + K scheduled tokens
+                    if not self._allocate_or_preempt(req, seq, 1, out):
+                        break
+                    out.decodes.append((req, seq))
         budget = self.config.max_num_batched_tokens - out.num_decode_tokens
-        for req in list(self.running.values()):
+        for req in prefilling:
             if budget <= 0:
                 break
-            if req.status is RequestStatus.RUNNING:
+            if req.status is RequestStatus.RUNNING:  # not preempted meanwhile
                 budget = self._schedule_prefill(req, budget, out)
         while (
             self.waiting
@@ -342,10 +351,8 @@ class Scheduler:
             rows.append(SampleRow(req, req.live_seqs() if completes else [chunk.seq], i))
         return rows
 
-    def update_from_forward(
-        self, out: SchedulerOutput, pending: list[tuple[Sequence, PendingToken]] = ()
-    ) -> list[SampleRow]:
-        """Record that the scheduled tokens were computed; say who samples from which logits row.
+    def update_from_forward(self, out: SchedulerOutput, pending: list[tuple[Sequence, PendingToken]] = ()) -> None:
+        """Record that the scheduled tokens were computed, and the drawn tokens as pending.
 
         Full blocks are named (prefix cache): every token they hold is known by now, since the
         engine reads back the previous step's tokens before it calls this. A carrier that
@@ -353,7 +360,6 @@ class Scheduler:
         sample from its logits. A sequence that finished (or was aborted) after the step was
         scheduled is skipped: its blocks are gone and its token is never used.
         """
-        rows = self.sample_rows(out)
         for _req, seq in out.decodes:
             if seq.finished:
                 continue
@@ -374,7 +380,6 @@ class Scheduler:
         for seq, p in pending:
             if not seq.finished:  # finished after the step was scheduled: a wasted row
                 seq.pending = p
-        return [r for r in rows if not r.request.finished]
 
     def update_from_output(
         self,

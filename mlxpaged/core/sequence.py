@@ -174,7 +174,10 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.seqs)
+        for s in self.seqs:  # a loop, not all(): read several times per sample per step
+            if s.finish_reason is None:
+                return False
+        return True
 
     @property
     def carrier(self) -> Sequence:

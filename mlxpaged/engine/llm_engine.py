@@ -69,7 +69,7 @@ from .sampling_params import SamplingParams, salt_key
 from .spec_decode import NgramProposer, Verifier, spec_draws, spec_rows
 from .stats import METRIC_KEYS, EngineStats, engine_stats
 from .step import LaunchedStep, StepLayer, requests_of
-from .stopping import StopChecker, hidden_token_ids, make_output
+from .stopping import StopChecker, detokenizers, hidden_token_ids, make_output
 
 if TYPE_CHECKING:  # annotations only: loading imports nothing of the engine
     from ..loading.loader import LoadedModel
@@ -86,6 +86,7 @@ class LLMEngine:
         self.loaded = loaded
         self.config = config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
+        self._detokenizer = detokenizers(self.tokenizer)
         self.cache_shape = CacheShape.of(loaded).quantized(config.kv_bits, config.kv_group_size)
         draft = self._load_draft() if config.speculative == "draft" else None
         # The draft's pool has the target pool's block ids: its bytes count in every block.
@@ -258,7 +259,7 @@ class LLMEngine:
                 len(ids),
                 sample_index=i,
                 rng_key=None if params.greedy else sample_key(seed, i),
-                detokenizer=self.tokenizer.detokenizer,
+                detokenizer=self._detokenizer(),
                 matcher=grammar.matcher() if grammar is not None else None,
                 cache_salt=salt_key(params.cache_salt),
             )

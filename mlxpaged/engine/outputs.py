@@ -20,7 +20,7 @@ class TokenLogprob:
     top_logprobs: list[tuple[int, float]]  # the `SamplingParams.logprobs` most likely (id, logprob), best first
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     index: int  # the sample's index within its request
     text: str
@@ -34,7 +34,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None

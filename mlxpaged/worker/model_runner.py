@@ -47,20 +47,22 @@ class ModelRunner:
         place of one row: logits rows follow the entries, each entry contributing 1 or n rows.
         """
         spec_tokens = spec_tokens or {}
+        if not spec_tokens and all(n == 1 for _, n in batch):
+            return self.model(self._input_ids(batch, len(batch), spec_tokens), self.kv_cache, self._decode_meta(batch))
         bs = self.block_size
         num_seqs = len(batch)
         q_lens = np.array([n for _, n in batch], dtype=np.int32)
         starts = np.array([s.num_computed_tokens for s, _ in batch], dtype=np.int32)
         cu = np.zeros(num_seqs + 1, dtype=np.int32)
         np.cumsum(q_lens, out=cu[1:])
-        max_blocks = max(len(s.block_table) for s, _ in batch)
-        tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
-        for i, (s, _) in enumerate(batch):
-            tables[i, : len(s.block_table)] = s.block_ids
+        # One flat list and one masked store, not a numpy row store per sequence (host time).
+        num_blocks = np.array([len(s.block_table) for s, _ in batch], dtype=np.int32)
+        tables = np.zeros((num_seqs, int(num_blocks.max())), dtype=np.int32)
+        tables[np.arange(tables.shape[1]) < num_blocks[:, None]] = [b.block_id for s, _ in batch for b in s.block_table]
         seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
         positions = (np.arange(cu[-1]) - cu[seq_of_token] + starts[seq_of_token]).astype(np.int32)
         # Token t goes to its own sequence's table: index the flattened tables past that row's start.
-        slots = slot_mapping(tables.reshape(-1), seq_of_token * max_blocks * bs + positions, bs)
+        slots = slot_mapping(tables.reshape(-1), seq_of_token * tables.shape[1] * bs + positions, bs)
         meta = AttentionMetadata(
             slot_mapping=mx.array(slots),
             positions=mx.array(positions),
@@ -71,6 +73,25 @@ class ModelRunner:
             impl=self.attention_impl,
         )
         return self.model(self._input_ids(batch, int(cu[-1]), spec_tokens), self.kv_cache, meta)
+
+    def _decode_meta(self, batch: list[tuple[Sequence, int]]) -> AttentionMetadata:
+        """`forward`'s metadata when every entry is one token (the decode steps): the same arrays,
+        built from Python lists without numpy (a step's host time at small batches)."""
+        bs = self.block_size
+        starts = [s.num_computed_tokens for s, _ in batch]
+        width = max(len(s.block_table) for s, _ in batch)
+        tables = [[b.block_id for b in s.block_table] + [0] * (width - len(s.block_table)) for s, _ in batch]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, starts)]
+        steps = list(range(len(batch) + 1))
+        return AttentionMetadata(
+            slot_mapping=mx.array(slots, dtype=mx.int32),
+            positions=mx.array(starts, dtype=mx.int32),
+            block_tables=mx.array(tables, dtype=mx.int32),
+            cu_seqlens_q=mx.array(steps, dtype=mx.int32),
+            context_lens=mx.array([p + 1 for p in starts], dtype=mx.int32),
+            logits_indices=mx.array(steps[:-1], dtype=mx.int32),
+            impl=self.attention_impl,
+        )
 
     @staticmethod
     def _logits_indices(cu: np.ndarray, spec_tokens: dict[int, list[int]]) -> np.ndarray:
