@@ -49,7 +49,7 @@ def _run(engine: LLMEngine, on_step) -> list:
 
 def interleaved(loaded, block_size: int = 4, num_blocks: int = 32, steps: int = 40) -> dict[int, dict[str, list[int]]]:
     """Decode the two ``INTERLEAVED_PROMPTS`` together; step -> {label: block ids} while both run."""
-    engine = LLMEngine(loaded, EngineConfig(block_size=block_size, num_blocks=num_blocks))
+    engine = LLMEngine(loaded, EngineConfig.of(block_size=block_size, num_blocks=num_blocks))
     greedy = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     labels = {}
     for label, text in INTERLEAVED_PROMPTS.items():
@@ -100,7 +100,7 @@ def fork_n(
     params = SamplingParams(
         n=n, temperature=0.9, top_p=0.95, top_k=50, seed=seed, max_tokens=max_tokens, ignore_eos=True
     )
-    engine = LLMEngine(loaded, EngineConfig(block_size=block_size, num_blocks=num_blocks))
+    engine = LLMEngine(loaded, EngineConfig.of(block_size=block_size, num_blocks=num_blocks))
     engine.add_request(prompt, params, request_id="fork")
     pool = engine.block_manager.pool
     tables, history = {}, []
@@ -132,7 +132,7 @@ def prefix_prompts(tokenizer, vocab_size: int, length: int = 96, shared: int = 8
 
 def prefix_reuse(loaded, prompts: dict[str, list[int]], block_size: int = 16, num_blocks: int = 64) -> dict[str, int]:
     """Run the prompts one after another in one engine; request id -> prompt tokens reused from the cache."""
-    engine = LLMEngine(loaded, EngineConfig(block_size=block_size, num_blocks=num_blocks))
+    engine = LLMEngine(loaded, EngineConfig.of(block_size=block_size, num_blocks=num_blocks))
     cached = {}
     for rid, ids in prompts.items():  # each arrives after the previous one has finished
         engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=8), request_id=rid)

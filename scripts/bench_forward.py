@@ -48,7 +48,7 @@ def systems(loaded, ref, batch: int, context: int) -> dict:
     blocks = batch * (-(-(context + 8) // 16)) + 8
     engine = LLMEngine(
         loaded,
-        EngineConfig(
+        EngineConfig.of(
             num_blocks=blocks,
             enable_prefix_caching=False,
             async_scheduling=False,

@@ -123,7 +123,7 @@ def main():
 
     path = write_tiny_qwen2(Path(tempfile.mkdtemp()) / "tiny")
     loaded = load(str(path), "float32")
-    engines = {c: LLMEngine(loaded, EngineConfig(num_blocks=1024, max_num_seqs=args.batch)) for c in (False, True)}
+    engines = {c: LLMEngine(loaded, EngineConfig.of(num_blocks=1024, max_num_seqs=args.batch)) for c in (False, True)}
     one_run(engines, args.batch, 8, args.block, (False, True))  # warm-up: compiles the grammar (cached) and the graphs
     rows = []
     for run in range(args.runs):

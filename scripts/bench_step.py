@@ -110,7 +110,7 @@ class Bench:
         blocks = num_seqs * (-(-(20 + max_tokens) // 16))
         self.engine = engine = LLMEngine(
             loaded,
-            EngineConfig(
+            EngineConfig.of(
                 num_blocks=blocks + 8, max_num_seqs=num_seqs, attention_impl="reference", async_scheduling=mode == "on"
             ),
         )

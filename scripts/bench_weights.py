@@ -62,7 +62,7 @@ def decode_tps(loaded, prompt_ids: list[int], max_tokens: int) -> float:
     """Greedy tokens/s of one request, timing the decode steps only."""
     from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=(len(prompt_ids) + max_tokens) // 16 + 4))
+    engine = LLMEngine(loaded, EngineConfig.of(num_blocks=(len(prompt_ids) + max_tokens) // 16 + 4))
     engine.add_request(prompt_ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     engine.step()  # prefill and the first token: not timed
     t0 = time.perf_counter()

@@ -25,7 +25,9 @@ import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
 def run(loaded, case: str, prompt: list[int], max_tokens: int, temperature: float, top: int) -> dict:
     from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 
-    engine = LLMEngine(loaded, EngineConfig(enable_prefix_caching=case != "fan4-nocache", attention_impl="reference"))
+    engine = LLMEngine(
+        loaded, EngineConfig.of(enable_prefix_caching=case != "fan4-nocache", attention_impl="reference")
+    )
     if case == "n4":
         engine.add_request(
             prompt, SamplingParams(n=4, temperature=temperature, seed=0, max_tokens=max_tokens, ignore_eos=True)

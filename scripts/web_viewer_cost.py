@@ -56,7 +56,7 @@ def picture_cost(tiny: Path, num_blocks: int, requests: int, max_tokens: int) ->
     from mlxpaged.engine.cache_view import Labels, cache_view
     from mlxpaged.engine.sampling_params import SamplingParams
 
-    engine = build_engine(str(tiny), EngineConfig(num_blocks=num_blocks), dtype="float32")
+    engine = build_engine(str(tiny), EngineConfig.of(num_blocks=num_blocks), dtype="float32")
     for i in range(requests):
         engine.add_request(
             f"request {i}: tell me a long story",

@@ -95,6 +95,7 @@ def real(real_ref):
 
 FILE_TIERS = {
     "test_block_manager.py": "unit",
+    "test_config.py": "unit",
     "test_sampler.py": "unit",
     "test_waste.py": "unit",
     "test_paged_attention.py": "unit",

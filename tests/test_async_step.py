@@ -24,7 +24,7 @@ def prompt(i: int) -> list[int]:
 
 def engine_for(tiny_loaded, overlap: bool, **kw) -> LLMEngine:
     cfg = dict(block_size=4, num_blocks=256, max_num_batched_tokens=48, attention_impl="reference")
-    return LLMEngine(tiny_loaded, EngineConfig(**{**cfg, **kw, "async_scheduling": overlap}))
+    return LLMEngine(tiny_loaded, EngineConfig.of(**{**cfg, **kw, "async_scheduling": overlap}))
 
 
 def summary(out) -> list:

@@ -18,7 +18,9 @@ PROMPTS = ["The KV cache stores", "Paged attention borrows an idea from operatin
 def engine_beams(
     loaded, prompts, width, max_tokens, eos=None, num_blocks=256, block_size=16, check=True, ignore_eos=False
 ):
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=num_blocks, block_size=block_size, attention_impl="reference"))
+    engine = LLMEngine(
+        loaded, EngineConfig.of(num_blocks=num_blocks, block_size=block_size, attention_impl="reference")
+    )
     if eos is not None:
         engine.eos_token_ids = set(eos)
     p = BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=ignore_eos)

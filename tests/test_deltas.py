@@ -21,7 +21,7 @@ def _run(engine, params_by_rid):
 
 
 def test_deltas_sum_to_cumulative_outputs(tiny_loaded):
-    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=128, attention_impl="reference"))
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=128, attention_impl="reference"))
     base = dict(n=2, temperature=0.8, seed=7, max_tokens=40, logprobs=2)
     plain = _run(engine, {engine.add_request(PROMPT, SamplingParams(**base), request_id="p"): 0})["p"][-1]
     # a stop string from the middle of sample 0's text: several tokens long, it is split across deltas

@@ -30,7 +30,7 @@ def test_batched_decode_matches_contiguous(tiny_loaded, mlx_lm_tiny):
         "Write a Python function",
         "Blocks of sixteen tokens are found through a block table, one per sequence.",
     ]
-    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=128, attention_impl="reference"))
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=128, attention_impl="reference"))
     rids = [engine.add_request(p, greedy(60)) for p in prompts]
     done = {}
     while engine.has_unfinished_requests():
@@ -47,7 +47,7 @@ def test_batched_decode_matches_contiguous(tiny_loaded, mlx_lm_tiny):
 @pytest.mark.parametrize("block_size", [1, 4, 256])
 def test_block_sizes_match_contiguous(tiny_loaded, mlx_lm_tiny, block_size):
     ref_model, tok = mlx_lm_tiny
-    engine = LLMEngine(tiny_loaded, EngineConfig(block_size=block_size, num_blocks=4096 // block_size))
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(block_size=block_size, num_blocks=4096 // block_size))
     outs = []
     for p in PROMPTS:
         engine.add_request(p, greedy(30))
@@ -64,7 +64,7 @@ def test_n_samples_share_prompt_blocks(tiny_loaded, mlx_lm_tiny):
     prompt = (tok.encode(" ".join(PROMPTS) * 3))[:44]
     assert len(prompt) == 44
     params = SamplingParams(n=4, temperature=0.9, top_p=0.95, top_k=50, seed=7, max_tokens=64, ignore_eos=True)
-    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=64, block_size=16))
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=64, block_size=16))
     engine.add_request(prompt, params)
     outs = []
     while engine.has_unfinished_requests():
@@ -84,7 +84,7 @@ def test_seeded_sample_does_not_depend_on_batch(tiny_loaded, mlx_lm_tiny):
     """A seeded sample gives the same tokens whatever else runs beside it."""
     ref_model, tok = mlx_lm_tiny
     p = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=20, ignore_eos=True)
-    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=128))
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=128))
     engine.add_request(PROMPTS[0], p, request_id="group")
     engine.add_request(PROMPTS[1], SamplingParams(temperature=1.0, seed=5, max_tokens=25))
     engine.add_request(

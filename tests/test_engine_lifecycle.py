@@ -23,7 +23,7 @@ def test_stopping_token_is_kept_in_ids_but_not_in_text(tiny_loaded, mlx_lm_tiny,
     ref = contiguous_generate(ref_model, ids, 12)
     stop_tok = ref[6]
     cut = ref.index(stop_tok)  # the first time the model emits it
-    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=32, attention_impl="reference"))
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=32, attention_impl="reference"))
     if how == "eos":
         engine.eos_token_ids = {stop_tok}
         params = greedy(12)
@@ -39,7 +39,7 @@ def test_ignore_eos_keeps_going_and_keeps_the_text(tiny_loaded, mlx_lm_tiny):
     ref_model, tok = mlx_lm_tiny
     ids = tok.encode(PROMPT)
     ref = contiguous_generate(ref_model, ids, 10)
-    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=32, attention_impl="reference"))
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=32, attention_impl="reference"))
     engine.eos_token_ids = {ref[3]}
     rid = engine.add_request(ids, greedy(10, ignore_eos=True))
     out = run_all(engine)[rid].outputs[0]
@@ -48,7 +48,7 @@ def test_ignore_eos_keeps_going_and_keeps_the_text(tiny_loaded, mlx_lm_tiny):
 
 def test_abort_frees_blocks_at_once_and_others_go_on(tiny_loaded, mlx_lm_tiny):
     ref_model, tok = mlx_lm_tiny
-    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=64, attention_impl="reference"))
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=64, attention_impl="reference"))
     keep = engine.add_request(PROMPT, greedy(30, ignore_eos=True))
     drop = engine.add_request(
         "Paged attention borrows an idea", SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=30, ignore_eos=True)
@@ -71,7 +71,7 @@ def test_abort_frees_blocks_at_once_and_others_go_on(tiny_loaded, mlx_lm_tiny):
 
 
 def test_abort_a_waiting_request(tiny_loaded):
-    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=64, attention_impl="reference"))
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=64, attention_impl="reference"))
     rid = engine.add_request(PROMPT, greedy(5))
     req = engine._requests[rid]
     assert req.status is RequestStatus.WAITING
@@ -81,7 +81,7 @@ def test_abort_a_waiting_request(tiny_loaded):
 
 def test_a_failing_step_fails_only_its_requests(tiny_loaded, mlx_lm_tiny, monkeypatch):
     ref_model, tok = mlx_lm_tiny
-    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=64, attention_impl="reference"))
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=64, attention_impl="reference"))
     a = engine.add_request(PROMPT, greedy(8, ignore_eos=True))
     engine.step()
     real_forward = engine.runner.forward
@@ -96,7 +96,7 @@ def test_a_failing_step_fails_only_its_requests(tiny_loaded, mlx_lm_tiny, monkey
 
 
 def test_metrics_count_running_waiting_and_blocks(tiny_loaded):
-    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=64, max_num_seqs=2, attention_impl="reference"))
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=64, max_num_seqs=2, attention_impl="reference"))
     for i in range(3):
         engine.add_request(f"{PROMPT} {i}", greedy(4, ignore_eos=True))
     engine.step()

@@ -66,7 +66,7 @@ def test_ragged_chunked_prefix_hits_match_contiguous(family):
     blocks are cached before the others arrive, so they start from its prefix."""
     name, loaded, ref_model, tok = family
     engine = LLMEngine(
-        loaded, EngineConfig(block_size=4, num_blocks=128, max_num_batched_tokens=8, attention_impl="reference")
+        loaded, EngineConfig.of(block_size=4, num_blocks=128, max_num_batched_tokens=8, attention_impl="reference")
     )
     engine.add_request(SYSTEM, greedy(4), request_id="warm")
     run_all(engine)
@@ -84,7 +84,7 @@ def test_n4_copy_on_write_and_preemption_match_contiguous(family):
     prompt = tok.encode(PROMPTS[3])[:30]  # a partly filled last block: forks copy it
     params = SamplingParams(n=4, temperature=0.8, seed=3, max_tokens=40, ignore_eos=True)
     # The group peaks at 51 blocks, the other request at about 20: together they overflow 56.
-    engine = LLMEngine(loaded, EngineConfig(block_size=4, num_blocks=56, attention_impl="reference"))
+    engine = LLMEngine(loaded, EngineConfig.of(block_size=4, num_blocks=56, attention_impl="reference"))
     rid = engine.add_request(prompt, params)
     other = engine.add_request(PROMPTS[1], greedy(40))
     done = run_all(engine)
@@ -159,7 +159,7 @@ def test_8bit_kv_cache_keeps_the_float_tokens(family):
     family's router is a second place where a few hundredths change the output: a routing
     margin under 0.05 counts as a tie too."""
     name, loaded, ref_model, tok = family
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=64, kv_bits=8, kv_group_size=32, attention_impl="reference"))
+    engine = LLMEngine(loaded, EngineConfig.of(num_blocks=64, kv_bits=8, kv_group_size=32, attention_impl="reference"))
     rids = [engine.add_request(p, greedy(24)) for p in PROMPTS]
     done = run_all(engine)
     compared = 0
@@ -179,7 +179,7 @@ def test_emulated_metal_path_gives_the_reference_tokens(name, tmp_path):
     loaded = load(str(write_tiny_family(tmp_path / name, name)), "float32")
 
     def run(impl):
-        engine = LLMEngine(loaded, EngineConfig(block_size=16, num_blocks=32, attention_impl=impl))
+        engine = LLMEngine(loaded, EngineConfig.of(block_size=16, num_blocks=32, attention_impl=impl))
         rids = [engine.add_request(p, greedy(6)) for p in PROMPTS[:2]]
         done = run_all(engine)
         return [done[r].outputs[0].token_ids for r in rids]
@@ -258,7 +258,7 @@ def test_adapter_fails_loudly_if_attention_bypasses_it(family, monkeypatch):
     (module,) = attention_modules(loaded.model)  # a wrapper's layers come from another module (smollm3: llama)
     base = importlib.import_module("mlx_lm.models.base")
     monkeypatch.setattr(module, "scaled_dot_product_attention", base.scaled_dot_product_attention)
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=16, attention_impl="reference"))
+    engine = LLMEngine(loaded, EngineConfig.of(num_blocks=16, attention_impl="reference"))
     engine.add_request(PROMPTS[0], greedy(2))
     with pytest.raises(Exception, match=rf"AdapterError: \S+/{module.__name__.rsplit('.', 1)[-1]}\.py: \w+\.__call__"):
         run_all(engine)

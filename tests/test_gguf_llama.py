@@ -172,7 +172,7 @@ def test_gguf_gives_mlx_lm_tokens(tmp_path, monkeypatch, arch, weights):
     loaded = load(str(tmp_path / f"{arch}.gguf"), "float32", weights)
     assert loaded.config["model_type"] == arch and loaded.weights == weights
     engine = LLMEngine(
-        loaded, EngineConfig(block_size=4, num_blocks=128, max_num_batched_tokens=16, attention_impl="reference")
+        loaded, EngineConfig.of(block_size=4, num_blocks=128, max_num_batched_tokens=16, attention_impl="reference")
     )
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     rids = [engine.add_request(p, params) for p in PROMPTS]

@@ -348,7 +348,7 @@ def test_real_greedy_tokens_agree_with_float(real_pair, snippet_scores):
     first_close = int(np.argmax(close)) if close.any() else FREE_RUN
     assert first_close >= 4, first_close  # enough tokens to compare (a property of this prompt)
     loaded = load(None, "float32", weights="quantized")
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=16))
+    engine = LLMEngine(loaded, EngineConfig.of(num_blocks=16))
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=first_close, ignore_eos=True))
     done = []
     while engine.has_unfinished_requests():

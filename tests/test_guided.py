@@ -99,7 +99,7 @@ PROMPTS = ["Reply in JSON.", "The KV cache stores", "Give me an object:", "01234
 
 
 def make_engine(loaded, **kw) -> LLMEngine:
-    return LLMEngine(loaded, EngineConfig(**{"num_blocks": 1024, "max_num_seqs": 128, **kw}))
+    return LLMEngine(loaded, EngineConfig.of(**{"num_blocks": 1024, "max_num_seqs": 128, **kw}))
 
 
 def run(engine: LLMEngine, requests: list[tuple[str, SamplingParams]], stream: bool = False):

@@ -30,7 +30,7 @@ def ids(seed: int, n: int) -> list[int]:
 
 def engine(loaded, store: Path | None, **kw) -> LLMEngine:
     kw.setdefault("num_blocks", 96)
-    return LLMEngine(loaded, EngineConfig(prefix_cache_dir=None if store is None else str(store), **kw))
+    return LLMEngine(loaded, EngineConfig.of(prefix_cache_dir=None if store is None else str(store), **kw))
 
 
 def run(e: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY):

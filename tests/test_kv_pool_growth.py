@@ -78,7 +78,7 @@ def _prompts(n, length):
 
 
 def test_a_growing_pool_generates_mlx_lm_tokens(tiny_loaded, mlx_lm_tiny):
-    engine = LLMEngine(tiny_loaded, EngineConfig(kv_chunk_blocks=2, attention_impl="reference"))
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(kv_chunk_blocks=2, attention_impl="reference"))
     assert engine.num_blocks == 2 and engine.max_blocks > 40
     prompts = _prompts(4, 30)
     ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)) for p in prompts]
@@ -90,7 +90,7 @@ def test_a_growing_pool_generates_mlx_lm_tokens(tiny_loaded, mlx_lm_tiny):
 
 
 def test_idle_trim_frees_memory_and_keeps_the_prefix_cache_correct(tiny_loaded, mlx_lm_tiny):
-    engine = LLMEngine(tiny_loaded, EngineConfig(kv_chunk_blocks=2, attention_impl="reference"))
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(kv_chunk_blocks=2, attention_impl="reference"))
     filler, shared = _prompts(2, 60)
     shared = shared[:48]  # three full blocks
     engine.add_request(filler, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
@@ -119,7 +119,7 @@ def test_idle_trim_frees_memory_and_keeps_the_prefix_cache_correct(tiny_loaded, 
 def test_a_request_that_fits_the_cap_is_admitted_and_one_beyond_it_is_refused(tiny_loaded, mlx_lm_tiny):
     bpb = CacheShape.of(tiny_loaded).bytes_per_block(16)
     engine = LLMEngine(
-        tiny_loaded, EngineConfig(kv_chunk_blocks=2, kv_memory_gb=8.5 * bpb / 1e9, attention_impl="reference")
+        tiny_loaded, EngineConfig.of(kv_chunk_blocks=2, kv_memory_gb=8.5 * bpb / 1e9, attention_impl="reference")
     )
     assert (engine.num_blocks, engine.max_blocks) == (2, 8)
     prompt = _prompts(1, 100)[0]  # 100 + 28 - 1 tokens: 8 blocks, all the cap holds
@@ -134,9 +134,9 @@ def test_a_growing_pool_is_capped_by_memory_not_by_max_kv_tokens(tiny_loaded):
     """An agent's context (issue 39: 27k prompt tokens + max_tokens 32,000) must fit whatever
     the memory cap allows; the cap once stopped at max_kv_tokens // block_size = 4,096 blocks."""
     bpb = CacheShape.of(tiny_loaded).bytes_per_block(16)
-    config = EngineConfig(kv_memory_gb=9000.5 * bpb / 1e9, attention_impl="reference")
+    config = EngineConfig.of(kv_memory_gb=9000.5 * bpb / 1e9, attention_impl="reference")
     engine = LLMEngine(tiny_loaded, config)
-    assert config.max_kv_tokens // 16 < engine.max_blocks == 9000
+    assert config.cache.max_kv_tokens // 16 < engine.max_blocks == 9000
     assert engine.num_blocks == CHUNK_TOKENS // 16  # nothing beyond the first chunk until used
     prompt = _prompts(1, 20)[0]
     engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=70_000 - 20, ignore_eos=True))
@@ -145,7 +145,7 @@ def test_a_growing_pool_is_capped_by_memory_not_by_max_kv_tokens(tiny_loaded):
 
 
 def test_a_fixed_pool_does_not_grow_or_trim(tiny_loaded):
-    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=6, attention_impl="reference"))
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=6, attention_impl="reference"))
     assert engine.max_blocks == 6
     engine.add_request(_prompts(1, 20)[0], SamplingParams(temperature=0.0, max_tokens=4))
     run_all(engine)
@@ -154,9 +154,9 @@ def test_a_fixed_pool_does_not_grow_or_trim(tiny_loaded):
 
 def test_bad_pool_settings_are_refused():
     with pytest.raises(ValueError, match="kv_memory_gb"):
-        EngineConfig(kv_memory_gb=0)
+        EngineConfig.of(kv_memory_gb=0)
     with pytest.raises(ValueError, match="kv_chunk_blocks"):
-        EngineConfig(kv_chunk_blocks=0)
+        EngineConfig.of(kv_chunk_blocks=0)
 
 
 def test_the_server_loop_trims_the_pool_when_it_goes_idle(tiny_loaded):
@@ -165,7 +165,7 @@ def test_the_server_loop_trims_the_pool_when_it_goes_idle(tiny_loaded):
 
     from mlxpaged.server.engine_loop import EngineLoop, Sink
 
-    loop = EngineLoop(lambda: LLMEngine(tiny_loaded, EngineConfig(kv_chunk_blocks=2, attention_impl="reference")))
+    loop = EngineLoop(lambda: LLMEngine(tiny_loaded, EngineConfig.of(kv_chunk_blocks=2, attention_impl="reference")))
     loop.start()
     try:
 

@@ -277,15 +277,15 @@ def test_key_scales_are_measured_once_per_loaded_model(tiny_model_path, mlx_lm_t
     real = kv_calibration.key_scales
     monkeypatch.setattr(kv_calibration, "key_scales", lambda *a, **k: calls.append(1) or real(*a, **k))
     loaded = load(str(tiny_model_path), "float32")
-    first = LLMEngine(loaded, EngineConfig(num_blocks=8, kv_bits=8)).kv_cache.key_scales
-    second = LLMEngine(loaded, EngineConfig(num_blocks=8, kv_bits=4)).kv_cache.key_scales
-    LLMEngine(loaded, EngineConfig(num_blocks=8))  # a float cache needs none
+    first = LLMEngine(loaded, EngineConfig.of(num_blocks=8, kv_bits=8)).kv_cache.key_scales
+    second = LLMEngine(loaded, EngineConfig.of(num_blocks=8, kv_bits=4)).kv_cache.key_scales
+    LLMEngine(loaded, EngineConfig.of(num_blocks=8))  # a float cache needs none
     assert len(calls) == 1 and all(a is b for a, b in zip(first, second))
     ref_model, tok = mlx_lm_tiny
     want = numpy_key_scales(ref_model, calibration_ids(tok, ref_model.args.vocab_size))
     for g, w in zip(second, want):
         np.testing.assert_allclose(np.array(g), w, rtol=2e-4)
-    LLMEngine(load(str(tiny_model_path), "float32"), EngineConfig(num_blocks=8, kv_bits=8))
+    LLMEngine(load(str(tiny_model_path), "float32"), EngineConfig.of(num_blocks=8, kv_bits=8))
     assert len(calls) == 2
 
 
@@ -346,7 +346,7 @@ def test_engine_matches_contiguous_quantized_cache(tiny_loaded, mlx_lm_tiny, bit
     ref_model, tok = mlx_lm_tiny
     engine = LLMEngine(
         tiny_loaded,
-        EngineConfig(
+        EngineConfig.of(
             num_blocks=128,
             block_size=4,
             max_num_batched_tokens=12,
@@ -370,7 +370,7 @@ def test_engine_matches_contiguous_quantized_cache(tiny_loaded, mlx_lm_tiny, bit
 def test_8bit_greedy_agrees_with_float_cache(tiny_loaded, mlx_lm_tiny):
     """The tiny model's output layer (logit scale 4) leaves large top-2 gaps: 8-bit K/V keeps the float tokens."""
     ref_model, tok = mlx_lm_tiny
-    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=128, kv_bits=8, attention_impl="reference"))
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=128, kv_bits=8, attention_impl="reference"))
     rids = [engine.add_request(p, greedy(40)) for p in PROMPTS]
     done = run_all(engine)
     for p, r in zip(PROMPTS, rids):
@@ -383,7 +383,7 @@ def test_prefix_cache_on_equals_off_8bit(tiny_loaded):
     for caching in (True, False):
         engine = LLMEngine(
             tiny_loaded,
-            EngineConfig(num_blocks=128, enable_prefix_caching=caching, kv_bits=8, attention_impl="reference"),
+            EngineConfig.of(num_blocks=128, enable_prefix_caching=caching, kv_bits=8, attention_impl="reference"),
         )
         outs = {}
         for i, q in enumerate(["Reverse a list.", "Sum a list.", "Sort a dict by value."]):
@@ -405,13 +405,13 @@ def test_forked_samples_equal_samples_run_alone_8bit(tiny_loaded):
     prompt = (tiny_loaded.tokenizer.encode(" ".join(PROMPTS)))[:42]  # the last block is partly filled: copies
     params = SamplingParams(n=4, temperature=0.9, seed=7, max_tokens=24, ignore_eos=True)
     cfg = dict(num_blocks=64, block_size=16, kv_bits=8, kv_group_size=32, attention_impl="reference")
-    engine = LLMEngine(tiny_loaded, EngineConfig(**cfg))
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(**cfg))
     engine.add_request(prompt, params, request_id="group")
     group = run_all(engine)["group"].outputs
     assert engine.stats_dict()["cow_copies"] == 3
     assert len({tuple(c.token_ids) for c in group}) == 4  # the samples really differ
     for i in range(4):
-        alone = LLMEngine(tiny_loaded, EngineConfig(**cfg))
+        alone = LLMEngine(tiny_loaded, EngineConfig.of(**cfg))
         rid = alone.add_request(prompt, SamplingParams(temperature=0.9, seed=7, max_tokens=24, ignore_eos=True))
         alone._requests[rid].seqs[0].rng_key = sample_key(7, i)  # sample i's stream; i = 0 is the request's own
         assert run_all(alone)[rid].outputs[0].token_ids == group[i].token_ids, i
@@ -457,11 +457,11 @@ def test_quantized_pool_bytes_match_its_arrays():
 
 def test_bad_settings_raise():
     with pytest.raises(ValueError, match="kv_bits"):
-        EngineConfig(kv_bits=3)
+        EngineConfig.of(kv_bits=3)
     with pytest.raises(ValueError, match="kv_group_size"):
-        EngineConfig(kv_bits=8, kv_group_size=48)
+        EngineConfig.of(kv_bits=8, kv_group_size=48)
     with pytest.raises(ValueError, match="kv_group_size"):
-        EngineConfig(kv_group_size=48)  # a typo even without kv_bits
+        EngineConfig.of(kv_group_size=48)  # a typo even without kv_bits
     with pytest.raises(ValueError, match="head_dim 32"):
         CacheShape(1, 2, 32, mx.float32).quantized(8, 64)
 
@@ -507,7 +507,7 @@ def test_cli_generate_kv_bits(tiny_model_path, tiny_loaded):
     assert (st["kv_bits"], st["kv_group_size"]) == (8, 64)
     # K and V, 2 layers, 2 KV heads, 16 slots, rows of 64 one-byte codes + a float32 scale and bias
     assert st["pool_gb"] * 1e9 == pytest.approx(st["num_blocks"] * 2 * 2 * 2 * 16 * (64 + 8), rel=1e-6)
-    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=8, kv_bits=8, attention_impl="reference"))
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=8, kv_bits=8, attention_impl="reference"))
     rid = engine.add_request(tiny_loaded.tokenizer.encode(prompt), greedy(12))
     assert data["outputs"][0]["token_ids"] == run_all(engine)[rid].outputs[0].token_ids
     r = CliRunner().invoke(

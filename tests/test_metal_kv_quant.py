@@ -472,7 +472,7 @@ def run_engine(loaded, impl, bits):
     from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 
     engine = LLMEngine(
-        loaded, EngineConfig(block_size=16, num_blocks=64, attention_impl=impl, kv_bits=bits, kv_group_size=32)
+        loaded, EngineConfig.of(block_size=16, num_blocks=64, attention_impl=impl, kv_bits=bits, kv_group_size=32)
     )
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     for p in ["The KV cache stores", "Paged attention borrows an idea from operating systems:"]:

@@ -488,7 +488,7 @@ def test_engine_prefills_through_the_kernel(tiny_loaded, monkeypatch):
 
     def run(impl):
         engine = LLMEngine(
-            tiny_loaded, EngineConfig(block_size=4, num_blocks=96, attention_impl=impl, max_num_batched_tokens=24)
+            tiny_loaded, EngineConfig.of(block_size=4, num_blocks=96, attention_impl=impl, max_num_batched_tokens=24)
         )
         for i, p in enumerate(prompts):
             engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), request_id=str(i))

@@ -7,7 +7,7 @@ from mlxpaged.metal_emu import emulate
 
 
 def run(loaded, impl, prompts, n=1, block_size=16):
-    engine = LLMEngine(loaded, EngineConfig(block_size=block_size, num_blocks=64, attention_impl=impl))
+    engine = LLMEngine(loaded, EngineConfig.of(block_size=block_size, num_blocks=64, attention_impl=impl))
     params = SamplingParams(n=n, temperature=0.0 if n == 1 else 0.8, seed=1, max_tokens=12, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)

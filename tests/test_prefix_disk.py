@@ -33,7 +33,7 @@ def ids(seed: int, n: int) -> list[int]:
 
 def engine(loaded, store: Path | None, **kw) -> LLMEngine:
     kw.setdefault("num_blocks", 96)
-    return LLMEngine(loaded, EngineConfig(prefix_cache_dir=None if store is None else str(store), **kw))
+    return LLMEngine(loaded, EngineConfig.of(prefix_cache_dir=None if store is None else str(store), **kw))
 
 
 def run(e: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY):
@@ -312,7 +312,7 @@ def test_a_store_of_other_weights_is_never_read(tmp_path, prompt600, caplog):
 def test_namespace_names_every_setting(tiny_loaded, tmp_path):
     digests = set()
     for kw in [{}, {"block_size": 32}, {"kv_bits": 8}, {"kv_bits": 8, "kv_group_size": 32}, {"kv_bits": 4}]:
-        e = LLMEngine(tiny_loaded, EngineConfig(num_blocks=8, **kw))
+        e = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=8, **kw))
         for rank, world in [(0, 1), (0, 2), (1, 2)]:
             digests.add(
                 prefix_store.namespace(prefix_store.namespace_parts(tiny_loaded, e.kv_cache, rank=rank, world=world))
@@ -335,11 +335,11 @@ def test_reads_slower_than_recomputing_are_not_used(tiny_loaded, tmp_path, promp
 # -- settings and the CLI ----------------------------------------------------------------------------------------------
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="prefix caching"):
-        EngineConfig(prefix_cache_dir="/tmp/x", enable_prefix_caching=False)
+        EngineConfig.of(prefix_cache_dir="/tmp/x", enable_prefix_caching=False)
     with pytest.raises(ValueError, match="prefix_cache_disk_gb"):
-        EngineConfig(prefix_cache_dir="/tmp/x", prefix_cache_disk_gb=0)
+        EngineConfig.of(prefix_cache_dir="/tmp/x", prefix_cache_disk_gb=0)
     with pytest.raises(ValueError, match="needs prefix_cache_dir"):
-        EngineConfig(prefix_cache_disk_gb=1.0)
+        EngineConfig.of(prefix_cache_disk_gb=1.0)
 
 
 def test_generate_cli_reuses_the_prefix_across_runs(tiny_model_path, tmp_path, prompt600):
@@ -440,7 +440,7 @@ def test_tensor_parallel_ranks_keep_their_own_shards(tiny_model_path, tiny_loade
         assert all(f.exists() for f in files), r.stdout + r.stderr
         return [json.loads(f.read_text()) for f in files]
 
-    ref = run(LLMEngine(tiny_loaded, EngineConfig(block_size=w.BLOCK_SIZE, num_blocks=64)), [w.PROMPT])[0]
+    ref = run(LLMEngine(tiny_loaded, EngineConfig.of(block_size=w.BLOCK_SIZE, num_blocks=64)), [w.PROMPT])[0]
     first = launch_once("first")
     assert [r["cached"] for r in first] == [0, 0]
     assert first[0]["namespace_dir"] != first[1]["namespace_dir"]

@@ -34,7 +34,7 @@ def test_four_samples_share_a_chat_prompt(real):
     prompt = tok.encode(text, add_special_tokens=False)
     assert len(prompt) == 44
     params = SamplingParams(n=4, temperature=0.8, top_p=0.95, seed=3, max_tokens=32, ignore_eos=True)
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=64))
+    engine = LLMEngine(loaded, EngineConfig.of(num_blocks=64))
     engine.add_request(prompt, params)
     done = []
     while engine.has_unfinished_requests():
@@ -58,7 +58,7 @@ def test_prefix_caching_on_equals_off(real):
     g = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     runs = []
     for caching in (True, False):
-        engine = LLMEngine(loaded, EngineConfig(num_blocks=64, enable_prefix_caching=caching))
+        engine = LLMEngine(loaded, EngineConfig.of(num_blocks=64, enable_prefix_caching=caching))
         outs = {}
         for i, p in enumerate(prompts):  # one after another, so later ones can hit the cache
             engine.add_request(p, g, request_id=str(i))
@@ -85,7 +85,7 @@ def test_beam_search_width_4_matches_contiguous(real):
         tokenize=False,
     )
     prompt = tok.encode(text, add_special_tokens=False)
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=64))
+    engine = LLMEngine(loaded, EngineConfig.of(num_blocks=64))
     rid = engine.add_beam_request(prompt, BeamSearchParams(beam_width=4, max_tokens=16))
     done = {}
     while engine.has_unfinished_requests():
@@ -141,7 +141,7 @@ def test_kv_8bit_greedy_matches_contiguous_quantized_cache(real):
         tokenize=False,
     )
     prompt = tok.encode(text, add_special_tokens=False)
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=16, kv_bits=8, attention_impl="reference"))
+    engine = LLMEngine(loaded, EngineConfig.of(num_blocks=16, kv_bits=8, attention_impl="reference"))
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     done = []
     while engine.has_unfinished_requests():

@@ -185,7 +185,7 @@ def test_logit_bias_forces_and_bans(bias):
 
 
 def run_one(loaded, p: SamplingParams) -> list[int]:
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=64))
+    engine = LLMEngine(loaded, EngineConfig.of(num_blocks=64))
     rid = engine.add_request("The KV cache stores", p)
     done = {}
     while engine.has_unfinished_requests():
@@ -239,7 +239,7 @@ def test_engine_penalties_match_contiguous_reference(tiny_loaded, mlx_lm_tiny, a
             ignore_eos=True,
         ),
     ]
-    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=64, async_scheduling=async_scheduling))
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=64, async_scheduling=async_scheduling))
     ids = [engine.add_request(pr, p) for pr, p in zip(prompts, params)]
     done = {}
     while engine.has_unfinished_requests():
@@ -252,7 +252,7 @@ def test_engine_penalties_match_contiguous_reference(tiny_loaded, mlx_lm_tiny, a
 
 
 def test_logit_bias_outside_vocabulary_is_refused(tiny_loaded):
-    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=16))
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=16))
     with pytest.raises(MlxPagedError, match="logit_bias token id 384"):
         engine.add_request("x", SamplingParams(logit_bias={384: 1.0}))
 

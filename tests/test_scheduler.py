@@ -19,7 +19,7 @@ def test_prefix_rule_in_the_engine(tiny_loaded, mlx_lm_tiny):
     a = [(17 * i + 3) % 300 + 1 for i in range(96)]
     b = a[:85] + [5, 6, 7, 8]
     c = a[:2] + [a[2] + 1] + a[3:]
-    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=64))
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=64))
     g = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     cached = {}
     for name, prompt in [("A", a), ("B", b), ("C", c), ("A2", a)]:
@@ -39,7 +39,7 @@ def test_prefix_caching_on_equals_off(tiny_loaded, block_size):
     results = []
     for caching in (True, False):
         engine = LLMEngine(
-            tiny_loaded, EngineConfig(block_size=block_size, num_blocks=256, enable_prefix_caching=caching)
+            tiny_loaded, EngineConfig.of(block_size=block_size, num_blocks=256, enable_prefix_caching=caching)
         )
         for i, p in enumerate(prompts):
             engine.add_request(p, g, request_id=str(i))
@@ -53,7 +53,7 @@ def test_prefix_caching_on_equals_off(tiny_loaded, block_size):
 def test_chunked_prefill_matches_contiguous(tiny_loaded, mlx_lm_tiny):
     ref_model, _ = mlx_lm_tiny
     long = [(7 * i) % 300 + 1 for i in range(150)]
-    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=64, max_num_batched_tokens=32))
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=64, max_num_batched_tokens=32))
     engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), request_id="short")
     engine.add_request(long, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), request_id="long")
     steps = 0
@@ -84,7 +84,7 @@ def test_preemption_recomputes_to_the_same_tokens(tiny_loaded, caching):
 
     def run(num_blocks):
         engine = LLMEngine(
-            tiny_loaded, EngineConfig(block_size=4, num_blocks=num_blocks, enable_prefix_caching=caching)
+            tiny_loaded, EngineConfig.of(block_size=4, num_blocks=num_blocks, enable_prefix_caching=caching)
         )
         for i, (p, sp) in enumerate(zip(prompts, params)):
             engine.add_request(p, sp, request_id=str(i))
@@ -104,7 +104,7 @@ def test_randomized_workload_keeps_invariants(tiny_loaded):
     for _trial in range(3):
         engine = LLMEngine(
             tiny_loaded,
-            EngineConfig(
+            EngineConfig.of(
                 block_size=rng.choice([2, 4, 8]),
                 num_blocks=rng.randint(40, 90),
                 max_num_seqs=rng.randint(2, 8),
@@ -182,7 +182,7 @@ def test_hash_collision_recomputes_in_the_engine(tiny_loaded, mlx_lm_tiny):
     """Every block hashes alike: B must recompute, never read A's cached blocks."""
     ref_model, _ = mlx_lm_tiny
     engine = LLMEngine(
-        tiny_loaded, EngineConfig(block_size=4, num_blocks=64), hash_fn=lambda parent, tokens, extra: b"same"
+        tiny_loaded, EngineConfig.of(block_size=4, num_blocks=64), hash_fn=lambda parent, tokens, extra: b"same"
     )
     a = [(5 * i) % 300 + 1 for i in range(24)]
     b = [(7 * i) % 300 + 2 for i in range(24)]
@@ -203,7 +203,7 @@ def test_requests_arriving_together_share_a_prefix(tiny_loaded):
     g = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     results = []
     for caching in (True, False):
-        engine = LLMEngine(tiny_loaded, EngineConfig(block_size=16, num_blocks=64, enable_prefix_caching=caching))
+        engine = LLMEngine(tiny_loaded, EngineConfig.of(block_size=16, num_blocks=64, enable_prefix_caching=caching))
         for i, p in enumerate(prompts):
             engine.add_request(p, g, request_id=str(i))
         done = run_all(engine)
@@ -217,7 +217,7 @@ def test_preemption_takes_the_newest_and_requeues_it_first(tiny_loaded, mlx_lm_t
     front of the waiting queue, ahead of a request that never ran."""
     ref_model, _ = mlx_lm_tiny
     # Two sequences at most run at once; each needs 7 blocks at full length, the pool has 12.
-    engine = LLMEngine(tiny_loaded, EngineConfig(block_size=4, num_blocks=12, max_num_seqs=2, watermark=0.0))
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(block_size=4, num_blocks=12, max_num_seqs=2, watermark=0.0))
     g = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     prompts = {rid: [(11 * i + 7 * k) % 250 + 1 for i in range(8)] for k, rid in enumerate(["old", "new", "queued"])}
     for rid, prompt in prompts.items():
@@ -247,7 +247,7 @@ def test_block_reused_only_under_its_own_parent(tiny_loaded, mlx_lm_tiny):
     ref_model, _ = mlx_lm_tiny
     bs = 4
     X, W, Z, Y, t = ([(13 * i + 5 * k) % 250 + 1 for i in range(bs)] for k in range(5))
-    engine = LLMEngine(tiny_loaded, EngineConfig(block_size=bs, num_blocks=64))
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(block_size=bs, num_blocks=64))
     g = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     for rid, prompt in (("A", X + W + t), ("C", Z + Y + t)):
         engine.add_request(prompt, g, request_id=rid)

@@ -403,7 +403,7 @@ def test_step_error_fails_only_its_requests(tiny_loaded, monkeypatch):
 
     mx.eval(tiny_loaded.model.parameters())
     metrics = Metrics()
-    loop = EngineLoop(lambda: LLMEngine(tiny_loaded, EngineConfig(num_blocks=64)), observer=metrics)
+    loop = EngineLoop(lambda: LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=64)), observer=metrics)
     loop.start()
     metrics.attach(loop)
     app = build_app(loop, metrics, model_id="tiny")

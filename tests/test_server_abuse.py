@@ -446,8 +446,8 @@ def test_default_max_tokens_is_the_largest_the_engine_admits(tiny_loaded):
     from mlxpaged.errors import MlxPagedError
     from mlxpaged.server.limits import Capacity, default_max_tokens
 
-    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=100))
-    cap = Capacity(4096, 384, engine.max_blocks, engine.config.block_size, 13)
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=100))
+    cap = Capacity(4096, 384, engine.max_blocks, engine.config.cache.block_size, 13)
     for num_prompt, n in [(10, 1), (10, 8), (100, 64), (17, 3), (600, 5)]:
         m = default_max_tokens(cap, 1024, num_prompt, n)
         rid = f"ok{num_prompt}-{n}"
@@ -471,7 +471,7 @@ def test_unhandled_error_is_one_500_error_object(tiny_loaded, caplog):
 
     mx.eval(tiny_loaded.model.parameters())
     metrics = Metrics()
-    loop = EngineLoop(lambda: LLMEngine(tiny_loaded, EngineConfig(num_blocks=64)), observer=metrics)
+    loop = EngineLoop(lambda: LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=64)), observer=metrics)
     loop.start()
     metrics.attach(loop)
     app = build_app(loop, metrics, model_id="tiny")

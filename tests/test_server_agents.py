@@ -51,7 +51,7 @@ def agents(tmp_path_factory):
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}))
     loaded = load(str(path), "float32")
-    loop = EngineLoop(lambda: LLMEngine(loaded, EngineConfig(num_blocks=CONTEXT // 16 + 8)))
+    loop = EngineLoop(lambda: LLMEngine(loaded, EngineConfig.of(num_blocks=CONTEXT // 16 + 8)))
     loop.start()
     app = build_app(loop, Metrics(), model_id=CLAUDE_MODEL, model_aliases={"tiny"})
     with TestClient(app) as c:

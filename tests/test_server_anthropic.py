@@ -315,7 +315,7 @@ def test_a_failed_step_is_anthropics_error(tiny_loaded, monkeypatch):
     from mlxpaged.server.metrics import Metrics
 
     mx.eval(tiny_loaded.model.parameters())
-    loop = EngineLoop(lambda: LLMEngine(tiny_loaded, EngineConfig(num_blocks=64)))
+    loop = EngineLoop(lambda: LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=64)))
     loop.start()
     app = build_app(loop, Metrics(), model_id="tiny")
     real = loop.engine._forward

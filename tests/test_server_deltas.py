@@ -27,7 +27,7 @@ def _app(loaded):
     from mlxpaged.server.engine_loop import EngineLoop
     from mlxpaged.server.metrics import Metrics
 
-    loop = EngineLoop(lambda: LLMEngine(loaded, EngineConfig(num_blocks=64)))
+    loop = EngineLoop(lambda: LLMEngine(loaded, EngineConfig.of(num_blocks=64)))
     loop.start()
     return TestClient(build_app(loop, Metrics(), model_id="tiny")), loop
 

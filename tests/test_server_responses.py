@@ -272,7 +272,7 @@ def test_a_failed_step_is_an_error_object(tiny_loaded, monkeypatch):
     from mlxpaged.server.metrics import Metrics
 
     mx.eval(tiny_loaded.model.parameters())
-    loop = EngineLoop(lambda: LLMEngine(tiny_loaded, EngineConfig(num_blocks=64)))
+    loop = EngineLoop(lambda: LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=64)))
     loop.start()
     app = build_app(loop, Metrics(), model_id="tiny")
 

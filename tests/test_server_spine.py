@@ -36,7 +36,7 @@ def spine(tiny_loaded):
     from mlxpaged.server.metrics import Metrics
 
     mx.eval(tiny_loaded.model.parameters())
-    loop = EngineLoop(lambda: LLMEngine(tiny_loaded, EngineConfig(num_blocks=POOL_BLOCKS)))
+    loop = EngineLoop(lambda: LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=POOL_BLOCKS)))
     loop.start()
     limits = Limits(max_stop_strings=MAX_STOPS, max_request_tokens=MAX_REQUEST_TOKENS)
     app = build_app(loop, Metrics(), model_id="tiny", limits=limits, responses_store=STORE)
@@ -154,7 +154,7 @@ def test_default_max_tokens_is_against_the_pools_maximum(tiny_loaded, monkeypatc
     from mlxpaged.server.metrics import Metrics
 
     mx.eval(tiny_loaded.model.parameters())
-    config = EngineConfig(num_blocks=None, kv_chunk_blocks=4, kv_memory_gb=0.5, max_kv_tokens=16384)
+    config = EngineConfig.of(num_blocks=None, kv_chunk_blocks=4, kv_memory_gb=0.5, max_kv_tokens=16384)
     loop = EngineLoop(lambda: LLMEngine(tiny_loaded, config))
     loop.start()
     app = build_app(loop, Metrics(), model_id="tiny")
@@ -404,7 +404,7 @@ def qwen_tok(tmp_path_factory):
     path = write_tiny_with_tokenizer(tmp_path_factory.mktemp("qwen-tok"), convert_gguf(ensure_offline_model()))
     loaded = load(str(path), "float32")
     assert loaded.tokenizer.encode("<tool_call>", add_special_tokens=False) == [151657]
-    loop = EngineLoop(lambda: LLMEngine(loaded, EngineConfig(num_blocks=64)))
+    loop = EngineLoop(lambda: LLMEngine(loaded, EngineConfig.of(num_blocks=64)))
     loop.start()
     app = build_app(loop, Metrics(), model_id="tiny")
     with TestClient(app) as c:
@@ -650,7 +650,7 @@ def test_a_family_without_a_parser_serves_text_and_refuses_forced_calls(tmp_path
     shutil.copy(tokenizer_dir(tmp_path / "tok", PLAIN + "{# <|python_tag|> #}") / "tokenizer_config.json", path)
     loaded = load(str(path), "float32")
     mx.eval(loaded.model.parameters())
-    loop = EngineLoop(lambda: LLMEngine(loaded, EngineConfig(num_blocks=32)))
+    loop = EngineLoop(lambda: LLMEngine(loaded, EngineConfig.of(num_blocks=32)))
     loop.start()
     with caplog.at_level(logging.WARNING, logger="mlxpaged.server"):
         app = build_app(loop, Metrics(), model_id="tiny")
@@ -684,7 +684,7 @@ def thinker(tmp_path_factory):
     path = write_tiny_thinker(tmp_path_factory.mktemp("thinker"))
     loaded = load(str(path), "float32")
     assert loaded.tokenizer.has_thinking
-    loop = EngineLoop(lambda: LLMEngine(loaded, EngineConfig(num_blocks=64)))
+    loop = EngineLoop(lambda: LLMEngine(loaded, EngineConfig.of(num_blocks=64)))
     loop.start()
     with TestClient(build_app(loop, Metrics(), model_id="tiny")) as c:
         yield c, loaded.tokenizer

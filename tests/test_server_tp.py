@@ -107,7 +107,7 @@ def test_guided_and_tool_requests_on_two_ranks_equal_one_process(tiny_model_path
                 errs.append(p.communicate()[1])
     assert [p.returncode for p in procs] == [0, 0], [e[-1500:] for e in errs]
 
-    loop = EngineLoop(lambda: LLMEngine(tiny_loaded, EngineConfig(num_blocks=128)))
+    loop = EngineLoop(lambda: LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=128)))
     loop.start()
     with TestClient(build_app(loop, Metrics(), model_id="tiny")) as c:
         want = [c.post("/v1/chat/completions", json=b).json() for b in BODIES]

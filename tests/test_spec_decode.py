@@ -33,7 +33,7 @@ def engine_for(tiny_loaded, spec: bool, **kw) -> LLMEngine:
         speculative="ngram" if spec else None,
         num_speculative_tokens=4,
     )
-    return LLMEngine(tiny_loaded, EngineConfig(**{**cfg, **kw}))
+    return LLMEngine(tiny_loaded, EngineConfig.of(**{**cfg, **kw}))
 
 
 def check_blocks(engine: LLMEngine) -> None:
@@ -281,13 +281,13 @@ def test_seeded_spec_is_reproducible(tiny_loaded):
 # -- settings and visibility --------------------------------------------------------------------
 def test_config_refuses_bad_settings():
     with pytest.raises(ValueError, match="needs a draft model"):
-        EngineConfig(speculative="draft")
+        EngineConfig.of(speculative="draft")
     with pytest.raises(ValueError, match="speculative must be"):
-        EngineConfig(speculative="medusa")
+        EngineConfig.of(speculative="medusa")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        EngineConfig(speculative="ngram", num_speculative_tokens=0)
+        EngineConfig.of(speculative="ngram", num_speculative_tokens=0)
     with pytest.raises(ValueError, match="prompt_lookup_min"):
-        EngineConfig(speculative="ngram", prompt_lookup_min=4, prompt_lookup_max=2)
+        EngineConfig.of(speculative="ngram", prompt_lookup_min=4, prompt_lookup_max=2)
 
 
 def test_generate_summary_shows_acceptance(tiny_model_path):

@@ -44,7 +44,7 @@ def engine_for(tiny_loaded, draft: str | None, **kw) -> LLMEngine:
         draft_model=str(draft) if draft else None,
         num_speculative_tokens=4,
     )
-    return LLMEngine(tiny_loaded, EngineConfig(**{**cfg, **kw}))
+    return LLMEngine(tiny_loaded, EngineConfig.of(**{**cfg, **kw}))
 
 
 def check_draft_rows(engine: LLMEngine) -> None:
@@ -139,9 +139,9 @@ def test_growing_pool_grows_and_trims_both_pools(tiny_loaded, tiny_model_path, m
 
 def test_refusals(tiny_loaded, tmp_path):
     with pytest.raises(ValueError, match="needs a draft model"):
-        EngineConfig(speculative="draft")
+        EngineConfig.of(speculative="draft")
     with pytest.raises(ValueError, match="needs speculative='draft'"):
-        EngineConfig(speculative="ngram", draft_model="x")
+        EngineConfig.of(speculative="ngram", draft_model="x")
     other = write_tiny_qwen2(tmp_path / "other")
     write_tokenizer(other, vocab_size=300)  # another vocabulary
     with pytest.raises(MlxPagedError, match="must share the target's tokenizer"):

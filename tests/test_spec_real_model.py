@@ -30,7 +30,7 @@ def edit_prompt(tokenizer) -> list[int]:
 def test_edit_greedy_identity_with_ngram(real):
     loaded, ref = real
     prompt = edit_prompt(loaded.tokenizer)
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=64, speculative="ngram"))
+    engine = LLMEngine(loaded, EngineConfig.of(num_blocks=64, speculative="ngram"))
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     done = []
     while engine.has_unfinished_requests():
@@ -57,7 +57,7 @@ def test_edit_greedy_identity_with_a_draft_model(real, tmp_path):
     want = contiguous_generate(ref, prompt, 24)
     early = truncated_checkpoint(loaded.path, 2, tmp_path / "early")
     for draft in (str(loaded.path), early):
-        cfg = EngineConfig(num_blocks=64, speculative="draft", draft_model=draft, num_speculative_tokens=4)
+        cfg = EngineConfig.of(num_blocks=64, speculative="draft", draft_model=draft, num_speculative_tokens=4)
         engine = LLMEngine(loaded, cfg)
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
         (out,) = run_all(engine).values()

@@ -53,7 +53,9 @@ def ragged_prompts(count=8):
 
 def test_one_model_call_per_step(tiny_loaded):
     """A step with 3 decodes and 2 prefill chunks calls the model exactly once, with all 5 sequences."""
-    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=128, max_num_batched_tokens=64, attention_impl="reference"))
+    engine = LLMEngine(
+        tiny_loaded, EngineConfig.of(num_blocks=128, max_num_batched_tokens=64, attention_impl="reference")
+    )
     for i, p in enumerate(ragged_prompts(3)):
         engine.add_request(p[:5], greedy(20), request_id=f"d{i}")
     engine.step()  # the three short prompts prefill together in one pass
@@ -84,7 +86,7 @@ def test_ragged_prompts_together_match_contiguous(tiny_loaded, mlx_lm_tiny, cach
     prompts = [prompts[0] + p if i % 2 else p for i, p in enumerate(prompts)]  # some share a prefix
     engine = LLMEngine(
         tiny_loaded,
-        EngineConfig(num_blocks=256, block_size=4, enable_prefix_caching=caching, attention_impl="reference"),
+        EngineConfig.of(num_blocks=256, block_size=4, enable_prefix_caching=caching, attention_impl="reference"),
     )
     for i, p in enumerate(prompts):
         engine.add_request(p, greedy(12), request_id=str(i))
@@ -98,7 +100,7 @@ def test_chunked_prefill_at_any_chunk_size(tiny_loaded, mlx_lm_tiny, chunk):
     ref_model, _ = mlx_lm_tiny
     prompts = ragged_prompts(4)[1:]
     engine = LLMEngine(
-        tiny_loaded, EngineConfig(num_blocks=128, max_num_batched_tokens=chunk + 3, attention_impl="reference")
+        tiny_loaded, EngineConfig.of(num_blocks=128, max_num_batched_tokens=chunk + 3, attention_impl="reference")
     )
     for i, p in enumerate(prompts):
         engine.add_request(p, greedy(8), request_id=str(i))
@@ -110,7 +112,9 @@ def test_chunked_prefill_at_any_chunk_size(tiny_loaded, mlx_lm_tiny, chunk):
 def test_arrivals_while_others_decode(tiny_loaded, mlx_lm_tiny):
     ref_model, _ = mlx_lm_tiny
     prompts = ragged_prompts(6)
-    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=128, max_num_batched_tokens=40, attention_impl="reference"))
+    engine = LLMEngine(
+        tiny_loaded, EngineConfig.of(num_blocks=128, max_num_batched_tokens=40, attention_impl="reference")
+    )
     done = {}
     for i, p in enumerate(prompts):
         engine.add_request(p, greedy(10), request_id=str(i))

@@ -367,7 +367,7 @@ def test_cache_view_counts_a_forked_request(tiny_loaded):
     from mlxpaged.engine.llm_engine import LLMEngine
     from mlxpaged.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=64))
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=64))
     prompt = [(7 * i + 3) % 300 + 20 for i in range(40)]
     engine.add_request(prompt, SamplingParams(n=4, max_tokens=30, temperature=1.0, seed=0, ignore_eos=True))
     seqs = lambda: [s for r in engine.scheduler.running.values() for s in r.seqs]  # noqa: E731

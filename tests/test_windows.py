@@ -126,7 +126,7 @@ def test_windowed_chunked_prefill_and_prefix_hits_match_mlx_lm(gpt_oss, window):
     prompt and generation many windows long; the second request starts from a prefix hit."""
     _, loaded, ref_model, tok = gpt_oss[window]
     engine = LLMEngine(
-        loaded, EngineConfig(block_size=4, num_blocks=96, max_num_batched_tokens=8, attention_impl="reference")
+        loaded, EngineConfig.of(block_size=4, num_blocks=96, max_num_batched_tokens=8, attention_impl="reference")
     )
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     first = engine.add_request(SYSTEM, params)
@@ -173,7 +173,7 @@ def test_ngram_speculation_on_a_windowed_family_gives_plain_decoding(gpt_oss):
     _, loaded, ref_model, tok = gpt_oss[3]
     engine = LLMEngine(
         loaded,
-        EngineConfig(
+        EngineConfig.of(
             block_size=4, num_blocks=96, speculative="ngram", num_speculative_tokens=3, attention_impl="reference"
         ),
     )

@@ -66,7 +66,7 @@ def engine_concurrency(
     vocab = loaded.model.args.vocab_size
     engine = LLMEngine(
         loaded,
-        EngineConfig(
+        EngineConfig.of(
             block_size=block_size,
             num_blocks=capacity // block_size,
             max_num_seqs=4096,

@@ -63,7 +63,7 @@ def benchmark(
     store = Path(store_dir or tempfile.mkdtemp(prefix="mlxpaged-prefix-disk-"))
 
     def config(disk: bool) -> EngineConfig:
-        return EngineConfig(num_blocks=num_blocks, prefix_cache_dir=str(store) if disk else None)
+        return EngineConfig.of(num_blocks=num_blocks, prefix_cache_dir=str(store) if disk else None)
 
     rows: dict[str, list] = {"cold": [], "warm": [], "disk": []}
     tokens: dict[str, list] = {"cold": [], "warm": [], "disk": []}
@@ -73,7 +73,7 @@ def benchmark(
     _ttft(writer, prefix + next(q))
     writer.prefix_store.flush()
     store_stats = writer.prefix_store.stats
-    file_nbytes, block_size = writer.prefix_store.file_nbytes, writer.config.block_size
+    file_nbytes, block_size = writer.prefix_store.file_nbytes, writer.config.cache.block_size
     warm = LLMEngine(loaded, config(False))
     _ttft(warm, prefix + questions[-1])  # the warm engine's first serving of the prefix, untimed
     read_s_per_block = []

@@ -220,7 +220,7 @@ def compare(
     vocab = loaded.model.args.vocab_size
 
     def config(prefix_caching: bool):
-        return EngineConfig(
+        return EngineConfig.of(
             block_size=block_size,
             num_blocks=kv_tokens // block_size,
             max_num_seqs=max_num_seqs,

@@ -34,7 +34,7 @@ def measure(
     alone_max = sum(width * -(-(len(p) + max_tokens) // block_size) for p in prompts)
     engine = LLMEngine(
         loaded,
-        EngineConfig(
+        EngineConfig.of(
             block_size=block_size,
             num_blocks=alone_max + 1,
             enable_prefix_caching=False,

@@ -136,7 +136,7 @@ def run_mlxpaged(
         **(spec if isinstance(spec, dict) else {"speculative": "ngram" if spec else None}),
         **(engine_kwargs or {}),
     }
-    engine = LLMEngine(loaded, EngineConfig(**kw))
+    engine = LLMEngine(loaded, EngineConfig.of(**kw))
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     start = time.perf_counter()
     for p in prompts:
@@ -150,7 +150,7 @@ def run_mlxpaged(
     st = engine.stats_dict()
     n = sum(len(t) for t in tokens)
     return {
-        "system": engine.config.speculative or "plain",
+        "system": engine.config.speculative.method or "plain",
         "tokens": n,
         "wall_s": wall,
         "tps": n / wall,

@@ -87,7 +87,7 @@ def run_mlxpaged(
     params = SamplingParams(n=n, temperature=temperature, seed=0, max_tokens=max_tokens, ignore_eos=True)
     base = _memory_baseline()
     start = time.perf_counter()
-    engine = LLMEngine(loaded, EngineConfig(**kw))  # inside the clock: mlx-lm builds its caches inside it too
+    engine = LLMEngine(loaded, EngineConfig.of(**kw))  # inside the clock: mlx-lm builds its caches inside it too
     for p in prompts:
         engine.add_request(p, params)
     first, stamps, lengths = {}, {}, {}

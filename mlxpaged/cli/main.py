@@ -237,8 +237,8 @@ def generate(
         loaded = load_model(model, dtype, weights, group)
         ids = [_encode(loaded.tokenizer, p, chat) for p, _ in items]
         # `generate` knows its whole workload: a pool just big enough for all of it at full length.
-        need = sum(blocks_for_request(len(i), p.n, p.max_tokens, config.block_size) for i, p in zip(ids, params))
-        config.num_blocks = pool_blocks(loaded, config, need)
+        need = sum(blocks_for_request(len(i), p.n, p.max_tokens, config.cache.block_size) for i, p in zip(ids, params))
+        config.cache.num_blocks = pool_blocks(loaded, config, need)
         engine = build_engine(loaded, config, group=group)
         if beam is not None:
             rids = [engine.add_beam_request(i, beam) for i in ids]

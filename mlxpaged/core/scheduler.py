@@ -131,7 +131,7 @@ class Scheduler:
         self.num_beam_forks = 0
         self.num_beam_frees = 0
         self._num_running_seqs = 0  # live samples of running requests
-        self._headroom_blocks = int(config.watermark * block_manager.pool.max_blocks)
+        self._headroom_blocks = int(config.scheduler.watermark * block_manager.pool.max_blocks)
 
     @property
     def proposer(self) -> Callable[[list[int], int], list[int]] | None:
@@ -171,7 +171,7 @@ class Scheduler:
                     if not self._allocate_or_preempt(req, seq, 1, out):
                         break
                     out.decodes.append((req, seq))
-        budget = self.config.max_num_batched_tokens - out.num_decode_tokens
+        budget = self.config.scheduler.max_num_batched_tokens - out.num_decode_tokens
         for req in prefilling:
             if budget <= 0:
                 break
@@ -224,7 +224,7 @@ class Scheduler:
         # fewer when a stop came first); what the row wrote beyond is dropped.
         seq.num_computed_tokens += 1 + len(spec.proposal)
         self.bm.truncate(seq, seq.num_tokens - 1)
-        seq.spec.verified(len(spec.proposal), len(tokens) - 1, self.config.num_speculative_tokens)
+        seq.spec.verified(len(spec.proposal), len(tokens) - 1, self.config.speculative.num_speculative_tokens)
         self.bm.cache_full_blocks(seq)
         if reason is not None:
             seq.finish_reason = reason
@@ -268,7 +268,7 @@ class Scheduler:
         return False
 
     def _can_admit(self, req: Request) -> bool:
-        if self._num_running_seqs + req.max_live_seqs > self.config.max_num_seqs and self.running:
+        if self._num_running_seqs + req.max_live_seqs > self.config.scheduler.max_num_seqs and self.running:
             return False
         need = self.bm.blocks_for(req.prefill_target())
         headroom = self._headroom_blocks if self.running else 0

@@ -79,7 +79,7 @@ class SpecPolicy:
 
     def active(self, num_running_seqs: int) -> bool:
         """Speculation runs while the batch is small enough for the step to be bandwidth-bound."""
-        return self.proposer is not None and num_running_seqs <= self.config.speculative_max_batch_size
+        return self.proposer is not None and num_running_seqs <= self.config.speculative.max_batch_size
 
     @staticmethod
     def speculates(req: Request, seq: Sequence) -> bool:
@@ -102,7 +102,7 @@ class SpecPolicy:
         if not self.speculates(req, seq):
             return False
         if seq.spec is None:
-            seq.spec = SpecState(self.config.num_speculative_tokens)
+            seq.spec = SpecState(self.config.speculative.num_speculative_tokens)
         st = seq.spec
         if st.skip:
             st.skip -= 1
@@ -112,7 +112,7 @@ class SpecPolicy:
         if seq.pending is not None:
             return False  # its value is on the device: nothing to look up yet (the next step will be read back)
         # One slot past `blocks_for_request` at most: the step yields up to k + 1 tokens.
-        budget = self.config.max_num_batched_tokens - out.num_decode_tokens - 1
+        budget = self.config.scheduler.max_num_batched_tokens - out.num_decode_tokens - 1
         k = min(st.k, req.params.max_tokens - seq.num_output_tokens - 1, budget)
         proposal = self.proposer(seq.token_ids, k) if k > 0 else []
         if not proposal:

@@ -103,7 +103,7 @@ def tp_engine(
 ) -> TPEngine:
     """A `TPEngine` once every rank agrees on the pool size, the checkpoint and the settings."""
     # Free memory differs per host (and `generate` caps its pool by it): take what every rank can hold.
-    config.num_blocks = agree_min(group, pool_blocks(loaded, config))
+    config.cache.num_blocks = agree_min(group, pool_blocks(loaded, config))
     timeout = settings.tp_timeout() if timeout is None else timeout
     check_every = settings.tp_check_every() if check_every is None else check_every
     check_same_everywhere(
@@ -112,7 +112,7 @@ def tp_engine(
             "checkpoint config": loaded.config,
             "weights": weights_identity(loaded.path),
             "engine settings": {
-                **dataclasses.asdict(config),
+                **config.flat(),
                 "dtype": str(loaded.dtype),
                 "weights": loaded.weights,
                 "world": group.size(),

@@ -48,7 +48,7 @@ class Labels:
 def cache_view(engine: LLMEngine, labels: Labels) -> dict:
     """The pool, the running requests' block tables and the cache counters, now (see the module invariant)."""
     pool, sched, st = engine.block_manager.pool, engine.scheduler, engine.stats
-    bs = engine.config.block_size
+    bs = engine.config.cache.block_size
     states = "".join(USED if b.ref_cnt else CACHED if b.block_hash is not None else FREE for b in pool.blocks)
     shared = [[b.block_id, b.ref_cnt] for b in pool.blocks if b.ref_cnt > 1]
     fill: dict[int, int] = {}  # block id -> tokens whose KV it stores (a shared block counts once)

@@ -159,7 +159,7 @@ ENGINE_FIELDS = {
 
 def engine_config(kwargs: dict) -> EngineConfig:
     """The `EngineConfig` of a command's engine flags, removing them from `kwargs`."""
-    return EngineConfig(**{field: kwargs.pop(flag) for flag, field in ENGINE_FIELDS.items()})
+    return EngineConfig.of(**{field: kwargs.pop(flag) for flag, field in ENGINE_FIELDS.items()})
 
 
 def fail(msg: str) -> None:

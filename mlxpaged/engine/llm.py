@@ -18,7 +18,7 @@ class LLM:
 
     `model` is a local checkpoint directory, a `.gguf` file, a Hugging Face repo id, a
     `LoadedModel`, or `None` for the offline default. Other keyword arguments are
-    `EngineConfig` fields (block_size, num_blocks, max_num_seqs, max_num_batched_tokens, ...).
+    flat `EngineConfig.of` settings (block_size, num_blocks, max_num_seqs, max_num_batched_tokens, ...).
     `distributed=True` makes this process one rank of a tensor-parallel group started by
     `mlx.launch`: it loads only its shard, and every rank must make the same calls.
     """
@@ -35,7 +35,7 @@ class LLM:
         distributed: bool = False,
         **engine_kwargs,
     ):
-        config = EngineConfig(
+        config = EngineConfig.of(
             block_size=block_size,
             num_blocks=num_blocks,
             enable_prefix_caching=enable_prefix_caching,

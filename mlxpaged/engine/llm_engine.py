@@ -87,35 +87,37 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
         self._detokenizer = detokenizers(self.tokenizer)
-        self.cache_shape = CacheShape.of(loaded).quantized(config.kv_bits, config.kv_group_size)
-        draft = self._load_draft() if config.speculative == "draft" else None
+        self.cache_shape = CacheShape.of(loaded).quantized(config.cache.kv_bits, config.cache.kv_group_size)
+        draft = self._load_draft() if config.speculative.method == "draft" else None
         # The draft's pool has the target pool's block ids: its bytes count in every block.
-        extra = CacheShape.of(draft).bytes_per_block(config.block_size) if draft is not None else 0
+        extra = CacheShape.of(draft).bytes_per_block(config.cache.block_size) if draft is not None else 0
         growth = growable_pool(loaded, config, extra)  # (start, cap, chunk), or None for a fixed pool
         num_blocks = growth[0] if growth else pool_blocks(loaded, config, extra_block_bytes=extra)
         self.block_manager = BlockManager(
             num_blocks,
-            config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
+            config.cache.block_size,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
             hash_fn=hash_fn,
             extra_key=loaded.identity,
         )
         # A quantized cache divides keys by per-channel scales, measured once per loaded model (kv_calibration.py).
-        scales = model_key_scales(loaded) if config.kv_bits is not None else None
-        self.kv_cache = PagedKVCache.for_model(loaded.model, self.cache_shape, num_blocks, config.block_size, scales)
+        scales = model_key_scales(loaded) if config.cache.kv_bits is not None else None
+        self.kv_cache = PagedKVCache.for_model(
+            loaded.model, self.cache_shape, num_blocks, config.cache.block_size, scales
+        )
         self.drafter = (
-            DraftProposer(draft, loaded, num_blocks, config.block_size, config.attention_impl)
+            DraftProposer(draft, loaded, num_blocks, config.cache.block_size, config.attention_impl)
             if draft is not None
             else None
         )
         if growth:
             self.block_manager.pool.enable_growth(growth[1], growth[2])
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.attention_impl)
-        self.prefix_store = self._open_prefix_store() if config.prefix_cache_dir else None
+        self.prefix_store = self._open_prefix_store() if config.cache.prefix_cache_dir else None
         proposer = None
-        if config.speculative == "ngram":
-            proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        elif config.speculative == "draft":
+        if config.speculative.method == "ngram":
+            proposer = NgramProposer(config.speculative.prompt_lookup_min, config.speculative.prompt_lookup_max)
+        elif config.speculative.method == "draft":
             proposer = draft_slots
         self.scheduler = Scheduler(config, self.block_manager, proposer)
         self.check_stop = StopChecker(
@@ -124,7 +126,7 @@ class LLMEngine:
         self.stats = EngineStats()
         # The features beyond the plain pipeline, called at each of its stages in this order (step.py).
         self.layers: list[StepLayer] = [self.drafter] if self.drafter is not None else []
-        if config.speculative is not None:
+        if config.speculative.method is not None:
             self.layers.append(Verifier(self.scheduler, self.stats, self.check_stop))
         self.layers.append(BeamLayer(self.scheduler, self.stats, lambda t: t in self.eos_token_ids))
         if self.prefix_store is not None:
@@ -145,7 +147,7 @@ class LLMEngine:
         from ..loading.loader import DTYPES, load
 
         dtype = next(name for name, d in DTYPES.items() if d == self.loaded.dtype)
-        return load(self.config.draft_model, dtype)
+        return load(self.config.speculative.draft_model, dtype)
 
     def _resize_pools(self, num_blocks: int, copies: list[tuple[int, int]] = ()) -> None:
         """Grow or trim the KV pool, and every layer's pool beside it (the same block ids)."""
@@ -161,16 +163,16 @@ class LLMEngine:
         from ..worker.prefix_store import PrefixStore, namespace, namespace_parts
 
         rank, world, agree = self._ranks()
-        root = Path(self.config.prefix_cache_dir).expanduser()
+        root = Path(self.config.cache.prefix_cache_dir).expanduser()
         parts = namespace_parts(
             self.loaded, self.kv_cache, rank=rank, world=world, memo_file=root / "weights-digests.json"
         )
-        gb = self.config.prefix_cache_disk_gb
+        gb = self.config.cache.prefix_cache_disk_gb
         return PrefixStore(
             root,
             namespace(parts),
             self.kv_cache.block_nbytes(),
-            self.config.block_size,
+            self.config.cache.block_size,
             cap_bytes=None if gb is None else int(gb * 1e9),
             agree=agree,
             parts=parts,
@@ -312,7 +314,7 @@ class LLMEngine:
     @property
     def _pool_flag(self) -> str:
         """Which flag makes the pool larger: a fixed pool's size, or a growing pool's memory cap."""
-        if self.config.num_blocks is not None:
+        if self.config.cache.num_blocks is not None:
             return "raise --num-blocks"
         return "raise --kv-memory-gb (the pool grows up to it; default a quarter of the free memory)"
 
@@ -400,7 +402,7 @@ class LLMEngine:
     def _overlaps(self, step: LaunchedStep) -> bool:
         """Whether `step` stays in flight while the next is scheduled: not when its values decide
         the next schedule (a row may speculate on them, `read_back_now`; a layer's, e.g. beams)."""
-        if not self.config.async_scheduling or step.out.read_back_now:
+        if not self.config.scheduler.async_scheduling or step.out.read_back_now:
             return False
         return not any(layer.reads_at_once(step) for layer in self.layers)
 

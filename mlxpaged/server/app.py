@@ -64,7 +64,7 @@ def build_app(
         getattr(args, "max_position_embeddings", None),
         args.vocab_size,
         engine.max_blocks,
-        engine.config.block_size,
+        engine.config.cache.block_size,
         max_token_chars(engine.tokenizer),
     )
     # One tokenizer thread: HF tokenizers are not safe to call from several threads at once.

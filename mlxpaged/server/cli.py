@@ -186,9 +186,9 @@ def serve(
         group, follower = launched_rank()  # under mlx.launch: tensor parallel; rank 0 serves HTTP, the others follow it
         config = engine_config(engine_flags)
         if kv_memory_gb is not None:
-            if config.num_blocks is not None:
+            if config.cache.num_blocks is not None:
                 raise ValueError("--kv-memory-gb caps a growing pool; --num-blocks fixes its size: give one")
-            config = dataclasses.replace(config, kv_memory_gb=kv_memory_gb)
+            config.cache = dataclasses.replace(config.cache, kv_memory_gb=kv_memory_gb)
     make = lambda: _load_engine(model, dtype, weights, config, group)  # noqa: E731
     if follower:
         return _follow(make, group)
@@ -328,9 +328,9 @@ def _exit_now() -> None:
 def _announce(host, port, model_id, loaded, engine, api_key) -> None:
     from ..attention import resolve_impl
 
-    bs = engine.config.block_size
+    bs = engine.config.cache.block_size
     cfg = engine.config
-    kv = f" ({cfg.kv_bits}-bit K/V, group {cfg.kv_group_size})" if cfg.kv_bits else ""
+    kv = f" ({cfg.cache.kv_bits}-bit K/V, group {cfg.cache.kv_group_size})" if cfg.cache.kv_bits else ""
     cap = engine.max_blocks
     grows = (
         f", grows to {cap} blocks ({cap * engine.kv_cache.shape.bytes_per_block(bs) / 1e9:.3f} GB) as needed"
@@ -341,7 +341,7 @@ def _announce(host, port, model_id, loaded, engine, api_key) -> None:
         f"mlxpaged serve: http://{host}:{port}/v1  model {model_id} ({loaded.path}, {loaded.dtype})\n"
         f"  KV pool: {engine.num_blocks} blocks x {bs} tokens = {engine.num_blocks * bs} tokens, "
         f"{engine.kv_cache.nbytes / 1e9:.3f} GB{kv}{grows}; attention: {resolve_impl(engine.config.attention_impl)}; "
-        f"prefix caching: {'on' if engine.config.enable_prefix_caching else 'off'}; "
+        f"prefix caching: {'on' if engine.config.cache.enable_prefix_caching else 'off'}; "
         f"auth: {'API key' if api_key else 'none'}",
         err=True,
     )

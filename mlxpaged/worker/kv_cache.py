@@ -88,14 +88,16 @@ def blocks_for_memory(
 def pool_blocks(loaded, config, need: int | None = None, extra_block_bytes: int = 0) -> int:
     """The one pool-sizing rule, used by a single process and by every tensor-parallel rank.
 
-    `config.num_blocks` if set; else `need` blocks (a known workload, as `generate` has) capped
-    by `config.kv_memory_fraction` of free memory and `config.max_kv_tokens`; else that cap.
+    `config.cache.num_blocks` if set; else `need` blocks (a known workload, as `generate` has) capped
+    by `config.cache.kv_memory_fraction` of free memory and `config.cache.max_kv_tokens`; else that cap.
     """
-    if config.num_blocks is not None:
-        return config.num_blocks
-    shape = CacheShape.of(loaded).quantized(config.kv_bits, config.kv_group_size)  # quantized rows are smaller
+    if config.cache.num_blocks is not None:
+        return config.cache.num_blocks
+    shape = CacheShape.of(loaded).quantized(
+        config.cache.kv_bits, config.cache.kv_group_size
+    )  # quantized rows are smaller
     cap = blocks_for_memory(
-        shape, config.block_size, config.kv_memory_fraction, config.max_kv_tokens, extra_block_bytes
+        shape, config.cache.block_size, config.cache.kv_memory_fraction, config.cache.max_kv_tokens, extra_block_bytes
     )
     return cap if need is None else max(1, min(need, cap))
 
@@ -105,22 +107,22 @@ CHUNK_TOKENS = 4096  # a growable pool grows and shrinks by this many token slot
 
 def growable_pool(loaded, config, extra_block_bytes: int = 0) -> tuple[int, int, int] | None:
     """(initial blocks, cap, chunk) of a pool that grows as blocks are needed, or None for a
-    fixed pool (`config.num_blocks` set). The cap is memory alone: `config.kv_memory_gb` if set,
-    else `config.kv_memory_fraction` of the memory free now. `max_kv_tokens` bounds only a fixed
+    fixed pool (`config.cache.num_blocks` set). The cap is memory alone: `config.cache.kv_memory_gb` if set,
+    else `config.cache.kv_memory_fraction` of the memory free now. `max_kv_tokens` bounds only a fixed
     pool sized from memory (`pool_blocks`): a growing pool holds what is in use and trims back
     when idle, so a token cap would only refuse agent-sized contexts (a 27k-token prompt with
     `max_tokens` 32,000) that the memory holds. The pool starts at one chunk
-    (`config.kv_chunk_blocks`, default CHUNK_TOKENS of slots)."""
-    if config.num_blocks is not None:
+    (`config.cache.kv_chunk_blocks`, default CHUNK_TOKENS of slots)."""
+    if config.cache.num_blocks is not None:
         return None
-    shape = CacheShape.of(loaded).quantized(config.kv_bits, config.kv_group_size)
-    bs = config.block_size
+    shape = CacheShape.of(loaded).quantized(config.cache.kv_bits, config.cache.kv_group_size)
+    bs = config.cache.block_size
     per_block = shape.bytes_per_block(bs) + extra_block_bytes
-    if getattr(config, "kv_memory_gb", None) is not None:
-        cap = max(1, int(config.kv_memory_gb * 1e9) // per_block)
+    if config.cache.kv_memory_gb is not None:
+        cap = max(1, int(config.cache.kv_memory_gb * 1e9) // per_block)
     else:
-        cap = blocks_for_memory(shape, bs, config.kv_memory_fraction, 1 << 62, extra_block_bytes)
-    chunk = getattr(config, "kv_chunk_blocks", None) or max(1, CHUNK_TOKENS // bs)
+        cap = blocks_for_memory(shape, bs, config.cache.kv_memory_fraction, 1 << 62, extra_block_bytes)
+    chunk = config.cache.kv_chunk_blocks or max(1, CHUNK_TOKENS // bs)
     return min(chunk, cap), cap, chunk
 
 
