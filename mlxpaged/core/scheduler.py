@@ -11,7 +11,8 @@ Only this class changes block tables (through `BlockManager`) and a request's st
 allocates slots before a step; after the forward pass it caches full blocks, forks samples and
 marks the drawn tokens pending (`update_from_forward`); once their values are read back it
 appends them, applies the stop decision and frees finished samples (`update_from_output`), and
-for a beam search forks, drops and reorders beams (`update_beams`). Aborts free at once (`abort`).
+for a beam search forks, drops and reorders beams (`BeamPolicy.apply`, core/beam_policy.py).
+Aborts free at once (`abort`).
 
 With overlapped steps (engine.py) a sequence may hold a pending token, sampled but not read back:
 it counts as uncomputed, so the sequence decodes in the next step without its value being known
@@ -28,27 +29,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from ..config import EngineConfig
+from .beam_policy import BeamPolicy
 from .block_manager import BlockManager
 from .block_pool import Resize
 from .sequence import FinishReason, PendingToken, Request, RequestStatus, Sequence
 from .spec_policy import SpecDecode, SpecPolicy
-
-
-class NextBeam(Protocol):
-    beam: int  # the old live beam it continues
-    token: int
-    cumulative_logprob: float
-
-
-class BeamStep(Protocol):
-    """What one beam-search step decided (the engine's `beam_search.BeamStep`): the live beams
-    after it, best first, and whether the search ends with it."""
-
-    next_beams: list[NextBeam]
-    done: bool
 
 
 @dataclass
@@ -123,13 +110,12 @@ class Scheduler:
         self.config = config
         self.bm = block_manager
         self.spec = SpecPolicy(config, block_manager, proposer)
+        self.beams = BeamPolicy(self)
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}  # admission order (dicts keep insertion order)
         self.num_preemptions = 0
         self.prefix_cache_hit_tokens = 0
         self.prefix_cache_disk_hit_tokens = 0  # the part of prefix_cache_hit_tokens the second tier supplied
-        self.num_beam_forks = 0
-        self.num_beam_frees = 0
         self._num_running_seqs = 0  # live samples of running requests
         self._headroom_blocks = int(config.scheduler.watermark * block_manager.pool.max_blocks)
 
@@ -283,7 +269,7 @@ class Scheduler:
             live = req.live_seqs()
             # Beams rank their continuations together: recomputing ones stop one token short
             # and then decode in the same step as the others.
-            short = 1 if req.beam is not None and len(live) > 1 else 0
+            short = self.beams.recompute_short(req, live)
             todo = [(s, s.num_uncomputed - short) for s in live if s.num_uncomputed > 1]
         for seq, remaining in todo:
             n = min(remaining, budget)
@@ -414,32 +400,15 @@ class Scheduler:
             progressed.append(req)
         return progressed
 
-    def update_beams(self, req: Request, live: list[Sequence], step: BeamStep) -> None:
-        """Carry out a beam step: a beam continued k times forks k - 1 times (before any parent
-        takes its new token), a beam continued 0 times is freed, the rest take their token; the
-        request's `seqs` become the new beams, best first."""
-        kept: list[Sequence] = []
-        for c in step.next_beams:
-            parent = live[c.beam]
-            if parent in kept:
-                child = Sequence(list(parent.token_ids), parent.num_prompt_tokens)
-                self._fork_beam(req, parent, child)
-                kept.append(child)
-            else:
-                kept.append(parent)
-        for s in live:
-            if s not in kept:
-                self._drop_beam(req, s)
-        for s, c in zip(kept, step.next_beams):
-            s.token_ids.append(c.token)
-            s.cumulative_logprob = c.cumulative_logprob
-        req.seqs = kept
-        if step.done:
-            for s in kept:
-                s.finish_reason = FinishReason.LENGTH
-                self.finish_sequence(req, s)
-            if not kept:
-                self._finish_request(req)
+    def seqs_started(self, count: int) -> None:
+        """`count` samples of running requests started (or, negative, ended) outside admission and
+        finishing: a layer's forks and drops (`BeamPolicy`)."""
+        self._num_running_seqs += count
+
+    def end_request(self, req: Request) -> None:
+        """End a request that holds no live sample any more (a beam search whose beams all ended)."""
+        self.running.pop(req.request_id, None)
+        req.status = RequestStatus.FINISHED
 
     def finish_sequence(self, req: Request, seq: Sequence) -> None:
         """Free a finished sample's blocks; the request finishes with its last sample."""
@@ -448,26 +417,6 @@ class Scheduler:
         if req.finished:
             del self.running[req.request_id]
             req.status = RequestStatus.FINISHED
-
-    def _finish_request(self, req: Request) -> None:
-        """End a request that holds no live sample any more (a beam search whose beams all ended)."""
-        if req.request_id in self.running:
-            del self.running[req.request_id]
-        req.status = RequestStatus.FINISHED
-
-    def _fork_beam(self, req: Request, parent: Sequence, child: Sequence) -> None:
-        """A new beam `child` (same tokens as `parent`) that shares all of its blocks."""
-        self.bm.fork(parent, child)
-        req.seqs.append(child)
-        self._num_running_seqs += 1
-        self.num_beam_forks += 1
-
-    def _drop_beam(self, req: Request, seq: Sequence) -> None:
-        """A beam that no candidate continues: its blocks are released now."""
-        self.bm.free(seq)
-        req.seqs.remove(seq)
-        self._num_running_seqs -= 1
-        self.num_beam_frees += 1
 
     def abort(self, req: Request) -> None:
         """End `req` wherever it is; its blocks return to the pool at once."""

@@ -114,7 +114,7 @@ def select(candidates: list[Candidate], width: int, is_eos) -> tuple[list[Candid
 
 @dataclass
 class BeamStep:
-    """What one step decides for a beam search; `Scheduler.update_beams` carries it out."""
+    """What one step decides for a beam search; `core.beam_policy.BeamPolicy.apply` carries it out."""
 
     next_beams: list[Candidate]  # the live beams after the step, best first; `beam` indexes the old live beams
     done: bool  # the search ends with this step (its live beams finish as "length")
@@ -147,7 +147,7 @@ def beam_step(state: BeamState, live: list[Sequence], logits: mx.array, is_eos: 
 
 class BeamLayer(StepLayer):
     """The step's beam-search rows, once read back: each request ranks its beams' continuations
-    (`beam_step`) and the scheduler forks, drops and reorders its beams (`update_beams`)."""
+    (`beam_step`) and the scheduler's `BeamPolicy` forks, drops and reorders its beams."""
 
     def __init__(self, scheduler, stats, is_eos: Callable[[int], bool]):
         self.scheduler, self.stats, self.is_eos = scheduler, stats, is_eos
@@ -166,7 +166,7 @@ class BeamLayer(StepLayer):
             live = req.live_seqs()
             assert set(seq_rows) == set(live), "every live beam computes its logits in the same step"
             decided = beam_step(req.beam, live, step.logits[mx.array([seq_rows[s] for s in live])], self.is_eos)
-            self.scheduler.update_beams(req, live, decided)
+            self.scheduler.beams.apply(req, live, decided)
             self.stats.generation_tokens += decided.num_tokens
             progressed.append(req)
         return progressed
