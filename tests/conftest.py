@@ -107,6 +107,7 @@ FILE_TIERS = {
     "test_engine.py": "engine",
     "test_deltas.py": "engine",
     "test_detokenizer.py": "engine",
+    "test_prompt_logprobs.py": "engine",
     "test_engine_lifecycle.py": "engine",
     "test_async_step.py": "engine",
     "test_beam_search.py": "engine",

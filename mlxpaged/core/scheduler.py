@@ -226,8 +226,10 @@ class Scheduler:
         return seq.pending is not None and seq.num_tokens - seq.num_prompt_tokens >= req.params.max_tokens
 
     def _admit(self, req: Request, out: SchedulerOutput) -> None:
-        hits = self.bm.match_prefix(req.carrier, req.prefill_target())
-        loads = self.bm.match_second_tier(req.carrier, req.prefill_target())
+        hits, loads = 0, []
+        if req.params.prompt_logprobs is None:  # scoring every prompt position computes every one
+            hits = self.bm.match_prefix(req.carrier, req.prefill_target())
+            loads = self.bm.match_second_tier(req.carrier, req.prefill_target())
         out.loads.extend(loads)
         if req.num_preemptions == 0:
             disk = len(loads) * self.bm.block_size

@@ -35,6 +35,7 @@ class RequestParams(Protocol):
     logit_bias: dict | None
     min_p: float
     guided: object
+    prompt_logprobs: int | None  # scores every prompt position: such a request takes no prefix hits
 
 
 class BeamWidth(Protocol):
@@ -162,6 +163,7 @@ class Request:
     prompt_prefilled: bool = False
     num_preemptions: int = 0
     beam: BeamSearch | None = None  # set for a beam-search request: its beams are `seqs`
+    prompt_logprobs: list | None = None  # engine/prompt_logprobs.py: P entries once the prompt is scored
 
     @property
     def max_live_seqs(self) -> int:

@@ -64,6 +64,7 @@ from .draft import DraftProposer, draft_slots
 from .guided import GrammarCompiler, GrammarTooSlow, fill_masks, mask_budget_spent, mask_words
 from .kv_connector import DiskConnector
 from .outputs import RequestOutput
+from .prompt_logprobs import PromptLogprobs
 from .sampler import GuideMasks, SampleArrays, TokenHistory, read_samples, sample_arrays, sample_key
 from .sampling_params import SamplingParams, salt_key
 from .spec_decode import NgramProposer, Verifier, spec_draws, spec_rows
@@ -129,6 +130,7 @@ class LLMEngine:
         if config.speculative.method is not None:
             self.layers.append(Verifier(self.scheduler, self.stats, self.check_stop))
         self.layers.append(BeamLayer(self.scheduler, self.stats, lambda t: t in self.eos_token_ids))
+        self.layers.append(PromptLogprobs())
         if self.prefix_store is not None:
             self.layers.append(DiskConnector(self.prefix_store, self.kv_cache, self.block_manager, self.stats))
         self._check_kernels()
@@ -447,7 +449,7 @@ class LLMEngine:
         flight, if any (`logits_rows` holds their logits meanwhile)."""
         t0 = time.perf_counter()
         rows = self.scheduler.sample_rows(out)
-        logits = self._forward(out)
+        logits, extra = self._forward(out)
         plain = [r for r in rows if r.request.beam is None]
         beam_rows = [r for r in rows if r.request.beam is not None]
         pairs = [(r.request, s) for r in plain for s in r.seqs]
@@ -468,21 +470,23 @@ class LLMEngine:
                 logits_rows = None
         if beam_rows:
             todo.append(logits)
-        mx.async_eval(*todo)
-        num_prefill = sum(c.num_tokens for c in out.prefills)
-        self.stats.computed_prefill_tokens += num_prefill
-        return LaunchedStep(
+        step = LaunchedStep(
             self.stats.steps,
             out,
             pairs,
             sampled,
             beam_rows,
             logits if beam_rows else None,
-            num_prefill,
+            sum(c.num_tokens for c in out.prefills),
             t0,
             logits_rows,
             spec=spec,
         )
+        for layer, rows_of_layer in extra:
+            todo += layer.launched(step, rows_of_layer)
+        mx.async_eval(*todo)
+        self.stats.computed_prefill_tokens += step.num_prefill
+        return step
 
     def _draws(
         self, pairs: list[tuple[Request, Sequence]], logits_rows: mx.array, spec: list[tuple[SpecDecode, int]] = ()
@@ -538,15 +542,29 @@ class LLMEngine:
                     self._too_slow[req] = why
         return GuideMasks(rows, bits)
 
-    def _forward(self, out: SchedulerOutput) -> mx.array:
-        """The step's one forward pass over every scheduled token, lazily; logits `[len(out.batch()), V]`.
+    def _forward(self, out: SchedulerOutput) -> tuple[mx.array, list]:
+        """The step's one forward pass over every scheduled token, lazily: the logits of each entry of
+        `out.batch()` (a speculating one's every position), and (layer, rows) for each layer that
+        asked for every position of some entries (`StepLayer.logits_wanted`).
         Copy-on-write copies go first (they wait for the device: `copy_blocks` evaluates)."""
         self.kv_cache.copy_blocks(out.block_copies)
+        wanted = []
         for layer in self.layers:
             layer.before_forward(out)
-        if out.spec:
-            return self.runner.forward(out.batch(), out.spec_tokens())
-        return self.runner.forward(out.batch())
+            if entries := layer.logits_wanted(out):
+                wanted.append((layer, entries))
+        batch = out.batch()
+        all_rows = [i for _, entries in wanted for i in entries]
+        logits = self.runner.forward(batch, out.spec_tokens() if out.spec else None, all_rows)
+        if not wanted:
+            return logits, []
+        at = logits.shape[0] - sum(batch[i][1] for i in all_rows)
+        extra = []
+        for layer, entries in wanted:
+            n = sum(batch[i][1] for i in entries)
+            extra.append((layer, logits[at : at + n]))
+            at += n
+        return logits, extra
 
     def _commit(self, step: LaunchedStep) -> None:
         """The step's tokens are computed (block tables, hashes, forks); its draws become pending."""

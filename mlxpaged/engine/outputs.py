@@ -43,6 +43,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
     delta: bool = False  # `outputs` hold only what is new since the previous output
+    # SamplingParams.prompt_logprobs: one TokenLogprob per prompt token, the first None; in a
+    # cumulative output once the prompt is scored, in the first delta after that
+    prompt_logprobs: list | None = None
 
     def add(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by `later` (a delta of the same request), as one delta; in place."""
@@ -62,4 +65,6 @@ class RequestOutput:
             m.cumulative_logprob, m.score = c.cumulative_logprob, c.score
         self.outputs.sort(key=lambda c: c.index)
         self.finished = later.finished
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
         return self

@@ -43,6 +43,10 @@ class SamplingParams:
     speculative: False opts this request out of the engine's speculative decoding.
     cache_salt: a non-empty string folded into the first block's hash: the request shares cached
       blocks (memory and disk) only with requests of the same salt (docs/prefix-cache.md).
+    prompt_logprobs: None returns none; k in [0, 20] returns, for every prompt token but the first,
+      its logprob given the tokens before it and the k most likely tokens' there, as
+      `RequestOutput.prompt_logprobs` (the first entry None, as vLLM's). Such a request computes
+      its whole prompt: it takes no prefix-cache hits.
     output_kind: "cumulative" (each output holds everything so far, as `LLM.generate` returns) or
       "delta" (each holds what is new since the last: text, token ids, logprobs; text that may
       still grow into a stop string is held back until it cannot). See `stopping.make_output`.
@@ -67,8 +71,13 @@ class SamplingParams:
     speculative: bool = True
     cache_salt: str | None = None
     output_kind: str = "cumulative"
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20
+        ):
+            raise ValueError(f"prompt_logprobs must be None or an integer from 0 to 20, got {self.prompt_logprobs!r}")
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):

@@ -77,6 +77,15 @@ class StepLayer:
     def before_forward(self, out: SchedulerOutput) -> None:
         """Device work the step's forward pass needs first (within the step: a failure fails it)."""
 
+    def logits_wanted(self, out: SchedulerOutput) -> list[int]:
+        """Entries of `out.batch()` whose every position's logits this layer wants (prompt logprobs)."""
+        return []
+
+    def launched(self, step: LaunchedStep, rows: mx.array) -> list[mx.array]:
+        """The step is built: `rows` holds the logits `logits_wanted` asked for, every position of
+        each entry in order; returns the arrays to launch with the step (kept in `step.held`)."""
+        return []
+
     def committed(self, step: LaunchedStep) -> None:
         """The step's tokens are computed (block tables, hashes, forks recorded); it may be in flight."""
 

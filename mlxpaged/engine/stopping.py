@@ -295,5 +295,30 @@ def make_output(req: Request, tokenizer) -> RequestOutput:
                 )
             )
     return RequestOutput(
-        req.request_id, req.prompt_text, req.prompt_token_ids, outs, req.finished, req.num_cached_tokens, delta
+        req.request_id,
+        req.prompt_text,
+        req.prompt_token_ids,
+        outs,
+        req.finished,
+        req.num_cached_tokens,
+        delta,
+        _prompt_logprobs(req, delta),
     )
+
+
+_PLP_SENT: weakref.WeakSet = weakref.WeakSet()  # delta requests whose prompt logprobs went out
+
+
+def _prompt_logprobs(req: Request, delta: bool) -> list | None:
+    """The prompt's logprobs once scored (engine/prompt_logprobs.py): in every cumulative output,
+    in one delta. A one-token prompt has nothing to score: [None]."""
+    plp = req.prompt_logprobs
+    if plp is None:
+        if getattr(req.params, "prompt_logprobs", None) is None or req.num_prompt_tokens > 1:
+            return None
+        plp = req.prompt_logprobs = [None]
+    if delta:
+        if req in _PLP_SENT:
+            return None
+        _PLP_SENT.add(req)
+    return plp

@@ -32,7 +32,12 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.attention_impl = attention_impl
 
-    def forward(self, batch: list[tuple[Sequence, int]], spec_tokens: dict[int, list[int]] | None = None) -> mx.array:
+    def forward(
+        self,
+        batch: list[tuple[Sequence, int]],
+        spec_tokens: dict[int, list[int]] | None = None,
+        all_rows: list[int] = (),
+    ) -> mx.array:
         """One forward pass over `batch`: for each (sequence, n), its next n uncomputed tokens.
 
         Every token is packed along one axis, with its own position, slot and sequence. Returns
@@ -45,9 +50,11 @@ class ModelRunner:
         `spec_tokens[i]` (speculative decoding) are proposals that follow entry i's one stored-to-be
         token (n = 1 + len(proposals)); such an entry returns the logits of all its n positions, in
         place of one row: logits rows follow the entries, each entry contributing 1 or n rows.
+        `all_rows`: entries whose every position's logits come after all of those, in order (prompt
+        logprobs); only these rows pass through the output layer.
         """
         spec_tokens = spec_tokens or {}
-        if not spec_tokens and all(n == 1 for _, n in batch):
+        if not spec_tokens and not all_rows and all(n == 1 for _, n in batch):
             return self.model(self._input_ids(batch, len(batch), spec_tokens), self.kv_cache, self._decode_meta(batch))
         bs = self.block_size
         num_seqs = len(batch)
@@ -69,7 +76,7 @@ class ModelRunner:
             block_tables=mx.array(tables),
             cu_seqlens_q=mx.array(cu),
             context_lens=mx.array(starts + q_lens),
-            logits_indices=mx.array(self._logits_indices(cu, spec_tokens)),
+            logits_indices=mx.array(self._logits_indices(cu, spec_tokens, all_rows)),
             impl=self.attention_impl,
         )
         return self.model(self._input_ids(batch, int(cu[-1]), spec_tokens), self.kv_cache, meta)
@@ -94,14 +101,17 @@ class ModelRunner:
         )
 
     @staticmethod
-    def _logits_indices(cu: np.ndarray, spec_tokens: dict[int, list[int]]) -> np.ndarray:
-        """Each entry's last token, or every token of a speculating entry."""
+    def _logits_indices(cu: np.ndarray, spec_tokens: dict[int, list[int]], all_rows: list[int] = ()) -> np.ndarray:
+        """Each entry's last token, or every token of a speculating entry; then every token of the
+        `all_rows` entries."""
         last = cu[1:] - 1
-        if not spec_tokens:
-            return last
-        return np.concatenate(
-            [np.arange(cu[i], cu[i + 1]) if i in spec_tokens else last[i : i + 1] for i in range(len(last))]
-        ).astype(np.int32)
+        if spec_tokens:
+            last = np.concatenate(
+                [np.arange(cu[i], cu[i + 1]) if i in spec_tokens else last[i : i + 1] for i in range(len(last))]
+            )
+        if all_rows:
+            last = np.concatenate([last] + [np.arange(cu[i], cu[i + 1]) for i in all_rows])
+        return last.astype(np.int32)
 
     @staticmethod
     def _input_ids(batch: list[tuple[Sequence, int]], total: int, spec_tokens: dict[int, list[int]]) -> mx.array:
