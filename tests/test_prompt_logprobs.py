@@ -28,7 +28,9 @@ def check(out, model, prompt, k):
         ids = [i for i, _ in e.top_logprobs]
         top = np.argsort(-want[p - 1], kind="stable")[:k]
         np.testing.assert_allclose([v for _, v in e.top_logprobs], want[p - 1, top], atol=2e-4)
-        assert set(ids) == set(top.tolist()) or np.allclose(sorted(want[p - 1, ids]), sorted(want[p - 1, top]), atol=2e-4)
+        assert set(ids) == set(top.tolist()) or np.allclose(
+            sorted(want[p - 1, ids]), sorted(want[p - 1, top]), atol=2e-4
+        )
 
 
 @pytest.mark.parametrize("chunk", [7, 64])

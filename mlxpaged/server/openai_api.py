@@ -15,7 +15,7 @@ from .errors import APIError
 from .guided_request import chat_plan
 from .jobs import JobStream
 from .keepalive import keepalive
-from .openai_format import chat_logprobs, completion_logprobs, envelope, sse_data, usage
+from .openai_format import chat_logprobs, completion_logprobs, echo_logprobs, envelope, sse_data, usage
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .reasoning import reasoning_tokens, split_reasoning, thinking_of
 from .tools import ToolCall, chat_message, check_forcible
@@ -30,22 +30,35 @@ def register_openai(router: APIRouter, state, text_of) -> None:
 
     @router.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
+        if body.echo and body.stream:
+            raise APIError(400, "echo with stream is not supported; send stream: false", param="echo")
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(
+                400, "max_tokens: 0 asks for nothing; it is for echo: true (the prompt alone)", param="max_tokens"
+            )
+        prompt_only = body.max_tokens == 0  # the engine samples one token, which the answer leaves out
+        plp = body.logprobs if body.echo else None
         ask = Ask(
             "cmpl",
             body.model,
-            lambda max_tokens: body.to_sampling_params(max_tokens, body.logprobs, vocab),
+            lambda max_tokens: body.to_sampling_params(max_tokens, body.logprobs, vocab, prompt_logprobs=plp),
             DEFAULT_COMPLETION_MAX_TOKENS,
             prompts=body.prompts(),
             stops=body.stops(),
             stop_token_ids=body.stop_token_ids,
             n=body.n,
-            max_tokens=body.max_tokens,
+            max_tokens=1 if prompt_only else body.max_tokens,
         )
-        job, _ = await admit(state, ask)
+        job, prompts = await admit(state, ask)
         asked_lps = job.params.logprobs is not None
 
-        def choice(index, text, lps, finish):
+        def choice(index, text, lps, finish, prompt=None):
             lp = completion_logprobs(lps, text_of) if asked_lps else None
+            if prompt is not None:  # echo: the prompt's text and (with logprobs) its tokens first
+                text_p, ids, plps = prompt
+                if lp is not None:
+                    lp = echo_logprobs(ids, plps, text_of, lp)
+                text = text_p + text
             return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
         def chunk(index, events, sent):
@@ -53,14 +66,23 @@ def register_openai(router: APIRouter, state, text_of) -> None:
             return choice(index, text, lps, end.finish_reason if end else None)
 
         def whole(o, c):
-            return choice(job.index(o.request_id, c.index), c.text, c.logprobs or [], c.finish_reason)
+            text, lps, finish = c.text, c.logprobs or [], c.finish_reason
+            if prompt_only:
+                text, lps, finish = "", [], "length"
+            prompt = None
+            if body.echo:
+                ids = list(o.prompt_token_ids)
+                prompt = (o.prompt if o.prompt is not None else state.engine_loop.engine.tokenizer.decode(ids), ids)
+                prompt += (o.prompt_logprobs,)
+            return choice(job.index(o.request_id, c.index), text, lps, finish, prompt)
 
         if body.stream:
             events = _chunks(state, job, "text_completion", chunk, body.include_usage, None, False)
             return JobStream(job, keepalive(events))  # keep-alive comments while it waits or prefills
         outs = await job.collect(request)
         choices = await _render(state, job, lambda: [whole(o, c) for o in outs for c in o.outputs])
-        return envelope(job.resp_id, "text_completion", state.model_id, choices=choices, usage=usage(outs))
+        used = usage(outs, generated=not prompt_only)
+        return envelope(job.resp_id, "text_completion", state.model_id, choices=choices, usage=used)
 
     @router.post("/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):

@@ -36,6 +36,24 @@ def completion_logprobs(lps: list, text_of: TokenText, offset: int = 0) -> dict:
     }
 
 
+def echo_logprobs(ids: list[int], plps: list | None, text_of: TokenText, completion: dict) -> dict:
+    """The prompt's tokens before the completion's in the legacy shape (`echo`), as OpenAI's legacy
+    API and vLLM give them: the first token's logprob and top are None."""
+    plps = plps or [None] * len(ids)
+    tokens = [text_of(t) for t in ids]
+    offsets, pos = [], 0
+    for s in tokens:
+        offsets.append(pos)
+        pos += len(s)
+    return {
+        "tokens": tokens + completion["tokens"],
+        "token_logprobs": [None if e is None else float(e.logprob) for e in plps] + completion["token_logprobs"],
+        "top_logprobs": [None if e is None else {text_of(i): float(lp) for i, lp in e.top_logprobs} for e in plps]
+        + completion["top_logprobs"],
+        "text_offset": offsets + [pos + o for o in completion["text_offset"]],
+    }
+
+
 def chat_logprobs(lps: list, text_of: TokenText) -> dict:
     def entry(tid, lp):
         s = text_of(tid)
@@ -48,10 +66,11 @@ def chat_logprobs(lps: list, text_of: TokenText) -> dict:
     }
 
 
-def usage(outputs: list, reasoning_tokens: int = 0) -> dict:
-    """Prompt tokens count once per prompt (its n samples share one prefill)."""
+def usage(outputs: list, reasoning_tokens: int = 0, generated: bool = True) -> dict:
+    """Prompt tokens count once per prompt (its n samples share one prefill); `generated=False`:
+    the answer leaves the sampled tokens out (`max_tokens: 0`), so they count none."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs) if generated else 0
     cached = sum(o.num_cached_tokens for o in outputs)
     return {
         "prompt_tokens": prompt,

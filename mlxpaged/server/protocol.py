@@ -39,7 +39,6 @@ UNIMPLEMENTED: dict[str, tuple] = {
     "functions": _OFF,
     "function_call": _OFF + ("none",),
     "best_of": _OFF + (1,),
-    "echo": _OFF,
     "suffix": _OFF,
     "audio": _OFF,
     "modalities": _OFF + (["text"],),
@@ -161,6 +160,10 @@ class CompletionRequest(_Sampling):
     # One prompt or a batch, as text or token ids (OpenAI accepts all four shapes).
     prompt: Text | list[Text] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # The legacy API's: the prompt comes back before the completion, with its tokens' logprobs when
+    # `logprobs` is set (the first None); with `max_tokens: 0`, only the prompt (lm-eval's scoring).
+    echo: bool = False
+    max_tokens: int | None = Field(None, ge=0)
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
