@@ -9,6 +9,9 @@ decoding), each SDK's own types come back, streams carry their events, usage is 
 from __future__ import annotations
 
 import asyncio
+import inspect
+import json
+from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -24,13 +27,19 @@ class Weather(BaseModel):
     days: Literal[1, 2, 3]
 
 
+CONTEXT = 32768  # the default model's: the CLIs' real first requests (~20k tokens and more) fit
+CAPTURED = Path(__file__).parent / "data" / "clients"
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     from mlxpaged.loading.gguf import convert_gguf
     from mlxpaged.loading.offline_model import ensure_offline_model
 
     path = write_tiny_with_tokenizer(tmp_path_factory.mktemp("clients"), convert_gguf(ensure_offline_model()))
-    s = Server(path, "--num-blocks", "512", "--served-model-name", "tiny", timeout=120)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}))
+    s = Server(path, "--num-blocks", str(CONTEXT // 16 + 64), "--served-model-name", "tiny", timeout=120)
     yield s
     s.stop()
 
@@ -113,3 +122,52 @@ def test_pydantic_ai_structured_output(served, api, mode):
     result = agent.run_sync("Weather in Paris for 2 days?")
     assert isinstance(result.output, Weather)
     assert result.usage.input_tokens > 0 and result.usage.output_tokens > 0
+
+
+# -- the CLIs' first requests, as captured (tests/data/clients/: client, version, command) ---------
+def captured(name: str) -> dict:
+    body = json.loads((CAPTURED / name).read_text())
+    return {k: v for k, v in body.items() if not k.startswith("_")}
+
+
+def test_claude_codes_captured_first_request_is_served(served):
+    """Claude Code 2.1.197's `claude -p` request as it sent it (its model name, 24 tools, a system
+    message after the user's, thinking adaptive, output_config.effort high, context_management,
+    max_tokens 64,000): a 200 stream through the official client, its prompt tokenized whole and
+    max_tokens clamped to what the context leaves; read to `message_start` and closed (random
+    weights may write for thousands of tokens before any text: the documented-shape replay in
+    test_server_agents.py reads a whole stream on a short context)."""
+    import anthropic
+
+    body = captured("claude_code_2.1.197.json")
+    body["model"] = "tiny"  # the one edit: Claude Code takes the served name from ANTHROPIC_MODEL
+    client = anthropic.Anthropic(base_url=served.url, api_key="unused", max_retries=0)
+    known = inspect.signature(client.messages.create).parameters
+    extra = {k: body.pop(k) for k in list(body) if k not in known}
+    with client.messages.create(**body, extra_body=extra) as stream:
+        start = next(iter(stream))
+        clamped = stream.response.headers.get("x-mlxpaged-max-tokens-clamped")
+    assert start.type == "message_start" and start.message.model == "tiny"
+    n = start.message.usage.input_tokens
+    assert n > 10_000 and int(clamped) == CONTEXT - n
+
+
+def test_codexs_captured_first_request_is_served(served):
+    """Codex 0.171's `codex exec` request as it sent it (developer messages, function tools, a
+    namespace tool, a hosted web_search, reasoning.summary auto, include, store false,
+    prompt_cache_key, client_metadata): a 200 stream through the official client, to its first
+    output text."""
+    import openai
+
+    body = captured("codex_0.171.0.json")
+    body["model"], body["max_output_tokens"] = "tiny", 8  # the served name; a short turn
+    body.pop("stream")
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+    known = inspect.signature(client.responses.stream).parameters
+    extra = {k: body.pop(k) for k in list(body) if k not in known}
+    with client.responses.stream(**body, extra_body=extra) as s:
+        events = list(s)
+    types, final = [e.type for e in events], events[-1].response
+    assert types[:2] == ["response.created", "response.in_progress"], types
+    assert types[-1] in ("response.completed", "response.incomplete"), types
+    assert final.usage.input_tokens > 1000 and final.usage.output_tokens == 8 and final.store is False
