@@ -39,7 +39,9 @@ def served(tmp_path_factory):
     path = write_tiny_with_tokenizer(tmp_path_factory.mktemp("clients"), convert_gguf(ensure_offline_model()))
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}))
-    s = Server(path, "--num-blocks", str(CONTEXT // 16 + 64), "--served-model-name", "tiny", timeout=120)
+    s = Server(
+        path, "--num-blocks", str(CONTEXT // 16 + 64), "--served-model-name", "tiny", "--log-level", "info", timeout=120
+    )
     yield s
     s.stop()
 
@@ -171,3 +173,107 @@ def test_codexs_captured_first_request_is_served(served):
     assert types[:2] == ["response.created", "response.in_progress"], types
     assert types[-1] in ("response.completed", "response.incomplete"), types
     assert final.usage.input_tokens > 1000 and final.usage.output_tokens == 8 and final.store is False
+
+
+# -- the CLIs themselves, where they are installed -------------------------------------------------
+AGENT_CLI_DIR = Path(__file__).parent.parent / ".venv" / "agent-cli" / "node_modules" / ".bin"  # the README's npm line
+
+
+def cli(name: str) -> str | None:
+    """`claude` or `codex` from MLXPAGED_AGENT_CLI_DIR (an npm prefix's node_modules/.bin), the
+    README's install (.venv/agent-cli), or PATH."""
+    import os
+    import shutil
+
+    where = os.environ.get("MLXPAGED_AGENT_CLI_DIR")
+    if where:
+        return shutil.which(name, path=where)
+    return shutil.which(name, path=str(AGENT_CLI_DIR)) or shutil.which(name)
+
+
+@pytest.fixture(scope="module")
+def answers_at_once(tmp_path_factory):
+    """A server whose tiny model ends every answer at once: the CLIs treat running into their
+    output cap as an error, and random weights never write an end token. Residual channel 0 is a
+    constant 10 (every embedding's, untouched by the layer's outputs), the final norm keeps only
+    it, and an untied output layer maps it to the end token's logit alone."""
+    import mlx.core as mx
+
+    from mlxpaged.loading.gguf import convert_gguf
+    from mlxpaged.loading.offline_model import ensure_offline_model
+
+    if cli("claude") is None and cli("codex") is None:
+        pytest.skip("[expected] neither CLI is installed (npm install @anthropic-ai/claude-code @openai/codex)")
+    path = write_tiny_with_tokenizer(tmp_path_factory.mktemp("eos"), convert_gguf(ensure_offline_model()))
+    config = json.loads((path / "config.json").read_text())
+    eos = config["eos_token_id"] if isinstance(config["eos_token_id"], int) else config["eos_token_id"][0]
+    (path / "config.json").write_text(
+        json.dumps({**config, "max_position_embeddings": CONTEXT, "tie_word_embeddings": False})
+    )
+    w = mx.load(str(path / "model.safetensors"))
+    emb = w["model.embed_tokens.weight"]
+    vocab, hidden = emb.shape
+    one = (mx.arange(hidden) == 0).astype(emb.dtype)
+    w["model.embed_tokens.weight"] = emb * (1 - one) + 10 * one
+    for k in ("model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight"):
+        w[k] = w[k] * (1 - one)[:, None]
+    w["model.norm.weight"] = one
+    w["lm_head.weight"] = mx.zeros((vocab, hidden)).at[eos, 0].add(10.0)
+    mx.save_safetensors(str(path / "model.safetensors"), w, metadata={"format": "mlx"})
+    s = Server(path, "--num-blocks", str(CONTEXT // 16 + 64), "--served-model-name", "tiny", "--log-level", "info")
+    yield s
+    s.stop()
+
+
+def test_claude_p_answers_through_the_server(answers_at_once, tmp_path):
+    """`claude -p` with only its base URL, a key and the served model name: exit 0, and the server
+    logged the CLI's request as a 200."""
+    import subprocess
+
+    exe = cli("claude")
+    if exe is None:
+        pytest.skip(
+            "[expected] Claude Code is not installed (npm install @anthropic-ai/claude-code; MLXPAGED_AGENT_CLI_DIR)"
+        )
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "ANTHROPIC_BASE_URL": answers_at_once.url,
+        "ANTHROPIC_API_KEY": "unused",
+        "ANTHROPIC_MODEL": "tiny",
+        "ANTHROPIC_SMALL_FAST_MODEL": "tiny",
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL": "tiny",
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    }
+    r = subprocess.run([exe, "-p", "say hi"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=200)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
+    assert "POST /v1/messages 200" in answers_at_once.stderr()
+
+
+def test_codex_exec_answers_through_the_server(answers_at_once, tmp_path):
+    """`codex exec` with a model provider that names only the base URL and the Responses wire API:
+    exit 0, and the server logged its request as a 200."""
+    import subprocess
+
+    exe = cli("codex")
+    if exe is None:
+        pytest.skip("[expected] Codex is not installed (npm install @openai/codex; MLXPAGED_AGENT_CLI_DIR)")
+    home = tmp_path / "codex"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        'model = "tiny"\nmodel_provider = "mlxpaged"\n\n[model_providers.mlxpaged]\nname = "mlxpaged"\n'
+        f'base_url = "{answers_at_once.url}/v1"\nwire_api = "responses"\n'
+    )
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "CODEX_HOME": str(home)}
+    r = subprocess.run(
+        [exe, "exec", "--skip-git-repo-check", "say hi"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
+    assert "POST /v1/responses 200" in answers_at_once.stderr()
