@@ -405,6 +405,8 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(agents):
         ("/tokenize", {"model": "tiny", "prompt": [vocab]}, "prompt"),
         ("/tokenize", {"model": "tiny", "prompt": ""}, "prompt"),
         ("/tokenize", {"model": "tiny", "prompt": 5}, "prompt"),
+        ("/tokenize", {"model": "tiny"}, "prompt"),
+        ("/tokenize", {"model": "tiny", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "messages"),
     ):
         r = c.post(path, json=bad)
         assert r.status_code == 400 and field in r.json()["error"]["message"], (path, bad, r.text)

@@ -249,7 +249,8 @@ def test_claude_p_answers_through_the_server(answers_at_once, tmp_path):
     }
     r = subprocess.run([exe, "-p", "say hi"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=200)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
-    assert "POST /v1/messages 200" in answers_at_once.stderr()
+    log = answers_at_once.stderr()
+    assert "POST /v1/messages 200" in log and "HEAD / 200" in log  # its probe of the root, then its turn
 
 
 def test_codex_exec_answers_through_the_server(answers_at_once, tmp_path):

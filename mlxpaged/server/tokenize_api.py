@@ -21,7 +21,8 @@ from .protocol import Text, _Request
 
 class TokenizeRequest(_Request):
     model: str | None = None
-    prompt: Text | list[int]
+    prompt: Text | list[int] | None = None
+    messages: object = None  # vLLM's chat form: refused by name, never ignored
 
 
 class DetokenizeRequest(_Request):
@@ -32,6 +33,14 @@ class DetokenizeRequest(_Request):
 def register_tokenize(router: APIRouter, state) -> None:
     @router.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest):
+        if body.messages is not None:
+            raise APIError(
+                400,
+                "messages is not supported on /tokenize; /v1/messages/count_tokens counts a conversation",
+                param="messages",
+            )
+        if body.prompt is None:
+            raise APIError(400, "prompt: a text or a list of token ids is required", param="prompt")
         ask = Ask("tok", body.model, lambda n: None, 1, prompts=[body.prompt], max_tokens=1)
         ids = (await tokenize(state, ask))[0]
         return {"count": len(ids), "max_model_len": state.capacity.context, "tokens": ids}

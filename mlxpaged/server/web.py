@@ -38,7 +38,8 @@ def register_web(app: FastAPI, engine_loop: EngineLoop) -> CacheFeed:
             engine_loop.abort("")  # no request has this id: the abort itself does nothing
 
     for path, name in FILES.items():
-        app.add_api_route(path, _file_route(STATIC / name), methods=["GET"], include_in_schema=False)
+        # HEAD too: clients probe the root before their first request (Claude Code sends `HEAD /`)
+        app.add_api_route(path, _file_route(STATIC / name), methods=["GET", "HEAD"], include_in_schema=False)
 
     @app.get("/web/cache.json", include_in_schema=False)
     async def cache_json():
