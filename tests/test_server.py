@@ -102,6 +102,22 @@ def test_completions_match_generate(server, llm, tiny_model_path, stream, n, tem
         assert len(set(texts.values())) > 1  # the samples really differ (seed + i each)
 
 
+def test_completions_token_id_prompts(server, llm, tiny_model_path):
+    """Prompts given as token ids, one list or a list of lists (lm-eval sends them so), give what
+    `LLM.generate` gives on the same ids, choices in prompt order."""
+    tok = llm.engine.tokenizer
+    ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS[:3]]
+    sp = SamplingParams(temperature=0.0, max_tokens=8)
+    refs = llm.generate(ids, sp)
+    kw = dict(model=model_name(tiny_model_path), temperature=0.0, max_tokens=8)
+    one = server.client().completions.create(prompt=ids[0], **kw)
+    assert [c.text for c in one.choices] == [refs[0].outputs[0].text]
+    assert one.usage.prompt_tokens == len(ids[0])
+    many = server.client().completions.create(prompt=ids, **kw)
+    assert [c.text for c in sorted(many.choices, key=lambda c: c.index)] == [r.outputs[0].text for r in refs]
+    assert many.usage.prompt_tokens == sum(map(len, ids))
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_matches_generate(server, llm, tiny_model_path, stream):
     messages = [
