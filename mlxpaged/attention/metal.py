@@ -29,6 +29,11 @@ Invariants (issue 12):
     `paged_attention[_partitioned]_quant`, the float bodies reading K/V through
     `PA_QUANT_VIEWS` (bits and group size are template values in the name); each lane
     dequantizes its dims in registers, so the bytes read are the quantized rows'.
+  * Sliding windows and sinks: `window` is a runtime int32 scalar input of the single pass and
+    the split pass (0: none; no new name per window), which start at the first block the
+    window overlaps; `sinks` an input of the single pass and the merge, read under template
+    flag HAS_SINKS (names end `_sk`), folded once into each head's merged sum. The start-up
+    check covers HAS_SINKS = 0; an `_sk` kernel that fails later falls back as any kernel does.
 """
 
 from __future__ import annotations
