@@ -267,7 +267,7 @@ inline void pa_token_sums(thread float* x,  // [N]
   }
 }
 
-// Attend to tokens [tok_begin, tok_end) of one sequence for the G query heads of kv head `kvh`,
+// Attend to tokens [max(tok_begin, tok_lo), tok_end) of one sequence for the G query heads of kv head `kvh`,
 // leaving each sub-group's partial state for its GH heads in `st` (simdgroup sg takes head
 // group sg % HS, heads (sg % HS) * GH + j; among its group's NTS = NSG / HS simdgroups it is
 // number sg / HS and takes the steps of S tokens starting at tok_begin + (sg / HS) * S, then
@@ -290,6 +290,7 @@ inline void pa_attend(
     int kvh,
     int tok_begin,                        // a multiple of BS
     int tok_end,
+    int tok_lo,                           // first position attended (a sliding window's start)
     uint sg,                              // simdgroup index in the threadgroup
     uint lane,                            // thread index in the simdgroup
     uint tid,                             // thread index in the threadgroup
@@ -348,7 +349,7 @@ inline void pa_attend(
     // the simdgroup (every lane reaches the shuffles), a sub-group past c1 scores zeros.
     for (int t0 = c0 + ts * S; t0 < c1; t0 += S * NTS) {
       const int t = t0 + sub;
-      const bool valid = t < c1;
+      const bool valid = t < c1 && t >= tok_lo;  // the window's start need not be a block's
       const size_t row =
           valid ? (size_t)ids[t / BS - b0] * block_stride + head_offset + (size_t)(t % BS) * HD
                 : 0;

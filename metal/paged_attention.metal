@@ -3,9 +3,11 @@
 // MLX writes each kernel's signature from its inputs and outputs, so this file holds only
 // bodies, one per `// @kernel NAME` section; paged_attention.h is their shared header.
 // Template parameters: T (q/cache/out dtype), HD (head_dim), BS (block size),
-// G (query heads per kv head), NSG (simdgroups per threadgroup). The partition size is not a
-// template value (it would name a new kernel as contexts grow): the split kernel derives it
-// from its grid and the table width. Context lengths are clamped to the table's width
+// G (query heads per kv head), NSG (simdgroups per threadgroup), HAS_SINKS (0 or 1: read the
+// `sinks` input; single pass and merge only). A sliding window is the runtime input `window`
+// (one variant for every window size). The partition size is not a template value (it would
+// name a new kernel as contexts grow): the split kernel derives it from its grid and the
+// table width. Context lengths are clamped to the table's width
 // (max_blocks * BS; the real width: the wrapper pads small tables with rows, never columns), so
 // inconsistent metadata never reads past a sequence's table row.
 //
@@ -25,6 +27,8 @@
 //          block_tables [num_seqs, max_blocks] int32
 //          context_lens [num_seqs] int32
 //          scale        [] float32
+//          window       [] int32: sliding window (0: none)
+//          sinks        [>= num_heads] float32: per-head sink logits (read when HAS_SINKS)
 // output:  out          [num_seqs, num_heads, HD] T
 const int kvh = threadgroup_position_in_grid.y;
 const int seq = threadgroup_position_in_grid.z;
@@ -44,11 +48,14 @@ threadgroup float tg_stats[2 * PA_STATES(HD, NSG) * GH];
 
 const int max_blocks = block_tables_shape[1];
 const int ctx = clamp(PA_UNIFORM(context_lens[seq], lane), 0, max_blocks * BS);
+// A window starts the loop at the first block it overlaps: only ~window rows are read.
+const int win = PA_UNIFORM(window, lane);
+const int lo = win > 0 ? max(0, ctx - win) : 0;
 
 PAState<GH, pa_lane_dims(HD)> st;
 pa_attend<T, HD, BS, G, NSG>(
     st, q, k_cache, v_cache, block_tables, max_blocks, num_kv_heads, PA_UNIFORM(scale, lane),
-    seq, kvh, 0, ctx, sg, lane, tid, tg_qo, tg_blocks);
+    seq, kvh, lo / BS * BS, ctx, lo, sg, lane, tid, tg_qo, tg_blocks);
 pa_publish_stats<G, HD, NSG>(st, tg_stats, sg, lane);
 
 device T* o = out + ((size_t)seq * num_kv_heads + kvh) * G * HD;
@@ -60,7 +67,10 @@ for (int j = 0; j < GH; j++) {
       float M, L;
       pa_slot_stats<G, HD, NSG>(tg_stats, i / HD, j, M, L);
       const float x = pa_slot_output<HD, G, NSG>(half_o, i / HD, i % HD);
-      o[g * HD + i % HD] = static_cast<T>(L > 0.0f ? x / L : 0.0f);
+      // The sink joins the denominator only (log2 domain, rescaled to the max M).
+      const float den =
+          HAS_SINKS ? L + fast::exp2(PA_LOG2E * sinks[kvh * G + g] - M) : L;
+      o[g * HD + i % HD] = static_cast<T>(L > 0.0f ? x / den : 0.0f);
     }
   }
 }
@@ -77,6 +87,7 @@ for (int j = 0; j < GH; j++) {
 //          block_tables [num_seqs, max_blocks] int32
 //          context_lens [num_seqs] int32
 //          scale        [] float32
+//          window       [] int32: sliding window (0: none); partitions wholly before it are empty
 // outputs: part_out     [num_seqs, num_heads, num_partitions, HD] float32
 //          part_max     [num_seqs, num_heads, num_partitions] float32
 //          part_sum     [num_seqs, num_heads, num_partitions] float32
@@ -91,13 +102,17 @@ const uint tid = thread_index_in_threadgroup;
 
 const int max_blocks = block_tables_shape[1];
 const int part_tokens = ((max_blocks * BS + num_parts - 1) / num_parts + BS - 1) / BS * BS;
-const int tok_begin = part * part_tokens;
-const int tok_end =
-    min(clamp(PA_UNIFORM(context_lens[seq], lane), 0, max_blocks * BS), tok_begin + part_tokens);
+const int ctx = clamp(PA_UNIFORM(context_lens[seq], lane), 0, max_blocks * BS);
+const int win = PA_UNIFORM(window, lane);
+const int lo = win > 0 ? max(0, ctx - win) : 0;  // first position in the window
+// This partition's tokens, from the first block the window overlaps.
+const int tok_begin = max(part * part_tokens, lo / BS * BS);
+const int tok_end = min(ctx, part * part_tokens + part_tokens);
 const size_t row0 = ((size_t)seq * num_kv_heads + kvh) * G * num_parts + part;
 
 if (tok_begin >= tok_end) {
-  // Past this sequence's end: an empty partial (sum 0), which the merge gives weight 0.
+  // Past this sequence's end or wholly before its window: an empty partial (sum 0), which the
+  // merge gives weight 0.
   for (int g = 0; g < G; g++) {
     const size_t r = row0 + (size_t)g * num_parts;
     if (tid < HD) {
@@ -123,7 +138,7 @@ threadgroup float tg_stats[2 * PA_STATES(HD, NSG) * GH];
 PAState<GH, pa_lane_dims(HD)> st;
 pa_attend<T, HD, BS, G, NSG>(
     st, q, k_cache, v_cache, block_tables, max_blocks, num_kv_heads, PA_UNIFORM(scale, lane),
-    seq, kvh, tok_begin, tok_end, sg, lane, tid, tg_qo, tg_blocks);
+    seq, kvh, tok_begin, tok_end, lo, sg, lane, tid, tg_qo, tg_blocks);
 pa_publish_stats<G, HD, NSG>(st, tg_stats, sg, lane);
 
 for (int j = 0; j < GH; j++) {
@@ -152,6 +167,8 @@ for (int j = 0; j < GH; j++) {
 // inputs:  part_out [num_seqs, num_heads, num_partitions, HD] float32
 //          part_max [num_seqs, num_heads, num_partitions] float32
 //          part_sum [num_seqs, num_heads, num_partitions] float32
+//          sinks    [>= num_heads] float32: per-head sink logits (read when HAS_SINKS), folded
+//                   once into the merged sum
 // output:  out      [num_seqs, num_heads, HD] T
 constexpr int DPL = HD / 32;
 const int head = threadgroup_position_in_grid.y;
@@ -211,6 +228,8 @@ for (int s = 0; s < NSG; s++) {
   gmax = max(gmax, tg_stats[s]);
 }
 device T* o = out + ((size_t)seq * num_heads + head) * HD;
+// exp2(sink - gmax): the sink's share of the denominator at the common max (0 without sinks).
+const float sink_w = HAS_SINKS ? fast::exp2(PA_LOG2E * sinks[head] - gmax) : 0.0f;
 for (int d = tid; d < HD; d += 32 * NSG) {
   float total = 0.0f;
   float x = 0.0f;
@@ -219,5 +238,5 @@ for (int d = tid; d < HD; d += 32 * NSG) {
     total += f * tg_stats[NSG + s];
     x += f * tg_acc[s * HD + d];
   }
-  o[d] = static_cast<T>(total > 0.0f ? x / total : 0.0f);
+  o[d] = static_cast<T>(total > 0.0f ? x / (total + sink_w) : 0.0f);
 }

@@ -135,6 +135,7 @@ FILE_TIERS = {
     "test_metal_kv_quant.py": "emulator",
     "test_metal_merge.py": "emulator",
     "test_metal_varlen.py": "emulator",
+    "test_metal_window.py": "emulator",
     "test_model_metal.py": "emulator",
     "test_emu_blind_spots.py": "emulator",
     "test_emu_compilers.py": "emulator",

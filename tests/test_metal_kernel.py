@@ -70,8 +70,8 @@ MUTANTS = (
         (
             "sub-group scores one token too many",
             "h",
-            "const bool valid = t < c1;",
-            "const bool valid = t <= c1;",
+            "const bool valid = t < c1 && t >= tok_lo;",
+            "const bool valid = t <= c1 && t >= tok_lo;",
             None,
             MUTANT_CASE,
         ),
@@ -146,16 +146,16 @@ MUTANTS = (
         (
             "single pass without the context clamp",
             "metal",
-            "const int ctx = clamp(PA_UNIFORM(context_lens[seq], lane), 0, max_blocks * BS);",
-            "const int ctx = PA_UNIFORM(context_lens[seq], lane);",
+            "const int ctx = clamp(PA_UNIFORM(context_lens[seq], lane), 0, max_blocks * BS);\n// A window",
+            "const int ctx = PA_UNIFORM(context_lens[seq], lane);\n// A window",
             None,
             CLAMP_CASE,
         ),
         (
             "split pass without the context clamp",
             "metal",
-            "min(clamp(PA_UNIFORM(context_lens[seq], lane), 0, max_blocks * BS), tok_begin + part_tokens)",
-            "min(PA_UNIFORM(context_lens[seq], lane), tok_begin + part_tokens)",
+            "const int ctx = clamp(PA_UNIFORM(context_lens[seq], lane), 0, max_blocks * BS);\nconst int win",
+            "const int ctx = PA_UNIFORM(context_lens[seq], lane);\nconst int win",
             None,
             dict(CLAMP_CASE, split=True),
         ),
@@ -387,7 +387,9 @@ def test_inputs_under_eight_elements(emulated, split):
         source = metal._kernel(metal._metal_kernel_factory(), launch.kind, launch.variant).last_source
         signature = source[source.index("[[kernel]] void") :].split(") {")[0]
         constant = [ln.split()[3] for ln in signature.splitlines() if ln.strip().startswith("const constant")]
-        assert constant and all(n == "scale" or n.endswith(("_shape", "_strides", "_ndim")) for n in constant), constant
+        assert constant and all(
+            n in ("scale", "window") or n.endswith(("_shape", "_strides", "_ndim")) for n in constant
+        ), constant
     assert mismatch(out, paged_attention_reference(*args, 0.125), "float16") <= 1.0
 
 

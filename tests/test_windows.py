@@ -78,25 +78,37 @@ def test_reference_window_and_sinks_match_numpy(window, with_sinks, bits):
     np.testing.assert_allclose(np.array(got), want, atol=2e-5, rtol=1e-4)
 
 
-def test_window_and_sinks_never_reach_the_metal_kernels(monkeypatch):
-    """The kernels lack both: with impl="metal" such a call takes the reference path (and the
-    kernel wrappers, here made to fail, are never called)."""
+def test_window_and_sinks_reach_the_decode_kernels(monkeypatch):
+    """With impl="metal" a decode call with a window or sinks (the decode op, or a varlen call
+    whose sequences all have one new token) goes to the decode kernel wrapper with them; a varlen
+    call with multi-token chunks takes the reference (the varlen kernel lacks both yet)."""
     import mlxpaged.attention.metal as metal
     import mlxpaged.attention.metal_varlen as metal_varlen
 
-    def boom(*a, **k):
-        raise AssertionError("a windowed call reached a Metal kernel")
+    seen = []
 
-    monkeypatch.setattr(metal, "paged_attention_metal", boom)
+    def spy(q, k, v, bt, cl, *, scale, window=None, sinks=None, **kw):
+        seen.append((window, sinks is not None))
+        return paged_attention(q, k, v, bt, cl, scale=scale, impl="reference", window=window, sinks=sinks)
+
+    def boom(*a, **k):
+        raise AssertionError("a windowed chunk reached the varlen kernel")
+
+    monkeypatch.setattr(metal, "paged_attention_metal", spy)
     monkeypatch.setattr(metal_varlen, "paged_attention_varlen_metal", boom)
     rng = np.random.default_rng(1)
     q, kc, vc, tables, cu, ctx = (mx.array(a) for a in make_varlen_case(rng, 64, 2, 4, Q_LENS, PREFIXES))
     for kw in ({"window": 3}, {"sinks": mx.ones((q.shape[1],))}):
+        seen.clear()
         want = paged_attention_varlen(q, kc, vc, tables, cu, ctx, impl="reference", **kw)
         assert mx.array_equal(paged_attention_varlen(q, kc, vc, tables, cu, ctx, impl="metal", **kw), want)
+        assert seen == []  # chunks in the batch: the reference
         dq = q[cu[1:] - 1]  # one query per sequence: the decode op
         want = paged_attention(dq, kc, vc, tables, ctx, impl="reference", **kw)
         assert mx.array_equal(paged_attention(dq, kc, vc, tables, ctx, impl="metal", **kw), want)
+        ones = mx.arange(len(Q_LENS) + 1, dtype=mx.int32)
+        assert mx.array_equal(paged_attention_varlen(dq, kc, vc, tables, ones, ctx, impl="metal", **kw), want)
+        assert seen == [(kw.get("window"), "sinks" in kw)] * 2
 
 
 def test_bad_window_or_sinks_are_refused():

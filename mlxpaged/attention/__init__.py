@@ -6,8 +6,10 @@ sequence) over a paged KV cache, with interchangeable implementations.
 on the CPU by the MSL emulator; `impl="auto"` takes the kernel when it can run natively.
 Both take float pools (`mx.array`) or quantized ones (`kv_quant.QuantizedPool`, rows
 quantized along head_dim) for k_cache and v_cache, the same kind for both.
-A sliding `window` or per-head attention `sinks` run on the reference path only: the Metal
-kernels do not implement them yet, so such calls never reach them.
+A sliding `window` or per-head attention `sinks` run on the Metal decode kernels (single pass
+and split, float and quantized pools: `window` a runtime scalar, `sinks` the `HAS_SINKS`
+variants); a varlen call with either reaches them when every sequence has one new token (a
+decode step), and multi-token chunks take the reference (the varlen kernel lacks both yet).
 The quantized rows' format is `kv_quant.py`, which the worker's writers share.
 May import: `metal_emu` (the kernels' emulator, on Linux).
 """
@@ -71,16 +73,25 @@ def paged_attention(
     scale = _check_shapes("paged_attention", q, k_cache, v_cache, scale)
     _check_window_sinks("paged_attention", q, window, sinks)
     impl = resolve_impl(impl, q, k_cache)
-    if impl == "metal" and window is None and sinks is None:
+    if impl == "metal":
         from .metal import failed_kernel, kernel_failed, paged_attention_metal
 
         try:
-            return paged_attention_metal(q, k_cache, v_cache, block_tables, context_lens, scale=scale)
+            return paged_attention_metal(
+                q, k_cache, v_cache, block_tables, context_lens, scale=scale, window=window, sinks=sinks
+            )
         except Exception as e:  # any error a build or launch raised (MLX's are RuntimeError or
             # ValueError) that the start-up check did not cover; bad input is raised as it is
             if failed_kernel(e) is None or not kernel_failed(q.shape[1] // k_cache.shape[1], k_cache, e):
                 raise
     return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale, None, window, sinks)
+
+
+def _decodes_only(cu_seqlens_q: mx.array) -> bool:
+    """Every sequence has exactly one new token (the model runner builds cu_seqlens_q from
+    numpy, as the reference's `tolist()` relies on: no device sync)."""
+    cu = cu_seqlens_q.tolist()
+    return all(b - a == 1 for a, b in zip(cu, cu[1:]))
 
 
 def _check_window_sinks(name: str, q: mx.array, window, sinks) -> None:
@@ -136,7 +147,8 @@ def paged_attention_varlen(
     on the Metal decode kernel and longer ones on the varlen kernel (`metal_varlen.py`).
     `scratch`: a dict kept for one forward pass (`AttentionMetadata.scratch`), in which the
     reference keeps the index arrays it derives from the tables, so later layers reuse them.
-    `window` and `sinks` as in `paged_attention` (reference path only).
+    `window` and `sinks` as in `paged_attention`: with `impl="metal"` a call whose sequences
+    all have one new token runs the decode kernel with them, any other the reference.
     """
     scale = _check_shapes("paged_attention_varlen", q, k_cache, v_cache, scale)
     _check_window_sinks("paged_attention_varlen", q, window, sinks)
@@ -146,7 +158,19 @@ def paged_attention_varlen(
             f"paged_attention_varlen: cu_seqlens_q {cu_seqlens_q.shape} and context_lens {context_lens.shape} "
             f"do not match {num_seqs} block-table rows"
         )
-    if resolve_impl(impl, q, k_cache) == "metal" and window is None and sinks is None:
+    metal_impl = resolve_impl(impl, q, k_cache) == "metal"
+    if (
+        metal_impl
+        and (window is not None or sinks is not None)
+        and q.shape[0] == num_seqs
+        and _decodes_only(cu_seqlens_q)
+    ):
+        # One new token per sequence: a decode step, the decode kernels take the window and
+        # the sinks.
+        return paged_attention(
+            q, k_cache, v_cache, block_tables, context_lens, scale=scale, impl="metal", window=window, sinks=sinks
+        )
+    if metal_impl and window is None and sinks is None:
         # Multi-token sequences on the varlen kernel, one-token ones on the decode kernel; a
         # varlen kernel that failed its first-use check on this machine leaves it to the reference.
         from .metal import failed_kernel, kernel_failed

@@ -29,6 +29,11 @@ Invariants (issue 12):
     `paged_attention[_partitioned]_quant`, the float bodies reading K/V through
     `PA_QUANT_VIEWS` (bits and group size are template values in the name); each lane
     dequantizes its dims in registers, so the bytes read are the quantized rows'.
+  * Sliding windows and sinks: `window` is a runtime int32 scalar input of the single pass and
+    the split pass (0: none; no new name per window), which start at the first block the
+    window overlaps; `sinks` an input of the single pass and the merge, read under template
+    flag HAS_SINKS (names end `_sk`), folded once into each head's merged sum. The start-up
+    check covers HAS_SINKS = 0; an `_sk` kernel that fails later falls back as any kernel does.
 """
 
 from __future__ import annotations
@@ -113,20 +118,20 @@ KERNEL_ATTR = "mlxpaged_kernel"
 # Kernel kind (a `// @kernel` section of paged_attention.metal) -> (input names, output names).
 KERNEL_IO = {
     "paged_attention": (
-        ["q", "k_cache", "v_cache", "block_tables", "context_lens", "scale"],
+        ["q", "k_cache", "v_cache", "block_tables", "context_lens", "scale", "window", "sinks"],
         ["out"],
     ),
     "paged_attention_partitioned": (
-        ["q", "k_cache", "v_cache", "block_tables", "context_lens", "scale"],
+        ["q", "k_cache", "v_cache", "block_tables", "context_lens", "scale", "window"],
         ["part_out", "part_max", "part_sum"],
     ),
-    "paged_attention_merge": (["part_out", "part_max", "part_sum"], ["out"]),
+    "paged_attention_merge": (["part_out", "part_max", "part_sum", "sinks"], ["out"]),
 }
 # The quantized-cache kinds: each float kind's body over PA_QUANT_VIEWS of these inputs.
 QUANT_INPUTS = ["k_data", "k_scales", "k_biases", "v_data", "v_scales", "v_biases"]
 QUANT_KERNEL_IO = {
-    f"{kind}_quant": (["q", *QUANT_INPUTS, "block_tables", "context_lens", "scale"], outputs)
-    for kind, (_, outputs) in KERNEL_IO.items()
+    f"{kind}_quant": (["q", *QUANT_INPUTS, *inputs[3:]], outputs)
+    for kind, (inputs, outputs) in KERNEL_IO.items()
     if kind != "paged_attention_merge"
 }
 
@@ -315,9 +320,9 @@ def quant_params(cache) -> tuple[int, int] | None:
     return (cache.bits, cache.group_size) if isinstance(cache, QuantizedPool) else None
 
 
-def _variant(head_dim: int, block_size: int, group: int, quant=None) -> str:
+def _variant(head_dim: int, block_size: int, group: int, quant=None, sinks: bool = False) -> str:
     name = f"hd{head_dim}_bs{block_size}_g{group}_nsg{NUM_SIMDGROUPS}"
-    return name + (f"_q{quant[0]}_gs{quant[1]}" if quant else "")
+    return name + (f"_q{quant[0]}_gs{quant[1]}" if quant else "") + ("_sk" if sinks else "")
 
 
 def _kind(kind: str, k_cache) -> str:
@@ -338,19 +343,36 @@ def _template(q, k_cache, head_dim, block_size, group) -> list[tuple]:
     )
 
 
-def single_pass_launch(q, k_cache, v_cache, block_tables, context_lens, scale) -> Launch:
-    """Launch of the one-pass kernel: one threadgroup per (kv head, sequence)."""
+def window_input(window: int | None) -> mx.array:
+    """The kernels' runtime `window` scalar (int32; 0: no window)."""
+    return mx.array(window or 0, dtype=mx.int32)
+
+
+def sinks_input(sinks: mx.array | None, num_heads: int) -> mx.array:
+    """The kernels' `sinks` input: `[>= num_heads]` float32 logits, padded to MIN_DEVICE_ELEMENTS
+    (a device buffer in every case, one kernel name); zeros, never read, without sinks."""
+    if sinks is None:
+        return mx.zeros((max(num_heads, MIN_DEVICE_ELEMENTS),), dtype=mx.float32)
+    return _pad_to(sinks.astype(mx.float32).reshape(-1), 0, MIN_DEVICE_ELEMENTS)
+
+
+def single_pass_launch(q, k_cache, v_cache, block_tables, context_lens, scale, window=None, sinks=None) -> Launch:
+    """Launch of the one-pass kernel: one threadgroup per (kv head, sequence). `window` is the
+    int32 scalar of `window_input`; `sinks` None (no sinks) or a `[>= num_heads]` float32 array."""
     num_seqs, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     group = num_heads // num_kv_heads
     threads = 32 * NUM_SIMDGROUPS
-    variant = _variant(head_dim, block_size, group, quant_params(k_cache))
+    has_sinks = sinks is not None
+    variant = _variant(head_dim, block_size, group, quant_params(k_cache), has_sinks)
+    window = window_input(None) if window is None else window
+    sinks_arr = sinks if has_sinks else sinks_input(None, num_heads)
     return Launch(
         _kind("paged_attention", k_cache),
         variant,
         dict(
-            inputs=[q, *_cache_inputs(k_cache, v_cache), block_tables, context_lens, scale],
-            template=_template(q, k_cache, head_dim, block_size, group),
+            inputs=[q, *_cache_inputs(k_cache, v_cache), block_tables, context_lens, scale, window, sinks_arr],
+            template=_template(q, k_cache, head_dim, block_size, group) + [("HAS_SINKS", int(has_sinks))],
             grid=(threads, num_kv_heads, num_seqs),
             threadgroup=(threads, 1, 1),
             output_shapes=[q.shape],
@@ -359,8 +381,9 @@ def single_pass_launch(q, k_cache, v_cache, block_tables, context_lens, scale) -
     )
 
 
-def partitioned_launch(q, k_cache, v_cache, block_tables, context_lens, scale, part: int) -> Launch:
-    """Launch of the split path's first pass: one threadgroup per (partition, kv head, sequence)."""
+def partitioned_launch(q, k_cache, v_cache, block_tables, context_lens, scale, part: int, window=None) -> Launch:
+    """Launch of the split path's first pass: one threadgroup per (partition, kv head, sequence).
+    `window`: the int32 scalar of `window_input` (partitions wholly before it write empty partials)."""
     num_seqs, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -376,7 +399,14 @@ def partitioned_launch(q, k_cache, v_cache, block_tables, context_lens, scale, p
         _kind("paged_attention_partitioned", k_cache),
         variant,
         dict(
-            inputs=[q, *_cache_inputs(k_cache, v_cache), block_tables, context_lens, scale],
+            inputs=[
+                q,
+                *_cache_inputs(k_cache, v_cache),
+                block_tables,
+                context_lens,
+                scale,
+                window_input(None) if window is None else window,
+            ],
             template=_template(q, k_cache, head_dim, block_size, group),
             grid=(threads * num_parts, num_kv_heads, num_seqs),
             threadgroup=(threads, 1, 1),
@@ -390,17 +420,19 @@ def partitioned_launch(q, k_cache, v_cache, block_tables, context_lens, scale, p
     )
 
 
-def merge_launch(part_out, part_max, part_sum, dtype) -> Launch:
+def merge_launch(part_out, part_max, part_sum, dtype, sinks=None) -> Launch:
     """Launch of the split path's second pass: one threadgroup of MERGE_SIMDGROUPS simdgroups
-    per (head, sequence)."""
+    per (head, sequence). `sinks`: None, or `sinks_input`'s `[>= num_heads]` float32 logits,
+    folded once into each head's merged sum."""
     num_seqs, num_heads, _, head_dim = part_out.shape
     threads = 32 * MERGE_SIMDGROUPS
+    has_sinks = sinks is not None
     return Launch(
         "paged_attention_merge",
-        f"hd{head_dim}_nsg{MERGE_SIMDGROUPS}",
+        f"hd{head_dim}_nsg{MERGE_SIMDGROUPS}" + ("_sk" if has_sinks else ""),
         dict(
-            inputs=[part_out, part_max, part_sum],
-            template=[("T", dtype), ("HD", head_dim), ("NSG", MERGE_SIMDGROUPS)],
+            inputs=[part_out, part_max, part_sum, sinks if has_sinks else sinks_input(None, num_heads)],
+            template=[("T", dtype), ("HD", head_dim), ("NSG", MERGE_SIMDGROUPS), ("HAS_SINKS", int(has_sinks))],
             grid=(threads, num_heads, num_seqs),
             threadgroup=(threads, 1, 1),
             output_shapes=[(num_seqs, num_heads, head_dim)],
@@ -740,18 +772,38 @@ def paged_attention_metal(
     *,
     scale: float,
     partition_tokens: int | None = None,
+    window: int | None = None,
+    sinks: mx.array | None = None,  # [num_heads]
 ) -> mx.array:  # [num_seqs, num_heads, head_dim], q's dtype
     """Paged decode attention with the Metal kernel (see `mlxpaged.attention.paged_attention`).
 
-    `partition_tokens` overrides the split planning (0: single pass).
+    `partition_tokens` overrides the split planning (0: single pass). `window` (None or >= 1)
+    and `sinks` as in `paged_attention`.
     """
     return run_with_launches(
-        q, k_cache, v_cache, block_tables, context_lens, scale=scale, partition_tokens=partition_tokens
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        scale=scale,
+        partition_tokens=partition_tokens,
+        window=window,
+        sinks=sinks,
     )[0]
 
 
 def run_with_launches(
-    q, k_cache, v_cache, block_tables, context_lens, *, scale: float, partition_tokens: int | None = None
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    *,
+    scale: float,
+    partition_tokens: int | None = None,
+    window: int | None = None,
+    sinks: mx.array | None = None,
 ) -> tuple[mx.array, list[Launch]]:
     """`paged_attention_metal`, also returning the launches it ran (for tests and tables).
 
@@ -763,8 +815,9 @@ def run_with_launches(
         from .reference import paged_attention_reference
 
         # (quantized pools: the reference gathers and dequantizes only the rows in use)
-        return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale).astype(q.dtype), []
-    return _run(q, k_cache, v_cache, block_tables, context_lens, scale, partition_tokens)
+        ref = paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale, None, window, sinks)
+        return ref.astype(q.dtype), []
+    return _run(q, k_cache, v_cache, block_tables, context_lens, scale, partition_tokens, window, sinks)
 
 
 def _pad_to(x: mx.array, axis: int, n: int) -> mx.array:
@@ -795,7 +848,7 @@ def _device_pool(cache):
     return QuantizedPool(*(_pad_to(a, 0, blocks) for a in cache.arrays), cache.bits, cache.group_size)
 
 
-def _run(q, k_cache, v_cache, block_tables, context_lens, scale, partition_tokens):
+def _run(q, k_cache, v_cache, block_tables, context_lens, scale, partition_tokens, window=None, sinks=None):
     out_dtype = q.dtype
     q = q.astype(k_cache.dtype)  # one element type T for q, caches and output
     # Padding (unused zeros) keeps every input in the device address space: one kernel name.
@@ -818,11 +871,13 @@ def _run(q, k_cache, v_cache, block_tables, context_lens, scale, partition_token
             q_bytes=q.dtype.size,
         )
     args = (q, k_cache, v_cache, block_tables, context_lens, scale_arr)
+    win = window_input(window)
+    sk = None if sinks is None else sinks_input(sinks, q.shape[1])
     if not part:
-        launches = [single_pass_launch(*args)]
+        launches = [single_pass_launch(*args, win, sk)]
         out = launches[0].run()[0]
     else:
-        launches = [partitioned_launch(*args, part)]
-        launches.append(merge_launch(*launches[0].run(), q.dtype))
+        launches = [partitioned_launch(*args, part, win)]
+        launches.append(merge_launch(*launches[0].run(), q.dtype, sk))
         out = launches[1].run()[0]
     return out.astype(out_dtype), launches

@@ -105,17 +105,18 @@ def _decode_variants() -> list[Variant]:
         for hd in HEAD_DIMS:
             if not metal.shape_supported(hd, 1, 1):
                 continue
-            out.append(
-                Variant(
-                    "decode",
-                    f"paged_attention_merge_hd{hd}_nsg{metal.MERGE_SIMDGROUPS}",
-                    "paged_attention_merge",
-                    *metal.KERNEL_IO["paged_attention_merge"],
-                    [("T", dt), ("HD", hd), ("NSG", metal.MERGE_SIMDGROUPS)],
-                    [T4, T4, T4],
-                    [dt],
+            for sk in (0, 1):  # HAS_SINKS: the sink's fold compiles in or out
+                out.append(
+                    Variant(
+                        "decode",
+                        f"paged_attention_merge_hd{hd}_nsg{metal.MERGE_SIMDGROUPS}" + ("_sk" if sk else ""),
+                        "paged_attention_merge",
+                        *metal.KERNEL_IO["paged_attention_merge"],
+                        [("T", dt), ("HD", hd), ("NSG", metal.MERGE_SIMDGROUPS), ("HAS_SINKS", sk)],
+                        [T4, T4, T4, T4],
+                        [dt],
+                    )
                 )
-            )
             for bs in BLOCK_SIZES:
                 for g in GROUPS:
                     if not metal.shape_supported(hd, bs, g):
@@ -131,20 +132,27 @@ def _decode_variants() -> list[Variant]:
                             [("BITS", quant[0]), ("GS", quant[1])] if quant else []
                         )
                         cache = [Spec(mx.uint32), Spec(dt), Spec(dt)] * 2 if quant else [Spec(dt), Spec(dt)]
+                        # q, the cache, tables, lengths, scale and the window scalar
                         ins = [Spec(dt), *cache, Spec(mx.int32), Spec(mx.int32), Spec(mx.float32, 0, 1)]
-                        variant = metal._variant(hd, bs, g, quant)
-                        for kind in ("paged_attention", "paged_attention_partitioned"):
+                        ins.append(Spec(mx.int32, 0, 1))
+                        # HAS_SINKS = 1 is one branch more: checked on the first (bs, G) of each
+                        # head_dim and cache kind, so the variants' count grows little
+                        sinks = (0, 1) if (bs, g) == (BLOCK_SIZES[0], GROUPS[0]) else (0,)
+                        for kind, sk in [("paged_attention", sk) for sk in sinks] + [
+                            ("paged_attention_partitioned", 0)
+                        ]:
                             full = f"{kind}_quant" if quant else kind
                             io = metal.QUANT_KERNEL_IO[full] if quant else metal.KERNEL_IO[kind]
-                            outs = [dt] if kind == "paged_attention" else [mx.float32] * 3
+                            single = kind == "paged_attention"
+                            outs = [dt] if single else [mx.float32] * 3
                             out.append(
                                 Variant(
                                     "decode",
-                                    f"{full}_{variant}",
+                                    f"{full}_{metal._variant(hd, bs, g, quant, bool(sk))}",
                                     kind,
                                     *io,
-                                    tmpl,
-                                    ins,
+                                    tmpl + ([("HAS_SINKS", sk)] if single else []),
+                                    ins + ([Spec(mx.float32)] if single else []),
                                     outs,
                                     "PA_QUANT_VIEWS" if quant else "",
                                 )
