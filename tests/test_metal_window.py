@@ -130,7 +130,7 @@ def test_gpt_oss_decodes_through_the_kernels_like_mlx_lm(emulated, tmp_path):
 
     path = write_tiny_family(tmp_path, "gpt_oss", sliding_window=4)
     ref_model, tok = mlx_lm.load(str(path))
-    engine = LLMEngine(load(str(path), "float32"), EngineConfig(block_size=4, num_blocks=64, attention_impl="metal"))
+    engine = LLMEngine(load(str(path), "float32"), EngineConfig.of(block_size=4, num_blocks=64, attention_impl="metal"))
     calls = []
     real = metal.run_with_launches
 
