@@ -1,6 +1,8 @@
 """The agent SDKs people point at a local server, unmodified, against `mlxpaged serve`: openai-agents
-0.24 (chat and Responses, `Runner.run` and `run_streamed`, a forced function tool) and pydantic-ai
-2.38 (its default ToolOutput, a forced tool call, and NativeOutput, a JSON schema). The model is a
+0.24 (chat and Responses, `Runner.run` and `run_streamed`, a forced function tool), pydantic-ai
+2.38 (its default ToolOutput, a forced tool call, and NativeOutput, a JSON schema) and instructor
+1.17 (TOOLS, JSON_SCHEMA, JSON); then Claude Code's and Codex's captured first requests, and the
+two CLIs themselves. The model is a
 tiny random checkpoint carrying Qwen2.5's real tokenizer, so `<tool_call>` is one added token as on
 the default model; random weights answer nothing sensible, so what is asserted is what the server
 guarantees whatever the weights: forced calls and schema outputs parse and validate (guided
@@ -15,14 +17,16 @@ from pathlib import Path
 from typing import Literal
 
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 from test_server_spine import write_tiny_with_tokenizer
 
 from tests.server_proc import Server
 
 
-# Enums only: random weights would write an unbounded integer's digits until max_tokens.
+# Enums only, no other keys: random weights would write an unbounded integer's digits, or keys
+# after keys, until max_tokens (a schema's grammar allows what the schema allows).
 class Weather(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     city: Literal["Paris", "Rome"]
     days: Literal[1, 2, 3]
 
@@ -124,6 +128,29 @@ def test_pydantic_ai_structured_output(served, api, mode):
     result = agent.run_sync("Weather in Paris for 2 days?")
     assert isinstance(result.output, Weather)
     assert result.usage.input_tokens > 0 and result.usage.output_tokens > 0
+
+
+# -- instructor -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA"])
+def test_instructor_returns_the_model(served, mode):
+    """instructor 1.17's modes over chat: TOOLS (a forced tool call), JSON_SCHEMA (response_format
+    json_schema): a validated model. (JSON mode sends json_object, any JSON, with the schema only in
+    the prompt: a model that reads the prompt follows it, random weights cannot.)"""
+    import instructor
+    from openai import OpenAI
+
+    client = instructor.from_openai(
+        OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0), mode=getattr(instructor.Mode, mode)
+    )
+    got = client.chat.completions.create(
+        model="tiny",
+        response_model=Weather,
+        messages=[{"role": "user", "content": "Weather in Rome for 1 day?"}],
+        max_tokens=64,
+        temperature=0,
+        max_retries=0,
+    )
+    assert isinstance(got, Weather)
 
 
 # -- the CLIs' first requests, as captured (tests/data/clients/: client, version, command) ---------
