@@ -49,7 +49,7 @@ threadgroup float tg_stats[2 * PA_STATES(HD, NSG) * GH];
 const int max_blocks = block_tables_shape[1];
 const int ctx = clamp(PA_UNIFORM(context_lens[seq], lane), 0, max_blocks * BS);
 // A window starts the loop at the first block it overlaps: only ~window rows are read.
-const int win = PA_UNIFORM(window, lane);
+const int win = HAS_WINDOW ? PA_UNIFORM(window, lane) : 0;  // no window: never read
 const int lo = win > 0 ? max(0, ctx - win) : 0;
 
 PAState<GH, pa_lane_dims(HD)> st;
@@ -103,7 +103,7 @@ const uint tid = thread_index_in_threadgroup;
 const int max_blocks = block_tables_shape[1];
 const int part_tokens = ((max_blocks * BS + num_parts - 1) / num_parts + BS - 1) / BS * BS;
 const int ctx = clamp(PA_UNIFORM(context_lens[seq], lane), 0, max_blocks * BS);
-const int win = PA_UNIFORM(window, lane);
+const int win = HAS_WINDOW ? PA_UNIFORM(window, lane) : 0;  // no window: never read
 const int lo = win > 0 ? max(0, ctx - win) : 0;  // first position in the window
 // This partition's tokens, from the first block the window overlaps.
 const int tok_begin = max(part * part_tokens, lo / BS * BS);

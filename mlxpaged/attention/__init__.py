@@ -7,8 +7,8 @@ on the CPU by the MSL emulator; `impl="auto"` takes the kernel when it can run n
 Both take float pools (`mx.array`) or quantized ones (`kv_quant.QuantizedPool`, rows
 quantized along head_dim) for k_cache and v_cache, the same kind for both.
 A sliding `window` or per-head attention `sinks` run on the Metal decode kernels (single pass
-and split, float and quantized pools: `window` a runtime scalar, `sinks` the `HAS_SINKS`
-variants); a varlen call with either reaches them when every sequence has one new token (a
+and split, float and quantized pools: `window` a runtime scalar read under `HAS_WINDOW`, `sinks`
+the `HAS_SINKS` variants); a varlen call with either reaches them when every sequence has one new token (a
 decode step), and multi-token chunks take the reference (the varlen kernel lacks both yet).
 The quantized rows' format is `kv_quant.py`, which the worker's writers share.
 May import: `metal_emu` (the kernels' emulator, on Linux).

@@ -320,9 +320,9 @@ def quant_params(cache) -> tuple[int, int] | None:
     return (cache.bits, cache.group_size) if isinstance(cache, QuantizedPool) else None
 
 
-def _variant(head_dim: int, block_size: int, group: int, quant=None, sinks: bool = False) -> str:
+def _variant(head_dim: int, block_size: int, group: int, quant=None, sinks: bool = False, window: bool = False) -> str:
     name = f"hd{head_dim}_bs{block_size}_g{group}_nsg{NUM_SIMDGROUPS}"
-    return name + (f"_q{quant[0]}_gs{quant[1]}" if quant else "") + ("_sk" if sinks else "")
+    return name + (f"_q{quant[0]}_gs{quant[1]}" if quant else "") + ("_w" if window else "") + ("_sk" if sinks else "")
 
 
 def _kind(kind: str, k_cache) -> str:
@@ -364,7 +364,8 @@ def single_pass_launch(q, k_cache, v_cache, block_tables, context_lens, scale, w
     group = num_heads // num_kv_heads
     threads = 32 * NUM_SIMDGROUPS
     has_sinks = sinks is not None
-    variant = _variant(head_dim, block_size, group, quant_params(k_cache), has_sinks)
+    has_window = window is not None  # HAS_WINDOW: the scalar is read (a kernel without a window reads it never)
+    variant = _variant(head_dim, block_size, group, quant_params(k_cache), has_sinks, has_window)
     window = window_input(None) if window is None else window
     sinks_arr = sinks if has_sinks else sinks_input(None, num_heads)
     return Launch(
@@ -372,7 +373,8 @@ def single_pass_launch(q, k_cache, v_cache, block_tables, context_lens, scale, w
         variant,
         dict(
             inputs=[q, *_cache_inputs(k_cache, v_cache), block_tables, context_lens, scale, window, sinks_arr],
-            template=_template(q, k_cache, head_dim, block_size, group) + [("HAS_SINKS", int(has_sinks))],
+            template=_template(q, k_cache, head_dim, block_size, group)
+            + [("HAS_WINDOW", int(has_window)), ("HAS_SINKS", int(has_sinks))],
             grid=(threads, num_kv_heads, num_seqs),
             threadgroup=(threads, 1, 1),
             output_shapes=[q.shape],
@@ -391,7 +393,7 @@ def partitioned_launch(q, k_cache, v_cache, block_tables, context_lens, scale, p
     if num_parts > MAX_PARTITIONS or part % block_size:
         raise ValueError(f"bad partition size {part} for block size {block_size}")
     threads = 32 * NUM_SIMDGROUPS
-    variant = _variant(head_dim, block_size, group, quant_params(k_cache))
+    variant = _variant(head_dim, block_size, group, quant_params(k_cache), window=window is not None)
     # The max and sum arrays get spare (never written, never read) sequence rows if they would
     # hold under 8 elements: the merge kernel's name must not change with the partition count.
     stat_seqs = max(num_seqs, cdiv(MIN_DEVICE_ELEMENTS, num_heads * num_parts))
@@ -407,7 +409,7 @@ def partitioned_launch(q, k_cache, v_cache, block_tables, context_lens, scale, p
                 scale,
                 window_input(None) if window is None else window,
             ],
-            template=_template(q, k_cache, head_dim, block_size, group),
+            template=_template(q, k_cache, head_dim, block_size, group) + [("HAS_WINDOW", int(window is not None))],
             grid=(threads * num_parts, num_kv_heads, num_seqs),
             threadgroup=(threads, 1, 1),
             output_shapes=[
@@ -871,7 +873,7 @@ def _run(q, k_cache, v_cache, block_tables, context_lens, scale, partition_token
             q_bytes=q.dtype.size,
         )
     args = (q, k_cache, v_cache, block_tables, context_lens, scale_arr)
-    win = window_input(window)
+    win = window_input(window) if window else None
     sk = None if sinks is None else sinks_input(sinks, q.shape[1])
     if not part:
         launches = [single_pass_launch(*args, win, sk)]

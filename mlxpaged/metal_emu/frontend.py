@@ -135,11 +135,11 @@ def _decode_variants() -> list[Variant]:
                         # q, the cache, tables, lengths, scale and the window scalar
                         ins = [Spec(dt), *cache, Spec(mx.int32), Spec(mx.int32), Spec(mx.float32, 0, 1)]
                         ins.append(Spec(mx.int32, 0, 1))
-                        # HAS_SINKS = 1 is one branch more: checked on the first (bs, G) of each
-                        # head_dim and cache kind, so the variants' count grows little
-                        sinks = (0, 1) if (bs, g) == (BLOCK_SIZES[0], GROUPS[0]) else (0,)
-                        for kind, sk in [("paged_attention", sk) for sk in sinks] + [
-                            ("paged_attention_partitioned", 0)
+                        # HAS_SINKS = 1 and HAS_WINDOW = 1 are one branch more each: checked on the
+                        # first (bs, G) of each head_dim and cache kind, so the count grows little
+                        flags = (0, 1) if (bs, g) == (BLOCK_SIZES[0], GROUPS[0]) else (0,)
+                        for kind, sk, w in [("paged_attention", sk, w) for sk in flags for w in flags] + [
+                            ("paged_attention_partitioned", 0, w) for w in flags
                         ]:
                             full = f"{kind}_quant" if quant else kind
                             io = metal.QUANT_KERNEL_IO[full] if quant else metal.KERNEL_IO[kind]
@@ -148,10 +148,10 @@ def _decode_variants() -> list[Variant]:
                             out.append(
                                 Variant(
                                     "decode",
-                                    f"{full}_{metal._variant(hd, bs, g, quant, bool(sk))}",
+                                    f"{full}_{metal._variant(hd, bs, g, quant, bool(sk), bool(w))}",
                                     kind,
                                     *io,
-                                    tmpl + ([("HAS_SINKS", sk)] if single else []),
+                                    tmpl + [("HAS_WINDOW", w)] + ([("HAS_SINKS", sk)] if single else []),
                                     ins + ([Spec(mx.float32)] if single else []),
                                     outs,
                                     "PA_QUANT_VIEWS" if quant else "",
