@@ -14,6 +14,7 @@ import asyncio
 import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -473,3 +474,74 @@ def ratios(rows) -> list[dict]:
                 }
             )
     return out
+
+
+def write_plot(out: Path, rows: list[dict]) -> Path:
+    """TTFT per turn (median over repeats of each replay's median), one panel per K."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ks = sorted({r["k"] for r in rows})
+    fig, axes = plt.subplots(1, len(ks), figsize=(5 * len(ks), 4), squeeze=False)
+    for ax, k in zip(axes[0], ks):
+        for server, rs in sorted({(r["server"], r["restart"]) for r in rows if r["k"] == k}):
+            reps = [r for r in rows if r["k"] == k and r["server"] == server and r["restart"] == rs]
+            ys = []
+            for t in range(reps[0]["turns"]):
+                xs = [r["ttft_per_turn"][t]["ttft_ms_median"] for r in reps if r["ttft_per_turn"][t]["ttft_ms_median"]]
+                ys.append(statistics.median(xs) if xs else float("nan"))
+            ax.plot(range(len(ys)), ys, marker="o", label=f"{server}{' (restart)' if rs else ''}")
+        ax.set_title(f"K={k}")
+        ax.set_xlabel("turn")
+        ax.set_ylabel("TTFT median (ms)")
+        ax.set_yscale("log")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    from .report import git_state, write_result
+
+    ap = argparse.ArgumentParser(prog="bench_agents.py", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="Checkpoint folder (default: the offline Qwen2.5-Coder-0.5B).")
+    ap.add_argument("--tiny", action="store_true", help="A tiny random model (smoke runs).")
+    ap.add_argument("--ks", default="1,4,8", help="Concurrent conversations, comma-separated.")
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--restart", action="store_true", help="Also the variant restarting the server after T/2.")
+    ap.add_argument("--servers", default=",".join(SERVERS), help="Comma-separated: mlxpaged,mlx_lm.")
+    ap.add_argument("--out-dir", default="bench_results")
+    ap.add_argument("--plot", action="store_true")
+    ap.add_argument("--allow-dirty", action="store_true")
+    a = ap.parse_args(argv)
+    git = git_state()
+    if git["dirty"] and not a.allow_dirty:
+        print("error: the tree has uncommitted changes; commit them or pass --allow-dirty", file=sys.stderr)
+        return 1
+    servers = tuple(s for s in a.servers.split(",") if s)
+    bad = set(servers) - set(SERVERS)
+    if bad:
+        print(f"error: unknown server(s) {sorted(bad)}; choose from {list(SERVERS)}", file=sys.stderr)
+        return 1
+    path = http.float32_copy(http.model_path(a.model, a.tiny))
+    ks = [int(x) for x in a.ks.split(",") if x]
+    res = run(path, ks, a.turns, a.repeats, a.max_tokens, a.seed, a.restart, servers, progress=print)
+    out = write_result(
+        a.out_dir,
+        "agents",
+        Path(path).name,
+        {"ks": ks, "turns": a.turns, "repeats": a.repeats, "restart": a.restart, "git_at_start": git, **res},
+    )
+    print(f"system prompt with tools: {res['system_prompt_tokens']} tokens; {res['peer_args_note']}")
+    print(f"results: {out}")
+    if a.plot:
+        print(f"plot: {write_plot(out.with_suffix('.png'), res['rows'])}")
+    return 0
