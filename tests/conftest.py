@@ -121,6 +121,7 @@ FILE_TIERS = {
     "test_prefix_disk.py": "engine",
     "test_kv_pool_growth.py": "engine",
     "test_bench_http.py": "server",
+    "test_bench_agents.py": "server",
     "test_families.py": "engine",
     "test_windows.py": "engine",
     "test_gguf_llama.py": "engine",

@@ -54,6 +54,8 @@ class Req:
     prompt: str
     max_tokens: int
     system: str | None = None
+    messages: list | None = None  # a whole chat history (the agent load); replaces system + prompt
+    tools: list | None = None
 
 
 @dataclass
@@ -67,6 +69,7 @@ class Part:
     end: float = 0.0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    prompt_tokens: int = 0
     error: str = ""
 
 
@@ -244,7 +247,7 @@ def start_server(name: str, model_path: str, extra: list[str]) -> ServerProc:
 def request_body(server: str, model: str, req: Req, n: int, eos: list[int]) -> dict:
     """The chat request `server` gets for `req` of a load with n samples per request (mlx_lm.server
     gets n copies of it, without `n`); both sample at the same temperature."""
-    messages = ([{"role": "system", "content": req.system}] if req.system else []) + [
+    messages = req.messages or ([{"role": "system", "content": req.system}] if req.system else []) + [
         {"role": "user", "content": req.prompt}
     ]
     body = {
@@ -255,6 +258,8 @@ def request_body(server: str, model: str, req: Req, n: int, eos: list[int]) -> d
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if req.tools:
+        body["tools"] = req.tools
     if server == "mlxpaged":
         body["ignore_eos"] = True
         if n > 1:
@@ -264,7 +269,8 @@ def request_body(server: str, model: str, req: Req, n: int, eos: list[int]) -> d
     return body
 
 
-async def stream_one(client, url: str, body: dict) -> Part:
+async def stream_one(client, url: str, body: dict, on_text=None) -> Part:
+    """Stream one chat request; `on_text(str)` (if given) gets each content delta."""
     import httpx
 
     part = Part(t0=time.perf_counter())
@@ -282,7 +288,11 @@ async def stream_one(client, url: str, body: dict) -> Part:
                     part.error = str(obj["error"])[:200]
                 if obj.get("usage"):
                     part.completion_tokens = obj["usage"]["completion_tokens"]
+                    part.prompt_tokens = obj["usage"].get("prompt_tokens") or 0
                     part.cached_tokens = (obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                if on_text is not None:
+                    for c in obj.get("choices", []):
+                        on_text((c.get("delta") or {}).get("content") or "")
                 if any((c.get("delta") or {}).get("content") for c in obj.get("choices", [])):
                     part.last = time.perf_counter()
                     part.first = part.first or part.last

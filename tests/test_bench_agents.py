@@ -1,0 +1,90 @@
+"""The coding-agent benchmark (mlxpaged/bench/agents.py): one K=2, T=3 replay with the restart
+variant against both real servers on the tiny model, short prompts so that it stays cheap."""
+
+import pytest
+
+from mlxpaged.bench import agents, http
+from mlxpaged.bench.models import tiny_checkpoint
+
+K, T, MAX_TOKENS = 2, 3, 4
+SYSTEM = "You are a coding agent. Use the tools."
+
+
+@pytest.fixture(scope="module")
+def result():
+    path = http.float32_copy(tiny_checkpoint())
+    return agents.run(
+        path,
+        [K],
+        T,
+        1,
+        MAX_TOKENS,
+        restart=True,
+        progress=lambda s: None,
+        system=SYSTEM,
+        tools=agents.TOOLS[:1],
+        result_tokens=(20, 40),
+    )
+
+
+def test_replay_fields_lengths_and_growing_prompts(result):
+    rows = result["rows"]
+    assert {(r["server"], r["restart"]) for r in rows} == {(s, v) for s in agents.SERVERS for v in (False, True)}
+    for r in rows:
+        assert r["failed"] == 0, r["errors"]
+        for key in ("ttft_per_turn", "ttft_ms_later_median", "wall_s", "output_tok_per_s", "peak_rss_mb"):
+            assert r[key] is not None, key
+        assert r["final_rss_mb"] > 0 and r["peak_rss_mb"] >= r["final_rss_mb"] * 0.5
+        assert len(r["ttft_per_turn"]) == T
+        assert r["computed_prompt_tokens"] == r["prompt_tokens"] - r["cached_tokens"]
+        for c in range(K):
+            turns = [d for d in r["turns_detail"] if d["conv"] == c]
+            assert [d["completion_tokens"] for d in turns] == [MAX_TOKENS] * T  # equal lengths, both servers
+            sizes = [d["prompt_tokens"] for d in turns]
+            assert all(b > a for a, b in zip(sizes, sizes[1:])), sizes  # prompts grow every turn
+    # Both servers saw the same prompts (same tokenizer, same bytes).
+    by = {(r["server"], r["restart"]): [d["prompt_tokens"] for d in r["turns_detail"]] for r in rows}
+    assert by[("mlxpaged", False)] == by[("mlx_lm", False)]
+
+
+def test_shared_system_prompt_is_served_from_cache(result):
+    # Later turns extend the same conversation: some of every later turn's prompt is cached.
+    for r in result["rows"]:
+        if not r["restart"]:
+            later = [d for d in r["turns_detail"] if d["turn"] > 0]
+            assert all(d["cached_tokens"] > 0 for d in later), (r["server"], later)
+
+
+def test_ratios_within_a_repeat(result):
+    rows = {(r["server"], r["restart"]): r for r in result["rows"]}
+    ratios = result["ratios"]
+    assert len(ratios) == 2
+    for q in ratios:
+        me, peer = rows[("mlxpaged", q["restart"])], rows[(q["peer"], q["restart"])]
+        assert q["repeat"] == me["repeat"] == peer["repeat"]
+        assert q["wall_ratio"] == pytest.approx(me["wall_s"] / peer["wall_s"])
+
+
+def test_restart_variant_second_half_runs_on_a_restarted_server(result):
+    for r in result["rows"]:
+        gens = {(d["turn"], d["server_generation"]) for d in r["turns_detail"]}
+        if r["restart"]:
+            assert r["restart_at_turn"] == T // 2
+            assert gens == {(t, 0 if t < T // 2 else 1) for t in range(T)}
+            assert r["ttft_ms_after_restart_median"] is not None
+        else:
+            assert {g for _, g in gens} == {0}
+    assert (
+        "--prefix-cache-dir"
+        in next(r for r in result["rows"] if r["restart"] and r["server"] == "mlxpaged")["server_args"]
+    )
+
+
+def test_corpus_is_fixed_by_the_seed():
+    class Tok:
+        encode = staticmethod(lambda s: s.split(" "))
+        decode = staticmethod(lambda ids: " ".join(ids))
+
+    a, b = agents.tool_results(Tok(), 4, seed=3), agents.tool_results(Tok(), 4, seed=3)
+    assert a == b and all(text for _, text in a)
+    assert agents.tool_results(Tok(), 4, seed=4) != a
