@@ -339,6 +339,7 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of", "best_of"),
     ("/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix", "suffix"),
     ("/v1/completions", {"prompt": "hi", "echo": True, "stream": True}, 400, "echo", "echo"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 0}, 400, "prompt_logprobs", "prompt_logprobs"),
     # stop ids outside the vocabulary (the tiny model has 384 tokens)
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [384]}, 400, "stop_token_ids", "vocabulary"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids", "vocabulary"),

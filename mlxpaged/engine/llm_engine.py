@@ -555,10 +555,10 @@ class LLMEngine:
                 wanted.append((layer, entries))
         batch = out.batch()
         all_rows = [i for _, entries in wanted for i in entries]
-        extra = {"spec_tokens": out.spec_tokens()} if out.spec else {}
+        kw = {"spec_tokens": out.spec_tokens()} if out.spec else {}
         if all_rows:
-            extra["all_rows"] = all_rows
-        logits = self.runner.forward(batch, **extra)  # the plain call is `forward(batch)`
+            kw["all_rows"] = all_rows
+        logits = self.runner.forward(batch, **kw)  # the plain call is `forward(batch)`
         if not wanted:
             return logits, []
         at = logits.shape[0] - sum(batch[i][1] for i in all_rows)

@@ -44,6 +44,9 @@ UNIMPLEMENTED: dict[str, tuple] = {
     "modalities": _OFF + (["text"],),
     "prediction": _OFF,
     "web_search_options": _OFF,
+    # vLLM's completions extension; 0 asks for them (the logprob alone), so only null is a no-op.
+    # `echo` with `logprobs` gives the same values in OpenAI's shape.
+    "prompt_logprobs": (None,),
 }
 
 
