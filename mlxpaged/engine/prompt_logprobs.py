@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from .outputs import TokenLogprob
+from .sampler import best_first, logprob_arrays
 from .step import LaunchedStep, StepLayer
 
 if TYPE_CHECKING:
@@ -55,18 +56,13 @@ class PromptLogprobs(StepLayer):
                 continue
             req, start, n = c.request, c.seq.num_computed_tokens, c.num_tokens
             m = min(start + n, req.num_prompt_tokens - 1) - start  # positions that predict a prompt token
-            x = rows[at : at + m].astype(mx.float32)
-            at += n
-            lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
             targets = mx.array(req.prompt_token_ids[start + 1 : start + 1 + m], dtype=mx.int32)
-            chosen = mx.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
-            k = min(req.params.prompt_logprobs, lp.shape[-1])
-            top = None
-            if k > 0:
-                ids = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
-                top = (ids, mx.take_along_axis(lp, ids, axis=-1))
-                todo += list(top)
-            todo.append(chosen)
+            chosen, ids, vals = logprob_arrays(
+                rows[at : at + m], targets, min(req.params.prompt_logprobs, rows.shape[-1])
+            )
+            at += n
+            top = None if ids is None else (ids, vals)
+            todo += [chosen] + ([ids, vals] if ids is not None else [])
             held.append((req, start, chosen, top))
         step.held[self] = held
         return todo
@@ -77,9 +73,7 @@ class PromptLogprobs(StepLayer):
             ids, vals = (top[0].tolist(), top[1].tolist()) if top is not None else (None, None)
             for j, lp in enumerate(chosen.tolist()):
                 pos = start + 1 + j
-                best = []
-                if ids is not None:  # argpartition leaves the top unordered: best first, ties by lower id
-                    best = sorted(zip(ids[j], vals[j]), key=lambda t: (-t[1], t[0]))
+                best = best_first(ids[j], vals[j]) if ids is not None else []
                 entries[pos] = TokenLogprob(req.prompt_token_ids[pos], lp, best)
             if all(e is not None for e in entries[1:]):
                 req.prompt_logprobs = self._partial.pop(req)

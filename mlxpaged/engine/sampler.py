@@ -232,16 +232,27 @@ def _draw_rows(x: mx.array, keys: mx.array) -> tuple[mx.array, mx.array]:
     return mx.argmax(x + noise, axis=-1), pairs[:, 0]
 
 
-def _logprob_arrays(logits: mx.array, tokens: mx.array, rows: list[int], top: int):
-    """Log-softmax of `logits[rows]`: (chosen token's logprob [R], top ids [R, top], their logprobs)."""
-    idx = mx.array(rows)
-    x = logits[idx].astype(mx.float32)
+def logprob_arrays(x: mx.array, tokens: mx.array, top: int):
+    """Log-softmax of `x [R, V]` in float32: (`tokens [R]`'s logprobs [R], top ids [R, top] and their
+    logprobs, unordered; None, None for top 0). The prompt's logprobs use it too (prompt_logprobs.py)."""
+    x = x.astype(mx.float32)
     lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
-    chosen = mx.take_along_axis(lp, tokens[idx][:, None], axis=-1)[:, 0]
+    chosen = mx.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
     if top == 0:
         return chosen, None, None
     ids = mx.argpartition(-lp, kth=top - 1, axis=-1)[:, :top]
     return chosen, ids, mx.take_along_axis(lp, ids, axis=-1)
+
+
+def best_first(ids: list[int], vals: list[float]) -> list[tuple[int, float]]:
+    """A read-back top (argpartition leaves it unordered): best first, ties by lower id."""
+    return sorted(zip(ids, vals), key=lambda t: (-t[1], t[0]))
+
+
+def _logprob_arrays(logits: mx.array, tokens: mx.array, rows: list[int], top: int):
+    """`logprob_arrays` of `logits[rows]` for the chosen `tokens[rows]`."""
+    idx = mx.array(rows)
+    return logprob_arrays(logits[idx], tokens[idx], top)
 
 
 @dataclass
@@ -333,8 +344,7 @@ def read_samples(s: SampleArrays, *, key_slices: bool = True):
         ids = s.top_ids.tolist() if s.top else [[] for _ in s.lp_rows]
         vals = s.top_vals.tolist() if s.top else [[] for _ in s.lp_rows]
         for j, i in enumerate(s.lp_rows):
-            # argpartition leaves the top unordered: best first, ties by lower id.
-            best = sorted(zip(ids[j], vals[j]), key=lambda t: (-t[1], t[0]))[: s.params[i].logprobs]
+            best = best_first(ids[j], vals[j])[: s.params[i].logprobs]
             logprobs[i] = TokenLogprob(token_list[i], chosen[j], best)
     return token_list, new_keys, logprobs
 
