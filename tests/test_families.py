@@ -37,7 +37,11 @@ MOE = ["qwen3_moe", "mixtral", "glm4_moe", "phimoe"]
 WRAPPERS = ["ministral3", "mistral3", "smollm3"]
 # Windows 3, 4 and 9 (tiny_model.FAMILY_CONFIGS): below, at and above the block size of 4 used below.
 WINDOWED = ["gemma3_text", "gemma3", "gpt_oss", "olmo3"]  # gemma3: the multimodal wrapper, text only
-FAMILIES = DENSE + MOE + WRAPPERS + WINDOWED
+# Hybrid recurrent families (layer 0 recurrent, layer 1 full attention): gated DeltaNet (qwen3_next
+# with MoE, qwen3_5, qwen3_5_moe under `language_model`), short convolutions (lfm2), Mamba-2 with
+# MoE (granitemoehybrid); mlx-lm's reference keeps an ArraysCache on the recurrent layer.
+HYBRID = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "granitemoehybrid"]
+FAMILIES = DENSE + MOE + WRAPPERS + WINDOWED + HYBRID
 SYSTEM = "Paged attention borrows an idea from operating systems: virtual memory and paging. "
 # Ragged: 3 to 40-odd tokens; the last three share the first one's leading blocks (prefix hits).
 PROMPTS = [
@@ -359,7 +363,8 @@ def test_every_mlx_lm_architecture_is_run_or_refused_in_one_line(tmp_path):
         ("gemma4_text", "per-layer KV shapes"),
         ("llama4", "chunked local attention"),
         ("deepseek_v3", "multi-head latent attention"),
-        ("qwen3_next", "linear-attention"),
+        ("mamba2", "linear-attention"),
+        ("falcon_h1", "state-space and attention in one layer"),
     ],
 )
 def test_refusal_names_what_is_missing(tmp_path, model_type, missing):
@@ -369,7 +374,7 @@ def test_refusal_names_what_is_missing(tmp_path, model_type, missing):
     assert "\n" not in str(e.value) and missing in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "mistral3", "gemma3", "llama4_text"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "mistral3", "gemma3", "llama4_text", "qwen3_next"])
 def test_tensor_parallel_refuses_moe_and_wrapped_families_by_name(tmp_path, name):
     """MoE experts and mistral3's nested config are not split by the shard loader yet: refused
     by name before any weight is read (here on a group of one, which needs no launcher)."""

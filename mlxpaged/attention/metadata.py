@@ -24,6 +24,9 @@ class AttentionMetadata:
     context_lens: mx.array  # [S] int32: tokens in the cache after this step's writes
     logits_indices: mx.array  # [S] int32: each sequence's last new token, the one whose logits are sampled
     impl: str = "auto"  # paged-attention implementation
+    # A hybrid model's recurrent states for this pass (models/recurrent.py `StepStates`), per entry;
+    # None: none (a model without recurrent layers, or every entry starts empty).
+    states: object = None
     # Arrays derived from the tables (gather rows, masks), built by the first layer that needs
     # them and reused by the others: one pass's memo, never shared between passes.
     scratch: dict = field(default_factory=dict, repr=False, compare=False)

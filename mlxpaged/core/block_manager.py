@@ -37,6 +37,14 @@ class SecondTier(Protocol):
         """Whether a newly full block with this hash should be handed to it."""
 
 
+class StateCheckpoints(Protocol):
+    """A hybrid model's recurrent-state checkpoints by block hash (worker/state_cache.py): a
+    prefix hit may end only at a block whose checkpoint exists, where the recurrent layers resume."""
+
+    def has(self, block_hash: bytes) -> bool:
+        """Whether the state after the block with this hash (and every block before it) is kept."""
+
+
 def sha256_block_hash(parent: bytes | None, token_ids: tuple[int, ...], extra_key: bytes) -> bytes:
     """SHA-256 of (parent hash, the block's token ids as int64, extra key)."""
     h = hashlib.sha256()
@@ -79,6 +87,7 @@ class BlockManager:
         self.extra_key = extra_key
         self.num_cow_copies = 0
         self.second_tier: SecondTier | None = None
+        self.checkpoints: StateCheckpoints | None = None  # set for a hybrid model: hits end at a checkpoint
         self.to_store: list[tuple[bytes, int, tuple[int, ...]]] = []  # (block_hash, block_id, token_ids)
 
     # -- sizing ---------------------------------------------------------------------------
@@ -136,6 +145,7 @@ class BlockManager:
         child.num_computed_tokens = parent.num_computed_tokens
         child.draft_computed = parent.draft_computed
         child.cache_salt = parent.cache_salt
+        child.state = parent.state
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, tail first, so the LRU evicts its tail before its head."""
@@ -145,6 +155,7 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_computed_tokens = 0
         seq.draft_computed = 0
+        seq.state = None
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Keep only the first `num_tokens` stored tokens of `seq` (speculative decoding drops
@@ -191,6 +202,10 @@ class BlockManager:
             self.pool.acquire(block)
             seq.block_table.append(block)
             seq.block_hashes.append(h)
+        if self.checkpoints is not None:  # recurrent layers resume only where a checkpoint is kept
+            while seq.block_hashes and not self.checkpoints.has(seq.block_hashes[-1]):
+                seq.block_hashes.pop()
+                self.pool.release(seq.block_table.pop())
         seq.num_computed_tokens = len(seq.block_table) * bs
         return seq.num_computed_tokens
 

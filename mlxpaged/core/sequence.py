@@ -7,6 +7,8 @@ Sequence invariants:
   partly empty;
 - `block_hashes[i]` names block `i` (full blocks only), so `len(block_hashes) <= num_computed_tokens // block_size`;
 - `draft_computed <= num_computed_tokens` (only the draft proposer raises it, within the stored tokens);
+- `state`, if set, is a recurrent state after at most `num_computed_tokens` tokens; the runner
+  uses it only when it covers exactly those tokens;
 - `pending` is set while one sampled token is still being computed on the device (overlapped
   steps, engine.py): it counts in `num_tokens` but is not in `token_ids`, so nothing can read
   its value before the engine appends it; hashing, stop checks and outputs see known tokens only.
@@ -109,6 +111,10 @@ class Sequence:
     # sequence's blocks; the block manager keeps it <= num_computed_tokens (engine/draft.py)
     draft_computed: int = 0
     cache_salt: bytes = b""  # folded into the first block's hash: blocks are shared only within one salt
+    # a hybrid model's recurrent state after its first `state[0]` tokens, `(num_tokens, per-layer
+    # arrays)` (models/recurrent.py): written by the model runner, copied by a fork (a reference:
+    # the arrays are immutable), dropped with the blocks; opaque here, like `rng_key`
+    state: tuple | None = None
 
     @property
     def num_tokens(self) -> int:

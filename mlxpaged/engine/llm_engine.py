@@ -59,12 +59,14 @@ from ..errors import MlxPagedError, StepError
 from ..worker.kv_cache import CacheShape, PagedKVCache, growable_pool, pool_blocks
 from ..worker.kv_calibration import model_key_scales
 from ..worker.model_runner import ModelRunner
+from ..worker.state_cache import CHECKPOINT_BYTES, Checkpoints
 from .beam_search import BeamLayer, BeamSearchParams, BeamState
 from .draft import DraftProposer, draft_slots
 from .guided import GrammarCompiler, GrammarTooSlow, fill_masks, mask_budget_spent, mask_words
 from .kv_connector import DiskConnector
 from .outputs import RequestOutput
 from .prompt_logprobs import PromptLogprobs
+from .recurrent_state import CheckpointNamer
 from .sampler import GuideMasks, SampleArrays, TokenHistory, read_samples, sample_arrays, sample_key
 from .sampling_params import SamplingParams, salt_key
 from .spec_decode import NgramProposer, Verifier, spec_draws, spec_rows
@@ -113,7 +115,9 @@ class LLMEngine:
         )
         if growth:
             self.block_manager.pool.enable_growth(growth[1], growth[2])
-        self.runner = ModelRunner(loaded.model, self.kv_cache, config.attention_impl)
+        checkpoints = self._recurrent_checks()
+        self.block_manager.checkpoints = checkpoints
+        self.runner = ModelRunner(loaded.model, self.kv_cache, config.attention_impl, checkpoints)
         self.prefix_store = self._open_prefix_store() if config.cache.prefix_cache_dir else None
         proposer = None
         if config.speculative.method == "ngram":
@@ -131,6 +135,8 @@ class LLMEngine:
             self.layers.append(Verifier(self.scheduler, self.stats, self.check_stop))
         self.layers.append(BeamLayer(self.scheduler, self.stats, lambda t: t in self.eos_token_ids))
         self.layers.append(PromptLogprobs())
+        if checkpoints is not None:
+            self.layers.append(CheckpointNamer(checkpoints))
         if self.prefix_store is not None:
             self.layers.append(DiskConnector(self.prefix_store, self.kv_cache, self.block_manager, self.stats))
         self._check_kernels()
@@ -143,6 +149,25 @@ class LLMEngine:
         # guided requests past their mask-time budget (guided.py), failed at the next step; not under
         # tensor parallelism, where each rank's own timing would make the ranks' decisions differ
         self._too_slow: dict[Request, str] = {} if getattr(loaded.model, "tp_group", None) is None else None
+
+    def _recurrent_checks(self) -> Checkpoints | None:
+        """A hybrid model (recurrent layers, worker/state_cache.py): refuse by name the features its
+        state cannot follow yet; its prefix-state checkpoints when prefix caching is on."""
+        if not any(s is not None for s in self.loaded.model.__dict__.get("_paged_recurrent") or []):
+            return None
+        kind = f"model_type {self.loaded.config.get('model_type')!r} has recurrent layers"
+        c = self.config
+        if c.speculative.method is not None:
+            raise MlxPagedError(
+                f"speculative decoding ({c.speculative.method}) is not supported: {kind}, whose state "
+                "cannot roll back rejected proposals yet; drop the speculative flags"
+            )
+        if c.cache.prefix_cache_dir is not None:
+            raise MlxPagedError(
+                f"the prefix cache's disk tier (prefix_cache_dir) is not supported: {kind}, and the disk "
+                "tier stores no recurrent-state checkpoints yet; drop --prefix-cache-dir"
+            )
+        return Checkpoints(CHECKPOINT_BYTES) if c.cache.enable_prefix_caching else None
 
     def _load_draft(self) -> LoadedModel:
         """The draft model, in the target's dtype (engine/draft.py checks its tokenizer)."""

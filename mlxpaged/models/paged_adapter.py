@@ -36,6 +36,7 @@ import mlx.nn as nn
 from ..attention import paged_attention_varlen
 from ..attention.metadata import AttentionMetadata
 from ..errors import MlxPagedError
+from .recurrent import SegmentedLayer, StepStates, recurrent_sizes
 from .rotary import Rotary, is_rotation, table_key
 
 # Families whose every layer makes the calls above, each tested (tests/test_families.py).
@@ -50,7 +51,11 @@ WRAPPERS = ("mistral3", "smollm3", "ministral3")
 # `make_prompt_cache` gives those layers a RotatingKVCache of that size); gpt_oss adds per-head
 # attention sinks and MoE. On the reference attention path only (the Metal kernels lack both).
 WINDOWED = ("gemma3_text", "gemma3", "gpt_oss", "olmo3")  # gemma3: gemma3_text under `language_model`
-FAMILIES = DENSE + MOE + WRAPPERS + WINDOWED
+# Hybrid families: recurrent layers (an ArraysCache in mlx-lm's `make_prompt_cache`: gated
+# DeltaNet, Mamba-2, short convolutions) beside full-attention ones; the recurrent layers run on
+# each sequence's own state (recurrent.py), the attention layers on the paged cache.
+HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "granitemoehybrid")
+FAMILIES = DENSE + MOE + WRAPPERS + WINDOWED + HYBRID
 _SDPA_PARAMS = ["queries", "keys", "values", "cache", "scale", "mask"]
 
 
@@ -141,7 +146,7 @@ def text_body(model: nn.Module) -> nn.Module:
         inner = m.get("language_model") if isinstance(m.get("language_model"), nn.Module) else m.get("model")
         if not isinstance(inner, nn.Module):
             break
-        if isinstance(inner.get("norm"), nn.Module) and "layers" in inner:
+        if _final_norm(inner) is not None and "layers" in inner:
             return inner
         m = inner
     raise AdapterError(
@@ -150,12 +155,28 @@ def text_body(model: nn.Module) -> nn.Module:
     )
 
 
+_FINAL_NORMS = ("norm", "embedding_norm")  # lfm2 names its final norm embedding_norm
+
+
+def _final_norm(body: nn.Module) -> str | None:
+    """The name of a text model's final norm, or None."""
+    return next((n for n in _FINAL_NORMS if isinstance(body.get(n), nn.Module)), None)
+
+
+def paged_layers(model: nn.Module) -> list:
+    """The layers whose K/V the paged cache holds: every layer but the recurrent ones (recurrent.py),
+    whose state is no key/value cache. Their position in this list is their pool index."""
+    idx = model.__dict__.get("_paged_kv_index")
+    layers = model.layers
+    return list(layers) if idx is None else [layers[i] for i, j in enumerate(idx) if j is not None]
+
+
 def attention_modules(model: nn.Module) -> list:
     """The mlx-lm modules that define the attention classes of `model`'s layers (a wrapper's
     layers come from another module: smollm3's and mistral3's from llama's or ministral3's)."""
     import sys
 
-    names = dict.fromkeys(type(layer.self_attn).__module__ for layer in model.layers)
+    names = dict.fromkeys(type(layer.self_attn).__module__ for layer in paged_layers(model))
     return [sys.modules[n] for n in names]
 
 
@@ -236,20 +257,43 @@ class PagedModelMixin:
             return super().__call__(inputs, cache, **kwargs)
         layers = self.layers
         windows = self.__dict__.get("_paged_windows") or [None] * len(layers)
-        caches = [PagedLayerCache(cache, i, meta, windows[i]) for i in range(len(layers))]
+        kv_index = self.__dict__.get("_paged_kv_index") or list(range(len(layers)))
+        # A recurrent layer gets no cache object: its stand-in (recurrent.py) holds the step's states.
+        caches = [None if j is None else PagedLayerCache(cache, j, meta, windows[i]) for i, j in enumerate(kv_index)]
         body = text_body(self)
-        swaps = [(body, "norm", _NormRows(body.norm, meta.logits_indices))]
+        norm = _final_norm(body)
+        swaps = [(body, norm, _NormRows(body[norm], meta.logits_indices))]
         swaps += _rope_swaps(self, meta.positions)
+        sizes = self.__dict__.get("_paged_recurrent") or []
+        if any(s is not None for s in sizes):
+            swaps.append((body, "layers", _segmented(body.layers, sizes, meta)))
         with _swapped(swaps):
             logits = super().__call__(inputs[:, None], cache=caches)  # [S, 1, V]
-        for c in caches:
-            if c.pools is None or not c.attended:
+        for i, c in enumerate(caches):
+            if c is not None and (c.pools is None or not c.attended):
                 raise AdapterError(
-                    f"{inspect.getfile(type(layers[c.layer].self_attn))}: "
-                    f"{type(layers[c.layer].self_attn).__name__}.__call__ no longer calls cache.update_and_fetch and "
+                    f"{inspect.getfile(type(layers[i].self_attn))}: "
+                    f"{type(layers[i].self_attn).__name__}.__call__ no longer calls cache.update_and_fetch and "
                     "scaled_dot_product_attention(..., cache=cache): the paged adapter needs updating"
                 )
         return logits.reshape(logits.shape[0], -1)
+
+
+def _segmented(layers: list, sizes: list, meta: AttentionMetadata) -> list:
+    """The text model's layer list for one pass, each recurrent layer behind a `SegmentedLayer`
+    on the pass's states (`meta.states`; a pass without them starts every entry empty)."""
+    states = meta.states
+    if states is None:
+        cu = meta.cu_seqlens_q.tolist()  # host-built (metadata.py): reading it forces nothing
+        states = StepStates.fresh([b - a for a, b in zip(cu, cu[1:])], sum(s is not None for s in sizes))
+    out, k = [], 0
+    for layer, size in zip(layers, sizes):
+        if size is None:
+            out.append(layer)
+        else:
+            out.append(SegmentedLayer(layer, k, size, states))
+            k += 1
+    return out
 
 
 def _plain_ropes(layers) -> list:
@@ -306,7 +350,7 @@ def layer_windows(model: nn.Module) -> list:
 def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
     """One line naming the first layer the paged cache cannot hold, or None. Sliding-window
     layers (a RotatingKVCache that keeps no prefix) are held for the `WINDOWED` families."""
-    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
     if model_type in _PLAIN_CACHED_WINDOWS:
         layer, which = _PLAIN_CACHED_WINDOWS[model_type]
@@ -321,16 +365,20 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
             continue
         if type(c) is RotatingKVCache and model_type in WINDOWED and c.keep == 0:
             continue
+        if type(c) is ArraysCache and model_type in HYBRID:
+            continue
         kind = {
             "RotatingKVCache": "sliding-window attention",
             "ArraysCache": "linear-attention / state-space",
             "MambaCache": "state-space (Mamba)",
             "ChunkedKVCache": "chunked local attention",
+            "CacheList": "state-space and attention in one layer (mlx-lm's CacheList)",
         }.get(type(c).__name__, type(c).__name__)
         named = f" ({types[i]})" if i < len(types) else ""
         return (
             f"{model_type}: layer {i} is {kind}{named}, which the paged cache does not hold (it pages "
-            f"full-attention layers, and sliding windows for {', '.join(WINDOWED)}); such models are refused"
+            f"full-attention layers, sliding windows for {', '.join(WINDOWED)}, and recurrent state for "
+            f"{', '.join(HYBRID)}); such models are refused"
         )
     return None
 
@@ -366,19 +414,14 @@ MISSING = {
             "bailing_moe_linear",
             "falcon_h1",
             "gear",
-            "granitemoehybrid",
             "jamba",
             "kimi_linear",
-            "lfm2",
             "lfm2_moe",
             "mamba",
             "mamba2",
             "nemotron_h",
             "olmo_hybrid",
             "plamo2",
-            "qwen3_5",
-            "qwen3_5_moe",
-            "qwen3_next",
             "recurrent_gemma",
             "rwkv7",
         ),
@@ -446,6 +489,7 @@ TP_REFUSED = {
     **dict.fromkeys(MOE + ("gpt_oss",), _MOE_TP),
     "llama4_text": "its MLP is `feed_forward`, which the split in distributed/sharding.py does not name",
     **dict.fromkeys(("mistral3", "gemma3"), "the shard loader reads a flat config; this wrapper nests its text config"),
+    **dict.fromkeys(HYBRID, "its recurrent layers (recurrent.py) are not split by mlxpaged's shard loader"),
 }
 
 
@@ -476,10 +520,16 @@ def prepare(model: nn.Module, config: dict, where) -> nn.Module:
         raise MlxPagedError(f"{reason} in {where}")
     text_body(model)  # raises if the final norm cannot be found
     object.__setattr__(model, "_paged_windows", layer_windows(model))  # an attribute, not a child module
+    sizes = recurrent_sizes(model)
+    object.__setattr__(model, "_paged_recurrent", sizes)
+    pool = iter(range(len(sizes)))
+    object.__setattr__(model, "_paged_kv_index", [None if s is not None else next(pool) for s in sizes])
     for module in attention_modules(model):
         _install_sdpa(module)
     args = model.args
     text_args = getattr(text_body(model), "args", None)
+    if text_args is None and isinstance(model.get("language_model"), nn.Module):  # qwen3_5: args on TextModel
+        text_args = getattr(model.language_model, "args", None)
     for name in _TEXT_ARGS:  # a wrapper's args hold only its text_config: the engine reads these
         if getattr(args, name, None) is None and getattr(text_args, name, None) is not None:
             setattr(args, name, getattr(text_args, name))
@@ -487,7 +537,7 @@ def prepare(model: nn.Module, config: dict, where) -> nn.Module:
         args.num_key_value_heads = args.num_attention_heads
     if getattr(args, "head_dim", None) is None:
         args.head_dim = args.hidden_size // args.num_attention_heads  # every supported family's default
-    for layer in model.layers:
+    for layer in paged_layers(model):
         attn = layer.self_attn
         if getattr(attn, "head_dim", None) is None:
             attn.head_dim = args.head_dim  # kv_quant.key_offsets reads it

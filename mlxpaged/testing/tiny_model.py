@@ -146,6 +146,18 @@ def write_tiny_qwen2(
     return path
 
 
+# Qwen3-Next's and Qwen3.5's gated DeltaNet layers (every other layer full attention).
+_GATED_DELTA = {
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+    "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 2,
+}
+
 # Per family: a small config in its checkpoint's own terms (head_dim = 256 / 4 = 64 unless set).
 FAMILY_CONFIGS = {
     "llama": {
@@ -304,6 +316,66 @@ FAMILY_CONFIGS = {
         "no_rope_layer_interval": 2,  # layer 1 of 2 has no RoPE (NoPE)
         "tie_word_embeddings": True,
     },
+    # Hybrid recurrent families (models/recurrent.py): layer 0 is recurrent, layer 1 full attention.
+    "qwen3_next": {
+        "architectures": ["Qwen3NextForCausalLM"],
+        **_GATED_DELTA,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "shared_expert_intermediate_size": 128,
+        "moe_intermediate_size": 128,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        "partial_rotary_factor": 0.25,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+    },
+    "qwen3_5": {"architectures": ["Qwen3_5ForCausalLM"], **_GATED_DELTA, "tie_word_embeddings": False},
+    "qwen3_5_moe": {  # the multimodal wrapper, text model under `language_model`
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "text_config": "qwen3_5_moe",
+        **_GATED_DELTA,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "shared_expert_intermediate_size": 128,
+        "moe_intermediate_size": 128,
+        "tie_word_embeddings": False,
+    },
+    "lfm2": {
+        "architectures": ["Lfm2ForCausalLM"],
+        "num_key_value_heads": 2,
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": 256,
+        "block_multiple_of": 256,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False,
+        "block_ff_dim": 512,
+        "layer_types": ["conv", "full_attention"],
+    },
+    "granitemoehybrid": {
+        "architectures": ["GraniteMoeHybridForCausalLM"],
+        "num_key_value_heads": 2,
+        "attention_bias": False,
+        "embedding_multiplier": 2.0,
+        "attention_multiplier": 0.125,
+        "logits_scaling": 1.0,
+        "residual_multiplier": 0.5,
+        "layer_types": ["mamba", "attention"],
+        "mamba_n_heads": 8,
+        "mamba_d_head": 64,
+        "mamba_proj_bias": False,
+        "mamba_d_state": 16,
+        "mamba_d_conv": 4,
+        "mamba_n_groups": 1,
+        "mamba_conv_bias": True,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "shared_intermediate_size": 256,
+        "tie_word_embeddings": False,
+    },
 }
 
 # Families whose RMSNorm scales by 1 + weight: their norm weights are written as zeros.
@@ -339,8 +411,12 @@ def write_tiny_thinker(path: Path) -> Path:
     return path
 
 
+# lfm2 ties its output layer to the embedding, and at 4.0 its random checkpoint repeats one token.
+LOGIT_SCALES = {"lfm2": 1.0}
+
+
 def write_tiny_family(
-    path: Path, model_type: str, *, seed: int = 0, layers: int = 2, logit_scale: float = 4.0, **overrides
+    path: Path, model_type: str, *, seed: int = 0, layers: int = 2, logit_scale: float | None = None, **overrides
 ) -> Path:
     """A tiny random checkpoint of an mlx-lm family, built by mlx-lm's own `ModelArgs` and `Model`.
 
@@ -352,6 +428,7 @@ def write_tiny_family(
 
     from ..models.paged_adapter import family_module
 
+    logit_scale = LOGIT_SCALES.get(model_type, 4.0) if logit_scale is None else logit_scale
     path.mkdir(parents=True, exist_ok=True)
     vocab = write_tokenizer(path)
     eos = json.loads((path / "tokenizer.json").read_text())["added_tokens"][2]["id"]

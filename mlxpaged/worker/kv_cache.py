@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 import numpy as np
 
+from ..models.paged_adapter import paged_layers
 from ..attention.kv_quant import QuantizedPool, check_kv_quant, key_offsets, row_bytes
 
 
@@ -38,7 +39,7 @@ class CacheShape:
         """The cache shape of a `LoadedModel`'s layers, in its dtype."""
         args = loaded.model.args
         return cls(
-            args.num_hidden_layers,
+            len(paged_layers(loaded.model)),  # a hybrid's recurrent layers hold state, not K/V
             getattr(loaded.model, "num_local_kv_heads", args.num_key_value_heads),
             args.head_dim,
             loaded.dtype,
@@ -169,7 +170,7 @@ class PagedKVCache:
         `key_scales` (`kv_calibration.model_key_scales`), if given."""
         if shape.kv_bits is None:
             return cls(shape, num_blocks, block_size)
-        return cls(shape, num_blocks, block_size, key_offsets(model), key_scales)
+        return cls(shape, num_blocks, block_size, key_offsets(model, layers=paged_layers(model)), key_scales)
 
     def _pool(self):
         s = self.shape

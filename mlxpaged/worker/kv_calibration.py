@@ -43,13 +43,14 @@ def key_scales(model, ids: list[int], block_size: int = 16) -> list[mx.array]:
     parallel model takes part, each measuring its own KV heads) and reads the keys back from
     the pools, so they are exactly the post-RoPE keys attention sees.
     """
+    from ..models.paged_adapter import paged_layers
     from .kv_cache import CacheShape, PagedKVCache, slot_mapping
 
     if len(ids) < 2:
         raise ValueError(f"key_scales needs at least 2 calibration tokens, got {len(ids)}")
     args = model.args
     shape = CacheShape(
-        args.num_hidden_layers,
+        len(paged_layers(model)),
         getattr(model, "num_local_kv_heads", args.num_key_value_heads),
         args.head_dim,
         mx.float32,

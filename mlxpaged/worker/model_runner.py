@@ -9,6 +9,7 @@ import numpy as np
 from ..attention.metadata import AttentionMetadata
 from ..core.sequence import Sequence
 from .kv_cache import PagedKVCache, slot_mapping
+from .state_cache import Checkpoints, keep_states, states_for
 
 
 def gather_rows(refs: list) -> mx.array:
@@ -26,11 +27,20 @@ def gather_rows(refs: list) -> mx.array:
 class ModelRunner:
     """Owns the model and its paged KV cache; knows nothing about scheduling."""
 
-    def __init__(self, model: nn.Module, kv_cache: PagedKVCache, attention_impl: str = "auto"):
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_cache: PagedKVCache,
+        attention_impl: str = "auto",
+        checkpoints: Checkpoints | None = None,
+    ):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.attention_impl = attention_impl
+        # a hybrid model's recurrent layers (state_cache.py); 0 for an attention-only model
+        self.num_recurrent = sum(s is not None for s in model.__dict__.get("_paged_recurrent") or [])
+        self.checkpoints = checkpoints  # recurrent-state checkpoints for prefix hits, or None
 
     def forward(
         self,
@@ -55,7 +65,7 @@ class ModelRunner:
         """
         spec_tokens = spec_tokens or {}
         if not spec_tokens and not all_rows and all(n == 1 for _, n in batch):
-            return self.model(self._input_ids(batch, len(batch), spec_tokens), self.kv_cache, self._decode_meta(batch))
+            return self._run(batch, self._input_ids(batch, len(batch), spec_tokens), self._decode_meta(batch))
         bs = self.block_size
         num_seqs = len(batch)
         q_lens = np.array([n for _, n in batch], dtype=np.int32)
@@ -79,7 +89,17 @@ class ModelRunner:
             logits_indices=mx.array(self._logits_indices(cu, spec_tokens, all_rows)),
             impl=self.attention_impl,
         )
-        return self.model(self._input_ids(batch, int(cu[-1]), spec_tokens), self.kv_cache, meta)
+        return self._run(batch, self._input_ids(batch, int(cu[-1]), spec_tokens), meta)
+
+    def _run(self, batch: list[tuple[Sequence, int]], ids: mx.array, meta: AttentionMetadata) -> mx.array:
+        """The model on the pass; a hybrid model's recurrent layers read each entry's state and
+        leave its next one on the sequence (state_cache.py)."""
+        if not self.num_recurrent:
+            return self.model(ids, self.kv_cache, meta)
+        meta.states = states_for(batch, self.num_recurrent, self.block_size, self.checkpoints)
+        logits = self.model(ids, self.kv_cache, meta)
+        keep_states(batch, meta.states, self.block_size, self.checkpoints)
+        return logits
 
     def _decode_meta(self, batch: list[tuple[Sequence, int]]) -> AttentionMetadata:
         """`forward`'s metadata when every entry is one token (the decode steps): the same arrays,

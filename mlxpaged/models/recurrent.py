@@ -1,0 +1,154 @@
+"""Recurrent layers (gated DeltaNet, Mamba-2, short convolutions) of hybrid models in the packed step.
+
+mlx-lm's hybrid families (qwen3_next, qwen3_5, qwen3_5_moe, lfm2, granitemoehybrid) keep each
+recurrent layer's state in an `ArraysCache` (a convolution window, and for DeltaNet and Mamba a
+recurrent state, one batch row per sequence) beside the attention layers' KV caches. The paged
+step feeds T packed tokens as T rows of one token, which a recurrent layer would read as T
+sequences without history. So for one pass each recurrent decoder layer is replaced (the
+adapter's `_swapped`) by a `SegmentedLayer` that runs mlx-lm's own layer on each sequence's run:
+
+- the entries decoding one token from a known state go in one call, `[B, 1, D]`, with their
+  states stacked into one `ArraysCache` (the usual decode step: one call per layer);
+- each other entry (a prefill chunk) is one call `[1, L, D]` from its state (None: a fresh
+  sequence, which mlx-lm's layer starts from zeros); a chunk that crosses a block boundary where
+  the state is wanted (`StepStates.splits`, prefix caching) is two calls, the state between them kept.
+
+mlx-lm's layer does the work (its Metal kernel and pure-ops fallback: `gated_delta.py`,
+`ssm.py`); this module only cuts and reassembles rows. A state is a tuple of arrays per
+recurrent layer; arrays are immutable, so two sequences share one state until either runs
+(forks copy a reference, nothing is copied on the device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+# A sequence's state: per recurrent layer (in layer order), the arrays of its ArraysCache, each
+# with a leading batch axis of 1 (mlx-lm's layout). None for a layer: not yet run (zeros).
+LayerState = tuple
+
+
+@dataclass
+class StepStates:
+    """The recurrent states one pass reads and writes, per entry of the step's batch.
+
+    Invariant: `before[e]` is entry e's state after its first `start` tokens (None: no tokens
+    yet); after the pass `after[e]` is its state after all its q_lens[e] tokens, and `at_split[e]`
+    its state after its first `splits[e]` new tokens (when a split was asked).
+    """
+
+    q_lens: list[int]  # [S] new tokens of each entry
+    before: list[list | None]  # [S] per entry: per recurrent layer, a LayerState or None
+    splits: list[int | None]  # [S] per entry: new tokens after which to keep the state, or None
+    after: list[list] = field(default_factory=list)  # filled by the pass
+    at_split: list[list | None] = field(default_factory=list)
+
+    def __post_init__(self):
+        n = len(self.q_lens)
+        self.after = [[] for _ in range(n)]
+        self.at_split = [[] if s else None for s in self.splits]
+
+    @classmethod
+    def fresh(cls, q_lens: list[int], num_layers: int) -> StepStates:
+        """Every entry starts empty and keeps nothing (a one-off pass, e.g. key calibration)."""
+        return cls(q_lens, [[None] * num_layers for _ in q_lens], [None] * len(q_lens))
+
+
+def recurrent_sizes(model: nn.Module) -> list[int | None]:
+    """Per layer, the number of arrays of its recurrent state (mlx-lm's own `make_prompt_cache`
+    gives the layer an ArraysCache of that size), or None for an attention layer."""
+    from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+
+    return [len(c.cache) if isinstance(c, ArraysCache) else None for c in make_prompt_cache(model)]
+
+
+def _cache(size: int, arrays) -> object:
+    from mlx_lm.models.cache import ArraysCache
+
+    c = ArraysCache(size)
+    if arrays is not None:
+        c.cache = list(arrays)
+    return c
+
+
+class SegmentedLayer:
+    """One pass's stand-in for recurrent decoder layer `k` (the k-th recurrent layer): a plain
+    callable, with the wrapped layer's attributes (`is_linear`, `layer_type`) for the model's loop."""
+
+    __slots__ = ("layer", "k", "size", "states")
+
+    def __init__(self, layer: nn.Module, k: int, size: int, states: StepStates):
+        self.layer, self.k, self.size, self.states = layer, k, size, states
+
+    def __getattr__(self, name):
+        return getattr(self.layer, name)
+
+    def _run(self, x: mx.array, state) -> tuple[mx.array, tuple]:
+        """mlx-lm's layer on `x [B, L, D]` from `state` (a LayerState or None) -> (y, new state)."""
+        c = _cache(self.size, state)
+        y = self.layer(x, mask=None, cache=c)
+        return y, tuple(c.cache)
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        st, k = self.states, self.k
+        q = st.q_lens
+        rows = x[:, 0]  # [T, D]
+        # one token from a known state (a split there is the state after it: no second call)
+        decodes = [e for e, n in enumerate(q) if n == 1 and st.before[e][k] is not None]
+        pieces, order = [], []  # outputs [L, D] and the entry each belongs to
+        starts = [0]
+        for n in q:
+            starts.append(starts[-1] + n)
+        if decodes:
+            if len(decodes) == len(q):
+                xd = x  # every entry: the rows as they are, [B, 1, D]
+            else:
+                xd = rows[mx.array([starts[e] for e in decodes])][:, None]
+            stacked = [mx.concatenate(a) for a in zip(*(st.before[e][k] for e in decodes))]
+            y, new = self._run(xd, stacked)
+            for i, e in enumerate(decodes):
+                st.after[e].append(tuple(a[i : i + 1] for a in new))
+                if st.splits[e]:
+                    st.at_split[e].append(st.after[e][-1])
+            if len(decodes) == len(q):
+                return y
+            pieces.append(y[:, 0])
+            order += decodes
+        taken = set(decodes)
+        for e, n in enumerate(q):
+            if e in taken:
+                continue
+            seg = rows[starts[e] : starts[e] + n][None]  # [1, L, D]
+            state = st.before[e][k]
+            s = st.splits[e]
+            if s and 0 < s < n:
+                y1, state = self._run(seg[:, :s], state)
+                st.at_split[e].append(state)
+                y2, state = self._run(seg[:, s:], state)
+                y = mx.concatenate([y1, y2], axis=1)
+            else:
+                y, state = self._run(seg, state)
+                if s:  # the split falls at the chunk's end: the state after it
+                    st.at_split[e].append(state)
+            st.after[e].append(state)
+            pieces.append(y[0])
+            order.append(e)
+        out = mx.concatenate(pieces) if len(pieces) > 1 else pieces[0]  # [T, D], entries in `order`
+        if order != list(range(len(q))):
+            at, perm = {}, []
+            pos = 0
+            for e in order:
+                at[e] = pos
+                pos += q[e]
+            for e in range(len(q)):
+                perm += range(at[e], at[e] + q[e])
+            out = out[mx.array(perm)]
+        return out[:, None]
+
+
+def state_nbytes(state: list) -> int:
+    """Bytes of one sequence's recurrent state (every layer)."""
+    return sum(a.nbytes for layer in state if layer is not None for a in layer)
