@@ -123,6 +123,7 @@ FILE_TIERS = {
     "test_bench_http.py": "server",
     "test_bench_agents.py": "server",
     "test_families.py": "engine",
+    "test_hybrid.py": "engine",
     "test_windows.py": "engine",
     "test_gguf_llama.py": "engine",
     "test_guided.py": "engine",

@@ -1,0 +1,133 @@
+"""Hybrid recurrent models beyond the family tests: state checkpoints for prefix hits with chunks
+ending mid-block, beams over recurrent state, the refusals, and the CLI and server routes.
+
+The reference is mlx-lm's own model on its own `make_prompt_cache` (an ArraysCache on each
+recurrent layer); the checkpoints are tiny random ones written by mlx-lm's classes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx_lm
+import pytest
+
+from mlxpaged import EngineConfig, LLMEngine, SamplingParams
+from mlxpaged.errors import MlxPagedError
+from mlxpaged.loading.loader import load
+from mlxpaged.testing.tiny_model import write_tiny_family
+
+from drive import run, run_all
+from reference import contiguous_generate, reference_beam_search
+
+SYSTEM = "Paged attention borrows an idea from operating systems: virtual memory and paging. "
+FOLLOW = [SYSTEM + "The KV cache stores", SYSTEM + "Copy-on-write lets many samples share one prompt."]
+
+
+def greedy(n):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "granitemoehybrid"])
+def hybrid(request, tmp_path_factory):
+    path = write_tiny_family(tmp_path_factory.mktemp(request.param), request.param)
+    ref_model, tok = mlx_lm.load(str(path))
+    return path, load(str(path), "float32"), ref_model, tok
+
+
+def _engine(loaded, **kw):
+    return LLMEngine(loaded, EngineConfig.of(block_size=4, num_blocks=160, attention_impl="reference", **kw))
+
+
+@pytest.mark.parametrize("chunk", [6, 7])
+def test_prefix_hits_resume_from_state_checkpoints(hybrid, chunk):
+    """Chunks of 6 or 7 tokens end mid-block, so each chunk's checkpoint is taken between two
+    calls of the recurrent layer; later prompts sharing the warm prompt's blocks start from the
+    checkpoint of their last shared block and give mlx-lm's tokens."""
+    _, loaded, ref_model, tok = hybrid
+    engine = _engine(loaded, max_num_batched_tokens=chunk)
+    engine.add_request(SYSTEM, greedy(3), request_id="warm")
+    run_all(engine)
+    rids = [engine.add_request(p, greedy(16)) for p in FOLLOW]
+    done = run_all(engine)
+    for p, r in zip(FOLLOW, rids):
+        assert done[r].outputs[0].token_ids == contiguous_generate(ref_model, tok.encode(p), 16), p
+    hit = min(done[r].num_cached_tokens for r in rids)
+    assert hit >= 8 and hit % 4 == 0, hit
+    assert engine.runner.checkpoints.hits >= len(FOLLOW)
+
+
+def test_no_checkpoint_no_hit(hybrid):
+    """With no room for checkpoints the KV blocks are still cached, but a hit would leave the
+    recurrent layers without their state: no hit is taken, and the tokens are still mlx-lm's."""
+    _, loaded, ref_model, tok = hybrid
+    engine = _engine(loaded, max_num_batched_tokens=6)
+    engine.runner.checkpoints.cap_bytes = 0
+    engine.add_request(SYSTEM, greedy(3))
+    run_all(engine)
+    rid = engine.add_request(FOLLOW[0], greedy(16))
+    done = run_all(engine)
+    assert done[rid].num_cached_tokens == 0
+    assert done[rid].outputs[0].token_ids == contiguous_generate(ref_model, tok.encode(FOLLOW[0]), 16)
+
+
+def test_prefix_caching_off_takes_no_checkpoints(hybrid):
+    _, loaded, ref_model, tok = hybrid
+    engine = _engine(loaded, enable_prefix_caching=False)
+    assert engine.runner.checkpoints is None and engine.block_manager.checkpoints is None
+    rid = engine.add_request(FOLLOW[1], greedy(12))
+    assert run_all(engine)[rid].outputs[0].token_ids == contiguous_generate(ref_model, tok.encode(FOLLOW[1]), 12)
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_beams_carry_recurrent_state(hybrid, width):
+    """Beams fork and drop every step; each beam's recurrent state follows its block table
+    (a fork shares it), against a plain beam search on mlx-lm's caches copied per beam."""
+    from mlxpaged import BeamSearchParams
+
+    _, loaded, ref_model, tok = hybrid
+    engine = _engine(loaded)
+    prompt = tok.encode(FOLLOW[0])
+    rid = engine.add_beam_request(prompt, BeamSearchParams(beam_width=width, max_tokens=10, ignore_eos=True))
+    got = run_all(engine)[rid]
+    want = reference_beam_search(ref_model, prompt, width, 10)
+    assert [c.token_ids for c in got.outputs] == [toks for _, toks, _ in want]
+    assert engine.stats_dict()["beam_forks"] > 0
+
+
+@pytest.mark.parametrize(
+    "flags,named",
+    [
+        ({"speculative": "ngram"}, "speculative decoding (ngram) is not supported"),
+        ({"prefix_cache_dir": "PATH"}, "disk tier (prefix_cache_dir) is not supported"),
+    ],
+)
+def test_refused_features_name_themselves(hybrid, tmp_path, flags, named):
+    _, loaded, _, _ = hybrid
+    flags = {k: str(tmp_path) if v == "PATH" else v for k, v in flags.items()}
+    with pytest.raises(MlxPagedError) as e:
+        _engine(loaded, **flags)
+    msg = str(e.value)
+    assert named in msg and "recurrent layers" in msg and "\n" not in msg, msg
+
+
+def test_generate_cli_gives_mlx_lm_tokens(hybrid):
+    path, _, ref_model, tok = hybrid
+    r = run("--model", str(path), "--prompt", FOLLOW[0], "--no-chat", "-t", "12", "--ignore-eos", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)["outputs"][0]["token_ids"]
+    assert out == contiguous_generate(ref_model, tok.encode(FOLLOW[0]), 12)
+
+
+def test_llm_api_n4_forks_share_the_prefill(hybrid):
+    """`LLM.generate` with n=4 seeded samples: one prefill, four forks of its state."""
+    from mlxpaged.engine.llm import LLM
+
+    from reference import contiguous_samples
+
+    path, _, ref_model, tok = hybrid
+    llm = LLM(str(path), dtype="float32", block_size=4, num_blocks=96, attention_impl="reference")
+    params = SamplingParams(n=4, temperature=0.9, seed=5, max_tokens=10, ignore_eos=True)
+    prompt = tok.encode(FOLLOW[1])
+    got = [c.token_ids for c in llm.generate([prompt], params)[0].outputs]
+    assert got == contiguous_samples(ref_model, prompt, 10, params, seed=5, sample_indices=range(4))
