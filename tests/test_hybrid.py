@@ -131,3 +131,39 @@ def test_llm_api_n4_forks_share_the_prefill(hybrid):
     prompt = tok.encode(FOLLOW[1])
     got = [c.token_ids for c in llm.generate([prompt], params)[0].outputs]
     assert got == contiguous_samples(ref_model, prompt, 10, params, seed=5, sample_indices=range(4))
+
+
+def test_serve_completions_give_mlx_lm_tokens(hybrid):
+    """The server's completions route (in process, the app `mlxpaged serve` runs) on a hybrid
+    model: two concurrent greedy requests sharing a prefix, each mlx-lm's text."""
+    import concurrent.futures
+
+    import mlx.core as mx
+    from fastapi.testclient import TestClient
+
+    from mlxpaged.server.app import build_app
+    from mlxpaged.server.engine_loop import EngineLoop
+    from mlxpaged.server.metrics import Metrics
+
+    _, loaded, ref_model, tok = hybrid
+    mx.eval(loaded.model.parameters())
+    loop = EngineLoop(lambda: _engine(loaded))
+    loop.start()
+    app = build_app(loop, Metrics(), model_id="tiny")
+    with TestClient(app, raise_server_exceptions=False) as c:
+
+        def ask(p):
+            body = {"model": "tiny", "prompt": p, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            texts = list(pool.map(ask, FOLLOW))
+    for p, text in zip(FOLLOW, texts):
+        detok = tok.detokenizer  # mlx-lm's streaming detokenizer, as mlx_lm.generate uses it
+        detok.reset()
+        for t in contiguous_generate(ref_model, tok.encode(p), 10):
+            detok.add_token(t)
+        detok.finalize()
+        assert text == detok.text, p
