@@ -59,7 +59,7 @@ from ..errors import MlxPagedError, StepError
 from ..worker.kv_cache import CacheShape, PagedKVCache, growable_pool, pool_blocks
 from ..worker.kv_calibration import model_key_scales
 from ..worker.model_runner import ModelRunner
-from ..worker.state_cache import CHECKPOINT_BYTES, Checkpoints
+from ..worker.state_cache import CHECKPOINT_BYTES, CHECKPOINTS, Checkpoints, state_bytes_per_sequence
 from .beam_search import BeamLayer, BeamSearchParams, BeamState
 from .draft import DraftProposer, draft_slots
 from .guided import GrammarCompiler, GrammarTooSlow, fill_masks, mask_budget_spent, mask_words
@@ -91,11 +91,15 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self._detokenizer = detokenizers(self.tokenizer)
         self.cache_shape = CacheShape.of(loaded).quantized(config.cache.kv_bits, config.cache.kv_group_size)
+        checkpoints = self._recurrent_checks()  # a hybrid model's features and state bytes
         draft = self._load_draft() if config.speculative.method == "draft" else None
         # The draft's pool has the target pool's block ids: its bytes count in every block.
         extra = CacheShape.of(draft).bytes_per_block(config.cache.block_size) if draft is not None else 0
-        growth = growable_pool(loaded, config, extra)  # (start, cap, chunk), or None for a fixed pool
-        num_blocks = growth[0] if growth else pool_blocks(loaded, config, extra_block_bytes=extra)
+        # A hybrid's running sequences hold recurrent states beside their blocks: a pool sized from
+        # memory leaves room for max_num_seqs of them (and the checkpoints), at most half its budget.
+        held = self.state_bytes * config.scheduler.max_num_seqs + (checkpoints.cap_bytes if checkpoints else 0)
+        growth = growable_pool(loaded, config, extra, held)  # (start, cap, chunk), or None for a fixed pool
+        num_blocks = growth[0] if growth else pool_blocks(loaded, config, extra_block_bytes=extra, reserved_bytes=held)
         self.block_manager = BlockManager(
             num_blocks,
             config.cache.block_size,
@@ -115,7 +119,6 @@ class LLMEngine:
         )
         if growth:
             self.block_manager.pool.enable_growth(growth[1], growth[2])
-        checkpoints = self._recurrent_checks()
         self.block_manager.checkpoints = checkpoints
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.attention_impl, checkpoints)
         self.prefix_store = self._open_prefix_store() if config.cache.prefix_cache_dir else None
@@ -153,8 +156,10 @@ class LLMEngine:
     def _recurrent_checks(self) -> Checkpoints | None:
         """A hybrid model (recurrent layers, worker/state_cache.py): refuse by name the features its
         state cannot follow yet; its prefix-state checkpoints when prefix caching is on."""
+        self.state_bytes = 0  # one sequence's recurrent state, every layer
         if not any(s is not None for s in self.loaded.model.__dict__.get("_paged_recurrent") or []):
             return None
+        self.state_bytes = state_bytes_per_sequence(self.loaded.model)
         kind = f"model_type {self.loaded.config.get('model_type')!r} has recurrent layers"
         c = self.config
         if c.speculative.method is not None:
@@ -167,7 +172,9 @@ class LLMEngine:
                 f"the prefix cache's disk tier (prefix_cache_dir) is not supported: {kind}, and the disk "
                 "tier stores no recurrent-state checkpoints yet; drop --prefix-cache-dir"
             )
-        return Checkpoints(CHECKPOINT_BYTES) if c.cache.enable_prefix_caching else None
+        if not c.cache.enable_prefix_caching:
+            return None
+        return Checkpoints(min(CHECKPOINT_BYTES, CHECKPOINTS * self.state_bytes))
 
     def _load_draft(self) -> LoadedModel:
         """The draft model, in the target's dtype (engine/draft.py checks its tokenizer)."""

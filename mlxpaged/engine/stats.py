@@ -64,6 +64,10 @@ def engine_stats(engine: LLMEngine) -> dict:
         "blocks_in_use_peak": st.blocks_in_use_peak,
         "blocks_without_sharing": st.blocks_without_sharing_peak,
         "cow_copies": engine.block_manager.num_cow_copies,
+        # a hybrid model's recurrent state (worker/state_cache.py); zeros for an attention-only one
+        "state_bytes_per_seq": engine.state_bytes,
+        "state_checkpoints": len(ck.states) if (ck := engine.runner.checkpoints) else 0,
+        "state_checkpoint_hits": ck.hits if ck else 0,
         "beam_forks": sched.beams.num_forks,
         "beam_frees": sched.beams.num_frees,
         "prefix_cache_hit_tokens": sched.prefix_cache_hit_tokens,

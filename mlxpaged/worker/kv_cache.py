@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 import numpy as np
 
-from ..models.paged_adapter import paged_layers
 from ..attention.kv_quant import QuantizedPool, check_kv_quant, key_offsets, row_bytes
+from ..models.paged_adapter import paged_layers
 
 
 @dataclass
@@ -76,17 +76,25 @@ def available_memory() -> int:
 
 
 def blocks_for_memory(
-    shape: CacheShape, block_size: int, fraction: float, max_tokens: int, extra_block_bytes: int = 0
+    shape: CacheShape,
+    block_size: int,
+    fraction: float,
+    max_tokens: int,
+    extra_block_bytes: int = 0,
+    reserved_bytes: int = 0,
 ) -> int:
     """How many blocks fit in `fraction` of the available memory, capped at `max_tokens` slots
-    (`extra_block_bytes`: what each block costs besides `shape`'s rows, e.g. a draft model's pool)."""
+    (`extra_block_bytes`: what each block costs besides `shape`'s rows, e.g. a draft model's pool;
+    `reserved_bytes`: what else the budget holds, e.g. recurrent states, at most half of it)."""
     if not 0 < fraction <= 1:
         raise ValueError(f"memory fraction must be in (0, 1], got {fraction}")
-    n = int(available_memory() * fraction) // (shape.bytes_per_block(block_size) + extra_block_bytes)
+    budget = int(available_memory() * fraction)
+    budget -= min(reserved_bytes, budget // 2)
+    n = budget // (shape.bytes_per_block(block_size) + extra_block_bytes)
     return max(1, min(n, max_tokens // block_size))
 
 
-def pool_blocks(loaded, config, need: int | None = None, extra_block_bytes: int = 0) -> int:
+def pool_blocks(loaded, config, need: int | None = None, extra_block_bytes: int = 0, reserved_bytes: int = 0) -> int:
     """The one pool-sizing rule, used by a single process and by every tensor-parallel rank.
 
     `config.cache.num_blocks` if set; else `need` blocks (a known workload, as `generate` has) capped
@@ -98,7 +106,12 @@ def pool_blocks(loaded, config, need: int | None = None, extra_block_bytes: int 
         config.cache.kv_bits, config.cache.kv_group_size
     )  # quantized rows are smaller
     cap = blocks_for_memory(
-        shape, config.cache.block_size, config.cache.kv_memory_fraction, config.cache.max_kv_tokens, extra_block_bytes
+        shape,
+        config.cache.block_size,
+        config.cache.kv_memory_fraction,
+        config.cache.max_kv_tokens,
+        extra_block_bytes,
+        reserved_bytes,
     )
     return cap if need is None else max(1, min(need, cap))
 
@@ -106,7 +119,7 @@ def pool_blocks(loaded, config, need: int | None = None, extra_block_bytes: int 
 CHUNK_TOKENS = 4096  # a growable pool grows and shrinks by this many token slots (a whole number of blocks)
 
 
-def growable_pool(loaded, config, extra_block_bytes: int = 0) -> tuple[int, int, int] | None:
+def growable_pool(loaded, config, extra_block_bytes: int = 0, reserved_bytes: int = 0) -> tuple[int, int, int] | None:
     """(initial blocks, cap, chunk) of a pool that grows as blocks are needed, or None for a
     fixed pool (`config.cache.num_blocks` set). The cap is memory alone: `config.cache.kv_memory_gb` if set,
     else `config.cache.kv_memory_fraction` of the memory free now. `max_kv_tokens` bounds only a fixed
@@ -122,7 +135,7 @@ def growable_pool(loaded, config, extra_block_bytes: int = 0) -> tuple[int, int,
     if config.cache.kv_memory_gb is not None:
         cap = max(1, int(config.cache.kv_memory_gb * 1e9) // per_block)
     else:
-        cap = blocks_for_memory(shape, bs, config.cache.kv_memory_fraction, 1 << 62, extra_block_bytes)
+        cap = blocks_for_memory(shape, bs, config.cache.kv_memory_fraction, 1 << 62, extra_block_bytes, reserved_bytes)
     chunk = config.cache.kv_chunk_blocks or max(1, CHUNK_TOKENS // bs)
     return min(chunk, cap), cap, chunk
 

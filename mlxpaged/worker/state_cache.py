@@ -20,9 +20,22 @@ from collections import OrderedDict
 from ..core.sequence import Sequence
 from ..models.recurrent import StepStates, state_nbytes
 
-
-# Bytes of recurrent-state checkpoints kept for prefix hits (Qwen3.5-9B's state is about 50 MB).
+# Recurrent-state checkpoints kept for prefix hits: this many states, at most CHECKPOINT_BYTES.
+CHECKPOINTS = 64
 CHECKPOINT_BYTES = 1 << 30
+
+
+def state_bytes_per_sequence(model) -> int:
+    """Bytes of one sequence's recurrent state, every layer: mlx-lm's own model and
+    `make_prompt_cache` run one token, and its ArraysCaches are measured."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+
+    caches = make_prompt_cache(model)
+    model(mx.array([[0]], dtype=mx.int32), cache=caches)
+    arrays = [a for c in caches if isinstance(c, ArraysCache) for a in c.cache if a is not None]
+    mx.eval(arrays)
+    return sum(a.nbytes for a in arrays)
 
 
 class StateLost(RuntimeError):
@@ -114,4 +127,3 @@ def keep_states(
         seq.state = (seq.num_computed_tokens + n, after)
         if checkpoints is not None and split:
             checkpoints.pending.append((seq, (seq.num_computed_tokens + split) // block_size - 1, at_split))
-
