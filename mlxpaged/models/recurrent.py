@@ -65,6 +65,37 @@ def recurrent_sizes(model: nn.Module) -> list[int | None]:
     return [len(c.cache) if isinstance(c, ArraysCache) else None for c in make_prompt_cache(model)]
 
 
+class Row:
+    """Row `i` of one decode call's batched state (`arrays`, each `[B, ...]`): the next decode of
+    the same sequences, in the same order, takes the batched arrays as they are (no copy)."""
+
+    __slots__ = ("arrays", "i")
+
+    def __init__(self, arrays: tuple, i: int):
+        self.arrays, self.i = arrays, i
+
+    def own(self) -> tuple:
+        return tuple(a[self.i : self.i + 1] for a in self.arrays)
+
+
+def own(state) -> tuple | None:
+    """A LayerState as its own arrays (a `Row` sliced out of its batch)."""
+    return state.own() if isinstance(state, Row) else state
+
+
+def _stacked(states: list) -> list:
+    """One decode call's batched state from its entries' states: a whole earlier batch in order
+    is reused as it is; anything else is concatenated row by row."""
+    first = states[0]
+    if (
+        isinstance(first, Row)
+        and first.arrays[0].shape[0] == len(states)
+        and all(isinstance(r, Row) and r.arrays is first.arrays and r.i == i for i, r in enumerate(states))
+    ):
+        return list(first.arrays)
+    return [mx.concatenate(a) for a in zip(*(own(r) for r in states))]
+
+
 def _cache(size: int, arrays) -> object:
     from mlx_lm.models.cache import ArraysCache
 
@@ -107,12 +138,12 @@ class SegmentedLayer:
                 xd = x  # every entry: the rows as they are, [B, 1, D]
             else:
                 xd = rows[mx.array([starts[e] for e in decodes])][:, None]
-            stacked = [mx.concatenate(a) for a in zip(*(st.before[e][k] for e in decodes))]
-            y, new = self._run(xd, stacked)
+            y, new = self._run(xd, _stacked([st.before[e][k] for e in decodes]))
             for i, e in enumerate(decodes):
-                st.after[e].append(tuple(a[i : i + 1] for a in new))
+                st.after[e].append(Row(new, i))
                 if st.splits[e]:
-                    st.at_split[e].append(st.after[e][-1])
+                    # a copy: a view would keep the whole batch's buffer alive in the checkpoints
+                    st.at_split[e].append(tuple(a[i : i + 1] + 0 for a in new))
             if len(decodes) == len(q):
                 return y
             pieces.append(y[:, 0])
@@ -122,7 +153,7 @@ class SegmentedLayer:
             if e in taken:
                 continue
             seg = rows[starts[e] : starts[e] + n][None]  # [1, L, D]
-            state = st.before[e][k]
+            state = own(st.before[e][k])
             s = st.splits[e]
             if s and 0 < s < n:
                 y1, state = self._run(seg[:, :s], state)
@@ -151,4 +182,4 @@ class SegmentedLayer:
 
 def state_nbytes(state: list) -> int:
     """Bytes of one sequence's recurrent state (every layer)."""
-    return sum(a.nbytes for layer in state if layer is not None for a in layer)
+    return sum(a.nbytes for layer in state if layer is not None for a in own(layer) if a is not None)

@@ -32,10 +32,8 @@ def state_bytes_per_sequence(model) -> int:
     from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
     caches = make_prompt_cache(model)
-    model(mx.array([[0]], dtype=mx.int32), cache=caches)
-    arrays = [a for c in caches if isinstance(c, ArraysCache) for a in c.cache if a is not None]
-    mx.eval(arrays)
-    return sum(a.nbytes for a in arrays)
+    model(mx.array([[0]], dtype=mx.int32), cache=caches)  # only the graph: shapes need no evaluation
+    return sum(a.nbytes for c in caches if isinstance(c, ArraysCache) for a in c.cache if a is not None)
 
 
 class StateLost(RuntimeError):
