@@ -41,7 +41,9 @@ WINDOWED = ["gemma3_text", "gemma3", "gpt_oss", "olmo3"]  # gemma3: the multimod
 # with MoE, qwen3_5, qwen3_5_moe under `language_model`), short convolutions (lfm2), Mamba-2 with
 # MoE (granitemoehybrid); mlx-lm's reference keeps an ArraysCache on the recurrent layer.
 HYBRID = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "granitemoehybrid"]
-FAMILIES = DENSE + MOE + WRAPPERS + WINDOWED + HYBRID
+# Multi-head latent attention (paged_adapter.LatentLayerCache) with MoE; kimi_k2 is deepseek_v3's module.
+MLA = ["deepseek_v3", "kimi_k2", "glm4_moe_lite"]
+FAMILIES = DENSE + MOE + WRAPPERS + WINDOWED + HYBRID + MLA
 SYSTEM = "Paged attention borrows an idea from operating systems: virtual memory and paging. "
 # Ragged: 3 to 40-odd tokens; the last three share the first one's leading blocks (prefix hits).
 PROMPTS = [
@@ -362,7 +364,7 @@ def test_every_mlx_lm_architecture_is_run_or_refused_in_one_line(tmp_path):
     [
         ("gemma4_text", "per-layer KV shapes"),
         ("llama4", "chunked local attention"),
-        ("deepseek_v3", "multi-head latent attention"),
+        ("deepseek_v2", "multi-head latent attention"),
         ("mamba2", "linear-attention"),
         ("falcon_h1", "state-space and attention in one layer"),
     ],
@@ -374,7 +376,9 @@ def test_refusal_names_what_is_missing(tmp_path, model_type, missing):
     assert "\n" not in str(e.value) and missing in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "mistral3", "gemma3", "llama4_text", "qwen3_next"])
+@pytest.mark.parametrize(
+    "name", ["qwen3_moe", "gpt_oss", "mistral3", "gemma3", "llama4_text", "qwen3_next", "deepseek_v3"]
+)
 def test_tensor_parallel_refuses_moe_and_wrapped_families_by_name(tmp_path, name):
     """MoE experts and mistral3's nested config are not split by the shard loader yet: refused
     by name before any weight is read (here on a group of one, which needs no launcher)."""

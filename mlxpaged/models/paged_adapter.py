@@ -55,7 +55,10 @@ WINDOWED = ("gemma3_text", "gemma3", "gpt_oss", "olmo3")  # gemma3: gemma3_text 
 # DeltaNet, Mamba-2, short convolutions) beside full-attention ones; the recurrent layers run on
 # each sequence's own state (recurrent.py), the attention layers on the paged cache.
 HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "granitemoehybrid")
-FAMILIES = DENSE + MOE + WRAPPERS + WINDOWED + HYBRID
+# Multi-head latent attention (MLA): one latent row per token, attended in latent space with a
+# rope-score term (`LatentLayerCache`); kimi_k2 is deepseek_v3's module (mlx-lm's remapping).
+MLA = ("deepseek_v3", "kimi_k2", "glm4_moe_lite")
+FAMILIES = DENSE + MOE + WRAPPERS + WINDOWED + HYBRID + MLA
 _SDPA_PARAMS = ["queries", "keys", "values", "cache", "scale", "mask"]
 
 
@@ -120,7 +123,11 @@ class PagedLayerCache:
                 "attention, with a per-layer sliding window and attention sinks"
             )
         T, H, _, D = queries.shape
-        q = self.kv_cache.scale_queries(self.layer, queries.reshape(T, H, D))
+        return self._paged(queries.reshape(T, H, D), scale, sinks).reshape(T, H, 1, D)
+
+    def _paged(self, q: mx.array, scale: float, sinks=None) -> mx.array:
+        """q `[T, heads, D]` -> `[T, heads, D]`: paged attention over this layer's pools."""
+        q = self.kv_cache.scale_queries(self.layer, q)
         m = self.meta
         out = paged_attention_varlen(
             q,
@@ -135,7 +142,65 @@ class PagedLayerCache:
             sinks=sinks,
         )
         self.attended = True
-        return out.reshape(T, H, 1, D)
+        return out
+
+
+class LatentLayerCache(PagedLayerCache):
+    """An MLA layer's cache (deepseek_v3, glm4_moe_lite): one K row `[latent, k_pe]` and one V row
+    `[latent, 0]` per token, a single KV head, in the pool's one width `kv_lora_rank + rope_dim`.
+
+    mlx-lm's MLA attention, on rows of one token, does (mlx_lm/models/deepseek_v3.py):
+
+        kv_latent, k_pe = cache.update_and_fetch(kv_latent, k_pe)
+        pe_scores = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)
+        q_nope = self.embed_q(q_nope); k = v = kv_latent          # latent space
+        out = scaled_dot_product_attention(q_nope, k, v, cache=cache, scale=self.scale, mask=pe_scores)
+
+    Its scores are `scale * (q_latent . latent + q_pe . k_pe)`: one dot product of `[q_latent, q_pe]`
+    with the K row. So `update_and_fetch` hands back an identity for `k_pe`, which makes the
+    model's `pe_scores` its own `q_pe * scale`, and `attend` rebuilds the query from it; the
+    output's first `kv_lora_rank` columns are the latent output the model unembeds.
+    The V row's zeros cost rope_dim columns per token (a V pool narrower than K would save them).
+    """
+
+    rope_dim = 0
+
+    def update_and_fetch(self, kv_latent: mx.array, k_pe: mx.array):
+        """kv_latent `[T, 1, 1, kv_lora_rank]`, k_pe `[T, 1, 1, rope_dim]` (post-RoPE)."""
+        T = self.offset.shape[0]
+        if kv_latent.shape[:3] != (T, 1, 1) or k_pe.shape[:3] != (T, 1, 1):
+            raise AdapterError(
+                f"an MLA layer's cache.update_and_fetch got {kv_latent.shape} and {k_pe.shape}; the paged "
+                f"adapter feeds [T={T}, 1, 1, kv_lora_rank] and [T, 1, 1, rope_dim]"
+            )
+        self.rope_dim = p = k_pe.shape[-1]
+        k = mx.concatenate([kv_latent, k_pe], axis=-1).reshape(T, 1, -1)
+        v = mx.concatenate([kv_latent, mx.zeros_like(k_pe)], axis=-1).reshape(T, 1, -1)
+        self.pools = self.kv_cache.write(self.layer, k, v, self.meta.slot_mapping)
+        return kv_latent, mx.eye(p, dtype=k_pe.dtype)[None, None]
+
+    def attend(self, queries: mx.array, scale: float, mask, sinks=None) -> mx.array:
+        """queries `[T, heads, 1, kv_lora_rank]` (latent), mask the model's `q_pe * scale` -> latent output."""
+        if self.pools is None:
+            raise AdapterError("scaled_dot_product_attention was called before cache.update_and_fetch")
+        T, H, _, R = queries.shape
+        if not isinstance(mask, mx.array) or mask.shape != (T, H, 1, self.rope_dim):
+            raise AdapterError(
+                f"an MLA layer's attention got mask {getattr(mask, 'shape', mask)}, not its rope scores "
+                f"[{T}, {H}, 1, {self.rope_dim}]: the paged adapter needs updating"
+            )
+        q = mx.concatenate([queries, mask / scale], axis=-1).reshape(T, H, -1)
+        return self._paged(q, scale)[..., :R].reshape(T, H, 1, R)
+
+
+def kv_dims(model: nn.Module) -> tuple[int, int]:
+    """(KV heads, row width) of the pool's rows for `model`: an MLA model's one latent row per
+    token, `kv_lora_rank + rope_dim` wide; else its (local) KV heads and head_dim."""
+    dims = model.__dict__.get("_paged_kv_dims")
+    if dims is not None:
+        return dims
+    args = model.args
+    return getattr(model, "num_local_kv_heads", args.num_key_value_heads), args.head_dim
 
 
 def text_body(model: nn.Module) -> nn.Module:
@@ -259,7 +324,8 @@ class PagedModelMixin:
         windows = self.__dict__.get("_paged_windows") or [None] * len(layers)
         kv_index = self.__dict__.get("_paged_kv_index") or list(range(len(layers)))
         # A recurrent layer gets no cache object: its stand-in (recurrent.py) holds the step's states.
-        caches = [None if j is None else PagedLayerCache(cache, j, meta, windows[i]) for i, j in enumerate(kv_index)]
+        kind = LatentLayerCache if "_paged_kv_dims" in self.__dict__ else PagedLayerCache
+        caches = [None if j is None else kind(cache, j, meta, windows[i]) for i, j in enumerate(kv_index)]
         body = text_body(self)
         norm = _final_norm(body)
         swaps = [(body, norm, _NormRows(body[norm], meta.logits_indices))]
@@ -267,16 +333,25 @@ class PagedModelMixin:
         sizes = self.__dict__.get("_paged_recurrent") or []
         if any(s is not None for s in sizes):
             swaps.append((body, "layers", _segmented(body.layers, sizes, meta)))
-        with _swapped(swaps):
-            logits = super().__call__(inputs[:, None], cache=caches)  # [S, 1, V]
-        for i, c in enumerate(caches):
-            if c is not None and (c.pools is None or not c.attended):
-                raise AdapterError(
-                    f"{inspect.getfile(type(layers[i].self_attn))}: "
-                    f"{type(layers[i].self_attn).__name__}.__call__ no longer calls cache.update_and_fetch and "
-                    "scaled_dot_product_attention(..., cache=cache): the paged adapter needs updating"
-                )
+        try:
+            with _swapped(swaps):
+                logits = super().__call__(inputs[:, None], cache=caches)  # [S, 1, V]
+        except ValueError as e:  # a shape error in a layer that bypassed the paged cache (MLA's rope scores)
+            _check_attended(layers, caches, e)
+            raise
+        _check_attended(layers, caches)
         return logits.reshape(logits.shape[0], -1)
+
+
+def _check_attended(layers, caches, cause: Exception | None = None) -> None:
+    """Raise naming the first attention layer that did not write and read its paged cache."""
+    for i, c in enumerate(caches):
+        if c is not None and (c.pools is None or not c.attended):
+            raise AdapterError(
+                f"{inspect.getfile(type(layers[i].self_attn))}: "
+                f"{type(layers[i].self_attn).__name__}.__call__ no longer calls cache.update_and_fetch and "
+                "scaled_dot_product_attention(..., cache=cache): the paged adapter needs updating"
+            ) from cause
 
 
 def _segmented(layers: list, sizes: list, meta: AttentionMetadata) -> list:
@@ -390,9 +465,7 @@ MISSING = {
     **dict.fromkeys(
         (
             "deepseek_v2",
-            "deepseek_v3",
             "deepseek_v32",
-            "glm4_moe_lite",
             "glm_moe_dsa",
             "kimi_k3",
             "kimi_vl",
@@ -490,6 +563,7 @@ TP_REFUSED = {
     "llama4_text": "its MLP is `feed_forward`, which the split in distributed/sharding.py does not name",
     **dict.fromkeys(("mistral3", "gemma3"), "the shard loader reads a flat config; this wrapper nests its text config"),
     **dict.fromkeys(HYBRID, "its recurrent layers (recurrent.py) are not split by mlxpaged's shard loader"),
+    **dict.fromkeys(MLA, "its latent attention (one latent row per token) is not split by mlxpaged's shard loader"),
 }
 
 
@@ -537,6 +611,9 @@ def prepare(model: nn.Module, config: dict, where) -> nn.Module:
         args.num_key_value_heads = args.num_attention_heads
     if getattr(args, "head_dim", None) is None:
         args.head_dim = args.hidden_size // args.num_attention_heads  # every supported family's default
+    if config.get("model_type") in MLA or (config.get("text_config") or {}).get("model_type") in MLA:
+        a = paged_layers(model)[0].self_attn
+        object.__setattr__(model, "_paged_kv_dims", (1, a.kv_lora_rank + a.qk_rope_head_dim))
     for layer in paged_layers(model):
         attn = layer.self_attn
         if getattr(attn, "head_dim", None) is None:

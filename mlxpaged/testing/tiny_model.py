@@ -158,6 +158,26 @@ _GATED_DELTA = {
     "full_attention_interval": 2,
 }
 
+# DeepSeek-V3's and GLM-4.7-Flash's MLA attention and MoE (a dense first layer, one shared expert).
+_MLA = {
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 64,
+    "q_lora_rank": 96,
+    "qk_rope_head_dim": 32,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 128,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "rope_scaling": None,
+    "tie_word_embeddings": False,
+}
+
 # Per family: a small config in its checkpoint's own terms (head_dim = 256 / 4 = 64 unless set).
 FAMILY_CONFIGS = {
     "llama": {
@@ -316,6 +336,10 @@ FAMILY_CONFIGS = {
         "no_rope_layer_interval": 2,  # layer 1 of 2 has no RoPE (NoPE)
         "tie_word_embeddings": True,
     },
+    # Multi-head latent attention (paged_adapter.LatentLayerCache): a latent of 64, rope dim 32 (rows of 96: 8-bit groups of 32 fit).
+    "deepseek_v3": {"architectures": ["DeepseekV3ForCausalLM"], **_MLA},
+    "kimi_k2": {"architectures": ["DeepseekV3ForCausalLM"], **_MLA},  # deepseek_v3's module
+    "glm4_moe_lite": {"architectures": ["Glm4MoeLiteForCausalLM"], **_MLA, "q_lora_rank": None},
     # Hybrid recurrent families (models/recurrent.py): layer 0 is recurrent, layer 1 full attention.
     "qwen3_next": {
         "architectures": ["Qwen3NextForCausalLM"],

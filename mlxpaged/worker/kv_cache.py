@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..attention.kv_quant import QuantizedPool, check_kv_quant, key_offsets, row_bytes
-from ..models.paged_adapter import paged_layers
+from ..models.paged_adapter import kv_dims, paged_layers
 
 
 @dataclass
@@ -37,11 +37,11 @@ class CacheShape:
     @classmethod
     def of(cls, loaded) -> CacheShape:
         """The cache shape of a `LoadedModel`'s layers, in its dtype."""
-        args = loaded.model.args
+        heads, width = kv_dims(loaded.model)  # an MLA model: one latent row per token
         return cls(
             len(paged_layers(loaded.model)),  # a hybrid's recurrent layers hold state, not K/V
-            getattr(loaded.model, "num_local_kv_heads", args.num_key_value_heads),
-            args.head_dim,
+            heads,
+            width,
             loaded.dtype,
         )
 

@@ -43,7 +43,7 @@ def key_scales(model, ids: list[int], block_size: int = 16) -> list[mx.array]:
     parallel model takes part, each measuring its own KV heads) and reads the keys back from
     the pools, so they are exactly the post-RoPE keys attention sees.
     """
-    from ..models.paged_adapter import paged_layers
+    from ..models.paged_adapter import kv_dims, paged_layers
     from .kv_cache import CacheShape, PagedKVCache, slot_mapping
 
     if len(ids) < 2:
@@ -51,8 +51,7 @@ def key_scales(model, ids: list[int], block_size: int = 16) -> list[mx.array]:
     args = model.args
     shape = CacheShape(
         len(paged_layers(model)),
-        getattr(model, "num_local_kv_heads", args.num_key_value_heads),
-        args.head_dim,
+        *kv_dims(model),
         mx.float32,
     )
     n = len(ids)
