@@ -271,7 +271,7 @@ def test_adapter_fails_loudly_if_attention_bypasses_it(family, monkeypatch):
     assert issubclass(AdapterError, MlxPagedError)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "phi3", "qwen3_moe", "mistral3", "gpt_oss"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "phi3", "qwen3_moe", "mistral3", "gpt_oss", "deepseek_v3"])
 def test_generate_cli_gives_mlx_lm_greedy_tokens(name, tmp_path):
     """`mlxpaged generate --model DIR --json --temp 0`, as a user runs it (its own process)."""
     import subprocess

@@ -1,5 +1,6 @@
 """Hybrid recurrent models beyond the family tests: state checkpoints for prefix hits with chunks
-ending mid-block, beams over recurrent state, the refusals, and the CLI and server routes.
+ending mid-block, beams over recurrent state, the refusals, and the CLI and server routes (the
+server's for the latent-attention families too).
 
 The reference is mlx-lm's own model on its own `make_prompt_cache` (an ArraysCache on each
 recurrent layer); the checkpoints are tiny random ones written by mlx-lm's classes.
@@ -136,6 +137,20 @@ def test_llm_api_n4_forks_share_the_prefill(hybrid):
 def test_serve_completions_give_mlx_lm_tokens(hybrid):
     """The server's completions route (in process, the app `mlxpaged serve` runs) on a hybrid
     model: two concurrent greedy requests sharing a prefix, each mlx-lm's text."""
+    _, loaded, ref_model, tok = hybrid
+    _serve_matches(loaded, ref_model, tok)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe_lite"])
+def test_serve_latent_attention_gives_mlx_lm_tokens(name, tmp_path):
+    """The same for the MLA families (paged_adapter.LatentLayerCache), whose CLI run is in
+    test_families.py."""
+    path = write_tiny_family(tmp_path / name, name)
+    ref_model, tok = mlx_lm.load(str(path))
+    _serve_matches(load(str(path), "float32"), ref_model, tok)
+
+
+def _serve_matches(loaded, ref_model, tok):
     import concurrent.futures
 
     import mlx.core as mx
@@ -145,7 +160,6 @@ def test_serve_completions_give_mlx_lm_tokens(hybrid):
     from mlxpaged.server.engine_loop import EngineLoop
     from mlxpaged.server.metrics import Metrics
 
-    _, loaded, ref_model, tok = hybrid
     mx.eval(loaded.model.parameters())
     loop = EngineLoop(lambda: _engine(loaded))
     loop.start()
@@ -163,7 +177,9 @@ def test_serve_completions_give_mlx_lm_tokens(hybrid):
     for p, text in zip(FOLLOW, texts):
         detok = tok.detokenizer  # mlx-lm's streaming detokenizer, as mlx_lm.generate uses it
         detok.reset()
+        special = set(tok.all_special_ids)  # the server skips special tokens (vLLM's skip_special_tokens)
         for t in contiguous_generate(ref_model, tok.encode(p), 10):
-            detok.add_token(t)
+            if t not in special:
+                detok.add_token(t)
         detok.finalize()
         assert text == detok.text, p
