@@ -36,6 +36,8 @@ def test_doctor_reports_and_writes_json(tmp_path, monkeypatch):
     assert parts["float16"]["1024"] > 0 and parts["4-bit"]["1024"] == 0  # 4-bit rows: too short
     assert 0 < parts["4-bit"]["32768"] <= metal.LONG_PARTITION_TOKENS
     assert "split planning: 10 GPU cores (default: no device info)" in r.output
+    # An MLA model's 576-wide latent rows exceed the kernels' head_dim bound (256): named, one line.
+    assert "latent attention (MLA, rows of 576) runs the reference path: head_dim 576" in r.output
 
 
 def _doctor_with_faulty(kind: str, tmp_path, monkeypatch):

@@ -156,7 +156,21 @@ def collect(seqs: int | None = None, tokens: int | None = None, block_sizes=(16,
         "checks": _checks(16),
         "split_planning": _planning(),
         "kernel_table": _table(gpu, seqs, tokens, list(block_sizes)),
+        "latent_attention": _latent(),
     }
+
+
+def _latent() -> str:
+    """Whether the kernels take an MLA model's latent rows (DeepSeek-V3 / Kimi K2: one KV head of
+    512 + 64 columns for 128 query heads; GLM-4.7-Flash: 20 heads), or why it runs the reference path."""
+    from ..attention.metal import shape_problem
+
+    why = [p for p in (shape_problem(576, 16, 128), shape_problem(576, 16, 20)) if p]
+    return (
+        "latent attention (MLA, rows of 576): the Metal kernels take it"
+        if not why
+        else f"latent attention (MLA, rows of 576) runs the reference path: {why[0].split(': ', 1)[-1]}"
+    )
 
 
 @click.command()
@@ -202,6 +216,7 @@ def doctor(out_path, seqs, tokens, block_sizes):
             for kv, ps in plan["partition_tokens_one_sequence"].items()
         )
     )
+    click.echo(report["latent_attention"])
     failed = [c for c in report["checks"] if not c["ok"]]
     click.echo(f"kernel checks: {len(report['checks']) - len(failed)}/{len(report['checks'])} passed")
     for c in failed:

@@ -225,7 +225,9 @@ class LLMEngine:
             from ..attention.metal import check_family
 
             args = self.loaded.model.args
-            check_family(args.num_attention_heads // args.num_key_value_heads, self.kv_cache.keys[0])
+            latent = self.loaded.model.__dict__.get("_paged_kv_dims")  # MLA: one KV head for all query heads
+            kv_heads = latent[0] if latent else args.num_key_value_heads
+            check_family(args.num_attention_heads // kv_heads, self.kv_cache.keys[0])
             for layer in self.layers:
                 layer.check_kernels()
 
