@@ -336,7 +336,7 @@ FAMILY_CONFIGS = {
         "no_rope_layer_interval": 2,  # layer 1 of 2 has no RoPE (NoPE)
         "tie_word_embeddings": True,
     },
-    # Multi-head latent attention (paged_adapter.LatentLayerCache): a latent of 64, rope dim 32 (rows of 96: 8-bit groups of 32 fit).
+    # Multi-head latent attention (paged_adapter.LatentLayerCache): latent 64, rope dim 32 (rows of 96).
     "deepseek_v3": {"architectures": ["DeepseekV3ForCausalLM"], **_MLA},
     "kimi_k2": {"architectures": ["DeepseekV3ForCausalLM"], **_MLA},  # deepseek_v3's module
     "glm4_moe_lite": {"architectures": ["Glm4MoeLiteForCausalLM"], **_MLA, "q_lora_rank": None},

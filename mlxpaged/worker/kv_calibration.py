@@ -48,7 +48,6 @@ def key_scales(model, ids: list[int], block_size: int = 16) -> list[mx.array]:
 
     if len(ids) < 2:
         raise ValueError(f"key_scales needs at least 2 calibration tokens, got {len(ids)}")
-    args = model.args
     shape = CacheShape(
         len(paged_layers(model)),
         *kv_dims(model),
