@@ -100,16 +100,44 @@ def test_beams_carry_recurrent_state(hybrid, width):
     "flags,named",
     [
         ({"speculative": "ngram"}, "speculative decoding (ngram) is not supported"),
-        ({"prefix_cache_dir": "PATH"}, "disk tier (prefix_cache_dir) is not supported"),
     ],
 )
-def test_refused_features_name_themselves(hybrid, tmp_path, flags, named):
+def test_refused_features_name_themselves(hybrid, flags, named):
     _, loaded, _, _ = hybrid
-    flags = {k: str(tmp_path) if v == "PATH" else v for k, v in flags.items()}
     with pytest.raises(MlxPagedError) as e:
         _engine(loaded, **flags)
     msg = str(e.value)
     assert named in msg and "recurrent layers" in msg and "\n" not in msg, msg
+
+
+def test_disk_tier_keeps_state_checkpoints(hybrid, tmp_path):
+    """The disk tier stores a prompt block's state checkpoint beside its KV, under the same hash:
+    a fresh engine (a new process's empty pool) resumes from both. Unreadable state files are
+    deleted and taken as misses: no hit, the same tokens."""
+    _, loaded, ref_model, tok = hybrid
+    d = str(tmp_path / "cache")
+    first = _engine(loaded, max_num_batched_tokens=6, prefix_cache_dir=d)
+    first.add_request(SYSTEM, greedy(3))
+    run_all(first)
+    first.prefix_store.flush()
+    want = contiguous_generate(ref_model, tok.encode(FOLLOW[0]), 16)
+    states = list(first.prefix_store.dir.glob("states/*.safetensors"))
+    assert states
+
+    second = _engine(loaded, prefix_cache_dir=d)
+    rid = second.add_request(FOLLOW[0], greedy(16))
+    done = run_all(second)[rid]
+    assert done.outputs[0].token_ids == want
+    assert done.num_cached_tokens >= 8 and second.runner.checkpoints.disk_reads >= 1
+
+    states = list(first.prefix_store.dir.glob("states/*.safetensors"))  # the second engine's too
+    for f in states:
+        f.write_bytes(b"not a checkpoint")
+    third = _engine(loaded, prefix_cache_dir=d)
+    rid = third.add_request(FOLLOW[0], greedy(16))
+    done = run_all(third)[rid]
+    assert done.outputs[0].token_ids == want
+    assert done.num_cached_tokens == 0 and third.runner.checkpoints.bad_files >= 1
 
 
 def test_generate_cli_gives_mlx_lm_tokens(hybrid):

@@ -231,6 +231,9 @@ class BlockManager:
             hashes.append(parent)
             tokens.append(t)
         n = min(self.second_tier.lookup(hashes, tokens), self.pool.num_free)
+        if self.checkpoints is not None:  # as in match_prefix: the hit ends where a state is kept
+            while n and not self.checkpoints.has(hashes[n - 1]):
+                n -= 1
         loads = []
         for h, t in zip(hashes[:n], tokens[:n]):
             block = self.pool.allocate()

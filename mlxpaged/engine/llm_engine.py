@@ -122,6 +122,8 @@ class LLMEngine:
         self.block_manager.checkpoints = checkpoints
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.attention_impl, checkpoints)
         self.prefix_store = self._open_prefix_store() if config.cache.prefix_cache_dir else None
+        if checkpoints is not None and self.prefix_store is not None and self.prefix_store.enabled:
+            checkpoints.disk = self.prefix_store.dir / "states"  # beside the blocks, in their namespace
         proposer = None
         if config.speculative.method == "ngram":
             proposer = NgramProposer(config.speculative.prompt_lookup_min, config.speculative.prompt_lookup_max)
@@ -167,14 +169,10 @@ class LLMEngine:
                 f"speculative decoding ({c.speculative.method}) is not supported: {kind}, whose state "
                 "cannot roll back rejected proposals yet; drop the speculative flags"
             )
-        if c.cache.prefix_cache_dir is not None:
-            raise MlxPagedError(
-                f"the prefix cache's disk tier (prefix_cache_dir) is not supported: {kind}, and the disk "
-                "tier stores no recurrent-state checkpoints yet; drop --prefix-cache-dir"
-            )
         if not c.cache.enable_prefix_caching:
             return None
-        return Checkpoints(min(CHECKPOINT_BYTES, CHECKPOINTS * self.state_bytes))
+        layers = sum(s is not None for s in self.loaded.model._paged_recurrent)
+        return Checkpoints(min(CHECKPOINT_BYTES, CHECKPOINTS * self.state_bytes), layers, c.cache.block_size)
 
     def _load_draft(self) -> LoadedModel:
         """The draft model, in the target's dtype (engine/draft.py checks its tokenizer)."""

@@ -11,11 +11,20 @@ runner asks for one per pass at the last block boundary each prefill chunk or de
 it is taken when the block is named (hashing waits for token values), and the block manager
 takes a hit only up to a block whose checkpoint is kept. Checkpoints are evicted oldest first
 beyond `cap_bytes`: an evicted one only shortens later hits.
+
+With the disk tier on, a prompt block's checkpoint is also written beside the tier's block files
+(`<namespace>/states/<hash>.safetensors`, the same chained hash, so a later process resumes from
+it), and `has` reads one back on a memory miss; a file that does not parse as this model's state
+is deleted and counts as a miss. The newest `MAX_FILES` are kept.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 from collections import OrderedDict
+from pathlib import Path
 
 from ..core.sequence import Sequence
 from ..models.recurrent import StepStates, state_nbytes
@@ -36,6 +45,10 @@ def state_bytes_per_sequence(model) -> int:
     return sum(a.nbytes for c in caches if isinstance(c, ArraysCache) for a in c.cache if a is not None)
 
 
+MAX_FILES = 256  # state checkpoint files kept on disk, newest first
+log = logging.getLogger("mlxpaged.state_cache")
+
+
 class StateLost(RuntimeError):
     """A sequence was scheduled from a point where no recurrent state is kept (a bug, not bad input)."""
 
@@ -47,16 +60,73 @@ class Checkpoints:
     (a single state larger than the cap is not kept).
     """
 
-    def __init__(self, cap_bytes: int):
+    def __init__(self, cap_bytes: int, num_layers: int, block_size: int, disk: Path | None = None):
         self.cap_bytes = cap_bytes
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.disk = disk  # the disk tier's directory for state files, or None
         self.states: OrderedDict[bytes, tuple[list, int]] = OrderedDict()
         self.nbytes = 0
         self.pending: list[tuple[Sequence, int, list]] = []  # (sequence, block index, state) to name
         self.hits = 0
         self.evicted = 0
+        self.disk_reads = 0
+        self.bad_files = 0
 
     def has(self, block_hash: bytes) -> bool:
+        return block_hash in self.states or self._read(block_hash)
+
+    # -- the disk tier ---------------------------------------------------------------------------
+    def _path(self, block_hash: bytes) -> Path:
+        return self.disk / (block_hash.hex() + ".safetensors")
+
+    def _read(self, block_hash: bytes) -> bool:
+        """Load a checkpoint file into memory; False if there is none or it is not this model's."""
+        import mlx.core as mx
+
+        if self.disk is None:
+            return False
+        path = self._path(block_hash)
+        if not path.is_file():
+            return False
+        try:
+            arrays, meta = mx.load(str(path), return_metadata=True)
+            sizes = json.loads(meta["sizes"])
+            if len(sizes) != self.num_layers:
+                raise ValueError(f"{len(sizes)} layers, not {self.num_layers}")
+            state = []
+            for k, n in enumerate(sizes):
+                layer = tuple(arrays.get(f"{k}.{j}") for j in range(n))
+                if any(a is not None and (a.ndim < 1 or a.shape[0] != 1) for a in layer):
+                    raise ValueError("not one sequence's state")
+                state.append(layer)
+        except Exception as e:  # any unreadable file is a miss, never a failed request
+            self.bad_files += 1
+            log.warning("state checkpoint %s is unreadable (%s): deleted", path.name, str(e).splitlines()[0][:80])
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            return False
+        self.disk_reads += 1
+        self.put(block_hash, state)
         return block_hash in self.states
+
+    def _write(self, block_hash: bytes, state: list) -> None:
+        import mlx.core as mx
+
+        try:
+            self.disk.mkdir(parents=True, exist_ok=True)
+            arrays = {f"{k}.{j}": a for k, layer in enumerate(state) for j, a in enumerate(layer) if a is not None}
+            sizes = json.dumps([len(layer) for layer in state])
+            tmp = self.disk / f".{block_hash.hex()}.{os.getpid()}.tmp.safetensors"
+            mx.save_safetensors(str(tmp), arrays, metadata={"sizes": sizes})
+            os.replace(tmp, self._path(block_hash))
+            files = sorted(self.disk.glob("*.safetensors"), key=lambda p: p.stat().st_mtime_ns)
+            for old in files[:-MAX_FILES]:
+                old.unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("cannot write a state checkpoint under %s (%s); serving goes on", self.disk, e)
 
     def get(self, block_hash: bytes) -> list | None:
         got = self.states.get(block_hash)
@@ -66,7 +136,9 @@ class Checkpoints:
         self.hits += 1
         return got[0]
 
-    def put(self, block_hash: bytes, state: list) -> None:
+    def put(self, block_hash: bytes, state: list, to_disk: bool = False) -> None:
+        if to_disk and self.disk is not None and not self._path(block_hash).exists():
+            self._write(block_hash, state)
         if block_hash in self.states:
             self.states.move_to_end(block_hash)
             return
@@ -85,7 +157,8 @@ class Checkpoints:
         keep = []
         for seq, i, state in self.pending:
             if len(seq.block_hashes) > i:
-                self.put(seq.block_hashes[i], state)
+                # the disk tier keeps prompt blocks only (worker/prefix_store.py): their checkpoints too
+                self.put(seq.block_hashes[i], state, to_disk=(i + 1) * self.block_size <= seq.num_prompt_tokens)
             elif seq.block_table and seq.finish_reason is None:
                 keep.append((seq, i, state))
         self.pending = keep
