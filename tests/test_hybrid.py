@@ -29,7 +29,7 @@ def greedy(n):
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "granitemoehybrid"])
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "granitemoehybrid"])
 def hybrid(request, tmp_path_factory):
     path = write_tiny_family(tmp_path_factory.mktemp(request.param), request.param)
     ref_model, tok = mlx_lm.load(str(path))
@@ -169,7 +169,7 @@ def test_serve_completions_give_mlx_lm_tokens(hybrid):
     _serve_matches(loaded, ref_model, tok)
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe_lite"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "kimi_k2", "glm4_moe_lite"])
 def test_serve_latent_attention_gives_mlx_lm_tokens(name, tmp_path):
     """The same for the MLA families (paged_adapter.LatentLayerCache), whose CLI run is in
     test_families.py."""
@@ -211,3 +211,12 @@ def _serve_matches(loaded, ref_model, tok):
                 detok.add_token(t)
         detok.finalize()
         assert text == detok.text, p
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "kimi_k2", "glm4_moe_lite"])
+def test_generate_cli_latent_attention(name, tmp_path):
+    path = write_tiny_family(tmp_path / name, name)
+    ref_model, tok = mlx_lm.load(str(path))
+    r = run("--model", str(path), "--prompt", FOLLOW[0], "--no-chat", "-t", "12", "--ignore-eos", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["outputs"][0]["token_ids"] == contiguous_generate(ref_model, tok.encode(FOLLOW[0]), 12)
