@@ -112,8 +112,9 @@ class Sequence:
     draft_computed: int = 0
     cache_salt: bytes = b""  # folded into the first block's hash: blocks are shared only within one salt
     # a hybrid model's recurrent state after its first `state[0]` tokens, `(num_tokens, per-layer
-    # arrays)` (models/recurrent.py): written by the model runner, copied by a fork (a reference:
-    # the arrays are immutable), dropped with the blocks; opaque here, like `rng_key`
+    # arrays, a speculated run's state after each token or None)` (worker/state_cache.py): written
+    # by the model runner, copied by a fork (a reference: the arrays are immutable), dropped with
+    # the blocks; opaque here, like `rng_key`
     state: tuple | None = None
 
     @property

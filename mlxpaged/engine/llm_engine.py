@@ -162,13 +162,7 @@ class LLMEngine:
         if not any(s is not None for s in self.loaded.model.__dict__.get("_paged_recurrent") or []):
             return None
         self.state_bytes = state_bytes_per_sequence(self.loaded.model)
-        kind = f"model_type {self.loaded.config.get('model_type')!r} has recurrent layers"
         c = self.config
-        if c.speculative.method is not None:
-            raise MlxPagedError(
-                f"speculative decoding ({c.speculative.method}) is not supported: {kind}, whose state "
-                "cannot roll back rejected proposals yet; drop the speculative flags"
-            )
         if not c.cache.enable_prefix_caching:
             return None
         layers = sum(s is not None for s in self.loaded.model._paged_recurrent)
@@ -179,7 +173,13 @@ class LLMEngine:
         from ..loading.loader import DTYPES, load
 
         dtype = next(name for name, d in DTYPES.items() if d == self.loaded.dtype)
-        return load(self.config.speculative.draft_model, dtype)
+        draft = load(self.config.speculative.draft_model, dtype)
+        if any(s is not None for s in draft.model.__dict__.get("_paged_recurrent") or []):
+            raise MlxPagedError(
+                f"a draft model with recurrent layers ({draft.config.get('model_type')!r}) is not supported: "
+                "its own state cannot roll back rejected proposals yet; use an attention-only draft or --speculative ngram"
+            )
+        return draft
 
     def _resize_pools(self, num_blocks: int, copies: list[tuple[int, int]] = ()) -> None:
         """Grow or trim the KV pool, and every layer's pool beside it (the same block ids)."""

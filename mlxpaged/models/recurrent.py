@@ -37,19 +37,24 @@ class StepStates:
 
     Invariant: `before[e]` is entry e's state after its first `start` tokens (None: no tokens
     yet); after the pass `after[e]` is its state after all its q_lens[e] tokens, and `at_split[e]`
-    its state after its first `splits[e]` new tokens (when a split was asked).
+    its state after its first `splits[e]` new tokens (when a split was asked). For an entry in
+    `every` (a speculating one: rejected proposals roll back), `each[e][t]` is its state after its
+    first t + 1 new tokens.
     """
 
     q_lens: list[int]  # [S] new tokens of each entry
     before: list[list | None]  # [S] per entry: per recurrent layer, a LayerState or None
     splits: list[int | None]  # [S] per entry: new tokens after which to keep the state, or None
+    every: frozenset = frozenset()  # entries that keep their state after every token
     after: list[list] = field(default_factory=list)  # filled by the pass
     at_split: list[list | None] = field(default_factory=list)
+    each: list[list | None] = field(default_factory=list)
 
     def __post_init__(self):
         n = len(self.q_lens)
         self.after = [[] for _ in range(n)]
         self.at_split = [[] if s else None for s in self.splits]
+        self.each = [[[] for _ in range(self.q_lens[e])] if e in self.every else None for e in range(n)]
 
     @classmethod
     def fresh(cls, q_lens: list[int], num_layers: int) -> StepStates:
@@ -128,8 +133,8 @@ class SegmentedLayer:
         q = st.q_lens
         rows = x[:, 0]  # [T, D]
         # one token from a known state (a split there is the state after it: no second call)
-        decodes = [e for e, n in enumerate(q) if n == 1 and st.before[e][k] is not None]
-        pieces, order = [], []  # outputs [L, D] and the entry each belongs to
+        decodes = [e for e, n in enumerate(q) if n == 1 and st.before[e][k] is not None and e not in st.every]
+        pieces, index = [], []  # outputs [L, D] and the packed row of each of their rows
         starts = [0]
         for n in q:
             starts.append(starts[-1] + n)
@@ -147,8 +152,9 @@ class SegmentedLayer:
             if len(decodes) == len(q):
                 return y
             pieces.append(y[:, 0])
-            order += decodes
-        taken = set(decodes)
+            index += [starts[e] for e in decodes]
+        self._every_token(rows, starts, pieces, index)
+        taken = set(decodes) | st.every
         for e, n in enumerate(q):
             if e in taken:
                 continue
@@ -166,18 +172,32 @@ class SegmentedLayer:
                     st.at_split[e].append(state)
             st.after[e].append(state)
             pieces.append(y[0])
-            order.append(e)
-        out = mx.concatenate(pieces) if len(pieces) > 1 else pieces[0]  # [T, D], entries in `order`
-        if order != list(range(len(q))):
-            at, perm = {}, []
-            pos = 0
-            for e in order:
-                at[e] = pos
-                pos += q[e]
-            for e in range(len(q)):
-                perm += range(at[e], at[e] + q[e])
+            index += range(starts[e], starts[e] + n)
+        out = mx.concatenate(pieces) if len(pieces) > 1 else pieces[0]  # [T, D], rows in `index` order
+        if index != list(range(len(index))):
+            perm = [0] * len(index)
+            for j, row in enumerate(index):
+                perm[row] = j
             out = out[mx.array(perm)]
         return out[:, None]
+
+    def _every_token(self, rows: mx.array, starts: list, pieces: list, index: list) -> None:
+        """The `every` entries one position at a time, all of them in one call per position,
+        keeping each one's state after each token (`StepStates.each`)."""
+        st, k = self.states, self.k
+        cur = {e: st.before[e][k] for e in st.every}
+        assert all(s is not None for s in cur.values()), "a speculating sequence has a state"
+        for t in range(max((st.q_lens[e] for e in st.every), default=0)):
+            members = [e for e in sorted(st.every) if st.q_lens[e] > t]
+            at = [starts[e] + t for e in members]
+            y, new = self._run(rows[mx.array(at)][:, None], _stacked([cur[e] for e in members]))
+            for i, e in enumerate(members):
+                cur[e] = Row(new, i)
+                st.each[e][t].append(cur[e])
+            pieces.append(y[:, 0])
+            index += at
+        for e in st.every:
+            st.after[e].append(cur[e])
 
 
 def state_nbytes(state: list) -> int:

@@ -89,14 +89,16 @@ class ModelRunner:
             logits_indices=mx.array(self._logits_indices(cu, spec_tokens, all_rows)),
             impl=self.attention_impl,
         )
-        return self._run(batch, self._input_ids(batch, int(cu[-1]), spec_tokens), meta)
+        return self._run(batch, self._input_ids(batch, int(cu[-1]), spec_tokens), meta, frozenset(spec_tokens))
 
-    def _run(self, batch: list[tuple[Sequence, int]], ids: mx.array, meta: AttentionMetadata) -> mx.array:
+    def _run(
+        self, batch: list[tuple[Sequence, int]], ids: mx.array, meta: AttentionMetadata, every: frozenset = frozenset()
+    ) -> mx.array:
         """The model on the pass; a hybrid model's recurrent layers read each entry's state and
-        leave its next one on the sequence (state_cache.py)."""
+        leave its next one on the sequence (state_cache.py), a speculating entry's after each token."""
         if not self.num_recurrent:
             return self.model(ids, self.kv_cache, meta)
-        meta.states = states_for(batch, self.num_recurrent, self.block_size, self.checkpoints)
+        meta.states = states_for(batch, self.num_recurrent, self.block_size, self.checkpoints, every)
         logits = self.model(ids, self.kv_cache, meta)
         keep_states(batch, meta.states, self.block_size, self.checkpoints)
         return logits

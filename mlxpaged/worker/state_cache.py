@@ -165,18 +165,27 @@ class Checkpoints:
 
 
 def states_for(
-    batch: list[tuple[Sequence, int]], num_layers: int, block_size: int, checkpoints: Checkpoints | None
+    batch: list[tuple[Sequence, int]],
+    num_layers: int,
+    block_size: int,
+    checkpoints: Checkpoints | None,
+    every: frozenset = frozenset(),
 ) -> StepStates:
     """The pass's `StepStates` for `batch` ((sequence, new tokens) entries): each entry resumes
     from its own state, a checkpoint (after a prefix hit), or nothing (its first tokens); with
-    checkpoints on, each entry keeps the state at the last block boundary its tokens reach."""
+    checkpoints on, each entry keeps the state at the last block boundary its tokens reach.
+    `every`: the speculating entries, which keep their state after each token (`keep_states`)."""
     before, splits = [], []
-    for seq, n in batch:
+    for e, (seq, n) in enumerate(batch):
         start = seq.num_computed_tokens
+        held = seq.state
         if start == 0:
             state = [None] * num_layers
-        elif seq.state is not None and seq.state[0] == start:
-            state = seq.state[1]
+        elif held is not None and held[0] == start:
+            state = held[1]
+        elif held is not None and held[2] is not None and held[2][0] < start < held[0]:
+            base, each = held[2]  # a speculated run, rolled back to its accepted tokens
+            state = each[start - base - 1]
         else:
             state = None
             if checkpoints is not None and start % block_size == 0 and len(seq.block_hashes) >= start // block_size:
@@ -186,15 +195,20 @@ def states_for(
         before.append(state)
         end = start + n
         boundary = end - end % block_size
-        splits.append(boundary - start if checkpoints is not None and boundary > start else None)
-    return StepStates([n for _, n in batch], before, splits)
+        # a speculating entry takes no checkpoint: its tokens past the first may be rejected
+        keep = checkpoints is not None and boundary > start and e not in every
+        splits.append(boundary - start if keep else None)
+    return StepStates([n for _, n in batch], before, splits, every)
 
 
 def keep_states(
     batch: list[tuple[Sequence, int]], states: StepStates, block_size: int, checkpoints: Checkpoints | None
 ) -> None:
     """After the pass is built: each sequence's new state, and its checkpoint to name later."""
-    for (seq, n), after, at_split, split in zip(batch, states.after, states.at_split, states.splits):
-        seq.state = (seq.num_computed_tokens + n, after)
+    for (seq, n), after, at_split, split, each in zip(
+        batch, states.after, states.at_split, states.splits, states.each
+    ):
+        start = seq.num_computed_tokens
+        seq.state = (start + n, after, None if each is None else (start, each))
         if checkpoints is not None and split:
             checkpoints.pending.append((seq, (seq.num_computed_tokens + split) // block_size - 1, at_split))
