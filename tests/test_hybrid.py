@@ -234,3 +234,14 @@ def test_generate_cli_latent_attention(name, tmp_path):
     r = run("--model", str(path), "--prompt", FOLLOW[0], "--no-chat", "-t", "12", "--ignore-eos", "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["outputs"][0]["token_ids"] == contiguous_generate(ref_model, tok.encode(FOLLOW[0]), 12)
+
+
+def test_latent_pool_keeps_one_row_per_token(tmp_path):
+    """An MLA model's pool holds one `kv_lora_rank + qk_rope_head_dim` row per token and layer
+    (read as key and value): the bytes a contiguous latent cache holds, not K and V."""
+    path = write_tiny_family(tmp_path / "deepseek_v3", "deepseek_v3")
+    cfg = json.loads((path / "config.json").read_text())
+    engine = LLMEngine(load(str(path), "float32"), EngineConfig.of(block_size=4, num_blocks=32))
+    row = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4  # float32
+    assert engine.kv_cache.nbytes == 32 * 4 * cfg["num_hidden_layers"] * row
+    assert engine.kv_cache.values == []

@@ -108,7 +108,8 @@ class LLMEngine:
             extra_key=loaded.identity,
         )
         # A quantized cache divides keys by per-channel scales, measured once per loaded model (kv_calibration.py).
-        scales = model_key_scales(loaded) if config.cache.kv_bits is not None else None
+        quant = config.cache.kv_bits is not None and not self.cache_shape.keys_only  # MLA: keys stay unscaled
+        scales = model_key_scales(loaded) if quant else None
         self.kv_cache = PagedKVCache.for_model(
             loaded.model, self.cache_shape, num_blocks, config.cache.block_size, scales
         )

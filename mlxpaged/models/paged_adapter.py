@@ -146,8 +146,8 @@ class PagedLayerCache:
 
 
 class LatentLayerCache(PagedLayerCache):
-    """An MLA layer's cache (deepseek_v3, glm4_moe_lite): one K row `[latent, k_pe]` and one V row
-    `[latent, 0]` per token, a single KV head, in the pool's one width `kv_lora_rank + rope_dim`.
+    """An MLA layer's cache (deepseek_v3, glm4_moe_lite): one row `[latent, k_pe]` per token, a
+    single KV head, `kv_lora_rank + rope_dim` wide, read as both key and value (a keys-only pool).
 
     mlx-lm's MLA attention, on rows of one token, does (mlx_lm/models/deepseek_v3.py):
 
@@ -159,8 +159,8 @@ class LatentLayerCache(PagedLayerCache):
     Its scores are `scale * (q_latent . latent + q_pe . k_pe)`: one dot product of `[q_latent, q_pe]`
     with the K row. So `update_and_fetch` hands back an identity for `k_pe`, which makes the
     model's `pe_scores` its own `q_pe * scale`, and `attend` rebuilds the query from it; the
-    output's first `kv_lora_rank` columns are the latent output the model unembeds.
-    The V row's zeros cost rope_dim columns per token (a V pool narrower than K would save them).
+    output's first `kv_lora_rank` columns are the latent output the model unembeds (the value
+    rows' k_pe columns only add output columns that are dropped).
     """
 
     rope_dim = 0
@@ -175,8 +175,9 @@ class LatentLayerCache(PagedLayerCache):
             )
         self.rope_dim = p = k_pe.shape[-1]
         k = mx.concatenate([kv_latent, k_pe], axis=-1).reshape(T, 1, -1)
-        v = mx.concatenate([kv_latent, mx.zeros_like(k_pe)], axis=-1).reshape(T, 1, -1)
-        self.pools = self.kv_cache.write(self.layer, k, v, self.meta.slot_mapping)
+        # a keys-only pool (kv_cache.CacheShape): the values are these rows, whose last rope_dim
+        # output columns attend's slice drops
+        self.pools = self.kv_cache.write(self.layer, k, k, self.meta.slot_mapping)
         return kv_latent, mx.eye(p, dtype=k_pe.dtype)[None, None]
 
     def attend(self, queries: mx.array, scale: float, mask, sinks=None) -> mx.array:

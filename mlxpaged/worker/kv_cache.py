@@ -33,6 +33,10 @@ class CacheShape:
     dtype: mx.Dtype
     kv_bits: int | None = None  # None: float rows in `dtype`; 8 or 4: quantized rows
     kv_group_size: int = 64
+    # An MLA model's pool (models/paged_adapter.py LatentLayerCache): attention reads its values
+    # from the key rows (`[latent, k_pe]`, the first kv_lora_rank columns of the output used), so
+    # no value pool is kept: half the bytes. Keys are then stored unscaled (values must be).
+    keys_only: bool = False
 
     @classmethod
     def of(cls, loaded) -> CacheShape:
@@ -43,6 +47,7 @@ class CacheShape:
             heads,
             width,
             loaded.dtype,
+            keys_only="_paged_kv_dims" in loaded.model.__dict__,
         )
 
     def quantized(self, kv_bits: int | None, kv_group_size: int = 64) -> CacheShape:
@@ -53,7 +58,7 @@ class CacheShape:
     def bytes_per_block(self, block_size: int) -> int:
         """K and V bytes of one block across all layers (codes, scales and biases when quantized)."""
         row = row_bytes(self.head_dim, self.kv_bits, self.kv_group_size, self.dtype)
-        return 2 * self.num_layers * self.num_kv_heads * block_size * row
+        return (1 if self.keys_only else 2) * self.num_layers * self.num_kv_heads * block_size * row
 
 
 def slot_mapping(block_ids: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -169,8 +174,10 @@ class PagedKVCache:
         self.shape = shape
         self.num_blocks = num_blocks
         self.block_size = block_size
+        if shape.keys_only and (key_offsets is not None or key_scales is not None):
+            raise ValueError("a keys-only pool stores its keys unscaled: they are its values too")
         self.keys = [self._pool() for _ in range(shape.num_layers)]
-        self.values = [self._pool() for _ in range(shape.num_layers)]
+        self.values = [] if shape.keys_only else [self._pool() for _ in range(shape.num_layers)]
         mx.eval(self.arrays)
         self._heads = mx.arange(shape.num_kv_heads)[None, :]
         self._write_index: tuple | None = None  # (slot_mapping, blocks, heads, offsets) of the last write
@@ -181,7 +188,7 @@ class PagedKVCache:
     ) -> PagedKVCache:
         """The cache for `model`'s layers. A quantized one takes the model's key offsets and
         `key_scales` (`kv_calibration.model_key_scales`), if given."""
-        if shape.kv_bits is None:
+        if shape.kv_bits is None or shape.keys_only:
             return cls(shape, num_blocks, block_size)
         return cls(shape, num_blocks, block_size, key_offsets(model, layers=paged_layers(model)), key_scales)
 
@@ -219,6 +226,15 @@ class PagedKVCache:
             blocks, offsets = (slot_mapping // self.block_size)[:, None], (slot_mapping % self.block_size)[:, None]
             self._write_index = (slot_mapping, *mx.broadcast_arrays(blocks, self._heads, offsets))
         _, blocks, heads, offsets = self._write_index
+        if self.shape.keys_only:  # the value rows are the key rows (MLA)
+            kp = self.keys[layer]
+            if self.quantized:
+                rows = mx.quantize(k.astype(kp.dtype), group_size=kp.group_size, bits=kp.bits)
+                for dst, src in zip(kp.arrays, rows):
+                    dst[blocks, heads, offsets] = src
+            else:
+                kp[blocks, heads, offsets] = k.astype(kp.dtype)
+            return kp, kp
         kp, vp = self.keys[layer], self.values[layer]
         if self.quantized:
             if self.key_offsets is not None and self.key_offsets[layer] is not None:

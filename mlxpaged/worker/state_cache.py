@@ -205,9 +205,7 @@ def keep_states(
     batch: list[tuple[Sequence, int]], states: StepStates, block_size: int, checkpoints: Checkpoints | None
 ) -> None:
     """After the pass is built: each sequence's new state, and its checkpoint to name later."""
-    for (seq, n), after, at_split, split, each in zip(
-        batch, states.after, states.at_split, states.splits, states.each
-    ):
+    for (seq, n), after, at_split, split, each in zip(batch, states.after, states.at_split, states.splits, states.each):
         start = seq.num_computed_tokens
         seq.state = (start + n, after, None if each is None else (start, each))
         if checkpoints is not None and split:
