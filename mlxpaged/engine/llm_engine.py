@@ -178,7 +178,8 @@ class LLMEngine:
         if any(s is not None for s in draft.model.__dict__.get("_paged_recurrent") or []):
             raise MlxPagedError(
                 f"a draft model with recurrent layers ({draft.config.get('model_type')!r}) is not supported: "
-                "its own state cannot roll back rejected proposals yet; use an attention-only draft or --speculative ngram"
+                "its own state cannot roll back rejected proposals yet; "
+                "use an attention-only draft or --speculative ngram"
             )
         return draft
 
