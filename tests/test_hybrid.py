@@ -245,3 +245,21 @@ def test_latent_pool_keeps_one_row_per_token(tmp_path):
     row = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4  # float32
     assert engine.kv_cache.nbytes == 32 * 4 * cfg["num_hidden_layers"] * row
     assert engine.kv_cache.values == []
+
+
+def test_latent_pool_on_the_disk_tier(tmp_path):
+    """The disk tier stores and loads an MLA model's keys-only blocks: a fresh engine resumes
+    from them and gives mlx-lm's tokens."""
+    path = write_tiny_family(tmp_path / "glm4_moe_lite", "glm4_moe_lite")
+    ref_model, tok = mlx_lm.load(str(path))
+    loaded = load(str(path), "float32")
+    d = str(tmp_path / "cache")
+    first = _engine(loaded, prefix_cache_dir=d)
+    first.add_request(SYSTEM, greedy(3))
+    run_all(first)
+    first.prefix_store.flush()
+    second = _engine(loaded, prefix_cache_dir=d)
+    rid = second.add_request(FOLLOW[1], greedy(12))
+    done = run_all(second)[rid]
+    assert done.num_cached_tokens >= 8
+    assert done.outputs[0].token_ids == contiguous_generate(ref_model, tok.encode(FOLLOW[1]), 12)
