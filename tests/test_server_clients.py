@@ -1,7 +1,9 @@
 """The agent SDKs people point at a local server, unmodified, against `mlxpaged serve`: openai-agents
 0.24 (chat and Responses, `Runner.run` and `run_streamed`, a forced function tool), pydantic-ai
 2.38 (its default ToolOutput, a forced tool call, and NativeOutput, a JSON schema) and instructor
-1.17 (TOOLS, JSON_SCHEMA, JSON); then Claude Code's and Codex's captured first requests, and the
+1.17 (TOOLS, JSON_SCHEMA, JSON), langchain-openai 1.8 (forced and named tools, streamed, structured
+output by tool call and by schema, chat and Responses) and llm 0.36 (a prompt, `--schema`,
+`--functions`, chat and Responses); then Claude Code's and Codex's captured first requests, and the
 two CLIs themselves. The model is a
 tiny random checkpoint carrying Qwen2.5's real tokenizer, so `<tool_call>` is one added token as on
 the default model; random weights answer nothing sensible, so what is asserted is what the server
@@ -151,6 +153,122 @@ def test_instructor_returns_the_model(served, mode):
         max_retries=0,
     )
     assert isinstance(got, Weather)
+
+
+# -- LangChain ---------------------------------------------------------------------------------------
+def weather_tool():
+    from langchain_core.tools import tool
+
+    @tool
+    def get_weather(city: Literal["Paris", "Rome"], days: Literal[1, 2, 3]) -> str:
+        """The forecast for a city, days ahead."""
+        return f"sunny in {city}"
+
+    return get_weather
+
+
+def langchain_chat(served, api: str):
+    from langchain_openai import ChatOpenAI
+
+    return ChatOpenAI(
+        base_url=served.url + "/v1",
+        api_key="x",
+        model="tiny",
+        temperature=0,
+        max_tokens=64,
+        max_retries=0,
+        use_responses_api=api == "responses",
+    )
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+@pytest.mark.parametrize("choice", ["required", "get_weather"])
+def test_langchain_binds_a_forced_tool(served, api, choice):
+    """langchain-openai 1.8's `bind_tools` with `tool_choice` "required" or the tool's name (the case
+    the issue saw give `[]`): one call of that tool whose arguments validate."""
+    msg = langchain_chat(served, api).bind_tools([weather_tool()], tool_choice=choice).invoke("Weather in Rome?")
+    assert [c["name"] for c in msg.tool_calls] == ["get_weather"], msg
+    Weather(**msg.tool_calls[0]["args"])
+    assert msg.usage_metadata["input_tokens"] > 0 and msg.usage_metadata["output_tokens"] > 0
+
+
+def test_langchain_streams_a_forced_tool(served):
+    """The same call streamed: the chunks add up to the one tool call."""
+    bound = langchain_chat(served, "chat").bind_tools([weather_tool()], tool_choice="required")
+    chunks = list(bound.stream("Weather in Paris?"))
+    assert len(chunks) > 1
+    whole = chunks[0]
+    for c in chunks[1:]:
+        whole = whole + c
+    assert [c["name"] for c in whole.tool_calls] == ["get_weather"]
+    Weather(**whole.tool_calls[0]["args"])
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+@pytest.mark.parametrize("method", ["function_calling", "json_schema"])
+def test_langchain_structured_output(served, api, method):
+    """`with_structured_output` by a forced tool call (the case the issue saw give `None`) and by a
+    JSON schema: the pydantic model itself."""
+    got = langchain_chat(served, api).with_structured_output(Weather, method=method).invoke("Paris, 2 days")
+    assert isinstance(got, Weather)
+
+
+# -- llm (Simon Willison's CLI) ----------------------------------------------------------------------
+def llm_cli(served, tmp_path, *args: str) -> str:
+    """`llm` with only an extra-openai-models.yaml entry (model name, base URL; chat and Responses);
+    returns stdout."""
+    import os
+    import subprocess
+    import sys
+
+    home = tmp_path / "llm"
+    home.mkdir(exist_ok=True)
+    entry = "  model_name: tiny\n  api_base: {url}/v1\n  supports_tools: true\n  supports_schema: true\n"
+    (home / "extra-openai-models.yaml").write_text(
+        "- model_id: tiny\n"
+        + entry.format(url=served.url)
+        + "- model_id: tiny-r\n  responses: true\n"
+        + entry.format(url=served.url)
+    )
+    exe = str(Path(sys.executable).with_name("llm"))
+    env = {**os.environ, "LLM_USER_PATH": str(home)}
+    r = subprocess.run([exe, *args], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
+    return r.stdout
+
+
+def llm_last(served, tmp_path) -> dict:
+    return json.loads(llm_cli(served, tmp_path, "logs", "--json", "-n", "1"))[0]
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-r"])
+def test_llm_prompt_schema_and_functions(served, tmp_path, model):
+    """llm 0.36 on chat (`tiny`) and Responses (`tiny-r`): a streamed prompt; `--schema` gives JSON
+    that validates against the schema; `--functions` is served with the tools in the prompt (its
+    prompt counts more tokens than the same prompt without them). llm keeps a streamed Responses
+    turn's usage only from `response.completed`, and a turn cut by max_tokens ends with
+    `response.incomplete` (as OpenAI's does), so the counted turns there are not streamed."""
+    import jsonschema
+
+    assert llm_cli(served, tmp_path, "-m", model, "-o", "max_tokens", "12", "say hi")  # random weights: any text
+    opt = ["-o", "max_tokens", "12"] + (["--no-stream"] if model == "tiny-r" else [])
+    llm_cli(served, tmp_path, "-m", model, *opt, "say hi")
+    plain = llm_last(served, tmp_path)
+    assert plain["input_tokens"] > 0 and 0 < plain["output_tokens"] <= 12, plain
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    out = llm_cli(served, tmp_path, "-m", model, "--schema", json.dumps(schema), "-o", "max_tokens", "32", "Paris?")
+    jsonschema.validate(json.loads(out), schema)
+
+    fn = "def get_weather(city: str) -> str:\n    'The forecast for a city.'\n    return 'sunny'\n"
+    llm_cli(served, tmp_path, "-m", model, *opt, "--functions", fn, "say hi")
+    with_tools = llm_last(served, tmp_path)
+    assert with_tools["input_tokens"] > plain["input_tokens"] + 20, (with_tools, plain)
 
 
 # -- the CLIs' first requests, as captured (tests/data/clients/: client, version, command) ---------
