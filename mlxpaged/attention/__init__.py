@@ -9,7 +9,8 @@ quantized along head_dim) for k_cache and v_cache, the same kind for both.
 A sliding `window` or per-head attention `sinks` run on the Metal decode kernels (single pass
 and split, float and quantized pools: `window` a runtime scalar read under `HAS_WINDOW`, `sinks`
 the `HAS_SINKS` variants); a varlen call with either reaches them when every sequence has one new token (a
-decode step), and multi-token chunks take the reference (the varlen kernel lacks both yet).
+decode step), and multi-token chunks take the reference (the varlen kernel lacks both yet). A `chunk` (Llama 4's
+chunked local attention) takes the reference.
 The quantized rows' format is `kv_quant.py`, which the worker's writers share.
 May import: `metal_emu` (the kernels' emulator, on Linux).
 """
@@ -133,6 +134,7 @@ def paged_attention_varlen(
     scratch: dict | None = None,
     window: int | None = None,
     sinks: mx.array | None = None,
+    chunk: int | None = None,
 ) -> mx.array:
     """Attend the new tokens of several sequences, packed along one axis, to their caches.
 
@@ -149,16 +151,20 @@ def paged_attention_varlen(
     reference keeps the index arrays it derives from the tables, so later layers reuse them.
     `window` and `sinks` as in `paged_attention`: with `impl="metal"` a call whose sequences
     all have one new token runs the decode kernel with them, any other the reference.
+    `chunk`: chunked local attention (Llama 4): a token at position p sees only the positions
+    of its own chunk, `(p // chunk) * chunk .. p`; on the reference path (no kernel has it).
     """
     scale = _check_shapes("paged_attention_varlen", q, k_cache, v_cache, scale)
     _check_window_sinks("paged_attention_varlen", q, window, sinks)
+    if chunk is not None and (not isinstance(chunk, int) or chunk < 1 or window is not None):
+        raise ValueError(f"paged_attention_varlen: chunk must be a positive int without a window, got {chunk!r}")
     num_seqs = block_tables.shape[0]
     if cu_seqlens_q.shape != (num_seqs + 1,) or context_lens.shape != (num_seqs,):
         raise ValueError(
             f"paged_attention_varlen: cu_seqlens_q {cu_seqlens_q.shape} and context_lens {context_lens.shape} "
             f"do not match {num_seqs} block-table rows"
         )
-    metal_impl = resolve_impl(impl, q, k_cache) == "metal"
+    metal_impl = resolve_impl(impl, q, k_cache) == "metal" and chunk is None  # no kernel takes a chunk
     if (
         metal_impl
         and (window is not None or sinks is not None)
@@ -186,5 +192,5 @@ def paged_attention_varlen(
             if failed_kernel(e) is None or not kernel_failed(q.shape[1] // k_cache.shape[1], k_cache, e):
                 raise
     return paged_attention_varlen_reference(
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, scratch, window, sinks
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, scratch, window, sinks, chunk
     )

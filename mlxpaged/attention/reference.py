@@ -12,7 +12,9 @@ Two options per layer: `window` (sliding-window attention: a token at position p
 positions p - window + 1 .. p, as mlx-lm's RotatingKVCache and HF's sliding_window do) masks the
 older keys out; `sinks` (`[num_heads]` logits, gpt-oss) add one per-head logit to every softmax's
 denominator that no value goes with. Both go to `mx.fast.scaled_dot_product_attention` as a mask
-and its `sinks`.
+and its `sinks`. `chunk` (chunked local attention, Llama 4: a token at position p sees the keys
+of its own chunk, positions (p // chunk) * chunk .. p, as mlx-lm's ChunkedKVCache and its chunk
+mask do) is a window whose start is aligned to the chunk.
 A quantized pool (`QuantizedPool`) is read the same way: the gather takes only the rows of the
 tables (codes, scales, biases) and dequantizes those, never the whole pool; everything after
 the gather is the float path, so the result is the float reference on `pool.dequantize()`.
@@ -67,6 +69,7 @@ def paged_attention_reference(
     scratch: dict | None = None,  # per-pass memo of the index arrays (see _memo)
     window: int | None = None,  # sliding window: the last `window` positions only
     sinks: mx.array | None = None,  # [num_heads] per-head sink logits
+    chunk: int | None = None,  # chunked local attention: the query's own chunk only
 ) -> mx.array:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
@@ -77,9 +80,11 @@ def paged_attention_reference(
         valid = pos < context_lens[:, None]  # [S, ctx]
         if window is not None:
             valid = valid & (pos >= context_lens[:, None] - window)
+        if chunk is not None:  # the query sits at context_len - 1
+            valid = valid & (pos >= (context_lens[:, None] - 1) // chunk * chunk)
         return block_rows(block_tables, num_kv_heads), valid[:, None, None, :]
 
-    rows, valid = _memo(scratch, ("decode", num_kv_heads, window), index)
+    rows, valid = _memo(scratch, ("decode", num_kv_heads, window, chunk), index)
     k = gather_blocks(k_cache, block_tables, rows).astype(mx.float32)
     v = gather_blocks(v_cache, block_tables, rows).astype(mx.float32)
     # float32 throughout; SDPA groups the query heads over their KV head itself.
@@ -100,6 +105,7 @@ def paged_attention_varlen_reference(
     scratch: dict | None = None,  # per-pass memo of the index arrays (see _memo)
     window: int | None = None,  # sliding window: the last `window` positions only
     sinks: mx.array | None = None,  # [num_heads] per-head sink logits
+    chunk: int | None = None,  # chunked local attention: the query's own chunk only
 ) -> mx.array:  # [T, num_heads, head_dim]
     cu, ctx = _memo(scratch, "host", lambda: (cu_seqlens_q.tolist(), context_lens.tolist()))
     block_size = k_cache.shape[2]
@@ -115,7 +121,7 @@ def paged_attention_varlen_reference(
             if (s, e) == (0, num_seqs):  # decodes only: no slicing at all
                 pieces.append(
                     paged_attention_reference(
-                        q, k_cache, v_cache, block_tables, context_lens, scale, run, window, sinks
+                        q, k_cache, v_cache, block_tables, context_lens, scale, run, window, sinks, chunk
                     )
                 )
             else:
@@ -130,6 +136,7 @@ def paged_attention_varlen_reference(
                         run,
                         window,
                         sinks,
+                        chunk,
                     )
                 )
             s = e
@@ -140,15 +147,17 @@ def paged_attention_varlen_reference(
             table = block_tables[s : s + 1, : cdiv(c, block_size)]
             # New token j sits at position c - n + j and sees every position up to its own
             # (and, in a window, none before c - n + j - window + 1).
-            if window is None and n == c:
+            if window is None and chunk is None and n == c:
                 return table, block_rows(table, num_kv_heads), "causal"
             qpos, kpos = mx.arange(c - n, c)[:, None], mx.arange(c)[None, :]
             mask = qpos >= kpos
             if window is not None:
                 mask = mask & (kpos > qpos - window)
+            if chunk is not None:
+                mask = mask & (kpos >= qpos // chunk * chunk)
             return table, block_rows(table, num_kv_heads), mask
 
-        table, rows, mask = _memo(scratch, ("prefill", s, window), index)
+        table, rows, mask = _memo(scratch, ("prefill", s, window, chunk), index)
         k, v = (gather_blocks(p, table, rows)[:, :, :c].astype(q.dtype) for p in (k_cache, v_cache))
         qs = q[cu[s] : cu[s + 1]].transpose(1, 0, 2)[None]  # [1, H, n, d]
         snk = None if sinks is None else sinks.astype(q.dtype)

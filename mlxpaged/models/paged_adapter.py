@@ -16,7 +16,8 @@ then runs `paged_attention_varlen` over the step's `AttentionMetadata`. Only the
 `meta.logits_indices` reach the output layer (the final norm gathers them first).
 
 A sliding-window layer (mlx-lm's own `make_prompt_cache` gives it a RotatingKVCache) attends
-with that cache's window, and attention sinks passed to the call (gpt-oss) are kept. A wrapper's
+with that cache's window, and attention sinks passed to the call (gpt-oss) are kept; a chunked
+layer (Llama 4: a ChunkedKVCache) attends within its chunk. A wrapper's
 text model is found under `Model.model` or `Model.language_model.model`, and the function is
 replaced in the module that defines each layer's attention class.
 
@@ -58,7 +59,11 @@ HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "granitemoehybrid")
 # Multi-head latent attention (MLA): one latent row per token, attended in latent space with a
 # rope-score term (`LatentLayerCache`); kimi_k2 is deepseek_v3's module (mlx-lm's remapping).
 MLA = ("deepseek_v3", "kimi_k2", "glm4_moe_lite")
-FAMILIES = DENSE + MOE + WRAPPERS + WINDOWED + HYBRID + MLA
+# Chunked local attention (Llama 4 Scout/Maverick): 3 of 4 layers attend only within their chunk of
+# `attention_chunk_size` positions (mlx-lm's ChunkedKVCache), the 4th is global attention without
+# RoPE and with position-scaled queries; the text model sits under `language_model`; MoE.
+CHUNKED = ("llama4",)
+FAMILIES = DENSE + MOE + WRAPPERS + WINDOWED + HYBRID + MLA + CHUNKED
 _SDPA_PARAMS = ["queries", "keys", "values", "cache", "scale", "mask"]
 
 
@@ -79,13 +84,17 @@ class PagedLayerCache:
 
     `window`: this layer's sliding window (None: full attention), from mlx-lm's own cache for
     the layer (`layer_windows`); the attention call masks by it, so the model's mask is not needed.
+    `chunk`: this layer's attention chunk (Llama 4), likewise (`layer_chunks`).
     """
 
-    def __init__(self, kv_cache, layer: int, meta: AttentionMetadata, window: int | None = None):
+    def __init__(
+        self, kv_cache, layer: int, meta: AttentionMetadata, window: int | None = None, chunk: int | None = None
+    ):
         self.kv_cache = kv_cache
         self.layer = layer
         self.meta = meta
         self.window = window
+        self.chunk = chunk
         self.offset = meta.positions  # [T]: one RoPE offset per batch row, i.e. per token
         self.pools = None  # this layer's (k_pool, v_pool) after the write
         self.attended = False
@@ -140,6 +149,7 @@ class PagedLayerCache:
             scratch=m.scratch,
             window=self.window,
             sinks=sinks,
+            chunk=self.chunk,
         )
         self.attended = True
         return out
@@ -301,15 +311,78 @@ class _TabledRope:
 @contextmanager
 def _swapped(pairs):
     """Replace child modules (module, name, stand-in) for the duration of one pass's graph
-    building. A module is a dict of its children, and attribute access reads that dict."""
-    old = [(m, k, m[k]) for m, k, _ in pairs]
+    building. A module is a dict of its children, and attribute access reads that dict; a plain
+    attribute (an int setting) lives in the instance's `__dict__` instead."""
+    old = [(m, k, m.__dict__[k] if k in m.__dict__ else m[k]) for m, k, _ in pairs]
     try:
         for m, k, v in pairs:
-            m[k] = v
+            _put(m, k, v)
         yield
     finally:
-        for m, k, v in old:
-            m[k] = v
+        for m, k, v in reversed(old):
+            _put(m, k, v)
+
+
+def _put(m: nn.Module, k: str, v) -> None:
+    if k in m.__dict__:
+        object.__setattr__(m, k, v)
+    else:
+        m[k] = v
+
+
+class _LayersWithoutMasks:
+    """Llama 4's text model (mlx-lm's `llama4.LlamaModel`) for one pass. Its forward builds the
+    chunk and global masks from a contiguous cache's scalar offset and start position; the paged
+    caches mask by each token's position themselves (`PagedLayerCache.chunk`), so here the same
+    embedding, layers and norm run with no mask."""
+
+    __slots__ = ("body",)
+
+    def __init__(self, body: nn.Module):
+        self.body = body
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        h = self.body.embed_tokens(inputs)
+        for layer, c in zip(self.body.layers, cache):
+            h = layer(h, None, cache=c)
+        return self.body.norm(h)
+
+
+class _ScaledQueries:
+    """A layer's `q_proj` for one pass, times each token's query scale: Llama 4's global (NoPE)
+    layers scale their queries by `log(floor((p + 1) / floor_scale) + 1) * attn_scale + 1` from
+    the contiguous cache's scalar offset; per packed row, its position p (no RoPE or q norm comes
+    between the projection and that product on those layers, so it can be taken here)."""
+
+    __slots__ = ("proj", "scales")
+
+    def __init__(self, proj: nn.Module, scales: mx.array):
+        self.proj = proj
+        self.scales = scales  # [T, 1, 1]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        q = self.proj(x)
+        return (q * self.scales).astype(q.dtype)
+
+
+def _chunked_swaps(model: nn.Module, body: nn.Module, meta: AttentionMetadata) -> list:
+    """A chunked family's stand-ins for one pass (Llama 4): its text model without the masks,
+    and the position-scaled queries of its NoPE layers taken from the packed positions."""
+    parent = model.language_model if isinstance(model.get("language_model"), nn.Module) else model
+    if parent.get("model") is not body:
+        raise AdapterError(f"{inspect.getfile(type(model))}: the chunked text model is not at language_model.model")
+    swaps = [(parent, "model", _LayersWithoutMasks(body))]
+    scales = {}
+    for layer in body.layers:
+        attn = layer.self_attn
+        if attn.use_rope or not attn.attn_temperature_tuning:
+            continue
+        key = (attn.floor_scale, attn.attn_scale)
+        if key not in scales:
+            p = meta.positions + 1
+            scales[key] = (mx.log(mx.floor(p / attn.floor_scale) + 1.0) * attn.attn_scale + 1.0)[:, None, None]
+        swaps += [(attn, "q_proj", _ScaledQueries(attn.q_proj, scales[key])), (attn, "attn_temperature_tuning", 0)]
+    return swaps
 
 
 class PagedModelMixin:
@@ -323,10 +396,11 @@ class PagedModelMixin:
             return super().__call__(inputs, cache, **kwargs)
         layers = self.layers
         windows = self.__dict__.get("_paged_windows") or [None] * len(layers)
+        chunks = self.__dict__.get("_paged_chunks") or [None] * len(layers)
         kv_index = self.__dict__.get("_paged_kv_index") or list(range(len(layers)))
         # A recurrent layer gets no cache object: its stand-in (recurrent.py) holds the step's states.
         kind = LatentLayerCache if "_paged_kv_dims" in self.__dict__ else PagedLayerCache
-        caches = [None if j is None else kind(cache, j, meta, windows[i]) for i, j in enumerate(kv_index)]
+        caches = [None if j is None else kind(cache, j, meta, windows[i], chunks[i]) for i, j in enumerate(kv_index)]
         body = text_body(self)
         norm = _final_norm(body)
         swaps = [(body, norm, _NormRows(body[norm], meta.logits_indices))]
@@ -334,6 +408,8 @@ class PagedModelMixin:
         sizes = self.__dict__.get("_paged_recurrent") or []
         if any(s is not None for s in sizes):
             swaps.append((body, "layers", _segmented(body.layers, sizes, meta)))
+        if any(c is not None for c in chunks):
+            swaps += _chunked_swaps(self, body, meta)
         try:
             with _swapped(swaps):
                 logits = super().__call__(inputs[:, None], cache=caches)  # [S, 1, V]
@@ -423,10 +499,18 @@ def layer_windows(model: nn.Module) -> list:
     return [c.max_size if isinstance(c, RotatingKVCache) else None for c in make_prompt_cache(model)]
 
 
+def layer_chunks(model: nn.Module) -> list:
+    """Per layer, its attention chunk (the `chunk_size` of the ChunkedKVCache mlx-lm's own
+    `make_prompt_cache` gives it), or None."""
+    from mlx_lm.models.cache import ChunkedKVCache, make_prompt_cache
+
+    return [c.chunk_size if isinstance(c, ChunkedKVCache) else None for c in make_prompt_cache(model)]
+
+
 def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
     """One line naming the first layer the paged cache cannot hold, or None. Sliding-window
     layers (a RotatingKVCache that keeps no prefix) are held for the `WINDOWED` families."""
-    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+    from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
     if model_type in _PLAIN_CACHED_WINDOWS:
         layer, which = _PLAIN_CACHED_WINDOWS[model_type]
@@ -443,6 +527,8 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
             continue
         if type(c) is ArraysCache and model_type in HYBRID:
             continue
+        if type(c) is ChunkedKVCache and model_type in CHUNKED:
+            continue
         kind = {
             "RotatingKVCache": "sliding-window attention",
             "ArraysCache": "linear-attention / state-space",
@@ -453,8 +539,8 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
         named = f" ({types[i]})" if i < len(types) else ""
         return (
             f"{model_type}: layer {i} is {kind}{named}, which the paged cache does not hold (it pages "
-            f"full-attention layers, sliding windows for {', '.join(WINDOWED)}, and recurrent state for "
-            f"{', '.join(HYBRID)}); such models are refused"
+            f"full-attention layers, sliding windows for {', '.join(WINDOWED)}, recurrent state for "
+            f"{', '.join(HYBRID)}, and attention chunks for {', '.join(CHUNKED)}); such models are refused"
         )
     return None
 
@@ -504,7 +590,6 @@ MISSING = {
     "gemma4_text": _GEMMA4,
     "gemma4": _GEMMA4,
     "gemma3n": _GEMMA4,
-    "llama4": "chunked local attention (mlx-lm's ChunkedKVCache) in a multimodal wrapper",
 }
 
 
@@ -560,7 +645,7 @@ def check_family(model_type: str | None, config: dict, where) -> None:
 # families it does not split yet, each for the reason given.
 _MOE_TP = "its MoE experts (mlx-lm's SwitchGLU, stacked [experts, out, in]) are not split by mlxpaged's shard loader"
 TP_REFUSED = {
-    **dict.fromkeys(MOE + ("gpt_oss",), _MOE_TP),
+    **dict.fromkeys(MOE + ("gpt_oss", "llama4"), _MOE_TP),
     "llama4_text": "its MLP is `feed_forward`, which the split in distributed/sharding.py does not name",
     **dict.fromkeys(("mistral3", "gemma3"), "the shard loader reads a flat config; this wrapper nests its text config"),
     **dict.fromkeys(HYBRID, "its recurrent layers (recurrent.py) are not split by mlxpaged's shard loader"),
@@ -595,6 +680,7 @@ def prepare(model: nn.Module, config: dict, where) -> nn.Module:
         raise MlxPagedError(f"{reason} in {where}")
     text_body(model)  # raises if the final norm cannot be found
     object.__setattr__(model, "_paged_windows", layer_windows(model))  # an attribute, not a child module
+    object.__setattr__(model, "_paged_chunks", layer_chunks(model))
     sizes = recurrent_sizes(model)
     object.__setattr__(model, "_paged_recurrent", sizes)
     pool = iter(range(len(sizes)))

@@ -328,6 +328,26 @@ FAMILY_CONFIGS = {
         "use_qk_norm": True,
         "tie_word_embeddings": False,
     },
+    # Llama 4 (chunked local attention, under `language_model`): layers 0-2 attend within chunks of
+    # 6 positions (crossing blocks of 4 mid-block), layer 3 is global without RoPE; a floor_scale of
+    # 4 makes its position-scaled queries differ from 1 at these lengths; MoE (1 expert a token and
+    # a shared one) on layers 1 and 3.
+    "llama4": {
+        "architectures": ["Llama4ForConditionalGeneration"],
+        "text_config": "llama4_text",
+        "num_hidden_layers": 4,
+        "attention_bias": False,
+        "attention_chunk_size": 6,
+        "interleave_moe_layer_step": 2,
+        "num_experts_per_tok": 1,
+        "num_local_experts": 4,
+        "rope_scaling": {"rope_type": "default"},
+        "floor_scale": 4,
+        "attn_scale": 0.1,
+        "attn_temperature_tuning": True,
+        "layer_types": ["chunked_attention"] * 3 + ["full_attention"],  # HF's config checks them
+        "no_rope_layers": None,  # llama4_text's; mlx-lm's llama4 drops RoPE on every 4th layer itself
+    },
     # Wrappers: the text model sits inside another module (mistral3) or reuses another family's (smollm3).
     "mistral3": {"architectures": ["Mistral3ForConditionalGeneration"], "text_config": "mistral"},
     "smollm3": {
