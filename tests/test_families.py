@@ -10,7 +10,9 @@ families qwen3_moe, mixtral, glm4_moe (a dense first layer, shared expert, parti
 phimoe, 4 experts with 2 a token; ministral3 (Llama 4's position-dependent query scale) and the
 wrappers mistral3 (the text model under `language_model`) and smollm3 (llama's layers, NoPE ones);
 the sliding-window families gemma3_text, gpt_oss (with attention sinks and MoE) and olmo3, whose
-reference is mlx-lm's own `make_prompt_cache` (a RotatingKVCache on each windowed layer).
+reference is mlx-lm's own `make_prompt_cache` (a RotatingKVCache on each windowed layer); the
+hybrid and latent-attention families; and llama4 (chunked local attention: a ChunkedKVCache on
+each chunked layer in mlx-lm's reference).
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ WINDOWED = ["gemma3_text", "gemma3", "gpt_oss", "olmo3"]  # gemma3: the multimod
 HYBRID = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "granitemoehybrid"]
 # Multi-head latent attention (paged_adapter.LatentLayerCache) with MoE; kimi_k2 is deepseek_v3's module.
 MLA = ["deepseek_v3", "kimi_k2", "glm4_moe_lite"]
-FAMILIES = DENSE + MOE + WRAPPERS + WINDOWED + HYBRID + MLA
+# Chunked local attention (chunks of 6 over blocks of 4; a global NoPE layer; MoE; under language_model).
+CHUNKED = ["llama4"]
+FAMILIES = DENSE + MOE + WRAPPERS + WINDOWED + HYBRID + MLA + CHUNKED
 SYSTEM = "Paged attention borrows an idea from operating systems: virtual memory and paging. "
 # Ragged: 3 to 40-odd tokens; the last three share the first one's leading blocks (prefix hits).
 PROMPTS = [
@@ -271,7 +275,9 @@ def test_adapter_fails_loudly_if_attention_bypasses_it(family, monkeypatch):
     assert issubclass(AdapterError, MlxPagedError)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "phi3", "qwen3_moe", "mistral3", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize(
+    "name", ["llama", "qwen3", "phi3", "qwen3_moe", "mistral3", "gpt_oss", "deepseek_v3", "llama4"]
+)
 def test_generate_cli_gives_mlx_lm_greedy_tokens(name, tmp_path):
     """`mlxpaged generate --model DIR --json --temp 0`, as a user runs it (its own process)."""
     import subprocess
@@ -364,7 +370,6 @@ def test_every_mlx_lm_architecture_is_run_or_refused_in_one_line(tmp_path):
     "model_type,missing",
     [
         ("gemma4_text", "per-layer KV shapes"),
-        ("llama4", "chunked local attention"),
         ("deepseek_v2", "multi-head latent attention"),
         ("mamba2", "linear-attention"),
         ("falcon_h1", "state-space and attention in one layer"),
@@ -378,7 +383,7 @@ def test_refusal_names_what_is_missing(tmp_path, model_type, missing):
 
 
 @pytest.mark.parametrize(
-    "name", ["qwen3_moe", "gpt_oss", "mistral3", "gemma3", "llama4_text", "qwen3_next", "deepseek_v3"]
+    "name", ["qwen3_moe", "gpt_oss", "mistral3", "gemma3", "llama4_text", "qwen3_next", "deepseek_v3", "llama4"]
 )
 def test_tensor_parallel_refuses_moe_and_wrapped_families_by_name(tmp_path, name):
     """MoE experts and mistral3's nested config are not split by the shard loader yet: refused

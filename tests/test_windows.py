@@ -25,9 +25,10 @@ SYSTEM = "Paged attention borrows an idea from operating systems: virtual memory
 LONG = SYSTEM + "Copy-on-write lets many samples share the blocks of one prompt until they diverge."
 
 
-def numpy_attention(q, kc, vc, tables, cu, ctx, scale, window, sinks):
-    """Per token, float64: softmax over the keys at positions (p - window, p] plus a sink logit
-    per query head that has no value; grouped-query heads read KV head h // group."""
+def numpy_attention(q, kc, vc, tables, cu, ctx, scale, window, sinks, chunk=None):
+    """Per token, float64: softmax over the keys at positions (p - window, p] (or, with a chunk,
+    [p - p % chunk, p]) plus a sink logit per query head that has no value; grouped-query heads
+    read KV head h // group."""
     bs, kvh = kc.shape[2], kc.shape[1]
     group = q.shape[1] // kvh
     out = np.zeros(q.shape, dtype=np.float64)
@@ -38,6 +39,7 @@ def numpy_attention(q, kc, vc, tables, cu, ctx, scale, window, sinks):
         for j in range(n):
             p = c - n + j
             lo = 0 if window is None else max(0, p - window + 1)
+            lo = lo if chunk is None else p - p % chunk
             for h in range(q.shape[1]):
                 logits = k[h // group, lo : p + 1] @ q[cu[s] + j, h].astype(np.float64) * scale
                 m = logits.max() if sinks is None else max(logits.max(), sinks[h])
@@ -76,6 +78,26 @@ def test_reference_window_and_sinks_match_numpy(window, with_sinks, bits):
     )
     want = numpy_attention(q, kc, vc, tables, cu, ctx, 0.125, window, sinks)
     np.testing.assert_allclose(np.array(got), want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 8])
+@pytest.mark.parametrize("bits", [None, 8])
+def test_reference_chunks_match_numpy(chunk, bits):
+    """Chunked local attention (Llama 4): each token sees only its own chunk's positions up to its
+    own, at chunks below, at and above the block size (4), decodes and prefill chunks mixed."""
+    rng = np.random.default_rng(11)
+    q, kc, vc, tables, cu, ctx = make_varlen_case(rng, 64, 2, 4, Q_LENS, PREFIXES)
+    k, v = mx.array(kc), mx.array(vc)
+    if bits:
+        k, v = QuantizedPool.quantize(k, bits, 32), QuantizedPool.quantize(v, bits, 32)
+        kc, vc = np.array(k.dequantize()), np.array(v.dequantize())
+    args = (mx.array(q), k, v, mx.array(tables), mx.array(cu), mx.array(ctx))
+    for impl in ("reference", "metal"):  # no kernel takes a chunk: "metal" takes the reference
+        got = paged_attention_varlen(*args, scale=0.125, impl=impl, chunk=chunk)
+        want = numpy_attention(q, kc, vc, tables, cu, ctx, 0.125, None, None, chunk)
+        np.testing.assert_allclose(np.array(got), want, atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="chunk must be a positive int without a window"):
+        paged_attention_varlen(*args, impl="reference", chunk=chunk, window=3)
 
 
 def test_window_and_sinks_reach_the_decode_kernels(monkeypatch):
@@ -204,3 +226,27 @@ def test_ngram_speculation_on_a_windowed_family_gives_plain_decoding(gpt_oss):
     assert st["spec_accepted_tokens"] > 0 and st["spec_proposed_tokens"] > st["spec_accepted_tokens"], st
     for p, r in zip(prompts, rids):
         assert done[r].outputs[0].token_ids == contiguous_generate(ref_model, p, 24)
+
+
+@pytest.mark.parametrize("chunk", [3, 4, 9])
+def test_llama4_chunks_match_mlx_lm(tmp_path, chunk):
+    """Llama 4 (chunked layers 0-2, a global NoPE layer with position-scaled queries, MoE, under
+    `language_model`) at chunks below, at and above the block size, on a prompt several chunks
+    long, prefilled in chunks of 5 that end mid-block and mid-chunk, with a prefix hit: mlx-lm's
+    greedy tokens on its own `make_prompt_cache` (a ChunkedKVCache on each chunked layer)."""
+    import mlx_lm
+
+    path = write_tiny_family(tmp_path / "l4", "llama4", attention_chunk_size=chunk)
+    loaded, (ref_model, tok) = load(str(path), "float32"), mlx_lm.load(str(path))
+    ids = tok.encode(LONG)
+    assert len(ids) > 4 * chunk
+    engine = LLMEngine(
+        loaded, EngineConfig.of(block_size=4, num_blocks=96, max_num_batched_tokens=5, attention_impl="reference")
+    )
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = contiguous_generate(ref_model, ids, 12)
+    for _ in range(2):  # the second run starts from the first one's cached blocks
+        rid = engine.add_request(ids, greedy)
+        out = run_all(engine)[rid]
+        assert list(out.outputs[0].token_ids) == want
+    assert out.num_cached_tokens >= len(ids) - 4

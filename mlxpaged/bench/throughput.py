@@ -141,6 +141,39 @@ def run_mlx_lm(model, prompts: list[list[int]], max_tokens: int, *, n: int = 1, 
     With n > 1 each prompt is prefilled once (all but its last token) and its n requests start
     from that cache; `BatchGenerator` copies it into its batch cache, so one cache serves all n.
     """
+    try:
+        return _run_batch_generator(model, prompts, max_tokens, n, temperature)
+    except ValueError as e:  # a cache mlx-lm cannot batch (Llama 4's ChunkedKVCache)
+        if "does not yet support batching" not in str(e):
+            raise
+        return _run_one_by_one(model, prompts, max_tokens, n, temperature)
+
+
+def _run_one_by_one(model, prompts: list[list[int]], max_tokens: int, n: int, temperature: float) -> RunResult:
+    """mlx-lm's `generate_step` (what `stream_generate` runs), one request after another: the
+    best mlx-lm does for a model whose caches its batcher refuses."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    base = _memory_baseline()
+    start = time.perf_counter()
+    first, stamps, count = {}, {}, 0
+    for uid, p in enumerate(q for q in prompts for _ in range(n)):
+        stamps[uid] = []
+        steps = generate_step(mx.array(p), model, max_tokens=max_tokens, sampler=make_sampler(temp=temperature))
+        for _ in steps:
+            now = time.perf_counter()
+            first.setdefault(uid, now)
+            stamps[uid].append(now)
+            count += 1
+    wall = time.perf_counter() - start
+    ttft, itl = _latencies(first, stamps, start)
+    return RunResult(
+        "mlx-lm", len(stamps), count, wall, ttft, itl, (mx.get_peak_memory() - base) / 1e9, {"one_by_one": True}
+    )
+
+
+def _run_batch_generator(model, prompts: list[list[int]], max_tokens: int, n: int, temperature: float) -> RunResult:
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.sample_utils import make_sampler
 

@@ -455,8 +455,9 @@ def write_tiny_thinker(path: Path) -> Path:
     return path
 
 
-# lfm2 ties its output layer to the embedding, and at 4.0 its random checkpoint repeats one token.
-LOGIT_SCALES = {"lfm2": 1.0}
+# lfm2 ties its output layer to the embedding, and at 4.0 its random checkpoint repeats one token;
+# llama4 at 4.0 has near-ties within its first 8 tokens (too close for the 8-bit test to compare).
+LOGIT_SCALES = {"lfm2": 1.0, "llama4": 8.0}
 
 
 def write_tiny_family(
