@@ -237,6 +237,9 @@ def test_concurrent_streams_equal_alone(server, llm, tiny_model_path):
 
 
 def test_disconnect_mid_stream_frees_blocks(server, tiny_model_path):
+    """A client gone mid-stream: its blocks return to the pool, it stops generating, and the
+    prompt tokens it computed are counted on /metrics (an agent CLI that drops a long prefill
+    at its timeout did that work)."""
     before = server.metrics()
     assert before["mlxpaged_kv_blocks_used"] == 0
     body = {
@@ -261,9 +264,16 @@ def test_disconnect_mid_stream_frees_blocks(server, tiny_model_path):
     while server.metrics()["mlxpaged_kv_blocks_used"] > 0:
         assert time.monotonic() - t0 < 1.0, "blocks not returned within a second of the disconnect"
         time.sleep(0.02)
-    generated = server.metrics()["mlxpaged_generation_tokens_total"] - before["mlxpaged_generation_tokens_total"]
+    after = server.metrics()
+    generated = after["mlxpaged_generation_tokens_total"] - before["mlxpaged_generation_tokens_total"]
     assert generated < 1500  # it was aborted, not run to the end
-    assert server.metrics()["mlxpaged_requests_running"] == 0
+    assert after["mlxpaged_requests_running"] == 0
+    n = httpx.post(server.url + "/tokenize", json={"model": body["model"], "prompt": body["prompt"]}).json()["count"]
+    prompt = [
+        after[f"mlxpaged_prompt_tokens_{k}_total"] - before[f"mlxpaged_prompt_tokens_{k}_total"]
+        for k in ("computed", "cached")
+    ]
+    assert sum(prompt) == n and prompt[0] > 0, (prompt, n)
 
 
 def test_prefix_reuse_reports_cached_tokens(server, llm, tiny_model_path):

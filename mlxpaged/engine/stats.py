@@ -45,6 +45,8 @@ METRIC_KEYS = (
     "prefix_cache_disk_hit_tokens",
     "spec_proposed_tokens",
     "spec_accepted_tokens",
+    "prompt_tokens_computed",
+    "prompt_tokens_cached",
 )
 
 
@@ -71,6 +73,10 @@ def engine_stats(engine: LLMEngine) -> dict:
         "beam_forks": sched.beams.num_forks,
         "beam_frees": sched.beams.num_frees,
         "prefix_cache_hit_tokens": sched.prefix_cache_hit_tokens,
+        # every prompt token run through the model (a request cancelled mid-prefill, and
+        # recomputations, included), and every one taken from the prefix cache instead
+        "prompt_tokens_computed": st.computed_prefill_tokens,
+        "prompt_tokens_cached": sched.prefix_cache_hit_tokens,
         "prefix_cache_disk_hit_tokens": sched.prefix_cache_disk_hit_tokens,
         "preemptions": sched.num_preemptions,
         "blocks_free": pool.num_free,

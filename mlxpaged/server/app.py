@@ -108,7 +108,7 @@ def build_app(
         open_paths=frozenset({"/health", *(DOCS_PATHS if docs else ()), *(WEB_PATHS if web else ())}),
         draining=lambda: engine_loop.draining,
     )
-    app.add_middleware(AccessLog, metrics=metrics)  # added last: outermost, so it sees Guard's refusals too
+    app.add_middleware(AccessLog)  # added last: outermost, so it sees Guard's refusals too
     started = int(time.time())
 
     @app.exception_handler(APIError)

@@ -7,7 +7,7 @@ counts blocks with a reference count above zero; cached, evictable blocks are fr
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -28,6 +28,8 @@ COUNTERS = {
     "generation_tokens": "Tokens generated.",
     "spec_proposed_tokens": "Speculative decoding: tokens proposed and verified.",
     "spec_accepted_tokens": "Speculative decoding: proposed tokens accepted.",
+    "prompt_tokens_computed": "Prompt tokens run through the model (cancelled requests' and recomputed ones included).",
+    "prompt_tokens_cached": "Prompt tokens taken from the prefix cache (memory or disk) instead of computed.",
 }
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -71,17 +73,6 @@ class Metrics:
             buckets=ITL_BUCKETS,
             registry=self.registry,
         )
-        # Counted by the server as each request ends (middleware.AccessLog), from its engine outputs.
-        self.prompt_computed = Counter(
-            "mlxpaged_prompt_tokens_computed",
-            "Prompt tokens prefilled (not served from the prefix cache), of requests that finished.",
-            registry=self.registry,
-        )
-        self.prompt_cached = Counter(
-            "mlxpaged_prompt_tokens_cached",
-            "Prompt tokens served from the prefix cache, of requests that finished.",
-            registry=self.registry,
-        )
         if engine_loop is not None:
             self.attach(engine_loop)
 
@@ -93,10 +84,6 @@ class Metrics:
 
     def inter_token(self, seconds: float) -> None:
         self.itl.observe(seconds)
-
-    def prompt_tokens(self, computed: int, cached: int) -> None:
-        self.prompt_computed.inc(computed)
-        self.prompt_cached.inc(cached)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -10,8 +10,8 @@
    (chunked) gets 413 as soon as it does; the body read here is replayed to the route.
 
 `AccessLog`, outside it, writes one line per request on the `mlxpaged.server` logger (method,
-path, status, prompt and output tokens when a job ran, seconds, and a 4xx/5xx's message), counts
-the prompt tokens on /metrics, and adds the headers a route `note`d (`x-mlxpaged-max-tokens-clamped`).
+path, status, prompt and output tokens when a job ran, seconds, and a 4xx/5xx's message) and
+adds the headers a route `note`d (`x-mlxpaged-max-tokens-clamped`).
 """
 
 from __future__ import annotations
@@ -186,16 +186,12 @@ def note(**facts) -> None:
         info.update(facts)
 
 
-def _tokens(job) -> tuple[int | None, int | None, int, int]:
-    """(prompt tokens, output tokens, computed, cached) of a job's finished engine requests."""
+def _tokens(job) -> tuple[int | None, int | None]:
+    """(prompt tokens, output tokens) of a job's engine requests (its finished ones' outputs)."""
     if job is None:
-        return None, None, 0, 0
-    prompt = sum(map(len, job.prompts))
+        return None, None
     outs = [o for o in job.final.values() if o is not None]
-    output = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    cached = sum(o.num_cached_tokens for o in outs)
-    computed = sum(len(o.prompt_token_ids) for o in outs) - cached
-    return prompt, output, computed, cached
+    return sum(map(len, job.prompts)), sum(len(c.token_ids) for o in outs for c in o.outputs)
 
 
 def _reason(body: bytes) -> str:
@@ -207,8 +203,8 @@ def _reason(body: bytes) -> str:
 
 
 class AccessLog:
-    def __init__(self, app, metrics=None):
-        self.app, self.metrics = app, metrics
+    def __init__(self, app):
+        self.app = app
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -235,9 +231,7 @@ class AccessLog:
             self._log(scope, status, info, bytes(err), time.monotonic() - t0)
 
     def _log(self, scope, status, info: dict, err: bytes, seconds: float) -> None:
-        prompt, output, computed, cached = _tokens(info.get("job"))
-        if self.metrics is not None and (computed or cached):
-            self.metrics.prompt_tokens(computed, cached)
+        prompt, output = _tokens(info.get("job"))
         line = f"{scope.get('method')} {scope.get('path')} {status if status is not None else '-'}"
         if prompt is not None:
             line += f" prompt={prompt} output={output}"
