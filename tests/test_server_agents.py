@@ -53,7 +53,7 @@ def agents(tmp_path_factory):
     loaded = load(str(path), "float32")
     loop = EngineLoop(lambda: LLMEngine(loaded, EngineConfig.of(num_blocks=CONTEXT // 16 + 8)))
     loop.start()
-    app = build_app(loop, Metrics(), model_id=CLAUDE_MODEL, model_aliases={"tiny"})
+    app = build_app(loop, Metrics(loop), model_id=CLAUDE_MODEL, model_aliases={"tiny"})  # as `serve` attaches it
     with TestClient(app) as c:
         yield c, app.state.server, loaded.tokenizer, tok_dir
 
