@@ -48,7 +48,7 @@ from .kv_quant import QuantizedPool
 KERNEL = "paged_attention_varlen"
 QUANT_KERNEL = f"{KERNEL}_quant"
 MMA_KERNEL = f"{KERNEL}_mma"
-INPUTS = ["q", "k_cache", "v_cache", "block_tables", "cu_seqlens_q", "context_lens", "tiles", "scale"]
+INPUTS = ["q", "k_cache", "v_cache", "block_tables", "cu_seqlens_q", "context_lens", "tiles", "scale", "window", "sinks"]
 QUANT_INPUTS = ["q", *metal.QUANT_INPUTS, *INPUTS[3:]]
 OUTPUTS = ["out"]
 TILE_TOKENS = 16  # query tokens per threadgroup: each K/V row is read ceil(q_len / 16) times
@@ -74,9 +74,10 @@ REGISTER_FILE_BYTES = 208 * 1024
 ARRAY_REGISTER_BUDGET = 128
 MAX_HEAD_SPLITS = 64
 # Thread-private scalars of each kernel (indices, positions, a 64-bit offset takes 2), as the
-# emulator counts them (metal_emu/lower.py item 7: each declaration once): the lanes body 37,
-# the quantized staging 7 more, the MMA body 46.
-SCALAR_REGISTERS = {"paged_attention_varlen": 37, "paged_attention_varlen_quant": 44, "paged_attention_varlen_mma": 46}
+# emulator counts them (metal_emu/lower.py item 7: each declaration once): the lanes body 39,
+# the quantized staging 7 more, the MMA body 48 (the window and the sink's denominator included,
+# whatever the flags: the declarations are reached either way).
+SCALAR_REGISTERS = {"paged_attention_varlen": 39, "paged_attention_varlen_quant": 46, "paged_attention_varlen_mma": 48}
 
 
 @functools.cache
@@ -108,6 +109,8 @@ class Plan:
     quant: tuple[int, int] | None = None  # (BITS, GS) of a quantized cache
     mma: bool = False  # the simdgroup_matrix kernel (lanes_per_row, rows_per_group unused: 0)
     head_splits: int = 1  # HS: threadgroups the G query heads are split over
+    window: bool = False  # HAS_WINDOW: the `window` scalar is read (the value is not in the name)
+    sinks: bool = False  # HAS_SINKS: the `sinks` logits are read
 
     @property
     def variant(self) -> str:
@@ -116,6 +119,8 @@ class Plan:
             f"hd{self.head_dim}_bs{self.block_size}_g{self.group}_tq{TILE_TOKENS}"
             f"_kc{self.chunk_keys}_nsg{self.simdgroups}_hs{self.head_splits}{lanes}"
             + (f"_q{self.quant[0]}_gs{self.quant[1]}" if self.quant else "")
+            + ("_w" if self.window else "")
+            + ("_sk" if self.sinks else "")
         )
 
     @property
@@ -283,12 +288,20 @@ def _kernel(factory, variant: str, kind: str = KERNEL):
 
 
 def launch_plan(
-    head_dim: int, block_size: int, group: int, itemsize: int, quant: tuple[int, int] | None = None
+    head_dim: int,
+    block_size: int,
+    group: int,
+    itemsize: int,
+    quant: tuple[int, int] | None = None,
+    window: bool = False,
+    sinks: bool = False,
 ) -> Plan:
-    """The plan a call with these shapes runs (`plan`, with the cache's quantization)."""
+    """The plan a call with these shapes runs (`plan`, with the cache's quantization); `window`
+    and `sinks`: the flags of a call with either (the flags change no size, only the name)."""
     # A quantized cache keeps the lanes-per-row kernel (its MMA variant is not tested yet); it
     # is staged as T all the same, so threadgroup memory is the float plan's.
-    return plan(head_dim, block_size, group, itemsize, mma=None if not quant else False, quant=quant)
+    p = plan(head_dim, block_size, group, itemsize, mma=None if not quant else False, quant=quant)
+    return dataclasses.replace(p, window=window, sinks=sinks)
 
 
 def template(p: Plan, dtype) -> list[tuple]:
@@ -306,16 +319,21 @@ def template(p: Plan, dtype) -> list[tuple]:
             ("HS", p.head_splits),
         ]
         + lanes
+        + [("HAS_WINDOW", int(p.window)), ("HAS_SINKS", int(p.sinks))]
         + ([("BITS", p.quant[0]), ("GS", p.quant[1])] if p.quant else [])
     )
 
 
-def varlen_launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, tiles, scale: float) -> Launch:
-    """The launch covering `tiles` ([(sequence, first token)], non-empty); q in the cache dtype."""
+def varlen_launch(
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, tiles, scale: float, window=None, sinks=None
+) -> Launch:
+    """The launch covering `tiles` ([(sequence, first token)], non-empty); q in the cache dtype.
+    `window`: None or a positive int; `sinks`: None or `[num_heads]` logits (as the decode
+    kernels take them: `metal.window_input`, `metal.sinks_input`)."""
     _, num_kv_heads, block_size, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
     quant = metal.quant_params(k_cache)
-    p = launch_plan(head_dim, block_size, group, k_cache.dtype.size, quant)
+    p = launch_plan(head_dim, block_size, group, k_cache.dtype.size, quant, bool(window), sinks is not None)
     threads = p.threads
     # Padding (never read) keeps every small input in the device address space, so the kernel
     # name, the one checked at start-up, is the same for any number of sequences and tiles.
@@ -332,6 +350,8 @@ def varlen_launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                 metal._pad_to(context_lens.astype(mx.int32), 0, pad),
                 tile_arr,
                 mx.array(scale, dtype=mx.float32),
+                metal.window_input(window),  # [] int32, read under HAS_WINDOW only
+                metal.sinks_input(sinks, q.shape[1]),  # [>= num_heads] float32, under HAS_SINKS only
             ],
             template=template(p, q.dtype),
             grid=(threads * p.head_splits, num_kv_heads, len(tiles)),
@@ -347,17 +367,20 @@ def varlen_launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
 
 
 def paged_attention_varlen_metal(
-    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, *, scale: float
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, *, scale: float, window=None, sinks=None
 ) -> mx.array:
-    """`mlxpaged.paged_attention_varlen` on the Metal kernels: [T, num_heads, head_dim], q's dtype."""
-    return run_with_launches(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=scale)[0]
+    """`mlxpaged.paged_attention_varlen` on the Metal kernels: [T, num_heads, head_dim], q's dtype.
+    `window` (None or >= 1) and `sinks` (`[num_heads]`) as in `paged_attention`."""
+    return run_with_launches(
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=scale, window=window, sinks=sinks
+    )[0]
 
 
 def run_with_launches(
-    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, *, scale: float
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, *, scale: float, window=None, sinks=None
 ) -> tuple[mx.array, list]:
     """`paged_attention_varlen_metal`, also returning its launches: the varlen kernel's
-    (`Launch`) and the decode kernel's (`metal.Launch`)."""
+    (`Launch`) and the decode kernel's (`metal.Launch`), both with the window and the sinks."""
     metal._check(q, k_cache, v_cache)
     cu = [int(x) for x in cu_seqlens_q.tolist()]
     if settings.debug():
@@ -368,18 +391,22 @@ def run_with_launches(
     tiles = tile_map(cu)
     launches: list = []
     if len(decode) == len(cu) - 1:  # all decodes: q's rows are the sequences
-        out, launches = metal.run_with_launches(q, k_cache, v_cache, block_tables, context_lens, scale=scale)
+        out, launches = metal.run_with_launches(
+            q, k_cache, v_cache, block_tables, context_lens, scale=scale, window=window, sinks=sinks
+        )
         return out, launches
     qc = q.astype(k_cache.dtype)  # one element type T for q, caches and output
     out = None
     if tiles:
-        launches.append(varlen_launch(qc, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, tiles, scale))
+        launches.append(
+            varlen_launch(qc, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, tiles, scale, window, sinks)
+        )
         out = launches[0].run()
     if decode:
         rows = mx.array([cu[s] for s in decode], dtype=mx.int32)
         seqs = mx.array(decode, dtype=mx.int32)
         dec, dec_launches = metal.run_with_launches(
-            qc[rows], k_cache, v_cache, block_tables[seqs], context_lens[seqs], scale=scale
+            qc[rows], k_cache, v_cache, block_tables[seqs], context_lens[seqs], scale=scale, window=window, sinks=sinks
         )
         launches += dec_launches
         out = mx.zeros_like(qc) if out is None else out
