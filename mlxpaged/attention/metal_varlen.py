@@ -14,6 +14,12 @@ multi-token sequence checks the varlen kernel on a small case against the refere
 warning and sends that family's calls to the reference (an error under `MLXPAGED_METAL=strict`
 or `=emulate`). Decode-only calls never need it.
 
+A sliding `window` or attention `sinks` (issue 37) are the decode kernels' inputs here too:
+`window` the runtime int32 scalar of `metal.window_input` read under HAS_WINDOW (names end `_w`),
+`sinks` the `[>= num_heads]` logits of `metal.sinks_input` read under HAS_SINKS (`_sk`); a tile
+walks its keys from the first block its first query's window overlaps. A call with either checks
+that flags' variant on its first use too (`check_varlen(..., window=, sinks=)`).
+
 A quantized cache (`kv_quant.QuantizedPool` for k_cache and v_cache) runs kernel
 `paged_attention_varlen_quant`: the same body over `PAV_QUANT_VIEWS` of its (data, scales,
 biases) inputs, bits and group size in the name; each group is dequantized as it is staged.
@@ -48,7 +54,18 @@ from .kv_quant import QuantizedPool
 KERNEL = "paged_attention_varlen"
 QUANT_KERNEL = f"{KERNEL}_quant"
 MMA_KERNEL = f"{KERNEL}_mma"
-INPUTS = ["q", "k_cache", "v_cache", "block_tables", "cu_seqlens_q", "context_lens", "tiles", "scale", "window", "sinks"]
+INPUTS = [
+    "q",
+    "k_cache",
+    "v_cache",
+    "block_tables",
+    "cu_seqlens_q",
+    "context_lens",
+    "tiles",
+    "scale",
+    "window",
+    "sinks",
+]
 QUANT_INPUTS = ["q", *metal.QUANT_INPUTS, *INPUTS[3:]]
 OUTPUTS = ["out"]
 TILE_TOKENS = 16  # query tokens per threadgroup: each K/V row is read ceil(q_len / 16) times
@@ -451,16 +468,19 @@ def check_metadata(k_cache, block_tables, cu: list[int], context_lens, num_rows:
                 )
 
 
-def check_varlen(group: int, k_cache) -> bool:
+def check_varlen(group: int, k_cache, window: bool = False, sinks: bool = False) -> bool:
     """Check the varlen kernel of this shape family once per process: two prefill chunks (17 new
     tokens over 5 cached, so two tiles and a prefix; 3 over none) in a shuffled block table,
     against the reference (on the dequantized pools for a quantized cache). Verdicts are kept
-    with the decode families' (`metal.reset_kernels` forgets both); see `metal.settle_check`."""
+    with the decode families' (`metal.reset_kernels` forgets both); see `metal.settle_check`.
+    `window`, `sinks`: check the variant with those flags instead (window 3, inside a block of
+    4 or more and across blocks of 1 or 2; random sinks), a verdict of its own."""
     from .reference import paged_attention_varlen_reference
 
     _, _, bs, hd = k_cache.shape
     quant = metal.quant_params(k_cache)
-    key = metal.family_key(group, k_cache, varlen=True)
+    flags = ("window",) * window + ("sinks",) * sinks
+    key = metal.family_key(group, k_cache, varlen=True) + flags
     if key in metal._families:
         return metal._families[key]
     rng = np.random.default_rng(13)
@@ -476,11 +496,16 @@ def check_varlen(group: int, k_cache) -> bool:
         pool = [QuantizedPool.quantize(p, *quant) for p in pool]
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     args = (mx.array(tables), mx.array(cu), mx.array(np.array(ctx, np.int32)))
+    win = 3 if window else None
+    snk = mx.array(rng.normal(1.0, 1.5, group).astype(np.float32)) if sinks else None
     f32 = [metal.dequantized(p).astype(mx.float32) for p in pool]
-    ref = paged_attention_varlen_reference(q.astype(mx.float32), *f32, *args, 0.3)
-    name = f"varlen {plan(hd, bs, group, k_cache.dtype.size).variant} {k_cache.dtype}"
+    ref = paged_attention_varlen_reference(q.astype(mx.float32), *f32, *args, 0.3, None, win, snk)
+    name = f"varlen {launch_plan(hd, bs, group, k_cache.dtype.size, quant, window, sinks).variant} {k_cache.dtype}"
     problem = metal.compare_to_reference(
-        name, lambda: paged_attention_varlen_metal(q, *pool, *args, scale=0.3), ref, k_cache.dtype
+        name,
+        lambda: paged_attention_varlen_metal(q, *pool, *args, scale=0.3, window=win, sinks=snk),
+        ref,
+        k_cache.dtype,
     )
     metal._families[key] = ok = metal.settle_check(problem)
     if problem:
@@ -488,11 +513,16 @@ def check_varlen(group: int, k_cache) -> bool:
     return ok
 
 
-def varlen_usable(q, k_cache, cu_seqlens_q) -> bool:
+def varlen_usable(q, k_cache, cu_seqlens_q, window: int | None = None, sinks=None) -> bool:
     """Whether the Metal path may take this call: always when every sequence is a decode (the
     decode kernels, checked at engine start), else when this family's varlen kernel passed
-    `check_varlen`."""
+    `check_varlen`, and so did its variant with the call's window and sinks flags, if any (a
+    family that failed mid-serving fails for every flag: its plain check is False)."""
     cu = cu_seqlens_q.tolist()
     if all(b - a <= 1 for a, b in zip(cu, cu[1:])):
         return True
-    return check_varlen(q.shape[1] // k_cache.shape[1], k_cache)
+    group = q.shape[1] // k_cache.shape[1]
+    if not check_varlen(group, k_cache):
+        return False
+    flags = dict(window=window is not None, sinks=sinks is not None)
+    return not any(flags.values()) or check_varlen(group, k_cache, **flags)
