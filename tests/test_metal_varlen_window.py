@@ -152,3 +152,32 @@ def test_a_failing_windowed_kernel_falls_back_to_the_reference(monkeypatch):
     finally:
         metal.reset_kernels()
         mv._kernel.cache_clear()
+
+
+# Mutants of the MMA kernel's window and sink code (each anchor occurs there once): a kernel
+# with one must fail the comparison. (By hand, also caught: the window one key too wide or too
+# narrow in `pav_visible`, the walk one key late, sinks in the log2 domain missed, the other
+# kv head's sinks in the lanes kernel.)
+WINDOW_MUTANTS = [
+    (
+        "walk begins a block late",
+        "pav_walk_begin(first_pos + i0, win, BS)",
+        "pav_walk_begin(first_pos + i0, win, BS) + BS",
+    ),
+    ("sink in the numerator too", "of[d].thread_elements()[e] / den", "(of[d].thread_elements()[e] + den - l) / den"),
+]
+
+
+@pytest.mark.parametrize("mutant", WINDOW_MUTANTS, ids=[m[0] for m in WINDOW_MUTANTS])
+def test_window_and_sink_mutants_are_caught(emulated, monkeypatch, mutant):
+    from test_metal_varlen import mutate
+
+    _, old, new = mutant
+    mutate(monkeypatch, old, new, mv.MMA_KERNEL)
+    args, sinks, np_args = _case(1, mx.float32)
+    try:
+        out, _ = _run(args, 9, sinks)
+        with pytest.raises(AssertionError):
+            _check(out, np_args, 9, sinks, mx.float32)
+    finally:
+        mv._kernel.cache_clear()  # drop the mutated kernel
