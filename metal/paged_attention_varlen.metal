@@ -22,13 +22,20 @@
 // threadgroup), HS (head groups: a threadgroup takes GH = ceil(G / HS) of the G query heads,
 // threadgroup x position hg takes heads [hg * GH, hg * GH + GH), so that threads x registers
 // fit one GPU core's register file), SP (lanes per query row, a power of two <= 32), RPT
-// (query rows per lane group).
+// (query rows per lane group), HAS_WINDOW and HAS_SINKS (0 or 1: see below).
 //
 // Softmax runs in base 2: scores carry scale * log2(e), so every exponential is one
 // fast::exp2 (MLX compiles custom kernels without fast math: a plain exp is the precise one).
 // Context lengths are clamped to the block table's width (block_tables_shape[1] * BS, the
 // real width: the wrapper pads tables with rows, never columns), so bad metadata never reads
 // past a sequence's row.
+//
+// Sliding window and sinks (as the decode kernels): template flags HAS_WINDOW (names end `_w`:
+// read the runtime int32 scalar `window`, one variant for every window size) and HAS_SINKS
+// (`_sk`: read `sinks`). A row at position p sees keys max(0, p - window + 1) .. p; a tile's key
+// walk starts at the first block its first query's window overlaps (its later queries' windows
+// start no earlier), so a long prompt reads about window + TQ keys per tile, not p. A sink is
+// one logit per query head joining the softmax denominator only, folded once at the end.
 //
 // Quantized KV cache: kernel paged_attention_varlen_quant is the same body after
 // `PAV_QUANT_VIEWS`, with inputs k_data, k_scales, k_biases, v_data, v_scales, v_biases in place
@@ -46,6 +53,27 @@ using namespace metal;
 
 // Block-table entries a chunk of KC tokens can touch when it starts anywhere in a block.
 #define PAV_CHUNK_BLOCKS(KC, BS) (((KC) + (BS) - 2) / (BS) + 1)
+
+// The window of a kernel without one (or with window 0): pos - key < it for every key.
+#define PAV_ALL_KEYS 0x7fffffff
+
+// Whether the query at position `pos` sees key `key`: causal (not after it) and within its
+// window of `win` positions, its own included. Never overflows: 0 <= pos - key once key <= pos.
+inline bool pav_visible(int key, int pos, int win) {
+  return key <= pos && pos - key < win;
+}
+
+// Where a tile whose first query sits at `pos0` starts its key walk: the first block of that
+// query's window (0 without one). Keys before it are visible to none of the tile's queries.
+inline int pav_walk_begin(int pos0, int win, int bs) {
+  return pos0 < win ? 0 : (pos0 - win + 1) / bs * bs;
+}
+
+// A row's softmax denominator with its sink (log2 domain, like the scores: l was summed under
+// the max m, so the sink's share is 2^(sink * log2(e) - m)); no value goes with it.
+inline float pav_sink_denominator(float l, float m, float sink) {
+  return l + fast::exp2(PAV_LOG2E * sink - m);
+}
 
 // A quantized K or V pool (mlxpaged.kv_quant.QuantizedPool): each row of HD values is BITS-bit
 // codes packed LSB-first into uint32 words, plus a scale and a bias per GS values,
@@ -124,6 +152,8 @@ inline void pav_stage(PAVQuantPool<T, HD, BITS, GS> pool, size_t src, bool ok, u
 //          context_lens [num_seqs] int32            (cached plus new tokens)
 //          tiles        [num_tiles, 2] int32        (sequence, first new token of the tile)
 //          scale        [] float32
+//          window       [] int32: sliding window (0: none), read when HAS_WINDOW
+//          sinks        [>= num_kv_heads * G] float32: per-head sink logits, read when HAS_SINKS
 // output:  out          [T_total, num_kv_heads * G, HD] T (rows of tiled sequences only)
 constexpr int DPT = HD / SP;        // dims per lane
 constexpr int NT = 32 * NSG;        // threads per threadgroup
@@ -154,6 +184,7 @@ const int n_tok = min(TQ, q_len - i0);
 const int kv_end = min(first_pos + i0 + n_tok, max_blocks * BS);
 const int heads = num_kv_heads * G;
 const float qscale = scale * PAV_LOG2E;  // scores in the log2 domain
+const int win = HAS_WINDOW && window > 0 ? window : PAV_ALL_KEYS;  // no window: never read
 
 threadgroup T tg_k[KC * HD];
 threadgroup T tg_v[KC * HD];
@@ -183,7 +214,8 @@ for (int j = 0; j < RPT; j++) {
 
 const size_t block_stride = (size_t)num_kv_heads * BS * HD;  // elements per physical block
 const size_t head_off = (size_t)kvh * BS * HD;
-for (int c0 = 0; c0 < kv_end; c0 += KC) {
+// A window skips the blocks before the first query's window: later queries' start no earlier.
+for (int c0 = HAS_WINDOW ? pav_walk_begin(first_pos + i0, win, BS) : 0; c0 < kv_end; c0 += KC) {
   const int nk = min(KC, kv_end - c0);  // keys in this chunk
   const int b0 = c0 / BS;
   const int nb = (c0 + nk - 1) / BS - b0 + 1;
@@ -218,8 +250,9 @@ for (int c0 = 0; c0 < kv_end; c0 += KC) {
         for (ushort o = SP / 2; o > 0; o >>= 1) {
           d += simd_shuffle_xor(d, o);  // sum over the row's SP lanes
         }
-        // Causal: key c0 + k is visible to the row's token iff it is not after it.
-        s[k] = c0 + k <= pos[j] ? d : PAV_FINITE_MIN;
+        // Causal and windowed: key c0 + k is visible iff not after the row's token nor before
+        // its window (rows of one tile start their windows at different keys).
+        s[k] = pav_visible(c0 + k, pos[j], win) ? d : PAV_FINITE_MIN;
         mc = max(mc, s[k]);
       }
     }
@@ -230,7 +263,7 @@ for (int c0 = 0; c0 < kv_end; c0 += KC) {
     }
     for (int k = 0; k < KC; k++) {
       if (k < nk) {
-        const float p = c0 + k <= pos[j] ? fast::exp2(s[k] - mc) : 0.0f;
+        const float p = pav_visible(c0 + k, pos[j], win) ? fast::exp2(s[k] - mc) : 0.0f;
         l[j] += p;
         for (int x = 0; x < DPT; x++) {
           acc[j][x] += p * static_cast<float>(tg_v[k * HD + x * SP + part]);
@@ -245,8 +278,12 @@ for (int c0 = 0; c0 < kv_end; c0 += KC) {
 
 for (int j = 0; j < RPT; j++) {
   if (pos[j] >= 0) {
+    // The row's head is hg * GH + r % GH (r = j * NRG + rg, as above); its sink joins l only.
+    const float den =
+        HAS_SINKS ? pav_sink_denominator(l[j], m[j], sinks[kvh * G + hg * GH + (j * NRG + rg) % GH]) : l[j];
     for (int x = 0; x < DPT; x++) {
-      out[row_off[j] + x * SP + part] = static_cast<T>(acc[j][x] / l[j]);
+      // l 0 (a row past the table's width, bad metadata): 0, not 0 / 0.
+      out[row_off[j] + x * SP + part] = static_cast<T>(l[j] > 0.0f ? acc[j][x] / den : 0.0f);
     }
   }
 }
@@ -254,7 +291,7 @@ for (int j = 0; j < RPT; j++) {
 // @kernel paged_attention_varlen_mma
 // launch: grid (32 * NSG * HS, num_kv_heads, num_tiles), threadgroup (32 * NSG, 1, 1); inputs
 // and output as paged_attention_varlen. Template values T, HD, BS, G, TQ, KC, HS, NSG
-// (= GH * TQ / 8, GH = ceil(G / HS) query heads per threadgroup).
+// (= GH * TQ / 8, GH = ceil(G / HS) query heads per threadgroup), HAS_WINDOW, HAS_SINKS.
 //
 // Simdgroup sg takes query head g = hg * GH + sg / (TQ / 8) of the kv head and tokens (sg % (TQ / 8)) * 8
 // + [0, 8) of the tile: an 8-row strip. Per chunk of KC keys, in 8x8 fp32 fragments:
@@ -295,6 +332,7 @@ const int n_tok = min(TQ, q_len - i0);
 const int kv_end = min(first_pos + i0 + n_tok, max_blocks * BS);
 const int heads = num_kv_heads * G;
 const float sc = scale * PAV_LOG2E;  // read once (each read of the constant buffer is a load); log2 domain
+const int win = HAS_WINDOW && window > 0 ? window : PAV_ALL_KEYS;  // no window: never read
 
 threadgroup float tg_k[KC * LD];  // [KC, LD]: rows of HD floats, padded
 threadgroup float tg_v[KC * LD];
@@ -320,7 +358,8 @@ float l = 0.0f;            // this lane's share of the row's running sum
 
 const size_t block_stride = (size_t)num_kv_heads * BS * HD;  // elements per physical block
 const size_t head_off = (size_t)kvh * BS * HD;
-for (int c0 = 0; c0 < kv_end; c0 += KC) {
+// A window skips the blocks before the first query's window: later queries' start no earlier.
+for (int c0 = HAS_WINDOW ? pav_walk_begin(first_pos + i0, win, BS) : 0; c0 < kv_end; c0 += KC) {
   const int nk = min(KC, kv_end - c0);  // keys in this chunk
   const int nkb = (nk + 7) / 8;         // 8-key blocks holding them
   const int b0 = c0 / BS;
@@ -361,9 +400,10 @@ for (int c0 = 0; c0 < kv_end; c0 += KC) {
         simdgroup_multiply_accumulate(sf[kb], qf[d], kt, sf[kb]);
       }
       for (int e = 0; e < 2; e++) {
-        // Causal: key c0 + kb * 8 + fn + e is visible to the row's token iff it is not after it.
+        // Causal and windowed: key c0 + kb * 8 + fn + e is visible iff not after the row's
+        // token nor before its window.
         const int key = c0 + kb * 8 + fn + e;
-        const float s = key <= pos ? sc * sf[kb].thread_elements()[e] : PAV_FINITE_MIN;
+        const float s = pav_visible(key, pos, win) ? sc * sf[kb].thread_elements()[e] : PAV_FINITE_MIN;
         sf[kb].thread_elements()[e] = s;
         mc = max(mc, s);
       }
@@ -380,7 +420,7 @@ for (int c0 = 0; c0 < kv_end; c0 += KC) {
     if (kb < nkb) {
       for (int e = 0; e < 2; e++) {
         const int key = c0 + kb * 8 + fn + e;
-        const float p = key <= pos ? fast::exp2(sf[kb].thread_elements()[e] - mc) : 0.0f;
+        const float p = pav_visible(key, pos, win) ? fast::exp2(sf[kb].thread_elements()[e] - mc) : 0.0f;
         sf[kb].thread_elements()[e] = p;
         l += p;
       }
@@ -399,9 +439,11 @@ for (int c0 = 0; c0 < kv_end; c0 += KC) {
 l += simd_shuffle_xor(l, 1);  // the row's sum over its 4 lanes
 l += simd_shuffle_xor(l, 8);
 if (pos >= 0) {  // a token before position 0 (context shorter than q_len: bad metadata) sees no key
+  // The sink joins the denominator only; l 0 (a row past the table's width): 0, not 0 / 0.
+  const float den = HAS_SINKS ? pav_sink_denominator(l, m, sinks[kvh * G + g]) : l;
   for (int d = 0; d < HB; d++) {
     for (int e = 0; e < 2; e++) {
-      out[row_off + d * 8 + fn + e] = static_cast<T>(of[d].thread_elements()[e] / l);
+      out[row_off + d * 8 + fn + e] = static_cast<T>(l > 0.0f ? of[d].thread_elements()[e] / den : 0.0f);
     }
   }
 }

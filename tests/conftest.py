@@ -137,6 +137,7 @@ FILE_TIERS = {
     "test_metal_kv_quant.py": "emulator",
     "test_metal_merge.py": "emulator",
     "test_metal_varlen.py": "emulator",
+    "test_metal_varlen_window.py": "emulator",
     "test_metal_window.py": "emulator",
     "test_model_metal.py": "emulator",
     "test_emu_blind_spots.py": "emulator",

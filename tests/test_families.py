@@ -185,7 +185,7 @@ def test_8bit_kv_cache_keeps_the_float_tokens(family):
 @pytest.mark.emulator
 def test_emulated_metal_path_gives_the_reference_tokens(name, tmp_path):
     """The Metal kernels (decode and varlen), executed by the MSL emulator, for head_dim 64, 128, 96;
-    gemma3_text's global layer runs on them while its windowed layer takes the reference path."""
+    gemma3_text's windowed layer on their `_w` variants."""
     loaded = load(str(write_tiny_family(tmp_path / name, name)), "float32")
 
     def run(impl):

@@ -205,8 +205,8 @@ MUTANT_CASE = dict(dtype="float32", head_dim=64, group=2, block_size=16)
 BARRIER = "threadgroup_barrier(mem_flags::mem_threadgroup);"
 # Mutants of the lanes-per-row kernel (run with the fallback forced) ...
 MUTANTS = [
-    ("causal mask sees the next token", "c0 + k <= pos[j]", "c0 + k <= pos[j] + 1"),
-    ("causal mask hides its own token", "c0 + k <= pos[j]", "c0 + k < pos[j]"),
+    ("causal mask sees the next token", "pav_visible(c0 + k, pos[j],", "pav_visible(c0 + k, pos[j] + 1,"),
+    ("causal mask hides its own token", "pav_visible(c0 + k, pos[j],", "pav_visible(c0 + k + 1, pos[j],"),
     ("tile offset ignored in positions", "first_pos + i0 + i : -1", "first_pos + i : -1"),
     ("no online-softmax rescale", "acc[j][x] *= corr;", ""),
     ("block table ignored", "block_tables[(size_t)seq * max_blocks + b0 + b]", "b0 + b"),
@@ -218,8 +218,8 @@ MUTANTS = [
 ] + [(f"missing barrier {n + 1}", BARRIER, n) for n in range(2)]
 # ... and of the simdgroup_matrix kernel.
 MMA_MUTANTS = [
-    ("mma: causal mask sees the next token", "key <= pos ?", "key <= pos + 1 ?"),
-    ("mma: causal mask hides its own token", "key <= pos ?", "key < pos ?"),
+    ("mma: causal mask sees the next token", "pav_visible(key, pos, win) ?", "pav_visible(key, pos + 1, win) ?"),
+    ("mma: causal mask hides its own token", "pav_visible(key, pos, win) ?", "pav_visible(key + 1, pos, win) ?"),
     ("mma: tile offset ignored in positions", "first_pos + i0 + i : -1", "first_pos + i : -1"),
     ("mma: no accumulator rescale", "of[d].thread_elements() *= corr;", ""),
     ("mma: no running-sum rescale", "l *= corr;", ""),

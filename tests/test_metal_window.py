@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from test_windows import numpy_attention
 
-from mlxpaged.attention import metal, paged_attention, paged_attention_varlen
+from mlxpaged.attention import metal, metal_varlen, paged_attention, paged_attention_varlen
 from mlxpaged.attention.kv_quant import QuantizedPool
 
 from attention_cases import make_varlen_case
@@ -117,8 +117,8 @@ def test_through_the_public_ops(emulated):
 
 def test_gpt_oss_decodes_through_the_kernels_like_mlx_lm(emulated, tmp_path):
     """gpt-oss tiny (windowed and full layers, sinks) at window 4, block size 4: its decode steps
-    run the emulated decode kernels with the window and the sinks (its prefill chunks the
-    reference) and give mlx-lm's own greedy tokens."""
+    run the emulated decode kernels with the window and the sinks, its prefill chunks the varlen
+    kernel with them, and give mlx-lm's own greedy tokens."""
     import mlx_lm
 
     from mlxpaged import EngineConfig, LLMEngine, SamplingParams
@@ -141,6 +141,9 @@ def test_gpt_oss_decodes_through_the_kernels_like_mlx_lm(emulated, tmp_path):
 
     metal_run = pytest.MonkeyPatch()
     metal_run.setattr(metal, "run_with_launches", counting)
+    varlen = []
+    real_varlen = metal_varlen.Launch.run
+    metal_run.setattr(metal_varlen.Launch, "run", lambda self: varlen.append(self.variant) or real_varlen(self))
     try:
         prompt = "Paged attention borrows an idea from operating systems: virtual memory."
         rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
@@ -149,4 +152,5 @@ def test_gpt_oss_decodes_through_the_kernels_like_mlx_lm(emulated, tmp_path):
         metal_run.undo()
     assert done[rid].outputs[0].token_ids == contiguous_generate(ref_model, tok.encode(prompt), 10)
     assert (4, True, 1) in calls  # a windowed layer's decode ran the single-pass kernel
+    assert any(v.endswith("_w_sk") for v in varlen), varlen  # a windowed layer's prefill: the varlen kernel
     assert all(n >= 1 for _, _, n in calls)  # no family fell back to the reference

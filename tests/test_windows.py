@@ -100,37 +100,40 @@ def test_reference_chunks_match_numpy(chunk, bits):
         paged_attention_varlen(*args, impl="reference", chunk=chunk, window=3)
 
 
-def test_window_and_sinks_reach_the_decode_kernels(monkeypatch):
+def test_window_and_sinks_reach_the_kernels(monkeypatch):
     """With impl="metal" a decode call with a window or sinks (the decode op, or a varlen call
     whose sequences all have one new token) goes to the decode kernel wrapper with them; a varlen
-    call with multi-token chunks takes the reference (the varlen kernel lacks both yet)."""
+    call with multi-token chunks to the varlen kernel wrapper with them."""
     import mlxpaged.attention.metal as metal
     import mlxpaged.attention.metal_varlen as metal_varlen
 
-    seen = []
+    seen, seen_varlen = [], []
 
     def spy(q, k, v, bt, cl, *, scale, window=None, sinks=None, **kw):
         seen.append((window, sinks is not None))
         return paged_attention(q, k, v, bt, cl, scale=scale, impl="reference", window=window, sinks=sinks)
 
-    def boom(*a, **k):
-        raise AssertionError("a windowed chunk reached the varlen kernel")
+    def spy_varlen(q, k, v, bt, cu, cl, *, scale, window=None, sinks=None):
+        seen_varlen.append((window, sinks is not None))
+        return paged_attention_varlen(q, k, v, bt, cu, cl, scale=scale, impl="reference", window=window, sinks=sinks)
 
     monkeypatch.setattr(metal, "paged_attention_metal", spy)
-    monkeypatch.setattr(metal_varlen, "paged_attention_varlen_metal", boom)
+    monkeypatch.setattr(metal_varlen, "paged_attention_varlen_metal", spy_varlen)
+    monkeypatch.setattr(metal_varlen, "varlen_usable", lambda *a: True)  # (its check: test_metal_varlen_window)
     rng = np.random.default_rng(1)
     q, kc, vc, tables, cu, ctx = (mx.array(a) for a in make_varlen_case(rng, 64, 2, 4, Q_LENS, PREFIXES))
     for kw in ({"window": 3}, {"sinks": mx.ones((q.shape[1],))}):
         seen.clear()
+        seen_varlen.clear()
         want = paged_attention_varlen(q, kc, vc, tables, cu, ctx, impl="reference", **kw)
         assert mx.array_equal(paged_attention_varlen(q, kc, vc, tables, cu, ctx, impl="metal", **kw), want)
-        assert seen == []  # chunks in the batch: the reference
+        assert seen == [] and seen_varlen == [(kw.get("window"), "sinks" in kw)]  # chunks: the varlen kernel
         dq = q[cu[1:] - 1]  # one query per sequence: the decode op
         want = paged_attention(dq, kc, vc, tables, ctx, impl="reference", **kw)
         assert mx.array_equal(paged_attention(dq, kc, vc, tables, ctx, impl="metal", **kw), want)
         ones = mx.arange(len(Q_LENS) + 1, dtype=mx.int32)
         assert mx.array_equal(paged_attention_varlen(dq, kc, vc, tables, ones, ctx, impl="metal", **kw), want)
-        assert seen == [(kw.get("window"), "sinks" in kw)] * 2
+        assert seen == [(kw.get("window"), "sinks" in kw)] * 2 and len(seen_varlen) == 1
 
 
 def test_bad_window_or_sinks_are_refused():

@@ -6,11 +6,14 @@ sequence) over a paged KV cache, with interchangeable implementations.
 on the CPU by the MSL emulator; `impl="auto"` takes the kernel when it can run natively.
 Both take float pools (`mx.array`) or quantized ones (`kv_quant.QuantizedPool`, rows
 quantized along head_dim) for k_cache and v_cache, the same kind for both.
-A sliding `window` or per-head attention `sinks` run on the Metal decode kernels (single pass
-and split, float and quantized pools: `window` a runtime scalar read under `HAS_WINDOW`, `sinks`
-the `HAS_SINKS` variants); a varlen call with either reaches them when every sequence has one new token (a
-decode step), and multi-token chunks take the reference (the varlen kernel lacks both yet). A `chunk` (Llama 4's
-chunked local attention) takes the reference.
+A sliding `window` or per-head attention `sinks` run on the Metal kernels, decode (single pass
+and split) and varlen (lanes-per-row, simdgroup_matrix and quantized), float and quantized
+pools: `window` a runtime scalar read under `HAS_WINDOW` (names end `_w`), `sinks` the
+`HAS_SINKS` variants (`_sk`). A varlen call whose sequences all have one new token runs the
+decode kernels; one with multi-token chunks the varlen kernel (its one-token sequences the
+decode kernels), checked on first use per shape family and flags; a kernel that fails falls
+back to the reference. A `chunk` (Llama 4's
+chunked local attention) takes the reference: no kernel has it.
 The quantized rows' format is `kv_quant.py`, which the worker's writers share.
 May import: `metal_emu` (the kernels' emulator, on Linux).
 """
@@ -149,8 +152,7 @@ def paged_attention_varlen(
     on the Metal decode kernel and longer ones on the varlen kernel (`metal_varlen.py`).
     `scratch`: a dict kept for one forward pass (`AttentionMetadata.scratch`), in which the
     reference keeps the index arrays it derives from the tables, so later layers reuse them.
-    `window` and `sinks` as in `paged_attention`: with `impl="metal"` a call whose sequences
-    all have one new token runs the decode kernel with them, any other the reference.
+    `window` and `sinks` as in `paged_attention`, on either kernel.
     `chunk`: chunked local attention (Llama 4): a token at position p sees only the positions
     of its own chunk, `(p // chunk) * chunk .. p`; on the reference path (no kernel has it).
     """
@@ -176,16 +178,25 @@ def paged_attention_varlen(
         return paged_attention(
             q, k_cache, v_cache, block_tables, context_lens, scale=scale, impl="metal", window=window, sinks=sinks
         )
-    if metal_impl and window is None and sinks is None:
+    if metal_impl:
         # Multi-token sequences on the varlen kernel, one-token ones on the decode kernel; a
-        # varlen kernel that failed its first-use check on this machine leaves it to the reference.
+        # varlen kernel that failed its first-use check on this machine (that of its window and
+        # sinks flags too) leaves it to the reference.
         from .metal import failed_kernel, kernel_failed
         from .metal_varlen import paged_attention_varlen_metal, varlen_usable
 
         try:
-            if varlen_usable(q, k_cache, cu_seqlens_q):
+            if varlen_usable(q, k_cache, cu_seqlens_q, window, sinks):
                 return paged_attention_varlen_metal(
-                    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=scale
+                    q,
+                    k_cache,
+                    v_cache,
+                    block_tables,
+                    cu_seqlens_q,
+                    context_lens,
+                    scale=scale,
+                    window=window,
+                    sinks=sinks,
                 )
         except Exception as e:  # any error a build or launch raised that the start-up check did
             # not cover: never fail the request; one warning, then this shape takes the reference

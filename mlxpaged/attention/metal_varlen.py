@@ -14,6 +14,12 @@ multi-token sequence checks the varlen kernel on a small case against the refere
 warning and sends that family's calls to the reference (an error under `MLXPAGED_METAL=strict`
 or `=emulate`). Decode-only calls never need it.
 
+A sliding `window` or attention `sinks` (issue 37) are the decode kernels' inputs here too:
+`window` the runtime int32 scalar of `metal.window_input` read under HAS_WINDOW (names end `_w`),
+`sinks` the `[>= num_heads]` logits of `metal.sinks_input` read under HAS_SINKS (`_sk`); a tile
+walks its keys from the first block its first query's window overlaps. A call with either checks
+that flags' variant on its first use too (`check_varlen(..., window=, sinks=)`).
+
 A quantized cache (`kv_quant.QuantizedPool` for k_cache and v_cache) runs kernel
 `paged_attention_varlen_quant`: the same body over `PAV_QUANT_VIEWS` of its (data, scales,
 biases) inputs, bits and group size in the name; each group is dequantized as it is staged.
@@ -48,7 +54,18 @@ from .kv_quant import QuantizedPool
 KERNEL = "paged_attention_varlen"
 QUANT_KERNEL = f"{KERNEL}_quant"
 MMA_KERNEL = f"{KERNEL}_mma"
-INPUTS = ["q", "k_cache", "v_cache", "block_tables", "cu_seqlens_q", "context_lens", "tiles", "scale"]
+INPUTS = [
+    "q",
+    "k_cache",
+    "v_cache",
+    "block_tables",
+    "cu_seqlens_q",
+    "context_lens",
+    "tiles",
+    "scale",
+    "window",
+    "sinks",
+]
 QUANT_INPUTS = ["q", *metal.QUANT_INPUTS, *INPUTS[3:]]
 OUTPUTS = ["out"]
 TILE_TOKENS = 16  # query tokens per threadgroup: each K/V row is read ceil(q_len / 16) times
@@ -74,9 +91,10 @@ REGISTER_FILE_BYTES = 208 * 1024
 ARRAY_REGISTER_BUDGET = 128
 MAX_HEAD_SPLITS = 64
 # Thread-private scalars of each kernel (indices, positions, a 64-bit offset takes 2), as the
-# emulator counts them (metal_emu/lower.py item 7: each declaration once): the lanes body 37,
-# the quantized staging 7 more, the MMA body 46.
-SCALAR_REGISTERS = {"paged_attention_varlen": 37, "paged_attention_varlen_quant": 44, "paged_attention_varlen_mma": 46}
+# emulator counts them (metal_emu/lower.py item 7: each declaration once): the lanes body 39,
+# the quantized staging 7 more, the MMA body 48 (the window and the sink's denominator included,
+# whatever the flags: the declarations are reached either way).
+SCALAR_REGISTERS = {"paged_attention_varlen": 39, "paged_attention_varlen_quant": 46, "paged_attention_varlen_mma": 48}
 
 
 @functools.cache
@@ -108,6 +126,8 @@ class Plan:
     quant: tuple[int, int] | None = None  # (BITS, GS) of a quantized cache
     mma: bool = False  # the simdgroup_matrix kernel (lanes_per_row, rows_per_group unused: 0)
     head_splits: int = 1  # HS: threadgroups the G query heads are split over
+    window: bool = False  # HAS_WINDOW: the `window` scalar is read (the value is not in the name)
+    sinks: bool = False  # HAS_SINKS: the `sinks` logits are read
 
     @property
     def variant(self) -> str:
@@ -116,6 +136,8 @@ class Plan:
             f"hd{self.head_dim}_bs{self.block_size}_g{self.group}_tq{TILE_TOKENS}"
             f"_kc{self.chunk_keys}_nsg{self.simdgroups}_hs{self.head_splits}{lanes}"
             + (f"_q{self.quant[0]}_gs{self.quant[1]}" if self.quant else "")
+            + ("_w" if self.window else "")
+            + ("_sk" if self.sinks else "")
         )
 
     @property
@@ -283,12 +305,20 @@ def _kernel(factory, variant: str, kind: str = KERNEL):
 
 
 def launch_plan(
-    head_dim: int, block_size: int, group: int, itemsize: int, quant: tuple[int, int] | None = None
+    head_dim: int,
+    block_size: int,
+    group: int,
+    itemsize: int,
+    quant: tuple[int, int] | None = None,
+    window: bool = False,
+    sinks: bool = False,
 ) -> Plan:
-    """The plan a call with these shapes runs (`plan`, with the cache's quantization)."""
+    """The plan a call with these shapes runs (`plan`, with the cache's quantization); `window`
+    and `sinks`: the flags of a call with either (the flags change no size, only the name)."""
     # A quantized cache keeps the lanes-per-row kernel (its MMA variant is not tested yet); it
     # is staged as T all the same, so threadgroup memory is the float plan's.
-    return plan(head_dim, block_size, group, itemsize, mma=None if not quant else False, quant=quant)
+    p = plan(head_dim, block_size, group, itemsize, mma=None if not quant else False, quant=quant)
+    return dataclasses.replace(p, window=window, sinks=sinks)
 
 
 def template(p: Plan, dtype) -> list[tuple]:
@@ -306,16 +336,21 @@ def template(p: Plan, dtype) -> list[tuple]:
             ("HS", p.head_splits),
         ]
         + lanes
+        + [("HAS_WINDOW", int(p.window)), ("HAS_SINKS", int(p.sinks))]
         + ([("BITS", p.quant[0]), ("GS", p.quant[1])] if p.quant else [])
     )
 
 
-def varlen_launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, tiles, scale: float) -> Launch:
-    """The launch covering `tiles` ([(sequence, first token)], non-empty); q in the cache dtype."""
+def varlen_launch(
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, tiles, scale: float, window=None, sinks=None
+) -> Launch:
+    """The launch covering `tiles` ([(sequence, first token)], non-empty); q in the cache dtype.
+    `window`: None or a positive int; `sinks`: None or `[num_heads]` logits (as the decode
+    kernels take them: `metal.window_input`, `metal.sinks_input`)."""
     _, num_kv_heads, block_size, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
     quant = metal.quant_params(k_cache)
-    p = launch_plan(head_dim, block_size, group, k_cache.dtype.size, quant)
+    p = launch_plan(head_dim, block_size, group, k_cache.dtype.size, quant, bool(window), sinks is not None)
     threads = p.threads
     # Padding (never read) keeps every small input in the device address space, so the kernel
     # name, the one checked at start-up, is the same for any number of sequences and tiles.
@@ -332,6 +367,8 @@ def varlen_launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                 metal._pad_to(context_lens.astype(mx.int32), 0, pad),
                 tile_arr,
                 mx.array(scale, dtype=mx.float32),
+                metal.window_input(window),  # [] int32, read under HAS_WINDOW only
+                metal.sinks_input(sinks, q.shape[1]),  # [>= num_heads] float32, under HAS_SINKS only
             ],
             template=template(p, q.dtype),
             grid=(threads * p.head_splits, num_kv_heads, len(tiles)),
@@ -347,17 +384,20 @@ def varlen_launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
 
 
 def paged_attention_varlen_metal(
-    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, *, scale: float
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, *, scale: float, window=None, sinks=None
 ) -> mx.array:
-    """`mlxpaged.paged_attention_varlen` on the Metal kernels: [T, num_heads, head_dim], q's dtype."""
-    return run_with_launches(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=scale)[0]
+    """`mlxpaged.paged_attention_varlen` on the Metal kernels: [T, num_heads, head_dim], q's dtype.
+    `window` (None or >= 1) and `sinks` (`[num_heads]`) as in `paged_attention`."""
+    return run_with_launches(
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=scale, window=window, sinks=sinks
+    )[0]
 
 
 def run_with_launches(
-    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, *, scale: float
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, *, scale: float, window=None, sinks=None
 ) -> tuple[mx.array, list]:
     """`paged_attention_varlen_metal`, also returning its launches: the varlen kernel's
-    (`Launch`) and the decode kernel's (`metal.Launch`)."""
+    (`Launch`) and the decode kernel's (`metal.Launch`), both with the window and the sinks."""
     metal._check(q, k_cache, v_cache)
     cu = [int(x) for x in cu_seqlens_q.tolist()]
     if settings.debug():
@@ -368,18 +408,22 @@ def run_with_launches(
     tiles = tile_map(cu)
     launches: list = []
     if len(decode) == len(cu) - 1:  # all decodes: q's rows are the sequences
-        out, launches = metal.run_with_launches(q, k_cache, v_cache, block_tables, context_lens, scale=scale)
+        out, launches = metal.run_with_launches(
+            q, k_cache, v_cache, block_tables, context_lens, scale=scale, window=window, sinks=sinks
+        )
         return out, launches
     qc = q.astype(k_cache.dtype)  # one element type T for q, caches and output
     out = None
     if tiles:
-        launches.append(varlen_launch(qc, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, tiles, scale))
+        launches.append(
+            varlen_launch(qc, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, tiles, scale, window, sinks)
+        )
         out = launches[0].run()
     if decode:
         rows = mx.array([cu[s] for s in decode], dtype=mx.int32)
         seqs = mx.array(decode, dtype=mx.int32)
         dec, dec_launches = metal.run_with_launches(
-            qc[rows], k_cache, v_cache, block_tables[seqs], context_lens[seqs], scale=scale
+            qc[rows], k_cache, v_cache, block_tables[seqs], context_lens[seqs], scale=scale, window=window, sinks=sinks
         )
         launches += dec_launches
         out = mx.zeros_like(qc) if out is None else out
@@ -424,16 +468,19 @@ def check_metadata(k_cache, block_tables, cu: list[int], context_lens, num_rows:
                 )
 
 
-def check_varlen(group: int, k_cache) -> bool:
+def check_varlen(group: int, k_cache, window: bool = False, sinks: bool = False) -> bool:
     """Check the varlen kernel of this shape family once per process: two prefill chunks (17 new
     tokens over 5 cached, so two tiles and a prefix; 3 over none) in a shuffled block table,
     against the reference (on the dequantized pools for a quantized cache). Verdicts are kept
-    with the decode families' (`metal.reset_kernels` forgets both); see `metal.settle_check`."""
+    with the decode families' (`metal.reset_kernels` forgets both); see `metal.settle_check`.
+    `window`, `sinks`: check the variant with those flags instead (window 3, inside a block of
+    4 or more and across blocks of 1 or 2; random sinks), a verdict of its own."""
     from .reference import paged_attention_varlen_reference
 
     _, _, bs, hd = k_cache.shape
     quant = metal.quant_params(k_cache)
-    key = metal.family_key(group, k_cache, varlen=True)
+    flags = ("window",) * window + ("sinks",) * sinks
+    key = metal.family_key(group, k_cache, varlen=True) + flags
     if key in metal._families:
         return metal._families[key]
     rng = np.random.default_rng(13)
@@ -449,11 +496,16 @@ def check_varlen(group: int, k_cache) -> bool:
         pool = [QuantizedPool.quantize(p, *quant) for p in pool]
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     args = (mx.array(tables), mx.array(cu), mx.array(np.array(ctx, np.int32)))
+    win = 3 if window else None
+    snk = mx.array(rng.normal(1.0, 1.5, group).astype(np.float32)) if sinks else None
     f32 = [metal.dequantized(p).astype(mx.float32) for p in pool]
-    ref = paged_attention_varlen_reference(q.astype(mx.float32), *f32, *args, 0.3)
-    name = f"varlen {plan(hd, bs, group, k_cache.dtype.size).variant} {k_cache.dtype}"
+    ref = paged_attention_varlen_reference(q.astype(mx.float32), *f32, *args, 0.3, None, win, snk)
+    name = f"varlen {launch_plan(hd, bs, group, k_cache.dtype.size, quant, window, sinks).variant} {k_cache.dtype}"
     problem = metal.compare_to_reference(
-        name, lambda: paged_attention_varlen_metal(q, *pool, *args, scale=0.3), ref, k_cache.dtype
+        name,
+        lambda: paged_attention_varlen_metal(q, *pool, *args, scale=0.3, window=win, sinks=snk),
+        ref,
+        k_cache.dtype,
     )
     metal._families[key] = ok = metal.settle_check(problem)
     if problem:
@@ -461,11 +513,16 @@ def check_varlen(group: int, k_cache) -> bool:
     return ok
 
 
-def varlen_usable(q, k_cache, cu_seqlens_q) -> bool:
+def varlen_usable(q, k_cache, cu_seqlens_q, window: int | None = None, sinks=None) -> bool:
     """Whether the Metal path may take this call: always when every sequence is a decode (the
     decode kernels, checked at engine start), else when this family's varlen kernel passed
-    `check_varlen`."""
+    `check_varlen`, and so did its variant with the call's window and sinks flags, if any (a
+    family that failed mid-serving fails for every flag: its plain check is False)."""
     cu = cu_seqlens_q.tolist()
     if all(b - a <= 1 for a, b in zip(cu, cu[1:])):
         return True
-    return check_varlen(q.shape[1] // k_cache.shape[1], k_cache)
+    group = q.shape[1] // k_cache.shape[1]
+    if not check_varlen(group, k_cache):
+        return False
+    flags = dict(window=window is not None, sinks=sinks is not None)
+    return not any(flags.values()) or check_varlen(group, k_cache, **flags)

@@ -177,11 +177,16 @@ def _varlen_variants() -> list[Variant]:
                         for gs in metal.KV_GROUP_SIZES
                         if metal.quant_supported(hd, b, gs)
                     ]
-                    for quant in quants:
-                        p = mv.launch_plan(hd, bs, g, dt.size, quant)
+                    # HAS_WINDOW and HAS_SINKS: each combination on the first (bs, G) of each
+                    # head_dim and cache kind (as the decode variants), so the count grows little
+                    flags = (0, 1) if (bs, g) == (BLOCK_SIZES[0], GROUPS[0]) else (0,)
+                    for quant, w, sk in [(qt, w, sk) for qt in quants for w in flags for sk in flags]:
+                        p = mv.launch_plan(hd, bs, g, dt.size, quant, bool(w), bool(sk))
                         tmpl = mv.template(p, dt)
                         cache = [Spec(mx.uint32), Spec(dt), Spec(dt)] * 2 if quant else [Spec(dt), Spec(dt)]
+                        # q, the cache, tables, cu_seqlens_q, lengths, tiles, scale, window, sinks
                         ins = [Spec(dt), *cache, *[Spec(mx.int32)] * 4, Spec(mx.float32, 0, 1)]
+                        ins += [Spec(mx.int32, 0, 1), Spec(mx.float32)]
                         section = mv.MMA_KERNEL if p.mma else mv.KERNEL
                         names = mv.QUANT_INPUTS if quant else mv.INPUTS
                         out.append(
