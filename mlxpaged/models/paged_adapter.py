@@ -50,7 +50,7 @@ MOE = ("qwen3_moe", "mixtral", "glm4_moe", "phimoe")
 WRAPPERS = ("mistral3", "smollm3", "ministral3")
 # Families with sliding-window layers, each run with its per-layer window (mlx-lm's own
 # `make_prompt_cache` gives those layers a RotatingKVCache of that size); gpt_oss adds per-head
-# attention sinks and MoE. On the reference attention path only (the Metal kernels lack both).
+# attention sinks and MoE. The Metal kernels (decode and varlen) take both.
 WINDOWED = ("gemma3_text", "gemma3", "gpt_oss", "olmo3")  # gemma3: gemma3_text under `language_model`
 # Hybrid families: recurrent layers (an ArraysCache in mlx-lm's `make_prompt_cache`: gated
 # DeltaNet, Mamba-2, short convolutions) beside full-attention ones; the recurrent layers run on
