@@ -565,6 +565,16 @@ def dequantized(cache) -> mx.array:
     )
 
 
+def check_pools(num_heads: int, k_pools: list) -> None:
+    """`check_family` once for each distinct shape among a model's key pools (Gemma 4's full
+    layers have wider rows and fewer KV heads than its sliding ones; an MLA pool has one KV head)."""
+    shapes = {}
+    for pool in k_pools:
+        shapes.setdefault((tuple(pool.shape[1:]), quant_params(pool)), pool)
+    for pool in shapes.values():
+        check_family(num_heads // pool.shape[1], pool)
+
+
 def check_family(group: int, k_cache) -> bool:
     """Build all three kernels of this shape family and check them, once per process: a small
     random case through the single pass and the split path against the reference (for a

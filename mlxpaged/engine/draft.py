@@ -89,10 +89,9 @@ class DraftProposer(StepLayer):
         self.kv_cache.resize(num_blocks, copies)
 
     def check_kernels(self) -> None:
-        from ..attention.metal import check_family
+        from ..attention.metal import check_pools
 
-        args = self.loaded.model.args
-        check_family(args.num_attention_heads // args.num_key_value_heads, self.kv_cache.keys[0])
+        check_pools(self.loaded.model.args.num_attention_heads, self.kv_cache.keys)
 
     def before_forward(self, out) -> None:
         if out.spec:

@@ -222,12 +222,9 @@ class LLMEngine:
         from ..attention import resolve_impl
 
         if resolve_impl(self.config.attention_impl) == "metal":
-            from ..attention.metal import check_family
+            from ..attention.metal import check_pools
 
-            args = self.loaded.model.args
-            latent = self.loaded.model.__dict__.get("_paged_kv_dims")  # MLA: one KV head for all query heads
-            kv_heads = latent[0] if latent else args.num_key_value_heads
-            check_family(args.num_attention_heads // kv_heads, self.kv_cache.keys[0])
+            check_pools(self.loaded.model.args.num_attention_heads, self.kv_cache.keys)
             for layer in self.layers:
                 layer.check_kernels()
 

@@ -63,7 +63,12 @@ MLA = ("deepseek_v3", "kimi_k2", "glm4_moe_lite")
 # `attention_chunk_size` positions (mlx-lm's ChunkedKVCache), the 4th is global attention without
 # RoPE and with position-scaled queries; the text model sits under `language_model`; MoE.
 CHUNKED = ("llama4",)
-FAMILIES = DENSE + MOE + WRAPPERS + WINDOWED + HYBRID + MLA + CHUNKED
+# Per-layer KV shapes (Gemma 4): the full layers' K/V rows are wider (`global_head_dim`) and may
+# have other KV heads than the sliding ones (`CacheShape.layer_dims`), and the last
+# `num_kv_shared_layers` layers attend to an earlier layer's K/V, writing none of their own
+# (`SharedLayerCache`); sliding windows as in WINDOWED. gemma4: gemma4_text under `language_model`.
+PER_LAYER = ("gemma4_text", "gemma4")
+FAMILIES = DENSE + MOE + WRAPPERS + WINDOWED + HYBRID + MLA + CHUNKED + PER_LAYER
 _SDPA_PARAMS = ["queries", "keys", "values", "cache", "scale", "mask"]
 
 
@@ -155,6 +160,26 @@ class PagedLayerCache:
         return out
 
 
+class SharedLayerCache(PagedLayerCache):
+    """A layer that attends to another layer's K/V and writes none (Gemma 4's last
+    `num_kv_shared_layers`). mlx-lm's gemma4_text hands such a layer its source layer's
+    `update_and_fetch` result as `shared_kv` and still calls `cache.update_and_fetch` on it when it
+    has a cache; here that call stores nothing, and attention reads the source layer's pools
+    (and key scales) with this layer's queries and the source's window."""
+
+    def __init__(self, source: PagedLayerCache):
+        super().__init__(source.kv_cache, source.layer, source.meta, source.window, source.chunk)
+        self.source = source
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.pools = self.source.pools
+        return keys, values
+
+    def attend(self, queries: mx.array, scale: float, mask, sinks=None) -> mx.array:
+        self.pools = self.source.pools  # None if the source has not written yet: attend raises
+        return super().attend(queries, scale, mask, sinks)
+
+
 class LatentLayerCache(PagedLayerCache):
     """An MLA layer's cache (deepseek_v3, glm4_moe_lite): one row `[latent, k_pe]` per token, a
     single KV head, `kv_lora_rank + rope_dim` wide, read as both key and value (a keys-only pool).
@@ -212,6 +237,13 @@ def kv_dims(model: nn.Module) -> tuple[int, int]:
         return dims
     args = model.args
     return getattr(model, "num_local_kv_heads", args.num_key_value_heads), args.head_dim
+
+
+def layer_kv_dims(model: nn.Module) -> list[tuple[int, int]]:
+    """Per pool layer (`paged_layers`), its (KV heads, row width): `kv_dims` for every layer,
+    unless the layers' attention modules differ (Gemma 4: `_paged_layer_dims`, set by `prepare`)."""
+    dims = model.__dict__.get("_paged_layer_dims")
+    return list(dims) if dims is not None else [kv_dims(model)] * len(paged_layers(model))
 
 
 def text_body(model: nn.Module) -> nn.Module:
@@ -398,9 +430,15 @@ class PagedModelMixin:
         windows = self.__dict__.get("_paged_windows") or [None] * len(layers)
         chunks = self.__dict__.get("_paged_chunks") or [None] * len(layers)
         kv_index = self.__dict__.get("_paged_kv_index") or list(range(len(layers)))
+        shared = self.__dict__.get("_paged_shared") or [None] * len(layers)
         # A recurrent layer gets no cache object: its stand-in (recurrent.py) holds the step's states.
         kind = LatentLayerCache if "_paged_kv_dims" in self.__dict__ else PagedLayerCache
-        caches = [None if j is None else kind(cache, j, meta, windows[i], chunks[i]) for i, j in enumerate(kv_index)]
+        caches = []
+        for i, j in enumerate(kv_index):
+            if shared[i] is not None:  # reads an earlier layer's pools (Gemma 4)
+                caches.append(SharedLayerCache(caches[shared[i]]))
+            else:
+                caches.append(None if j is None else kind(cache, j, meta, windows[i], chunks[i]))
         body = text_body(self)
         norm = _final_norm(body)
         swaps = [(body, norm, _NormRows(body[norm], meta.logits_indices))]
@@ -523,7 +561,7 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
     for i, c in enumerate(make_prompt_cache(model)):
         if type(c) is KVCache:
             continue
-        if type(c) is RotatingKVCache and model_type in WINDOWED and c.keep == 0:
+        if type(c) is RotatingKVCache and model_type in WINDOWED + PER_LAYER and c.keep == 0:
             continue
         if type(c) is ArraysCache and model_type in HYBRID:
             continue
@@ -539,14 +577,17 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
         named = f" ({types[i]})" if i < len(types) else ""
         return (
             f"{model_type}: layer {i} is {kind}{named}, which the paged cache does not hold (it pages "
-            f"full-attention layers, sliding windows for {', '.join(WINDOWED)}, recurrent state for "
+            f"full-attention layers, sliding windows for {', '.join(WINDOWED + PER_LAYER)}, recurrent state for "
             f"{', '.join(HYBRID)}, and attention chunks for {', '.join(CHUNKED)}); such models are refused"
         )
     return None
 
 
 _MLA = "multi-head latent attention (MLA: its cache holds a compressed latent, not per-head keys and values)"
-_GEMMA4 = "per-layer KV shapes (a global_head_dim on the full layers) and layers that reuse another layer's KV"
+_GEMMA3N = (
+    "AltUp and LAuReL blocks, and KV-shared layers that read their source layer's cache object "
+    "(mlxpaged runs Gemma 4's shared layers, not Gemma 3n's)"
+)
 # What the paged cache lacks for mlx-lm architectures whose per-layer caches do not say it.
 MISSING = {
     **dict.fromkeys(
@@ -587,9 +628,7 @@ MISSING = {
         ),
         "linear-attention / state-space layers (their recurrent state is no key/value cache)",
     ),
-    "gemma4_text": _GEMMA4,
-    "gemma4": _GEMMA4,
-    "gemma3n": _GEMMA4,
+    "gemma3n": _GEMMA3N,
 }
 
 
@@ -650,6 +689,7 @@ TP_REFUSED = {
     **dict.fromkeys(("mistral3", "gemma3"), "the shard loader reads a flat config; this wrapper nests its text config"),
     **dict.fromkeys(HYBRID, "its recurrent layers (recurrent.py) are not split by mlxpaged's shard loader"),
     **dict.fromkeys(MLA, "its latent attention (one latent row per token) is not split by mlxpaged's shard loader"),
+    **dict.fromkeys(PER_LAYER, "its per-layer KV shapes and shared-KV layers are not split by mlxpaged's shard loader"),
 }
 
 
@@ -684,7 +724,16 @@ def prepare(model: nn.Module, config: dict, where) -> nn.Module:
     sizes = recurrent_sizes(model)
     object.__setattr__(model, "_paged_recurrent", sizes)
     pool = iter(range(len(sizes)))
-    object.__setattr__(model, "_paged_kv_index", [None if s is not None else next(pool) for s in sizes])
+    kv_index = [None if s is not None else next(pool) for s in sizes]
+    shared = _shared_layers(model, len(sizes))
+    if shared is not None:  # Gemma 4: make_prompt_cache gives only the layers that write a cache
+        windows = model._paged_windows
+        kv_index += [None] * (len(shared) - len(kv_index))
+        object.__setattr__(model, "_paged_recurrent", sizes + [None] * (len(shared) - len(sizes)))
+        object.__setattr__(model, "_paged_shared", shared)
+        object.__setattr__(model, "_paged_windows", [windows[s if s is not None else i] for i, s in enumerate(shared)])
+        object.__setattr__(model, "_paged_chunks", [None] * len(shared))
+    object.__setattr__(model, "_paged_kv_index", kv_index)
     for module in attention_modules(model):
         _install_sdpa(module)
     args = model.args
@@ -705,4 +754,23 @@ def prepare(model: nn.Module, config: dict, where) -> nn.Module:
         attn = layer.self_attn
         if getattr(attn, "head_dim", None) is None:
             attn.head_dim = args.head_dim  # kv_quant.key_offsets reads it
+    if config.get("model_type") in PER_LAYER:  # the full layers' rows are wider: a CacheShape per layer
+        dims = [(a.n_kv_heads, a.head_dim) for a in (layer.self_attn for layer in paged_layers(model))]
+        object.__setattr__(model, "_paged_layer_dims", dims)
     return model
+
+
+def _shared_layers(model: nn.Module, num_cached: int) -> list | None:
+    """Per layer, the index of the layer whose K/V it attends to instead of its own (Gemma 4's
+    `previous_kvs`), or None for a layer that has its own; None for a model without such layers."""
+    layers = model.layers
+    if num_cached == len(layers):
+        return None
+    previous = getattr(text_body(model), "previous_kvs", None)
+    if previous is None or len(previous) != len(layers) or any(previous[i] != i for i in range(num_cached)):
+        raise AdapterError(
+            f"{inspect.getfile(type(model))}: mlx-lm's make_prompt_cache gives {num_cached} of "
+            f"{len(layers)} layers a cache, and the text model names no `previous_kvs` for the rest: "
+            "the paged adapter needs updating"
+        )
+    return [None if p == i else p for i, p in enumerate(previous)]

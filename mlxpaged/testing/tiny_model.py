@@ -311,6 +311,25 @@ FAMILY_CONFIGS = {
         "rope_scaling": None,
     },
     "gemma3": {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": "gemma3_text"},  # multimodal wrapper
+    # Per-layer KV shapes: sliding layers (0, 2) 2 KV heads of 32, full ones (1, 3) one KV head of
+    # 64 (K = V projection, partial "proportional" RoPE); layers 2 and 3 reuse the K/V of 0 and 1.
+    "gemma4_text": {
+        "architectures": ["Gemma4ForCausalLM"],
+        "num_hidden_layers": 4,
+        "num_key_value_heads": 2,
+        "num_global_key_value_heads": 1,
+        "attention_k_eq_v": True,
+        "head_dim": 32,
+        "global_head_dim": 64,
+        "num_kv_shared_layers": 2,
+        "sliding_window": 5,
+        "sliding_window_pattern": 2,
+        "hidden_size_per_layer_input": 16,
+        "vocab_size_per_layer_input": None,  # set to the vocabulary by write_tiny_family
+        "tie_word_embeddings": False,  # a tied output layer at this size repeats one token
+        "rope_scaling": None,
+    },
+    "gemma4": {"architectures": ["Gemma4ForConditionalGeneration"], "text_config": "gemma4_text"},
     "olmo3": {
         "architectures": ["Olmo3ForCausalLM"],
         "num_key_value_heads": 2,
@@ -455,6 +474,9 @@ def write_tiny_thinker(path: Path) -> Path:
     return path
 
 
+# Gemma 4 scales its embeddings by sqrt(hidden): drawn at 1 they would drown every layer's output
+# (RMS 1 after its post-norms), so the tokens would barely depend on attention.
+EMBED_STD = {"gemma4_text": 256**-0.5, "gemma4": 256**-0.5}
 # lfm2 ties its output layer to the embedding, and at 4.0 its random checkpoint repeats one token;
 # llama4 at 4.0 has near-ties within its first 8 tokens (too close for the 8-bit test to compare).
 LOGIT_SCALES = {"lfm2": 1.0, "llama4": 8.0}
@@ -492,11 +514,15 @@ def write_tiny_family(
         **FAMILY_CONFIGS.get(model_type, {}),
         **overrides,
     }
+    if "vocab_size_per_layer_input" in config:
+        config["vocab_size_per_layer_input"] = vocab
     config = {k: v for k, v in config.items() if v is not None or k in KEEP_NULL}
     if isinstance(config.get("text_config"), str):  # a wrapper: the text model is that family's config
         inner = {**config, **FAMILY_CONFIGS.get(config["text_config"], {}), "model_type": config["text_config"]}
         inner.pop("architectures", None)
         inner.pop("text_config")
+        if "vocab_size_per_layer_input" in inner:
+            inner["vocab_size_per_layer_input"] = vocab
         inner = {k: v for k, v in inner.items() if v is not None}
         config = {k: v for k, v in config.items() if k in WRAPPER_KEYS} | {"text_config": inner}
     module = family_module(model_type)
@@ -506,7 +532,9 @@ def write_tiny_family(
     hidden = text["hidden_size"]
     weights = {}
     for name, p in tree_flatten(model.parameters()):
-        if "norm" in name and p.ndim == 1:  # norm weights one (gemma's RMSNorm adds its own one), biases zero
+        if name.endswith("layer_scalar"):  # Gemma 4 multiplies each layer's output by it
+            a = np.ones(p.shape)
+        elif "norm" in name and p.ndim == 1:  # norm weights one (gemma's RMSNorm adds its own one), biases zero
             a = np.zeros(p.shape) if (name.endswith("bias") or model_type in ONE_PLUS_NORMS) else np.ones(p.shape)
         elif name.endswith("sinks"):  # gpt-oss's per-head sink logits: large enough to change the tokens
             a = rng.normal(1.0, 1.0, size=p.shape)
@@ -514,7 +542,8 @@ def write_tiny_family(
             a = rng.normal(0, 0.1, size=p.shape)
         elif name.endswith("embed_tokens.weight"):
             tied = text.get("tie_word_embeddings", True)
-            a = rng.normal(0, logit_scale * hidden**-0.5 if tied else 1.0, size=p.shape)
+            std = logit_scale * hidden**-0.5 if tied else EMBED_STD.get(model_type, 1.0)
+            a = rng.normal(0, std, size=p.shape)
         elif name.endswith((".gate.weight", ".router.weight")):  # an MoE router: expert choices far from ties
             a = rng.normal(0, ROUTER_SCALE * p.shape[-1] ** -0.5, size=p.shape)
         elif name.endswith("lm_head.weight") or name == "output.weight":  # llama4_text names it output

@@ -1,7 +1,9 @@
 """The paged KV cache: one K and one V pool per layer, `[num_blocks, num_kv_heads, block_size, head_dim]`.
 
 Block id `b` means the same token slots in every layer's pools, so one block table per sequence
-serves all layers. Writes are MLX scatters into the pool arrays; the cache holds the only
+serves all layers. The pools of different layers may differ in KV heads and head_dim (Gemma 4's
+full layers are wider than its sliding ones: `CacheShape.layer_dims`); a block is then the same
+token slots in pools of different widths. Writes are MLX scatters into the pool arrays; the cache holds the only
 reference to each pool, so MLX updates them in place (no copy, no growth per step).
 
 With `kv_bits` set, each pool is a `QuantizedPool` (codes, scales and biases in the same block
@@ -22,11 +24,16 @@ import mlx.core as mx
 import numpy as np
 
 from ..attention.kv_quant import QuantizedPool, check_kv_quant, key_offsets, row_bytes
-from ..models.paged_adapter import kv_dims, paged_layers
+from ..models.paged_adapter import layer_kv_dims, paged_layers
 
 
 @dataclass
 class CacheShape:
+    """What the pools hold. Invariant: `layer_dims` has one `(kv_heads, head_dim)` per layer;
+    built without it, every layer is `(num_kv_heads, head_dim)`. With it, `num_kv_heads` and
+    `head_dim` are layer 0's (read only where every layer must agree: the kernel check's shape
+    family is per pool)."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -37,28 +44,43 @@ class CacheShape:
     # from the key rows (`[latent, k_pe]`, the first kv_lora_rank columns of the output used), so
     # no value pool is kept: half the bytes. Keys are then stored unscaled (values must be).
     keys_only: bool = False
+    layer_dims: tuple[tuple[int, int], ...] = ()  # per layer (kv_heads, head_dim); () fills it uniformly
+
+    def __post_init__(self):
+        if not self.layer_dims:
+            self.layer_dims = ((self.num_kv_heads, self.head_dim),) * self.num_layers
+        self.layer_dims = tuple((int(h), int(d)) for h, d in self.layer_dims)
+        if len(self.layer_dims) != self.num_layers:
+            raise ValueError(f"layer_dims has {len(self.layer_dims)} entries for {self.num_layers} layers")
 
     @classmethod
     def of(cls, loaded) -> CacheShape:
         """The cache shape of a `LoadedModel`'s layers, in its dtype."""
-        heads, width = kv_dims(loaded.model)  # an MLA model: one latent row per token
+        model = loaded.model
+        dims = layer_kv_dims(model)  # an MLA model: one latent row per token
         return cls(
-            len(paged_layers(loaded.model)),  # a hybrid's recurrent layers hold state, not K/V
-            heads,
-            width,
+            len(dims),  # a hybrid's recurrent layers hold state, not K/V; Gemma 4's shared layers nothing
+            *dims[0],
             loaded.dtype,
-            keys_only="_paged_kv_dims" in loaded.model.__dict__,
+            keys_only="_paged_kv_dims" in model.__dict__,
+            layer_dims=tuple(dims),
         )
 
+    @property
+    def uniform(self) -> bool:
+        """Every layer's pools have the same (kv_heads, head_dim)."""
+        return len(set(self.layer_dims)) <= 1
+
     def quantized(self, kv_bits: int | None, kv_group_size: int = 64) -> CacheShape:
-        """This shape with K/V rows stored at `kv_bits` (None: float); checks the pair fits head_dim."""
-        check_kv_quant(kv_bits, kv_group_size, self.head_dim)
+        """This shape with K/V rows stored at `kv_bits` (None: float); checks the pair fits each head_dim."""
+        for d in sorted({d for _, d in self.layer_dims}):
+            check_kv_quant(kv_bits, kv_group_size, d)
         return replace(self, kv_bits=kv_bits, kv_group_size=kv_group_size)
 
     def bytes_per_block(self, block_size: int) -> int:
         """K and V bytes of one block across all layers (codes, scales and biases when quantized)."""
-        row = row_bytes(self.head_dim, self.kv_bits, self.kv_group_size, self.dtype)
-        return (1 if self.keys_only else 2) * self.num_layers * self.num_kv_heads * block_size * row
+        rows = sum(h * row_bytes(d, self.kv_bits, self.kv_group_size, self.dtype) for h, d in self.layer_dims)
+        return (1 if self.keys_only else 2) * block_size * rows
 
 
 def slot_mapping(block_ids: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -164,11 +186,9 @@ class PagedKVCache:
             if per_layer is not None and (shape.kv_bits is None or len(per_layer) != shape.num_layers):
                 raise ValueError(f"{name} need a quantized cache and one entry per layer")
         if key_scales is not None and any(
-            tuple(c.shape) != (shape.num_kv_heads, shape.head_dim) or not bool((c > 0).all()) for c in key_scales
+            tuple(c.shape) != dims or not bool((c > 0).all()) for c, dims in zip(key_scales, shape.layer_dims)
         ):
-            raise ValueError(
-                f"key_scales must be positive [num_kv_heads, head_dim] = {[shape.num_kv_heads, shape.head_dim]}"
-            )
+            raise ValueError(f"key_scales must be positive [num_kv_heads, head_dim] per layer = {shape.layer_dims}")
         self.key_offsets = key_offsets
         self.key_scales = key_scales
         self.shape = shape
@@ -176,11 +196,11 @@ class PagedKVCache:
         self.block_size = block_size
         if shape.keys_only and (key_offsets is not None or key_scales is not None):
             raise ValueError("a keys-only pool stores its keys unscaled: they are its values too")
-        self.keys = [self._pool() for _ in range(shape.num_layers)]
-        self.values = [] if shape.keys_only else [self._pool() for _ in range(shape.num_layers)]
+        self.keys = [self._pool(*dims) for dims in shape.layer_dims]
+        self.values = [] if shape.keys_only else [self._pool(*dims) for dims in shape.layer_dims]
         mx.eval(self.arrays)
-        self._heads = mx.arange(shape.num_kv_heads)[None, :]
-        self._write_index: tuple | None = None  # (slot_mapping, blocks, heads, offsets) of the last write
+        # The last write's slot_mapping, and per KV-head count its (blocks, heads, offsets) index.
+        self._write_index: tuple[mx.array, dict] | None = None
 
     @classmethod
     def for_model(
@@ -192,12 +212,12 @@ class PagedKVCache:
             return cls(shape, num_blocks, block_size)
         return cls(shape, num_blocks, block_size, key_offsets(model, layers=paged_layers(model)), key_scales)
 
-    def _pool(self):
+    def _pool(self, kv_heads: int, head_dim: int):
         s = self.shape
         if s.kv_bits is None:
-            return mx.zeros((self.num_blocks, s.num_kv_heads, self.block_size, s.head_dim), dtype=s.dtype)
+            return mx.zeros((self.num_blocks, kv_heads, self.block_size, head_dim), dtype=s.dtype)
         return QuantizedPool.zeros(
-            self.num_blocks, s.num_kv_heads, self.block_size, s.head_dim, s.dtype, s.kv_bits, s.kv_group_size
+            self.num_blocks, kv_heads, self.block_size, head_dim, s.dtype, s.kv_bits, s.kv_group_size
         )
 
     @property
@@ -221,11 +241,15 @@ class PagedKVCache:
         Returns the updated pools of the layer (the same arrays the cache now holds).
         """
         # Every layer of a pass writes at the same slots: (block, head, offset) of each new row,
-        # broadcast to [T, num_kv_heads] once, so no layer's scatter broadcasts them again.
+        # broadcast to [T, kv_heads] once per head count, so no layer's scatter broadcasts them again.
         if self._write_index is None or self._write_index[0] is not slot_mapping:
+            self._write_index = (slot_mapping, {})
+        index = self._write_index[1]
+        kvh = k.shape[1]
+        if kvh not in index:
             blocks, offsets = (slot_mapping // self.block_size)[:, None], (slot_mapping % self.block_size)[:, None]
-            self._write_index = (slot_mapping, *mx.broadcast_arrays(blocks, self._heads, offsets))
-        _, blocks, heads, offsets = self._write_index
+            index[kvh] = mx.broadcast_arrays(blocks, mx.arange(kvh)[None, :], offsets)
+        blocks, heads, offsets = index[kvh]
         if self.shape.keys_only:  # the value rows are the key rows (MLA)
             kp = self.keys[layer]
             if self.quantized:

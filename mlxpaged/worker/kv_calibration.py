@@ -43,16 +43,13 @@ def key_scales(model, ids: list[int], block_size: int = 16) -> list[mx.array]:
     parallel model takes part, each measuring its own KV heads) and reads the keys back from
     the pools, so they are exactly the post-RoPE keys attention sees.
     """
-    from ..models.paged_adapter import kv_dims, paged_layers
+    from ..models.paged_adapter import layer_kv_dims
     from .kv_cache import CacheShape, PagedKVCache, slot_mapping
 
     if len(ids) < 2:
         raise ValueError(f"key_scales needs at least 2 calibration tokens, got {len(ids)}")
-    shape = CacheShape(
-        len(paged_layers(model)),
-        *kv_dims(model),
-        mx.float32,
-    )
+    dims = layer_kv_dims(model)
+    shape = CacheShape(len(dims), *dims[0], mx.float32, layer_dims=tuple(dims))
     n = len(ids)
     num_blocks = -(-n // block_size)
     cache = PagedKVCache(shape, num_blocks, block_size)
@@ -70,7 +67,7 @@ def key_scales(model, ids: list[int], block_size: int = 16) -> list[mx.array]:
     mx.eval(model(mx.array(ids, dtype=mx.int32), cache, meta), cache.arrays)
     scales = []
     for pool in cache.keys:  # [num_blocks, kvh, bs, d] -> the n written rows [n, kvh, d]
-        keys = pool.transpose(0, 2, 1, 3).reshape(num_blocks * block_size, shape.num_kv_heads, shape.head_dim)[:n]
+        keys = pool.transpose(0, 2, 1, 3).reshape(num_blocks * block_size, pool.shape[1], pool.shape[3])[:n]
         std = mx.sqrt(mx.var(keys, axis=0))
         std = mx.maximum(std, MIN_RELATIVE_STD * std.max(axis=-1, keepdims=True) + 1e-12)
         scales.append(std / mx.exp(mx.log(std).mean(axis=-1, keepdims=True)))
