@@ -47,7 +47,7 @@ HYBRID = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "granitemoehybrid"]
 MLA = ["deepseek_v3", "kimi_k2", "glm4_moe_lite"]
 # Chunked local attention (chunks of 6 over blocks of 4; a global NoPE layer; MoE; under language_model).
 CHUNKED = ["llama4"]
-# Per-layer KV shapes: sliding layers of 2 KV heads x 32 and full ones of 1 x 64 (a window of 5 over
+# Per-layer KV shapes: sliding layers of 2 KV heads x 32 and full ones of 1 x 128 (a window of 5 over
 # blocks of 4), the last two of four layers attending to the first two's K/V; gemma4 under `language_model`.
 PER_LAYER = ["gemma4_text", "gemma4"]
 FAMILIES = DENSE + MOE + WRAPPERS + WINDOWED + HYBRID + MLA + CHUNKED + PER_LAYER

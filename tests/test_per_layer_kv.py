@@ -3,7 +3,7 @@ that attend to another layer's K/V, against mlx-lm's own gemma4_text on its own 
 (a RotatingKVCache on each sliding layer, no cache at all on the KV-shared layers).
 
 The tiny checkpoint (tiny_model.FAMILY_CONFIGS["gemma4_text"]): four layers, sliding (0, 2) with
-2 KV heads of 32 and full (1, 3) with one KV head of 64 whose values are its key projection;
+2 KV heads of 32 and full (1, 3) with one KV head of 128 whose values are its key projection;
 layers 2 and 3 reuse the K/V of 0 and 1. tests/test_families.py runs it through the ragged,
 copy-on-write, preemption and 8-bit family tests.
 """
@@ -104,7 +104,8 @@ def test_beams_match_a_beam_search_on_mlx_lm_caches(gemma4, width):
 
 def test_ngram_speculation_rolls_back_on_both_pool_shapes(gemma4):
     _, loaded, ref_model, tok = gemma4[3]
-    prompt = tok.encode(" the cache stores blocks of keys") * 4
+    phrase = tok.encode(" the cache stores blocks of keys")
+    prompt = phrase * 4 + phrase[:3]  # ends inside the phrase: the first decode step has proposals
     engine = _engine(
         loaded, speculative="ngram", num_speculative_tokens=3, prompt_lookup_min=1, async_scheduling=False
     )
@@ -128,7 +129,7 @@ def test_disk_tier_stores_and_loads_pools_of_two_widths(gemma4, tmp_path):
 
 
 def test_8bit_pools_equal_a_reference_rounding_kv_as_they_do(gemma4, monkeypatch):
-    """Each pool quantizes its own rows (groups of 32 over head_dim 32 and 64): with the key scales
+    """Each pool quantizes its own rows (groups of 32 over head_dim 32 and 128): with the key scales
     off, the tokens are exactly those of mlx-lm's model whose caches round each K/V row the same way."""
     import mlx_lm.models.cache as mlx_cache
 

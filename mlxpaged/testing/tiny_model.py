@@ -312,7 +312,7 @@ FAMILY_CONFIGS = {
     },
     "gemma3": {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": "gemma3_text"},  # multimodal wrapper
     # Per-layer KV shapes: sliding layers (0, 2) 2 KV heads of 32, full ones (1, 3) one KV head of
-    # 64 (K = V projection, partial "proportional" RoPE); layers 2 and 3 reuse the K/V of 0 and 1.
+    # 128 (K = V projection, partial "proportional" RoPE); layers 2 and 3 reuse the K/V of 0 and 1.
     "gemma4_text": {
         "architectures": ["Gemma4ForCausalLM"],
         "num_hidden_layers": 4,
@@ -320,7 +320,7 @@ FAMILY_CONFIGS = {
         "num_global_key_value_heads": 1,
         "attention_k_eq_v": True,
         "head_dim": 32,
-        "global_head_dim": 64,
+        "global_head_dim": 128,
         "num_kv_shared_layers": 2,
         "sliding_window": 5,
         "sliding_window_pattern": 2,
