@@ -45,7 +45,9 @@ def gemma4(tmp_path_factory):
 
 
 def _engine(loaded, **kw):
-    return LLMEngine(loaded, EngineConfig.of(**{"block_size": 4, "num_blocks": 96, "attention_impl": "reference", **kw}))
+    return LLMEngine(
+        loaded, EngineConfig.of(**{"block_size": 4, "num_blocks": 96, "attention_impl": "reference", **kw})
+    )
 
 
 def test_each_layer_pool_has_its_own_shape_and_shared_layers_have_none(gemma4):
@@ -59,7 +61,10 @@ def test_each_layer_pool_has_its_own_shape_and_shared_layers_have_none(gemma4):
     assert len(engine.kv_cache.keys) == len(engine.kv_cache.values) == cfg["num_hidden_layers"] - shared
     sliding = (cfg["num_key_value_heads"], cfg["head_dim"])
     full = (cfg["num_global_key_value_heads"], cfg["global_head_dim"])
-    assert [tuple(p.shape) for p in engine.kv_cache.keys] == [(10, sliding[0], 4, sliding[1]), (10, full[0], 4, full[1])]
+    assert [tuple(p.shape) for p in engine.kv_cache.keys] == [
+        (10, sliding[0], 4, sliding[1]),
+        (10, full[0], 4, full[1]),
+    ]
     # Bytes per block from the config alone (float32 K and V rows), and as the pools hold them.
     want = 2 * 4 * 4 * (sliding[0] * sliding[1] + full[0] * full[1])
     assert engine.cache_shape.bytes_per_block(4) == want
@@ -106,9 +111,7 @@ def test_ngram_speculation_rolls_back_on_both_pool_shapes(gemma4):
     _, loaded, ref_model, tok = gemma4[3]
     phrase = tok.encode(" the cache stores blocks of keys")
     prompt = phrase * 4 + phrase[:3]  # ends inside the phrase: the first decode step has proposals
-    engine = _engine(
-        loaded, speculative="ngram", num_speculative_tokens=3, prompt_lookup_min=1, async_scheduling=False
-    )
+    engine = _engine(loaded, speculative="ngram", num_speculative_tokens=3, prompt_lookup_min=1, async_scheduling=False)
     rid = engine.add_request(prompt, greedy(32))
     assert run_all(engine)[rid].outputs[0].token_ids == contiguous_generate(ref_model, prompt, 32)
     assert engine.stats.spec_proposed_tokens > engine.stats.spec_accepted_tokens  # some were rejected
@@ -160,3 +163,23 @@ def test_cache_shape_checks_each_layers_head_dim():
     with pytest.raises(ValueError, match="layer_dims has 1 entries for 2 layers"):
         CacheShape(2, 2, 32, mx.float16, layer_dims=((2, 32),))
     assert CacheShape(3, 2, 32, mx.float16).layer_dims == ((2, 32),) * 3
+
+
+@pytest.mark.parametrize("window", [3, 9])
+def test_gemma3n_shared_layers_read_their_source_cache(tmp_path, window):
+    """Gemma 3n hands a KV-shared layer its source layer's cache object (`keys_and_values`, then
+    attention with `cache=` it): the paged cache's pools and window serve both layers. Chunked
+    prefill over blocks of 4 and a prefix hit, against mlx-lm's own model and caches."""
+    path = write_tiny_family(tmp_path / "g3n", "gemma3n", sliding_window=window)
+    ref_model, tok = mlx_lm.load(str(path))
+    loaded = load(str(path), "float32")
+    assert len(make_prompt_cache(ref_model)) == 2 and len(loaded.model.layers) == 4
+    engine = _engine(loaded, max_num_batched_tokens=8)
+    assert len(engine.kv_cache.keys) == 2
+    first = engine.add_request(SYSTEM, greedy(16))
+    done = run_all(engine)
+    second = engine.add_request(LONG, greedy(16))
+    done |= run_all(engine)
+    assert done[second].num_cached_tokens >= 8
+    for rid, prompt in ((first, SYSTEM), (second, LONG)):
+        assert done[rid].outputs[0].token_ids == contiguous_generate(ref_model, tok.encode(prompt), 16), window

@@ -67,7 +67,7 @@ CHUNKED = ("llama4",)
 # have other KV heads than the sliding ones (`CacheShape.layer_dims`), and the last
 # `num_kv_shared_layers` layers attend to an earlier layer's K/V, writing none of their own
 # (`SharedLayerCache`); sliding windows as in WINDOWED. gemma4: gemma4_text under `language_model`.
-PER_LAYER = ("gemma4_text", "gemma4")
+PER_LAYER = ("gemma4_text", "gemma4", "gemma3n")
 FAMILIES = DENSE + MOE + WRAPPERS + WINDOWED + HYBRID + MLA + CHUNKED + PER_LAYER
 _SDPA_PARAMS = ["queries", "keys", "values", "cache", "scale", "mask"]
 
@@ -126,6 +126,15 @@ class PagedLayerCache:
             self.layer, keys.reshape(T, kvh, hd), values.reshape(T, kvh, -1), self.meta.slot_mapping
         )
         return keys, values
+
+    def keys_and_values(self):
+        """What a layer reading this layer's cache sees (Gemma 3n's KV-shared layers, which then
+        attend with `cache=` this cache): the pools, which `attend` reads through the block tables."""
+        if self.pools is None:
+            raise AdapterError(
+                f"layer {self.layer}'s cache was read before it was written: the paged adapter needs updating"
+            )
+        return self.pools
 
     def attend(self, queries: mx.array, scale: float, mask, sinks=None) -> mx.array:
         """queries `[T, heads, 1, head_dim]` -> `[T, heads, 1, head_dim]` over the paged pools."""
@@ -584,10 +593,6 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
 
 
 _MLA = "multi-head latent attention (MLA: its cache holds a compressed latent, not per-head keys and values)"
-_GEMMA3N = (
-    "AltUp and LAuReL blocks, and KV-shared layers that read their source layer's cache object "
-    "(mlxpaged runs Gemma 4's shared layers, not Gemma 3n's)"
-)
 # What the paged cache lacks for mlx-lm architectures whose per-layer caches do not say it.
 MISSING = {
     **dict.fromkeys(
@@ -628,7 +633,6 @@ MISSING = {
         ),
         "linear-attention / state-space layers (their recurrent state is no key/value cache)",
     ),
-    "gemma3n": _GEMMA3N,
 }
 
 
@@ -725,19 +729,21 @@ def prepare(model: nn.Module, config: dict, where) -> nn.Module:
     object.__setattr__(model, "_paged_recurrent", sizes)
     pool = iter(range(len(sizes)))
     kv_index = [None if s is not None else next(pool) for s in sizes]
-    shared = _shared_layers(model, len(sizes))
-    if shared is not None:  # Gemma 4: make_prompt_cache gives only the layers that write a cache
+    shared, by_model = _shared_layers(model, len(sizes))
+    if shared is not None:  # Gemma 4, 3n: make_prompt_cache gives only the layers that write a cache
         windows = model._paged_windows
         kv_index += [None] * (len(shared) - len(kv_index))
         object.__setattr__(model, "_paged_recurrent", sizes + [None] * (len(shared) - len(sizes)))
-        object.__setattr__(model, "_paged_shared", shared)
+        if not by_model:  # Gemma 3n hands a shared layer its source's cache object itself
+            object.__setattr__(model, "_paged_shared", shared)
         object.__setattr__(model, "_paged_windows", [windows[s if s is not None else i] for i, s in enumerate(shared)])
         object.__setattr__(model, "_paged_chunks", [None] * len(shared))
     object.__setattr__(model, "_paged_kv_index", kv_index)
     for module in attention_modules(model):
         _install_sdpa(module)
     args = model.args
-    text_args = getattr(text_body(model), "args", None)
+    body = text_body(model)
+    text_args = getattr(body, "args", None) or getattr(body, "config", None)  # gemma3n: LanguageModel.config
     if text_args is None and isinstance(model.get("language_model"), nn.Module):  # qwen3_5: args on TextModel
         text_args = getattr(model.language_model, "args", None)
     for name in _TEXT_ARGS:  # a wrapper's args hold only its text_config: the engine reads these
@@ -760,17 +766,21 @@ def prepare(model: nn.Module, config: dict, where) -> nn.Module:
     return model
 
 
-def _shared_layers(model: nn.Module, num_cached: int) -> list | None:
-    """Per layer, the index of the layer whose K/V it attends to instead of its own (Gemma 4's
-    `previous_kvs`), or None for a layer that has its own; None for a model without such layers."""
+def _shared_layers(model: nn.Module, num_cached: int) -> tuple[list | None, bool]:
+    """(per layer, the index of the layer whose K/V it attends to instead of its own, or None for
+    a layer with its own; whether the model hands that layer its source's cache object itself):
+    Gemma 4's `previous_kvs` (it passes the source's K/V, not its cache), Gemma 3n's
+    `layer_idx_to_cache_idx` (it passes the cache). (None, False) for a model without such layers."""
     layers = model.layers
     if num_cached == len(layers):
-        return None
-    previous = getattr(text_body(model), "previous_kvs", None)
+        return None, False
+    body = text_body(model)
+    by_model = hasattr(body, "layer_idx_to_cache_idx")
+    previous = body.layer_idx_to_cache_idx if by_model else getattr(body, "previous_kvs", None)
     if previous is None or len(previous) != len(layers) or any(previous[i] != i for i in range(num_cached)):
         raise AdapterError(
             f"{inspect.getfile(type(model))}: mlx-lm's make_prompt_cache gives {num_cached} of "
-            f"{len(layers)} layers a cache, and the text model names no `previous_kvs` for the rest: "
-            "the paged adapter needs updating"
+            f"{len(layers)} layers a cache, and the text model names no `previous_kvs` (or "
+            "`layer_idx_to_cache_idx`) for the rest: the paged adapter needs updating"
         )
-    return [None if p == i else p for i, p in enumerate(previous)]
+    return [None if p == i else p for i, p in enumerate(previous)], by_model

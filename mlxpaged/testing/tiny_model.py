@@ -330,6 +330,27 @@ FAMILY_CONFIGS = {
         "rope_scaling": None,
     },
     "gemma4": {"architectures": ["Gemma4ForConditionalGeneration"], "text_config": "gemma4_text"},
+    # Gemma 3n (text part): AltUp over 4 streams, LAuReL, activation sparsity on layer 0, per-layer
+    # inputs; sliding layers 0 and 2, full 1 and 3; layers 2 and 3 read the caches of 0 and 1.
+    "gemma3n": {"architectures": ["Gemma3nForConditionalGeneration"], "text_config": "gemma3n_text"},
+    "gemma3n_text": {
+        "num_hidden_layers": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "num_kv_shared_layers": 2,
+        "sliding_window": 5,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "rope_local_base_freq": 10000.0,
+        "final_logit_softcapping": 30.0,
+        "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
+        "hidden_size_per_layer_input": 16,
+        "vocab_size_per_layer_input": None,  # set to the vocabulary by write_tiny_family
+        "altup_num_inputs": 4,
+        "altup_coef_clip": 120.0,
+        "altup_correct_scale": True,
+        "altup_active_idx": 0,
+        "laurel_rank": 8,
+    },
     "olmo3": {
         "architectures": ["Olmo3ForCausalLM"],
         "num_key_value_heads": 2,
@@ -476,7 +497,10 @@ def write_tiny_thinker(path: Path) -> Path:
 
 # Gemma 4 scales its embeddings by sqrt(hidden): drawn at 1 they would drown every layer's output
 # (RMS 1 after its post-norms), so the tokens would barely depend on attention.
-EMBED_STD = {"gemma4_text": 256**-0.5, "gemma4": 256**-0.5}
+EMBED_STD = {"gemma4_text": 256**-0.5, "gemma4": 256**-0.5, "gemma3n": 256**-0.5}
+# Gemma 3n ties its output layer to the embedding, which then dominates the residual stream, and
+# repeats one token; its layers' post-norms drawn larger let attention decide the tokens.
+NORM_WEIGHTS = {"gemma3n": 8.0}
 # lfm2 ties its output layer to the embedding, and at 4.0 its random checkpoint repeats one token;
 # llama4 at 4.0 has near-ties within its first 8 tokens (too close for the 8-bit test to compare).
 LOGIT_SCALES = {"lfm2": 1.0, "llama4": 8.0}
@@ -518,7 +542,12 @@ def write_tiny_family(
         config["vocab_size_per_layer_input"] = vocab
     config = {k: v for k, v in config.items() if v is not None or k in KEEP_NULL}
     if isinstance(config.get("text_config"), str):  # a wrapper: the text model is that family's config
-        inner = {**config, **FAMILY_CONFIGS.get(config["text_config"], {}), "model_type": config["text_config"]}
+        inner = {
+            **config,
+            **FAMILY_CONFIGS.get(config["text_config"], {}),
+            **overrides,
+            "model_type": config["text_config"],
+        }
         inner.pop("architectures", None)
         inner.pop("text_config")
         if "vocab_size_per_layer_input" in inner:
@@ -536,6 +565,8 @@ def write_tiny_family(
             a = np.ones(p.shape)
         elif "norm" in name and p.ndim == 1:  # norm weights one (gemma's RMSNorm adds its own one), biases zero
             a = np.zeros(p.shape) if (name.endswith("bias") or model_type in ONE_PLUS_NORMS) else np.ones(p.shape)
+            if model_type in NORM_WEIGHTS and ".post_" in name and not name.endswith("bias"):
+                a = a * NORM_WEIGHTS[model_type]
         elif name.endswith("sinks"):  # gpt-oss's per-head sink logits: large enough to change the tokens
             a = rng.normal(1.0, 1.0, size=p.shape)
         elif p.ndim == 1:
