@@ -67,6 +67,7 @@ CHUNKED = ("llama4",)
 # have other KV heads than the sliding ones (`CacheShape.layer_dims`), and the last
 # `num_kv_shared_layers` layers attend to an earlier layer's K/V, writing none of their own
 # (`SharedLayerCache`); sliding windows as in WINDOWED. gemma4: gemma4_text under `language_model`.
+# Gemma 3n: uniform shapes, and its module hands a shared layer the source's cache itself.
 PER_LAYER = ("gemma4_text", "gemma4", "gemma3n")
 FAMILIES = DENSE + MOE + WRAPPERS + WINDOWED + HYBRID + MLA + CHUNKED + PER_LAYER
 _SDPA_PARAMS = ["queries", "keys", "values", "cache", "scale", "mask"]
@@ -181,7 +182,6 @@ class SharedLayerCache(PagedLayerCache):
         self.source = source
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        self.pools = self.source.pools
         return keys, values
 
     def attend(self, queries: mx.array, scale: float, mask, sinks=None) -> mx.array:
@@ -731,13 +731,13 @@ def prepare(model: nn.Module, config: dict, where) -> nn.Module:
     kv_index = [None if s is not None else next(pool) for s in sizes]
     shared, by_model = _shared_layers(model, len(sizes))
     if shared is not None:  # Gemma 4, 3n: make_prompt_cache gives only the layers that write a cache
-        windows = model._paged_windows
         kv_index += [None] * (len(shared) - len(kv_index))
         object.__setattr__(model, "_paged_recurrent", sizes + [None] * (len(shared) - len(sizes)))
         if not by_model:  # Gemma 3n hands a shared layer its source's cache object itself
             object.__setattr__(model, "_paged_shared", shared)
-        object.__setattr__(model, "_paged_windows", [windows[s if s is not None else i] for i, s in enumerate(shared)])
-        object.__setattr__(model, "_paged_chunks", [None] * len(shared))
+        for name in ("_paged_windows", "_paged_chunks"):  # a shared layer attends as its source does
+            per = model.__dict__[name]
+            object.__setattr__(model, name, [per[i if s is None else s] for i, s in enumerate(shared)])
     object.__setattr__(model, "_paged_kv_index", kv_index)
     for module in attention_modules(model):
         _install_sdpa(module)

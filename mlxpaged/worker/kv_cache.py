@@ -31,8 +31,7 @@ from ..models.paged_adapter import layer_kv_dims, paged_layers
 class CacheShape:
     """What the pools hold. Invariant: `layer_dims` has one `(kv_heads, head_dim)` per layer;
     built without it, every layer is `(num_kv_heads, head_dim)`. With it, `num_kv_heads` and
-    `head_dim` are layer 0's (read only where every layer must agree: the kernel check's shape
-    family is per pool)."""
+    `head_dim` are layer 0's; the pools, the bytes and the quantization check read `layer_dims`."""
 
     num_layers: int
     num_kv_heads: int
@@ -65,11 +64,6 @@ class CacheShape:
             keys_only="_paged_kv_dims" in model.__dict__,
             layer_dims=tuple(dims),
         )
-
-    @property
-    def uniform(self) -> bool:
-        """Every layer's pools have the same (kv_heads, head_dim)."""
-        return len(set(self.layer_dims)) <= 1
 
     def quantized(self, kv_bits: int | None, kv_group_size: int = 64) -> CacheShape:
         """This shape with K/V rows stored at `kv_bits` (None: float); checks the pair fits each head_dim."""
