@@ -126,6 +126,7 @@ FILE_TIERS = {
     "test_hybrid.py": "engine",
     "test_windows.py": "engine",
     "test_per_layer_kv.py": "engine",
+    "test_window_groups.py": "engine",
     "test_gguf_llama.py": "engine",
     "test_guided.py": "engine",
     "test_cli_knobs.py": "engine",

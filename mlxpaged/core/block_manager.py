@@ -10,6 +10,15 @@ A `SecondTier` (the disk store, worker/prefix_store.py) may sit under the pool: 
 `match_second_tier` asks it for the next blocks of a prompt and takes fresh blocks for those it
 has (the engine copies their bytes in before the step's forward pass), and `cache_full_blocks`
 lists the newly named blocks it wants (`to_store`) for the engine to hand over.
+
+A model with sliding-window layers gets a second group (vLLM's `SlidingWindowManager`): the
+windowed layers' K/V live in pools of their own, indexed by `window_pool`'s block ids through
+each sequence's `window_table`, and a block that has fallen wholly out of the window of every
+token still to compute goes back to that pool while the sequence runs. The full-attention layers
+keep `block_table` as before. Both tables have one entry per logical block; a hit, a fork, a
+copy-on-write, a truncation and a free act on both, and a block full in one is named in both
+under the same hash (so a prefix hit needs the full group's blocks and only the window's tail of
+the windowed group's).
 """
 
 from __future__ import annotations
@@ -54,6 +63,24 @@ def sha256_block_hash(parent: bytes | None, token_ids: tuple[int, ...], extra_ke
     return h.digest()
 
 
+class Copies(list):
+    """Copy-on-write copies `(src, dst)` of the full-attention group, and in `window` those of the
+    windowed group (`BlockManager.window_pool`'s block ids)."""
+
+    def __init__(self, copies=(), window=()):
+        super().__init__(copies)
+        self.window = list(window)
+
+
+class Loads(list):
+    """Blocks taken from the second tier, `(block_hash, block_id)`, and in `window` the
+    `(block_hash, window block id)` of those the windowed group needs (the hit's last window)."""
+
+    def __init__(self, loads=(), window=()):
+        super().__init__(loads)
+        self.window = list(window)
+
+
 def blocks_for_request(num_prompt_tokens: int, n: int, max_tokens: int, block_size: int) -> int:
     """Blocks one request holds at most: its n samples at full length, sharing the prompt's full blocks."""
     shared = num_prompt_tokens // block_size if n > 1 else 0
@@ -77,7 +104,11 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         hash_fn: HashFn = sha256_block_hash,
         extra_key: bytes = b"",
+        window: int | None = None,
+        window_blocks: int | None = None,
     ):
+        """`window`: the windowed layers' sliding window (the largest, if they differ), which gives
+        them a group of their own with `window_blocks` blocks (default `num_blocks`); None: one group."""
         if block_size < 1 or block_size > 256 or block_size & (block_size - 1):
             raise ValueError(f"block size must be a power of two from 1 to 256, got {block_size}")
         self.pool = BlockPool(num_blocks)
@@ -89,37 +120,72 @@ class BlockManager:
         self.second_tier: SecondTier | None = None
         self.checkpoints: StateCheckpoints | None = None  # set for a hybrid model: hits end at a checkpoint
         self.to_store: list[tuple[bytes, int, tuple[int, ...]]] = []  # (block_hash, block_id, token_ids)
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        self.window_pool = BlockPool(window_blocks or num_blocks) if window is not None else None
 
     # -- sizing ---------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Fresh blocks `allocate_slots(seq, num_new_tokens)` would take (copy-on-write included)."""
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int, table: list | None = None) -> int:
+        """Fresh blocks `allocate_slots(seq, num_new_tokens)` would take (copy-on-write included)
+        from the pool of `table` (default: the full-attention group's `block_table`)."""
         bs = self.block_size
+        table = seq.block_table if table is None else table
         end = seq.num_computed_tokens + num_new_tokens
-        need = max(0, self.blocks_for(end) - len(seq.block_table))
-        if num_new_tokens and seq.num_computed_tokens % bs and seq.block_table[-1].ref_cnt > 1:
+        need = max(0, self.blocks_for(end) - len(table))
+        if num_new_tokens and seq.num_computed_tokens % bs and table[-1].ref_cnt > 1:
             need += 1
         return need
 
+    def first_in_window(self, num_tokens: int) -> int:
+        """The first block a token at position `num_tokens` (or later) can see through the window:
+        blocks before it hold only positions below `num_tokens - window + 1`."""
+        return max(0, (num_tokens - self.window + 1) // self.block_size) if self.window is not None else 0
+
+    def fits(self, num_tokens: int, headroom: int = 0) -> bool:
+        """Whether an empty sequence's first `num_tokens` tokens fit in the free blocks, with
+        `headroom` full-group blocks to spare (the windowed group needs at most a window's worth)."""
+        need = self.blocks_for(num_tokens)
+        if need + headroom > self.pool.num_free:
+            return False
+        return self.window_pool is None or min(need, self.blocks_for(self.window) + 1) <= self.window_pool.num_free
+
+    def _drop_out_of_window(self, seq: Sequence) -> None:
+        """Release the windowed group's blocks that no token still to compute can see."""
+        table = seq.window_table
+        for i in range(min(self.first_in_window(seq.num_computed_tokens), len(table))):
+            if table[i] is not None:
+                self.window_pool.release(table[i])
+                table[i] = None
+
     # -- the allocator ----------------------------------------------------------------------
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> Copies | None:
         """Make room to store `num_new_tokens` more tokens of `seq`.
 
         Returns the (src, dst) block copies to apply before writing (copy-on-write of a shared,
-        partly filled last block), or `None` with nothing changed if the pool is short.
+        partly filled last block; the windowed group's in `.window`), or `None` with nothing
+        changed if a pool is short (but the windowed group's blocks out of the window are
+        released first: no token can see them whatever happens).
         """
         if num_new_tokens < 0:
             raise ValueError("num_new_tokens must be >= 0")
+        wpool = self.window_pool
+        if wpool is not None:
+            self._drop_out_of_window(seq)
         table, computed = seq.block_table, seq.num_computed_tokens
         if computed + num_new_tokens <= len(table) * self.block_size and (
-            not computed % self.block_size or table[-1].ref_cnt == 1
+            not computed % self.block_size
+            or (table[-1].ref_cnt == 1 and (wpool is None or seq.window_table[-1].ref_cnt == 1))
         ):
-            return []  # the usual decode: room in its own last block (what the general path finds, cheaper)
+            return Copies()  # the usual decode: room in its own last block (what the general path finds, cheaper)
         if self.blocks_needed(seq, num_new_tokens) > self.pool.num_free:
             return None
-        copies = []
+        if wpool is not None and self.blocks_needed(seq, num_new_tokens, seq.window_table) > wpool.num_free:
+            return None
+        copies = Copies()
         if num_new_tokens and seq.num_computed_tokens % self.block_size:
             last = seq.block_table[-1]
             if last.ref_cnt > 1:
@@ -131,9 +197,16 @@ class BlockManager:
                 # The copy is the target pool's: a draft model's rows of that block start over.
                 start = (len(seq.block_table) - 1) * self.block_size
                 seq.draft_computed = min(seq.draft_computed, start)
+            if wpool is not None and seq.window_table[-1].ref_cnt > 1:
+                last, fresh = seq.window_table[-1], wpool.allocate()
+                copies.window.append((last.block_id, fresh.block_id))
+                wpool.release(last)
+                seq.window_table[-1] = fresh
         end = seq.num_computed_tokens + num_new_tokens
         while len(seq.block_table) < self.blocks_for(end):
             seq.block_table.append(self.pool.allocate())
+            if wpool is not None:
+                seq.window_table.append(wpool.allocate())
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -141,6 +214,11 @@ class BlockManager:
         for block in parent.block_table:
             self.pool.acquire(block)
         child.block_table = list(parent.block_table)
+        if self.window_pool is not None:
+            for block in parent.window_table:
+                if block is not None:
+                    self.window_pool.acquire(block)
+            child.window_table = list(parent.window_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
         child.draft_computed = parent.draft_computed
@@ -151,7 +229,11 @@ class BlockManager:
         """Release the sequence's blocks, tail first, so the LRU evicts its tail before its head."""
         for block in reversed(seq.block_table):
             self.pool.release(block)
+        for block in reversed(seq.window_table):
+            if block is not None:
+                self.window_pool.release(block)
         seq.block_table = []
+        seq.window_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
         seq.draft_computed = 0
@@ -168,10 +250,15 @@ class BlockManager:
             raise ValueError(f"cannot truncate to {num_tokens} tokens: {seq.num_computed_tokens} are stored")
         if len(seq.block_hashes) * self.block_size > num_tokens:
             raise ValueError(f"cannot truncate to {num_tokens} tokens: {len(seq.block_hashes)} blocks are named")
+        if self.window_pool is not None and seq.window_table[self.first_in_window(num_tokens) :].count(None):
+            raise ValueError(f"cannot truncate to {num_tokens} tokens: the window's blocks there were released")
         keep = self.blocks_for(num_tokens)
         for block in reversed(seq.block_table[keep:]):
             self.pool.release(block)
         del seq.block_table[keep:]
+        for block in reversed(seq.window_table[keep:]):
+            self.window_pool.release(block)
+        del seq.window_table[keep:]
         seq.num_computed_tokens = num_tokens
         seq.draft_computed = min(seq.draft_computed, num_tokens)
 
@@ -187,42 +274,76 @@ class BlockManager:
 
         Considers the first `num_tokens` tokens (all by default), stops at the first miss and
         never covers the last of them, which must be computed (its logits, or a fork point).
-        Cannot fail: hits take no fresh block.
+        The hit ends where every group can resume: the windowed group needs only the blocks the
+        window sees from there, a hybrid model's recurrent layers a kept checkpoint. Cannot fail:
+        hits take no fresh block.
         """
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching:
             return 0
         bs = self.block_size
         limit = seq.num_tokens if num_tokens is None else num_tokens
+        hits: list[tuple[bytes, tuple[int, ...], object]] = []  # (hash, tokens, full-group block)
         for i in range((limit - 1) // bs):
-            h = self._block_hash(seq, i)
-            block = self.pool.lookup(h, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+            t = self._tokens(seq, i)
+            parent = hits[-1][0] if hits else None
+            h = self.hash_fn(parent, t, self.extra_key + seq.cache_salt if i == 0 else self.extra_key)
+            block = self.pool.lookup(h, t)
             if block is None:
                 break
+            hits.append((h, t, block))
+        k = self._resume_point(hits, len(hits))
+        for h, _, block in hits[:k]:
             self.pool.acquire(block)
             seq.block_table.append(block)
             seq.block_hashes.append(h)
-        if self.checkpoints is not None:  # recurrent layers resume only where a checkpoint is kept
-            while seq.block_hashes and not self.checkpoints.has(seq.block_hashes[-1]):
-                seq.block_hashes.pop()
-                self.pool.release(seq.block_table.pop())
-        seq.num_computed_tokens = len(seq.block_table) * bs
+        if self.window_pool is not None:
+            first = self.first_in_window(k * bs)
+            seq.window_table = [None] * first
+            for h, t, _ in hits[first:k]:
+                block = self.window_pool.lookup(h, t)
+                self.window_pool.acquire(block)
+                seq.window_table.append(block)
+        seq.num_computed_tokens = k * bs
         return seq.num_computed_tokens
 
-    def match_second_tier(self, seq: Sequence, num_tokens: int | None = None) -> list[tuple[bytes, int]]:
+    def _tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
+        return tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+
+    def _resume_point(self, hits: list, k: int) -> int:
+        """The most of the first `k` named blocks `hits` (hash, tokens, ...) a hit may take: the
+        windowed group holds the blocks its window sees from there, and a hybrid model keeps the
+        recurrent state there."""
+        while k:
+            miss = None
+            if self.window_pool is not None:
+                for i in range(k - 1, self.first_in_window(k * self.block_size) - 1, -1):
+                    if self.window_pool.lookup(hits[i][0], hits[i][1]) is None:
+                        miss = i
+                        break
+            if miss is not None:
+                k = miss  # every hit past a missing window block needs it
+            elif self.checkpoints is not None and not self.checkpoints.has(hits[k - 1][0]):
+                k -= 1
+            else:
+                return k
+        return 0
+
+    def match_second_tier(self, seq: Sequence, num_tokens: int | None = None) -> Loads:
         """After `match_prefix`, take fresh blocks for the leading blocks the second tier has.
 
         Same limit as `match_prefix` (never the last token). The blocks join the table and the
         prefix cache at once; returns their (block_hash, block_id) for the engine to fill before
-        the next forward pass. Takes only free blocks, so it cannot fail.
+        the next forward pass (and in `.window` the windowed group's fresh blocks, the window's
+        tail of the hit only). Takes only free blocks, so it cannot fail.
         """
         if self.second_tier is None or not self.enable_prefix_caching:
-            return []
+            return Loads()
         bs = self.block_size
         limit = seq.num_tokens if num_tokens is None else num_tokens
         first, last = len(seq.block_table), (limit - 1) // bs
         if first >= last or len(seq.block_hashes) != first:
-            return []
+            return Loads()
         hashes, tokens = [], []
         parent = seq.block_hashes[-1] if first else None
         for i in range(first, last):
@@ -231,16 +352,31 @@ class BlockManager:
             hashes.append(parent)
             tokens.append(t)
         n = min(self.second_tier.lookup(hashes, tokens), self.pool.num_free)
+        wpool = self.window_pool
+        while n and wpool is not None and n - max(0, self.first_in_window((first + n) * bs) - first) > wpool.num_free:
+            n -= 1  # the windowed group takes a fresh block for each loaded block its window sees
         if self.checkpoints is not None:  # as in match_prefix: the hit ends where a state is kept
             while n and not self.checkpoints.has(hashes[n - 1]):
                 n -= 1
-        loads = []
+        loads = Loads()
         for h, t in zip(hashes[:n], tokens[:n]):
             block = self.pool.allocate()
             self.pool.cache(block, h, t)
             seq.block_table.append(block)
             seq.block_hashes.append(h)
             loads.append((h, block.block_id))
+        if wpool is not None and n:
+            start = self.first_in_window((first + n) * bs)
+            for i in range(min(start, first)):  # memory hits the loaded blocks moved the window past
+                if seq.window_table[i] is not None:
+                    wpool.release(seq.window_table[i])
+                    seq.window_table[i] = None
+            seq.window_table += [None] * max(0, start - first)
+            for h, t in zip(hashes[max(0, start - first) : n], tokens[max(0, start - first) : n]):
+                block = wpool.allocate()
+                wpool.cache(block, h, t)
+                seq.window_table.append(block)
+                loads.window.append((h, block.block_id))
         seq.num_computed_tokens = len(seq.block_table) * bs
         return loads
 
@@ -259,6 +395,8 @@ class BlockManager:
             seq.block_hashes.append(h)
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             self.pool.cache(seq.block_table[i], h, tokens)
+            if self.window_pool is not None and seq.window_table[i] is not None:
+                self.window_pool.cache(seq.window_table[i], h, tokens)
             # the disk tier keeps prompt blocks only: a generated block is rarely asked for again
             prompt_block = (i + 1) * self.block_size <= seq.num_prompt_tokens
             if self.second_tier is not None and prompt_block and self.second_tier.wants(h):
@@ -276,4 +414,23 @@ class BlockManager:
         for b in self.pool.blocks:
             assert b.ref_cnt == counts[b.block_id], (
                 f"block {b.block_id}: ref_cnt {b.ref_cnt} != {counts[b.block_id]} tables"
+            )
+        if self.window_pool is None:
+            return
+        wpool = self.window_pool
+        wpool.check()
+        counts = [0] * wpool.num_blocks
+        for s in seqs:
+            table = s.window_table
+            assert len(table) == len(s.block_table), "the groups' tables differ in length"
+            # what a token still to compute can see is held; only blocks before it may be released
+            assert None not in table[self.first_in_window(s.num_computed_tokens) :], (
+                "a block in the window was released"
+            )
+            for b in table:
+                if b is not None:
+                    counts[b.block_id] += 1
+        for b in wpool.blocks:
+            assert b.ref_cnt == counts[b.block_id], (
+                f"window block {b.block_id}: ref_cnt {b.ref_cnt} != {counts[b.block_id]}"
             )

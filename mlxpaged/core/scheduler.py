@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from ..config import EngineConfig
 from .beam_policy import BeamPolicy
-from .block_manager import BlockManager
+from .block_manager import BlockManager, Loads
 from .block_pool import Resize
 from .sequence import FinishReason, PendingToken, Request, RequestStatus, Sequence
 from .spec_policy import SpecDecode, SpecPolicy
@@ -53,18 +53,30 @@ class SchedulerOutput:
     prefills: list[PrefillChunk] = field(default_factory=list)
     decodes: list[tuple[Request, Sequence]] = field(default_factory=list)
     copies: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (seq, src, dst) copy-on-write
+    window_copies: list[tuple[Sequence, int, int]] = field(default_factory=list)  # the windowed group's
     preempted: list[Request] = field(default_factory=list)
     # (block_hash, block_id) to fill from the prefix cache's second tier before the forward pass.
     # Kept even if their request is preempted in the same step: the blocks stay cached under the hash.
     loads: list[tuple[bytes, int]] = field(default_factory=list)
+    window_loads: list[tuple[bytes, int]] = field(default_factory=list)  # the windowed group's blocks of `loads`
     spec: list[SpecDecode] = field(default_factory=list)
     read_back_now: bool = False  # a sequence may speculate next step: it needs this step's tokens first
     # The pool grew while this step was scheduled: the device pools take its size before the step runs.
     resize: Resize | None = None
+    window_resize: Resize | None = None  # the same for the windowed group's pool
 
     @property
     def block_copies(self) -> list[tuple[int, int]]:
         return [(src, dst) for _, src, dst in self.copies]
+
+    @property
+    def window_block_copies(self) -> list[tuple[int, int]]:
+        return [(src, dst) for _, src, dst in self.window_copies]
+
+    def add_copies(self, seq: Sequence, copies) -> None:
+        """Record `BlockManager.allocate_slots`' copies for `seq` (both groups)."""
+        self.copies.extend((seq, s, d) for s, d in copies)
+        self.window_copies.extend((seq, s, d) for s, d in copies.window)
 
     @property
     def num_decode_tokens(self) -> int:
@@ -174,6 +186,8 @@ class Scheduler:
             budget = self._schedule_prefill(req, budget, out)
         out.read_back_now = speculate and self.spec.needs_read_back(out)
         out.resize = self.bm.pool.take_resize()
+        if self.bm.window_pool is not None:
+            out.window_resize = self.bm.window_pool.take_resize()
         return out
 
     # -- speculative decoding: the scheduler's side is core/spec_policy.py -------------------------
@@ -226,11 +240,12 @@ class Scheduler:
         return seq.pending is not None and seq.num_tokens - seq.num_prompt_tokens >= req.params.max_tokens
 
     def _admit(self, req: Request, out: SchedulerOutput) -> None:
-        hits, loads = 0, []
+        hits, loads = 0, Loads()
         if req.params.prompt_logprobs is None:  # scoring every prompt position computes every one
             hits = self.bm.match_prefix(req.carrier, req.prefill_target())
             loads = self.bm.match_second_tier(req.carrier, req.prefill_target())
         out.loads.extend(loads)
+        out.window_loads.extend(loads.window)
         if req.num_preemptions == 0:
             disk = len(loads) * self.bm.block_size
             req.num_cached_tokens = hits + disk
@@ -258,9 +273,7 @@ class Scheduler:
     def _can_admit(self, req: Request) -> bool:
         if self._num_running_seqs + req.max_live_seqs > self.config.scheduler.max_num_seqs and self.running:
             return False
-        need = self.bm.blocks_for(req.prefill_target())
-        headroom = self._headroom_blocks if self.running else 0
-        return need + headroom <= self.bm.pool.num_free
+        return self.bm.fits(req.prefill_target(), self._headroom_blocks if self.running else 0)
 
     def _schedule_prefill(self, req: Request, budget: int, out: SchedulerOutput) -> int:
         """Schedule prefill chunks of `req` within `budget` tokens; returns the budget left."""
@@ -292,7 +305,7 @@ class Scheduler:
         while True:
             copies = self.bm.allocate_slots(seq, n)
             if copies is not None:
-                out.copies.extend((seq, s, d) for s, d in copies)
+                out.add_copies(seq, copies)
                 return True
             if self._preempt_newest(out) is req:
                 return False
@@ -309,6 +322,7 @@ class Scheduler:
         out.decodes = [(r, s) for r, s in out.decodes if r is not victim]
         out.spec = [d for d in out.spec if d.request is not victim]
         out.copies = [c for c in out.copies if c[0] not in seqs]
+        out.window_copies = [c for c in out.window_copies if c[0] not in seqs]
         out.preempted.append(victim)
         return victim
 

@@ -5,6 +5,9 @@ Sequence invariants:
 - the KV of `token_ids[:num_computed_tokens]` is stored in the blocks of `block_table`, in order,
   so `len(block_table) >= ceil(num_computed_tokens / block_size)`; only the last block may be
   partly empty;
+- `window_table` (a model with sliding-window layers, core/block_manager.py) has one entry per
+  entry of `block_table`: the windowed group's block, or None for a block released because it lies
+  wholly before the window of position `num_computed_tokens`; empty for a one-group model;
 - `block_hashes[i]` names block `i` (full blocks only), so `len(block_hashes) <= num_computed_tokens // block_size`;
 - `draft_computed <= num_computed_tokens` (only the draft proposer raises it, within the stored tokens);
 - `state`, if set, is a recurrent state after at most `num_computed_tokens` tokens; the runner
@@ -95,6 +98,7 @@ class Sequence:
     sample_index: int = 0
     block_table: list[Block] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
+    window_table: list[Block | None] = field(default_factory=list)  # the windowed layers' group
     num_computed_tokens: int = 0
     rng_key: mx.array | None = None
     finish_reason: FinishReason | None = None

@@ -122,7 +122,7 @@ class SpecPolicy:
         copies = self.bm.allocate_slots(seq, 1 + len(proposal))
         if copies is None:
             return False
-        out.copies.extend((seq, s, d) for s, d in copies)
+        out.add_copies(seq, copies)
         out.spec.append(SpecDecode(req, seq, proposal))
         return True
 

@@ -56,6 +56,8 @@ from ..core.block_manager import BlockManager, HashFn, blocks_for_request, sha25
 from ..core.scheduler import Scheduler, SchedulerOutput, SpecDecode
 from ..core.sequence import PendingToken, Request, Sequence
 from ..errors import MlxPagedError, StepError
+from ..models.paged_adapter import pool_windows
+from ..utils import cdiv
 from ..worker.kv_cache import CacheShape, PagedKVCache, growable_pool, pool_blocks
 from ..worker.kv_calibration import model_key_scales
 from ..worker.model_runner import ModelRunner
@@ -100,18 +102,34 @@ class LLMEngine:
         held = self.state_bytes * config.scheduler.max_num_seqs + (checkpoints.cap_bytes if checkpoints else 0)
         growth = growable_pool(loaded, config, extra, held)  # (start, cap, chunk), or None for a fixed pool
         num_blocks = growth[0] if growth else pool_blocks(loaded, config, extra_block_bytes=extra, reserved_bytes=held)
+        # Sliding-window layers form a group of their own whose blocks out of the window go back
+        # (core/block_manager.py); its pool grows a window's worth at a time, up to the full group's.
+        windows = pool_windows(loaded.model)
+        window = max((w for w in windows if w is not None), default=None)
+        groups = tuple(int(w is not None) for w in windows) if window is not None else ()
+        bs = config.cache.block_size
+        window_growth = cdiv(window, bs) + 1 if window is not None and growth else None
         self.block_manager = BlockManager(
             num_blocks,
-            config.cache.block_size,
+            bs,
             enable_prefix_caching=config.cache.enable_prefix_caching,
             hash_fn=hash_fn,
             extra_key=loaded.identity,
+            window=window,
+            window_blocks=min(window_growth, num_blocks) if window_growth else num_blocks,
         )
         # A quantized cache divides keys by per-channel scales, measured once per loaded model (kv_calibration.py).
         quant = config.cache.kv_bits is not None and not self.cache_shape.keys_only  # MLA: keys stay unscaled
         scales = model_key_scales(loaded) if quant else None
+        wpool = self.block_manager.window_pool
         self.kv_cache = PagedKVCache.for_model(
-            loaded.model, self.cache_shape, num_blocks, config.cache.block_size, scales
+            loaded.model,
+            self.cache_shape,
+            num_blocks,
+            bs,
+            scales,
+            groups=groups,
+            window_blocks=wpool.num_blocks if wpool is not None else None,
         )
         self.drafter = (
             DraftProposer(draft, loaded, num_blocks, config.cache.block_size, config.attention_impl)
@@ -120,6 +138,8 @@ class LLMEngine:
         )
         if growth:
             self.block_manager.pool.enable_growth(growth[1], growth[2])
+            if wpool is not None:
+                wpool.enable_growth(max(growth[1], wpool.num_blocks), window_growth)
         self.block_manager.checkpoints = checkpoints
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.attention_impl, checkpoints)
         self.prefix_store = self._open_prefix_store() if config.cache.prefix_cache_dir else None
@@ -183,11 +203,13 @@ class LLMEngine:
             )
         return draft
 
-    def _resize_pools(self, num_blocks: int, copies: list[tuple[int, int]] = ()) -> None:
-        """Grow or trim the KV pool, and every layer's pool beside it (the same block ids)."""
-        self.kv_cache.resize(num_blocks, copies)
-        for layer in self.layers:
-            layer.resize(num_blocks, copies)
+    def _resize_pools(self, num_blocks: int, copies: list[tuple[int, int]] = (), group: int = 0) -> None:
+        """Grow or trim the KV pool of a group, and every layer's pool beside the full group's
+        (the same block ids)."""
+        self.kv_cache.resize(num_blocks, copies, group)
+        if group == 0:
+            for layer in self.layers:
+                layer.resize(num_blocks, copies)
 
     def _open_prefix_store(self):
         """The disk tier, namespaced by everything that changes a block's bytes (prefix_store.py);
@@ -260,10 +282,12 @@ class LLMEngine:
         """Give an idle engine's unneeded KV blocks back (`BlockPool.trim`); returns how many."""
         if self.has_unfinished_requests():
             return 0
-        pool = self.block_manager.pool
-        given = pool.trim()
-        if resize := pool.take_resize():
-            self._resize_pools(*resize)
+        given = 0
+        for group, pool in enumerate((self.block_manager.pool, self.block_manager.window_pool)):
+            if pool is not None:
+                given += pool.trim()
+                if resize := pool.take_resize():
+                    self._resize_pools(*resize, group=group)
         return given
 
     # -- requests ------------------------------------------------------------------------------
@@ -416,6 +440,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.resize:
             self._resize_pools(*out.resize)
+        if out.window_resize:
+            self._resize_pools(*out.window_resize, group=1)
         for layer in self.layers:
             layer.scheduled(out)
         return out
@@ -579,6 +605,7 @@ class LLMEngine:
         asked for every position of some entries (`StepLayer.logits_wanted`).
         Copy-on-write copies go first (they wait for the device: `copy_blocks` evaluates)."""
         self.kv_cache.copy_blocks(out.block_copies)
+        self.kv_cache.copy_blocks(out.window_block_copies, group=1)
         wanted = []
         for layer in self.layers:
             layer.before_forward(out)
@@ -646,6 +673,8 @@ class LLMEngine:
                     num_seqs += 1
                     num_blocks += len(s.block_table)
         st.blocks_in_use_peak = max(st.blocks_in_use_peak, self.block_manager.pool.num_used)
+        if (wpool := self.block_manager.window_pool) is not None:
+            st.window_blocks_in_use_peak = max(st.window_blocks_in_use_peak, wpool.num_used)
         st.blocks_without_sharing_peak = max(st.blocks_without_sharing_peak, num_blocks)
         st.running_seqs_peak = max(st.running_seqs_peak, num_seqs)
 

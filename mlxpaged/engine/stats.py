@@ -25,6 +25,7 @@ class EngineStats:
     decode_time: float = 0.0
     steps: int = 0
     blocks_in_use_peak: int = 0
+    window_blocks_in_use_peak: int = 0  # the windowed group's (core/block_manager.py)
     blocks_without_sharing_peak: int = 0  # sum of table lengths at most, as if nothing were shared
     running_seqs_peak: int = 0
     spec_proposed_tokens: int = 0  # speculative decoding: tokens proposed and verified
@@ -87,6 +88,10 @@ def engine_stats(engine: LLMEngine) -> dict:
         "requests_held": engine.num_requests_held(),
         "kv_blocks_used": pool.num_used,
         "kv_blocks_total": pool.num_blocks,
+        # the windowed layers' group (core/block_manager.py); zeros for a model without one
+        "window_blocks_used": wpool.num_used if (wpool := engine.block_manager.window_pool) else 0,
+        "window_blocks_total": wpool.num_blocks if wpool else 0,
+        "window_blocks_in_use_peak": st.window_blocks_in_use_peak,
         "speculative": engine.config.speculative.method,
         "spec_proposed_tokens": st.spec_proposed_tokens,
         "spec_accepted_tokens": st.spec_accepted_tokens,

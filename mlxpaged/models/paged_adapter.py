@@ -288,6 +288,14 @@ def paged_layers(model: nn.Module) -> list:
     return list(layers) if idx is None else [layers[i] for i, j in enumerate(idx) if j is not None]
 
 
+def pool_windows(model: nn.Module) -> list:
+    """Per pool layer (`paged_layers`), its sliding window, or None (full or chunked attention):
+    the layers with a window form the KV cache's windowed group (core/block_manager.py)."""
+    windows = model.__dict__.get("_paged_windows") or [None] * len(model.layers)
+    idx = model.__dict__.get("_paged_kv_index") or list(range(len(windows)))
+    return [windows[i] for i, j in enumerate(idx) if j is not None]
+
+
 def attention_modules(model: nn.Module) -> list:
     """The mlx-lm modules that define the attention classes of `model`'s layers (a wrapper's
     layers come from another module: smollm3's and mistral3's from llama's or ministral3's)."""
@@ -447,7 +455,9 @@ class PagedModelMixin:
             if shared[i] is not None:  # reads an earlier layer's pools (Gemma 4)
                 caches.append(SharedLayerCache(caches[shared[i]]))
             else:
-                caches.append(None if j is None else kind(cache, j, meta, windows[i], chunks[i]))
+                # a layer of the windowed group (worker/kv_cache.py `groups`) reads that group's tables
+                m = meta.window if meta.window is not None and j is not None and cache.groups[j] else meta
+                caches.append(None if j is None else kind(cache, j, m, windows[i], chunks[i]))
         body = text_body(self)
         norm = _final_norm(body)
         swaps = [(body, norm, _NormRows(body[norm], meta.logits_indices))]

@@ -1,7 +1,8 @@
 """The paged KV cache: one K and one V pool per layer, `[num_blocks, num_kv_heads, block_size, head_dim]`.
 
 Block id `b` means the same token slots in every layer's pools, so one block table per sequence
-serves all layers. The pools of different layers may differ in KV heads and head_dim (Gemma 4's
+serves all layers; a model with sliding-window layers has two groups (core/block_manager.py):
+those layers' pools are `window_blocks` long and indexed by the windowed group's block ids. The pools of different layers may differ in KV heads and head_dim (Gemma 4's
 full layers are wider than its sliding ones: `CacheShape.layer_dims`); a block is then the same
 token slots in pools of different widths. Writes are MLX scatters into the pool arrays; the cache holds the only
 reference to each pool, so MLX updates them in place (no copy, no growth per step).
@@ -171,8 +172,12 @@ class PagedKVCache:
         block_size: int,
         key_offsets: list[mx.array | None] | None = None,
         key_scales: list[mx.array] | None = None,
+        groups: tuple[int, ...] = (),
+        window_blocks: int | None = None,
     ):
-        """`key_offsets[layer]` (`[num_kv_heads, head_dim]` or None) is subtracted from that
+        """`groups[layer]` is 1 for a layer of the windowed group, whose pools hold `window_blocks`
+        blocks (default `num_blocks`), and 0 for the others (`()`: every layer is 0).
+        `key_offsets[layer]` (`[num_kv_heads, head_dim]` or None) is subtracted from that
         layer's keys before they are quantized and `key_scales[layer]` (`[num_kv_heads,
         head_dim]`, positive) divides them: a quantized K row holds `quantize((k - offset) /
         scale)`, and `scale_queries` multiplies the layer's queries by the same scales."""
@@ -186,33 +191,49 @@ class PagedKVCache:
         self.key_offsets = key_offsets
         self.key_scales = key_scales
         self.shape = shape
-        self.num_blocks = num_blocks
         self.block_size = block_size
+        self.groups = tuple(groups) or (0,) * shape.num_layers
+        if len(self.groups) != shape.num_layers or not set(self.groups) <= {0, 1}:
+            raise ValueError(f"groups must be 0 or 1 for each of the {shape.num_layers} layers, got {groups}")
+        self.group_blocks = [num_blocks, window_blocks or num_blocks]  # each group's pool length
         if shape.keys_only and (key_offsets is not None or key_scales is not None):
             raise ValueError("a keys-only pool stores its keys unscaled: they are its values too")
-        self.keys = [self._pool(*dims) for dims in shape.layer_dims]
-        self.values = [] if shape.keys_only else [self._pool(*dims) for dims in shape.layer_dims]
+        sized = [(self.group_blocks[g], *dims) for g, dims in zip(self.groups, shape.layer_dims)]
+        self.keys = [self._pool(*x) for x in sized]
+        self.values = [] if shape.keys_only else [self._pool(*x) for x in sized]
         mx.eval(self.arrays)
-        # The last write's slot_mapping, and per KV-head count its (blocks, heads, offsets) index.
-        self._write_index: tuple[mx.array, dict] | None = None
+        # The pass's last slot mappings (one per group), each with its (blocks, heads, offsets)
+        # index per KV-head count.
+        self._write_index: list[tuple[mx.array, dict]] = []
+
+    @property
+    def num_blocks(self) -> int:
+        """The full-attention group's pool length (every layer's, with one group)."""
+        return self.group_blocks[0]
 
     @classmethod
     def for_model(
-        cls, model, shape: CacheShape, num_blocks: int, block_size: int, key_scales: list[mx.array] | None = None
+        cls,
+        model,
+        shape: CacheShape,
+        num_blocks: int,
+        block_size: int,
+        key_scales: list[mx.array] | None = None,
+        groups: tuple[int, ...] = (),
+        window_blocks: int | None = None,
     ) -> PagedKVCache:
         """The cache for `model`'s layers. A quantized one takes the model's key offsets and
         `key_scales` (`kv_calibration.model_key_scales`), if given."""
+        kw = {"groups": groups, "window_blocks": window_blocks}
         if shape.kv_bits is None or shape.keys_only:
-            return cls(shape, num_blocks, block_size)
-        return cls(shape, num_blocks, block_size, key_offsets(model, layers=paged_layers(model)), key_scales)
+            return cls(shape, num_blocks, block_size, **kw)
+        return cls(shape, num_blocks, block_size, key_offsets(model, layers=paged_layers(model)), key_scales, **kw)
 
-    def _pool(self, kv_heads: int, head_dim: int):
+    def _pool(self, num_blocks: int, kv_heads: int, head_dim: int):
         s = self.shape
         if s.kv_bits is None:
-            return mx.zeros((self.num_blocks, kv_heads, self.block_size, head_dim), dtype=s.dtype)
-        return QuantizedPool.zeros(
-            self.num_blocks, kv_heads, self.block_size, head_dim, s.dtype, s.kv_bits, s.kv_group_size
-        )
+            return mx.zeros((num_blocks, kv_heads, self.block_size, head_dim), dtype=s.dtype)
+        return QuantizedPool.zeros(num_blocks, kv_heads, self.block_size, head_dim, s.dtype, s.kv_bits, s.kv_group_size)
 
     @property
     def quantized(self) -> bool:
@@ -225,9 +246,14 @@ class PagedKVCache:
             return self.keys + self.values
         return [a for pool in self.keys + self.values for a in pool.arrays]
 
+    def _array_groups(self) -> list[int]:
+        """The group of each array of `arrays`, in order."""
+        per_pool = 3 if self.quantized else 1
+        return [g for g in self.groups * (1 if self.shape.keys_only else 2) for _ in range(per_pool)]
+
     @property
     def nbytes(self) -> int:
-        return self.num_blocks * self.shape.bytes_per_block(self.block_size)
+        return sum(a.nbytes for a in self.arrays)
 
     def write(self, layer: int, k: mx.array, v: mx.array, slot_mapping: mx.array) -> tuple[mx.array, mx.array]:
         """Store `k, v [num_tokens, num_kv_heads, head_dim]` at slots `block_id * block_size + offset`.
@@ -236,9 +262,10 @@ class PagedKVCache:
         """
         # Every layer of a pass writes at the same slots: (block, head, offset) of each new row,
         # broadcast to [T, kv_heads] once per head count, so no layer's scatter broadcasts them again.
-        if self._write_index is None or self._write_index[0] is not slot_mapping:
-            self._write_index = (slot_mapping, {})
-        index = self._write_index[1]
+        index = next((ix for sm, ix in self._write_index if sm is slot_mapping), None)
+        if index is None:
+            index = {}
+            self._write_index = [(slot_mapping, index)] + self._write_index[:1]
         kvh = k.shape[1]
         if kvh not in index:
             blocks, offsets = (slot_mapping // self.block_size)[:, None], (slot_mapping % self.block_size)[:, None]
@@ -280,13 +307,14 @@ class PagedKVCache:
         s = self.key_scales[layer].astype(q.dtype)[:, None, :]  # [kvh, 1, D], broadcast over a head's G queries
         return (q.reshape(T, s.shape[0], H // s.shape[0], D) * s).reshape(T, H, D)
 
-    def resize(self, num_blocks: int, copies: list[tuple[int, int]] = ()) -> None:
-        """Apply block `copies` (src, dst), then make every pool `num_blocks` blocks long: zero
-        blocks appended, or the blocks from `num_blocks` up dropped. Ids below both sizes keep
-        their rows. A shrunk pool is a copy, so the old buffers are freed once MLX's cache is cleared."""
+    def resize(self, num_blocks: int, copies: list[tuple[int, int]] = (), group: int = 0) -> None:
+        """Apply block `copies` (src, dst), then make every pool of `group` `num_blocks` blocks
+        long: zero blocks appended, or the blocks from `num_blocks` up dropped. Ids below both
+        sizes keep their rows. A shrunk pool is a copy, so the old buffers are freed once MLX's
+        cache is cleared."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self.copy_blocks(list(copies))
+        self.copy_blocks(list(copies), group)
 
         def fit(a: mx.array) -> mx.array:
             n = a.shape[0]
@@ -294,43 +322,56 @@ class PagedKVCache:
                 return mx.concatenate([a, mx.zeros((num_blocks - n,) + tuple(a.shape[1:]), dtype=a.dtype)])
             return mx.array(a[:num_blocks]) if num_blocks < n else a
 
-        def fit_pool(pool):
+        def fit_pool(pool, g):
+            if g != group:
+                return pool
             if not self.quantized:
                 return fit(pool)
             return QuantizedPool(*(fit(a) for a in pool.arrays), pool.bits, pool.group_size)
 
-        self.keys = [fit_pool(p) for p in self.keys]
-        self.values = [fit_pool(p) for p in self.values]
-        self.num_blocks = num_blocks
+        self.keys = [fit_pool(p, g) for p, g in zip(self.keys, self.groups)]
+        self.values = [fit_pool(p, g) for p, g in zip(self.values, self.groups)]
+        self.group_blocks[group] = num_blocks
         mx.eval(self.arrays)
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy whole blocks `src -> dst` in every layer (copy-on-write)."""
+    def copy_blocks(self, copies: list[tuple[int, int]], group: int = 0) -> None:
+        """Copy whole blocks `src -> dst` in every layer of `group` (copy-on-write)."""
         if not copies:
             return
         src = mx.array([s for s, _ in copies], dtype=mx.int32)
         dst = mx.array([d for _, d in copies], dtype=mx.int32)
-        for a in self.arrays:
-            a[dst] = a[src]
+        for a, g in zip(self.arrays, self._array_groups()):
+            if g == group:
+                a[dst] = a[src]
         mx.eval(self.arrays)
 
     # -- the disk tier of the prefix cache (prefix_store.py) --------------------------------------------
-    def gather_blocks(self, block_ids: list[int]) -> list[mx.array]:
+    def gather_blocks(self, block_ids: list[int], window_ids: list[int] | None = None) -> list[mx.array]:
         """Lazily, every pool array's rows of `block_ids` as bytes: `uint8 [k, num_kv_heads, block_size, -1]`
-        per array (`arrays` order). A snapshot: later writes to the pools do not change it."""
-        idx = mx.array(block_ids, dtype=mx.int32)
-        return [a[idx].view(mx.uint8) for a in self.arrays]
+        per array (`arrays` order); the windowed group's arrays at `window_ids` (the same blocks'
+        ids in that group). A snapshot: later writes to the pools do not change it."""
+        idx = [mx.array(block_ids, dtype=mx.int32), mx.array(window_ids or block_ids, dtype=mx.int32)]
+        return [a[idx[g]].view(mx.uint8) for a, g in zip(self.arrays, self._array_groups())]
 
     def block_nbytes(self) -> list[int]:
         """Bytes of one block in each pool array (`arrays` order)."""
-        return [a.nbytes // self.num_blocks for a in self.arrays]
+        return [a.nbytes // a.shape[0] for a in self.arrays]
 
-    def write_blocks(self, block_ids: list[int], rows: list[np.ndarray]) -> None:
+    def write_blocks(self, block_ids: list[int], rows: list[np.ndarray], window: list[tuple[int, int]] = ()) -> None:
         """Store `rows[i]` (`uint8 [k, block_nbytes()[i]]`, from `gather_blocks` or the disk) into
-        blocks `block_ids` of pool array `i`; lazy, like a forward pass's writes."""
+        blocks `block_ids` of pool array `i`; lazy, like a forward pass's writes. The windowed
+        group's arrays take only the rows `window` names, `(row, window block id)`."""
         if not block_ids:
             return
         idx = mx.array(block_ids, dtype=mx.int32)
-        for a, r in zip(self.arrays, rows):
-            src = mx.array(np.ascontiguousarray(r)).reshape(len(block_ids), *a.shape[1:-1], -1)
-            a[idx] = src.view(a.dtype)
+        picked = np.array([r for r, _ in window], dtype=np.int64)
+        widx = mx.array([b for _, b in window], dtype=mx.int32)
+        for a, r, g in zip(self.arrays, rows, self._array_groups()):
+            if g == 1:
+                if not len(picked):
+                    continue
+                r, at, k = r[picked], widx, len(picked)
+            else:
+                at, k = idx, len(block_ids)
+            src = mx.array(np.ascontiguousarray(r)).reshape(k, *a.shape[1:-1], -1)
+            a[at] = src.view(a.dtype)

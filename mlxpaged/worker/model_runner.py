@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -41,6 +43,7 @@ class ModelRunner:
         # a hybrid model's recurrent layers (state_cache.py); 0 for an attention-only model
         self.num_recurrent = sum(s is not None for s in model.__dict__.get("_paged_recurrent") or [])
         self.checkpoints = checkpoints  # recurrent-state checkpoints for prefix hits, or None
+        self.two_groups = any(kv_cache.groups)  # windowed layers read their own group's tables
 
     def forward(
         self,
@@ -89,6 +92,15 @@ class ModelRunner:
             logits_indices=mx.array(self._logits_indices(cu, spec_tokens, all_rows)),
             impl=self.attention_impl,
         )
+        if self.two_groups:
+            wt = np.zeros_like(tables)
+            wt[np.arange(tables.shape[1]) < num_blocks[:, None]] = [
+                0 if b is None else b.block_id for s, _ in batch for b in s.window_table
+            ]
+            wslots = slot_mapping(wt.reshape(-1), seq_of_token * wt.shape[1] * bs + positions, bs)
+            meta.window = replace(
+                meta, slot_mapping=mx.array(wslots), block_tables=mx.array(wt), window=None, scratch={}
+            )
         return self._run(batch, self._input_ids(batch, int(cu[-1]), spec_tokens), meta, frozenset(spec_tokens))
 
     def _run(
@@ -112,7 +124,7 @@ class ModelRunner:
         tables = [[b.block_id for b in s.block_table] + [0] * (width - len(s.block_table)) for s, _ in batch]
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, starts)]
         steps = list(range(len(batch) + 1))
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             slot_mapping=mx.array(slots, dtype=mx.int32),
             positions=mx.array(starts, dtype=mx.int32),
             block_tables=mx.array(tables, dtype=mx.int32),
@@ -121,6 +133,18 @@ class ModelRunner:
             logits_indices=mx.array(steps[:-1], dtype=mx.int32),
             impl=self.attention_impl,
         )
+        if self.two_groups:  # a released block reads as block 0: the window masks it out
+            wt = [
+                [0 if b is None else b.block_id for b in s.window_table] + [0] * (width - len(s.window_table))
+                for s, _ in batch
+            ]
+            meta.window = replace(
+                meta,
+                slot_mapping=mx.array([t[p // bs] * bs + p % bs for t, p in zip(wt, starts)], dtype=mx.int32),
+                block_tables=mx.array(wt, dtype=mx.int32),
+                scratch={},
+            )
+        return meta
 
     @staticmethod
     def _logits_indices(cu: np.ndarray, spec_tokens: dict[int, list[int]], all_rows: list[int] = ()) -> np.ndarray:
