@@ -2,9 +2,10 @@
 
 Block id `b` means the same token slots in every layer's pools, so one block table per sequence
 serves all layers; a model with sliding-window layers has two groups (core/block_manager.py):
-those layers' pools are `window_blocks` long and indexed by the windowed group's block ids. The pools of different layers may differ in KV heads and head_dim (Gemma 4's
-full layers are wider than its sliding ones: `CacheShape.layer_dims`); a block is then the same
-token slots in pools of different widths. Writes are MLX scatters into the pool arrays; the cache holds the only
+those layers' pools are `window_blocks` long and indexed by the windowed group's block ids. The
+pools of different layers may differ in KV heads and head_dim (Gemma 4's full layers are wider
+than its sliding ones: `CacheShape.layer_dims`); a block is then the same token slots in pools of
+different widths. Writes are MLX scatters into the pool arrays; the cache holds the only
 reference to each pool, so MLX updates them in place (no copy, no growth per step).
 
 With `kv_bits` set, each pool is a `QuantizedPool` (codes, scales and biases in the same block
