@@ -11,16 +11,17 @@ CPU runs MoE's gather_mm only in float32; bf16 halves both sides, the ratios sta
 prompt of `--tokens` random ids is prefilled by both (mlx-lm in chunks of `--chunk`, its
 `prefill_step_size`; mlxpaged with `max_num_batched_tokens` the same) and one token generated;
 then mlx-lm's bytes are its caches' `nbytes` (what they have allocated, growth slack included) and
-mlxpaged's are the blocks the sequence holds times `CacheShape.bytes_per_block`. Bytes are
-deterministic, so one run is the figure. "window-freed" is arithmetic, not a run: what the pool
-would hold if each windowed layer kept only the blocks covering its window (issue 37 item 4).
+mlxpaged's are the most its two block groups held at once (the full-attention layers' blocks
+times their bytes per block, plus the windowed layers' blocks, which go back to their pool as
+they fall out of the window, times theirs), and what its pools had allocated at the end with the
+default growing pool. "every block" is what the pool held before the windowed layers had a group
+of their own (every block on every layer). Bytes are deterministic, so one run is the figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import tempfile
 from pathlib import Path
 
@@ -80,27 +81,22 @@ def measure(name: str, tokens: int, chunk: int, block_size: int, root: Path) -> 
     windows = [c.max_size if isinstance(c, RotatingKVCache) else None for c in caches]
 
     loaded = load(str(path), "float32")
+    # The default pool (it grows as blocks are needed); prefix caching off, so nothing is kept for later.
     engine = LLMEngine(
-        loaded,
-        EngineConfig.of(
-            block_size=block_size,
-            max_num_batched_tokens=chunk,
-            enable_prefix_caching=False,
-            num_blocks=tokens // block_size + 8,
-        ),
+        loaded, EngineConfig.of(block_size=block_size, max_num_batched_tokens=chunk, enable_prefix_caching=False)
     )
     engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-    held = 0
+    full_bytes, window_bytes = engine.kv_cache.group_block_bytes()
+    bm = engine.block_manager
+    held = full_held = window_held = 0
     while engine.has_unfinished_requests():
         engine.step()
-        held = max(held, engine.block_manager.pool.num_used)
-    per_block = engine.cache_shape.bytes_per_block(block_size)
-    ours = held * per_block
-    # Arithmetic: a windowed layer needs only the blocks covering its last `w` positions (plus the
-    # block being written), a full layer every block.
-    per_layer = per_block // len(windows)
-    blocks = math.ceil((tokens + 1) / block_size)
-    freed = sum(blocks if w is None else min(blocks, math.ceil(w / block_size) + 1) for w in windows) * per_layer
+        used_full, used_window = bm.pool.num_used, bm.window_pool.num_used if bm.window_pool else 0
+        if used_full * full_bytes + used_window * window_bytes > held:
+            held = used_full * full_bytes + used_window * window_bytes
+            full_held, window_held = used_full, used_window
+    allocated = engine.kv_cache.nbytes
+    every = full_held * (full_bytes + window_bytes)
     return {
         "shape": name,
         "family": family,
@@ -109,10 +105,14 @@ def measure(name: str, tokens: int, chunk: int, block_size: int, root: Path) -> 
         "windowed_layers": sum(w is not None for w in windows),
         "window": next((w for w in windows if w is not None), None),
         "mlx_lm_bytes": theirs,
-        "mlxpaged_blocks": held,
-        "mlxpaged_bytes": ours,
-        "window_freed_bytes_arithmetic": freed,
-        "ratio_mlxpaged_to_mlx_lm": ours / theirs,
+        "mlxpaged_full_blocks": full_held,
+        "mlxpaged_window_blocks": window_held,
+        "mlxpaged_bytes": held,
+        "mlxpaged_allocated_bytes": allocated,
+        "every_block_bytes": every,
+        "ratio_mlxpaged_to_mlx_lm": held / theirs,
+        "ratio_allocated_to_mlx_lm": allocated / theirs,
+        "ratio_mlxpaged_to_every_block": held / every,
     }
 
 
@@ -135,10 +135,11 @@ def main() -> None:
             rows.append(r := measure(name, a.tokens, a.chunk, a.block_size, Path(d)))
             mb = 1 / 2**20
             print(
-                f"{name:>12} | {r['tokens']} tokens | mlx-lm {r['mlx_lm_bytes'] * mb:8.1f} MiB | mlxpaged "
-                f"{r['mlxpaged_bytes'] * mb:8.1f} MiB ({r['mlxpaged_blocks']} blocks) | "
-                f"x{r['ratio_mlxpaged_to_mlx_lm']:.2f}"
-                f" | window-freed (arithmetic) {r['window_freed_bytes_arithmetic'] * mb:8.1f} MiB"
+                f"{name:>12} | {r['tokens']} tokens | mlx-lm {r['mlx_lm_bytes'] * mb:8.1f} MiB | mlxpaged held "
+                f"{r['mlxpaged_bytes'] * mb:8.1f} MiB ({r['mlxpaged_full_blocks']} + {r['mlxpaged_window_blocks']} "
+                f"windowed blocks) x{r['ratio_mlxpaged_to_mlx_lm']:.2f} | allocated "
+                f"{r['mlxpaged_allocated_bytes'] * mb:8.1f} MiB x{r['ratio_allocated_to_mlx_lm']:.2f} | every block "
+                f"{r['every_block_bytes'] * mb:8.1f} MiB"
             )
     if a.json_out:
         cmd = "python scripts/bench_window_memory.py " + " ".join(

@@ -256,6 +256,13 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays)
 
+    def group_block_bytes(self) -> list[int]:
+        """Bytes one block costs in each group's pools: `[full group, windowed group]`."""
+        out = [0, 0]
+        for a, g in zip(self.arrays, self._array_groups()):
+            out[g] += a.nbytes // a.shape[0]
+        return out
+
     def write(self, layer: int, k: mx.array, v: mx.array, slot_mapping: mx.array) -> tuple[mx.array, mx.array]:
         """Store `k, v [num_tokens, num_kv_heads, head_dim]` at slots `block_id * block_size + offset`.
 
