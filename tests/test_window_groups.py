@@ -293,3 +293,27 @@ def test_disk_tier_restores_the_window_of_the_windowed_group(families, tmp_path)
     ((full, windowed),) = loads
     assert full == done.num_cached_tokens // 4 and windowed <= -(-6 // 4) + 1
     assert done.outputs[0].token_ids == contiguous_generate(ref_model, tok.encode(LONG), 12)
+
+
+def test_an_idle_engine_trims_both_groups_and_keeps_its_window_blocks(families):
+    """A long request beside a short one grows both pools; idle, the engine trims them back to
+    their starting sizes, moving the cached blocks it keeps (the most recently released: the short
+    request's, which ends last) below the new sizes in each group. A hit on them gives mlx-lm's tokens."""
+    loaded, ref_model, tok = families["gpt_oss", 9]
+    engine = _grown(loaded)
+    bm = engine.block_manager
+    start = (bm.pool.num_blocks, bm.window_pool.num_blocks)
+    short = tok.encode(SYSTEM)[:14]
+    a = engine.add_request(short, _greedy(20))
+    engine.add_request(LONG, _greedy(2))
+    done = run_all(engine)
+    assert bm.window_pool.num_blocks > start[1] and bm.pool.num_blocks > start[0]
+    assert engine.trim_pool() > 0
+    assert (bm.pool.num_blocks, bm.window_pool.num_blocks) == start == tuple(engine.kv_cache.group_blocks)
+    assert [k.shape[0] for k in engine.kv_cache.keys] == [start[g] for g in engine.kv_cache.groups]
+    history = short + list(done[a].outputs[0].token_ids)
+    prompt = history + tok.encode(" Again.")
+    rid = engine.add_request(prompt, _greedy(6))
+    got = run_all(engine)[rid]
+    assert got.num_cached_tokens >= 16
+    assert got.outputs[0].token_ids == contiguous_generate(ref_model, prompt, 6)
