@@ -308,7 +308,22 @@ def test_an_idle_engine_trims_both_groups_and_keeps_its_window_blocks(families):
     engine.add_request(LONG, _greedy(2))
     done = run_all(engine)
     assert bm.window_pool.num_blocks > start[1] and bm.pool.num_blocks > start[0]
+    kv = engine.kv_cache
+
+    def rows_by_hash() -> dict:  # each group's cached blocks' K rows, by hash, on one layer of the group
+        layer = [kv.groups.index(0), kv.groups.index(1)]
+        return {
+            (g, h): np.array(kv.keys[layer[g]][b.block_id])
+            for g, pool in enumerate((bm.pool, bm.window_pool))
+            for h, b in pool.cached.items()
+        }
+
+    before = rows_by_hash()
     assert engine.trim_pool() > 0
+    after = rows_by_hash()
+    assert {g for g, _ in after} == {0, 1} and set(after) <= set(before)
+    for key, rows in after.items():  # a kept block holds its own rows, wherever it was moved
+        np.testing.assert_array_equal(rows, before[key])
     assert (bm.pool.num_blocks, bm.window_pool.num_blocks) == start == tuple(engine.kv_cache.group_blocks)
     assert [k.shape[0] for k in engine.kv_cache.keys] == [start[g] for g in engine.kv_cache.groups]
     history = short + list(done[a].outputs[0].token_ids)
