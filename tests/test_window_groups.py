@@ -146,6 +146,9 @@ def test_random_operations_keep_both_groups_consistent():
         bm.check(live)
     for s in live:
         bm.free(s)
+    assert bm.window_pins  # shared prefixes were recomputed and pinned on the way
+    assert bm.window_pool.num_used == sum(len(b) for b in bm.window_pins.values())
+    bm.release_window_pins()
     assert bm.pool.num_used == 0 == bm.window_pool.num_used
 
 
@@ -188,14 +191,14 @@ def families(tmp_path_factory):
     return out
 
 
-def _grown(loaded, **kw):
+def _grown(loaded, kv_chunk_blocks=8, **kw):
     """A pool that grows (the default outside tests): the windowed group starts and grows a window's
     worth at a time, so a block it released is soon another's."""
     return LLMEngine(
         loaded,
         EngineConfig.of(
             block_size=4,
-            kv_chunk_blocks=8,
+            kv_chunk_blocks=kv_chunk_blocks,
             kv_memory_gb=0.05,
             max_num_batched_tokens=8,
             attention_impl="reference",
@@ -332,3 +335,23 @@ def test_an_idle_engine_trims_both_groups_and_keeps_its_window_blocks(families):
     got = run_all(engine)[rid]
     assert got.num_cached_tokens >= 16
     assert got.outputs[0].token_ids == contiguous_generate(ref_model, prompt, 6)
+
+
+def test_a_shared_prefix_recomputed_once_is_pinned_for_the_next(families):
+    """Three conversations share a system prompt, one after another, in a growing windowed pool
+    that reuses released blocks at once: the second finds the whole prompt in the full group but
+    not the window at its end (the first's window moved on), recomputes and pins that window; the
+    third takes the whole shared prompt. Every answer is mlx-lm's."""
+    loaded, ref_model, tok = families["gpt_oss", 4]
+    engine = _grown(loaded, kv_chunk_blocks=64)  # the full group keeps every block (it has room)
+    shared = (len(tok.encode(SYSTEM)) - 1) // 4 * 4  # the shared prompt's full blocks, at the least
+    got = {}
+    for q in ("What is a block table?", "Why copy on write?", "Who evicts a block?"):
+        prompt = SYSTEM + q
+        rid = engine.add_request(prompt, _greedy(12))
+        out = run_all(engine)[rid]
+        assert out.outputs[0].token_ids == contiguous_generate(ref_model, tok.encode(prompt), 12), q
+        got[q] = out.num_cached_tokens
+    first, second, third = got.values()
+    assert first == 0 and second < shared <= third
+    assert len(engine.block_manager.window_pins) == 1

@@ -19,11 +19,18 @@ keep `block_table` as before. Both tables have one entry per logical block; a hi
 copy-on-write, a truncation and a free act on both, and a block full in one is named in both
 under the same hash (so a prefix hit needs the full group's blocks and only the window's tail of
 the windowed group's).
+
+The windowed group keeps a few windows pinned (`window_pins`): when a prompt's hit in the full
+group is cut short because the windowed group lost the window at its end (a shared system prompt,
+computed by an earlier request whose window has moved on), the sequence that recomputes it keeps
+that window's blocks referenced when they leave its own window, so the next request sharing the
+prefix takes the whole hit. At most `MAX_WINDOW_PINS` windows, least recently used dropped first.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol
 
@@ -32,6 +39,8 @@ import numpy as np
 from ..utils import cdiv
 from .block_pool import BlockPool
 from .sequence import Sequence
+
+MAX_WINDOW_PINS = 4  # shared prefixes whose last window the windowed group keeps (see the module docstring)
 
 HashFn = Callable[[bytes | None, tuple[int, ...], bytes], bytes]
 
@@ -124,6 +133,10 @@ class BlockManager:
             raise ValueError(f"window must be >= 1, got {window}")
         self.window = window
         self.window_pool = BlockPool(window_blocks or num_blocks) if window is not None else None
+        # pinned windows: the hash of a shared prefix's last block -> the windowed group's blocks
+        # its window sees (one reference each), least recently used first
+        self.window_pins: OrderedDict[bytes, list] = OrderedDict()
+        self._pin_at: dict[Sequence, tuple[int, bytes]] = {}  # a sequence filling a pin: (blocks, hash)
 
     # -- sizing ---------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -158,8 +171,33 @@ class BlockManager:
         table = seq.window_table
         for i in range(min(self.first_in_window(seq.num_computed_tokens), len(table))):
             if table[i] is not None:
-                self.window_pool.release(table[i])
-                table[i] = None
+                self._release_window_block(seq, i)
+
+    def _release_window_block(self, seq: Sequence, i: int) -> None:
+        """Drop `seq`'s reference to its windowed block `i`; a block of the window the sequence is
+        filling a pin for (and that is its hash's cached block) moves its reference to the pin."""
+        block, seq.window_table[i] = seq.window_table[i], None
+        pin = self._pin_at.get(seq)
+        if (
+            pin is not None
+            and self.first_in_window(pin[0] * self.block_size) <= i < pin[0]
+            and block.block_hash is not None
+            and self.window_pool.cached.get(block.block_hash) is block
+        ):
+            self.window_pins.setdefault(pin[1], []).append(block)
+            self.window_pins.move_to_end(pin[1])
+            while len(self.window_pins) > MAX_WINDOW_PINS:
+                for b in self.window_pins.popitem(last=False)[1]:
+                    self.window_pool.release(b)
+        else:
+            self.window_pool.release(block)
+
+    def release_window_pins(self) -> None:
+        """Drop every pinned window (an idle engine trimming its pools): the blocks stay cached."""
+        for blocks in self.window_pins.values():
+            for b in blocks:
+                self.window_pool.release(b)
+        self.window_pins.clear()
 
     # -- the allocator ----------------------------------------------------------------------
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> Copies | None:
@@ -229,9 +267,10 @@ class BlockManager:
         """Release the sequence's blocks, tail first, so the LRU evicts its tail before its head."""
         for block in reversed(seq.block_table):
             self.pool.release(block)
-        for block in reversed(seq.window_table):
-            if block is not None:
-                self.window_pool.release(block)
+        for i in reversed(range(len(seq.window_table))):
+            if seq.window_table[i] is not None:
+                self._release_window_block(seq, i)
+        self._pin_at.pop(seq, None)
         seq.block_table = []
         seq.window_table = []
         seq.block_hashes = []
@@ -293,6 +332,12 @@ class BlockManager:
                 break
             hits.append((h, t, block))
         k = self._resume_point(hits, len(hits))
+        if self.window_pool is not None and hits:
+            key = hits[-1][0]
+            if k < len(hits) and key not in self.window_pins:  # this sequence recomputes the window there
+                self._pin_at[seq] = (len(hits), key)
+            elif k == len(hits) and key in self.window_pins:
+                self.window_pins.move_to_end(key)
         for h, _, block in hits[:k]:
             self.pool.acquire(block)
             seq.block_table.append(block)
@@ -430,6 +475,10 @@ class BlockManager:
             for b in table:
                 if b is not None:
                     counts[b.block_id] += 1
+        assert len(self.window_pins) <= MAX_WINDOW_PINS
+        for blocks in self.window_pins.values():
+            for b in blocks:
+                counts[b.block_id] += 1
         for b in wpool.blocks:
             assert b.ref_cnt == counts[b.block_id], (
                 f"window block {b.block_id}: ref_cnt {b.ref_cnt} != {counts[b.block_id]}"

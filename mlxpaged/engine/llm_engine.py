@@ -283,6 +283,7 @@ class LLMEngine:
         if self.has_unfinished_requests():
             return 0
         given = 0
+        self.block_manager.release_window_pins()  # pinned windows hold blocks: nothing would trim
         for group, pool in enumerate((self.block_manager.pool, self.block_manager.window_pool)):
             if pool is not None:
                 given += pool.trim()
