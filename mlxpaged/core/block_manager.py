@@ -167,11 +167,13 @@ class BlockManager:
         return self.window_pool is None or min(need, self.blocks_for(self.window) + 1) <= self.window_pool.num_free
 
     def _drop_out_of_window(self, seq: Sequence) -> None:
-        """Release the windowed group's blocks that no token still to compute can see."""
+        """Release the windowed group's blocks that no token still to compute can see. The released
+        entries are always a leading run, so the scan walks back from the window to the run."""
         table = seq.window_table
-        for i in range(min(self.first_in_window(seq.num_computed_tokens), len(table))):
-            if table[i] is not None:
-                self._release_window_block(seq, i)
+        i = min(self.first_in_window(seq.num_computed_tokens), len(table)) - 1
+        while i >= 0 and table[i] is not None:
+            self._release_window_block(seq, i)
+            i -= 1
 
     def _release_window_block(self, seq: Sequence, i: int) -> None:
         """Drop `seq`'s reference to its windowed block `i`; a block of the window the sequence is
@@ -468,10 +470,10 @@ class BlockManager:
         for s in seqs:
             table = s.window_table
             assert len(table) == len(s.block_table), "the groups' tables differ in length"
-            # what a token still to compute can see is held; only blocks before it may be released
-            assert None not in table[self.first_in_window(s.num_computed_tokens) :], (
-                "a block in the window was released"
-            )
+            # what a token still to compute can see is held; only a leading run before it is released
+            released = table.count(None)
+            assert released <= self.first_in_window(s.num_computed_tokens), "a block in the window was released"
+            assert None not in table[released:], "released blocks are not a leading run"
             for b in table:
                 if b is not None:
                     counts[b.block_id] += 1
