@@ -90,6 +90,9 @@ class Loads(list):
         self.window = list(window)
 
 
+NO_COPIES = Copies()  # what the usual decode gets back: read, never changed
+
+
 def blocks_for_request(num_prompt_tokens: int, n: int, max_tokens: int, block_size: int) -> int:
     """Blocks one request holds at most: its n samples at full length, sharing the prompt's full blocks."""
     shared = num_prompt_tokens // block_size if n > 1 else 0
@@ -220,7 +223,7 @@ class BlockManager:
             not computed % self.block_size
             or (table[-1].ref_cnt == 1 and (wpool is None or seq.window_table[-1].ref_cnt == 1))
         ):
-            return Copies()  # the usual decode: room in its own last block (what the general path finds, cheaper)
+            return NO_COPIES  # the usual decode: room in its own last block (what the general path finds, cheaper)
         if self.blocks_needed(seq, num_new_tokens) > self.pool.num_free:
             return None
         if wpool is not None and self.blocks_needed(seq, num_new_tokens, seq.window_table) > wpool.num_free:

@@ -75,8 +75,10 @@ class SchedulerOutput:
 
     def add_copies(self, seq: Sequence, copies) -> None:
         """Record `BlockManager.allocate_slots`' copies for `seq` (both groups)."""
-        self.copies.extend((seq, s, d) for s, d in copies)
-        self.window_copies.extend((seq, s, d) for s, d in copies.window)
+        if copies:
+            self.copies.extend((seq, s, d) for s, d in copies)
+        if copies.window:
+            self.window_copies.extend((seq, s, d) for s, d in copies.window)
 
     @property
     def num_decode_tokens(self) -> int:
