@@ -103,7 +103,9 @@ class LLMEngine:
         growth = growable_pool(loaded, config, extra, held)  # (start, cap, chunk), or None for a fixed pool
         num_blocks = growth[0] if growth else pool_blocks(loaded, config, extra_block_bytes=extra, reserved_bytes=held)
         # Sliding-window layers form a group of their own whose blocks out of the window go back
-        # (core/block_manager.py); its pool grows a window's worth at a time, up to the full group's.
+        # (core/block_manager.py). A growing pool's windowed group starts at a window's worth of
+        # blocks and grows by as much (memory follows the windows); a fixed pool gives both groups
+        # its size (what the windows release is room for more sequences, as in vLLM).
         windows = pool_windows(loaded.model)
         window = max((w for w in windows if w is not None), default=None)
         groups = tuple(int(w is not None) for w in windows) if window is not None else ()
