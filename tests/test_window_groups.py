@@ -355,3 +355,18 @@ def test_a_shared_prefix_recomputed_once_is_pinned_for_the_next(families):
     first, second, third = got.values()
     assert first == 0 and second < shared <= third
     assert len(engine.block_manager.window_pins) == 1
+
+
+def test_draft_speculation_rolls_back_both_groups(families, tmp_path):
+    """A draft model (another tiny gpt-oss: its proposals are rejected) proposes 3 tokens a step
+    for a windowed target whose windowed group reuses released blocks at once: the rejected slots
+    roll back in both groups and the tokens are plain decoding's (mlx-lm's)."""
+    loaded, ref_model, tok = families["gpt_oss", 4]
+    draft = write_tiny_family(tmp_path / "draft", "gpt_oss", seed=1, sliding_window=4)
+    engine = _grown(loaded, speculative="draft", draft_model=str(draft), num_speculative_tokens=3)
+    rids = [engine.add_request(p, _greedy(20)) for p in (LONG,)]
+    done, peak = _peak_window_blocks(engine, rids)
+    st = engine.stats_dict()
+    assert st["spec_accepted_tokens"] < st["spec_proposed_tokens"], st
+    assert peak <= -(-(4 + 8) // 4) + 1
+    assert done[rids[0]].outputs[0].token_ids == contiguous_generate(ref_model, tok.encode(LONG), 20)
