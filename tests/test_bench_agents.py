@@ -29,7 +29,9 @@ def result():
 
 def test_replay_fields_lengths_and_growing_prompts(result):
     rows = result["rows"]
-    assert {(r["server"], r["restart"]) for r in rows} == {(s, v) for s in agents.SERVERS for v in (False, True)}
+    assert {(r["server"], r["restart"]) for r in rows} == {
+        (s, v) for s in agents.DEFAULT_SERVERS for v in (False, True)
+    }
     for r in rows:
         assert r["failed"] == 0, r["errors"]
         for key in ("ttft_per_turn", "ttft_ms_later_median", "wall_s", "output_tok_per_s", "peak_rss_mb"):
@@ -88,3 +90,40 @@ def test_corpus_is_fixed_by_the_seed():
     a, b = agents.tool_results(Tok(), 4, seed=3), agents.tool_results(Tok(), 4, seed=3)
     assert a == b and all(text for _, text in a)
     assert agents.tool_results(Tok(), 4, seed=4) != a
+
+
+def test_every_server_goes_first_in_turn():
+    servers = ("mlxpaged", "mlx_lm", "vllm_mlx")
+    orders = [agents.server_order(servers, case, rep) for case in range(3) for rep in range(2)]
+    assert all(sorted(o) == sorted(servers) for o in orders)
+    firsts = [o[0] for o in orders]
+    assert all(firsts.count(s) == 2 for s in servers)
+    assert [o[0] for o in (agents.server_order(servers[:2], c, 0) for c in range(4))] == ["mlxpaged", "mlx_lm"] * 2
+
+
+def test_vllm_mlx_runs_from_its_own_venv(tmp_path, monkeypatch):
+    """vllm-mlx is started with its venv's Python (read off its script's first line), the same
+    OpenBLAS, its CLI's `serve` with continuous batching and the paged and prefix caches; without
+    a venv the harness says how to make one, in one line."""
+    script = tmp_path / "vllm-mlx"
+    script.write_text("#!/opt/v/bin/python3\nimport sys\n")
+    monkeypatch.setenv("MLXPAGED_VLLM_MLX", str(script))
+    cmd = http.server_command("vllm_mlx", "/m", 8123, ["--ssd-cache-dir", "/d"])
+    assert cmd[0] == "/opt/v/bin/python3" and cmd[1] == "-c" and "from vllm_mlx.cli import main" in cmd[2]
+    assert cmd[3:] == [
+        "serve",
+        "/m",
+        "--port",
+        "8123",
+        "--continuous-batching",
+        "--use-paged-cache",
+        "--enable-prefix-cache",
+        "--ssd-cache-dir",
+        "/d",
+    ]
+    assert agents.server_extra("vllm_mlx", 4, True, "/d", []) == ["--ssd-cache-dir", "/d"]
+    assert agents.server_extra("vllm_mlx", 4, False, None, []) == []
+    monkeypatch.setenv("MLXPAGED_VLLM_MLX", str(tmp_path / "none"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ValueError, match="vllm-mlx is not installed: make a venv of its own"):
+        http.vllm_mlx_python()

@@ -2,7 +2,7 @@
 conversations of T turns, each turn appending the previous answer, a tool call, a tool result of
 real text (stdlib and mlx_lm sources, read by path with a fixed seed) and a short instruction.
 
-Reuses the HTTP harness (`http.py`): fresh servers per case, `first_server` alternation, the
+Reuses the HTTP harness (`http.py`): fresh servers per case, `server_order` alternation, the
 equal-output-length rule (`request_body`: `ignore_eos` / EOS `logit_bias`), the RSS sampler's
 approach, `write_result` provenance. The restart variant stops the server after turn T/2 and
 starts it again (mlxpaged with `--prefix-cache-dir`; mlx_lm.server recomputes).
@@ -21,7 +21,8 @@ from pathlib import Path
 
 from . import http
 
-SERVERS = ("mlxpaged", "mlx_lm")
+SERVERS = ("mlxpaged", "mlx_lm", "vllm_mlx")  # vllm_mlx from its own venv (http.vllm_mlx_python)
+DEFAULT_SERVERS = ("mlxpaged", "mlx_lm")
 STAGGER_S = 0.5  # conversation k starts k * STAGGER_S after the first
 
 
@@ -390,9 +391,19 @@ def summarize(name, k, turns, rows, wall, peak, final, restart_at) -> dict:
 
 
 def server_extra(name: str, k: int, restart: bool, cache_dir: str | None, mlxpaged_args: list[str]) -> list[str]:
+    """Each server's flags: mlxpaged's disk tier and vllm-mlx's SSD cache for the restart variant
+    (mlx_lm.server keeps nothing on disk); mlx_lm.server's prompt cache sized for every conversation."""
     if name == "mlxpaged":
         return mlxpaged_args + (["--prefix-cache-dir", cache_dir] if restart and cache_dir else [])
+    if name == "vllm_mlx":  # its prefix cache is sized by memory (its default); on disk for the restart
+        return ["--ssd-cache-dir", cache_dir] if restart and cache_dir else []
     return peer_args(k)
+
+
+def server_order(servers, case: int, repeat: int) -> list[str]:
+    """Who runs first turns with every case and repeat (the harness's alternation, for any count)."""
+    i = (case + repeat) % len(servers)
+    return list(servers[i:]) + list(servers[:i])
 
 
 def run(
@@ -403,7 +414,7 @@ def run(
     max_tokens,
     seed=0,
     restart=False,
-    servers=SERVERS,
+    servers=DEFAULT_SERVERS,
     mlxpaged_args=(),
     progress=print,
     system=SYSTEM,
@@ -421,8 +432,8 @@ def run(
         variants = [False, True] if restart else [False]
         for rs in variants:
             for rep in range(repeats):
-                a = http.first_server(case, rep)
-                order = [s for s in ([a] + [s for s in servers if s != a]) if s in servers]
+                order = server_order(servers, case, rep)
+                a = order[0]
                 for name in order:
                     cache_dir = tempfile.mkdtemp(prefix="mlxpaged-agents-disk-") if rs else None
                     extra = server_extra(name, k, rs, cache_dir, list(mlxpaged_args))
@@ -445,7 +456,9 @@ def run(
         "result_tokens": list(result_tokens),
         "max_tokens": max_tokens,
         "stagger_s": STAGGER_S,
-        "peer_args_note": "mlx_lm.server runs with --prompt-cache-size 4*K+8, enough for every conversation",
+        "peer_args_note": "mlx_lm.server runs with --prompt-cache-size 4*K+8, enough for every conversation; "
+        "vllm-mlx with --continuous-batching --use-paged-cache --enable-prefix-cache (and --ssd-cache-dir "
+        "for the restart)",
     }
 
 
@@ -517,7 +530,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--restart", action="store_true", help="Also the variant restarting the server after T/2.")
-    ap.add_argument("--servers", default=",".join(SERVERS), help="Comma-separated: mlxpaged,mlx_lm.")
+    ap.add_argument(
+        "--servers",
+        default=",".join(DEFAULT_SERVERS),
+        help="Comma-separated, of mlxpaged,mlx_lm,vllm_mlx (vllm_mlx: MLXPAGED_VLLM_MLX names its venv's Python).",
+    )
     ap.add_argument("--out-dir", default="bench_results")
     ap.add_argument("--plot", action="store_true")
     ap.add_argument("--allow-dirty", action="store_true")
@@ -531,6 +548,12 @@ def main(argv: list[str]) -> int:
     if bad:
         print(f"error: unknown server(s) {sorted(bad)}; choose from {list(SERVERS)}", file=sys.stderr)
         return 1
+    if "vllm_mlx" in servers:
+        try:
+            http.vllm_mlx_python()
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     path = http.float32_copy(http.model_path(a.model, a.tiny))
     ks = [int(x) for x in a.ks.split(",") if x]
     res = run(path, ks, a.turns, a.repeats, a.max_tokens, a.seed, a.restart, servers, progress=print)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import socket
 import statistics
@@ -216,7 +217,46 @@ class ServerProc:
                 self.proc.wait()
 
 
+def vllm_mlx_python() -> str:
+    """The Python of vllm-mlx's own venv (it needs mlx-lm < 0.32, torch and gradio, so it cannot
+    share this one): `MLXPAGED_VLLM_MLX` names that Python or the venv's `vllm-mlx` script, else
+    the `vllm-mlx` on PATH. `ValueError` in one line when there is none."""
+    import shutil
+
+    where = os.environ.get("MLXPAGED_VLLM_MLX") or shutil.which("vllm-mlx")
+    if not where or not Path(where).exists():
+        raise ValueError(
+            "vllm-mlx is not installed: make a venv of its own (python -m venv V && V/bin/pip install "
+            'vllm-mlx "mlx[cpu]") and set MLXPAGED_VLLM_MLX=V/bin/python'
+        )
+    first = Path(where).read_bytes()[:200].split(b"\n")[0]
+    return first[2:].decode().strip() if first.startswith(b"#!") else where
+
+
 def server_command(name: str, model_path: str, port: int, extra: list[str]) -> list[str]:
+    if name == "vllm_mlx":
+        # Its own venv's Python, with the same system OpenBLAS loaded first, then its CLI as
+        # `vllm-mlx serve` would run it: continuous batching, the paged cache, the prefix cache.
+        from .._blas import loaded as blas
+
+        boot = (
+            "import ctypes, sys; "
+            + (f"ctypes.CDLL({blas!r}, mode=ctypes.RTLD_GLOBAL); " if blas else "")
+            + "sys.argv[0] = 'vllm-mlx'; from vllm_mlx.cli import main; sys.exit(main())"
+        )
+        return [
+            vllm_mlx_python(),
+            "-c",
+            boot,
+            "serve",
+            model_path,
+            "--port",
+            str(port),
+            "--continuous-batching",
+            "--use-paged-cache",
+            "--enable-prefix-cache",
+            *extra,
+        ]
     if name == "mlxpaged":
         return [
             sys.executable,
@@ -264,7 +304,7 @@ def request_body(server: str, model: str, req: Req, n: int, eos: list[int]) -> d
         body["ignore_eos"] = True
         if n > 1:
             body["n"] = n
-    else:  # mlx_lm.server has no ignore_eos: an EOS token can never be drawn at -100
+    else:  # mlx_lm.server and vllm-mlx have no ignore_eos: an EOS token can never be drawn at -100
         body["logit_bias"] = {str(t): -100.0 for t in eos}
     return body
 
