@@ -105,7 +105,7 @@ class SchedulerOutput:
         return {first + i: d.proposal for i, d in enumerate(self.spec)}
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleRow:
     """Sequences that draw their next token from row `row` of the step's logits."""
 
@@ -154,23 +154,35 @@ class Scheduler:
         out = SchedulerOutput()
         speculate = self.spec.active(self._num_running_seqs)
         prefilling = []  # the running requests with tokens to prefill, in order
+        allocate = self.bm.allocate_slots
         for req in list(self.running.values()):
             if req.status is not RequestStatus.RUNNING:
                 continue
             if not req.prompt_prefilled:
                 prefilling.append(req)
                 continue
-            for seq in req.live_seqs():
-                todo = seq.num_uncomputed
+            for seq in req.seqs:  # the properties inlined: once per sequence per step (host time)
+                if seq.finish_reason is not None:
+                    continue
+                known = len(seq.token_ids)
+                todo = known + (seq.pending is not None) - seq.num_computed_tokens  # num_uncomputed
                 if todo > 1:
                     if not prefilling or prefilling[-1] is not req:
                         prefilling.append(req)
-                elif todo == 1 and not self._ends_with_pending(req, seq):
+                # not when the pending token is its last (max_tokens): decoding it would be wasted
+                # work, and one slot more than `blocks_for_request` counts
+                elif todo == 1 and not (
+                    seq.pending is not None and known + 1 - seq.num_prompt_tokens >= req.params.max_tokens
+                ):
                     if speculate and self.spec.schedule(req, seq, out):
                         continue  # a decode with its proposals: 1 + K scheduled tokens
-                    if not self._allocate_or_preempt(req, seq, 1, out):
-                        break
-                    out.decodes.append((req, seq))
+                    copies = allocate(seq, 1)
+                    if copies is None:  # short of blocks: preempt newer requests
+                        if not self._allocate_or_preempt(req, seq, 1, out):
+                            break
+                    elif copies or copies.window:
+                        out.add_copies(seq, copies)
+                    out.decodes.append((req, seq))  # (a preemption rebuilds the list: no alias)
         budget = self.config.scheduler.max_num_batched_tokens - out.num_decode_tokens
         for req in prefilling:
             if budget <= 0:
@@ -234,12 +246,6 @@ class Scheduler:
         elif rng_key is not None:
             seq.rng_key = rng_key
         return appended
-
-    @staticmethod
-    def _ends_with_pending(req: Request, seq: Sequence) -> bool:
-        """Whether `seq`'s pending token is its last (max_tokens): decoding it would be wasted work,
-        and one slot more than `blocks_for_request` counts."""
-        return seq.pending is not None and seq.num_tokens - seq.num_prompt_tokens >= req.params.max_tokens
 
     def _admit(self, req: Request, out: SchedulerOutput) -> None:
         hits, loads = 0, Loads()
@@ -364,11 +370,13 @@ class Scheduler:
         sample from its logits. A sequence that finished (or was aborted) after the step was
         scheduled is skipped: its blocks are gone and its token is never used.
         """
+        bs, cache_full = self.bm.block_size, self.bm.cache_full_blocks
         for _req, seq in out.decodes:
-            if seq.finished:
+            if seq.finish_reason is not None:
                 continue
             seq.num_computed_tokens += 1
-            self.bm.cache_full_blocks(seq)
+            if len(seq.block_hashes) < seq.num_computed_tokens // bs:  # a block to name (checked here: host time)
+                cache_full(seq)
         for chunk in out.prefills:
             req, seq = chunk.request, chunk.seq
             if seq.finished:

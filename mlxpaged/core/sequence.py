@@ -73,7 +73,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class PendingToken:
     """A token sampled in step `step` whose value is still on the device.
 

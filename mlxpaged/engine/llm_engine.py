@@ -510,12 +510,16 @@ class LLMEngine:
         t0 = time.perf_counter()
         rows = self.scheduler.sample_rows(out)
         logits, extra = self._forward(out)
-        plain = [r for r in rows if r.request.beam is None]
-        beam_rows = [r for r in rows if r.request.beam is not None]
-        pairs = [(r.request, s) for r in plain for s in r.seqs]
+        pairs, index, beam_rows = [], [], []  # who draws from which logits row; the beams' rows
+        for r in rows:
+            if r.request.beam is not None:
+                beam_rows.append(r)
+                continue
+            for s in r.seqs:
+                pairs.append((r.request, s))
+                index.append(r.row)
         sampled = logits_rows = None
         todo = list(self.kv_cache.arrays)  # every pool array (a QuantizedPool is not an array)
-        index = [r.row for r in plain for _ in r.seqs]
         spec = spec_rows(out, index)
         if index:
             if index != list(range(logits.shape[0])):

@@ -183,12 +183,32 @@ def apply_min_p(x: mx.array, min_p: mx.array) -> mx.array:
     return mx.where(x >= cut, x, mx.array(-mx.inf, dtype=x.dtype))
 
 
+def row_kinds(params: list[SamplingParams]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The rows with a logit bias, with penalties, that draw (not greedy), that want logprobs: one
+    pass over the rows (each step's host time)."""
+    bias, pen, drawn, lp = [], [], [], []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            bias.append(i)
+        if p.has_penalties:
+            pen.append(i)
+        if not p.greedy:
+            drawn.append(i)
+        if p.logprobs is not None:
+            lp.append(i)
+    return bias, pen, drawn, lp
+
+
 def process_logits(
-    logits: mx.array, params: list[SamplingParams], masks: GuideMasks | None, histories: list | None
+    logits: mx.array,
+    params: list[SamplingParams],
+    masks: GuideMasks | None,
+    histories: list | None,
+    kinds: tuple | None = None,
 ) -> mx.array:
-    """Steps 1-3 of the module's order on `logits [B, V]`; `logits` itself when no row needs any."""
-    bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
-    pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
+    """Steps 1-3 of the module's order on `logits [B, V]`; `logits` itself when no row needs any.
+    `kinds`: `row_kinds(params)`, if the caller has it."""
+    bias_rows, pen_rows, _, _ = kinds or row_kinds(params)
     if masks is None and not bias_rows and not pen_rows:
         return logits
     x = logits
@@ -296,9 +316,10 @@ def sample_arrays(
     vmapped split-and-draw over their keys; the logprobs of all rows come from one
     log-softmax and one argpartition.
     """
-    x_all = process_logits(logits, params, masks, histories)
+    kinds = row_kinds(params)
+    x_all = process_logits(logits, params, masks, histories, kinds)
     toks = mx.argmax(x_all, axis=-1)
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    sampled, rows = kinds[2], kinds[3]
     drawn_keys = None
     if sampled:
         vocab = logits.shape[-1]
@@ -322,7 +343,6 @@ def sample_arrays(
             toks = drawn.astype(toks.dtype)
         else:
             toks[idx] = drawn.astype(toks.dtype)
-    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     top = min(max((params[i].logprobs for i in rows), default=0), logits.shape[-1])
     lp = _logprob_arrays(logits, toks, rows, top) if rows else (None, None, None)
     return SampleArrays(params, toks, sampled, drawn_keys, rows, top, *lp)

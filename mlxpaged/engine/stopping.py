@@ -64,7 +64,7 @@ class StopChecker:
                 return FinishReason.STOP
         if grammar_done:
             return FinishReason.STOP
-        if seq.num_output_tokens >= p.max_tokens:
+        if len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens:  # num_output_tokens, inlined
             return FinishReason.LENGTH
         return None
 
@@ -151,14 +151,14 @@ def _delta(req: Request, s: Sequence, text: str, stop_reason) -> CompletionOutpu
             st.fed = len(text)
         end = len(text) - (st.matcher.hold_back() if st.matcher is not None else 0)
     end = max(end, st.chars)
-    ids = s.output_token_ids[st.tokens :]
+    ids = s.token_ids[s.num_prompt_tokens + st.tokens :]  # the new ones only (not a copy of every output token)
     if end == st.chars and not ids and not s.finished:
         return None
     lps = s.logprobs[st.tokens :] if req.params.logprobs is not None else None
     out = CompletionOutput(
         s.sample_index,
         text[st.chars : end],
-        list(ids),
+        ids,  # a fresh slice: the output's own list
         s.finish_reason.value if s.finish_reason else None,
         logprobs=lps,
         stop_reason=stop_reason,
@@ -177,10 +177,13 @@ class MemoBPEDetokenizer(BPEStreamingDetokenizer):
     about a quarter of a decode step's host time at 64 samples. The map is a pure function of a
     token's string, and the bytes of a concatenation are the concatenation of the bytes, so this
     one keeps the unflushed bytes beside the unflushed string, remembering each token's bytes in
-    one table that the copies (one per sample) share. The text is mlx-lm's, character for
-    character (tests/test_stopping_speed.py)."""
+    one table that the copies (one per sample) share. A token that, with nothing unflushed,
+    flushes on its own (most of them) has its text remembered by id too (`_flushes`), so it is
+    decoded once per engine, not once per appearance. The text is mlx-lm's, character for
+    character (tests/test_detokenizer.py)."""
 
     _memo: dict
+    _flushes: dict
     _SPACE = "\u0120"  # the one-character token string of byte 32 in the byte-level alphabet
 
     def reset(self):
@@ -207,7 +210,18 @@ class MemoBPEDetokenizer(BPEStreamingDetokenizer):
         # mlx-lm's `add_token`, on the kept bytes; its space test (a one-character token that is
         # byte 32) as one comparison
         self.tokens.append(token)
+        if not self._unflushed:
+            # The usual token: nothing unflushed and its bytes a whole text, remembered by id
+            # (`_flushes`): what the general path below appends, without decoding it again.
+            d = self._flushes.get(token)
+            if d is not None:
+                self.text += self._maybe_trim_space(d) if d[:1] == " " else d
+                return
         v = self.tokenmap[token] if token < len(self.tokenmap) else "!"
+        if not self._unflushed and len(self._flushes) < MEMO_LIMIT:
+            d = self._bytes_of(v).decode("utf-8", "replace")
+            if not d.endswith("\ufffd") and v != self._SPACE:  # it flushes on its own, every time
+                self._flushes[token] = d
         self._unflushed += v
         self._unflushed_bytes += self._bytes_of(v)
         text = self._unflushed_bytes.decode("utf-8", "replace")
@@ -228,6 +242,7 @@ def detokenizers(tokenizer):
     if type(proto) is BPEStreamingDetokenizer:
         proto.__class__ = MemoBPEDetokenizer
         proto._memo = {}
+        proto._flushes = {}  # token id -> its text, for a token that flushes on its own
         proto.reset()
 
     def make():
@@ -267,18 +282,22 @@ def make_output(req: Request, tokenizer) -> RequestOutput:
                     )
                 )
     else:
+        # Once per request per step: attribute reads kept out of the properties (host time).
+        params = req.params
+        want_logprobs = params.logprobs is not None
         for s in req.seqs:
-            if s.finished:
+            reason = s.finish_reason
+            if reason is not None:
                 s.detokenizer.finalize()
             text = s.detokenizer.text
             stop_reason = None  # vLLM's: the stop string that ended the sample, or the stop token id
             if s.stop_text_len is not None:
                 # the first occurrence that ended it: of the stops found there, the one StopChecker saw first
-                stop_reason = next((x for x in req.params.stop if text.startswith(x, s.stop_text_len)), None)
+                stop_reason = next((x for x in params.stop if text.startswith(x, s.stop_text_len)), None)
                 text = text[: s.stop_text_len]
-            elif s.finish_reason is FinishReason.STOP and s.output_token_ids:
-                last = s.output_token_ids[-1]
-                stop_reason = last if last in req.params.stop_token_ids else None
+            elif reason is FinishReason.STOP and len(s.token_ids) > s.num_prompt_tokens:
+                last = s.token_ids[-1]
+                stop_reason = last if last in params.stop_token_ids else None
             if delta:
                 d = _delta(req, s, text, stop_reason)
                 if d is not None:
@@ -288,21 +307,18 @@ def make_output(req: Request, tokenizer) -> RequestOutput:
                 CompletionOutput(
                     s.sample_index,
                     text,
-                    s.output_token_ids,  # a fresh slice: the output's own list
-                    s.finish_reason.value if s.finish_reason else None,
-                    logprobs=list(s.logprobs) if req.params.logprobs is not None else None,
-                    stop_reason=stop_reason,
+                    s.token_ids[s.num_prompt_tokens :],  # a fresh slice: the output's own list
+                    reason.value if reason is not None else None,
+                    list(s.logprobs) if want_logprobs else None,
+                    None,
+                    None,
+                    stop_reason,
                 )
             )
+    asked = req.prompt_logprobs is not None or getattr(req.params, "prompt_logprobs", None) is not None
+    plp = _prompt_logprobs(req, delta) if asked else None
     return RequestOutput(
-        req.request_id,
-        req.prompt_text,
-        req.prompt_token_ids,
-        outs,
-        req.finished,
-        req.num_cached_tokens,
-        delta,
-        _prompt_logprobs(req, delta),
+        req.request_id, req.prompt_text, req.prompt_token_ids, outs, req.finished, req.num_cached_tokens, delta, plp
     )
 
 

@@ -26,6 +26,9 @@ def gather_rows(refs: list) -> mx.array:
     return mx.stack([r[0][r[1]] if isinstance(r, tuple) else r for r in refs])
 
 
+_zeros = [0] * 256  # padding for a block table row (a slice of it is cheaper than a new list)
+
+
 class ModelRunner:
     """Owns the model and its paged KV cache; knows nothing about scheduling."""
 
@@ -44,6 +47,7 @@ class ModelRunner:
         self.num_recurrent = sum(s is not None for s in model.__dict__.get("_paged_recurrent") or [])
         self.checkpoints = checkpoints  # recurrent-state checkpoints for prefix hits, or None
         self.two_groups = any(kv_cache.groups)  # windowed layers read their own group's tables
+        self._aranges: dict[int, tuple[mx.array, mx.array]] = {}  # `_steps`, by batch size
 
     def forward(
         self,
@@ -119,24 +123,30 @@ class ModelRunner:
         """`forward`'s metadata when every entry is one token (the decode steps): the same arrays,
         built from Python lists without numpy (a step's host time at small batches)."""
         bs = self.block_size
-        starts = [s.num_computed_tokens for s, _ in batch]
-        width = max(len(s.block_table) for s, _ in batch)
-        tables = [[b.block_id for b in s.block_table] + [0] * (width - len(s.block_table)) for s, _ in batch]
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, starts)]
-        steps = list(range(len(batch) + 1))
+        seqs = [s for s, _ in batch]
+        starts = [s.num_computed_tokens for s in seqs]
+        ids = [[b.block_id for b in s.block_table] for s in seqs]
+        width = max(map(len, ids))
+        # the slot before padding: the token's block is always in the table
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(ids, starts)]
+        for t in ids:
+            if len(t) < width:
+                t += _zeros[: width - len(t)] if width <= len(_zeros) else [0] * (width - len(t))
+        cu, last = self._steps(len(batch))
+        positions = mx.array(starts, dtype=mx.int32)
         meta = AttentionMetadata(
             slot_mapping=mx.array(slots, dtype=mx.int32),
-            positions=mx.array(starts, dtype=mx.int32),
-            block_tables=mx.array(tables, dtype=mx.int32),
-            cu_seqlens_q=mx.array(steps, dtype=mx.int32),
-            context_lens=mx.array([p + 1 for p in starts], dtype=mx.int32),
-            logits_indices=mx.array(steps[:-1], dtype=mx.int32),
+            positions=positions,
+            block_tables=mx.array(ids, dtype=mx.int32),
+            cu_seqlens_q=cu,
+            context_lens=positions + 1,
+            logits_indices=last,
             impl=self.attention_impl,
         )
         if self.two_groups:  # a released block reads as block 0: the window masks it out
             wt = [
                 [0 if b is None else b.block_id for b in s.window_table] + [0] * (width - len(s.window_table))
-                for s, _ in batch
+                for s in seqs
             ]
             meta.window = replace(
                 meta,
@@ -145,6 +155,14 @@ class ModelRunner:
                 scratch={},
             )
         return meta
+
+    def _steps(self, n: int) -> tuple[mx.array, mx.array]:
+        """`(arange(n + 1), arange(n))` int32: a decode step's cu_seqlens_q and logits indices,
+        made once per batch size (arrays are immutable: sharing them between steps is safe)."""
+        got = self._aranges.get(n)
+        if got is None:
+            got = self._aranges[n] = (mx.arange(n + 1, dtype=mx.int32), mx.arange(n, dtype=mx.int32))
+        return got
 
     @staticmethod
     def _logits_indices(cu: np.ndarray, spec_tokens: dict[int, list[int]], all_rows: list[int] = ()) -> np.ndarray:
