@@ -390,7 +390,7 @@ class Scheduler:
                     self.bm.fork(seq, other)
             req.prompt_prefilled = True
         for seq, p in pending:
-            if not seq.finished:  # finished after the step was scheduled: a wasted row
+            if seq.finish_reason is None:  # finished after the step was scheduled: a wasted row
                 seq.pending = p
 
     def update_from_output(

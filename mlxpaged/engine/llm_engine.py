@@ -69,7 +69,7 @@ from .kv_connector import DiskConnector
 from .outputs import RequestOutput
 from .prompt_logprobs import PromptLogprobs
 from .recurrent_state import CheckpointNamer
-from .sampler import GuideMasks, SampleArrays, TokenHistory, read_samples, sample_arrays, sample_key
+from .sampler import GuideMasks, SampleArrays, TokenHistory, read_samples, row_kinds, sample_arrays, sample_key
 from .sampling_params import SamplingParams, salt_key
 from .spec_decode import NgramProposer, Verifier, spec_draws, spec_rows
 from .stats import METRIC_KEYS, EngineStats, engine_stats
@@ -559,10 +559,15 @@ class LLMEngine:
         row (`spec`), one graph: grammar masks for the guided rows, token histories for the rows
         with penalties (see sampler.py). Speculating rows have neither (`SpecPolicy.speculates`)."""
         params = [r.params for r, _ in pairs]
-        keys = [s.current_key() for _, s in pairs]
-        spec_draws(spec, params, keys)
+        kinds = row_kinds(params)
+        keys = [None] * len(pairs)  # only the rows that draw read theirs
+        for i in kinds[2]:
+            keys[i] = pairs[i][1].current_key()
+        if spec:
+            spec_draws(spec, params, keys)
+            kinds = row_kinds(params)
         histories = None
-        if any(r.params.has_penalties for r, _ in pairs):
+        if kinds[1]:  # rows with penalties (never a speculating one)
             histories = [
                 TokenHistory(
                     s.token_ids,
@@ -574,7 +579,9 @@ class LLMEngine:
                 for r, s in pairs
             ]
             histories += [None] * (len(params) - len(pairs))
-        return sample_arrays(logits_rows, params, keys, masks=self._guide_masks(pairs), histories=histories)
+        return sample_arrays(
+            logits_rows, params, keys, masks=self._guide_masks(pairs), histories=histories, kinds=kinds
+        )
 
     def _guide_masks(self, pairs: list[tuple[Request, Sequence]]) -> GuideMasks | None:
         """Fill the grammar masks of the guided rows on the CPU; None when there are none.

@@ -304,11 +304,12 @@ def sample_arrays(
     *,
     masks: GuideMasks | None = None,
     histories: list | None = None,
+    kinds: tuple | None = None,
 ) -> SampleArrays:
     """Build (without evaluating) the draw of row `i` of `logits [B, V]` with `params[i]` and
     `keys[i]` (an array, `(array, row)` as for `gather_rows`, or None for greedy rows), in the
     module's order. `masks`: the grammar masks of the constrained rows; `histories[i]`: a
-    `TokenHistory` for every row with penalties.
+    `TokenHistory` for every row with penalties; `kinds`: `row_kinds(params)`, if the caller has it.
 
     Masks, biases and penalties change only the rows that ask for them (none: no array);
     greedy rows share one argmax; sampled rows share one temperature division, one min-p cut
@@ -316,7 +317,7 @@ def sample_arrays(
     vmapped split-and-draw over their keys; the logprobs of all rows come from one
     log-softmax and one argpartition.
     """
-    kinds = row_kinds(params)
+    kinds = kinds or row_kinds(params)
     x_all = process_logits(logits, params, masks, histories, kinds)
     toks = mx.argmax(x_all, axis=-1)
     sampled, rows = kinds[2], kinds[3]

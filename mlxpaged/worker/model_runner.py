@@ -139,7 +139,7 @@ class ModelRunner:
             positions=positions,
             block_tables=mx.array(ids, dtype=mx.int32),
             cu_seqlens_q=cu,
-            context_lens=positions + 1,
+            context_lens=mx.array([p + 1 for p in starts], dtype=mx.int32),  # (a list: cheaper than an op)
             logits_indices=last,
             impl=self.attention_impl,
         )
