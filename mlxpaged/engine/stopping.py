@@ -309,10 +309,8 @@ def make_output(req: Request, tokenizer) -> RequestOutput:
                     text,
                     s.token_ids[s.num_prompt_tokens :],  # a fresh slice: the output's own list
                     reason.value if reason is not None else None,
-                    list(s.logprobs) if want_logprobs else None,
-                    None,
-                    None,
-                    stop_reason,
+                    logprobs=list(s.logprobs) if want_logprobs else None,
+                    stop_reason=stop_reason,
                 )
             )
     asked = req.prompt_logprobs is not None or getattr(req.params, "prompt_logprobs", None) is not None

@@ -26,9 +26,6 @@ def gather_rows(refs: list) -> mx.array:
     return mx.stack([r[0][r[1]] if isinstance(r, tuple) else r for r in refs])
 
 
-_zeros = [0] * 256  # padding for a block table row (a slice of it is cheaper than a new list)
-
-
 class ModelRunner:
     """Owns the model and its paged KV cache; knows nothing about scheduling."""
 
@@ -131,7 +128,7 @@ class ModelRunner:
         slots = [t[p // bs] * bs + p % bs for t, p in zip(ids, starts)]
         for t in ids:
             if len(t) < width:
-                t += _zeros[: width - len(t)] if width <= len(_zeros) else [0] * (width - len(t))
+                t += [0] * (width - len(t))
         cu, last = self._steps(len(batch))
         positions = mx.array(starts, dtype=mx.int32)
         meta = AttentionMetadata(
