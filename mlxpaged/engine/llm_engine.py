@@ -561,13 +561,13 @@ class LLMEngine:
         params = [r.params for r, _ in pairs]
         kinds = row_kinds(params)
         keys = [None] * len(pairs)  # only the rows that draw read theirs
-        for i in kinds[2]:
+        for i in kinds.drawn:
             keys[i] = pairs[i][1].current_key()
         if spec:
             spec_draws(spec, params, keys)
             kinds = row_kinds(params)
         histories = None
-        if kinds[1]:  # rows with penalties (never a speculating one)
+        if kinds.penalties:  # (never a speculating row)
             histories = [
                 TokenHistory(
                     s.token_ids,

@@ -35,6 +35,7 @@ logits, never on what else shares the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -183,9 +184,17 @@ def apply_min_p(x: mx.array, min_p: mx.array) -> mx.array:
     return mx.where(x >= cut, x, mx.array(-mx.inf, dtype=x.dtype))
 
 
-def row_kinds(params: list[SamplingParams]) -> tuple[list[int], list[int], list[int], list[int]]:
-    """The rows with a logit bias, with penalties, that draw (not greedy), that want logprobs: one
-    pass over the rows (each step's host time)."""
+class RowKinds(NamedTuple):
+    """Indices of the rows with a logit bias, with penalties, that draw (not greedy), that want logprobs."""
+
+    bias: list[int]
+    penalties: list[int]
+    drawn: list[int]
+    logprobs: list[int]
+
+
+def row_kinds(params: list[SamplingParams]) -> RowKinds:
+    """Each row's kinds in one pass over the rows (each step's host time)."""
     bias, pen, drawn, lp = [], [], [], []
     for i, p in enumerate(params):
         if p.logit_bias:
@@ -196,7 +205,7 @@ def row_kinds(params: list[SamplingParams]) -> tuple[list[int], list[int], list[
             drawn.append(i)
         if p.logprobs is not None:
             lp.append(i)
-    return bias, pen, drawn, lp
+    return RowKinds(bias, pen, drawn, lp)
 
 
 def process_logits(
@@ -204,11 +213,12 @@ def process_logits(
     params: list[SamplingParams],
     masks: GuideMasks | None,
     histories: list | None,
-    kinds: tuple | None = None,
+    kinds: RowKinds | None = None,
 ) -> mx.array:
     """Steps 1-3 of the module's order on `logits [B, V]`; `logits` itself when no row needs any.
     `kinds`: `row_kinds(params)`, if the caller has it."""
-    bias_rows, pen_rows, _, _ = kinds or row_kinds(params)
+    kinds = kinds or row_kinds(params)
+    bias_rows, pen_rows = kinds.bias, kinds.penalties
     if masks is None and not bias_rows and not pen_rows:
         return logits
     x = logits
@@ -304,7 +314,7 @@ def sample_arrays(
     *,
     masks: GuideMasks | None = None,
     histories: list | None = None,
-    kinds: tuple | None = None,
+    kinds: RowKinds | None = None,
 ) -> SampleArrays:
     """Build (without evaluating) the draw of row `i` of `logits [B, V]` with `params[i]` and
     `keys[i]` (an array, `(array, row)` as for `gather_rows`, or None for greedy rows), in the
@@ -320,7 +330,7 @@ def sample_arrays(
     kinds = kinds or row_kinds(params)
     x_all = process_logits(logits, params, masks, histories, kinds)
     toks = mx.argmax(x_all, axis=-1)
-    sampled, rows = kinds[2], kinds[3]
+    sampled, rows = kinds.drawn, kinds.logprobs
     drawn_keys = None
     if sampled:
         vocab = logits.shape[-1]

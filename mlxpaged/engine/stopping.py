@@ -313,10 +313,15 @@ def make_output(req: Request, tokenizer) -> RequestOutput:
                     stop_reason=stop_reason,
                 )
             )
-    asked = req.prompt_logprobs is not None or getattr(req.params, "prompt_logprobs", None) is not None
-    plp = _prompt_logprobs(req, delta) if asked else None
     return RequestOutput(
-        req.request_id, req.prompt_text, req.prompt_token_ids, outs, req.finished, req.num_cached_tokens, delta, plp
+        req.request_id,
+        req.prompt_text,
+        req.prompt_token_ids,
+        outs,
+        req.finished,
+        req.num_cached_tokens,
+        delta,
+        _prompt_logprobs(req, delta),
     )
 
 
