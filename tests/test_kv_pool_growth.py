@@ -188,6 +188,49 @@ def test_the_server_loop_trims_the_pool_when_it_goes_idle(tiny_loaded):
         loop.stop()
 
 
+def test_the_server_loop_keeps_an_idle_pool_for_the_grace_then_trims(tiny_loaded, mlx_lm_tiny):
+    """An agent's next turn arrives seconds after its last: within `idle_trim_s` (serve's
+    --kv-idle-trim) the grown pool and every cached block of the conversation stay, so the next
+    turn hits its whole history; once the engine has been idle that long, the pool shrinks back."""
+    import asyncio
+    import time
+
+    from mlxpaged.server.engine_loop import EngineLoop, Sink
+
+    make = lambda: LLMEngine(tiny_loaded, EngineConfig.of(kv_chunk_blocks=2, attention_impl="reference"))  # noqa: E731
+    loop = EngineLoop(make, idle_trim_s=3.0)
+    loop.start()
+    try:
+
+        async def one(prompt, rid, n):
+            sink = Sink(asyncio.get_running_loop())
+            loop.submit(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), rid, sink)
+            while True:
+                for _, out in await sink.get():
+                    if out.finished:
+                        return out
+
+        first = _prompts(1, 90)[0]
+        out = asyncio.run(one(first, "turn1", 8))
+        engine = loop.engine
+        grown = engine.num_blocks
+        assert grown >= 6
+        time.sleep(0.5)  # idle, within the grace: nothing trimmed
+        assert engine.num_blocks == grown
+        # The next turn: the whole history (prompt and answer) plus a new message. Its full
+        # blocks are the first turn's 97 computed tokens' 6 whole blocks.
+        history = first + out.outputs[0].token_ids + [11, 12, 13, 14, 15]
+        nxt = asyncio.run(one(history, "turn2", 6))
+        assert nxt.num_cached_tokens == 96
+        assert nxt.outputs[0].token_ids == contiguous_generate(mlx_lm_tiny[0], history, 6)
+        deadline = time.monotonic() + 15
+        while engine.num_blocks != 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.num_blocks == 2 and engine.kv_cache.keys[0].shape[0] == 2
+    finally:
+        loop.stop()
+
+
 def test_serve_refuses_a_cap_together_with_a_fixed_size():
     from click.testing import CliRunner
 
@@ -197,3 +240,5 @@ def test_serve_refuses_a_cap_together_with_a_fixed_size():
     assert r.exit_code == 1 and "--kv-memory-gb" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(serve, ["--kv-memory-gb", "0"])
     assert r.exit_code == 2 and "--kv-memory-gb" in r.output  # click's range check
+    r = CliRunner().invoke(serve, ["--kv-idle-trim", "-1"])
+    assert r.exit_code == 2 and "--kv-idle-trim" in r.output

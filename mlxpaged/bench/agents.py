@@ -535,6 +535,9 @@ def main(argv: list[str]) -> int:
         default=",".join(DEFAULT_SERVERS),
         help="Comma-separated, of mlxpaged,mlx_lm,vllm_mlx (vllm_mlx: MLXPAGED_VLLM_MLX names its venv's Python).",
     )
+    ap.add_argument(
+        "--mlxpaged-args", default="", help="Extra flags for `mlxpaged serve`, one string (e.g. a scheduling setting)."
+    )
     ap.add_argument("--out-dir", default="bench_results")
     ap.add_argument("--plot", action="store_true")
     ap.add_argument("--allow-dirty", action="store_true")
@@ -556,7 +559,9 @@ def main(argv: list[str]) -> int:
             return 1
     path = http.float32_copy(http.model_path(a.model, a.tiny))
     ks = [int(x) for x in a.ks.split(",") if x]
-    res = run(path, ks, a.turns, a.repeats, a.max_tokens, a.seed, a.restart, servers, progress=print)
+    res = run(
+        path, ks, a.turns, a.repeats, a.max_tokens, a.seed, a.restart, servers, a.mlxpaged_args.split(), progress=print
+    )
     out = write_result(
         a.out_dir,
         "agents",

@@ -80,6 +80,14 @@ def _check_port(host: str, port: int) -> None:
     "of free memory; --num-blocks fixes the pool instead).",
 )
 @click.option(
+    "--kv-idle-trim",
+    default=60.0,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="Seconds the server stays idle before a growing KV pool shrinks back, evicting cached blocks beyond "
+    "its first chunk (0: as soon as it is idle). An agent's next turn within this time finds its history cached.",
+)
+@click.option(
     "--max-body-bytes",
     default=Limits.max_body_bytes,
     show_default=True,
@@ -151,6 +159,7 @@ def serve(
     served_model_name,
     shutdown_timeout,
     kv_memory_gb,
+    kv_idle_trim,
     max_body_bytes,
     max_stop_strings,
     max_request_tokens,
@@ -204,7 +213,9 @@ def serve(
     from .metrics import Metrics
 
     metrics = Metrics()
-    engine_loop = EngineLoop(make, observer=metrics, group=group, stall_timeout=stream_stall_timeout or None)
+    engine_loop = EngineLoop(
+        make, observer=metrics, group=group, stall_timeout=stream_stall_timeout or None, idle_trim_s=kv_idle_trim
+    )
     try:
         with user_errors():
             engine_loop.start()

@@ -14,7 +14,10 @@ Invariants:
   aborted here, its blocks freed, and gets `ClientTooSlow`.
 - With nothing queued and nothing unfinished the thread sleeps on a condition; it never spins.
   Before it sleeps it empties MLX's buffer cache (and trims glibc's heap), so an idle server's resident memory returns
-  to the weights plus the KV pool, however varied the shapes it served.
+  to the weights plus the KV pool, however varied the shapes it served. A growing KV pool is trimmed
+  (`LLMEngine.trim_pool`, which evicts cached blocks beyond its starting size) only once the engine
+  has stayed idle for `idle_trim_s` seconds: an agent's next turn comes seconds after its last one,
+  while its tool runs, and must find its conversation's blocks still cached.
 - Tensor parallel (`group` given, rank 0): before each step, and at least every `HEARTBEAT` s
   when idle, the step's engine calls (drain aborts, adds, aborts) go to the other ranks with
   `broadcast_json`; they replay them in `follow`, so every rank's engine sees the same calls in
@@ -28,6 +31,7 @@ import concurrent.futures
 import ctypes
 import dataclasses
 import logging
+import math
 import os
 import random
 import sys
@@ -143,8 +147,18 @@ class EngineLoop:
     tokens of one sample counts as k gaps of 1/k each).
     """
 
-    def __init__(self, make_engine, observer=None, group=None, stall_timeout: float | None = None):
+    def __init__(
+        self,
+        make_engine,
+        observer=None,
+        group=None,
+        stall_timeout: float | None = None,
+        idle_trim_s: float = 0.0,
+    ):
         self._make_engine = make_engine
+        self.idle_trim_s = (
+            idle_trim_s  # idle this long, a growing KV pool shrinks back (0: at once; serve's --kv-idle-trim)
+        )
         self.stall_timeout = stall_timeout  # abort a request whose reader stays behind this long (seconds)
         self._group = group  # an mx.distributed group of > 1 ranks: this is rank 0 of a TP server
         self.engine = None
@@ -240,19 +254,33 @@ class EngineLoop:
 
     def _loop(self) -> None:
         tp = self._group is not None
+        trim_at = None  # when an idle engine's growing KV pool shrinks back; math.inf once it has
         while True:
             if not (self._adds or self._aborts or self.engine.has_unfinished_requests()):
-                self.engine.trim_pool()  # going idle: a growable KV pool shrinks back (kv_cache.growable_pool)
+                now = time.monotonic()
+                if trim_at is None:  # going idle
+                    trim_at = now + self.idle_trim_s
+                if now >= trim_at:  # idle long enough: the pool shrinks back (kv_cache.growable_pool)
+                    self.engine.trim_pool()
+                    trim_at = math.inf
                 mx.clear_cache()  # going idle: give freed buffers back (cheap; the next step refills what it needs)
                 _trim_heap()
                 self.snapshot = self._metrics()
                 if self.on_step is not None:
                     self.on_step(self.engine, True)
+            else:
+                trim_at = None
             with self._cv:
                 while not (self._stopping or self._adds or self._aborts or self.engine.has_unfinished_requests()):
-                    self._cv.wait(HEARTBEAT if tp else None if self._drain_deadline is None else 0.5)
+                    wait = HEARTBEAT if tp else None if self._drain_deadline is None else 0.5
+                    if trim_at is not None and trim_at < math.inf:  # wake to trim, if nothing comes first
+                        left = max(0.0, trim_at - time.monotonic())
+                        wait = left if wait is None else min(wait, left)
+                    self._cv.wait(wait)
                     if tp:
                         break  # an empty broadcast: the other ranks know rank 0 is alive
+                    if trim_at is not None and time.monotonic() >= trim_at:
+                        break  # the trim is due
                 if self._stopping:
                     if tp:
                         self._broadcast([], [], [], stop=True)
