@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 
 KV_BITS = (4, 8)
 KV_GROUP_SIZES = (32, 64)
+PREFILL_ORDERS = ("fcfs", "shortest")
 
 
 def check_kv_quant(bits: int | None, group_size: int, head_dim: int | None = None) -> None:
@@ -86,12 +87,17 @@ class SchedulerConfig:
       back, so scheduling, input building, stop checks and detokenizing overlap the device's
       work; the outputs are the same as with it off (engine.py says how, and when a step
       still waits: beam-search rows).
+    prefill_order: which prompt is computed first when several wait: "fcfs" (arrival order) or
+      "shortest" (fewest prompt tokens left to compute, after prefix hits: an agent's short
+      follow-up turn is not queued behind another conversation's long prompt; one passed over
+      for `PASSED_OVER_LIMIT` steps goes first, so none starves). The same tokens either way.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     watermark: float = 0.01
     async_scheduling: bool = True
+    prefill_order: str = "fcfs"
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -100,6 +106,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"prefill_order must be one of {PREFILL_ORDERS}, got {self.prefill_order!r}")
 
 
 @dataclass

@@ -51,3 +51,25 @@ def test_bad_values_are_refused_by_their_part(flat, msg):
 def test_an_unknown_setting_is_refused_by_name():
     with pytest.raises(TypeError, match="'max_batch'"):
         EngineConfig.of(max_batch=4)
+
+
+def test_serve_defaults_to_the_shortest_prefill_first_and_small_cpu_chunks_generate_does_not():
+    """`serve` (interactive clients) takes the shortest prefill first and, on the CPU, 256-token
+    chunks; `generate` keeps arrival order and 2,048; a flag given explicitly wins in both."""
+    import mlx.core as mx
+
+    from mlxpaged.cli.main import main
+    from mlxpaged.server.cli import serve, serve_engine_config
+
+    def flags(cmd, **given):
+        out = {p.name: p.default for p in cmd.params if p.name in ENGINE_FIELDS}
+        return {**out, **given}
+
+    generate = main.commands["generate"]
+    cpu = mx.default_device() == mx.cpu
+    s = serve_engine_config(flags(serve), None).scheduler
+    assert (s.prefill_order, s.max_num_batched_tokens) == ("shortest", 256 if cpu else 2048)
+    g = EngineConfig.of(**{ENGINE_FIELDS[k]: v for k, v in flags(generate).items()}).scheduler
+    assert (g.prefill_order, g.max_num_batched_tokens) == ("fcfs", 2048)
+    s = serve_engine_config(flags(serve, prefill_order="fcfs", max_num_batched_tokens=1024), None).scheduler
+    assert (s.prefill_order, s.max_num_batched_tokens) == ("fcfs", 1024)

@@ -256,3 +256,107 @@ def test_block_reused_only_under_its_own_parent(tiny_loaded, mlx_lm_tiny):
     out = run_all(engine)["B"]
     assert out.num_cached_tokens == bs
     assert out.outputs[0].token_ids == contiguous_generate(ref_model, X + Y + t, 16)
+
+
+def _first_token_steps(engine, arrivals=None, max_steps=400):
+    """Step `engine` to the end (queueing `arrivals[i]` [(rid, prompt, params)] before step i); each
+    request's step of its first output token, and its finished output."""
+    first, done, step = {}, {}, 0
+    arrivals = dict(arrivals or {})
+    while engine.has_unfinished_requests() or arrivals:
+        for rid, p, sp in arrivals.pop(step, []):
+            engine.add_request(p, sp, request_id=rid)
+        for out in engine.step():
+            if out.outputs and out.outputs[0].token_ids:
+                first.setdefault(out.request_id, step)
+            if out.finished:
+                done[out.request_id] = out
+        engine.check_invariants()
+        step += 1
+        assert step < max_steps
+    return first, done
+
+
+def _order_engine(tiny_loaded, order, budget=16):
+    return LLMEngine(
+        tiny_loaded,
+        EngineConfig.of(num_blocks=128, max_num_batched_tokens=budget, prefill_order=order, async_scheduling=False),
+    )
+
+
+@pytest.mark.parametrize("order", ["fcfs", "shortest"])
+def test_shortest_prefill_first_serves_a_short_prompt_before_a_long_one(tiny_loaded, mlx_lm_tiny, order):
+    """Arriving together, a long prompt first: with "shortest" the short one's first token comes
+    first (it waits behind nobody), with "fcfs" after the long one's; the tokens are mlx-lm's."""
+    long = [(7 * i) % 300 + 1 for i in range(120)]
+    short = [(11 * i) % 300 + 2 for i in range(20)]
+    g = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine = _order_engine(tiny_loaded, order)
+    engine.add_request(long, g, request_id="long")
+    engine.add_request(short, g, request_id="short")
+    first, done = _first_token_steps(engine)
+    if order == "shortest":
+        assert first["short"] == 1 and first["long"] > first["short"]  # 20 tokens: two steps of 16
+    else:
+        assert first["long"] == 7 and first["short"] > first["long"]  # 120 tokens: 8 steps of 16
+    for rid, p in (("long", long), ("short", short)):
+        assert done[rid].outputs[0].token_ids == contiguous_generate(mlx_lm_tiny[0], p, 6)
+
+
+def test_shortest_prefill_first_counts_the_prefix_hit(tiny_loaded, mlx_lm_tiny):
+    """A long prompt whose first 160 tokens are cached has 10 left: it goes before an uncached
+    prompt of 64, though its prompt is longer."""
+    cached = [(5 * i) % 300 + 1 for i in range(160)]
+    g = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine = _order_engine(tiny_loaded, "shortest")
+    engine.add_request(cached + [9], g, request_id="warm")
+    run_all(engine)
+    hit = cached + [(3 * i) % 300 + 4 for i in range(10)]
+    medium = [(13 * i) % 300 + 1 for i in range(64)]
+    engine.add_request(medium, g, request_id="medium")
+    engine.add_request(hit, g, request_id="hit")
+    first, done = _first_token_steps(engine)
+    assert done["hit"].num_cached_tokens == 160 and first["hit"] == 0 and first["medium"] > 0
+    for rid, p in (("hit", hit), ("medium", medium)):
+        assert done[rid].outputs[0].token_ids == contiguous_generate(mlx_lm_tiny[0], p, 4)
+
+
+def test_shortest_prefill_first_starves_no_long_prompt(tiny_loaded):
+    """A short prompt arrives every step and would always be shorter: the long one is passed over
+    at most PASSED_OVER_LIMIT steps in a row, then computes a chunk."""
+    from mlxpaged.core.scheduler import PASSED_OVER_LIMIT
+
+    long = [(7 * i) % 300 + 1 for i in range(64)]
+    g = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    engine = _order_engine(tiny_loaded, "shortest", budget=16)
+    engine.add_request(long, g, request_id="long")
+    steps = PASSED_OVER_LIMIT * 6  # arrivals outlast the bound below: without the guard it waits them out
+    arrivals = {i: [(f"s{i}", [(3 * i + j) % 300 + 1 for j in range(16)], g)] for i in range(steps)}
+    first, _ = _first_token_steps(engine, arrivals)
+    # 4 chunks of 16, each after at most PASSED_OVER_LIMIT steps passed over
+    assert first["long"] <= 4 * (PASSED_OVER_LIMIT + 1)
+
+
+def test_prefill_order_is_checked():
+    with pytest.raises(ValueError, match="prefill_order"):
+        EngineConfig.of(prefill_order="lifo")
+
+
+def test_shortest_prefill_first_waits_for_the_blocks_it_shares_and_no_longer(tiny_loaded, mlx_lm_tiny):
+    """Arriving together with a prompt whose first 64 tokens are its own (a shared system prompt),
+    a request under "shortest" is admitted once those 4 blocks are computed and hits all of them,
+    not only the first; one that shares only the first block starts after that block, even
+    queued behind the held one, and is served before both."""
+    system = [(5 * i) % 300 + 1 for i in range(64)]
+    long = system + [(7 * i) % 300 + 2 for i in range(100)]
+    same = system + [(11 * i) % 300 + 3 for i in range(5)]
+    head = system[:16] + [(13 * i) % 300 + 4 for i in range(10)]
+    g = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine = _order_engine(tiny_loaded, "shortest")
+    for rid, p in (("long", long), ("same", same), ("head", head)):
+        engine.add_request(p, g, request_id=rid)
+    first, done = _first_token_steps(engine)
+    assert done["same"].num_cached_tokens == 64 and done["head"].num_cached_tokens == 16
+    assert first["head"] < first["same"] < first["long"]  # "head" is not held behind "same"
+    for rid, p in (("long", long), ("same", same), ("head", head)):
+        assert done[rid].outputs[0].token_ids == contiguous_generate(mlx_lm_tiny[0], p, 3)

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from os.path import commonprefix
 
 from ..config import EngineConfig
 from .beam_policy import BeamPolicy
@@ -36,6 +37,8 @@ from .block_manager import BlockManager, Loads
 from .block_pool import Resize
 from .sequence import FinishReason, PendingToken, Request, RequestStatus, Sequence
 from .spec_policy import SpecDecode, SpecPolicy
+
+PASSED_OVER_LIMIT = 32  # prefill_order "shortest": steps a prefill may wait behind shorter ones
 
 
 @dataclass
@@ -184,20 +187,18 @@ class Scheduler:
                         out.add_copies(seq, copies)
                     out.decodes.append((req, seq))  # (a preemption rebuilds the list: no alias)
         budget = self.config.scheduler.max_num_batched_tokens - out.num_decode_tokens
-        for req in prefilling:
-            if budget <= 0:
-                break
-            if req.status is RequestStatus.RUNNING:  # not preempted meanwhile
+        if self.config.scheduler.prefill_order == "shortest":
+            self._schedule_shortest_first(prefilling, budget, out)
+        else:
+            for req in prefilling:
+                if budget <= 0:
+                    break
+                if req.status is RequestStatus.RUNNING:  # not preempted meanwhile
+                    budget = self._schedule_prefill(req, budget, out)
+            while self.waiting and budget > 0 and self._admissible():
+                req = self.waiting.popleft()
+                self._admit(req, out)
                 budget = self._schedule_prefill(req, budget, out)
-        while (
-            self.waiting
-            and budget > 0
-            and self._can_admit(self.waiting[0])
-            and not self._prefix_in_flight(self.waiting[0])
-        ):
-            req = self.waiting.popleft()
-            self._admit(req, out)
-            budget = self._schedule_prefill(req, budget, out)
         out.read_back_now = speculate and self.spec.needs_read_back(out)
         out.resize = self.bm.pool.take_resize()
         if self.bm.window_pool is not None:
@@ -247,6 +248,44 @@ class Scheduler:
             seq.rng_key = rng_key
         return appended
 
+    def _admissible(self) -> bool:
+        """Whether the head of the waiting queue may start now (it is admitted in arrival order)."""
+        return self._can_admit(self.waiting[0]) and not self._prefix_in_flight(self.waiting[0])
+
+    def _schedule_shortest_first(self, prefilling: list[Request], budget: int, out: SchedulerOutput) -> None:
+        """`prefill_order="shortest"`: admit every waiting request that may start, in arrival
+        order until one does not fit (one whose shared blocks another is still computing keeps
+        its place, not blocking the others): its prefix hit is then known and its cached blocks
+        held. Then fill the budget with the prefills that have the fewest tokens left, a request
+        passed over `PASSED_OVER_LIMIT` steps in a row first. The running order, which
+        preemption reads, is admission order as before."""
+        held = []  # their shared blocks are still being computed: they keep their place
+        while self.waiting and self._can_admit(self.waiting[0]):
+            req = self.waiting.popleft()
+            if self._prefix_in_flight(req, whole=True):
+                held.append(req)
+                continue
+            self._admit(req, out)
+            prefilling.append(req)
+        self.waiting.extendleft(reversed(held))
+        left = {req: self._prefill_left(req) for req in prefilling}
+        order = sorted(prefilling, key=lambda r: (r.passed_over < PASSED_OVER_LIMIT, left[r]))  # stable
+        for req in order:
+            if req.status is not RequestStatus.RUNNING:  # preempted meanwhile
+                continue
+            if budget <= 0:
+                req.passed_over += 1
+                continue
+            budget = self._schedule_prefill(req, budget, out)
+            req.passed_over = 0
+
+    def _prefill_left(self, req: Request) -> int:
+        """Tokens `req` still computes before it samples: its shared prompt's (or a lone sample's)
+        rest, or, once the prompt is shared, the recomputation its samples have left."""
+        if not req.prompt_prefilled:
+            return req.prefill_target() - req.carrier.num_computed_tokens
+        return sum(s.num_uncomputed - 1 for s in req.live_seqs() if s.num_uncomputed > 1)
+
     def _admit(self, req: Request, out: SchedulerOutput) -> None:
         hits, loads = 0, Loads()
         if req.params.prompt_logprobs is None:  # scoring every prompt position computes every one
@@ -263,18 +302,25 @@ class Scheduler:
         self.running[req.request_id] = req
         self._num_running_seqs += len(req.live_seqs())
 
-    def _prefix_in_flight(self, req: Request) -> bool:
-        """Whether `req`'s first block is being prefilled by a running request right now.
+    def _prefix_in_flight(self, req: Request, whole: bool = False) -> bool:
+        """Whether `req`'s first block is being prefilled by a running request right now (`whole`:
+        whether any whole block the two prompts share is still to be computed there).
 
-        Such a request waits a step: once that block is computed and cached it is reused,
-        instead of being computed twice (requests that share a system prompt and arrive together).
+        Such a request waits: once that block is computed and cached it is reused, instead of
+        being computed twice (requests that share a system prompt and arrive together). With
+        `whole` it waits for every block they share, so it hits them all: admission does not
+        wait for budget under prefill_order "shortest", which could otherwise start it right
+        after the first block and compute the rest of a shared system prompt a second time.
         """
         bs = self.bm.block_size
         if not self.bm.enable_prefix_caching or req.num_prompt_tokens <= bs:
             return False
         head = req.prompt_token_ids[:bs]
         for r in self.running.values():
-            if not r.prompt_prefilled and r.carrier.num_computed_tokens < bs and r.prompt_token_ids[:bs] == head:
+            if r.prompt_prefilled or r.prompt_token_ids[:bs] != head:
+                continue
+            done = r.carrier.num_computed_tokens
+            if done < bs or whole and done < len(commonprefix([r.prompt_token_ids, req.prompt_token_ids])) // bs * bs:
                 return True
         return False
 

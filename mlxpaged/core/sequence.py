@@ -173,6 +173,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     prompt_prefilled: bool = False
     num_preemptions: int = 0
+    passed_over: int = 0  # steps in a row its prefill waited behind shorter ones (prefill_order "shortest")
     beam: BeamSearch | None = None  # set for a beam-search request: its beams are `seqs`
     prompt_logprobs: list | None = None  # engine/prompt_logprobs.py: P entries once the prompt is scored
 

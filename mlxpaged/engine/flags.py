@@ -14,10 +14,14 @@ import click
 from ..config import EngineConfig
 from ..errors import MlxPagedError
 
+SERVE_CPU_CHUNK = 256  # serve's prefill chunk on the CPU: as fast a token there, and short steps beside decodes
 
-def model_and_engine_options(num_blocks_help: str):
+
+def model_and_engine_options(num_blocks_help: str, serving: bool = False):
     """Decorator adding --model, --dtype, --weights and the engine flags to a click command;
-    `num_blocks_help` says how the command sizes the pool by default."""
+    `num_blocks_help` says how the command sizes the pool by default. `serving` (`mlxpaged serve`)
+    gives two defaults meant for interactive clients: the shortest prefill first, and on the CPU
+    chunks of SERVE_CPU_CHUNK tokens (`max_num_batched_tokens` None until `serve` resolves it)."""
     options = [
         click.option(
             "--model",
@@ -48,9 +52,24 @@ def model_and_engine_options(num_blocks_help: str):
         click.option("--max-num-seqs", default=64, show_default=True, help="Sequences running at once."),
         click.option(
             "--max-num-batched-tokens",
-            default=2048,
+            default=None if serving else 2048,
+            type=int,
+            show_default=not serving,
+            help="Tokens computed per step (prefill chunk size)"
+            + (
+                f" (default: 2048; {SERVE_CPU_CHUNK} on the CPU, where a smaller chunk is computed as fast and "
+                "keeps each step beside running decodes short)."
+                if serving
+                else "."
+            ),
+        ),
+        click.option(
+            "--prefill-order",
+            default="shortest" if serving else "fcfs",
+            type=click.Choice(["fcfs", "shortest"]),
             show_default=True,
-            help="Tokens computed per step (prefill chunk size).",
+            help="Which waiting prompt is computed first: in arrival order, or the one with the fewest tokens left "
+            "after its prefix hit (short follow-up turns are not queued behind long prompts).",
         ),
         click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True),
         click.option(

@@ -17,7 +17,15 @@ from pathlib import Path
 
 import click
 
-from ..engine.flags import engine_config, fail, launched_rank, model_and_engine_options, user_errors
+from ..config import EngineConfig
+from ..engine.flags import (
+    SERVE_CPU_CHUNK,
+    engine_config,
+    fail,
+    launched_rank,
+    model_and_engine_options,
+    user_errors,
+)
 from .limits import MAX_STOPS_CAP, Limits
 
 
@@ -32,8 +40,24 @@ def _check_port(host: str, port: int) -> None:
             fail(f"cannot listen on {host}:{port}: {e.strerror}")
 
 
+def serve_engine_config(engine_flags: dict, kv_memory_gb: float | None) -> EngineConfig:
+    """The served engine's settings from `serve`'s flags: the prefill chunk resolved for the
+    device (SERVE_CPU_CHUNK on the CPU, where `bench_agents.py` and a chunk-size scan measured
+    smaller chunks prefilling as fast), and the growing pool's cap."""
+    if engine_flags["max_num_batched_tokens"] is None:
+        import mlx.core as mx
+
+        engine_flags["max_num_batched_tokens"] = SERVE_CPU_CHUNK if mx.default_device() == mx.cpu else 2048
+    config = engine_config(engine_flags)
+    if kv_memory_gb is not None:
+        if config.cache.num_blocks is not None:
+            raise ValueError("--kv-memory-gb caps a growing pool; --num-blocks fixes its size: give one")
+        config.cache = dataclasses.replace(config.cache, kv_memory_gb=kv_memory_gb)
+    return config
+
+
 @click.command()
-@model_and_engine_options("sized from free memory")
+@model_and_engine_options("sized from free memory", serving=True)
 @click.option(
     "--host",
     default="127.0.0.1",
@@ -193,11 +217,7 @@ def serve(
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     with user_errors():
         group, follower = launched_rank()  # under mlx.launch: tensor parallel; rank 0 serves HTTP, the others follow it
-        config = engine_config(engine_flags)
-        if kv_memory_gb is not None:
-            if config.cache.num_blocks is not None:
-                raise ValueError("--kv-memory-gb caps a growing pool; --num-blocks fixes its size: give one")
-            config.cache = dataclasses.replace(config.cache, kv_memory_gb=kv_memory_gb)
+        config = serve_engine_config(engine_flags, kv_memory_gb)
     make = lambda: _load_engine(model, dtype, weights, config, group)  # noqa: E731
     if follower:
         return _follow(make, group)
