@@ -94,11 +94,35 @@ def test_corpus_is_fixed_by_the_seed():
 
 def test_every_server_goes_first_in_turn():
     servers = ("mlxpaged", "mlx_lm", "vllm_mlx")
-    orders = [agents.server_order(servers, case, rep) for case in range(3) for rep in range(2)]
+    orders = [agents.server_order(servers, case) for case in range(6)]
     assert all(sorted(o) == sorted(servers) for o in orders)
     firsts = [o[0] for o in orders]
     assert all(firsts.count(s) == 2 for s in servers)
-    assert [o[0] for o in (agents.server_order(servers[:2], c, 0) for c in range(4))] == ["mlxpaged", "mlx_lm"] * 2
+    assert [agents.server_order(servers[:2], c)[0] for c in range(4)] == ["mlxpaged", "mlx_lm"] * 2
+
+
+def test_the_replays_alternate_which_server_goes_first(monkeypatch):
+    """Through `run`: with two servers, repeats and loads alternate who starts (a bug once put
+    mlxpaged first in every repeat: the case and repeat counters moved together)."""
+    calls = []
+
+    def fake_replay(name, *a, **kw):
+        calls.append(name)
+        return {
+            "server": name,
+            "wall_s": 1.0,
+            "ttft_ms_later_median": 1.0,
+            "cached_tokens": 0,
+            "prompt_tokens": 1,
+            "failed": 0,
+        }
+
+    monkeypatch.setattr(agents, "replay", fake_replay)
+    monkeypatch.setattr(agents, "ratios", lambda rows: [])
+    path = http.float32_copy(tiny_checkpoint())
+    agents.run(path, [1, 2], 2, 3, 4, progress=lambda s: None, result_tokens=(5, 10))
+    firsts = calls[::2]  # each (K, repeat) runs both servers
+    assert firsts == ["mlxpaged", "mlx_lm", "mlxpaged", "mlx_lm", "mlxpaged", "mlx_lm"]
 
 
 def test_vllm_mlx_runs_from_its_own_venv(tmp_path, monkeypatch):

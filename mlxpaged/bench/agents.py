@@ -400,9 +400,10 @@ def server_extra(name: str, k: int, restart: bool, cache_dir: str | None, mlxpag
     return peer_args(k)
 
 
-def server_order(servers, case: int, repeat: int) -> list[str]:
-    """Who runs first turns with every case and repeat (the harness's alternation, for any count)."""
-    i = (case + repeat) % len(servers)
+def server_order(servers, case: int) -> list[str]:
+    """Who runs first turns with every case, each (K, variant, repeat) in turn (the harness's
+    alternation, for any count of servers)."""
+    i = case % len(servers)
     return list(servers[i:]) + list(servers[:i])
 
 
@@ -432,7 +433,7 @@ def run(
         variants = [False, True] if restart else [False]
         for rs in variants:
             for rep in range(repeats):
-                order = server_order(servers, case, rep)
+                order = server_order(servers, case)
                 a = order[0]
                 for name in order:
                     cache_dir = tempfile.mkdtemp(prefix="mlxpaged-agents-disk-") if rs else None
