@@ -77,14 +77,15 @@ def test_chunked_prefill_matches_contiguous(tiny_loaded, mlx_lm_tiny):
     assert done["short"].outputs[0].token_ids == contiguous_generate(ref_model, [1, 2, 3], 30)
 
 
-@pytest.mark.parametrize("caching", [True, False])
-def test_preemption_recomputes_to_the_same_tokens(tiny_loaded, caching):
+@pytest.mark.parametrize("caching,order", [(True, "fcfs"), (False, "fcfs"), (True, "shortest")])
+def test_preemption_recomputes_to_the_same_tokens(tiny_loaded, caching, order):
     prompts = [[(11 * i + j) % 300 + 1 for j in range(10 + 7 * i)] for i in range(5)]
     params = [SamplingParams(n=1 + i % 3, temperature=0.8, seed=i, max_tokens=40, ignore_eos=True) for i in range(5)]
 
     def run(num_blocks):
         engine = LLMEngine(
-            tiny_loaded, EngineConfig.of(block_size=4, num_blocks=num_blocks, enable_prefix_caching=caching)
+            tiny_loaded,
+            EngineConfig.of(block_size=4, num_blocks=num_blocks, enable_prefix_caching=caching, prefill_order=order),
         )
         for i, (p, sp) in enumerate(zip(prompts, params)):
             engine.add_request(p, sp, request_id=str(i))
@@ -99,7 +100,8 @@ def test_preemption_recomputes_to_the_same_tokens(tiny_loaded, caching):
     assert tight == ample
 
 
-def test_randomized_workload_keeps_invariants(tiny_loaded):
+@pytest.mark.parametrize("order", ["fcfs", "shortest"])
+def test_randomized_workload_keeps_invariants(tiny_loaded, order):
     rng = random.Random(0)
     for _trial in range(3):
         engine = LLMEngine(
@@ -109,6 +111,7 @@ def test_randomized_workload_keeps_invariants(tiny_loaded):
                 num_blocks=rng.randint(40, 90),
                 max_num_seqs=rng.randint(2, 8),
                 max_num_batched_tokens=rng.randint(16, 64),
+                prefill_order=order,
             ),
         )
         shared = [rng.randint(1, 300) for _ in range(rng.randint(0, 24))]
