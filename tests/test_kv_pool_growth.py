@@ -159,31 +159,42 @@ def test_bad_pool_settings_are_refused():
         EngineConfig.of(kv_chunk_blocks=0)
 
 
-def test_the_server_loop_trims_the_pool_when_it_goes_idle(tiny_loaded):
+def _finish(loop, prompt, rid, max_tokens):
+    """Submit one greedy request to a running `EngineLoop` and wait for its finished output."""
     import asyncio
+
+    from mlxpaged.server.engine_loop import Sink
+
+    async def one():
+        sink = Sink(asyncio.get_running_loop())
+        loop.submit(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), rid, sink)
+        while True:
+            for _, out in await sink.get():
+                if out.finished:
+                    return out
+
+    return asyncio.run(one())
+
+
+def _wait_trimmed(engine, seconds):
     import time
 
-    from mlxpaged.server.engine_loop import EngineLoop, Sink
+    deadline = time.monotonic() + seconds
+    while engine.num_blocks != 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.num_blocks == 2 and engine.kv_cache.keys[0].shape[0] == 2
+
+
+def test_the_server_loop_trims_the_pool_when_it_goes_idle(tiny_loaded):
+    from mlxpaged.server.engine_loop import EngineLoop
 
     loop = EngineLoop(lambda: LLMEngine(tiny_loaded, EngineConfig.of(kv_chunk_blocks=2, attention_impl="reference")))
     loop.start()
     try:
-
-        async def one():
-            sink = Sink(asyncio.get_running_loop())
-            loop.submit(_prompts(1, 90)[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), "r", sink)
-            while True:
-                for _, out in await sink.get():
-                    if out.finished:
-                        return out
-
-        asyncio.run(one())
+        _finish(loop, _prompts(1, 90)[0], "r", 8)
         engine = loop.engine
         assert engine.stats.blocks_in_use_peak >= 6  # the pool had to grow past its 2 blocks
-        deadline = time.monotonic() + 10
-        while engine.num_blocks != 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert engine.num_blocks == 2 and engine.kv_cache.keys[0].shape[0] == 2
+        _wait_trimmed(engine, 10)
     finally:
         loop.stop()
 
@@ -192,26 +203,16 @@ def test_the_server_loop_keeps_an_idle_pool_for_the_grace_then_trims(tiny_loaded
     """An agent's next turn arrives seconds after its last: within `idle_trim_s` (serve's
     --kv-idle-trim) the grown pool and every cached block of the conversation stay, so the next
     turn hits its whole history; once the engine has been idle that long, the pool shrinks back."""
-    import asyncio
     import time
 
-    from mlxpaged.server.engine_loop import EngineLoop, Sink
+    from mlxpaged.server.engine_loop import EngineLoop
 
     make = lambda: LLMEngine(tiny_loaded, EngineConfig.of(kv_chunk_blocks=2, attention_impl="reference"))  # noqa: E731
     loop = EngineLoop(make, idle_trim_s=3.0)
     loop.start()
     try:
-
-        async def one(prompt, rid, n):
-            sink = Sink(asyncio.get_running_loop())
-            loop.submit(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), rid, sink)
-            while True:
-                for _, out in await sink.get():
-                    if out.finished:
-                        return out
-
         first = _prompts(1, 90)[0]
-        out = asyncio.run(one(first, "turn1", 8))
+        out = _finish(loop, first, "turn1", 8)
         engine = loop.engine
         grown = engine.num_blocks
         assert grown >= 6
@@ -220,13 +221,10 @@ def test_the_server_loop_keeps_an_idle_pool_for_the_grace_then_trims(tiny_loaded
         # The next turn: the whole history (prompt and answer) plus a new message. Its full
         # blocks are the first turn's 97 computed tokens' 6 whole blocks.
         history = first + out.outputs[0].token_ids + [11, 12, 13, 14, 15]
-        nxt = asyncio.run(one(history, "turn2", 6))
+        nxt = _finish(loop, history, "turn2", 6)
         assert nxt.num_cached_tokens == 96
         assert nxt.outputs[0].token_ids == contiguous_generate(mlx_lm_tiny[0], history, 6)
-        deadline = time.monotonic() + 15
-        while engine.num_blocks != 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert engine.num_blocks == 2 and engine.kv_cache.keys[0].shape[0] == 2
+        _wait_trimmed(engine, 15)
     finally:
         loop.stop()
 
