@@ -186,20 +186,19 @@ def test_beam_width_prints_scored_beams(tiny_model_path, mlx_lm_tiny):
 
 def test_generate_and_serve_share_model_and_engine_flags():
     """Both commands take the model and engine flags from one declaration: same names, defaults
-    and choices, and each engine flag reaches its EngineConfig field."""
+    and choices, and each engine flag reaches its EngineConfig field. Two defaults differ on
+    purpose, for interactive clients: serve's prefill order and its chunk (resolved per device)."""
     from mlxpaged.config import EngineConfig
     from mlxpaged.engine.flags import ENGINE_FIELDS, engine_config
 
+    serving = {"prefill_order": ("fcfs", "shortest"), "max_num_batched_tokens": (2048, None)}
     params = {cmd: {p.name: p for p in main.commands[cmd].params} for cmd in ("generate", "serve")}
     shared = ["model", "dtype", "weights", *ENGINE_FIELDS]
     for name in shared:
         g, s = params["generate"][name], params["serve"][name]
-        assert (g.opts, g.default, getattr(g.type, "choices", None)) == (
-            s.opts,
-            s.default,
-            getattr(s.type, "choices", None),
-        )
-    kw = {flag: params["serve"][flag].default for flag in ENGINE_FIELDS} | {"port": 8000}
+        assert (g.opts, getattr(g.type, "choices", None)) == (s.opts, getattr(s.type, "choices", None))
+        assert (g.default, s.default) == serving.get(name, (g.default, g.default)), name
+    kw = {flag: params["generate"][flag].default for flag in ENGINE_FIELDS} | {"port": 8000}
     assert engine_config(kw) == EngineConfig() and kw == {"port": 8000}  # defaults agree; flags taken out
 
 
