@@ -122,6 +122,14 @@ def _greedy(server, text: str, max_tokens: int) -> str:
     return r.choices[0].message.content
 
 
+def _place(driver, sel) -> tuple[float, float]:
+    """Where an element is on the screen (its top-left corner in the viewport)."""
+    r = driver.execute_script(
+        "const r = document.querySelector(arguments[0]).getBoundingClientRect(); return [r.x, r.y];", sel
+    )
+    return tuple(r)
+
+
 def _pool(driver) -> dict:
     """The pool view's cells by class, and the block ids the request tables show, in one read."""
     return driver.execute_script(
@@ -161,6 +169,7 @@ def test_blocks_in_use_then_cached_and_stop_button(server, browser):
     before = _pool(browser)
     assert before["used"] == []
     _ask(browser, "Write a long answer about memory.", max_tokens=2000)
+    stop_at = _place(browser, "#stop-btn")
     seen = _wait(
         browser,
         lambda d: (p := _pool(d))["used"] and p["chips"] and _answers(d)[0][0] and p,
@@ -168,6 +177,8 @@ def test_blocks_in_use_then_cached_and_stop_button(server, browser):
     )
     assert set(seen["chips"]) == set(seen["used"])  # n=1, one request: its table is exactly the used blocks
     assert seen["reqs"] == 1
+    # Stop stays where it was while the answer grows (a button that moves is missed by the click)
+    assert _place(browser, "#stop-btn") == stop_at
     _css(browser, "#stop-btn")[0].click()
     _wait(browser, lambda d: _answers(d)[0][1] == "stopped", what="the stopped answer")
     _wait(browser, lambda d: not _pool(d)["used"] and not _pool(d)["reqs"], what="the blocks back to the pool")

@@ -90,6 +90,15 @@ function intValue(id, fallback) {
   return Number.isFinite(v) ? v : fallback;
 }
 
+// The log follows a streaming answer while the reader is at its end; one who scrolled up stays put.
+function logAtEnd() {
+  const log = $("log");
+  return log.scrollHeight - log.scrollTop - log.clientHeight < 40;
+}
+function logToEnd() {
+  $("log").scrollTop = $("log").scrollHeight;
+}
+
 function newTurn(text, n) {
   const turn = document.createElement("div");
   turn.className = "turn";
@@ -111,6 +120,7 @@ function newTurn(text, n) {
   usage.className = "usage";
   turn.append(user, answers, usage);
   $("log").appendChild(turn);
+  logToEnd();
   return { cells, usage };
 }
 
@@ -162,7 +172,11 @@ async function send(ev) {
       for (const c of chunk.choices || []) {
         const cell = cells[c.index];
         if (!cell) continue;
-        if (c.delta && c.delta.content) cell.querySelector(".text").textContent += c.delta.content;
+        if (c.delta && c.delta.content) {
+          const follow = logAtEnd();
+          cell.querySelector(".text").textContent += c.delta.content;
+          if (follow) logToEnd();
+        }
         if (c.finish_reason) cell.querySelector(".meta").textContent = "finish: " + c.finish_reason;
       }
       if (chunk.usage) {
