@@ -201,6 +201,18 @@ def test_blocks_in_use_then_cached_and_stop_button(server, browser):
     assert _console_errors(browser) == []
 
 
+def test_the_log_follows_a_long_answer(server, browser):
+    """An answer taller than the log keeps its end in view while it streams."""
+    _open(browser, server)
+    _ask(browser, "Another long answer, please.", max_tokens=1200)
+    _wait(browser, lambda d: _answers(d)[0][1] == "finish: length", what="the answer")
+    height, top, view = browser.execute_script(
+        "const l = document.getElementById('log'); return [l.scrollHeight, l.scrollTop, l.clientHeight];"
+    )
+    assert height > view + 100  # the answer overflows the log: where it is scrolled to is not a given
+    assert top + view >= height - 1
+
+
 def test_api_key_wrong_then_right(tiny_model_path, browser):
     key = "s3cret-key"
     with_key = Server(tiny_model_path, "--api-key", key, "--num-blocks", "64")

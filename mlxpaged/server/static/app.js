@@ -169,14 +169,11 @@ async function send(ev) {
         $("error").textContent = chunk.error.message;
         return;
       }
+      const follow = logAtEnd();
       for (const c of chunk.choices || []) {
         const cell = cells[c.index];
         if (!cell) continue;
-        if (c.delta && c.delta.content) {
-          const follow = logAtEnd();
-          cell.querySelector(".text").textContent += c.delta.content;
-          if (follow) logToEnd();
-        }
+        if (c.delta && c.delta.content) cell.querySelector(".text").textContent += c.delta.content;
         if (c.finish_reason) cell.querySelector(".meta").textContent = "finish: " + c.finish_reason;
       }
       if (chunk.usage) {
@@ -184,6 +181,7 @@ async function send(ev) {
         const cached = (u.prompt_tokens_details && u.prompt_tokens_details.cached_tokens) || 0;
         usage.textContent = `prompt ${u.prompt_tokens} tokens (${cached} from the prefix cache), answers ${u.completion_tokens} tokens`;
       }
+      if (follow) logToEnd();
     });
     state.history.push({ role: "user", content: text });
     state.history.push({ role: "assistant", content: cells[0].querySelector(".text").textContent });
