@@ -65,6 +65,11 @@ def test_ratios_within_a_repeat(result):
         me, peer = rows[("mlxpaged", q["restart"])], rows[(q["peer"], q["restart"])]
         assert q["repeat"] == me["repeat"] == peer["repeat"]
         assert q["wall_ratio"] == pytest.approx(me["wall_s"] / peer["wall_s"])
+        if q["restart"]:
+            after = me["ttft_ms_after_restart_median"] / peer["ttft_ms_after_restart_median"]
+            assert q["ttft_after_restart_ratio"] == pytest.approx(after)
+        else:
+            assert q["ttft_after_restart_ratio"] is None
 
 
 def test_restart_variant_second_half_runs_on_a_restarted_server(result):
