@@ -130,6 +130,33 @@ def test_the_replays_alternate_which_server_goes_first(monkeypatch):
     assert firsts == ["mlxpaged", "mlx_lm", "mlxpaged", "mlx_lm", "mlxpaged", "mlx_lm"]
 
 
+def test_restart_only_runs_the_restart_variant_alone(monkeypatch):
+    """`--restart-only` (a peer added to the restart figures): every replay restarts, each server
+    with its disk tier; `--restart` runs the plain variant too."""
+    calls = []
+
+    def fake_replay(name, path, extra, k, turns, max_tokens, eos, results, restart, *a):
+        calls.append((name, restart, extra))
+        return {
+            "server": name,
+            "wall_s": 1.0,
+            "ttft_ms_later_median": 1.0,
+            "cached_tokens": 0,
+            "prompt_tokens": 1,
+            "failed": 0,
+        }
+
+    monkeypatch.setattr(agents, "replay", fake_replay)
+    monkeypatch.setattr(agents, "ratios", lambda rows: [])
+    path = http.float32_copy(tiny_checkpoint())
+    agents.run(path, [1], 2, 2, 4, restart_only=True, progress=lambda s: None, result_tokens=(5, 10))
+    assert [(n, r) for n, r, _ in calls] == [("mlxpaged", True), ("mlx_lm", True), ("mlx_lm", True), ("mlxpaged", True)]
+    assert all("--prefix-cache-dir" in extra for n, _, extra in calls if n == "mlxpaged")
+    calls.clear()
+    agents.run(path, [1], 2, 1, 4, restart=True, progress=lambda s: None, result_tokens=(5, 10))
+    assert sorted(r for _, r, _ in calls) == [False, False, True, True]
+
+
 def test_vllm_mlx_runs_from_its_own_venv(tmp_path, monkeypatch):
     """vllm-mlx is started with its venv's Python (read off its script's first line), the same
     OpenBLAS, its CLI's `serve` with continuous batching and the paged and prefix caches; without

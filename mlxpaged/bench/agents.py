@@ -416,6 +416,7 @@ def run(
     seed=0,
     restart=False,
     servers=DEFAULT_SERVERS,
+    restart_only=False,
     mlxpaged_args=(),
     progress=print,
     system=SYSTEM,
@@ -430,7 +431,7 @@ def run(
     rows, case = [], 0
     for k in ks:
         results = tool_results(tok, k * turns, seed, *result_tokens)
-        variants = [False, True] if restart else [False]
+        variants = [True] if restart_only else [False, True] if restart else [False]
         for rs in variants:
             for rep in range(repeats):
                 order = server_order(servers, case)
@@ -538,6 +539,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--restart", action="store_true", help="Also the variant restarting the server after T/2.")
     ap.add_argument(
+        "--restart-only", action="store_true", help="Only the variant restarting the server (e.g. for another peer)."
+    )
+    ap.add_argument(
         "--servers",
         default=",".join(DEFAULT_SERVERS),
         help="Comma-separated, of mlxpaged,mlx_lm,vllm_mlx (vllm_mlx: MLXPAGED_VLLM_MLX names its venv's Python).",
@@ -567,13 +571,31 @@ def main(argv: list[str]) -> int:
     path = http.float32_copy(http.model_path(a.model, a.tiny))
     ks = [int(x) for x in a.ks.split(",") if x]
     res = run(
-        path, ks, a.turns, a.repeats, a.max_tokens, a.seed, a.restart, servers, a.mlxpaged_args.split(), progress=print
+        path,
+        ks,
+        a.turns,
+        a.repeats,
+        a.max_tokens,
+        a.seed,
+        a.restart,
+        servers,
+        a.mlxpaged_args.split(),
+        progress=print,
+        restart_only=a.restart_only,
     )
     out = write_result(
         a.out_dir,
         "agents",
         Path(path).name,
-        {"ks": ks, "turns": a.turns, "repeats": a.repeats, "restart": a.restart, "git_at_start": git, **res},
+        {
+            "ks": ks,
+            "turns": a.turns,
+            "repeats": a.repeats,
+            "restart": a.restart or a.restart_only,
+            "restart_only": a.restart_only,
+            "git_at_start": git,
+            **res,
+        },
     )
     print(f"system prompt with tools: {res['system_prompt_tokens']} tokens; {res['peer_args_note']}")
     print(f"results: {out}")
