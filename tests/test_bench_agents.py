@@ -99,11 +99,11 @@ def test_corpus_is_fixed_by_the_seed():
 
 def test_every_server_goes_first_in_turn():
     servers = ("mlxpaged", "mlx_lm", "vllm_mlx")
-    orders = [agents.server_order(servers, case) for case in range(6)]
+    orders = [http.server_order(servers, case, 0) for case in range(6)]
     assert all(sorted(o) == sorted(servers) for o in orders)
     firsts = [o[0] for o in orders]
     assert all(firsts.count(s) == 2 for s in servers)
-    assert [agents.server_order(servers[:2], c)[0] for c in range(4)] == ["mlxpaged", "mlx_lm"] * 2
+    assert [http.server_order(servers[:2], c, 0)[0] for c in range(4)] == ["mlxpaged", "mlx_lm"] * 2
 
 
 def test_the_replays_alternate_which_server_goes_first(monkeypatch):

@@ -73,6 +73,28 @@ def test_latency_ratios_are_formed_within_each_repeat():
     assert e["lengths_equal"] == [True, True]
 
 
+def test_a_second_peer_gets_its_own_ratios_within_each_repeat():
+    """vllm-mlx beside mlx_lm: each peer's ratios against mlxpaged's run of the same repeat, under
+    its own name; mlx_lm's keep theirs. Repeat 0: mlx_lm 4/2 = 2.0, vllm-mlx 3/2 = 1.5; repeat 1:
+    0.6/0.5 = 1.2 and 1.0/0.5 = 2.0 (vllm-mlx's medians over its repeats would give 2.0 / 1.25 = 1.6)."""
+    rows = [
+        _row("mlxpaged", "sharegpt", 1.0, 0, 2.0),
+        _row("mlx_lm", "sharegpt", 1.0, 0, 4.0),
+        _row("vllm_mlx", "sharegpt", 1.0, 0, 3.0, tokens=(8, 7)),
+        _row("mlxpaged", "sharegpt", 1.0, 1, 0.5),
+        _row("mlx_lm", "sharegpt", 1.0, 1, 0.6),
+        _row("vllm_mlx", "sharegpt", 1.0, 1, 1.0),
+    ]
+    (e,) = http_stats.per_rate(rows)
+    assert e["ratio_norm_latency_mean"]["values"] == [pytest.approx(2.0), pytest.approx(1.2)]
+    assert e["ratio_norm_latency_mean_vllm_mlx"]["values"] == [pytest.approx(1.5), pytest.approx(2.0)]
+    assert e["lengths_equal"] == [True, True] and e["lengths_equal_vllm_mlx"] == [False, True]
+    assert e["vllm_mlx_norm_latency_mean"]["median"] == pytest.approx(2.0)
+    s = http_stats.sustainable(rows, "sharegpt", 2.5)  # mlxpaged and mlx_lm pass both runs; vllm-mlx one
+    assert [r["ratio_vllm_mlx"] for r in s["per_repeat"]] == [None, pytest.approx(1.0)]
+    assert "mlxpaged/vllm_mlx" in http_stats.sustainable_line("sharegpt", s)
+
+
 def _n4_rows() -> list[dict]:
     """Two repeats of three rates. At the 1 s/token bound:
     repeat 0: mlxpaged passes 1 and 2, fails 4 at 1.4 -> 3.0; mlx_lm fails 2 at 1.4 -> 1.5; ratio 2.0.
@@ -173,8 +195,13 @@ def test_a_merge_takes_more_rates_of_a_load_and_an_earlier_merge():
 
 
 def test_first_server_alternates_per_case_and_per_repeat():
-    assert [http.first_server(c, 0) for c in range(4)] == ["mlxpaged", "mlx_lm", "mlxpaged", "mlx_lm"]
-    assert [http.first_server(0, r) for r in range(3)] == ["mlxpaged", "mlx_lm", "mlxpaged"]
+    two = ("mlxpaged", "mlx_lm")
+    assert [http.server_order(two, c, 0)[0] for c in range(4)] == ["mlxpaged", "mlx_lm", "mlxpaged", "mlx_lm"]
+    assert [http.server_order(two, 0, r)[0] for r in range(3)] == ["mlxpaged", "mlx_lm", "mlxpaged"]
+    three = two + ("vllm_mlx",)
+    for case in range(3):  # with a second peer: each server first once in three repeats, each runs once
+        orders = [http.server_order(three, case, r) for r in range(3)]
+        assert sorted(o[0] for o in orders) == sorted(three) and all(sorted(o) == sorted(three) for o in orders)
 
 
 # -- what each server is asked -------------------------------------------------------------------------
@@ -206,6 +233,21 @@ def test_a_dirty_tree_is_refused(monkeypatch):
     monkeypatch.setattr(report, "git_state", lambda: {"commit": "abc", "dirty": True})
     r = CliRunner().invoke(bench, ["serve", "--tiny", "--rates", "1"])
     assert r.exit_code == 1 and "uncommitted changes" in r.output
+
+
+def test_unknown_or_missing_servers_are_refused_in_one_line(monkeypatch):
+    import mlxpaged.bench.report as report
+
+    monkeypatch.setattr(report, "git_state", lambda: {"commit": "abc", "dirty": False})
+    monkeypatch.delenv("MLXPAGED_VLLM_MLX", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")  # no vllm-mlx script to be found either
+    for servers, why in (
+        ("mlxpaged,tgi", "--servers takes"),
+        ("mlx_lm", "--servers takes"),
+        ("mlxpaged,vllm_mlx", "vllm-mlx is not installed"),
+    ):
+        r = CliRunner().invoke(bench, ["serve", "--tiny", "--rates", "1", "--servers", servers])
+        assert r.exit_code == 1 and why in r.output and len(r.output.strip().splitlines()) == 1, r.output
 
 
 # -- both real servers, end to end ---------------------------------------------------------------------

@@ -400,13 +400,6 @@ def server_extra(name: str, k: int, restart: bool, cache_dir: str | None, mlxpag
     return peer_args(k)
 
 
-def server_order(servers, case: int) -> list[str]:
-    """Who runs first turns with every case, each (K, variant, repeat) in turn (the harness's
-    alternation, for any count of servers)."""
-    i = case % len(servers)
-    return list(servers[i:]) + list(servers[:i])
-
-
 def run(
     path,
     ks,
@@ -434,7 +427,7 @@ def run(
         variants = [True] if restart_only else [False, True] if restart else [False]
         for rs in variants:
             for rep in range(repeats):
-                order = server_order(servers, case)
+                order = http.server_order(servers, case, 0)  # each (K, variant, repeat) is a case
                 a = order[0]
                 for name in order:
                     cache_dir = tempfile.mkdtemp(prefix="mlxpaged-agents-disk-") if rs else None

@@ -485,9 +485,10 @@ def float32_copy(path: str) -> str:
     return str(dst)
 
 
-def first_server(case: int, repeat: int) -> str:
-    """Which server runs first: alternates per (load, rate) case and per repeat."""
-    return "mlxpaged" if (case + repeat) % 2 == 0 else "mlx_lm"
+def server_order(servers, case: int, repeat: int) -> list[str]:
+    """The order the servers run in: who goes first turns with every (load, rate) case and repeat."""
+    i = (case + repeat) % len(servers)
+    return list(servers[i:]) + list(servers[:i])
 
 
 def sweep(
@@ -504,8 +505,9 @@ def sweep(
     extend: int = 0,
     settle_s: float = 3.0,
     progress=print,
+    servers=("mlxpaged", "mlx_lm"),
 ) -> list[dict]:
-    """Every (load, rate, repeat) on a fresh server of each kind, alternating which goes first.
+    """Every (load, rate, repeat) on a fresh server of each kind in `servers`, rotating which goes first.
 
     After the listed rates, up to `extend` more rates (each double the last) are swept for a
     load while either server still meets `bound` at the highest rate (sweep until both fail).
@@ -526,9 +528,10 @@ def sweep(
         while todo:
             rate = todo.pop(0)
             for rep in range(repeats):
-                a = first_server(case, rep)
-                for name in (a, "mlx_lm" if a == "mlxpaged" else "mlxpaged"):
-                    args = mlxpaged_args if name == "mlxpaged" else PEER_ARGS.get(load, [])
+                order = server_order(servers, case, rep)
+                a = order[0]
+                for name in order:
+                    args = mlxpaged_args if name == "mlxpaged" else PEER_ARGS.get(load, []) if name == "mlx_lm" else []
                     res = measure(
                         name,
                         path,
@@ -548,7 +551,7 @@ def sweep(
             case += 1
             if not todo and extra_left > 0:
                 here = [r for r in rows if r["load"] == load and r["rate"] == rate]
-                if any(meets(here, s, bound) for s in ("mlxpaged", "mlx_lm")):
+                if any(meets(here, s, bound) for s in servers):
                     todo.append(rate * 2)
                     extra_left -= 1
     return rows
@@ -603,6 +606,12 @@ def add_command(bench_group, with_common, write_plot) -> None:
         "--settle", default=3.0, show_default=True, help="Seconds before reading idle RSS and after the load."
     )
     @click.option("--num-blocks", default=None, type=int, help="mlxpaged's KV pool (default: grown on demand).")
+    @click.option(
+        "--servers",
+        default="mlxpaged,mlx_lm",
+        show_default=True,
+        help="Comma-separated, of mlxpaged,mlx_lm,vllm_mlx (vllm_mlx: MLXPAGED_VLLM_MLX names its venv's Python).",
+    )
     @click.option("--allow-dirty", is_flag=True, help="Run from a tree with uncommitted changes (the result says so).")
     def serve_cmd(
         model,
@@ -621,6 +630,7 @@ def add_command(bench_group, with_common, write_plot) -> None:
         bound,
         settle,
         num_blocks,
+        servers,
         allow_dirty,
     ):
         """mlxpaged serve vs mlx_lm.server over HTTP: Poisson arrivals, TTFT, ITL, normalized latency, RSS."""
@@ -650,6 +660,16 @@ def add_command(bench_group, with_common, write_plot) -> None:
                 err=True,
             )
             sys.exit(1)
+        server_list = tuple(x for x in servers.split(",") if x)
+        if "mlxpaged" not in server_list or set(server_list) - {"mlxpaged", "mlx_lm", "vllm_mlx"}:
+            click.echo(f"error: --servers takes mlxpaged and any of mlx_lm,vllm_mlx, got {servers!r}", err=True)
+            sys.exit(1)
+        if "vllm_mlx" in server_list:
+            try:
+                vllm_mlx_python()
+            except ValueError as e:
+                click.echo(f"error: {e}", err=True)
+                sys.exit(1)
         path = float32_copy(model_path(model, tiny)) if dtype in ("auto", "float32") else model_path(model, tiny)
         extra = ["--dtype", dtype] + (["--num-blocks", str(num_blocks)] if num_blocks else [])
         rows = sweep(
@@ -666,6 +686,7 @@ def add_command(bench_group, with_common, write_plot) -> None:
             extend,
             settle,
             progress=lambda s: click.echo(s, err=True),
+            servers=server_list,
         )
         summary = report(rows, load_list, bound, echo=click.echo)
         out = write_result(
@@ -685,6 +706,7 @@ def add_command(bench_group, with_common, write_plot) -> None:
                 "prompt_text": f"{trace} text, cut to max_prompt tokens",
                 "bound_s_per_token": bound,
                 "mlxpaged_args": extra,
+                "servers": list(server_list),
                 "peer_args": PEER_ARGS,
                 "fairness": [
                     "fresh server per (load, rate, repeat, server)",

@@ -16,7 +16,18 @@ from __future__ import annotations
 
 import statistics
 
-SERVERS = ("mlxpaged", "mlx_lm")
+PEERS = ("mlx_lm", "vllm_mlx")  # mlx_lm's ratios keep the plain names; another peer's carry its name
+LABELS = {"mlxpaged": "mlxpaged", "mlx_lm": "mlx_lm.server", "vllm_mlx": "vllm-mlx"}
+
+
+def servers_of(rows: list[dict]) -> list[str]:
+    """mlxpaged, then each peer that ran in `rows`."""
+    present = {r["server"] for r in rows}
+    return ["mlxpaged"] + [p for p in PEERS if p in present]
+
+
+def _suffix(peer: str) -> str:
+    return "" if peer == "mlx_lm" else f"_{peer}"
 
 
 def passes(row: dict, bound: float) -> bool:
@@ -60,17 +71,16 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def per_rate(rows: list[dict]) -> list[dict]:
     """One entry per (load, rate): each server's figures by repeat, and the ratios formed within
-    each repeat (mlx_lm / mlxpaged for latency, so > 1 favours mlxpaged; RSS the same way)."""
+    each repeat (peer / mlxpaged for latency, so > 1 favours mlxpaged; RSS the same way), for each
+    peer that ran (`ratio_norm_latency_mean` for mlx_lm, `ratio_norm_latency_mean_vllm_mlx`...)."""
     out = []
+    servers = servers_of(rows)
     for load, rate in sorted({(r["load"], r["rate"]) for r in rows}, key=lambda k: (k[0], k[1])):
         here = [r for r in rows if r["load"] == load and r["rate"] == rate]
         by = {(r["server"], r["repeat"]): r for r in here}
         reps = sorted({r["repeat"] for r in here})
-        pairs = [
-            (by[("mlxpaged", k)], by[("mlx_lm", k)]) for k in reps if ("mlxpaged", k) in by and ("mlx_lm", k) in by
-        ]
         entry = {"load": load, "rate": rate, "repeats": len(reps)}
-        for s in SERVERS:
+        for s in servers:
             rs = [r for r in here if r["server"] == s]
             for f in (
                 "norm_latency_mean",
@@ -84,32 +94,39 @@ def per_rate(rows: list[dict]) -> list[dict]:
             ):
                 entry[f"{s}_{f}"] = spread([r[f] for r in rs])
             entry[f"{s}_failed"] = sum(r["failed"] for r in rs)
-        entry["lengths_equal"] = [p["output_tokens"] == q["output_tokens"] for p, q in pairs]
-        for f in ("norm_latency_mean", "norm_latency_median"):
-            entry[f"ratio_{f}"] = spread([_ratio(q[f], p[f]) for p, q in pairs])
-        entry["ratio_peak_rss"] = spread([_ratio(q["peak_rss_mb"], p["peak_rss_mb"]) for p, q in pairs])
+        for peer in servers[1:]:
+            pairs = [(by[("mlxpaged", k)], by[(peer, k)]) for k in reps if ("mlxpaged", k) in by and (peer, k) in by]
+            x = _suffix(peer)
+            entry[f"lengths_equal{x}"] = [p["output_tokens"] == q["output_tokens"] for p, q in pairs]
+            for f in ("norm_latency_mean", "norm_latency_median"):
+                entry[f"ratio_{f}{x}"] = spread([_ratio(q[f], p[f]) for p, q in pairs])
+            entry[f"ratio_peak_rss{x}"] = spread([_ratio(q["peak_rss_mb"], p["peak_rss_mb"]) for p, q in pairs])
         out.append(entry)
     return out
 
 
 def sustainable(rows: list[dict], load: str, bound: float) -> dict:
-    """Each server's sustainable rate per repeat, and mlxpaged / mlx_lm formed within each repeat."""
+    """Each server's sustainable rate per repeat, and mlxpaged / each peer formed within each
+    repeat (`ratio` for mlx_lm, `ratio_vllm_mlx`...)."""
     out = {"per_repeat": []}
+    servers = servers_of(rows)
     for k in sorted({r["repeat"] for r in rows if r["load"] == load}):
         rep = {"repeat": k}
-        for s in SERVERS:
+        for s in servers:
             pts = [
                 (r["rate"], r["norm_latency_mean"], r["failed"])
                 for r in rows
                 if r["load"] == load and r["repeat"] == k and r["server"] == s
             ]
             rep[s], rep[f"{s}_censored"] = sustainable_rate(pts, bound)
-        a, b = rep["mlxpaged"], rep["mlx_lm"]
-        rep["ratio"] = a / b if b else None  # undefined when the peer failed even the lowest rate
+        for peer in servers[1:]:
+            a, b = rep["mlxpaged"], rep[peer]
+            rep[f"ratio{_suffix(peer)}"] = a / b if b else None  # undefined when the peer failed even the lowest rate
         out["per_repeat"].append(rep)
-    for s in SERVERS:
+    for s in servers:
         out[s] = spread([r[s] for r in out["per_repeat"]])
-    out["ratio"] = spread([r["ratio"] for r in out["per_repeat"]])
+    for peer in servers[1:]:
+        out[f"ratio{_suffix(peer)}"] = spread([r[f"ratio{_suffix(peer)}"] for r in out["per_repeat"]])
     return out
 
 
@@ -118,26 +135,30 @@ def _fmt(s: dict | None, digits: int = 2) -> str:
 
 
 def sustainable_line(load: str, s: dict) -> str:
-    """One load's sustainable rates and ratio (`sustainable`'s result), with any censoring."""
-    cens = sorted({f"{k}: {r[k + '_censored']}" for r in s["per_repeat"] for k in SERVERS if r[k + "_censored"]})
-    return (
-        f"{load:>8}: sustainable rate mlxpaged {_fmt(s['mlxpaged'])}, mlx_lm {_fmt(s['mlx_lm'])} req/s, "
-        f"ratio {_fmt(s['ratio'])}" + (f"  (censored {', '.join(cens)})" if cens else "")
+    """One load's sustainable rates and ratios (`sustainable`'s result), with any censoring."""
+    servers = [x for x in ("mlxpaged",) + PEERS if x in s]
+    cens = sorted({f"{k}: {r[k + '_censored']}" for r in s["per_repeat"] for k in servers if r[k + "_censored"]})
+    rates = ", ".join(f"{k} {_fmt(s[k])}" for k in servers)
+    ratios = ", ".join(f"mlxpaged/{p} {_fmt(s['ratio' + _suffix(p)])}" for p in servers[1:])
+    return f"{load:>8}: sustainable rate {rates} req/s, ratio {ratios}" + (
+        f"  (censored {', '.join(cens)})" if cens else ""
     )
 
 
 def report(rows: list[dict], loads: list[str], bound: float, echo=print) -> dict:
     rates = per_rate(rows)
-    echo(f"\nmedian (min-max) over repeats; ratios mlx_lm/mlxpaged formed within each repeat; bound {bound} s/token")
+    echo(f"\nmedian (min-max) over repeats; ratios peer/mlxpaged formed within each repeat; bound {bound} s/token")
     for e in rates:
-        echo(
-            f"{e['load']:>8} rate {e['rate']:5.2f}: mean norm latency mlxpaged "
-            f"{_fmt(e['mlxpaged_norm_latency_mean'], 3)}"
-            f", mlx_lm {_fmt(e['mlx_lm_norm_latency_mean'], 3)}, ratio {_fmt(e['ratio_norm_latency_mean'])}; "
-            f"median ratio {_fmt(e['ratio_norm_latency_median'])}; peak RSS mlxpaged "
-            f"{_fmt(e['mlxpaged_peak_rss_mb'], 0)}"
-            f" MB, mlx_lm {_fmt(e['mlx_lm_peak_rss_mb'], 0)} MB; equal lengths {all(e['lengths_equal'])}"
-        )
+        for peer in servers_of(rows)[1:]:
+            x = _suffix(peer)
+            echo(
+                f"{e['load']:>8} rate {e['rate']:5.2f}: mean norm latency mlxpaged "
+                f"{_fmt(e['mlxpaged_norm_latency_mean'], 3)}"
+                f", {peer} {_fmt(e[f'{peer}_norm_latency_mean'], 3)}, ratio {_fmt(e[f'ratio_norm_latency_mean{x}'])}; "
+                f"median ratio {_fmt(e[f'ratio_norm_latency_median{x}'])}; peak RSS mlxpaged "
+                f"{_fmt(e['mlxpaged_peak_rss_mb'], 0)}"
+                f" MB, {peer} {_fmt(e[f'{peer}_peak_rss_mb'], 0)} MB; equal lengths {all(e[f'lengths_equal{x}'])}"
+            )
     sus = {}
     for load in loads:
         sus[load] = sustainable(rows, load, bound)
@@ -156,14 +177,14 @@ def write_figure(path, rates: list[dict], loads: list[str], bound: float):
     fig, axes = plt.subplots(1, len(loads), figsize=(4.2 * len(loads), 3.6), squeeze=False)
     for ax, load in zip(axes[0], loads):
         es = sorted((e for e in rates if e["load"] == load), key=lambda e: e["rate"])
-        for s, style in (("mlxpaged", "-o"), ("mlx_lm", "--s")):
-            pts = [(e["rate"], e[f"{s}_norm_latency_mean"]) for e in es if e[f"{s}_norm_latency_mean"]]
+        for s, style in (("mlxpaged", "-o"), ("mlx_lm", "--s"), ("vllm_mlx", ":^")):
+            pts = [(e["rate"], e[f"{s}_norm_latency_mean"]) for e in es if e.get(f"{s}_norm_latency_mean")]
             if not pts:
                 continue
             x = [p[0] for p in pts]
             y = [p[1]["median"] for p in pts]
             err = [[p[1]["median"] - p[1]["min"] for p in pts], [p[1]["max"] - p[1]["median"] for p in pts]]
-            ax.errorbar(x, y, yerr=err, fmt=style, capsize=3, label="mlxpaged" if s == "mlxpaged" else "mlx_lm.server")
+            ax.errorbar(x, y, yerr=err, fmt=style, capsize=3, label=LABELS[s])
         ax.axhline(bound, color="grey", lw=0.8, ls=":")
         ax.set_title(load)
         ax.set_xlabel("request rate (req/s)")
