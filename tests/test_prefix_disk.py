@@ -119,6 +119,58 @@ def test_block_manager_takes_second_tier_blocks_after_memory_hits():
     assert bm.take_to_store() == []  # loaded blocks are not written back
 
 
+def test_a_hit_block_an_answer_filled_goes_to_the_tier_with_the_next_prompt():
+    """An agent's next prompt holds its last answer: the block that answer filled was never a
+    prompt block, so memory alone holds it; the next prompt hits it there, and the tier takes it
+    then, or a restart finds the chain on disk broken at it. A block freed and taken for other
+    tokens before the engine reads it is not written under its old hash."""
+    from mlxpaged.core.block_manager import BlockManager
+    from mlxpaged.core.sequence import Sequence
+
+    bm, tier = BlockManager(16, 4), DictTier()
+    bm.second_tier = tier
+    prompt = list(range(100, 110))  # blocks 0-1 full, block 2 holds 2 prompt tokens
+    a = Sequence(list(prompt), len(prompt))
+    bm.allocate_slots(a, 10)
+    a.num_computed_tokens = 10
+    bm.cache_full_blocks(a)
+    tier.blocks |= {h: t for h, _, t in bm.take_to_store()}
+    assert len(tier.blocks) == 2
+    for tok in range(200, 206):  # the answer fills blocks 2 and 3: named in memory, not stored
+        a.token_ids.append(tok)
+        bm.allocate_slots(a, 1)
+        a.num_computed_tokens += 1
+        bm.cache_full_blocks(a)
+    assert bm.take_to_store() == [] and len(a.block_hashes) == 4
+    nxt = a.token_ids + list(range(300, 306))  # the next turn: the whole history, then new tokens
+    b = Sequence(list(nxt), len(nxt))
+    assert bm.match_prefix(b) == 16
+    stored = bm.take_to_store()
+    assert [h for h, _, _ in stored] == a.block_hashes[2:4]  # the answer's blocks, the rest was on disk
+    bm.allocate_slots(b, len(nxt) - 16)  # b computes the rest of its prompt: block 4 is a prompt block
+    b.num_computed_tokens = len(nxt)
+    bm.cache_full_blocks(b)
+    stored += bm.take_to_store()
+    assert len(stored) == 3
+    tier.blocks |= {h: t for h, _, t in stored}
+    fresh = BlockManager(16, 4)  # a restart: memory empty, the tier as it was
+    fresh.second_tier = tier
+    c = Sequence(list(nxt), len(nxt))
+    assert (
+        fresh.match_prefix(c) == 0 and len(fresh.match_second_tier(c)) == 5
+    )  # all of b's full blocks but the last token's
+
+    d = Sequence(list(nxt), len(nxt))  # a hit whose block is evicted and reused before the engine reads it
+    tier.blocks.clear()
+    assert bm.match_prefix(d) == 20 and len(bm.to_store) == 5
+    bm.free(d)
+    bm.free(b)
+    bm.free(a)
+    while bm.pool.num_free:
+        bm.pool.allocate()
+    assert bm.take_to_store() == []
+
+
 # -- restart ---------------------------------------------------------------------------------------
 def test_restart_serves_the_prefix_from_disk(tiny_loaded, tmp_path, prompt600, reference600):
     store = tmp_path / "store"
@@ -133,6 +185,21 @@ def test_restart_serves_the_prefix_from_disk(tiny_loaded, tmp_path, prompt600, r
     st = again.stats_dict()
     assert st["prefix_cache_disk_hit_tokens"] == 592 and st["prefix_cache_hit_tokens"] == 592
     assert st["prompt_tokens"] == 600 and again.stats.computed_prefill_tokens == 8
+
+
+def test_restart_keeps_a_conversation_whole(tiny_loaded, mlx_lm_tiny, tmp_path, prompt600):
+    """An agent's turns: each prompt is the last prompt, its answer and new text. After a restart
+    the next turn finds every full block of the last prompt on disk, the blocks the first answer
+    filled included, and gives mlx-lm's tokens."""
+    store, params = tmp_path / "store", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    e = engine(tiny_loaded, store)
+    first = run(e, [prompt600], params)[0]
+    second_prompt = prompt600 + first.outputs[0].token_ids + ids(2, 37)  # 661 tokens
+    assert run(e, [second_prompt], params)[0].num_cached_tokens == 608  # memory: the answer's blocks too
+    third = second_prompt + ids(3, 20)
+    out = run(engine(tiny_loaded, store), [third], params)[0]
+    assert out.num_cached_tokens == len(second_prompt) // 16 * 16  # 656; 592 when the chain breaks
+    assert out.outputs[0].token_ids == contiguous_generate(mlx_lm_tiny[0], third, 24)
 
 
 def test_disk_hit_equals_contiguous_reference_on_a_new_question(tiny_loaded, mlx_lm_tiny, tmp_path, prompt600):

@@ -378,12 +378,12 @@ async def run_load(
     repeat: int = 0,
 ) -> RunResult:
     """Send `reqs` at Poisson arrivals of `rate`/s (arrival times seeded by `seed`, the same for
-    both servers); an n-sample request goes to mlx_lm.server as n requests at the same instant."""
+    both servers); an n-sample request goes to a peer as n requests at the same instant."""
     import httpx
 
     res = RunResult(server.name, load, rate, repeat, n, output_tokens=[None] * len(reqs))
     rng = random.Random(seed)
-    fan = n if server.name == "mlx_lm" else 1
+    fan = n if server.name != "mlxpaged" else 1  # neither peer has `n` (vllm-mlx 0.6's request model lacks it)
     stop = asyncio.Event()
 
     async def watch_rss():

@@ -343,10 +343,16 @@ class BlockManager:
                 self._pin_at[seq] = (len(hits), key)
             elif k == len(hits) and key in self.window_pins:
                 self.window_pins.move_to_end(key)
-        for h, _, block in hits[:k]:
+        tier = self.second_tier
+        for h, t, block in hits[:k]:
             self.pool.acquire(block)
             seq.block_table.append(block)
             seq.block_hashes.append(h)
+            # A hit is a prompt block of this request, but memory may hold it alone: a block that an
+            # earlier answer filled (an agent's history comes back in its next prompt) was never a
+            # prompt block before. The disk tier takes it now, or the chain on disk breaks there.
+            if tier is not None and tier.wants(h):
+                self.to_store.append((h, block.block_id, t))
         if self.window_pool is not None:
             first = self.first_in_window(k * bs)
             seq.window_table = [None] * first
@@ -431,9 +437,12 @@ class BlockManager:
         return loads
 
     def take_to_store(self) -> list[tuple[bytes, int, tuple[int, ...]]]:
-        """The newly full blocks the second tier wants, since the last call."""
+        """The newly full (or newly hit) blocks the second tier wants, since the last call; only
+        those that still hold their hash: a hit block freed by a preemption in the same schedule
+        may have been evicted and taken for other tokens since."""
         out, self.to_store = self.to_store, []
-        return out
+        cached = self.pool.cached
+        return [x for x in out if (b := cached.get(x[0])) is not None and b.block_id == x[1]]
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Name (and cache) the blocks that became full since the last call."""
