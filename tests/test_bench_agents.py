@@ -1,6 +1,8 @@
 """The coding-agent benchmark (mlxpaged/bench/agents.py): one K=2, T=3 replay with the restart
 variant against both real servers on the tiny model, short prompts so that it stays cheap."""
 
+from pathlib import Path
+
 import pytest
 
 from mlxpaged.bench import agents, http
@@ -155,6 +157,14 @@ def test_restart_only_runs_the_restart_variant_alone(monkeypatch):
     calls.clear()
     agents.run(path, [1], 2, 1, 4, restart=True, progress=lambda s: None, result_tokens=(5, 10))
     assert sorted(r for _, r, _ in calls) == [False, False, True, True]
+    calls.clear()  # and from the command line (its call passes the flags in their order)
+    monkeypatch.setattr(agents.http, "float32_copy", lambda p: path)
+    import mlxpaged.bench.report as report
+
+    monkeypatch.setattr(report, "git_state", lambda: {"commit": "abc", "dirty": False})
+    monkeypatch.setattr(report, "write_result", lambda *a, **kw: Path("/nonexistent/r.json"))
+    assert agents.main(["--tiny", "--ks", "1", "--turns", "2", "--repeats", "1", "--restart-only"]) == 0
+    assert sorted(r for _, r, _ in calls) == [True, True]
 
 
 def test_vllm_mlx_runs_from_its_own_venv(tmp_path, monkeypatch):

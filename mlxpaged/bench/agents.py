@@ -409,12 +409,13 @@ def run(
     seed=0,
     restart=False,
     servers=DEFAULT_SERVERS,
-    restart_only=False,
     mlxpaged_args=(),
     progress=print,
     system=SYSTEM,
     tools=TOOLS,
     result_tokens=(100, 600),
+    *,
+    restart_only=False,
 ) -> dict:
     """Every (K, variant, repeat) on a fresh server of each kind, alternating which goes first."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
