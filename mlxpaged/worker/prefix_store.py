@@ -24,7 +24,8 @@ full, read-only directory) logs one warning and turns the tier off; serving goes
 used files (by mtime; a read hit touches its file) are deleted until the new one fits. Only the
 tier's own names are counted, evicted or cleaned up (`NS_DIR`, `SHARD_DIR`, `BLOCK_FILE`,
 `OWN_TMP`): anything else under DIR is left alone. Which blocks are written is the block
-manager's rule: prompt blocks only (`BlockManager.cache_full_blocks`).
+manager's rule: prompt blocks only, as they are computed (`BlockManager.cache_full_blocks`) or
+hit in memory (`match_prefix`: an earlier answer filled them).
 """
 
 from __future__ import annotations
