@@ -108,33 +108,9 @@ def test_every_server_goes_first_in_turn():
     assert [http.server_order(servers[:2], c, 0)[0] for c in range(4)] == ["mlxpaged", "mlx_lm"] * 2
 
 
-def test_the_replays_alternate_which_server_goes_first(monkeypatch):
-    """Through `run`: with two servers, repeats and loads alternate who starts (a bug once put
-    mlxpaged first in every repeat: the case and repeat counters moved together)."""
-    calls = []
-
-    def fake_replay(name, *a, **kw):
-        calls.append(name)
-        return {
-            "server": name,
-            "wall_s": 1.0,
-            "ttft_ms_later_median": 1.0,
-            "cached_tokens": 0,
-            "prompt_tokens": 1,
-            "failed": 0,
-        }
-
-    monkeypatch.setattr(agents, "replay", fake_replay)
-    monkeypatch.setattr(agents, "ratios", lambda rows: [])
-    path = http.float32_copy(tiny_checkpoint())
-    agents.run(path, [1, 2], 2, 3, 4, progress=lambda s: None, result_tokens=(5, 10))
-    firsts = calls[::2]  # each (K, repeat) runs both servers
-    assert firsts == ["mlxpaged", "mlx_lm", "mlxpaged", "mlx_lm", "mlxpaged", "mlx_lm"]
-
-
-def test_restart_only_runs_the_restart_variant_alone(monkeypatch):
-    """`--restart-only` (a peer added to the restart figures): every replay restarts, each server
-    with its disk tier; `--restart` runs the plain variant too."""
+@pytest.fixture
+def replays(monkeypatch):
+    """`run` with its replays recorded, not run: (server, restart variant, server flags) each."""
     calls = []
 
     def fake_replay(name, path, extra, k, turns, max_tokens, eos, results, restart, *a):
@@ -150,6 +126,22 @@ def test_restart_only_runs_the_restart_variant_alone(monkeypatch):
 
     monkeypatch.setattr(agents, "replay", fake_replay)
     monkeypatch.setattr(agents, "ratios", lambda rows: [])
+    return calls
+
+
+def test_the_replays_alternate_which_server_goes_first(replays):
+    """Through `run`: with two servers, repeats and loads alternate who starts (a bug once put
+    mlxpaged first in every repeat: the case and repeat counters moved together)."""
+    path = http.float32_copy(tiny_checkpoint())
+    agents.run(path, [1, 2], 2, 3, 4, progress=lambda s: None, result_tokens=(5, 10))
+    firsts = [name for name, _, _ in replays[::2]]  # each (K, repeat) runs both servers
+    assert firsts == ["mlxpaged", "mlx_lm", "mlxpaged", "mlx_lm", "mlxpaged", "mlx_lm"]
+
+
+def test_restart_only_runs_the_restart_variant_alone(replays, monkeypatch):
+    """`--restart-only` (a peer added to the restart figures): every replay restarts, each server
+    with its disk tier; `--restart` runs the plain variant too."""
+    calls = replays
     path = http.float32_copy(tiny_checkpoint())
     agents.run(path, [1], 2, 2, 4, restart_only=True, progress=lambda s: None, result_tokens=(5, 10))
     assert [(n, r) for n, r, _ in calls] == [("mlxpaged", True), ("mlx_lm", True), ("mlx_lm", True), ("mlxpaged", True)]
