@@ -531,7 +531,8 @@ def sweep(
                 order = server_order(servers, case, rep)
                 a = order[0]
                 for name in order:
-                    args = mlxpaged_args if name == "mlxpaged" else PEER_ARGS.get(load, []) if name == "mlx_lm" else []
+                    # vllm-mlx's flags are fixed in `server_command`
+                    args = {"mlxpaged": mlxpaged_args, "mlx_lm": PEER_ARGS.get(load, [])}.get(name, [])
                     res = measure(
                         name,
                         path,

@@ -147,9 +147,10 @@ def sustainable_line(load: str, s: dict) -> str:
 
 def report(rows: list[dict], loads: list[str], bound: float, echo=print) -> dict:
     rates = per_rate(rows)
+    peers = servers_of(rows)[1:]
     echo(f"\nmedian (min-max) over repeats; ratios peer/mlxpaged formed within each repeat; bound {bound} s/token")
     for e in rates:
-        for peer in servers_of(rows)[1:]:
+        for peer in peers:
             x = _suffix(peer)
             echo(
                 f"{e['load']:>8} rate {e['rate']:5.2f}: mean norm latency mlxpaged "
