@@ -240,3 +240,33 @@ def test_serve_refuses_a_cap_together_with_a_fixed_size():
     assert r.exit_code == 2 and "--kv-memory-gb" in r.output  # click's range check
     r = CliRunner().invoke(serve, ["--kv-idle-trim", "-1"])
     assert r.exit_code == 2 and "--kv-idle-trim" in r.output
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_a_resize_holds_the_new_pools_and_one_old_one_not_both_sizes_of_every_pool(kv_bits):
+    """Growing (or trimming) copies each pool; done one pool at a time with MLX's cache off, the
+    most memory held at once is one size of every pool plus one copy in the making, where
+    evaluating every copy together held both sizes of every pool (the growth step was a
+    server's peak RSS)."""
+    from mlxpaged.worker.kv_cache import PagedKVCache
+
+    def pool_bytes(p):
+        return sum(a.nbytes for a in (p.arrays if kv_bits else [p]))
+
+    shape = CacheShape(8, 2, 64, mx.float32, kv_bits=kv_bits)
+    cache = PagedKVCache(shape, 64, 16)
+    mx.eval(cache.arrays)
+    old = cache.nbytes
+    for size in (128, 40):  # grow, then trim
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        cache.resize(size)
+        new = cache.nbytes
+        one_new = max(pool_bytes(p) for p in cache.keys + cache.values)
+        assert all(a.shape[0] == size for a in cache.arrays)
+        slack = 1 << 19  # MLX's allocator rounds small buffers up (an 8-bit pool's scales)
+        assert mx.get_active_memory() - before <= new - old + slack  # the old pools are gone
+        # the larger size of every pool, and one pool's copy (or its zeros) being made
+        assert mx.get_peak_memory() - before <= max(new - old, 0) + one_new + slack
+        old = new
