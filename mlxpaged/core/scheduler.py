@@ -416,11 +416,13 @@ class Scheduler:
         sample from its logits. A sequence that finished (or was aborted) after the step was
         scheduled is skipped: its blocks are gone and its token is never used.
         """
+        bs, cache_full_blocks = self.bm.block_size, self.bm.cache_full_blocks
         for _req, seq in out.decodes:
             if seq.finish_reason is not None:
                 continue
             seq.num_computed_tokens += 1
-            self.bm.cache_full_blocks(seq)
+            if seq.num_computed_tokens // bs > len(seq.block_hashes):  # a block filled (its own test, inlined)
+                cache_full_blocks(seq)
         for chunk in out.prefills:
             req, seq = chunk.request, chunk.seq
             if seq.finished:

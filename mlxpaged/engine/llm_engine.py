@@ -500,7 +500,15 @@ class LLMEngine:
         raise StepError(ids, error) from error
 
     def _report(self, progressed: list[Request]) -> list[RequestOutput]:
-        return [self._finish_or_report(r) for r in dict.fromkeys(progressed) if r.request_id in self._requests]
+        """Each progressed request's output, once; a finished request is let go of here."""
+        held, tokenizer, outs = self._requests, self.tokenizer, []
+        for r in dict.fromkeys(progressed):
+            if r.request_id in held:
+                out = make_output(r, tokenizer)
+                if out.finished:
+                    del held[r.request_id]
+                outs.append(out)
+        return outs
 
     def _launch(self, out: SchedulerOutput) -> LaunchedStep:
         """Build the step's forward pass and draws and hand them to the device; waits for nothing
@@ -511,6 +519,7 @@ class LLMEngine:
         rows = self.scheduler.sample_rows(out)
         logits, extra = self._forward(out)
         pairs, index, beam_rows = [], [], []  # who draws from which logits row; the beams' rows
+        guided = False
         for r in rows:
             if r.request.beam is not None:
                 beam_rows.append(r)
@@ -518,6 +527,8 @@ class LLMEngine:
             for s in r.seqs:
                 pairs.append((r.request, s))
                 index.append(r.row)
+                if s.matcher is not None:
+                    guided = True
         sampled = logits_rows = None
         todo = list(self.kv_cache.arrays)  # every pool array (a QuantizedPool is not an array)
         spec = spec_rows(out, index)
@@ -526,7 +537,7 @@ class LLMEngine:
                 logits_rows = logits[mx.array(index)]
             else:
                 logits_rows = logits
-            if any(s.matcher is not None for _, s in pairs):
+            if guided:
                 todo.append(logits_rows)
             else:
                 sampled = self._draws(pairs, logits_rows, spec)
@@ -645,7 +656,9 @@ class LLMEngine:
         """The step's tokens are computed (block tables, hashes, forks); its draws become pending."""
         pending = []
         s = step.sampled
-        if s is not None:
+        if s is not None and not s.sampled:  # every row greedy: no keys to carry
+            pending = [(seq, PendingToken(step.step_id, s.tokens, j)) for j, (_, seq) in enumerate(step.pairs)]
+        elif s is not None:
             key_row = {i: j for j, i in enumerate(s.sampled)}
             pending = [
                 (seq, PendingToken(step.step_id, s.tokens, j, s.keys if j in key_row else None, key_row.get(j, 0)))
@@ -691,11 +704,6 @@ class LLMEngine:
             st.window_blocks_in_use_peak = max(st.window_blocks_in_use_peak, wpool.num_used)
         st.blocks_without_sharing_peak = max(st.blocks_without_sharing_peak, num_blocks)
         st.running_seqs_peak = max(st.running_seqs_peak, num_seqs)
-
-    def _finish_or_report(self, req: Request) -> RequestOutput:
-        if req.finished:
-            del self._requests[req.request_id]
-        return make_output(req, self.tokenizer)
 
     # -- introspection ---------------------------------------------------------------------------
     def live_sequences(self) -> list[Sequence]:

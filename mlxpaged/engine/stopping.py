@@ -265,54 +265,76 @@ def hidden_token_ids(tokenizer) -> frozenset[int]:
 def make_output(req: Request, tokenizer) -> RequestOutput:
     """The request's samples so far (or, for a beam search, its finished hypotheses, best first);
     for `output_kind="delta"`, only what is new since the previous output."""
-    delta = req.beam is None and getattr(req.params, "output_kind", "cumulative") == "delta"
-    outs = []
     if req.beam is not None:
-        if req.finished:
-            for i, h in enumerate(req.beam.finished):
-                text_ids = h.token_ids[:-1] if h.finish_reason == "stop" else h.token_ids
-                outs.append(
-                    CompletionOutput(
-                        i,
-                        tokenizer.decode(text_ids),
-                        list(h.token_ids),
-                        h.finish_reason,
-                        cumulative_logprob=h.cumulative_logprob,
-                        score=h.score,
-                    )
-                )
-    else:
-        # Once per request per step: attribute reads kept out of the properties (host time).
-        params = req.params
-        want_logprobs = params.logprobs is not None
-        for s in req.seqs:
-            reason = s.finish_reason
-            if reason is not None:
-                s.detokenizer.finalize()
-            text = s.detokenizer.text
-            stop_reason = None  # vLLM's: the stop string that ended the sample, or the stop token id
-            if s.stop_text_len is not None:
-                # the first occurrence that ended it: of the stops found there, the one StopChecker saw first
-                stop_reason = next((x for x in params.stop if text.startswith(x, s.stop_text_len)), None)
-                text = text[: s.stop_text_len]
-            elif reason is FinishReason.STOP and len(s.token_ids) > s.num_prompt_tokens:
-                last = s.token_ids[-1]
-                stop_reason = last if last in params.stop_token_ids else None
-            if delta:
-                d = _delta(req, s, text, stop_reason)
-                if d is not None:
-                    outs.append(d)
-                continue
+        return _beam_output(req, tokenizer)
+    # Once per request per step: attribute reads out of the loop, no property calls (host time).
+    params = req.params
+    delta = getattr(params, "output_kind", "cumulative") == "delta"
+    want_logprobs = params.logprobs is not None
+    finished = True  # `req.finished`, from the reasons the loop reads anyway
+    outs = []
+    for s in req.seqs:
+        reason = s.finish_reason
+        if reason is None:
+            finished = False
+        else:
+            s.detokenizer.finalize()
+        text = s.detokenizer.text
+        stop_reason = None  # vLLM's: the stop string that ended the sample, or the stop token id
+        if s.stop_text_len is not None:
+            # the first occurrence that ended it: of the stops found there, the one StopChecker saw first
+            stop_reason = next((x for x in params.stop if text.startswith(x, s.stop_text_len)), None)
+            text = text[: s.stop_text_len]
+        elif reason is FinishReason.STOP and len(s.token_ids) > s.num_prompt_tokens:
+            last = s.token_ids[-1]
+            stop_reason = last if last in params.stop_token_ids else None
+        if delta:
+            d = _delta(req, s, text, stop_reason)
+            if d is not None:
+                outs.append(d)
+            continue
+        outs.append(
+            CompletionOutput(  # positional: keywords cost a dict per call
+                s.sample_index,
+                text,
+                s.token_ids[s.num_prompt_tokens :],  # a fresh slice: the output's own list
+                reason.value if reason is not None else None,
+                list(s.logprobs) if want_logprobs else None,
+                None,
+                None,
+                stop_reason,
+            )
+        )
+    asked = req.prompt_logprobs is not None or getattr(params, "prompt_logprobs", None) is not None
+    return RequestOutput(
+        req.request_id,
+        req.prompt_text,
+        req.prompt_token_ids,
+        outs,
+        finished,
+        req.num_cached_tokens,
+        delta,
+        _prompt_logprobs(req, delta) if asked else None,
+    )
+
+
+def _beam_output(req: Request, tokenizer) -> RequestOutput:
+    """A beam search's output: nothing until it ends, then its finished hypotheses, best first."""
+    outs = []
+    if req.finished:
+        for i, h in enumerate(req.beam.finished):
+            text_ids = h.token_ids[:-1] if h.finish_reason == "stop" else h.token_ids
             outs.append(
                 CompletionOutput(
-                    s.sample_index,
-                    text,
-                    s.token_ids[s.num_prompt_tokens :],  # a fresh slice: the output's own list
-                    reason.value if reason is not None else None,
-                    logprobs=list(s.logprobs) if want_logprobs else None,
-                    stop_reason=stop_reason,
+                    i,
+                    tokenizer.decode(text_ids),
+                    list(h.token_ids),
+                    h.finish_reason,
+                    cumulative_logprob=h.cumulative_logprob,
+                    score=h.score,
                 )
             )
+    asked = req.prompt_logprobs is not None or getattr(req.params, "prompt_logprobs", None) is not None
     return RequestOutput(
         req.request_id,
         req.prompt_text,
@@ -320,8 +342,8 @@ def make_output(req: Request, tokenizer) -> RequestOutput:
         outs,
         req.finished,
         req.num_cached_tokens,
-        delta,
-        _prompt_logprobs(req, delta),
+        False,
+        _prompt_logprobs(req, False) if asked else None,
     )
 
 
