@@ -29,9 +29,9 @@ def check_kv_quant(bits: int | None, group_size: int, head_dim: int | None = Non
 class CacheConfig:
     """The KV pool, its quantization, and the prefix cache's two tiers.
 
-    num_blocks: blocks in the pool; `None` makes the pool grow as blocks are needed, a chunk
-      (`kv_chunk_blocks`, default 4096 slots) at a time, up to `kv_memory_gb` GB if set, else
-      `kv_memory_fraction` of the available memory (memory alone: it holds what is in use); an
+    num_blocks: blocks in the pool; `None` makes the pool start at 4,096 slots and grow as blocks
+      are needed, 1,024 slots at a time (or an eighth of itself; `kv_chunk_blocks`, if set, is
+      both the start and the step), up to `kv_memory_gb` GB if set, else `kv_memory_fraction` of the available memory (memory alone: it holds what is in use); an
       idle server trims it back (`BlockPool.trim`). `max_kv_tokens` caps only a fixed pool sized
       from memory (`generate`'s, a tensor-parallel rank's).
     kv_bits: None keeps K/V rows in the model's dtype; 8 or 4 stores them quantized along

@@ -37,6 +37,31 @@ def test_pool_grows_a_chunk_at_a_time_up_to_the_cap():
     pool.check()
 
 
+def test_a_large_pool_grows_by_an_eighth_of_itself():
+    """Each growth copies every device pool, so past 8 chunks the step is an eighth of the pool
+    (the copying stays a bounded multiple of the final size)."""
+    pool = BlockPool(64)
+    rec = Recorder(pool)
+    pool.enable_growth(100, 2)
+    for _ in range(64):
+        rec(pool.allocate())
+    rec(pool.allocate())
+    assert rec.calls == [(72, [])]  # 64 // 8 = 8 blocks, not the chunk's 2
+    for _ in range(7 + 9 + 10 + 1):
+        rec(pool.allocate())
+    assert [n for n, _ in rec.calls] == [72, 81, 91, 100]  # + 9, + 10, then the cap
+    pool.check()
+
+
+def test_the_default_pool_starts_at_4096_slots_and_grows_1024_at_a_time(tiny_loaded):
+    from mlxpaged.worker.kv_cache import GROW_TOKENS, growable_pool
+
+    config = EngineConfig.of(kv_memory_gb=1.0)
+    start, cap, chunk = growable_pool(tiny_loaded, config)
+    assert (start, chunk) == (CHUNK_TOKENS // 16, GROW_TOKENS // 16) == (256, 64)
+    assert growable_pool(tiny_loaded, EngineConfig.of(kv_memory_gb=1.0, kv_chunk_blocks=8))[::2] == (8, 8)
+
+
 def test_trim_keeps_the_most_recent_cached_blocks_and_copies_them_down():
     pool = BlockPool(2)
     rec = Recorder(pool)

@@ -63,8 +63,8 @@ class BlockPool:
 
     # -- growth -------------------------------------------------------------------------------
     def enable_growth(self, max_blocks: int, chunk_blocks: int) -> None:
-        """Let the pool grow `chunk_blocks` at a time up to `max_blocks` when `allocate()` finds no
-        free block, and `trim()` back to its present size (the device pools follow: `take_resize`)."""
+        """Let the pool grow `chunk_blocks` (or an eighth of itself, if more) at a time up to
+        `max_blocks` when `allocate()` finds no free block, and `trim()` back to its present size (the device pools follow: `take_resize`)."""
         if max_blocks < self.num_blocks or chunk_blocks < 1:
             raise ValueError(f"cannot grow {self.num_blocks} blocks to {max_blocks} by {chunk_blocks}")
         self.max_blocks, self.min_blocks, self.chunk_blocks = max_blocks, self.num_blocks, chunk_blocks
@@ -79,7 +79,9 @@ class BlockPool:
         return out
 
     def _grow(self) -> bool:
-        new = min(self.max_blocks, self.num_blocks + self.chunk_blocks)
+        # A growth copies every device pool (PagedKVCache.resize), so a large pool grows by an
+        # eighth of itself: the copying stays a bounded multiple of the final size.
+        new = min(self.max_blocks, self.num_blocks + max(self.chunk_blocks, self.num_blocks // 8))
         if new <= self.num_blocks or not self.chunk_blocks:
             return False
         fresh = [Block(i) for i in range(self.num_blocks, new)]

@@ -139,7 +139,10 @@ def pool_blocks(loaded, config, need: int | None = None, extra_block_bytes: int 
     return cap if need is None else max(1, min(need, cap))
 
 
-CHUNK_TOKENS = 4096  # a growable pool grows and shrinks by this many token slots (a whole number of blocks)
+CHUNK_TOKENS = 4096  # a growable pool starts at (and an idle one trims back to) this many token slots
+# ... and grows by this many (or an eighth of itself, `BlockPool._grow`): memory follows use to
+# within a step this size, where a step as large as the start left up to 4,095 slots unused
+GROW_TOKENS = 1024
 
 
 def growable_pool(loaded, config, extra_block_bytes: int = 0, reserved_bytes: int = 0) -> tuple[int, int, int] | None:
@@ -148,8 +151,8 @@ def growable_pool(loaded, config, extra_block_bytes: int = 0, reserved_bytes: in
     else `config.cache.kv_memory_fraction` of the memory free now. `max_kv_tokens` bounds only a fixed
     pool sized from memory (`pool_blocks`): a growing pool holds what is in use and trims back
     when idle, so a token cap would only refuse agent-sized contexts (a 27k-token prompt with
-    `max_tokens` 32,000) that the memory holds. The pool starts at one chunk
-    (`config.cache.kv_chunk_blocks`, default CHUNK_TOKENS of slots)."""
+    `max_tokens` 32,000) that the memory holds. The pool starts at CHUNK_TOKENS slots and grows
+    GROW_TOKENS at a time; `config.cache.kv_chunk_blocks`, if set, is both."""
     if config.cache.num_blocks is not None:
         return None
     shape = CacheShape.of(loaded).quantized(config.cache.kv_bits, config.cache.kv_group_size)
@@ -159,8 +162,11 @@ def growable_pool(loaded, config, extra_block_bytes: int = 0, reserved_bytes: in
         cap = max(1, int(config.cache.kv_memory_gb * 1e9) // per_block)
     else:
         cap = blocks_for_memory(shape, bs, config.cache.kv_memory_fraction, 1 << 62, extra_block_bytes, reserved_bytes)
-    chunk = config.cache.kv_chunk_blocks or max(1, CHUNK_TOKENS // bs)
-    return min(chunk, cap), cap, chunk
+    if config.cache.kv_chunk_blocks:
+        start = chunk = config.cache.kv_chunk_blocks
+    else:
+        start, chunk = max(1, CHUNK_TOKENS // bs), max(1, GROW_TOKENS // bs)
+    return min(start, cap), cap, chunk
 
 
 class PagedKVCache:
