@@ -180,28 +180,18 @@ class ModelRunner:
         proposals after their row's one known token."""
         tokens: list[int] = []
         pending: list[tuple[int, object]] = []  # (position in the pass, the sequence's PendingToken)
-        if total == len(batch) and not spec_tokens:  # one token each (decode): the loop below, lean
-            for i, (s, _) in enumerate(batch):
-                known, start = s.token_ids, s.num_computed_tokens
-                if start < len(known):
-                    tokens.append(known[start])
-                else:
-                    assert s.pending is not None, "a scheduled token is neither known nor pending"
-                    pending.append((i, s.pending))
-                    tokens.append(0)
-        else:
-            for i, (s, n) in enumerate(batch):
-                start = s.num_computed_tokens
-                if i in spec_tokens:
-                    assert s.pending is None and n == 1 + len(spec_tokens[i]) and s.num_uncomputed == 1
-                    tokens += s.token_ids[start : start + 1] + spec_tokens[i]
-                    continue
-                known = s.token_ids[start : start + n]
-                tokens += known
-                if len(known) < n:  # only the last token can be pending
-                    assert s.pending is not None and len(known) == n - 1, "a scheduled token is neither known nor pending"
-                    pending.append((len(tokens), s.pending))
-                    tokens.append(0)
+        for i, (s, n) in enumerate(batch):
+            start = s.num_computed_tokens
+            if i in spec_tokens:
+                assert s.pending is None and n == 1 + len(spec_tokens[i]) and s.num_uncomputed == 1
+                tokens += s.token_ids[start : start + 1] + spec_tokens[i]
+                continue
+            known = s.token_ids[start : start + n]
+            tokens += known
+            if len(known) < n:  # only the last token can be pending
+                assert s.pending is not None and len(known) == n - 1, "a scheduled token is neither known nor pending"
+                pending.append((len(tokens), s.pending))
+                tokens.append(0)
         assert len(tokens) == total
         ids = mx.array(tokens, dtype=mx.int32)
         if not pending:
