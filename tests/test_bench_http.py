@@ -324,3 +324,22 @@ def test_tiny_run_ratios_come_from_the_same_repeat(tiny_run):
         assert a["first"] == b["first"]
     firsts = {e["load"]: [r["first"] for r in rows if r["load"] == e["load"]][0] for e in tiny_run["per_rate"]}
     assert set(firsts.values()) == {"mlxpaged", "mlx_lm"}  # two (load, rate) cases, alternating
+
+
+def test_the_mlxpaged_server_runs_the_harness_own_package(tmp_path, monkeypatch):
+    """`python -m mlxpaged.cli` imports the package of its working folder first: run from another
+    checkout (here a decoy package), the server would time that code under this harness's
+    provenance. The harness starts it in its own package's folder."""
+    from mlxpaged.bench.report import PACKAGE_ROOT
+
+    (tmp_path / "mlxpaged").mkdir()
+    (tmp_path / "mlxpaged" / "__init__.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    probe = [sys.executable, "-c", "import mlxpaged; print(mlxpaged.__file__)"]  # `-c` puts the folder first, as `-m`
+
+    def imported(cwd):
+        return subprocess.run(probe, cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+
+    assert imported(None).startswith(str(tmp_path))  # the decoy, without a folder of its own
+    assert imported(http.server_cwd("mlxpaged")) == str(PACKAGE_ROOT / "mlxpaged" / "__init__.py")
+    assert http.server_cwd("mlx_lm") is None and http.server_cwd("vllm_mlx") is None

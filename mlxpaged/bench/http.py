@@ -181,11 +181,11 @@ def free_port() -> int:
 
 
 class ServerProc:
-    def __init__(self, name: str, cmd: list[str], port: int, timeout: float = 600):
+    def __init__(self, name: str, cmd: list[str], port: int, timeout: float = 600, cwd: str | None = None):
         import httpx
 
         self.name, self.cmd, self.url = name, cmd, f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=cwd)
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
             if self.proc.poll() is not None:
@@ -278,9 +278,19 @@ def server_command(name: str, model_path: str, port: int, extra: list[str]) -> l
     return [sys.executable, "-c", boot, "--model", model_path, "--port", str(port), "--log-level", "WARNING", *extra]
 
 
+def server_cwd(name: str) -> str | None:
+    """Where a server starts: mlxpaged's in the folder holding this harness's own package, since
+    `python -m mlxpaged.cli` imports the package of its working folder first, and a harness run
+    from another checkout (a worktree) would otherwise time that checkout's code under this
+    one's provenance (`report.git_state`)."""
+    from .report import PACKAGE_ROOT
+
+    return str(PACKAGE_ROOT) if name == "mlxpaged" else None
+
+
 def start_server(name: str, model_path: str, extra: list[str]) -> ServerProc:
     port = free_port()
-    return ServerProc(name, server_command(name, model_path, port, extra), port)
+    return ServerProc(name, server_command(name, model_path, port, extra), port, cwd=server_cwd(name))
 
 
 # -- one run: Poisson arrivals at `rate` -----------------------------------------------------------
