@@ -31,9 +31,10 @@ class CacheConfig:
 
     num_blocks: blocks in the pool; `None` makes the pool start at 4,096 slots and grow as blocks
       are needed, 1,024 slots at a time (or an eighth of itself; `kv_chunk_blocks`, if set, is
-      both the start and the step), up to `kv_memory_gb` GB if set, else `kv_memory_fraction` of the available memory (memory alone: it holds what is in use); an
-      idle server trims it back (`BlockPool.trim`). `max_kv_tokens` caps only a fixed pool sized
-      from memory (`generate`'s, a tensor-parallel rank's).
+      both the start and the step), up to `kv_memory_gb` GB if set, else `kv_memory_fraction`
+      of the available memory (memory alone: it holds what is in use); an idle server trims it
+      back (`BlockPool.trim`). `max_kv_tokens` caps only a fixed pool sized from memory
+      (`generate`'s, a tensor-parallel rank's).
     kv_bits: None keeps K/V rows in the model's dtype; 8 or 4 stores them quantized along
       head_dim in groups of `kv_group_size` (32 or 64) with a scale and a bias per group, so
       the same memory holds about 1.9x (8-bit) or 3.5x (4-bit) the tokens of a float16 cache.

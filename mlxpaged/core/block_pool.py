@@ -64,7 +64,8 @@ class BlockPool:
     # -- growth -------------------------------------------------------------------------------
     def enable_growth(self, max_blocks: int, chunk_blocks: int) -> None:
         """Let the pool grow `chunk_blocks` (or an eighth of itself, if more) at a time up to
-        `max_blocks` when `allocate()` finds no free block, and `trim()` back to its present size (the device pools follow: `take_resize`)."""
+        `max_blocks` when `allocate()` finds no free block, and `trim()` back to its present size
+        (the device pools follow: `take_resize`)."""
         if max_blocks < self.num_blocks or chunk_blocks < 1:
             raise ValueError(f"cannot grow {self.num_blocks} blocks to {max_blocks} by {chunk_blocks}")
         self.max_blocks, self.min_blocks, self.chunk_blocks = max_blocks, self.num_blocks, chunk_blocks

@@ -336,7 +336,7 @@ class PagedKVCache:
                 return mx.concatenate([a, mx.zeros((num_blocks - n,) + tuple(a.shape[1:]), dtype=a.dtype)])
             return mx.array(a[:num_blocks]) if num_blocks < n else a
 
-        def fit_pool(pool, g):
+        def fit_pool(pool):
             if not self.quantized:
                 return fit(pool)
             return QuantizedPool(*(fit(a) for a in pool.arrays), pool.bits, pool.group_size)
@@ -350,7 +350,7 @@ class PagedKVCache:
             for pools in (self.keys, self.values):
                 for i, g in enumerate(self.groups[: len(pools)]):
                     if g == group:
-                        pools[i] = fit_pool(pools[i], g)
+                        pools[i] = fit_pool(pools[i])
                         mx.eval(pools[i].arrays if self.quantized else pools[i])
         finally:
             mx.set_cache_limit(limit)
