@@ -105,10 +105,10 @@ def _prompts(n, length):
 def test_a_growing_pool_generates_mlx_lm_tokens(tiny_loaded, mlx_lm_tiny):
     engine = LLMEngine(tiny_loaded, EngineConfig.of(kv_chunk_blocks=2, attention_impl="reference"))
     assert engine.num_blocks == 2 and engine.max_blocks > 40
-    prompts = _prompts(4, 30)
+    prompts = _prompts(8, 40)  # 8 x 4 blocks: past 24 blocks the pool grows by an eighth of itself
     ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)) for p in prompts]
     done = run_all(engine)
-    assert engine.num_blocks > 8 and engine.kv_cache.keys[0].shape[0] == engine.num_blocks  # it grew, pools too
+    assert engine.num_blocks > 24 and engine.kv_cache.keys[0].shape[0] == engine.num_blocks  # it grew, pools too
     model, _ = mlx_lm_tiny
     for rid, p in zip(ids, prompts):
         assert done[rid].outputs[0].token_ids == contiguous_generate(model, p, 12)
