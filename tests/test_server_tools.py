@@ -187,6 +187,11 @@ def test_a_bare_json_call_to_an_offered_function_is_a_call():
         ("``", names, ("``", [])),
         ("`x` is code", names, ("`x` is code", [])),
         ("``x``", names, ("``x``", [])),
+        # what streams at once (`test_text_that_cannot_be_a_bare_call_streams_at_once`)
+        ("```python\nprint(1)\n```", names, ("```python\nprint(1)\n```", [])),
+        ("```jsonc\n{}\n```", names, ("```jsonc\n{}\n```", [])),
+        (f"```json\nHere: {bare}\n```", names, (f"```json\nHere: {bare}\n```", [])),
+        ("{name: 1}", names, ("{name: 1}", [])),
     ]
     for text, offered, (content, calls) in cases:
         got, got_calls = parse_tool_calls(text, offered)
@@ -195,6 +200,34 @@ def test_a_bare_json_call_to_an_offered_function_is_a_call():
         for i in range(len(text) + 1):
             assert events_of(text, [i], offered) == whole, (text, i)
         assert events_of(text, range(1, len(text)), offered) == whole
+
+
+def test_text_that_cannot_be_a_bare_call_streams_at_once():
+    """A completion starting with `{` or a fence is held back while it may still be one call object;
+    as soon as its start rules that out (a ```python block, a fence's body not starting with `{`,
+    `{` not followed by a key), its text streams, where it was once held to the end."""
+    names = {"get_weather"}
+
+    def shown(text: str) -> str:
+        """The content streamed after feeding `text` a character at a time (before the end)."""
+        p = ToolCallStream(names)
+        return "".join(e for c in text for e in p.feed(c) if isinstance(e, str))
+
+    # held: each may still grow into `{"name": ...}`, bare or in a ```json block
+    for text in ("```", "```js", " ```json ", "```json\n", "```\n \n", "```json\n{", '{"na', "{ ", "{}", '```\n{"n'):
+        assert shown(text) == "", text
+    # streamed as soon as the start decides it (the rest follows as it comes)
+    for text, first in [
+        ("```p", "```p"),
+        ("```python\nimport os", "```python\nimport os"),
+        ("```json5", "```json5"),
+        ("```js on", "```js on"),
+        ("```json\nThe call", "```json\nThe call"),
+        ("{x", "{x"),
+        ("{ 'a'", "{ 'a'"),
+    ]:
+        assert shown(text) == first, text
+    assert shown(" ```python\nx") == " ```python\nx"  # leading whitespace is content too
 
 
 # -- the grammar (checked by llguidance's matcher, not by the engine) -----------------------------

@@ -17,7 +17,8 @@ message's content.
 Small Qwen2.5 checkpoints (the 0.5B) often answer a tool request with the bare JSON object and
 no tags, or with that object in a ```json fenced block. So a completion that is, as a whole, one
 such object (fenced or not) naming an offered function is a call too. While a streamed
-completion may still be one (it starts with `{` or a fence), its text is held back until it ends.
+completion may still be one (it starts with `{` or a fence whose first line is empty or `json`,
+then `{"` or `{}`), its text is held back until it ends; a ```python block streams at once.
 
 One rule for every API: the OpenAI chat route, Anthropic's Messages and OpenAI's Responses all
 convert their own shapes to these chat messages and tool definitions.
@@ -153,6 +154,28 @@ def _unfenced(text: str) -> str:
     return text
 
 
+def _may_be_call_object(head: str) -> bool:
+    """Whether a completion that starts with `head` (no leading whitespace; it starts with `{` or a
+    fence) may still be, as a whole, one call object, as `finish` reads it: a fence's first line
+    must be empty or `json` (`_unfenced`), and the object's first character after `{` a key's
+    quote or `}` (JSON). Deciding this early lets a code block or other text stream at once
+    instead of being held to its end."""
+    if head.startswith("```"):
+        info, newline, body = head[3:].partition("\n")
+        label = info.strip()
+        if not newline:  # the first line so far: a prefix of "json" that may still grow
+            return label in ("", "json") or (info == info.rstrip() and "json".startswith(label))
+        if label not in ("", "json"):
+            return False
+        head = body.lstrip()
+        if not head:
+            return True
+        if head[0] != "{":
+            return False
+    rest = head[1:].lstrip()
+    return not rest or rest[0] in "\"}"
+
+
 def partial_prefix(buf: str, opener: str = OPEN) -> int:
     """Length of the longest tail of `buf` that is a proper prefix of `opener`."""
     for k in range(min(len(opener) - 1, len(buf)), 0, -1):
@@ -174,7 +197,7 @@ class ToolCallStream:
         self.names = frozenset(names or ())  # functions a bare JSON completion may call
         bare = self.names and self.fmt.bare_json
         self.lead: str | None = "" if bare else None  # held while the completion may be a bare call
-        self.bare = False  # the completion starts with "{": hold it all until it ends
+        self.bare = False  # the completion may be one call object: hold it all until it ends
         self.buf = ""  # text not yet decided (while `in_call`: the open span so far)
         self.in_call = False
         self.ws = ""  # trailing whitespace held back: dropped if a call follows, else text
@@ -185,12 +208,13 @@ class ToolCallStream:
         if self.lead is not None:
             self.lead += delta
             head = self.lead.lstrip()
-            if self.bare or not head or (len(head) < 3 and "```".startswith(head)):  # held, or undecided
+            if not head or (len(head) < 3 and "```".startswith(head)):  # undecided
                 return []
-            if head[0] == "{" or head.startswith("```"):
-                self.bare = True
+            self.bare = head[0] == "{" or head.startswith("```")
+            if self.bare and _may_be_call_object(head):
                 return []
-            delta, self.lead = self.lead, None  # not a bare call: parse as usual from the start
+            # not a bare call (now that its start is known): parse as usual from the start
+            delta, self.lead, self.bare = self.lead, None, False
         return self._feed(delta)
 
     def _feed(self, delta: str) -> list:
