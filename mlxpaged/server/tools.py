@@ -173,7 +173,7 @@ def _may_be_call_object(head: str) -> bool:
         if head[0] != "{":
             return False
     rest = head[1:].lstrip()
-    return not rest or rest[0] in "\"}"
+    return not rest or rest[0] in '"}'
 
 
 def partial_prefix(buf: str, opener: str = OPEN) -> int:
