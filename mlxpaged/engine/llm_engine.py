@@ -656,10 +656,8 @@ class LLMEngine:
         """The step's tokens are computed (block tables, hashes, forks); its draws become pending."""
         pending = []
         s = step.sampled
-        if s is not None and not s.sampled:  # every row greedy: no keys to carry
-            pending = [(seq, PendingToken(step.step_id, s.tokens, j)) for j, (_, seq) in enumerate(step.pairs)]
-        elif s is not None:
-            key_row = {i: j for j, i in enumerate(s.sampled)}
+        if s is not None:
+            key_row = {i: j for j, i in enumerate(s.sampled)}  # empty when every row is greedy
             pending = [
                 (seq, PendingToken(step.step_id, s.tokens, j, s.keys if j in key_row else None, key_row.get(j, 0)))
                 for j, (_, seq) in enumerate(step.pairs)
