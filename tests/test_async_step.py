@@ -325,6 +325,17 @@ def test_bench_step_runs_and_rejects_bad_input():
     assert ok.returncode == 0, ok.stderr
     rows = [line.split("|")[0].split() for line in ok.stdout.splitlines() if line.strip().startswith("2 ")]
     assert [r[1] for r in rows] == ["off", "on", "device", "ratio"]
+    # bench_step_ab.py reads this table: its phase names and order are the header's, and it finds
+    # the `off` row's cells
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_step_ab", Path(script).with_name("bench_step_ab.py"))
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    header = next(line for line in ok.stdout.splitlines() if line.split() and line.split()[0] == "seqs")
+    assert tuple(c.strip() for c in header.split("|")[-len(ab.PHASES) :]) == ab.PHASES
+    off = next(line for line in ok.stdout.splitlines() if line.split()[:2] == ["2", "off"])
+    assert ab.parse(ok.stdout) == {2: {p: float(c) for p, c in zip(ab.PHASES, off.split("|")[-len(ab.PHASES) :])}}
     bad = subprocess.run(
         [sys.executable, script, "--tiny", "--seqs", "1,x"], capture_output=True, text=True, timeout=300
     )

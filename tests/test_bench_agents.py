@@ -46,9 +46,17 @@ def test_replay_fields_lengths_and_growing_prompts(result):
             assert [d["completion_tokens"] for d in turns] == [MAX_TOKENS] * T  # equal lengths, both servers
             sizes = [d["prompt_tokens"] for d in turns]
             assert all(b > a for a, b in zip(sizes, sizes[1:])), sizes  # prompts grow every turn
-    # Both servers saw the same prompts (same tokenizer, same bytes).
+            for d in turns:  # sent, first text, end in that order, on the replay's clock
+                assert 0 <= d["sent_s"] and d["sent_s"] + d["ttft_s"] <= d["end_s"]
+    # Both servers saw the same prompts (same tokenizer, same bytes), since they gave the same answers.
     by = {(r["server"], r["restart"]): [d["prompt_tokens"] for d in r["turns_detail"]] for r in rows}
     assert by[("mlxpaged", False)] == by[("mlx_lm", False)]
+    heads = {
+        (r["server"], r["restart"]): sorted((d["conv"], d["turn"], d["answer_head"]) for d in r["turns_detail"])
+        for r in rows
+    }
+    assert heads[("mlxpaged", False)] == heads[("mlx_lm", False)]
+    assert all(0 < len(h) <= agents.ANSWER_HEAD for _, _, h in heads[("mlxpaged", False)])
 
 
 def test_shared_system_prompt_is_served_from_cache(result):

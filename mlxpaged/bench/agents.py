@@ -24,6 +24,7 @@ from . import http
 SERVERS = ("mlxpaged", "mlx_lm", "vllm_mlx")  # vllm_mlx from its own venv (http.vllm_mlx_python)
 DEFAULT_SERVERS = ("mlxpaged", "mlx_lm")
 STAGGER_S = 0.5  # conversation k starts k * STAGGER_S after the first
+ANSWER_HEAD = 40  # characters of each answer kept in the records
 
 
 # mlx_lm.server's prompt cache must hold every conversation's growing prefix (one entry each,
@@ -275,7 +276,11 @@ async def _conversation(
                 "turn": t,
                 "ok": part.ok,
                 "error": part.error,
+                "sent_s": part.t0 - t_start,
                 "ttft_s": (part.first - part.t0) if part.ok else None,
+                # how the answer began: a server may hold back text that may still become a tool
+                # call, so what an answer starts with says when its first text can come
+                "answer_head": text[:ANSWER_HEAD],
                 "prompt_tokens": part.prompt_tokens,
                 "cached_tokens": part.cached_tokens,
                 "completion_tokens": part.completion_tokens,
