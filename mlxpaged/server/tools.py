@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from .bodies import loads_json
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+CALL_FENCES = ("", "json")  # a fenced bare call's first line: ```json or a bare ```
 JSON_STYLE = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}  # llguidance's options
 
 
@@ -150,7 +151,7 @@ def _unfenced(text: str) -> str:
     if text.startswith("```") and text.endswith("```") and len(text) >= 6:
         body = text[3:-3]
         first, _, rest = body.partition("\n")
-        return rest if first.strip() in ("", "json") else text
+        return rest if first.strip() in CALL_FENCES else text
     return text
 
 
@@ -164,8 +165,8 @@ def _may_be_call_object(head: str) -> bool:
         info, newline, body = head[3:].partition("\n")
         label = info.strip()
         if not newline:  # the first line so far: a prefix of "json" that may still grow
-            return label in ("", "json") or (info == info.rstrip() and "json".startswith(label))
-        if label not in ("", "json"):
+            return label in CALL_FENCES or (info == info.rstrip() and "json".startswith(label))
+        if label not in CALL_FENCES:
             return False
         head = body.lstrip()
         if not head:
