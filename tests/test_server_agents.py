@@ -292,7 +292,11 @@ def test_special_tokens_never_reach_the_text(agents, monkeypatch, tail, bias):
 
     def recording(prompt, params, rid, sink):
         put = sink.put
-        sink.put = lambda r, item: (outputs.append(item), put(r, item))[1]
+        # each delta's ids as it was put: the sink folds an unread delta into the next in place
+        sink.put = lambda r, item: (
+            outputs.append([t for c in item.outputs if c.index == 0 for t in c.token_ids]),
+            put(r, item),
+        )[1]
         return submit(prompt, params, rid, sink)
 
     monkeypatch.setattr(state.engine_loop, "submit", recording)
@@ -300,7 +304,7 @@ def test_special_tokens_never_reach_the_text(agents, monkeypatch, tail, bias):
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     body["logit_bias"] = {str(k): v for k, v in bias.items()}
     text = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
-    ids = [t for o in outputs for c in o.outputs if c.index == 0 for t in c.token_ids]  # deltas, in order
+    ids = [t for delta in outputs for t in delta]  # deltas, in order
     assert len(ids) == 6 and (not bias or set(ids) == set(bias)), ids  # the case under test happened
     want = ref.decode(ids, skip_special_tokens=True)
     # mlx-lm's streaming detokenizer drops the text's first leading space, as in its own generate
