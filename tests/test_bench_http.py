@@ -343,3 +343,34 @@ def test_the_mlxpaged_server_runs_the_harness_own_package(tmp_path, monkeypatch)
     assert imported(None).startswith(str(tmp_path))  # the decoy, without a folder of its own
     assert imported(http.server_cwd("mlxpaged")) == str(PACKAGE_ROOT / "mlxpaged" / "__init__.py")
     assert http.server_cwd("mlx_lm") is None and http.server_cwd("vllm_mlx") is None
+
+
+# A server that writes `LOG` bytes to stderr, then answers /health (or, with `fail`, exits 3).
+CHATTY = """
+import http.server, sys
+sys.stderr.write("x" * {log} + "\\nlast words\\n"); sys.stderr.flush()
+if {fail}:
+    sys.exit(3)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", {port}), H).serve_forever()
+"""
+
+
+def test_a_server_that_logs_a_lot_is_not_stalled_by_its_stderr():
+    """Nobody reads a server's stderr while it runs: written to a pipe, 1 MB of logging (vllm-mlx
+    logs a line per open request every 5 s) would block the server before it answered. Its last
+    words still reach the error when it exits."""
+    port = http.free_port()
+    server = http.ServerProc(
+        "chatty", [sys.executable, "-c", CHATTY.format(log=2**20, fail=False, port=port)], port, 30
+    )
+    try:
+        assert server.log_tail(11) == "last words\n"
+    finally:
+        server.stop()
+    with pytest.raises(RuntimeError, match="chatty exited: x*\nlast words"):
+        http.ServerProc("chatty", [sys.executable, "-c", CHATTY.format(log=2**20, fail=True, port=port)], port, 30)

@@ -181,15 +181,22 @@ def free_port() -> int:
 
 
 class ServerProc:
+    """A server in a process of its own. Its stderr goes to an unlinked temporary file, never to a
+    pipe: nobody reads a pipe while the server runs, and a server that logs past the pipe's 64 KiB
+    (vllm-mlx logs a line per open request every 5 s) would block in its next write and stall."""
+
     def __init__(self, name: str, cmd: list[str], port: int, timeout: float = 600, cwd: str | None = None):
+        import tempfile
+
         import httpx
 
         self.name, self.cmd, self.url = name, cmd, f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=cwd)
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, cwd=cwd)
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{name} exited: {self.proc.stderr.read()[-2000:]}")
+                raise RuntimeError(f"{name} exited: {self.log_tail()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -198,6 +205,12 @@ class ServerProc:
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"{name} did not start in {timeout} s")
+
+    def log_tail(self, chars: int = 2000) -> str:
+        """The end of what the server wrote to stderr so far."""
+        self.log.seek(0, os.SEEK_END)
+        self.log.seek(max(0, self.log.tell() - 4 * chars))
+        return self.log.read().decode(errors="replace")[-chars:]
 
     def rss_mb(self) -> float:
         import psutil
@@ -215,6 +228,7 @@ class ServerProc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.log.close()
 
 
 def vllm_mlx_python() -> str:
