@@ -169,7 +169,8 @@ def test_restart_only_runs_the_restart_variant_alone(replays, monkeypatch):
 
 def test_vllm_mlx_runs_from_its_own_venv(tmp_path, monkeypatch):
     """vllm-mlx is started with its venv's Python (read off its script's first line), the same
-    OpenBLAS, its CLI's `serve` with continuous batching and the paged and prefix caches; without
+    OpenBLAS, its CLI's `serve` with continuous batching and the paged and prefix caches, no request
+    timeout (its default 300 s aborts a first turn at K = 4 here); without
     a venv the harness says how to make one, in one line."""
     script = tmp_path / "vllm-mlx"
     script.write_text("#!/opt/v/bin/python3\nimport sys\n")
@@ -184,6 +185,8 @@ def test_vllm_mlx_runs_from_its_own_venv(tmp_path, monkeypatch):
         "--continuous-batching",
         "--use-paged-cache",
         "--enable-prefix-cache",
+        "--timeout",
+        "86400",
         "--ssd-cache-dir",
         "/d",
     ]

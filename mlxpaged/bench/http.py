@@ -269,6 +269,10 @@ def server_command(name: str, model_path: str, port: int, extra: list[str]) -> l
             "--continuous-batching",
             "--use-paged-cache",
             "--enable-prefix-cache",
+            # its default aborts a request after 300 s (first turns of four conversations at once
+            # take longer on this CPU); the harness's client and the other servers have no limit
+            "--timeout",
+            "86400",
             *extra,
         ]
     if name == "mlxpaged":
