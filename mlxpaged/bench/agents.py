@@ -458,8 +458,8 @@ def run(
         "max_tokens": max_tokens,
         "stagger_s": STAGGER_S,
         "peer_args_note": "mlx_lm.server runs with --prompt-cache-size 4*K+8, enough for every conversation; "
-        "vllm-mlx with --continuous-batching --use-paged-cache --enable-prefix-cache (and --ssd-cache-dir "
-        "for the restart)",
+        "vllm-mlx with --continuous-batching --use-paged-cache --enable-prefix-cache --timeout 86400 (and "
+        "--ssd-cache-dir for the restart)",
     }
 
 
