@@ -165,7 +165,7 @@ def _may_be_call_object(head: str) -> bool:
         info, newline, body = head[3:].partition("\n")
         label = info.strip()
         if not newline:  # the first line so far: a prefix of "json" that may still grow
-            return label in CALL_FENCES or (info == info.rstrip() and "json".startswith(label))
+            return label in CALL_FENCES or (info == info.rstrip() and any(f.startswith(label) for f in CALL_FENCES))
         if label not in CALL_FENCES:
             return False
         head = body.lstrip()
