@@ -341,3 +341,21 @@ def test_vector_load_from_device_memory_must_be_aligned():
     np.testing.assert_array_equal(np.array(call(2)[0]), [5, 9, 13, 17])
     with pytest.raises(MetalEmuError, match=r"misaligned 8-byte read of device memory"):
         call(1)
+
+
+@pytest.mark.timeout(30)
+def test_a_long_comment_lowers_in_linear_time():
+    """Lowering blanks comments to spaces and then looks for register sites; a site pattern that
+    began with `\\s*` rescanned a blank run from each of its positions (quadratic: 0.7 s per
+    shipped kernel source, and minutes for this one). The sites are counted the same."""
+    comment = "// " + "x" * 100 + "\n"
+    src = f"""
+    uint i = thread_position_in_grid.x;
+    {comment * 1000}
+    float s = x[i];
+    out[i] = s + 1.0f;
+    """
+    k = metal_kernel(name="longcomment", input_names=["x"], output_names=["out"], source=src)
+    out = run(k, mx.arange(16, dtype=mx.float32), 16, 16)
+    np.testing.assert_array_equal(np.array(out), np.arange(16, dtype=np.float32) + 1)
+    assert k.last_launch.scalar_registers == 1 + 1  # i and s, on either side of the comment

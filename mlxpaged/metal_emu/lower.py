@@ -141,6 +141,14 @@ SCALAR_SITES = 512  # runtime.cpp: N_REG_SITES / 2
 _SCALAR_DECL = re.compile(
     r"\s*(?:const\s+)?(?:thread\s+)?(?P<type>" + _SCALAR_TYPES + r")\s+(?P<name>[A-Za-z_]\w*)\s*(?:=[^;{}]*)?;"
 )
+# Where a declaration may start: after `;`, `{` or `}` (or at the text's start). Sites are looked
+# for with this lookbehind in front, so the regex engine passes over every other position at
+# once: with only the leading `\s*`, each blank run (comments are blanked to spaces) was scanned
+# again from each of its positions, quadratic in its length (0.7 s per kernel source, most of
+# the time a test spent launching a cached kernel).
+_AT_STATEMENT = r"(?:(?<=[;{}])|\A)"
+_ARRAY_SITE = re.compile(_AT_STATEMENT + _ARRAY_DECL.pattern)
+_SCALAR_SITE = re.compile(_AT_STATEMENT + _SCALAR_DECL.pattern)
 _NOT_TYPES = {
     "threadgroup",
     "constant",
@@ -203,24 +211,21 @@ def _register_notes(code: str, start: int = 0) -> list[tuple[int, int, str]]:
             and any(m.group("type").split()[-1] not in _NOT_TYPES for m in _ARRAY_DECL.finditer(code, o + 1, c))
         ):
             holders.add(name)
-    pats = [_ARRAY_DECL, _SCALAR_DECL]
+    pats = [_ARRAY_SITE, _SCALAR_SITE]
     if holders:
-        pats.append(re.compile(_STRUCT_VAR.format(names="|".join(sorted(holders)))))
+        pats.append(re.compile(_AT_STATEMENT + _STRUCT_VAR.format(names="|".join(sorted(holders)))))
     edits, site = [], 0
     for pat in pats:
         for m in pat.finditer(code, start):
             s = m.start()
-            i = s - 1
-            if i >= 0 and code[i] not in ";{}":
-                continue
-            if pat is _ARRAY_DECL and set(m.group("type").split()) & _NOT_TYPES:
+            if pat is _ARRAY_SITE and set(m.group("type").split()) & _NOT_TYPES:
                 continue
             if innermost(s) != "code":  # a function or block body: a statement can follow
                 continue
             # Whole 32-bit registers: a bool or half takes one.
             size = f"(sizeof({m.group('name')}) + 3) / 4 * 4"
             # Scalar sites are numbered from SCALAR_SITES, so the runtime can tell them apart.
-            n = site + SCALAR_SITES if pat is _SCALAR_DECL else site
+            n = site + SCALAR_SITES if pat is _SCALAR_SITE else site
             edits.append((m.end(), m.end(), f" mlxemu_regs({n}, {size});"))
             site += 1
     return edits
