@@ -102,12 +102,13 @@ class Bench:
         mode: str,
         temperature: float = 0.0,
         n: int = 1,
+        context: int = 20,
     ):
         from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 
         self.mode = mode
         max_tokens = total_steps + 8
-        blocks = num_seqs * (-(-(20 + max_tokens) // 16))
+        blocks = num_seqs * (-(-(context + max_tokens) // 16))
         self.engine = engine = LLMEngine(
             loaded,
             EngineConfig.of(
@@ -117,8 +118,11 @@ class Bench:
         # `num_seqs` rows: num_seqs / n requests of n samples each (their prompts prefilled once).
         for i in range(num_seqs // n):
             params = SamplingParams(temperature=temperature, n=n, seed=i, max_tokens=max_tokens, ignore_eos=True)
-            engine.add_request([(7 * i + j) % 200 + 1 for j in range(20)], params)
-        for _ in range(3):  # prefill, then decode until the overlap's pipeline is full
+            engine.add_request([(7 * i + j) % 200 + 1 for j in range(context)], params)
+        sched = engine.scheduler
+        while sched.waiting or any(s.num_computed_tokens < context for r in sched.running.values() for s in r.seqs):
+            engine.step()  # prefill (in chunks, for a long context)
+        for _ in range(3):  # then decode until the overlap's pipeline is full
             engine.step()
         if noop:
             logits = mx.random.normal((num_seqs, vocab))
@@ -214,6 +218,9 @@ def main() -> None:
         "--temperature", type=float, default=0.0, help="0: greedy; above 0: a Gumbel draw over the vocabulary per row"
     )
     ap.add_argument("--n", type=int, default=1, help="samples per request (rows = seqs; seqs / n requests)")
+    ap.add_argument(
+        "--context", type=int, default=20, help="prompt tokens of each request (a long one: long block tables)"
+    )
     args = ap.parse_args()
     if args.repeats < 1 or args.steps < 1:
         ap.error("--repeats and --steps must be >= 1")
@@ -228,8 +235,8 @@ def main() -> None:
     loaded, _ = load_models(args.model, args.tiny, args.dtype, reference=False)
     print(
         f"model {loaded.path.name}, {f'no-op forward, vocab {args.vocab}' if args.noop else 'real forward'}; "
-        f"temperature {args.temperature}, n={args.n}; ms per step, median of {args.repeats} blocks of "
-        f"{args.steps} steps (range), engines taking turns"
+        f"temperature {args.temperature}, n={args.n}, context {args.context}; ms per step, median of "
+        f"{args.repeats} blocks of {args.steps} steps (range), engines taking turns"
     )
     print(
         f"{'seqs':>4} {'mode':>6} | {'step':>24} | {'unhidden = step - device':>24} | {'idle':>24} | {'bnd':>4} | "
@@ -237,7 +244,17 @@ def main() -> None:
     )
     for n in seqs:
         benches = {
-            m: Bench(loaded, n, args.repeats * (args.steps + 1), args.noop, args.vocab, m, args.temperature, args.n)
+            m: Bench(
+                loaded,
+                n,
+                args.repeats * (args.steps + 1),
+                args.noop,
+                args.vocab,
+                m,
+                args.temperature,
+                args.n,
+                args.context,
+            )
             for m in MODES
         }
         runs: dict[str, list[dict]] = {m: [] for m in MODES}

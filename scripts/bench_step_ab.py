@@ -35,10 +35,12 @@ def parse(text: str) -> dict[int, dict[str, float]]:
     return rows
 
 
-def run(checkout: str, seqs: str, steps: int, repeats: int) -> dict[int, dict[str, float]]:
+def run(checkout: str, seqs: str, steps: int, repeats: int, context: int | None) -> dict[int, dict[str, float]]:
     script = os.path.join(checkout, "scripts", "bench_step.py")
     args = [sys.executable, script, "--tiny", "--noop", "--seqs", seqs, "--steps", str(steps)]
     args += ["--repeats", str(repeats)]
+    if context is not None:  # (bench_step.py's option since stop 59: both checkouts must have it)
+        args += ["--context", str(context)]
     env = dict(os.environ, PYTHONPATH=os.path.abspath(checkout))
     res = subprocess.run(args, env=env, capture_output=True, text=True, check=True)
     rows = parse(res.stdout)
@@ -59,6 +61,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="steps per block (bench_step.py --steps)")
     ap.add_argument("--repeats", type=int, default=5, help="blocks per engine (bench_step.py --repeats)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--context", type=int, default=None, help="prompt tokens a request (bench_step.py --context)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.rounds < 1:
@@ -66,7 +69,7 @@ def main() -> None:
     rounds: dict[str, list] = {"a": [], "b": []}
     for r in range(args.rounds):
         for side in ("a", "b") if r % 2 == 0 else ("b", "a"):
-            rounds[side].append(run(getattr(args, side), args.seqs, args.steps, args.repeats))
+            rounds[side].append(run(getattr(args, side), args.seqs, args.steps, args.repeats, args.context))
             print(f"round {r + 1} {side} done", file=sys.stderr)
     result = {
         "command": "python scripts/bench_step_ab.py " + " ".join(sys.argv[1:]),
