@@ -58,6 +58,24 @@ def test_block_sizes_match_contiguous(tiny_loaded, mlx_lm_tiny, block_size):
         assert o.outputs[0].token_ids == contiguous_generate(ref_model, tok.encode(p), 30)
 
 
+def test_long_block_tables_match_contiguous(tiny_loaded, mlx_lm_tiny):
+    """Block size 1: the tables pass `LONG_TABLE` blocks mid-run (from then on a decode step copies
+    them from each sequence's id buffer, before from its id list), at two lengths in one batch."""
+    from mlxpaged.worker.model_runner import LONG_TABLE
+
+    ref_model, tok = mlx_lm_tiny
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(block_size=1, num_blocks=512))
+    rids = [engine.add_request(p, greedy(LONG_TABLE + 16)) for p in PROMPTS]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            engine.check_invariants()
+            if out.finished:
+                done[out.request_id] = out
+    for p, r in zip(PROMPTS, rids):
+        assert done[r].outputs[0].token_ids == contiguous_generate(ref_model, tok.encode(p), LONG_TABLE + 16)
+
+
 def test_n_samples_share_prompt_blocks(tiny_loaded, mlx_lm_tiny):
     """44-token prompt, 4 samples of 64 tokens, block 16: 22 blocks in use against 28, 3 copies."""
     ref_model, tok = mlx_lm_tiny

@@ -182,6 +182,7 @@ class BlockManager:
         """Drop `seq`'s reference to its windowed block `i`; a block of the window the sequence is
         filling a pin for (and that is its hash's cached block) moves its reference to the pin."""
         block, seq.window_table[i] = seq.window_table[i], None
+        seq.window_ids[i] = 0
         pin = self._pin_at.get(seq)
         if (
             pin is not None
@@ -236,6 +237,7 @@ class BlockManager:
                 copies.append((last.block_id, fresh.block_id))
                 self.pool.release(last)
                 seq.block_table[-1] = fresh
+                seq.table_ids[-1] = fresh.block_id
                 self.num_cow_copies += 1
                 # The copy is the target pool's: a draft model's rows of that block start over.
                 start = (len(seq.block_table) - 1) * self.block_size
@@ -245,11 +247,16 @@ class BlockManager:
                 copies.window.append((last.block_id, fresh.block_id))
                 wpool.release(last)
                 seq.window_table[-1] = fresh
+                seq.window_ids[-1] = fresh.block_id
         end = seq.num_computed_tokens + num_new_tokens
         while len(seq.block_table) < self.blocks_for(end):
-            seq.block_table.append(self.pool.allocate())
+            block = self.pool.allocate()
+            seq.block_table.append(block)
+            seq.table_ids.append(block.block_id)
             if wpool is not None:
-                seq.window_table.append(wpool.allocate())
+                block = wpool.allocate()
+                seq.window_table.append(block)
+                seq.window_ids.append(block.block_id)
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -257,11 +264,13 @@ class BlockManager:
         for block in parent.block_table:
             self.pool.acquire(block)
         child.block_table = list(parent.block_table)
+        child.table_ids = parent.table_ids.copy()
         if self.window_pool is not None:
             for block in parent.window_table:
                 if block is not None:
                     self.window_pool.acquire(block)
             child.window_table = list(parent.window_table)
+            child.window_ids = parent.window_ids.copy()
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
         child.draft_computed = parent.draft_computed
@@ -278,6 +287,8 @@ class BlockManager:
         self._pin_at.pop(seq, None)
         seq.block_table = []
         seq.window_table = []
+        seq.table_ids.truncate(0)
+        seq.window_ids.truncate(0)
         seq.block_hashes = []
         seq.num_computed_tokens = 0
         seq.draft_computed = 0
@@ -300,9 +311,11 @@ class BlockManager:
         for block in reversed(seq.block_table[keep:]):
             self.pool.release(block)
         del seq.block_table[keep:]
+        seq.table_ids.truncate(keep)
         for block in reversed(seq.window_table[keep:]):
             self.window_pool.release(block)
         del seq.window_table[keep:]
+        seq.window_ids.truncate(keep)
         seq.num_computed_tokens = num_tokens
         seq.draft_computed = min(seq.draft_computed, num_tokens)
 
@@ -347,6 +360,7 @@ class BlockManager:
         for h, t, block in hits[:k]:
             self.pool.acquire(block)
             seq.block_table.append(block)
+            seq.table_ids.append(block.block_id)
             seq.block_hashes.append(h)
             # A hit is a prompt block of this request, but memory may hold it alone: a block that an
             # earlier answer filled (an agent's history comes back in its next prompt) was never a
@@ -356,10 +370,13 @@ class BlockManager:
         if self.window_pool is not None:
             first = self.first_in_window(k * bs)
             seq.window_table = [None] * first
+            seq.window_ids.truncate(0)
+            seq.window_ids.extend([0] * first)
             for h, t, _ in hits[first:k]:
                 block = self.window_pool.lookup(h, t)
                 self.window_pool.acquire(block)
                 seq.window_table.append(block)
+                seq.window_ids.append(block.block_id)
         seq.num_computed_tokens = k * bs
         return seq.num_computed_tokens
 
@@ -419,6 +436,7 @@ class BlockManager:
             block = self.pool.allocate()
             self.pool.cache(block, h, t)
             seq.block_table.append(block)
+            seq.table_ids.append(block.block_id)
             seq.block_hashes.append(h)
             loads.append((h, block.block_id))
         if wpool is not None and n:
@@ -427,11 +445,14 @@ class BlockManager:
                 if seq.window_table[i] is not None:
                     wpool.release(seq.window_table[i])
                     seq.window_table[i] = None
+                    seq.window_ids[i] = 0
             seq.window_table += [None] * max(0, start - first)
+            seq.window_ids.extend([0] * max(0, start - first))
             for h, t in zip(hashes[max(0, start - first) : n], tokens[max(0, start - first) : n]):
                 block = wpool.allocate()
                 wpool.cache(block, h, t)
                 seq.window_table.append(block)
+                seq.window_ids.append(block.block_id)
                 loads.window.append((h, block.block_id))
         seq.num_computed_tokens = len(seq.block_table) * bs
         return loads
@@ -468,6 +489,13 @@ class BlockManager:
         counts = [0] * self.pool.num_blocks
         for s in seqs:
             assert len(s.block_table) >= self.blocks_for(s.num_computed_tokens)
+            assert s.table_ids.list == [b.block_id for b in s.block_table], "table_ids differ from the table"
+            assert s.table_ids.buf[: len(s.table_ids)].tolist() == s.table_ids.list
+            if self.window_pool is not None:
+                want = [0 if b is None else b.block_id for b in s.window_table]
+                assert s.window_ids.list == want == s.window_ids.buf[: len(want)].tolist(), (
+                    "window_ids differ from the table"
+                )
             for b in s.block_table:
                 counts[b.block_id] += 1
         for b in self.pool.blocks:

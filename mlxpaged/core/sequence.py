@@ -8,6 +8,9 @@ Sequence invariants:
 - `window_table` (a model with sliding-window layers, core/block_manager.py) has one entry per
   entry of `block_table`: the windowed group's block, or None for a block released because it lies
   wholly before the window of position `num_computed_tokens`; empty for a one-group model;
+- `table_ids` holds the block ids of `block_table` in order and `window_ids` those of
+  `window_table` (0 for a released entry); the block manager changes each table and its ids
+  together (`BlockManager.check` asserts they agree);
 - `block_hashes[i]` names block `i` (full blocks only), so `len(block_hashes) <= num_computed_tokens // block_size`;
 - `draft_computed <= num_computed_tokens` (only the draft proposer raises it, within the stored tokens);
 - `state`, if set, is a recurrent state after at most `num_computed_tokens` tokens; the runner
@@ -22,6 +25,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
 
 if TYPE_CHECKING:  # core imports no MLX: pending tokens and keys are only held here, never computed on
     import mlx.core as mx
@@ -73,6 +78,49 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class BlockIds:
+    """A block table's ids in order, kept beside the table as a list and a growing int32 buffer.
+
+    A decode step's block tables are copied from these (`list` while they are short, `buf` rows
+    once they are long, whichever is cheaper: model_runner.py) where rebuilding them from the
+    `Block` objects would cost Python work for every block of every context each step (at a
+    32K-token context, 2,000 blocks a sequence).
+    Invariant: `list == buf[:len(list)].tolist()`, `len(list) <= len(buf)`; only the block
+    manager changes them (`BlockManager.check` compares them with the table).
+    """
+
+    __slots__ = ("list", "buf")
+
+    def __init__(self, ids: list[int] | None = None):
+        self.list: list[int] = list(ids or ())
+        self.buf = np.zeros(max(4, len(self.list)), dtype=np.int32)
+        self.buf[: len(self.list)] = self.list
+
+    def __len__(self) -> int:
+        return len(self.list)
+
+    def append(self, block_id: int) -> None:
+        n = len(self.list)
+        if n == len(self.buf):  # doubling: appends cost O(1) amortized
+            self.buf = np.concatenate([self.buf, np.zeros(n, dtype=np.int32)])
+        self.buf[n] = block_id
+        self.list.append(block_id)
+
+    def extend(self, ids: list[int]) -> None:
+        for i in ids:
+            self.append(i)
+
+    def __setitem__(self, i: int, block_id: int) -> None:
+        self.list[i] = block_id  # (raises IndexError past the end)
+        self.buf[i % len(self.list)] = block_id
+
+    def truncate(self, n: int) -> None:
+        del self.list[n:]
+
+    def copy(self) -> BlockIds:
+        return BlockIds(self.list)
+
+
 @dataclass(eq=False, slots=True)
 class PendingToken:
     """A token sampled in step `step` whose value is still on the device.
@@ -99,6 +147,8 @@ class Sequence:
     block_table: list[Block] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     window_table: list[Block | None] = field(default_factory=list)  # the windowed layers' group
+    table_ids: BlockIds = field(default_factory=BlockIds)  # block_table's ids (the runner's copy source)
+    window_ids: BlockIds = field(default_factory=BlockIds)  # window_table's, 0 where released
     num_computed_tokens: int = 0
     rng_key: mx.array | None = None
     finish_reason: FinishReason | None = None
@@ -147,7 +197,7 @@ class Sequence:
 
     @property
     def block_ids(self) -> list[int]:
-        return [b.block_id for b in self.block_table]
+        return list(self.table_ids.list)
 
     @property
     def num_uncomputed(self) -> int:

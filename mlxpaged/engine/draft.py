@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ..core.scheduler import SpecDecode
-from ..core.sequence import Sequence
+from ..core.sequence import BlockIds, Sequence
 from ..errors import MlxPagedError
 from ..worker.kv_cache import CacheShape, PagedKVCache
 from ..worker.model_runner import ModelRunner
@@ -52,11 +52,8 @@ class _DraftRow:
     token_ids: list[int]
     num_computed_tokens: int
     block_table: list = field(default_factory=list)
+    table_ids: BlockIds = field(default_factory=BlockIds)
     pending: None = None
-
-    @property
-    def block_ids(self) -> list[int]:
-        return [b.block_id for b in self.block_table]
 
 
 def check_draft(target, draft) -> None:
@@ -107,7 +104,7 @@ class DraftProposer(StepLayer):
             seq: Sequence = d.seq
             assert seq.pending is None and seq.num_uncomputed == 1, "a speculating row's tokens are known"
             start = min(seq.draft_computed, seq.num_computed_tokens)
-            row = _DraftRow(list(seq.token_ids), start, seq.block_table)
+            row = _DraftRow(list(seq.token_ids), start, seq.block_table, seq.table_ids)
             rows.append((d, row))
             batch.append((row, len(row.token_ids) - start))  # catch up to and through the last token
         while batch:

@@ -9,7 +9,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..attention.metadata import AttentionMetadata
-from ..core.sequence import Sequence
+from ..core.sequence import BlockIds, Sequence
 from .kv_cache import PagedKVCache, slot_mapping
 from .state_cache import Checkpoints, keep_states, states_for
 
@@ -24,6 +24,24 @@ def gather_rows(refs: list) -> mx.array:
             return first[0]
         return first[0][mx.array(rows)]
     return mx.stack([r[0][r[1]] if isinstance(r, tuple) else r for r in refs])
+
+
+LONG_TABLE = 64  # blocks: a longer table's row is copied from its buffer, a shorter one's from its list
+
+
+def _rows(tables: list[BlockIds]) -> np.ndarray | list[list[int]]:
+    """`[len(tables), the longest]` int32 block ids, row i table i's, zero-padded (a padded entry
+    is never read: each row's context length ends before it); for `mx.array`. Short tables as
+    nested lists (cheapest to convert when small), long ones as a numpy array filled from the
+    buffers (no Python work per block)."""
+    width = max(len(t.list) for t in tables)
+    if width <= LONG_TABLE:
+        return [t.list if len(t.list) == width else t.list + [0] * (width - len(t.list)) for t in tables]
+    out = np.zeros((len(tables), width), dtype=np.int32)
+    for i, t in enumerate(tables):
+        n = len(t.list)
+        out[i, :n] = t.buf[:n]
+    return out
 
 
 class ModelRunner:
@@ -76,10 +94,7 @@ class ModelRunner:
         starts = np.array([s.num_computed_tokens for s, _ in batch], dtype=np.int32)
         cu = np.zeros(num_seqs + 1, dtype=np.int32)
         np.cumsum(q_lens, out=cu[1:])
-        # One flat list and one masked store, not a numpy row store per sequence (host time).
-        num_blocks = np.array([len(s.block_table) for s, _ in batch], dtype=np.int32)
-        tables = np.zeros((num_seqs, int(num_blocks.max())), dtype=np.int32)
-        tables[np.arange(tables.shape[1]) < num_blocks[:, None]] = [b.block_id for s, _ in batch for b in s.block_table]
+        tables = np.asarray(_rows([s.table_ids for s, _ in batch]), dtype=np.int32)
         seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
         positions = (np.arange(cu[-1]) - cu[seq_of_token] + starts[seq_of_token]).astype(np.int32)
         # Token t goes to its own sequence's table: index the flattened tables past that row's start.
@@ -94,10 +109,9 @@ class ModelRunner:
             impl=self.attention_impl,
         )
         if self.two_groups:
-            wt = np.zeros_like(tables)
-            wt[np.arange(tables.shape[1]) < num_blocks[:, None]] = [
-                0 if b is None else b.block_id for s, _ in batch for b in s.window_table
-            ]
+            wt = np.asarray(
+                _rows([s.window_ids for s, _ in batch]), dtype=np.int32
+            )  # as long as the tables (a sequence invariant)
             wslots = slot_mapping(wt.reshape(-1), seq_of_token * wt.shape[1] * bs + positions, bs)
             meta.window = replace(
                 meta, slot_mapping=mx.array(wslots), block_tables=mx.array(wt), window=None, scratch={}
@@ -118,37 +132,29 @@ class ModelRunner:
 
     def _decode_meta(self, batch: list[tuple[Sequence, int]]) -> AttentionMetadata:
         """`forward`'s metadata when every entry is one token (the decode steps): the same arrays,
-        built from Python lists without numpy (a step's host time at small batches)."""
+        the block tables copied from each sequence's `table_ids` rows (no Python work per block)."""
         bs = self.block_size
         seqs = [s for s, _ in batch]
         starts = [s.num_computed_tokens for s in seqs]
-        ids = [[b.block_id for b in s.block_table] for s in seqs]
-        width = max(map(len, ids))
-        # the slot before padding: the token's block is always in the table
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(ids, starts)]
-        for t in ids:
-            if len(t) < width:
-                t += [0] * (width - len(t))
+        # the slot: the token's block is always in the table
+        slots = [s.table_ids.list[p // bs] * bs + p % bs for s, p in zip(seqs, starts)]
         cu, last = self._steps(len(batch))
         positions = mx.array(starts, dtype=mx.int32)
         meta = AttentionMetadata(
             slot_mapping=mx.array(slots, dtype=mx.int32),
             positions=positions,
-            block_tables=mx.array(ids, dtype=mx.int32),
+            block_tables=mx.array(_rows([s.table_ids for s in seqs]), dtype=mx.int32),
             cu_seqlens_q=cu,
             context_lens=mx.array([p + 1 for p in starts], dtype=mx.int32),  # (a list: cheaper than an op)
             logits_indices=last,
             impl=self.attention_impl,
         )
         if self.two_groups:  # a released block reads as block 0: the window masks it out
-            wt = [
-                [0 if b is None else b.block_id for b in s.window_table] + [0] * (width - len(s.window_table))
-                for s in seqs
-            ]
+            wids = [s.window_ids.list for s in seqs]
             meta.window = replace(
                 meta,
-                slot_mapping=mx.array([t[p // bs] * bs + p % bs for t, p in zip(wt, starts)], dtype=mx.int32),
-                block_tables=mx.array(wt, dtype=mx.int32),
+                slot_mapping=mx.array([t[p // bs] * bs + p % bs for t, p in zip(wids, starts)], dtype=mx.int32),
+                block_tables=mx.array(_rows([s.window_ids for s in seqs]), dtype=mx.int32),
                 scratch={},
             )
         return meta
