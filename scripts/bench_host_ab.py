@@ -38,18 +38,21 @@ import mlx.core as mx
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 from mlxpaged.bench.models import load_models
 
-seqs, steps, vocab = (json.loads(a) for a in sys.argv[2:5])
+seqs, steps, vocab, context = (json.loads(a) for a in sys.argv[2:6])
 loaded = load_models(None, True, "float32", reference=False)[0]
 out = {}
 for n in seqs:
     make = getattr(EngineConfig, "of", EngineConfig)  # the config's constructor at either commit
     max_tokens = steps + 16
-    blocks = n * (-(-(20 + max_tokens) // 16)) + 8
+    blocks = n * (-(-(context + max_tokens) // 16)) + 8
     config = make(num_blocks=blocks, max_num_seqs=n, attention_impl="reference", async_scheduling=False)
     engine = LLMEngine(loaded, config)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(n):
-        engine.add_request([(7 * i + j) % 200 + 1 for j in range(20)], params)
+        engine.add_request([(7 * i + j) % 200 + 1 for j in range(context)], params)
+    sched = engine.scheduler
+    while sched.waiting or any(s.num_computed_tokens < context for r in sched.running.values() for s in r.seqs):
+        engine.step()  # prefill (in chunks, for a long context)
     for _ in range(3):
         engine.step()
     logits = mx.random.normal((n, vocab))
@@ -66,7 +69,7 @@ for n in seqs:
     # The floor: the MLX calls a greedy decode step makes, with no engine around them (the
     # metadata's four arrays and the input ids, the forward's slice, the argmax, async_eval and the
     # read-back's tolist), at the same width and block count: MLX's own cost per step.
-    width = -(-(20 + 8 + steps) // 16)
+    width = -(-(context + 8 + steps) // 16)
     ids = list(range(n))
     def bare():
         a = [mx.array(ids, dtype=mx.int32) for _ in range(4)]
@@ -86,10 +89,10 @@ print(json.dumps(out))
 """
 
 
-def run(checkout: str, seqs: list[int], steps: int, vocab: int) -> dict[str, float]:
+def run(checkout: str, seqs: list[int], steps: int, vocab: int, context: int = 20) -> dict[str, float]:
     """One process's medians: ms per step by batch size ("8"), and MLX's floor at it ("floor8")."""
     env = dict(os.environ, PYTHONPATH=checkout)
-    args = [sys.executable, "-c", WORKER, checkout, json.dumps(seqs), str(steps), str(vocab)]
+    args = [sys.executable, "-c", WORKER, checkout, json.dumps(seqs), str(steps), str(vocab), str(context)]
     res = subprocess.run(args, env=env, capture_output=True, text=True, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -102,13 +105,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--context", type=int, default=20, help="prompt tokens a request (long: long block tables)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     seqs = [int(s) for s in args.seqs.split(",")]
     turns = []
     for r in range(args.repeats):
         order = ("a", "b") if r % 2 == 0 else ("b", "a")
-        got = {who: run(getattr(args, who), seqs, args.steps, args.vocab) for who in order}
+        got = {who: run(getattr(args, who), seqs, args.steps, args.vocab, args.context) for who in order}
         turns.append(got)
         print(
             f"turn {r + 1}: " + "; ".join(f"{n}: A {got['a'][str(n)]:.3f} B {got['b'][str(n)]:.3f} ms" for n in seqs),
