@@ -43,7 +43,7 @@ loaded = load_models(None, True, "float32", reference=False)[0]
 out = {}
 for n in seqs:
     make = getattr(EngineConfig, "of", EngineConfig)  # the config's constructor at either commit
-    max_tokens = steps + 16
+    max_tokens = steps + 16 + n * context // 2048 + 2  # (the first rows decode while the others prefill)
     blocks = n * (-(-(context + max_tokens) // 16)) + 8
     config = make(num_blocks=blocks, max_num_seqs=n, attention_impl="reference", async_scheduling=False)
     engine = LLMEngine(loaded, config)
