@@ -19,6 +19,7 @@ block tables, the argmax over the same logits, `async_eval`, `tolist`), and the 
 ratio of what lies above it, (A - floor) / (B - floor): the engine's own host work.
 
     python scripts/bench_host_ab.py --a /tmp/base --b . --seqs 1,8,64 --repeats 5
+    python scripts/bench_host_ab.py --a /tmp/base --b . --seqs 1,8 --context 8192   # long contexts
 """
 
 from __future__ import annotations

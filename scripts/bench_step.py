@@ -35,6 +35,7 @@ alone; a small `--vocab` leaves the device almost nothing to do, so nothing can 
 
     python scripts/bench_step.py --tiny --noop                   # host work against sampling only
     python scripts/bench_step.py --tiny --noop --vocab 1024      # a device with next to nothing to do
+    python scripts/bench_step.py --tiny --noop --seqs 8 --context 8192  # long block tables
     python scripts/bench_step.py --tiny                          # the tiny model's forward
     python scripts/bench_step.py                                 # the offline 0.5B model (float32)
     python scripts/bench_step.py --seqs 4 --temperature 0.8 --n 4   # one n=4 request (vs --n 1: four requests)
