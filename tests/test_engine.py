@@ -15,6 +15,18 @@ def greedy(n):
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
+def drain_checked(engine) -> dict:
+    """Step until every request finishes, checking the block invariants after each output;
+    returns the final outputs by request id."""
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            engine.check_invariants()
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
 def test_interleaved_turns_match_contiguous(tiny_loaded, mlx_lm_tiny):
     """Two sequences decode in turns (one token each, alternately) in one pool."""
     ref_model, tok = mlx_lm_tiny
@@ -32,12 +44,7 @@ def test_batched_decode_matches_contiguous(tiny_loaded, mlx_lm_tiny):
     ]
     engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=128, attention_impl="reference"))
     rids = [engine.add_request(p, greedy(60)) for p in prompts]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            engine.check_invariants()
-            if out.finished:
-                done[out.request_id] = out
+    done = drain_checked(engine)
     assert engine.stats.running_seqs_peak == 4
     for p, r in zip(prompts, rids):
         assert done[r].outputs[0].token_ids == contiguous_generate(ref_model, tok.encode(p), 60)
@@ -66,12 +73,7 @@ def test_long_block_tables_match_contiguous(tiny_loaded, mlx_lm_tiny):
     ref_model, tok = mlx_lm_tiny
     engine = LLMEngine(tiny_loaded, EngineConfig.of(block_size=1, num_blocks=512))
     rids = [engine.add_request(p, greedy(LONG_TABLE + 16)) for p in PROMPTS]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            engine.check_invariants()
-            if out.finished:
-                done[out.request_id] = out
+    done = drain_checked(engine)
     for p, r in zip(PROMPTS, rids):
         assert done[r].outputs[0].token_ids == contiguous_generate(ref_model, tok.encode(p), LONG_TABLE + 16)
 
