@@ -39,7 +39,7 @@ import mlx.core as mx
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 from mlxpaged.bench.models import load_models
 
-seqs, steps, vocab, context = (json.loads(a) for a in sys.argv[2:6])
+seqs, steps, vocab, context, penalty = (json.loads(a) for a in sys.argv[2:7])
 loaded = load_models(None, True, "float32", reference=False)[0]
 out = {}
 for n in seqs:
@@ -48,7 +48,8 @@ for n in seqs:
     blocks = n * (-(-(context + max_tokens) // 16)) + 8
     config = make(num_blocks=blocks, max_num_seqs=n, attention_impl="reference", async_scheduling=False)
     engine = LLMEngine(loaded, config)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    pen = {"repetition_penalty": penalty} if penalty != 1.0 else {}
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **pen)
     for i in range(n):
         engine.add_request([(7 * i + j) % 200 + 1 for j in range(context)], params)
     sched = engine.scheduler
@@ -90,10 +91,22 @@ print(json.dumps(out))
 """
 
 
-def run(checkout: str, seqs: list[int], steps: int, vocab: int, context: int = 20) -> dict[str, float]:
+def run(
+    checkout: str, seqs: list[int], steps: int, vocab: int, context: int = 20, penalty: float = 1.0
+) -> dict[str, float]:
     """One process's medians: ms per step by batch size ("8"), and MLX's floor at it ("floor8")."""
     env = dict(os.environ, PYTHONPATH=checkout)
-    args = [sys.executable, "-c", WORKER, checkout, json.dumps(seqs), str(steps), str(vocab), str(context)]
+    args = [
+        sys.executable,
+        "-c",
+        WORKER,
+        checkout,
+        json.dumps(seqs),
+        str(steps),
+        str(vocab),
+        str(context),
+        str(penalty),
+    ]
     res = subprocess.run(args, env=env, capture_output=True, text=True, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -107,13 +120,19 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--context", type=int, default=20, help="prompt tokens a request (long: long block tables)")
+    ap.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="every request's (1: none; else its counts each step)"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     seqs = [int(s) for s in args.seqs.split(",")]
     turns = []
     for r in range(args.repeats):
         order = ("a", "b") if r % 2 == 0 else ("b", "a")
-        got = {who: run(getattr(args, who), seqs, args.steps, args.vocab, args.context) for who in order}
+        got = {
+            who: run(getattr(args, who), seqs, args.steps, args.vocab, args.context, args.repetition_penalty)
+            for who in order
+        }
         turns.append(got)
         print(
             f"turn {r + 1}: " + "; ".join(f"{n}: A {got['a'][str(n)]:.3f} B {got['b'][str(n)]:.3f} ms" for n in seqs),

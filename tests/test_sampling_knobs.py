@@ -18,7 +18,9 @@ from mlxpaged.config import EngineConfig
 from mlxpaged.engine.llm_engine import LLMEngine
 from mlxpaged.engine.sampler import (
     GuideMasks,
+    PenaltyCounts,
     TokenHistory,
+    apply_penalties,
     process_logits,
     sample_arrays,
     sample_batch,
@@ -201,6 +203,19 @@ def test_logit_bias_in_the_engine(tiny_loaded):
     banned = set(free)
     got = run_one(tiny_loaded, SamplingParams(**p, logit_bias={t: -100.0 for t in banned}))
     assert len(got) == 24 and not banned & set(got)
+
+
+def test_kept_penalty_counts_follow_the_history():
+    """A sample's counts kept from call to call (`PenaltyCounts`) take only the tokens appended
+    since; a shorter history (tokens taken back) starts them over: each result is numpy's."""
+    rng = np.random.default_rng(0)
+    p = SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4)
+    prompt, kept = [1, 2, 3], PenaltyCounts()
+    for out in ([], [5], [5, 7, 5], [5, 7, 5, 9], [5, 8]):
+        logits = rng.normal(size=64).astype(np.float32)
+        got = apply_penalties(mx.array(logits[None]), [p], [TokenHistory(prompt + out, len(prompt), None, kept)])
+        np.testing.assert_allclose(np.array(got[0]), ref_process(logits, p, prompt, out), rtol=1e-5, atol=1e-5)
+        assert kept.counted == len(out)
 
 
 def reference_tokens(model, prompt: list[int], p: SamplingParams, num: int) -> list[int]:

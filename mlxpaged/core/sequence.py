@@ -170,6 +170,9 @@ class Sequence:
     # by the model runner, copied by a fork (a reference: the arrays are immutable), dropped with
     # the blocks; opaque here, like `rng_key`
     state: tuple | None = None
+    # a sample with penalties: its token counts kept on the device between steps (engine/sampler.py
+    # `PenaltyCounts`); opaque here, like `rng_key`
+    penalties: object = None
 
     @property
     def num_tokens(self) -> int:

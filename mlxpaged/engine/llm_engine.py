@@ -69,7 +69,16 @@ from .kv_connector import DiskConnector
 from .outputs import RequestOutput
 from .prompt_logprobs import PromptLogprobs
 from .recurrent_state import CheckpointNamer
-from .sampler import GuideMasks, SampleArrays, TokenHistory, read_samples, row_kinds, sample_arrays, sample_key
+from .sampler import (
+    GuideMasks,
+    PenaltyCounts,
+    SampleArrays,
+    TokenHistory,
+    read_samples,
+    row_kinds,
+    sample_arrays,
+    sample_key,
+)
 from .sampling_params import SamplingParams, salt_key
 from .spec_decode import NgramProposer, Verifier, spec_draws, spec_rows
 from .stats import METRIC_KEYS, EngineStats, engine_stats
@@ -321,6 +330,7 @@ class LLMEngine:
                 len(ids),
                 sample_index=i,
                 rng_key=None if params.greedy else sample_key(seed, i),
+                penalties=PenaltyCounts() if params.has_penalties else None,
                 detokenizer=self._detokenizer(),
                 matcher=grammar.matcher() if grammar is not None else None,
                 cache_salt=salt_key(params.cache_salt),
@@ -584,6 +594,7 @@ class LLMEngine:
                     s.token_ids,
                     s.num_prompt_tokens,
                     (s.pending.tokens, s.pending.row) if s.pending is not None else None,
+                    s.penalties,
                 )
                 if r.params.has_penalties
                 else None

@@ -112,15 +112,36 @@ def sample_token(logits: mx.array, params: SamplingParams, key: mx.array | None)
     return mx.random.categorical(filter_logits(logits, params), key=sub), key
 
 
+class PenaltyCounts:
+    """A sample's token counts for its penalties, kept on the device from one step to the next, so
+    a step sends only the tokens appended since the last one: sending the whole history again is
+    O(context) host work a step (a 30K-token agent prompt, with repetition_penalty).
+
+    Invariant: `counts [V]` float32 counts the first `counted` output tokens of the sample; `prompt
+    [V]` bool marks the prompt's tokens, made at the first step that needs it. A history shorter
+    than `counted` (tokens taken back) starts the counts over. The engine keeps one per sample
+    with penalties (`Sequence.penalties`); only `apply_penalties` writes it.
+    """
+
+    __slots__ = ("counted", "counts", "prompt")
+
+    def __init__(self):
+        self.counted = 0
+        self.counts: mx.array | None = None
+        self.prompt: mx.array | None = None
+
+
 @dataclass
 class TokenHistory:
     """A row's tokens, for its penalties: the prompt and the known generated ids (`token_ids`,
     the first `num_prompt_tokens` of them the prompt) and the pending token, a row `(array, row)`
-    of an earlier step's still lazy tokens, or None."""
+    of an earlier step's still lazy tokens, or None; `counts`, the sample's kept counts (None:
+    counted from the whole history this once)."""
 
     token_ids: list[int]
     num_prompt_tokens: int
     pending: tuple | None = None
+    counts: PenaltyCounts | None = None
 
 
 @dataclass
@@ -143,34 +164,42 @@ def unpack_bitmask(bits: np.ndarray, vocab_size: int) -> np.ndarray:
 
 
 def apply_penalties(x: mx.array, params: list[SamplingParams], histories: list[TokenHistory]) -> mx.array:
-    """vLLM's penalties on `x [R, V]` (float32), row `i` with `params[i]` over `histories[i]`."""
+    """vLLM's penalties on `x [R, V]` (float32), row `i` with `params[i]` over `histories[i]`.
+    A row's counts start from its kept `PenaltyCounts` and take only the tokens since; the
+    pending token joins them inside the graph."""
     r, v = x.shape
-    out_rows, out_toks, prompt_rows, prompt_toks, pend_rows, pend_refs = [], [], [], [], [], []
+    rows, pend_rows, pend_refs, prompts = [], [], [], []
+    no_prompt = None
     for i, (p, h) in enumerate(zip(params, histories)):
-        gen = h.token_ids[h.num_prompt_tokens :]
-        out_rows += [i] * len(gen)
-        out_toks += gen
+        c = h.counts if h.counts is not None else PenaltyCounts()
+        gen = len(h.token_ids) - h.num_prompt_tokens
+        if c.counts is None or c.counted > gen:
+            c.counts, c.counted = mx.zeros((v,), dtype=mx.float32), 0
+        if gen > c.counted:
+            new = mx.array(np.array(h.token_ids[h.num_prompt_tokens + c.counted :], dtype=np.int32))
+            c.counts, c.counted = c.counts.at[new].add(1.0), gen
+        rows.append(c.counts)
         if h.pending is not None:
             pend_rows.append(i)
             pend_refs.append(h.pending)
         if p.repetition_penalty != 1.0:
-            prompt_rows += [i] * h.num_prompt_tokens
-            prompt_toks += h.token_ids[: h.num_prompt_tokens]
-    rows = mx.array(np.array(out_rows + pend_rows, dtype=np.int32))
-    toks = mx.array(np.array(out_toks, dtype=np.int32))
-    if pend_refs:
-        toks = mx.concatenate([toks, gather_rows(pend_refs).astype(mx.int32)])
-    counts = mx.zeros((r, v), dtype=mx.float32)
-    if len(out_rows) + len(pend_rows):
-        counts = counts.at[rows, toks].add(1.0)
+            if c.prompt is None:
+                ids = mx.array(np.array(h.token_ids[: h.num_prompt_tokens], dtype=np.int32))
+                c.prompt = mx.zeros((v,), dtype=mx.float32).at[ids].add(1.0) > 0
+            prompts.append(c.prompt)
+        else:
+            if no_prompt is None:
+                no_prompt = mx.zeros((v,), dtype=mx.bool_)
+            prompts.append(no_prompt)
+    counts = mx.stack(rows)  # [R, V]
+    if pend_rows:
+        toks = gather_rows(pend_refs).astype(mx.int32)
+        counts = counts.at[mx.array(np.array(pend_rows, dtype=np.int32)), toks].add(1.0)
     rep = mx.array([p.repetition_penalty for p in params], dtype=mx.float32)[:, None]
-    if prompt_rows:
-        seen = counts + mx.zeros((r, v), dtype=mx.float32).at[
-            mx.array(np.array(prompt_rows, dtype=np.int32)), mx.array(np.array(prompt_toks, dtype=np.int32))
-        ].add(1.0)
-    else:
-        seen = counts
-    rep = mx.where(seen > 0, rep, 1.0)
+    seen = counts > 0
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = seen | mx.stack(prompts)
+    rep = mx.where(seen, rep, 1.0)
     x = mx.where(x > 0, x / rep, x * rep)
     freq = mx.array([p.frequency_penalty for p in params], dtype=mx.float32)[:, None]
     pres = mx.array([p.presence_penalty for p in params], dtype=mx.float32)[:, None]
