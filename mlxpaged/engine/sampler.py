@@ -173,8 +173,8 @@ def apply_penalties(x: mx.array, params: list[SamplingParams], histories: list[T
     for i, (p, h) in enumerate(zip(params, histories)):
         c = h.counts if h.counts is not None else PenaltyCounts()
         gen = len(h.token_ids) - h.num_prompt_tokens
-        if c.counts is None or c.counted > gen:
-            c.counts, c.counted = mx.zeros((v,), dtype=mx.float32), 0
+        if c.counts is None or c.counted > gen or c.counts.shape[0] != v:  # (a width of its own: a stand-in forward's)
+            c.counts, c.counted, c.prompt = mx.zeros((v,), dtype=mx.float32), 0, None
         if gen > c.counted:
             new = mx.array(np.array(h.token_ids[h.num_prompt_tokens + c.counted :], dtype=np.int32))
             c.counts, c.counted = c.counts.at[new].add(1.0), gen
