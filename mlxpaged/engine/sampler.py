@@ -168,37 +168,40 @@ def apply_penalties(x: mx.array, params: list[SamplingParams], histories: list[T
     A row's counts start from its kept `PenaltyCounts` and take only the tokens since; the
     pending token joins them inside the graph."""
     r, v = x.shape
-    rows, pend_rows, pend_refs, prompts = [], [], [], []
-    no_prompt = None
-    for i, (p, h) in enumerate(zip(params, histories)):
-        c = h.counts if h.counts is not None else PenaltyCounts()
+    kept = [h.counts if h.counts is not None else PenaltyCounts() for h in histories]
+    rows, new_rows, new_toks, pend_rows, pend_refs = [], [], [], [], []
+    zero = mx.zeros((v,), dtype=mx.float32)
+    for i, (p, h, c) in enumerate(zip(params, histories, kept)):
         gen = len(h.token_ids) - h.num_prompt_tokens
         if c.counts is None or c.counted > gen or c.counts.shape[0] != v:  # (a width of its own: a stand-in forward's)
-            c.counts, c.counted, c.prompt = mx.zeros((v,), dtype=mx.float32), 0, None
-        if gen > c.counted:
-            new = mx.array(np.array(h.token_ids[h.num_prompt_tokens + c.counted :], dtype=np.int32))
-            c.counts, c.counted = c.counts.at[new].add(1.0), gen
+            c.counts, c.counted, c.prompt = zero, 0, None
         rows.append(c.counts)
+        if gen > c.counted:  # the tokens appended since: usually the one read back since the last step
+            new = h.token_ids[h.num_prompt_tokens + c.counted :]
+            new_rows += [i] * len(new)
+            new_toks += new
+            c.counted = gen
         if h.pending is not None:
             pend_rows.append(i)
             pend_refs.append(h.pending)
-        if p.repetition_penalty != 1.0:
-            if c.prompt is None:
-                ids = mx.array(np.array(h.token_ids[: h.num_prompt_tokens], dtype=np.int32))
-                c.prompt = mx.zeros((v,), dtype=mx.float32).at[ids].add(1.0) > 0
-            prompts.append(c.prompt)
-        else:
-            if no_prompt is None:
-                no_prompt = mx.zeros((v,), dtype=mx.bool_)
-            prompts.append(no_prompt)
-    counts = mx.stack(rows)  # [R, V]
-    if pend_rows:
+        if p.repetition_penalty != 1.0 and c.prompt is None:
+            ids = mx.array(np.array(h.token_ids[: h.num_prompt_tokens], dtype=np.int32))
+            c.prompt = mx.zeros((v,), dtype=mx.float32).at[ids].add(1.0) > 0
+    counts = mx.stack(rows)  # [R, V]: each row's kept counts, then one scatter of every row's new tokens
+    if new_rows:
+        counts = counts.at[
+            mx.array(np.array(new_rows, dtype=np.int32)), mx.array(np.array(new_toks, dtype=np.int32))
+        ].add(1.0)
+        for i, c in enumerate(kept):
+            c.counts = counts[i]
+    if pend_rows:  # the pending token counts for this step only: its value is not known yet
         toks = gather_rows(pend_refs).astype(mx.int32)
         counts = counts.at[mx.array(np.array(pend_rows, dtype=np.int32)), toks].add(1.0)
     rep = mx.array([p.repetition_penalty for p in params], dtype=mx.float32)[:, None]
     seen = counts > 0
     if any(p.repetition_penalty != 1.0 for p in params):
-        seen = seen | mx.stack(prompts)
+        no = mx.zeros((v,), dtype=mx.bool_)
+        seen = seen | mx.stack([c.prompt if p.repetition_penalty != 1.0 else no for p, c in zip(params, kept)])
     rep = mx.where(seen, rep, 1.0)
     x = mx.where(x > 0, x / rep, x * rep)
     freq = mx.array([p.frequency_penalty for p in params], dtype=mx.float32)[:, None]
