@@ -17,6 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxpaged.config import EngineConfig
 from mlxpaged.engine.llm_engine import LLMEngine
 from mlxpaged.engine.sampler import (
+    KEEP_FROM,
     GuideMasks,
     PenaltyCounts,
     TokenHistory,
@@ -206,16 +207,20 @@ def test_logit_bias_in_the_engine(tiny_loaded):
 
 
 def test_kept_penalty_counts_follow_the_history():
-    """A sample's counts kept from call to call (`PenaltyCounts`) take only the tokens appended
-    since; a shorter history (tokens taken back) starts them over: each result is numpy's."""
+    """A sample's counts kept from call to call (`PenaltyCounts`: a history of `KEEP_FROM` tokens
+    or more) take only the tokens appended since; a shorter history (tokens taken back) starts
+    them over: each result is numpy's."""
     rng = np.random.default_rng(0)
     p = SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4)
-    prompt, kept = [1, 2, 3], PenaltyCounts()
-    for out in ([], [5], [5, 7, 5], [5, 7, 5, 9], [5, 8]):
-        logits = rng.normal(size=64).astype(np.float32)
-        got = apply_penalties(mx.array(logits[None]), [p], [TokenHistory(prompt + out, len(prompt), None, kept)])
-        np.testing.assert_allclose(np.array(got[0]), ref_process(logits, p, prompt, out), rtol=1e-5, atol=1e-5)
-        assert kept.counted == len(out)
+    prompt, kept = [t % 50 for t in range(KEEP_FROM)], PenaltyCounts()  # tokens 50-63 only in outputs
+    pending = mx.array([61, 62])  # a step's still lazy tokens: row 1 is this sample's pending one
+    for out in ([], [55], [55, 57, 55, 5], [55, 57, 55, 5, 59], [55, 58]):
+        for pend, counted in ((None, out), ((pending, 1), out + [62])):
+            logits = rng.normal(size=64).astype(np.float32)
+            history = TokenHistory(prompt + out, len(prompt), pend, kept)
+            got = apply_penalties(mx.array(logits[None]), [p], [history])
+            np.testing.assert_allclose(np.array(got[0]), ref_process(logits, p, prompt, counted), rtol=1e-5, atol=1e-5)
+            assert kept.counted == len(out)  # the pending token is counted for its step only
 
 
 def reference_tokens(model, prompt: list[int], p: SamplingParams, num: int) -> list[int]:
@@ -264,6 +269,36 @@ def test_engine_penalties_match_contiguous_reference(tiny_loaded, mlx_lm_tiny, a
     # the penalties matter here: without them the greedy rows differ
     plain = reference_tokens(model, prompts[0], SamplingParams(temperature=0), 20)
     assert plain != done[ids[0]].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_engine_kept_penalty_counts_match_contiguous_reference(tiny_loaded, mlx_lm_tiny, async_scheduling):
+    """Prompts of `KEEP_FROM` tokens and more with repetition_penalty: the rows keep their counts
+    from step to step (only the new token is sent, the pending one joins in the graph), and each
+    request's tokens are the reference's."""
+    model, _ = mlx_lm_tiny
+    prompts = [[(7 * j + k) % 40 + 1 for j in range(KEEP_FROM + 40 * k)] for k in range(3)]
+    params = [
+        SamplingParams(  # the bias makes token 60 the favourite: only its counts keep it from repeating
+            temperature=0,
+            repetition_penalty=1.6,
+            frequency_penalty=2.0,
+            logit_bias={60: 6.0},
+            max_tokens=24,
+            ignore_eos=True,
+        ),
+        SamplingParams(
+            temperature=0.9, seed=3, repetition_penalty=0.8, frequency_penalty=1.5, max_tokens=24, ignore_eos=True
+        ),
+        SamplingParams(temperature=0, repetition_penalty=1.2, presence_penalty=2.0, max_tokens=24, ignore_eos=True),
+    ]
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=256, async_scheduling=async_scheduling))
+    ids = [engine.add_request(pr, p) for pr, p in zip(prompts, params)]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    for rid, pr, p in zip(ids, prompts, params):
+        assert done[rid].outputs[0].token_ids == reference_tokens(model, pr, p, 24), rid
 
 
 def test_logit_bias_outside_vocabulary_is_refused(tiny_loaded):

@@ -163,50 +163,81 @@ def unpack_bitmask(bits: np.ndarray, vocab_size: int) -> np.ndarray:
     )
 
 
+KEEP_FROM = 1024  # tokens a row's counts cover from which it keeps them (below, its own arrays cost more)
+
+
 def apply_penalties(x: mx.array, params: list[SamplingParams], histories: list[TokenHistory]) -> mx.array:
     """vLLM's penalties on `x [R, V]` (float32), row `i` with `params[i]` over `histories[i]`.
-    A row's counts start from its kept `PenaltyCounts` and take only the tokens since; the
-    pending token joins them inside the graph."""
+
+    A row whose counts cover fewer than `KEEP_FROM` tokens is counted from its history this step
+    (one scatter for all such rows); a longer one with `PenaltyCounts` starts from its kept
+    counts and takes only the tokens appended since (its history is O(context) to send again,
+    its own `[V]` arrays a few operations). The pending token joins the counts inside the graph.
+    """
     r, v = x.shape
-    kept = [h.counts if h.counts is not None else PenaltyCounts() for h in histories]
-    rows, new_rows, new_toks, pend_rows, pend_refs = [], [], [], [], []
-    zero = mx.zeros((v,), dtype=mx.float32)
-    for i, (p, h, c) in enumerate(zip(params, histories, kept)):
+    rows, toks, prompt_rows, prompt_toks = [], [], [], []  # the rows counted from their histories
+    kept, kept_at, new_rows, new_toks = [], [], [], []  # the rows that keep their counts
+    pend_rows, pend_refs = [], []
+    for i, (p, h) in enumerate(zip(params, histories)):
+        rep = p.repetition_penalty != 1.0
         gen = len(h.token_ids) - h.num_prompt_tokens
-        if c.counts is None or c.counted > gen or c.counts.shape[0] != v:  # (a width of its own: a stand-in forward's)
-            c.counts, c.counted, c.prompt = zero, 0, None
-        rows.append(c.counts)
-        if gen > c.counted:  # the tokens appended since: usually the one read back since the last step
-            new = h.token_ids[h.num_prompt_tokens + c.counted :]
-            new_rows += [i] * len(new)
-            new_toks += new
-            c.counted = gen
+        c = h.counts
+        if c is None or (len(h.token_ids) if rep else gen) < KEEP_FROM:
+            out = h.token_ids[h.num_prompt_tokens :]
+            rows += [i] * len(out)
+            toks += out
+            if rep:
+                prompt_rows += [i] * h.num_prompt_tokens
+                prompt_toks += h.token_ids[: h.num_prompt_tokens]
+        else:
+            if c.counts is None or c.counted > gen or c.counts.shape[0] != v:  # (another width: a stand-in forward's)
+                c.counts, c.counted, c.prompt = mx.zeros((v,), dtype=mx.float32), 0, None
+            if rep and c.prompt is None:
+                ids = mx.array(np.array(h.token_ids[: h.num_prompt_tokens], dtype=np.int32))
+                c.prompt = mx.zeros((v,), dtype=mx.float32).at[ids].add(1.0) > 0
+            if gen > c.counted:  # the tokens appended since: usually the one read back since the last step
+                new = h.token_ids[h.num_prompt_tokens + c.counted :]
+                new_rows += [len(kept)] * len(new)
+                new_toks += new
+                c.counted = gen
+            kept.append(c)
+            kept_at.append(i)
         if h.pending is not None:
             pend_rows.append(i)
             pend_refs.append(h.pending)
-        if p.repetition_penalty != 1.0 and c.prompt is None:
-            ids = mx.array(np.array(h.token_ids[: h.num_prompt_tokens], dtype=np.int32))
-            c.prompt = mx.zeros((v,), dtype=mx.float32).at[ids].add(1.0) > 0
-    counts = mx.stack(rows)  # [R, V]: each row's kept counts, then one scatter of every row's new tokens
-    if new_rows:
-        counts = counts.at[
-            mx.array(np.array(new_rows, dtype=np.int32)), mx.array(np.array(new_toks, dtype=np.int32))
-        ].add(1.0)
-        for i, c in enumerate(kept):
-            c.counts = counts[i]
+    counts = mx.zeros((r, v), dtype=mx.float32)
+    if rows:
+        counts = counts.at[_ints(rows), _ints(toks)].add(1.0)
+    prompt = (
+        mx.zeros((r, v), dtype=mx.float32).at[_ints(prompt_rows), _ints(prompt_toks)].add(1.0) > 0
+        if prompt_rows
+        else None
+    )
+    if kept:
+        own = mx.stack([c.counts for c in kept])  # [K, V]
+        if new_rows:
+            own = own.at[_ints(new_rows), _ints(new_toks)].add(1.0)
+            for k, c in enumerate(kept):
+                c.counts = own[k]
+        at = _ints(kept_at)
+        counts[at] = own
+        if any(c.prompt is not None for c in kept):
+            no = mx.zeros((v,), dtype=mx.bool_)
+            prompt = mx.zeros((r, v), dtype=mx.bool_) if prompt is None else prompt
+            prompt[at] = mx.stack([c.prompt if c.prompt is not None else no for c in kept])
     if pend_rows:  # the pending token counts for this step only: its value is not known yet
-        toks = gather_rows(pend_refs).astype(mx.int32)
-        counts = counts.at[mx.array(np.array(pend_rows, dtype=np.int32)), toks].add(1.0)
+        counts = counts.at[_ints(pend_rows), gather_rows(pend_refs).astype(mx.int32)].add(1.0)
+    seen = counts > 0 if prompt is None else (counts > 0) | prompt
     rep = mx.array([p.repetition_penalty for p in params], dtype=mx.float32)[:, None]
-    seen = counts > 0
-    if any(p.repetition_penalty != 1.0 for p in params):
-        no = mx.zeros((v,), dtype=mx.bool_)
-        seen = seen | mx.stack([c.prompt if p.repetition_penalty != 1.0 else no for p, c in zip(params, kept)])
     rep = mx.where(seen, rep, 1.0)
     x = mx.where(x > 0, x / rep, x * rep)
     freq = mx.array([p.frequency_penalty for p in params], dtype=mx.float32)[:, None]
     pres = mx.array([p.presence_penalty for p in params], dtype=mx.float32)[:, None]
     return x - freq * counts - pres * (counts > 0)
+
+
+def _ints(xs: list[int]) -> mx.array:
+    return mx.array(np.array(xs, dtype=np.int32))
 
 
 def apply_min_p(x: mx.array, min_p: mx.array) -> mx.array:
