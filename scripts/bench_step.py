@@ -108,9 +108,8 @@ class Bench:
         from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 
         self.mode = mode
-        max_tokens = (
-            total_steps + 8 + num_seqs * context // 2048 + 2
-        )  # (the first rows decode while the others prefill)
+        # (the first rows decode while the others prefill)
+        max_tokens = total_steps + 8 + num_seqs * context // 2048 + 2
         blocks = num_seqs * (-(-(context + max_tokens) // 16))
         self.engine = engine = LLMEngine(
             loaded,

@@ -66,16 +66,27 @@ def test_block_sizes_match_contiguous(tiny_loaded, mlx_lm_tiny, block_size):
 
 
 def test_long_block_tables_match_contiguous(tiny_loaded, mlx_lm_tiny):
-    """Block size 1: the tables pass `LONG_TABLE` blocks mid-run (from then on a decode step copies
-    them from each sequence's id buffer, before from its id list), at two lengths in one batch."""
+    """Block size 2: the tables pass `LONG_TABLE` blocks mid-run (from then on a step copies them
+    from each sequence's id buffer, before from its id list), at several lengths in one batch,
+    with 7-token prefill chunks ending mid-block, a prefix hit and a fork (a repeated prompt with
+    n = 2), and a pool too small for all of it (preemption by recomputation)."""
     from mlxpaged.worker.model_runner import LONG_TABLE
 
     ref_model, tok = mlx_lm_tiny
-    engine = LLMEngine(tiny_loaded, EngineConfig.of(block_size=1, num_blocks=512))
-    rids = [engine.add_request(p, greedy(LONG_TABLE + 16)) for p in PROMPTS]
+    n_out = 2 * LONG_TABLE + 16
+    config = EngineConfig.of(block_size=2, num_blocks=260, max_num_batched_tokens=7)
+    engine = LLMEngine(tiny_loaded, config)
+    rids = [engine.add_request(p, greedy(n_out)) for p in PROMPTS]
+    engine.step()
+    twice = SamplingParams(temperature=0.0, n=2, max_tokens=n_out, ignore_eos=True)
+    rids.append(engine.add_request(PROMPTS[0], twice))
     done = drain_checked(engine)
-    for p, r in zip(PROMPTS, rids):
-        assert done[r].outputs[0].token_ids == contiguous_generate(ref_model, tok.encode(p), LONG_TABLE + 16)
+    st = engine.stats_dict()
+    assert st["preemptions"] > 0 and st["prefix_cache_hit_tokens"] > 0
+    for p, r in zip(PROMPTS + PROMPTS[:1], rids):
+        want = contiguous_generate(ref_model, tok.encode(p), n_out)
+        assert [c.token_ids for c in done[r].outputs] == [want] * len(done[r].outputs), r
+    assert len(done[rids[-1]].outputs) == 2
 
 
 def test_n_samples_share_prompt_blocks(tiny_loaded, mlx_lm_tiny):

@@ -237,6 +237,15 @@ def reference_tokens(model, prompt: list[int], p: SamplingParams, num: int) -> l
     return out
 
 
+def run_to_end(engine, prompts: list, params: list[SamplingParams]) -> tuple[list[str], dict]:
+    """Queue each prompt with its params and step until all finish: (request ids, final outputs by id)."""
+    ids = [engine.add_request(pr, p) for pr, p in zip(prompts, params)]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return ids, done
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_engine_penalties_match_contiguous_reference(tiny_loaded, mlx_lm_tiny, async_scheduling):
     """Greedy and sampled requests with penalties and biases, several in one batch: each one's tokens
@@ -260,10 +269,7 @@ def test_engine_penalties_match_contiguous_reference(tiny_loaded, mlx_lm_tiny, a
         ),
     ]
     engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=64, async_scheduling=async_scheduling))
-    ids = [engine.add_request(pr, p) for pr, p in zip(prompts, params)]
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+    ids, done = run_to_end(engine, prompts, params)
     for rid, pr, p in zip(ids, prompts, params):
         assert done[rid].outputs[0].token_ids == reference_tokens(model, pr, p, 20), rid
     # the penalties matter here: without them the greedy rows differ
@@ -279,7 +285,7 @@ def test_engine_kept_penalty_counts_match_contiguous_reference(tiny_loaded, mlx_
     model, _ = mlx_lm_tiny
     prompts = [[(7 * j + k) % 40 + 1 for j in range(KEEP_FROM + 40 * k)] for k in range(3)]
     params = [
-        SamplingParams(  # the bias makes token 60 the favourite: only its counts keep it from repeating
+        SamplingParams(  # a logit bias beside the penalties
             temperature=0,
             repetition_penalty=1.6,
             frequency_penalty=2.0,
@@ -293,10 +299,7 @@ def test_engine_kept_penalty_counts_match_contiguous_reference(tiny_loaded, mlx_
         SamplingParams(temperature=0, repetition_penalty=1.2, presence_penalty=2.0, max_tokens=24, ignore_eos=True),
     ]
     engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=256, async_scheduling=async_scheduling))
-    ids = [engine.add_request(pr, p) for pr, p in zip(prompts, params)]
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+    ids, done = run_to_end(engine, prompts, params)
     for rid, pr, p in zip(ids, prompts, params):
         assert done[rid].outputs[0].token_ids == reference_tokens(model, pr, p, 24), rid
 

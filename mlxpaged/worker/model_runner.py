@@ -109,9 +109,8 @@ class ModelRunner:
             impl=self.attention_impl,
         )
         if self.two_groups:
-            wt = np.asarray(
-                _rows([s.window_ids for s, _ in batch]), dtype=np.int32
-            )  # as long as the tables (a sequence invariant)
+            # as long as the tables (a sequence invariant)
+            wt = np.asarray(_rows([s.window_ids for s, _ in batch]), dtype=np.int32)
             wslots = slot_mapping(wt.reshape(-1), seq_of_token * wt.shape[1] * bs + positions, bs)
             meta.window = replace(
                 meta, slot_mapping=mx.array(wslots), block_tables=mx.array(wt), window=None, scratch={}
