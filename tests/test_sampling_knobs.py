@@ -32,6 +32,7 @@ from mlxpaged.engine.sampling_params import SamplingParams
 from mlxpaged.errors import MlxPagedError
 
 from chi_square import ALPHA, LOGITS, gof_pvalue
+from drive import run_all
 from reference import ref_draw
 
 N = 20_000
@@ -237,15 +238,6 @@ def reference_tokens(model, prompt: list[int], p: SamplingParams, num: int) -> l
     return out
 
 
-def run_to_end(engine, prompts: list, params: list[SamplingParams]) -> tuple[list[str], dict]:
-    """Queue each prompt with its params and step until all finish: (request ids, final outputs by id)."""
-    ids = [engine.add_request(pr, p) for pr, p in zip(prompts, params)]
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    return ids, done
-
-
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_engine_penalties_match_contiguous_reference(tiny_loaded, mlx_lm_tiny, async_scheduling):
     """Greedy and sampled requests with penalties and biases, several in one batch: each one's tokens
@@ -269,7 +261,8 @@ def test_engine_penalties_match_contiguous_reference(tiny_loaded, mlx_lm_tiny, a
         ),
     ]
     engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=64, async_scheduling=async_scheduling))
-    ids, done = run_to_end(engine, prompts, params)
+    ids = [engine.add_request(pr, p) for pr, p in zip(prompts, params)]
+    done = run_all(engine)
     for rid, pr, p in zip(ids, prompts, params):
         assert done[rid].outputs[0].token_ids == reference_tokens(model, pr, p, 20), rid
     # the penalties matter here: without them the greedy rows differ
@@ -299,7 +292,8 @@ def test_engine_kept_penalty_counts_match_contiguous_reference(tiny_loaded, mlx_
         SamplingParams(temperature=0, repetition_penalty=1.2, presence_penalty=2.0, max_tokens=24, ignore_eos=True),
     ]
     engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=256, async_scheduling=async_scheduling))
-    ids, done = run_to_end(engine, prompts, params)
+    ids = [engine.add_request(pr, p) for pr, p in zip(prompts, params)]
+    done = run_all(engine)
     for rid, pr, p in zip(ids, prompts, params):
         assert done[rid].outputs[0].token_ids == reference_tokens(model, pr, p, 24), rid
 
