@@ -96,3 +96,25 @@ def test_generate_returns_whole_outputs_for_delta_params(tiny_loaded):
     assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
     assert len(seen) > 1 and all(o.delta for o in seen)
     assert "".join(c.text for o in seen for c in o.outputs) == want.text
+
+
+def test_cumulative_outputs_are_snapshots(tiny_loaded):
+    """Every cumulative output keeps the tokens it had when it was handed out (read after the run:
+    its ids are copied on the first read), and its list is its own: changing it changes neither a
+    later read nor the request's later outputs."""
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=128, attention_impl="reference"))
+    params = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)
+    engine.add_request(PROMPT, params, request_id="r")
+    outs = _run(engine, {"r": 0})["r"]
+    final = [c.token_ids for c in outs[-1].outputs]
+    assert len(outs) > 10 and all(len(f) == 24 for f in final)
+    lengths = []
+    for out in outs:
+        for c in out.outputs:
+            assert c.token_ids == final[c.index][: len(c.token_ids)]
+        lengths.append({len(c.token_ids) for c in out.outputs})
+    assert lengths == [{k} for k in range(25 - len(outs), 25)]  # one token more each step, read long after
+    first = outs[0].outputs[0]
+    first.token_ids.append(-1)
+    assert first.token_ids[-1] == -1 and outs[1].outputs[0].token_ids[-1] != -1
+    assert engine.stats.generation_tokens == 48

@@ -89,6 +89,44 @@ def test_long_block_tables_match_contiguous(tiny_loaded, mlx_lm_tiny):
     assert len(done[rids[-1]].outputs) == 2
 
 
+def test_decode_tables_follow_every_change_of_a_table():
+    """The decode steps' table matrix, kept between steps, equals the tables after each kind of
+    change the block manager makes (a new block, a copy-on-write of the last, a rollback, a
+    batch of other sequences), including changes that keep a table's length."""
+    from mlxpaged.core.sequence import BlockIds
+    from mlxpaged.worker.model_runner import DecodeTables
+
+    def padded(tables):
+        width = max(len(t.list) for t in tables)
+        return [t.list + [0] * (width - len(t.list)) for t in tables]
+
+    def visible(matrix, tables):  # the entries a step reads: each row up to its table's length
+        return [matrix[i, : len(t.list)].tolist() + [0] * (matrix.shape[1] - len(t.list)) for i, t in enumerate(tables)]
+
+    def same_version(new, old):
+        new.version = old.version
+        return new
+
+    tables = [BlockIds([3, 4]), BlockIds([5]), BlockIds([6, 7, 8])]
+    dt = DecodeTables()
+    changes = [
+        lambda: None,
+        lambda: tables[1].append(9),  # a new block
+        lambda: tables[0].__setitem__(-1, 10),  # copy-on-write of the last block: same length
+        lambda: tables[2].append(11),  # the widest table grows
+        lambda: (tables[2].truncate(2), tables[2].append(12)),  # a rollback, then a new block: same length
+        lambda: tables[2].truncate(1),  # the widest shrinks
+        lambda: tables.__setitem__(1, same_version(BlockIds([21, 22]), tables[1])),  # another sequence in its row
+        lambda: tables.append(BlockIds([13, 14, 15, 16])),  # another batch
+        lambda: tables.pop(0),
+    ]
+    for change in changes:
+        change()
+        m = dt.matrix(list(tables))
+        assert m.dtype.name == "int32" and m.shape == (len(tables), max(len(t.list) for t in tables))
+        assert visible(m, tables) == padded(tables)
+
+
 def test_n_samples_share_prompt_blocks(tiny_loaded, mlx_lm_tiny):
     """44-token prompt, 4 samples of 64 tokens, block 16: 22 blocks in use against 28, 3 copies."""
     ref_model, tok = mlx_lm_tiny

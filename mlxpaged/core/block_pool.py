@@ -23,7 +23,7 @@ from dataclasses import dataclass
 Resize = tuple[int, list[tuple[int, int]]]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Block:
     """One block of the pool. `block_hash`/`token_ids` are set only while it is in the prefix cache."""
 

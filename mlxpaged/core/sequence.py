@@ -86,15 +86,18 @@ class BlockIds:
     `Block` objects would cost Python work for every block of every context each step (at a
     32K-token context, 2,000 blocks a sequence).
     Invariant: `list == buf[:len(list)].tolist()`, `len(list) <= len(buf)`; only the block
-    manager changes them (`BlockManager.check` compares them with the table).
+    manager changes them (`BlockManager.check` compares them with the table), and every change
+    raises `version`, so a reader that copied the ids at one version knows its copy is current
+    while the version is the same (the runner's `DecodeTables`).
     """
 
-    __slots__ = ("list", "buf")
+    __slots__ = ("list", "buf", "version")
 
     def __init__(self, ids: list[int] | None = None):
         self.list: list[int] = list(ids or ())
         self.buf = np.zeros(max(4, len(self.list)), dtype=np.int32)
         self.buf[: len(self.list)] = self.list
+        self.version = 0
 
     def __len__(self) -> int:
         return len(self.list)
@@ -105,6 +108,7 @@ class BlockIds:
             self.buf = np.concatenate([self.buf, np.zeros(n, dtype=np.int32)])
         self.buf[n] = block_id
         self.list.append(block_id)
+        self.version += 1
 
     def extend(self, ids: list[int]) -> None:
         for i in ids:
@@ -113,9 +117,11 @@ class BlockIds:
     def __setitem__(self, i: int, block_id: int) -> None:
         self.list[i] = block_id  # (raises IndexError past the end)
         self.buf[i % len(self.list)] = block_id
+        self.version += 1
 
     def truncate(self, n: int) -> None:
         del self.list[n:]
+        self.version += 1
 
     def copy(self) -> BlockIds:
         return BlockIds(self.list)
@@ -137,7 +143,7 @@ class PendingToken:
     key_row: int = 0
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True, weakref_slot=True)
 class Sequence:
     """One sample: its tokens, its block table, and its own random stream."""
 
@@ -208,7 +214,7 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True, weakref_slot=True)
 class Request:
     """The n samples of one prompt, scheduled and preempted together.
 

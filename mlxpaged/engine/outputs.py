@@ -7,7 +7,8 @@ later delta into an earlier one, so any run of deltas sums to the cumulative out
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass
@@ -20,18 +21,72 @@ class TokenLogprob:
     top_logprobs: list[tuple[int, float]]  # the `SamplingParams.logprobs` most likely (id, logprob), best first
 
 
-@dataclass(slots=True)
+class IdsSnapshot(NamedTuple):
+    """`source[start:stop]`, not copied yet: `source` only ever grows at its end (a sequence's
+    `token_ids`), so the slice stays what it was when this was taken."""
+
+    source: list[int]
+    start: int
+    stop: int
+
+
 class CompletionOutput:
-    index: int  # the sample's index within its request
-    text: str
-    token_ids: list[int]  # generated ids only
-    finish_reason: str | None  # "stop", "length", or None while running
-    logprobs: list[TokenLogprob] | None = None  # one per generated token when SamplingParams.logprobs is set
-    cumulative_logprob: float | None = None  # beam search: log-probability of token_ids
-    score: float | None = None  # beam search: cumulative_logprob / length ** length_penalty
-    # vLLM's: what ended a "stop" sample other than EOS or its grammar: the stop string (cut off
-    # `text`) or the `stop_token_ids` entry; None otherwise
-    stop_reason: str | int | None = None
+    """One sample's output (vLLM's fields). A cumulative output's `token_ids` may come as an
+    `IdsSnapshot`, copied on the first read: a step hands out every running sample's output, and
+    copying each one's whole token list every step (items scattered over the heap) was the largest
+    part of an output's cost, for lists mostly never read (`LLM.generate` keeps the last).
+    Invariant: reading `token_ids` always gives the same list, the output's own."""
+
+    FIELDS = ("index", "text", "token_ids", "finish_reason", "logprobs", "cumulative_logprob", "score", "stop_reason")
+    __slots__ = ("index", "text", "_ids", "finish_reason", "logprobs", "cumulative_logprob", "score", "stop_reason")
+
+    def __init__(
+        self,
+        index: int,  # the sample's index within its request
+        text: str,
+        token_ids: list[int] | IdsSnapshot,  # generated ids only
+        finish_reason: str | None,  # "stop", "length", or None while running
+        logprobs: list[TokenLogprob] | None = None,  # one per generated token when SamplingParams.logprobs is set
+        cumulative_logprob: float | None = None,  # beam search: log-probability of token_ids
+        score: float | None = None,  # beam search: cumulative_logprob / length ** length_penalty
+        # vLLM's: what ended a "stop" sample other than EOS or its grammar: the stop string (cut off
+        # `text`) or the `stop_token_ids` entry; None otherwise
+        stop_reason: str | int | None = None,
+    ):
+        self.index = index
+        self.text = text
+        self._ids = token_ids
+        self.finish_reason = finish_reason
+        self.logprobs = logprobs
+        self.cumulative_logprob = cumulative_logprob
+        self.score = score
+        self.stop_reason = stop_reason
+
+    @property
+    def token_ids(self) -> list[int]:
+        ids = self._ids
+        if type(ids) is IdsSnapshot:
+            ids = self._ids = ids.source[ids.start : ids.stop]
+        return ids
+
+    @token_ids.setter
+    def token_ids(self, ids: list[int]) -> None:
+        self._ids = ids
+
+    def copy(self) -> CompletionOutput:
+        """A copy with lists of its own."""
+        c = CompletionOutput(*(getattr(self, f) for f in self.FIELDS))
+        c.token_ids = list(self.token_ids)
+        c.logprobs = list(self.logprobs) if self.logprobs is not None else None
+        return c
+
+    def __eq__(self, other) -> bool:
+        if type(other) is not CompletionOutput:
+            return NotImplemented
+        return all(getattr(self, f) == getattr(other, f) for f in self.FIELDS)
+
+    def __repr__(self) -> str:
+        return "CompletionOutput(" + ", ".join(f"{f}={getattr(self, f)!r}" for f in self.FIELDS) + ")"
 
 
 @dataclass(slots=True)
@@ -53,8 +108,7 @@ class RequestOutput:
         for c in later.outputs:
             m = mine.get(c.index)
             if m is None:  # a copy: `later` stays as it was
-                lps = list(c.logprobs) if c.logprobs is not None else None
-                m = mine[c.index] = replace(c, token_ids=list(c.token_ids), logprobs=lps)
+                m = mine[c.index] = c.copy()
                 self.outputs.append(m)
                 continue
             m.text += c.text

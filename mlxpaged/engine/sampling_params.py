@@ -13,7 +13,7 @@ GREEDY_TEMPERATURE = 1e-5  # temperatures below it sample greedily
 OUTPUT_KINDS = ("cumulative", "delta")  # vLLM's RequestOutputKind.CUMULATIVE and DELTA
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingParams:
     """How to sample the completions of one prompt.
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, _byte_decoder
 
 from ..core.sequence import FinishReason, Request, Sequence
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import CompletionOutput, IdsSnapshot, RequestOutput
 
 
 class StopChecker:
@@ -297,7 +297,7 @@ def make_output(req: Request, tokenizer) -> RequestOutput:
             CompletionOutput(  # positional: keywords cost a dict per call
                 s.sample_index,
                 text,
-                s.token_ids[s.num_prompt_tokens :],  # a fresh slice: the output's own list
+                IdsSnapshot(s.token_ids, s.num_prompt_tokens, len(s.token_ids)),  # copied when read
                 reason.value if reason is not None else None,
                 list(s.logprobs) if want_logprobs else None,
                 None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import replace
 
 import mlx.core as mx
@@ -44,6 +45,45 @@ def _rows(tables: list[BlockIds]) -> np.ndarray | list[list[int]]:
     return out
 
 
+class DecodeTables:
+    """One group's block tables of the last decode step, as a matrix kept between steps.
+
+    A decode step's sequences are usually the last one's, in order, and few of their tables
+    changed since (one sequence in `block_size` takes a new block each step): only those rows are
+    copied again, from their ids' buffers; any other batch rebuilds the matrix (`_rows`).
+    Invariant: for each row i, `rows[i, :lens[i]]` are `tables[i]`'s ids as of `versions[i]`
+    (`BlockIds.version`); its later entries are zero or stale, never read (each row's context
+    length ends before them); `rows` has `max(lens)` columns.
+    """
+
+    def __init__(self):
+        self.tables: list[BlockIds] = []
+        self.versions: list[int] = []
+        self.lens: list[int] = []
+        self.rows = np.zeros((0, 0), dtype=np.int32)  # [S, max(lens)] int32
+
+    def matrix(self, tables: list[BlockIds]) -> np.ndarray:
+        """`[len(tables), the longest]` int32: row i table i's ids (`_rows`' matrix)."""
+        versions = [t.version for t in tables]
+        old = self.tables
+        if len(tables) != len(old) or not all(map(operator.is_, tables, old)):
+            self.rows = np.asarray(_rows(tables), dtype=np.int32)
+            self.tables, self.versions, self.lens = tables, versions, [len(t.list) for t in tables]
+        elif versions != self.versions:
+            for i in [i for i, (v, w) in enumerate(zip(versions, self.versions)) if v != w]:
+                t = tables[i]
+                n = self.lens[i] = len(t.list)
+                if n > self.rows.shape[1]:
+                    wider = np.zeros((len(tables), n), dtype=np.int32)
+                    wider[:, : self.rows.shape[1]] = self.rows
+                    self.rows = wider
+                self.rows[i, :n] = t.buf[:n]
+            self.versions = versions
+            if max(self.lens) < self.rows.shape[1]:  # tables shrank (speculation's rollback)
+                self.rows = np.ascontiguousarray(self.rows[:, : max(self.lens)])
+        return self.rows
+
+
 class ModelRunner:
     """Owns the model and its paged KV cache; knows nothing about scheduling."""
 
@@ -63,6 +103,7 @@ class ModelRunner:
         self.checkpoints = checkpoints  # recurrent-state checkpoints for prefix hits, or None
         self.two_groups = any(kv_cache.groups)  # windowed layers read their own group's tables
         self._aranges: dict[int, tuple[mx.array, mx.array]] = {}  # `_steps`, by batch size
+        self._tables = (DecodeTables(), DecodeTables())  # the decode steps' tables: full, windowed group
 
     def forward(
         self,
@@ -87,7 +128,7 @@ class ModelRunner:
         """
         spec_tokens = spec_tokens or {}
         if not spec_tokens and not all_rows and {n for _, n in batch} == {1}:
-            return self._run(batch, self._input_ids(batch, len(batch), spec_tokens), self._decode_meta(batch))
+            return self._run(batch, self._decode_ids(batch), self._decode_meta(batch))
         bs = self.block_size
         num_seqs = len(batch)
         q_lens = np.array([n for _, n in batch], dtype=np.int32)
@@ -131,18 +172,18 @@ class ModelRunner:
 
     def _decode_meta(self, batch: list[tuple[Sequence, int]]) -> AttentionMetadata:
         """`forward`'s metadata when every entry is one token (the decode steps): the same arrays,
-        the block tables copied from each sequence's `table_ids` rows (no Python work per block)."""
+        the block tables kept between steps (`DecodeTables`: no Python work per block), the rest
+        from lists (cheaper than numpy's operations at these sizes)."""
         bs = self.block_size
         seqs = [s for s, _ in batch]
         starts = [s.num_computed_tokens for s in seqs]
         # the slot: the token's block is always in the table
         slots = [s.table_ids.list[p // bs] * bs + p % bs for s, p in zip(seqs, starts)]
         cu, last = self._steps(len(batch))
-        positions = mx.array(starts, dtype=mx.int32)
         meta = AttentionMetadata(
             slot_mapping=mx.array(slots, dtype=mx.int32),
-            positions=positions,
-            block_tables=mx.array(_rows([s.table_ids for s in seqs]), dtype=mx.int32),
+            positions=mx.array(starts, dtype=mx.int32),
+            block_tables=mx.array(self._tables[0].matrix([s.table_ids for s in seqs])),
             cu_seqlens_q=cu,
             context_lens=mx.array([p + 1 for p in starts], dtype=mx.int32),  # (a list: cheaper than an op)
             logits_indices=last,
@@ -153,7 +194,7 @@ class ModelRunner:
             meta.window = replace(
                 meta,
                 slot_mapping=mx.array([t[p // bs] * bs + p % bs for t, p in zip(wids, starts)], dtype=mx.int32),
-                block_tables=mx.array(_rows([s.window_ids for s in seqs]), dtype=mx.int32),
+                block_tables=mx.array(self._tables[1].matrix([s.window_ids for s in seqs])),
                 scratch={},
             )
         return meta
@@ -178,6 +219,17 @@ class ModelRunner:
         if all_rows:
             last = np.concatenate([last] + [np.arange(cu[i], cu[i + 1]) for i in all_rows])
         return last.astype(np.int32)
+
+    def _decode_ids(self, batch: list[tuple[Sequence, int]]) -> mx.array:
+        """A decode step's input ids: every row's known next token, or every row's pending one
+        (then usually the last step's token array itself); a mix takes `_input_ids`. (The
+        scheduler decodes a sequence only with one token uncomputed: a pending token is the last.)"""
+        pending = [s.pending for s, _ in batch]
+        if not any(pending):
+            return mx.array([s.token_ids[s.num_computed_tokens] for s, _ in batch], dtype=mx.int32)
+        if all(pending):
+            return gather_rows([(p.tokens, p.row) for p in pending]).astype(mx.int32)
+        return self._input_ids(batch, len(batch), {})
 
     @staticmethod
     def _input_ids(batch: list[tuple[Sequence, int]], total: int, spec_tokens: dict[int, list[int]]) -> mx.array:
