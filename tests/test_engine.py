@@ -93,6 +93,8 @@ def test_decode_tables_follow_every_change_of_a_table():
     """The decode steps' table matrix, kept between steps, equals the tables after each kind of
     change the block manager makes (a new block, a copy-on-write of the last, a rollback, a
     batch of other sequences), including changes that keep a table's length."""
+    import numpy as np
+
     from mlxpaged.core.sequence import BlockIds
     from mlxpaged.worker.model_runner import DecodeTables
 
@@ -122,7 +124,7 @@ def test_decode_tables_follow_every_change_of_a_table():
     ]
     for change in changes:
         change()
-        m = dt.matrix(list(tables))
+        m = np.array(dt.array(list(tables)))  # the MLX array a step passes
         assert m.dtype.name == "int32" and m.shape == (len(tables), max(len(t.list) for t in tables))
         assert visible(m, tables) == padded(tables)
 

@@ -54,6 +54,8 @@ class BlockPool:
         self.chunk_blocks = 0
         self._device_blocks = num_blocks  # the size the device pools were last told (take_resize)
         self._copies: list[tuple[int, int]] = []  # block copies (trim) the device pools have not made yet
+        # the sum of every block's ref_cnt, i.e. the blocks the tables would hold without sharing
+        self.num_refs = 0
 
     @property
     def num_free(self) -> int:
@@ -136,6 +138,7 @@ class BlockPool:
         if block.block_hash is not None:
             self._uncache(block)
         block.ref_cnt = 1
+        self.num_refs += 1
         return block
 
     def acquire(self, block: Block) -> None:
@@ -143,12 +146,14 @@ class BlockPool:
         if block.ref_cnt == 0:
             del self.free_queue[block.block_id]
         block.ref_cnt += 1
+        self.num_refs += 1
 
     def release(self, block: Block) -> None:
         """Drop a reference; at zero the block joins the tail of the free queue, still cached."""
         if block.ref_cnt <= 0:
             raise RuntimeError(f"block {block.block_id} released with ref_cnt {block.ref_cnt}")
         block.ref_cnt -= 1
+        self.num_refs -= 1
         if block.ref_cnt == 0:
             self.free_queue[block.block_id] = block
 
@@ -179,5 +184,6 @@ class BlockPool:
             assert b.ref_cnt >= 0
             if b.block_hash is not None:
                 assert self.cached.get(b.block_hash) is b
+        assert self.num_refs == sum(b.ref_cnt for b in self.blocks), "num_refs differs from the blocks' ref_cnt"
         for h, b in self.cached.items():
             assert b.block_hash == h

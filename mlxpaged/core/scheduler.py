@@ -149,6 +149,11 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
 
+    @property
+    def num_running_seqs(self) -> int:
+        """Live samples of the running requests."""
+        return self._num_running_seqs
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

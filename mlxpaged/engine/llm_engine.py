@@ -701,18 +701,14 @@ class LLMEngine:
         return progressed
 
     def _track_peaks(self) -> None:
-        st = self.stats
-        num_seqs = num_blocks = 0
-        for r in self.scheduler.running.values():
-            for s in r.seqs:
-                if s.finish_reason is None:
-                    num_seqs += 1
-                    num_blocks += len(s.block_table)
-        st.blocks_in_use_peak = max(st.blocks_in_use_peak, self.block_manager.pool.num_used)
+        """The gauges' peaks, from counters the pool and the scheduler keep (no walk over the
+        sequences: every table entry holds one reference, `BlockManager.check`)."""
+        st, pool = self.stats, self.block_manager.pool
+        st.blocks_in_use_peak = max(st.blocks_in_use_peak, pool.num_used)
         if (wpool := self.block_manager.window_pool) is not None:
             st.window_blocks_in_use_peak = max(st.window_blocks_in_use_peak, wpool.num_used)
-        st.blocks_without_sharing_peak = max(st.blocks_without_sharing_peak, num_blocks)
-        st.running_seqs_peak = max(st.running_seqs_peak, num_seqs)
+        st.blocks_without_sharing_peak = max(st.blocks_without_sharing_peak, pool.num_refs)
+        st.running_seqs_peak = max(st.running_seqs_peak, self.scheduler.num_running_seqs)
 
     # -- introspection ---------------------------------------------------------------------------
     def live_sequences(self) -> list[Sequence]:
@@ -720,6 +716,8 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         self.block_manager.check(self.live_sequences())
+        running = sum(not s.finished for r in self.scheduler.running.values() for s in r.seqs)
+        assert self.scheduler.num_running_seqs == running, "running samples miscounted"
 
     def stats_dict(self) -> dict:
         """Every counter and gauge of this engine (engine/stats.py)."""

@@ -53,7 +53,8 @@ class DecodeTables:
     copied again, from their ids' buffers; any other batch rebuilds the matrix (`_rows`).
     Invariant: for each row i, `rows[i, :lens[i]]` are `tables[i]`'s ids as of `versions[i]`
     (`BlockIds.version`); its later entries are zero or stale, never read (each row's context
-    length ends before them); `rows` has `max(lens)` columns.
+    length ends before them); `rows` has `max(lens)` columns; `mx_rows`, unless None, is `rows` as
+    an MLX array (the step's `block_tables`: a step with no table changed reuses the last one's).
     """
 
     def __init__(self):
@@ -61,6 +62,14 @@ class DecodeTables:
         self.versions: list[int] = []
         self.lens: list[int] = []
         self.rows = np.zeros((0, 0), dtype=np.int32)  # [S, max(lens)] int32
+        self.mx_rows: mx.array | None = None  # [S, max(lens)] int32
+
+    def array(self, tables: list[BlockIds]) -> mx.array:
+        """`matrix(tables)` as an MLX array (arrays are immutable: steps may share one)."""
+        rows = self.matrix(tables)
+        if self.mx_rows is None:
+            self.mx_rows = mx.array(rows)
+        return self.mx_rows
 
     def matrix(self, tables: list[BlockIds]) -> np.ndarray:
         """`[len(tables), the longest]` int32: row i table i's ids (`_rows`' matrix)."""
@@ -69,7 +78,9 @@ class DecodeTables:
         if len(tables) != len(old) or not all(map(operator.is_, tables, old)):
             self.rows = np.asarray(_rows(tables), dtype=np.int32)
             self.tables, self.versions, self.lens = tables, versions, [len(t.list) for t in tables]
+            self.mx_rows = None
         elif versions != self.versions:
+            self.mx_rows = None
             for i in [i for i, (v, w) in enumerate(zip(versions, self.versions)) if v != w]:
                 t = tables[i]
                 n = self.lens[i] = len(t.list)
@@ -183,7 +194,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=mx.array(slots, dtype=mx.int32),
             positions=mx.array(starts, dtype=mx.int32),
-            block_tables=mx.array(self._tables[0].matrix([s.table_ids for s in seqs])),
+            block_tables=self._tables[0].array([s.table_ids for s in seqs]),
             cu_seqlens_q=cu,
             context_lens=mx.array([p + 1 for p in starts], dtype=mx.int32),  # (a list: cheaper than an op)
             logits_indices=last,
@@ -194,7 +205,7 @@ class ModelRunner:
             meta.window = replace(
                 meta,
                 slot_mapping=mx.array([t[p // bs] * bs + p % bs for t, p in zip(wids, starts)], dtype=mx.int32),
-                block_tables=mx.array(self._tables[1].matrix([s.window_ids for s in seqs])),
+                block_tables=self._tables[1].array([s.window_ids for s in seqs]),
                 scratch={},
             )
         return meta
