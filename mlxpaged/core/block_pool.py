@@ -7,7 +7,9 @@ Invariants (checked by `BlockPool.check()` and the property tests):
   in use (`ref_cnt > 0`, not in `free_queue`);
 - a block with a `block_hash` is full and holds exactly `token_ids`; it may be free and still
   cached ("evictable"): the free queue is then also the LRU order of eviction;
-- `cached[h]` is the one block registered under hash `h`, and that block's `block_hash == h`.
+- `cached[h]` is the one block registered under hash `h`, and that block's `block_hash == h`;
+- `num_refs` is the sum of every block's `ref_cnt` (each table entry holds one reference, so it
+  is the number of blocks the tables would hold without sharing).
 
 A growable pool (`enable_growth`) changes only its own bookkeeping when it grows or trims: it
 calls nothing above it. The device pools follow through `take_resize`, which the scheduler
@@ -54,8 +56,7 @@ class BlockPool:
         self.chunk_blocks = 0
         self._device_blocks = num_blocks  # the size the device pools were last told (take_resize)
         self._copies: list[tuple[int, int]] = []  # block copies (trim) the device pools have not made yet
-        # the sum of every block's ref_cnt, i.e. the blocks the tables would hold without sharing
-        self.num_refs = 0
+        self.num_refs = 0  # every block's ref_cnt, summed (the module's invariants)
 
     @property
     def num_free(self) -> int:
