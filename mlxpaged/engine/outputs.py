@@ -75,10 +75,17 @@ class CompletionOutput:
 
     def copy(self) -> CompletionOutput:
         """A copy with lists of its own."""
-        c = CompletionOutput(*(getattr(self, f) for f in self.FIELDS))
-        c.token_ids = list(self.token_ids)
-        c.logprobs = list(self.logprobs) if self.logprobs is not None else None
-        return c
+        lps = list(self.logprobs) if self.logprobs is not None else None
+        return CompletionOutput(
+            self.index,
+            self.text,
+            list(self.token_ids),
+            self.finish_reason,
+            lps,
+            self.cumulative_logprob,
+            self.score,
+            self.stop_reason,
+        )
 
     def __eq__(self, other) -> bool:
         if type(other) is not CompletionOutput:

@@ -90,8 +90,9 @@ class DecodeTables:
                     self.rows = wider
                 self.rows[i, :n] = t.buf[:n]
             self.versions = versions
-            if max(self.lens) < self.rows.shape[1]:  # tables shrank (speculation's rollback)
-                self.rows = np.ascontiguousarray(self.rows[:, : max(self.lens)])
+            width = max(self.lens)
+            if width < self.rows.shape[1]:  # tables shrank (speculation's rollback)
+                self.rows = np.ascontiguousarray(self.rows[:, :width])
         return self.rows
 
 
