@@ -129,6 +129,52 @@ def test_decode_tables_follow_every_change_of_a_table():
         assert visible(m, tables) == padded(tables)
 
 
+def test_row_plans_follow_the_scheduled_samples(tiny_loaded, mlx_lm_tiny):
+    """A decode-only step reuses the last one's `RowPlan` (who draws from which logits row) only
+    while it decodes the same samples in the same order: here a request joins beside the same
+    decodes, requests finish, one is aborted and another takes its place (as many rows, other
+    samples), samples fork (n = 2) and greedy rows mix with sampled ones; every sample's tokens
+    are mlx-lm's, and between decode-only steps of equal size plans were both reused and rebuilt."""
+    ref_model, tok = mlx_lm_tiny
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=64, max_num_seqs=3, attention_impl="reference"))
+    prompts = [tok.encode(f"{PROMPTS[i % 2]} {i}") for i in range(7)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=12 + 3 * i, ignore_eos=True)
+        if i % 2 == 0
+        else SamplingParams(temperature=0.8, top_k=20, n=1 + (i == 3), seed=i, max_tokens=9, ignore_eos=True)
+        for i in range(7)
+    ]
+    plan, seen = engine._plan, {"reused": 0, "rebuilt": 0}
+
+    def counting(out):
+        last, got = engine._last_plan, plan(out)
+        if not out.prefills and last is not None and len(out.decodes) == len(last.decodes or ()):
+            seen["reused" if got is last else "rebuilt"] += 1
+        return got
+
+    engine._plan = counting
+    done = {}
+    for i in (0, 1):
+        engine.add_request(prompts[i], params[i], request_id=str(i))
+    for step in range(200):
+        if step == 3:  # a prefill beside the last decode-only step's decodes
+            engine.add_request(prompts[6], params[6], request_id="6")
+        if step == 6:  # another sample in the aborted one's row
+            assert engine.abort_request("1")
+            for i in range(2, 6):
+                engine.add_request(prompts[i], params[i], request_id=str(i))
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.check_invariants()
+        if not engine.has_unfinished_requests():
+            break
+    assert sorted(done) == ["0", "2", "3", "4", "5", "6"]
+    for i in (0, 2, 3, 4, 5, 6):
+        sp = params[i]
+        for j, c in enumerate(done[str(i)].outputs):
+            assert c.token_ids == contiguous_generate(ref_model, prompts[i], sp.max_tokens, sp, seed=i, sample_index=j)
+    assert seen["reused"] >= 5 and seen["rebuilt"] >= 1, seen
+
+
 def test_n_samples_share_prompt_blocks(tiny_loaded, mlx_lm_tiny):
     """44-token prompt, 4 samples of 64 tokens, block 16: 22 blocks in use against 28, 3 copies."""
     ref_model, tok = mlx_lm_tiny

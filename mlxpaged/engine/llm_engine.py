@@ -82,7 +82,7 @@ from .sampler import (
 from .sampling_params import SamplingParams, salt_key
 from .spec_decode import NgramProposer, Verifier, spec_draws, spec_rows
 from .stats import METRIC_KEYS, EngineStats, engine_stats
-from .step import LaunchedStep, StepLayer, requests_of
+from .step import LaunchedStep, Layers, RowPlan, requests_of
 from .stopping import StopChecker, detokenizers, hidden_token_ids, make_output
 
 if TYPE_CHECKING:  # annotations only: loading imports nothing of the engine
@@ -167,7 +167,7 @@ class LLMEngine:
         )
         self.stats = EngineStats()
         # The features beyond the plain pipeline, called at each of its stages in this order (step.py).
-        self.layers: list[StepLayer] = [self.drafter] if self.drafter is not None else []
+        self.layers = Layers([self.drafter] if self.drafter is not None else [])
         if config.speculative.method is not None:
             self.layers.append(Verifier(self.scheduler, self.stats, self.check_stop))
         self.layers.append(BeamLayer(self.scheduler, self.stats, lambda t: t in self.eos_token_ids))
@@ -180,6 +180,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self._inflight: LaunchedStep | None = None  # launched, not read back (overlapped steps)
+        self._last_plan: RowPlan | None = None  # the last decode-only step's (`_plan`)
         self._carried: list[Request] = []  # read back during a failed step: reported at the next
         self._last_read = 0.0
         self._grammars: GrammarCompiler | None = None  # built by the first guided request
@@ -219,7 +220,7 @@ class LLMEngine:
         (the same block ids)."""
         self.kv_cache.resize(num_blocks, copies, group)
         if group == 0:
-            for layer in self.layers:
+            for layer in self.layers.resize:
                 layer.resize(num_blocks, copies)
 
     def _open_prefix_store(self):
@@ -258,7 +259,7 @@ class LLMEngine:
             from ..attention.metal import check_pools
 
             check_pools(self.loaded.model.args.num_attention_heads, self.kv_cache.keys)
-            for layer in self.layers:
+            for layer in self.layers.check_kernels:
                 layer.check_kernels()
 
     @property
@@ -455,12 +456,14 @@ class LLMEngine:
             self._resize_pools(*out.resize)
         if out.window_resize:
             self._resize_pools(*out.window_resize, group=1)
-        for layer in self.layers:
+        for layer in self.layers.scheduled:
             layer.scheduled(out)
         return out
 
     def _idle(self, prev: LaunchedStep | None, progressed: list[Request]) -> list[Request]:
-        """Nothing to launch: read back the step in flight, if any."""
+        """Nothing to launch: read back the step in flight, if any. The last plan goes (an idle
+        engine holds no finished request through it)."""
+        self._last_plan = None
         if prev is None:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress")  # guarded by _check_fits
@@ -476,7 +479,7 @@ class LLMEngine:
         the next schedule (a row may speculate on them, `read_back_now`; a layer's, e.g. beams)."""
         if not self.config.scheduler.async_scheduling or step.out.read_back_now:
             return False
-        return not any(layer.reads_at_once(step) for layer in self.layers)
+        return not any(layer.reads_at_once(step) for layer in self.layers.reads_at_once)
 
     def _draw_guided(self, step: LaunchedStep) -> None:
         """Guided rows draw once the step before is read back: their masks needed its tokens."""
@@ -526,31 +529,25 @@ class LLMEngine:
         launches its forward pass only: `step` builds the draws after reading back the step in
         flight, if any (`logits_rows` holds their logits meanwhile)."""
         t0 = time.perf_counter()
-        rows = self.scheduler.sample_rows(out)
-        logits, extra = self._forward(out)
-        pairs, index, beam_rows = [], [], []  # who draws from which logits row; the beams' rows
-        guided = False
-        for r in rows:
-            if r.request.beam is not None:
-                beam_rows.append(r)
-                continue
-            for s in r.seqs:
-                pairs.append((r.request, s))
-                index.append(r.row)
-                if s.matcher is not None:
-                    guided = True
+        plan = self._plan(out)
+        logits, extra = self._forward(out, plan.batch)
+        pairs, index, beam_rows = plan.pairs, plan.index, plan.beam_rows
         sampled = logits_rows = None
         todo = list(self.kv_cache.arrays)  # every pool array (a QuantizedPool is not an array)
-        spec = spec_rows(out, index)
+        spec, in_order = [], plan.in_order
+        if out.spec:
+            index = list(index)  # (the plan's list stays the plan's)
+            spec = spec_rows(out, index)
+            in_order = index == list(range(len(index)))
         if index:
-            if index != list(range(logits.shape[0])):
-                logits_rows = logits[mx.array(index)]
-            else:
+            if in_order and len(index) == logits.shape[0]:
                 logits_rows = logits
-            if guided:
+            else:
+                logits_rows = logits[mx.array(index)]
+            if plan.guided:
                 todo.append(logits_rows)
             else:
-                sampled = self._draws(pairs, logits_rows, spec)
+                sampled = self._draws(pairs, logits_rows, spec, plan)
                 todo += sampled.arrays()
                 logits_rows = None
         if beam_rows:
@@ -562,7 +559,7 @@ class LLMEngine:
             sampled,
             beam_rows,
             logits if beam_rows else None,
-            sum(c.num_tokens for c in out.prefills),
+            sum(c.num_tokens for c in out.prefills) if out.prefills else 0,
             t0,
             logits_rows,
             spec=spec,
@@ -573,18 +570,53 @@ class LLMEngine:
         self.stats.computed_prefill_tokens += step.num_prefill
         return step
 
+    def _plan(self, out: SchedulerOutput) -> RowPlan:
+        """Who draws from which logits row of `out` (`RowPlan`): the last decode-only step's plan
+        when `out` decodes the same samples in the same order, else a new one."""
+        decode_only = not out.prefills and not out.spec
+        last = self._last_plan
+        if decode_only and last is not None and out.decodes == last.decodes:  # (identity: eq=False)
+            return last
+        pairs, index, beam_rows = [], [], []
+        guided = False
+        for r in self.scheduler.sample_rows(out):
+            if r.request.beam is not None:
+                beam_rows.append(r)
+                continue
+            for s in r.seqs:
+                pairs.append((r.request, s))
+                index.append(r.row)
+                if s.matcher is not None:
+                    guided = True
+        params = [r.params for r, _ in pairs]
+        in_order = index == list(range(len(index)))
+        plan = RowPlan(pairs, index, beam_rows, guided, params, row_kinds(params), out.batch(), in_order, None)
+        if decode_only:
+            plan.decodes = out.decodes
+            self._last_plan = plan
+        return plan
+
     def _draws(
-        self, pairs: list[tuple[Request, Sequence]], logits_rows: mx.array, spec: list[tuple[SpecDecode, int]] = ()
+        self,
+        pairs: list[tuple[Request, Sequence]],
+        logits_rows: mx.array,
+        spec: list[tuple[SpecDecode, int]] = (),
+        plan: RowPlan | None = None,
     ) -> SampleArrays:
         """The draws of `pairs[j]` from `logits_rows[j]`, then the K+1 draws of each speculating
         row (`spec`), one graph: grammar masks for the guided rows, token histories for the rows
-        with penalties (see sampler.py). Speculating rows have neither (`SpecPolicy.speculates`)."""
-        params = [r.params for r, _ in pairs]
-        kinds = row_kinds(params)
+        with penalties (see sampler.py). Speculating rows have neither (`SpecPolicy.speculates`).
+        `plan`: the step's `RowPlan`, whose params and kinds are those of `pairs`, if at hand."""
+        if plan is None:
+            params = [r.params for r, _ in pairs]
+            kinds = row_kinds(params)
+        else:
+            params, kinds = plan.params, plan.kinds
         keys = [None] * len(pairs)  # only the rows that draw read theirs
         for i in kinds.drawn:
             keys[i] = pairs[i][1].current_key()
         if spec:
+            params = list(params)  # (a plan's list stays the plan's)
             spec_draws(spec, params, keys)
             kinds = row_kinds(params)
         histories = None
@@ -635,19 +667,19 @@ class LLMEngine:
                     self._too_slow[req] = why
         return GuideMasks(rows, bits)
 
-    def _forward(self, out: SchedulerOutput) -> tuple[mx.array, list]:
+    def _forward(self, out: SchedulerOutput, batch: list[tuple[Sequence, int]]) -> tuple[mx.array, list]:
         """The step's one forward pass over every scheduled token, lazily: the logits of each entry of
-        `out.batch()` (a speculating one's every position), and (layer, rows) for each layer that
+        `batch` (`out.batch()`; a speculating one's every position), and (layer, rows) for each layer that
         asked for every position of some entries (`StepLayer.logits_wanted`).
         Copy-on-write copies go first (they wait for the device: `copy_blocks` evaluates)."""
         self.kv_cache.copy_blocks(out.block_copies)
         self.kv_cache.copy_blocks(out.window_block_copies, group=1)
         wanted = []
-        for layer in self.layers:
+        for layer in self.layers.before_forward:
             layer.before_forward(out)
+        for layer in self.layers.logits_wanted:
             if entries := layer.logits_wanted(out):
                 wanted.append((layer, entries))
-        batch = out.batch()
         all_rows = [i for _, entries in wanted for i in entries]
         kw = {"spec_tokens": out.spec_tokens()} if out.spec else {}
         if all_rows:
@@ -674,7 +706,7 @@ class LLMEngine:
                 for j, (_, seq) in enumerate(step.pairs)
             ]
         self.scheduler.update_from_forward(step.out, pending)
-        for layer in self.layers:
+        for layer in self.layers.committed:
             layer.committed(step)
 
     def _read_back(self, step: LaunchedStep) -> list[Request]:
@@ -687,7 +719,7 @@ class LLMEngine:
                 step.step_id, step.pairs, step.tokens, step.logprobs, self.check_stop
             )
             self.stats.generation_tokens += len(progressed)
-        for layer in self.layers:
+        for layer in self.layers.read_back:
             progressed += layer.read_back(step)
         # Time between read-backs: with overlapped steps, one step's share of the wall clock.
         now = time.perf_counter()

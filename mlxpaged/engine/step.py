@@ -6,6 +6,8 @@ launch, commit, read back, report. A feature that needs more than the plain pipe
 tier, the draft model, speculation, beam search) is a `StepLayer` the engine registers when it is
 built, and the step calls every layer at each stage; the step itself names no feature. A new
 feature (cache groups for windowed layers, state slots for recurrent ones) is one more layer.
+A stage calls only the layers that define its hook (`Layers`), so a layer costs the steps it
+has nothing to do in nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ if TYPE_CHECKING:
 
     from ..core.scheduler import SampleRow, SchedulerOutput, SpecDecode
     from ..core.sequence import Request, Sequence
-    from .sampler import SampleArrays
+    from .sampler import RowKinds, SampleArrays
+    from .sampling_params import SamplingParams
 
 
 @dataclass
@@ -46,6 +49,32 @@ class LaunchedStep:
 
     def requests(self) -> list[Request]:
         return requests_of(self.out)
+
+
+@dataclass(slots=True)
+class RowPlan:
+    """Who draws from which logits row of a step: `pairs[j]` (request, sample) draws from row
+    `index[j]` with `params[j]` (the rows' kinds: `kinds`); `beam_rows` are the beam searches'
+    rows, ranked apart; `guided`: some row has a grammar; `batch`: the step's forward pass
+    (`SchedulerOutput.batch()`).
+
+    A decode-only step whose decodes are the last such step's samples in the same order (the
+    usual step) reuses that step's plan, so the step builds none of it per sample: nothing a plan
+    holds changes for a sample (a request's params and beam and a sample's matcher are set when
+    they are made). Invariant: `decodes` is the `out.decodes` the plan was made from when that
+    step was decode-only (no prefill chunk, no speculating row), else None; `in_order`: `index`
+    is `0, 1, ..., len(index) - 1`.
+    """
+
+    pairs: list[tuple[Request, Sequence]]
+    index: list[int]
+    beam_rows: list[SampleRow]
+    guided: bool
+    params: list[SamplingParams]
+    kinds: RowKinds
+    batch: list[tuple[Sequence, int]]
+    in_order: bool
+    decodes: list[tuple[Request, Sequence]] | None
 
 
 def requests_of(out: SchedulerOutput) -> list[Request]:
@@ -96,3 +125,49 @@ class StepLayer:
     def read_back(self, step: LaunchedStep) -> list[Request]:
         """The step's values are known; returns the requests that progressed through this layer."""
         return []
+
+
+HOOKS = (
+    "resize",
+    "check_kernels",
+    "scheduled",
+    "before_forward",
+    "logits_wanted",
+    "launched",
+    "committed",
+    "reads_at_once",
+    "read_back",
+)
+
+
+class Layers:
+    """The engine's step layers in registration order, and for each hook of `StepLayer` the list
+    of those whose class defines it (`layers.scheduled`, `layers.read_back`, ...): a stage loops
+    over that list only, so the plain decode step calls no layer that has nothing to do there.
+
+    Invariant: for every name h in `HOOKS`, `getattr(self, h)` is the layers of `self.all`, in
+    order, whose class overrides `StepLayer.h`.
+    """
+
+    def __init__(self, layers=()):
+        self.all: list[StepLayer] = []
+        self._index()
+        for layer in layers:
+            self.append(layer)
+
+    def append(self, layer: StepLayer) -> None:
+        if not isinstance(layer, StepLayer):
+            raise TypeError(f"a step layer must be a StepLayer, not {type(layer).__name__}")
+        self.all.append(layer)
+        self._index()
+
+    def __iter__(self):
+        return iter(self.all)
+
+    def __len__(self) -> int:
+        return len(self.all)
+
+    def _index(self) -> None:
+        for name in HOOKS:
+            base = getattr(StepLayer, name)
+            setattr(self, name, [x for x in self.all if getattr(type(x), name) is not base])
