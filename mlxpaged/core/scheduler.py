@@ -191,7 +191,9 @@ class Scheduler:
                     elif copies or copies.window:
                         out.add_copies(seq, copies)
                     out.decodes.append((req, seq))  # (a preemption rebuilds the list: no alias)
-        budget = self.config.scheduler.max_num_batched_tokens - out.num_decode_tokens
+        budget = self.config.scheduler.max_num_batched_tokens - (
+            out.num_decode_tokens if out.spec else len(out.decodes)
+        )
         if self.config.scheduler.prefill_order == "shortest":
             self._schedule_shortest_first(prefilling, budget, out)
         else:

@@ -156,6 +156,8 @@ class BeamLayer(StepLayer):
         return bool(step.beam_rows)  # beams fork and drop on the values before the next schedule
 
     def read_back(self, step: LaunchedStep) -> list:
+        if not step.beam_rows:
+            return []
         beams: dict = {}
         for r in step.beam_rows:
             beams.setdefault(r.request, {}).update({s: r.row for s in r.seqs})

@@ -633,9 +633,8 @@ class LLMEngine:
                 for r, s in pairs
             ]
             histories += [None] * (len(params) - len(pairs))
-        return sample_arrays(
-            logits_rows, params, keys, masks=self._guide_masks(pairs), histories=histories, kinds=kinds
-        )
+        masks = self._guide_masks(pairs) if plan is None or plan.guided else None
+        return sample_arrays(logits_rows, params, keys, masks=masks, histories=histories, kinds=kinds)
 
     def _guide_masks(self, pairs: list[tuple[Request, Sequence]]) -> GuideMasks | None:
         """Fill the grammar masks of the guided rows on the CPU; None when there are none.
@@ -672,8 +671,10 @@ class LLMEngine:
         `batch` (`out.batch()`; a speculating one's every position), and (layer, rows) for each layer that
         asked for every position of some entries (`StepLayer.logits_wanted`).
         Copy-on-write copies go first (they wait for the device: `copy_blocks` evaluates)."""
-        self.kv_cache.copy_blocks(out.block_copies)
-        self.kv_cache.copy_blocks(out.window_block_copies, group=1)
+        if out.copies:
+            self.kv_cache.copy_blocks(out.block_copies)
+        if out.window_copies:
+            self.kv_cache.copy_blocks(out.window_block_copies, group=1)
         wanted = []
         for layer in self.layers.before_forward:
             layer.before_forward(out)

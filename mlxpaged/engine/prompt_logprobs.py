@@ -45,6 +45,8 @@ class PromptLogprobs(StepLayer):
         self._partial: dict[Request, list] = {}  # request -> P entries being filled, chunk by chunk
 
     def logits_wanted(self, out: SchedulerOutput) -> list[int]:
+        if not out.prefills:  # (the decode steps: most steps)
+            return []
         first = len(out.decodes)
         return [first + i for i, c in enumerate(out.prefills) if _wants(c)]
 
@@ -68,6 +70,8 @@ class PromptLogprobs(StepLayer):
         return todo
 
     def read_back(self, step: LaunchedStep) -> list[Request]:
+        if not self._partial and self not in step.held:  # (no prompt being scored: most steps)
+            return []
         for req, start, chosen, top in step.held.pop(self, ()):
             entries = self._partial.setdefault(req, [None] * req.num_prompt_tokens)
             ids, vals = (top[0].tolist(), top[1].tolist()) if top is not None else (None, None)
