@@ -129,7 +129,11 @@ def main() -> None:
     import mlx.core as mx
 
     sides = {"a": Side(pkg_a, mx), "b": Side(pkg_b, mx)}
-    result = {"command": "python scripts/bench_step_pair.py " + " ".join(sys.argv[1:]), "by_seqs": {}}
+    result = {
+        "command": "python scripts/bench_step_pair.py " + " ".join(sys.argv[1:]),
+        "packages": {"a": [pkg_a.__name__, pkg_a.__file__], "b": [pkg_b.__name__, pkg_b.__file__]},
+        "by_seqs": {},
+    }
     print(f"ms per step, median of {args.rounds} rounds of {args.steps}-step blocks (range); ratio A/B within a round")
     print(f"{'seqs':>4} | {'':>4} | {'A':>22} | {'B':>22} | {'A/B':>22}")
     for n in seqs:

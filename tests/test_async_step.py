@@ -342,6 +342,34 @@ def test_bench_step_runs_and_rejects_bad_input():
     assert bad.returncode != 0 and "--seqs" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_bench_step_pair_runs_two_checkouts_in_one_process(tmp_path):
+    """scripts/bench_step_pair.py imports checkout A beside B (`mlxpaged_a`, from A's own files)
+    and reports each round's blocks and their ratio; bad input is one line."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    script, out = str(root / "scripts" / "bench_step_pair.py"), tmp_path / "pair.json"
+    args = ["--a", str(root), "--b", str(root), "--seqs", "2", "--rounds", "2", "--steps", "4", "--vocab", "512"]
+    ok = subprocess.run(
+        [sys.executable, script, *args, "--json", str(out)], capture_output=True, text=True, timeout=300
+    )
+    assert ok.returncode == 0, ok.stderr
+    got = json.loads(out.read_text())
+    assert got["packages"]["a"] == ["mlxpaged_a", str(root / "mlxpaged" / "__init__.py")]
+    assert got["packages"]["b"] == ["mlxpaged", str(root / "mlxpaged" / "__init__.py")]
+    for kind in ("host", "cpu"):
+        row = got["by_seqs"]["2"][kind]
+        assert len(row["a"]) == len(row["b"]) == 2 and all(x > 0 for x in row["a"] + row["b"])
+        assert row["ratio"] == [a / b for a, b in zip(row["a"], row["b"])]
+    bad = subprocess.run(
+        [sys.executable, script, "--a", str(root), "--seqs", "1,x"], capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode != 0 and "--seqs" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_a_layer_joins_every_stage_of_the_step(tiny_loaded, mlx_lm_tiny):
     """A feature is a `StepLayer` the engine calls at each stage (engine/step.py), with no branch in
     `step()`: a recording layer sees every launched step go scheduled -> before_forward ->

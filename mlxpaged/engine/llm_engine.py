@@ -533,7 +533,7 @@ class LLMEngine:
         logits, extra = self._forward(out, plan.batch)
         pairs, index, beam_rows = plan.pairs, plan.index, plan.beam_rows
         sampled = logits_rows = None
-        todo = list(self.kv_cache.arrays)  # every pool array (a QuantizedPool is not an array)
+        todo = self.kv_cache.arrays  # every pool array, a new list (a QuantizedPool is not an array)
         spec, in_order = [], plan.in_order
         if out.spec:
             index = list(index)  # (the plan's list stays the plan's)
@@ -700,8 +700,11 @@ class LLMEngine:
         """The step's tokens are computed (block tables, hashes, forks); its draws become pending."""
         pending = []
         s = step.sampled
-        if s is not None:
-            key_row = {i: j for j, i in enumerate(s.sampled)}  # empty when every row is greedy
+        if s is not None and not s.sampled:  # every row greedy: no keys
+            sid, tokens = step.step_id, s.tokens
+            pending = [(seq, PendingToken(sid, tokens, j, None, 0)) for j, (_, seq) in enumerate(step.pairs)]
+        elif s is not None:
+            key_row = {i: j for j, i in enumerate(s.sampled)}
             pending = [
                 (seq, PendingToken(step.step_id, s.tokens, j, s.keys if j in key_row else None, key_row.get(j, 0)))
                 for j, (_, seq) in enumerate(step.pairs)

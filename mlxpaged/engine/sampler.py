@@ -417,7 +417,7 @@ def sample_arrays(
             toks = drawn.astype(toks.dtype)
         else:
             toks[idx] = drawn.astype(toks.dtype)
-    top = min(max((params[i].logprobs for i in rows), default=0), logits.shape[-1])
+    top = min(max(params[i].logprobs for i in rows), logits.shape[-1]) if rows else 0
     lp = _logprob_arrays(logits, toks, rows, top) if rows else (None, None, None)
     return SampleArrays(params, toks, sampled, drawn_keys, rows, top, *lp)
 
