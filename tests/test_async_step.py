@@ -370,6 +370,29 @@ def test_bench_step_pair_runs_two_checkouts_in_one_process(tmp_path):
     assert bad.returncode != 0 and "--seqs" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_layers_list_each_hook_s_own_layers():
+    """`Layers` gives each hook the layers whose class defines it, in registration order (a stage
+    calls only those); a subclass inherits its parent's hooks; anything else is refused."""
+    from mlxpaged.engine.step import HOOKS, Layers, StepLayer
+
+    class Reads(StepLayer):
+        def read_back(self, step):
+            return []
+
+    class Scheduled(Reads):
+        def scheduled(self, out):
+            pass
+
+    a, b, c = Reads(), Scheduled(), StepLayer()
+    layers = Layers([a, b])
+    layers.append(c)
+    assert layers.all == [a, b, c] and list(layers) == [a, b, c] and len(layers) == 3
+    assert layers.read_back == [a, b] and layers.scheduled == [b]
+    assert all(getattr(layers, h) == [] for h in HOOKS if h not in ("read_back", "scheduled"))
+    with pytest.raises(TypeError, match="StepLayer"):
+        layers.append(object())
+
+
 def test_a_layer_joins_every_stage_of_the_step(tiny_loaded, mlx_lm_tiny):
     """A feature is a `StepLayer` the engine calls at each stage (engine/step.py), with no branch in
     `step()`: a recording layer sees every launched step go scheduled -> before_forward ->

@@ -4,10 +4,10 @@
 `LLMEngine.step` runs the same five stages for every step (docs/architecture.md): schedule,
 launch, commit, read back, report. A feature that needs more than the plain pipeline (the disk
 tier, the draft model, speculation, beam search) is a `StepLayer` the engine registers when it is
-built, and the step calls every layer at each stage; the step itself names no feature. A new
-feature (cache groups for windowed layers, state slots for recurrent ones) is one more layer.
-A stage calls only the layers that define its hook (`Layers`), so a layer costs the steps it
-has nothing to do in nothing.
+built, and each stage calls the layers that define its hook (`Layers`: a layer costs the
+stages it has nothing to do in nothing); the step itself names no feature. A new feature (cache
+groups for windowed layers, state slots for recurrent ones) is one more layer. `RowPlan` is who
+draws from which logits row, kept while the decodes stay the same.
 """
 
 from __future__ import annotations
