@@ -87,7 +87,7 @@ class SchedulerOutput:
     def num_decode_tokens(self) -> int:
         """Tokens the decodes compute: one each, plus a speculating row's proposals (vLLM's
         `num_tokens_with_spec` less what is computed): speculation is just more scheduled tokens."""
-        return len(self.decodes) + sum(1 + len(d.proposal) for d in self.spec)
+        return len(self.decodes) + (sum(1 + len(d.proposal) for d in self.spec) if self.spec else 0)
 
     @property
     def empty(self) -> bool:
@@ -191,9 +191,7 @@ class Scheduler:
                     elif copies or copies.window:
                         out.add_copies(seq, copies)
                     out.decodes.append((req, seq))  # (a preemption rebuilds the list: no alias)
-        budget = self.config.scheduler.max_num_batched_tokens - (
-            out.num_decode_tokens if out.spec else len(out.decodes)
-        )
+        budget = self.config.scheduler.max_num_batched_tokens - out.num_decode_tokens
         if self.config.scheduler.prefill_order == "shortest":
             self._schedule_shortest_first(prefilling, budget, out)
         else:

@@ -590,9 +590,9 @@ class LLMEngine:
                     guided = True
         params = [r.params for r, _ in pairs]
         in_order = index == list(range(len(index)))
-        plan = RowPlan(pairs, index, beam_rows, guided, params, row_kinds(params), out.batch(), in_order, None)
+        decodes = out.decodes if decode_only else None
+        plan = RowPlan(pairs, index, beam_rows, guided, params, row_kinds(params), out.batch(), in_order, decodes)
         if decode_only:
-            plan.decodes = out.decodes
             self._last_plan = plan
         return plan
 
