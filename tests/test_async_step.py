@@ -391,6 +391,15 @@ def test_layers_list_each_hook_s_own_layers():
     assert all(getattr(layers, h) == [] for h in HOOKS if h not in ("read_back", "scheduled"))
     with pytest.raises(TypeError, match="StepLayer"):
         layers.append(object())
+    # a dormant layer keeps its place in the order and joins its stages when woken
+    d = Scheduled()
+    layers = Layers([a])
+    layers.append(d, dormant=True)
+    layers.append(b)
+    assert layers.all == [a, d, b] and layers.read_back == [a, b] and layers.scheduled == [b]
+    layers.wake(d)
+    layers.wake(d)  # (again: nothing changes)
+    assert layers.read_back == [a, d, b] and layers.scheduled == [d, b] and layers.dormant == []
 
 
 def test_a_layer_joins_every_stage_of_the_step(tiny_loaded, mlx_lm_tiny):

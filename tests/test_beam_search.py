@@ -91,6 +91,35 @@ def test_beams_beside_ordinary_requests_and_through_llm(tiny_loaded, mlx_lm_tiny
     assert other not in llm.engine._requests  # the greedy request ran in the same batches and finished
 
 
+def test_beams_join_a_running_engine_with_overlapped_steps(tiny_loaded, mlx_lm_tiny):
+    """Beam search is a layer that sleeps until the first beam request (the plain step calls no
+    beam code); one arriving while ordinary requests decode with a step in flight still ranks
+    the reference's beams, and the ordinary requests keep mlx-lm's tokens."""
+    from mlxpaged.engine.beam_search import BeamLayer
+
+    ref_model, tok = mlx_lm_tiny
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=256, attention_impl="reference", async_scheduling=True))
+    plain = [tok.encode(p) for p in PROMPTS[1:]]
+    for i, p in enumerate(plain):
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True), request_id=f"plain{i}")
+    done = {}
+    for _ in range(4):
+        for o in engine.step():
+            done[o.request_id] = o
+    assert engine._inflight is not None  # a step in flight when the beams join
+    assert not any(isinstance(x, BeamLayer) for x in engine.layers.read_back + engine.layers.reads_at_once)
+    prompt = tok.encode(PROMPTS[0])
+    rid = engine.add_beam_request(prompt, BeamSearchParams(beam_width=3, max_tokens=10))
+    assert any(isinstance(x, BeamLayer) for x in engine.layers.read_back)
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            engine.check_invariants()
+            done[o.request_id] = o
+    assert_same(done[rid], reference_beam_search(ref_model, prompt, 3, 10, eos=set(tok.eos_token_ids)))
+    for i, p in enumerate(plain):
+        assert done[f"plain{i}"].outputs[0].token_ids == contiguous_generate(ref_model, p, 14)
+
+
 def test_preempted_beam_search_recomputes_to_the_same_beams(tiny_loaded, mlx_lm_tiny):
     ref_model, tok = mlx_lm_tiny
     prompts = [tok.encode(p) for p in PROMPTS]

@@ -191,19 +191,20 @@ class Scheduler:
                     elif copies or copies.window:
                         out.add_copies(seq, copies)
                     out.decodes.append((req, seq))  # (a preemption rebuilds the list: no alias)
-        budget = self.config.scheduler.max_num_batched_tokens - out.num_decode_tokens
-        if self.config.scheduler.prefill_order == "shortest":
-            self._schedule_shortest_first(prefilling, budget, out)
-        else:
-            for req in prefilling:
-                if budget <= 0:
-                    break
-                if req.status is RequestStatus.RUNNING:  # not preempted meanwhile
+        if prefilling or self.waiting:  # (not in the usual decode step)
+            budget = self.config.scheduler.max_num_batched_tokens - out.num_decode_tokens
+            if self.config.scheduler.prefill_order == "shortest":
+                self._schedule_shortest_first(prefilling, budget, out)
+            else:
+                for req in prefilling:
+                    if budget <= 0:
+                        break
+                    if req.status is RequestStatus.RUNNING:  # not preempted meanwhile
+                        budget = self._schedule_prefill(req, budget, out)
+                while self.waiting and budget > 0 and self._admissible():
+                    req = self.waiting.popleft()
+                    self._admit(req, out)
                     budget = self._schedule_prefill(req, budget, out)
-            while self.waiting and budget > 0 and self._admissible():
-                req = self.waiting.popleft()
-                self._admit(req, out)
-                budget = self._schedule_prefill(req, budget, out)
         out.read_back_now = speculate and self.spec.needs_read_back(out)
         out.resize = self.bm.pool.take_resize()
         if self.bm.window_pool is not None:

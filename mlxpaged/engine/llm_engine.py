@@ -170,8 +170,11 @@ class LLMEngine:
         self.layers = Layers([self.drafter] if self.drafter is not None else [])
         if config.speculative.method is not None:
             self.layers.append(Verifier(self.scheduler, self.stats, self.check_stop))
-        self.layers.append(BeamLayer(self.scheduler, self.stats, lambda t: t in self.eos_token_ids))
-        self.layers.append(PromptLogprobs())
+        # (dormant until a request asks for their feature: the plain step calls neither)
+        self._beams = BeamLayer(self.scheduler, self.stats, lambda t: t in self.eos_token_ids)
+        self.layers.append(self._beams, dormant=True)
+        self._prompt_logprobs = PromptLogprobs()
+        self.layers.append(self._prompt_logprobs, dormant=True)
         if checkpoints is not None:
             self.layers.append(CheckpointNamer(checkpoints))
         if self.prefix_store is not None:
@@ -324,6 +327,8 @@ class LLMEngine:
                 grammar = self.grammar_compiler.compile(params.guided)
             except ValueError as e:
                 raise MlxPagedError(str(e)) from None
+        if params.prompt_logprobs is not None:
+            self.layers.wake(self._prompt_logprobs)
         seed = params.seed if params.seed is not None else random.getrandbits(31)
         seqs = [
             Sequence(
@@ -347,6 +352,7 @@ class LLMEngine:
         sp = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
         req = Request(self._new_id(request_id), list(ids), sp, [Sequence(list(ids), len(ids))], text)
         req.beam = BeamState(params)
+        self.layers.wake(self._beams)
         return self._queue(req)
 
     def _prompt_ids(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
@@ -414,7 +420,8 @@ class LLMEngine:
         that step are aborted (their blocks freed) and the engine goes on with the others at
         the next call; tokens of the step before, read back meanwhile, come with the next call.
         """
-        self._fail_too_slow()
+        if self._too_slow:
+            self._fail_too_slow()
         progressed, self._carried = self._carried, []
         prev, self._inflight = self._inflight, None
         out = self._schedule()  # 1 schedule
@@ -427,7 +434,8 @@ class LLMEngine:
             if prev is not None:
                 progressed += self._read_back(prev)  # 4 read back step t, while t+1 runs
                 prev = None
-            self._draw_guided(cur)
+            if cur.logits_rows is not None:
+                self._draw_guided(cur)
             self._commit(cur)  # 3 commit
             if self._overlaps(cur):
                 self._inflight = cur
@@ -437,15 +445,16 @@ class LLMEngine:
             self._fail_step(out, prev, launched, progressed, e)
         self.stats.steps += 1
         self._track_peaks()
-        return self._report(progressed + [c.request for c in out.prefills])  # 5 report
+        if out.prefills:
+            progressed += [c.request for c in out.prefills]
+        return self._report(progressed)  # 5 report
 
     def _fail_too_slow(self) -> None:
         """Fail the guided requests whose masks spent their time budget (guided.py) in the last
         step; reported with this step's outputs."""
-        if self._too_slow:
-            slow, self._too_slow = self._too_slow, {}
-            if live := [r for r in slow if r.request_id in self._requests]:
-                self._fail(live, self._carried, GrammarTooSlow(slow[live[0]]))
+        slow, self._too_slow = self._too_slow, {}
+        if live := [r for r in slow if r.request_id in self._requests]:
+            self._fail(live, self._carried, GrammarTooSlow(slow[live[0]]))
 
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's next step; the device pools take the pool's new size before any block
@@ -483,10 +492,9 @@ class LLMEngine:
 
     def _draw_guided(self, step: LaunchedStep) -> None:
         """Guided rows draw once the step before is read back: their masks needed its tokens."""
-        if step.logits_rows is not None:
-            step.sampled = self._draws(step.pairs, step.logits_rows, step.spec)
-            step.logits_rows = None
-            mx.async_eval(*step.sampled.arrays())
+        step.sampled = self._draws(step.pairs, step.logits_rows, step.spec)
+        step.logits_rows = None
+        mx.async_eval(*step.sampled.arrays())
 
     def _fail_step(
         self, out: SchedulerOutput, prev: LaunchedStep | None, launched: bool, progressed: list, error: Exception
@@ -681,11 +689,10 @@ class LLMEngine:
         for layer in self.layers.logits_wanted:
             if entries := layer.logits_wanted(out):
                 wanted.append((layer, entries))
+        if not wanted and not out.spec:
+            return self.runner.forward(batch), []  # (the plain call)
         all_rows = [i for _, entries in wanted for i in entries]
-        kw = {"spec_tokens": out.spec_tokens()} if out.spec else {}
-        if all_rows:
-            kw["all_rows"] = all_rows
-        logits = self.runner.forward(batch, **kw)  # the plain call is `forward(batch)`
+        logits = self.runner.forward(batch, out.spec_tokens() if out.spec else None, all_rows)
         if not wanted:
             return logits, []
         at = logits.shape[0] - sum(batch[i][1] for i in all_rows)

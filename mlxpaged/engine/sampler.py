@@ -367,7 +367,11 @@ class SampleArrays:
     top_vals: mx.array | None = None
 
     def arrays(self) -> list[mx.array]:
-        return [a for a in (self.tokens, self.keys, self.chosen, self.top_ids, self.top_vals) if a is not None]
+        out = [self.tokens]
+        for a in (self.keys, self.chosen, self.top_ids, self.top_vals):  # (a loop: no comprehension's call)
+            if a is not None:
+                out.append(a)
+        return out
 
 
 def sample_arrays(
@@ -391,7 +395,9 @@ def sample_arrays(
     log-softmax and one argpartition.
     """
     kinds = kinds or row_kinds(params)
-    x_all = process_logits(logits, params, masks, histories, kinds)
+    x_all = logits if masks is None and not kinds.bias and not kinds.penalties else None
+    if x_all is None:
+        x_all = process_logits(logits, params, masks, histories, kinds)
     toks = mx.argmax(x_all, axis=-1)
     sampled, rows = kinds.drawn, kinds.logprobs
     drawn_keys = None

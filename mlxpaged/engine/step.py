@@ -144,22 +144,34 @@ class Layers:
     """The engine's step layers in registration order, and for each hook of `StepLayer` the list
     of those whose class defines it (`layers.scheduled`, `layers.read_back`, ...): a stage loops
     over that list only, so the plain decode step calls no layer that has nothing to do there.
+    A layer registered `dormant` (a feature no request has asked for yet: beams, prompt logprobs)
+    keeps its place in the order but joins no stage until `wake`.
 
-    Invariant: for every name h in `HOOKS`, `getattr(self, h)` is the layers of `self.all`, in
-    order, whose class overrides `StepLayer.h`.
+    Invariant: for every name h in `HOOKS`, `getattr(self, h)` is the layers of `self.all` that
+    are not dormant, in order, whose class overrides `StepLayer.h`.
     """
 
     def __init__(self, layers=()):
         self.all: list[StepLayer] = []
+        self.dormant: list[StepLayer] = []
         self._index()
         for layer in layers:
             self.append(layer)
 
-    def append(self, layer: StepLayer) -> None:
+    def append(self, layer: StepLayer, *, dormant: bool = False) -> None:
         if not isinstance(layer, StepLayer):
             raise TypeError(f"a step layer must be a StepLayer, not {type(layer).__name__}")
         self.all.append(layer)
+        if dormant:
+            self.dormant.append(layer)
         self._index()
+
+    def wake(self, layer: StepLayer) -> None:
+        """A dormant layer joins the stages from the next one on (its feature's first request,
+        queued: no step launched before it holds anything of that request)."""
+        if any(x is layer for x in self.dormant):
+            self.dormant = [x for x in self.dormant if x is not layer]
+            self._index()
 
     def __iter__(self):
         return iter(self.all)
@@ -170,4 +182,8 @@ class Layers:
     def _index(self) -> None:
         for name in HOOKS:
             base = getattr(StepLayer, name)
-            setattr(self, name, [x for x in self.all if getattr(type(x), name) is not base])
+            setattr(
+                self,
+                name,
+                [x for x in self.all if getattr(type(x), name) is not base and not any(x is d for d in self.dormant)],
+            )

@@ -198,6 +198,7 @@ class PagedKVCache:
         self.key_offsets = key_offsets
         self.key_scales = key_scales
         self.shape = shape
+        self.quantized = shape.kv_bits is not None  # (an attribute: read per layer per step)
         self.block_size = block_size
         self.groups = tuple(groups) or (0,) * shape.num_layers
         if len(self.groups) != shape.num_layers or not set(self.groups) <= {0, 1}:
@@ -241,10 +242,6 @@ class PagedKVCache:
         if s.kv_bits is None:
             return mx.zeros((num_blocks, kv_heads, self.block_size, head_dim), dtype=s.dtype)
         return QuantizedPool.zeros(num_blocks, kv_heads, self.block_size, head_dim, s.dtype, s.kv_bits, s.kv_group_size)
-
-    @property
-    def quantized(self) -> bool:
-        return self.shape.kv_bits is not None
 
     @property
     def arrays(self) -> list[mx.array]:

@@ -65,14 +65,8 @@ class DecodeTables:
         self.mx_rows: mx.array | None = None  # [S, max(lens)] int32
 
     def array(self, tables: list[BlockIds]) -> mx.array:
-        """`matrix(tables)` as an MLX array (arrays are immutable: steps may share one)."""
-        rows = self.matrix(tables)
-        if self.mx_rows is None:
-            self.mx_rows = mx.array(rows)
-        return self.mx_rows
-
-    def matrix(self, tables: list[BlockIds]) -> np.ndarray:
-        """`[len(tables), the longest]` int32: row i table i's ids (`_rows`' matrix)."""
+        """`[len(tables), the longest]` int32, row i table i's ids (`_rows`' matrix), as an MLX
+        array (arrays are immutable: steps may share one)."""
         versions = [t.version for t in tables]
         old = self.tables
         if len(tables) != len(old) or not all(map(operator.is_, tables, old)):
@@ -93,7 +87,9 @@ class DecodeTables:
             width = max(self.lens)
             if width < self.rows.shape[1]:  # tables shrank (speculation's rollback)
                 self.rows = np.ascontiguousarray(self.rows[:, :width])
-        return self.rows
+        if self.mx_rows is None:
+            self.mx_rows = mx.array(self.rows)
+        return self.mx_rows
 
 
 class ModelRunner:
@@ -116,6 +112,11 @@ class ModelRunner:
         self.two_groups = any(kv_cache.groups)  # windowed layers read their own group's tables
         self._aranges: dict[int, tuple[mx.array, mx.array]] = {}  # `_steps`, by batch size
         self._tables = (DecodeTables(), DecodeTables())  # the decode steps' tables: full, windowed group
+        # The last decode step's batch (the engine passes the same list while its decodes stay the
+        # same, and never changes one: its entries are all one token) and context lengths, as a list
+        # and as the array that the next step's positions may reuse (`_decode`).
+        self._decode_batch: list | None = None
+        self._last_lens: tuple[list[int], mx.array | None] = ([], None)
 
     def forward(
         self,
@@ -139,8 +140,9 @@ class ModelRunner:
         logprobs); only these rows pass through the output layer.
         """
         spec_tokens = spec_tokens or {}
-        if not spec_tokens and not all_rows and {n for _, n in batch} == {1}:
-            return self._run(batch, self._decode_ids(batch), self._decode_meta(batch))
+        if not spec_tokens and not all_rows and (batch is self._decode_batch or {n for _, n in batch} == {1}):
+            self._decode_batch = batch
+            return self._decode(batch)
         bs = self.block_size
         num_seqs = len(batch)
         q_lens = np.array([n for _, n in batch], dtype=np.int32)
@@ -182,34 +184,57 @@ class ModelRunner:
         keep_states(batch, meta.states, self.block_size, self.checkpoints)
         return logits
 
-    def _decode_meta(self, batch: list[tuple[Sequence, int]]) -> AttentionMetadata:
-        """`forward`'s metadata when every entry is one token (the decode steps): the same arrays,
-        the block tables kept between steps (`DecodeTables`: no Python work per block), the rest
-        from lists (cheaper than numpy's operations at these sizes)."""
+    def _decode(self, batch: list[tuple[Sequence, int]]) -> mx.array:
+        """`forward` when every entry is one token (the decode steps): the same arrays from one
+        pass over the batch, the block tables kept between steps (`DecodeTables`: no Python work
+        per block), the rest from lists (cheaper than numpy's operations at these sizes). The input
+        ids are every row's known next token, or every row's pending one (then usually the last
+        step's token array itself); a mix takes `_input_ids` (the scheduler decodes a sequence only
+        with one token uncomputed: a pending token is the last). Positions equal to the last decode
+        step's context lengths (each row one token further: the usual step) reuse that array."""
         bs = self.block_size
-        seqs = [s for s, _ in batch]
-        starts = [s.num_computed_tokens for s in seqs]
-        # the slot: the token's block is always in the table
-        slots = [s.table_ids.list[p // bs] * bs + p % bs for s, p in zip(seqs, starts)]
-        cu, last = self._steps(len(batch))
+        ids, slots, starts, ctx, tables, pending = [], [], [], [], [], []
+        for s, _ in batch:
+            p = s.num_computed_tokens
+            t = s.table_ids
+            starts.append(p)
+            ctx.append(p + 1)
+            tables.append(t)
+            slots.append(t.list[p // bs] * bs + p % bs)  # the token's block is always in the table
+            if s.pending is None:
+                ids.append(s.token_ids[p])
+            else:
+                pending.append(s.pending)
+        if not pending:
+            input_ids = mx.array(ids, dtype=mx.int32)
+        elif len(pending) == len(batch):
+            input_ids = gather_rows([(q.tokens, q.row) for q in pending]).astype(mx.int32)
+        else:
+            input_ids = self._input_ids(batch, len(batch), {})
+        last_ctx, last_lens = self._last_lens
+        context_lens = mx.array(ctx, dtype=mx.int32)
+        self._last_lens = (ctx, context_lens)
+        cu, last = self._aranges.get(len(batch)) or self._steps(len(batch))
         meta = AttentionMetadata(
             slot_mapping=mx.array(slots, dtype=mx.int32),
-            positions=mx.array(starts, dtype=mx.int32),
-            block_tables=self._tables[0].array([s.table_ids for s in seqs]),
+            positions=last_lens if starts == last_ctx else mx.array(starts, dtype=mx.int32),
+            block_tables=self._tables[0].array(tables),
             cu_seqlens_q=cu,
-            context_lens=mx.array([p + 1 for p in starts], dtype=mx.int32),  # (a list: cheaper than an op)
+            context_lens=context_lens,  # (from a list: cheaper than an op)
             logits_indices=last,
             impl=self.attention_impl,
         )
         if self.two_groups:  # a released block reads as block 0: the window masks it out
-            wids = [s.window_ids.list for s in seqs]
+            wids = [s.window_ids for s, _ in batch]
             meta.window = replace(
                 meta,
-                slot_mapping=mx.array([t[p // bs] * bs + p % bs for t, p in zip(wids, starts)], dtype=mx.int32),
-                block_tables=self._tables[1].array([s.window_ids for s in seqs]),
+                slot_mapping=mx.array([t.list[p // bs] * bs + p % bs for t, p in zip(wids, starts)], dtype=mx.int32),
+                block_tables=self._tables[1].array(wids),
                 scratch={},
             )
-        return meta
+        if not self.num_recurrent:
+            return self.model(input_ids, self.kv_cache, meta)
+        return self._run(batch, input_ids, meta)
 
     def _steps(self, n: int) -> tuple[mx.array, mx.array]:
         """`(arange(n + 1), arange(n))` int32: a decode step's cu_seqlens_q and logits indices,
@@ -231,17 +256,6 @@ class ModelRunner:
         if all_rows:
             last = np.concatenate([last] + [np.arange(cu[i], cu[i + 1]) for i in all_rows])
         return last.astype(np.int32)
-
-    def _decode_ids(self, batch: list[tuple[Sequence, int]]) -> mx.array:
-        """A decode step's input ids: every row's known next token, or every row's pending one
-        (then usually the last step's token array itself); a mix takes `_input_ids`. (The
-        scheduler decodes a sequence only with one token uncomputed: a pending token is the last.)"""
-        pending = [s.pending for s, _ in batch]
-        if not any(pending):
-            return mx.array([s.token_ids[s.num_computed_tokens] for s, _ in batch], dtype=mx.int32)
-        if all(pending):
-            return gather_rows([(p.tokens, p.row) for p in pending]).astype(mx.int32)
-        return self._input_ids(batch, len(batch), {})
 
     @staticmethod
     def _input_ids(batch: list[tuple[Sequence, int]], total: int, spec_tokens: dict[int, list[int]]) -> mx.array:
