@@ -395,8 +395,9 @@ def sample_arrays(
     log-softmax and one argpartition.
     """
     kinds = kinds or row_kinds(params)
-    x_all = logits if masks is None and not kinds.bias and not kinds.penalties else None
-    if x_all is None:
+    if masks is None and not kinds.bias and not kinds.penalties:
+        x_all = logits  # (the usual step: nothing to process, no call)
+    else:
         x_all = process_logits(logits, params, masks, histories, kinds)
     toks = mx.argmax(x_all, axis=-1)
     sampled, rows = kinds.drawn, kinds.logprobs

@@ -112,10 +112,8 @@ class ModelRunner:
         self.two_groups = any(kv_cache.groups)  # windowed layers read their own group's tables
         self._aranges: dict[int, tuple[mx.array, mx.array]] = {}  # `_steps`, by batch size
         self._tables = (DecodeTables(), DecodeTables())  # the decode steps' tables: full, windowed group
-        # The last decode step's batch (the engine passes the same list while its decodes stay the
-        # same, and never changes one: its entries are all one token) and context lengths, as a list
-        # and as the array that the next step's positions may reuse (`_decode`).
-        self._decode_batch: list | None = None
+        # The last decode step's context lengths, as a list and as the array that the next step's
+        # positions may reuse (`_decode`).
         self._last_lens: tuple[list[int], mx.array | None] = ([], None)
 
     def forward(
@@ -140,8 +138,7 @@ class ModelRunner:
         logprobs); only these rows pass through the output layer.
         """
         spec_tokens = spec_tokens or {}
-        if not spec_tokens and not all_rows and (batch is self._decode_batch or {n for _, n in batch} == {1}):
-            self._decode_batch = batch
+        if not spec_tokens and not all_rows and {n for _, n in batch} == {1}:
             return self._decode(batch)
         bs = self.block_size
         num_seqs = len(batch)
@@ -214,7 +211,7 @@ class ModelRunner:
         last_ctx, last_lens = self._last_lens
         context_lens = mx.array(ctx, dtype=mx.int32)
         self._last_lens = (ctx, context_lens)
-        cu, last = self._aranges.get(len(batch)) or self._steps(len(batch))
+        cu, last = self._steps(len(batch))
         meta = AttentionMetadata(
             slot_mapping=mx.array(slots, dtype=mx.int32),
             positions=last_lens if starts == last_ctx else mx.array(starts, dtype=mx.int32),
@@ -232,8 +229,6 @@ class ModelRunner:
                 block_tables=self._tables[1].array(wids),
                 scratch={},
             )
-        if not self.num_recurrent:
-            return self.model(input_ids, self.kv_cache, meta)
         return self._run(batch, input_ids, meta)
 
     def _steps(self, n: int) -> tuple[mx.array, mx.array]:
