@@ -2,7 +2,7 @@
 against mlx-lm's own caches (`make_prompt_cache`: a RotatingKVCache on each windowed layer).
 
     python scripts/bench_window_memory.py                 # 4,000 tokens, gpt-oss- and Gemma-3-shaped
-    python scripts/bench_window_memory.py --tokens 8000 --json docs/data/window_memory.json
+    python scripts/bench_window_memory.py --tokens 8000 --json docs/data/bench_window_memory.json
 
 Each shape is a tiny random checkpoint written by mlx-lm's own classes with the real model's
 layer pattern, window and KV heads x head_dim (gpt-oss-20b: 24 layers alternating window 128 and
