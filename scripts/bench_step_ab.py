@@ -1,4 +1,4 @@
-"""Issue 35's own measure of the host work per decode step, two checkouts side by side:
+"""The host work per decode step of two checkouts side by side:
 `scripts/bench_step.py --tiny --noop` run from each checkout (its own script, its package first
 on `sys.path`), the two taking turns `--rounds` times, each going first in turn.
 
@@ -39,7 +39,7 @@ def run(checkout: str, seqs: str, steps: int, repeats: int, context: int | None)
     script = os.path.join(checkout, "scripts", "bench_step.py")
     args = [sys.executable, script, "--tiny", "--noop", "--seqs", seqs, "--steps", str(steps)]
     args += ["--repeats", str(repeats)]
-    if context is not None:  # (bench_step.py's option since stop 59: both checkouts must have it)
+    if context is not None:  # (a newer bench_step.py option: both checkouts must have it)
         args += ["--context", str(context)]
     env = dict(os.environ, PYTHONPATH=os.path.abspath(checkout))
     res = subprocess.run(args, env=env, capture_output=True, text=True, check=True)

@@ -1,4 +1,4 @@
-"""Issue 35's host work per decode step, two checkouts of mlxpaged in one process, taking turns.
+"""The host work per decode step of two checkouts of mlxpaged in one process, taking turns.
 
 `bench_step_ab.py` runs `bench_step.py --tiny --noop` from each checkout in processes of their
 own. On this project's 2-core VM a process draws one of two speeds when it starts (the same

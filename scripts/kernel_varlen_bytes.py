@@ -8,7 +8,7 @@ chunk over a cached prefix at Qwen2.5 head shapes (float16, block size 16).
 
 Float caches run both kernels on the same inputs: `mma` (8x8 simdgroup_matrix QK^T and PV, what
 these shapes select) and `lanes` (lanes per query row, the fallback for other shapes). A
-quantized cache has the lanes kernel only. The bound of issue 11 is the decode kernel's minimum
+quantized cache has the lanes kernel only. The varlen bound is the decode kernel's minimum
 (each K/V row once) times ceil(chunk / 16); for a quantized cache each row's minimum is its codes,
 scales and biases. Cost counts (see mlxpaged/metal_emu/README.md) are SIMD-wide: shuffles,
 reductions and simdgroup MMAs per simdgroup-wide call, exp calls per lane / 32; normalised per

@@ -10,7 +10,7 @@ either scored text; `mlxpaged/kv_calibration.py`); `--no-key-scales` turns them 
     python scripts/kv_quality.py                    # the offline Qwen2.5-Coder-0.5B, float32
     python scripts/kv_quality.py --chunk 64 --group-size 32
 
-The issue's bounds: 8-bit within 1% of the float cache's perplexity, 4-bit within 5%.
+The bounds it checks: 8-bit within 1% of the float cache's perplexity, 4-bit within 5%.
 """
 
 from __future__ import annotations

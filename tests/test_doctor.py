@@ -65,7 +65,7 @@ def test_doctor_names_a_failing_variant(tmp_path, monkeypatch):
     assert "kernel checks: 3/6 passed" in r.output  # the varlen kernels still pass
     assert {c["kernel"] for c in report["checks"] if c["ok"]} == {"varlen"}
     assert "FAILED decode float16 hd64_bs16_g7_nsg8" in r.output and "simulated compiler failure" in r.output
-    # The compiler's own text, first lines kept, not just the first one (issue 22).
+    # The compiler's own text, first lines kept, not just the first one.
     assert "      kernel.metal:13:1: note: second line of the diagnostics" in r.output
     assert "second line of the diagnostics" in report["checks"][0]["error"]
 

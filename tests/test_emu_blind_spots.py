@@ -1,5 +1,5 @@
-"""Emulator checks that used to pass silently (issue 12, item 7), each with an offending kernel,
-and the cost-model counters (item 8) on kernels whose counts are known by construction.
+"""Emulator checks that used to pass silently, each with an offending kernel,
+and the cost-model counters on kernels whose counts are known by construction.
 
 Every offending kernel is paired with its corrected form, which must run and compute the right
 answer, so a check that rejected everything would fail here too.

@@ -1,4 +1,4 @@
-"""MSL rules the emulator enforces although C++ would accept the code (issue 22): `half` and
+"""MSL rules the emulator enforces although C++ would accept the code: `half` and
 `bfloat` are type keywords, not typedefs a variable may shadow; program-scope and static
 variables live in the `constant` address space."""
 

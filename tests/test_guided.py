@@ -353,7 +353,7 @@ def _rss() -> int:
 
 
 def test_grammar_cache_is_bounded_by_bytes(tiny_loaded):
-    """Issue 38 (10): distinct large enums once grew the cache without bound (by count only). Resident
+    """Distinct large enums once grew the cache without bound (by count only). Resident
     memory is the independent measure: 12 enums of 10,000 strings keep ~48 MB when all are cached."""
     import ctypes
 

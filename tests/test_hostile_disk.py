@@ -1,4 +1,4 @@
-"""The prefix cache's disk tier under careless neighbours (issue 38, findings 11, 12, 14): a shared
+"""The prefix cache's disk tier under careless neighbours: a shared
 DIR, weights replaced in place with the same size and mtime, and a store that would grow unbounded.
 
 References: a listing of DIR made by the test (what it put there), a run with no disk tier (the

@@ -1,4 +1,4 @@
-"""Grammars and keys under careless and hostile clients (issue 38, findings 5, 6, 9, 17, 18):
+"""Grammars and keys under careless and hostile clients:
 each reproducer, scaled to seconds, against one `mlxpaged serve` subprocess on the tiny model.
 
 """

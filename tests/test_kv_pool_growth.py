@@ -156,7 +156,7 @@ def test_a_request_that_fits_the_cap_is_admitted_and_one_beyond_it_is_refused(ti
 
 
 def test_a_growing_pool_is_capped_by_memory_not_by_max_kv_tokens(tiny_loaded):
-    """An agent's context (issue 39: 27k prompt tokens + max_tokens 32,000) must fit whatever
+    """An agent's context (27k prompt tokens + max_tokens 32,000) must fit whatever
     the memory cap allows; the cap once stopped at max_kv_tokens // block_size = 4,096 blocks."""
     bpb = CacheShape.of(tiny_loaded).bytes_per_block(16)
     config = EngineConfig.of(kv_memory_gb=9000.5 * bpb / 1e9, attention_impl="reference")

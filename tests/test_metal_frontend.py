@@ -1,4 +1,4 @@
-"""The MSL front-end check (`python -m mlxpaged.metal_emu.frontend`, issue 22): every kernel
+"""The MSL front-end check (`python -m mlxpaged.metal_emu.frontend`): every kernel
 variant the engine can build passes clang's C++-for-OpenCL front end, whose keyword and
 address-space rules Metal shares; each error Apple's compiler reports, injected into a copy of
 metal/, fails the check at its line.
@@ -93,7 +93,7 @@ def _errors_at(root: Path, fname: str) -> dict[int, list[str]]:
 
 
 INJECTIONS = {
-    # The two errors of issue 22, as they were.
+    # The two errors Apple's compiler once reported, as they were.
     "half as a name": (
         "paged_attention.h",
         "const int mid = n / 2;",
@@ -178,7 +178,7 @@ def test_cli_passes_on_a_clean_copy(tmp_path):
     assert r.stdout == ""
 
 
-# --- issue 40: the rules MSL adds to C++, each with an injected error and its legal twin ----
+# --- the rules MSL adds to C++, each with an injected error and its legal twin ----
 #
 # Each rule: (file, anchor, error snippet, legal twin, message regex). The snippet goes before
 # the anchor; its line marked `// <-` is where the error must be reported. All errors go into
@@ -333,7 +333,7 @@ RULES = {
         r"use of undeclared identifier 'fe_undeclared'",
     ),
 }
-# Legal MSL the check used to reject (issue 40's false positives): twins only, no error.
+# Legal MSL the check used to reject (its former false positives): twins only, no error.
 LEGAL = {
     "atomic_int": (
         H,

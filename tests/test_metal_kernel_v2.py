@@ -1,4 +1,4 @@
-"""Decode kernel v2 (issue 12): bad metadata, a fixed set of kernel names, the startup check with
+"""Decode kernel v2: bad metadata, a fixed set of kernel names, the startup check with
 its fallback, the register bound, and the cost model's targets. Kernels run in the emulator and
 results are compared with the pure-MLX reference.
 """
@@ -314,7 +314,7 @@ def test_cost_model_targets(group, head_dim):
     assert c["device_loads_per_token"][16] >= 2 * lanes  # K and V: one 16-byte load per lane
     assert c["device_loads_per_token"].get(2, 0) < 1  # no scalar fp16 K/V loads
     assert c["device_loads_per_token"].get(8, 0) < 1
-    # Scalars counted too (issue 40): 256 threads x the estimate fit one core's register file;
+    # Scalars counted too: 256 threads x the estimate fit one core's register file;
     # the arrays' spill budget is test_query_heads_split_across_simdgroups's.
     assert 4 * 256 * c["registers"] <= 208 * 1024
     assert math.isfinite(c["barriers_per_256_tokens"])

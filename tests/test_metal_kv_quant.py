@@ -325,7 +325,7 @@ def test_decode_head_dim_32(emulated, bits):
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_split_path_reads_within_5_percent_of_the_quantized_minimum(emulated, bits):
-    """Issue 14: the planner's split (partitioned + merge) over a quantized cache at
+    """The planner's split (partitioned + merge) over a quantized cache at
     Qwen2.5-0.5B head shapes reads at most 1.05x the quantized minimum: its partitions are long
     enough that the re-read queries and the fp32 partials stay small beside the short rows."""
     emulated("forward")

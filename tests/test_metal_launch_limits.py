@@ -1,4 +1,4 @@
-"""Launch limits and the kernels that run (issue 22): threads x registers fit one GPU core's
+"""Launch limits and the kernels that run: threads x registers fit one GPU core's
 register file, the emulator refuses a launch past it, the variant checked at start-up is the one
 every batch runs, and a kernel failing mid-serving falls back to the reference with one warning.
 """

@@ -2,8 +2,8 @@
 
 Default run: a pairwise-covering subset of dtype x head_dim x heads per kv head x block size
 over a ragged batch (q_len 1, 7, 16, 33, 20 over prefixes 1000, 1, 15, 0, 16), each case under
-every lane order, plus the issue's batch (q_len 1, 7, 16, 100, 513 over prefixes 0, 1, 15, 16,
-1000) once; `MLXPAGED_FULL_SWEEP=1` runs the full product on the issue's batch under every lane
+every lane order, plus the long batch (q_len 1, 7, 16, 100, 513 over prefixes 0, 1, 15, 16,
+1000) once; `MLXPAGED_FULL_SWEEP=1` runs the full product on the long batch under every lane
 order (slow: minutes per case at 7 heads per kv head). Every case runs both kernels: the
 simdgroup_matrix one (`mma`, what these shapes select) and the lanes-per-row one (`lanes`, the
 fallback for shapes MMA cannot cover, forced here by patching `mma_fits`). Also: mutants of both
@@ -30,7 +30,7 @@ DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 TOLERANCE = {"float16": (1e-3, 4e-3), "bfloat16": (8e-3, 2e-2), "float32": (1e-5, 1e-4)}
 ORDERS = ("forward", "reverse", "random:7")
 FULL_SWEEP = os.environ.get("MLXPAGED_FULL_SWEEP") == "1"
-ISSUE_BATCH = ([1, 7, 16, 100, 513], [0, 1, 15, 16, 1000])  # (q_lens, cached prefixes)
+LONG_BATCH = ([1, 7, 16, 100, 513], [0, 1, 15, 16, 1000])  # (q_lens, cached prefixes)
 SMALL_BATCH = ([1, 7, 16, 33, 20], [1000, 1, 15, 0, 16])
 
 FACTORS = {"dtype": tuple(DTYPES), "head_dim": (64, 128), "group": (1, 7), "block_size": (1, 16)}
@@ -136,14 +136,14 @@ def run_case(c: dict, batch=SMALL_BATCH, seed: int = 0, kind: str | None = None)
 def test_kernel_matches_reference(emulated, path, case):
     for order in ORDERS:
         emulated(order)
-        err = run_case(case, ISSUE_BATCH if FULL_SWEEP else SMALL_BATCH, kind=KIND[path])
+        err = run_case(case, LONG_BATCH if FULL_SWEEP else SMALL_BATCH, kind=KIND[path])
         assert err <= 1.0, f"mismatch {err} with lane order {order}"
 
 
-def test_issue_batch(emulated, path):
-    """The issue's ragged batch: a 513-token chunk over nothing, 100 over 16, ... 1 over 1000."""
+def test_long_ragged_batch(emulated, path):
+    """The long ragged batch: a 513-token chunk over nothing, 100 over 16, ... 1 over 1000."""
     emulated("random:11")
-    err = run_case(dict(dtype="float16", head_dim=64, group=1, block_size=16), ISSUE_BATCH, kind=KIND[path])
+    err = run_case(dict(dtype="float16", head_dim=64, group=1, block_size=16), LONG_BATCH, kind=KIND[path])
     assert err <= 1.0, err
 
 
@@ -154,12 +154,12 @@ def test_issue_batch(emulated, path):
         "the default sweep covers the MMA kernel at smaller shapes"
     ),
 )
-def test_issue_batch_mma_largest_shape(emulated):
-    """The issue's batch on the MMA kernel at the default sweep's largest shape (head_dim 128,
+def test_long_ragged_batch_mma_largest_shape(emulated):
+    """The long batch on the MMA kernel at the default sweep's largest shape (head_dim 128,
     7 query heads per kv head: 14 simdgroups, 16-key chunks) in float32, the tightest tolerance.
     (About 40 s; `MLXPAGED_FULL_SWEEP=1` runs every shape on this batch.)"""
     emulated("reverse")
-    err = run_case(dict(dtype="float32", head_dim=128, group=7, block_size=1), ISSUE_BATCH, kind=mv.MMA_KERNEL)
+    err = run_case(dict(dtype="float32", head_dim=128, group=7, block_size=1), LONG_BATCH, kind=mv.MMA_KERNEL)
     assert err <= 1.0, err
 
 
@@ -349,8 +349,8 @@ def tile_minimum_bytes(q, k_cache, cu, ctx) -> int:
 def test_reads_each_row_once_per_tile(emulated, path):
     """At Qwen2.5-1.5B head shapes (6 query heads per kv head, head_dim 128) and a 64-token chunk
     over a 256-token prefix: bytes read are within 10% of what walking each tile's visible keys
-    once per head group takes (the 256-thread cap of issue 40 splits the 6 heads over HS = 2
-    threadgroups), itself at most HS x the bound of issue 11 (the decode minimum x
+    once per head group takes (the 256-thread cap splits the 6 heads over HS = 2
+    threadgroups), itself at most HS x the varlen bound (the decode minimum x
     ceil(q_len / 16)); the kernel writes no input, every row of the chunk and nothing else."""
     emulated("forward")
     rng = np.random.default_rng(3)
@@ -372,8 +372,8 @@ def test_reads_each_row_once_per_tile(emulated, path):
     walk = hs * kv + q.nbytes
     assert 1.0 <= read / walk <= 1.10, read / walk
     chunk = (q[:64], k, v, bt[:1], cu[:2], cl[:1])
-    issue_bound = metal.minimum_bytes(chunk[0], k, chunk[5]) * -(-64 // 16)
-    assert kv + q[:64].nbytes <= issue_bound
+    varlen_bound = metal.minimum_bytes(chunk[0], k, chunk[5]) * -(-64 // 16)
+    assert kv + q[:64].nbytes <= varlen_bound
 
 
 def test_mma_cost_counts(emulated, monkeypatch):
@@ -410,8 +410,8 @@ def test_mma_cost_counts(emulated, monkeypatch):
 
 @pytest.mark.skipif(not FULL_SWEEP, reason="[expected] opt-in: minutes in the emulator (MLXPAGED_FULL_SWEEP=1)")
 def test_reads_at_qwen_shapes_512_over_2048(emulated, path):
-    """The issue's table: a 512-token chunk over a 2,048-token prefix at Qwen2.5-1.5B shapes,
-    at most 1.10x the decode minimum x ceil(512 / 16) x the head splits (2: issue 40)."""
+    """The documented figure (docs/metal.md): a 512-token chunk over a 2,048-token prefix at Qwen2.5-1.5B shapes,
+    at most 1.10x the decode minimum x ceil(512 / 16) x the head splits (2, from the 256-thread cap)."""
     emulated("forward")
     rng = np.random.default_rng(4)
     q, k, v, bt, cu, cl = make_inputs(
@@ -463,8 +463,8 @@ def test_plan_fits_every_supported_shape():
         threads = 32 * p.simdgroups
         gh = -(-g // p.head_splits)  # query heads per threadgroup
         assert p.mma == (hd <= mv.MMA_MAX_HEAD_DIM)  # heads split so that G <= 256 fits
-        # Threads x registers fit one core's register file (issue 22), at most 256 threads
-        # (issue 40), with the fewest splits.
+        # Threads x registers fit one core's register file, at most 256 threads
+        # a threadgroup, with the fewest splits.
         assert threads * p.registers * 4 <= mv.REGISTER_FILE_BYTES, p
         if p.head_splits > 1:
             half = mv.plan_split(hd, bs, g, size, p.mma, p.head_splits // 2)

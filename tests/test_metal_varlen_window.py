@@ -1,4 +1,4 @@
-"""Sliding windows and attention sinks in the varlen (prefill) Metal kernels (issue 37), run in
+"""Sliding windows and attention sinks in the varlen (prefill) Metal kernels, run in
 the MSL emulator against float64 numpy (test_windows.numpy_attention): both float kernels
 (simdgroup_matrix and lanes-per-row) at windows of 1, 3, 4 (the block size), 9 and more than
 any context, with and without sinks, over a ragged batch (one-token sequences between chunks,

@@ -27,7 +27,7 @@ def test_metal_kernel_decodes_like_reference(tiny_loaded, block_size, n):
 
 
 def test_kernel_failing_mid_serving_never_fails_a_request(tiny_loaded, monkeypatch):
-    """As on a new user's Mac (issue 22): the varlen kernel passes its start-up check, then its
+    """As on a new user's Mac: the varlen kernel passes its start-up check, then its
     build fails mid-serving (an emulated factory that refuses it). The requests finish with the
     reference's tokens and one warning, instead of `StepError`."""
     import warnings

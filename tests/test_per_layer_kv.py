@@ -1,4 +1,4 @@
-"""Per-layer KV shapes (Gemma 4, issue 37 item 5): pools of different widths per layer and layers
+"""Per-layer KV shapes (Gemma 4): pools of different widths per layer and layers
 that attend to another layer's K/V, against mlx-lm's own gemma4_text on its own `make_prompt_cache`
 (a RotatingKVCache on each sliding layer, no cache at all on the KV-shared layers).
 

@@ -99,7 +99,7 @@ def test_beam_search_width_4_matches_contiguous(real):
 
 
 def test_kv_quant_perplexity_within_bounds(real):
-    """Issue 14: the paged cache at 8 bits stays within 1% of the float cache's perplexity, at
+    """The paged cache at 8 bits stays within 1% of the float cache's perplexity, at
     4 bits within 5%, on the first 385 tokens of the weights test's Python snippet, scored in
     prefill chunks of 256 (each chunk is written to the pool first, so every token attends to
     K/V stored at those bits). The float cache's paged score must equal mlx-lm's contiguous

@@ -1,4 +1,4 @@
-"""`mlxpaged serve` under careless and hostile clients (issue 28): each reproducer, scaled to seconds.
+"""`mlxpaged serve` under careless and hostile clients: each reproducer, scaled to seconds.
 
 A server subprocess on the tiny model. Slow readers, huge bodies, idle sockets, file-descriptor
 exhaustion, lone surrogates, keys, unimplemented fields, unadmittable requests and SIGTERM: every
@@ -582,7 +582,7 @@ def test_sigterm_drains_with_503_and_exits_0(keyed):
     assert "Traceback" not in err and "stopped" in err
 
 
-# -- the pieces behind findings 1 and 2, against plain references --------------------------------------
+# -- the pieces behind the reproducers above, against plain references -------------------------------
 def test_sink_keeps_only_the_newest_output_per_request():
     """Outputs are cumulative: a reader that fell behind gets the newest one per request, once."""
     import asyncio

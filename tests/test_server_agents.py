@@ -1,4 +1,4 @@
-"""Claude Code and Codex as they are (issue 39 items 1, 2, 4, 6), in one process.
+"""Claude Code and Codex as they are, in one process.
 
 The app runs in-process (FastAPI's TestClient, which the official anthropic and openai clients take
 as their HTTP client) on a tiny random model carrying Qwen2.5's real tokenizer and template, with

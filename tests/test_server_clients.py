@@ -185,7 +185,7 @@ def langchain_chat(served, api: str):
 @pytest.mark.parametrize("choice", ["required", "get_weather"])
 def test_langchain_binds_a_forced_tool(served, api, choice):
     """langchain-openai 1.8's `bind_tools` with `tool_choice` "required" or the tool's name (the case
-    the issue saw give `[]`): one call of that tool whose arguments validate."""
+    once seen to give `[]`): one call of that tool whose arguments validate."""
     msg = langchain_chat(served, api).bind_tools([weather_tool()], tool_choice=choice).invoke("Weather in Rome?")
     assert [c["name"] for c in msg.tool_calls] == ["get_weather"], msg
     Weather(**msg.tool_calls[0]["args"])
@@ -207,7 +207,7 @@ def test_langchain_streams_a_forced_tool(served):
 @pytest.mark.parametrize("api", ["chat", "responses"])
 @pytest.mark.parametrize("method", ["function_calling", "json_schema"])
 def test_langchain_structured_output(served, api, method):
-    """`with_structured_output` by a forced tool call (the case the issue saw give `None`) and by a
+    """`with_structured_output` by a forced tool call (the case once seen to give `None`) and by a
     JSON schema: the pydantic model itself."""
     got = langchain_chat(served, api).with_structured_output(Weather, method=method).invoke("Paris, 2 days")
     assert isinstance(got, Weather)

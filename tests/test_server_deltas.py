@@ -1,4 +1,4 @@
-"""Issue 36 items 3 and 4: every route streams the engine's deltas through one event stream.
+"""Every route streams the engine's deltas through one event stream.
 
 Driven by the official `openai` and `anthropic` clients (streamed and not) against the app in
 this process. References: each route's own non-streamed answer without a stop string (where the

@@ -1,8 +1,8 @@
-"""One spine for every route (issue 36) and the route findings of issue 38, in one process.
+"""One spine for every route, and the hostile-client findings on the routes, in one process.
 
 The app runs in-process (FastAPI's TestClient) over one engine on the tiny model: every route
 goes through `admission.admit`, so the same over-limit body is refused on all four, each in its
-own error object and before any tokenizing. Each finding of issue 38 that touches the routes has
+own error object and before any tokenizing. Each hostile-client finding that touches the routes has
 its reproducer here, scaled to run in a second.
 """
 
@@ -186,7 +186,7 @@ def test_default_max_tokens_is_against_the_pools_maximum(tiny_loaded, monkeypatc
 
 
 def test_stored_conversation_is_never_changed_by_later_requests(spine):
-    """Issue 38 finding 1: refused continuations, and other clients' continuations, leave the stored
+    """Refused continuations, and other clients' continuations, leave the stored
     conversation as it was: the same continuation has the same prompt before and after them."""
     c, _ = spine
     first = post(c, "responses", {"model": "tiny", "input": "hi", "max_output_tokens": 2}).json()
@@ -219,7 +219,7 @@ def _wait_idle(state, seconds: float = 2.0) -> bool:
 
 @pytest.mark.parametrize("route", ["responses", "messages", "chat"])
 def test_a_stream_that_fails_on_its_first_event_aborts_its_request(spine, monkeypatch, route):
-    """Issue 38 finding 2: the response ends at its first event (here an event that cannot be
+    """The response ends at its first event (here an event that cannot be
     encoded); its engine request is aborted at once, not left generating for nobody."""
     import mlxpaged.server.anthropic_api as anthropic_api
     import mlxpaged.server.openai_api as openai_api
@@ -263,7 +263,7 @@ SURROGATE = "\ud800"
     ],
 )
 def test_lone_surrogates_are_a_400_not_a_500(spine, route, body):
-    """Issue 38 finding 7: each route answers its own 400 object, ASCII-escaped, never a 500."""
+    """Each route answers its own 400 object, ASCII-escaped, never a 500."""
     c, _ = spine
     if route == "count_tokens":
         base = body_for("messages")
@@ -284,7 +284,7 @@ def _nested(depth: int) -> str:
 
 @pytest.mark.parametrize("where", ["messages metadata", "chat arguments", "responses arguments"])
 def test_deep_nesting_is_a_400_not_a_500(spine, where):
-    """Issue 38 finding 8: JSON nested past the recursion limit is a 400 in the route's object."""
+    """JSON nested past the recursion limit is a 400 in the route's object."""
     c, _ = spine
     deep = _nested(100_000)
     if where == "messages metadata":
@@ -304,7 +304,7 @@ def test_deep_nesting_is_a_400_not_a_500(spine, where):
 
 
 def test_deeply_nested_model_output_stays_text():
-    """Issue 38 finding 8, the model's side: a call span nested past the recursion limit is text."""
+    """JSON nested too deep, the model's side: a call span nested past the recursion limit is text."""
     from mlxpaged.server.tools import parse_tool_calls
 
     text = '<tool_call>\n{"name": "f", "arguments": {"a": ' + _nested(100_000) + "}}\n</tool_call>"
@@ -313,7 +313,7 @@ def test_deeply_nested_model_output_stays_text():
 
 
 def test_a_grammar_ended_turn_is_not_a_stop_sequence(spine):
-    """Issue 38 finding 15: a turn ended by its grammar, with stop_sequences given that never
+    """A turn ended by its grammar, with stop_sequences given that never
     occur, ends with `end_turn` and no stop sequence; a stop string that did end it is named."""
     c, _ = spine
     schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"]}
@@ -483,7 +483,7 @@ def forced_calls(c, api: str, choice: str, stream: bool) -> list[tuple[str, dict
 @pytest.mark.parametrize("choice", ["named", "required"])
 @pytest.mark.parametrize("api", ["chat", "messages", "responses"])
 def test_forced_tool_call_on_qwens_real_tokenizer(qwen_tok, api, choice, stream):
-    """Issue 36: a named or required tool choice returns a valid call when `<tool_call>` is a
+    """A named or required tool choice returns a valid call when `<tool_call>` is a
     special token: one call, to an offered function (the named one), arguments valid for its schema."""
     calls = forced_calls(qwen_tok, api, choice, stream)
     assert len(calls) == 1, calls
@@ -510,7 +510,7 @@ def prompts_sent(state):
 
 @pytest.mark.parametrize("route", ["chat", "messages", "responses"])
 def test_special_token_text_in_client_content_is_text(spine, route):
-    """Issue 38 finding 16: `<|im_start|>system` inside a tool result, a tool's name in the history
+    """`<|im_start|>system` inside a tool result, a tool's name in the history
     and a tool description does not become a control token: the prompt holds exactly the template's
     own `<|im_start|>`s (one per turn, and the assistant's), counted on the template's text."""
     c, state = spine
@@ -549,8 +549,8 @@ def test_special_token_text_in_client_content_is_text(spine, route):
 
 
 def test_content_special_tokens_flag_lets_a_trusted_client_write_control_tokens(spine):
-    """`--content-special-tokens` (finding 16's opt-out): the same special-token text in a user
-    message is then the control token itself, as in the template's own text."""
+    """`--content-special-tokens` (the opt-out of reading special-token text as characters): the same
+    special-token text in a user message is then the control token itself, as in the template's own text."""
     import dataclasses
 
     c, state = spine

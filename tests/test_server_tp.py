@@ -1,4 +1,4 @@
-"""Guided and tool requests served by two tensor-parallel ranks (issue 36 item 2).
+"""Guided and tool requests served by two tensor-parallel ranks.
 
 Rank 0 sends each request to the other rank in its wire form (`EngineRequest.to_wire`); a guided
 spec (response_format, a forced tool) must arrive whole, or the ranks fall out of step. The

@@ -508,8 +508,8 @@ def test_processed_rows_decode_normally_beside_speculating_ones(tiny_loaded):
 
 def test_rolled_back_blocks_never_reach_the_disk_tier(tiny_loaded, mlx_lm_tiny, monkeypatch, tmp_path):
     """Every verification rejects proposals (their KV is written, then rolled back). The disk tier
-    gets the prompt's full blocks and no output block (it keeps prompt blocks only, issue 38
-    finding 14), so no block that held a rejected token's KV; a fresh engine reading them from
+    gets the prompt's full blocks and no output block (it keeps prompt blocks only),
+    so no block that held a rejected token's KV; a fresh engine reading them from
     disk continues exactly as mlx-lm's contiguous cache."""
     from mlxpaged.core import spec_policy
     from mlxpaged.worker import prefix_store

@@ -9,7 +9,7 @@ pairs to fill the GPU, each context is split into partitions handled by separate
 (`paged_attention_partitioned`) whose partial results a second pass merges
 (`paged_attention_merge`), flash-decoding style.
 
-Invariants (issue 12):
+Invariants:
   * A fixed set of compiled kernels: names depend only on (dtype, head_dim, block size, G);
     the partition size is derived in the kernel, and inputs are padded so none has fewer than
     8 elements (MLX would pass it in the constant address space, under another kernel name).

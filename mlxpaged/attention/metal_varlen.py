@@ -14,7 +14,7 @@ multi-token sequence checks the varlen kernel on a small case against the refere
 warning and sends that family's calls to the reference (an error under `MLXPAGED_METAL=strict`
 or `=emulate`). Decode-only calls never need it.
 
-A sliding `window` or attention `sinks` (issue 37) are the decode kernels' inputs here too:
+A sliding `window` or attention `sinks` are the decode kernels' inputs here too:
 `window` the runtime int32 scalar of `metal.window_input` read under HAS_WINDOW (names end `_w`),
 `sinks` the `[>= num_heads]` logits of `metal.sinks_input` read under HAS_SINKS (`_sk`); a tile
 walks its keys from the first block its first query's window overlaps. A call with either checks
@@ -29,7 +29,7 @@ run `paged_attention_varlen_mma` instead: the kernel is a function of the shape 
 alone, never of the context lengths. A quantized cache keeps the lanes-per-row kernel (the .metal
 header already stages its groups as float for an MMA variant).
 
-Launch limits (issue 40): every plan runs at most MAX_THREADS = 256 threads per threadgroup (MLX
+Launch limits: every plan runs at most MAX_THREADS = 256 threads per threadgroup (MLX
 refuses a launch over the compiled pipeline's maxTotalThreadsPerThreadgroup, which can be under
 1024), its registers (the emulator's estimate, scalars included) fit one core's register file
 and its arrays the spill budget (`fits`); past that the G query heads are split over HS

@@ -1,4 +1,4 @@
-"""Coding-agent conversations over the OpenAI chat API with `tools` (issue 43): K concurrent
+"""Coding-agent conversations over the OpenAI chat API with `tools`: K concurrent
 conversations of T turns, each turn appending the previous answer, a tool call, a tool result of
 real text (stdlib and mlx_lm sources, read by path with a fixed seed) and a short instruction.
 

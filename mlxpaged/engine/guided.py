@@ -34,7 +34,7 @@ from ..errors import MlxPagedError
 # its lexer limit), and a compile holds a grammar thread while it runs.
 MAX_SPEC_CHARS = 256 * 1024
 # The grammar cache holds at most this many bytes, estimated: the compiled lexer and parser
-# grow with the spec (issue 38: 64 distinct 0.6 MB enums kept ~890 MB resident).
+# grow with the spec (64 distinct 0.6 MB enums once kept ~890 MB resident).
 CACHE_BYTES = 256 * 1024 * 1024
 BYTES_PER_SPEC_CHAR = 40  # measured: 10 distinct 20,000-string enums (229 KB each) grew RSS ~40 B a character
 GRAMMAR_OVERHEAD_BYTES = 64 * 1024  # a compiled grammar's fixed cost, whatever its size

@@ -1,4 +1,4 @@
-"""A thinking model's reasoning, kept apart from its answer (issue 36 item 5).
+"""A thinking model's reasoning, kept apart from its answer.
 
 The markers are the ones mlx-lm finds for the checkpoint (`TokenizerWrapper.has_thinking`,
 `think_start`, `think_end`: `<think>`/`</think>` for Qwen3 and DeepSeek-R1 style models). Text
