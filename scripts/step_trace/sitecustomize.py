@@ -1,5 +1,5 @@
 """A per-step trace of a server's engine, for profiling a benchmark run (docs/serving-benchmark.md,
-"Coding-agent conversations": where a turn's time went). Not part of the package: Python imports
+"Coding-agent conversations"). Not part of the package: Python imports
 this file at start-up when its folder is on PYTHONPATH, and it does anything only when
 MLXPAGED_STEP_TRACE names a file prefix:
 
