@@ -162,7 +162,7 @@ def open_dir():
     shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.mark.parametrize("umask", [0o022, 0o000], ids=["umask-022", "umask-000"])
+@pytest.mark.parametrize("umask", [0o022, 0o000, 0o277], ids=["umask-022", "umask-000", "umask-277"])
 def test_files_are_0600_in_0700_folders(tiny_loaded, open_dir, umask):
     """Block files hold their token ids in plain int64: with the usual umask they were 0644 in
     0755 folders, and another local user read prompts back from them."""
