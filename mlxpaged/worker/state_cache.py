@@ -71,7 +71,7 @@ log = logging.getLogger("mlxpaged.state_cache")
 
 
 def _show(spec) -> str:
-    return "nothing" if spec is None else f"shape {list(spec[0])} {spec[1]}"
+    return "nothing" if spec is None else f"shape {list(spec[0])} {str(spec[1]).rsplit('.', 1)[-1]}"
 
 
 class StateLost(RuntimeError):
