@@ -199,21 +199,29 @@ def test_an_older_store_is_made_private(tiny_loaded, tmp_path):
             assert stat.S_IMODE(os.lstat(p).st_mode) == (0o700 if p.is_dir() else 0o600), p
 
 
-def test_a_namespace_folder_of_another_user_turns_the_tier_off(tiny_loaded, mlx_lm_tiny, tmp_path, caplog):
-    """Another user's folder (or a symlink) where the tier's namespace folder goes: it is neither
-    written to nor read; one warning, and serving goes on."""
+@pytest.mark.parametrize("kind", ["symlink", "other-user"])
+def test_a_namespace_folder_not_our_own_turns_the_tier_off(tiny_loaded, mlx_lm_tiny, tmp_path, kind, caplog):
+    """A symlink (to a folder anyone may write) or another user's folder where the tier's
+    namespace folder goes: it is neither written to nor read; one warning, and serving goes on."""
     store, prompt = tmp_path / "store", ids(3, 60)
     probe = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=32, prefix_cache_dir=str(store)))
     ns = probe.prefix_store.dir
     shutil.rmtree(ns)
-    (tmp_path / "theirs").mkdir(mode=0o777)
-    ns.symlink_to(tmp_path / "theirs")
+    theirs = tmp_path / "theirs" if kind == "symlink" else ns
+    theirs.mkdir()
+    theirs.chmod(0o777)
+    if kind == "symlink":
+        ns.symlink_to(theirs)
+    elif os.geteuid() == 0:
+        os.chown(ns, NOBODY, NOBODY)
+    else:
+        pytest.skip("[expected] giving a folder to another user needs root")
     with caplog.at_level(logging.WARNING, logger="mlxpaged.prefix_store"):
         e = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=32, prefix_cache_dir=str(store)))
         out = run(e, prompt)
-    assert not e.prefix_store.enabled and list((tmp_path / "theirs").iterdir()) == []
+    assert not e.prefix_store.enabled and list(theirs.iterdir()) == []
     said = warnings_of(caplog, "mlxpaged.prefix_store")
-    assert len(said) == 1 and "symlink" in said[0], said
+    assert len(said) == 1 and ("symlink" if kind == "symlink" else "another user") in said[0], said
     assert out.outputs[0].token_ids == contiguous_generate(mlx_lm_tiny[0], prompt, GREEDY.max_tokens)
 
 

@@ -113,14 +113,18 @@ class Checkpoints:
         path = self._path(block_hash)
         try:
             blob = read_own(path, spec_nbytes(self.spec) + _HEADER_MAX)
-            state = self._decode(blob, block_hash)
         except FileNotFoundError:
             return False
-        except (UnsafeFile, ValueError, RuntimeError) as e:  # mx.load's errors: RuntimeError, ValueError
-            self._bad_file(path, str(e).splitlines()[0][:120] if str(e) else type(e).__name__)
+        except UnsafeFile as e:
+            self._bad_file(path, str(e))
             return False
         except OSError as e:
             log.warning("cannot read state checkpoint %s (%s); the prefix is recomputed", path.name, e.strerror or e)
+            return False
+        try:
+            state = self._decode(blob, block_hash)
+        except Exception as e:  # any file that is not this model's state is a miss, never a failed request
+            self._bad_file(path, str(e).splitlines()[0][:160] if str(e) else type(e).__name__)
             return False
         self.disk_reads += 1
         self.put(block_hash, state)
