@@ -119,6 +119,7 @@ FILE_TIERS = {
     "test_bench_sharing.py": "engine",
     "test_bench.py": "engine",
     "test_prefix_disk.py": "engine",
+    "test_disk_trust.py": "engine",
     "test_kv_pool_growth.py": "engine",
     "test_bench_http.py": "server",
     "test_bench_agents.py": "server",

@@ -61,7 +61,7 @@ from ..utils import cdiv
 from ..worker.kv_cache import CacheShape, PagedKVCache, growable_pool, pool_blocks
 from ..worker.kv_calibration import model_key_scales
 from ..worker.model_runner import ModelRunner
-from ..worker.state_cache import CHECKPOINT_BYTES, CHECKPOINTS, Checkpoints, state_bytes_per_sequence
+from ..worker.state_cache import CHECKPOINT_BYTES, CHECKPOINTS, Checkpoints, spec_nbytes, state_spec
 from .beam_search import BeamLayer, BeamSearchParams, BeamState
 from .draft import DraftProposer, draft_slots
 from .guided import GrammarCompiler, GrammarTooSlow, fill_masks, mask_budget_spent, mask_words
@@ -197,12 +197,12 @@ class LLMEngine:
         self.state_bytes = 0  # one sequence's recurrent state, every layer
         if not any(s is not None for s in self.loaded.model.__dict__.get("_paged_recurrent") or []):
             return None
-        self.state_bytes = state_bytes_per_sequence(self.loaded.model)
+        spec = state_spec(self.loaded.model)
+        self.state_bytes = spec_nbytes(spec)
         c = self.config
         if not c.cache.enable_prefix_caching:
             return None
-        layers = sum(s is not None for s in self.loaded.model._paged_recurrent)
-        return Checkpoints(min(CHECKPOINT_BYTES, CHECKPOINTS * self.state_bytes), layers, c.cache.block_size)
+        return Checkpoints(min(CHECKPOINT_BYTES, CHECKPOINTS * self.state_bytes), spec, c.cache.block_size)
 
     def _load_draft(self) -> LoadedModel:
         """The draft model, in the target's dtype (engine/draft.py checks its tokenizer)."""

@@ -12,6 +12,14 @@ raw. The header holds the namespace digest, the block hash, the token count, the
 and a CRC-32 of tokens and payload; a file whose header, size, tokens or CRC is wrong is
 skipped with one warning and deleted, and the block is recomputed.
 
+What the tier trusts: only regular files owned by the user the engine runs as. Every file is
+opened without following a symlink and without blocking (`read_own`: a FIFO or device node at a
+block path can never stall the engine), then checked with `fstat`; anything else at a block path
+is deleted like a corrupted file. Files are created 0600 and the directories the tier makes 0700
+(`private_dir`), whatever the umask: a block holds its token ids in plain int64, so no other
+local user may read them. A namespace directory an older version left 0755 is tightened to 0700,
+and one that is a symlink or owned by another user turns the tier off.
+
 Writes (`save`) go to a background thread: the engine hands over bytes it has already read
 back, so a step never waits for the disk. Each file is written to a temporary name unique to
 the process and thread, then renamed (`os.replace`, atomic on POSIX): two processes on one
@@ -31,6 +39,7 @@ hit in memory (`match_prefix`: an earlier answer filled them).
 from __future__ import annotations
 
 import atexit
+import errno
 import hashlib
 import inspect
 import json
@@ -69,6 +78,7 @@ BLOCK_FILE = re.compile(r"[0-9a-f]{64}\.kvb")
 OWN_TMP = re.compile(r"\.(?:[0-9a-f]{64}\.kvb|namespace\.json|weights-digests\.json)\.\d+\.\d+\.tmp")
 
 
+MEMO_MAX_BYTES = 1 << 24  # the weights-digest memo: a few hundred bytes per weights file
 DEFAULT_CAP_BYTES = 8 * 10**9  # without --prefix-cache-disk-gb: this, or a quarter of the free space, if less
 
 
@@ -83,6 +93,78 @@ def default_cap(root: Path) -> int:
     except OSError:
         return DEFAULT_CAP_BYTES
     return min(DEFAULT_CAP_BYTES, free // 4)
+
+
+class UnsafeFile(ValueError):
+    """A path in the disk tier that is not a regular file (or directory) of this user: never read."""
+
+
+# Reads never follow a symlink, never wait for a FIFO's writer or a device, and never leak the fd.
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def read_own(path, max_bytes: int) -> bytes:
+    """The bytes of `path`, at most `max_bytes + 1` (so an oversized file shows), if it is a regular
+    file owned by this process's user. Raises FileNotFoundError if nothing is there and
+    `UnsafeFile` for a symlink, a FIFO, a device or another user's file: the open cannot block
+    (O_NONBLOCK) and what was opened is checked with `fstat` before a byte is read."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EMLINK):  # O_NOFOLLOW on a symlink (EMLINK: FreeBSD)
+            raise UnsafeFile("is a symlink") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFile("is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise UnsafeFile(f"belongs to another user (uid {st.st_uid})")
+        chunks, left = [], max_bytes + 1
+        while left > 0:
+            b = os.read(fd, min(left, 1 << 24))
+            if not b:
+                break
+            chunks.append(b)
+            left -= len(b)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def new_dirs(path: Path) -> None:
+    """Create `path` and its missing parents 0700, whatever the umask; an existing one (DIR may be
+    a shared or symlinked directory) is left as it is."""
+    missing, p = [], Path(path)
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+            os.chmod(d, 0o700)  # the umask may have narrowed it
+        except FileExistsError:
+            pass  # made by another process meanwhile
+
+
+def private_dir(path: Path) -> None:
+    """Make `path` (its parent exists) a directory only this user can enter: created 0700; an
+    existing one must be this user's own directory, not a symlink, and is set to 0700 if it is
+    wider (a store an older version made 0755). Raises OSError or `UnsafeFile`."""
+    try:
+        os.mkdir(path, 0o700)
+        os.chmod(path, 0o700)
+        return
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeFile("is a symlink" if stat.S_ISLNK(st.st_mode) else "is not a directory")
+    if st.st_uid != os.geteuid():
+        raise UnsafeFile(f"belongs to another user (uid {st.st_uid})")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
 
 
 def _entries(path) -> list:
@@ -129,8 +211,8 @@ def weights_digest(path: Path, memo_file: Path | None = None) -> str:
     memo = {}
     if memo_file is not None:
         try:
-            memo = json.loads(memo_file.read_text())
-        except (OSError, ValueError):
+            memo = json.loads(read_own(memo_file, MEMO_MAX_BYTES))
+        except (OSError, ValueError):  # absent, unreadable, not ours (UnsafeFile) or not JSON
             memo = {}
     files = [path / "config.json"] + sorted(path.glob("*.safetensors"))
     h = hashlib.sha256()
@@ -139,9 +221,9 @@ def weights_digest(path: Path, memo_file: Path | None = None) -> str:
             h.update(f"{f.name}|{_file_digest(f, memo)}".encode())
     if memo_file is not None:
         try:
-            memo_file.parent.mkdir(parents=True, exist_ok=True)
+            new_dirs(memo_file.parent)
             _atomic_write(memo_file, json.dumps(memo).encode())
-        except OSError:
+        except (OSError, UnsafeFile):
             pass  # only a cache of digests
     return h.hexdigest()
 
@@ -188,9 +270,17 @@ def namespace(parts: dict) -> bytes:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
+    """Write `data` to `path` as a whole (a temporary name, then a rename), mode 0600 whatever the
+    umask; the temporary file is created new (O_EXCL, never through a symlink)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        try:
+            fd = os.open(tmp, _CREATE_FLAGS, 0o600)
+        except FileExistsError:  # a leftover of a killed thread with the same ids
+            os.unlink(tmp)
+            fd = os.open(tmp, _CREATE_FLAGS, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(fd, 0o600)
             f.write(data)
         os.replace(tmp, path)
     except BaseException:
@@ -264,12 +354,16 @@ class PrefixStore:
             self._disable(f"the disk under {self.root} is too full for the default cap (--prefix-cache-disk-gb)")
             return
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            new_dirs(self.root)
+            private_dir(self.dir)
             if parts is not None:
                 desc = self.dir / "namespace.json"
                 if not desc.exists():
                     _atomic_write(desc, json.dumps(parts, indent=1, sort_keys=True).encode())
             self._scan()
+        except UnsafeFile as e:
+            self._disable(f"prefix cache directory {self.dir} {e}")
+            return
         except OSError as e:
             self._disable(f"cannot use prefix cache directory {self.root} ({e.strerror or e})")
             return
@@ -298,18 +392,30 @@ class PrefixStore:
             except OSError:
                 pass
 
+        def tighten(p: str, st=None) -> None:
+            """A directory or block file of ours an older version left readable to others: 0700/0600."""
+            try:
+                st = st or os.lstat(p)
+                want = 0o700 if stat.S_ISDIR(st.st_mode) else 0o600
+                if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != want:
+                    os.chmod(p, want, follow_symlinks=False)
+            except (OSError, NotImplementedError):
+                pass
+
         for ns in _entries(self.root):
             if not ns.is_dir(follow_symlinks=False):
                 stale_tmp(ns.path, ns.name)  # the digest memo's temporary files live in DIR itself
                 continue
             if not NS_DIR.fullmatch(ns.name):
                 continue
+            tighten(ns.path)
             for shard in _entries(ns.path):
                 if not shard.is_dir(follow_symlinks=False):
                     stale_tmp(shard.path, shard.name)
                     continue
                 if not SHARD_DIR.fullmatch(shard.name):
                     continue
+                tighten(shard.path)
                 for f in _entries(shard.path):
                     if BLOCK_FILE.fullmatch(f.name) and f.name.startswith(shard.name):
                         try:
@@ -318,6 +424,7 @@ class PrefixStore:
                             continue
                         if stat.S_ISREG(st.st_mode):
                             found.append((st.st_mtime_ns, f.path, st.st_size))
+                            tighten(f.path, st)
                     else:
                         stale_tmp(f.path, f.name)
         found.sort()
@@ -395,9 +502,11 @@ class PrefixStore:
     def _read(self, block_hash: bytes, toks: tuple[int, ...]) -> bytes | None:
         path = self.path_of(block_hash)
         try:
-            with open(path, "rb") as f:
-                data = f.read(self.file_nbytes + 1)
+            data = read_own(path, self.file_nbytes)
         except FileNotFoundError:
+            return None
+        except UnsafeFile as e:
+            self._bad_file(path, str(e))
             return None
         except OSError as e:
             log.warning("cannot read prefix cache file %s (%s); the block is recomputed", path.name, e.strerror or e)
@@ -481,7 +590,7 @@ class PrefixStore:
                 if kind == "flush":
                     job[1].set()
                 elif kind == "touch":
-                    os.utime(job[1])
+                    os.utime(job[1], follow_symlinks=False)
                 elif kind == "write" and self.enabled:
                     self._write(*job[1:])
             except FileNotFoundError:
@@ -497,16 +606,20 @@ class PrefixStore:
 
     def _write(self, block_hash: bytes, toks: tuple[int, ...], payload: bytes) -> None:
         path = self.path_of(block_hash)
-        if path.exists():
-            os.utime(path)
-            return
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                os.utime(path, follow_symlinks=False)
+                return
+        except FileNotFoundError:
+            pass  # anything else there (a FIFO, a symlink, another user's file) is replaced below
         size = self.file_nbytes
         self._make_room(size)
         tok_bytes = np.asarray(toks, np.int64).tobytes()
         crc = zlib.crc32(payload, zlib.crc32(tok_bytes))
         header = _HEADER.pack(MAGIC, FORMAT_VERSION, len(toks), len(payload), crc, self.ns, block_hash)
         pad = b"\0" * (payload_offset(len(toks)) - _HEADER.size - len(tok_bytes))
-        path.parent.mkdir(exist_ok=True)
+        private_dir(path.parent)
         _atomic_write(path, header + tok_bytes + pad + payload)
         with self._lock:
             self._files[str(path)] = size

@@ -14,39 +14,64 @@ beyond `cap_bytes`: an evicted one only shortens later hits.
 
 With the disk tier on, a prompt block's checkpoint is also written beside the tier's block files
 (`<namespace>/states/<hash>.safetensors`, the same chained hash, so a later process resumes from
-it), and `has` reads one back on a memory miss; a file that does not parse as this model's state
-is deleted and counts as a miss. The newest `MAX_FILES` are kept.
+it), and `has` reads one back on a memory miss. A file is safetensors (read with `mx.load`, no
+pickle) whose metadata holds this format's version, the block hash and a CRC-32 of the tensor
+data; it is opened as the block files are (`prefix_store.read_own`: a regular file of this
+user, never a symlink, FIFO or device) and written 0600 in a 0700 directory. A file whose
+version, hash, checksum, array names, shapes or dtypes (every dimension, against `state_spec`)
+are wrong is deleted with one warning and counts as a miss: the prefix is recomputed. The newest
+`MAX_FILES` are kept.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import math
 import os
+import stat
+import zlib
 from collections import OrderedDict
 from pathlib import Path
 
 from ..core.sequence import Sequence
-from ..models.recurrent import StepStates, state_nbytes
+from ..models.recurrent import StepStates, own, state_nbytes
+from .prefix_store import UnsafeFile, _atomic_write, private_dir, read_own
 
 # Recurrent-state checkpoints kept for prefix hits: this many states, at most CHECKPOINT_BYTES.
 CHECKPOINTS = 64
 CHECKPOINT_BYTES = 1 << 30
 
 
-def state_bytes_per_sequence(model) -> int:
-    """Bytes of one sequence's recurrent state, every layer: mlx-lm's own model and
-    `make_prompt_cache` run one token, and its ArraysCaches are measured."""
+def state_spec(model) -> list[tuple]:
+    """One sequence's recurrent state as it must be: per recurrent layer (in layer order), the
+    (shape, dtype) of each array of its ArraysCache (None: an array left unset). mlx-lm's own model
+    and `make_prompt_cache` run one token, and its ArraysCaches are measured."""
     import mlx.core as mx
     from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
     caches = make_prompt_cache(model)
     model(mx.array([[0]], dtype=mx.int32), cache=caches)  # only the graph: shapes need no evaluation
-    return sum(a.nbytes for c in caches if isinstance(c, ArraysCache) for a in c.cache if a is not None)
+    return [
+        tuple(None if a is None else (tuple(a.shape), a.dtype) for a in c.cache)
+        for c in caches
+        if isinstance(c, ArraysCache)
+    ]
+
+
+def spec_nbytes(spec: list[tuple]) -> int:
+    return sum(math.prod(s[0]) * s[1].size for layer in spec for s in layer if s is not None)
 
 
 MAX_FILES = 256  # state checkpoint files kept on disk, newest first
+STATE_FORMAT = "1"  # the `format` in a state file's metadata; a file without it is an older version's
+_HEADER_MAX = 1 << 20  # a state file's safetensors header: its JSON, a few hundred bytes per array
 log = logging.getLogger("mlxpaged.state_cache")
+
+
+def _show(spec) -> str:
+    return "nothing" if spec is None else f"shape {list(spec[0])} {str(spec[1]).rsplit('.', 1)[-1]}"
 
 
 class StateLost(RuntimeError):
@@ -60,9 +85,10 @@ class Checkpoints:
     (a single state larger than the cap is not kept).
     """
 
-    def __init__(self, cap_bytes: int, num_layers: int, block_size: int, disk: Path | None = None):
+    def __init__(self, cap_bytes: int, spec: list[tuple], block_size: int, disk: Path | None = None):
         self.cap_bytes = cap_bytes
-        self.num_layers = num_layers
+        self.spec = spec  # `state_spec`: what a state read from disk must be, array by array
+        self.num_layers = len(spec)
         self.block_size = block_size
         self.disk = disk  # the disk tier's directory for state files, or None
         self.states: OrderedDict[bytes, tuple[list, int]] = OrderedDict()
@@ -82,50 +108,117 @@ class Checkpoints:
 
     def _read(self, block_hash: bytes) -> bool:
         """Load a checkpoint file into memory; False if there is none or it is not this model's."""
-        import mlx.core as mx
-
         if self.disk is None:
             return False
         path = self._path(block_hash)
-        if not path.is_file():
+        try:
+            blob = read_own(path, spec_nbytes(self.spec) + _HEADER_MAX)
+        except FileNotFoundError:
+            return False
+        except UnsafeFile as e:
+            self._bad_file(path, str(e))
+            return False
+        except OSError as e:
+            log.warning("cannot read state checkpoint %s (%s); the prefix is recomputed", path.name, e.strerror or e)
             return False
         try:
-            arrays, meta = mx.load(str(path), return_metadata=True)
-            sizes = json.loads(meta["sizes"])
-            if len(sizes) != self.num_layers:
-                raise ValueError(f"{len(sizes)} layers, not {self.num_layers}")
-            state = []
-            for k, n in enumerate(sizes):
-                layer = tuple(arrays.get(f"{k}.{j}") for j in range(n))
-                if any(a is not None and (a.ndim < 1 or a.shape[0] != 1) for a in layer):
-                    raise ValueError("not one sequence's state")
-                state.append(layer)
-        except Exception as e:  # any unreadable file is a miss, never a failed request
-            self.bad_files += 1
-            log.warning("state checkpoint %s is unreadable (%s): deleted", path.name, str(e).splitlines()[0][:80])
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+            state = self._decode(blob, block_hash)
+        except Exception as e:  # any file that is not this model's state is a miss, never a failed request
+            self._bad_file(path, str(e).splitlines()[0][:160] if str(e) else type(e).__name__)
             return False
         self.disk_reads += 1
         self.put(block_hash, state)
         return block_hash in self.states
 
-    def _write(self, block_hash: bytes, state: list) -> None:
+    def _bad_file(self, path: Path, why: str) -> None:
+        self.bad_files += 1
+        log.warning("state checkpoint %s %s: deleted, the prefix is recomputed", path.name, why)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+    def _mismatch(self, state: list) -> str | None:
+        """Why `state` is not one sequence's state of this model (`spec`), or None if it is."""
+        if len(state) != len(self.spec):
+            return f"has {len(state)} recurrent layers, not {len(self.spec)}"
+        for k, (layer, want) in enumerate(zip(state, self.spec)):
+            arrays = own(layer) if layer is not None else ()
+            if len(arrays) != len(want):
+                return f"has {len(arrays)} arrays in layer {k}, not {len(want)}"
+            for j, (a, w) in enumerate(zip(arrays, want)):
+                got = None if a is None else (tuple(a.shape), a.dtype)
+                if got != w:
+                    return f"has array {k}.{j} of {_show(got)}, not {_show(w)}"
+        return None
+
+    def _encode(self, block_hash: bytes, state: list) -> bytes:
+        """The state as a safetensors file whose metadata holds the format, the block hash and the
+        CRC-32 of the tensor data (mlx writes the data; the header is written again with the CRC)."""
         import mlx.core as mx
 
+        arrays = {f"{k}.{j}": a for k, layer in enumerate(state) for j, a in enumerate(own(layer)) if a is not None}
+        buf = io.BytesIO()
+        mx.save_safetensors(buf, arrays, metadata={"format": STATE_FORMAT, "block_hash": block_hash.hex()})
+        blob = buf.getvalue()
+        n = int.from_bytes(blob[:8], "little")
+        header, data = json.loads(blob[8 : 8 + n]), blob[8 + n :]
+        header["__metadata__"]["crc32"] = f"{zlib.crc32(data):08x}"
+        head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)  # safetensors pads its header to 8 bytes
+        return len(head).to_bytes(8, "little") + head + data
+
+    def _decode(self, blob: bytes, block_hash: bytes) -> list:
+        """The state a file holds; ValueError naming what is wrong with it."""
+        import mlx.core as mx
+
+        n = int.from_bytes(blob[:8], "little") if len(blob) >= 8 else -1
+        if n < 2 or n > min(_HEADER_MAX, len(blob) - 8):
+            raise ValueError("is truncated or not safetensors")
+        if len(blob) > spec_nbytes(self.spec) + 8 + n:
+            raise ValueError("is larger than a state of this model")
+        header = json.loads(blob[8 : 8 + n])
+        meta = header.get("__metadata__") if isinstance(header, dict) else None
+        meta = meta if isinstance(meta, dict) else {}
+        if meta.get("format") != STATE_FORMAT:
+            raise ValueError("is not a state file of this version")
+        if meta.get("block_hash") != block_hash.hex():
+            raise ValueError("belongs to another block")
+        if meta.get("crc32") != f"{zlib.crc32(blob[8 + n :]):08x}":
+            raise ValueError("fails its checksum")
+        arrays = mx.load(io.BytesIO(blob), format="safetensors")
+        mx.eval(list(arrays.values()))
+        state = [tuple(arrays.pop(f"{k}.{j}", None) for j in range(len(layer))) for k, layer in enumerate(self.spec)]
+        if arrays:
+            raise ValueError(f"holds arrays of no layer ({', '.join(sorted(arrays)[:3])})")
+        why = self._mismatch(state)
+        if why is not None:
+            raise ValueError(why)
+        return state
+
+    def _stored(self, block_hash: bytes) -> bool:
+        """Whether this user's regular file holds the block's state (anything else is replaced)."""
         try:
-            self.disk.mkdir(parents=True, exist_ok=True)
-            arrays = {f"{k}.{j}": a for k, layer in enumerate(state) for j, a in enumerate(layer) if a is not None}
-            sizes = json.dumps([len(layer) for layer in state])
-            tmp = self.disk / f".{block_hash.hex()}.{os.getpid()}.tmp.safetensors"
-            mx.save_safetensors(str(tmp), arrays, metadata={"sizes": sizes})
-            os.replace(tmp, self._path(block_hash))
-            files = sorted(self.disk.glob("*.safetensors"), key=lambda p: p.stat().st_mtime_ns)
-            for old in files[:-MAX_FILES]:
+            st = os.lstat(self._path(block_hash))
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+
+    def _write(self, block_hash: bytes, state: list) -> None:
+        if self._mismatch(state) is not None:
+            return  # not the shape a read would accept (never expected): a miss later, not a bad file
+        try:
+            private_dir(self.disk)
+            _atomic_write(self._path(block_hash), self._encode(block_hash, state))
+            files = []
+            for p in self.disk.glob("*.safetensors"):
+                try:
+                    files.append((os.lstat(p).st_mtime_ns, p))
+                except OSError:
+                    pass
+            for _, old in sorted(files)[:-MAX_FILES]:
                 old.unlink(missing_ok=True)
-        except OSError as e:
+        except (OSError, UnsafeFile) as e:
             log.warning("cannot write a state checkpoint under %s (%s); serving goes on", self.disk, e)
 
     def get(self, block_hash: bytes) -> list | None:
@@ -137,7 +230,7 @@ class Checkpoints:
         return got[0]
 
     def put(self, block_hash: bytes, state: list, to_disk: bool = False) -> None:
-        if to_disk and self.disk is not None and not self._path(block_hash).exists():
+        if to_disk and self.disk is not None and not self._stored(block_hash):
             self._write(block_hash, state)
         if block_hash in self.states:
             self.states.move_to_end(block_hash)
