@@ -558,7 +558,6 @@ def write_tiny_family(
     model = module.Model(module.ModelArgs.from_dict(config))
     rng = np.random.default_rng(seed)
     text = config.get("text_config") or config
-    hidden = text["hidden_size"]
     weights = {}
     for name, p in tree_flatten(model.parameters()):
         if name.endswith("layer_scalar"):  # Gemma 4 multiplies each layer's output by it
@@ -573,12 +572,12 @@ def write_tiny_family(
             a = rng.normal(0, 0.1, size=p.shape)
         elif name.endswith("embed_tokens.weight"):
             tied = text.get("tie_word_embeddings", True)
-            std = logit_scale * hidden**-0.5 if tied else EMBED_STD.get(model_type, 1.0)
+            std = logit_scale * p.shape[-1] ** -0.5 if tied else EMBED_STD.get(model_type, 1.0)
             a = rng.normal(0, std, size=p.shape)
         elif name.endswith((".gate.weight", ".router.weight")):  # an MoE router: expert choices far from ties
             a = rng.normal(0, ROUTER_SCALE * p.shape[-1] ** -0.5, size=p.shape)
         elif name.endswith("lm_head.weight") or name == "output.weight":  # llama4_text names it output
-            a = rng.normal(0, logit_scale * hidden**-0.5, size=p.shape)
+            a = rng.normal(0, logit_scale * p.shape[-1] ** -0.5, size=p.shape)
         else:
             a = rng.normal(0, p.shape[-1] ** -0.5, size=p.shape)
         weights[name] = mx.array(a.astype(np.float32))

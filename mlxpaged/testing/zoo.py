@@ -1,0 +1,271 @@
+"""Every model type mlx-lm runs, as a tiny random checkpoint written by mlx-lm's own classes.
+
+`model_types()` lists each module of `mlx_lm.models` that defines a `Model` and `ModelArgs`,
+plus the model types mlx-lm remaps onto one of them (`mlx_lm.utils.MODEL_REMAPPING`: a
+checkpoint says `mistral`, mlx-lm runs `llama`). `write_zoo(path, model_type)` writes one
+checkpoint of that type: its config is the module's `ModelArgs` fields at small sizes (a field
+named as the common configs name it gets the zoo's size; a few modules need more, `ZOO_CONFIGS`),
+its weights are drawn by `write_tiny_family` from the module's own parameter tree.
+
+The families with a hand-written config (`tiny_model.FAMILY_CONFIGS`) keep it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import io
+import pkgutil
+from pathlib import Path
+
+from .tiny_model import FAMILY_CONFIGS, write_tiny_family
+
+H, HEADS, KV_HEADS, HEAD_DIM, FF, LAYERS = 64, 4, 2, 16, 128, 2
+EXPERTS, TOP_K, EXPERT_FF = 4, 2, 64
+
+# A field of this name is set to the zoo's size whatever its default (mlx-lm's defaults are
+# full-size models: deepseek's hidden_size defaults to 4096).
+SIZES = {
+    **dict.fromkeys(("hidden_size", "n_embd", "d_model", "model_dim", "hidden_dim", "dim"), H),
+    **dict.fromkeys(
+        ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_transformer_layers", "num_layer"), LAYERS
+    ),
+    **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads", "num_query_heads"), HEADS),
+    **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num"), KV_HEADS),
+    "head_dim": HEAD_DIM,
+    **dict.fromkeys(
+        ("intermediate_size", "ffn_hidden_size", "n_inner", "ff_intermediate_size", "intermediate_size_mlp"), FF
+    ),
+    **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "seq_length", "model_max_length"), 4096),
+    **dict.fromkeys(
+        (
+            "moe_intermediate_size",
+            "expert_ffn_hidden_size",
+            "shared_expert_intermediate_size",
+            "shared_intermediate_size",
+            "expert_intermediate_size",
+        ),
+        EXPERT_FF,
+    ),
+    **dict.fromkeys(("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"), EXPERTS),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "moe_k", "top_k"), TOP_K),
+    **dict.fromkeys(("n_shared_experts", "num_shared_experts", "num_shared_expert", "moe_num_shared_experts"), 1),
+    "kv_lora_rank": 32,
+    "q_lora_rank": 48,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+}
+# A required field (no default) of this name gets this value.
+REQUIRED = {
+    "rope_theta": 10000.0,
+    "rotary_emb_base": 10000.0,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "tie_word_embeddings": False,
+    "rope_scaling": None,
+    "partial_rotary_factor": 0.5,
+    "rotary_pct": 0.5,
+    "hidden_act": "silu",
+}
+
+# What the generic fill cannot guess, per model type (in the checkpoint's own terms).
+ZOO_CONFIGS: dict[str, dict] = {
+    "dbrx": {
+        "ffn_config": {"ffn_hidden_size": FF, "moe_num_experts": EXPERTS, "moe_top_k": TOP_K},
+        "attn_config": {"kv_n_heads": KV_HEADS, "clip_qkv": 8.0, "rope_theta": 10000.0},
+    },
+    "openelm": {
+        "num_query_heads": [HEADS] * LAYERS,
+        "num_kv_heads": [KV_HEADS] * LAYERS,
+        "ffn_multipliers": [2.0] * LAYERS,
+        "ffn_dim_divisor": 16,
+    },
+    "afm7": {"num_kv_reuse_layers": 0},
+    "minicpm": {"dim_model_base": H, "scale_depth": 1.4, "scale_emb": 2.0},
+    "phi3small": {
+        "dense_attention_every_n_layers": 2,
+        "gegelu_limit": 20.0,
+        "blocksparse_block_size": 16,
+        "blocksparse_num_local_blocks": 4,
+        "blocksparse_vert_stride": 2,
+    },
+    "nemotron": {"hidden_act": "relu2", "partial_rotary_factor": 0.5},
+    "hunyuan": {"use_mixed_mlp_moe": True, "use_qk_norm": True, "use_cla": False, "cla_share_factor": 2},
+    "olmoe": {"num_experts": EXPERTS},
+    "granitemoe": {
+        "logits_scaling": 1.0,
+        "attention_multiplier": 0.25,
+        "embedding_multiplier": 2.0,
+        "residual_multiplier": 0.5,
+    },
+    "lille-130m": {"block_size": 4096},
+    "step3p5": {"num_attention_groups": KV_HEADS},
+}
+
+
+def _quiet_import(name: str):
+    with contextlib.redirect_stdout(io.StringIO()):  # some modules print when a package is missing
+        return importlib.import_module(f"mlx_lm.models.{name}")
+
+
+def model_modules() -> list[str]:
+    """Every module of mlx_lm.models, but the helper modules (those without `Model` and `ModelArgs`).
+    A module that fails to import (olmo: it needs the ai2-olmo package) is listed."""
+    import mlx_lm.models
+
+    out = []
+    for m in pkgutil.iter_modules(mlx_lm.models.__path__):
+        try:
+            module = _quiet_import(m.name)
+        except (Exception, SystemExit):
+            out.append(m.name)
+            continue
+        if hasattr(module, "Model") and hasattr(module, "ModelArgs"):
+            out.append(m.name)
+    return sorted(out)
+
+
+def remapped_types() -> dict[str, str]:
+    """mlx-lm's model types that run another type's module (mistral -> llama)."""
+    from mlx_lm import utils
+
+    return dict(getattr(utils, "MODEL_REMAPPING", {}))
+
+
+def model_types() -> list[str]:
+    """Every model type the zoo covers: the modules and the remapped types."""
+    return sorted(set(model_modules()) | set(remapped_types()))
+
+
+def _fill(args_class, vocab: int, extra: dict) -> dict:
+    """A config for `args_class` (a dataclass): SIZES by name, REQUIRED where there is no default."""
+    config = {}
+    for f in dataclasses.fields(args_class):
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if f.name in SIZES:
+            config[f.name] = SIZES[f.name]
+        elif f.name == "vocab_size":
+            config[f.name] = vocab
+        elif "eps" in f.name and required:
+            config[f.name] = 1e-5
+        elif f.name in REQUIRED and required:
+            config[f.name] = REQUIRED[f.name]
+        elif required and f.type in (bool, "bool"):
+            config[f.name] = False
+    return {**config, **extra}
+
+
+def _text_args_class(module):
+    """The args class of a wrapper's text model (its `text_config`), or None for a plain module."""
+    names = {f.name for f in dataclasses.fields(module.ModelArgs)}
+    if "text_config" not in names:
+        return None
+    for attr in ("TextConfig", "TextArgs", "TextModelArgs"):
+        if dataclasses.is_dataclass(getattr(module, attr, None)):
+            return getattr(module, attr)
+    import mlx_lm.models
+
+    for value in vars(module).values():  # qwen2_vl: `from . import qwen2`
+        if getattr(value, "__name__", "").startswith("mlx_lm.models.") and hasattr(value, "ModelArgs"):
+            if value.__name__ not in ("mlx_lm.models.base",):
+                return value.ModelArgs
+    del mlx_lm
+    return None
+
+
+def zoo_config(model_type: str, vocab: int) -> dict:
+    """The overrides `write_tiny_family` gets for `model_type` (empty for a FAMILY_CONFIGS family)."""
+    if model_type in FAMILY_CONFIGS:
+        return {}
+    from ..models.paged_adapter import family_module
+
+    module = family_module(model_type)
+    extra = dict(ZOO_CONFIGS.get(model_type, {}))
+    text_class = _text_args_class(module)
+    if text_class is None:
+        return _fill(module.ModelArgs, vocab, extra)
+    text = _fill(text_class, vocab, extra)
+    text.setdefault("model_type", model_type)
+    return {"text_config": text, "vocab_size": vocab}
+
+
+def write_zoo(path: Path, model_type: str, seed: int = 0) -> Path:
+    """A tiny random checkpoint of `model_type` at `path`, built by mlx-lm's ModelArgs and Model."""
+    from .tiny_model import write_tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = write_tokenizer(path)
+    overrides = zoo_config(model_type, vocab)
+    if not overrides:
+        return write_tiny_family(path, model_type, seed=seed)
+    layers = overrides.pop("num_hidden_layers", LAYERS)
+    return write_tiny_family(path, model_type, seed=seed, layers=layers, **overrides)
+
+
+PROMPT = "Paged attention borrows an idea from operating systems: virtual memory and paging."
+# (block size, tokens per step): whole-prompt prefill on blocks of 16; chunks of 7 over blocks of 4
+SETTINGS = ((16, 2048), (4, 7))
+
+
+def reference_tokens(model, prompt_ids: list[int], n: int) -> list[int]:
+    """mlx-lm's own greedy tokens: `generate_step` on the caches of its `make_prompt_cache`."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    steps = generate_step(mx.array(prompt_ids), model, max_tokens=n, prompt_cache=make_prompt_cache(model))
+    return [int(t) for t, _ in steps]
+
+
+def paged_tokens(loaded, prompt_ids: list[int], n: int, block_size: int, chunk: int) -> list[int]:
+    """mlxpaged's greedy tokens for one prompt (reference attention, `chunk` tokens a step)."""
+    from .. import EngineConfig, LLMEngine, SamplingParams
+
+    config = EngineConfig.of(
+        block_size=block_size, num_blocks=64, max_num_batched_tokens=chunk, attention_impl="reference"
+    )
+    engine = LLMEngine(loaded, config)
+    rid = engine.add_request(prompt_ids, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    out = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id == rid and o.finished:
+                out = o
+    return list(out.outputs[0].token_ids)
+
+
+def verdict(path: Path, n: int = 8) -> tuple[str, str]:
+    """("exact" | "refused" | "differs" | "crashes" | "reference fails", detail) for the checkpoint
+    at `path`: mlxpaged's greedy tokens in both SETTINGS against mlx-lm's `reference_tokens`."""
+    import mlx_lm
+
+    from ..errors import MlxPagedError
+    from ..loading.loader import load
+
+    try:
+        ref_model, tok = mlx_lm.load(str(path))
+        ids = tok.encode(PROMPT)
+        want = reference_tokens(ref_model, ids, n)
+    except Exception as e:  # mlx-lm itself cannot run this tiny checkpoint
+        return "reference fails", f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    try:
+        loaded = load(str(path), "float32")
+    except MlxPagedError as e:
+        return "refused", str(e)
+    except Exception as e:
+        return "crashes", f"load: {type(e).__name__}: {str(e)[:200]}"
+    try:
+        for block, chunk in SETTINGS:
+            got = paged_tokens(loaded, ids, n, block, chunk)
+            if got != want:
+                return "differs", f"block {block}, chunk {chunk}: {got} != mlx-lm's {want}"
+    except Exception as e:
+        return "crashes", f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return "exact", ""
