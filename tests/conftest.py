@@ -124,6 +124,7 @@ FILE_TIERS = {
     "test_bench_http.py": "server",
     "test_bench_agents.py": "server",
     "test_families.py": "engine",
+    "test_zoo.py": "engine",
     "test_hybrid.py": "engine",
     "test_windows.py": "engine",
     "test_per_layer_kv.py": "engine",

@@ -256,23 +256,28 @@ def layer_kv_dims(model: nn.Module) -> list[tuple[int, int]]:
 
 
 def text_body(model: nn.Module) -> nn.Module:
-    """The module holding the text model's final `norm` and its `layers`: `model.model` for
-    most families, `model.language_model.model` for a wrapper such as mistral3."""
+    """The module holding the text model's final norm and its layers: `model.model` for most
+    families, `model.language_model.model` for a wrapper such as mistral3, `model.transformer`
+    for gpt2-style ones (their layers named `h` or `blocks`)."""
     m = model
     for _ in range(4):
-        inner = m.get("language_model") if isinstance(m.get("language_model"), nn.Module) else m.get("model")
-        if not isinstance(inner, nn.Module):
+        inner = next((m.get(n) for n in _BODIES if isinstance(m.get(n), nn.Module)), None)
+        if inner is None:
             break
-        if _final_norm(inner) is not None and "layers" in inner:
+        if _final_norm(inner) is not None and any(n in inner for n in _LAYER_LISTS):
             return inner
         m = inner
     raise AdapterError(
-        f"{inspect.getfile(type(model))}: no text model with a final norm under Model.model or "
-        "Model.language_model: the paged adapter needs updating"
+        f"{inspect.getfile(type(model))}: no text model with a final norm under Model.model, "
+        "Model.language_model or Model.transformer: the paged adapter needs updating"
     )
 
 
-_FINAL_NORMS = ("norm", "embedding_norm")  # lfm2 names its final norm embedding_norm
+_BODIES = ("language_model", "model", "transformer")
+_LAYER_LISTS = ("layers", "h", "blocks")
+# lfm2 names its final norm embedding_norm; gpt2-style models ln_f, dbrx norm_f, phi final_layernorm,
+# afm7 output_norm
+_FINAL_NORMS = ("norm", "embedding_norm", "ln_f", "norm_f", "final_layernorm", "final_layer_norm", "output_norm")
 
 
 def _final_norm(body: nn.Module) -> str | None:
@@ -301,7 +306,7 @@ def attention_modules(model: nn.Module) -> list:
     layers come from another module: smollm3's and mistral3's from llama's or ministral3's)."""
     import sys
 
-    names = dict.fromkeys(type(layer.self_attn).__module__ for layer in paged_layers(model))
+    names = dict.fromkeys(type(attention_of(layer)).__module__ for layer in paged_layers(model))
     return [sys.modules[n] for n in names]
 
 
@@ -482,8 +487,8 @@ def _check_attended(layers, caches, cause: Exception | None = None) -> None:
     for i, c in enumerate(caches):
         if c is not None and (c.pools is None or not c.attended):
             raise AdapterError(
-                f"{inspect.getfile(type(layers[i].self_attn))}: "
-                f"{type(layers[i].self_attn).__name__}.__call__ no longer calls cache.update_and_fetch and "
+                f"{inspect.getfile(type(attention_of(layers[i])))}: "
+                f"{type(attention_of(layers[i])).__name__}.__call__ no longer calls cache.update_and_fetch and "
                 "scaled_dot_product_attention(..., cache=cache): the paged adapter needs updating"
             ) from cause
 
@@ -509,7 +514,7 @@ def _plain_ropes(layers) -> list:
     """(attention module, its rope, the rope's table key) of every layer whose rope only rotates (rotary.py)."""
     out = []
     for layer in layers:
-        attn = getattr(layer, "self_attn", None)
+        attn = attention_of(layer)
         rope = attn.get("rope") if isinstance(attn, nn.Module) else None
         if rope is not None and is_rotation(rope):
             out.append((attn, rope, table_key(rope)))
@@ -543,11 +548,6 @@ def model_classes(config: dict):
     return _classes[module.Model], module.ModelArgs
 
 
-# Families with sliding-window layers that mlx-lm's module runs on plain KVCaches (so the
-# caches below cannot tell): which of their layers are local.
-_PLAIN_CACHED_WINDOWS = {"gemma2": (0, "every other layer")}
-
-
 def layer_windows(model: nn.Module) -> list:
     """Per layer, its sliding window (the `max_size` of the RotatingKVCache mlx-lm's own
     `make_prompt_cache` gives it), or None for a full-attention layer (a plain KVCache)."""
@@ -564,46 +564,182 @@ def layer_chunks(model: nn.Module) -> list:
     return [c.chunk_size if isinstance(c, ChunkedKVCache) else None for c in make_prompt_cache(model)]
 
 
+# The names mlx-lm's decoder layers give their attention module (most: self_attn).
+_ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
+
+
+def attention_of(layer: nn.Module) -> nn.Module | None:
+    """A decoder layer's attention module: its `self_attn` (or `attn`, `attention`), else the one
+    module inside it whose class calls `cache.update_and_fetch` (dbrx: `norm_attn_norm.attn`,
+    exaone: `attn.attention`). None for a layer with neither."""
+    if not isinstance(layer, nn.Module):
+        return None
+    named = next((layer[n] for n in _ATTENTION_NAMES if isinstance(layer.get(n), nn.Module)), None)
+    if named is not None and "update_and_fetch" in _source(type(named)):
+        return named
+    for _, m in layer.named_modules():
+        if m is not layer and "update_and_fetch" in _source(type(m)):
+            return m
+    return named
+
+
+_sources: dict = {}
+
+
+def _source(cls) -> str:
+    """The source of `cls.__call__` (empty when there is none to read), read once per class."""
+    if cls not in _sources:
+        try:
+            _sources[cls] = inspect.getsource(cls.__call__)
+        except (OSError, TypeError):
+            _sources[cls] = ""
+    return _sources[cls]
+
+
+def _cache_kind(c) -> str:
+    """What an mlx-lm cache object holds, in words."""
+    from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache
+
+    if type(c) is CacheList:
+        inner = " and ".join(type(x).__name__ for x in c.caches)
+        many = "two caches in one layer" if len(c.caches) == 2 else f"{len(c.caches)} caches in one layer"
+        return f"{many} (mlx-lm's CacheList of {inner})" if len(c.caches) != 1 else f"mlx-lm's CacheList of {inner}"
+
+    if isinstance(c, RotatingKVCache):
+        return f"a sliding window of {c.max_size} that always keeps the first {c.keep} tokens"
+    if isinstance(c, ArraysCache) or type(c).__name__ == "MambaCache":
+        return "linear-attention / state-space (an ArraysCache)"
+    if isinstance(c, (KVCache, ChunkedKVCache)):
+        return type(c).__name__
+    return f"a cache class mlxpaged does not know ({type(c).__module__}.{type(c).__name__})"
+
+
 def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
-    """One line naming the first layer the paged cache cannot hold, or None. Sliding-window
-    layers (a RotatingKVCache that keeps no prefix) are held for the `WINDOWED` families."""
+    """One line naming the first thing in `model`'s structure the paged cache cannot run, or None.
+
+    Structural, not by name: each layer's cache from mlx-lm's own `make_prompt_cache` must be one
+    the paged cache holds (a KVCache; a RotatingKVCache that keeps no prefix: a sliding window; a
+    ChunkedKVCache; an ArraysCache: recurrent state, recurrent.py), and each attention layer's
+    module must call `cache.update_and_fetch` and its module's `scaled_dot_product_attention`.
+    """
     from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
-    if model_type in _PLAIN_CACHED_WINDOWS:
-        layer, which = _PLAIN_CACHED_WINDOWS[model_type]
-        return (
-            f"{model_type}: layer {layer} is sliding-window attention ({which}, window "
-            f"{config.get('sliding_window')}), which mlx-lm's {model_type} module runs on a full cache; "
-            "the paged cache holds windows only for " + ", ".join(WINDOWED) + "; such models are refused"
-        )
+    try:
+        caches = make_prompt_cache(model)
+    except Exception as e:  # noqa: BLE001 - a module whose cache cannot be made is refused, not crashed on
+        return f"{model_type}: mlx-lm's make_prompt_cache fails for it ({type(e).__name__}: {str(e)[:100]})"
     types = config.get("layer_types") or (config.get("text_config") or {}).get("layer_types") or []
-    for i, c in enumerate(make_prompt_cache(model)):
-        if type(c) is KVCache:
+    try:
+        layers = list(model.layers)
+    except Exception:  # noqa: BLE001 - no layer list to page
+        return f"{model_type}: its Model has no `layers` list the paged cache can walk; refused"
+    if len(caches) > len(layers):
+        return (
+            f"{model_type}: mlx-lm's make_prompt_cache gives {len(caches)} caches for {len(layers)} layers "
+            "(a layer attends more than once a pass, each time with its own cache), which the paged cache "
+            "does not hold (one cache per layer); refused"
+        )
+    for i, c in enumerate(caches):
+        if type(c) in (KVCache, ChunkedKVCache, ArraysCache) or (type(c) is RotatingKVCache and c.keep == 0):
             continue
-        if type(c) is RotatingKVCache and model_type in WINDOWED + PER_LAYER and c.keep == 0:
-            continue
-        if type(c) is ArraysCache and model_type in HYBRID:
-            continue
-        if type(c) is ChunkedKVCache and model_type in CHUNKED:
-            continue
-        kind = {
-            "RotatingKVCache": "sliding-window attention",
-            "ArraysCache": "linear-attention / state-space",
-            "MambaCache": "state-space (Mamba)",
-            "ChunkedKVCache": "chunked local attention",
-            "CacheList": "state-space and attention in one layer (mlx-lm's CacheList)",
-        }.get(type(c).__name__, type(c).__name__)
         named = f" ({types[i]})" if i < len(types) else ""
         return (
-            f"{model_type}: layer {i} is {kind}{named}, which the paged cache does not hold (it pages "
-            f"full-attention layers, sliding windows for {', '.join(WINDOWED + PER_LAYER)}, recurrent state for "
-            f"{', '.join(HYBRID)}, and attention chunks for {', '.join(CHUNKED)}); such models are refused"
+            f"{model_type}: layer {i}{named} keeps {_cache_kind(c)}, which the paged cache does not hold "
+            "(one KVCache, sliding-window RotatingKVCache, ChunkedKVCache or ArraysCache per layer); refused"
+        )
+    recurrent = [isinstance(c, ArraysCache) for c in caches] + [False] * (len(layers) - len(caches))
+    for i, layer in enumerate(layers):
+        if recurrent[i]:
+            reason = _recurrent_refusal(layer)
+            if reason:
+                named = f" ({types[i]})" if i < len(types) else ""
+                return f"{model_type}: layer {i}{named}: {reason}; refused"
+            continue
+        reason = _attention_refusal(layer)
+        if reason and i >= len(caches):  # afm7's KV-reuse layers: no cache of their own
+            return (
+                f"{model_type}: layer {i} has no cache of its own in mlx-lm's make_prompt_cache and reads an "
+                f"earlier layer's keys and values ({type(attention_of(layer)).__name__}), which the paged "
+                "adapter maps only for Gemma 4's and Gemma 3n's shared-KV layers; refused"
+            )
+        if reason:
+            return f"{model_type}: layer {i}: {reason}; refused"
+    try:
+        text_body(model)
+    except AdapterError:
+        return (
+            f"{model_type}: no text model with a final norm module under Model.model, Model.language_model or "
+            "Model.transformer (the paged pass gives the final norm only the rows it samples); refused"
+        )
+    if not hasattr(model, "args"):
+        return f"{model_type}: its Model keeps its settings as `config`, not the `args` mlxpaged reads; refused"
+    body = text_body(model)
+    if "np.arange(cache" in _source(type(body)):
+        return (
+            f"{model_type}: {type(body).__module__}.{type(body).__name__} computes its learned positions "
+            "with numpy from one scalar cache.offset; the paged cache's offset is one position per token; refused"
         )
     return None
 
 
+# The recurrent mixers whose decoder layers recurrent.py runs (each against mlx-lm in
+# tests/test_families.py and tests/test_zoo.py): gated DeltaNet, short convolutions, Mamba-2.
+RECURRENT_MIXERS = (
+    "mlx_lm.models.qwen3_next.Qwen3NextGatedDeltaNet",
+    "mlx_lm.models.qwen3_5.GatedDeltaNet",
+    "mlx_lm.models.lfm2.ShortConv",
+    "mlx_lm.models.lfm2_moe.ShortConv",
+    "mlx_lm.models.granitemoehybrid.GraniteMoeHybridMamba2Mixer",
+)
+
+
+def _recurrent_refusal(layer: nn.Module) -> str | None:
+    """Why a layer with recurrent state (an ArraysCache) is not one recurrent.py runs, or None."""
+    mixers = [f"{type(m).__module__}.{type(m).__name__}" for _, m in layer.named_modules() if m is not layer]
+    if any(m in RECURRENT_MIXERS for m in mixers):
+        return None
+    own = [m for m in mixers if m.startswith("mlx_lm.models.") and not m.endswith(("Norm", "MLP", "MoE"))]
+    return (
+        f"linear attention / state space ({', '.join(own[:2]) or type(layer).__name__}), whose recurrent state "
+        "recurrent.py does not run (it runs gated DeltaNet, short convolutions and Mamba-2 mixers)"
+    )
+
+
+def _attention_refusal(layer: nn.Module) -> str | None:
+    """Why one attention layer's module is not one the paged cache runs, or None."""
+    attn = attention_of(layer)
+    if attn is None:
+        return f"{type(layer).__name__} has no attention module that calls cache.update_and_fetch"
+    cls = type(attn)
+    src = _source(cls)
+    where = f"{cls.__module__}.{cls.__name__}"
+    if "update_and_fetch" not in src:
+        return f"{where} does not call cache.update_and_fetch (its keys and values are not cached per layer)"
+    if "scaled_dot_product_attention(" not in src:
+        capped = " with logit soft-capping" if "softcap" in src else ""
+        return (
+            f"{where} computes its attention scores itself{capped}, not through "
+            "scaled_dot_product_attention(..., cache=cache), which the paged cache replaces"
+        )
+    if getattr(attn, "block_sparse", False):  # phi3small: its own block-sparse attention on these layers
+        return f"{where} attends block-sparsely on this layer, which the paged cache does not run"
+    if "mx.tile(keys" in src:  # plamo: query head h reads KV head h mod kv_heads
+        return (
+            f"{where} shares its KV heads by tiling them (query head h reads KV head h mod kv_heads), where "
+            "the paged cache groups them (query head h reads KV head h // group)"
+        )
+    module = inspect.getmodule(cls)
+    sdpa = getattr(module, "scaled_dot_product_attention", None)
+    if getattr(sdpa, "_mlxpaged", False):  # already routed to the paged cache (_install_sdpa)
+        return None
+    if sdpa is None or list(inspect.signature(sdpa).parameters)[: len(_SDPA_PARAMS)] != _SDPA_PARAMS:
+        return f"{where} calls a scaled_dot_product_attention that is not mlx-lm's base function"
+    return None
+
+
 _MLA = "multi-head latent attention (MLA: its cache holds a compressed latent, not per-head keys and values)"
-# What the paged cache lacks for mlx-lm architectures whose per-layer caches do not say it.
+# What the paged cache lacks for mlx-lm modules whose structure passes the checks above but whose
+# attention still does what the paged cache does not (each found by the zoo, mlxpaged.testing.zoo).
 MISSING = {
     **dict.fromkeys(
         (
@@ -611,7 +747,6 @@ MISSING = {
             "deepseek_v32",
             "glm_moe_dsa",
             "kimi_k3",
-            "kimi_vl",
             "longcat_flash",
             "longcat_flash_ngram",
             "minicpm3",
@@ -621,33 +756,19 @@ MISSING = {
         ),
         _MLA,
     ),
-    # Modules whose make_cache has an ArraysCache or MambaCache (mlx-lm 0.32), for configs too
-    # bare to build: their recurrent state is no key/value cache.
-    **dict.fromkeys(
-        (
-            "baichuan_m1",
-            "bailing_hybrid",
-            "bailing_moe_linear",
-            "falcon_h1",
-            "gear",
-            "jamba",
-            "kimi_linear",
-            "lfm2_moe",
-            "mamba",
-            "mamba2",
-            "nemotron_h",
-            "olmo_hybrid",
-            "plamo2",
-            "recurrent_gemma",
-            "rwkv7",
-        ),
-        "linear-attention / state-space layers (their recurrent state is no key/value cache)",
-    ),
 }
 
 
-def _not_run(model_type: str, config: dict) -> str:
-    """Why mlxpaged does not run `model_type`: one line naming what the paged cache lacks."""
+def _module_name(model_type: str) -> str:
+    """The mlx-lm module that runs `model_type` (mlx-lm's remapping: mistral -> llama)."""
+    from mlx_lm import utils
+
+    return getattr(utils, "MODEL_REMAPPING", {}).get(model_type, model_type)
+
+
+def _not_run(model_type: str, config: dict) -> str | None:
+    """Why mlxpaged does not run `model_type`: one line naming what the paged cache lacks, or None
+    when its mlx-lm module's structure is one the paged cache runs."""
     import contextlib
     import io
 
@@ -664,34 +785,26 @@ def _not_run(model_type: str, config: dict) -> str:
     except (Exception, SystemExit) as e:
         why = (printed.getvalue().strip() or str(e).strip() or type(e).__name__).splitlines()[0][:120]
         return f"unsupported model_type {model_type!r}: its mlx-lm module fails to import ({why})"
-    missing = MISSING.get(model_type)
-    missing = missing and f"{model_type}: needs {missing}, which the paged cache does not hold; refused"
+    name = _module_name(model_type)
+    missing = MISSING.get(name)
+    if missing:
+        via = f" (mlx-lm runs it with {module.__name__})" if name != model_type else ""
+        missing = f"{model_type}{via}: needs {missing}, which the paged cache does not hold; refused"
     if not hasattr(module, "Model"):
         return missing or f"unsupported model_type {model_type!r}: {module.__name__} defines no Model"
-    try:  # built lazily (its random weights are never evaluated) only to see its layers' caches
-        reason = _refusal(model_type, module.Model(module.ModelArgs.from_dict(config)), config)
-    except Exception as e:
+    try:  # built lazily (its random weights are never evaluated) only to see its layers
+        model = module.Model(module.ModelArgs.from_dict(config))
+    except Exception as e:  # noqa: BLE001 - a config the module cannot build is refused in one line
         why = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
-        return missing or (
-            f"unsupported model_type {model_type!r}: not on mlxpaged's list, and {module.__name__} cannot "
-            f"build this config to see its layers ({type(e).__name__}: {why})"
-        )
-    return (
-        reason
-        or missing
-        or (
-            f"unsupported model_type {model_type!r}: {module.__name__} is not on mlxpaged's list (its "
-            "attention has not been checked against the paged cache)"
-        )
-    )
+        return missing or f"{model_type}: {module.__name__} cannot build this config ({type(e).__name__}: {why})"
+    return _refusal(model_type, model, config) or missing
 
 
 def check_family(model_type: str | None, config: dict, where) -> None:
-    """Raise one line unless `model_type` is a supported family (`FAMILIES`)."""
-    if model_type in FAMILIES:
-        return
+    """Raise one line unless `model_type`'s mlx-lm module is one the paged cache runs (`_not_run`)."""
     reason = _not_run(model_type, config) if model_type else "no model_type in the config"
-    raise MlxPagedError(f"{reason} in {where}; mlxpaged runs {', '.join(FAMILIES)}")
+    if reason:
+        raise MlxPagedError(f"{reason} in {where}")
 
 
 # Tensor parallelism (distributed/sharding.py) splits dense attention and MLP layers; these
@@ -759,21 +872,77 @@ def prepare(model: nn.Module, config: dict, where) -> nn.Module:
     for name in _TEXT_ARGS:  # a wrapper's args hold only its text_config: the engine reads these
         if getattr(args, name, None) is None and getattr(text_args, name, None) is not None:
             setattr(args, name, getattr(text_args, name))
+    _args_from_attention(model, args)
     if getattr(args, "num_key_value_heads", None) is None:
         args.num_key_value_heads = args.num_attention_heads
     if getattr(args, "head_dim", None) is None:
         args.head_dim = args.hidden_size // args.num_attention_heads  # every supported family's default
-    if config.get("model_type") in MLA or (config.get("text_config") or {}).get("model_type") in MLA:
-        a = paged_layers(model)[0].self_attn
+    if _latent(model):
+        a = attention_of(paged_layers(model)[0])
         object.__setattr__(model, "_paged_kv_dims", (1, a.kv_lora_rank + a.qk_rope_head_dim))
     for layer in paged_layers(model):
-        attn = layer.self_attn
+        attn = attention_of(layer)
         if getattr(attn, "head_dim", None) is None:
             attn.head_dim = args.head_dim  # kv_quant.key_offsets reads it
-    if config.get("model_type") in PER_LAYER:  # the full layers' rows are wider: a CacheShape per layer
-        dims = [(a.n_kv_heads, a.head_dim) for a in (layer.self_attn for layer in paged_layers(model))]
+    dims = [_kv_shape(attention_of(layer), args) for layer in paged_layers(model)]
+    if len(set(dims)) > 1:  # Gemma 4's full layers' rows are wider, OpenELM's heads vary: a CacheShape per layer
         object.__setattr__(model, "_paged_layer_dims", dims)
+    _check_kv_shapes(model, args, dims)
     return model
+
+
+# What mlx-lm's attention modules call their head counts and width (gpt2: n_head; dbrx: num_heads).
+_HEADS = ("n_heads", "num_heads", "num_attention_heads", "n_head")
+_KV_HEADS = ("n_kv_heads", "num_kv_heads", "num_key_value_heads")
+
+
+def _latent(model: nn.Module) -> bool:
+    """Whether `model`'s attention layers are mlx-lm's multi-head latent attention, as deepseek_v3's
+    (a latent cache row; `LatentLayerCache`): whatever the checkpoint's model_type (kimi_k25, joyai_llm_flash)."""
+    layers = paged_layers(model)
+    attn = attention_of(layers[0]) if layers else None
+    return attn is not None and hasattr(attn, "kv_lora_rank") and hasattr(attn, "embed_q")
+
+
+def _check_kv_shapes(model: nn.Module, args, dims: list) -> None:
+    """Raise unless each pool layer's rows are as wide as its attention module's K/V: a layer
+    writing more KV heads than its pool has would be broadcast into it, not refused."""
+    if _latent(model):  # one latent row per token (kv_dims), not per-head rows
+        return
+    for i, (want, have) in enumerate(zip(dims, layer_kv_dims(model))):
+        if tuple(want) != tuple(have):
+            raise AdapterError(
+                f"{inspect.getfile(type(model))}: layer {i}'s attention writes {want[0]} KV heads of {want[1]}, "
+                f"the config says {have[0]} of {have[1]}: the paged adapter needs updating"
+            )
+
+
+def _kv_shape(attn: nn.Module, args) -> tuple[int, int]:
+    """(KV heads, head_dim) of one attention layer's K/V rows, as its module names them."""
+    kv = next((getattr(attn, n) for n in _KV_HEADS if isinstance(getattr(attn, n, None), int)), None)
+    hd = getattr(attn, "head_dim", None)
+    return (kv or args.num_key_value_heads, hd if isinstance(hd, int) else args.head_dim)
+
+
+def _args_from_attention(model: nn.Module, args) -> None:
+    """Fill what the engine reads (num_attention_heads, num_key_value_heads, head_dim,
+    hidden_size) from the first attention layer, where the family's args name them otherwise
+    (gpt2's n_head and n_embd, openelm's per-layer lists)."""
+    attn = attention_of(paged_layers(model)[0]) if paged_layers(model) else None
+    if attn is None:
+        return
+    heads = next((getattr(attn, n) for n in _HEADS if isinstance(getattr(attn, n, None), int)), None)
+    kv = next((getattr(attn, n) for n in _KV_HEADS if isinstance(getattr(attn, n, None), int)), None)
+    if not isinstance(getattr(args, "num_attention_heads", None), int) and heads is not None:
+        args.num_attention_heads = heads
+    if not isinstance(getattr(args, "num_key_value_heads", None), int) and (kv or heads) is not None:
+        args.num_key_value_heads = kv or heads  # step3p5 names its KV heads num_attention_groups
+    if not isinstance(getattr(args, "head_dim", None), int) and isinstance(getattr(attn, "head_dim", None), int):
+        args.head_dim = attn.head_dim
+    if getattr(args, "hidden_size", None) is None:
+        embed = next((m for n, m in text_body(model).children().items() if "emb" in n or n == "wte"), None)
+        if isinstance(embed, nn.Embedding):
+            args.hidden_size = embed.weight.shape[-1]
 
 
 def _shared_layers(model: nn.Module, num_cached: int) -> tuple[list | None, bool]:

@@ -559,8 +559,11 @@ def write_tiny_family(
     rng = np.random.default_rng(seed)
     text = config.get("text_config") or config
     weights = {}
+    vocab_rows = [(n, q) for n, q in tree_flatten(model.parameters()) if q.ndim and q.shape[0] == vocab]
     for name, p in tree_flatten(model.parameters()):
-        if name.endswith("layer_scalar"):  # Gemma 4 multiplies each layer's output by it
+        if p.ndim == 0:  # a learned scalar (apertus's activation): as the module initialises it
+            a = np.array(p)
+        elif name.endswith("layer_scalar"):  # Gemma 4 multiplies each layer's output by it
             a = np.ones(p.shape)
         elif "norm" in name and p.ndim == 1:  # norm weights one (gemma's RMSNorm adds its own one), biases zero
             a = np.zeros(p.shape) if (name.endswith("bias") or model_type in ONE_PLUS_NORMS) else np.ones(p.shape)
@@ -578,6 +581,13 @@ def write_tiny_family(
             a = rng.normal(0, ROUTER_SCALE * p.shape[-1] ** -0.5, size=p.shape)
         elif name.endswith("lm_head.weight") or name == "output.weight":  # llama4_text names it output
             a = rng.normal(0, logit_scale * p.shape[-1] ** -0.5, size=p.shape)
+        elif model_type not in FAMILY_CONFIGS and p.ndim == 2 and p.shape[0] == vocab:
+            # other names for the embedding (wte, embed_in) and output layer (embed_out): an output
+            # layer, or an embedding the output layer is tied to, gets the logit scale
+            embedding = any(k in name for k in ("embed", "wte", "tok_")) and not name.endswith("embed_out.weight")
+            tied = sum(1 for _, q in vocab_rows if q.ndim == 2) == 1
+            std = logit_scale * p.shape[-1] ** -0.5 if (tied or not embedding) else 1.0
+            a = rng.normal(0, std, size=p.shape)
         else:
             a = rng.normal(0, p.shape[-1] ** -0.5, size=p.shape)
         weights[name] = mx.array(a.astype(np.float32))

@@ -23,6 +23,7 @@ from .tiny_model import FAMILY_CONFIGS, write_tiny_family
 
 H, HEADS, KV_HEADS, HEAD_DIM, FF, LAYERS = 64, 4, 2, 16, 128, 2
 EXPERTS, TOP_K, EXPERT_FF = 4, 2, 64
+SLIDING = ["sliding_attention", "full_attention"]
 
 # A field of this name is set to the zoo's size whatever its default (mlx-lm's defaults are
 # full-size models: deepseek's hidden_size defaults to 4096).
@@ -51,6 +52,8 @@ SIZES = {
     **dict.fromkeys(("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"), EXPERTS),
     **dict.fromkeys(("num_experts_per_tok", "moe_topk", "moe_k", "top_k"), TOP_K),
     **dict.fromkeys(("n_shared_experts", "num_shared_experts", "num_shared_expert", "moe_num_shared_experts"), 1),
+    "n_group": 1,
+    "topk_group": 1,
     "kv_lora_rank": 32,
     "q_lora_rank": 48,
     "qk_rope_head_dim": 16,
@@ -87,12 +90,12 @@ ZOO_CONFIGS: dict[str, dict] = {
         "ffn_multipliers": [2.0] * LAYERS,
         "ffn_dim_divisor": 16,
     },
-    "afm7": {"num_kv_reuse_layers": 0},
+    "afm7": {"num_kv_reuse_layers": 1},
     "minicpm": {"dim_model_base": H, "scale_depth": 1.4, "scale_emb": 2.0},
     "phi3small": {
         "dense_attention_every_n_layers": 2,
+        "blocksparse_block_size": 32,
         "gegelu_limit": 20.0,
-        "blocksparse_block_size": 16,
         "blocksparse_num_local_blocks": 4,
         "blocksparse_vert_stride": 2,
     },
@@ -106,7 +109,60 @@ ZOO_CONFIGS: dict[str, dict] = {
         "residual_multiplier": 0.5,
     },
     "lille-130m": {"block_size": 4096},
-    "step3p5": {"num_attention_groups": KV_HEADS},
+    # sliding windows of 5 (over blocks of 4 and 16), every other layer
+    "afmoe": {"layer_types": SLIDING, "sliding_window": 5},
+    "gear": {"layer_types": SLIDING, "sliding_window": 5},
+    "exaone4": {"sliding_window": 5, "sliding_window_pattern": "LG"},
+    "exaone_moe": {"sliding_window": 5, "layer_types": SLIDING, "is_moe_layer": [False, True]},
+    "mellum": {"sliding_window": 5, "layer_types": SLIDING},
+    "cohere2": {"sliding_window": 5, "sliding_window_pattern": 2},
+    "spark2_5": {
+        "sliding_window": 5,
+        "layer_types": SLIDING,
+        "rope_parameters": {t: {"rope_type": "default", "rope_theta": 10000.0} for t in SLIDING},
+    },
+    "step3p5": {
+        "num_attention_groups": KV_HEADS,
+        "moe_num_experts": EXPERTS,
+        "moe_top_k": TOP_K,
+        "moe_intermediate_size": EXPERT_FF,
+        "share_expert_dim": EXPERT_FF,
+        "sliding_window": 5,
+    },
+    # partial rotary: these modules default to a rotary width wider than the zoo's heads
+    **dict.fromkeys(("minimax", "minimax_m2", "gptj", "phixtral", "phi-msft"), {"rotary_dim": 8}),
+    "qwen": {"kv_channels": HEAD_DIM, "intermediate_size": 2 * FF},
+    "plamo": {"n_shared_head": 2},
+    "hunyuan": {
+        "use_mixed_mlp_moe": True,
+        "use_qk_norm": True,
+        "use_cla": False,
+        "cla_share_factor": 2,
+        "rope_scaling": {"alpha": 1.0, "factor": 1.0, "type": "dynamic"},
+    },
+    "qwen3_vl": {"rope_theta": 10000.0},
+    "lfm2_moe": {"num_dense_layers": 1, "conv_L_cache": 3, "layer_types": ["conv", "full_attention"]},
+    "lfm2-vl": {
+        **{k: v for k, v in FAMILY_CONFIGS["lfm2"].items() if k != "architectures"},
+        "block_dim": H,
+        "block_ff_dim": FF,
+        "block_multiple_of": 16,
+    },
+    "mamba": {"state_size": 8, "conv_kernel": 4, "time_step_rank": 4, "use_conv_bias": True},
+    "falcon_mamba": {"state_size": 8, "conv_kernel": 4, "time_step_rank": 4, "use_conv_bias": True},
+    "mamba2": {
+        "num_heads": 8,
+        "head_dim": 16,
+        "state_size": 8,
+        "conv_kernel": 4,
+        "n_groups": 1,
+        "time_step_rank": 4,
+        "time_step_limit": [0.0, 1000.0],
+        "use_conv_bias": True,
+    },
+    # its attention has as many KV heads as heads, whatever a config says (GPT-NeoX configs name none)
+    "gpt_neox": {"num_key_value_heads": None},
+    "gpt2": {"num_key_value_heads": None},
 }
 
 
@@ -184,6 +240,9 @@ def zoo_config(model_type: str, vocab: int) -> dict:
     """The overrides `write_tiny_family` gets for `model_type` (empty for a FAMILY_CONFIGS family)."""
     if model_type in FAMILY_CONFIGS:
         return {}
+    target = remapped_types().get(model_type)
+    if isinstance(FAMILY_CONFIGS.get(target, {}).get("text_config"), str):  # gemma4_unified: gemma4's
+        return {k: v for k, v in FAMILY_CONFIGS[target].items() if k != "architectures"}
     from ..models.paged_adapter import family_module
 
     module = family_module(model_type)
