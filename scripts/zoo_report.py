@@ -2,7 +2,10 @@
 mlxpaged's greedy tokens against mlx-lm's `generate_step` at block 16 and at block 4 with 7-token
 chunks. Prints one line per type and the counts.
 
-    python scripts/zoo_report.py [--tokens 8] [TYPE ...]
+    python scripts/zoo_report.py [--tokens 8] [--markdown] [TYPE ...]
+
+--markdown prints a table row per type instead (type, mlx-lm module, kind, result), as
+docs/models.md lists them.
 """
 
 from __future__ import annotations
@@ -18,10 +21,54 @@ import mlxpaged  # noqa: F401  (before mlx)
 from mlxpaged.testing.zoo import model_types, verdict, write_zoo
 
 
+def module_of(model_type: str) -> str:
+    from mlx_lm import utils
+
+    return getattr(utils, "MODEL_REMAPPING", {}).get(model_type, model_type)
+
+
+def structure(path: Path, model_type: str) -> str:
+    """The architecture in words, from the module's own model and caches (the zoo's checkpoint config)."""
+    import json
+
+    from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, RotatingKVCache, make_prompt_cache
+
+    from mlxpaged.models.paged_adapter import _latent, family_module
+
+    try:
+        config = json.loads((path / "config.json").read_text())
+        module = family_module(model_type)
+        model = module.Model(module.ModelArgs.from_dict(config))
+        caches = make_prompt_cache(model)
+    except (Exception, SystemExit):
+        return "-"
+    kinds = []
+    if any(isinstance(c, ArraysCache) for c in caches):
+        kinds.append("recurrent (linear attention / state space)")
+    if any(isinstance(c, CacheList) for c in caches):
+        kinds.append("two caches per layer")
+    if any(isinstance(c, RotatingKVCache) for c in caches):
+        kinds.append("sliding window")
+    if any(isinstance(c, ChunkedKVCache) for c in caches):
+        kinds.append("chunked attention")
+    try:
+        if _latent(model):
+            kinds.append("latent attention (MLA)")
+    except Exception:  # noqa: BLE001 - no layers to look at
+        pass
+    names = {type(m).__name__ for _, m in model.named_modules()}
+    if any("moe" in n.lower() or "switch" in n.lower() or "expert" in n.lower() for n in names):
+        kinds.append("MoE")
+    if "language_model" in model:
+        kinds.append("text model of a multimodal wrapper")
+    return ", ".join(kinds) or "dense attention"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("types", nargs="*", help="model types (default: all)")
     ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--markdown", action="store_true", help="a table row per type")
     args = ap.parse_args()
     types = args.types or model_types()
     counts = collections.Counter()
@@ -35,7 +82,11 @@ def main() -> int:
             except (Exception, SystemExit) as e:
                 kind, detail = "no checkpoint", f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             counts[kind] += 1
-            print(f"{t:24s} {kind:15s} {time.perf_counter() - t0:5.1f}s  {detail}", flush=True)
+            if args.markdown:
+                result = "runs (mlx-lm's exact tokens)" if kind == "exact" else f"{kind}: {detail.split(' in /')[0]}"
+                print(f"| `{t}` | `{module_of(t)}` | {structure(path, t)} | {result} |", flush=True)
+            else:
+                print(f"{t:24s} {kind:15s} {time.perf_counter() - t0:5.1f}s  {detail}", flush=True)
     print(f"\n{len(types)} types: " + ", ".join(f"{k} {v}" for k, v in counts.most_common()))
     return 0
 

@@ -28,8 +28,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 from mlxpaged.errors import MlxPagedError
 from mlxpaged.loading.loader import load
-from mlxpaged.models.paged_adapter import check_family
 from mlxpaged.metal_emu import emulate
+from mlxpaged.models.paged_adapter import check_family
 from mlxpaged.testing.tiny_model import write_tiny_family, write_tokenizer
 
 from drive import run_all
@@ -255,7 +255,9 @@ def test_gemma2_is_refused_naming_its_soft_capped_attention(tmp_path):
 def test_sliding_layers_of_a_plain_family_run_with_their_window(tmp_path):
     """llama with a sliding layer (mlx-lm's make_prompt_cache gives it a RotatingKVCache of 5):
     run with that window over blocks of 4 in chunks of 7, as mlx-lm's contiguous caches do."""
-    path = write_tiny_family(tmp_path / "l", "llama", sliding_window=5, layer_types=["full_attention", "sliding_attention"])
+    path = write_tiny_family(
+        tmp_path / "l", "llama", sliding_window=5, layer_types=["full_attention", "sliding_attention"]
+    )
     import mlx_lm
 
     ref_model, tok = mlx_lm.load(str(path))

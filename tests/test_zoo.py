@@ -28,12 +28,12 @@ N = 6  # greedy tokens compared per setting
 # parallel blocks, learned positions, sliding windows, hybrid recurrent, latent attention, wrappers,
 # and the types mlx-lm remaps onto those modules).
 RUNS = (
-    "Klear afmoe apertus bailing_moe cohere cohere2 dbrx deepseek deepseek_v3 dots1 ernie4_5 ernie4_5_moe "
-    "exaone exaone_moe gear gemma gemma3 gemma3_text gemma3n gemma4 gemma4_text gemma4_unified glm glm4 "
+    "Klear afmoe apertus bailing_moe bailing_moe_v3 cohere cohere2 dbrx deepseek deepseek_v3 dots1 ernie4_5 ernie4_5_moe "
+    "exaone exaone4 exaone_moe gear gemma gemma3 gemma3_text gemma3n gemma4 gemma4_text gemma4_unified glm glm4 "
     "glm4_moe glm4_moe_lite gpt2 gpt_neox gpt_oss gptj granite granitemoe granitemoehybrid helium hunyuan "
     "hunyuan_v1_dense internlm2 internlm3 iquestcoder joyai_llm_flash kimi_k2 kimi_k25 kimi_vl laguna lfm2 "
-    "lfm2-vl lfm2_moe lille-130m llama llama4 llama4_text llava mimo minicpm minimax minimax_m2 ministral3 "
-    "mistral mistral3 mixtral muse_glimmer nanbeige nemotron olmo2 olmo3 olmoe openelm phi phi3 phimoe "
+    "lfm2-vl lfm2_moe lille-130m llama llama4 llama4_text llava mellum mimo minicpm minimax minimax_m2 ministral3 "
+    "mistral mistral3 mistral4 mixtral muse_glimmer nanbeige nemotron olmo2 olmo3 olmoe openelm phi phi3 phimoe "
     "pixtral qwen qwen2 qwen2_5_vl qwen2_moe qwen2_vl qwen3 qwen3_5 qwen3_5_moe qwen3_moe qwen3_next "
     "qwen3_vl qwen3_vl_moe seed_oss smollm3 solar_open spark2_5 stablelm starcoder2 step3p5 telechat3 xverse"
 ).split()
@@ -41,7 +41,7 @@ RUNS = (
 # Types refused, each with words its one line must hold: what the paged cache lacks for it.
 REFUSED = {
     "afm7": "reads an earlier layer's keys and values",
-    "bailing_moe_v3": "multi-head latent attention",
+    "deepseek_v2": "per-head keys and values of their own widths",
     "deepseek_v32": "two caches in one layer (mlx-lm's CacheList of KVCache and KVCache)",
     "deepseek_v41": "a cache class mlxpaged does not know (mlx_lm.models.deepseek_v41.LayerCache)",
     "deepseek_v41_text": "a cache class mlxpaged does not know (mlx_lm.models.deepseek_v41.LayerCache)",
@@ -52,6 +52,7 @@ REFUSED = {
     "iquestloopcoder": "gives 4 caches for 2 layers",
     "mamba": "linear attention / state space (mlx_lm.models.mamba.MambaBlock)",
     "mamba2": "linear attention / state space (mlx_lm.models.mamba2.Mamba2Block",
+    "minicpm3": "per-head keys and values of their own widths",
     "minimax_m3_vl": "mlx-lm's CacheList of KVCache",
     "nanochat": "no text model with a final norm module",
     "phi-msft": "no text model with a final norm module",
@@ -68,8 +69,8 @@ REFUSED = {
 # module cannot run a tiny one on the CPU): each is refused from a bare config, in one line
 # naming the type.
 NOT_WRITTEN = (
-    "baichuan_m1 bailing_hybrid bailing_moe_linear bitnet deepseek_v2 exaone4 glm_moe_dsa jamba kimi_k3 "
-    "kimi_linear longcat_flash longcat_flash_ngram mellum mimo_v2_flash minicpm3 mistral4 muse_spark "
+    "baichuan_m1 bailing_hybrid bailing_moe_linear bitnet glm_moe_dsa jamba kimi_k3 "
+    "kimi_linear longcat_flash longcat_flash_ngram mimo_v2_flash muse_spark "
     "nemotron-nas nemotron_h olmo olmo_hybrid prism_hadamard_qwen35 recurrent_gemma rwkv7"
 ).split()
 

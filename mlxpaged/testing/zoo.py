@@ -100,7 +100,6 @@ ZOO_CONFIGS: dict[str, dict] = {
         "blocksparse_vert_stride": 2,
     },
     "nemotron": {"hidden_act": "relu2", "partial_rotary_factor": 0.5},
-    "hunyuan": {"use_mixed_mlp_moe": True, "use_qk_norm": True, "use_cla": False, "cla_share_factor": 2},
     "olmoe": {"num_experts": EXPERTS},
     "granitemoe": {
         "logits_scaling": 1.0,
@@ -112,9 +111,13 @@ ZOO_CONFIGS: dict[str, dict] = {
     # sliding windows of 5 (over blocks of 4 and 16), every other layer
     "afmoe": {"layer_types": SLIDING, "sliding_window": 5},
     "gear": {"layer_types": SLIDING, "sliding_window": 5},
-    "exaone4": {"sliding_window": 5, "sliding_window_pattern": "LG"},
+    "exaone4": {"sliding_window": 5, "sliding_window_pattern": "LG", "layer_types": SLIDING},
     "exaone_moe": {"sliding_window": 5, "layer_types": SLIDING, "is_moe_layer": [False, True]},
-    "mellum": {"sliding_window": 5, "layer_types": SLIDING},
+    "mellum": {
+        "sliding_window": 5,
+        "layer_types": SLIDING,
+        "rope_parameters": {t: {"rope_type": "default", "rope_theta": 10000.0} for t in SLIDING},
+    },
     "cohere2": {"sliding_window": 5, "sliding_window_pattern": 2},
     "spark2_5": {
         "sliding_window": 5,
@@ -141,6 +144,36 @@ ZOO_CONFIGS: dict[str, dict] = {
         "rope_scaling": {"alpha": 1.0, "factor": 1.0, "type": "dynamic"},
     },
     "qwen3_vl": {"rope_theta": 10000.0},
+    "deepseek_v2": {
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    },
+    "minicpm3": {
+        "dim_model_base": H,
+        "scale_depth": 1.4,
+        "scale_emb": 2.0,
+        "rope_scaling": {
+            "type": "longrope",
+            "short_factor": [1.0] * 8,
+            "long_factor": [1.0] * 8,
+            "original_max_position_embeddings": 4096,
+        },
+    },
+    "mistral4": {
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "llama_4_scaling_beta": 0.1,
+            "original_max_position_embeddings": 16,
+        },
+    },
     "lfm2_moe": {"num_dense_layers": 1, "conv_L_cache": 3, "layer_types": ["conv", "full_attention"]},
     "lfm2-vl": {
         **{k: v for k, v in FAMILY_CONFIGS["lfm2"].items() if k != "architectures"},
@@ -226,13 +259,9 @@ def _text_args_class(module):
     for attr in ("TextConfig", "TextArgs", "TextModelArgs"):
         if dataclasses.is_dataclass(getattr(module, attr, None)):
             return getattr(module, attr)
-    import mlx_lm.models
-
     for value in vars(module).values():  # qwen2_vl: `from . import qwen2`
         if getattr(value, "__name__", "").startswith("mlx_lm.models.") and hasattr(value, "ModelArgs"):
-            if value.__name__ not in ("mlx_lm.models.base",):
-                return value.ModelArgs
-    del mlx_lm
+            return value.ModelArgs
     return None
 
 
