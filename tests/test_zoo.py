@@ -28,14 +28,15 @@ N = 6  # greedy tokens compared per setting
 # parallel blocks, learned positions, sliding windows, hybrid recurrent, latent attention, wrappers,
 # and the types mlx-lm remaps onto those modules).
 RUNS = (
-    "Klear afmoe apertus bailing_moe bailing_moe_v3 cohere cohere2 dbrx deepseek deepseek_v3 dots1 ernie4_5 ernie4_5_moe "
-    "exaone exaone4 exaone_moe gear gemma gemma3 gemma3_text gemma3n gemma4 gemma4_text gemma4_unified glm glm4 "
-    "glm4_moe glm4_moe_lite gpt2 gpt_neox gpt_oss gptj granite granitemoe granitemoehybrid helium hunyuan "
-    "hunyuan_v1_dense internlm2 internlm3 iquestcoder joyai_llm_flash kimi_k2 kimi_k25 kimi_vl laguna lfm2 "
-    "lfm2-vl lfm2_moe lille-130m llama llama4 llama4_text llava mellum mimo minicpm minimax minimax_m2 ministral3 "
-    "mistral mistral3 mistral4 mixtral muse_glimmer nanbeige nemotron olmo2 olmo3 olmoe openelm phi phi3 phimoe "
-    "pixtral qwen qwen2 qwen2_5_vl qwen2_moe qwen2_vl qwen3 qwen3_5 qwen3_5_moe qwen3_moe qwen3_next "
-    "qwen3_vl qwen3_vl_moe seed_oss smollm3 solar_open spark2_5 stablelm starcoder2 step3p5 telechat3 xverse"
+    "Klear afmoe apertus bailing_moe bailing_moe_v3 cohere cohere2 dbrx deepseek deepseek_v3 dots1 "
+    "ernie4_5 ernie4_5_moe exaone exaone4 exaone_moe gear gemma gemma3 gemma3_text gemma3n gemma4 "
+    "gemma4_text gemma4_unified glm glm4 glm4_moe glm4_moe_lite gpt2 gpt_neox gpt_oss gptj granite "
+    "granitemoe granitemoehybrid helium hunyuan hunyuan_v1_dense internlm2 internlm3 iquestcoder "
+    "joyai_llm_flash kimi_k2 kimi_k25 kimi_vl laguna lfm2 lfm2-vl lfm2_moe lille-130m llama llama4 "
+    "llama4_text llava mellum mimo minicpm minimax minimax_m2 ministral3 mistral mistral3 mistral4 "
+    "mixtral muse_glimmer nanbeige nemotron olmo2 olmo3 olmoe openelm phi phi3 phimoe pixtral qwen qwen2 "
+    "qwen2_5_vl qwen2_moe qwen2_vl qwen3 qwen3_5 qwen3_5_moe qwen3_moe qwen3_next qwen3_vl qwen3_vl_moe "
+    "seed_oss smollm3 solar_open spark2_5 stablelm starcoder2 step3p5 telechat3 xverse"
 ).split()
 
 # Types refused, each with words its one line must hold: what the paged cache lacks for it.
