@@ -388,7 +388,7 @@ def test_every_mlx_lm_architecture_is_run_or_refused_in_one_line(tmp_path):
 @pytest.mark.parametrize(
     "model_type,missing",
     [
-        ("deepseek_v2", "multi-head latent attention"),
+        ("deepseek_v2", "per-head keys and values of their own widths"),
         ("mamba2", "cannot build this config (TypeError: ModelArgs.__init__() missing"),
         ("falcon_h1", "layer 0 keeps two caches in one layer (mlx-lm's CacheList of ArraysCache and KVCache)"),
     ],

@@ -33,7 +33,7 @@ RUNS = (
     "gemma4_text gemma4_unified glm glm4 glm4_moe glm4_moe_lite gpt2 gpt_neox gpt_oss gptj granite "
     "granitemoe granitemoehybrid helium hunyuan hunyuan_v1_dense internlm2 internlm3 iquestcoder "
     "joyai_llm_flash kimi_k2 kimi_k25 kimi_vl laguna lfm2 lfm2-vl lfm2_moe lille-130m llama llama4 "
-    "llama4_text llava mellum mimo minicpm minimax minimax_m2 ministral3 mistral mistral3 mistral4 "
+    "llama4_text llava mellum mimo mimo_v2_flash minicpm minimax minimax_m2 ministral3 mistral mistral3 mistral4 "
     "mixtral muse_glimmer nanbeige nemotron olmo2 olmo3 olmoe openelm phi phi3 phimoe pixtral qwen qwen2 "
     "qwen2_5_vl qwen2_moe qwen2_vl qwen3 qwen3_5 qwen3_5_moe qwen3_moe qwen3_next qwen3_vl qwen3_vl_moe "
     "seed_oss smollm3 solar_open spark2_5 stablelm starcoder2 step3p5 telechat3 xverse"
@@ -56,6 +56,7 @@ REFUSED = {
     "minicpm3": "per-head keys and values of their own widths",
     "minimax_m3_vl": "mlx-lm's CacheList of KVCache",
     "nanochat": "no text model with a final norm module",
+    "nemotron-nas": "layer 1 has no attention",
     "phi-msft": "no text model with a final norm module",
     "phi3small": "attends block-sparsely",
     "phixtral": "no text model with a final norm module",
@@ -71,8 +72,8 @@ REFUSED = {
 # naming the type.
 NOT_WRITTEN = (
     "baichuan_m1 bailing_hybrid bailing_moe_linear bitnet glm_moe_dsa jamba kimi_k3 "
-    "kimi_linear longcat_flash longcat_flash_ngram mimo_v2_flash muse_spark "
-    "nemotron-nas nemotron_h olmo olmo_hybrid prism_hadamard_qwen35 recurrent_gemma rwkv7"
+    "kimi_linear longcat_flash longcat_flash_ngram muse_spark "
+    "nemotron_h olmo olmo_hybrid prism_hadamard_qwen35 recurrent_gemma rwkv7"
 ).split()
 
 

@@ -657,6 +657,12 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
                 return f"{model_type}: layer {i}{named}: {reason}; refused"
             continue
         reason = _attention_refusal(layer)
+        if reason and len(caches) < len(layers) and attention_of(layer) is None:  # nemotron-nas
+            return (
+                f"{model_type}: layer {i} has no attention (mlx-lm's make_prompt_cache gives {len(caches)} caches "
+                f"for {len(layers)} layers), which the paged adapter does not map (a cache per layer, or Gemma "
+                "3n's and 4's shared-KV layers); refused"
+            )
         if reason and i >= len(caches):  # afm7's KV-reuse layers: no cache of their own
             return (
                 f"{model_type}: layer {i} has no cache of its own in mlx-lm's make_prompt_cache and reads an "

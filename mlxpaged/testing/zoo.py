@@ -144,6 +144,31 @@ ZOO_CONFIGS: dict[str, dict] = {
         "rope_scaling": {"alpha": 1.0, "factor": 1.0, "type": "dynamic"},
     },
     "qwen3_vl": {"rope_theta": 10000.0},
+    # Llama-3.1-Nemotron (NAS): layer 0 plain attention (2 heads a KV head), layer 1 without attention
+    "nemotron-nas": {
+        "block_configs": [
+            {"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 2.0}},
+            {"attention": {"no_op": True}, "ffn": {"ffn_mult": 2.0}},
+        ],
+    },
+    "mimo_v2_flash": {
+        "hybrid_layer_pattern": [1, 0],  # layer 0 sliding (with attention sinks), layer 1 full
+        "moe_layer_freq": [0, 1],
+        "add_swa_attention_sink_bias": True,
+        "add_full_attention_sink_bias": False,
+        "sliding_window_size": 5,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "rope_theta": 10000.0,
+        "swa_rope_theta": 10000.0,
+        "swa_num_attention_heads": HEADS,
+        "swa_num_key_value_heads": KV_HEADS,
+        "swa_head_dim": HEAD_DIM,
+        "swa_v_head_dim": HEAD_DIM,
+        "v_head_dim": HEAD_DIM,
+        "layernorm_epsilon": 1e-5,
+        "partial_rotary_factor": 0.5,
+    },
     "deepseek_v2": {
         "rope_scaling": {
             "type": "yarn",
