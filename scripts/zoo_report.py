@@ -18,7 +18,67 @@ import time
 from pathlib import Path
 
 import mlxpaged  # noqa: F401  (before mlx)
-from mlxpaged.testing.zoo import model_types, verdict, write_zoo
+from mlxpaged.testing.zoo import PROMPT, model_types, write_zoo
+
+# (block size, tokens per step): whole-prompt prefill on blocks of 16; chunks of 7 over blocks of 4
+SETTINGS = ((16, 2048), (4, 7))
+
+
+def reference_tokens(model, prompt_ids: list[int], n: int) -> list[int]:
+    """mlx-lm's own greedy tokens: `generate_step` on the caches of its `make_prompt_cache`."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    steps = generate_step(mx.array(prompt_ids), model, max_tokens=n, prompt_cache=make_prompt_cache(model))
+    return [int(t) for t, _ in steps]
+
+
+def paged_tokens(loaded, prompt_ids: list[int], n: int, block_size: int, chunk: int) -> list[int]:
+    """mlxpaged's greedy tokens for one prompt (reference attention, `chunk` tokens a step)."""
+    from mlxpaged import EngineConfig, LLMEngine, SamplingParams
+
+    config = EngineConfig.of(
+        block_size=block_size, num_blocks=64, max_num_batched_tokens=chunk, attention_impl="reference"
+    )
+    engine = LLMEngine(loaded, config)
+    rid = engine.add_request(prompt_ids, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    out = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id == rid and o.finished:
+                out = o
+    return list(out.outputs[0].token_ids)
+
+
+def verdict(path: Path, n: int = 8) -> tuple[str, str]:
+    """("exact" | "refused" | "differs" | "crashes" | "reference fails", detail) for the checkpoint
+    at `path`: mlxpaged's greedy tokens in both SETTINGS against mlx-lm's `reference_tokens`."""
+    import mlx_lm
+
+    from mlxpaged.errors import MlxPagedError
+    from mlxpaged.loading.loader import load
+
+    try:
+        ref_model, tok = mlx_lm.load(str(path))
+        ids = tok.encode(PROMPT)
+        want = reference_tokens(ref_model, ids, n)
+    except Exception as e:  # mlx-lm itself cannot run this tiny checkpoint
+        return "reference fails", f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    try:
+        loaded = load(str(path), "float32")
+    except MlxPagedError as e:
+        return "refused", str(e)
+    except Exception as e:
+        return "crashes", f"load: {type(e).__name__}: {str(e)[:200]}"
+    try:
+        for block, chunk in SETTINGS:
+            got = paged_tokens(loaded, ids, n, block, chunk)
+            if got != want:
+                return "differs", f"block {block}, chunk {chunk}: {got} != mlx-lm's {want}"
+    except Exception as e:
+        return "crashes", f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return "exact", ""
 
 
 def module_of(model_type: str) -> str:
