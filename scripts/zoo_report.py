@@ -59,18 +59,20 @@ def verdict(path: Path, n: int = 8) -> tuple[str, str]:
     from mlxpaged.errors import MlxPagedError
     from mlxpaged.loading.loader import load
 
-    try:
-        ref_model, tok = mlx_lm.load(str(path))
-        ids = tok.encode(PROMPT)
-        want = reference_tokens(ref_model, ids, n)
-    except Exception as e:  # mlx-lm itself cannot run this tiny checkpoint
-        return "reference fails", f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    # mlxpaged's refusal first: a refused type's own module is not run (mlx-lm's phi3small, run
+    # on the CPU, has corrupted this process's heap)
     try:
         loaded = load(str(path), "float32")
     except MlxPagedError as e:
         return "refused", str(e)
     except Exception as e:
         return "crashes", f"load: {type(e).__name__}: {str(e)[:200]}"
+    try:
+        ref_model, tok = mlx_lm.load(str(path))
+        ids = tok.encode(PROMPT)
+        want = reference_tokens(ref_model, ids, n)
+    except Exception as e:  # mlx-lm itself cannot run this tiny checkpoint
+        return "reference fails", f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     try:
         for block, chunk in SETTINGS:
             got = paged_tokens(loaded, ids, n, block, chunk)

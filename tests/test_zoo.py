@@ -28,15 +28,16 @@ N = 6  # greedy tokens compared per setting
 # parallel blocks, learned positions, sliding windows, hybrid recurrent, latent attention, wrappers,
 # and the types mlx-lm remaps onto those modules).
 RUNS = (
-    "Klear afmoe apertus bailing_moe bailing_moe_v3 cohere cohere2 dbrx deepseek deepseek_v3 dots1 "
-    "ernie4_5 ernie4_5_moe exaone exaone4 exaone_moe gear gemma gemma3 gemma3_text gemma3n gemma4 "
-    "gemma4_text gemma4_unified glm glm4 glm4_moe glm4_moe_lite gpt2 gpt_neox gpt_oss gptj granite "
-    "granitemoe granitemoehybrid helium hunyuan hunyuan_v1_dense internlm2 internlm3 iquestcoder "
-    "joyai_llm_flash kimi_k2 kimi_k25 kimi_vl laguna lfm2 lfm2-vl lfm2_moe lille-130m llama llama4 "
-    "llama4_text llava mellum mimo mimo_v2_flash minicpm minimax minimax_m2 ministral3 mistral mistral3 mistral4 "
-    "mixtral muse_glimmer nanbeige nemotron olmo2 olmo3 olmoe openelm phi phi3 phimoe pixtral qwen qwen2 "
-    "qwen2_5_vl qwen2_moe qwen2_vl qwen3 qwen3_5 qwen3_5_moe qwen3_moe qwen3_next qwen3_vl qwen3_vl_moe "
-    "seed_oss smollm3 solar_open spark2_5 stablelm starcoder2 step3p5 telechat3 xverse"
+    "afmoe apertus bailing_moe bailing_moe_v3 cohere cohere2 dbrx deepseek deepseek_v3 dots1 ernie4_5 "
+    "ernie4_5_moe exaone exaone4 exaone_moe gear gemma gemma3 gemma3_text gemma3n gemma4 gemma4_text "
+    "gemma4_unified glm glm4 glm4_moe glm4_moe_lite gpt2 gpt_neox gpt_oss gptj granite granitemoe "
+    "granitemoehybrid helium hunyuan hunyuan_v1_dense internlm2 internlm3 iquestcoder jamba "
+    "joyai_llm_flash kimi_k2 kimi_k25 kimi_vl Klear laguna lfm2 lfm2-vl lfm2_moe lille-130m llama llama4 "
+    "llama4_text llava mellum mimo mimo_v2_flash minicpm minimax minimax_m2 ministral3 mistral mistral3 "
+    "mistral4 mixtral muse_glimmer nanbeige nemotron nemotron_h olmo2 olmo3 olmoe openelm phi phi3 phimoe "
+    "pixtral qwen qwen2 qwen2_5_vl qwen2_moe qwen2_vl qwen3 qwen3_5 qwen3_5_moe qwen3_moe qwen3_next "
+    "qwen3_vl qwen3_vl_moe seed_oss smollm3 solar_open spark2_5 stablelm starcoder2 step3p5 telechat3 "
+    "xverse"
 ).split()
 
 # Types refused, each with words its one line must hold: what the paged cache lacks for it.
@@ -63,6 +64,8 @@ REFUSED = {
     "plamo": "shares its KV heads by tiling them",
     "plamo2": "linear attention / state space (mlx_lm.models.plamo2.Mamba)",
     "plamo3": "keeps its settings as `config`",
+    "recurrent_gemma": "linear attention / state space (mlx_lm.models.recurrent_gemma.RecurrentBlock",
+    "rwkv7": "linear attention / state space (mlx_lm.models.rwkv7.",
     "talkie": "no text model with a final norm module",
     "youtu_llm": "keeps its settings as `config`",
 }
@@ -71,9 +74,9 @@ REFUSED = {
 # module cannot run a tiny one on the CPU): each is refused from a bare config, in one line
 # naming the type.
 NOT_WRITTEN = (
-    "baichuan_m1 bailing_hybrid bailing_moe_linear bitnet glm_moe_dsa jamba kimi_k3 "
+    "baichuan_m1 bailing_hybrid bailing_moe_linear bitnet glm_moe_dsa kimi_k3 "
     "kimi_linear longcat_flash longcat_flash_ngram muse_spark "
-    "nemotron_h olmo olmo_hybrid prism_hadamard_qwen35 recurrent_gemma rwkv7"
+    "olmo olmo_hybrid prism_hadamard_qwen35"
 ).split()
 
 

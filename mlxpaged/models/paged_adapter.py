@@ -274,7 +274,7 @@ def text_body(model: nn.Module) -> nn.Module:
     )
 
 
-_BODIES = ("language_model", "model", "transformer")
+_BODIES = ("language_model", "model", "transformer", "backbone")
 _LAYER_LISTS = ("layers", "h", "blocks")
 # lfm2 names its final norm embedding_norm; gpt2-style models ln_f, dbrx norm_f, phi final_layernorm,
 # afm7 output_norm
@@ -690,13 +690,15 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
 
 
 # The recurrent mixers whose decoder layers recurrent.py runs (each against mlx-lm in
-# tests/test_families.py and tests/test_zoo.py): gated DeltaNet, short convolutions, Mamba-2.
+# tests/test_families.py and tests/test_zoo.py): gated DeltaNet, short convolutions, Mamba, Mamba-2.
 RECURRENT_MIXERS = (
     "mlx_lm.models.qwen3_next.Qwen3NextGatedDeltaNet",
     "mlx_lm.models.qwen3_5.GatedDeltaNet",
     "mlx_lm.models.lfm2.ShortConv",
     "mlx_lm.models.lfm2_moe.ShortConv",
     "mlx_lm.models.granitemoehybrid.GraniteMoeHybridMamba2Mixer",
+    "mlx_lm.models.jamba.JambaMambaMixer",
+    "mlx_lm.models.nemotron_h.NemotronHMamba2Mixer",
 )
 
 
@@ -705,10 +707,11 @@ def _recurrent_refusal(layer: nn.Module) -> str | None:
     mixers = [f"{type(m).__module__}.{type(m).__name__}" for _, m in layer.named_modules() if m is not layer]
     if any(m in RECURRENT_MIXERS for m in mixers):
         return None
-    own = [m for m in mixers if m.startswith("mlx_lm.models.") and not m.endswith(("Norm", "MLP", "MoE"))]
+    own = [m for m in mixers if m.startswith("mlx_lm.models.") and "MLP" not in m and not m.endswith(("Norm", "MoE"))]
+    ran = ", ".join(m.removeprefix("mlx_lm.models.") for m in RECURRENT_MIXERS)
     return (
         f"linear attention / state space ({', '.join(own[:2]) or type(layer).__name__}), whose recurrent state "
-        "recurrent.py does not run (it runs gated DeltaNet, short convolutions and Mamba-2 mixers)"
+        f"recurrent.py does not run (it runs {ran})"
     )
 
 

@@ -144,6 +144,31 @@ ZOO_CONFIGS: dict[str, dict] = {
         "rope_scaling": {"alpha": 1.0, "factor": 1.0, "type": "dynamic"},
     },
     "qwen3_vl": {"rope_theta": 10000.0},
+    # recurrent and hybrid modules recurrent.py does not run: checkpoints for their refusals
+    "jamba": {
+        "attn_layer_offset": 1,
+        "attn_layer_period": 2,
+        "expert_layer_offset": 1,
+        "expert_layer_period": 2,
+        "mamba_d_conv": 4,
+        "mamba_d_state": 8,
+        "mamba_expand": 2,
+    },
+    "nemotron_h": {
+        "hybrid_override_pattern": ["M", "*"],
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 16,
+        "ssm_state_size": 8,
+        "conv_kernel": 4,
+        "n_groups": 1,
+    },
+    "recurrent_gemma": {
+        "conv1d_width": 4,
+        "logits_soft_cap": 30.0,
+        "attention_window_size": 5,
+        "block_types": ["recurrent", "attention"],
+    },
+    "rwkv7": {"a_low_rank_dim": 8, "v_low_rank_dim": 8, "gate_low_rank_dim": 8, "decay_low_rank_dim": 8},
     # Llama-3.1-Nemotron (NAS): layer 0 plain attention (2 heads a KV head), layer 1 without attention
     "nemotron-nas": {
         "block_configs": [
