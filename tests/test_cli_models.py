@@ -32,7 +32,8 @@ out = []
 for args in json.loads(sys.argv[1]):
     r = CliRunner().invoke(main, args)
     crash = r.exception is not None and not isinstance(r.exception, SystemExit)
-    out.append({"code": r.exit_code, "stdout": r.stdout, "stderr": r.stderr, "crash": repr(r.exception) if crash else None})
+    crash = repr(r.exception) if crash else None
+    out.append({"code": r.exit_code, "stdout": r.stdout, "stderr": r.stderr, "crash": crash})
 print("RESULTS" + json.dumps(out))
 """
 
