@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -150,9 +151,12 @@ def test_pull_resumes_lists_and_removes(hub, tmp_path, tiny_model_path):
     conv = tmp_path / "mlxpaged" / "converted" / "0123456789abcdef-quantized"
     conv.mkdir(parents=True)
     (conv / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 32768}))
-    (conv / "mlxpaged_conversion.json").write_text(
-        json.dumps({"source": "/x/qwen2.5-coder-0.5b.gguf", "tensor_types": {"F32": 121, "Q5_0": 133, "Q8_0": 13}})
-    )
+    types = {"F32": 121, "Q5_0": 133, "Q8_0": 13}
+    source = {"source": "/x/qwen2.5-coder-0.5b.gguf", "tensor_types": types}
+    (conv / "mlxpaged_conversion.json").write_text(json.dumps(source | {"weights": "quantized"}))
+    dequantized = conv.parent / "0123456789abcdef"  # the same GGUF dequantized to float16
+    shutil.copytree(conv, dequantized)
+    (dequantized / "mlxpaged_conversion.json").write_text(json.dumps(source | {"weights": "float", "dtype": "float16"}))
 
     pulled, listed = cli(tmp_path, [["pull", REPO], ["ls", "--json"]], HF_ENDPOINT=hub.url)
     assert pulled["code"] == 0, pulled
@@ -178,6 +182,7 @@ def test_pull_resumes_lists_and_removes(hub, tmp_path, tiny_model_path):
     }
     assert rows["qwen2.5-coder-0.5b-quantized"]["quantization"] == "Q5_0+Q8_0"
     assert rows["qwen2.5-coder-0.5b-quantized"]["where"] == "converted"
+    assert rows["qwen2.5-coder-0.5b"]["quantization"] == "F16"
 
     # offline: what is cached is found; what is not is named in one line, exit 1
     here, missing = cli(tmp_path, [["pull", REPO], ["pull", "acme/not-here"]], HF_HUB_OFFLINE="1")

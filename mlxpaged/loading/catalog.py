@@ -7,8 +7,9 @@ server's model listings (`/api/tags`, `/api/show`) say the same things `ls` does
 Kind: "vision" when the config has a vision tower (`vision_config`, as every Hugging Face
 vision-language config does), "embeddings" when its architecture or model type names an
 embedding or sentence model (`BertModel`, `*EmbeddingModel`, `XLMRobertaModel`...), else "text".
-Quantization: MLX's `quantization` block (`Q4` with its group size), a GGUF conversion's tensor
-types (`Q5_0+Q8_0...`, the source's), or the stored float dtype (`F16`, `BF16`, `F32`).
+Quantization: MLX's `quantization` block (`Q4` with its group size), the block types of a GGUF
+conversion that kept them (`Q5_0+Q8_0...`, the source's), or the stored float dtype (`F16`,
+`BF16`, `F32`; a dequantized GGUF conversion's too).
 """
 
 from __future__ import annotations
@@ -57,12 +58,13 @@ def quantization_of(config: dict, conversion: dict | None = None) -> str | None:
     if isinstance(q, dict) and q.get("bits"):
         group = q.get("group_size")
         return f"Q{q['bits']}" + (f" (group {group})" if group else "")
-    if conversion:  # a GGUF converted here: the source's block types, most used first
+    if conversion and conversion.get("weights") == "quantized":  # GGUF blocks kept: their types, most used first
         types = conversion.get("tensor_types") or {}
         quant = sorted((t for t in types if not t.startswith(("F", "BF"))), key=lambda t: -types[t])
         if quant:
             return "+".join(quant)
-    dtype = config.get("torch_dtype") or config.get("dtype")
+    # a float checkpoint, a GGUF's dequantized conversion among them
+    dtype = (conversion or {}).get("dtype") or config.get("torch_dtype") or config.get("dtype")
     return DTYPE_LEVELS.get(str(dtype)) if dtype else None
 
 
