@@ -198,8 +198,11 @@ def test_format_schema_and_json(client, name, stream):
         jsonschema.validate(value, schema if fmt == schema else {"type": "object"})
 
 
-def test_open_webui_request(server, name):
-    """A chat body as Open WebUI sends it (its Ollama payload: options, keep_alive, stream)."""
+def test_open_webui_request(server, name, tok):
+    """Chat bodies in the shape Open WebUI's Ollama payload converter builds them (written from its
+    source, `convert_payload_openai_to_ollama`): options with num_ctx, num_predict and stop,
+    keep_alive, stream; a tool round with OpenAI's call `id` and `index` and the result's
+    `tool_call_id` kept alongside Ollama's fields."""
     body = json.loads((DATA / "open_webui_ollama_chat.json").read_text())
     body["model"] = name + ":latest"  # the name /api/tags listed, with Ollama's default tag
     with httpx.Client(timeout=60) as h:
@@ -214,6 +217,19 @@ def test_open_webui_request(server, name):
     assert lines[-1]["eval_count"] == usage.completion_tokens
     assert lines[-1]["prompt_eval_count"] == usage.prompt_tokens
     assert lines[-1]["model"] == body["model"]
+
+    body = json.loads((DATA / "open_webui_ollama_chat_tools.json").read_text())
+    body["model"] = name
+    r = httpx.post(server.url + "/api/chat", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    call = body["messages"][1]["tool_calls"][0]
+    ref = [
+        body["messages"][0],
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call["function"]}]},
+        {"role": "tool", "content": "sunny, 21 C"},
+    ]
+    assert r.json()["prompt_eval_count"] == prompt_len(tok, ref, body["tools"])
+    assert r.json()["done"] and r.json()["eval_count"] <= body["options"]["num_predict"]
 
 
 def test_refusals_name_what_is_refused(server, client, name):
@@ -231,6 +247,9 @@ def test_refusals_name_what_is_refused(server, client, name):
     assert "keep_alive" in post("/api/chat", {**chat, "keep_alive": "five minutes"}, 400)
     assert "think" in post("/api/chat", {**chat, "think": True}, 400)  # the tiny model does not reason
     assert "num_ctx" in post("/api/chat", {**chat, "options": {"num_ctx": 3}}, 400)
+    # the admission path's limits, in this API's field names
+    assert post("/api/chat", {**chat, "options": {"stop": ["x"] * 100}}, 400).startswith("options.stop has 100")
+    assert "not found" in post("/api/show", {"model": "llama3.2"}, 404)
     assert "suffix" in post("/api/generate", {"model": name, "prompt": "def f(", "suffix": "return 1"}, 400)
     assert "embeddings" in post("/api/embed", {"model": name, "input": "hi"}, 501)
     assert "not found" in post("/api/chat", {**chat, "model": "llama3.2"}, 404)

@@ -51,7 +51,7 @@ NEVER = "9999-12-31T23:59:59Z"  # /api/ps's expires_at: the one model is never u
 # Go's time.Duration text ("5m", "1h30m", "-1s") or a bare number of seconds ("-1", "0")
 DURATION = re.compile(r"^-?(?:\d+(?:\.\d+)?(?:ns|us|µs|ms|s|m|h))+$|^-?\d+(?:\.\d+)?$")
 # OpenAI field names in admission's errors -> this API's
-NAMES = {"max_tokens": "options.num_predict", "stop": "options.stop", "prompt": "prompt"}
+NAMES = {"max_tokens": "options.num_predict", "stop": "options.stop"}
 
 
 class OllamaError(Exception):
