@@ -161,6 +161,8 @@ FILE_TIERS = {
     "test_server_agents.py": "server",
     "test_server_lmeval.py": "server",
     "test_server_clients.py": "server",
+    "test_server_ollama.py": "server",
+    "test_cli_models.py": "engine",
     "test_server_tp.py": "tp",
     "test_hostile_guided.py": "server",
     "test_hostile_disk.py": "engine",

@@ -357,9 +357,17 @@ def _add_serve() -> None:
     main.add_command(serve)
 
 
+def _add_models() -> None:
+    from .models import ls, pull, rm  # imports click only; huggingface_hub loads when one runs
+
+    for command in (pull, ls, rm):
+        main.add_command(command)
+
+
 _add_bench()
 _add_serve()
 _add_doctor()
+_add_models()
 
 if __name__ == "__main__":
     main()

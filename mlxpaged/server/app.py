@@ -31,6 +31,8 @@ from .jobs import ErrorResponse, ServerState
 from .limits import Capacity, Limits, max_token_chars
 from .metrics import CONTENT_TYPE, Metrics
 from .middleware import AccessLog, Guard, error_bytes
+from .models_api import register_models, served_catalog
+from .ollama_api import register_ollama
 from .openai_api import register_openai
 from .openai_format import TokenText
 from .reasoning import ThinkMarkers
@@ -136,21 +138,13 @@ def build_app(
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @v1.get("/models")
-    async def models():
-        return {
-            "object": "list",
-            # created: the server's start; max_model_len: vLLM's name for the context length (Codex reads it)
-            "data": [
-                {"id": state.model_id, "object": "model", "created": started, "owned_by": "mlxpaged"}
-                | {"max_model_len": cap.context}
-            ],
-        }
-
+    catalog = served_catalog(state, started)  # the served models (models_api.py)
+    register_models(v1, catalog)
     register_openai(v1, state, text_of)
     register_responses(v1, state, text_of)
     app.include_router(v1)
     register_anthropic(app, state)
+    register_ollama(app, state, catalog)  # Ollama's /api/... (ollama_api.py)
     register_tokenize(app, state)  # at the root, as vLLM serves them
     if web:  # the page and its cache view (web.py); --no-web leaves them out
         register_web(app, engine_loop)

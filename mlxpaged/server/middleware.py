@@ -39,6 +39,7 @@ ANTHROPIC_ERROR_TYPES = {
     503: "overloaded_error",
 }
 ANTHROPIC_PATHS = ("/v1/messages",)
+OLLAMA_PATHS = ("/api/",)
 
 
 def anthropic_error_body(status: int, message: str) -> dict:
@@ -49,12 +50,14 @@ def anthropic_error_body(status: int, message: str) -> dict:
 def error_bytes(
     status: int, message: str, *, param: str | None = None, code: str | None = None, path: str = ""
 ) -> bytes:
-    """The route's own error object: Anthropic's on its paths, OpenAI's everywhere else."""
-    body = (
-        anthropic_error_body(status, message)
-        if path.startswith(ANTHROPIC_PATHS)
-        else error_body(status, message, param=param, code=code)
-    )
+    """The route's own error object: Anthropic's on its paths, Ollama's (`{"error": message}`) on
+    /api/..., OpenAI's everywhere else."""
+    if path.startswith(ANTHROPIC_PATHS):
+        body = anthropic_error_body(status, message)
+    elif path.startswith(OLLAMA_PATHS):
+        body = {"error": message}
+    else:
+        body = error_body(status, message, param=param, code=code)
     # ASCII-escaped: a message quoting client text with a lone surrogate still encodes.
     return json.dumps(body, ensure_ascii=True).encode("ascii")
 
