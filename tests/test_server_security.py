@@ -378,3 +378,15 @@ def test_many_viewers_are_capped_and_health_stays_fast(server):
     assert statistics.median(times) < 0.25
     # the served viewers left the count when they closed: as many can watch again
     _wait(lambda: httpx.get(server.url + "/web/cache.json", timeout=30).status_code == 200, what="a free slot")
+
+
+def test_bad_origin_flag_is_one_line():
+    from click.testing import CliRunner
+
+    from mlxpaged.cli.main import main
+
+    r = CliRunner().invoke(main, ["serve", "--port", "0", "--allowed-origins", "localhost:3000"])
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert r.output.strip() == "error: --allowed-origins: 'localhost:3000' is not an origin such as " + (
+        "http://localhost:3000, or '*'"
+    )
