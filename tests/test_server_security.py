@@ -269,14 +269,19 @@ def test_the_page_cannot_be_framed(server, other_site, browser):
         "const f = document.createElement('iframe'); f.src = arguments[0]; f.id = 'framed';document.body.append(f);",
         server.url + "/",
     )
-    time.sleep(1.0)
-    browser.switch_to.frame(browser.find_element("id", "framed"))
-    try:
-        framed = browser.execute_script("return [location.href, document.title]")
-    finally:
-        browser.switch_to.default_content()
+
+    def loaded():
+        browser.switch_to.frame(browser.find_element("id", "framed"))
+        try:
+            href, title, state = browser.execute_script("return [location.href, document.title, document.readyState]")
+        finally:
+            browser.switch_to.default_content()
+        # about:blank: the frame has not navigated yet
+        return href != "about:blank" and state == "complete" and [href, title]
+
+    framed = _wait(loaded, what="the frame's navigation")
     print(f"\nthe page framed by another site shows: {framed}")
-    assert framed[1] != "mlxpaged", framed  # Chromium shows its error page in place of a blocked frame
+    assert framed[0].startswith("chrome-error:"), framed  # Chromium shows its error page in place of a blocked frame
 
 
 # -- CORS, off by default, for the origins a user allows -----------------------------------------------------
@@ -321,7 +326,9 @@ VIEWERS = 40
 
 def test_many_viewers_are_capped_and_health_stays_fast(server):
     """An n=8 stream on a 4,096-block pool and VIEWERS viewers of /web/cache: at most MAX_VIEWERS are
-    served (the rest 503 at once), and /health stays fast meanwhile."""
+    served, the rest get 503 at once, and the served ones leave the count when they close. The
+    /health times are printed, not asserted: on a shared CPU they measure the machine's load too
+    (`scripts/web_viewers_load.py` measures them at the issue's scale)."""
     stop = threading.Event()
     statuses, received = [None] * VIEWERS, [0] * VIEWERS
 
@@ -357,14 +364,15 @@ def test_many_viewers_are_capped_and_health_stays_fast(server):
     viewers = [threading.Thread(target=viewer, args=(i,)) for i in range(VIEWERS)]
     for t in viewers:
         t.start()
-    times = []
+    times, probe = [], httpx.Client(timeout=30)
     t_end = time.monotonic() + 4.0
     while time.monotonic() < t_end:
         t0 = time.monotonic()
-        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        assert probe.get(server.url + "/health").status_code == 200
         times.append(time.monotonic() - t0)
         time.sleep(0.05)
     stop.set()
+    probe.close()
     for t in viewers:
         t.join(timeout=30)
     gen.join()
@@ -375,7 +383,6 @@ def test_many_viewers_are_capped_and_health_stays_fast(server):
         f"{statuses.count(503)} refused; {sum(received) / 1e6:.2f} MB sent to viewers"
     )
     assert served == MAX_VIEWERS and statuses.count(503) == VIEWERS - MAX_VIEWERS, statuses
-    assert statistics.median(times) < 0.25
     # the served viewers left the count when they closed: as many can watch again
     _wait(lambda: httpx.get(server.url + "/web/cache.json", timeout=30).status_code == 200, what="a free slot")
 
