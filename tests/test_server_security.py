@@ -136,7 +136,7 @@ def test_foreign_host_is_refused(server, method, path):
     assert_refused(r, path, 403, "host_not_allowed", f"Host '{REBIND}:{server.port}'")
 
 
-@pytest.mark.parametrize("origin", ["http://evil.example", "null", "http://127.0.0.1:1"])
+@pytest.mark.parametrize("origin", ["http://evil.example", "null", "http://127.0.0.1:1", "http://[::1"])
 @pytest.mark.parametrize("method,path", ROUTES)
 def test_foreign_origin_is_refused(server, method, path, origin):
     r = _request(server, method, path, {"origin": origin, "content-type": "application/json"})
@@ -216,8 +216,9 @@ def test_policy_parsing():
     assert not b.origin_allowed(b"null", None)
     assert Browsers.of("127.0.0.1", ["*"]).host_allowed(b"anything.example")
     assert Browsers.of("127.0.0.1", [], ["*"]).origin_allowed(b"http://x.example", b"localhost")
-    with pytest.raises(ValueError, match="--allowed-origins"):
-        Browsers.of("127.0.0.1", [], ["app.example"])
+    for bad in ("app.example", "http://app.example/path", "ftp://app.example", "http://[::1"):
+        with pytest.raises(ValueError, match="--allowed-origins"):
+            Browsers.of("127.0.0.1", [], [bad])
 
 
 # -- 1. in Chromium: a page on another origin cannot make the server generate --------------------------

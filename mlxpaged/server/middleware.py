@@ -130,8 +130,12 @@ def _is_ip(name: str) -> bool:
 def _origin(value: str) -> str:
     """An allowed origin as browsers send it: `scheme://host[:port]`, lower case; ValueError otherwise."""
     value = value.strip().lower().rstrip("/")
-    parts = urlsplit(value)
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query or parts.fragment:
+    try:
+        parts = urlsplit(value)
+        ok = parts.scheme in ("http", "https") and parts.hostname and not (parts.path or parts.query or parts.fragment)
+    except ValueError:  # "http://[::1" and the like
+        ok = False
+    if not ok:
         raise ValueError(f"--allowed-origins: {value!r} is not an origin such as http://localhost:3000, or '*'")
     return value
 
@@ -168,8 +172,12 @@ class Browsers:
         value = origin.decode("latin-1").strip().lower()
         if "*" in self.origins or value in self.origins:
             return True
-        # the server's own page: the origin's host[:port] is the Host it was reached at ("null" has none)
-        return host is not None and value != "null" and urlsplit(value).netloc == host.decode("latin-1").lower()
+        if host is None or value == "null":
+            return False
+        try:  # the server's own page: the origin's host[:port] is the Host it was reached at
+            return urlsplit(value).netloc == host.decode("latin-1").strip().lower()
+        except ValueError:  # not a URL ("http://[x")
+            return False
 
     @property
     def cors(self) -> list[str]:
