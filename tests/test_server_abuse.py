@@ -238,9 +238,9 @@ def test_idle_connections_are_closed(server):
     silent = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(100)]
     trickle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(20)]
     for s in trickle:  # slowloris: headers that never end
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n")
     keep = socket.create_connection(("127.0.0.1", server.port))
-    keep.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    keep.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
     keep.settimeout(5)
     assert b"200 OK" in keep.recv(4096)
     try:
@@ -525,7 +525,7 @@ def test_key_is_checked_before_the_body(keyed):
     # a 60 MB body announced but never sent: the 401 comes from the headers alone
     sock = socket.create_connection(("127.0.0.1", keyed.port))
     sock.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b"Content-Length: 60000000\r\n\r\n{"
     )
     sock.settimeout(2)

@@ -25,7 +25,8 @@ BS = 16  # the server's block size (the default)
 NUM_BLOCKS = 256  # more than all tests here take together: no cached block is evicted, counts add up
 
 
-def _browser():
+def _browser(*extra: str):
+    """Headless Chromium; `extra`: more command-line switches (a host resolver rule...)."""
     if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
         why = "Chromium is not installed: apt-get install -y chromium chromium-driver (see .ci/run)"
         if os.environ.get("CI"):  # CI installs it: a missing browser there is a failure, not a skip
@@ -36,7 +37,8 @@ def _browser():
 
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM  # with the Service below, Selenium Manager never downloads anything
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,900"):
+    switches = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,900")
+    for arg in (*switches, *extra):
         opts.add_argument(arg)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     return webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)

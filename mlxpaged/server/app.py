@@ -1,12 +1,14 @@
 """The FastAPI app: OpenAI routes over an `EngineLoop`, every failure as one OpenAI error object.
 
-Before any route, `Guard` (middleware.py) checks draining, the API key and the body size, and turns
-an unhandled exception into a 500 error object. A route validates its body, checks the limits that
-need no tokenizing (limits.py), tokenizes on the tokenizer thread (never on the event loop), submits
-one engine request per prompt (each with the body's `n` samples) and waits for the engine to accept
-them, so a request that cannot fit in the pool is a 400 before any stream starts. It then reads the
-newest output of each of its requests from its `Sink`. Whatever ends a route early (a disconnect, a
-cancelled stream, an error) aborts the engine requests it still owns, in a `finally`.
+Before any route, `BrowserGuard` (middleware.py) refuses a foreign `Host` or `Origin` (CORS, off by
+default, answers the allowed origins), then `Guard` checks draining, the API key, the body size and
+its JSON content type, and turns an unhandled exception into a 500 error object. A route validates
+its body, checks the limits that need no tokenizing (limits.py), tokenizes on the tokenizer thread
+(never on the event loop), submits one engine request per prompt (each with the body's `n` samples)
+and waits for the engine to accept them, so a request that cannot fit in the pool is a 400 before
+any stream starts. It then reads the newest output of each of its requests from its `Sink`. Whatever
+ends a route early (a disconnect, a cancelled stream, an error) aborts the engine requests it still
+owns, in a `finally`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -30,7 +33,7 @@ from .guided_request import GrammarGate
 from .jobs import ErrorResponse, ServerState
 from .limits import Capacity, Limits, max_token_chars
 from .metrics import CONTENT_TYPE, Metrics
-from .middleware import AccessLog, Guard, error_bytes
+from .middleware import AccessLog, BrowserGuard, Browsers, Guard, error_bytes
 from .models_api import register_models, served_catalog
 from .ollama_api import register_ollama
 from .openai_api import register_openai
@@ -57,11 +60,16 @@ def build_app(
     limits: Limits | None = None,
     responses_store: int = 0,
     web: bool = True,
+    browsers: Browsers | None = None,
+    max_web_viewers: int = 8,
 ) -> FastAPI:
-    """Routes over a started `engine_loop`; the app's shutdown stops it."""
+    """Routes over a started `engine_loop`; the app's shutdown stops it. `browsers`: the Host and
+    Origin policy (`serve` passes `Browsers.of` its bound address and flags; the default answers
+    any Host, as in-process test clients need, and no other origin)."""
     engine = engine_loop.engine
     args = engine.loaded.model.args
     limits = limits or Limits()
+    browsers = browsers or Browsers()
     cap = Capacity(
         getattr(args, "max_position_embeddings", None),
         args.vocab_size,
@@ -110,7 +118,17 @@ def build_app(
         open_paths=frozenset({"/health", *(DOCS_PATHS if docs else ()), *(WEB_PATHS if web else ())}),
         draining=lambda: engine_loop.draining,
     )
-    app.add_middleware(AccessLog)  # added last: outermost, so it sees Guard's refusals too
+    if browsers.cors:  # inside BrowserGuard: only allowed origins get here; preflights need no key
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=browsers.cors,
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+            expose_headers=["x-mlxpaged-max-tokens-clamped", "retry-after"],
+            max_age=600,
+        )
+    app.add_middleware(BrowserGuard, browsers=browsers)
+    app.add_middleware(AccessLog)  # added last: outermost, so it sees the guards' refusals too
     started = int(time.time())
 
     @app.exception_handler(APIError)
@@ -147,7 +165,7 @@ def build_app(
     register_ollama(app, state, catalog)  # Ollama's /api/... (ollama_api.py)
     register_tokenize(app, state)  # at the root, as vLLM serves them
     if web:  # the page and its cache view (web.py); --no-web leaves them out
-        register_web(app, engine_loop)
+        register_web(app, engine_loop, max_viewers=max_web_viewers)
     return app
 
 

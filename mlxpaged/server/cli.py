@@ -166,6 +166,28 @@ def serve_engine_config(engine_flags: dict, kv_memory_gb: float | None) -> Engin
     type=click.FloatRange(0.01),
     help="Close an idle keep-alive connection after this many seconds.",
 )
+@click.option(
+    "--allowed-hosts",
+    multiple=True,
+    metavar="NAMES",
+    help="Host names the server answers to besides its bound address, localhost and IP addresses "
+    "(comma-separated or repeated; '*': any, for a LAN name behind --api-key). Others get 403: "
+    "a DNS-rebinding web page reaches the server under its own name.",
+)
+@click.option(
+    "--allowed-origins",
+    multiple=True,
+    metavar="ORIGINS",
+    help="Web origins (http://host:port, comma-separated or repeated; '*': any) whose pages may call "
+    "the server, with CORS headers so they can read the answers. Requests from other pages get 403.",
+)
+@click.option(
+    "--max-web-viewers",
+    default=8,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Viewers of the web page's live cache view at once; beyond it they get 503.",
+)
 @click.option("--enable-docs", is_flag=True, help="Serve /docs, /redoc and /openapi.json (off by default).")
 @click.option("--no-web", is_flag=True, help="Do not serve the web page (/: chat and the live KV-cache view).")
 @click.option(
@@ -192,6 +214,9 @@ def serve(
     max_connections,
     header_timeout,
     keep_alive_timeout,
+    allowed_hosts,
+    allowed_origins,
+    max_web_viewers,
     enable_docs,
     no_web,
     log_level,
@@ -227,6 +252,13 @@ def serve(
             f"warning: listening on {host} without --api-key: anyone who can reach port {port} can use this server",
             err=True,
         )
+    from .middleware import Browsers
+
+    with user_errors():
+        browsers = Browsers.of(host, _listed(allowed_hosts), _listed(allowed_origins))
+    if not api_key and (browsers.hosts is None or "*" in browsers.origins):
+        flag = "--allowed-hosts '*'" if browsers.hosts is None else "--allowed-origins '*'"
+        click.echo(f"warning: {flag} without --api-key: any web page you visit can use this server", err=True)
     from .app import build_app
     from .connections import header_timeout_protocol, raise_fd_limit
     from .engine_loop import EngineLoop
@@ -264,6 +296,8 @@ def serve(
         limits=limits,
         responses_store=responses_store,
         web=not no_web,
+        browsers=browsers,
+        max_web_viewers=max_web_viewers,
     )
     raise_fd_limit()  # after loading: importing mlx_lm sets (2048, 4096)
     _announce(host, port, model_id, loaded, engine, api_key)
@@ -315,6 +349,11 @@ def default_model_name(model: str | None, path: Path) -> str:
         return path.name
     local = Path(model).expanduser()
     return local.resolve().name if local.exists() else model
+
+
+def _listed(values: tuple[str, ...]) -> list[str]:
+    """A repeated flag's values, each possibly comma-separated."""
+    return [v for value in values for v in value.split(",") if v.strip()]
 
 
 def _is_loopback(host: str) -> bool:
