@@ -237,11 +237,22 @@ def serve(
         make, observer=metrics, group=group, stall_timeout=stream_stall_timeout or None, idle_trim_s=kv_idle_trim
     )
     try:
-        with user_errors():
-            engine_loop.start()
-    except KeyboardInterrupt:
-        click.echo("interrupted while loading the model", err=True)
-        sys.exit(130)
+        engine_loop.start()
+    except BaseException as e:  # noqa: BLE001  (every way out of a failed load ends here, in one line)
+        # The engine thread has used MLX by now: wait for it to end, then exit without interpreter
+        # teardown, which can abort ("terminate called without an active exception", exit 134)
+        # as at shutdown (see _exit_now).
+        engine_loop.stop()
+        if isinstance(e, KeyboardInterrupt):
+            click.echo("interrupted while loading the model", err=True)
+            _exit_now(130)
+        if isinstance(e, ValueError):  # MlxPagedError included: a refused model, a config that does not match
+            click.echo(f"error: {e}", err=True)
+            _exit_now(1)
+        import traceback
+
+        traceback.print_exc()  # a bug, not bad input: the traceback says where
+        _exit_now(1)
     engine, loaded = engine_loop.engine, engine_loop.engine.loaded
     model_id = served_model_name or default_model_name(model, loaded.path)
     metrics.attach(engine_loop)
@@ -345,15 +356,14 @@ def _follow(make_engine, group) -> None:
     _exit_now()
 
 
-def _exit_now() -> None:
-    """Exit 0 without interpreter teardown: MLX, used from the engine thread (and its ring backend
-    under tensor parallelism), can abort the process ("terminate called without an active
-    exception") while Python finalizes; seen after a drained shutdown of a one-process server too."""
-    import os
-
+def _exit_now(code: int = 0) -> None:
+    """Exit with `code` without interpreter teardown: MLX, used from the engine thread (and its ring
+    backend under tensor parallelism), can abort the process ("terminate called without an active
+    exception") while Python finalizes; seen after a drained shutdown of a one-process server, and
+    after a model that failed to load on the engine thread."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _announce(host, port, model_id, loaded, engine, api_key) -> None:
