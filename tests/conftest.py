@@ -173,6 +173,7 @@ FILE_TIERS = {
     "test_server_soak.py": "soak",
     "test_startup_exits.py": "server",
     "test_slowness.py": "unit",
+    "test_logprob_bytes.py": "server",
 }
 # Fixtures that load the offline Qwen2.5 weights: a test using one is in the real_model tier too.
 REAL_MODEL_FIXTURES = {"real", "real_ref", "real_gguf", "real_ckpt", "real_pair", "real_dequantized"}
@@ -230,7 +231,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    terminalreporter.write_line(f"test timeouts: {timeout_scale():.0f} x their quiet-machine limits (tests/conftest.py)")
+    terminalreporter.write_line(f"test timeouts: {timeout_scale():.0f} x their quiet-machine limits (conftest.py)")
     if _tier_seconds:
         counts = {t: sum(1 for v in _tier_of.values() if v == t) for t in _tier_seconds}
         terminalreporter.write_line(

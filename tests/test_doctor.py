@@ -65,9 +65,11 @@ def test_doctor_full_kernel_matrix(tmp_path, monkeypatch):
         k: {(c["dtype"], c["group"], c["head_dim"]) for c in report["checks"] if c["kernel"] == k}
         for k in ("decode", "varlen")
     }
-    assert families["decode"] == families["varlen"] == {
-        (dt, g, hd) for dt in ("float16", "bfloat16", "float32") for g, hd in ((7, 64), (6, 128), (7, 128))
-    }
+    assert (
+        families["decode"]
+        == families["varlen"]
+        == {(dt, g, hd) for dt in ("float16", "bfloat16", "float32") for g, hd in ((7, 64), (6, 128), (7, 128))}
+    )
 
 
 def _doctor_with_faulty(kind: str, tmp_path, monkeypatch):
