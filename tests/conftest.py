@@ -178,6 +178,7 @@ FILE_TIERS = {
 # Fixtures that load the offline Qwen2.5 weights: a test using one is in the real_model tier too.
 REAL_MODEL_FIXTURES = {"real", "real_ref", "real_gguf", "real_ckpt", "real_pair", "real_dequantized"}
 EXPECTED_SKIP = "[expected]"
+_timeouts = {"scale": 1.0}  # the factor this run's collection put on every test's timeout
 
 
 def pytest_collection_modifyitems(config, items):
@@ -186,7 +187,7 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"tests/conftest.py FILE_TIERS has no tier for {', '.join(missing)}")
     # Timeouts catch livelocks, not slow machines: each test's limit (pyproject's `timeout`, or its
     # own mark) holds on a quiet machine and is stretched here for a busy one.
-    scale = timeout_scale()
+    scale = _timeouts["scale"] = timeout_scale()
     default = config.getoption("timeout", None) or float(config.getini("timeout") or 0)
     for item in items:
         item.add_marker(FILE_TIERS[item.path.name])
@@ -231,7 +232,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    terminalreporter.write_line(f"test timeouts: {timeout_scale():.0f} x their quiet-machine limits (conftest.py)")
+    terminalreporter.write_line(f"test timeouts: {_timeouts['scale']:.0f} x their quiet-machine limits (conftest.py)")
     if _tier_seconds:
         counts = {t: sum(1 for v in _tier_of.values() if v == t) for t in _tier_seconds}
         terminalreporter.write_line(
