@@ -49,9 +49,9 @@ def test_doctor_reports_and_writes_json(tmp_path, monkeypatch):
     assert "latent attention (MLA, rows of 576) runs the reference path: head_dim 576" in r.output
 
 
-# Every kernel variant the doctor knows in the emulator: minutes on a 2-core machine, ten or more
-# under load; the timeout is there for a livelock, not for a slow machine.
-@pytest.mark.timeout(3600)
+# Every kernel variant the doctor knows, in the emulator: a few minutes on a quiet 2-core machine
+# whose emulator cache is cold (the limit: a quiet machine's, stretched for a busy one).
+@pytest.mark.timeout(900)
 def test_doctor_full_kernel_matrix(tmp_path, monkeypatch):
     """The defaults: every family in every dtype, decode and prefill (varlen) kernels, 18 checks."""
     monkeypatch.delenv("MLXPAGED_METAL", raising=False)

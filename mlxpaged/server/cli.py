@@ -236,22 +236,21 @@ def serve(
     engine_loop = EngineLoop(
         make, observer=metrics, group=group, stall_timeout=stream_stall_timeout or None, idle_trim_s=kv_idle_trim
     )
+    # A failed load exits without interpreter teardown, which can abort ("terminate called without
+    # an active exception", exit 134) once the engine thread has used MLX, as at shutdown (_exit_now).
     try:
         engine_loop.start()
-    except BaseException as e:  # noqa: BLE001  (every way out of a failed load ends here, in one line)
-        # The engine thread has used MLX by now: wait for it to end, then exit without interpreter
-        # teardown, which can abort ("terminate called without an active exception", exit 134)
-        # as at shutdown (see _exit_now).
-        engine_loop.stop()
-        if isinstance(e, KeyboardInterrupt):
-            click.echo("interrupted while loading the model", err=True)
-            _exit_now(130)
+    except KeyboardInterrupt:  # the engine thread may still be loading: no waiting for it
+        click.echo("interrupted while loading the model", err=True)
+        _exit_now(130)
+    except BaseException as e:
+        engine_loop.stop()  # the thread has reported its error: it ends at once
         if isinstance(e, ValueError):  # MlxPagedError included: a refused model, a config that does not match
             click.echo(f"error: {e}", err=True)
-            _exit_now(1)
-        import traceback
+        else:  # a bug, not bad input: the traceback says where
+            import traceback
 
-        traceback.print_exc()  # a bug, not bad input: the traceback says where
+            traceback.print_exc()
         _exit_now(1)
     engine, loaded = engine_loop.engine, engine_loop.engine.loaded
     model_id = served_model_name or default_model_name(model, loaded.path)
