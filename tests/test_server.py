@@ -463,6 +463,6 @@ def test_generate_works_without_serve_extra(tmp_path):
         "import sys, mlxpaged.cli.main; assert 'fastapi' not in sys.modules and 'uvicorn' not in sys.modules; "
         "print(sorted(mlxpaged.cli.main.main.commands))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=wall(60))
     assert out.returncode == 0, out.stderr
     assert "serve" in out.stdout and "generate" in out.stdout

@@ -61,7 +61,7 @@ def server(tiny_model_path):
 def _wait(driver, cond, timeout=20.0, what="condition"):
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: cond(d), message=what)
+    return WebDriverWait(driver, wall(timeout), poll_frequency=0.05).until(lambda d: cond(d), message=what)
 
 
 def _css(driver, sel):
