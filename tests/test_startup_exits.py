@@ -90,13 +90,13 @@ def test_serve_on_mismatched_config_exits_1_every_time(mismatched):
     "checkpoint,message",
     [("vision", "qwen2_5_vl"), ("truncated", "cannot load checkpoint"), ("mismatched", "Expected shape")],
 )
-def test_refused_checkpoint_exits_1_on_every_command(checkpoint, message, request):
+def test_refused_checkpoint_exits_1_on_every_command(checkpoint, message, request, tmp_path):
     path = str(request.getfixturevalue(checkpoint))
     runs = run_all(
         [
             ["serve", "--model", path, "--port", "0"],
             ["generate", "--model", path, "--prompt", "hi"],
-            ["bench", "throughput", "--model", path],
+            ["bench", "throughput", "--model", path, "--out", str(tmp_path)],
         ]
     )
     for r in runs:
@@ -109,15 +109,20 @@ BAD_FLAGS_AND_FILES = [
     (["generate", "--prompts-file", "/nonexistent/prompts.txt"], "cannot read prompts file"),
     (["generate", "--prompt", "hi", "--json-schema", "/nonexistent/schema.json"], "cannot read JSON schema"),
     (["bench", "throughput", "--tiny", "--concurrency", "eight"], "--concurrency"),
+    (["bench", "throughput", "--tiny", "--out", "/proc/results"], "cannot write results to /proc/results"),
     (["doctor", "--seqs", "0"], "--seqs and --tokens must be positive"),
     (["doctor", "--family", "7by64"], "--family takes GROUPxHEAD_DIM"),
     (["doctor", "--out", "/nonexistent/dir/report.json"], "cannot write the report"),
 ]
 
 
-def test_bad_flag_or_unreadable_file_exits_1(tiny_model_path):
+def test_bad_flag_or_unreadable_file_exits_1(tiny_model_path, tmp_path):
     commands = [
-        [args[0], "--model", str(tiny_model_path), *args[1:]] if args[0] in ("serve", "generate") else args
+        [args[0], "--model", str(tiny_model_path), *args[1:]]
+        if args[0] in ("serve", "generate")
+        else [*args, "--out", str(tmp_path)]
+        if args[0] == "bench" and "--out" not in args
+        else args
         for args, _ in BAD_FLAGS_AND_FILES
     ]
     for (_, message), r in zip(BAD_FLAGS_AND_FILES, run_all(commands)):
