@@ -24,7 +24,7 @@ def slowdown() -> float:
         return max(1.0, float(forced))
     try:
         load = os.getloadavg()[0]
-    except OSError:  # no load average on this platform
+    except (AttributeError, OSError):  # no load average on this platform (Windows)
         return 1.0
     return max(1.0, load / (os.cpu_count() or 1))
 
