@@ -567,7 +567,10 @@ def test_sigterm_drains_with_503_and_exits_0(keyed):
     lines = first.iter_lines()
     next(lines)
     keyed.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
+    t0 = time.monotonic()
+    while httpx.get(keyed.url + "/health", timeout=5).status_code != 503:  # until the server has the signal
+        assert time.monotonic() - t0 < wall(10), "SIGTERM did not start a drain"
+        time.sleep(0.02)
     assert_error(
         h.post(keyed.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}),
         503,
