@@ -34,20 +34,21 @@ def token_bytes(tokenizer, decode):
     text. `decode` (id -> text) covers tokenizers without such a vocabulary, and ids past it."""
     from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
-    kind = type(getattr(tokenizer, "detokenizer", None))  # mlx-lm's reading of tokenizer.json's decoder
+    detokenizer = getattr(tokenizer, "detokenizer", None)  # mlx-lm's reading of tokenizer.json's decoder
+    spm = isinstance(detokenizer, SPMStreamingDetokenizer)
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    if kind is BPEStreamingDetokenizer:
+    if isinstance(detokenizer, BPEStreamingDetokenizer):
         from transformers.convert_slow_tokenizer import bytes_to_unicode
 
         alphabet = {c: b for b, c in bytes_to_unicode().items()}
-    elif kind is not SPMStreamingDetokenizer:
+    elif not spm:
         return lambda t: decode(t).encode("utf-8")
 
     def of(token_id: int) -> bytes:
         piece = tokenizer.convert_ids_to_tokens(token_id) if token_id < len(tokenizer) else None
         if piece is None or token_id in added:
             return decode(token_id).encode("utf-8")
-        if kind is SPMStreamingDetokenizer:
+        if spm:
             if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
                 return bytes([int(piece[3:5], 16)])
             return piece.replace("\u2581", " ").encode("utf-8")
