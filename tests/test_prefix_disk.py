@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
+from mlxpaged.testing.slowness import wall
 from mlxpaged.worker import prefix_store
 
 from reference import contiguous_generate
@@ -501,7 +502,7 @@ def test_tensor_parallel_ranks_keep_their_own_shards(tiny_model_path, tiny_loade
             ],
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=wall(300),
         )
         files = [tmp_path / f"{tag}{rank}.json" for rank in range(2)]
         assert all(f.exists() for f in files), r.stdout + r.stderr
@@ -596,7 +597,7 @@ def test_two_processes_on_one_dir(tiny_model_path, tiny_loaded, mlx_lm_tiny, tmp
         str(store),
     ]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
+    outs = [p.communicate(timeout=wall(300)) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err
         assert json.loads(out)["outputs"][0]["token_ids"] == want

@@ -20,6 +20,8 @@ import time
 import httpx
 import pytest
 
+from mlxpaged.testing.slowness import wall
+
 from server_proc import Server, free_port
 
 BLOCKS = 2048  # 32,768 token slots: room for 32 samples of 700 tokens
@@ -158,7 +160,7 @@ def test_slow_reader_memory_is_bounded_and_aborted(server, tiny_model_path):
     sock.sendall(raw_request("/v1/chat/completions", body))
     peak, freed_at, t0 = rss0, None, time.monotonic()
     try:
-        while time.monotonic() - t0 < 60:
+        while time.monotonic() - t0 < wall(60):
             sock.settimeout(0.2)
             try:
                 sock.recv(64)  # 64 bytes every 0.1 s: far slower than the samples are generated
@@ -194,7 +196,7 @@ def test_health_answers_while_heavy_requests_run(server, tiny_model_path):
         assert_error(
             h.post(url, json={"prompt": big, "max_tokens": 1}), 400, "prompt", "context_length_exceeded", "characters"
         )
-        assert time.monotonic() - t0 < 2
+        assert time.monotonic() - t0 < wall(2)
         # over the body cap: 413 from Content-Length, and from a chunked body as it grows
         assert_error(h.post(url, content=b"x" * (MAX_BODY + 1)), 413, None, "request_too_large", "--max-body-bytes")
         chunks = (b"y" * 100_000 for _ in range(40))
@@ -289,7 +291,7 @@ def test_fd_exhaustion_recovers_and_logs_once(tiny_model_path):
         ]
         opened = sum(int(h.stdout.readline()) for h in holders)
         t0 = time.monotonic()
-        while "cannot accept" not in s.stderr() and time.monotonic() - t0 < 20:  # a loaded machine accepts slowly
+        while "cannot accept" not in s.stderr() and time.monotonic() - t0 < wall(20):  # a loaded machine accepts slowly
             time.sleep(0.2)
         time.sleep(1.0)
         log = s.stderr()
@@ -302,7 +304,7 @@ def test_fd_exhaustion_recovers_and_logs_once(tiny_model_path):
                     break
             except httpx.HTTPError:
                 pass
-            assert time.monotonic() - t0 < 15, "the server did not recover from a full fd table"
+            assert time.monotonic() - t0 < wall(15), "the server did not recover from a full fd table"
         print(
             f"\nfd exhaustion: {opened} connections against {soft} descriptors; log {len(s.stderr())} bytes; "
             f"/health answered {time.monotonic() - t0:.1f} s later, the connections still held"
@@ -498,7 +500,7 @@ def test_empty_api_key_refuses_to_start(tiny_model_path, how):
         cmd += ["--api-key", ""]
     else:
         env["MLXPAGED_API_KEY"] = "" if how == "env" else "  "
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env=env)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=wall(30), env=env)
     assert out.returncode != 0
     assert "API key is empty" in out.stderr and "Traceback" not in out.stderr, out.stderr
 
@@ -565,7 +567,10 @@ def test_sigterm_drains_with_503_and_exits_0(keyed):
     lines = first.iter_lines()
     next(lines)
     keyed.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
+    t0 = time.monotonic()
+    while httpx.get(keyed.url + "/health", timeout=5).status_code != 503:  # until the server has the signal
+        assert time.monotonic() - t0 < wall(10), "SIGTERM did not start a drain"
+        time.sleep(0.02)
     assert_error(
         h.post(keyed.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}),
         503,

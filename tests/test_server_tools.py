@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from mlxpaged.server.tools import ToolCallStream, parse_tool_calls, tool_call_grammar
+from mlxpaged.testing.slowness import wall
 
 from server_proc import Server
 
@@ -476,7 +477,7 @@ def test_real_model_weather_call_and_extraction():
 
     s = Server(convert_gguf(ensure_offline_model()), "--num-blocks", "256", "--served-model-name", "qwen", timeout=300)
     try:
-        c = s.client(timeout=600)
+        c = s.client(timeout=wall(600))
         tools = [
             {
                 "type": "function",

@@ -268,12 +268,22 @@ def serve(
     engine_loop = EngineLoop(
         make, observer=metrics, group=group, stall_timeout=stream_stall_timeout or None, idle_trim_s=kv_idle_trim
     )
+    # A failed load exits without interpreter teardown, which can abort ("terminate called without
+    # an active exception", exit 134) once the engine thread has used MLX, as at shutdown (_exit_now).
     try:
-        with user_errors():
-            engine_loop.start()
-    except KeyboardInterrupt:
+        engine_loop.start()
+    except KeyboardInterrupt:  # the engine thread may still be loading: no waiting for it
         click.echo("interrupted while loading the model", err=True)
-        sys.exit(130)
+        _exit_now(130)
+    except BaseException as e:
+        engine_loop.stop()  # the thread has reported its error: it ends at once
+        if isinstance(e, ValueError):  # MlxPagedError included: a refused model, a config that does not match
+            click.echo(f"error: {e}", err=True)
+        else:  # a bug, not bad input: the traceback says where
+            import traceback
+
+            traceback.print_exc()
+        _exit_now(1)
     engine, loaded = engine_loop.engine, engine_loop.engine.loaded
     model_id = served_model_name or default_model_name(model, loaded.path)
     metrics.attach(engine_loop)
@@ -384,15 +394,14 @@ def _follow(make_engine, group) -> None:
     _exit_now()
 
 
-def _exit_now() -> None:
-    """Exit 0 without interpreter teardown: MLX, used from the engine thread (and its ring backend
-    under tensor parallelism), can abort the process ("terminate called without an active
-    exception") while Python finalizes; seen after a drained shutdown of a one-process server too."""
-    import os
-
+def _exit_now(code: int = 0) -> None:
+    """Exit with `code` without interpreter teardown: MLX, used from the engine thread (and its ring
+    backend under tensor parallelism), can abort the process ("terminate called without an active
+    exception") while Python finalizes; seen after a drained shutdown of a one-process server, and
+    after a model that failed to load on the engine thread."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _announce(host, port, model_id, loaded, engine, api_key) -> None:
