@@ -113,6 +113,10 @@ BAD_FLAGS_AND_FILES = [
     (["doctor", "--seqs", "0"], "--seqs and --tokens must be positive"),
     (["doctor", "--family", "7by64"], "--family takes GROUPxHEAD_DIM"),
     (["doctor", "--out", "/nonexistent/dir/report.json"], "cannot write the report"),
+    # click's own checks of a flag's value: one line and exit 1 too, not a usage block and exit 2
+    (["serve", "--kv-memory-gb", "0"], "Invalid value for '--kv-memory-gb'"),
+    (["generate", "--prompt", "hi", "--max-tokens", "many"], "Invalid value for '--max-tokens'"),
+    (["bench", "throughput", "--tiny", "--no-such-flag"], "--no-such-flag"),
 ]
 
 
