@@ -160,6 +160,7 @@ FILE_TIERS = {
     "test_server_agents.py": "server",
     "test_server_lmeval.py": "server",
     "test_server_clients.py": "server",
+    "test_server_limits.py": "server",
     "test_server_tp.py": "tp",
     "test_hostile_guided.py": "server",
     "test_hostile_disk.py": "engine",
