@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from .errors import APIError
 from .jobs import Job, check_model
-from .limits import TOKEN_BYTES, check_answer, check_chars, check_request, default_max_tokens
+from .limits import LOGPROB_BYTES, TOKEN_BYTES, check_answer, check_chars, check_request, default_max_tokens
 from .middleware import note
 from .prompts import check_context, encode_messages, encode_prompt
 
@@ -54,6 +54,7 @@ class Ask:
     names: dict[str, str] = field(default_factory=dict)  # OpenAI field name -> this route's
     template_kwargs: dict = field(default_factory=dict)  # e.g. enable_thinking, for templates that read it
     logprobs: int | None = None  # alternatives a token the answer carries logprobs of (None: no logprobs)
+    logprob_bytes: int = LOGPROB_BYTES  # one logprob entry's size in the route's shape (limits.py)
     echo: bool = False  # every choice repeats its prompt first (completions' `echo`)
 
 
@@ -88,7 +89,7 @@ def _check_limits(state, ask: Ask, max_tokens: int, ids: list[list[int]] | None 
     echo = None
     if ask.echo and ask.prompts is not None:
         echo = [len(p) if isinstance(p, str) else TOKEN_BYTES * len(p) for p in ask.prompts]
-    check_answer(state.limits, counts, ask.n, max_tokens, ask.logprobs, echo)
+    check_answer(state.limits, counts, ask.n, max_tokens, ask.logprobs, echo, ask.logprob_bytes)
 
 
 async def tokenize(state, ask: Ask) -> list[list[int]]:

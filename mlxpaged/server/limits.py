@@ -111,21 +111,29 @@ def check_request(
 
 
 # The estimate of an answer's JSON, per token: its text (a typical token is 4 characters, quoted
-# and separated) and, with logprobs, one entry for the token and one per alternative (the legacy
-# shape writes ~20 bytes an entry, chat's ~60 with its `bytes`). An estimate, not a bound: it
-# must not refuse an answer that fits, and it catches the ones many times past the cap.
+# and separated) and, with logprobs, one entry for the token and one per alternative: ~20-30
+# bytes in completions' legacy shape, ~60-80 in chat's (each entry with its `bytes`; measured on
+# one-character tokens: 18 and 64). An estimate, not a bound: it must not refuse an answer that
+# fits, and it catches the ones many times past the cap.
 TOKEN_BYTES = 6
 LOGPROB_BYTES = 30
+CHAT_LOGPROB_BYTES = 64
 
 
 def answer_bytes(
-    prompt_tokens: list[int], n: int, max_tokens: int, logprobs: int | None, echo_chars: list[int] | None = None
+    prompt_tokens: list[int],
+    n: int,
+    max_tokens: int,
+    logprobs: int | None,
+    echo_chars: list[int] | None = None,
+    entry_bytes: int = LOGPROB_BYTES,
 ) -> int:
     """The estimated size of an answer: each prompt's `n` choices of `max_tokens` tokens, with
     `logprobs` alternatives a token (None: no logprobs). `echo_chars`: each prompt's characters
     when every choice repeats its prompt first (completions' `echo`, with the prompt tokens'
-    logprobs when asked: their texts once more, in the answer's list of tokens)."""
-    per_logprob = 0 if logprobs is None else LOGPROB_BYTES * (logprobs + 1)
+    logprobs when asked: their texts once more, in the answer's list of tokens). `entry_bytes`: one
+    logprob entry's, in the route's shape."""
+    per_logprob = 0 if logprobs is None else entry_bytes * (logprobs + 1)
     total = 0
     for i, num in enumerate(prompt_tokens):
         choice = max_tokens * (TOKEN_BYTES + per_logprob)
@@ -137,11 +145,17 @@ def answer_bytes(
 
 
 def check_answer(
-    limits: Limits, prompt_tokens: list[int], n: int, max_tokens: int, logprobs: int | None, echo_chars=None
+    limits: Limits,
+    prompt_tokens: list[int],
+    n: int,
+    max_tokens: int,
+    logprobs: int | None,
+    echo_chars=None,
+    entry_bytes: int = LOGPROB_BYTES,
 ) -> None:
     """Refuse, before any generating, a request whose answer is estimated past `--max-answer-bytes`
     (a whole answer is built in memory, and even a stream's logprobs are kept for its usage)."""
-    est = answer_bytes(prompt_tokens, n, max_tokens, logprobs, echo_chars)
+    est = answer_bytes(prompt_tokens, n, max_tokens, logprobs, echo_chars, entry_bytes)
     if est > limits.max_answer_bytes:
         what = f"{len(prompt_tokens)} prompt{'s' if len(prompt_tokens) > 1 else ''} x n={n} x max_tokens={max_tokens}"
         what += " plus the echoed prompt" if echo_chars is not None else ""

@@ -17,6 +17,7 @@ from .errors import APIError
 from .guided_request import chat_plan
 from .jobs import JobStream
 from .keepalive import keepalive
+from .limits import CHAT_LOGPROB_BYTES
 from .openai_format import (
     chat_logprobs,
     completion_logprobs,
@@ -114,6 +115,7 @@ def register_openai(router: APIRouter, state, text_of) -> None:
             max_tokens=body.requested_max_tokens(),
             guided_param=plan.param,
             logprobs=body.logprobs_k(),
+            logprob_bytes=CHAT_LOGPROB_BYTES,
         )
         job, prompts = await admit(state, ask)
         asked_lps = job.params.logprobs is not None
