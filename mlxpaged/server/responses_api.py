@@ -43,6 +43,7 @@ from .errors import APIError
 from .guided_request import format_guided, tool_plan
 from .jobs import JobStream
 from .keepalive import keepalive
+from .limits import Limits
 from .prompts import thinking_kwargs
 from .tools import template_tool_calls
 from .turns import Thinking, TurnEnd, add_format, sse, turn_events, turn_parse, whole_turn
@@ -242,7 +243,7 @@ class ResponseStore:
     Invariant: a stored conversation never changes. `put` takes its own copy, `get` hands out a
     tuple, and `conversation` builds each request's messages without writing into it."""
 
-    def __init__(self, capacity: int, max_bytes: int = 256 << 20):
+    def __init__(self, capacity: int, max_bytes: int = Limits.responses_store_bytes):
         self.capacity, self.max_bytes = capacity, max_bytes
         self._items: OrderedDict[str, tuple[dict, ...]] = OrderedDict()
         self._sizes: dict[str, int] = {}
