@@ -168,6 +168,8 @@ def test_a_salted_messages_prompt_is_not_guessable_from_chat(server, where):
     u = again.usage
     assert u.cache_read_input_tokens > 48 and u.input_tokens == total - u.cache_read_input_tokens, u
     assert u.cache_creation_input_tokens == 0, u
+    other = c.messages.create(**kw, metadata={"user_id": "eve"}, extra_body={"cache_salt": f"eve-{where}"})
+    assert (other.usage.cache_read_input_tokens, other.usage.input_tokens) == (0, total), other.usage
 
 
 def test_messages_salts_that_differ_are_refused(server):
