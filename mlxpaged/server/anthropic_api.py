@@ -11,6 +11,14 @@ A model without reasoning answers without thinking; a reasoning model's template
 `enable_thinking` (false for disabled, true for enabled, its default for adaptive) where the
 template reads it. A budget is not enforced apart from `max_tokens`, which bounds both.
 
+`cache_salt` (top-level, as on the OpenAI routes, or `metadata.cache_salt`, where Anthropic
+clients can set it) keeps the request's cached blocks to requests of the same salt. `usage` counts
+as Anthropic does: `cache_read_input_tokens` the prompt tokens taken from the prefix cache,
+`input_tokens` the rest (computed); a stream's `message_start` counts the whole prompt as input,
+its `message_delta` carries the final counts. Top-level fields the body does not declare are
+refused by name, but for `context_management` and `service_tier` (Claude Code sends the first),
+which change nothing here.
+
 Errors on these routes are Anthropic's object, `{"type": "error", "error": {"type", "message"}}`,
 and `x-api-key` authenticates as `Authorization: Bearer` does.
 """
@@ -118,13 +126,22 @@ class OutputConfig(Body):
     effort: Literal["low", "medium", "high", "max"] | None = None  # accepted: thinking follows `thinking`
 
 
+class Metadata(Body):
+    user_id: str | None = None  # accepted and ignored
+    cache_salt: str | None = None  # mlxpaged's: as the top-level field, where Anthropic clients can set it
+
+
 class CountTokensRequest(CheckedBody):
+    IGNORED = frozenset({"context_management", "service_tier"})  # change nothing here
+
     model: str
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None  # structured output: format json_schema
+    cache_salt: str | None = None  # prefix-cache isolation (a count shares nothing: accepted)
 
 
 class MessagesRequest(CountTokensRequest):
@@ -134,9 +151,15 @@ class MessagesRequest(CountTokensRequest):
     temperature: float = Field(1.0, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
-    metadata: dict[str, Any] | None = None  # accepted and ignored (user_id)
-    output_config: OutputConfig | None = None  # structured output: format json_schema
+    metadata: Metadata | None = None
     speculative: bool = True  # mlxpaged's extension: false opts this request out of speculative decoding
+
+    def salt(self) -> str | None:
+        """The request's cache salt, from the body or its metadata (a 400 when they differ)."""
+        inner = self.metadata.cache_salt if self.metadata else None
+        if inner is not None and self.cache_salt is not None and inner != self.cache_salt:
+            raise AnthropicError(400, "cache_salt: the body's and metadata.cache_salt differ; send one")
+        return self.cache_salt if self.cache_salt is not None else inner
 
 
 def _parse(model, raw) -> BaseModel:
@@ -144,6 +167,9 @@ def _parse(model, raw) -> BaseModel:
         return model.model_validate(raw)
     except ValidationError as e:
         err = max(e.errors(), key=lambda x: len(x["loc"]))  # of a union's branches, the one that got furthest
+        if err["type"] == "unimplemented":  # a top-level field the body does not declare (bodies.py)
+            field = err["ctx"]["field"]
+            raise AnthropicError(400, f"{field}: this server does not implement '{field}'; leave it out") from None
         loc = ".".join(str(x) for x in err["loc"])
         raise AnthropicError(400, f"{loc or 'body'}: {err['msg']}") from None
 
@@ -229,6 +255,17 @@ def stop_reason(end: TurnEnd) -> str:
     )
 
 
+def usage(end: TurnEnd) -> dict:
+    """Anthropic's usage: the prompt's tokens taken from the prefix cache are `cache_read_input_tokens`,
+    `input_tokens` only those computed (cache writes are not billed here: none are counted)."""
+    return {
+        "input_tokens": end.prompt_tokens - end.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": end.cached_tokens,
+        "output_tokens": end.completion_tokens,
+    }
+
+
 def tool_use_block(call) -> dict:
     return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name, "input": call.input}
 
@@ -263,7 +300,7 @@ def register_anthropic(app: FastAPI, state) -> None:
         if isinstance(body, MessagesRequest):
             top_p = body.top_p if body.top_p is not None else 1.0
             knobs = dict(temperature=body.temperature, top_p=top_p, top_k=body.top_k or 0, stop=stops)
-            knobs.update(speculative=body.speculative, guided=plan.guided)
+            knobs.update(speculative=body.speculative, guided=plan.guided, cache_salt=body.salt())
         a = Ask(
             "msg",
             body.model,
@@ -314,7 +351,7 @@ def register_anthropic(app: FastAPI, state) -> None:
             "content": blocks,
             "stop_reason": stop_reason(end),
             "stop_sequence": end.stop_sequence,
-            "usage": {"input_tokens": end.prompt_tokens, "output_tokens": end.completion_tokens},
+            "usage": usage(end),
         }
 
     app.include_router(router)
@@ -379,7 +416,7 @@ async def _stream(state, job, parse, head: dict, n_prompt: int):
                     {
                         "type": "message_delta",
                         "delta": {"stop_reason": stop_reason(e), "stop_sequence": e.stop_sequence},
-                        "usage": {"input_tokens": e.prompt_tokens, "output_tokens": e.completion_tokens},
+                        "usage": usage(e),
                     },
                 )
                 yield sse("message_stop", {"type": "message_stop"})

@@ -133,6 +133,20 @@ def serve_engine_config(engine_flags: dict, kv_memory_gb: float | None) -> Engin
     help="Largest prompts x n x max_tokens one request may ask for.",
 )
 @click.option(
+    "--max-answer-bytes",
+    default=Limits.max_answer_bytes,
+    show_default=True,
+    type=click.IntRange(1024),
+    help="Largest estimated answer one request may ask for (prompts x n x (max_tokens + echo) x logprobs).",
+)
+@click.option(
+    "--responses-store-bytes",
+    default=Limits.responses_store_bytes,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Memory the stored Responses conversations' text may take, all together (with --responses-store).",
+)
+@click.option(
     "--stream-stall-timeout",
     default=Limits.stream_stall_timeout,
     show_default=True,
@@ -209,6 +223,8 @@ def serve(
     max_body_bytes,
     max_stop_strings,
     max_request_tokens,
+    max_answer_bytes,
+    responses_store_bytes,
     stream_stall_timeout,
     content_special_tokens,
     max_connections,
@@ -291,6 +307,8 @@ def serve(
         max_body_bytes=max_body_bytes,
         max_stop_strings=max_stop_strings,
         max_request_tokens=max_request_tokens,
+        max_answer_bytes=max_answer_bytes,
+        responses_store_bytes=responses_store_bytes,
         stream_stall_timeout=stream_stall_timeout or None,
         enable_docs=enable_docs,
         content_special_tokens=content_special_tokens,

@@ -2,20 +2,31 @@
 
 Each handler converts its body to an `Ask` (admission.py), which checks, tokenizes and starts the
 job; then it renders the job's events (`turns.job_events`) as OpenAI's JSON: whole, or as
-`chat.completion.chunk` / `text_completion` events, one chunk per choice per delta. Errors are
-OpenAI's error object.
+`chat.completion.chunk` / `text_completion` events, one chunk per choice per delta. A whole answer
+is built and encoded on the tokenizer thread, a choice at a time (`_answer`), so however large it
+is the event loop goes on serving. Errors are OpenAI's error object.
 """
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from fastapi.responses import Response
 
 from .admission import Ask, admit
 from .errors import APIError
 from .guided_request import chat_plan
 from .jobs import JobStream
 from .keepalive import keepalive
-from .openai_format import chat_logprobs, completion_logprobs, echo_logprobs, envelope, sse_data, usage
+from .limits import CHAT_LOGPROB_BYTES
+from .openai_format import (
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+    encode_answer,
+    envelope,
+    sse_data,
+    usage,
+)
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .reasoning import reasoning_tokens, split_reasoning, thinking_of
 from .tools import ToolCall, chat_message, check_forcible
@@ -48,6 +59,8 @@ def register_openai(router: APIRouter, state, text_of) -> None:
             stop_token_ids=body.stop_token_ids,
             n=body.n,
             max_tokens=1 if prompt_only else body.max_tokens,
+            logprobs=body.logprobs,
+            echo=body.echo,
         )
         job, prompts = await admit(state, ask)
         asked_lps = job.params.logprobs is not None
@@ -80,9 +93,9 @@ def register_openai(router: APIRouter, state, text_of) -> None:
             events = _chunks(state, job, "text_completion", chunk, body.include_usage, None, False)
             return JobStream(job, keepalive(events))  # keep-alive comments while it waits or prefills
         outs = await job.collect(request)
-        choices = await _render(state, job, lambda: [whole(o, c) for o in outs for c in o.outputs])
         used = usage(outs, generated=not prompt_only)
-        return envelope(job.resp_id, "text_completion", state.model_id, choices=choices, usage=used)
+        head = envelope(job.resp_id, "text_completion", state.model_id)
+        return await _answer(state, head, lambda: (whole(o, c) for o in outs for c in o.outputs), used)
 
     @router.post("/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -101,6 +114,8 @@ def register_openai(router: APIRouter, state, text_of) -> None:
             n=body.n,
             max_tokens=body.requested_max_tokens(),
             guided_param=plan.param,
+            logprobs=body.logprobs_k(),
+            logprob_bytes=CHAT_LOGPROB_BYTES,
         )
         job, prompts = await admit(state, ask)
         asked_lps = job.params.logprobs is not None
@@ -140,9 +155,17 @@ def register_openai(router: APIRouter, state, text_of) -> None:
                 job, keepalive(_chunks(state, job, "chat.completion.chunk", chunk, body.include_usage, parse, True))
             )
         outs = await job.collect(request)
-        choices = await _render(state, job, lambda: [whole(o, c) for o in outs for c in o.outputs])
         thought = sum(reasoning_tokens(state, p, c.token_ids) for p, o in zip(prompts, outs) for c in o.outputs)
-        return envelope(job.resp_id, "chat.completion", state.model_id, choices=choices, usage=usage(outs, thought))
+        head = envelope(job.resp_id, "chat.completion", state.model_id)
+        return await _answer(state, head, lambda: (whole(o, c) for o in outs for c in o.outputs), usage(outs, thought))
+
+
+async def _answer(state, head: dict, choices, used: dict) -> Response:
+    """The whole answer `head` + `choices()` + `usage`, built and encoded on the tokenizer thread
+    (naming logprobs' tokens decodes; the echoed prompts' text too): the event loop never holds
+    tens of MB of it, and /health answers while it is written."""
+    body = await state.off_loop(lambda: encode_answer(head, choices(), {"usage": used}))
+    return Response(body, media_type="application/json")
 
 
 async def _render(state, job, fn, *args):

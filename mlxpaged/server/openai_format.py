@@ -118,6 +118,19 @@ def usage(outputs: list, reasoning_tokens: int = 0, generated: bool = True) -> d
     }
 
 
+def encode_answer(head: dict, choices, tail: dict) -> bytes:
+    """`{**head, "choices": [*choices], **tail}` as JSON (compact, as Starlette's JSONResponse writes
+    it), each choice encoded as soon as it is built and then dropped: a large answer (echo and
+    logprobs of many prompts) never exists whole as Python objects, several times its size, and
+    the GIL is let go between two choices."""
+    dumps = lambda v: json.dumps(v, ensure_ascii=False, allow_nan=False, separators=(",", ":"))  # noqa: E731
+    parts = [dumps(head)[:-1] + ',"choices":[']
+    for i, c in enumerate(choices):
+        parts.append(("," if i else "") + dumps(c))
+    parts.append("]" + "".join(f",{dumps(k)}:{dumps(v)}" for k, v in tail.items()) + "}")
+    return "".join(parts).encode("utf-8")
+
+
 def sse_data(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 

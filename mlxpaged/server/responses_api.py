@@ -8,19 +8,26 @@ object, as on the chat routes.
 Stateless by default. With `--responses-store N` the server keeps the last N responses (their
 conversation: input and output, not the instructions, as OpenAI does) in an LRU, and
 `previous_response_id` continues one; otherwise `previous_response_id` is a 400 naming the limit.
+The LRU is bounded by the memory of its text too (`--responses-store-bytes`): a conversation is
+its whole history, and a run of spaces is one token of many characters.
+
+`cache_salt` (as on chat and completions) keeps the request's cached blocks to requests of the
+same salt.
 
 Codex's requests as it sends them: a `namespace` tool is its functions, offered as such; a hosted
 tool (`web_search`, `file_search`, ...) runs on OpenAI's side, so it is accepted, never offered to
 the model, and logged once; `reasoning.effort` switches a reasoning model's thinking as
 anthropic_api.py does (`none`/`minimal`: off), and `reasoning.summary` is accepted (the
-reasoning item carries the reasoning itself). `include`, `prompt_cache_key` and
-`client_metadata` change nothing here and are ignored.
+reasoning item carries the reasoning itself). `include`, `prompt_cache_key`, `client_metadata`,
+`service_tier`, `safety_identifier` and `stream_options` change nothing here and are ignored;
+any other top-level field the body does not declare is refused by name.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import sys
 import time
 import uuid
 from collections import OrderedDict
@@ -36,6 +43,7 @@ from .errors import APIError
 from .guided_request import format_guided, tool_plan
 from .jobs import JobStream
 from .keepalive import keepalive
+from .limits import Limits
 from .prompts import thinking_kwargs
 from .tools import template_tool_calls
 from .turns import Thinking, TurnEnd, add_format, sse, turn_events, turn_parse, whole_turn
@@ -175,6 +183,10 @@ class TextConfig(Body):
 
 
 class ResponsesRequest(CheckedBody):
+    IGNORED = frozenset(
+        {"include", "prompt_cache_key", "client_metadata", "service_tier", "safety_identifier", "stream_options"}
+    )
+
     model: str | None = None
     input: str | list[Item]
     instructions: str | None = None
@@ -191,6 +203,7 @@ class ResponsesRequest(CheckedBody):
     metadata: dict[str, str] | None = None
     user: str | None = None  # accepted and ignored
     speculative: bool = True  # mlxpaged's extension: false opts this request out of speculative decoding
+    cache_salt: str | None = None  # vLLM's: prefix-cache isolation (blocks shared only within one salt)
     reasoning: Reasoning | None = None
     # Fields this server does not implement: refused by name when set (see `refuse_unsupported`).
     background: bool | None = None
@@ -209,15 +222,32 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
             raise APIError(400, f"{name}: not supported by this server", param=name)
 
 
+def text_bytes(value) -> int:
+    """The memory of the strings in `value` (messages: dicts, lists and strings), as Python holds them."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += sys.getsizeof(v)
+        elif isinstance(v, dict):
+            stack += v.values()
+        elif isinstance(v, (list, tuple)):
+            stack += v
+    return total
+
+
 class ResponseStore:
-    """The conversations of the last `capacity` responses, by id (least recently used out first).
+    """The conversations of the last `capacity` responses, by id (least recently used out first),
+    whose text takes at most `max_bytes` together (`text_bytes`; one larger is not kept).
 
     Invariant: a stored conversation never changes. `put` takes its own copy, `get` hands out a
     tuple, and `conversation` builds each request's messages without writing into it."""
 
-    def __init__(self, capacity: int):
-        self.capacity = capacity
+    def __init__(self, capacity: int, max_bytes: int = Limits.responses_store_bytes):
+        self.capacity, self.max_bytes = capacity, max_bytes
         self._items: OrderedDict[str, tuple[dict, ...]] = OrderedDict()
+        self._sizes: dict[str, int] = {}
+        self.bytes = 0  # of the stored conversations, together
 
     def get(self, resp_id: str) -> tuple[dict, ...]:
         if self.capacity <= 0:
@@ -231,8 +261,8 @@ class ResponseStore:
             raise APIError(
                 400,
                 f"previous_response_id: response '{resp_id[:64]}{'...' if len(resp_id) > 64 else ''}' is not stored "
-                f"(this server keeps the "
-                f"last {self.capacity} responses, --responses-store {self.capacity})",
+                f"(this server keeps the last {self.capacity} responses, --responses-store {self.capacity}, "
+                f"and {self.max_bytes} bytes of their text, --responses-store-bytes)",
                 param="previous_response_id",
             )
         self._items.move_to_end(resp_id)
@@ -241,9 +271,20 @@ class ResponseStore:
     def put(self, resp_id: str, messages: list[dict]) -> None:
         if self.capacity <= 0:
             return
-        self._items[resp_id] = copy.deepcopy(tuple(messages))
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+        size = text_bytes(messages)
+        if size > self.max_bytes:
+            log.info(
+                "responses: %s not stored: its conversation's text takes %d bytes (--responses-store-bytes %d)",
+                resp_id,
+                size,
+                self.max_bytes,
+            )
+            return
+        self._items[resp_id], self._sizes[resp_id] = copy.deepcopy(tuple(messages)), size
+        self.bytes += size
+        while len(self._items) > self.capacity or self.bytes > self.max_bytes:
+            old, _ = self._items.popitem(last=False)
+            self.bytes -= self._sizes.pop(old)
 
 
 def conversation(body: ResponsesRequest, history) -> list[dict]:
@@ -331,7 +372,7 @@ def _call_item(call, status: str = "completed") -> dict:
 
 def register_responses(router: APIRouter, state, text_of=None) -> None:
     """`POST /v1/responses` on the OpenAI router (its auth and error object)."""
-    store = ResponseStore(state.responses_store)
+    store = ResponseStore(state.responses_store, state.limits.responses_store_bytes)
 
     @router.post("/responses")
     async def responses(body: ResponsesRequest, request: Request):
@@ -354,6 +395,7 @@ def register_responses(router: APIRouter, state, text_of=None) -> None:
             add_format(plan, format_guided(fmt.type, fmt.schema_, "text.format"), "text", f"tool_choice '{choice}'")
 
         knobs = dict(temperature=body.temperature, top_p=body.top_p, speculative=body.speculative, guided=plan.guided)
+        knobs["cache_salt"] = body.cache_salt
         ask = Ask(
             "resp",
             body.model,
