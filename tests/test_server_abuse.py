@@ -140,7 +140,8 @@ def test_slow_reader_memory_is_bounded_and_aborted(server, tiny_model_path):
     base = server.metrics()
     rss0 = vmrss(server.proc.pid)
     # 20 top logprobs make each token ~1.5 KB of SSE, so the kernel's socket buffers (up to 4 MB) fill in seconds
-    samples, max_tokens = 32, 700
+    # (16 x 700 tokens with 20 alternatives each stays under the default --max-answer-bytes)
+    samples, max_tokens = 16, 700
     body = json.dumps(
         {
             "messages": [{"role": "user", "content": "The KV cache stores"}],
