@@ -1,9 +1,10 @@
 """Anthropic's Messages API: `POST /v1/messages` and `POST /v1/messages/count_tokens`.
 
 A body becomes chat messages for the checkpoint's template: `system` (a string or text blocks)
-is the system turn; `tool_use` blocks become the assistant's `tool_calls`; `tool_result` blocks
-become `role: "tool"` messages; a `role: "system"` message inside `messages` (Claude Code sends
-them) is a system turn where it stands. `tool_choice` maps to the chat route's: auto -> auto, any ->
+is the system turn (less Claude Code's `x-anthropic-billing-header:` block, which is not for the
+model and, changing per request, would defeat the prefix cache); `tool_use` blocks become the
+assistant's `tool_calls`; `tool_result` blocks become `role: "tool"` messages; a `role: "system"`
+message inside `messages` (Claude Code sends them) is a system turn where it stands. `tool_choice` maps to the chat route's: auto -> auto, any ->
 required, tool -> a named function, none -> none (all in `guided_request.tool_plan`).
 
 `thinking` (adaptive, enabled with its budget, disabled) and `output_config.effort` are accepted.
@@ -188,10 +189,18 @@ async def _body(request: Request, model):
 
 
 # -- body -> template messages and tool plan --------------------------------------------------------
+BILLING = "x-anthropic-billing-header:"  # Claude Code's first system block: billing, not for the model
+
+
 def template_messages(body: CountTokensRequest) -> list[dict]:
     out = []
-    if body.system:
-        system = body.system if isinstance(body.system, str) else "\n".join(b.text for b in body.system)
+    system = body.system
+    if isinstance(system, list):
+        # Claude Code's billing line changes with each request in some versions (`cch=...`): left in,
+        # it would make every turn's prompt differ from its first tokens, so nothing is ever taken
+        # from the prefix cache (vLLM, SGLang and Ollama drop it too).
+        system = "\n".join(b.text for b in system if not b.text.startswith(BILLING))
+    if system:
         out.append({"role": "system", "content": system})
     for m in body.messages:
         if isinstance(m.content, str):
