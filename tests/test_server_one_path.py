@@ -14,6 +14,7 @@ takes the first turn's blocks from the prefix cache.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 
@@ -183,6 +184,26 @@ def test_responses_whole_answer_is_the_stream_added_up(tiny, case):
         assert whole["status"] == "completed" and "function_call" in kinds, whole
     if case == "call cut by max_tokens":
         assert whole["status"] == "incomplete" and kinds == ["message"], whole
+
+
+def test_a_second_call_cut_by_max_tokens_follows_the_first(tiny, tiny_loaded, monkeypatch):
+    """Messages, `tool_choice` any, the end tokens banned so that after its first call the grammar
+    has the model start a second one, which `max_tokens` cuts: the message has the first call's
+    `tool_use` block and then the cut span as text, in the order written, as the stream sends them
+    (the cut span used to come first, before the `tool_use`, in the whole message only)."""
+    loop = tiny.app.state.server.engine_loop
+    submit, ends = loop.submit, set(tiny_loaded.tokenizer.eos_token_ids)
+
+    def never_ending(prompt, params, rid, sink):
+        return submit(prompt, dataclasses.replace(params, logit_bias={t: -100 for t in ends}), rid, sink)
+
+    monkeypatch.setattr(loop, "submit", never_ending)
+    tools = [{"name": n, "input_schema": s} for n, s in TOOLS.items()]
+    streamed, whole = messages_pair(tiny, messages=QUESTION, max_tokens=110, tools=tools, tool_choice={"type": "any"})
+    assert streamed == whole
+    kinds = [b["type"] for b in whole["content"]]
+    assert whole["stop_reason"] == "max_tokens" and kinds == ["tool_use", "text"], whole
+    assert whole["content"][0]["name"] == "get_weather" and whole["content"][1]["text"].startswith("<tool_call>")
 
 
 def test_reasoning_whole_answer_is_the_stream_added_up(thinker):
