@@ -259,3 +259,39 @@ def test_a_changing_billing_line_keeps_the_first_turns_blocks_cached(tiny):
     r2 = tiny.post("/v1/messages", json=claude_code_turn(second, "f9e8d"))
     assert r2.status_code == 200, r2.text
     assert r2.json()["usage"]["cache_read_input_tokens"] >= n1 // 16 * 16, (n1, r2.json()["usage"])
+
+
+# -- a client gone while a whole answer is computed -------------------------------------------------
+@pytest.fixture(scope="module")
+def served(tiny_model_path):
+    from server_proc import Server
+
+    s = Server(tiny_model_path, "--num-blocks", "256")
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_a_client_gone_before_the_whole_answer_aborts_it(served, tiny_model_path, route):
+    """A non-streamed request whose client gives up: collecting the events stops, the engine
+    request is aborted and its blocks return to the pool, well before its 4,000 tokens."""
+    import time
+
+    import httpx
+
+    from mlxpaged.testing.slowness import wall
+
+    before = served.metrics()
+    body = {"model": tiny_model_path.name, "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
+    if route == "chat":
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": "The KV cache stores"}]
+    else:
+        path, body["prompt"] = "/v1/completions", "The KV cache stores"
+    with httpx.Client(timeout=1.0) as h, pytest.raises(httpx.ReadTimeout):
+        h.post(served.url + path, json=body)
+    t0 = time.monotonic()
+    while served.metrics()["mlxpaged_kv_blocks_used"] > 0:
+        assert time.monotonic() - t0 < wall(3.0), "blocks not returned after the client left"
+        time.sleep(0.05)
+    generated = served.metrics()["mlxpaged_generation_tokens_total"] - before["mlxpaged_generation_tokens_total"]
+    assert 0 < generated < 4000  # it ran, and was aborted, not run to the end
