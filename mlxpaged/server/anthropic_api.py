@@ -4,8 +4,10 @@ A body becomes chat messages for the checkpoint's template: `system` (a string o
 is the system turn (less Claude Code's `x-anthropic-billing-header:` block, which is not for the
 model and, changing per request, would defeat the prefix cache); `tool_use` blocks become the
 assistant's `tool_calls`; `tool_result` blocks become `role: "tool"` messages; a `role: "system"`
-message inside `messages` (Claude Code sends them) is a system turn where it stands. `tool_choice` maps to the chat route's: auto -> auto, any ->
-required, tool -> a named function, none -> none (all in `guided_request.tool_plan`).
+message inside `messages` (Claude Code sends them) is a system turn where it stands. `tool_choice`
+maps to the chat route's: auto -> auto, any -> required, tool -> a named function, none -> none
+(all in `guided_request.tool_plan`). A non-streamed message is the stream's events added up
+(`message_of`), as the SDK's `get_final_message()` adds them.
 
 `thinking` (adaptive, enabled with its budget, disabled) and `output_config.effort` are accepted.
 A model without reasoning answers without thinking; a reasoning model's template gets
