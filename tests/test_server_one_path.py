@@ -6,6 +6,8 @@ last event, the `anthropic` client's `messages.stream(...).get_final_message()`)
 the non-streamed answer must agree on the content, the tool calls, the reasoning, the finish
 reason and the usage, on chat, Messages and Responses. Each request has its own `cache_salt`, so
 neither takes the other's blocks from the prefix cache and the usage counts the same prompt work.
+Ollama's /api/chat and /api/generate, which no SDK adds up, are compared with their NDJSON lines
+joined; and a non-streamed request whose client leaves is aborted.
 
 Also here: Claude Code's billing line (`x-anthropic-billing-header: ...`, the first system block,
 different in every request in some versions) is not templated, so a conversation's second turn
@@ -295,3 +297,36 @@ def test_a_client_gone_before_the_whole_answer_aborts_it(served, tiny_model_path
         time.sleep(0.05)
     generated = served.metrics()["mlxpaged_generation_tokens_total"] - before["mlxpaged_generation_tokens_total"]
     assert 0 < generated < 4000  # it ran, and was aborted, not run to the end
+
+
+@pytest.mark.parametrize("route", ["chat", "generate"])
+def test_ollama_whole_answer_is_its_lines_added_up(thinker, route):
+    """Ollama's /api/chat and /api/generate: the non-streamed answer equals the NDJSON lines added
+    up (text, thinking, done_reason and counts), on a model that reasons."""
+    c, _ = thinker
+    body = {"model": "tiny", "options": {"temperature": 0, "num_predict": 24}}
+    if route == "chat":
+        body["messages"] = THINK_QUESTION
+    else:
+        body["prompt"] = THINK_QUESTION[0]["content"]
+    r = c.post(f"/api/{route}", json={**body, "stream": True})
+    assert r.status_code == 200, r.text
+    lines = [json.loads(ln) for ln in r.text.splitlines() if ln]
+    whole = c.post(f"/api/{route}", json={**body, "stream": False}).json()
+
+    def part(obj: dict, key: str) -> str:
+        return (obj["message"] if route == "chat" else obj).get(key) or ""
+
+    def summary(parts: list[dict]) -> dict:
+        last = parts[-1]
+        assert last["done"] and all(not p["done"] for p in parts[:-1])
+        text_key = "content" if route == "chat" else "response"
+        counts = {k: last[k] for k in ("done_reason", "prompt_eval_count", "eval_count")}
+        return {
+            "text": "".join(part(p, text_key) for p in parts),
+            "thinking": "".join(part(p, "thinking") for p in parts),
+            **counts,
+        }
+
+    streamed = summary(lines)
+    assert streamed == summary([whole]) and streamed["thinking"], streamed
