@@ -158,6 +158,7 @@ FILE_TIERS = {
     "test_server_tools.py": "server",
     "test_server_anthropic.py": "server",
     "test_server_responses.py": "server",
+    "test_server_one_path.py": "server",
     "test_server_spine.py": "server",
     "test_server_deltas.py": "server",
     "test_server_agents.py": "server",

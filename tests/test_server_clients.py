@@ -396,7 +396,8 @@ def test_claude_p_answers_through_the_server(answers_at_once, tmp_path):
     r = subprocess.run([exe, "-p", "say hi"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=wall(200))
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
     log = answers_at_once.stderr()
-    assert "POST /v1/messages 200" in log and "HEAD / 200" in log  # its probe of the root, then its turn
+    # its turn; some versions probe the root first (`HEAD /`), newer ones do not, so that is not asked
+    assert "POST /v1/messages 200" in log
 
 
 def test_codex_exec_answers_through_the_server(answers_at_once, tmp_path):

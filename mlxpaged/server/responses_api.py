@@ -46,10 +46,13 @@ from .keepalive import keepalive
 from .limits import Limits
 from .prompts import thinking_kwargs
 from .tools import template_tool_calls
-from .turns import Thinking, TurnEnd, add_format, sse, turn_events, turn_parse, whole_turn
+from .turns import Thinking, TurnEnd, add_format, drain, sse, turn_events, turn_parse
 
 log = logging.getLogger("mlxpaged.server")
-DEFAULT_MAX_TOKENS = 1024  # as the chat route: when a body gives no max_output_tokens
+# When a body gives no max_output_tokens (Codex never does), the answer may run to what the
+# context leaves, as vLLM's does: a coding agent's answer does not fit the chat route's 1,024.
+# A model with no known context gets the chat route's default.
+FALLBACK_MAX_TOKENS = 1024
 
 
 class ContentPart(Body):
@@ -400,7 +403,7 @@ def register_responses(router: APIRouter, state, text_of=None) -> None:
             "resp",
             body.model,
             lambda n: SamplingParams(max_tokens=n, **knobs),
-            DEFAULT_MAX_TOKENS,
+            state.context or FALLBACK_MAX_TOKENS,  # lowered to what the context and the pool leave
             messages=messages,
             tools=plan.tools,
             max_tokens=body.max_output_tokens,
@@ -456,26 +459,36 @@ def register_responses(router: APIRouter, state, text_of=None) -> None:
 
         if body.stream:
             return JobStream(job, keepalive(_stream(state, job, parse, envelope, finish)))
-        content, calls, end, reasoning = await whole_turn(state, job, request, parse)
-        output = [_reasoning_item("rs_" + uuid.uuid4().hex[:24], reasoning)] if reasoning else []
-        output += [_message_item("msg_" + uuid.uuid4().hex[:24], content)] if content or not calls else []
-        output += [_call_item(c) for c in calls]
-        return envelope(finish(content, calls, end), output, end)
+        events = await drain(request, _events(state, job, parse, envelope, finish))
+        return events[-1][1]["response"]  # response.completed (or .incomplete) carries the whole response
 
 
 async def _stream(state, job, parse, envelope, finish):
-    """The documented event sequence: response.created, response.in_progress, then per output item
-    output_item.added, its deltas (output_text.delta / function_call_arguments.delta) and *.done
-    events, output_item.done; then response.completed (or response.incomplete)."""
+    """`_events` as server-sent events; a failure mid-stream is an `error` event."""
+    seq = 0
+    try:
+        async for kind, data in _events(state, job, parse, envelope, finish):
+            seq = data["sequence_number"] + 1
+            yield sse(kind, data)
+    except APIError as err:
+        data = {"type": "error", "sequence_number": seq, "code": err.code, "message": err.message, "param": err.param}
+        yield sse("error", data)
+
+
+async def _events(state, job, parse, envelope, finish):
+    """The documented event sequence, as (type, data): response.created, response.in_progress, then
+    per output item output_item.added, its deltas (output_text.delta / function_call_arguments.delta)
+    and *.done events, output_item.done; then response.completed (or response.incomplete), whose
+    response is the whole one. A failed step raises APIError."""
     seq = 0
     output: list[dict] = []
     text_parts: list[str] = []
     open_msg: dict | None = None
 
-    def event(kind: str, **data) -> str:
+    def event(kind: str, **data) -> tuple[str, dict]:
         nonlocal seq
         seq += 1
-        return sse(kind, {"type": kind, "sequence_number": seq - 1, **data})
+        return kind, {"type": kind, "sequence_number": seq - 1, **data}
 
     def open_message():
         output.append(_message_item(open_msg["id"], "", "in_progress"))
@@ -501,69 +514,66 @@ async def _stream(state, job, parse, envelope, finish):
     content_all: list[str] = []
     calls = []
     think: dict | None = None  # the open reasoning item: id, index, text so far
-    try:
-        async for e in turn_events(state, job, parse):
-            if isinstance(e, Thinking):  # the model's reasoning: a reasoning item before the answer
-                if think is None:
-                    think = {"id": "rs_" + uuid.uuid4().hex[:24], "index": len(output), "text": []}
-                    output.append(_reasoning_item(think["id"], "", "in_progress"))
-                    yield event("response.output_item.added", output_index=think["index"], item=output[-1])
-                think["text"].append(e.text)
-                common = {"item_id": think["id"], "output_index": think["index"], "content_index": 0}
-                yield event("response.reasoning_text.delta", **common, delta=e.text)
-                continue
-            if think is not None and think.get("open", True):
-                think["open"] = False
-                item = _reasoning_item(think["id"], "".join(think["text"]))
-                output[think["index"]] = item
-                common = {"item_id": think["id"], "output_index": think["index"], "content_index": 0}
-                yield event("response.reasoning_text.done", **common, text=item["content"][0]["text"])
-                yield event("response.output_item.done", output_index=think["index"], item=item)
-            if isinstance(e, str):
-                content_all.append(e)
-                if open_msg is None:
-                    open_msg, text_parts = {"id": "msg_" + uuid.uuid4().hex[:24], "index": len(output)}, []
-                    for ev in open_message():
-                        yield ev
-                text_parts.append(e)
-                yield event(
-                    "response.output_text.delta",
-                    item_id=open_msg["id"],
-                    output_index=open_msg["index"],
-                    content_index=0,
-                    delta=e,
-                    logprobs=[],
-                )
-            elif isinstance(e, TurnEnd):
-                if open_msg is None and not calls:  # an empty turn: one empty message, as the whole response has
-                    open_msg, text_parts = {"id": "msg_" + uuid.uuid4().hex[:24], "index": len(output)}, []
-                    for ev in open_message():
-                        yield ev
-                if open_msg is not None:
-                    for ev in close_message():
-                        yield ev
-                status = finish("".join(content_all) or None, calls, e)
-                yield event(f"response.{status}", response=envelope(status, output, e))
-            else:
-                if open_msg is not None:
-                    for ev in close_message():
-                        yield ev
-                    open_msg = None
-                calls.append(e)
-                index = len(output)
-                output.append(_call_item(e))
-                added = _call_item(e, "in_progress")
-                yield event("response.output_item.added", output_index=index, item=added)
-                yield event(
-                    "response.function_call_arguments.delta", item_id=added["id"], output_index=index, delta=e.arguments
-                )
-                yield event(
-                    "response.function_call_arguments.done",
-                    item_id=added["id"],
-                    output_index=index,
-                    name=e.name,
-                    arguments=e.arguments,
-                )
-                yield event("response.output_item.done", output_index=index, item=output[index])
-    except APIError as err:
-        yield event("error", code=err.code, message=err.message, param=err.param)
+    async for e in turn_events(state, job, parse):
+        if isinstance(e, Thinking):  # the model's reasoning: a reasoning item before the answer
+            if think is None:
+                think = {"id": "rs_" + uuid.uuid4().hex[:24], "index": len(output), "text": []}
+                output.append(_reasoning_item(think["id"], "", "in_progress"))
+                yield event("response.output_item.added", output_index=think["index"], item=output[-1])
+            think["text"].append(e.text)
+            common = {"item_id": think["id"], "output_index": think["index"], "content_index": 0}
+            yield event("response.reasoning_text.delta", **common, delta=e.text)
+            continue
+        if think is not None and think.get("open", True):
+            think["open"] = False
+            item = _reasoning_item(think["id"], "".join(think["text"]))
+            output[think["index"]] = item
+            common = {"item_id": think["id"], "output_index": think["index"], "content_index": 0}
+            yield event("response.reasoning_text.done", **common, text=item["content"][0]["text"])
+            yield event("response.output_item.done", output_index=think["index"], item=item)
+        if isinstance(e, str):
+            content_all.append(e)
+            if open_msg is None:
+                open_msg, text_parts = {"id": "msg_" + uuid.uuid4().hex[:24], "index": len(output)}, []
+                for ev in open_message():
+                    yield ev
+            text_parts.append(e)
+            yield event(
+                "response.output_text.delta",
+                item_id=open_msg["id"],
+                output_index=open_msg["index"],
+                content_index=0,
+                delta=e,
+                logprobs=[],
+            )
+        elif isinstance(e, TurnEnd):
+            if open_msg is None and not calls:  # an empty turn: one empty message, as the whole response has
+                open_msg, text_parts = {"id": "msg_" + uuid.uuid4().hex[:24], "index": len(output)}, []
+                for ev in open_message():
+                    yield ev
+            if open_msg is not None:
+                for ev in close_message():
+                    yield ev
+            status = finish("".join(content_all) or None, calls, e)
+            yield event(f"response.{status}", response=envelope(status, output, e))
+        else:
+            if open_msg is not None:
+                for ev in close_message():
+                    yield ev
+                open_msg = None
+            calls.append(e)
+            index = len(output)
+            output.append(_call_item(e))
+            added = _call_item(e, "in_progress")
+            yield event("response.output_item.added", output_index=index, item=added)
+            yield event(
+                "response.function_call_arguments.delta", item_id=added["id"], output_index=index, delta=e.arguments
+            )
+            yield event(
+                "response.function_call_arguments.done",
+                item_id=added["id"],
+                output_index=index,
+                name=e.name,
+                arguments=e.arguments,
+            )
+            yield event("response.output_item.done", output_index=index, item=output[index])
