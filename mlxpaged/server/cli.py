@@ -466,8 +466,9 @@ def _models(values, served_model_name, group, max_memory, max_loaded_models, kee
 
 def _build_model(spec, new_loop, dtype, weights, config, metrics, common):
     """One model of a server of several (run off the event loop): its started engine loop, its
-    routes and its card."""
+    routes, its card and its bytes."""
     from .app import build_app
+    from .model_pool import footprint
     from .models_api import served_catalog
 
     loop = new_loop(lambda: _load_engine(spec.source, dtype, weights, config))
@@ -479,7 +480,7 @@ def _build_model(spec, new_loop, dtype, weights, config, metrics, common):
     loaded = loop.engine.loaded
     aliases = {spec.source, loaded.path.name, str(loaded.path)}
     app = build_app(loop, metrics, model_id=spec.name, model_aliases=aliases, web=False, guarded=False, **common)
-    return loop, app, served_catalog(app.state.server).cards()[0]
+    return loop, app, served_catalog(app.state.server).cards()[0], footprint(loop.engine)
 
 
 def default_model_name(model: str | None, path: Path) -> str:

@@ -147,9 +147,12 @@ class ModelFailed(Exception):
 class ModelPool:
     """The served models, loaded on demand under one memory budget and count cap (module doc)."""
 
-    def __init__(self, specs: list[ModelSpec], build, *, max_bytes: int, max_loaded: int, keep_alive: float):
-        """`build(spec) -> (engine_loop, app, card)` loads a model and makes its routes and its
-        `ModelCard` (a worker thread runs it)."""
+    def __init__(
+        self, specs: list[ModelSpec], build, close=None, *, max_bytes: int, max_loaded: int, keep_alive: float
+    ):
+        """`build(spec) -> (engine_loop, app, card, nbytes)` loads a model and makes its routes, its
+        `ModelCard` and its footprint in bytes; `close(engine_loop, app)` ends them (`close_model`).
+        Worker threads run both."""
         self.models: list[Served] = []
         seen: dict[str, str] = {}
         for spec in specs:
@@ -159,7 +162,7 @@ class ModelPool:
                     raise ValueError(f"--model: the name '{n}' names two models ({seen[n]}, {spec.source})")
                 seen[n] = spec.source
             self.models.append(Served(spec, names))
-        self._build = build
+        self._build, self._close = build, close or close_model
         self.max_bytes, self.max_loaded, self.keep_alive = max_bytes, max_loaded, keep_alive
         self._load_lock: asyncio.Lock | None = None
         self._idle: asyncio.Condition | None = None
@@ -198,9 +201,9 @@ class ModelPool:
         """Load a model on this thread (start-up: the first model, whose failure ends the server)."""
         self._loaded(served, *self._build(served.spec))
 
-    def _loaded(self, served: Served, loop, app, card) -> None:
+    def _loaded(self, served: Served, loop, app, card, nbytes: int) -> None:
         served.loop, served.app, served.state, served.error, served.card = loop, app, "loaded", None, card
-        served.nbytes = footprint(loop.engine)
+        served.nbytes = nbytes
         served.last_used = time.monotonic()
         log.info("loaded model %s (%.3f GB with its KV pool)", served.name, served.nbytes / 1e9)
 
@@ -316,7 +319,7 @@ class ModelPool:
             self._cancel_timer(served)
             loop, app = served.loop, served.app
             served.loop = served.app = None
-            await asyncio.to_thread(_close, loop, app)
+            await asyncio.to_thread(self._close, loop, app)
             served.state = "unloaded"
             log.info("unloaded model %s (%s)", served.name, why)
         finally:
@@ -332,12 +335,12 @@ class ModelPool:
     def stop(self) -> None:
         for s in self.models:
             if s.loop is not None:
-                _close(s.loop, s.app)
+                self._close(s.loop, s.app)
                 s.loop = s.app = None
                 s.state = "unloaded"
 
 
-def _close(loop, app) -> None:
+def close_model(loop, app) -> None:
     """End a model's engine thread and its app's threads (what its lifespan would do)."""
     loop.stop()
     state = app.state.server
