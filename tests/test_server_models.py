@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import subprocess
 import sys
 import threading
@@ -21,7 +20,6 @@ import httpx
 import ollama
 import pytest
 
-import mlxpaged
 from mlxpaged.testing.tiny_model import write_tiny_family, write_tiny_qwen2
 
 from server_proc import Server
@@ -240,7 +238,10 @@ def test_pool_never_unloads_a_model_a_request_holds():
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--keep-alive", "5m"], "error: --keep-alive applies to a server of several models: give --model more than once"),
+        (
+            ["--keep-alive", "5m"],
+            "error: --keep-alive applies to a server of several models: give --model more than once",
+        ),
         (["--model", "x=SECOND", "--max-memory", "lots"], "error: --max-memory: 'lots' is neither a fraction"),
     ],
 )

@@ -240,7 +240,9 @@ def build_pool_app(
         openapi_url="/openapi.json" if docs else None,
     )
     # innermost, after the guards: a route of this app is served here, another of a model's goes to that model
-    app.add_middleware(ModelRouter, pool=pool, own_routes=lambda: app.router.routes, model_routes=first.app.router.routes)
+    app.add_middleware(
+        ModelRouter, pool=pool, own_routes=lambda: app.router.routes, model_routes=first.app.router.routes
+    )
     _guard(app, api_key, limits, browsers, web, lambda: pool.draining)
     _error_handlers(app)
 
@@ -273,7 +275,10 @@ def build_pool_app(
         s = pool.find(model_id)
         if s is None:
             raise APIError(
-                404, f"unknown model '{model_id}': this server serves {pool.names()}", param="model", code="model_not_found"
+                404,
+                f"unknown model '{model_id}': this server serves {pool.names()}",
+                param="model",
+                code="model_not_found",
             )
         return described(s)
 
@@ -290,8 +295,12 @@ def build_pool_app(
             entry = {"name": s.name, "model": s.name}
             if s.card is not None:
                 c = s.card
-                entry |= {"modified_at": iso(c.modified), "size": c.info.size_bytes, "digest": c.digest,
-                          "details": details(c)}
+                entry |= {
+                    "modified_at": iso(c.modified),
+                    "size": c.info.size_bytes,
+                    "digest": c.digest,
+                    "details": details(c),
+                }
             out.append(entry)
         return {"models": out}
 

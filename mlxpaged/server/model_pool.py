@@ -30,7 +30,7 @@ import logging
 import math
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -62,7 +62,9 @@ def memory_budget(text: str | None) -> int:
     value, unit = float(m.group(1)), m.group(2).lower()
     if not unit:
         if not 0 < value <= 1:
-            raise ValueError(f"--max-memory: {text} is not a fraction of the RAM in (0, 1]; give a unit for an amount (12GB)")
+            raise ValueError(
+                f"--max-memory: {text} is not a fraction of the RAM in (0, 1]; give a unit for an amount (12GB)"
+            )
         return int(value * total_memory())
     if value <= 0:
         raise ValueError(f"--max-memory: {text} is not a positive amount")
@@ -281,7 +283,9 @@ class ModelPool:
                     served.state = "unloaded"
                     served.error = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
                     # a refused checkpoint says why in one line; anything else is a bug: its traceback
-                    log.error("model %s failed to load: %s", served.name, served.error, exc_info=not isinstance(e, ValueError))
+                    log.error(
+                        "model %s failed to load: %s", served.name, served.error, exc_info=not isinstance(e, ValueError)
+                    )
                     raise ModelFailed(
                         500, f"model '{served.name}' failed to load: {served.error}", "model_load_failed"
                     ) from None
@@ -297,7 +301,10 @@ class ModelPool:
             others = [s for s in self.loaded() if s is not keep]
             used = sum(s.nbytes for s in others)
             count = len(others) + 1
-            if used + need + (keep.nbytes if keep.state == "loaded" else 0) <= self.max_bytes and count <= self.max_loaded:
+            if (
+                used + need + (keep.nbytes if keep.state == "loaded" else 0) <= self.max_bytes
+                and count <= self.max_loaded
+            ):
                 return
             idle = [s for s in others if not s.in_flight and s.task is None]
             if idle:
@@ -414,8 +421,9 @@ class ModelRouter:
         name, keep = parse() if parse else await asyncio.to_thread(model_of, body, path)
         served = self.pool.find(name if isinstance(name, str) and name else None)
         if served is None:
-            return await _error(send, 404, f"unknown model '{name}': this server serves {self.pool.names()}",
-                                "model_not_found", path)
+            return await _error(
+                send, 404, f"unknown model '{name}': this server serves {self.pool.names()}", "model_not_found", path
+            )
         try:
             await self.pool.acquire(served)
         except ModelFailed as e:
