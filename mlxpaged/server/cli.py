@@ -484,12 +484,10 @@ def _build_model(spec, new_loop, dtype, weights, config, metrics, common):
 
 
 def default_model_name(model: str | None, path: Path) -> str:
-    """The checkpoint's folder or file name: a served name never shows this machine's paths.
-    A hub repo id (not a local path) is its own name."""
-    if model is None:
-        return path.name
-    local = Path(model).expanduser()
-    return local.resolve().name if local.exists() else model
+    """The checkpoint's folder or file name (`model_pool.served_name`); the loaded path's without `--model`."""
+    from .model_pool import served_name
+
+    return path.name if model is None else served_name(model)
 
 
 def _listed(values: tuple[str, ...]) -> list[str]:

@@ -94,6 +94,13 @@ def duration_seconds(value) -> float | None:
     return math.inf if seconds < 0 else seconds
 
 
+def served_name(model: str) -> str:
+    """A checkpoint's folder or file name: a served name never shows this machine's paths. A hub
+    repo id (not a local path) is its own name."""
+    local = Path(model).expanduser()
+    return local.resolve().name if local.exists() else model
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One `--model` value: `NAME=PATH_OR_REPO`, or `PATH_OR_REPO` named by its folder (or repo id)."""
@@ -103,15 +110,12 @@ class ModelSpec:
 
     @classmethod
     def parse(cls, value: str) -> ModelSpec:
-        from .cli import default_model_name
-
         name, eq, source = value.partition("=")
         if eq and name and "/" not in name and not Path(value).expanduser().exists():
             if not source:
                 raise ValueError(f"--model {value}: no checkpoint after '{name}='")
             return cls(name, source)
-        local = Path(value).expanduser()
-        return cls(default_model_name(value, local), value)
+        return cls(served_name(value), value)
 
 
 @dataclass
