@@ -86,12 +86,12 @@ def measure(name: str, tokens: int, chunk: int, block_size: int, root: Path) -> 
         loaded, EngineConfig.of(block_size=block_size, max_num_batched_tokens=chunk, enable_prefix_caching=False)
     )
     engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-    full_bytes, window_bytes = engine.kv_cache.group_block_bytes()
+    full_bytes, window_bytes = (engine.kv_cache.group_block_bytes() + [0])[:2]  # groups 0 and 1 (the window's)
     bm = engine.block_manager
     held = full_held = window_held = 0
     while engine.has_unfinished_requests():
         engine.step()
-        used_full, used_window = bm.pool.num_used, bm.window_pool.num_used if bm.window_pool else 0
+        used_full, used_window = bm.pool.num_used, bm.groups[1].pool.num_used if len(bm.groups) > 1 else 0
         if used_full * full_bytes + used_window * window_bytes > held:
             held = used_full * full_bytes + used_window * window_bytes
             full_held, window_held = used_full, used_window

@@ -288,12 +288,31 @@ def paged_layers(model: nn.Module) -> list:
     return list(layers) if idx is None else [layers[i] for i, j in enumerate(idx) if j is not None]
 
 
-def pool_windows(model: nn.Module) -> list:
-    """Per pool layer (`paged_layers`), its sliding window, or None (full or chunked attention):
-    the layers with a window form the KV cache's windowed group (core/block_manager.py)."""
-    windows = model.__dict__.get("_paged_windows") or [None] * len(model.layers)
-    idx = model.__dict__.get("_paged_kv_index") or list(range(len(windows)))
-    return [windows[i] for i, j in enumerate(idx) if j is not None]
+def pool_kinds(model: nn.Module) -> list[tuple[str, int | None]]:
+    """Per pool layer (`paged_layers`), the kind of KV cache group it needs (core/kv_groups.py)
+    and its span: `("sliding_window", window)`, `("chunked_local", chunk)` or `("full", None)`."""
+    n = len(model.layers)
+    windows = model.__dict__.get("_paged_windows") or [None] * n
+    chunks = model.__dict__.get("_paged_chunks") or [None] * n
+    idx = model.__dict__.get("_paged_kv_index") or list(range(n))
+    out = []
+    for i, j in enumerate(idx):
+        if j is not None:
+            w, c = windows[i], chunks[i]
+            out.append(("sliding_window", w) if w is not None else ("chunked_local", c) if c is not None else ("full", None))
+    return out
+
+
+def cache_groups(model: nn.Module) -> tuple[list[tuple[str, int | None]], tuple[int, ...]]:
+    """(the KV cache groups of `model` as (kind, span), full attention first; each pool layer's
+    group): one group per kind, spanning the largest of its layers' spans."""
+    kinds = pool_kinds(model)
+    spans: dict[str, int | None] = {"full": None}
+    for kind, span in kinds:
+        if kind != "full":
+            spans[kind] = max(span, spans.get(kind) or 0)
+    order = list(spans)
+    return [(k, spans[k]) for k in order], tuple(order.index(k) for k, _ in kinds)
 
 
 def attention_modules(model: nn.Module) -> list:
@@ -455,8 +474,8 @@ class PagedModelMixin:
             if shared[i] is not None:  # reads an earlier layer's pools (Gemma 4)
                 caches.append(SharedLayerCache(caches[shared[i]]))
             else:
-                # a layer of the windowed group (worker/kv_cache.py `groups`) reads that group's tables
-                m = meta.window if meta.window is not None and j is not None and cache.groups[j] else meta
+                # a layer reads its own KV cache group's tables (worker/kv_cache.py `groups`)
+                m = meta.groups[cache.groups[j]] if j is not None and meta.groups else meta
                 caches.append(None if j is None else kind(cache, j, m, windows[i], chunks[i]))
         body = text_body(self)
         norm = _final_norm(body)
