@@ -22,7 +22,8 @@ group's own.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from typing import Protocol
 
 import numpy as np
@@ -226,7 +227,7 @@ class BlockManager:
                 block = grp.pool.allocate()
                 tables[g].append(block)
                 seq.ids[g].append(block.block_id)
-        return copies
+        return copies if copies else NO_COPIES
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give `child` the parent's blocks and stored-token count, sharing every block."""
@@ -374,9 +375,9 @@ class BlockManager:
                     n -= 1
             if n == before:
                 break
-        loads = PerGroup(self._num_groups)
         if not n:
-            return loads
+            return PerGroup()
+        loads = PerGroup(self._num_groups)
         for g, grp in enumerate(self.groups):
             table, ids = seq.tables[g], seq.ids[g]
             start = grp.first_needed((first + n) * bs)

@@ -75,7 +75,7 @@ class DraftProposer(StepLayer):
     def __init__(self, draft, target, num_blocks: int, block_size: int, attention_impl: str = "auto"):
         check_draft(target, draft)
         self.loaded = draft
-        self.kv_cache = PagedKVCache(CacheShape.of(draft), num_blocks, block_size)
+        self.kv_cache = PagedKVCache(CacheShape.of(draft), num_blocks, block_size, spec=draft.cache_spec)
         self.runner = ModelRunner(draft.model, self.kv_cache, attention_impl)
         # Ids past the tokenizer's vocabulary (padding rows of an embedding) are never proposed.
         self.vocab = min(target.model.args.vocab_size, draft.model.args.vocab_size)

@@ -57,7 +57,6 @@ from ..core.kv_groups import GroupSpec
 from ..core.scheduler import Scheduler, SchedulerOutput, SpecDecode
 from ..core.sequence import PendingToken, Request, Sequence
 from ..errors import MlxPagedError, StepError
-from ..models.paged_adapter import cache_groups
 from ..utils import cdiv
 from ..worker.kv_cache import CacheShape, PagedKVCache, growable_pool, pool_blocks
 from ..worker.kv_calibration import model_key_scales
@@ -116,7 +115,7 @@ class LLMEngine:
         # no later token reads go back. A growing pool's local group (a window, a chunk) starts at a
         # span's worth of blocks and grows by as much (memory follows the spans); a fixed pool gives
         # every group its size (what a group releases is room for more sequences, as in vLLM).
-        kinds, layer_groups = cache_groups(loaded.model)
+        kinds, layer_groups = loaded.cache_spec.groups()
         bs = config.cache.block_size
         steps = [cdiv(span, bs) + 1 if span is not None and growth else None for _, span in kinds]
         self.block_manager = BlockManager(
@@ -125,7 +124,7 @@ class LLMEngine:
             enable_prefix_caching=config.cache.enable_prefix_caching,
             hash_fn=hash_fn,
             extra_key=loaded.identity,
-            groups=[GroupSpec(k, span, min(step, num_blocks) if step else None) for (k, span), step in zip(kinds, steps)],
+            groups=[GroupSpec(k, n, min(step, num_blocks) if step else None) for (k, n), step in zip(kinds, steps)],
         )
         # A quantized cache divides keys by per-channel scales, measured once per loaded model (kv_calibration.py).
         quant = config.cache.kv_bits is not None and not self.cache_shape.keys_only  # MLA: keys stay unscaled
@@ -138,6 +137,7 @@ class LLMEngine:
             scales,
             groups=layer_groups if len(kinds) > 1 else (),
             group_blocks=tuple(g.pool.num_blocks for g in self.block_manager.groups),
+            spec=loaded.cache_spec,
         )
         self.drafter = (
             DraftProposer(draft, loaded, num_blocks, config.cache.block_size, config.attention_impl)
@@ -192,13 +192,13 @@ class LLMEngine:
         """A hybrid model (recurrent layers, worker/state_cache.py): refuse by name the features its
         state cannot follow yet; its prefix-state checkpoints when prefix caching is on."""
         self.state_bytes = 0  # one sequence's recurrent state, every layer
-        if not any(s is not None for s in self.loaded.model.__dict__.get("_paged_recurrent") or []):
+        if not self.loaded.cache_spec.num_recurrent:
             return None
         self.state_bytes = state_bytes_per_sequence(self.loaded.model)
         c = self.config
         if not c.cache.enable_prefix_caching:
             return None
-        layers = sum(s is not None for s in self.loaded.model._paged_recurrent)
+        layers = self.loaded.cache_spec.num_recurrent
         return Checkpoints(min(CHECKPOINT_BYTES, CHECKPOINTS * self.state_bytes), layers, c.cache.block_size)
 
     def _load_draft(self) -> LoadedModel:
@@ -207,7 +207,7 @@ class LLMEngine:
 
         dtype = next(name for name, d in DTYPES.items() if d == self.loaded.dtype)
         draft = load(self.config.speculative.draft_model, dtype)
-        if any(s is not None for s in draft.model.__dict__.get("_paged_recurrent") or []):
+        if draft.cache_spec.num_recurrent:
             raise MlxPagedError(
                 f"a draft model with recurrent layers ({draft.config.get('model_type')!r}) is not supported: "
                 "its own state cannot roll back rejected proposals yet; "

@@ -99,7 +99,9 @@ def engine_stats(engine: LLMEngine) -> dict:
                 "blocks_in_use_peak": (
                     st.blocks_in_use_peak
                     if i == 0
-                    else st.group_blocks_in_use_peak[i] if i < len(st.group_blocks_in_use_peak) else 0
+                    else st.group_blocks_in_use_peak[i]
+                    if i < len(st.group_blocks_in_use_peak)
+                    else 0
                 ),
             }
             for i, g in enumerate(engine.block_manager.groups)

@@ -26,7 +26,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..attention.kv_quant import QuantizedPool, check_kv_quant, key_offsets, row_bytes
-from ..models.paged_adapter import layer_kv_dims, paged_layers
+from ..models.cache_spec import CacheSpec
+from ..models.paged_adapter import cache_spec, paged_layers
 
 
 @dataclass
@@ -56,14 +57,14 @@ class CacheShape:
 
     @classmethod
     def of(cls, loaded) -> CacheShape:
-        """The cache shape of a `LoadedModel`'s layers, in its dtype."""
-        model = loaded.model
-        dims = layer_kv_dims(model)  # an MLA model: one latent row per token
+        """The cache shape of a `LoadedModel`'s layers (its `cache_spec`), in its dtype."""
+        spec = loaded.cache_spec
+        dims = spec.pool_dims  # an MLA model: one latent row per token
         return cls(
             len(dims),  # a hybrid's recurrent layers hold state, not K/V; Gemma 4's shared layers nothing
             *dims[0],
             loaded.dtype,
-            keys_only="_paged_kv_dims" in model.__dict__,
+            keys_only=spec.latent,
             layer_dims=tuple(dims),
         )
 
@@ -181,8 +182,11 @@ class PagedKVCache:
         key_scales: list[mx.array] | None = None,
         groups: tuple[int, ...] = (),
         group_blocks: tuple[int, ...] = (),
+        spec: CacheSpec | None = None,
     ):
-        """`groups[layer]` is the KV cache group of the layer (`()`: every layer is group 0), whose
+        """`spec`: the model's declared cache (models/cache_spec.py), which the paged forward pass
+        reads (None: the pass reads it off the model each time).
+        `groups[layer]` is the KV cache group of the layer (`()`: every layer is group 0), whose
         pools hold `group_blocks[g]` blocks (default `num_blocks`, every group).
         `key_offsets[layer]` (`[num_kv_heads, head_dim]` or None) is subtracted from that
         layer's keys before they are quantized and `key_scales[layer]` (`[num_kv_heads,
@@ -197,6 +201,7 @@ class PagedKVCache:
             raise ValueError(f"key_scales must be positive [num_kv_heads, head_dim] per layer = {shape.layer_dims}")
         self.key_offsets = key_offsets
         self.key_scales = key_scales
+        self.spec = spec
         self.shape = shape
         self.quantized = shape.kv_bits is not None  # (an attribute: read per layer per step)
         self.block_size = block_size
@@ -230,13 +235,16 @@ class PagedKVCache:
         key_scales: list[mx.array] | None = None,
         groups: tuple[int, ...] = (),
         group_blocks: tuple[int, ...] = (),
+        spec: CacheSpec | None = None,
     ) -> PagedKVCache:
-        """The cache for `model`'s layers. A quantized one takes the model's key offsets and
-        `key_scales` (`kv_calibration.model_key_scales`), if given."""
-        kw = {"groups": groups, "group_blocks": group_blocks}
+        """The cache for `model`'s layers (`spec`, default `cache_spec(model)`). A quantized one
+        takes the model's key offsets and `key_scales` (`kv_calibration.model_key_scales`), if given."""
+        spec = spec or cache_spec(model)
+        kw = {"groups": groups, "group_blocks": group_blocks, "spec": spec}
         if shape.kv_bits is None or shape.keys_only:
             return cls(shape, num_blocks, block_size, **kw)
-        return cls(shape, num_blocks, block_size, key_offsets(model, layers=paged_layers(model)), key_scales, **kw)
+        offsets = key_offsets(model, layers=paged_layers(model, spec))
+        return cls(shape, num_blocks, block_size, offsets, key_scales, **kw)
 
     def _pool(self, num_blocks: int, kv_heads: int, head_dim: int):
         s = self.shape

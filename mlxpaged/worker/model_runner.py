@@ -11,6 +11,7 @@ import numpy as np
 
 from ..attention.metadata import AttentionMetadata
 from ..core.sequence import BlockIds, Sequence
+from ..models.paged_adapter import cache_spec
 from .kv_cache import PagedKVCache, slot_mapping
 from .state_cache import Checkpoints, keep_states, states_for
 
@@ -107,7 +108,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.attention_impl = attention_impl
         # a hybrid model's recurrent layers (state_cache.py); 0 for an attention-only model
-        self.num_recurrent = sum(s is not None for s in model.__dict__.get("_paged_recurrent") or [])
+        self.num_recurrent = (kv_cache.spec or cache_spec(model)).num_recurrent
         self.checkpoints = checkpoints  # recurrent-state checkpoints for prefix hits, or None
         self.num_groups = len(kv_cache.group_blocks)  # each group's layers read their own tables
         self._aranges: dict[int, tuple[mx.array, mx.array]] = {}  # `_steps`, by batch size
