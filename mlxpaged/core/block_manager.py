@@ -11,12 +11,11 @@ A `SecondTier` (the disk store, worker/prefix_store.py) may sit under the pool: 
 has (the engine copies their bytes in before the step's forward pass), and `cache_full_blocks`
 lists the newly named blocks it wants (`to_store`) for the engine to hand over.
 
-A model whose layers keep different caches (sliding windows, attention chunks beside full
-attention) has one group per kind (kv_groups.py, vLLM's `KVCacheCoordinator`): each sequence holds
-one table per group, every table one entry per logical block, and every operation here is a loop
-over the groups; a block full in group 0 is named in each group under the same hash. What differs
-between kinds (which blocks go back while a sequence runs, where a prefix hit may resume) is the
-group's own.
+A model whose layers keep different kinds of cache has one group per kind (kv_groups.py, after
+vLLM's `KVCacheCoordinator`): each sequence holds one table per group, every table one entry per
+logical block, and every operation here is a loop over the groups; a block full in group 0 is
+named in each group under the same hash. What differs between kinds (which blocks go back while a
+sequence runs, where a prefix hit may resume) is the group's own.
 """
 
 from __future__ import annotations
@@ -43,14 +42,6 @@ class SecondTier(Protocol):
 
     def wants(self, block_hash: bytes) -> bool:
         """Whether a newly full block with this hash should be handed to it."""
-
-
-class StateCheckpoints(Protocol):
-    """A hybrid model's recurrent-state checkpoints by block hash (worker/state_cache.py): a
-    prefix hit may end only at a block whose checkpoint exists, where the recurrent layers resume."""
-
-    def has(self, block_hash: bytes) -> bool:
-        """Whether the state after the block with this hash (and every block before it) is kept."""
 
 
 def sha256_block_hash(parent: bytes | None, token_ids: tuple[int, ...], extra_key: bytes) -> bytes:
@@ -121,16 +112,22 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         hash_fn: HashFn = sha256_block_hash,
         extra_key: bytes = b"",
-        groups: Seq[GroupSpec] = (),
+        groups: Seq[GroupSpec | KVCacheGroup] = (),
     ):
-        """`groups`: the model's cache groups (kv_groups.py), the first full attention; default
-        one full-attention group. A group's pool is `num_blocks` long unless its spec says."""
+        """`groups`: the model's cache groups (kv_groups.py), each a spec or a group built by the
+        caller (one that holds no blocks), the first full attention; default one full-attention
+        group. A group's pool is `num_blocks` long unless its spec says."""
         if block_size < 1 or block_size > 256 or block_size & (block_size - 1):
             raise ValueError(f"block size must be a power of two from 1 to 256, got {block_size}")
         specs = list(groups) or [GroupSpec("full")]
         if specs[0].kind != "full":
             raise ValueError(f"group 0 must be full attention, got {specs[0].kind!r}")
-        self.groups: list[KVCacheGroup] = [make_group(g, block_size, num_blocks) for g in specs]
+        built = [g if isinstance(g, KVCacheGroup) else make_group(g, block_size, num_blocks) for g in specs]
+        # the groups that hold blocks (a sequence has one table in each), in order; then those that
+        # rule on prefix hits only
+        self.groups: list[KVCacheGroup] = [g for g in built if g.holds_blocks]
+        self.state_groups: list[KVCacheGroup] = [g for g in built if not g.holds_blocks]
+        self._every = self.groups + self.state_groups
         self.pool = self.groups[0].pool  # group 0's: every block of every sequence
         self._num_groups = len(self.groups)
         self._releasing = [(g, grp) for g, grp in enumerate(self.groups) if grp.releases]
@@ -140,7 +137,6 @@ class BlockManager:
         self.extra_key = extra_key
         self.num_cow_copies = 0
         self.second_tier: SecondTier | None = None
-        self.checkpoints: StateCheckpoints | None = None  # set for a hybrid model: hits end at a checkpoint
         self.to_store: list[tuple[bytes, int, tuple[int, ...]]] = []  # (block_hash, block_id, token_ids)
 
     # -- sizing ---------------------------------------------------------------------------
@@ -291,18 +287,14 @@ class BlockManager:
 
     def _resume_point(self, hashes, k: int) -> tuple[int, int]:
         """(the most of the first `k` named blocks `hashes` a hit may take in every group, and in
-        group 0 alone): each group's resume point, and a hybrid model's kept recurrent state,
-        until none cuts it shorter."""
+        group 0 alone): each group's resume point, until none cuts it shorter."""
         run = None
         while True:
             before = k
-            for grp in self.groups:
+            for grp in self._every:
                 k = grp.resume_point(hashes, k)
                 if run is None:
                     run = k
-            if self.checkpoints is not None:
-                while k and not self.checkpoints.has(hashes[k - 1][0]):
-                    k -= 1
             if k == before:
                 return k, run
 
@@ -311,8 +303,8 @@ class BlockManager:
 
         Considers the first `num_tokens` tokens (all by default), stops at the first miss and
         never covers the last of them, which must be computed (its logits, or a fork point).
-        The hit ends where every group can resume (`KVCacheGroup.resume_point`), and a hybrid
-        model's recurrent layers at a kept checkpoint. Cannot fail: hits take no fresh block.
+        The hit ends where every group can resume (`KVCacheGroup.resume_point`). Cannot fail:
+        hits take no fresh block.
         """
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching:
@@ -366,13 +358,10 @@ class BlockManager:
         chain[last - first - 1]  # every candidate block's hash: the tier is asked for them all
         hashes = [h for h, _ in chain.items]
         n = self.second_tier.lookup(hashes, [t for _, t in chain.items])
-        while True:  # as in match_prefix: until no group (or recurrent state) cuts it shorter
+        while True:  # as in match_prefix: until no group cuts it shorter
             before = n
-            for grp in self.groups:
-                n = grp.loadable(first, n)
-            if self.checkpoints is not None:
-                while n and not self.checkpoints.has(hashes[n - 1]):
-                    n -= 1
+            for grp in self._every:
+                n = grp.loadable(chain.items, first, n)
             if n == before:
                 break
         if not n:

@@ -16,6 +16,9 @@ kinds:
 a `FullAttentionGroup`: it holds every block of every sequence, so its table is the one the draft
 model, the disk tier and the cache's readers use (`Sequence.block_table`).
 
+A group that holds no blocks (`holds_blocks` False: a hybrid model's recurrent state, whose
+states the runner keeps per sequence) takes part in prefix hits only (`resume_point`, `loadable`).
+
 A new kind of cache is one subclass here and one line in `GROUP_KINDS`.
 """
 
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from ..utils import cdiv
 from .block_pool import BlockPool
@@ -53,6 +56,7 @@ class KVCacheGroup:
 
     kind: ClassVar[str]
     releases: ClassVar[bool] = False  # whether blocks go back while the sequence runs
+    holds_blocks: ClassVar[bool] = True  # False: no pool, no tables; it only rules on prefix hits
 
     def __init__(self, block_size: int, num_blocks: int, span: int | None = None):
         self.block_size = block_size
@@ -77,9 +81,9 @@ class KVCacheGroup:
                 return i
         return k
 
-    def loadable(self, first: int, n: int) -> int:
-        """The most of `n` blocks from block `first` on, taken from the second tier, this group
-        has fresh blocks for."""
+    def loadable(self, hashes, first: int, n: int) -> int:
+        """The most of `n` blocks from block `first` on (`hashes[i]`: block `first + i`'s (hash,
+        token ids)), taken from the second tier, this group can take: it has fresh blocks for them."""
         return min(n, self.pool.num_free)
 
     def matched(self, seq: Sequence, run: int, k: int, hashes) -> None:
@@ -152,7 +156,7 @@ class LocalAttentionGroup(KVCacheGroup):
                 return k
         return 0
 
-    def loadable(self, first: int, n: int) -> int:
+    def loadable(self, hashes, first: int, n: int) -> int:
         while n and n - max(0, self.first_needed((first + n) * self.block_size) - first) > self.pool.num_free:
             n -= 1  # a fresh block for each loaded block the hit's end reads
         return n
@@ -229,6 +233,37 @@ class ChunkedLocalGroup(LocalAttentionGroup):
 
     def first_needed(self, num_tokens: int) -> int:
         return num_tokens // self.span * self.span // self.block_size
+
+
+class StateCheckpoints(Protocol):
+    """A hybrid model's recurrent-state checkpoints by block hash (worker/state_cache.py)."""
+
+    def has(self, block_hash: bytes) -> bool:
+        """Whether the state after the block with this hash (and every block before it) is kept."""
+
+
+class RecurrentStateGroup(KVCacheGroup):
+    """A hybrid model's recurrent layers (vLLM's `MambaManager`): each sequence's state is its own,
+    one slot a sequence that the model runner keeps (`Sequence.state`, worker/state_cache.py), and
+    the states after full blocks are kept as checkpoints by block hash; a prefix hit may end only
+    at a block whose checkpoint exists, where the recurrent layers resume. Holds no blocks."""
+
+    kind = "recurrent_state"
+    holds_blocks = False
+
+    def __init__(self, checkpoints: StateCheckpoints):
+        self.block_size = 0
+        self.span = None
+        self.pool = None
+        self.checkpoints = checkpoints
+
+    def resume_point(self, hashes, k: int) -> int:
+        while k and not self.checkpoints.has(hashes[k - 1][0]):
+            k -= 1
+        return k
+
+    def loadable(self, hashes, first: int, n: int) -> int:
+        return self.resume_point(hashes, n)
 
 
 # The kinds of group a model's cache may declare (models/cache_spec.py), by name.

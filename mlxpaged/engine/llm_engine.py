@@ -53,7 +53,7 @@ import numpy as np
 
 from ..config import EngineConfig
 from ..core.block_manager import BlockManager, HashFn, blocks_for_request, sha256_block_hash
-from ..core.kv_groups import GroupSpec
+from ..core.kv_groups import GroupSpec, RecurrentStateGroup
 from ..core.scheduler import Scheduler, SchedulerOutput, SpecDecode
 from ..core.sequence import PendingToken, Request, Sequence
 from ..errors import MlxPagedError, StepError
@@ -124,7 +124,8 @@ class LLMEngine:
             enable_prefix_caching=config.cache.enable_prefix_caching,
             hash_fn=hash_fn,
             extra_key=loaded.identity,
-            groups=[GroupSpec(k, n, min(step, num_blocks) if step else None) for (k, n), step in zip(kinds, steps)],
+            groups=[GroupSpec(k, n, min(step, num_blocks) if step else None) for (k, n), step in zip(kinds, steps)]
+            + ([RecurrentStateGroup(checkpoints)] if checkpoints is not None else []),  # hits end at a checkpoint
         )
         # A quantized cache divides keys by per-channel scales, measured once per loaded model (kv_calibration.py).
         quant = config.cache.kv_bits is not None and not self.cache_shape.keys_only  # MLA: keys stay unscaled
@@ -148,7 +149,6 @@ class LLMEngine:
             self.block_manager.pool.enable_growth(growth[1], growth[2])
             for g, step in zip(self.block_manager.groups[1:], steps[1:]):
                 g.pool.enable_growth(max(growth[1], g.pool.num_blocks), step)
-        self.block_manager.checkpoints = checkpoints
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.attention_impl, checkpoints)
         self.prefix_store = self._open_prefix_store() if config.cache.prefix_cache_dir else None
         if checkpoints is not None and self.prefix_store is not None and self.prefix_store.enabled:
