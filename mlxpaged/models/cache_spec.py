@@ -8,6 +8,7 @@ model runner and the paged forward pass read this spec, and nothing is set on ml
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 # What a layer keeps: the kinds of KV cache group (core/kv_groups.py `GROUP_KINDS`) for a layer
@@ -53,21 +54,21 @@ class CacheSpec:
     shared_by_model: bool = False
     ropes: tuple = field(default=(), compare=False, repr=False)
 
-    @property
+    @functools.cached_property  # read each pass: found once (the spec is frozen)
     def pool_layers(self) -> list[int]:
         """The layers with a K/V pool, in pool order."""
         return [i for i, lay in enumerate(self.layers) if lay.pool is not None]
 
-    @property
+    @functools.cached_property  # read each pass: found once (the spec is frozen)
     def pool_dims(self) -> list[tuple[int, int]]:
         """Per pool, its rows' (KV heads, head_dim)."""
         return [(lay.kv_heads, lay.head_dim) for lay in self.layers if lay.pool is not None]
 
-    @property
+    @functools.cached_property  # read each pass: found once (the spec is frozen)
     def num_recurrent(self) -> int:
         return sum(lay.kind == RECURRENT for lay in self.layers)
 
-    @property
+    @functools.cached_property  # read each pass: found once (the spec is frozen)
     def recurrent_sizes(self) -> list[int | None]:
         """Per layer, its number of state arrays, or None for a layer without a state."""
         return [lay.state_arrays for lay in self.layers]
