@@ -241,11 +241,8 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, tail first, so the LRU evicts its tail before its head."""
-        for g, (grp, table) in enumerate(zip(self.groups, seq.tables)):
-            for i in reversed(range(len(table))):
-                if table[i] is not None:
-                    grp.let_go(seq, g, i)
-            grp.forget(seq)
+        for g, grp in enumerate(self.groups[: len(seq.tables)]):
+            grp.free(seq, g)
         seq.tables = [[] for _ in seq.tables]
         for ids in seq.ids:
             ids.truncate(0)

@@ -96,15 +96,15 @@ class KVCacheGroup:
         seq.ids[g][i] = 0
         self.pool.release(block)
 
-    def let_go(self, seq: Sequence, g: int, i: int) -> None:
-        """`release`, where the group may keep the block for a later hit instead (a pin)."""
-        self.release(seq, g, i)
-
     def release_unread(self, seq: Sequence, g: int) -> None:
         """Release the blocks no token still to compute reads (a no-op for a kind that keeps all)."""
 
-    def forget(self, seq: Sequence) -> None:
-        """`seq` holds nothing any more (freed)."""
+    def free(self, seq: Sequence, g: int) -> None:
+        """Drop every reference `seq`'s table in this group (group index `g`) holds, tail first
+        (so the LRU evicts a sequence's tail before its head); the table itself is left as it is."""
+        for block in reversed(seq.tables[g]):
+            if block is not None:
+                self.pool.release(block)
 
     def trim(self) -> None:
         """Drop what the group keeps beyond the sequences' tables (an idle engine trims its pools)."""
@@ -179,8 +179,9 @@ class LocalAttentionGroup(KVCacheGroup):
             i -= 1
 
     def let_go(self, seq: Sequence, g: int, i: int) -> None:
-        """A block of the prefix end the sequence is filling a pin for (and that is its hash's
-        cached block) moves its reference to the pin."""
+        """`release`, where a pin may keep the block instead: a block of the prefix end the
+        sequence is filling a pin for (and that is its hash's cached block) moves its reference
+        to the pin."""
         block = seq.tables[g][i]
         pin = self._pin_at.get(seq)
         if (
@@ -199,7 +200,11 @@ class LocalAttentionGroup(KVCacheGroup):
         else:
             self.release(seq, g, i)
 
-    def forget(self, seq: Sequence) -> None:
+    def free(self, seq: Sequence, g: int) -> None:
+        table = seq.tables[g]
+        for i in reversed(range(len(table))):
+            if table[i] is not None:
+                self.let_go(seq, g, i)  # a pin may keep it
         self._pin_at.pop(seq, None)
 
     def trim(self) -> None:
