@@ -55,16 +55,11 @@ def sha256_block_hash(parent: bytes | None, token_ids: tuple[int, ...], extra_ke
 
 class PerGroup(list):
     """One list per group, in group order (a step's block copies `(src, dst)`, its loads
-    `(block_hash, block_id)`); falsy when every list is empty."""
+    `(block_hash, block_id)`); the block manager returns an empty one (no group at all, so
+    falsy) when it has nothing for any group."""
 
     def __init__(self, num_groups: int = 0):
         super().__init__([] for _ in range(num_groups))
-
-    def __bool__(self) -> bool:
-        for x in self:
-            if x:
-                return True
-        return False
 
 
 NO_COPIES = PerGroup()  # what the usual decode gets back: read, never changed
@@ -175,9 +170,18 @@ class BlockManager:
             g.trim()
 
     def take_resize(self) -> list | None:
-        """Each group's pool's `take_resize()`, or None when no pool changed."""
-        out = [g.pool.take_resize() for g in self.groups]
-        return out if any(out) else None
+        """Each group's pool's `take_resize()`, or None when no pool changed (every step asks)."""
+        if self._num_groups == 1:  # (without the loop)
+            r = self.pool.take_resize()
+            return None if r is None else [r]
+        out = None
+        for i, g in enumerate(self.groups):
+            r = g.pool.take_resize()
+            if r is not None:
+                if out is None:
+                    out = [None] * self._num_groups
+                out[i] = r
+        return out
 
     # -- the allocator ----------------------------------------------------------------------
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> PerGroup | None:
@@ -189,11 +193,13 @@ class BlockManager:
         """
         if num_new_tokens < 0:
             raise ValueError("num_new_tokens must be >= 0")
-        if len(seq.tables) != self._num_groups:
+        tables = seq.tables
+        if len(tables) != self._num_groups:
             self._own_tables(seq)
-        for g, grp in self._releasing:
-            grp.release_unread(seq, g)
-        bs, tables = self.block_size, seq.tables
+        if self._releasing:
+            for g, grp in self._releasing:
+                grp.release_unread(seq, g)
+        bs = self.block_size
         table, computed = tables[0], seq.num_computed_tokens
         if computed + num_new_tokens <= len(table) * bs and (
             not computed % bs
@@ -223,7 +229,7 @@ class BlockManager:
                 block = grp.pool.allocate()
                 tables[g].append(block)
                 seq.ids[g].append(block.block_id)
-        return copies if copies else NO_COPIES
+        return copies if any(copies) else NO_COPIES
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give `child` the parent's blocks and stored-token count, sharing every block."""

@@ -147,7 +147,7 @@ class ModelRunner:
         starts = np.array([s.num_computed_tokens for s, _ in batch], dtype=np.int32)
         cu = np.zeros(num_seqs + 1, dtype=np.int32)
         np.cumsum(q_lens, out=cu[1:])
-        tables = np.asarray(_rows([s.table_ids for s, _ in batch]), dtype=np.int32)
+        tables = np.asarray(_rows([s.ids[0] for s, _ in batch]), dtype=np.int32)
         seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
         positions = (np.arange(cu[-1]) - cu[seq_of_token] + starts[seq_of_token]).astype(np.int32)
         # Token t goes to its own sequence's table: index the flattened tables past that row's start.
@@ -195,7 +195,7 @@ class ModelRunner:
         ids, slots, starts, ctx, tables, pending = [], [], [], [], [], []
         for s, _ in batch:
             p = s.num_computed_tokens
-            t = s.table_ids
+            t = s.ids[0]
             starts.append(p)
             ctx.append(p + 1)
             tables.append(t)
