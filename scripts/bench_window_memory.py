@@ -157,7 +157,7 @@ def main() -> None:
             print(
                 f"{name:>12} | {r['tokens']} tokens | mlx-lm {r['mlx_lm_bytes'] * mb:8.1f} MiB | mlxpaged held "
                 f"{r['mlxpaged_bytes'] * mb:8.1f} MiB ({r['mlxpaged_full_blocks']} + {r['mlxpaged_window_blocks']} "
-                f"windowed blocks) x{r['ratio_mlxpaged_to_mlx_lm']:.2f} | allocated "
+                f"local blocks) x{r['ratio_mlxpaged_to_mlx_lm']:.2f} | allocated "
                 f"{r['mlxpaged_allocated_bytes'] * mb:8.1f} MiB x{r['ratio_allocated_to_mlx_lm']:.2f} | every block "
                 f"{r['every_block_bytes'] * mb:8.1f} MiB"
             )
