@@ -129,6 +129,7 @@ FILE_TIERS = {
     "test_windows.py": "engine",
     "test_per_layer_kv.py": "engine",
     "test_window_groups.py": "engine",
+    "test_kv_groups.py": "engine",
     "test_gguf_llama.py": "engine",
     "test_guided.py": "engine",
     "test_cli_knobs.py": "engine",

@@ -111,7 +111,7 @@ def test_block_manager_takes_second_tier_blocks_after_memory_hits():
         bm.pool.release(bm.pool.blocks[block_id])
     b = Sequence(list(tokens), len(tokens))
     assert bm.match_prefix(b) == 4  # block 0 from memory
-    loads = bm.match_second_tier(b)
+    loads = bm.match_second_tier(b)[0]  # group 0's (the only group)
     assert len(loads) == 3 == bm.pool.num_free + 3  # blocks 1-3 from the tier, limited by the free blocks
     assert [h for h, _ in loads] == b.block_hashes[1:4] == [h for h, _, _ in written[1:4]]
     assert [blk.block_id for blk in b.block_table[1:]] == [blk for _, blk in loads]
@@ -158,7 +158,7 @@ def test_a_hit_block_an_answer_filled_goes_to_the_tier_with_the_next_prompt():
     fresh.second_tier = tier
     c = Sequence(list(nxt), len(nxt))
     assert (
-        fresh.match_prefix(c) == 0 and len(fresh.match_second_tier(c)) == 5
+        fresh.match_prefix(c) == 0 and len(fresh.match_second_tier(c)[0]) == 5
     )  # all of b's full blocks but the last token's
 
     d = Sequence(list(nxt), len(nxt))  # a hit whose block is evicted and reused before the engine reads it
