@@ -24,7 +24,7 @@ import mlxpaged  # noqa: F401  (first: the system OpenBLAS)
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxpaged.models.paged_adapter import layer_kv_dims, model_classes, prepare
+from mlxpaged.models.paged_adapter import cache_spec, model_classes, prepare
 from mlxpaged.worker.kv_cache import CacheShape
 
 
@@ -40,8 +40,9 @@ def main() -> None:
     cls, args_cls = model_classes(config)
     model = prepare(cls(args_cls.from_dict(config)), config, a.config or a.model_type)
     dtype = getattr(mx, a.dtype)
-    dims = layer_kv_dims(model)
-    shape = CacheShape.of(SimpleNamespace(model=model, dtype=dtype))
+    spec = cache_spec(model)
+    dims = spec.pool_dims
+    shape = CacheShape.of(SimpleNamespace(model=model, dtype=dtype, cache_spec=spec))
     widest = max(h * d for h, d in dims)
     per = 2 * dtype.size  # K and V
     print(

@@ -95,7 +95,7 @@ def structure(path: Path, model_type: str) -> str:
 
     from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, RotatingKVCache, make_prompt_cache
 
-    from mlxpaged.models.paged_adapter import _latent, family_module
+    from mlxpaged.models.paged_adapter import cache_spec, family_module
 
     try:
         config = json.loads((path / "config.json").read_text())
@@ -114,7 +114,7 @@ def structure(path: Path, model_type: str) -> str:
     if any(isinstance(c, ChunkedKVCache) for c in caches):
         kinds.append("chunked attention")
     try:
-        if _latent(model):
+        if cache_spec(model).latent:
             kinds.append("latent attention (MLA)")
     except Exception:  # noqa: BLE001 - no layers to look at
         pass

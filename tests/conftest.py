@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import mlxpaged  # noqa: F401  (first: it points MLX at the system OpenBLAS before MLX loads)
+from mlxpaged.testing.slowness import timeout_scale
 from mlxpaged.testing.tiny_model import write_tiny_qwen2
 
 
@@ -129,6 +130,7 @@ FILE_TIERS = {
     "test_windows.py": "engine",
     "test_per_layer_kv.py": "engine",
     "test_window_groups.py": "engine",
+    "test_kv_groups.py": "engine",
     "test_gguf_llama.py": "engine",
     "test_guided.py": "engine",
     "test_cli_knobs.py": "engine",
@@ -152,16 +154,22 @@ FILE_TIERS = {
     "test_metal_frontend.py": "emulator",
     "test_metal_launch_limits.py": "emulator",
     "test_server.py": "server",
+    "test_server_security.py": "server",
     "test_server_abuse.py": "server",
     "test_server_knobs.py": "server",
     "test_server_tools.py": "server",
     "test_server_anthropic.py": "server",
     "test_server_responses.py": "server",
+    "test_server_one_path.py": "server",
     "test_server_spine.py": "server",
     "test_server_deltas.py": "server",
     "test_server_agents.py": "server",
     "test_server_lmeval.py": "server",
     "test_server_clients.py": "server",
+    "test_server_ollama.py": "server",
+    "test_server_models.py": "server",
+    "test_cli_models.py": "engine",
+    "test_server_limits.py": "server",
     "test_server_tp.py": "tp",
     "test_hostile_guided.py": "server",
     "test_hostile_disk.py": "engine",
@@ -172,18 +180,31 @@ FILE_TIERS = {
     "test_spec_real_model.py": "real_model",
     "test_spec_tp.py": "tp",
     "test_server_soak.py": "soak",
+    "test_startup_exits.py": "server",
+    "test_slowness.py": "unit",
+    "test_logprob_bytes.py": "server",
 }
 # Fixtures that load the offline Qwen2.5 weights: a test using one is in the real_model tier too.
 REAL_MODEL_FIXTURES = {"real", "real_ref", "real_gguf", "real_ckpt", "real_pair", "real_dequantized"}
 EXPECTED_SKIP = "[expected]"
+_timeouts = {"scale": 1.0}  # the factor this run's collection put on every test's timeout
 
 
 def pytest_collection_modifyitems(config, items):
     missing = sorted({item.path.name for item in items if item.path.name not in FILE_TIERS})
     if missing:
         raise pytest.UsageError(f"tests/conftest.py FILE_TIERS has no tier for {', '.join(missing)}")
+    # Timeouts catch livelocks, not slow machines: each test's limit (pyproject's `timeout`, or its
+    # own mark) holds on a quiet machine and is stretched here for a busy one.
+    scale = _timeouts["scale"] = timeout_scale()
+    default = config.getoption("timeout", None) or float(config.getini("timeout") or 0)
     for item in items:
         item.add_marker(FILE_TIERS[item.path.name])
+        mark = item.get_closest_marker("timeout")
+        args, kwargs = (mark.args, dict(mark.kwargs)) if mark is not None else ((), {})
+        base = float(args[0] if args else kwargs.pop("timeout", default) or 0)
+        if base > 0:
+            item.add_marker(pytest.mark.timeout(base * scale, *args[1:], **kwargs), append=False)  # first: it wins
         if REAL_MODEL_FIXTURES & set(item.fixturenames) or item.path.name == "test_real_model.py":
             item.add_marker("real_model")
 
@@ -220,6 +241,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    terminalreporter.write_line(f"test timeouts: {_timeouts['scale']:.0f} x their quiet-machine limits (conftest.py)")
     if _tier_seconds:
         counts = {t: sum(1 for v in _tier_of.values() if v == t) for t in _tier_seconds}
         terminalreporter.write_line(

@@ -139,7 +139,7 @@ def decode_in_turns(loaded, prompts: list[list[int]], num_tokens: int, num_block
     args = loaded.model.args
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
     shape = CacheShape(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, loaded.dtype)
-    runner = ModelRunner(loaded.model, PagedKVCache(shape, num_blocks, block_size), "reference")
+    runner = ModelRunner(loaded.model, PagedKVCache(shape, num_blocks, block_size, spec=loaded.cache_spec), "reference")
     seqs = [Sequence(list(p), len(p)) for i, p in enumerate(prompts)]
     for s in seqs:
         assert bm.allocate_slots(s, s.num_tokens) == []

@@ -13,6 +13,8 @@ from pathlib import Path
 import httpx
 import openai
 
+from mlxpaged.testing.slowness import wall
+
 
 # -- a server subprocess ----------------------------------------------------------------------
 def free_port() -> int:
@@ -47,7 +49,7 @@ class Server:
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True, env=env, preexec_fn=preexec_fn
         )
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + wall(timeout)  # `timeout`: on a quiet machine
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited: {self.stderr()}")
@@ -63,7 +65,7 @@ class Server:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics", timeout=5, headers=self.headers).text
+        text = httpx.get(self.url + "/metrics", timeout=wall(5), headers=self.headers).text
         return {
             k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in text.splitlines() if ln and not ln.startswith("#"))
         }
@@ -76,7 +78,7 @@ class Server:
     def interrupt(self, timeout: float = 20.0, sig: int = signal.SIGINT) -> tuple[int, str]:
         self.proc.send_signal(sig)
         try:
-            self.proc.wait(timeout=timeout)
+            self.proc.wait(timeout=wall(timeout))
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()

@@ -10,6 +10,7 @@ import pytest
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 from mlxpaged.attention import paged_attention
 from mlxpaged.errors import StepError
+from mlxpaged.testing.slowness import wall
 from mlxpaged.worker.kv_cache import CacheShape, PagedKVCache
 
 from drive import run_all
@@ -320,7 +321,7 @@ def test_bench_step_runs_and_rejects_bad_input():
         [sys.executable, script, "--tiny", "--noop", "--vocab", "512", "--seqs", "2", "--steps", "4", "--repeats", "1"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=wall(300),
     )
     assert ok.returncode == 0, ok.stderr
     rows = [line.split("|")[0].split() for line in ok.stdout.splitlines() if line.strip().startswith("2 ")]
@@ -337,7 +338,7 @@ def test_bench_step_runs_and_rejects_bad_input():
     off = next(line for line in ok.stdout.splitlines() if line.split()[:2] == ["2", "off"])
     assert ab.parse(ok.stdout) == {2: {p: float(c) for p, c in zip(ab.PHASES, off.split("|")[-len(ab.PHASES) :])}}
     bad = subprocess.run(
-        [sys.executable, script, "--tiny", "--seqs", "1,x"], capture_output=True, text=True, timeout=300
+        [sys.executable, script, "--tiny", "--seqs", "1,x"], capture_output=True, text=True, timeout=wall(300)
     )
     assert bad.returncode != 0 and "--seqs" in bad.stderr and "Traceback" not in bad.stderr
 
@@ -354,7 +355,7 @@ def test_bench_step_pair_runs_two_checkouts_in_one_process(tmp_path):
     script, out = str(root / "scripts" / "bench_step_pair.py"), tmp_path / "pair.json"
     args = ["--a", str(root), "--b", str(root), "--seqs", "2", "--rounds", "2", "--steps", "4", "--vocab", "512"]
     ok = subprocess.run(
-        [sys.executable, script, *args, "--json", str(out)], capture_output=True, text=True, timeout=300
+        [sys.executable, script, *args, "--json", str(out)], capture_output=True, text=True, timeout=wall(300)
     )
     assert ok.returncode == 0, ok.stderr
     got = json.loads(out.read_text())
@@ -365,7 +366,7 @@ def test_bench_step_pair_runs_two_checkouts_in_one_process(tmp_path):
         assert len(row["a"]) == len(row["b"]) == 2 and all(x > 0 for x in row["a"] + row["b"])
         assert row["ratio"] == [a / b for a, b in zip(row["a"], row["b"])]
     bad = subprocess.run(
-        [sys.executable, script, "--a", str(root), "--seqs", "1,x"], capture_output=True, text=True, timeout=60
+        [sys.executable, script, "--a", str(root), "--seqs", "1,x"], capture_output=True, text=True, timeout=wall(60)
     )
     assert bad.returncode != 0 and "--seqs" in bad.stderr and "Traceback" not in bad.stderr
 

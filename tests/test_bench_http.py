@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from mlxpaged.bench import http, http_stats
 from mlxpaged.bench.cli import bench
+from mlxpaged.testing.slowness import wall
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -278,7 +279,7 @@ def tiny_run(tmp_path_factory):
         "--out",
         str(out),
     ]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=wall(900))
     assert p.returncode == 0, p.stderr[-3000:]
     (path,) = out.glob("serve_*.json")
     return json.loads(path.read_text())

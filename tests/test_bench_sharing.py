@@ -6,13 +6,15 @@ import json
 import subprocess
 import sys
 
+from mlxpaged.testing.slowness import wall
+
 
 def _run(tmp_path, *args):
     return subprocess.run(
         [sys.executable, "-m", "mlxpaged.cli", "bench", "sharing", "--tiny", "--out", str(tmp_path), *args],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=wall(600),
     )
 
 

@@ -23,7 +23,7 @@ class ShadowKV:
     def write(self, seq: Sequence, n: int) -> None:
         copies = self.bm.allocate_slots(seq, n)
         assert copies is not None
-        for src, dst in copies:
+        for src, dst in copies[0] if copies else ():  # group 0's (the only group)
             for o in range(self.bm.block_size):
                 if (src, o) in self.slots:
                     self.slots[(dst, o)] = self.slots[(src, o)]

@@ -30,6 +30,7 @@ from mlxpaged.errors import MlxPagedError
 from mlxpaged.loading.loader import load
 from mlxpaged.metal_emu import emulate
 from mlxpaged.models.paged_adapter import check_family
+from mlxpaged.testing.slowness import wall
 from mlxpaged.testing.tiny_model import write_tiny_family, write_tokenizer
 
 from drive import run_all
@@ -329,7 +330,7 @@ def test_generate_cli_gives_mlx_lm_greedy_tokens(name, tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=wall(300),
     )
     assert r.returncode == 0, r.stderr
     ref_model, tok = mlx_lm.load(str(path))
@@ -354,7 +355,7 @@ def test_generate_cli_refuses_an_unsupported_model_in_one_line(tmp_path):
     )
     cli = str(Path(sys.executable).with_name("mlxpaged"))
     r = subprocess.run(
-        [cli, "generate", "--model", str(path), "--prompt", "hi"], capture_output=True, text=True, timeout=300
+        [cli, "generate", "--model", str(path), "--prompt", "hi"], capture_output=True, text=True, timeout=wall(300)
     )
     assert r.returncode != 0 and "Traceback" not in r.stderr
     line = r.stderr.strip()

@@ -75,7 +75,7 @@ def test_no_checkpoint_no_hit(hybrid):
 def test_prefix_caching_off_takes_no_checkpoints(hybrid):
     _, loaded, ref_model, tok = hybrid
     engine = _engine(loaded, enable_prefix_caching=False)
-    assert engine.runner.checkpoints is None and engine.block_manager.checkpoints is None
+    assert engine.runner.checkpoints is None and engine.block_manager.state_groups == []
     rid = engine.add_request(FOLLOW[1], greedy(12))
     assert run_all(engine)[rid].outputs[0].token_ids == contiguous_generate(ref_model, tok.encode(FOLLOW[1]), 12)
 

@@ -204,7 +204,9 @@ def _finish(loop, prompt, rid, max_tokens):
 def _wait_trimmed(engine, seconds):
     import time
 
-    deadline = time.monotonic() + seconds
+    from mlxpaged.testing.slowness import wall
+
+    deadline = time.monotonic() + wall(seconds)
     while engine.num_blocks != 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert engine.num_blocks == 2 and engine.kv_cache.keys[0].shape[0] == 2

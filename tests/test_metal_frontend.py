@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from mlxpaged.metal_emu import frontend
+from mlxpaged.testing.slowness import wall
 
 METAL = Path(__file__).resolve().parents[1] / "metal"
 
@@ -32,7 +33,7 @@ def clang():
 def test_every_shipped_variant_passes():
     t0 = time.monotonic()
     r = subprocess.run(
-        [sys.executable, "-m", "mlxpaged.metal_emu.frontend"], capture_output=True, text=True, timeout=1800
+        [sys.executable, "-m", "mlxpaged.metal_emu.frontend"], capture_output=True, text=True, timeout=wall(1800)
     )
     took = time.monotonic() - t0
     assert r.returncode == 0, r.stdout + r.stderr
@@ -156,7 +157,7 @@ def test_cli_names_the_line_and_exits_nonzero(tmp_path):
         [sys.executable, "-m", "mlxpaged.metal_emu.frontend", "--source", str(root), "--one-per-kernel", "--quiet"],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=wall(600),
     )
     assert r.returncode == 1, r.stdout + r.stderr
     want = (
@@ -172,7 +173,7 @@ def test_cli_passes_on_a_clean_copy(tmp_path):
         [sys.executable, "-m", "mlxpaged.metal_emu.frontend", "--source", str(root), "--one-per-kernel"],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=wall(600),
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout == ""

@@ -22,6 +22,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from mlxpaged.testing.slowness import wall
+
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
@@ -190,7 +192,7 @@ def test_bench_rows_are_read_in_every_schema():
 
 def run_figures(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "figures.py"), *args], capture_output=True, text=True, timeout=300
+        [sys.executable, str(ROOT / "scripts" / "figures.py"), *args], capture_output=True, text=True, timeout=wall(300)
     )
 
 

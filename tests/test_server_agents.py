@@ -19,7 +19,7 @@ import openai
 import pytest
 from test_server_spine import write_tiny_with_tokenizer
 
-from mlxpaged.server import keepalive, responses_api
+from mlxpaged.server import admission, keepalive
 
 DATA = Path(__file__).parent / "data"
 CONTEXT = 3000  # the fixture model's positions: Claude Code's replayed prompt is ~2,950 tokens
@@ -111,7 +111,7 @@ def test_codexs_first_request_streams_through_the_openai_client(agents, monkeypa
     client = openai.OpenAI(base_url=str(c.base_url) + "/v1", api_key="unused", http_client=c)
     caplog.set_level(logging.INFO, logger="mlxpaged.server")
     body.pop("stream")
-    monkeypatch.setattr(responses_api, "DEFAULT_MAX_TOKENS", 8)  # no max_output_tokens sent: a short turn
+    monkeypatch.setattr(admission, "default_max_tokens", lambda *a: 8)  # no max_output_tokens sent: a short turn
     extra = {"client_metadata": body.pop("client_metadata")}
     with client.responses.stream(**body, extra_body=extra) as s:
         events = list(s)
@@ -166,7 +166,8 @@ def test_max_tokens_past_the_context_is_clamped_on_every_route(agents, route):
     left = int(r.headers["x-mlxpaged-max-tokens-clamped"])
     j = r.json()
     usage = j.get("usage") or {}
-    n_prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    # Anthropic's input_tokens leave out the cached tokens (cache_read_input_tokens)
+    n_prompt = usage.get("prompt_tokens", usage.get("input_tokens", 0) + usage.get("cache_read_input_tokens", 0))
     n_out = usage.get("completion_tokens", usage.get("output_tokens"))
     assert 0 < left == CONTEXT - n_prompt and n_out <= left, (left, usage)
     if route == "completions":  # one token more than the context: still a 400

@@ -22,6 +22,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict
 from test_server_spine import write_tiny_with_tokenizer
 
+from mlxpaged.testing.slowness import wall
 from tests.server_proc import Server
 
 
@@ -232,7 +233,7 @@ def llm_cli(served, tmp_path, *args: str) -> str:
     )
     exe = str(Path(sys.executable).with_name("llm"))
     env = {**os.environ, "LLM_USER_PATH": str(home)}
-    r = subprocess.run([exe, *args], env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run([exe, *args], env=env, capture_output=True, text=True, timeout=wall(120))
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
     return r.stdout
 
@@ -392,10 +393,11 @@ def test_claude_p_answers_through_the_server(answers_at_once, tmp_path):
         "DISABLE_AUTOUPDATER": "1",
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
     }
-    r = subprocess.run([exe, "-p", "say hi"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=200)
+    r = subprocess.run([exe, "-p", "say hi"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=wall(200))
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
     log = answers_at_once.stderr()
-    assert "POST /v1/messages 200" in log and "HEAD / 200" in log  # its probe of the root, then its turn
+    # its turn; some versions probe the root first (`HEAD /`), newer ones do not, so that is not asked
+    assert "POST /v1/messages 200" in log
 
 
 def test_codex_exec_answers_through_the_server(answers_at_once, tmp_path):
@@ -419,7 +421,7 @@ def test_codex_exec_answers_through_the_server(answers_at_once, tmp_path):
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=200,
+        timeout=wall(200),
     )
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
     assert "POST /v1/responses 200" in answers_at_once.stderr()

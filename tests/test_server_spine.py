@@ -142,8 +142,9 @@ def test_over_limit_body_is_refused_on_every_route_before_tokenizing(spine, monk
 
 
 def test_default_max_tokens_is_against_the_pools_maximum(tiny_loaded, monkeypatch):
-    """A growable pool that starts small: the default max_tokens is the route's default (the model's
-    context and the pool's cap leave room), not what the pool's starting size would hold."""
+    """A growable pool that starts small: the default max_tokens is the route's default (chat: 1,024;
+    Responses, whose clients send none: what the context leaves), against the model's context and
+    the pool's cap, not what the pool's starting size would hold."""
     import mlx.core as mx
     from fastapi.testclient import TestClient
 
@@ -182,7 +183,8 @@ def test_default_max_tokens_is_against_the_pools_maximum(tiny_loaded, monkeypatc
                 assert r.status_code == 200
                 next(r.iter_lines())  # admitted; leaving aborts it
             (num_prompt, max_tokens, got_n) = seen[0]
-            assert got_n == n and max_tokens == min(1024, context - num_prompt), (route, seen)
+            want = context - num_prompt if route == "responses" else min(1024, context - num_prompt)
+            assert got_n == n and max_tokens == want, (route, seen)
 
 
 def test_stored_conversation_is_never_changed_by_later_requests(spine):
@@ -305,11 +307,11 @@ def test_deep_nesting_is_a_400_not_a_500(spine, where):
 
 def test_deeply_nested_model_output_stays_text():
     """JSON nested too deep, the model's side: a call span nested past the recursion limit is text."""
-    from mlxpaged.server.tools import parse_tool_calls
+    from mlxpaged.server.tools import ToolCallStream
 
     text = '<tool_call>\n{"name": "f", "arguments": {"a": ' + _nested(100_000) + "}}\n</tool_call>"
-    content, calls = parse_tool_calls(text, {"f"})
-    assert calls == [] and content == text
+    s = ToolCallStream({"f"})
+    assert s.feed(text) + s.finish() == [text]
 
 
 def test_a_grammar_ended_turn_is_not_a_stop_sequence(spine):
@@ -614,15 +616,13 @@ def test_tool_calls_in_each_familys_format(tmp_path, family):
     two pieces at every split point, the events equal the whole answer's."""
     from mlx_lm.utils import load_tokenizer
 
-    from mlxpaged.server.tools import ToolCall, ToolCallStream, ToolFormat, parse_tool_calls
+    from mlxpaged.server.tools import ToolCall, ToolCallStream, ToolFormat
 
     mark, parser, text, content, calls = FAMILIES[family]
     fmt = ToolFormat.of(load_tokenizer(tokenizer_dir(tmp_path, PLAIN + mark)))
     assert fmt is not None and fmt.name == parser and fmt.forcible == (parser == "hermes")
     names = {"get_weather", "get_time"}
-    got_content, got_calls = parse_tool_calls(text, names, fmt)
-    assert got_content == content and [(c.name, c.input) for c in got_calls] == calls
-    for cut in range(len(text) + 1):
+    for cut in range(len(text) + 1):  # 0: the whole text at once
         s = ToolCallStream(names, fmt)
         events = s.feed(text[:cut]) + s.feed(text[cut:]) + s.finish()
         streamed = [(e.name, e.input) for e in events if isinstance(e, ToolCall)]

@@ -15,7 +15,8 @@ import jsonschema
 import openai
 import pytest
 
-from mlxpaged.server.tools import ToolCallStream, parse_tool_calls, tool_call_grammar
+from mlxpaged.server.tools import ToolCall, ToolCallStream, tool_call_grammar
+from mlxpaged.testing.slowness import wall
 
 from server_proc import Server
 
@@ -81,6 +82,16 @@ def events_of(text: str, cuts, names=None) -> list:
         else:
             merged.append(e if isinstance(e, str) else (e.name, json.loads(e.arguments)))
     return merged
+
+
+def parse_tool_calls(text: str, names=None) -> tuple[str | None, list]:
+    """(content, calls) of a whole completion through the one parser, as the chat route's message
+    has them: content None when it is empty and there are calls."""
+    s = ToolCallStream(names)
+    events = s.feed(text) + s.finish()
+    content = "".join(e for e in events if isinstance(e, str))
+    calls = [e for e in events if isinstance(e, ToolCall)]
+    return (content or None) if calls else content, calls
 
 
 def check_two_calls(text: str, content: str) -> None:
@@ -476,7 +487,7 @@ def test_real_model_weather_call_and_extraction():
 
     s = Server(convert_gguf(ensure_offline_model()), "--num-blocks", "256", "--served-model-name", "qwen", timeout=300)
     try:
-        c = s.client(timeout=600)
+        c = s.client(timeout=wall(600))
         tools = [
             {
                 "type": "function",

@@ -17,6 +17,8 @@ import urllib.request
 
 import pytest
 
+from mlxpaged.testing.slowness import wall
+
 from launch import _free_port_pair, _ring_can_start  # noqa: E402
 
 pytestmark = pytest.mark.skipif(_ring_can_start() is not None, reason=f"[expected] {_ring_can_start()}")
@@ -101,7 +103,7 @@ def test_guided_and_tool_requests_on_two_ranks_equal_one_process(tiny_model_path
         errs = []
         for p in procs:
             try:
-                errs.append(p.communicate(timeout=60)[1])
+                errs.append(p.communicate(timeout=wall(60))[1])
             except subprocess.TimeoutExpired:
                 p.kill()
                 errs.append(p.communicate()[1])

@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from mlxpaged import LLM, SamplingParams
+from mlxpaged.testing.slowness import wall
 
 from launch import _ring_can_start, ring_command
 
@@ -42,7 +43,7 @@ def test_two_tensor_parallel_ranks(tiny_model_path, proposer):
         "-p",
         "Blocks of sixteen tokens",
     ]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=wall(300))
     lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, r.stdout + r.stderr
     got = json.loads(lines[0])

@@ -20,6 +20,7 @@ import tp_worker
 
 from mlxpaged.distributed.sharding import check_shardable, shard_axis
 from mlxpaged.errors import MlxPagedError
+from mlxpaged.testing.slowness import wall
 
 from launch import _free_port_pair, _ring_can_start, ring_command  # noqa: E402
 
@@ -38,7 +39,7 @@ def launch(out: Path, *args: str, env: dict | None = None, timeout: float = 300)
         str(out),
         *args,
     ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=wall(timeout), env={**os.environ, **(env or {})})
 
 
 def spawn_ranks(out: Path, *args: str, env: dict | None = None) -> list[subprocess.Popen]:
@@ -63,7 +64,7 @@ def _finish(procs: list[subprocess.Popen], timeout: float = 120) -> list[tuple[i
     res = []
     for p in procs:
         try:
-            _, err = p.communicate(timeout=timeout)
+            _, err = p.communicate(timeout=wall(timeout))
         except subprocess.TimeoutExpired:
             p.kill()
             _, err = p.communicate()
@@ -174,7 +175,7 @@ def test_generate_cli_under_mlx_launch(tiny_model_path):
         "5",
         *[a for p in prompts for a in ("-p", p)],
     ]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=wall(300))
     lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, r.stdout + r.stderr  # one JSON object: rank 1 printed nothing
     got = [(o["prompt_index"], o["sample_index"], o["token_ids"]) for o in json.loads(lines[0])["outputs"]]

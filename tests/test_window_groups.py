@@ -16,6 +16,7 @@ import pytest
 
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 from mlxpaged.core.block_manager import BlockManager
+from mlxpaged.core.kv_groups import GroupSpec
 from mlxpaged.core.sequence import Sequence
 from mlxpaged.loading.loader import load
 from mlxpaged.testing.tiny_model import write_tiny_family
@@ -28,6 +29,11 @@ SYSTEM = "Paged attention borrows an idea from operating systems: virtual memory
 LONG = SYSTEM + "Copy-on-write lets many samples share the blocks of one prompt until they diverge."
 
 
+def windowed(window: int, num_blocks: int | None = None) -> list[GroupSpec]:
+    """A full-attention group and a sliding-window group of `window` tokens (`num_blocks` long)."""
+    return [GroupSpec("full"), GroupSpec("sliding_window", window, num_blocks)]
+
+
 def visible_blocks(num_tokens: int, window: int, block_size: int, num_blocks: int) -> set[int]:
     """Blocks holding a position that a token at `num_tokens` or later sees (p - window + 1 .. p),
     counted position by position."""
@@ -37,15 +43,15 @@ def visible_blocks(num_tokens: int, window: int, block_size: int, num_blocks: in
 
 @pytest.mark.parametrize("window", [1, 3, 4, 6, 9, 16])
 def test_released_blocks_are_exactly_those_no_later_token_sees(window):
-    bm = BlockManager(64, 4, window=window)
+    bm = BlockManager(64, 4, groups=windowed(window))
     s = Sequence(list(range(100)), 100)
     for n in (1, 3, 5, 8, 2, 11, 1, 1, 7):  # prefill chunks and decodes across block boundaries
         assert bm.allocate_slots(s, n) is not None
         s.num_computed_tokens += n
         bm.allocate_slots(s, 0)  # releases what the next token cannot see, takes nothing
-        held = {i for i, b in enumerate(s.window_table) if b is not None}
+        held = {i for i, b in enumerate(s.tables[1]) if b is not None}
         assert held == visible_blocks(s.num_computed_tokens, window, 4, len(s.block_table)), (window, n)
-        assert len(s.block_table) == len(s.window_table) and None not in s.block_table
+        assert len(s.block_table) == len(s.tables[1]) and None not in s.block_table
         bm.check([s])
 
 
@@ -53,7 +59,7 @@ def test_prefix_hit_needs_only_the_window_of_the_windowed_group():
     """A sequence computed in chunks through a windowed pool of 4 blocks: its early windowed
     blocks were reused (evicted) as it ran. A later hit still covers every full block the full
     group holds where the window's blocks there are cached, and stops where they are not."""
-    bm = BlockManager(64, 4, window=6, window_blocks=4)
+    bm = BlockManager(64, 4, groups=windowed(6, 4))
     a = Sequence(list(range(30)), 30)
     while a.num_computed_tokens < 30:
         n = min(4, 30 - a.num_computed_tokens)
@@ -63,47 +69,47 @@ def test_prefix_hit_needs_only_the_window_of_the_windowed_group():
         bm.check([a])
     hashes = list(a.block_hashes)
     bm.free(a)
-    cached = {i for i, h in enumerate(hashes) if bm.window_pool.lookup(h, tuple(range(4 * i, 4 * i + 4)))}
+    cached = {i for i, h in enumerate(hashes) if bm.groups[1].pool.lookup(h, tuple(range(4 * i, 4 * i + 4)))}
     assert 0 not in cached and {5, 6} <= cached  # the head was reused, the window's tail kept
     b = Sequence(list(range(30)) + [99], 31)
     assert bm.match_prefix(b) == 28  # all 7 full blocks: the window at 28 sees blocks 5 and 6
-    assert [x is None for x in b.window_table] == [True] * 5 + [False] * 2
+    assert [x is None for x in b.tables[1]] == [True] * 5 + [False] * 2
     bm.free(b)
     c = Sequence(list(range(22)) + [98] * 9, 31)  # shares blocks 0..4 with a
     want = max(k for k in range(6) if k == 0 or visible_blocks(4 * k, 6, 4, k) <= cached)
     assert bm.match_prefix(c) == 4 * want
-    assert {i for i, x in enumerate(c.window_table) if x is not None} == (
+    assert {i for i, x in enumerate(c.tables[1]) if x is not None} == (
         visible_blocks(4 * want, 6, 4, want) if want else set()
     )
     bm.check([c])
 
 
 def test_copy_on_write_fork_and_truncate_act_on_both_groups():
-    bm = BlockManager(32, 4, window=5)
+    bm = BlockManager(32, 4, groups=windowed(5))
     p = Sequence(list(range(10)), 10)
     assert bm.allocate_slots(p, 10) is not None
     p.num_computed_tokens = 10
     child = Sequence(list(p.token_ids), 10)
     bm.fork(p, child)
-    assert [b.ref_cnt for b in child.window_table if b is not None] == [2, 2, 2]
+    assert [b.ref_cnt for b in child.tables[1] if b is not None] == [2, 2, 2]
     child.token_ids.append(5)
     copies = bm.allocate_slots(child, 1)  # the shared, partly filled last block is copied in both groups
-    assert copies == [(p.block_table[2].block_id, child.block_table[2].block_id)]
-    assert copies.window == [(p.window_table[2].block_id, child.window_table[2].block_id)]
+    assert copies[0] == [(p.block_table[2].block_id, child.block_table[2].block_id)]
+    assert copies[1] == [(p.tables[1][2].block_id, child.tables[1][2].block_id)]
     child.num_computed_tokens = 11
     bm.check([p, child])
     child.token_ids += [1, 2, 3, 4]
     assert bm.allocate_slots(child, 4) is not None
     child.num_computed_tokens = 15
     bm.truncate(child, 12)  # a rejected proposal's slots go back in both groups
-    assert len(child.block_table) == len(child.window_table) == 3
+    assert len(child.block_table) == len(child.tables[1]) == 3
     bm.check([p, child])
     bm.allocate_slots(child, 0)
-    with pytest.raises(ValueError, match="window's blocks there were released"):
+    with pytest.raises(ValueError, match="group 1's blocks there were released"):
         bm.truncate(child, 4)
     bm.free(child)
     bm.free(p)
-    assert bm.window_pool.num_used == 0 == bm.pool.num_used
+    assert bm.groups[1].pool.num_used == 0 == bm.pool.num_used
 
 
 def test_random_operations_keep_both_groups_consistent():
@@ -111,7 +117,7 @@ def test_random_operations_keep_both_groups_consistent():
     prefixes; after each, the invariants of both groups hold (reference counts equal table
     occurrences, nothing the window sees is released)."""
     rng = random.Random(5)
-    bm = BlockManager(48, 4, window=7, window_blocks=20)
+    bm = BlockManager(48, 4, groups=windowed(7, 20))
     live: list[Sequence] = []
     for _ in range(600):
         op = rng.random()
@@ -138,7 +144,7 @@ def test_random_operations_keep_both_groups_consistent():
         elif op < 0.75 and live:
             s = rng.choice(live)
             keep = max(len(s.block_hashes) * 4, s.num_computed_tokens - rng.randrange(0, 3))
-            if None not in s.window_table[bm.first_in_window(keep) :]:
+            if None not in s.tables[1][bm.groups[1].first_needed(keep) :]:
                 bm.truncate(s, keep)
         elif live:
             s = live.pop(rng.randrange(len(live)))
@@ -146,17 +152,17 @@ def test_random_operations_keep_both_groups_consistent():
         bm.check(live)
     for s in live:
         bm.free(s)
-    assert bm.window_pins  # shared prefixes were recomputed and pinned on the way
-    assert bm.window_pool.num_used == sum(len(b) for b in bm.window_pins.values())
-    bm.release_window_pins()
-    assert bm.pool.num_used == 0 == bm.window_pool.num_used
+    assert bm.groups[1].pins  # shared prefixes were recomputed and pinned on the way
+    assert bm.groups[1].pool.num_used == sum(len(b) for b in bm.groups[1].pins.values())
+    bm.trim_groups()
+    assert bm.pool.num_used == 0 == bm.groups[1].pool.num_used
 
 
 def test_pools_of_each_group_follow_their_own_ids():
     """Two groups: the windowed layers' pools are their own length, and a resize, a copy and the
     disk tier's gather and write move only the group's own rows."""
     shape = CacheShape(3, 2, 8, mx.float32)
-    cache = PagedKVCache(shape, 6, 4, groups=(0, 1, 0), window_blocks=3)
+    cache = PagedKVCache(shape, 6, 4, groups=(0, 1, 0), group_blocks=(6, 3))
     assert [k.shape[0] for k in cache.keys] == [6, 3, 6] and cache.nbytes == 15 * 2 * 2 * 4 * 8 * 4
     rng = np.random.default_rng(0)
     for i in range(3):
@@ -167,12 +173,12 @@ def test_pools_of_each_group_follow_their_own_ids():
     np.testing.assert_array_equal(got[1][0], before[1][2])
     np.testing.assert_array_equal(got[0], before[0])  # the other group is untouched
     np.testing.assert_array_equal(got[2], before[2])
-    rows = cache.gather_blocks([5, 1], window_ids=[1, 2])
+    rows = cache.gather_blocks([[5, 1], [1, 2]])
     np.testing.assert_array_equal(np.array(rows[1]).view(np.float32), got[1][[1, 2]])
     np.testing.assert_array_equal(np.array(rows[0]).view(np.float32), got[0][[5, 1]])
-    other = PagedKVCache(shape, 6, 4, groups=(0, 1, 0), window_blocks=3)
+    other = PagedKVCache(shape, 6, 4, groups=(0, 1, 0), group_blocks=(6, 3))
     flat = [np.array(r).reshape(2, -1) for r in rows]
-    other.write_blocks([0, 3], flat, window=[(1, 0)])  # only row 1's windowed rows are wanted
+    other.write_blocks(flat, [[(0, 0), (1, 3)], [(1, 0)]])  # only row 1's windowed rows are wanted
     np.testing.assert_array_equal(np.array(other.keys[1])[0], got[1][2])
     np.testing.assert_array_equal(np.array(other.keys[1])[1:], 0)
     np.testing.assert_array_equal(np.array(other.keys[0])[[0, 3]], got[0][[5, 1]])
@@ -218,7 +224,7 @@ def _peak_window_blocks(engine, rids) -> tuple[dict, int]:
             if out.finished:
                 done[out.request_id] = out
         engine.check_invariants()
-        peak = max(peak, engine.block_manager.window_pool.num_used)
+        peak = max(peak, engine.block_manager.groups[1].pool.num_used)
     assert set(rids) <= set(done)
     return done, peak
 
@@ -268,7 +274,7 @@ def test_samples_beams_and_preemption_on_a_small_windowed_pool(families):
     want = contiguous_samples(ref_model, ids, 16, sampled, seed=3, sample_indices=range(3))
     assert [o.token_ids for o in done[a].outputs] == want
     assert done[b].outputs[0].token_ids == contiguous_generate(ref_model, tok.encode(LONG), 16)
-    assert engine.block_manager.window_pool.num_used == 0 == engine.block_manager.pool.num_used
+    assert engine.block_manager.groups[1].pool.num_used == 0 == engine.block_manager.pool.num_used
 
 
 def test_disk_tier_restores_the_window_of_the_windowed_group(families, tmp_path):
@@ -288,7 +294,7 @@ def test_disk_tier_restores_the_window_of_the_windowed_group(families, tmp_path)
 
     def spy(req, out):
         admit(req, out)
-        loads.append((len(out.loads), len(out.window_loads)))
+        loads.append((len(out.loads[0]), len(out.loads[1])))
 
     sched._admit = spy
     done = run_all(second)[rid]
@@ -305,19 +311,19 @@ def test_an_idle_engine_trims_both_groups_and_keeps_its_window_blocks(families):
     loaded, ref_model, tok = families["gpt_oss", 9]
     engine = _grown(loaded)
     bm = engine.block_manager
-    start = (bm.pool.num_blocks, bm.window_pool.num_blocks)
+    start = (bm.pool.num_blocks, bm.groups[1].pool.num_blocks)
     short = tok.encode(SYSTEM)[:14]
     a = engine.add_request(short, _greedy(20))
     engine.add_request(LONG, _greedy(2))
     done = run_all(engine)
-    assert bm.window_pool.num_blocks > start[1] and bm.pool.num_blocks > start[0]
+    assert bm.groups[1].pool.num_blocks > start[1] and bm.pool.num_blocks > start[0]
     kv = engine.kv_cache
 
     def rows_by_hash() -> dict:  # each group's cached blocks' K rows, by hash, on one layer of the group
         layer = [kv.groups.index(0), kv.groups.index(1)]
         return {
             (g, h): np.array(kv.keys[layer[g]][b.block_id])
-            for g, pool in enumerate((bm.pool, bm.window_pool))
+            for g, pool in enumerate((bm.pool, bm.groups[1].pool))
             for h, b in pool.cached.items()
         }
 
@@ -327,7 +333,7 @@ def test_an_idle_engine_trims_both_groups_and_keeps_its_window_blocks(families):
     assert {g for g, _ in after} == {0, 1} and set(after) <= set(before)
     for key, rows in after.items():  # a kept block holds its own rows, wherever it was moved
         np.testing.assert_array_equal(rows, before[key])
-    assert (bm.pool.num_blocks, bm.window_pool.num_blocks) == start == tuple(engine.kv_cache.group_blocks)
+    assert (bm.pool.num_blocks, bm.groups[1].pool.num_blocks) == start == tuple(engine.kv_cache.group_blocks)
     assert [k.shape[0] for k in engine.kv_cache.keys] == [start[g] for g in engine.kv_cache.groups]
     history = short + list(done[a].outputs[0].token_ids)
     prompt = history + tok.encode(" Again.")
@@ -354,7 +360,7 @@ def test_a_shared_prefix_recomputed_once_is_pinned_for_the_next(families):
         got[q] = out.num_cached_tokens
     first, second, third = got.values()
     assert first == 0 and second < shared <= third
-    assert len(engine.block_manager.window_pins) == 1
+    assert len(engine.block_manager.groups[1].pins) == 1
 
 
 def test_draft_speculation_rolls_back_both_groups(families, tmp_path):

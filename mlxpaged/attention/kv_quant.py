@@ -106,7 +106,7 @@ def gather_rows(pool: QuantizedPool, rows: mx.array) -> mx.array:
     return dequantize_rows(data, scales, biases, pool.bits, pool.group_size)
 
 
-def key_offsets(model, num_positions: int = 4096, layers: list | None = None) -> list[mx.array | None]:
+def key_offsets(model, num_positions: int = 4096, attentions: list | None = None) -> list[mx.array | None]:
     """Per layer, a constant `[num_kv_heads, head_dim]` to subtract from keys before quantizing.
 
     Why: Qwen2's k_proj bias puts a few channels of every key near +-150 while the rest stay
@@ -118,8 +118,8 @@ def key_offsets(model, num_positions: int = 4096, layers: list | None = None) ->
     None for a layer without a k_proj bias (nothing to remove).
     """
     offsets = []
-    for layer in model.layers if layers is None else layers:  # `layers`: the pool's (a hybrid's attention layers)
-        attn = layer.self_attn
+    # `attentions`: the pool layers' attention modules (a hybrid's attention layers; dbrx's nested one)
+    for attn in [layer.self_attn for layer in model.layers] if attentions is None else attentions:
         bias = getattr(attn.k_proj, "bias", None) if hasattr(attn, "k_proj") else None
         # Attention sinks (gpt-oss) are logits the shift q.c does not move: softmax would see it.
         if bias is None or not hasattr(attn, "rope") or "sinks" in attn:

@@ -27,9 +27,10 @@ class AttentionMetadata:
     # A hybrid model's recurrent states for this pass (models/recurrent.py `StepStates`), per entry;
     # None: none (a model without recurrent layers, or every entry starts empty).
     states: object = None
-    # The windowed group's view of the same pass (core/block_manager.py): its own slot_mapping and
-    # block_tables, the other fields these; None for a one-group model. Its layers read it instead.
-    window: AttentionMetadata | None = None
+    # Each KV cache group's view of the same pass (core/kv_groups.py), group 0's this one: its own
+    # slot_mapping and block_tables, the other fields these; empty for a one-group model. A layer
+    # reads its group's.
+    groups: list[AttentionMetadata] = field(default_factory=list, repr=False, compare=False)
     # Arrays derived from the tables (gather rows, masks), built by the first layer that needs
     # them and reused by the others: one pass's memo, never shared between passes.
     scratch: dict = field(default_factory=dict, repr=False, compare=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 
 import click
@@ -26,11 +27,28 @@ def _plot(path: Path, draw) -> None:
     click.echo(f"plot: {path.with_suffix('.png')}")
 
 
+def _out_dir(ctx, param, value: str) -> str:
+    """The results' folder, made now: a folder that cannot be written ends the command in one line
+    before the benchmark runs, not with a traceback after it."""
+    try:
+        Path(value).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=value):
+            pass
+    except OSError as e:
+        click.echo(f"error: cannot write results to {value}: {e.strerror}", err=True)
+        sys.exit(1)
+    return value
+
+
+def out_option(**kw):
+    return click.option("--out", "out_dir", default="bench-results", show_default=True, callback=_out_dir, **kw)
+
+
 common = [
     click.option("--model", "-m", default=None, help="Checkpoint, .gguf or repo id (default: the offline model)."),
     click.option("--tiny", is_flag=True, help="A tiny random-weight Qwen2 instead (seconds, for a smoke run)."),
     click.option("--dtype", default="auto", show_default=True),
-    click.option("--out", "out_dir", default="bench-results", show_default=True, help="Folder for the JSON (and PNG)."),
+    out_option(help="Folder for the JSON (and PNG)."),
     click.option("--plot", is_flag=True, help="Also draw a PNG (needs matplotlib)."),
 ]
 
@@ -206,7 +224,7 @@ def draw_sharing(ax, rows: list[dict], paper: dict) -> None:
 
 
 @bench.command()
-@click.option("--out", "out_dir", default="bench-results", show_default=True)
+@out_option()
 @click.option("--plot", is_flag=True)
 @click.option("--block-size", default=16, show_default=True)
 @click.option("--slots", default=15_700, show_default=True)
@@ -247,7 +265,7 @@ def waste(out_dir, plot, block_size, slots):
 
 
 @bench.command()
-@click.option("--out", "out_dir", default="bench-results", show_default=True)
+@out_option()
 @click.option("--plot", is_flag=True)
 @click.option("--seqs", type=int, default=None, help="Sequences (default 16 on an Apple GPU, 4 emulated).")
 @click.option("--tokens", type=int, default=None, help="Tokens each (default 4096 on an Apple GPU, 1024 emulated).")

@@ -59,7 +59,9 @@ def paged_perplexity(
     shape = CacheShape.of(loaded).quantized(kv_bits, kv_group_size)
     num_blocks = cdiv(len(ids), block_size)
     scales = model_key_scales(loaded) if calibrate and kv_bits is not None else None
-    cache = PagedKVCache.for_model(loaded.model, shape, num_blocks, block_size, scales)  # as the engine builds it
+    cache = PagedKVCache.for_model(  # as the engine builds it
+        loaded.model, shape, num_blocks, block_size, scales, spec=loaded.cache_spec
+    )
     table = np.random.default_rng(seed).permutation(num_blocks).astype(np.int32)
     nll, count = 0.0, 0
     for start in range(0, len(ids) - 1, chunk):

@@ -21,6 +21,7 @@ import warnings
 import click
 
 from .. import settings
+from ..engine.flags import fail
 
 # Shape families checked: (query heads per kv head, head_dim) of Qwen2.5-0.5B, -1.5B and -7B.
 FAMILIES = ((7, 64), (6, 128), (7, 128))
@@ -46,7 +47,7 @@ def _device() -> dict:
     return info
 
 
-def _checks(block_size: int) -> list[dict]:
+def _checks(block_size: int, families=FAMILIES) -> list[dict]:
     """Each family's startup checks, decode then varlen: ok, or the warning the engine would give
     (a failed varlen check sends prefill chunks to the reference path, a failed decode check
     everything)."""
@@ -64,7 +65,7 @@ def _checks(block_size: int) -> list[dict]:
         ),
     ):
         for dtype in DTYPES:
-            for group, hd in FAMILIES:
+            for group, hd in families:
                 pool = mx.zeros((1, 1, block_size, hd), dtype=getattr(mx, dtype))
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
@@ -134,8 +135,8 @@ def _planning() -> dict:
     }
 
 
-def collect(seqs: int | None = None, tokens: int | None = None, block_sizes=(16,)) -> dict:
-    """The whole report as a JSON-ready dict."""
+def collect(seqs: int | None = None, tokens: int | None = None, block_sizes=(16,), families=FAMILIES) -> dict:
+    """The whole report as a JSON-ready dict; the kernel checks cover `families` ((group, head_dim) pairs)."""
     import mlx.core as mx
 
     from ..attention import metal_native, resolve_impl
@@ -153,7 +154,7 @@ def collect(seqs: int | None = None, tokens: int | None = None, block_sizes=(16,
         "kernels_run_on": "apple gpu" if gpu else "MSL emulator (CPU)",
         "attention_impl_auto": resolve_impl("auto", q, pool),
         "MLXPAGED_METAL": settings.metal_mode(),
-        "checks": _checks(16),
+        "checks": _checks(16, families),
         "split_planning": _planning(),
         "kernel_table": _table(gpu, seqs, tokens, list(block_sizes)),
         "latent_attention": _latent(),
@@ -171,6 +172,18 @@ def _latent() -> str:
         if not why
         else f"latent attention (MLA, rows of 576) runs the reference path: {why[0].split(': ', 1)[-1]}"
     )
+
+
+def _parse_family(text: str) -> tuple[int, int]:
+    """'7x64' -> (7, 64); anything else ends the command in one line."""
+    group, _, hd = text.lower().partition("x")
+    try:
+        pair = int(group), int(hd)
+    except ValueError:
+        pair = (0, 0)
+    if min(pair) < 1:
+        fail(f"--family takes GROUPxHEAD_DIM with positive integers (e.g. 7x64), got {text!r}")
+    return pair
 
 
 @click.command()
@@ -195,11 +208,24 @@ def _latent() -> str:
     show_default=True,
     help="Kernel table block sizes; repeatable.",
 )
-def doctor(out_path, seqs, tokens, block_sizes):
+@click.option(
+    "--family",
+    "families",
+    multiple=True,
+    metavar="GROUPxHEAD_DIM",
+    help="Check only this shape family (query heads per KV head x head_dim, e.g. 7x64); repeatable "
+    "(default: " + ", ".join(f"{g}x{hd}" for g, hd in FAMILIES) + ").",
+)
+def doctor(out_path, seqs, tokens, block_sizes, families):
     """Check the Metal kernels on this machine and write a report to attach to a bug report."""
+    families = tuple(_parse_family(f) for f in families) or FAMILIES
     if seqs is not None and seqs < 1 or tokens is not None and tokens < 1:
-        raise click.UsageError("--seqs and --tokens must be positive")
-    report = collect(seqs, tokens, block_sizes)
+        fail("--seqs and --tokens must be positive")
+    try:  # before the checks, which take minutes in the emulator: a bad path is known now
+        open(out_path, "a").close()
+    except OSError as e:
+        fail(f"cannot write the report to {out_path}: {e.strerror}")
+    report = collect(seqs, tokens, block_sizes, families)
     click.echo(f"MLX {report['mlx_version']} on {report['platform']}")
     click.echo(f"kernels run on: {report['kernels_run_on']}; impl='auto' picks {report['attention_impl_auto']}")
     dev = report["device"]

@@ -85,7 +85,29 @@ def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:
     return tokenizer.encode(prompt)
 
 
-@click.group()
+class OneLineErrors(click.Group):
+    """The `mlxpaged` group: a usage error (a bad flag value, a missing option, an unknown
+    command) is one line and exit 1, like every other refusal at start-up, not click's
+    three-line usage block and exit 2."""
+
+    def main(self, *args, **kwargs):
+        kwargs.pop("standalone_mode", None)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except click.UsageError as e:
+            where = f"{e.ctx.command_path}: " if e.ctx is not None and e.ctx.command is not self else ""
+            click.echo(f"error: {where}{e.format_message()}", err=True)
+            sys.exit(1)
+        except click.ClickException as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("error: aborted", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=OneLineErrors)
 @click.version_option(package_name="mlxpaged")
 def main():
     """mlxpaged: PagedAttention inference on MLX for Apple Silicon."""
@@ -357,9 +379,17 @@ def _add_serve() -> None:
     main.add_command(serve)
 
 
+def _add_models() -> None:
+    from .models import ls, pull, rm  # imports click only; huggingface_hub loads when one runs
+
+    for command in (pull, ls, rm):
+        main.add_command(command)
+
+
 _add_bench()
 _add_serve()
 _add_doctor()
+_add_models()
 
 if __name__ == "__main__":
     main()

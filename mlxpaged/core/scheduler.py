@@ -33,7 +33,7 @@ from os.path import commonprefix
 
 from ..config import EngineConfig
 from .beam_policy import BeamPolicy
-from .block_manager import BlockManager, Loads
+from .block_manager import BlockManager, PerGroup
 from .block_pool import Resize
 from .sequence import FinishReason, PendingToken, Request, RequestStatus, Sequence
 from .spec_policy import SpecDecode, SpecPolicy
@@ -55,33 +55,38 @@ class PrefillChunk:
 class SchedulerOutput:
     prefills: list[PrefillChunk] = field(default_factory=list)
     decodes: list[tuple[Request, Sequence]] = field(default_factory=list)
-    copies: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (seq, src, dst) copy-on-write
-    window_copies: list[tuple[Sequence, int, int]] = field(default_factory=list)  # the windowed group's
+    # per KV cache group, (seq, src, dst) copy-on-write block copies
+    copies: PerGroup = field(default_factory=PerGroup)
     preempted: list[Request] = field(default_factory=list)
-    # (block_hash, block_id) to fill from the prefix cache's second tier before the forward pass.
-    # Kept even if their request is preempted in the same step: the blocks stay cached under the hash.
-    loads: list[tuple[bytes, int]] = field(default_factory=list)
-    window_loads: list[tuple[bytes, int]] = field(default_factory=list)  # the windowed group's blocks of `loads`
+    # per group, (block_hash, block_id) to fill from the prefix cache's second tier before the
+    # forward pass (group 0's are every loaded block; another group's, those it holds). Kept even if
+    # their request is preempted in the same step: the blocks stay cached under the hash.
+    loads: PerGroup = field(default_factory=PerGroup)
     spec: list[SpecDecode] = field(default_factory=list)
     read_back_now: bool = False  # a sequence may speculate next step: it needs this step's tokens first
-    # The pool grew while this step was scheduled: the device pools take its size before the step runs.
-    resize: Resize | None = None
-    window_resize: Resize | None = None  # the same for the windowed group's pool
+    # A pool grew while this step was scheduled: per group, its `Resize` or None (None: no pool
+    # changed); the device pools take their sizes before the step runs.
+    resize: list[Resize | None] | None = None
 
-    @property
-    def block_copies(self) -> list[tuple[int, int]]:
-        return [(src, dst) for _, src, dst in self.copies]
+    def block_copies(self, group: int = 0) -> list[tuple[int, int]]:
+        """The step's copy-on-write copies (src, dst) in `group`."""
+        return [(src, dst) for _, src, dst in self.copies[group]] if group < len(self.copies) else []
 
-    @property
-    def window_block_copies(self) -> list[tuple[int, int]]:
-        return [(src, dst) for _, src, dst in self.window_copies]
-
-    def add_copies(self, seq: Sequence, copies) -> None:
-        """Record `BlockManager.allocate_slots`' copies for `seq` (both groups)."""
+    def add_copies(self, seq: Sequence, copies: PerGroup) -> None:
+        """Record `BlockManager.allocate_slots`' copies for `seq` (every group's)."""
         if copies:
-            self.copies.extend((seq, s, d) for s, d in copies)
-        if copies.window:
-            self.window_copies.extend((seq, s, d) for s, d in copies.window)
+            while len(self.copies) < len(copies):
+                self.copies.append([])
+            for mine, theirs in zip(self.copies, copies):
+                mine.extend((seq, s, d) for s, d in theirs)
+
+    def add_loads(self, loads: PerGroup) -> None:
+        """Record `BlockManager.match_second_tier`'s loads (every group's)."""
+        if loads:
+            while len(self.loads) < len(loads):
+                self.loads.append([])
+            for mine, theirs in zip(self.loads, loads):
+                mine.extend(theirs)
 
     @property
     def num_decode_tokens(self) -> int:
@@ -188,7 +193,7 @@ class Scheduler:
                     if copies is None:  # short of blocks: preempt newer requests
                         if not self._allocate_or_preempt(req, seq, 1, out):
                             break
-                    elif copies or copies.window:
+                    elif copies:
                         out.add_copies(seq, copies)
                     out.decodes.append((req, seq))  # (a preemption rebuilds the list: no alias)
         if prefilling or self.waiting:  # (not in the usual decode step)
@@ -206,9 +211,7 @@ class Scheduler:
                     self._admit(req, out)
                     budget = self._schedule_prefill(req, budget, out)
         out.read_back_now = speculate and self.spec.needs_read_back(out)
-        out.resize = self.bm.pool.take_resize()
-        if self.bm.window_pool is not None:
-            out.window_resize = self.bm.window_pool.take_resize()
+        out.resize = self.bm.take_resize()
         return out
 
     # -- speculative decoding: the scheduler's side is core/spec_policy.py -------------------------
@@ -293,14 +296,13 @@ class Scheduler:
         return sum(s.num_uncomputed - 1 for s in req.live_seqs() if s.num_uncomputed > 1)
 
     def _admit(self, req: Request, out: SchedulerOutput) -> None:
-        hits, loads = 0, Loads()
+        hits, loads = 0, PerGroup()
         if req.params.prompt_logprobs is None:  # scoring every prompt position computes every one
             hits = self.bm.match_prefix(req.carrier, req.prefill_target())
             loads = self.bm.match_second_tier(req.carrier, req.prefill_target())
-        out.loads.extend(loads)
-        out.window_loads.extend(loads.window)
+        out.add_loads(loads)
         if req.num_preemptions == 0:
-            disk = len(loads) * self.bm.block_size
+            disk = len(loads[0]) * self.bm.block_size if loads else 0
             req.num_cached_tokens = hits + disk
             self.prefix_cache_hit_tokens += hits + disk
             self.prefix_cache_disk_hit_tokens += disk
@@ -381,8 +383,8 @@ class Scheduler:
         out.prefills = [c for c in out.prefills if c.request is not victim]
         out.decodes = [(r, s) for r, s in out.decodes if r is not victim]
         out.spec = [d for d in out.spec if d.request is not victim]
-        out.copies = [c for c in out.copies if c[0] not in seqs]
-        out.window_copies = [c for c in out.window_copies if c[0] not in seqs]
+        for copies in out.copies:
+            copies[:] = [c for c in copies if c[0] not in seqs]
         out.preempted.append(victim)
         return victim
 

@@ -2,15 +2,14 @@
 
 Sequence invariants:
 - `token_ids` is the prompt followed by the generated tokens;
-- the KV of `token_ids[:num_computed_tokens]` is stored in the blocks of `block_table`, in order,
-  so `len(block_table) >= ceil(num_computed_tokens / block_size)`; only the last block may be
-  partly empty;
-- `window_table` (a model with sliding-window layers, core/block_manager.py) has one entry per
-  entry of `block_table`: the windowed group's block, or None for a block released because it lies
-  wholly before the window of position `num_computed_tokens`; empty for a one-group model;
-- `table_ids` holds the block ids of `block_table` in order and `window_ids` those of
-  `window_table` (0 for a released entry); the block manager changes each table and its ids
-  together (`BlockManager.check` asserts they agree);
+- `tables[g]` is the sequence's block table in KV cache group `g` (core/kv_groups.py); the KV of
+  `token_ids[:num_computed_tokens]` is stored in the blocks of `tables[0]` (`block_table`, full
+  attention), in order, so `len(block_table) >= ceil(num_computed_tokens / block_size)`; only the
+  last block may be partly empty; every other group's table has one entry per entry of
+  `block_table`: that group's block, or None for a block the group released (no token still to
+  compute reads it); a sequence the block manager has not seen yet holds group 0's table only;
+- `ids[g]` holds the block ids of `tables[g]` in order (0 for a released entry); the block manager
+  changes each table and its ids together (`BlockManager.check` asserts they agree);
 - `block_hashes[i]` names block `i` (full blocks only), so `len(block_hashes) <= num_computed_tokens // block_size`;
 - `draft_computed <= num_computed_tokens` (only the draft proposer raises it, within the stored tokens);
 - `state`, if set, is a recurrent state after at most `num_computed_tokens` tokens; the runner
@@ -150,11 +149,9 @@ class Sequence:
     token_ids: list[int]
     num_prompt_tokens: int
     sample_index: int = 0
-    block_table: list[Block] = field(default_factory=list)
+    tables: list[list[Block | None]] = field(default_factory=lambda: [[]])  # one per KV cache group
     block_hashes: list[bytes] = field(default_factory=list)
-    window_table: list[Block | None] = field(default_factory=list)  # the windowed layers' group
-    table_ids: BlockIds = field(default_factory=BlockIds)  # block_table's ids (the runner's copy source)
-    window_ids: BlockIds = field(default_factory=BlockIds)  # window_table's, 0 where released
+    ids: list[BlockIds] = field(default_factory=lambda: [BlockIds()])  # tables' ids (the runner's copy source)
     num_computed_tokens: int = 0
     rng_key: mx.array | None = None
     finish_reason: FinishReason | None = None
@@ -205,8 +202,18 @@ class Sequence:
         return self.finish_reason is not None
 
     @property
+    def block_table(self) -> list[Block]:
+        """Group 0's table (full attention: every block of the sequence)."""
+        return self.tables[0]
+
+    @property
+    def table_ids(self) -> BlockIds:
+        """Group 0's block ids."""
+        return self.ids[0]
+
+    @property
     def block_ids(self) -> list[int]:
-        return list(self.table_ids.list)
+        return list(self.ids[0].list)
 
     @property
     def num_uncomputed(self) -> int:

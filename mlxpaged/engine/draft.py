@@ -52,7 +52,7 @@ class _DraftRow:
     token_ids: list[int]
     num_computed_tokens: int
     block_table: list = field(default_factory=list)
-    table_ids: BlockIds = field(default_factory=BlockIds)
+    ids: list[BlockIds] = field(default_factory=lambda: [BlockIds()])  # group 0's block ids (the draft's one group)
     pending: None = None
 
 
@@ -75,7 +75,7 @@ class DraftProposer(StepLayer):
     def __init__(self, draft, target, num_blocks: int, block_size: int, attention_impl: str = "auto"):
         check_draft(target, draft)
         self.loaded = draft
-        self.kv_cache = PagedKVCache(CacheShape.of(draft), num_blocks, block_size)
+        self.kv_cache = PagedKVCache(CacheShape.of(draft), num_blocks, block_size, spec=draft.cache_spec)
         self.runner = ModelRunner(draft.model, self.kv_cache, attention_impl)
         # Ids past the tokenizer's vocabulary (padding rows of an embedding) are never proposed.
         self.vocab = min(target.model.args.vocab_size, draft.model.args.vocab_size)
@@ -104,7 +104,7 @@ class DraftProposer(StepLayer):
             seq: Sequence = d.seq
             assert seq.pending is None and seq.num_uncomputed == 1, "a speculating row's tokens are known"
             start = min(seq.draft_computed, seq.num_computed_tokens)
-            row = _DraftRow(list(seq.token_ids), start, seq.block_table, seq.table_ids)
+            row = _DraftRow(list(seq.token_ids), start, seq.block_table, [seq.ids[0]])
             rows.append((d, row))
             batch.append((row, len(row.token_ids) - start))  # catch up to and through the last token
         while batch:

@@ -27,9 +27,16 @@ def model_and_engine_options(num_blocks_help: str, serving: bool = False):
             "--model",
             "-m",
             default=None,
+            multiple=serving,
             help=(
                 "Checkpoint directory, .gguf file or Hugging Face repo id "
                 "(default: the offline Qwen2.5-Coder-0.5B-Instruct)."
+                + (
+                    " Repeat it to serve several models, each loaded when a request names it; "
+                    "NAME=PATH_OR_REPO serves it as NAME."
+                    if serving
+                    else ""
+                )
             ),
         ),
         click.option(

@@ -40,10 +40,11 @@ class DiskConnector(StepLayer):
     def scheduled(self, out: SchedulerOutput) -> None:
         """Copy the blocks the scheduler took from the tier into the pool (they are cached under their hash now)."""
         if out.loads:
-            payloads = self.store.take_staged([h for h, _ in out.loads])
-            row = {h: i for i, (h, _) in enumerate(out.loads)}  # the windowed group takes the window's rows
-            window = [(row[h], b) for h, b in out.window_loads]
-            self.kv_cache.write_blocks([b for _, b in out.loads], self.store.split_payload(payloads), window)
+            loads = out.loads[0]  # every loaded block; another group's loads are the blocks it holds
+            payloads = self.store.take_staged([h for h, _ in loads])
+            row = {h: i for i, (h, _) in enumerate(loads)}
+            at = [[(row[h], b) for h, b in group] for group in out.loads]
+            self.kv_cache.write_blocks(self.store.split_payload(payloads), at)
 
     def committed(self, step: LaunchedStep) -> None:
         self._gather(step)
@@ -61,12 +62,12 @@ class DiskConnector(StepLayer):
     def _gather(self, step: LaunchedStep) -> None:
         """Snapshot the rows of the newly full blocks the tier wants (lazily, behind the step)."""
         items = self.bm.take_to_store()
-        wpool = self.bm.window_pool
-        if wpool is not None:  # a newly full block is in the window: the group cached it under its hash
-            items = [x for x in items if x[0] in wpool.cached]
+        others = [g.pool.cached for g in self.bm.groups[1:]]
+        if others:  # a newly full block is held by every group: each cached it under its hash
+            items = [x for x in items if all(x[0] in cached for cached in others)]
         if items:
-            wids = [wpool.cached[h].block_id for h, _, _ in items] if wpool is not None else None
-            rows = self.kv_cache.gather_blocks([b for _, b, _ in items], wids)
+            ids = [[b for _, b, _ in items]] + [[cached[h].block_id for h, _, _ in items] for cached in others]
+            rows = self.kv_cache.gather_blocks(ids)
             mx.async_eval(*rows)
             step.held[self] = ([(h, t) for h, _, t in items], rows)
 

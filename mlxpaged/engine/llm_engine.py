@@ -53,10 +53,10 @@ import numpy as np
 
 from ..config import EngineConfig
 from ..core.block_manager import BlockManager, HashFn, blocks_for_request, sha256_block_hash
+from ..core.kv_groups import GroupSpec, RecurrentStateGroup
 from ..core.scheduler import Scheduler, SchedulerOutput, SpecDecode
 from ..core.sequence import PendingToken, Request, Sequence
 from ..errors import MlxPagedError, StepError
-from ..models.paged_adapter import pool_windows
 from ..utils import cdiv
 from ..worker.kv_cache import CacheShape, PagedKVCache, growable_pool, pool_blocks
 from ..worker.kv_calibration import model_key_scales
@@ -111,36 +111,34 @@ class LLMEngine:
         held = self.state_bytes * config.scheduler.max_num_seqs + (checkpoints.cap_bytes if checkpoints else 0)
         growth = growable_pool(loaded, config, extra, held)  # (start, cap, chunk), or None for a fixed pool
         num_blocks = growth[0] if growth else pool_blocks(loaded, config, extra_block_bytes=extra, reserved_bytes=held)
-        # Sliding-window layers form a group of their own whose blocks out of the window go back
-        # (core/block_manager.py). A growing pool's windowed group starts at a window's worth of
-        # blocks and grows by as much (memory follows the windows); a fixed pool gives both groups
-        # its size (what the windows release is room for more sequences, as in vLLM).
-        windows = pool_windows(loaded.model)
-        window = max((w for w in windows if w is not None), default=None)
-        groups = tuple(int(w is not None) for w in windows) if window is not None else ()
+        # Layers of each kind of cache form a group of their own (core/kv_groups.py), whose blocks
+        # no later token reads go back. A growing pool's local group (a window, a chunk) starts at a
+        # span's worth of blocks and grows by as much (memory follows the spans); a fixed pool gives
+        # every group its size (what a group releases is room for more sequences, as in vLLM).
+        kinds, layer_groups = loaded.cache_spec.groups()
         bs = config.cache.block_size
-        window_growth = cdiv(window, bs) + 1 if window is not None and growth else None
+        steps = [cdiv(span, bs) + 1 if span is not None and growth else None for _, span in kinds]
         self.block_manager = BlockManager(
             num_blocks,
             bs,
             enable_prefix_caching=config.cache.enable_prefix_caching,
             hash_fn=hash_fn,
             extra_key=loaded.identity,
-            window=window,
-            window_blocks=min(window_growth, num_blocks) if window_growth else num_blocks,
+            groups=[GroupSpec(k, n, min(step, num_blocks) if step else None) for (k, n), step in zip(kinds, steps)]
+            + ([RecurrentStateGroup(checkpoints)] if checkpoints is not None else []),  # hits end at a checkpoint
         )
         # A quantized cache divides keys by per-channel scales, measured once per loaded model (kv_calibration.py).
         quant = config.cache.kv_bits is not None and not self.cache_shape.keys_only  # MLA: keys stay unscaled
         scales = model_key_scales(loaded) if quant else None
-        wpool = self.block_manager.window_pool
         self.kv_cache = PagedKVCache.for_model(
             loaded.model,
             self.cache_shape,
             num_blocks,
             bs,
             scales,
-            groups=groups,
-            window_blocks=wpool.num_blocks if wpool is not None else None,
+            groups=layer_groups if len(kinds) > 1 else (),
+            group_blocks=tuple(g.pool.num_blocks for g in self.block_manager.groups),
+            spec=loaded.cache_spec,
         )
         self.drafter = (
             DraftProposer(draft, loaded, num_blocks, config.cache.block_size, config.attention_impl)
@@ -149,9 +147,8 @@ class LLMEngine:
         )
         if growth:
             self.block_manager.pool.enable_growth(growth[1], growth[2])
-            if wpool is not None:
-                wpool.enable_growth(max(growth[1], wpool.num_blocks), window_growth)
-        self.block_manager.checkpoints = checkpoints
+            for g, step in zip(self.block_manager.groups[1:], steps[1:]):
+                g.pool.enable_growth(max(growth[1], g.pool.num_blocks), step)
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.attention_impl, checkpoints)
         self.prefix_store = self._open_prefix_store() if config.cache.prefix_cache_dir else None
         if checkpoints is not None and self.prefix_store is not None and self.prefix_store.enabled:
@@ -195,7 +192,7 @@ class LLMEngine:
         """A hybrid model (recurrent layers, worker/state_cache.py): refuse by name the features its
         state cannot follow yet; its prefix-state checkpoints when prefix caching is on."""
         self.state_bytes = 0  # one sequence's recurrent state, every layer
-        if not any(s is not None for s in self.loaded.model.__dict__.get("_paged_recurrent") or []):
+        if not self.loaded.cache_spec.num_recurrent:
             return None
         spec = state_spec(self.loaded.model)
         self.state_bytes = spec_nbytes(spec)
@@ -210,7 +207,7 @@ class LLMEngine:
 
         dtype = next(name for name, d in DTYPES.items() if d == self.loaded.dtype)
         draft = load(self.config.speculative.draft_model, dtype)
-        if any(s is not None for s in draft.model.__dict__.get("_paged_recurrent") or []):
+        if draft.cache_spec.num_recurrent:
             raise MlxPagedError(
                 f"a draft model with recurrent layers ({draft.config.get('model_type')!r}) is not supported: "
                 "its own state cannot roll back rejected proposals yet; "
@@ -298,12 +295,11 @@ class LLMEngine:
         if self.has_unfinished_requests():
             return 0
         given = 0
-        self.block_manager.release_window_pins()  # pinned windows hold blocks: nothing would trim
-        for group, pool in enumerate((self.block_manager.pool, self.block_manager.window_pool)):
-            if pool is not None:
-                given += pool.trim()
-                if resize := pool.take_resize():
-                    self._resize_pools(*resize, group=group)
+        self.block_manager.trim_groups()  # a group's pins hold blocks: nothing would trim
+        for group, g in enumerate(self.block_manager.groups):
+            given += g.pool.trim()
+            if resize := g.pool.take_resize():
+                self._resize_pools(*resize, group=group)
         return given
 
     # -- requests ------------------------------------------------------------------------------
@@ -462,9 +458,9 @@ class LLMEngine:
         empty step: they are cached under their hash now)."""
         out = self.scheduler.schedule()
         if out.resize:
-            self._resize_pools(*out.resize)
-        if out.window_resize:
-            self._resize_pools(*out.window_resize, group=1)
+            for group, resize in enumerate(out.resize):
+                if resize:
+                    self._resize_pools(*resize, group=group)
         for layer in self.layers.scheduled:
             layer.scheduled(out)
         return out
@@ -680,9 +676,8 @@ class LLMEngine:
         asked for every position of some entries (`StepLayer.logits_wanted`).
         Copy-on-write copies go first (they wait for the device: `copy_blocks` evaluates)."""
         if out.copies:
-            self.kv_cache.copy_blocks(out.block_copies)
-        if out.window_copies:
-            self.kv_cache.copy_blocks(out.window_block_copies, group=1)
+            for group in range(len(out.copies)):
+                self.kv_cache.copy_blocks(out.block_copies(group), group)
         wanted = []
         for layer in self.layers.before_forward:
             layer.before_forward(out)
@@ -748,8 +743,12 @@ class LLMEngine:
         sequences: every table entry holds one reference, `BlockManager.check`)."""
         st, pool = self.stats, self.block_manager.pool
         st.blocks_in_use_peak = max(st.blocks_in_use_peak, pool.num_used)
-        if (wpool := self.block_manager.window_pool) is not None:
-            st.window_blocks_in_use_peak = max(st.window_blocks_in_use_peak, wpool.num_used)
+        groups = self.block_manager.groups
+        if len(groups) > 1:
+            peaks = st.group_blocks_in_use_peak
+            peaks += [0] * (len(groups) - len(peaks))
+            for i in range(1, len(groups)):  # (group 0's is blocks_in_use_peak)
+                peaks[i] = max(peaks[i], groups[i].pool.num_used)
         st.blocks_without_sharing_peak = max(st.blocks_without_sharing_peak, pool.num_refs)
         st.running_seqs_peak = max(st.running_seqs_peak, self.scheduler.num_running_seqs)
 

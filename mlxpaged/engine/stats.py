@@ -4,7 +4,7 @@ benchmarks and, through `METRIC_KEYS`, the server's /metrics."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -25,7 +25,8 @@ class EngineStats:
     decode_time: float = 0.0
     steps: int = 0
     blocks_in_use_peak: int = 0
-    window_blocks_in_use_peak: int = 0  # the windowed group's (core/block_manager.py)
+    # each KV cache group's blocks in use at most (core/kv_groups.py), group 0's first
+    group_blocks_in_use_peak: list[int] = field(default_factory=list)
     blocks_without_sharing_peak: int = 0  # sum of table lengths at most, as if nothing were shared
     running_seqs_peak: int = 0
     spec_proposed_tokens: int = 0  # speculative decoding: tokens proposed and verified
@@ -88,10 +89,23 @@ def engine_stats(engine: LLMEngine) -> dict:
         "requests_held": engine.num_requests_held(),
         "kv_blocks_used": pool.num_used,
         "kv_blocks_total": pool.num_blocks,
-        # the windowed layers' group (core/block_manager.py); zeros for a model without one
-        "window_blocks_used": wpool.num_used if (wpool := engine.block_manager.window_pool) else 0,
-        "window_blocks_total": wpool.num_blocks if wpool else 0,
-        "window_blocks_in_use_peak": st.window_blocks_in_use_peak,
+        # each KV cache group (core/kv_groups.py), group 0 (full attention, the figures above) first
+        "kv_groups": [
+            {
+                "kind": g.kind,
+                "span": g.span,
+                "blocks_used": g.pool.num_used,
+                "blocks_total": g.pool.num_blocks,
+                "blocks_in_use_peak": (
+                    st.blocks_in_use_peak
+                    if i == 0
+                    else st.group_blocks_in_use_peak[i]
+                    if i < len(st.group_blocks_in_use_peak)
+                    else 0
+                ),
+            }
+            for i, g in enumerate(engine.block_manager.groups)
+        ],
         "speculative": engine.config.speculative.method,
         "spec_proposed_tokens": st.spec_proposed_tokens,
         "spec_accepted_tokens": st.spec_accepted_tokens,

@@ -13,6 +13,7 @@ a GPU and ``CPU_WEIGHTS`` on the CPU.  A checkpoint directory loads as stored un
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import MlxPagedError
+from ..models.cache_spec import CacheSpec
 
 HUB_DEFAULT = "mlx-community/Qwen2.5-0.5B-Instruct-4bit"
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -40,6 +42,13 @@ class LoadedModel:
     weights: str = "float"  # "quantized" when any layer is an MLX quantized layer
     # Per-channel key scales for a quantized KV cache, measured on first use (kv_calibration.py).
     key_scales: list | None = field(default=None, repr=False, compare=False)
+
+    @functools.cached_property
+    def cache_spec(self) -> CacheSpec:
+        """What each layer's paged cache keeps (models/cache_spec.py), read off the model once."""
+        from ..models.paged_adapter import cache_spec
+
+        return cache_spec(self.model)
 
     @property
     def identity(self) -> bytes:

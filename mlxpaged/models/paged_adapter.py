@@ -37,7 +37,8 @@ import mlx.nn as nn
 from ..attention import paged_attention_varlen
 from ..attention.metadata import AttentionMetadata
 from ..errors import MlxPagedError
-from .recurrent import SegmentedLayer, StepStates, recurrent_sizes
+from .cache_spec import RECURRENT, CacheSpec, LayerSpec
+from .recurrent import SegmentedLayer, StepStates
 from .rotary import Rotary, is_rotation, table_key
 
 # The families tested in depth (tests/test_families.py) and named by the tensor-parallel
@@ -90,8 +91,8 @@ class PagedLayerCache:
     """What one mlx-lm attention layer sees as its cache during one paged pass.
 
     `window`: this layer's sliding window (None: full attention), from mlx-lm's own cache for
-    the layer (`layer_windows`); the attention call masks by it, so the model's mask is not needed.
-    `chunk`: this layer's attention chunk (Llama 4), likewise (`layer_chunks`).
+    the layer (`cache_spec`); the attention call masks by it, so the model's mask is not needed.
+    `chunk`: this layer's attention chunk (Llama 4), likewise.
     """
 
     def __init__(
@@ -240,20 +241,10 @@ class LatentLayerCache(PagedLayerCache):
 
 
 def kv_dims(model: nn.Module) -> tuple[int, int]:
-    """(KV heads, row width) of the pool's rows for `model`: an MLA model's one latent row per
-    token, `kv_lora_rank + rope_dim` wide; else its (local) KV heads and head_dim."""
-    dims = model.__dict__.get("_paged_kv_dims")
-    if dims is not None:
-        return dims
+    """(KV heads, head_dim) of `model`'s attention rows: its (local, under tensor parallelism) KV
+    heads and head_dim."""
     args = model.args
     return getattr(model, "num_local_kv_heads", args.num_key_value_heads), args.head_dim
-
-
-def layer_kv_dims(model: nn.Module) -> list[tuple[int, int]]:
-    """Per pool layer (`paged_layers`), its (KV heads, row width): `kv_dims` for every layer,
-    unless the layers' attention modules differ (Gemma 4: `_paged_layer_dims`, set by `prepare`)."""
-    dims = model.__dict__.get("_paged_layer_dims")
-    return list(dims) if dims is not None else [kv_dims(model)] * len(paged_layers(model))
 
 
 def text_body(model: nn.Module) -> nn.Module:
@@ -286,28 +277,64 @@ def _final_norm(body: nn.Module) -> str | None:
     return next((n for n in _FINAL_NORMS if isinstance(body.get(n), nn.Module)), None)
 
 
-def paged_layers(model: nn.Module) -> list:
-    """The layers whose K/V the paged cache holds: every layer but the recurrent ones (recurrent.py),
-    whose state is no key/value cache. Their position in this list is their pool index."""
-    idx = model.__dict__.get("_paged_kv_index")
-    layers = model.layers
-    return list(layers) if idx is None else [layers[i] for i, j in enumerate(idx) if j is not None]
+def paged_layers(model: nn.Module, spec: CacheSpec | None = None) -> list:
+    """The layers whose K/V the paged cache holds (`spec`, default `cache_spec(model)`): every
+    layer but the recurrent ones (recurrent.py), whose state is no key/value cache, and those that
+    read another layer's. Their position in this list is their pool index."""
+    spec = spec or cache_spec(model)
+    return [model.layers[i] for i in spec.pool_layers]
 
 
-def pool_windows(model: nn.Module) -> list:
-    """Per pool layer (`paged_layers`), its sliding window, or None (full or chunked attention):
-    the layers with a window form the KV cache's windowed group (core/block_manager.py)."""
-    windows = model.__dict__.get("_paged_windows") or [None] * len(model.layers)
-    idx = model.__dict__.get("_paged_kv_index") or list(range(len(windows)))
-    return [windows[i] for i, j in enumerate(idx) if j is not None]
+def cache_spec(model: nn.Module) -> CacheSpec:
+    """`model`'s paged cache, declared (cache_spec.py): each layer's kind from the cache mlx-lm's
+    own `make_prompt_cache` gives it (a RotatingKVCache: a sliding window of its size; a
+    ChunkedKVCache: an attention chunk; an ArraysCache: a recurrent state; a KVCache: full
+    attention), its rows' shape from its attention module (an MLA layer: one latent row per token,
+    `kv_lora_rank + rope_dim` wide), and the layers that read an earlier layer's K/V. Read off the
+    model as it is now (under tensor parallelism, after its layers are split)."""
+    from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, RotatingKVCache, make_prompt_cache
+
+    caches = make_prompt_cache(model)
+    shared, by_model = _shared_layers(model, len(caches))
+    kinds = []
+    for c in caches:
+        if isinstance(c, ArraysCache):
+            kinds.append((RECURRENT, None, len(c.cache)))
+        elif isinstance(c, RotatingKVCache):
+            kinds.append(("sliding_window", c.max_size, None))
+        elif isinstance(c, ChunkedKVCache):
+            kinds.append(("chunked_local", c.chunk_size, None))
+        else:
+            kinds.append(("full", None, None))
+    pooled = [i for i, (k, _, _) in enumerate(kinds) if k != RECURRENT]
+    attns = [attention_of(model.layers[i]) for i in pooled]
+    latent = bool(attns) and _is_latent(attns[0])
+    if latent:
+        dims = [(1, a.kv_lora_rank + a.qk_rope_head_dim) for a in attns]
+    else:
+        dims = [_kv_shape(a, model.args) for a in attns]
+        if len(set(dims)) <= 1:  # one shape for all: the config's (local, under tensor parallelism) KV heads
+            dims = [kv_dims(model)] * len(attns)
+        # else Gemma 4's full layers' rows are wider, OpenELM's heads vary: a row shape per layer
+    layers = []
+    for i, (kind, span, arrays) in enumerate(kinds):
+        if kind == RECURRENT:
+            layers.append(LayerSpec(kind, state_arrays=arrays))
+        else:
+            p = pooled.index(i)
+            layers.append(LayerSpec(kind, span, p, *dims[p]))
+    for src in (shared or [])[len(kinds) :]:  # the layers make_prompt_cache gives no cache (Gemma 4, 3n)
+        lay = layers[src] if src is not None else LayerSpec("full")  # attends as its source does, writing no K/V
+        layers.append(LayerSpec(lay.kind, lay.span, source=src))
+    return CacheSpec(tuple(layers), latent, by_model, tuple(_plain_ropes(model.layers)))
 
 
-def attention_modules(model: nn.Module) -> list:
+def attention_modules(model: nn.Module, spec: CacheSpec | None = None) -> list:
     """The mlx-lm modules that define the attention classes of `model`'s layers (a wrapper's
     layers come from another module: smollm3's and mistral3's from llama's or ministral3's)."""
     import sys
 
-    names = dict.fromkeys(type(attention_of(layer)).__module__ for layer in paged_layers(model))
+    names = dict.fromkeys(type(attention_of(layer)).__module__ for layer in paged_layers(model, spec))
     return [sys.modules[n] for n in names]
 
 
@@ -429,7 +456,7 @@ def _chunked_swaps(model: nn.Module, body: nn.Module, meta: AttentionMetadata) -
     swaps = [(parent, "model", _LayersWithoutMasks(body))]
     scales = {}
     for layer in body.layers:
-        attn = layer.self_attn
+        attn = attention_of(layer)
         if attn.use_rope or not attn.attn_temperature_tuning:
             continue
         key = (attn.floor_scale, attn.attn_scale)
@@ -450,28 +477,29 @@ class PagedModelMixin:
         if meta is None:
             return super().__call__(inputs, cache, **kwargs)
         layers = self.layers
-        windows = self.__dict__.get("_paged_windows") or [None] * len(layers)
-        chunks = self.__dict__.get("_paged_chunks") or [None] * len(layers)
-        kv_index = self.__dict__.get("_paged_kv_index") or list(range(len(layers)))
-        shared = self.__dict__.get("_paged_shared") or [None] * len(layers)
+        spec = cache.spec if cache.spec is not None else cache_spec(self)
         # A recurrent layer gets no cache object: its stand-in (recurrent.py) holds the step's states.
-        kind = LatentLayerCache if "_paged_kv_dims" in self.__dict__ else PagedLayerCache
-        caches = []
-        for i, j in enumerate(kv_index):
-            if shared[i] is not None:  # reads an earlier layer's pools (Gemma 4)
-                caches.append(SharedLayerCache(caches[shared[i]]))
+        kind = LatentLayerCache if spec.latent else PagedLayerCache
+        caches, chunked = [], False
+        for lay in spec.layers:
+            window = lay.span if lay.kind == "sliding_window" else None
+            chunk = lay.span if lay.kind == "chunked_local" else None
+            chunked = chunked or chunk is not None
+            if lay.source is not None:  # reads an earlier layer's pools (Gemma 4); Gemma 3n's model hands them itself
+                caches.append(None if spec.shared_by_model else SharedLayerCache(caches[lay.source]))
+            elif lay.pool is None:
+                caches.append(None)
             else:
-                # a layer of the windowed group (worker/kv_cache.py `groups`) reads that group's tables
-                m = meta.window if meta.window is not None and j is not None and cache.groups[j] else meta
-                caches.append(None if j is None else kind(cache, j, m, windows[i], chunks[i]))
+                # a layer reads its own KV cache group's tables (worker/kv_cache.py `groups`)
+                m = meta.groups[cache.groups[lay.pool]] if meta.groups else meta
+                caches.append(kind(cache, lay.pool, m, window, chunk))
         body = text_body(self)
         norm = _final_norm(body)
         swaps = [(body, norm, _NormRows(body[norm], meta.logits_indices))]
-        swaps += _rope_swaps(self, meta.positions)
-        sizes = self.__dict__.get("_paged_recurrent") or []
-        if any(s is not None for s in sizes):
-            swaps.append((body, "layers", _segmented(body.layers, sizes, meta)))
-        if any(c is not None for c in chunks):
+        swaps += _rope_swaps(spec, meta.positions)
+        if spec.num_recurrent:
+            swaps.append((body, "layers", _segmented(body.layers, spec.recurrent_sizes, meta)))
+        if chunked:
             swaps += _chunked_swaps(self, body, meta)
         try:
             with _swapped(swaps):
@@ -522,14 +550,12 @@ def _plain_ropes(layers) -> list:
     return out
 
 
-def _rope_swaps(model, positions: mx.array) -> list:
+def _rope_swaps(spec: CacheSpec, positions: mx.array) -> list:
     """On the CPU, plain RoPE layers share one pass's cos/sin tables (rotary.py: ~25 ops fewer per call)."""
     if mx.default_device() != mx.cpu:
         return []
-    if "_paged_ropes" not in model.__dict__:  # found once per model (an attribute, not a child module)
-        object.__setattr__(model, "_paged_ropes", _plain_ropes(model.layers))
     swaps, tables = [], {}
-    for attn, rope, key in model._paged_ropes:
+    for attn, rope, key in spec.ropes:  # found once per model, with its spec
         if key not in tables:
             tables[key] = _TabledRope(Rotary(rope, positions))
         swaps.append((attn, "rope", tables[key]))
@@ -547,22 +573,6 @@ def model_classes(config: dict):
             f"Paged{module.__name__.rsplit('.', 1)[-1].title()}Model", (PagedModelMixin, module.Model), {}
         )
     return _classes[module.Model], module.ModelArgs
-
-
-def layer_windows(model: nn.Module) -> list:
-    """Per layer, its sliding window (the `max_size` of the RotatingKVCache mlx-lm's own
-    `make_prompt_cache` gives it), or None for a full-attention layer (a plain KVCache)."""
-    from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
-
-    return [c.max_size if isinstance(c, RotatingKVCache) else None for c in make_prompt_cache(model)]
-
-
-def layer_chunks(model: nn.Module) -> list:
-    """Per layer, its attention chunk (the `chunk_size` of the ChunkedKVCache mlx-lm's own
-    `make_prompt_cache` gives it), or None."""
-    from mlx_lm.models.cache import ChunkedKVCache, make_prompt_cache
-
-    return [c.chunk_size if isinstance(c, ChunkedKVCache) else None for c in make_prompt_cache(model)]
 
 
 # The names mlx-lm's decoder layers give their attention module (most: self_attn).
@@ -862,24 +872,6 @@ def prepare(model: nn.Module, config: dict, where) -> nn.Module:
     if reason:
         raise MlxPagedError(f"{reason} in {where}")
     text_body(model)  # raises if the final norm cannot be found
-    object.__setattr__(model, "_paged_windows", layer_windows(model))  # an attribute, not a child module
-    object.__setattr__(model, "_paged_chunks", layer_chunks(model))
-    sizes = recurrent_sizes(model)
-    object.__setattr__(model, "_paged_recurrent", sizes)
-    pool = iter(range(len(sizes)))
-    kv_index = [None if s is not None else next(pool) for s in sizes]
-    shared, by_model = _shared_layers(model, len(sizes))
-    if shared is not None:  # Gemma 4, 3n: make_prompt_cache gives only the layers that write a cache
-        kv_index += [None] * (len(shared) - len(kv_index))
-        object.__setattr__(model, "_paged_recurrent", sizes + [None] * (len(shared) - len(sizes)))
-        if not by_model:  # Gemma 3n hands a shared layer its source's cache object itself
-            object.__setattr__(model, "_paged_shared", shared)
-        for name in ("_paged_windows", "_paged_chunks"):  # a shared layer attends as its source does
-            per = model.__dict__[name]
-            object.__setattr__(model, name, [per[i if s is None else s] for i, s in enumerate(shared)])
-    object.__setattr__(model, "_paged_kv_index", kv_index)
-    for module in attention_modules(model):
-        _install_sdpa(module)
     args = model.args
     body = text_body(model)
     text_args = getattr(body, "args", None) or getattr(body, "config", None)  # gemma3n: LanguageModel.config
@@ -893,17 +885,14 @@ def prepare(model: nn.Module, config: dict, where) -> nn.Module:
         args.num_key_value_heads = args.num_attention_heads
     if getattr(args, "head_dim", None) is None:
         args.head_dim = args.hidden_size // args.num_attention_heads  # every supported family's default
-    if _latent(model):
-        a = attention_of(paged_layers(model)[0])
-        object.__setattr__(model, "_paged_kv_dims", (1, a.kv_lora_rank + a.qk_rope_head_dim))
-    for layer in paged_layers(model):
+    spec = cache_spec(model)  # raises if the layers that read another's K/V cannot be told
+    for module in attention_modules(model, spec):
+        _install_sdpa(module)
+    for layer in paged_layers(model, spec):
         attn = attention_of(layer)
         if getattr(attn, "head_dim", None) is None:
             attn.head_dim = args.head_dim  # kv_quant.key_offsets reads it
-    dims = [_kv_shape(attention_of(layer), args) for layer in paged_layers(model)]
-    if len(set(dims)) > 1:  # Gemma 4's full layers' rows are wider, OpenELM's heads vary: a CacheShape per layer
-        object.__setattr__(model, "_paged_layer_dims", dims)
-    _check_kv_shapes(model, args, dims)
+    _check_kv_shapes(model, spec)
     return model
 
 
@@ -912,20 +901,19 @@ _HEADS = ("n_heads", "num_heads", "num_attention_heads", "n_head")
 _KV_HEADS = ("n_kv_heads", "num_kv_heads", "num_key_value_heads")
 
 
-def _latent(model: nn.Module) -> bool:
-    """Whether `model`'s attention layers are mlx-lm's multi-head latent attention, as deepseek_v3's
-    (a latent cache row; `LatentLayerCache`): whatever the checkpoint's model_type (kimi_k25, joyai_llm_flash)."""
-    layers = paged_layers(model)
-    attn = attention_of(layers[0]) if layers else None
+def _is_latent(attn: nn.Module | None) -> bool:
+    """Whether an attention module is mlx-lm's multi-head latent attention, as deepseek_v3's (a
+    latent cache row; `LatentLayerCache`): whatever the checkpoint's model_type (kimi_k25, joyai_llm_flash)."""
     return attn is not None and hasattr(attn, "kv_lora_rank") and hasattr(attn, "embed_q")
 
 
-def _check_kv_shapes(model: nn.Module, args, dims: list) -> None:
+def _check_kv_shapes(model: nn.Module, spec: CacheSpec) -> None:
     """Raise unless each pool layer's rows are as wide as its attention module's K/V: a layer
     writing more KV heads than its pool has would be broadcast into it, not refused."""
-    if _latent(model):  # one latent row per token (kv_dims), not per-head rows
+    if spec.latent:  # one latent row per token, not per-head rows
         return
-    for i, (want, have) in enumerate(zip(dims, layer_kv_dims(model))):
+    for i, (layer, have) in enumerate(zip(paged_layers(model, spec), spec.pool_dims)):
+        want = _kv_shape(attention_of(layer), model.args)
         if tuple(want) != tuple(have):
             raise AdapterError(
                 f"{inspect.getfile(type(model))}: layer {i}'s attention writes {want[0]} KV heads of {want[1]}, "
@@ -944,7 +932,11 @@ def _args_from_attention(model: nn.Module, args) -> None:
     """Fill what the engine reads (num_attention_heads, num_key_value_heads, head_dim,
     hidden_size) from the first attention layer, where the family's args name them otherwise
     (gpt2's n_head and n_embd, openelm's per-layer lists)."""
-    attn = attention_of(paged_layers(model)[0]) if paged_layers(model) else None
+    from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+
+    # the first layer with K/V (not `paged_layers`: the spec reads the args this fills)
+    first = next((la for la, c in zip(model.layers, make_prompt_cache(model)) if not isinstance(c, ArraysCache)), None)
+    attn = attention_of(first)
     if attn is None:
         return
     heads = next((getattr(attn, n) for n in _HEADS if isinstance(getattr(attn, n, None), int)), None)

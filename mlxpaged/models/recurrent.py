@@ -62,14 +62,6 @@ class StepStates:
         return cls(q_lens, [[None] * num_layers for _ in q_lens], [None] * len(q_lens))
 
 
-def recurrent_sizes(model: nn.Module) -> list[int | None]:
-    """Per layer, the number of arrays of its recurrent state (mlx-lm's own `make_prompt_cache`
-    gives the layer an ArraysCache of that size), or None for an attention layer."""
-    from mlx_lm.models.cache import ArraysCache, make_prompt_cache
-
-    return [len(c.cache) if isinstance(c, ArraysCache) else None for c in make_prompt_cache(model)]
-
-
 class Row:
     """Row `i` of one decode call's batched state (`arrays`, each `[B, ...]`): the next decode of
     the same sequences, in the same order, takes the batched arrays as they are (no copy)."""

@@ -13,7 +13,8 @@ wire form for tensor parallelism), `metrics` (Prometheus), `limits` (what one re
 `middleware` (auth, body cap, draining, the catch-all 500, the access line, for every route),
 `keepalive` (beats on a silent stream), `connections` (header deadline, fd limit, accept
 errors), `tokenize_api` (vLLM's /tokenize and /detokenize), `app` (wiring), `web` (the page at
-`/` and its cache view, docs/web.md), `cli` (the click command).
+`/` and its cache view, docs/web.md), `cli` (the click command), `models_api` (the served models'
+cards and /v1/models), `ollama_api` (Ollama's /api/... routes).
 Behaviour under hostile clients: docs/server.md.
-May import: `engine`, `core`, `attention`.
+May import: `engine`, `core`, `attention`, `loading` (what a checkpoint's files say: `loading.catalog`).
 """

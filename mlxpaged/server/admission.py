@@ -4,7 +4,8 @@ A route turns its body into an `Ask` (its template messages and tools, or comple
 stops, n, the max_tokens it asked for, and how to build its `SamplingParams`) and calls `admit`,
 which, here and nowhere else, in this order:
 1. checks the model name;
-2. bounds the stops, the stop token ids, the prompts and the work asked for (limits.py);
+2. bounds the stops, the stop token ids, the prompts, the work asked for and the answer's estimated
+   size (limits.py);
 3. counts every character the template will render (system, messages, tool definitions, tool
    calls and results, and one token's worth per message for the template's own markers) and
    refuses a prompt that cannot fit the pool, before any tokenizing;
@@ -12,7 +13,8 @@ which, here and nowhere else, in this order:
 5. picks the default max_tokens against the pool's maximum and the model's context, and clamps an
    asked max_tokens to what the context leaves (Claude Code asks 32,000 whatever the model): the
    response says so in its `x-mlxpaged-max-tokens-clamped` header;
-6. checks the context and the work again, builds the parameters and starts the `Job`.
+6. checks the context, the work and the answer's size again (with the prompts' token counts now),
+   builds the parameters and starts the `Job`.
 
 Errors are `APIError`s; `Ask.names` renames OpenAI's field names in them to the route's own
 (`max_output_tokens`, `stop_sequences`), and the route renders them as its own error object.
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 
 from .errors import APIError
 from .jobs import Job, check_model
-from .limits import check_chars, check_request, default_max_tokens
+from .limits import LOGPROB_BYTES, TOKEN_BYTES, check_answer, check_chars, check_request, default_max_tokens
 from .middleware import note
 from .prompts import check_context, encode_messages, encode_prompt
 
@@ -51,6 +53,9 @@ class Ask:
     guided_param: str | None = None  # the field a grammar the engine refuses is blamed on
     names: dict[str, str] = field(default_factory=dict)  # OpenAI field name -> this route's
     template_kwargs: dict = field(default_factory=dict)  # e.g. enable_thinking, for templates that read it
+    logprobs: int | None = None  # alternatives a token the answer carries logprobs of (None: no logprobs)
+    logprob_bytes: int = LOGPROB_BYTES  # one logprob entry's size in the route's shape (limits.py)
+    echo: bool = False  # every choice repeats its prompt first (completions' `echo`)
 
 
 def template_chars(messages: list[dict], tools: list[dict] | None, per_message: int) -> int:
@@ -65,7 +70,8 @@ def template_chars(messages: list[dict], tools: list[dict] | None, per_message: 
     return n
 
 
-def _check_limits(state, ask: Ask, max_tokens: int) -> None:
+def _check_limits(state, ask: Ask, max_tokens: int, ids: list[list[int]] | None = None) -> None:
+    """The limits; `ids`: the prompts' tokens once known (before, a text prompt counts none)."""
     check_request(
         state.limits,
         state.capacity,
@@ -76,6 +82,14 @@ def _check_limits(state, ask: Ask, max_tokens: int) -> None:
         max_tokens=max_tokens,
         max_queue=state.max_queue,
     )
+    if ids is not None:
+        counts = [len(x) for x in ids]
+    else:
+        counts = [0 if isinstance(p, str) else len(p) for p in ask.prompts] if ask.prompts is not None else [0]
+    echo = None
+    if ask.echo and ask.prompts is not None:
+        echo = [len(p) if isinstance(p, str) else TOKEN_BYTES * len(p) for p in ask.prompts]
+    check_answer(state.limits, counts, ask.n, max_tokens, ask.logprobs, echo, ask.logprob_bytes)
 
 
 async def tokenize(state, ask: Ask) -> list[list[int]]:
@@ -105,7 +119,7 @@ async def admit(state, ask: Ask) -> tuple[Job, list[list[int]]]:
         if ask.max_tokens and cap.context and longest < cap.context and longest + max_tokens > cap.context:
             max_tokens = cap.context - longest  # clamped, not refused: the prompt itself fits
             note(max_tokens_clamped=max_tokens)
-        _check_limits(state, ask, max_tokens)
+        _check_limits(state, ask, max_tokens, prompts)
         for ids in prompts:
             check_context(len(ids), max_tokens, cap.context)
         try:

@@ -1,15 +1,26 @@
 """Anthropic's Messages API: `POST /v1/messages` and `POST /v1/messages/count_tokens`.
 
 A body becomes chat messages for the checkpoint's template: `system` (a string or text blocks)
-is the system turn; `tool_use` blocks become the assistant's `tool_calls`; `tool_result` blocks
-become `role: "tool"` messages; a `role: "system"` message inside `messages` (Claude Code sends
-them) is a system turn where it stands. `tool_choice` maps to the chat route's: auto -> auto, any ->
-required, tool -> a named function, none -> none (all in `guided_request.tool_plan`).
+is the system turn (less Claude Code's `x-anthropic-billing-header:` block, which is not for the
+model and, changing per request, would defeat the prefix cache); `tool_use` blocks become the
+assistant's `tool_calls`; `tool_result` blocks become `role: "tool"` messages; a `role: "system"`
+message inside `messages` (Claude Code sends them) is a system turn where it stands. `tool_choice`
+maps to the chat route's: auto -> auto, any -> required, tool -> a named function, none -> none
+(all in `guided_request.tool_plan`). A non-streamed message is the stream's events added up
+(`message_of`), as the SDK's `get_final_message()` adds them.
 
 `thinking` (adaptive, enabled with its budget, disabled) and `output_config.effort` are accepted.
 A model without reasoning answers without thinking; a reasoning model's template gets
 `enable_thinking` (false for disabled, true for enabled, its default for adaptive) where the
 template reads it. A budget is not enforced apart from `max_tokens`, which bounds both.
+
+`cache_salt` (top-level, as on the OpenAI routes, or `metadata.cache_salt`, where Anthropic
+clients can set it) keeps the request's cached blocks to requests of the same salt. `usage` counts
+as Anthropic does: `cache_read_input_tokens` the prompt tokens taken from the prefix cache,
+`input_tokens` the rest (computed); a stream's `message_start` counts the whole prompt as input,
+its `message_delta` carries the final counts. Top-level fields the body does not declare are
+refused by name, but for `context_management` and `service_tier` (Claude Code sends the first),
+which change nothing here.
 
 Errors on these routes are Anthropic's object, `{"type": "error", "error": {"type", "message"}}`,
 and `x-api-key` authenticates as `Authorization: Bearer` does.
@@ -17,6 +28,7 @@ and `x-api-key` authenticates as `Authorization: Bearer` does.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request
@@ -32,7 +44,7 @@ from .jobs import ErrorResponse, JobStream
 from .keepalive import PING, keepalive
 from .middleware import anthropic_error_body
 from .prompts import thinking_kwargs
-from .turns import Thinking, TurnEnd, add_format, sse, turn_events, turn_parse, whole_turn
+from .turns import Thinking, TurnEnd, add_format, drain, sse, turn_events, turn_parse
 
 
 class AnthropicError(Exception):
@@ -118,13 +130,22 @@ class OutputConfig(Body):
     effort: Literal["low", "medium", "high", "max"] | None = None  # accepted: thinking follows `thinking`
 
 
+class Metadata(Body):
+    user_id: str | None = None  # accepted and ignored
+    cache_salt: str | None = None  # mlxpaged's: as the top-level field, where Anthropic clients can set it
+
+
 class CountTokensRequest(CheckedBody):
+    IGNORED = frozenset({"context_management", "service_tier"})  # change nothing here
+
     model: str
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None  # structured output: format json_schema
+    cache_salt: str | None = None  # prefix-cache isolation (a count shares nothing: accepted)
 
 
 class MessagesRequest(CountTokensRequest):
@@ -134,9 +155,15 @@ class MessagesRequest(CountTokensRequest):
     temperature: float = Field(1.0, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
-    metadata: dict[str, Any] | None = None  # accepted and ignored (user_id)
-    output_config: OutputConfig | None = None  # structured output: format json_schema
+    metadata: Metadata | None = None
     speculative: bool = True  # mlxpaged's extension: false opts this request out of speculative decoding
+
+    def salt(self) -> str | None:
+        """The request's cache salt, from the body or its metadata (a 400 when they differ)."""
+        inner = self.metadata.cache_salt if self.metadata else None
+        if inner is not None and self.cache_salt is not None and inner != self.cache_salt:
+            raise AnthropicError(400, "cache_salt: the body's and metadata.cache_salt differ; send one")
+        return self.cache_salt if self.cache_salt is not None else inner
 
 
 def _parse(model, raw) -> BaseModel:
@@ -144,6 +171,9 @@ def _parse(model, raw) -> BaseModel:
         return model.model_validate(raw)
     except ValidationError as e:
         err = max(e.errors(), key=lambda x: len(x["loc"]))  # of a union's branches, the one that got furthest
+        if err["type"] == "unimplemented":  # a top-level field the body does not declare (bodies.py)
+            field = err["ctx"]["field"]
+            raise AnthropicError(400, f"{field}: this server does not implement '{field}'; leave it out") from None
         loc = ".".join(str(x) for x in err["loc"])
         raise AnthropicError(400, f"{loc or 'body'}: {err['msg']}") from None
 
@@ -161,10 +191,18 @@ async def _body(request: Request, model):
 
 
 # -- body -> template messages and tool plan --------------------------------------------------------
+BILLING = "x-anthropic-billing-header:"  # Claude Code's first system block: billing, not for the model
+
+
 def template_messages(body: CountTokensRequest) -> list[dict]:
     out = []
-    if body.system:
-        system = body.system if isinstance(body.system, str) else "\n".join(b.text for b in body.system)
+    system = body.system
+    if isinstance(system, list):
+        # Claude Code's billing line changes with each request in some versions (`cch=...`): left in,
+        # it would make every turn's prompt differ from its first tokens, so nothing is ever taken
+        # from the prefix cache (vLLM, SGLang and Ollama drop it too).
+        system = "\n".join(b.text for b in system if not b.text.startswith(BILLING))
+    if system:
         out.append({"role": "system", "content": system})
     for m in body.messages:
         if isinstance(m.content, str):
@@ -229,6 +267,17 @@ def stop_reason(end: TurnEnd) -> str:
     )
 
 
+def usage(end: TurnEnd) -> dict:
+    """Anthropic's usage: the prompt's tokens taken from the prefix cache are `cache_read_input_tokens`,
+    `input_tokens` only those computed (cache writes are not billed here: none are counted)."""
+    return {
+        "input_tokens": end.prompt_tokens - end.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": end.cached_tokens,
+        "output_tokens": end.completion_tokens,
+    }
+
+
 def tool_use_block(call) -> dict:
     return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name, "input": call.input}
 
@@ -263,7 +312,7 @@ def register_anthropic(app: FastAPI, state) -> None:
         if isinstance(body, MessagesRequest):
             top_p = body.top_p if body.top_p is not None else 1.0
             knobs = dict(temperature=body.temperature, top_p=top_p, top_k=body.top_k or 0, stop=stops)
-            knobs.update(speculative=body.speculative, guided=plan.guided)
+            knobs.update(speculative=body.speculative, guided=plan.guided, cache_salt=body.salt())
         a = Ask(
             "msg",
             body.model,
@@ -302,30 +351,54 @@ def register_anthropic(app: FastAPI, state) -> None:
         if body.stream:
             return JobStream(job, keepalive(_stream(state, job, parse, head, len(ids)), PING))
         try:
-            content, calls, end, reasoning = await whole_turn(state, job, request, parse)
+            return message_of(await drain(request, _events(state, job, parse, head, len(ids))))
         except APIError as e:
             raise AnthropicError.of(e) from None
-        blocks = ([thinking_block(reasoning)] if reasoning else []) + (
-            [{"type": "text", "text": content}] if content or not calls else []
-        )
-        blocks += [tool_use_block(c) for c in calls]
-        return {
-            **head,
-            "content": blocks,
-            "stop_reason": stop_reason(end),
-            "stop_sequence": end.stop_sequence,
-            "usage": {"input_tokens": end.prompt_tokens, "output_tokens": end.completion_tokens},
-        }
 
     app.include_router(router)
 
 
+def message_of(events: list) -> dict:
+    """The message the stream's events add up to, as the SDK's `get_final_message()` adds them:
+    the non-streamed answer."""
+    msg: dict = {}
+    inputs: dict[int, str] = {}  # a tool_use block's input_json_delta text
+    for name, data in events:
+        if name == "message_start":
+            msg = {**data["message"], "content": []}
+        elif name == "content_block_start":
+            msg["content"].append(dict(data["content_block"]))
+        elif name == "content_block_delta":
+            block, delta = msg["content"][data["index"]], data["delta"]
+            if delta["type"] == "input_json_delta":
+                inputs[data["index"]] = inputs.get(data["index"], "") + delta["partial_json"]
+            else:
+                key = {"text_delta": "text", "thinking_delta": "thinking"}[delta["type"]]
+                block[key] += delta[key]
+        elif name == "content_block_stop" and data["index"] in inputs:
+            msg["content"][data["index"]]["input"] = json.loads(inputs[data["index"]])
+        elif name == "message_delta":
+            msg.update(data["delta"])
+            msg["usage"] = data["usage"]
+    return msg
+
+
 async def _stream(state, job, parse, head: dict, n_prompt: int):
-    """Anthropic's event sequence: message_start, then per block content_block_start, deltas and
-    content_block_stop, then message_delta (stop_reason, usage) and message_stop."""
+    """`_events` as server-sent events; a failure mid-stream is an `error` event."""
+    try:
+        async for name, data in _events(state, job, parse, head, n_prompt):
+            yield sse(name, data)
+    except APIError as err:
+        yield sse("error", AnthropicError.of(err).body())
+
+
+async def _events(state, job, parse, head: dict, n_prompt: int):
+    """Anthropic's event sequence, as (name, data): message_start, then per block
+    content_block_start, deltas and content_block_stop, then message_delta (stop_reason, usage)
+    and message_stop. A failed step raises APIError."""
     index = -1
     text_open = think_open = answered = False  # answered: a text or tool_use block was opened
-    yield sse(
+    yield (
         "message_start",
         {
             "type": "message_start",
@@ -338,69 +411,66 @@ async def _stream(state, job, parse, head: dict, n_prompt: int):
             },
         },
     )
-    try:
-        async for e in turn_events(state, job, parse):
-            if isinstance(e, Thinking):  # the model's reasoning: a thinking block before the answer
-                if text_open:
-                    yield sse("content_block_stop", {"type": "content_block_stop", "index": index})
-                    text_open = False
-                if not think_open:
-                    index, think_open = index + 1, True
-                    block = {"type": "content_block_start", "index": index, "content_block": thinking_block("")}
-                    yield sse("content_block_start", block)
-                delta = {"type": "thinking_delta", "thinking": e.text}
-                yield sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
-                continue
-            if think_open:
-                yield sse("content_block_stop", {"type": "content_block_stop", "index": index})
-                think_open = False
-            if isinstance(e, str):
-                if not text_open:
-                    index, text_open, answered = index + 1, True, True
-                    yield sse(
-                        "content_block_start",
-                        {"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}},
-                    )
-                yield sse(
-                    "content_block_delta",
-                    {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": e}},
-                )
-            elif isinstance(e, TurnEnd):
-                if not answered:  # an empty answer still has one (empty) text block, as the whole message does
-                    index, text_open = index + 1, True
-                    yield sse(
-                        "content_block_start",
-                        {"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}},
-                    )
-                if text_open:
-                    yield sse("content_block_stop", {"type": "content_block_stop", "index": index})
-                yield sse(
-                    "message_delta",
-                    {
-                        "type": "message_delta",
-                        "delta": {"stop_reason": stop_reason(e), "stop_sequence": e.stop_sequence},
-                        "usage": {"input_tokens": e.prompt_tokens, "output_tokens": e.completion_tokens},
-                    },
-                )
-                yield sse("message_stop", {"type": "message_stop"})
-            else:  # a complete tool call: one tool_use block, its input as one input_json_delta
-                if text_open:
-                    yield sse("content_block_stop", {"type": "content_block_stop", "index": index})
-                    text_open = False
-                index, answered = index + 1, True
-                block = tool_use_block(e)
-                yield sse(
+    async for e in turn_events(state, job, parse):
+        if isinstance(e, Thinking):  # the model's reasoning: a thinking block before the answer
+            if text_open:
+                yield ("content_block_stop", {"type": "content_block_stop", "index": index})
+                text_open = False
+            if not think_open:
+                index, think_open = index + 1, True
+                block = {"type": "content_block_start", "index": index, "content_block": thinking_block("")}
+                yield ("content_block_start", block)
+            delta = {"type": "thinking_delta", "thinking": e.text}
+            yield ("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+            continue
+        if think_open:
+            yield ("content_block_stop", {"type": "content_block_stop", "index": index})
+            think_open = False
+        if isinstance(e, str):
+            if not text_open:
+                index, text_open, answered = index + 1, True, True
+                yield (
                     "content_block_start",
-                    {"type": "content_block_start", "index": index, "content_block": {**block, "input": {}}},
+                    {"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}},
                 )
-                yield sse(
-                    "content_block_delta",
-                    {
-                        "type": "content_block_delta",
-                        "index": index,
-                        "delta": {"type": "input_json_delta", "partial_json": e.arguments},
-                    },
+            yield (
+                "content_block_delta",
+                {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": e}},
+            )
+        elif isinstance(e, TurnEnd):
+            if not answered:  # an empty answer still has one (empty) text block, as the whole message does
+                index, text_open = index + 1, True
+                yield (
+                    "content_block_start",
+                    {"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}},
                 )
-                yield sse("content_block_stop", {"type": "content_block_stop", "index": index})
-    except APIError as err:
-        yield sse("error", AnthropicError.of(err).body())
+            if text_open:
+                yield ("content_block_stop", {"type": "content_block_stop", "index": index})
+            yield (
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": stop_reason(e), "stop_sequence": e.stop_sequence},
+                    "usage": usage(e),
+                },
+            )
+            yield ("message_stop", {"type": "message_stop"})
+        else:  # a complete tool call: one tool_use block, its input as one input_json_delta
+            if text_open:
+                yield ("content_block_stop", {"type": "content_block_stop", "index": index})
+                text_open = False
+            index, answered = index + 1, True
+            block = tool_use_block(e)
+            yield (
+                "content_block_start",
+                {"type": "content_block_start", "index": index, "content_block": {**block, "input": {}}},
+            )
+            yield (
+                "content_block_delta",
+                {
+                    "type": "content_block_delta",
+                    "index": index,
+                    "delta": {"type": "input_json_delta", "partial_json": e.arguments},
+                },
+            )
+            yield ("content_block_stop", {"type": "content_block_stop", "index": index})

@@ -1,12 +1,14 @@
 """The FastAPI app: OpenAI routes over an `EngineLoop`, every failure as one OpenAI error object.
 
-Before any route, `Guard` (middleware.py) checks draining, the API key and the body size, and turns
-an unhandled exception into a 500 error object. A route validates its body, checks the limits that
-need no tokenizing (limits.py), tokenizes on the tokenizer thread (never on the event loop), submits
-one engine request per prompt (each with the body's `n` samples) and waits for the engine to accept
-them, so a request that cannot fit in the pool is a 400 before any stream starts. It then reads the
-newest output of each of its requests from its `Sink`. Whatever ends a route early (a disconnect, a
-cancelled stream, an error) aborts the engine requests it still owns, in a `finally`.
+Before any route, `BrowserGuard` (middleware.py) refuses a foreign `Host` or `Origin` (CORS, off by
+default, answers the allowed origins), then `Guard` checks draining, the API key, the body size and
+its JSON content type, and turns an unhandled exception into a 500 error object. A route validates
+its body, checks the limits that need no tokenizing (limits.py), tokenizes on the tokenizer thread
+(never on the event loop), submits one engine request per prompt (each with the body's `n` samples)
+and waits for the engine to accept them, so a request that cannot fit in the pool is a 400 before
+any stream starts. It then reads the newest output of each of its requests from its `Sink`. Whatever
+ends a route early (a disconnect, a cancelled stream, an error) aborts the engine requests it still
+owns, in a `finally`.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import APIRouter, FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -30,7 +34,9 @@ from .guided_request import GrammarGate
 from .jobs import ErrorResponse, ServerState
 from .limits import Capacity, Limits, max_token_chars
 from .metrics import CONTENT_TYPE, Metrics
-from .middleware import AccessLog, Guard, error_bytes
+from .middleware import AccessLog, BrowserGuard, Browsers, Guard, error_bytes
+from .models_api import register_models, served_catalog
+from .ollama_api import register_ollama
 from .openai_api import register_openai
 from .openai_format import TokenText
 from .reasoning import ThinkMarkers
@@ -55,11 +61,18 @@ def build_app(
     limits: Limits | None = None,
     responses_store: int = 0,
     web: bool = True,
+    browsers: Browsers | None = None,
+    max_web_viewers: int = 8,
+    guarded: bool = True,
 ) -> FastAPI:
-    """Routes over a started `engine_loop`; the app's shutdown stops it."""
+    """Routes over a started `engine_loop`; the app's shutdown stops it. `browsers`: the Host and
+    Origin policy (`serve` passes `Browsers.of` its bound address and flags; the default answers
+    any Host, as in-process test clients need, and no other origin). `guarded=False`: one model's
+    routes inside a server of several (`build_pool_app`), whose own guards run first."""
     engine = engine_loop.engine
     args = engine.loaded.model.args
     limits = limits or Limits()
+    browsers = browsers or Browsers()
     cap = Capacity(
         getattr(args, "max_position_embeddings", None),
         args.vocab_size,
@@ -101,28 +114,10 @@ def build_app(
         openapi_url="/openapi.json" if docs else None,
     )
     app.state.server = state
-    app.add_middleware(
-        Guard,
-        api_key=api_key,
-        max_body_bytes=limits.max_body_bytes,
-        open_paths=frozenset({"/health", *(DOCS_PATHS if docs else ()), *(WEB_PATHS if web else ())}),
-        draining=lambda: engine_loop.draining,
-    )
-    app.add_middleware(AccessLog)  # added last: outermost, so it sees Guard's refusals too
+    if guarded:
+        _guard(app, api_key, limits, browsers, web, lambda: engine_loop.draining)
+    _error_handlers(app)
     started = int(time.time())
-
-    @app.exception_handler(APIError)
-    async def _api_error(request, exc: APIError):
-        return ErrorResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request, exc: RequestValidationError):
-        return _validation_response(exc)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request, exc: StarletteHTTPException):  # 404, 405: in the error shape of the path's protocol
-        body = error_bytes(exc.status_code, str(exc.detail), path=request.url.path)
-        return Response(body, status_code=exc.status_code, media_type="application/json", headers=exc.headers)
 
     v1 = APIRouter(prefix="/v1")
 
@@ -136,25 +131,55 @@ def build_app(
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @v1.get("/models")
-    async def models():
-        return {
-            "object": "list",
-            # created: the server's start; max_model_len: vLLM's name for the context length (Codex reads it)
-            "data": [
-                {"id": state.model_id, "object": "model", "created": started, "owned_by": "mlxpaged"}
-                | {"max_model_len": cap.context}
-            ],
-        }
-
+    catalog = served_catalog(state, started)  # the served models (models_api.py)
+    register_models(v1, catalog)
     register_openai(v1, state, text_of)
     register_responses(v1, state, text_of)
     app.include_router(v1)
     register_anthropic(app, state)
+    register_ollama(app, state, catalog)  # Ollama's /api/... (ollama_api.py)
     register_tokenize(app, state)  # at the root, as vLLM serves them
     if web:  # the page and its cache view (web.py); --no-web leaves them out
-        register_web(app, engine_loop)
+        register_web(app, engine_loop, max_viewers=max_web_viewers)
     return app
+
+
+def _guard(app: FastAPI, api_key, limits: Limits, browsers: Browsers, web: bool, draining) -> None:
+    """The middlewares every request passes, outermost last: access log, Host/Origin, CORS, Guard."""
+    docs = limits.enable_docs
+    app.add_middleware(
+        Guard,
+        api_key=api_key,
+        max_body_bytes=limits.max_body_bytes,
+        open_paths=frozenset({"/health", *(DOCS_PATHS if docs else ()), *(WEB_PATHS if web else ())}),
+        draining=draining,
+    )
+    if browsers.cors:  # inside BrowserGuard: only allowed origins get here; preflights need no key
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=browsers.cors,
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+            expose_headers=["x-mlxpaged-max-tokens-clamped", "retry-after"],
+            max_age=600,
+        )
+    app.add_middleware(BrowserGuard, browsers=browsers)
+    app.add_middleware(AccessLog)  # added last: outermost, so it sees the guards' refusals too
+
+
+def _error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return ErrorResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        return _validation_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc: StarletteHTTPException):  # 404, 405: in the error shape of the path's protocol
+        body = error_bytes(exc.status_code, str(exc.detail), path=request.url.path)
+        return Response(body, status_code=exc.status_code, media_type="application/json", headers=exc.headers)
 
 
 def _validation_response(exc: RequestValidationError) -> JSONResponse:
@@ -175,3 +200,132 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
         param = loc[0] if loc else None
         msg = f"{'.'.join(loc) if loc else 'body'}: {err['msg']}"
     return ErrorResponse(error_body(400, msg.replace("\n", " "), param=param), status_code=400)
+
+
+def build_pool_app(
+    pool,
+    metrics: Metrics,
+    *,
+    api_key: str | None = None,
+    limits: Limits | None = None,
+    web: bool = True,
+    browsers: Browsers | None = None,
+    max_web_viewers: int = 8,
+) -> FastAPI:
+    """A server of several models (model_pool.py): its guards, its listing routes over every served
+    model, and `ModelRouter`, which hands every other route to the app of the model a request names.
+    The pool's first model is loaded; the web page's cache view and /metrics' gauges show it."""
+    from .model_pool import ModelRouter, iso_in
+    from .ollama_api import details, iso
+
+    limits = limits or Limits()
+    browsers = browsers or Browsers()
+    first = pool.default
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app):
+        asyncio.get_running_loop().set_exception_handler(AcceptErrorLog())
+        try:
+            yield
+        finally:  # after uvicorn's graceful shutdown: abort what is still running
+            pool.stop()
+
+    docs = limits.enable_docs
+    app = FastAPI(
+        title="mlxpaged",
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
+    # innermost, after the guards: a route of this app is served here, another of a model's goes to that model
+    app.add_middleware(
+        ModelRouter, pool=pool, own_routes=lambda: app.router.routes, model_routes=first.app.router.routes
+    )
+    _guard(app, api_key, limits, browsers, web, lambda: pool.draining)
+    _error_handlers(app)
+
+    def described(s) -> dict:
+        if s.card is not None:
+            return s.card.openai()
+        from ..loading.catalog import describe
+
+        path = Path(s.spec.source).expanduser()
+        context = describe(path).context if path.is_dir() else None
+        return {"id": s.name, "object": "model", "created": started, "owned_by": "mlxpaged", "max_model_len": context}
+
+    @app.get("/health")
+    async def health():
+        steps = sum(s.loop.steps for s in pool.loaded())
+        if pool.draining:
+            return JSONResponse({"status": "draining", "steps": steps}, status_code=503)
+        return {"status": "ok", "steps": steps}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [described(s) for s in pool.models]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        s = pool.find(model_id)
+        if s is None:
+            raise APIError(
+                404,
+                f"unknown model '{model_id}': this server serves {pool.names()}",
+                param="model",
+                code="model_not_found",
+            )
+        return described(s)
+
+    @app.get("/api/version")
+    async def version():
+        from ..version import __version__
+
+        return {"version": __version__}
+
+    @app.get("/api/tags")
+    async def tags():
+        out = []
+        for s in pool.models:
+            entry = {"name": s.name, "model": s.name}
+            if s.card is not None:
+                c = s.card
+                entry |= {
+                    "modified_at": iso(c.modified),
+                    "size": c.info.size_bytes,
+                    "digest": c.digest,
+                    "details": details(c),
+                }
+            out.append(entry)
+        return {"models": out}
+
+    @app.get("/api/ps")
+    async def ps():
+        import mlx.core as mx
+
+        on_gpu = mx.default_device() == mx.gpu
+        now = time.monotonic()
+        return {
+            "models": [
+                {
+                    "name": s.name,
+                    "model": s.name,
+                    "size": s.nbytes,
+                    "digest": s.card.digest,
+                    "details": details(s.card),
+                    "expires_at": iso_in(s.expires - now),
+                    "size_vram": s.nbytes if on_gpu else 0,  # Apple silicon: the GPU's memory is the RAM
+                    "context_length": s.card.context,
+                }
+                for s in pool.loaded()
+            ]
+        }
+
+    if web:
+        register_web(app, first.loop, max_viewers=max_web_viewers)
+    return app

@@ -5,13 +5,21 @@ encoding, so neither the tokenizer nor a response echoing the text can encode th
 deeper than Python's recursion limit (`json.loads` and `json.dumps` recurse). `check_json` refuses
 both anywhere in a value, iteratively, before a field of the value is used; `loads_json` parses
 client or model text and raises ValueError, never RecursionError.
+
+A whole body's top-level fields are the ones its class declares, plus its `IGNORED`: fields real
+clients send that change nothing here (Codex's `prompt_cache_key`, Claude Code's
+`context_management`). Any other is refused by name (`refuse_unknown`), so a client never
+believes a field it sent was honoured (mlx_lm.server's per-request `adapters`, vLLM's
+`chat_template_kwargs`). The parts of a body ignore unknown fields (`cache_control` on a block).
 """
 
 from __future__ import annotations
 
 import json
+from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_DEPTH = 64  # JSON nesting a body (and a tool call's arguments) may have
 
@@ -23,13 +31,28 @@ class Body(BaseModel):
 
 
 class CheckedBody(Body):
-    """A whole request body: refused when any string in it has a lone surrogate or it nests too deeply."""
+    """A whole request body: refused when any string in it has a lone surrogate or it nests too
+    deeply, or when it has a top-level field that is neither declared nor in `IGNORED`."""
+
+    IGNORED: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
     def _checked(cls, data):
         check_json(data)
-        return data
+        return refuse_unknown(cls, data, cls.IGNORED)
+
+
+def refuse_unknown(cls: type[BaseModel], data, accepted=frozenset()):
+    """`data`, or a validation error of type "unimplemented" naming its first top-level field that
+    `cls` does not declare and `accepted` does not list (the routes answer it as a 400 naming it)."""
+    if isinstance(data, dict):
+        known = {f.alias or name for name, f in cls.model_fields.items()}
+        for name in data:
+            if name not in known and name not in accepted:
+                shown = name if len(name) <= 64 else name[:64] + "..."
+                raise PydanticCustomError("unimplemented", "{field} is not supported by this server", {"field": shown})
+    return data
 
 
 def check_json(value, where: str = "body") -> None:

@@ -6,6 +6,7 @@ extra; `serve` itself says what to install when FastAPI, uvicorn or prometheus-c
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import ipaddress
 import logging
@@ -133,6 +134,20 @@ def serve_engine_config(engine_flags: dict, kv_memory_gb: float | None) -> Engin
     help="Largest prompts x n x max_tokens one request may ask for.",
 )
 @click.option(
+    "--max-answer-bytes",
+    default=Limits.max_answer_bytes,
+    show_default=True,
+    type=click.IntRange(1024),
+    help="Largest estimated answer one request may ask for (prompts x n x (max_tokens + echo) x logprobs).",
+)
+@click.option(
+    "--responses-store-bytes",
+    default=Limits.responses_store_bytes,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Memory the stored Responses conversations' text may take, all together (with --responses-store).",
+)
+@click.option(
     "--stream-stall-timeout",
     default=Limits.stream_stall_timeout,
     show_default=True,
@@ -166,6 +181,49 @@ def serve_engine_config(engine_flags: dict, kv_memory_gb: float | None) -> Engin
     type=click.FloatRange(0.01),
     help="Close an idle keep-alive connection after this many seconds.",
 )
+@click.option(
+    "--allowed-hosts",
+    multiple=True,
+    metavar="NAMES",
+    help="Host names the server answers to besides its bound address, localhost and IP addresses "
+    "(comma-separated or repeated; '*': any, for a LAN name behind --api-key). Others get 403: "
+    "a DNS-rebinding web page reaches the server under its own name.",
+)
+@click.option(
+    "--allowed-origins",
+    multiple=True,
+    metavar="ORIGINS",
+    help="Web origins (http://host:port, comma-separated or repeated; '*': any) whose pages may call "
+    "the server, with CORS headers so they can read the answers. Requests from other pages get 403.",
+)
+@click.option(
+    "--max-web-viewers",
+    default=8,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Viewers of the web page's live cache view at once; beyond it they get 503.",
+)
+@click.option(
+    "--max-memory",
+    default=None,
+    metavar="FRACTION|AMOUNT",
+    help="With several --model: the memory the loaded models (weights and KV pools) may take together, a "
+    "fraction of the RAM (0.75) or an amount (24GB); the least recently used idle model is unloaded to make "
+    "room (default: 0.75).",
+)
+@click.option(
+    "--max-loaded-models",
+    default=None,
+    type=click.IntRange(1),
+    help="With several --model: models loaded at once (default: 3).",
+)
+@click.option(
+    "--keep-alive",
+    default=None,
+    metavar="DURATION",
+    help="With several --model: unload a model idle this long (seconds or 5m, 1h; negative: never; "
+    "default: 5m). An Ollama request's keep_alive sets it for its model.",
+)
 @click.option("--enable-docs", is_flag=True, help="Serve /docs, /redoc and /openapi.json (off by default).")
 @click.option("--no-web", is_flag=True, help="Do not serve the web page (/: chat and the live KV-cache view).")
 @click.option(
@@ -187,11 +245,19 @@ def serve(
     max_body_bytes,
     max_stop_strings,
     max_request_tokens,
+    max_answer_bytes,
+    responses_store_bytes,
     stream_stall_timeout,
     content_special_tokens,
     max_connections,
     header_timeout,
     keep_alive_timeout,
+    allowed_hosts,
+    allowed_origins,
+    max_web_viewers,
+    max_memory,
+    max_loaded_models,
+    keep_alive,
     enable_docs,
     no_web,
     log_level,
@@ -218,6 +284,12 @@ def serve(
     with user_errors():
         group, follower = launched_rank()  # under mlx.launch: tensor parallel; rank 0 serves HTTP, the others follow it
         config = serve_engine_config(engine_flags, kv_memory_gb)
+    with user_errors():
+        specs, pool_knobs = _models(model, served_model_name, group, max_memory, max_loaded_models, keep_alive)
+    if len(specs) == 1 and specs[0] is not None:  # NAME=PATH: one model served as NAME
+        model, served_model_name = specs[0].source, served_model_name or specs[0].name
+    elif specs == [None]:
+        model = None
     make = lambda: _load_engine(model, dtype, weights, config, group)  # noqa: E731
     if follower:
         return _follow(make, group)
@@ -227,46 +299,100 @@ def serve(
             f"warning: listening on {host} without --api-key: anyone who can reach port {port} can use this server",
             err=True,
         )
-    from .app import build_app
+    from .middleware import Browsers
+
+    with user_errors():
+        browsers = Browsers.of(host, _listed(allowed_hosts), _listed(allowed_origins))
+    if not api_key and (browsers.hosts is None or "*" in browsers.origins):
+        flag = "--allowed-hosts '*'" if browsers.hosts is None else "--allowed-origins '*'"
+        click.echo(f"warning: {flag} without --api-key: any web page you visit can use this server", err=True)
+    from .app import build_app, build_pool_app
     from .connections import header_timeout_protocol, raise_fd_limit
     from .engine_loop import EngineLoop
     from .metrics import Metrics
 
     metrics = Metrics()
-    engine_loop = EngineLoop(
+    new_loop = lambda make: EngineLoop(  # noqa: E731
         make, observer=metrics, group=group, stall_timeout=stream_stall_timeout or None, idle_trim_s=kv_idle_trim
     )
-    try:
-        with user_errors():
-            engine_loop.start()
-    except KeyboardInterrupt:
-        click.echo("interrupted while loading the model", err=True)
-        sys.exit(130)
-    engine, loaded = engine_loop.engine, engine_loop.engine.loaded
-    model_id = served_model_name or default_model_name(model, loaded.path)
-    metrics.attach(engine_loop)
+    engine_loop = new_loop(make) if len(specs) == 1 else None
     limits = Limits(
         max_body_bytes=max_body_bytes,
         max_stop_strings=max_stop_strings,
         max_request_tokens=max_request_tokens,
+        max_answer_bytes=max_answer_bytes,
+        responses_store_bytes=responses_store_bytes,
         stream_stall_timeout=stream_stall_timeout or None,
         enable_docs=enable_docs,
         content_special_tokens=content_special_tokens,
     )
-    aliases = {loaded.path.name, str(loaded.path), *([model] if model else [])}
-    app = build_app(
-        engine_loop,
-        metrics,
-        model_id=model_id,
-        model_aliases=aliases,
-        api_key=api_key,
-        max_queue=max_queue,
-        limits=limits,
-        responses_store=responses_store,
-        web=not no_web,
+    common = dict(
+        api_key=api_key, max_queue=max_queue, limits=limits, responses_store=responses_store, browsers=browsers
     )
+    pool = None
+    if engine_loop is None:  # several models (model_pool.py): the first loaded now, the others when asked
+        from .model_pool import ModelPool
+
+        configs = {spec: copy.deepcopy(config) for spec in specs}  # each engine its own, copied before any is built
+        build = lambda spec: _build_model(spec, new_loop, dtype, weights, configs[spec], metrics, common)  # noqa: E731
+        with user_errors():
+            pool = ModelPool(specs, build, **pool_knobs)
+    # A failed load exits without interpreter teardown, which can abort ("terminate called without
+    # an active exception", exit 134) once the engine thread has used MLX, as at shutdown (_exit_now).
+    try:
+        if pool is None:
+            engine_loop.start()
+        else:
+            pool.load_now(pool.default)
+            engine_loop = pool.default.loop
+    except KeyboardInterrupt:  # the engine thread may still be loading: no waiting for it
+        click.echo("interrupted while loading the model", err=True)
+        _exit_now(130)
+    except BaseException as e:
+        if engine_loop is not None:
+            engine_loop.stop()  # the thread has reported its error: it ends at once
+        if isinstance(e, ValueError):  # MlxPagedError included: a refused model, a config that does not match
+            click.echo(f"error: {e}", err=True)
+        else:  # a bug, not bad input: the traceback says where
+            import traceback
+
+            traceback.print_exc()
+        _exit_now(1)
+    engine, loaded = engine_loop.engine, engine_loop.engine.loaded
+    metrics.attach(engine_loop)
+    if pool is None:
+        model_id = served_model_name or default_model_name(model, loaded.path)
+        aliases = {loaded.path.name, str(loaded.path), *([model] if model else [])}
+        app = build_app(
+            engine_loop,
+            metrics,
+            model_id=model_id,
+            model_aliases=aliases,
+            web=not no_web,
+            max_web_viewers=max_web_viewers,
+            **common,
+        )
+    else:
+        model_id = pool.default.name
+        app = build_pool_app(
+            pool,
+            metrics,
+            api_key=api_key,
+            limits=limits,
+            web=not no_web,
+            browsers=browsers,
+            max_web_viewers=max_web_viewers,
+        )
     raise_fd_limit()  # after loading: importing mlx_lm sets (2048, 4096)
     _announce(host, port, model_id, loaded, engine, api_key)
+    if pool is not None:
+        others = ", ".join(m.name for m in pool.models[1:])
+        keep = "never" if pool.keep_alive == float("inf") else f"{pool.keep_alive:g} s"
+        click.echo(
+            f"  also serving {others}, each loaded when a request names it; memory budget "
+            f"{pool.max_bytes / 1e9:.3f} GB, at most {pool.max_loaded} loaded, idle models unloaded after {keep}",
+            err=True,
+        )
     config = uvicorn.Config(
         app,
         host=host,
@@ -291,12 +417,12 @@ def serve(
         def handle_exit(self, sig, frame):
             if not self.draining:
                 self.draining = True
-                engine_loop.drain(shutdown_timeout)
+                (pool or engine_loop).drain(shutdown_timeout)
                 return
             super().handle_exit(signal.SIGINT, frame)  # re-raised as KeyboardInterrupt after shutdown: exit 0
 
         async def on_tick(self, counter: int) -> bool:
-            if self.draining and not self.should_exit and not engine_loop.busy:
+            if self.draining and not self.should_exit and not (pool or engine_loop).busy:
                 self.should_exit = True
             return await super().on_tick(counter)
 
@@ -308,13 +434,65 @@ def serve(
     _exit_now()  # everything is shut down; interpreter teardown could only crash (see _exit_now)
 
 
+def _models(values, served_model_name, group, max_memory, max_loaded_models, keep_alive):
+    """The `--model` values as `ModelSpec`s ([None]: the offline default model), and the pool's
+    knobs; the pool's flags need several models."""
+    from .model_pool import DEFAULT_KEEP_ALIVE, DEFAULT_MAX_LOADED, ModelSpec, duration_seconds, memory_budget
+
+    specs = [ModelSpec.parse(v) for v in values] or [None]
+    knobs = {"--max-memory": max_memory, "--max-loaded-models": max_loaded_models, "--keep-alive": keep_alive}
+    if len(specs) == 1:
+        given = [k for k, v in knobs.items() if v is not None]
+        if given:
+            raise ValueError(f"{given[0]} applies to a server of several models: give --model more than once")
+        return specs, {}
+    if served_model_name is not None:
+        raise ValueError("--served-model-name names one model: with several, give each as --model NAME=PATH_OR_REPO")
+    if group is not None:
+        raise ValueError("a tensor-parallel server serves one model: give --model once")
+    for spec in specs:
+        local = Path(spec.source).expanduser()
+        if (spec.source.startswith((".", "/", "~")) or local.suffix == ".gguf") and not local.exists():
+            raise ValueError(f"--model {spec.source}: no such file or directory")
+    seconds = DEFAULT_KEEP_ALIVE if keep_alive is None else duration_seconds(keep_alive)
+    if seconds is None:
+        raise ValueError(f"--keep-alive: '{keep_alive}' is not a duration (seconds, or e.g. 5m, 1h30m, -1)")
+    return specs, {
+        "max_bytes": memory_budget(max_memory),
+        "max_loaded": max_loaded_models or DEFAULT_MAX_LOADED,
+        "keep_alive": seconds,
+    }
+
+
+def _build_model(spec, new_loop, dtype, weights, config, metrics, common):
+    """One model of a server of several (run off the event loop): its started engine loop, its
+    routes, its card and its bytes."""
+    from .app import build_app
+    from .model_pool import footprint
+    from .models_api import served_catalog
+
+    loop = new_loop(lambda: _load_engine(spec.source, dtype, weights, config))
+    try:
+        loop.start()
+    except BaseException:
+        loop.stop()
+        raise
+    loaded = loop.engine.loaded
+    aliases = {spec.source, loaded.path.name, str(loaded.path)}
+    app = build_app(loop, metrics, model_id=spec.name, model_aliases=aliases, web=False, guarded=False, **common)
+    return loop, app, served_catalog(app.state.server).cards()[0], footprint(loop.engine)
+
+
 def default_model_name(model: str | None, path: Path) -> str:
-    """The checkpoint's folder or file name: a served name never shows this machine's paths.
-    A hub repo id (not a local path) is its own name."""
-    if model is None:
-        return path.name
-    local = Path(model).expanduser()
-    return local.resolve().name if local.exists() else model
+    """The checkpoint's folder or file name (`model_pool.served_name`); the loaded path's without `--model`."""
+    from .model_pool import served_name
+
+    return path.name if model is None else served_name(model)
+
+
+def _listed(values: tuple[str, ...]) -> list[str]:
+    """A repeated flag's values, each possibly comma-separated."""
+    return [v for value in values for v in value.split(",") if v.strip()]
 
 
 def _is_loopback(host: str) -> bool:
@@ -345,15 +523,14 @@ def _follow(make_engine, group) -> None:
     _exit_now()
 
 
-def _exit_now() -> None:
-    """Exit 0 without interpreter teardown: MLX, used from the engine thread (and its ring backend
-    under tensor parallelism), can abort the process ("terminate called without an active
-    exception") while Python finalizes; seen after a drained shutdown of a one-process server too."""
-    import os
-
+def _exit_now(code: int = 0) -> None:
+    """Exit with `code` without interpreter teardown: MLX, used from the engine thread (and its ring
+    backend under tensor parallelism), can abort the process ("terminate called without an active
+    exception") while Python finalizes; seen after a drained shutdown of a one-process server, and
+    after a model that failed to load on the engine thread."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _announce(host, port, model_id, loaded, engine, api_key) -> None:

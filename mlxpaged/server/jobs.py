@@ -2,7 +2,8 @@
 (`Job`: queueing, admission errors, aborts, reading the engine's delta outputs and adding them
 up), and the small conversions from engine failures to error objects.
 
-Every route streams through `turns.job_events`; this module imports no route and no renderer.
+Every route, streamed or not, reads its job through `turns.job_events`; this module imports no
+route and no renderer.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..engine.guided import GrammarTooSlow
@@ -151,23 +151,6 @@ class Job:
         for rid in self.rids:
             if rid not in self.final:
                 self.state.engine_loop.abort(rid)
-
-    async def collect(self, request: Request) -> list:
-        """Every request's final output, in prompt order; a client gone while waiting aborts them."""
-        try:
-            while len(self.final) < len(self.rids):
-                items = await self.sink.get(timeout=1.0)
-                if not items:
-                    if await request.is_disconnected():
-                        raise APIError(499, "client disconnected") from None
-                    continue
-                for rid, item in items:
-                    if isinstance(item, BaseException):
-                        raise self.fail(rid, item)
-                    self.absorb(rid, item)
-        finally:
-            self._abort_unfinished()
-        return [self.final[r] for r in self.rids]
 
 
 class JobStream(StreamingResponse):

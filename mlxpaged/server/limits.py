@@ -19,6 +19,13 @@ class Limits:
     max_body_bytes: int = 8 << 20  # --max-body-bytes
     max_stop_strings: int = OPENAI_MAX_STOPS  # --max-stop-strings
     max_request_tokens: int = 1 << 20  # --max-request-tokens: prompts x n x max_tokens
+    # --max-answer-bytes: an answer's estimated size (`answer_bytes`). 16 MiB holds an lm-eval
+    # scoring batch of 32 prompts of 2,048 tokens with their logprobs (~4 MB) and 1,024 tokens with
+    # 20 top logprobs each (~0.5 MB) many times over; a whole answer is built in memory, several
+    # times its size in Python objects, so one request may not ask for hundreds of MB of them.
+    max_answer_bytes: int = 16 << 20
+    # --responses-store-bytes: the memory of the stored Responses conversations' text, all together
+    responses_store_bytes: int = 256 << 20
     stream_stall_timeout: float | None = 60.0  # --stream-stall-timeout
     enable_docs: bool = False  # --enable-docs
     # --content-special-tokens: a special token's text in client content is that token (a trusted
@@ -99,6 +106,65 @@ def check_request(
             f"the request asks for up to {work} generated tokens (prompts x n x max_tokens = "
             f"{num_prompts} x {n} x {max_tokens}); this server takes at most "
             f"{limits.max_request_tokens} (--max-request-tokens)",
+            param="max_tokens",
+        )
+
+
+# The estimate of an answer's JSON, per token: its text (a typical token is 4 characters, quoted
+# and separated) and, with logprobs, one entry for the token and one per alternative: ~20-30
+# bytes in completions' legacy shape, ~60-80 in chat's (each entry with its `bytes`; measured on
+# one-character tokens: 18 and 64). An estimate, not a bound: it must not refuse an answer that
+# fits, and it catches the ones many times past the cap.
+TOKEN_BYTES = 6
+LOGPROB_BYTES = 30
+CHAT_LOGPROB_BYTES = 64
+
+
+def answer_bytes(
+    prompt_tokens: list[int],
+    n: int,
+    max_tokens: int,
+    logprobs: int | None,
+    echo_chars: list[int] | None = None,
+    entry_bytes: int = LOGPROB_BYTES,
+) -> int:
+    """The estimated size of an answer: each prompt's `n` choices of `max_tokens` tokens, with
+    `logprobs` alternatives a token (None: no logprobs). `echo_chars`: each prompt's characters
+    when every choice repeats its prompt first (completions' `echo`, with the prompt tokens'
+    logprobs when asked: their texts once more, in the answer's list of tokens). `entry_bytes`: one
+    logprob entry's, in the route's shape."""
+    per_logprob = 0 if logprobs is None else entry_bytes * (logprobs + 1)
+    total = 0
+    for i, num in enumerate(prompt_tokens):
+        choice = max_tokens * (TOKEN_BYTES + per_logprob)
+        if echo_chars is not None:
+            chars = echo_chars[i]
+            choice += chars + (chars + num * per_logprob if logprobs is not None else 0)
+        total += n * choice
+    return total
+
+
+def check_answer(
+    limits: Limits,
+    prompt_tokens: list[int],
+    n: int,
+    max_tokens: int,
+    logprobs: int | None,
+    echo_chars=None,
+    entry_bytes: int = LOGPROB_BYTES,
+) -> None:
+    """Refuse, before any generating, a request whose answer is estimated past `--max-answer-bytes`
+    (a whole answer is built in memory, and even a stream's logprobs are kept for its usage)."""
+    est = answer_bytes(prompt_tokens, n, max_tokens, logprobs, echo_chars, entry_bytes)
+    if est > limits.max_answer_bytes:
+        what = f"{len(prompt_tokens)} prompt{'s' if len(prompt_tokens) > 1 else ''} x n={n} x max_tokens={max_tokens}"
+        what += " plus the echoed prompt" if echo_chars is not None else ""
+        what += f", with logprobs={logprobs}" if logprobs is not None else ""
+        raise APIError(
+            400,
+            f"the answer would be about {est} bytes ({what}); this server answers at most "
+            f"{limits.max_answer_bytes} (--max-answer-bytes): ask for fewer prompts, a smaller n, "
+            f"max_tokens or logprobs",
             param="max_tokens",
         )
 

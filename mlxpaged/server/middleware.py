@@ -1,5 +1,12 @@
 """Checks that run before any route, whatever the route: every route, present or future, inherits them.
 
+`BrowserGuard` runs first: it keeps web pages from driving or reading the server (see `Browsers`):
+1. the Host allowlist: a request whose `Host` names neither an allowed name nor an IP address gets
+   403 (a DNS-rebinding page reaches 127.0.0.1 under its own name, so its requests say that name);
+2. the Origin check: a request with an `Origin` that is neither the server's own nor an allowed
+   one gets 403 (CLIs and SDKs send none); with allowed origins, Starlette's CORS middleware,
+   inside it, answers their preflights and adds the CORS headers.
+
 `Guard` is one ASGI middleware, in this order:
 1. a catch-all: an exception no handler took becomes one OpenAI error object with status 500,
    and its traceback is logged once (not re-raised to uvicorn, which would log it again);
@@ -7,7 +14,9 @@
 3. the API key, from the headers alone, before a byte of the body is read: `Authorization: Bearer
    KEY` (the scheme in any case) or `x-api-key: KEY`, compared as bytes (the key's UTF-8) in constant time;
 4. the body cap: a `Content-Length` above it gets 413 at once, and a body that grows past it
-   (chunked) gets 413 as soon as it does; the body read here is replayed to the route.
+   (chunked) gets 413 as soon as it does; the body read here is replayed to the route;
+5. a POST, PUT or PATCH body must be sent as `application/json` (any parameters), else 415: a
+   page on another origin can send `text/plain` without a CORS preflight, never JSON.
 
 `AccessLog`, outside it, writes one line per request on the `mlxpaged.server` logger (method,
 path, status, prompt and output tokens when a job ran, seconds, and a 4xx/5xx's message) and
@@ -17,10 +26,13 @@ adds the headers a route `note`d (`x-mlxpaged-max-tokens-clamped`).
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import logging
 import time
 from contextvars import ContextVar
+from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from .errors import error_body
 
@@ -35,10 +47,12 @@ ANTHROPIC_ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "overloaded_error",
 }
 ANTHROPIC_PATHS = ("/v1/messages",)
+OLLAMA_PATHS = ("/api/",)
 
 
 def anthropic_error_body(status: int, message: str) -> dict:
@@ -49,12 +63,14 @@ def anthropic_error_body(status: int, message: str) -> dict:
 def error_bytes(
     status: int, message: str, *, param: str | None = None, code: str | None = None, path: str = ""
 ) -> bytes:
-    """The route's own error object: Anthropic's on its paths, OpenAI's everywhere else."""
-    body = (
-        anthropic_error_body(status, message)
-        if path.startswith(ANTHROPIC_PATHS)
-        else error_body(status, message, param=param, code=code)
-    )
+    """The route's own error object: Anthropic's on its paths, Ollama's (`{"error": message}`) on
+    /api/..., OpenAI's everywhere else."""
+    if path.startswith(ANTHROPIC_PATHS):
+        body = anthropic_error_body(status, message)
+    elif path.startswith(OLLAMA_PATHS):
+        body = {"error": message}
+    else:
+        body = error_body(status, message, param=param, code=code)
     # ASCII-escaped: a message quoting client text with a lone surrogate still encodes.
     return json.dumps(body, ensure_ascii=True).encode("ascii")
 
@@ -84,6 +100,130 @@ def key_matches(headers: dict[bytes, bytes], api_key: str) -> bool | None:
     if given is None:
         return None
     return hmac.compare_digest(given, api_key.encode("utf-8", "surrogateescape"))
+
+
+LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")  # always answered, whatever the bound address
+
+
+def _shown(raw: bytes | str) -> str:
+    """A header's value for a message: text, at most 80 characters."""
+    text = raw.decode("latin-1") if isinstance(raw, bytes) else raw
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
+def host_name(host: str) -> str:
+    """The name in a `Host` header (or a bound address), lower case, without port, brackets or final dot."""
+    host = host.strip().lower()
+    if host.startswith("["):  # [v6]:port
+        return host[1 : host.find("]")] if "]" in host else host
+    name, colon, port = host.rpartition(":")
+    if colon and port.isdigit() and ":" not in name:
+        host = name
+    return host.rstrip(".")
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
+
+
+def _origin(value: str) -> str:
+    """An allowed origin as browsers send it: `scheme://host[:port]`, lower case; ValueError otherwise."""
+    value = value.strip().lower().rstrip("/")
+    try:
+        parts = urlsplit(value)
+        ok = parts.scheme in ("http", "https") and parts.hostname and not (parts.path or parts.query or parts.fragment)
+    except ValueError:  # "http://[::1" and the like
+        ok = False
+    if not ok:
+        raise ValueError(f"--allowed-origins: {value!r} is not an origin such as http://localhost:3000, or '*'")
+    return value
+
+
+@dataclass(frozen=True)
+class Browsers:
+    """Which `Host` names and `Origin`s the server answers.
+
+    Invariant: `hosts` is None (any Host: the check is off) or the lower-case names allowed beside
+    every IP address (an address is never a rebinding: the browser connected to it, not to a name
+    it looked up); `origins` holds the other origins allowed beside the server's own (the `Host`
+    it was reached at), "*" for any. No `Origin` at all (CLIs, SDKs, same-origin GETs) is allowed.
+    """
+
+    hosts: frozenset[str] | None = None
+    origins: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, bound: str, allowed_hosts=(), allowed_origins=()) -> Browsers:
+        """The policy of a server bound to `bound`: that address, localhost and the loopback
+        addresses, plus `allowed_hosts` ("*": any); `allowed_origins` checked and normalized."""
+        extra = {host_name(h) for h in allowed_hosts if h.strip()}
+        hosts = None if "*" in extra else frozenset({host_name(bound), *LOCAL_NAMES, *extra})
+        origins = {o.strip() for o in allowed_origins if o.strip()}
+        return cls(hosts, frozenset({"*"} if "*" in origins else map(_origin, origins)))
+
+    def host_allowed(self, host: bytes | None) -> bool:
+        if self.hosts is None or host is None:  # no Host: HTTP/1.0, never a browser
+            return True
+        name = host_name(host.decode("latin-1"))
+        return name in self.hosts or _is_ip(name)
+
+    def origin_allowed(self, origin: bytes, host: bytes | None) -> bool:
+        value = origin.decode("latin-1").strip().lower()
+        if "*" in self.origins or value in self.origins:
+            return True
+        if host is None or value == "null":
+            return False
+        try:  # the server's own page: the origin's host[:port] is the Host it was reached at
+            return urlsplit(value).netloc == host.decode("latin-1").strip().lower()
+        except ValueError:  # not a URL ("http://[x")
+            return False
+
+    @property
+    def cors(self) -> list[str]:
+        """The origins that get CORS headers (Starlette's `allow_origins`); empty: CORS off."""
+        return sorted(self.origins)
+
+
+class BrowserGuard:
+    def __init__(self, app, *, browsers: Browsers):
+        self.app, self.browsers = app, browsers
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        headers = dict(scope.get("headers") or [])
+        host, origin = headers.get(b"host"), headers.get(b"origin")
+        if not self.browsers.host_allowed(host):
+            return await send_error(
+                send,
+                403,
+                f"Host '{_shown(host)}' is not a name this server answers to (a guard against DNS rebinding): "
+                "start it with --allowed-hosts NAME to allow it",
+                code="host_not_allowed",
+                headers=CLOSE,
+                path=path,
+            )
+        if origin is not None and not self.browsers.origin_allowed(origin, host):
+            return await send_error(
+                send,
+                403,
+                f"Origin '{_shown(origin)}' may not call this server (a guard against other web pages): "
+                "start it with --allowed-origins ORIGIN to allow it",
+                code="origin_not_allowed",
+                headers=CLOSE,
+                path=path,
+            )
+        await self.app(scope, receive, send)
+
+
+def is_json(content_type: bytes | None) -> bool:
+    """Whether a `Content-Type` is application/json, whatever its parameters (charset...)."""
+    return content_type is not None and content_type.split(b";")[0].strip().lower() == b"application/json"
 
 
 class Guard:
@@ -157,6 +297,16 @@ class Guard:
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
+        if not is_json(headers.get(b"content-type")):
+            # after the body cap, so an oversized body is a 413 whatever its type
+            return await send_error(
+                send,
+                415,
+                "the request body must be JSON sent with 'Content-Type: application/json' "
+                f"(got {repr(_shown(headers[b'content-type'])) if b'content-type' in headers else 'none'})",
+                code="unsupported_media_type",
+                path=path,
+            )
         replayed = False
 
         async def replay():

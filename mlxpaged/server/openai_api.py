@@ -1,25 +1,36 @@
 """OpenAI's `POST /v1/completions` and `POST /v1/chat/completions`, over the one admission path.
 
 Each handler converts its body to an `Ask` (admission.py), which checks, tokenizes and starts the
-job; then it renders the job's events (`turns.job_events`) as OpenAI's JSON: whole, or as
-`chat.completion.chunk` / `text_completion` events, one chunk per choice per delta. Errors are
-OpenAI's error object.
+job; then it renders the job's events (`turns.job_events`) as OpenAI's JSON: as
+`chat.completion.chunk` / `text_completion` events, one chunk per choice per delta, or whole: the
+same events collected, each choice's added up as a client adds up its chunks. A whole answer is
+built and encoded on the tokenizer thread, a choice at a time (`_answer`), so however large it is
+the event loop goes on serving. Errors are OpenAI's error object.
 """
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from fastapi.responses import Response
 
 from .admission import Ask, admit
 from .errors import APIError
 from .guided_request import chat_plan
 from .jobs import JobStream
 from .keepalive import keepalive
-from .openai_format import chat_logprobs, completion_logprobs, echo_logprobs, envelope, sse_data, usage
+from .limits import CHAT_LOGPROB_BYTES
+from .openai_format import (
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+    encode_answer,
+    envelope,
+    sse_data,
+    usage,
+)
 from .protocol import ChatCompletionRequest, CompletionRequest
-from .reasoning import reasoning_tokens, split_reasoning, thinking_of
-from .tools import ToolCall, chat_message, check_forcible
-from .turns import Logprobs, Thinking, TurnEnd, job_events
+from .tools import ToolCall
+from .turns import Logprobs, Thinking, TurnEnd, drain, job_events, turn_parse
 
 DEFAULT_CHAT_MAX_TOKENS = 1024  # when a chat body gives neither max_tokens nor max_completion_tokens
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -48,8 +59,10 @@ def register_openai(router: APIRouter, state, text_of) -> None:
             stop_token_ids=body.stop_token_ids,
             n=body.n,
             max_tokens=1 if prompt_only else body.max_tokens,
+            logprobs=body.logprobs,
+            echo=body.echo,
         )
-        job, prompts = await admit(state, ask)
+        job, _ = await admit(state, ask)
         asked_lps = job.params.logprobs is not None
 
         def choice(index, text, lps, finish, prompt=None):
@@ -65,30 +78,31 @@ def register_openai(router: APIRouter, state, text_of) -> None:
             text, _, _, lps, end = _gather(events)
             return choice(index, text, lps, end.finish_reason if end else None)
 
-        def whole(o, c):
-            text, lps, finish = c.text, c.logprobs or [], c.finish_reason
+        def whole(index, events):
+            text, _, _, lps, end = _gather(events)
+            finish = end.finish_reason
             if prompt_only:
                 text, lps, finish = "", [], "length"
             prompt = None
             if body.echo:
+                o = job.final[job.rids[index // job.params.n]]
                 ids = list(o.prompt_token_ids)
                 prompt = (o.prompt if o.prompt is not None else state.engine_loop.engine.tokenizer.decode(ids), ids)
                 prompt += (o.prompt_logprobs,)
-            return choice(job.index(o.request_id, c.index), text, lps, finish, prompt)
+            return choice(index, text, lps, finish, prompt)
 
         if body.stream:
             events = _chunks(state, job, "text_completion", chunk, body.include_usage, None, False)
             return JobStream(job, keepalive(events))  # keep-alive comments while it waits or prefills
-        outs = await job.collect(request)
-        choices = await _render(state, job, lambda: [whole(o, c) for o in outs for c in o.outputs])
-        used = usage(outs, generated=not prompt_only)
-        return envelope(job.resp_id, "text_completion", state.model_id, choices=choices, usage=used)
+        per, _ = await _collect(request, job_events(state, job, None, False))
+        used = usage([job.final[r] for r in job.rids], generated=not prompt_only)
+        head = envelope(job.resp_id, "text_completion", state.model_id)
+        return await _answer(state, head, lambda: (whole(i, per.pop(i)) for i in sorted(per)), used)
 
     @router.post("/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         messages, plan = chat_plan(body, state.markers)  # tools, tool_choice and response_format (guided_request.py)
-        check_forcible(state.tool_format, plan)
-        parse, fmt = (plan.parse, state.tool_format) if state.tool_format else (None, None)
+        parse = turn_parse(state, plan)  # refuses a forced call the checkpoint's format cannot be forced in
         ask = Ask(
             "chatcmpl",
             body.model,
@@ -101,8 +115,10 @@ def register_openai(router: APIRouter, state, text_of) -> None:
             n=body.n,
             max_tokens=body.requested_max_tokens(),
             guided_param=plan.param,
+            logprobs=body.logprobs_k(),
+            logprob_bytes=CHAT_LOGPROB_BYTES,
         )
-        job, prompts = await admit(state, ask)
+        job, _ = await admit(state, ask)
         asked_lps = job.params.logprobs is not None
 
         def chunk(index, events, sent):
@@ -127,22 +143,46 @@ def register_openai(router: APIRouter, state, text_of) -> None:
             lp = chat_logprobs(lps, text_of) if asked_lps else None
             return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": end.finish_reason if end else None}
 
-        def whole(o, c):
-            reasoning, text = split_reasoning(thinking_of(state, prompts[0]), c.text)
-            msg, finish = chat_message(text, c.finish_reason, parse, fmt)  # tools.py: parsed calls
+        def whole(index, events):
+            """One choice of the whole answer: all its events' pieces, as a client adds up its chunks."""
+            text, reasoning, calls, lps, end = _gather(events)
+            msg: dict = {"role": "assistant", "content": (text or None) if calls else text}
+            if calls:
+                msg["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in calls
+                ]
             if reasoning:
                 msg["reasoning_content"] = reasoning
-            lp = chat_logprobs(c.logprobs or [], text_of) if asked_lps else None
-            return {"index": c.index, "message": msg, "logprobs": lp, "finish_reason": finish}
+            lp = chat_logprobs(lps, text_of) if asked_lps else None
+            return {"index": index, "message": msg, "logprobs": lp, "finish_reason": end.finish_reason}
 
         if body.stream:
             return JobStream(  # keep-alive comments while the request waits or prefills
                 job, keepalive(_chunks(state, job, "chat.completion.chunk", chunk, body.include_usage, parse, True))
             )
-        outs = await job.collect(request)
-        choices = await _render(state, job, lambda: [whole(o, c) for o in outs for c in o.outputs])
-        thought = sum(reasoning_tokens(state, p, c.token_ids) for p, o in zip(prompts, outs) for c in o.outputs)
-        return envelope(job.resp_id, "chat.completion", state.model_id, choices=choices, usage=usage(outs, thought))
+        per, thought = await _collect(request, job_events(state, job, parse, True))
+        head = envelope(job.resp_id, "chat.completion", state.model_id)
+        used = usage([job.final[r] for r in job.rids], thought)
+        return await _answer(state, head, lambda: (whole(i, per.pop(i)) for i in sorted(per)), used)
+
+
+async def _collect(request: Request, events) -> tuple[dict[int, list], int]:
+    """The job's events (`job_events`) collected: choice index -> its events in order, and the
+    reasoning tokens of all choices (the stream's usage chunk counts the same)."""
+    per: dict[int, list] = {}
+    for index, evs in await drain(request, events):
+        per.setdefault(index, []).extend(evs)
+    thought = sum(e.reasoning_tokens for evs in per.values() for e in evs if isinstance(e, TurnEnd))
+    return per, thought
+
+
+async def _answer(state, head: dict, choices, used: dict) -> Response:
+    """The whole answer `head` + `choices()` + `usage`, built and encoded on the tokenizer thread
+    (naming logprobs' tokens decodes; the echoed prompts' text too): the event loop never holds
+    tens of MB of it, and /health answers while it is written."""
+    body = await state.off_loop(lambda: encode_answer(head, choices(), {"usage": used}))
+    return Response(body, media_type="application/json")
 
 
 async def _render(state, job, fn, *args):

@@ -12,13 +12,51 @@ from functools import lru_cache
 
 
 class TokenText:
-    """Token id -> its text, cached (logprobs name each token)."""
+    """Token id -> its text, and its own bytes, cached (logprobs name each token)."""
 
     def __init__(self, tokenizer):
         self._decode = lru_cache(maxsize=65536)(lambda t: tokenizer.decode([t]))
+        self._bytes = lru_cache(maxsize=65536)(token_bytes(tokenizer, self._decode))
 
     def __call__(self, token_id: int) -> str:
         return self._decode(int(token_id))
+
+    def bytes_of(self, token_id: int) -> list[int]:
+        return list(self._bytes(int(token_id)))
+
+
+def token_bytes(tokenizer, decode):
+    """Token id -> the bytes the token stands for, as OpenAI's logprobs give them: a token that is
+    part of a multi-byte character has those bytes, not the UTF-8 of U+FFFD that its decoded text
+    is, so a client joins consecutive tokens' bytes into the character. The vocabulary says how:
+    a byte-level BPE token (GPT-2, Qwen, Llama 3) spells its bytes in GPT-2's byte alphabet; a
+    SentencePiece byte token is `<0xE4>` and `▁` is a space; added (special) tokens are their own
+    text. `decode` (id -> text) covers tokenizers without such a vocabulary, and ids past it."""
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
+
+    detokenizer = getattr(tokenizer, "detokenizer", None)  # mlx-lm's reading of tokenizer.json's decoder
+    spm = isinstance(detokenizer, SPMStreamingDetokenizer)
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    if isinstance(detokenizer, BPEStreamingDetokenizer):
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        alphabet = {c: b for b, c in bytes_to_unicode().items()}
+    elif not spm:
+        return lambda t: decode(t).encode("utf-8")
+
+    def of(token_id: int) -> bytes:
+        piece = tokenizer.convert_ids_to_tokens(token_id) if token_id < len(tokenizer) else None
+        if piece is None or token_id in added:
+            return decode(token_id).encode("utf-8")
+        if spm:
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes([int(piece[3:5], 16)])
+            return piece.replace("\u2581", " ").encode("utf-8")
+        if all(c in alphabet for c in piece):
+            return bytes(alphabet[c] for c in piece)
+        return decode(token_id).encode("utf-8")
+
+    return of
 
 
 def completion_logprobs(lps: list, text_of: TokenText, offset: int = 0) -> dict:
@@ -56,8 +94,7 @@ def echo_logprobs(ids: list[int], plps: list | None, text_of: TokenText, complet
 
 def chat_logprobs(lps: list, text_of: TokenText) -> dict:
     def entry(tid, lp):
-        s = text_of(tid)
-        return {"token": s, "logprob": float(lp), "bytes": list(s.encode("utf-8"))}
+        return {"token": text_of(tid), "logprob": float(lp), "bytes": text_of.bytes_of(tid)}
 
     return {
         "content": [
@@ -79,6 +116,19 @@ def usage(outputs: list, reasoning_tokens: int = 0, generated: bool = True) -> d
         "prompt_tokens_details": {"cached_tokens": cached},
         "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
     }
+
+
+def encode_answer(head: dict, choices, tail: dict) -> bytes:
+    """`{**head, "choices": [*choices], **tail}` as JSON (compact, as Starlette's JSONResponse writes
+    it), each choice encoded as soon as it is built and then dropped: a large answer (echo and
+    logprobs of many prompts) never exists whole as Python objects, several times its size, and
+    the GIL is let go between two choices."""
+    dumps = lambda v: json.dumps(v, ensure_ascii=False, allow_nan=False, separators=(",", ":"))  # noqa: E731
+    parts = [dumps(head)[:-1] + ',"choices":[']
+    for i, c in enumerate(choices):
+        parts.append(("," if i else "") + dumps(c))
+    parts.append("]" + "".join(f",{dumps(k)}:{dumps(v)}" for k, v in tail.items()) + "}")
+    return "".join(parts).encode("utf-8")
 
 
 def sse_data(obj) -> str:

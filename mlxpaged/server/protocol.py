@@ -1,22 +1,23 @@
 """Typed request bodies of the OpenAI API (`/v1/completions`, `/v1/chat/completions`).
 
-Types are strict: `"max_tokens": "5"` is a wrong type, not 5. Truly unknown fields are ignored,
-as OpenAI's clients send fields this server has no use for; but a known OpenAI field this server
-does not implement (`UNIMPLEMENTED`) is refused by name when it asks for anything, so a client
-never believes that JSON mode or tools were honoured. Every string is checked for lone
+Types are strict: `"max_tokens": "5"` is a wrong type, not 5. A top-level field the body does not
+declare is refused by name (bodies.py), as OpenAI's API refuses one, unless it changes nothing
+here (`IGNORED`: `metadata`, `store`, ...); a known OpenAI field this server does not implement
+(`UNIMPLEMENTED`) is refused by name when it asks for anything, so a client never believes that
+JSON mode or tools were honoured. Every string is checked for lone
 surrogates (`Text`): JSON allows `"\\ud800"`, UTF-8 (the tokenizer, our responses) does not.
 `to_sampling_params` is the only place where a body becomes `SamplingParams`.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..engine.sampling_params import SamplingParams
-from .bodies import Body
+from .bodies import Body, refuse_unknown
 
 MAX_TOP_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
@@ -44,6 +45,8 @@ UNIMPLEMENTED: dict[str, tuple] = {
     "modalities": _OFF + (["text"],),
     "prediction": _OFF,
     "web_search_options": _OFF,
+    "reasoning_effort": (None,),  # a reasoning model's thinking follows its template's default here
+    "verbosity": (None,),
     # vLLM's completions extension; 0 asks for them (the logprob alone), so only null is a no-op.
     # `echo` with `logprobs` gives the same values in OpenAI's shape.
     "prompt_logprobs": (None,),
@@ -68,12 +71,15 @@ _Body = Body
 
 
 class _Request(_Body):
-    """A whole request body (not a part of one)."""
+    """A whole request body (not a part of one): its undeclared top-level fields refused by name,
+    but for `IGNORED` and the no-op values of `UNIMPLEMENTED`."""
+
+    IGNORED: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
     def _refuse(cls, data):
-        return refuse_unimplemented(data)
+        return refuse_unknown(cls, refuse_unimplemented(data), cls.IGNORED | UNIMPLEMENTED.keys())
 
 
 class StreamOptions(_Body):
@@ -82,6 +88,9 @@ class StreamOptions(_Body):
 
 class _Sampling(_Request):
     """Fields both endpoints share."""
+
+    # OpenAI's fields that change no answer: stored completions, tags, tiers, cache routing hints
+    IGNORED = frozenset({"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
 
     model: Text | None = None
     max_tokens: int | None = Field(None, ge=1)

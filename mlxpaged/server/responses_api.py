@@ -8,19 +8,26 @@ object, as on the chat routes.
 Stateless by default. With `--responses-store N` the server keeps the last N responses (their
 conversation: input and output, not the instructions, as OpenAI does) in an LRU, and
 `previous_response_id` continues one; otherwise `previous_response_id` is a 400 naming the limit.
+The LRU is bounded by the memory of its text too (`--responses-store-bytes`): a conversation is
+its whole history, and a run of spaces is one token of many characters.
+
+`cache_salt` (as on chat and completions) keeps the request's cached blocks to requests of the
+same salt.
 
 Codex's requests as it sends them: a `namespace` tool is its functions, offered as such; a hosted
 tool (`web_search`, `file_search`, ...) runs on OpenAI's side, so it is accepted, never offered to
 the model, and logged once; `reasoning.effort` switches a reasoning model's thinking as
 anthropic_api.py does (`none`/`minimal`: off), and `reasoning.summary` is accepted (the
-reasoning item carries the reasoning itself). `include`, `prompt_cache_key` and
-`client_metadata` change nothing here and are ignored.
+reasoning item carries the reasoning itself). `include`, `prompt_cache_key`, `client_metadata`,
+`service_tier`, `safety_identifier` and `stream_options` change nothing here and are ignored;
+any other top-level field the body does not declare is refused by name.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import sys
 import time
 import uuid
 from collections import OrderedDict
@@ -36,12 +43,16 @@ from .errors import APIError
 from .guided_request import format_guided, tool_plan
 from .jobs import JobStream
 from .keepalive import keepalive
+from .limits import Limits
 from .prompts import thinking_kwargs
 from .tools import template_tool_calls
-from .turns import Thinking, TurnEnd, add_format, sse, turn_events, turn_parse, whole_turn
+from .turns import Thinking, TurnEnd, add_format, drain, sse, turn_events, turn_parse
 
 log = logging.getLogger("mlxpaged.server")
-DEFAULT_MAX_TOKENS = 1024  # as the chat route: when a body gives no max_output_tokens
+# When a body gives no max_output_tokens (Codex never does), the answer may run to what the
+# context leaves, as vLLM's does: a coding agent's answer does not fit the chat route's 1,024.
+# A model with no known context gets the chat route's default.
+FALLBACK_MAX_TOKENS = 1024
 
 
 class ContentPart(Body):
@@ -175,6 +186,10 @@ class TextConfig(Body):
 
 
 class ResponsesRequest(CheckedBody):
+    IGNORED = frozenset(
+        {"include", "prompt_cache_key", "client_metadata", "service_tier", "safety_identifier", "stream_options"}
+    )
+
     model: str | None = None
     input: str | list[Item]
     instructions: str | None = None
@@ -191,6 +206,7 @@ class ResponsesRequest(CheckedBody):
     metadata: dict[str, str] | None = None
     user: str | None = None  # accepted and ignored
     speculative: bool = True  # mlxpaged's extension: false opts this request out of speculative decoding
+    cache_salt: str | None = None  # vLLM's: prefix-cache isolation (blocks shared only within one salt)
     reasoning: Reasoning | None = None
     # Fields this server does not implement: refused by name when set (see `refuse_unsupported`).
     background: bool | None = None
@@ -209,15 +225,32 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
             raise APIError(400, f"{name}: not supported by this server", param=name)
 
 
+def text_bytes(value) -> int:
+    """The memory of the strings in `value` (messages: dicts, lists and strings), as Python holds them."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += sys.getsizeof(v)
+        elif isinstance(v, dict):
+            stack += v.values()
+        elif isinstance(v, (list, tuple)):
+            stack += v
+    return total
+
+
 class ResponseStore:
-    """The conversations of the last `capacity` responses, by id (least recently used out first).
+    """The conversations of the last `capacity` responses, by id (least recently used out first),
+    whose text takes at most `max_bytes` together (`text_bytes`; one larger is not kept).
 
     Invariant: a stored conversation never changes. `put` takes its own copy, `get` hands out a
     tuple, and `conversation` builds each request's messages without writing into it."""
 
-    def __init__(self, capacity: int):
-        self.capacity = capacity
+    def __init__(self, capacity: int, max_bytes: int = Limits.responses_store_bytes):
+        self.capacity, self.max_bytes = capacity, max_bytes
         self._items: OrderedDict[str, tuple[dict, ...]] = OrderedDict()
+        self._sizes: dict[str, int] = {}
+        self.bytes = 0  # of the stored conversations, together
 
     def get(self, resp_id: str) -> tuple[dict, ...]:
         if self.capacity <= 0:
@@ -231,8 +264,8 @@ class ResponseStore:
             raise APIError(
                 400,
                 f"previous_response_id: response '{resp_id[:64]}{'...' if len(resp_id) > 64 else ''}' is not stored "
-                f"(this server keeps the "
-                f"last {self.capacity} responses, --responses-store {self.capacity})",
+                f"(this server keeps the last {self.capacity} responses, --responses-store {self.capacity}, "
+                f"and {self.max_bytes} bytes of their text, --responses-store-bytes)",
                 param="previous_response_id",
             )
         self._items.move_to_end(resp_id)
@@ -241,9 +274,20 @@ class ResponseStore:
     def put(self, resp_id: str, messages: list[dict]) -> None:
         if self.capacity <= 0:
             return
-        self._items[resp_id] = copy.deepcopy(tuple(messages))
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+        size = text_bytes(messages)
+        if size > self.max_bytes:
+            log.info(
+                "responses: %s not stored: its conversation's text takes %d bytes (--responses-store-bytes %d)",
+                resp_id,
+                size,
+                self.max_bytes,
+            )
+            return
+        self._items[resp_id], self._sizes[resp_id] = copy.deepcopy(tuple(messages)), size
+        self.bytes += size
+        while len(self._items) > self.capacity or self.bytes > self.max_bytes:
+            old, _ = self._items.popitem(last=False)
+            self.bytes -= self._sizes.pop(old)
 
 
 def conversation(body: ResponsesRequest, history) -> list[dict]:
@@ -331,7 +375,7 @@ def _call_item(call, status: str = "completed") -> dict:
 
 def register_responses(router: APIRouter, state, text_of=None) -> None:
     """`POST /v1/responses` on the OpenAI router (its auth and error object)."""
-    store = ResponseStore(state.responses_store)
+    store = ResponseStore(state.responses_store, state.limits.responses_store_bytes)
 
     @router.post("/responses")
     async def responses(body: ResponsesRequest, request: Request):
@@ -354,11 +398,12 @@ def register_responses(router: APIRouter, state, text_of=None) -> None:
             add_format(plan, format_guided(fmt.type, fmt.schema_, "text.format"), "text", f"tool_choice '{choice}'")
 
         knobs = dict(temperature=body.temperature, top_p=body.top_p, speculative=body.speculative, guided=plan.guided)
+        knobs["cache_salt"] = body.cache_salt
         ask = Ask(
             "resp",
             body.model,
             lambda n: SamplingParams(max_tokens=n, **knobs),
-            DEFAULT_MAX_TOKENS,
+            state.context or FALLBACK_MAX_TOKENS,  # lowered to what the context and the pool leave
             messages=messages,
             tools=plan.tools,
             max_tokens=body.max_output_tokens,
@@ -414,26 +459,36 @@ def register_responses(router: APIRouter, state, text_of=None) -> None:
 
         if body.stream:
             return JobStream(job, keepalive(_stream(state, job, parse, envelope, finish)))
-        content, calls, end, reasoning = await whole_turn(state, job, request, parse)
-        output = [_reasoning_item("rs_" + uuid.uuid4().hex[:24], reasoning)] if reasoning else []
-        output += [_message_item("msg_" + uuid.uuid4().hex[:24], content)] if content or not calls else []
-        output += [_call_item(c) for c in calls]
-        return envelope(finish(content, calls, end), output, end)
+        events = await drain(request, _events(state, job, parse, envelope, finish))
+        return events[-1][1]["response"]  # response.completed (or .incomplete) carries the whole response
 
 
 async def _stream(state, job, parse, envelope, finish):
-    """The documented event sequence: response.created, response.in_progress, then per output item
-    output_item.added, its deltas (output_text.delta / function_call_arguments.delta) and *.done
-    events, output_item.done; then response.completed (or response.incomplete)."""
+    """`_events` as server-sent events; a failure mid-stream is an `error` event."""
+    seq = 0
+    try:
+        async for kind, data in _events(state, job, parse, envelope, finish):
+            seq = data["sequence_number"] + 1
+            yield sse(kind, data)
+    except APIError as err:
+        data = {"type": "error", "sequence_number": seq, "code": err.code, "message": err.message, "param": err.param}
+        yield sse("error", data)
+
+
+async def _events(state, job, parse, envelope, finish):
+    """The documented event sequence, as (type, data): response.created, response.in_progress, then
+    per output item output_item.added, its deltas (output_text.delta / function_call_arguments.delta)
+    and *.done events, output_item.done; then response.completed (or response.incomplete), whose
+    response is the whole one. A failed step raises APIError."""
     seq = 0
     output: list[dict] = []
     text_parts: list[str] = []
     open_msg: dict | None = None
 
-    def event(kind: str, **data) -> str:
+    def event(kind: str, **data) -> tuple[str, dict]:
         nonlocal seq
         seq += 1
-        return sse(kind, {"type": kind, "sequence_number": seq - 1, **data})
+        return kind, {"type": kind, "sequence_number": seq - 1, **data}
 
     def open_message():
         output.append(_message_item(open_msg["id"], "", "in_progress"))
@@ -459,69 +514,66 @@ async def _stream(state, job, parse, envelope, finish):
     content_all: list[str] = []
     calls = []
     think: dict | None = None  # the open reasoning item: id, index, text so far
-    try:
-        async for e in turn_events(state, job, parse):
-            if isinstance(e, Thinking):  # the model's reasoning: a reasoning item before the answer
-                if think is None:
-                    think = {"id": "rs_" + uuid.uuid4().hex[:24], "index": len(output), "text": []}
-                    output.append(_reasoning_item(think["id"], "", "in_progress"))
-                    yield event("response.output_item.added", output_index=think["index"], item=output[-1])
-                think["text"].append(e.text)
-                common = {"item_id": think["id"], "output_index": think["index"], "content_index": 0}
-                yield event("response.reasoning_text.delta", **common, delta=e.text)
-                continue
-            if think is not None and think.get("open", True):
-                think["open"] = False
-                item = _reasoning_item(think["id"], "".join(think["text"]))
-                output[think["index"]] = item
-                common = {"item_id": think["id"], "output_index": think["index"], "content_index": 0}
-                yield event("response.reasoning_text.done", **common, text=item["content"][0]["text"])
-                yield event("response.output_item.done", output_index=think["index"], item=item)
-            if isinstance(e, str):
-                content_all.append(e)
-                if open_msg is None:
-                    open_msg, text_parts = {"id": "msg_" + uuid.uuid4().hex[:24], "index": len(output)}, []
-                    for ev in open_message():
-                        yield ev
-                text_parts.append(e)
-                yield event(
-                    "response.output_text.delta",
-                    item_id=open_msg["id"],
-                    output_index=open_msg["index"],
-                    content_index=0,
-                    delta=e,
-                    logprobs=[],
-                )
-            elif isinstance(e, TurnEnd):
-                if open_msg is None and not calls:  # an empty turn: one empty message, as the whole response has
-                    open_msg, text_parts = {"id": "msg_" + uuid.uuid4().hex[:24], "index": len(output)}, []
-                    for ev in open_message():
-                        yield ev
-                if open_msg is not None:
-                    for ev in close_message():
-                        yield ev
-                status = finish("".join(content_all) or None, calls, e)
-                yield event(f"response.{status}", response=envelope(status, output, e))
-            else:
-                if open_msg is not None:
-                    for ev in close_message():
-                        yield ev
-                    open_msg = None
-                calls.append(e)
-                index = len(output)
-                output.append(_call_item(e))
-                added = _call_item(e, "in_progress")
-                yield event("response.output_item.added", output_index=index, item=added)
-                yield event(
-                    "response.function_call_arguments.delta", item_id=added["id"], output_index=index, delta=e.arguments
-                )
-                yield event(
-                    "response.function_call_arguments.done",
-                    item_id=added["id"],
-                    output_index=index,
-                    name=e.name,
-                    arguments=e.arguments,
-                )
-                yield event("response.output_item.done", output_index=index, item=output[index])
-    except APIError as err:
-        yield event("error", code=err.code, message=err.message, param=err.param)
+    async for e in turn_events(state, job, parse):
+        if isinstance(e, Thinking):  # the model's reasoning: a reasoning item before the answer
+            if think is None:
+                think = {"id": "rs_" + uuid.uuid4().hex[:24], "index": len(output), "text": []}
+                output.append(_reasoning_item(think["id"], "", "in_progress"))
+                yield event("response.output_item.added", output_index=think["index"], item=output[-1])
+            think["text"].append(e.text)
+            common = {"item_id": think["id"], "output_index": think["index"], "content_index": 0}
+            yield event("response.reasoning_text.delta", **common, delta=e.text)
+            continue
+        if think is not None and think.get("open", True):
+            think["open"] = False
+            item = _reasoning_item(think["id"], "".join(think["text"]))
+            output[think["index"]] = item
+            common = {"item_id": think["id"], "output_index": think["index"], "content_index": 0}
+            yield event("response.reasoning_text.done", **common, text=item["content"][0]["text"])
+            yield event("response.output_item.done", output_index=think["index"], item=item)
+        if isinstance(e, str):
+            content_all.append(e)
+            if open_msg is None:
+                open_msg, text_parts = {"id": "msg_" + uuid.uuid4().hex[:24], "index": len(output)}, []
+                for ev in open_message():
+                    yield ev
+            text_parts.append(e)
+            yield event(
+                "response.output_text.delta",
+                item_id=open_msg["id"],
+                output_index=open_msg["index"],
+                content_index=0,
+                delta=e,
+                logprobs=[],
+            )
+        elif isinstance(e, TurnEnd):
+            if open_msg is None and not calls:  # an empty turn: one empty message, as the whole response has
+                open_msg, text_parts = {"id": "msg_" + uuid.uuid4().hex[:24], "index": len(output)}, []
+                for ev in open_message():
+                    yield ev
+            if open_msg is not None:
+                for ev in close_message():
+                    yield ev
+            status = finish("".join(content_all) or None, calls, e)
+            yield event(f"response.{status}", response=envelope(status, output, e))
+        else:
+            if open_msg is not None:
+                for ev in close_message():
+                    yield ev
+                open_msg = None
+            calls.append(e)
+            index = len(output)
+            output.append(_call_item(e))
+            added = _call_item(e, "in_progress")
+            yield event("response.output_item.added", output_index=index, item=added)
+            yield event(
+                "response.function_call_arguments.delta", item_id=added["id"], output_index=index, delta=e.arguments
+            )
+            yield event(
+                "response.function_call_arguments.done",
+                item_id=added["id"],
+                output_index=index,
+                name=e.name,
+                arguments=e.arguments,
+            )
+            yield event("response.output_item.done", output_index=index, item=output[index])

@@ -8,11 +8,11 @@ with spans
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-and `parse_tool_calls` / `ToolCallStream` turn them into calls. A span counts as a call when its
-body is a JSON object with a string `name` and an object `arguments`; anything else (a span that
-is not JSON, or not closed when the sample ends) stays in the text, unchanged, so nothing the
-model wrote is lost. Whitespace between a call and its neighbours is dropped; other text is the
-message's content.
+and `ToolCallStream`, the one parser of every route, streamed or not, turns them into calls. A
+span counts as a call when its body is a JSON object with a string `name` and an object
+`arguments`; anything else (a span that is not JSON, or not closed when the sample ends) stays in
+the text, unchanged, so nothing the model wrote is lost. Whitespace between a call and its
+neighbours is dropped; other text is the message's content.
 
 Small Qwen2.5 checkpoints (the 0.5B) often answer a tool request with the bare JSON object and
 no tags, or with that object in a ```json fenced block. So a completion that is, as a whole, one
@@ -136,16 +136,6 @@ def _mlx_parse(parser):
     return parse
 
 
-def parse_tool_calls(text: str, names=None, fmt: ToolFormat | None = None) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a whole completion; content is None when it is empty and there are calls.
-    `names`: the offered functions, which a bare JSON completion may call (None: only spans)."""
-    s = ToolCallStream(names, fmt)
-    events = s.feed(text) + s.finish()
-    content = "".join(e for e in events if isinstance(e, str))
-    calls = [e for e in events if isinstance(e, ToolCall)]
-    return (content or None) if calls else content, calls
-
-
 def _unfenced(text: str) -> str:
     """The body of a completion that is one fenced block (```json ... ```), else the text."""
     if text.startswith("```") and text.endswith("```") and len(text) >= 6:
@@ -190,7 +180,7 @@ class ToolCallStream:
 
     Holds back what could still become a call: a tail that may grow into the format's opening
     marker, whitespace that would be dropped if a call follows, and an open span until it closes.
-    The events of any split of a text equal those of the whole text (`parse_tool_calls`).
+    The events of any split of a text equal those of the whole text fed at once.
     """
 
     def __init__(self, names=None, fmt: ToolFormat | None = None):
@@ -366,17 +356,3 @@ def template_messages(messages) -> list[dict]:
             d["tool_call_id"] = m.tool_call_id
         out.append(d)
     return out
-
-
-def chat_message(text: str, finish: str | None, names=None, fmt: ToolFormat | None = None) -> tuple[dict, str | None]:
-    """A whole assistant message and its finish_reason: with `names` (tools offered), its parsed
-    calls, and `tool_calls` for a sample that ended by itself with calls."""
-    if names is None:
-        return {"role": "assistant", "content": text}, finish
-    content, calls = parse_tool_calls(text, names, fmt)
-    msg: dict = {"role": "assistant", "content": content}
-    if calls:
-        msg["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
-        ]
-    return msg, "tool_calls" if calls and finish == "stop" else finish

@@ -5,8 +5,10 @@ string) and turns each into events: `str` answer text, `Thinking` reasoning text
 checkpoint's think markers), `ToolCall`s (when tools were offered; `ToolCallStream` holds back a
 span until it closes), `Logprobs` of the delta's tokens and, once per sample, a `TurnEnd` (finish
 reason, stop sequence, usage). Each route renders them into its own wire format: OpenAI chunks
-(openai_api.py), Anthropic events (anthropic_api.py), Responses events (responses_api.py). The
-whole answer of a route that does not stream is the sum of the same pieces (`whole_turn`).
+(openai_api.py), Anthropic events (anthropic_api.py), Responses events (responses_api.py),
+Ollama's lines (ollama_api.py). A route's non-streamed answer is these same events collected
+(`drain`) and added up as a client adds up the stream, so a streamed and a whole answer pass
+through one reasoning split and one tool-call parser.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from fastapi import Request
 
 from .errors import APIError
 from .reasoning import reasoning_tokens, split_reasoning, thinking_of
-from .tools import ToolCall, ToolCallStream, check_forcible, parse_tool_calls
+from .tools import ToolCallStream, check_forcible
 
 YIELD_EVERY = 8  # event lists between two yields to the event loop
 
@@ -120,13 +122,27 @@ async def turn_events(state, job, parse):
                 yield e
 
 
-async def whole_turn(state, job, request: Request, parse) -> tuple[str | None, list[ToolCall], TurnEnd, str]:
-    """(content, calls, end, reasoning) of a finished turn."""
-    out = (await job.collect(request))[0]
-    c = out.outputs[0]
-    reasoning, text = split_reasoning(thinking_of(state, job.prompts[0]), c.text)
-    content, calls = parse_tool_calls(text, parse, state.tool_format) if parse else (text, [])
-    return content, calls, turn_end(state, job.prompts[0], out, c, len(calls)), reasoning
+async def drain(request: Request, events) -> list:
+    """Every item of the async iterator `events` (a job's events, or a route's rendering of them),
+    in order: what a non-streamed answer is built from. A client gone while waiting closes the
+    iterator, whose `finally` aborts the job's engine requests; a failed step raises APIError."""
+    items: list = []
+
+    async def run():
+        async for x in events:
+            items.append(x)
+
+    task = asyncio.ensure_future(run())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=1.0)
+            if not task.done() and await request.is_disconnected():
+                raise APIError(499, "client disconnected")
+        task.result()
+    finally:
+        if not task.done():
+            task.cancel()  # closes the event stream: its `finally` aborts the engine requests
+    return items
 
 
 def turn_parse(state, plan):

@@ -1,8 +1,8 @@
 """The paged KV cache: one K and one V pool per layer, `[num_blocks, num_kv_heads, block_size, head_dim]`.
 
-Block id `b` means the same token slots in every layer's pools, so one block table per sequence
-serves all layers; a model with sliding-window layers has two groups (core/block_manager.py):
-those layers' pools are `window_blocks` long and indexed by the windowed group's block ids. The
+Block id `b` means the same token slots in every pool of one KV cache group (core/kv_groups.py),
+so one block table per sequence and group serves the group's layers: each layer names its group
+(`groups[layer]`), and a group's pools are that group's pool length (`group_blocks[g]`). The
 pools of different layers may differ in KV heads and head_dim (Gemma 4's full layers are wider
 than its sliding ones: `CacheShape.layer_dims`); a block is then the same token slots in pools of
 different widths. Writes are MLX scatters into the pool arrays; the cache holds the only
@@ -26,7 +26,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..attention.kv_quant import QuantizedPool, check_kv_quant, key_offsets, row_bytes
-from ..models.paged_adapter import layer_kv_dims, paged_layers
+from ..models.cache_spec import CacheSpec
+from ..models.paged_adapter import attention_of, cache_spec, paged_layers
 
 
 @dataclass
@@ -56,14 +57,14 @@ class CacheShape:
 
     @classmethod
     def of(cls, loaded) -> CacheShape:
-        """The cache shape of a `LoadedModel`'s layers, in its dtype."""
-        model = loaded.model
-        dims = layer_kv_dims(model)  # an MLA model: one latent row per token
+        """The cache shape of a `LoadedModel`'s layers (its `cache_spec`), in its dtype."""
+        spec = loaded.cache_spec
+        dims = spec.pool_dims  # an MLA model: one latent row per token
         return cls(
             len(dims),  # a hybrid's recurrent layers hold state, not K/V; Gemma 4's shared layers nothing
             *dims[0],
             loaded.dtype,
-            keys_only="_paged_kv_dims" in model.__dict__,
+            keys_only=spec.latent,
             layer_dims=tuple(dims),
         )
 
@@ -180,10 +181,13 @@ class PagedKVCache:
         key_offsets: list[mx.array | None] | None = None,
         key_scales: list[mx.array] | None = None,
         groups: tuple[int, ...] = (),
-        window_blocks: int | None = None,
+        group_blocks: tuple[int, ...] = (),
+        spec: CacheSpec | None = None,
     ):
-        """`groups[layer]` is 1 for a layer of the windowed group, whose pools hold `window_blocks`
-        blocks (default `num_blocks`), and 0 for the others (`()`: every layer is 0).
+        """`spec`: the model's declared cache (models/cache_spec.py), which the paged forward pass
+        reads (None: the pass reads it off the model each time).
+        `groups[layer]` is the KV cache group of the layer (`()`: every layer is group 0), whose
+        pools hold `group_blocks[g]` blocks (default `num_blocks`, every group).
         `key_offsets[layer]` (`[num_kv_heads, head_dim]` or None) is subtracted from that
         layer's keys before they are quantized and `key_scales[layer]` (`[num_kv_heads,
         head_dim]`, positive) divides them: a quantized K row holds `quantize((k - offset) /
@@ -197,13 +201,15 @@ class PagedKVCache:
             raise ValueError(f"key_scales must be positive [num_kv_heads, head_dim] per layer = {shape.layer_dims}")
         self.key_offsets = key_offsets
         self.key_scales = key_scales
+        self.spec = spec
         self.shape = shape
         self.quantized = shape.kv_bits is not None  # (an attribute: read per layer per step)
         self.block_size = block_size
         self.groups = tuple(groups) or (0,) * shape.num_layers
-        if len(self.groups) != shape.num_layers or not set(self.groups) <= {0, 1}:
-            raise ValueError(f"groups must be 0 or 1 for each of the {shape.num_layers} layers, got {groups}")
-        self.group_blocks = [num_blocks, window_blocks or num_blocks]  # each group's pool length
+        if len(self.groups) != shape.num_layers or min(self.groups) < 0:
+            raise ValueError(f"groups must name a group >= 0 for each of the {shape.num_layers} layers, got {groups}")
+        num_groups = max(max(self.groups) + 1, len(group_blocks))
+        self.group_blocks = list(group_blocks) + [num_blocks] * (num_groups - len(group_blocks))  # pool lengths
         if shape.keys_only and (key_offsets is not None or key_scales is not None):
             raise ValueError("a keys-only pool stores its keys unscaled: they are its values too")
         sized = [(self.group_blocks[g], *dims) for g, dims in zip(self.groups, shape.layer_dims)]
@@ -216,7 +222,7 @@ class PagedKVCache:
 
     @property
     def num_blocks(self) -> int:
-        """The full-attention group's pool length (every layer's, with one group)."""
+        """Group 0's pool length (every layer's, with one group)."""
         return self.group_blocks[0]
 
     @classmethod
@@ -228,14 +234,17 @@ class PagedKVCache:
         block_size: int,
         key_scales: list[mx.array] | None = None,
         groups: tuple[int, ...] = (),
-        window_blocks: int | None = None,
+        group_blocks: tuple[int, ...] = (),
+        spec: CacheSpec | None = None,
     ) -> PagedKVCache:
-        """The cache for `model`'s layers. A quantized one takes the model's key offsets and
-        `key_scales` (`kv_calibration.model_key_scales`), if given."""
-        kw = {"groups": groups, "window_blocks": window_blocks}
+        """The cache for `model`'s layers (`spec`, default `cache_spec(model)`). A quantized one
+        takes the model's key offsets and `key_scales` (`kv_calibration.model_key_scales`), if given."""
+        spec = spec or cache_spec(model)
+        kw = {"groups": groups, "group_blocks": group_blocks, "spec": spec}
         if shape.kv_bits is None or shape.keys_only:
             return cls(shape, num_blocks, block_size, **kw)
-        return cls(shape, num_blocks, block_size, key_offsets(model, layers=paged_layers(model)), key_scales, **kw)
+        offsets = key_offsets(model, attentions=[attention_of(layer) for layer in paged_layers(model, spec)])
+        return cls(shape, num_blocks, block_size, offsets, key_scales, **kw)
 
     def _pool(self, num_blocks: int, kv_heads: int, head_dim: int):
         s = self.shape
@@ -260,8 +269,8 @@ class PagedKVCache:
         return sum(a.nbytes for a in self.arrays)
 
     def group_block_bytes(self) -> list[int]:
-        """Bytes one block costs in each group's pools: `[full group, windowed group]`."""
-        out = [0, 0]
+        """Bytes one block costs in each group's pools, in group order."""
+        out = [0] * len(self.group_blocks)
         for a, g in zip(self.arrays, self._array_groups()):
             out[g] += a.nbytes // a.shape[0]
         return out
@@ -276,7 +285,7 @@ class PagedKVCache:
         index = next((ix for sm, ix in self._write_index if sm is slot_mapping), None)
         if index is None:
             index = {}
-            self._write_index = [(slot_mapping, index)] + self._write_index[:1]
+            self._write_index = [(slot_mapping, index)] + self._write_index[: len(self.group_blocks) - 1]
         kvh = k.shape[1]
         if kvh not in index:
             blocks, offsets = (slot_mapping // self.block_size)[:, None], (slot_mapping % self.block_size)[:, None]
@@ -365,32 +374,29 @@ class PagedKVCache:
         mx.eval(self.arrays)
 
     # -- the disk tier of the prefix cache (prefix_store.py) --------------------------------------------
-    def gather_blocks(self, block_ids: list[int], window_ids: list[int] | None = None) -> list[mx.array]:
-        """Lazily, every pool array's rows of `block_ids` as bytes: `uint8 [k, num_kv_heads, block_size, -1]`
-        per array (`arrays` order); the windowed group's arrays at `window_ids` (the same blocks'
-        ids in that group). A snapshot: later writes to the pools do not change it."""
-        idx = [mx.array(block_ids, dtype=mx.int32), mx.array(window_ids or block_ids, dtype=mx.int32)]
-        return [a[idx[g]].view(mx.uint8) for a, g in zip(self.arrays, self._array_groups())]
+    def gather_blocks(self, group_ids: list[list[int]]) -> list[mx.array]:
+        """Lazily, every pool array's rows of some blocks as bytes: `uint8 [k, num_kv_heads,
+        block_size, -1]` per array (`arrays` order), group g's arrays at `group_ids[g]` (the same
+        blocks' ids in that group; a group past the list at group 0's). A snapshot: later writes
+        to the pools do not change it."""
+        idx = [mx.array(ids, dtype=mx.int32) for ids in group_ids]
+        return [a[idx[g if g < len(idx) else 0]].view(mx.uint8) for a, g in zip(self.arrays, self._array_groups())]
 
     def block_nbytes(self) -> list[int]:
         """Bytes of one block in each pool array (`arrays` order)."""
         return [a.nbytes // a.shape[0] for a in self.arrays]
 
-    def write_blocks(self, block_ids: list[int], rows: list[np.ndarray], window: list[tuple[int, int]] = ()) -> None:
-        """Store `rows[i]` (`uint8 [k, block_nbytes()[i]]`, from `gather_blocks` or the disk) into
-        blocks `block_ids` of pool array `i`; lazy, like a forward pass's writes. The windowed
-        group's arrays take only the rows `window` names, `(row, window block id)`."""
-        if not block_ids:
-            return
-        idx = mx.array(block_ids, dtype=mx.int32)
-        picked = np.array([r for r, _ in window], dtype=np.int64)
-        widx = mx.array([b for _, b in window], dtype=mx.int32)
+    def write_blocks(self, rows: list[np.ndarray], at: list[list[tuple[int, int]]]) -> None:
+        """Store rows of `rows[i]` (`uint8 [k, block_nbytes()[i]]`, from `gather_blocks` or the
+        disk) into pool array `i`; lazy, like a forward pass's writes. Group g's arrays take the
+        rows `at[g]` names, `(row, block id in group g)` (a group past the list takes none)."""
+        where = []
+        for pairs in at:
+            picked = np.array([r for r, _ in pairs], dtype=np.int64)
+            where.append((picked, mx.array([b for _, b in pairs], dtype=mx.int32)))
         for a, r, g in zip(self.arrays, rows, self._array_groups()):
-            if g == 1:
-                if not len(picked):
-                    continue
-                r, at, k = r[picked], widx, len(picked)
-            else:
-                at, k = idx, len(block_ids)
-            src = mx.array(np.ascontiguousarray(r)).reshape(k, *a.shape[1:-1], -1)
-            a[at] = src.view(a.dtype)
+            if g >= len(where) or not len(where[g][0]):
+                continue
+            picked, idx = where[g]
+            src = mx.array(np.ascontiguousarray(r[picked])).reshape(len(picked), *a.shape[1:-1], -1)
+            a[idx] = src.view(a.dtype)

@@ -43,16 +43,17 @@ def key_scales(model, ids: list[int], block_size: int = 16) -> list[mx.array]:
     parallel model takes part, each measuring its own KV heads) and reads the keys back from
     the pools, so they are exactly the post-RoPE keys attention sees.
     """
-    from ..models.paged_adapter import layer_kv_dims
+    from ..models.paged_adapter import cache_spec
     from .kv_cache import CacheShape, PagedKVCache, slot_mapping
 
     if len(ids) < 2:
         raise ValueError(f"key_scales needs at least 2 calibration tokens, got {len(ids)}")
-    dims = layer_kv_dims(model)
+    spec = cache_spec(model)
+    dims = spec.pool_dims
     shape = CacheShape(len(dims), *dims[0], mx.float32, layer_dims=tuple(dims))
     n = len(ids)
     num_blocks = -(-n // block_size)
-    cache = PagedKVCache(shape, num_blocks, block_size)
+    cache = PagedKVCache(shape, num_blocks, block_size, spec=spec)
     table = np.arange(num_blocks, dtype=np.int32)
     positions = np.arange(n, dtype=np.int32)
     meta = AttentionMetadata(

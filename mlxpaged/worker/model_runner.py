@@ -11,6 +11,7 @@ import numpy as np
 
 from ..attention.metadata import AttentionMetadata
 from ..core.sequence import BlockIds, Sequence
+from ..models.paged_adapter import cache_spec
 from .kv_cache import PagedKVCache, slot_mapping
 from .state_cache import Checkpoints, keep_states, states_for
 
@@ -107,11 +108,11 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.attention_impl = attention_impl
         # a hybrid model's recurrent layers (state_cache.py); 0 for an attention-only model
-        self.num_recurrent = sum(s is not None for s in model.__dict__.get("_paged_recurrent") or [])
+        self.num_recurrent = (kv_cache.spec or cache_spec(model)).num_recurrent
         self.checkpoints = checkpoints  # recurrent-state checkpoints for prefix hits, or None
-        self.two_groups = any(kv_cache.groups)  # windowed layers read their own group's tables
+        self.num_groups = len(kv_cache.group_blocks)  # each group's layers read their own tables
         self._aranges: dict[int, tuple[mx.array, mx.array]] = {}  # `_steps`, by batch size
-        self._tables = (DecodeTables(), DecodeTables())  # the decode steps' tables: full, windowed group
+        self._tables = [DecodeTables() for _ in range(self.num_groups)]  # the decode steps' tables, by group
         # The last decode step's context lengths, as a list and as the array that the next step's
         # positions may reuse (`_decode`).
         self._last_lens: tuple[list[int], mx.array | None] = ([], None)
@@ -146,7 +147,7 @@ class ModelRunner:
         starts = np.array([s.num_computed_tokens for s, _ in batch], dtype=np.int32)
         cu = np.zeros(num_seqs + 1, dtype=np.int32)
         np.cumsum(q_lens, out=cu[1:])
-        tables = np.asarray(_rows([s.table_ids for s, _ in batch]), dtype=np.int32)
+        tables = np.asarray(_rows([s.ids[0] for s, _ in batch]), dtype=np.int32)
         seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
         positions = (np.arange(cu[-1]) - cu[seq_of_token] + starts[seq_of_token]).astype(np.int32)
         # Token t goes to its own sequence's table: index the flattened tables past that row's start.
@@ -160,13 +161,14 @@ class ModelRunner:
             logits_indices=mx.array(self._logits_indices(cu, spec_tokens, all_rows)),
             impl=self.attention_impl,
         )
-        if self.two_groups:
-            # as long as the tables (a sequence invariant)
-            wt = np.asarray(_rows([s.window_ids for s, _ in batch]), dtype=np.int32)
-            wslots = slot_mapping(wt.reshape(-1), seq_of_token * wt.shape[1] * bs + positions, bs)
-            meta.window = replace(
-                meta, slot_mapping=mx.array(wslots), block_tables=mx.array(wt), window=None, scratch={}
-            )
+        if self.num_groups > 1:
+            meta.groups = [meta]
+            for g in range(1, self.num_groups):  # as long as group 0's tables (a sequence invariant)
+                gt = np.asarray(_rows([s.ids[g] for s, _ in batch]), dtype=np.int32)
+                gslots = slot_mapping(gt.reshape(-1), seq_of_token * gt.shape[1] * bs + positions, bs)
+                meta.groups.append(
+                    replace(meta, slot_mapping=mx.array(gslots), block_tables=mx.array(gt), groups=[], scratch={})
+                )
         return self._run(batch, self._input_ids(batch, int(cu[-1]), spec_tokens), meta, frozenset(spec_tokens))
 
     def _run(
@@ -193,7 +195,7 @@ class ModelRunner:
         ids, slots, starts, ctx, tables, pending = [], [], [], [], [], []
         for s, _ in batch:
             p = s.num_computed_tokens
-            t = s.table_ids
+            t = s.ids[0]
             starts.append(p)
             ctx.append(p + 1)
             tables.append(t)
@@ -221,14 +223,21 @@ class ModelRunner:
             logits_indices=last,
             impl=self.attention_impl,
         )
-        if self.two_groups:  # a released block reads as block 0: the window masks it out
-            wids = [s.window_ids for s, _ in batch]
-            meta.window = replace(
-                meta,
-                slot_mapping=mx.array([t.list[p // bs] * bs + p % bs for t, p in zip(wids, starts)], dtype=mx.int32),
-                block_tables=self._tables[1].array(wids),
-                scratch={},
-            )
+        if self.num_groups > 1:  # a released block reads as block 0: the group's mask hides it
+            meta.groups = [meta]
+            for g in range(1, self.num_groups):
+                gids = [s.ids[g] for s, _ in batch]
+                meta.groups.append(
+                    replace(
+                        meta,
+                        slot_mapping=mx.array(
+                            [t.list[p // bs] * bs + p % bs for t, p in zip(gids, starts)], dtype=mx.int32
+                        ),
+                        block_tables=self._tables[g].array(gids),
+                        groups=[],
+                        scratch={},
+                    )
+                )
         return self._run(batch, input_ids, meta)
 
     def _steps(self, n: int) -> tuple[mx.array, mx.array]:

@@ -1,0 +1,85 @@
+"""A model's paged cache, declared: what each layer of the text model keeps (its `LayerSpec`).
+
+The adapter (paged_adapter.py `cache_spec`) reads it off an mlx-lm model once, from mlx-lm's own
+`make_prompt_cache` (which cache each layer gets) and the layers' attention modules (KV heads,
+head_dim); the pools (worker/kv_cache.py), the block manager's groups (core/kv_groups.py), the
+model runner and the paged forward pass read this spec, and nothing is set on mlx-lm's modules.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+# What a layer keeps: the kinds of KV cache group (core/kv_groups.py `GROUP_KINDS`) for a layer
+# with K/V of its own or another's, and "recurrent" for a layer with a state and no K/V.
+RECURRENT = "recurrent"
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer of the text model.
+
+    `kind`: "full", "sliding_window" or "chunked_local" (its KV cache group's kind), or "recurrent";
+    `span`: its window or chunk in tokens (None for full attention and recurrent layers);
+    `pool`: its K/V pool's index (`CacheSpec.pool_layers` order), None when it writes no K/V (a
+    recurrent layer, or one that reads another layer's: `source`);
+    `kv_heads`, `head_dim`: a pool row's shape (0 without a pool);
+    `source`: the layer whose K/V it reads instead of writing its own (Gemma 4, 3n), or None;
+    `state_arrays`: a recurrent layer's number of state arrays (mlx-lm's ArraysCache), else None.
+    """
+
+    kind: str
+    span: int | None = None
+    pool: int | None = None
+    kv_heads: int = 0
+    head_dim: int = 0
+    source: int | None = None
+    state_arrays: int | None = None
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Every layer's `LayerSpec`, in the text model's order. Invariant: the layers with a pool
+    number 0, 1, ... in order; a layer with a `source` has no pool and its source's kind and span.
+
+    `latent`: an MLA model (one latent row per token, read as both key and value: a keys-only pool);
+    `shared_by_model`: the model hands a layer with a `source` its source's cache object itself
+    (Gemma 3n), so such a layer gets no cache of its own; `ropes`: (attention module, its rope,
+    the rope's table key) of each layer whose rope only rotates (rotary.py), found once.
+    """
+
+    layers: tuple[LayerSpec, ...]
+    latent: bool = False
+    shared_by_model: bool = False
+    ropes: tuple = field(default=(), compare=False, repr=False)
+
+    @functools.cached_property  # read each pass: found once (the spec is frozen)
+    def pool_layers(self) -> list[int]:
+        """The layers with a K/V pool, in pool order."""
+        return [i for i, lay in enumerate(self.layers) if lay.pool is not None]
+
+    @functools.cached_property  # read each pass: found once (the spec is frozen)
+    def pool_dims(self) -> list[tuple[int, int]]:
+        """Per pool, its rows' (KV heads, head_dim)."""
+        return [(lay.kv_heads, lay.head_dim) for lay in self.layers if lay.pool is not None]
+
+    @functools.cached_property  # read each pass: found once (the spec is frozen)
+    def num_recurrent(self) -> int:
+        return sum(lay.kind == RECURRENT for lay in self.layers)
+
+    @functools.cached_property  # read each pass: found once (the spec is frozen)
+    def recurrent_sizes(self) -> list[int | None]:
+        """Per layer, its number of state arrays, or None for a layer without a state."""
+        return [lay.state_arrays for lay in self.layers]
+
+    def groups(self) -> tuple[list[tuple[str, int | None]], tuple[int, ...]]:
+        """(the KV cache groups as (kind, span), full attention first; each pool's group): one
+        group per kind, spanning the largest of its layers' spans."""
+        kinds = [(lay.kind, lay.span) for lay in self.layers if lay.pool is not None]
+        spans: dict[str, int | None] = {"full": None}
+        for kind, span in kinds:
+            if kind != "full":
+                spans[kind] = max(span, spans.get(kind) or 0)
+        order = list(spans)
+        return [(k, spans[k]) for k in order], tuple(order.index(k) for k, _ in kinds)
