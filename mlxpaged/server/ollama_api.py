@@ -24,7 +24,6 @@ began is its last line.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import time
@@ -45,7 +44,7 @@ from .jobs import ErrorResponse, JobStream
 from .openai_api import DEFAULT_CHAT_MAX_TOKENS
 from .prompts import thinking_kwargs
 from .tools import ToolCall
-from .turns import Thinking, TurnEnd, add_format, turn_events, turn_parse
+from .turns import Thinking, TurnEnd, add_format, drain, turn_events, turn_parse
 
 NEVER = "9999-12-31T23:59:59Z"  # /api/ps's expires_at: the one model is never unloaded
 # Go's time.Duration text ("5m", "1h30m", "-1s") or a bare number of seconds ("-1", "0")
@@ -336,33 +335,16 @@ async def _pieces(state, job, parse, timing: Timing):
 
 
 async def _whole(state, job, parse, timing: Timing, request: Request):
-    """(text, thinking, calls, end) of the finished turn; a client gone while waiting aborts it."""
-    text, thinking, calls, end = [], [], [], None
-
-    async def run():
-        nonlocal end
-        async for e in _pieces(state, job, parse, timing):
-            if isinstance(e, str):
-                text.append(e)
-            elif isinstance(e, Thinking):
-                thinking.append(e.text)
-            elif isinstance(e, ToolCall):
-                calls.append(e)
-            elif isinstance(e, TurnEnd):
-                end = e
-
-    task = asyncio.ensure_future(run())
+    """(text, thinking, calls, end) of the finished turn: its events collected by `drain`, the one
+    path every route's whole answer takes (a client gone while waiting aborts it)."""
     try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=1.0)
-            if not task.done() and await request.is_disconnected():
-                raise OllamaError(499, "client disconnected")
-        task.result()
+        events = await drain(request, _pieces(state, job, parse, timing))
     except APIError as e:
         raise OllamaError.of(e) from None
-    finally:
-        if not task.done():
-            task.cancel()  # closes the event stream: its `finally` aborts the engine request
+    text = [e for e in events if isinstance(e, str)]
+    thinking = [e.text for e in events if isinstance(e, Thinking)]
+    calls = [e for e in events if isinstance(e, ToolCall)]
+    end = next((e for e in events if isinstance(e, TurnEnd)), None)
     return "".join(text), "".join(thinking), calls, end
 
 
