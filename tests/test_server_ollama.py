@@ -251,7 +251,7 @@ def test_refusals_name_what_is_refused(server, client, name):
     assert post("/api/chat", {**chat, "options": {"stop": ["x"] * 100}}, 400).startswith("options.stop has 100")
     assert "not found" in post("/api/show", {"model": "llama3.2"}, 404)
     assert "suffix" in post("/api/generate", {"model": name, "prompt": "def f(", "suffix": "return 1"}, 400)
-    assert "embeddings" in post("/api/embed", {"model": name, "input": "hi"}, 501)
+    assert "truncate" in post("/api/embed", {"model": name, "input": "hi", "truncate": True}, 400)
     assert "not found" in post("/api/chat", {**chat, "model": "llama3.2"}, 404)
     assert post("/api/pull", {"model": name}, 404)  # not served here: `mlxpaged pull` fetches models
     with pytest.raises(ollama.ResponseError) as e:

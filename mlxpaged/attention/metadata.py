@@ -34,3 +34,6 @@ class AttentionMetadata:
     # Arrays derived from the tables (gather rows, masks), built by the first layer that needs
     # them and reused by the others: one pass's memo, never shared between passes.
     scratch: dict = field(default_factory=dict, repr=False, compare=False)
+    # Set by the pass: the final norm's output at `logits_indices` (the rows the output layer reads),
+    # lazily; what pooled requests take (engine/pooling.py).
+    hidden: mx.array | None = field(default=None, repr=False, compare=False)

@@ -354,7 +354,7 @@ class Scheduler:
                 break
             if not self._allocate_or_preempt(req, seq, n, out):
                 break
-            sample = seq.num_computed_tokens + n == seq.num_tokens
+            sample = seq.num_computed_tokens + n == seq.num_tokens and req.pooling is None  # a pooled one draws nothing
             out.prefills.append(PrefillChunk(req, seq, n, sample))
             budget -= n
         return budget

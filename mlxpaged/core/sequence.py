@@ -242,6 +242,10 @@ class Request:
     passed_over: int = 0  # steps in a row its prefill waited behind shorter ones (prefill_order "shortest")
     beam: BeamSearch | None = None  # set for a beam-search request: its beams are `seqs`
     prompt_logprobs: list | None = None  # engine/prompt_logprobs.py: P entries once the prompt is scored
+    # a pooled request (engine/pooling.py): its PoolingParams; it samples nothing and ends after its
+    # prompt, with `pooled` its values (an embedding, or a score)
+    pooling: object = None
+    pooled: list[float] | None = None
 
     @property
     def max_live_seqs(self) -> int:

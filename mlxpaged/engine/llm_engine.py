@@ -67,6 +67,7 @@ from .draft import DraftProposer, draft_slots
 from .guided import GrammarCompiler, GrammarTooSlow, fill_masks, mask_budget_spent, mask_words
 from .kv_connector import DiskConnector
 from .outputs import RequestOutput
+from .pooling import PoolingLayer, PoolingParams
 from .prompt_logprobs import PromptLogprobs
 from .recurrent_state import CheckpointNamer
 from .sampler import (
@@ -172,6 +173,8 @@ class LLMEngine:
         self.layers.append(self._beams, dormant=True)
         self._prompt_logprobs = PromptLogprobs()
         self.layers.append(self._prompt_logprobs, dormant=True)
+        self._pooling = PoolingLayer(self.scheduler)
+        self.layers.append(self._pooling, dormant=True)
         if checkpoints is not None:
             self.layers.append(CheckpointNamer(checkpoints))
         if self.prefix_store is not None:
@@ -306,10 +309,13 @@ class LLMEngine:
     def add_request(
         self,
         prompt: str | list[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         request_id: str | None = None,
     ) -> str:
-        """Queue one prompt (text or token ids); returns its request id."""
+        """Queue one prompt (text or token ids); returns its request id. `PoolingParams` make it a
+        pooled request (`add_pooling_request`)."""
+        if isinstance(params, PoolingParams):
+            return self.add_pooling_request(prompt, params, request_id)
         params = params or SamplingParams()
         ids, text = self._prompt_ids(prompt)
         self._check_fits(len(ids), params.n, params.max_tokens)
@@ -340,6 +346,18 @@ class LLMEngine:
             for i in range(params.n)
         ]
         return self._queue(Request(self._new_id(request_id), list(ids), params, seqs, text))
+
+    def add_pooling_request(self, prompt: str | list[int], params: PoolingParams, request_id: str | None = None) -> str:
+        """Queue a prompt whose output is its embedding or score (engine/pooling.py), not tokens:
+        a prefill that samples nothing and ends there."""
+        ids, text = self._prompt_ids(prompt)
+        self._check_fits(len(ids), 1, 0)
+        if params.yes_no is not None and max(params.yes_no) >= self.vocab_size:
+            raise MlxPagedError(f"yes/no token id {max(params.yes_no)} is outside the vocabulary ({self.vocab_size})")
+        req = Request(self._new_id(request_id), list(ids), params, [Sequence(list(ids), len(ids))], text)
+        req.pooling = params
+        self.layers.wake(self._pooling)
+        return self._queue(req)
 
     def add_beam_request(self, prompt: str | list[int], params: BeamSearchParams, request_id: str | None = None) -> str:
         """Queue a beam search of `params.beam_width` beams over one prompt (see `beam_search`)."""
@@ -570,6 +588,11 @@ class LLMEngine:
         )
         for layer, rows_of_layer in extra:
             todo += layer.launched(step, rows_of_layer)
+        for layer in self.layers.hidden_wanted:
+            if entries := layer.hidden_wanted(out):  # (never a speculating entry: their rows shift)
+                rows = mx.array(entries)
+                hidden = self.runner.hidden[rows]
+                todo += layer.pooled(step, hidden.reshape(hidden.shape[0], -1), logits[rows])
         mx.async_eval(*todo)
         self.stats.computed_prefill_tokens += step.num_prefill
         return step

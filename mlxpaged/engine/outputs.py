@@ -108,6 +108,8 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: one TokenLogprob per prompt token, the first None; in a
     # cumulative output once the prompt is scored, in the first delta after that
     prompt_logprobs: list | None = None
+    # a pooled request (engine/pooling.py): its embedding, or [score], once finished; `outputs` is empty
+    pooled: list[float] | None = None
 
     def add(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by `later` (a delta of the same request), as one delta; in place."""
@@ -128,4 +130,6 @@ class RequestOutput:
         self.finished = later.finished
         if self.prompt_logprobs is None:
             self.prompt_logprobs = later.prompt_logprobs
+        if self.pooled is None:
+            self.pooled = later.pooled
         return self

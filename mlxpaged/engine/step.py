@@ -115,6 +115,17 @@ class StepLayer:
         each entry in order; returns the arrays to launch with the step (kept in `step.held`)."""
         return []
 
+    def hidden_wanted(self, out: SchedulerOutput) -> list[int]:
+        """Entries of `out.batch()` whose last position's final hidden state and logits this layer
+        takes (pooled requests: embeddings, scores)."""
+        return []
+
+    def pooled(self, step: LaunchedStep, hidden: mx.array, logits: mx.array) -> list[mx.array]:
+        """The step is built: `hidden` [k, H] (after the final norm) and `logits` [k, V] of the last
+        position of each entry `hidden_wanted` named, in order; returns the arrays to launch with
+        the step."""
+        return []
+
     def committed(self, step: LaunchedStep) -> None:
         """The step's tokens are computed (block tables, hashes, forks recorded); it may be in flight."""
 
@@ -134,6 +145,8 @@ HOOKS = (
     "before_forward",
     "logits_wanted",
     "launched",
+    "hidden_wanted",
+    "pooled",
     "committed",
     "reads_at_once",
     "read_back",

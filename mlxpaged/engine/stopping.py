@@ -267,6 +267,19 @@ def make_output(req: Request, tokenizer) -> RequestOutput:
     for `output_kind="delta"`, only what is new since the previous output."""
     if req.beam is not None:
         return _beam_output(req, tokenizer)
+    if req.pooling is not None:  # values, no tokens (engine/pooling.py)
+        delta = req.params.output_kind == "delta"
+        return RequestOutput(
+            req.request_id,
+            req.prompt_text,
+            req.prompt_token_ids,
+            [],
+            req.finished,
+            req.num_cached_tokens,
+            delta,
+            None,
+            req.pooled,
+        )
     # Once per request per step: attribute reads out of the loop, no property calls (host time).
     params = req.params
     delta = getattr(params, "output_kind", "cumulative") == "delta"

@@ -364,16 +364,18 @@ def _install_sdpa(module) -> None:
 # The pass-only stand-ins below are plain callables, not modules: they are put in the module's
 # dict for one pass (`_swapped`) and hold no parameters.
 class _NormRows:
-    """The final norm on only the rows whose logits are sampled (norm is per row)."""
+    """The final norm on only the rows whose logits are sampled (norm is per row); its output is
+    the pass's `meta.hidden` (pooled requests read it)."""
 
-    __slots__ = ("norm", "rows")
+    __slots__ = ("norm", "meta")
 
-    def __init__(self, norm: nn.Module, rows: mx.array):
+    def __init__(self, norm: nn.Module, meta: AttentionMetadata):
         self.norm = norm
-        self.rows = rows
+        self.meta = meta
 
     def __call__(self, h: mx.array) -> mx.array:
-        return self.norm(h[self.rows])
+        out = self.meta.hidden = self.norm(h[self.meta.logits_indices])
+        return out
 
 
 class _TabledRope:
@@ -473,6 +475,14 @@ class PagedModelMixin:
     Called with anything else it is mlx-lm's model unchanged.
     """
 
+    def sanitize(self, weights: dict) -> dict:
+        """mlx-lm's own, after naming a bare text model's weights as the whole model's: a checkpoint
+        saved from transformers' `AutoModel` (Qwen3-Embedding's) says `layers.0...` for
+        `model.layers.0...`."""
+        if "embed_tokens.weight" in weights and isinstance(self.get("model"), nn.Module):
+            weights = {f"model.{k}": v for k, v in weights.items()}
+        return super().sanitize(weights) if hasattr(super(), "sanitize") else weights
+
     def __call__(self, inputs, cache=None, meta: AttentionMetadata | None = None, **kwargs):
         if meta is None:
             return super().__call__(inputs, cache, **kwargs)
@@ -495,7 +505,7 @@ class PagedModelMixin:
                 caches.append(kind(cache, lay.pool, m, window, chunk))
         body = text_body(self)
         norm = _final_norm(body)
-        swaps = [(body, norm, _NormRows(body[norm], meta.logits_indices))]
+        swaps = [(body, norm, _NormRows(body[norm], meta))]
         swaps += _rope_swaps(spec, meta.positions)
         if spec.num_recurrent:
             swaps.append((body, "layers", _segmented(body.layers, spec.recurrent_sizes, meta)))

@@ -1,4 +1,5 @@
-"""The one way in to the engine, for every route (OpenAI chat and completions, Messages, Responses).
+"""The one way in to the engine, for every route (OpenAI chat and completions, Messages, Responses,
+embeddings and rerank).
 
 A route turns its body into an `Ask` (its template messages and tools, or completion prompts; its
 stops, n, the max_tokens it asked for, and how to build its `SamplingParams`) and calls `admit`,
@@ -56,6 +57,12 @@ class Ask:
     logprobs: int | None = None  # alternatives a token the answer carries logprobs of (None: no logprobs)
     logprob_bytes: int = LOGPROB_BYTES  # one logprob entry's size in the route's shape (limits.py)
     echo: bool = False  # every choice repeats its prompt first (completions' `echo`)
+    # a pooled request (embeddings, rerank scores: engine/pooling.py) generates no tokens; this is its
+    # answer's size per prompt, in bytes (0: not a pooled request)
+    pooled_bytes: int = 0
+    # text prompts get the tokenizer's own special tokens (a BOS, an embedding model's end token);
+    # False: the prompt writes its own (the reranker's prompt format)
+    special_tokens: bool = True
 
 
 def template_chars(messages: list[dict], tools: list[dict] | None, per_message: int) -> int:
@@ -86,6 +93,13 @@ def _check_limits(state, ask: Ask, max_tokens: int, ids: list[list[int]] | None 
         counts = [len(x) for x in ids]
     else:
         counts = [0 if isinstance(p, str) else len(p) for p in ask.prompts] if ask.prompts is not None else [0]
+    if ask.pooled_bytes and len(counts) * ask.pooled_bytes > state.limits.max_answer_bytes:
+        raise APIError(
+            400,
+            f"the answer would be about {len(counts) * ask.pooled_bytes} bytes ({len(counts)} inputs); this "
+            f"server answers at most {state.limits.max_answer_bytes} (--max-answer-bytes): send fewer inputs",
+            param="prompt",
+        )
     echo = None
     if ask.echo and ask.prompts is not None:
         echo = [len(p) if isinstance(p, str) else TOKEN_BYTES * len(p) for p in ask.prompts]
@@ -95,7 +109,7 @@ def _check_limits(state, ask: Ask, max_tokens: int, ids: list[list[int]] | None 
 async def tokenize(state, ask: Ask) -> list[list[int]]:
     """Steps 1-4: the prompts' ids, or a 400 before any tokenizing when they cannot fit."""
     check_model(state, ask.model)
-    _check_limits(state, ask, ask.max_tokens or 1)
+    _check_limits(state, ask, ask.max_tokens or (0 if ask.pooled_bytes else 1))
     cap, tok = state.capacity, state.engine_loop.engine.tokenizer
     if ask.prompts is not None:
         if not ask.prompts:
@@ -103,7 +117,8 @@ async def tokenize(state, ask: Ask) -> list[list[int]]:
         for p in ask.prompts:
             if isinstance(p, str):
                 check_chars(cap, len(p), "prompt")
-        return await state.off_loop(lambda: [encode_prompt(tok, p, cap.vocab_size) for p in ask.prompts])
+        special = ask.special_tokens
+        return await state.off_loop(lambda: [encode_prompt(tok, p, cap.vocab_size, special) for p in ask.prompts])
     check_chars(cap, template_chars(ask.messages, ask.tools, cap.max_token_chars or 1), "messages")
     as_text = not state.limits.content_special_tokens
     return [await state.off_loop(encode_messages, tok, ask.messages, ask.tools, ask.template_kwargs, as_text)]
@@ -112,10 +127,21 @@ async def tokenize(state, ask: Ask) -> list[list[int]]:
 async def admit(state, ask: Ask) -> tuple[Job, list[list[int]]]:
     """All six steps: the started job and its prompts' ids."""
     try:
+        if state.pooling is not None and state.pooling.embedding_only and not ask.pooled_bytes:
+            check_model(state, ask.model)
+            raise APIError(
+                400,
+                f"'{state.model_id}' is an embedding model (its sentence-transformers files say so): "
+                "it generates no text; use /v1/embeddings",
+                param="model",
+            )
         prompts = await tokenize(state, ask)
         cap = state.capacity
         longest = max(map(len, prompts))
-        max_tokens = ask.max_tokens or default_max_tokens(cap, ask.default_max_tokens, longest, ask.n)
+        if ask.pooled_bytes:  # nothing is generated
+            max_tokens = 0
+        else:
+            max_tokens = ask.max_tokens or default_max_tokens(cap, ask.default_max_tokens, longest, ask.n)
         if ask.max_tokens and cap.context and longest < cap.context and longest + max_tokens > cap.context:
             max_tokens = cap.context - longest  # clamped, not refused: the prompt itself fits
             note(max_tokens_clamped=max_tokens)

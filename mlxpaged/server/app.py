@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .anthropic_api import register_anthropic
 from .connections import AcceptErrorLog
+from .embeddings_api import register_embeddings
 from .engine_loop import EngineLoop
 from .errors import APIError, error_body
 from .guided_request import GrammarGate
@@ -135,6 +136,7 @@ def build_app(
     register_models(v1, catalog)
     register_openai(v1, state, text_of)
     register_responses(v1, state, text_of)
+    register_embeddings(v1, state, engine.loaded.path, engine.loaded.config)  # and /v1/rerank
     app.include_router(v1)
     register_anthropic(app, state)
     register_ollama(app, state, catalog)  # Ollama's /api/... (ollama_api.py)

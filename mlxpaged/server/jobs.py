@@ -47,6 +47,7 @@ class ServerState:
     tool_format: object = None  # tools.ToolFormat of the checkpoint, or None: tool calls are served as text
     think: object = None  # reasoning.ThinkMarkers of a thinking model, else None
     grammars: object = None  # guided_request.GrammarGate: grammars compile there, off the engine thread
+    pooling: object = None  # embeddings_api.PoolingSpec: what the checkpoint says about its embeddings
 
     @property
     def context(self) -> int | None:

@@ -1,9 +1,10 @@
 """Ollama's API (`/api/...`), one more translation onto the one admission path and event stream.
 
 Routes: `GET /api/version`, `GET /api/tags`, `POST /api/show`, `GET /api/ps`, `POST /api/chat`,
-`POST /api/generate`; `POST /api/embed` and `/api/embeddings` answer 501 (no embedding model is
-served). A chat or generate body becomes an `Ask` (admission.py): the same checks, limits and
-tokenizing as every other route, and its answer is read from the same events (`turns.turn_events`),
+`POST /api/generate`, `POST /api/embed` and the older `POST /api/embeddings` (embeddings_api.py:
+the same pooled requests as `/v1/embeddings`; `truncate: true` and any option are refused). A chat
+or generate body becomes an `Ask` (admission.py): the same checks, limits and tokenizing as every
+other route, and its answer is read from the same events (`turns.turn_events`),
 written as Ollama's objects: streamed as NDJSON lines (`stream` defaults to true, as Ollama's
 does), or whole. The last object has `done: true`, `done_reason` ("stop", "length"), the token
 counts (`prompt_eval_count`, `eval_count`) and the durations in nanoseconds.
@@ -38,6 +39,7 @@ from ..engine.sampling_params import SamplingParams
 from ..version import __version__
 from .admission import Ask, admit, tokenize
 from .bodies import check_json
+from .embeddings_api import embed
 from .errors import APIError
 from .guided_request import format_guided, tool_plan
 from .jobs import ErrorResponse, JobStream
@@ -140,6 +142,22 @@ class GenerateBody(_Turn):
     suffix: str | None = None  # fill-in-the-middle: refused unless empty
     template: str | None = None  # refused unless empty: the checkpoint's template is used
     context: list[int] | None = None  # refused unless empty
+
+
+class EmbedBody(Strict):
+    model: str = Field(min_length=1)
+    input: str | list[str]
+    truncate: bool | None = None
+    options: Options | None = None
+    keep_alive: int | float | str | None = None
+    dimensions: int | None = Field(None, ge=1)
+
+
+class EmbeddingsBody(Strict):
+    model: str = Field(min_length=1)
+    prompt: str
+    options: Options | None = None
+    keep_alive: int | float | str | None = None
 
 
 class NameBody(Strict):
@@ -449,16 +467,44 @@ def register_ollama(app: FastAPI, state, catalog) -> None:
             "modified_at": iso(c.modified),
         }
 
-    @app.post("/api/embed")
-    @app.post("/api/embeddings")
-    async def embed(request: Request):
+    async def embedded(request, body, inputs: list, dimensions: int | None, names: dict):
+        """(embeddings, prompt tokens, nanoseconds) of `inputs` (embeddings_api.py)."""
+        check_keep_alive(body.keep_alive)
+        set_options = [k for k, v in (body.options.model_dump() if body.options else {}).items() if v is not None]
+        if set_options:
+            raise OllamaError(400, f"options.{set_options[0]}: embeddings take no options")
+        card = card_for(catalog, body.model)
+        t0 = time.perf_counter_ns()
         try:
-            body = json.loads(await request.body() or b"{}")
-        except ValueError:
-            body = None
-        model = body.get("model") if isinstance(body, dict) else None
-        name = card_for(catalog, model).id if isinstance(model, str) and model else "this server's model"
-        raise OllamaError(501, f"embeddings are not served: '{name}' generates text, and no embedding model is loaded")
+            values, tokens = await embed(request, state, card.id, inputs, dimensions, names)
+        except APIError as e:
+            raise OllamaError.of(e) from None
+        return values, tokens, time.perf_counter_ns() - t0
+
+    @app.post("/api/embed")
+    async def embed_route(request: Request):
+        body = await _body(request, EmbedBody)
+        if body.truncate:
+            raise OllamaError(
+                400, "truncate: this server never truncates an input (a longer one is refused); send false"
+            )
+        inputs = [body.input] if isinstance(body.input, str) else body.input
+        values, tokens, ns = await embedded(
+            request, body, inputs, body.dimensions, {"prompt": "input", "prompts": "inputs"}
+        )
+        return {
+            "model": body.model,
+            "embeddings": values,
+            "total_duration": ns,
+            "load_duration": 0,
+            "prompt_eval_count": tokens,
+        }
+
+    @app.post("/api/embeddings")
+    async def embeddings_route(request: Request):  # the older route: one prompt
+        body = await _body(request, EmbeddingsBody)
+        values, _, _ = await embedded(request, body, [body.prompt], None, {})
+        return {"embedding": values[0]}
 
     def loading(body, model: str) -> dict:
         """Ollama's answer to a body with nothing to say: it (un)loads the model; here it stays loaded."""

@@ -22,11 +22,11 @@ from .tools import render_chat
 TEMPLATE_KEYS = frozenset({"role", "type"})  # strings the template reads as structure, not client text
 
 
-def encode_prompt(tokenizer, prompt: str | list[int], vocab_size: int) -> list[int]:
+def encode_prompt(tokenizer, prompt: str | list[int], vocab_size: int, special_tokens: bool = True) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise APIError(400, "prompt is empty", param="prompt")
-        return tokenizer.encode(prompt)
+        return tokenizer.encode(prompt) if special_tokens else tokenizer.encode(prompt, add_special_tokens=False)
     if not prompt:
         raise APIError(400, "prompt is empty", param="prompt")
     bad = [t for t in prompt if not 0 <= t < vocab_size]

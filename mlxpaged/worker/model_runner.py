@@ -116,6 +116,8 @@ class ModelRunner:
         # The last decode step's context lengths, as a list and as the array that the next step's
         # positions may reuse (`_decode`).
         self._last_lens: tuple[list[int], mx.array | None] = ([], None)
+        # The last pass's final hidden states, one row per logits row (`AttentionMetadata.hidden`), lazily
+        self.hidden: mx.array | None = None
 
     def forward(
         self,
@@ -176,11 +178,12 @@ class ModelRunner:
     ) -> mx.array:
         """The model on the pass; a hybrid model's recurrent layers read each entry's state and
         leave its next one on the sequence (state_cache.py), a speculating entry's after each token."""
-        if not self.num_recurrent:
-            return self.model(ids, self.kv_cache, meta)
-        meta.states = states_for(batch, self.num_recurrent, self.block_size, self.checkpoints, every)
+        if self.num_recurrent:
+            meta.states = states_for(batch, self.num_recurrent, self.block_size, self.checkpoints, every)
         logits = self.model(ids, self.kv_cache, meta)
-        keep_states(batch, meta.states, self.block_size, self.checkpoints)
+        self.hidden = meta.hidden
+        if self.num_recurrent:
+            keep_states(batch, meta.states, self.block_size, self.checkpoints)
         return logits
 
     def _decode(self, batch: list[tuple[Sequence, int]]) -> mx.array:

@@ -1,0 +1,245 @@
+"""`POST /v1/embeddings` (OpenAI's shape) and `POST /v1/rerank` (the shape vLLM, Jina and Cohere
+use), over the one admission path; Ollama's `/api/embed` and `/api/embeddings` call `embed` too.
+
+Both run on the engine as pooled requests (engine/pooling.py): each input is one prefill that
+samples nothing, batched with the generation requests of the same steps, reusing and filling the
+prefix cache, its blocks freed as soon as its last position is computed.
+
+Embeddings are last-token pooled (the final norm's output at the input's last token) and
+L2-normalised, as the decoder embedding models define them (Qwen3-Embedding); `dimensions` keeps the
+first values (Matryoshka truncation), then normalises again, where the checkpoint supports it. What
+a checkpoint says about itself is read from its sentence-transformers files (`PoolingSpec`). Any
+decoder LM can embed; a checkpoint whose sentence-transformers files make it an embedding model
+serves no generation routes (admission.py refuses them by name).
+
+Rerank scores follow Qwen3-Reranker's model card: each (query, document) pair is written in its
+prompt format and scored `softmax(logit(yes), logit(no))[yes]` at the last position.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from fastapi import APIRouter, Request
+from pydantic import Field
+
+from ..engine.pooling import PoolingParams
+from .admission import Ask, admit
+from .bodies import Body
+from .errors import APIError
+from .protocol import Text, _Request
+from .turns import drain
+
+FLOAT_BYTES = 20  # one float of an answer, as JSON text ("-0.012345678901234567,"); base64 takes less
+RERANK_PREFIX = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
+    'Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
+)
+RERANK_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+RERANK_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+
+
+def _read(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class PoolingSpec:
+    """What a checkpoint says about its embeddings: its sentence-transformers files (`modules.json`,
+    the Pooling module's `config.json`, `config_sentence_transformers.json`) and config.json.
+
+    Invariant: `refusal` is None exactly when the engine computes this checkpoint's embeddings as
+    it defines them (causal attention, last-token pooling)."""
+
+    dims: int  # the hidden size: an embedding's length
+    embedding_only: bool = False  # sentence-transformers files: it embeds, it does not generate
+    normalize: bool = True
+    matryoshka: bool = False  # `dimensions` may truncate (config.json's is_matryoshka, or Qwen3-Embedding's card)
+    refusal: str | None = None
+    prompts: dict = field(default_factory=dict)  # the checkpoint's instruction prefixes, by name (documented)
+
+    @classmethod
+    def of(cls, path: Path | None, config: dict, name: str) -> PoolingSpec:
+        text = config.get("text_config") or config
+        dims = int(text.get("hidden_size") or 0)
+        matryoshka = bool(config.get("is_matryoshka") or config.get("matryoshka_dimensions"))
+        matryoshka = matryoshka or "qwen3-embedding" in f"{name} {path}".lower()  # every size: MRL (its card)
+        refusal = None
+        if config.get("is_causal") is False or config.get("use_bidirectional_attention"):
+            refusal = "it attends bidirectionally (config.json), and this engine's attention is causal"
+        elif config.get("architectures") == ["Qwen2Model"] and config.get("auto_map"):
+            refusal = "gte-Qwen2's own modeling code attends bidirectionally, and this engine's attention is causal"
+        modules = _read(path / "modules.json") if path is not None else None
+        if not isinstance(modules, list):
+            return cls(dims, matryoshka=matryoshka, refusal=refusal)
+        normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules if isinstance(m, dict))
+        pool_dir = next((m.get("path") for m in modules if str(m.get("type", "")).endswith("Pooling")), None)
+        pool = _read(path / pool_dir / "config.json") if pool_dir else None
+        if isinstance(pool, dict) and not pool.get("pooling_mode_lasttoken") and refusal is None:
+            mode = next(
+                (k[len("pooling_mode_") :] for k, v in pool.items() if k.startswith("pooling_mode_") and v), "?"
+            )
+            refusal = f"it pools by '{mode}', and decoder embeddings here are last-token pooled"
+        st = _read(path / "config_sentence_transformers.json") or {}
+        prompts = st.get("prompts") if isinstance(st.get("prompts"), dict) else {}
+        return cls(dims, True, normalize, matryoshka, refusal, prompts)
+
+
+# -- bodies ---------------------------------------------------------------------------------------
+class EmbeddingRequest(_Request):
+    IGNORED = frozenset({"user"})  # OpenAI's end-user id: changes nothing
+
+    model: Text | None = None
+    input: Text | list[int] | list[list[int]] | list[Text]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+
+
+class Document(Body):
+    text: Text
+
+
+class RerankRequest(_Request):
+    model: Text | None = None
+    query: Text
+    documents: list[Text] | list[Document]
+    top_n: int | None = Field(None, ge=1)
+    return_documents: bool = True
+    instruction: Text | None = None  # the Instruct line of the reranker's prompt (default: the card's)
+
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]
+
+
+# -- the shared path ------------------------------------------------------------------------------
+def check_dimensions(state, dimensions: int | None, param: str = "dimensions") -> None:
+    spec: PoolingSpec = state.pooling
+    if dimensions is None:
+        return
+    if not spec.matryoshka:
+        raise APIError(
+            400,
+            f"{param}: '{state.model_id}' was not trained for Matryoshka truncation; leave {param} out",
+            param=param,
+        )
+    if dimensions > spec.dims:
+        raise APIError(400, f"{param}: {dimensions} is more than the model's {spec.dims} dimensions", param=param)
+
+
+async def pooled(
+    request: Request, state, prefix: str, model, inputs: list, params: PoolingParams, names: dict, special: bool = True
+):
+    """Admit `inputs` (texts or token ids) as pooled requests; returns each input's (values, prompt
+    tokens, cached tokens), in order. A client gone while waiting aborts them."""
+    spec: PoolingSpec = state.pooling
+    if spec.refusal is not None and params.task == "embed":
+        raise APIError(400, f"'{state.model_id}' cannot be embedded here: {spec.refusal}", param="model")
+    per = FLOAT_BYTES * (params.dimensions or spec.dims) if params.task == "embed" else 64
+    ask = Ask(prefix, model, lambda _: params, 0, prompts=inputs, names=names, pooled_bytes=per, special_tokens=special)
+    job, prompts = await admit(state, ask)
+
+    async def results():
+        try:
+            while len(job.final) < len(job.rids):
+                for rid, item in await job.sink.get():
+                    if isinstance(item, BaseException):
+                        raise job.fail(rid, item)
+                    job.absorb(rid, item)
+            yield [
+                (job.final[rid].pooled, len(p), job.final[rid].num_cached_tokens) for rid, p in zip(job.rids, prompts)
+            ]
+        finally:
+            job._abort_unfinished()
+
+    return (await drain(request, results()))[0]
+
+
+async def embed(request: Request, state, model, inputs: list, dimensions: int | None, names: dict):
+    """Each input's embedding (a list of floats) and the prompt tokens of all of them."""
+    check_dimensions(state, dimensions, names.get("dimensions", "dimensions"))
+    params = PoolingParams("embed", dimensions, state.pooling.normalize)
+    got = await pooled(request, state, "embd", model, inputs, params, names)
+    return [v for v, _, _ in got], sum(n for _, n, _ in got)
+
+
+def encoded(values: list[float], fmt: str):
+    if fmt == "base64":  # OpenAI's: the float32 little-endian bytes
+        return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode("ascii")
+    return values
+
+
+def register_embeddings(router: APIRouter, state, path: Path | None, config: dict) -> None:
+    state.pooling = PoolingSpec.of(path, config, state.model_id)
+
+    @router.post("/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        inputs = body.input
+        if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]  # one text, or one list of token ids
+        values, tokens = await embed(
+            request, state, body.model, list(inputs), body.dimensions, {"prompt": "input", "prompts": "inputs"}
+        )
+        return {
+            "object": "list",
+            "data": [
+                {"object": "embedding", "index": i, "embedding": encoded(v, body.encoding_format)}
+                for i, v in enumerate(values)
+            ],
+            "model": state.model_id,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+
+    @router.post("/rerank")
+    async def rerank(body: RerankRequest, request: Request):
+        docs = body.texts()
+        if not docs:
+            raise APIError(400, "documents is empty", param="documents")
+        params = PoolingParams("score", yes_no=yes_no_ids(state))
+        inputs = rerank_prompts(body.query, docs, body.instruction)
+        got = await pooled(request, state, "rerank", body.model, inputs, params, {"prompt": "documents"}, False)
+        order = sorted(range(len(docs)), key=lambda i: -got[i][0][0])[: body.top_n]
+        results = []
+        for i in order:
+            r = {"index": i, "relevance_score": got[i][0][0]}
+            if body.return_documents:
+                r["document"] = {"text": docs[i]}
+            results.append(r)
+        total = sum(n for _, n, _ in got)
+        return {
+            "id": f"rerank-{uuid.uuid4().hex}",
+            "model": state.model_id,
+            "created": int(time.time()),
+            "usage": {"prompt_tokens": total, "total_tokens": total},
+            "results": results,
+        }
+
+
+def yes_no_ids(state) -> tuple[int, int]:
+    """The reranker's answer tokens ("yes", "no"): its card's `convert_tokens_to_ids`."""
+    tok = state.engine_loop.engine.tokenizer
+    vocab = tok.get_vocab()
+    missing = [t for t in ("yes", "no") if t not in vocab]
+    if missing:
+        raise APIError(
+            400, f"'{state.model_id}' is no yes/no reranker: its vocabulary has no '{missing[0]}' token", param="model"
+        )
+    return vocab["yes"], vocab["no"]
+
+
+def rerank_prompts(query: str, docs: list[str], instruction: str | None) -> list[str]:
+    """Each pair in Qwen3-Reranker's prompt format, tokenized with no special tokens added (the
+    format writes its own). Its card tokenizes the prefix, the pair and the suffix apart; the
+    pieces meet at special tokens, where the tokenizer splits the text first, so one call gives
+    the same ids."""
+    ins = instruction if instruction is not None else RERANK_INSTRUCTION
+    return [f"{RERANK_PREFIX}<Instruct>: {ins}\n<Query>: {query}\n<Document>: {d}{RERANK_SUFFIX}" for d in docs]
