@@ -26,12 +26,17 @@ TOL = 2e-5
 
 def write_embedder(path, sentence_transformers: bool):
     """A tiny Qwen3 checkpoint with "yes" and "no" in its vocabulary; with `sentence_transformers`, an
-    embedding checkpoint as Qwen3-Embedding ships one (last-token pooling, Normalize, Matryoshka, and a
-    tokenizer that ends every text with <|endoftext|>)."""
+    embedding checkpoint as Qwen3-Embedding ships one (last-token pooling, Normalize, Matryoshka, a
+    tokenizer that ends every text with <|endoftext|>, and the weights of transformers' bare text
+    model: no `model.` prefix), and beside it at `path / "ref"` the same weights as mlx-lm loads them."""
+    import shutil
+
+    import mlx.core as mx
     from tokenizers import Tokenizer, processors
 
     from mlxpaged.testing.tiny_model import write_tiny_family, write_tokenizer
 
+    path.mkdir(parents=True)
     vocab = write_tokenizer(path)
     extra = {"is_matryoshka": True} if sentence_transformers else {}
     write_tiny_family(path, "qwen3", vocab_size=vocab + 2, seed=3, **extra)
@@ -58,19 +63,23 @@ def write_embedder(path, sentence_transformers: bool):
             )
         )
     tok.save(str(path / "tokenizer.json"))
+    if sentence_transformers:
+        shutil.copytree(path, path.parent / "ref")
+        weights = mx.load(str(path / "model.safetensors"))
+        mx.save_safetensors(str(path / "model.safetensors"), {k.removeprefix("model."): v for k, v in weights.items()})
     return path
 
 
 @pytest.fixture(scope="module")
 def embedder(tmp_path_factory):
     """(mlxpaged's load, mlx-lm's model, transformers' tokenizer) of the embedding checkpoint."""
-    return _three(write_embedder(tmp_path_factory.mktemp("embedder"), True))
+    return _three(write_embedder(tmp_path_factory.mktemp("embedder") / "ckpt", True))
 
 
 @pytest.fixture(scope="module")
 def decoder(tmp_path_factory):
     """The same kind of checkpoint without sentence-transformers files: a decoder LM (and reranker)."""
-    return _three(write_embedder(tmp_path_factory.mktemp("decoder"), False))
+    return _three(write_embedder(tmp_path_factory.mktemp("decoder") / "ckpt", False))
 
 
 def _three(path):
@@ -79,7 +88,7 @@ def _three(path):
 
     from mlxpaged.loading.loader import load
 
-    ref, _ = mlx_lm.load(str(path))
+    ref, _ = mlx_lm.load(str(path.parent / "ref" if (path.parent / "ref").is_dir() else path))
     return load(str(path), "float32"), ref, AutoTokenizer.from_pretrained(str(path))
 
 
@@ -320,3 +329,13 @@ def test_a_decoder_lm_embeds_and_reranks(served_decoder, decoder):
         assert x["document"] == {"text": TEXTS[x["index"]]}
     r = served_decoder.post("/v1/rerank", json={"query": query, "documents": [], "top_n": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "documents"
+
+
+def test_pooled_requests_cross_to_tensor_parallel_ranks_whole():
+    """Rank 0 sends each request's params as JSON; a pooled request's come back equal."""
+    from mlxpaged.engine.pooling import PoolingParams
+    from mlxpaged.server.engine_loop import EngineRequest
+
+    for params in (PoolingParams(dimensions=8, normalize=False), PoolingParams("score", yes_no=(3, 4))):
+        req = EngineRequest([1, 2, 3], params, "r")
+        assert EngineRequest.from_wire(json.loads(json.dumps(req.to_wire()))) == req

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ..engine.pooling import PoolingParams
 from ..engine.sampling_params import SamplingParams
 from ..errors import MlxPagedError, StepError
 
@@ -120,7 +121,7 @@ class EngineRequest:
     of a tensor-parallel server sends the other ranks, which rebuild an equal request from it."""
 
     prompt: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams  # PoolingParams: an embedding or a score (engine/pooling.py)
     request_id: str
 
     def to_wire(self) -> list:
@@ -129,7 +130,8 @@ class EngineRequest:
     @classmethod
     def from_wire(cls, wire: list) -> EngineRequest:
         prompt, params, rid = wire
-        return cls(list(prompt), SamplingParams.from_wire(params), rid)
+        kind = PoolingParams if "pooling" in params else SamplingParams
+        return cls(list(prompt), kind.from_wire(params), rid)
 
 
 @dataclass
