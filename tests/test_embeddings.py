@@ -329,6 +329,10 @@ def test_a_decoder_lm_embeds_and_reranks(served_decoder, decoder):
         assert x["document"] == {"text": TEXTS[x["index"]]}
     r = served_decoder.post("/v1/rerank", json={"query": query, "documents": [], "top_n": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "documents"
+    r = served_decoder.post("/v1/score", json={"text_1": query, "text_2": TEXTS[1:]})
+    assert [x["score"] for x in r.json()["data"]] == pytest.approx(want[1:], abs=1e-5)
+    r = served_decoder.post("/v1/score", json={"text_1": [query], "text_2": TEXTS[1:]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text_1"
 
 
 def test_pooled_requests_cross_to_tensor_parallel_ranks_whole():

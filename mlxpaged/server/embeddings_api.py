@@ -1,7 +1,8 @@
-"""`POST /v1/embeddings` (OpenAI's shape) and `POST /v1/rerank` (the shape vLLM, Jina and Cohere
-use), over the one admission path; Ollama's `/api/embed` and `/api/embeddings` call `embed` too.
+"""`POST /v1/embeddings` (OpenAI's shape), `POST /v1/rerank` (the shape vLLM, Jina and Cohere use)
+and `POST /v1/score` (vLLM's), over the one admission path; Ollama's `/api/embed` and
+`/api/embeddings` call `embed` too.
 
-Both run on the engine as pooled requests (engine/pooling.py): each input is one prefill that
+All run on the engine as pooled requests (engine/pooling.py): each input is one prefill that
 samples nothing, batched with the generation requests of the same steps, reusing and filling the
 prefix cache, its blocks freed as soon as its last position is computed.
 
@@ -121,6 +122,27 @@ class RerankRequest(_Request):
         return [d if isinstance(d, str) else d.text for d in self.documents]
 
 
+class ScoreRequest(_Request):
+    """vLLM's `/v1/score`: `text_1` against each `text_2` (one text against many, or pairs in order)."""
+
+    model: Text | None = None
+    text_1: Text | list[Text]
+    text_2: Text | list[Text]
+    instruction: Text | None = None
+
+    def pairs(self) -> list[tuple[str, str]]:
+        one, two = self.text_1, self.text_2
+        if isinstance(two, str):
+            two = [two]
+        if isinstance(one, str):
+            return [(one, t) for t in two]
+        if len(one) != len(two):
+            raise APIError(
+                400, f"text_1 has {len(one)} texts and text_2 {len(two)}: give one text_1 or as many", param="text_1"
+            )
+        return list(zip(one, two))
+
+
 # -- the shared path ------------------------------------------------------------------------------
 def check_dimensions(state, dimensions: int | None, param: str = "dimensions") -> None:
     spec: PoolingSpec = state.pooling
@@ -199,22 +221,40 @@ def register_embeddings(router: APIRouter, state, path: Path | None, config: dic
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
 
+    async def scores(request, model, pairs: list[tuple[str, str]], instruction, param: str):
+        """Each (query, document) pair's relevance and the prompt tokens of all of them."""
+        if not pairs:
+            raise APIError(400, f"{param} is empty", param=param)
+        params = PoolingParams("score", yes_no=yes_no_ids(state))
+        inputs = [rerank_prompt(q, d, instruction) for q, d in pairs]
+        got = await pooled(request, state, "rerank", model, inputs, params, {"prompt": param, "prompts": param}, False)
+        return [v[0] for v, _, _ in got], sum(n for _, n, _ in got)
+
+    @router.post("/score")
+    async def score(body: ScoreRequest, request: Request):
+        values, total = await scores(request, body.model, body.pairs(), body.instruction, "text_2")
+        return {
+            "id": f"score-{uuid.uuid4().hex}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": state.model_id,
+            "data": [{"index": i, "object": "score", "score": v} for i, v in enumerate(values)],
+            "usage": {"prompt_tokens": total, "total_tokens": total},
+        }
+
     @router.post("/rerank")
     async def rerank(body: RerankRequest, request: Request):
         docs = body.texts()
-        if not docs:
-            raise APIError(400, "documents is empty", param="documents")
-        params = PoolingParams("score", yes_no=yes_no_ids(state))
-        inputs = rerank_prompts(body.query, docs, body.instruction)
-        got = await pooled(request, state, "rerank", body.model, inputs, params, {"prompt": "documents"}, False)
-        order = sorted(range(len(docs)), key=lambda i: -got[i][0][0])[: body.top_n]
+        values, total = await scores(
+            request, body.model, [(body.query, d) for d in docs], body.instruction, "documents"
+        )
+        order = sorted(range(len(docs)), key=lambda i: -values[i])[: body.top_n]
         results = []
         for i in order:
-            r = {"index": i, "relevance_score": got[i][0][0]}
+            r = {"index": i, "relevance_score": values[i]}
             if body.return_documents:
                 r["document"] = {"text": docs[i]}
             results.append(r)
-        total = sum(n for _, n, _ in got)
         return {
             "id": f"rerank-{uuid.uuid4().hex}",
             "model": state.model_id,
@@ -236,10 +276,9 @@ def yes_no_ids(state) -> tuple[int, int]:
     return vocab["yes"], vocab["no"]
 
 
-def rerank_prompts(query: str, docs: list[str], instruction: str | None) -> list[str]:
-    """Each pair in Qwen3-Reranker's prompt format, tokenized with no special tokens added (the
-    format writes its own). Its card tokenizes the prefix, the pair and the suffix apart; the
-    pieces meet at special tokens, where the tokenizer splits the text first, so one call gives
-    the same ids."""
+def rerank_prompt(query: str, doc: str, instruction: str | None) -> str:
+    """A pair in Qwen3-Reranker's prompt format, tokenized with no special tokens added (the format
+    writes its own). Its card tokenizes the prefix, the pair and the suffix apart; the pieces meet
+    at special tokens, where the tokenizer splits the text first, so one call gives the same ids."""
     ins = instruction if instruction is not None else RERANK_INSTRUCTION
-    return [f"{RERANK_PREFIX}<Instruct>: {ins}\n<Query>: {query}\n<Document>: {d}{RERANK_SUFFIX}" for d in docs]
+    return f"{RERANK_PREFIX}<Instruct>: {ins}\n<Query>: {query}\n<Document>: {doc}{RERANK_SUFFIX}"
