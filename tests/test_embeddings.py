@@ -264,6 +264,10 @@ def test_ollama_client_embed(served, embedder):
     with pytest.raises(ollama.ResponseError) as e:
         client.embed(model="tiny-embed", input="x", truncate=True)
     assert e.value.status_code == 400 and "truncate" in e.value.error
+    assert client.show("tiny-embed").capabilities == ["embedding"]
+    with pytest.raises(ollama.ResponseError) as e:
+        client.generate(model="tiny-embed", prompt="hi", stream=False)
+    assert e.value.status_code == 400 and "embedding model" in e.value.error
 
 
 class _Whole:

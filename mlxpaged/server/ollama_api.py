@@ -453,6 +453,8 @@ def register_ollama(app: FastAPI, state, catalog) -> None:
         c = card_for(catalog, body.which())
         family = c.info.family or "unknown"
         capabilities = ["completion"] + (["tools"] if state.tool_format else []) + (["thinking"] if state.think else [])
+        if state.pooling is not None and state.pooling.embedding_only:  # it generates nothing (embeddings_api.py)
+            capabilities = ["embedding"]
         return {
             "modelfile": "",
             "parameters": "",
