@@ -28,7 +28,8 @@ def write_embedder(path, sentence_transformers: bool):
     """A tiny Qwen3 checkpoint with "yes" and "no" in its vocabulary; with `sentence_transformers`, an
     embedding checkpoint as Qwen3-Embedding ships one (last-token pooling, Normalize, Matryoshka, a
     tokenizer that ends every text with <|endoftext|>, and the weights of transformers' bare text
-    model: no `model.` prefix), and beside it at `path / "ref"` the same weights as mlx-lm loads them."""
+    model: no `model.` prefix, no output layer), and beside it at `path / "ref"` the same weights as
+    mlx-lm loads them."""
     import shutil
 
     import mlx.core as mx
@@ -38,7 +39,9 @@ def write_embedder(path, sentence_transformers: bool):
 
     path.mkdir(parents=True)
     vocab = write_tokenizer(path)
-    extra = {"is_matryoshka": True} if sentence_transformers else {}
+    # the embedding checkpoint unties its output layer, which its bare-model weights then lack (as
+    # Qwen3-Embedding-8B's); the decoder keeps it tied
+    extra = {"is_matryoshka": True, "tie_word_embeddings": False} if sentence_transformers else {}
     write_tiny_family(path, "qwen3", vocab_size=vocab + 2, seed=3, **extra)
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     tok.add_tokens(["yes", "no"])
@@ -66,7 +69,8 @@ def write_embedder(path, sentence_transformers: bool):
     if sentence_transformers:
         shutil.copytree(path, path.parent / "ref")
         weights = mx.load(str(path / "model.safetensors"))
-        mx.save_safetensors(str(path / "model.safetensors"), {k.removeprefix("model."): v for k, v in weights.items()})
+        bare = {k.removeprefix("model."): v for k, v in weights.items() if k != "lm_head.weight"}
+        mx.save_safetensors(str(path / "model.safetensors"), bare)
     return path
 
 
@@ -189,7 +193,10 @@ def test_embeddings_beside_generation_equal_mlx_lm(embedder):
         assert out.outputs == [] and out.pooled is not None
         np.testing.assert_allclose(out.pooled, ref_embedding(ref, tok.encode(text)), atol=TOL)
     np.testing.assert_allclose(done[pooled[3]].pooled, ref_embedding(ref, tok.encode(TEXTS[0]), 32), atol=TOL)
-    logits = ref(__import__("mlx.core").core.array(tok.encode(TEXTS[1]))[None])[0, -1]
+    # the bare checkpoint has no output layer: its embedding stands in (the logits of the tied matrix)
+    import mlx.core as mx
+
+    logits = ref.model.embed_tokens.as_linear(ref.model(mx.array(tok.encode(TEXTS[1]))[None]))[0, -1]
     yes, no = float(logits[7]), float(logits[11])
     assert done[pooled[4]].pooled == pytest.approx([1 / (1 + np.exp(no - yes))], abs=1e-5)
 

@@ -478,9 +478,14 @@ class PagedModelMixin:
     def sanitize(self, weights: dict) -> dict:
         """mlx-lm's own, after naming a bare text model's weights as the whole model's: a checkpoint
         saved from transformers' `AutoModel` (Qwen3-Embedding's) says `layers.0...` for
-        `model.layers.0...`."""
+        `model.layers.0...`, and has no output layer; where the model has an untied one, the
+        embedding stands in for it (such a checkpoint embeds: its logits are never read)."""
         if "embed_tokens.weight" in weights and isinstance(self.get("model"), nn.Module):
             weights = {f"model.{k}": v for k, v in weights.items()}
+            if isinstance(self.get("lm_head"), nn.Module) and "lm_head.weight" not in weights:
+                for part in ("weight", "scales", "biases"):
+                    if f"model.embed_tokens.{part}" in weights:
+                        weights[f"lm_head.{part}"] = weights[f"model.embed_tokens.{part}"]
         return super().sanitize(weights) if hasattr(super(), "sanitize") else weights
 
     def __call__(self, inputs, cache=None, meta: AttentionMetadata | None = None, **kwargs):
