@@ -211,6 +211,16 @@ def test_embeddings_beside_generation_equal_mlx_lm(embedder):
     assert last.num_cached_tokens >= 16
 
 
+def test_llm_embed(embedder):
+    from mlxpaged.engine.llm import LLM
+    from mlxpaged.engine.pooling import PoolingParams
+
+    loaded, ref, tok = embedder
+    outs = LLM(loaded, num_blocks=32).embed(TEXTS, PoolingParams(dimensions=16))
+    for out, text in zip(outs, TEXTS):
+        np.testing.assert_allclose(out.pooled, ref_embedding(ref, tok.encode(text), 16), atol=TOL)
+
+
 # -- the routes -----------------------------------------------------------------------------------
 def _client(loaded, model_id: str, **kw):
     from fastapi.testclient import TestClient

@@ -10,6 +10,7 @@ from ..loading.loader import LoadedModel
 from .beam_search import BeamSearchParams
 from .builder import build_engine, init_group
 from .outputs import RequestOutput
+from .pooling import PoolingParams
 from .sampling_params import SamplingParams
 
 
@@ -84,6 +85,17 @@ class LLM:
                 if out.finished:
                     done[out.request_id] = out
         return [done[i] for i in ids]
+
+    def embed(
+        self, prompts: str | list[int] | Sequence[str | list[int]], params: PoolingParams | None = None
+    ) -> list[RequestOutput]:
+        """Each prompt's embedding (`RequestOutput.pooled`: the last token's final hidden state,
+        L2-normalised; `PoolingParams.dimensions` truncates first), or with `task="score"` a
+        yes/no reranker's score, all in one continuous batch (engine/pooling.py); in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [self.engine.add_pooling_request(p, params or PoolingParams()) for p in prompts]
+        return self._drain(ids)
 
     def beam_search(
         self,
