@@ -106,6 +106,7 @@ FILE_TIERS = {
     "test_lint.py": "unit",
     "test_scheduler.py": "engine",
     "test_engine.py": "engine",
+    "test_lora.py": "engine",
     "test_deltas.py": "engine",
     "test_detokenizer.py": "engine",
     "test_prompt_logprobs.py": "engine",

@@ -501,6 +501,8 @@ class PagedModelMixin:
             swaps.append((body, "layers", _segmented(body.layers, spec.recurrent_sizes, meta)))
         if chunked:
             swaps += _chunked_swaps(self, body, meta)
+        if meta.lora is not None:  # each targeted linear adds its rows' own adapters (lora.py)
+            swaps += meta.lora.swaps()
         try:
             with _swapped(swaps):
                 logits = super().__call__(inputs[:, None], cache=caches)  # [S, 1, V]
