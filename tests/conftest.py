@@ -155,6 +155,7 @@ FILE_TIERS = {
     "test_metal_frontend.py": "emulator",
     "test_metal_launch_limits.py": "emulator",
     "test_server.py": "server",
+    "test_server_lora.py": "server",
     "test_server_security.py": "server",
     "test_server_abuse.py": "server",
     "test_server_knobs.py": "server",

@@ -61,6 +61,9 @@ class ServerState:
 
 
 def check_model(state: ServerState, model: str | None) -> None:
+    from .adapters import split_model  # "BASE:ADAPTER" names BASE (its adapter is checked at admission)
+
+    model = split_model(state, model)[0]
     if model is not None and model not in state.model_aliases:
         raise APIError(
             404,
