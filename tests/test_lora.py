@@ -158,3 +158,30 @@ def test_refusals(tiny_loaded, tiny_model_path, adapters, tmp_path):
     (dora / "adapter_config.json").write_text(cfg)
     with pytest.raises(MlxPagedError, match="fine_tune_type 'dora' is not served"):
         LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=64), adapters={"D": str(dora)})
+
+
+def test_beams_with_an_adapter(tiny_loaded, tiny_model_path, adapters):
+    """A beam search with adapter B beside one on the base model: each is the plain beam search
+    over mlx-lm's model with (or without) that adapter; B's forked beams keep B."""
+    import mlx_lm
+    from mlx_lm.tuner.utils import load_adapters
+
+    from mlxpaged import BeamSearchParams
+
+    from reference import reference_beam_search
+
+    tok = tiny_loaded.tokenizer
+    prompt = tok.encode(PROMPTS[1])
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=256), adapters={"B": str(adapters["B"])})
+    rids = {
+        a: engine.add_beam_request(prompt, BeamSearchParams(3, 10, ignore_eos=True, adapter=a)) for a in (None, "B")
+    }
+    done = drain(engine)
+    assert engine.stats_dict()["beam_forks"] > 0
+    assert done[rids[None]].outputs[0].token_ids != done[rids["B"]].outputs[0].token_ids
+    for a, r in rids.items():
+        model, _ = mlx_lm.load(str(tiny_model_path))
+        if a:
+            load_adapters(model, str(adapters[a]))
+        want = reference_beam_search(model, prompt, 3, 10)
+        assert [c.token_ids for c in done[r].outputs] == [toks for _, toks, _ in want], a
