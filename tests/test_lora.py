@@ -5,6 +5,7 @@ adapter_path=...)`, whose `LoRALinear` layers compute it) and its own contiguous
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from test_engine import drain_checked
 
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 from mlxpaged.errors import MlxPagedError
@@ -56,16 +57,6 @@ def greedy(max_tokens, adapter=None, **kw):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, adapter=adapter, **kw)
 
 
-def drain(engine) -> dict:
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            engine.check_invariants()
-            if out.finished:
-                done[out.request_id] = out
-    return done
-
-
 def spy_slots(engine) -> list[set]:
     """The adapter slots of each pass that had any (the runner's per-step input)."""
     seen, step = [], engine.adapters.step
@@ -89,7 +80,7 @@ def test_mixed_batch_matches_mlx_lm(tiny_loaded, tiny_model_path, adapters):
     tok = tiny_loaded.tokenizer
     asks = [(p, a) for p in PROMPTS for a in (None, "A", "B", "A_peft")]
     rids = [engine.add_request(p, greedy(n_out, a, n=2 if a == "B" else 1)) for p, a in asks]
-    done = drain(engine)
+    done = drain_checked(engine)
     assert engine.stats_dict()["preemptions"] > 0
     assert any(s >= {0, 1, 2, 3} for s in seen), "no pass mixed the base and every adapter"
     want = {}
@@ -115,7 +106,7 @@ def test_prefix_hits_never_cross_adapters(tiny_loaded, tiny_model_path, adapters
     got = {}
     for a in ("A", "B", None, "A"):
         rid = engine.add_request(prompt, greedy(12, a))
-        out = drain(engine)[rid]
+        out = drain_checked(engine)[rid]
         got.setdefault(a, []).append((out.num_cached_tokens, out.outputs[0].token_ids))
     assert [c for c, _ in got["A"]] == [0, len(prompt) // 4 * 4 - (4 if len(prompt) % 4 == 0 else 0)]
     assert got["B"][0][0] == 0 and got[None][0][0] == 0
@@ -136,7 +127,7 @@ def test_quantized_base_and_speculation(tiny_model_path, adapters):
     engine = LLMEngine(loaded, config, adapters={k: str(adapters[k]) for k in "AB"})
     prompt = loaded.tokenizer.encode("a b c a b c a b c a b c")
     rids = {a: engine.add_request(prompt, greedy(24, a)) for a in (None, "A", "B")}
-    done = drain(engine)
+    done = drain_checked(engine)
     assert engine.stats_dict()["spec_proposed_tokens"] > 0
     for a, r in rids.items():
         want = reference(tiny_model_path, adapters[a] if a else None, prompt, 24, quantize=True)
@@ -176,7 +167,7 @@ def test_beams_with_an_adapter(tiny_loaded, tiny_model_path, adapters):
     rids = {
         a: engine.add_beam_request(prompt, BeamSearchParams(3, 10, ignore_eos=True, adapter=a)) for a in (None, "B")
     }
-    done = drain(engine)
+    done = drain_checked(engine)
     assert engine.stats_dict()["beam_forks"] > 0
     assert done[rids[None]].outputs[0].token_ids != done[rids["B"]].outputs[0].token_ids
     for a, r in rids.items():
