@@ -217,7 +217,8 @@ class AdapterSet:
     whole (`_targets` is replaced, never changed), so a pass built before keeps its own."""
 
     def __init__(self, model: nn.Module, model_type: str = "model"):
-        from .paged_adapter import text_body
+        from .cache_spec import RECURRENT
+        from .paged_adapter import cache_spec
 
         self.model, self.model_type = model, model_type
         self.adapters: dict[str, Adapter] = {}
@@ -225,9 +226,12 @@ class AdapterSet:
         self.scales = np.zeros(1, dtype=np.float32)
         self._targets: dict[str, _Target] = {}
         self._modules = dict(model.named_modules())
-        # the linears the packed rows reach: those inside the decoder layers (not the output layer,
-        # which sees only the sampled rows)
-        self._in_layers = {id(m) for layer in text_body(model).layers for _, m in layer.named_modules()}
+        # the linears that see the pass's packed rows: those inside the decoder layers (not the output
+        # layer, which sees only the sampled rows, nor a recurrent layer, run per sequence)
+        kinds = [lay.kind for lay in cache_spec(model).layers]
+        self._in_layers = {
+            id(m) for layer, kind in zip(model.layers, kinds) if kind != RECURRENT for _, m in layer.named_modules()
+        }
 
     @classmethod
     def load(cls, model: nn.Module, adapters: dict[str, str], model_type: str = "model") -> AdapterSet:
@@ -273,8 +277,9 @@ class AdapterSet:
             raise MlxPagedError(f"{where}: {module} is not a layer of this model: an adapter for another base model")
         if not isinstance(linear, (nn.Linear, nn.QuantizedLinear)) or id(linear) not in self._in_layers:
             raise MlxPagedError(
-                f"{where}: {module} is a {type(linear).__name__}; adapters are served on the decoder layers' "
-                "linear layers only"
+                f"{where}: {module} is a {type(linear).__name__}; adapters are served on the linear layers of "
+                "the attention layers (their attention and MLP), not on embeddings, experts, the output layer "
+                "or recurrent layers"
             )
         want = (_input_dims(linear), linear.weight.shape[0])
         if a.shape[0] != want[0] or b.shape[1] != want[1]:
