@@ -48,7 +48,18 @@ def want(tiny_model_path, tiny_loaded, adapters):
 
 
 @pytest.fixture(scope="module")
-def client(tiny_loaded, adapters):
+def adapter_dir(tiny_model_path, tmp_path_factory):
+    """--adapter-dir's folder: A again (as "A2"), one for another base model, and a damaged one."""
+    d = tmp_path_factory.mktemp("adapter-dir")
+    write_tiny_adapter(tiny_model_path, d / "A2", seed=1)
+    other = write_tiny_qwen2(d.parent / "other", hidden=128, heads=2, kv_heads=1, intermediate=256)
+    write_tiny_adapter(other, d / "wrong", seed=3)
+    (d / "empty").mkdir()
+    return d
+
+
+@pytest.fixture(scope="module")
+def client(tiny_loaded, adapters, adapter_dir):
     from fastapi.testclient import TestClient
 
     from mlxpaged.config import EngineConfig
@@ -58,7 +69,9 @@ def client(tiny_loaded, adapters):
     from mlxpaged.server.metrics import Metrics
 
     named = {k: str(v) for k, v in adapters.items()}
-    loop = EngineLoop(lambda: LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=256), adapters=named))
+    loop = EngineLoop(
+        lambda: LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=256), adapters=named, adapter_dir=str(adapter_dir))
+    )
     loop.start()
     with TestClient(build_app(loop, Metrics(), model_id="tiny")) as c:
         yield c
@@ -119,6 +132,7 @@ def test_unknown_adapter_is_a_404_naming_it(client, path, body):
     assert client.post(path, json={**body, **size, "model": "tiny:A"}).status_code == 200
     r = client.post(path, json={**body, **size, "model": "tiny:nope"})
     assert r.status_code == 404 and "unknown adapter 'nope'" in r.text and "'A', 'B'" in r.text, r.text
+    assert path.startswith("/v1/messages") or r.json()["error"]["code"] == "adapter_not_found"
     if path.startswith("/v1/chat") or path == "/v1/completions":
         r = client.post(path, json={**body, **size, "adapters": "nope"})
         assert r.status_code == 404 and "unknown adapter 'nope'" in r.text, r.text
@@ -151,3 +165,23 @@ def test_an_adapter_for_another_model_ends_serve_with_one_line(tiny_model_path, 
     assert lines[0].startswith("error: adapter 'W' (qwen2): model.layers.") and "another base model" in lines[0]
     assert bad_flag.returncode == 1
     assert bad_flag.stderr.strip() == "error: --adapter W: give NAME=PATH (the folder mlx_lm.lora wrote)"
+
+
+def test_adapter_dir_loads_on_first_use(client, tiny_loaded, adapter_dir, want):
+    """A folder of --adapter-dir is loaded when a request first names it (by name, or by its path in
+    `adapters`); one for another base model, or without an adapter in it, is a 400 naming why, and
+    nothing outside the folder is reachable through it."""
+    text = tiny_loaded.tokenizer.decode(want["A"])
+    assert tiny_loaded.tokenizer.decode(completion_ids(client, tiny_loaded, model="tiny:A2")) == text
+    got = completion_ids(client, tiny_loaded, adapters=str(adapter_dir / "A2"))
+    assert tiny_loaded.tokenizer.decode(got) == text
+    body = {"prompt": PROMPT, "max_tokens": 2}
+    r = client.post("/v1/completions", json={**body, "model": "tiny:wrong"})
+    assert r.status_code == 400 and "adapter 'wrong' (qwen2): model.layers." in r.text, r.text
+    assert "an adapter for another base model" in r.text and r.json()["error"]["code"] == "adapter_not_served"
+    r = client.post("/v1/completions", json={**body, "adapters": "empty"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "adapter 'empty': no adapter_config.json", r.text
+    for outside in ("..", "../" + adapter_dir.name, str(adapter_dir.parent / "other"), ".hidden"):
+        r = client.post("/v1/completions", json={**body, "adapters": outside})
+        assert r.status_code == 404 and "unknown adapter" in r.text, (outside, r.text)
+    assert client.post("/v1/completions", json={**body, "model": "tiny:A2"}).status_code == 200

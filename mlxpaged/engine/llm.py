@@ -22,7 +22,8 @@ class LLM:
     `distributed=True` makes this process one rank of a tensor-parallel group started by
     `mlx.launch`: it loads only its shard, and every rank must make the same calls.
     `adapters`: LoRA adapters (mlx-lm's or PEFT's folders) by name; a request runs with one by
-    naming it in `SamplingParams.adapter`, and rows of different adapters share each step.
+    naming it in `SamplingParams.adapter`, and rows of different adapters share each step;
+    `adapter_dir`: a folder of adapter folders a request may name, each loaded on first use.
     """
 
     def __init__(
@@ -36,6 +37,7 @@ class LLM:
         weights: str | None = None,
         distributed: bool = False,
         adapters: dict[str, str] | None = None,
+        adapter_dir: str | None = None,
         **engine_kwargs,
     ):
         config = EngineConfig.of(
@@ -45,7 +47,9 @@ class LLM:
             **engine_kwargs,
         )
         group = init_group() if distributed else None  # one rank of a group started by mlx.launch
-        self.engine = build_engine(model, config, dtype=dtype, weights=weights, group=group, adapters=adapters)
+        self.engine = build_engine(
+            model, config, dtype=dtype, weights=weights, group=group, adapters=adapters, adapter_dir=adapter_dir
+        )
 
     @property
     def tokenizer(self):

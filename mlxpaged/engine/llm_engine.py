@@ -104,10 +104,14 @@ class LLMEngine:
         *,
         hash_fn: HashFn = sha256_block_hash,
         adapters: dict[str, str] | None = None,
+        adapter_dir: str | None = None,
     ):
         self.loaded = loaded
-        # LoRA adapters by name (models/lora.py), each checked against the model now; None: none
-        self.adapters = AdapterSet.load(loaded.model, adapters, loaded.config.get("model_type")) if adapters else None
+        # LoRA adapters by name (models/lora.py), each checked against the model now, and those of
+        # `adapter_dir` when a request first names one; None: none
+        self.adapters = None
+        if adapters or adapter_dir:
+            self.adapters = AdapterSet.load(loaded.model, adapters, loaded.config.get("model_type"), adapter_dir)
         self.config = config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
         self._detokenizer = detokenizers(self.tokenizer)
@@ -365,13 +369,14 @@ class LLMEngine:
         return self._queue(req)
 
     def adapter(self, name: str | None):
-        """The loaded LoRA adapter named `name` (None: the base model); MlxPagedError naming an unknown one."""
+        """The LoRA adapter named `name` (None: the base model), loaded now if it is a folder of
+        `adapter_dir` named for the first time; MlxPagedError naming an unknown one."""
         if name is None:
             return None
         if self.adapters is None:
             raise MlxPagedError(f"unknown adapter '{name}': this engine was given no adapters")
         try:
-            return self.adapters.get(name)
+            return self.adapters.get(name)  # AdapterRefused: a folder of adapter_dir that does not fit
         except KeyError as e:
             raise MlxPagedError(e.args[0]) from None
 

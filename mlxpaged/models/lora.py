@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..errors import MlxPagedError
+from ..errors import AdapterRefused, MlxPagedError
 
 MLX_LM_FILES = ("adapter_config.json", "adapters.safetensors")
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -200,6 +200,15 @@ def _paired(path: Path, pairs: dict, a: str, b: str) -> dict[str, tuple[mx.array
     return out
 
 
+def _folder(name: str) -> Path | None:
+    """`name` as an existing folder, resolved, or None (a name a client sent: never raises)."""
+    try:
+        p = Path(name).expanduser()
+        return p.resolve() if p.is_dir() else None
+    except (OSError, ValueError, RuntimeError):
+        return None
+
+
 def _digest(path: Path, weights: dict, scale: float) -> bytes:
     h = hashlib.sha256(repr(scale).encode())
     for name in sorted(weights):
@@ -216,11 +225,15 @@ class AdapterSet:
     every target's stacks have N + 1 slots. Adding an adapter rebuilds the stacks and swaps them in
     whole (`_targets` is replaced, never changed), so a pass built before keeps its own."""
 
-    def __init__(self, model: nn.Module, model_type: str = "model"):
+    def __init__(self, model: nn.Module, model_type: str = "model", directory: str | Path | None = None):
         from .cache_spec import RECURRENT
         from .paged_adapter import cache_spec
 
         self.model, self.model_type = model, model_type
+        # a folder whose adapter folders requests may name, each loaded on first use (`get`)
+        self.directory = Path(directory).expanduser().resolve() if directory is not None else None
+        if self.directory is not None and not self.directory.is_dir():
+            raise MlxPagedError(f"adapter directory {directory}: not a directory")
         self.adapters: dict[str, Adapter] = {}
         self._weights: list[dict[str, tuple[mx.array, mx.array]]] = [{}]  # by slot; slot 0 the base
         self.scales = np.zeros(1, dtype=np.float32)
@@ -234,24 +247,49 @@ class AdapterSet:
         }
 
     @classmethod
-    def load(cls, model: nn.Module, adapters: dict[str, str], model_type: str = "model") -> AdapterSet:
-        out = cls(model, model_type)
-        for name, path in adapters.items():
+    def load(
+        cls, model: nn.Module, adapters: dict[str, str], model_type: str = "model", directory: str | None = None
+    ) -> AdapterSet:
+        out = cls(model, model_type, directory)
+        for name, path in (adapters or {}).items():
             out.add(name, path)
         return out
 
     def names(self) -> str:
-        return ", ".join(f"'{n}'" for n in self.adapters) or "none"
+        served = ", ".join(f"'{n}'" for n in self.adapters) or "none"
+        return served + (", and the adapter folders of its adapter directory" if self.directory else "")
+
+    def find(self, name: str) -> Adapter | tuple[str, Path]:
+        """The adapter `name` names (its name, or the folder it was loaded from), or, when it names
+        a folder in `directory` not loaded yet, (its name, that folder); KeyError naming it. Reads
+        only: safe from any thread."""
+        found = self.adapters.get(name)
+        if found is not None:
+            return found
+        folder = _folder(name)  # a path given as it was at start (mlx_lm.server's `adapters` is one)
+        if folder is not None:
+            found = next((a for a in self.adapters.values() if a.path == folder), None)
+            if found is not None:
+                return found
+        if self.directory is not None:
+            if folder is None and "/" not in name and "\\" not in name:
+                folder = _folder(str(self.directory / name))
+            if folder is not None and folder.parent == self.directory and not folder.name.startswith("."):
+                loaded = self.adapters.get(folder.name)
+                return loaded if loaded is not None and loaded.path == folder else (folder.name, folder)
+        raise KeyError(f"unknown adapter '{name}': this model serves {self.names()}")
 
     def get(self, name: str) -> Adapter:
-        """The adapter named `name` (at start) or given by that same path; KeyError naming it."""
-        found = self.adapters.get(name)
-        if found is None:
-            p = Path(name).expanduser()
-            found = next((a for a in self.adapters.values() if p.exists() and a.path == p.resolve()), None)
-        if found is None:
-            raise KeyError(f"unknown adapter '{name}': this model serves {self.names()}")
-        return found
+        """`find`, loading a folder of `directory` on first use (on the engine's thread: `add`
+        replaces the stacks the passes read); KeyError naming an unknown adapter, AdapterRefused
+        naming why a folder cannot be served."""
+        found = self.find(name)
+        if isinstance(found, Adapter):
+            return found
+        try:
+            return self.add(*found)
+        except MlxPagedError as e:  # named, not by its path on the server
+            raise AdapterRefused(str(e).replace(f"adapter {found[1]}", f"adapter '{found[0]}'")) from None
 
     def add(self, name: str, path: str | Path) -> Adapter:
         """Load, check against the model and stack one adapter; MlxPagedError naming a mismatch."""

@@ -1,6 +1,8 @@
 """Which LoRA adapter a request runs with: `model: "BASE:NAME"`, or mlx_lm.server's `adapters`
-field (the name given with `serve --adapter NAME=PATH`, or that PATH). The engine loaded and
-checked every adapter at start (models/lora.py); a request never loads one."""
+field (the name given with `serve --adapter NAME=PATH`, or that PATH; or the name of a folder in
+`--adapter-dir`). The engine checked every `--adapter` at start (models/lora.py); a folder of
+`--adapter-dir` is loaded and checked by the engine when a request first names it, and one that
+does not fit the model is a 400 naming why (jobs.py)."""
 
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ def request_adapter(state, model: str | None, adapters: str | None) -> str | Non
             code="adapter_not_found",
         )
     try:
-        return loaded.get(name).name
+        found = loaded.find(name)  # a folder of --adapter-dir is loaded by the engine, on its thread
+        return found[0] if isinstance(found, tuple) else found.name  # (name, folder): not loaded yet
     except KeyError as e:
         raise APIError(
             404, f"{e.args[0]} (as model '{state.model_id}:NAME' or adapters)", param=param, code="adapter_not_found"

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..engine.guided import GrammarTooSlow
-from ..errors import MlxPagedError, StepError
+from ..errors import AdapterRefused, MlxPagedError, StepError
 from .engine_loop import ClientTooSlow, EngineDown, EngineLoop, Sink
 from .errors import APIError
 from .limits import Capacity, Limits
@@ -123,6 +123,8 @@ class Job:
                 el.abort(rid)
             if isinstance(e, ValueError) and params.guided is not None and str(e).startswith("unsupported"):
                 raise APIError(400, f"{guided_param}: {e}", param=guided_param) from None
+            if isinstance(e, AdapterRefused):  # a folder of --adapter-dir that does not fit the model
+                raise APIError(400, str(e), code="adapter_not_served") from None
             if isinstance(e, (MlxPagedError, ValueError)):
                 param = "prompt" if str(e).startswith("prompt") else ("n" if params.n > 1 else "max_tokens")
                 raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
