@@ -5,13 +5,16 @@ moves timings more than one run can show):
 - mixed: one mlxpaged engine holding the 4 adapters, all 8 requests in one batch (each step's
   rows of the 4 adapters share one packed forward pass);
 - separate: the same engine, one adapter's 2 requests at a time (4 runs one after another);
+- base: the same engine, the 8 requests on the base model (what the adapters cost);
 - serve: `mlxpaged serve --adapter ...`, the 8 requests sent at once over HTTP (`model: "base:NAME"`);
 - mlx_lm.server: the same 8 requests at once, each naming its adapter folder in `adapters` (it
   loads the model again whenever a request names another adapter).
-mixed and separate report decode tokens/s (generated tokens after every request of the run has its
+mixed, separate and base report decode tokens/s (generated tokens after every request of the run has its
 first token, over that time); the two servers report end-to-end tokens/s (completion tokens over
-the wall time of the 8 requests, prefill and reloads included). Every figure is a median with its
-min-max range.
+the wall time of the 8 requests, prefill and reloads included). Each is given per wall second and
+per CPU second of the process that computes it (this process, or the server's): on a machine
+shared with other work the CPU seconds move far less than the wall time. Every figure is a median
+with its min-max range.
 
     python scripts/bench_lora.py                    # tiny random-weight Qwen2 and 4 tiny adapters
     python scripts/bench_lora.py --max-tokens 32 --repeats 3 --no-servers
@@ -31,9 +34,9 @@ from pathlib import Path
 import mlxpaged  # noqa: F401  (first: system BLAS on Linux)
 
 
-def engine_run(engine, asks, max_tokens: int) -> tuple[int, float]:
-    """(tokens generated after every request had its first, the seconds that took) for `asks`
-    ((prompt, adapter) pairs) run to completion as one batch."""
+def engine_run(engine, asks, max_tokens: int) -> tuple[int, float, float]:
+    """(tokens generated after every request had its first, the wall seconds and the CPU seconds
+    of this process that took) for `asks` ((prompt, adapter) pairs) run to completion as one batch."""
     from mlxpaged import SamplingParams
 
     rids = [
@@ -46,8 +49,8 @@ def engine_run(engine, asks, max_tokens: int) -> tuple[int, float]:
         for out in engine.step():
             counts[out.request_id] = len(out.outputs[0].token_ids)
         if start is None and all(counts.values()):
-            start, first_tokens = time.perf_counter(), sum(counts.values())
-    return sum(counts.values()) - first_tokens, time.perf_counter() - start
+            start, cpu, first_tokens = time.perf_counter(), time.process_time(), sum(counts.values())
+    return sum(counts.values()) - first_tokens, time.perf_counter() - start, time.process_time() - cpu
 
 
 class Proc:
@@ -76,19 +79,25 @@ class Proc:
         self.proc.wait(30)
 
 
-def http_run(url: str, bodies: list[dict]) -> tuple[int, float]:
-    """(completion tokens, wall seconds) of `bodies` sent at once to /v1/completions."""
+def http_run(server: Proc, bodies: list[dict]) -> tuple[int, float, float]:
+    """(completion tokens, wall seconds, the server process's CPU seconds) of `bodies` sent at once
+    to /v1/completions."""
     import httpx
+    import psutil
+
+    proc = psutil.Process(server.proc.pid)
+    url = server.url
 
     def one(body):
         r = httpx.post(url + "/v1/completions", json=body, timeout=600)
         r.raise_for_status()
         return r.json()["usage"]["completion_tokens"]
 
+    cpu = sum(proc.cpu_times()[:2])
     t = time.perf_counter()
     with ThreadPoolExecutor(len(bodies)) as pool:
         tokens = sum(pool.map(one, bodies))
-    return tokens, time.perf_counter() - t
+    return tokens, time.perf_counter() - t, sum(proc.cpu_times()[:2]) - cpu
 
 
 def free_port() -> int:
@@ -132,9 +141,12 @@ def main() -> None:
 
     def separate():
         runs = [engine_run(engine, [x for x in asks if x[1] == n], args.max_tokens) for n in names]
-        return sum(t for t, _ in runs), sum(s for _, s in runs)
+        return tuple(sum(r[i] for r in runs) for i in range(3))
 
-    systems = {"mixed": mixed, "separate": separate}
+    def plain():
+        return engine_run(engine, [(p, None) for p, _ in asks], args.max_tokens)
+
+    systems = {"mixed": mixed, "separate": separate, "base": plain}
     servers = []
     if not args.no_servers:
         port = free_port()
@@ -157,34 +169,38 @@ def main() -> None:
         common = {"max_tokens": args.max_tokens, "temperature": 0.0}
         ours_bodies = [{"model": f"base:{a}", "prompt": p, **common} for p, a in asks]
         theirs_bodies = [{"model": str(base), "prompt": p, "adapters": str(folders[a]), **common} for p, a in asks]
-        http_run(ours.url, ours_bodies[:4])  # warm up
-        http_run(theirs.url, theirs_bodies[:4])
-        systems["serve"] = lambda: http_run(ours.url, ours_bodies)
-        systems["mlx_lm.server"] = lambda: http_run(theirs.url, theirs_bodies)
+        http_run(ours, ours_bodies[:4])  # warm up
+        http_run(theirs, theirs_bodies[:4])
+        systems["serve"] = lambda: http_run(ours, ours_bodies)
+        systems["mlx_lm.server"] = lambda: http_run(theirs, theirs_bodies)
     try:
         order = list(systems)
-        rates = {k: [] for k in order}
+        rates = {k: [] for k in order}  # tokens per wall second
+        cpu_rates = {k: [] for k in order}  # tokens per CPU second of the process that computes them
         tokens = {k: [] for k in order}
         for i in range(args.repeats):
             for k in order[i % len(order) :] + order[: i % len(order)]:
-                n, s = systems[k]()
+                n, s, c = systems[k]()
                 rates[k].append(n / s)
+                cpu_rates[k].append(n / c)
                 tokens[k].append(n)
     finally:
         for s in servers:
             s.close()
     print(f"8 requests over 4 adapters, {args.max_tokens} tokens each, {args.repeats} repeats (order rotating)")
-    print("tokens/s: median (min-max)")
+    print("median (min-max)      tokens per wall second       tokens per CPU second")
     for k in order:
-        kind = "decode" if k in ("mixed", "separate") else "end-to-end"
-        print(f"  {k:14s} {fmt(spread(rates[k]), 1):>28s}  {kind}, {tokens[k][0]} tokens a run")
-    ratio = [m / s for m, s in zip(rates["mixed"], rates["separate"])]
-    print(f"  mixed / separate: {fmt(spread(ratio))}")
-    if "serve" in rates:
-        ratio = [m / s for m, s in zip(rates["serve"], rates["mlx_lm.server"])]
-        print(f"  serve / mlx_lm.server: {fmt(spread(ratio))}")
+        kind = "decode" if k in ("mixed", "separate", "base") else "end-to-end"
+        w, c = fmt(spread(rates[k]), 1), fmt(spread(cpu_rates[k]), 1)
+        print(f"  {k:14s} {w:>26s} {c:>26s}  {kind}, {tokens[k][0]} tokens a run")
+    pairs = [("mixed", "separate"), ("mixed", "base")] + ([("serve", "mlx_lm.server")] if "serve" in rates else [])
+    for a, b in pairs:
+        wall = [x / y for x, y in zip(rates[a], rates[b])]
+        cpu = [x / y for x, y in zip(cpu_rates[a], cpu_rates[b])]
+        print(f"  {a} / {b}: wall {fmt(spread(wall))}, CPU {fmt(spread(cpu))}")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"rates": rates, "tokens": tokens}, indent=2))
+        out = {"wall_rates": rates, "cpu_rates": cpu_rates, "tokens": tokens}
+        Path(args.json_out).write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

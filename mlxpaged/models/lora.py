@@ -33,8 +33,6 @@ import numpy as np
 
 from ..errors import AdapterRefused, MlxPagedError
 
-MLX_LM_FILES = ("adapter_config.json", "adapters.safetensors")
-PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -96,16 +94,16 @@ class LoRARows:
     def __call__(self, x: mx.array) -> mx.array:
         y = self.linear(x)
         rows = self.step.rows
-        if x.ndim < 2 or x.shape[0] != rows.shape[0]:
+        if x.ndim not in (2, 3) or x.shape[0] != rows.shape[0]:
             from .paged_adapter import AdapterError
 
             raise AdapterError(
                 f"a LoRA-targeted linear got input {x.shape}, not the pass's {rows.shape[0]} packed rows first"
             )
         s = self.step.sorted
-        z = mx.gather_mm(x, self.a, rhs_indices=rows, sorted_indices=s)
-        z = mx.gather_mm(z, self.b, rhs_indices=rows, sorted_indices=s)
-        return y + (self.step.scales * z).astype(x.dtype)
+        z = mx.gather_mm(x.reshape(x.shape[0], -1, x.shape[-1]), self.a, rhs_indices=rows, sorted_indices=s)
+        z = mx.gather_mm(z, self.b, rhs_indices=rows, sorted_indices=s)  # [T, rows of x, out]
+        return y + (self.step.scales.astype(z.dtype) * z).reshape(y.shape).astype(x.dtype)
 
 
 def _input_dims(linear: nn.Module) -> int:
