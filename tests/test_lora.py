@@ -176,3 +176,38 @@ def test_beams_with_an_adapter(tiny_loaded, tiny_model_path, adapters):
             load_adapters(model, str(adapters[a]))
         want = reference_beam_search(model, prompt, 3, 10)
         assert [c.token_ids for c in done[r].outputs] == [toks for _, toks, _ in want], a
+
+
+def test_disk_hits_never_cross_adapters(tiny_loaded, tiny_model_path, adapters, tmp_path):
+    """The prefix cache's disk tier (`prefix_cache_dir`): after A's request, a new engine (nothing
+    in memory) serves B's request of the same prompt without A's blocks, and A's from disk."""
+    tok = tiny_loaded.tokenizer
+    prompt = tok.encode(" ".join(PROMPTS) * 3)
+    store = tmp_path / "store"
+
+    def run(adapter):
+        config = EngineConfig.of(num_blocks=128, prefix_cache_dir=str(store))
+        engine = LLMEngine(tiny_loaded, config, adapters={k: str(adapters[k]) for k in "AB"})
+        rid = engine.add_request(prompt, greedy(8, adapter))
+        out = drain_checked(engine)[rid]
+        engine.prefix_store.flush()
+        return out.num_cached_tokens, out.outputs[0].token_ids
+
+    first, other, again = run("A"), run("B"), run("A")
+    assert first[0] == 0 and other[0] == 0 and again[0] == len(prompt) // 16 * 16 - (len(prompt) % 16 == 0) * 16
+    assert first[1] == again[1] == reference(tiny_model_path, adapters["A"], prompt, 8)
+    assert other[1] == reference(tiny_model_path, adapters["B"], prompt, 8)
+
+
+def test_draft_speculation_is_verified_with_the_adapter(tiny_loaded, tiny_model_path, adapters):
+    """A draft model (here the base checkpoint itself, which knows no adapter) proposes; the target
+    verifies each row's proposals with its adapter, so A's tokens stay mlx-lm's with A."""
+    config = EngineConfig.of(num_blocks=256, speculative="draft", draft_model=str(tiny_model_path))
+    engine = LLMEngine(tiny_loaded, config, adapters={"A": str(adapters["A"])})
+    prompt = tiny_loaded.tokenizer.encode(PROMPTS[1])
+    rids = {a: engine.add_request(prompt, greedy(16, a)) for a in (None, "A")}
+    done = drain_checked(engine)
+    st = engine.stats_dict()
+    assert st["spec_proposed_tokens"] > st["spec_accepted_tokens"] > 0  # the base's proposals miss some of A's
+    for a, r in rids.items():
+        assert done[r].outputs[0].token_ids == reference(tiny_model_path, adapters[a] if a else None, prompt, 16), a
