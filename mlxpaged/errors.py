@@ -5,6 +5,11 @@ class MlxPagedError(ValueError):
     """Bad input or an unusable model: the message names the problem and what to do."""
 
 
+class AdapterRefused(MlxPagedError):
+    """A LoRA adapter a request named, loaded on first use, cannot be served by this model (the
+    server answers 400 with the reason)."""
+
+
 class StepError(RuntimeError):
     """An engine step failed; the requests it was computing were aborted and their blocks freed.
 

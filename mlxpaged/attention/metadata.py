@@ -27,6 +27,9 @@ class AttentionMetadata:
     # A hybrid model's recurrent states for this pass (models/recurrent.py `StepStates`), per entry;
     # None: none (a model without recurrent layers, or every entry starts empty).
     states: object = None
+    # The pass's LoRA adapters (models/lora.py `StepAdapters`: each packed row's adapter); None
+    # when every row runs the base model.
+    lora: object = None
     # Each KV cache group's view of the same pass (core/kv_groups.py), group 0's this one: its own
     # slot_mapping and block_tables, the other fields these; empty for a one-group model. A layer
     # reads its group's.

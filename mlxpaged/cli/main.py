@@ -179,6 +179,12 @@ def main():
 @click.option(
     "--length-penalty", default=1.0, show_default=True, help="Beam score = cumulative logprob / length ** this."
 )
+@click.option(
+    "--adapter",
+    "adapter",
+    type=click.Path(file_okay=False),
+    help="A LoRA adapter folder (mlx_lm.lora's adapters.safetensors, or PEFT's) to generate with.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with outputs and stats.")
 def generate(
     model,
@@ -203,6 +209,7 @@ def generate(
     ignore_eos,
     beam_width,
     length_penalty,
+    adapter,
     as_json,
     **engine_flags,
 ):
@@ -228,6 +235,7 @@ def generate(
             frequency_penalty=frequency_penalty,
             repetition_penalty=repetition_penalty,
             guided=GuidedDecoding(json_schema=_read_json_schema(json_schema)) if json_schema else None,
+            adapter="adapter" if adapter else None,
         )
         params = [SamplingParams(**{**base, **extra}) for _, extra in items]
         beam = None
@@ -244,7 +252,9 @@ def generate(
                 raise MlxPagedError(f"{', '.join(k for k, v in knobs.items() if v)} cannot be used with --beam-width")
             from ..engine.beam_search import BeamSearchParams
 
-            beam = BeamSearchParams(beam_width, max_tokens, ignore_eos=ignore_eos, length_penalty=length_penalty)
+            beam = BeamSearchParams(
+                beam_width, max_tokens, ignore_eos=ignore_eos, length_penalty=length_penalty, adapter=base["adapter"]
+            )
             params = [SamplingParams(n=beam_width, max_tokens=max_tokens)] * len(items)  # the pool's sizing
         config = engine_config(engine_flags)
         if any(not p.strip() for p, _ in items):
@@ -261,7 +271,7 @@ def generate(
         # `generate` knows its whole workload: a pool just big enough for all of it at full length.
         need = sum(blocks_for_request(len(i), p.n, p.max_tokens, config.cache.block_size) for i, p in zip(ids, params))
         config.cache.num_blocks = pool_blocks(loaded, config, need)
-        engine = build_engine(loaded, config, group=group)
+        engine = build_engine(loaded, config, group=group, adapters={"adapter": adapter} if adapter else None)
         if beam is not None:
             rids = [engine.add_beam_request(i, beam) for i in ids]
         else:

@@ -243,6 +243,7 @@ class BlockManager:
         child.num_computed_tokens = parent.num_computed_tokens
         child.draft_computed = parent.draft_computed
         child.cache_salt = parent.cache_salt
+        child.adapter = parent.adapter
         child.state = parent.state
 
     def free(self, seq: Sequence) -> None:
@@ -282,8 +283,10 @@ class BlockManager:
 
     # -- prefix caching ----------------------------------------------------------------------
     def _hash(self, parent: bytes | None, tokens: tuple[int, ...], seq: Sequence, i: int) -> bytes:
-        # a salted request's chain starts from its salt (vLLM's cache_salt): other salts never match it
-        return self.hash_fn(parent, tokens, self.extra_key + seq.cache_salt if i == 0 else self.extra_key)
+        # a salted request's chain starts from its salt (vLLM's cache_salt), and an adapter's from
+        # its key (KV computed with another adapter differs): other salts and adapters never match it
+        key = self.extra_key + seq.cache_salt + (seq.adapter.key if seq.adapter else b"") if i == 0 else self.extra_key
+        return self.hash_fn(parent, tokens, key)
 
     def _tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
         return tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])

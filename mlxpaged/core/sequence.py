@@ -168,6 +168,9 @@ class Sequence:
     # sequence's blocks; the block manager keeps it <= num_computed_tokens (engine/draft.py)
     draft_computed: int = 0
     cache_salt: bytes = b""  # folded into the first block's hash: blocks are shared only within one salt
+    # a LoRA adapter (models/lora.py `Adapter`) the sample runs with, or None (the base model); its
+    # `key` is folded into the first block's hash beside the salt; opaque here otherwise
+    adapter: object = None
     # a hybrid model's recurrent state after its first `state[0]` tokens, `(num_tokens, per-layer
     # arrays, a speculated run's state after each token or None)` (worker/state_cache.py): written
     # by the model runner, copied by a fork (a reference: the arrays are immutable), dropped with

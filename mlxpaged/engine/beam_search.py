@@ -34,12 +34,14 @@ if TYPE_CHECKING:
 
 @dataclass
 class BeamSearchParams:
-    """vLLM's names: beam_width beams, max_tokens generated at most, EOS optional, length penalty."""
+    """vLLM's names: beam_width beams, max_tokens generated at most, EOS optional, length penalty;
+    `adapter` as `SamplingParams.adapter`."""
 
     beam_width: int
     max_tokens: int = 16
     ignore_eos: bool = False
     length_penalty: float = 1.0
+    adapter: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.beam_width, int) or self.beam_width < 1:

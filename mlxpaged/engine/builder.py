@@ -40,10 +40,16 @@ def build_engine(
     dtype: str | None = None,
     weights: str | None = None,
     group: mx.distributed.Group | None = None,
+    adapters: dict[str, str] | None = None,
+    adapter_dir: str | None = None,
 ) -> LLMEngine:
     """An engine over `model` (a path, repo id, `.gguf` file, `LoadedModel`, or None for the
-    offline default), tensor-parallel over `group` when it is given."""
+    offline default), tensor-parallel over `group` when it is given; `adapters`: LoRA adapters
+    by name -> their folder (models/lora.py), which requests name in `SamplingParams.adapter`;
+    `adapter_dir`: a folder of adapter folders a request may name, each loaded on first use."""
     config = config or EngineConfig()
+    if (adapters or adapter_dir) and group is not None:
+        raise ValueError("LoRA adapters are not served under tensor parallelism yet; run on one process")
     if isinstance(model, LoadedModel):
         if group is not None and getattr(model.model, "tp_group", None) is None:
             raise ValueError(
@@ -52,4 +58,8 @@ def build_engine(
         loaded = model
     else:
         loaded = load_model(model, dtype, weights, group)
-    return LLMEngine(loaded, config) if group is None else tp_engine(loaded, config, group)
+    return (
+        LLMEngine(loaded, config, adapters=adapters, adapter_dir=adapter_dir)
+        if group is None
+        else tp_engine(loaded, config, group)
+    )

@@ -22,6 +22,9 @@ class LLM:
     flat `EngineConfig.of` settings (block_size, num_blocks, max_num_seqs, max_num_batched_tokens, ...).
     `distributed=True` makes this process one rank of a tensor-parallel group started by
     `mlx.launch`: it loads only its shard, and every rank must make the same calls.
+    `adapters`: LoRA adapters (mlx-lm's or PEFT's folders) by name; a request runs with one by
+    naming it in `SamplingParams.adapter`, and rows of different adapters share each step;
+    `adapter_dir`: a folder of adapter folders a request may name, each loaded on first use.
     """
 
     def __init__(
@@ -34,6 +37,8 @@ class LLM:
         dtype: str | None = None,
         weights: str | None = None,
         distributed: bool = False,
+        adapters: dict[str, str] | None = None,
+        adapter_dir: str | None = None,
         **engine_kwargs,
     ):
         config = EngineConfig.of(
@@ -43,7 +48,9 @@ class LLM:
             **engine_kwargs,
         )
         group = init_group() if distributed else None  # one rank of a group started by mlx.launch
-        self.engine = build_engine(model, config, dtype=dtype, weights=weights, group=group)
+        self.engine = build_engine(
+            model, config, dtype=dtype, weights=weights, group=group, adapters=adapters, adapter_dir=adapter_dir
+        )
 
     @property
     def tokenizer(self):

@@ -57,6 +57,7 @@ from ..core.kv_groups import GroupSpec, RecurrentStateGroup
 from ..core.scheduler import Scheduler, SchedulerOutput, SpecDecode
 from ..core.sequence import PendingToken, Request, Sequence
 from ..errors import MlxPagedError, StepError
+from ..models.lora import AdapterSet
 from ..utils import cdiv
 from ..worker.kv_cache import CacheShape, PagedKVCache, growable_pool, pool_blocks
 from ..worker.kv_calibration import model_key_scales
@@ -97,8 +98,21 @@ class LLMEngine:
     outputs of the requests that progressed (finished ones with `finished=True`).
     """
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, *, hash_fn: HashFn = sha256_block_hash):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig | None = None,
+        *,
+        hash_fn: HashFn = sha256_block_hash,
+        adapters: dict[str, str] | None = None,
+        adapter_dir: str | None = None,
+    ):
         self.loaded = loaded
+        # LoRA adapters by name (models/lora.py), each checked against the model now, and those of
+        # `adapter_dir` when a request first names one; None: none
+        self.adapters = None
+        if adapters or adapter_dir:
+            self.adapters = AdapterSet.load(loaded.model, adapters, loaded.config.get("model_type"), adapter_dir)
         self.config = config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
         self._detokenizer = detokenizers(self.tokenizer)
@@ -150,7 +164,7 @@ class LLMEngine:
             self.block_manager.pool.enable_growth(growth[1], growth[2])
             for g, step in zip(self.block_manager.groups[1:], steps[1:]):
                 g.pool.enable_growth(max(growth[1], g.pool.num_blocks), step)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, config.attention_impl, checkpoints)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, config.attention_impl, checkpoints, self.adapters)
         self.prefix_store = self._open_prefix_store() if config.cache.prefix_cache_dir else None
         if checkpoints is not None and self.prefix_store is not None and self.prefix_store.enabled:
             checkpoints.disk = self.prefix_store.dir / "states"  # beside the blocks, in their namespace
@@ -332,6 +346,7 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             self.layers.wake(self._prompt_logprobs)
         seed = params.seed if params.seed is not None else random.getrandbits(31)
+        adapter = self.adapter(params.adapter)
         seqs = [
             Sequence(
                 list(ids),
@@ -342,6 +357,7 @@ class LLMEngine:
                 detokenizer=self._detokenizer(),
                 matcher=grammar.matcher() if grammar is not None else None,
                 cache_salt=salt_key(params.cache_salt),
+                adapter=adapter,
             )
             for i in range(params.n)
         ]
@@ -364,10 +380,23 @@ class LLMEngine:
         ids, text = self._prompt_ids(prompt)
         self._check_fits(len(ids), params.beam_width, params.max_tokens)
         sp = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
-        req = Request(self._new_id(request_id), list(ids), sp, [Sequence(list(ids), len(ids))], text)
+        seq = Sequence(list(ids), len(ids), adapter=self.adapter(params.adapter))
+        req = Request(self._new_id(request_id), list(ids), sp, [seq], text)
         req.beam = BeamState(params)
         self.layers.wake(self._beams)
         return self._queue(req)
+
+    def adapter(self, name: str | None):
+        """The LoRA adapter named `name` (None: the base model), loaded now if it is a folder of
+        `adapter_dir` named for the first time; MlxPagedError naming an unknown one."""
+        if name is None:
+            return None
+        if self.adapters is None:
+            raise MlxPagedError(f"unknown adapter '{name}': this engine was given no adapters")
+        try:
+            return self.adapters.get(name)  # AdapterRefused: a folder of adapter_dir that does not fit
+        except KeyError as e:
+            raise MlxPagedError(e.args[0]) from None
 
     def _prompt_ids(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):

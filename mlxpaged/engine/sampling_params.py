@@ -43,6 +43,8 @@ class SamplingParams:
     speculative: False opts this request out of the engine's speculative decoding.
     cache_salt: a non-empty string folded into the first block's hash: the request shares cached
       blocks (memory and disk) only with requests of the same salt (docs/prefix-cache.md).
+    adapter: the name of a LoRA adapter the engine was given (`LLM(adapters=...)`, `serve --adapter`)
+      to run this request with; None runs the base model. Its cached blocks are its own.
     prompt_logprobs: None returns none; k in [0, 20] returns, for every prompt token but the first,
       its logprob given the tokens before it and the k most likely tokens' there, as
       `RequestOutput.prompt_logprobs` (the first entry None, as vLLM's). Such a request computes
@@ -70,6 +72,7 @@ class SamplingParams:
     guided: GuidedDecoding | None = None
     speculative: bool = True
     cache_salt: str | None = None
+    adapter: str | None = None
     output_kind: str = "cumulative"
     prompt_logprobs: int | None = None
 
@@ -82,6 +85,8 @@ class SamplingParams:
             raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise ValueError(f"adapter must be a non-empty string, got {self.adapter!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or [])]

@@ -514,10 +514,11 @@ class PagedModelMixin:
         swaps += _rope_swaps(spec, meta.positions)
         if spec.num_recurrent:
             swaps.append((body, "layers", _segmented(body.layers, spec.recurrent_sizes, meta)))
-        if chunked:
-            swaps += _chunked_swaps(self, body, meta)
+        # each targeted linear adds its rows' own adapters (lora.py), swapped in first: Llama 4's
+        # scaled queries (`_chunked_swaps`) then wrap a q_proj with its adapters
+        lora = meta.lora.swaps() if meta.lora is not None else []
         try:
-            with _swapped(swaps):
+            with _swapped(lora), _swapped(swaps + (_chunked_swaps(self, body, meta) if chunked else [])):
                 logits = super().__call__(inputs[:, None], cache=caches)  # [S, 1, V]
         except ValueError as e:  # a shape error in a layer that bypassed the paged cache (MLA's rope scores)
             _check_attended(layers, caches, e)

@@ -4,7 +4,7 @@ embeddings and rerank).
 A route turns its body into an `Ask` (its template messages and tools, or completion prompts; its
 stops, n, the max_tokens it asked for, and how to build its `SamplingParams`) and calls `admit`,
 which, here and nowhere else, in this order:
-1. checks the model name;
+1. checks the model name, and the LoRA adapter it or `adapters` names (adapters.py);
 2. bounds the stops, the stop token ids, the prompts, the work asked for and the answer's estimated
    size (limits.py);
 3. counts every character the template will render (system, messages, tool definitions, tool
@@ -23,11 +23,13 @@ Errors are `APIError`s; `Ask.names` renames OpenAI's field names in them to the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .adapters import request_adapter
 from .errors import APIError
 from .jobs import Job, check_model
 from .limits import LOGPROB_BYTES, TOKEN_BYTES, check_answer, check_chars, check_request, default_max_tokens
@@ -63,6 +65,8 @@ class Ask:
     # text prompts get the tokenizer's own special tokens (a BOS, an embedding model's end token);
     # False: the prompt writes its own (the reranker's prompt format)
     special_tokens: bool = True
+    adapters: str | None = None  # mlx_lm.server's field: a LoRA adapter's name or folder (adapters.py)
+    adapter: str | None = None  # the adapter it runs with, found at step 1 (None: the base model)
 
 
 def template_chars(messages: list[dict], tools: list[dict] | None, per_message: int) -> int:
@@ -109,6 +113,7 @@ def _check_limits(state, ask: Ask, max_tokens: int, ids: list[list[int]] | None 
 async def tokenize(state, ask: Ask) -> list[list[int]]:
     """Steps 1-4: the prompts' ids, or a 400 before any tokenizing when they cannot fit."""
     check_model(state, ask.model)
+    ask.adapter = request_adapter(state, ask.model, ask.adapters)
     _check_limits(state, ask, ask.max_tokens or (0 if ask.pooled_bytes else 1))
     cap, tok = state.capacity, state.engine_loop.engine.tokenizer
     if ask.prompts is not None:
@@ -136,6 +141,8 @@ async def admit(state, ask: Ask) -> tuple[Job, list[list[int]]]:
                 param="model",
             )
         prompts = await tokenize(state, ask)
+        if ask.pooled_bytes and ask.adapter is not None:
+            raise APIError(400, f"adapter '{ask.adapter}': embeddings and scores run on the base model only", param="model")
         cap = state.capacity
         longest = max(map(len, prompts))
         if ask.pooled_bytes:  # nothing is generated
@@ -150,6 +157,8 @@ async def admit(state, ask: Ask) -> tuple[Job, list[list[int]]]:
             check_context(len(ids), max_tokens, cap.context)
         try:
             params = ask.make_params(max_tokens)
+            if ask.adapter is not None:
+                params = dataclasses.replace(params, adapter=ask.adapter)
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0] if " must " in str(e) else None) from None
         job = await Job.start(state, ask.prefix, prompts, params, ask.guided_param)

@@ -9,8 +9,8 @@ client or model text and raises ValueError, never RecursionError.
 A whole body's top-level fields are the ones its class declares, plus its `IGNORED`: fields real
 clients send that change nothing here (Codex's `prompt_cache_key`, Claude Code's
 `context_management`). Any other is refused by name (`refuse_unknown`), so a client never
-believes a field it sent was honoured (mlx_lm.server's per-request `adapters`, vLLM's
-`chat_template_kwargs`). The parts of a body ignore unknown fields (`cache_control` on a block).
+believes a field it sent was honoured (vLLM's `chat_template_kwargs`). The parts of a body ignore
+unknown fields (`cache_control` on a block).
 """
 
 from __future__ import annotations

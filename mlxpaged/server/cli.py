@@ -224,6 +224,21 @@ def serve_engine_config(engine_flags: dict, kv_memory_gb: float | None) -> Engin
     help="With several --model: unload a model idle this long (seconds or 5m, 1h; negative: never; "
     "default: 5m). An Ollama request's keep_alive sets it for its model.",
 )
+@click.option(
+    "--adapter",
+    "adapters",
+    multiple=True,
+    metavar="NAME=PATH",
+    help="A LoRA adapter (mlx_lm.lora's folder, or PEFT's) a request runs with as model 'MODEL:NAME' or "
+    "adapters 'NAME'; repeatable. Rows of different adapters share each step.",
+)
+@click.option(
+    "--adapter-dir",
+    type=click.Path(file_okay=False, exists=True),
+    default=None,
+    help="A folder of LoRA adapter folders: a request may name any of them (as with --adapter, by its "
+    "folder's name), loaded when first named.",
+)
 @click.option("--enable-docs", is_flag=True, help="Serve /docs, /redoc and /openapi.json (off by default).")
 @click.option("--no-web", is_flag=True, help="Do not serve the web page (/: chat and the live KV-cache view).")
 @click.option(
@@ -258,6 +273,8 @@ def serve(
     max_memory,
     max_loaded_models,
     keep_alive,
+    adapters,
+    adapter_dir,
     enable_docs,
     no_web,
     log_level,
@@ -286,11 +303,12 @@ def serve(
         config = serve_engine_config(engine_flags, kv_memory_gb)
     with user_errors():
         specs, pool_knobs = _models(model, served_model_name, group, max_memory, max_loaded_models, keep_alive)
+        adapters = _adapters(adapters, len(specs), adapter_dir)
     if len(specs) == 1 and specs[0] is not None:  # NAME=PATH: one model served as NAME
         model, served_model_name = specs[0].source, served_model_name or specs[0].name
     elif specs == [None]:
         model = None
-    make = lambda: _load_engine(model, dtype, weights, config, group)  # noqa: E731
+    make = lambda: _load_engine(model, dtype, weights, config, group, adapters, adapter_dir)  # noqa: E731
     if follower:
         return _follow(make, group)
     _check_port(host, port)
@@ -504,11 +522,31 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _load_engine(model, dtype, weights, config, group=None):
+def _load_engine(model, dtype, weights, config, group=None, adapters=None, adapter_dir=None):
     """The engine `serve` runs: the whole model here, or this rank's shard under mlx.launch."""
     from ..engine.builder import build_engine
 
-    return build_engine(model, config, dtype=dtype, weights=weights, group=group)
+    return build_engine(
+        model, config, dtype=dtype, weights=weights, group=group, adapters=adapters, adapter_dir=adapter_dir
+    )
+
+
+def _adapters(values: tuple[str, ...], num_models: int, adapter_dir: str | None) -> dict[str, str] | None:
+    """The `--adapter NAME=PATH` values by name (checked against the model when it loads)."""
+    if (values or adapter_dir) and num_models > 1:
+        flag = "--adapter" if values else "--adapter-dir"
+        raise ValueError(f"{flag} applies to a server of one model: give --model once")
+    if not values:
+        return None
+    out = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"--adapter {value}: give NAME=PATH (the folder mlx_lm.lora wrote)")
+        if name in out:
+            raise ValueError(f"--adapter: the name '{name}' is given twice")
+        out[name.strip()] = path.strip()
+    return out
 
 
 def _follow(make_engine, group) -> None:

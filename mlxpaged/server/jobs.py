@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..engine.guided import GrammarTooSlow
-from ..errors import MlxPagedError, StepError
+from ..errors import AdapterRefused, MlxPagedError, StepError
 from .engine_loop import ClientTooSlow, EngineDown, EngineLoop, Sink
 from .errors import APIError
 from .limits import Capacity, Limits
@@ -62,6 +62,9 @@ class ServerState:
 
 
 def check_model(state: ServerState, model: str | None) -> None:
+    from .adapters import split_model  # "BASE:ADAPTER" names BASE (its adapter is checked at admission)
+
+    model = split_model(state, model)[0]
     if model is not None and model not in state.model_aliases:
         raise APIError(
             404,
@@ -121,6 +124,8 @@ class Job:
                 el.abort(rid)
             if isinstance(e, ValueError) and params.guided is not None and str(e).startswith("unsupported"):
                 raise APIError(400, f"{guided_param}: {e}", param=guided_param) from None
+            if isinstance(e, AdapterRefused):  # a folder of --adapter-dir that does not fit the model
+                raise APIError(400, str(e), code="adapter_not_served") from None
             if isinstance(e, (MlxPagedError, ValueError)):
                 param = "prompt" if str(e).startswith("prompt") else ("n" if params.n > 1 else "max_tokens")
                 raise APIError(400, str(e), param=param, code="context_length_exceeded") from None

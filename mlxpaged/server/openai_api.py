@@ -61,6 +61,7 @@ def register_openai(router: APIRouter, state, text_of) -> None:
             max_tokens=1 if prompt_only else body.max_tokens,
             logprobs=body.logprobs,
             echo=body.echo,
+            adapters=body.adapters,
         )
         job, _ = await admit(state, ask)
         asked_lps = job.params.logprobs is not None
@@ -117,6 +118,7 @@ def register_openai(router: APIRouter, state, text_of) -> None:
             guided_param=plan.param,
             logprobs=body.logprobs_k(),
             logprob_bytes=CHAT_LOGPROB_BYTES,
+            adapters=body.adapters,
         )
         job, _ = await admit(state, ask)
         asked_lps = job.params.logprobs is not None

@@ -104,6 +104,7 @@ class _Sampling(_Request):
     ignore_eos: bool = False
     speculative: bool = True  # false opts this request out of speculative decoding
     cache_salt: str | None = None  # vLLM's: prefix-cache isolation (blocks shared only within one salt)
+    adapters: Text | None = None  # mlx_lm.server's: a LoRA adapter given at start, by name or folder
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None  # accepted and ignored

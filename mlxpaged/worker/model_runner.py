@@ -102,8 +102,10 @@ class ModelRunner:
         kv_cache: PagedKVCache,
         attention_impl: str = "auto",
         checkpoints: Checkpoints | None = None,
+        adapters=None,
     ):
         self.model = model
+        self.adapters = adapters  # the LoRA adapters the sequences may name (models/lora.py `AdapterSet`), or None
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.attention_impl = attention_impl
@@ -171,7 +173,17 @@ class ModelRunner:
                 meta.groups.append(
                     replace(meta, slot_mapping=mx.array(gslots), block_tables=mx.array(gt), groups=[], scratch={})
                 )
+        meta.lora = self._lora(batch, q_lens)
         return self._run(batch, self._input_ids(batch, int(cu[-1]), spec_tokens), meta, frozenset(spec_tokens))
+
+    def _lora(self, batch: list[tuple[Sequence, int]], q_lens=None):
+        """The pass's adapters (each packed row's: its sequence's), or None when no row has one."""
+        if self.adapters is None:
+            return None
+        slots = [s.adapter.slot if s.adapter is not None else 0 for s, _ in batch]
+        if not any(slots):
+            return None
+        return self.adapters.step(slots if q_lens is None else np.repeat(slots, q_lens))
 
     def _run(
         self, batch: list[tuple[Sequence, int]], ids: mx.array, meta: AttentionMetadata, every: frozenset = frozenset()
@@ -241,6 +253,7 @@ class ModelRunner:
                         scratch={},
                     )
                 )
+        meta.lora = self._lora(batch)
         return self._run(batch, input_ids, meta)
 
     def _steps(self, n: int) -> tuple[mx.array, mx.array]:
