@@ -142,7 +142,9 @@ async def admit(state, ask: Ask) -> tuple[Job, list[list[int]]]:
             )
         prompts = await tokenize(state, ask)
         if ask.pooled_bytes and ask.adapter is not None:
-            raise APIError(400, f"adapter '{ask.adapter}': embeddings and scores run on the base model only", param="model")
+            raise APIError(
+                400, f"adapter '{ask.adapter}': embeddings and scores run on the base model only", param="model"
+            )
         cap = state.capacity
         longest = max(map(len, prompts))
         if ask.pooled_bytes:  # nothing is generated
