@@ -39,11 +39,22 @@ RUNS = (
     "qwen3_vl qwen3_vl_moe seed_oss smollm3 solar_open spark2_5 stablelm starcoder2 step3p5 telechat3 "
     "xverse"
 ).split()
+# Attention-side types run since the zoo was first written (per-head key and value widths, a
+# final norm outside the body, settings kept as `config`, ...).
+RUNS += """
+plamo
+""".split()
+
+# Attention-side types (per-head key and value widths of their own, a
+# final norm outside the body, settings kept as `config`, ...).
+RUNS += """
+deepseek_v2 minicpm3 nanochat phi-msft phixtral plamo3 talkie youtu_llm
+""".split()
+
 
 # Types refused, each with words its one line must hold: what the paged cache lacks for it.
 REFUSED = {
     "afm7": "reads an earlier layer's keys and values",
-    "deepseek_v2": "per-head keys and values of their own widths",
     "deepseek_v32": "two caches in one layer (mlx-lm's CacheList of KVCache and KVCache)",
     "deepseek_v41": "a cache class mlxpaged does not know (mlx_lm.models.deepseek_v41.LayerCache)",
     "deepseek_v41_text": "a cache class mlxpaged does not know (mlx_lm.models.deepseek_v41.LayerCache)",
@@ -54,20 +65,12 @@ REFUSED = {
     "iquestloopcoder": "gives 4 caches for 2 layers",
     "mamba": "linear attention / state space (mlx_lm.models.mamba.MambaBlock)",
     "mamba2": "linear attention / state space (mlx_lm.models.mamba2.Mamba2Block",
-    "minicpm3": "per-head keys and values of their own widths",
     "minimax_m3_vl": "mlx-lm's CacheList of KVCache",
-    "nanochat": "no text model with a final norm module",
     "nemotron-nas": "layer 1 has no attention",
-    "phi-msft": "no text model with a final norm module",
     "phi3small": "attends block-sparsely",
-    "phixtral": "no text model with a final norm module",
-    "plamo": "shares its KV heads by tiling them",
     "plamo2": "linear attention / state space (mlx_lm.models.plamo2.Mamba)",
-    "plamo3": "keeps its settings as `config`",
     "recurrent_gemma": "linear attention / state space (mlx_lm.models.recurrent_gemma.RecurrentBlock",
     "rwkv7": "linear attention / state space (mlx_lm.models.rwkv7.",
-    "talkie": "no text model with a final norm module",
-    "youtu_llm": "keeps its settings as `config`",
 }
 
 # Types the zoo writes no checkpoint for (their configs need more than its sizes, or mlx-lm's own

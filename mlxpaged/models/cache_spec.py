@@ -26,7 +26,9 @@ class LayerSpec:
     recurrent layer, or one that reads another layer's: `source`);
     `kv_heads`, `head_dim`: a pool row's shape (0 without a pool);
     `source`: the layer whose K/V it reads instead of writing its own (Gemma 4, 3n), or None;
-    `state_arrays`: a recurrent layer's number of state arrays (mlx-lm's ArraysCache), else None.
+    `state_arrays`: a recurrent layer's number of state arrays (mlx-lm's ArraysCache), else None;
+    `tiled_heads`: its module tiles its KV heads (query head h reads KV head h mod kv_heads, plamo)
+    instead of grouping them (h // (heads / kv_heads)).
     """
 
     kind: str
@@ -36,6 +38,7 @@ class LayerSpec:
     head_dim: int = 0
     source: int | None = None
     state_arrays: int | None = None
+    tiled_heads: bool = False
 
 
 @dataclass(frozen=True)

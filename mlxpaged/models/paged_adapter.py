@@ -93,24 +93,36 @@ class PagedLayerCache:
     `window`: this layer's sliding window (None: full attention), from mlx-lm's own cache for
     the layer (`cache_spec`); the attention call masks by it, so the model's mask is not needed.
     `chunk`: this layer's attention chunk (Llama 4), likewise.
+    `tiled_heads`: the module tiles its KV heads (plamo: query head h reads KV head h mod
+    kv_heads), where the attention groups them (h // group): the query heads are reordered.
     """
 
     def __init__(
-        self, kv_cache, layer: int, meta: AttentionMetadata, window: int | None = None, chunk: int | None = None
+        self,
+        kv_cache,
+        layer: int,
+        meta: AttentionMetadata,
+        window: int | None = None,
+        chunk: int | None = None,
+        tiled_heads: bool = False,
     ):
         self.kv_cache = kv_cache
         self.layer = layer
         self.meta = meta
         self.window = window
         self.chunk = chunk
+        self.tiled_heads = tiled_heads
         self.offset = meta.positions  # [T]: one RoPE offset per batch row, i.e. per token
         self.pools = None  # this layer's (k_pool, v_pool) after the write
+        self.v_dim = None  # the width of the values written (narrower than the pool's rows: zero-padded)
         self.attended = False
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         # Rows of length one need no mask; causality lives in the block tables and context_lens,
         # the window in `self.window`, which must be the one the model asks for.
-        if window_size is not None and window_size != self.window:
+        # plamo3 asks a mask one wider than its own RotatingKVCache keeps: mlx-lm's prefill sees one
+        # position more there than its decode steps do; the paged layer attends over the cache's window
+        if window_size is not None and window_size not in (self.window, (self.window or 0) + 1):
             raise AdapterError(
                 f"mlx_lm base.create_attention_mask: a window of {window_size} was asked of layer {self.layer}, "
                 f"whose mlx-lm cache has window {self.window}: the paged adapter needs updating"
@@ -118,16 +130,28 @@ class PagedLayerCache:
         return None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        """keys, values `[T, kv_heads, 1, head_dim]` (post-RoPE): written at the step's slots."""
+        """keys, values `[T, kv_heads, 1, head_dim]` (post-RoPE): written at the step's slots.
+
+        Values narrower than the keys (deepseek_v2, minicpm3: nope + rope key columns, v_head_dim
+        value columns) are stored zero-padded to the key width; `attend` drops the padded columns."""
         if keys.ndim != 4 or keys.shape[2] != 1 or keys.shape[0] != self.offset.shape[0]:
             raise AdapterError(
                 f"cache.update_and_fetch got keys {keys.shape}; the paged adapter feeds "
                 f"[T={self.offset.shape[0]}, kv_heads, 1, head_dim] (rows of one token)"
             )
         T, kvh, _, hd = keys.shape
-        self.pools = self.kv_cache.write(
-            self.layer, keys.reshape(T, kvh, hd), values.reshape(T, kvh, -1), self.meta.slot_mapping
-        )
+        pool = self.kv_cache.shape.layer_dims[self.layer]
+        vd = values.shape[-1]
+        if (kvh, hd) != pool or values.shape[1] != kvh or vd > hd:
+            raise AdapterError(
+                f"layer {self.layer}'s attention writes keys of {kvh} KV heads x {hd} and values of "
+                f"{values.shape[1]} x {vd}, its pool holds {pool[0]} x {pool[1]}: the paged adapter needs updating"
+            )
+        self.v_dim = vd
+        v = values.reshape(T, kvh, vd)
+        if vd < hd:
+            v = mx.concatenate([v, mx.zeros((T, kvh, hd - vd), v.dtype)], axis=-1)
+        self.pools = self.kv_cache.write(self.layer, keys.reshape(T, kvh, hd), v, self.meta.slot_mapping)
         return keys, values
 
     def keys_and_values(self):
@@ -149,7 +173,15 @@ class PagedLayerCache:
                 "attention, with a per-layer sliding window and attention sinks"
             )
         T, H, _, D = queries.shape
-        return self._paged(queries.reshape(T, H, D), scale, sinks).reshape(T, H, 1, D)
+        q = queries.reshape(T, H, D)
+        if self.tiled_heads:  # head r * kvh + j (reads KV head j) to j * group + r, and back
+            kvh = self.kv_cache.shape.layer_dims[self.layer][0]
+            q = q.reshape(T, H // kvh, kvh, D).swapaxes(1, 2).reshape(T, H, D)
+        out = self._paged(q, scale, sinks)
+        if self.tiled_heads:
+            out = out.reshape(T, kvh, H // kvh, -1).swapaxes(1, 2).reshape(T, H, -1)
+        v = self.v_dim or D
+        return (out if v == D else out[..., :v]).reshape(T, H, 1, v)
 
     def _paged(self, q: mx.array, scale: float, sinks=None) -> mx.array:
         """q `[T, heads, D]` -> `[T, heads, D]`: paged attention over this layer's pools."""
@@ -180,7 +212,9 @@ class SharedLayerCache(PagedLayerCache):
     (and key scales) with this layer's queries and the source's window."""
 
     def __init__(self, source: PagedLayerCache):
-        super().__init__(source.kv_cache, source.layer, source.meta, source.window, source.chunk)
+        super().__init__(
+            source.kv_cache, source.layer, source.meta, source.window, source.chunk, source.tiled_heads
+        )
         self.source = source
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -248,19 +282,32 @@ def kv_dims(model: nn.Module) -> tuple[int, int]:
 
 
 def text_body(model: nn.Module) -> nn.Module:
-    """The module holding the text model's final norm and its layers: `model.model` for most
-    families, `model.language_model.model` for a wrapper such as mistral3, `model.transformer`
-    for gpt2-style ones (their layers named `h` or `blocks`)."""
-    m = model
+    """The module holding the text model's layers (and, in most families, its final norm):
+    `model.model` for most families, `model.language_model.model` for a wrapper such as mistral3,
+    `model.transformer` for gpt2-style ones (their layers named `h` or `blocks`)."""
+    return _body_at(model)[2]
+
+
+def _body_at(model: nn.Module) -> tuple[nn.Module, str, nn.Module]:
+    """(parent, name, body): the text body (`text_body`) and where its parent holds it. The
+    first module down `_BODIES` with a layer list and a final norm module; failing that, the
+    first with a layer list (nanochat, talkie: a functional final norm; phixtral: the norm sits
+    in its output head)."""
+    found, m = [], model
     for _ in range(4):
-        inner = next((m.get(n) for n in _BODIES if isinstance(m.get(n), nn.Module)), None)
-        if inner is None:
+        name = next((n for n in _BODIES if isinstance(m.get(n), nn.Module)), None)
+        if name is None:
             break
-        if _final_norm(inner) is not None and any(n in inner for n in _LAYER_LISTS):
-            return inner
+        inner = m[name]
+        if any(n in inner for n in _LAYER_LISTS):
+            if _final_norm(inner) is not None:
+                return m, name, inner
+            found.append((m, name, inner))
         m = inner
+    if found:
+        return found[0]
     raise AdapterError(
-        f"{inspect.getfile(type(model))}: no text model with a final norm under Model.model, "
+        f"{inspect.getfile(type(model))}: no text model with a layer list under Model.model, "
         "Model.language_model or Model.transformer: the paged adapter needs updating"
     )
 
@@ -313,7 +360,7 @@ def cache_spec(model: nn.Module) -> CacheSpec:
         dims = [(1, a.kv_lora_rank + a.qk_rope_head_dim) for a in attns]
     else:
         dims = [_kv_shape(a, model.args) for a in attns]
-        if len(set(dims)) <= 1:  # one shape for all: the config's (local, under tensor parallelism) KV heads
+        if len(set(dims)) <= 1 and hasattr(model, "num_local_kv_heads"):  # split by tensor parallelism
             dims = [kv_dims(model)] * len(attns)
         # else Gemma 4's full layers' rows are wider, OpenELM's heads vary: a row shape per layer
     layers = []
@@ -322,7 +369,8 @@ def cache_spec(model: nn.Module) -> CacheSpec:
             layers.append(LayerSpec(kind, state_arrays=arrays))
         else:
             p = pooled.index(i)
-            layers.append(LayerSpec(kind, span, p, *dims[p]))
+            tiled = "mx.tile(keys" in _source(type(attns[p]))  # plamo: query head h reads KV head h mod kv_heads
+            layers.append(LayerSpec(kind, span, p, *dims[p], tiled_heads=tiled))
     for src in (shared or [])[len(kinds) :]:  # the layers make_prompt_cache gives no cache (Gemma 4, 3n)
         lay = layers[src] if src is not None else LayerSpec("full")  # attends as its source does, writing no K/V
         layers.append(LayerSpec(lay.kind, lay.span, source=src))
@@ -374,6 +422,24 @@ class _NormRows:
 
     def __call__(self, h: mx.array) -> mx.array:
         return self.norm(h[self.rows])
+
+
+class _BodyRows:
+    """The text model for one pass, handing on only the rows whose logits are sampled: for a
+    model whose final norm is no module of the body (a function in its forward, or a part of
+    the output head), everything after the body is per row."""
+
+    __slots__ = ("body", "rows")
+
+    def __init__(self, body: nn.Module, rows: mx.array):
+        self.body = body
+        self.rows = rows
+
+    def __call__(self, *args, **kwargs) -> mx.array:
+        return self.body(*args, **kwargs)[self.rows]
+
+    def __getattr__(self, name):  # the model's own forward may read the body's layers
+        return getattr(self.body, name)
 
 
 class _TabledRope:
@@ -470,8 +536,14 @@ def _chunked_swaps(model: nn.Module, body: nn.Module, meta: AttentionMetadata) -
 class PagedModelMixin:
     """Mixed into a family's `Model`: `model(ids [T], paged_kv_cache, meta)` -> logits `[S, V]`.
 
-    Called with anything else it is mlx-lm's model unchanged.
+    Called with anything else it is mlx-lm's model unchanged. `args` is mlx-lm's settings of the
+    model, whichever name its Model keeps them under (`args`; youtu_llm and plamo3: `config`).
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not hasattr(self, "args") and hasattr(self, "config"):
+            self.args = self.config  # the same object: what prepare fills in, the module reads
 
     def __call__(self, inputs, cache=None, meta: AttentionMetadata | None = None, **kwargs):
         if meta is None:
@@ -492,10 +564,13 @@ class PagedModelMixin:
             else:
                 # a layer reads its own KV cache group's tables (worker/kv_cache.py `groups`)
                 m = meta.groups[cache.groups[lay.pool]] if meta.groups else meta
-                caches.append(kind(cache, lay.pool, m, window, chunk))
-        body = text_body(self)
+                caches.append(kind(cache, lay.pool, m, window, chunk, lay.tiled_heads))
+        parent, name, body = _body_at(self)
         norm = _final_norm(body)
-        swaps = [(body, norm, _NormRows(body[norm], meta.logits_indices))]
+        if norm is not None:
+            swaps = [(body, norm, _NormRows(body[norm], meta.logits_indices))]
+        else:  # no final norm module: the rows are taken where the text model hands them to the head
+            swaps = [(parent, name, _BodyRows(body, meta.logits_indices))]
         swaps += _rope_swaps(spec, meta.positions)
         if spec.num_recurrent:
             swaps.append((body, "layers", _segmented(body.layers, spec.recurrent_sizes, meta)))
@@ -685,11 +760,11 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
         text_body(model)
     except AdapterError:
         return (
-            f"{model_type}: no text model with a final norm module under Model.model, Model.language_model or "
-            "Model.transformer (the paged pass gives the final norm only the rows it samples); refused"
+            f"{model_type}: no text model with a layer list under Model.model, Model.language_model or "
+            "Model.transformer; refused"
         )
-    if not hasattr(model, "args"):
-        return f"{model_type}: its Model keeps its settings as `config`, not the `args` mlxpaged reads; refused"
+    if not (hasattr(model, "args") or hasattr(model, "config")):
+        return f"{model_type}: its Model keeps its settings neither as `args` nor as `config`; refused"
     body = text_body(model)
     if "np.arange(cache" in _source(type(body)):
         return (
@@ -743,11 +818,6 @@ def _attention_refusal(layer: nn.Module) -> str | None:
         )
     if getattr(attn, "block_sparse", False):  # phi3small: its own block-sparse attention on these layers
         return f"{where} attends block-sparsely on this layer, which the paged cache does not run"
-    if "mx.tile(keys" in src:  # plamo: query head h reads KV head h mod kv_heads
-        return (
-            f"{where} shares its KV heads by tiling them (query head h reads KV head h mod kv_heads), where "
-            "the paged cache groups them (query head h reads KV head h // group)"
-        )
     module = inspect.getmodule(cls)
     sdpa = getattr(module, "scaled_dot_product_attention", None)
     if getattr(sdpa, "_mlxpaged", False):  # already routed to the paged cache (_install_sdpa)
@@ -761,16 +831,9 @@ _MLA = (
     "multi-head latent attention in a module not yet checked against mlx-lm's tokens (deepseek_v3's, "
     "glm4_moe_lite's, mistral4's and bailing_moe_v3's run)"
 )
-# What the paged cache lacks for mlx-lm modules whose structure passes the checks above but whose
-# attention still does what the paged cache does not (deepseek_v2, minicpm3: found by the zoo,
-# mlxpaged.testing.zoo), or that the zoo cannot try yet (the latent-attention ones named _MLA).
+# What the paged cache lacks for mlx-lm modules whose structure passes the checks above but that
+# the zoo cannot try yet (the latent-attention ones named _MLA).
 MISSING = {
-    # latent attention expanded into per-head keys (qk_nope + qk_rope wide) and values (v_head_dim
-    # wide) before caching: widths the pool, sized by the config's head_dim, does not take
-    **dict.fromkeys(
-        ("deepseek_v2", "minicpm3"),
-        "per-head keys and values of their own widths (qk_nope_head_dim + qk_rope_head_dim, v_head_dim)",
-    ),
     **dict.fromkeys(
         (
             "deepseek_v32",
@@ -778,7 +841,6 @@ MISSING = {
             "kimi_k3",
             "longcat_flash",
             "longcat_flash_ngram",
-            "youtu_llm",
         ),
         _MLA,
     ),
@@ -871,7 +933,6 @@ def prepare(model: nn.Module, config: dict, where) -> nn.Module:
     reason = _refusal(config.get("model_type"), model, config)
     if reason:
         raise MlxPagedError(f"{reason} in {where}")
-    text_body(model)  # raises if the final norm cannot be found
     args = model.args
     body = text_body(model)
     text_args = getattr(body, "args", None) or getattr(body, "config", None)  # gemma3n: LanguageModel.config
@@ -898,7 +959,7 @@ def prepare(model: nn.Module, config: dict, where) -> nn.Module:
 
 # What mlx-lm's attention modules call their head counts and width (gpt2: n_head; dbrx: num_heads).
 _HEADS = ("n_heads", "num_heads", "num_attention_heads", "n_head")
-_KV_HEADS = ("n_kv_heads", "num_kv_heads", "num_key_value_heads")
+_KV_HEADS = ("n_kv_heads", "num_kv_heads", "num_key_value_heads", "k_num_heads")
 
 
 def _is_latent(attn: nn.Module | None) -> bool:
@@ -925,6 +986,10 @@ def _kv_shape(attn: nn.Module, args) -> tuple[int, int]:
     """(KV heads, head_dim) of one attention layer's K/V rows, as its module names them."""
     kv = next((getattr(attn, n) for n in _KV_HEADS if isinstance(getattr(attn, n, None), int)), None)
     hd = getattr(attn, "head_dim", None)
+    if kv is None and isinstance(getattr(attn, "q_head_dim", None), int):
+        # deepseek_v2, minicpm3, youtu_llm: latent attention expanded per head before caching, a key
+        # (nope + rope columns, the query's width) and a narrower value on every query head
+        return next(getattr(attn, n) for n in _HEADS if isinstance(getattr(attn, n, None), int)), attn.q_head_dim
     return (kv or args.num_key_value_heads, hd if isinstance(hd, int) else args.head_dim)
 
 
@@ -947,10 +1012,15 @@ def _args_from_attention(model: nn.Module, args) -> None:
         args.num_key_value_heads = kv or heads  # step3p5 names its KV heads num_attention_groups
     if not isinstance(getattr(args, "head_dim", None), int) and isinstance(getattr(attn, "head_dim", None), int):
         args.head_dim = attn.head_dim
-    if getattr(args, "hidden_size", None) is None:
-        embed = next((m for n, m in text_body(model).children().items() if "emb" in n or n == "wte"), None)
-        if isinstance(embed, nn.Embedding):
-            args.hidden_size = embed.weight.shape[-1]
+    if getattr(args, "hidden_size", None) is None or getattr(args, "vocab_size", None) is None:
+        # phixtral names them model_dim and num_vocab: its token embedding's shape says both
+        embed = next((m for _, m in text_body(model).named_modules() if isinstance(m, nn.Embedding)), None)
+        if embed is not None:
+            vocab, hidden = embed.weight.shape[0], embed.weight.shape[-1]
+            if getattr(args, "hidden_size", None) is None:
+                args.hidden_size = hidden
+            if getattr(args, "vocab_size", None) is None:
+                args.vocab_size = vocab
 
 
 def _shared_layers(model: nn.Module, num_cached: int) -> tuple[list | None, bool]:
