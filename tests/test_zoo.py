@@ -42,7 +42,7 @@ RUNS = (
 # Attention-side types run since the zoo was first written (per-head key and value widths, a
 # final norm outside the body, settings kept as `config`, ...).
 RUNS += """
-plamo
+gemma2 gpt_bigcode plamo
 """.split()
 
 # Attention-side types (per-head key and value widths of their own, a
@@ -60,8 +60,6 @@ REFUSED = {
     "deepseek_v41_text": "a cache class mlxpaged does not know (mlx_lm.models.deepseek_v41.LayerCache)",
     "falcon_h1": "two caches in one layer (mlx-lm's CacheList of ArraysCache and KVCache)",
     "falcon_mamba": "linear attention / state space (mlx_lm.models.mamba.MambaBlock)",
-    "gemma2": "computes its attention scores itself with logit soft-capping",
-    "gpt_bigcode": "computes its learned positions with numpy from one scalar cache.offset",
     "iquestloopcoder": "gives 4 caches for 2 layers",
     "mamba": "linear attention / state space (mlx_lm.models.mamba.MambaBlock)",
     "mamba2": "linear attention / state space (mlx_lm.models.mamba2.Mamba2Block",

@@ -163,8 +163,9 @@ class PagedLayerCache:
             )
         return self.pools
 
-    def attend(self, queries: mx.array, scale: float, mask, sinks=None) -> mx.array:
-        """queries `[T, heads, 1, head_dim]` -> `[T, heads, 1, head_dim]` over the paged pools."""
+    def attend(self, queries: mx.array, scale: float, mask, sinks=None, softcap=None) -> mx.array:
+        """queries `[T, heads, 1, head_dim]` -> `[T, heads, 1, head_dim]` over the paged pools
+        (`softcap`: each score soft-capped, Gemma 2's `_CappedAttention`)."""
         if self.pools is None:
             raise AdapterError("scaled_dot_product_attention was called before cache.update_and_fetch")
         if not (mask is None or isinstance(mask, str)):
@@ -177,13 +178,13 @@ class PagedLayerCache:
         if self.tiled_heads:  # head r * kvh + j (reads KV head j) to j * group + r, and back
             kvh = self.kv_cache.shape.layer_dims[self.layer][0]
             q = q.reshape(T, H // kvh, kvh, D).swapaxes(1, 2).reshape(T, H, D)
-        out = self._paged(q, scale, sinks)
+        out = self._paged(q, scale, sinks, softcap)
         if self.tiled_heads:
             out = out.reshape(T, kvh, H // kvh, -1).swapaxes(1, 2).reshape(T, H, -1)
         v = self.v_dim or D
         return (out if v == D else out[..., :v]).reshape(T, H, 1, v)
 
-    def _paged(self, q: mx.array, scale: float, sinks=None) -> mx.array:
+    def _paged(self, q: mx.array, scale: float, sinks=None, softcap=None) -> mx.array:
         """q `[T, heads, D]` -> `[T, heads, D]`: paged attention over this layer's pools."""
         q = self.kv_cache.scale_queries(self.layer, q)
         m = self.meta
@@ -199,6 +200,7 @@ class PagedLayerCache:
             window=self.window,
             sinks=sinks,
             chunk=self.chunk,
+            softcap=softcap,
         )
         self.attended = True
         return out
@@ -220,9 +222,9 @@ class SharedLayerCache(PagedLayerCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         return keys, values
 
-    def attend(self, queries: mx.array, scale: float, mask, sinks=None) -> mx.array:
+    def attend(self, queries: mx.array, scale: float, mask, sinks=None, softcap=None) -> mx.array:
         self.pools = self.source.pools  # None if the source has not written yet: attend raises
-        return super().attend(queries, scale, mask, sinks)
+        return super().attend(queries, scale, mask, sinks, softcap)
 
 
 class LatentLayerCache(PagedLayerCache):
@@ -382,7 +384,8 @@ def attention_modules(model: nn.Module, spec: CacheSpec | None = None) -> list:
     layers come from another module: smollm3's and mistral3's from llama's or ministral3's)."""
     import sys
 
-    names = dict.fromkeys(type(attention_of(layer)).__module__ for layer in paged_layers(model, spec))
+    attns = [attention_of(layer) for layer in paged_layers(model, spec)]
+    names = dict.fromkeys(type(a).__module__ for a in attns if not _capped(a))  # those call no SDPA
     return [sys.modules[n] for n in names]
 
 
@@ -513,6 +516,75 @@ class _ScaledQueries:
         return (q * self.scales).astype(q.dtype)
 
 
+_CAPPED_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
+
+
+def _capped(attn: nn.Module | None) -> bool:
+    """Whether an attention module computes its scores itself, soft-capped by
+    `attn_logit_softcapping` (mlx-lm's gemma2), from the parts `_CappedAttention` calls."""
+    if attn is None or "scaled_dot_product_attention(" in _source(type(attn)):
+        return False
+    return isinstance(getattr(attn, "attn_logit_softcapping", None), (int, float)) and all(
+        hasattr(attn, n) for n in _CAPPED_PARTS
+    )
+
+
+def _child_name(parent: nn.Module, child: nn.Module) -> str:
+    return next(n for n, m in parent.children().items() if m is child)
+
+
+class _CappedAttention:
+    """mlx-lm's gemma2 `Attention` for one pass. It computes its scores itself (queries times
+    keys, `cap * tanh(s / cap)`, mask, softmax) instead of calling scaled_dot_product_attention;
+    here its own projections and rope run on the packed rows, and the paged cache attends with
+    the same soft cap (attention/reference.py)."""
+
+    __slots__ = ("attn",)
+
+    def __init__(self, attn: nn.Module):
+        self.attn = attn
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        a, T = self.attn, x.shape[0]
+        q = a.q_proj(x).reshape(T, 1, a.n_heads, -1).transpose(0, 2, 1, 3)
+        k = a.k_proj(x).reshape(T, 1, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = a.v_proj(x).reshape(T, 1, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k = a.rope(q, offset=cache.offset), a.rope(k, offset=cache.offset)
+        cache.update_and_fetch(k, v)
+        out = cache.attend(q, a.scale, None, softcap=a.attn_logit_softcapping)
+        return a.o_proj(out.transpose(0, 2, 1, 3).reshape(T, 1, -1))
+
+
+def _numpy_positions(body: nn.Module) -> bool:
+    """Whether the text model computes its learned positions with numpy from one scalar
+    `cache.offset` (gpt_bigcode), which per-token positions cannot be."""
+    return "np.arange(cache" in _source(type(body))
+
+
+class _LearnedPositions:
+    """gpt_bigcode's text model (mlx-lm's `GPTBigCodeModel`) for one pass: its forward takes the
+    positions from numpy's `arange` over one scalar cache offset; here its own token and position
+    embeddings, layers and final norm run with each packed token's own position (rows of one
+    token need no mask)."""
+
+    __slots__ = ("body", "positions")
+    PARTS = ("wte", "wpe", "h", "ln_f")
+
+    def __init__(self, body: nn.Module, positions: mx.array):
+        self.body = body
+        self.positions = positions
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        b = self.body
+        h = b.wte(inputs) + b.wpe(self.positions)[:, None]
+        for layer, c in zip(b.h, cache):
+            h = layer(h, None, cache=c)
+        return b.ln_f(h)
+
+    def __getattr__(self, name):  # the model's head reads the body's token embedding (tied weights)
+        return getattr(self.body, name)
+
+
 def _chunked_swaps(model: nn.Module, body: nn.Module, meta: AttentionMetadata) -> list:
     """A chunked family's stand-ins for one pass (Llama 4): its text model without the masks,
     and the position-scaled queries of its NoPE layers taken from the packed positions."""
@@ -576,6 +648,12 @@ class PagedModelMixin:
             swaps.append((body, "layers", _segmented(body.layers, spec.recurrent_sizes, meta)))
         if chunked:
             swaps += _chunked_swaps(self, body, meta)
+        for layer in layers:  # Gemma 2: attention that soft-caps its own scores
+            attn = attention_of(layer)
+            if _capped(attn):
+                swaps.append((layer, _child_name(layer, attn), _CappedAttention(attn)))
+        if _numpy_positions(body):
+            swaps.append((parent, name, _LearnedPositions(body, meta.positions)))
         try:
             with _swapped(swaps):
                 logits = super().__call__(inputs[:, None], cache=caches)  # [S, 1, V]
@@ -766,7 +844,7 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
     if not (hasattr(model, "args") or hasattr(model, "config")):
         return f"{model_type}: its Model keeps its settings neither as `args` nor as `config`; refused"
     body = text_body(model)
-    if "np.arange(cache" in _source(type(body)):
+    if _numpy_positions(body) and not all(n in body for n in _LearnedPositions.PARTS):
         return (
             f"{model_type}: {type(body).__module__}.{type(body).__name__} computes its learned positions "
             "with numpy from one scalar cache.offset; the paged cache's offset is one position per token; refused"
@@ -810,6 +888,8 @@ def _attention_refusal(layer: nn.Module) -> str | None:
     where = f"{cls.__module__}.{cls.__name__}"
     if "update_and_fetch" not in src:
         return f"{where} does not call cache.update_and_fetch (its keys and values are not cached per layer)"
+    if _capped(attn):
+        return None
     if "scaled_dot_product_attention(" not in src:
         capped = " with logit soft-capping" if "softcap" in src else ""
         return (

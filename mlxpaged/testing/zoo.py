@@ -134,6 +134,9 @@ ZOO_CONFIGS: dict[str, dict] = {
     },
     # partial rotary: these modules default to a rotary width wider than the zoo's heads
     **dict.fromkeys(("minimax", "minimax_m2", "gptj", "phixtral", "phi-msft"), {"rotary_dim": 8}),
+    # a soft cap near the tiny model's scores, so capping changes the tokens; its tied embedding
+    # drawn small (logit_scale), else it dominates the residual stream and the model repeats a token
+    "gemma2": {"attn_logit_softcapping": 2.0, "query_pre_attn_scalar": HEAD_DIM, "logit_scale": 0.25},
     "qwen": {"kv_channels": HEAD_DIM, "intermediate_size": 2 * FF},
     "plamo": {"n_shared_head": 2},
     "hunyuan": {
