@@ -42,7 +42,7 @@ RUNS = (
 # Attention-side types run since the zoo was first written (per-head key and value widths, a
 # final norm outside the body, settings kept as `config`, ...).
 RUNS += """
-gemma2 gpt_bigcode plamo
+afm7 gemma2 gpt_bigcode iquestloopcoder nemotron-nas plamo
 """.split()
 
 # Attention-side types (per-head key and value widths of their own, a
@@ -54,17 +54,14 @@ deepseek_v2 minicpm3 nanochat phi-msft phixtral plamo3 talkie youtu_llm
 
 # Types refused, each with words its one line must hold: what the paged cache lacks for it.
 REFUSED = {
-    "afm7": "reads an earlier layer's keys and values",
     "deepseek_v32": "two caches in one layer (mlx-lm's CacheList of KVCache and KVCache)",
     "deepseek_v41": "a cache class mlxpaged does not know (mlx_lm.models.deepseek_v41.LayerCache)",
     "deepseek_v41_text": "a cache class mlxpaged does not know (mlx_lm.models.deepseek_v41.LayerCache)",
     "falcon_h1": "two caches in one layer (mlx-lm's CacheList of ArraysCache and KVCache)",
     "falcon_mamba": "linear attention / state space (mlx_lm.models.mamba.MambaBlock)",
-    "iquestloopcoder": "gives 4 caches for 2 layers",
     "mamba": "linear attention / state space (mlx_lm.models.mamba.MambaBlock)",
     "mamba2": "linear attention / state space (mlx_lm.models.mamba2.Mamba2Block",
     "minimax_m3_vl": "mlx-lm's CacheList of KVCache",
-    "nemotron-nas": "layer 1 has no attention",
     "phi3small": "attends block-sparsely",
     "plamo2": "linear attention / state space (mlx_lm.models.plamo2.Mamba)",
     "recurrent_gemma": "linear attention / state space (mlx_lm.models.recurrent_gemma.RecurrentBlock",

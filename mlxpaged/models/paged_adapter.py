@@ -37,7 +37,7 @@ import mlx.nn as nn
 from ..attention import paged_attention_varlen
 from ..attention.metadata import AttentionMetadata
 from ..errors import MlxPagedError
-from .cache_spec import RECURRENT, CacheSpec, LayerSpec
+from .cache_spec import NO_CACHE, RECURRENT, CacheSpec, LayerSpec
 from .recurrent import SegmentedLayer, StepStates
 from .rotary import Rotary, is_rotation, table_key
 
@@ -115,6 +115,8 @@ class PagedLayerCache:
         self.offset = meta.positions  # [T]: one RoPE offset per batch row, i.e. per token
         self.pools = None  # this layer's (k_pool, v_pool) after the write
         self.v_dim = None  # the width of the values written (narrower than the pool's rows: zero-padded)
+        self.fetched = None  # the keys update_and_fetch returned (`reader`)
+        self.peers = None  # every cache of the pass, where a layer attends more than once a pass
         self.attended = False
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
@@ -152,7 +154,17 @@ class PagedLayerCache:
         if vd < hd:
             v = mx.concatenate([v, mx.zeros((T, kvh, hd - vd), v.dtype)], axis=-1)
         self.pools = self.kv_cache.write(self.layer, keys.reshape(T, kvh, hd), v, self.meta.slot_mapping)
+        self.fetched = keys
         return keys, values
+
+    def reader(self, keys: mx.array) -> PagedLayerCache:
+        """The cache whose pools an attention call with these keys reads: this one, or, where a
+        layer attends more than once a pass (iquestloopcoder: its second pass attends to the first
+        pass's keys with `cache=` its own second cache), the cache of this pass whose
+        `update_and_fetch` returned them."""
+        if self.peers is None or keys is self.fetched:
+            return self
+        return next((c for c in self.peers if c is not None and c.fetched is keys), self)
 
     def keys_and_values(self):
         """What a layer reading this layer's cache sees (Gemma 3n's KV-shared layers, which then
@@ -331,7 +343,7 @@ def paged_layers(model: nn.Module, spec: CacheSpec | None = None) -> list:
     layer but the recurrent ones (recurrent.py), whose state is no key/value cache, and those that
     read another layer's. Their position in this list is their pool index."""
     spec = spec or cache_spec(model)
-    return [model.layers[i] for i in spec.pool_layers]
+    return [model.layers[i % len(model.layers)] for i in spec.pool_layers]
 
 
 def cache_spec(model: nn.Module) -> CacheSpec:
@@ -344,10 +356,24 @@ def cache_spec(model: nn.Module) -> CacheSpec:
     from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, RotatingKVCache, make_prompt_cache
 
     caches = make_prompt_cache(model)
-    shared, by_model = _shared_layers(model, len(caches))
+    slots = _attention_slots(model, caches)
+    passes = len(caches) // len(model.layers) if len(caches) > len(model.layers) else 1
+    if passes > 1:  # iquestloopcoder: each layer attends once a pass, each pass with its own cache
+        shared, by_model, own = None, False, list(caches)
+    elif slots is not None:  # Nemotron-NAS: mlx-lm's caches go to the layers with an attention module
+        shared, by_model = None, False
+        by_layer = dict(zip(slots, caches))
+        own = [by_layer.get(i) if _uses_cache(la) else None for i, la in enumerate(model.layers)]
+    else:
+        shared, by_model = _shared_layers(model, len(caches))
+        own = list(caches)
+        if shared is not None and _reads_last_cache(model):  # afm7: its forward hands on cache[-1]'s K/V
+            slots = tuple(range(len(caches)))
     kinds = []
-    for c in caches:
-        if isinstance(c, ArraysCache):
+    for c in own:
+        if c is None:
+            kinds.append((NO_CACHE, None, None))
+        elif isinstance(c, ArraysCache):
             kinds.append((RECURRENT, None, len(c.cache)))
         elif isinstance(c, RotatingKVCache):
             kinds.append(("sliding_window", c.max_size, None))
@@ -355,8 +381,8 @@ def cache_spec(model: nn.Module) -> CacheSpec:
             kinds.append(("chunked_local", c.chunk_size, None))
         else:
             kinds.append(("full", None, None))
-    pooled = [i for i, (k, _, _) in enumerate(kinds) if k != RECURRENT]
-    attns = [attention_of(model.layers[i]) for i in pooled]
+    pooled = [i for i, (k, _, _) in enumerate(kinds) if k not in (RECURRENT, NO_CACHE)]
+    attns = [attention_of(model.layers[i % len(model.layers)]) for i in pooled]
     latent = bool(attns) and _is_latent(attns[0])
     if latent:
         dims = [(1, a.kv_lora_rank + a.qk_rope_head_dim) for a in attns]
@@ -369,6 +395,8 @@ def cache_spec(model: nn.Module) -> CacheSpec:
     for i, (kind, span, arrays) in enumerate(kinds):
         if kind == RECURRENT:
             layers.append(LayerSpec(kind, state_arrays=arrays))
+        elif kind == NO_CACHE:
+            layers.append(LayerSpec(kind))
         else:
             p = pooled.index(i)
             tiled = "mx.tile(keys" in _source(type(attns[p]))  # plamo: query head h reads KV head h mod kv_heads
@@ -376,7 +404,35 @@ def cache_spec(model: nn.Module) -> CacheSpec:
     for src in (shared or [])[len(kinds) :]:  # the layers make_prompt_cache gives no cache (Gemma 4, 3n)
         lay = layers[src] if src is not None else LayerSpec("full")  # attends as its source does, writing no K/V
         layers.append(LayerSpec(lay.kind, lay.span, source=src))
-    return CacheSpec(tuple(layers), latent, by_model, tuple(_plain_ropes(model.layers)))
+    return CacheSpec(tuple(layers), latent, by_model, tuple(_plain_ropes(model.layers)), slots, passes)
+
+
+def _uses_cache(layer: nn.Module) -> bool:
+    """Whether a layer's attention module calls `cache.update_and_fetch` (not Nemotron-NAS's
+    linear stand-in for attention)."""
+    attn = attention_of(layer)
+    return attn is not None and "update_and_fetch" in _source(type(attn))
+
+
+def _attention_slots(model: nn.Module, caches: list) -> tuple[int, ...] | None:
+    """The layer of each of mlx-lm's caches when the model gives them only to the layers that
+    have an attention module, in order, and none to the rest (Nemotron-NAS's attention-free
+    layers: its `make_cache` and forward skip a layer whose `self_attn` is None), else None."""
+    from mlx_lm.models.cache import ArraysCache
+
+    layers = model.layers
+    if len(caches) == len(layers) or any(isinstance(c, ArraysCache) for c in caches):
+        return None
+    holders = [i for i, la in enumerate(layers) if any(isinstance(la.get(n), nn.Module) for n in _ATTENTION_NAMES)]
+    if len(holders) != len(caches) or len(holders) == len(layers):
+        return None
+    return tuple(holders)
+
+
+def _reads_last_cache(model: nn.Module) -> bool:
+    """Whether the text model hands its layers beyond mlx-lm's caches the last cached layer's
+    keys and values itself (afm7's KV-reuse layers: `cache[-1].keys_and_values()`)."""
+    return "cache[-1].keys_and_values()" in _source(type(text_body(model)))
 
 
 def attention_modules(model: nn.Module, spec: CacheSpec | None = None) -> list:
@@ -405,7 +461,7 @@ def _install_sdpa(module) -> None:
         cache = args[3] if len(args) > 3 else kwargs.get("cache")
         if isinstance(cache, PagedLayerCache):
             a = dict(zip(params, args), **kwargs)  # the names were checked above (inspect's bind: ~40 us a call)
-            return cache.attend(a["queries"], a["scale"], a.get("mask"), a.get("sinks"))
+            return cache.reader(a["keys"]).attend(a["queries"], a["scale"], a.get("mask"), a.get("sinks"))
         return original(*args, **kwargs)
 
     _paged_sdpa._mlxpaged = True
@@ -555,6 +611,38 @@ class _CappedAttention:
         return a.o_proj(out.transpose(0, 2, 1, 3).reshape(T, 1, -1))
 
 
+_REUSE_PARTS = ("q_proj", "out_proj", "rope", "q_norm", "n_heads", "scale")
+
+
+def _reuses_kv(attn: nn.Module | None) -> bool:
+    """Whether an attention module takes an earlier layer's keys and values as arguments and
+    writes none (afm7's KVReuseAttention), from the parts `_ReusedKVAttention` calls."""
+    if attn is None or "update_and_fetch" in _source(type(attn)):
+        return False
+    params = list(inspect.signature(type(attn).__call__).parameters)
+    return params[1:4] == ["x", "keys", "values"] and all(hasattr(attn, n) for n in _REUSE_PARTS)
+
+
+class _ReusedKVAttention:
+    """afm7's `KVReuseAttention` for one pass. mlx-lm's text model hands it the last cached
+    layer's keys and values, and it rotates its queries by their length less its own (one
+    scalar offset); here its own projection, rope and query norm run at each packed token's
+    position, and it attends to that layer's pools (`cache`, a `SharedLayerCache`)."""
+
+    __slots__ = ("attn", "cache")
+
+    def __init__(self, attn: nn.Module, cache: "SharedLayerCache"):
+        self.attn = attn
+        self.cache = cache
+
+    def __call__(self, x: mx.array, keys=None, values=None, mask=None) -> mx.array:
+        a, T = self.attn, x.shape[0]
+        q = a.q_proj(x).reshape(T, 1, a.n_heads, -1).transpose(0, 2, 1, 3)
+        q = a.q_norm(a.rope(q, offset=self.cache.offset))
+        out = self.cache.attend(q, a.scale, None)
+        return a.out_proj(out.transpose(0, 2, 1, 3).reshape(T, 1, -1))
+
+
 def _numpy_positions(body: nn.Module) -> bool:
     """Whether the text model computes its learned positions with numpy from one scalar
     `cache.offset` (gpt_bigcode), which per-token positions cannot be."""
@@ -637,6 +725,9 @@ class PagedModelMixin:
                 # a layer reads its own KV cache group's tables (worker/kv_cache.py `groups`)
                 m = meta.groups[cache.groups[lay.pool]] if meta.groups else meta
                 caches.append(kind(cache, lay.pool, m, window, chunk, lay.tiled_heads))
+        if spec.passes > 1:
+            for c in caches:
+                c.peers = caches
         parent, name, body = _body_at(self)
         norm = _final_norm(body)
         if norm is not None:
@@ -648,15 +739,18 @@ class PagedModelMixin:
             swaps.append((body, "layers", _segmented(body.layers, spec.recurrent_sizes, meta)))
         if chunked:
             swaps += _chunked_swaps(self, body, meta)
-        for layer in layers:  # Gemma 2: attention that soft-caps its own scores
+        for layer, c in zip(layers, caches):
             attn = attention_of(layer)
-            if _capped(attn):
+            if _capped(attn):  # Gemma 2: attention that soft-caps its own scores
                 swaps.append((layer, _child_name(layer, attn), _CappedAttention(attn)))
+            elif isinstance(c, SharedLayerCache) and _reuses_kv(attn):  # afm7's KV-reuse layers
+                swaps.append((layer, _child_name(layer, attn), _ReusedKVAttention(attn, c)))
         if _numpy_positions(body):
             swaps.append((parent, name, _LearnedPositions(body, meta.positions)))
         try:
             with _swapped(swaps):
-                logits = super().__call__(inputs[:, None], cache=caches)  # [S, 1, V]
+                passed = caches if spec.cache_slots is None else [caches[i] for i in spec.cache_slots]
+                logits = super().__call__(inputs[:, None], cache=passed)  # [S, 1, V]
         except ValueError as e:  # a shape error in a layer that bypassed the paged cache (MLA's rope scores)
             _check_attended(layers, caches, e)
             raise
@@ -668,9 +762,10 @@ def _check_attended(layers, caches, cause: Exception | None = None) -> None:
     """Raise naming the first attention layer that did not write and read its paged cache."""
     for i, c in enumerate(caches):
         if c is not None and (c.pools is None or not c.attended):
+            attn = attention_of(layers[i % len(layers)])
             raise AdapterError(
-                f"{inspect.getfile(type(attention_of(layers[i])))}: "
-                f"{type(attention_of(layers[i])).__name__}.__call__ no longer calls cache.update_and_fetch and "
+                f"{inspect.getfile(type(attn))}: "
+                f"{type(attn).__name__}.__call__ no longer calls cache.update_and_fetch and "
                 "scaled_dot_product_attention(..., cache=cache): the paged adapter needs updating"
             ) from cause
 
@@ -797,11 +892,10 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
         layers = list(model.layers)
     except Exception:  # noqa: BLE001 - no layer list to page
         return f"{model_type}: its Model has no `layers` list the paged cache can walk; refused"
-    if len(caches) > len(layers):
+    if len(caches) > len(layers) and len(caches) % len(layers):
         return (
-            f"{model_type}: mlx-lm's make_prompt_cache gives {len(caches)} caches for {len(layers)} layers "
-            "(a layer attends more than once a pass, each time with its own cache), which the paged cache "
-            "does not hold (one cache per layer); refused"
+            f"{model_type}: mlx-lm's make_prompt_cache gives {len(caches)} caches for {len(layers)} layers, "
+            "not a whole number of caches per layer (a cache per layer, or one per pass of each layer); refused"
         )
     for i, c in enumerate(caches):
         if type(c) in (KVCache, ChunkedKVCache, ArraysCache) or (type(c) is RotatingKVCache and c.keep == 0):
@@ -812,25 +906,36 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
             "(one KVCache, sliding-window RotatingKVCache, ChunkedKVCache or ArraysCache per layer); refused"
         )
     recurrent = [isinstance(c, ArraysCache) for c in caches] + [False] * (len(layers) - len(caches))
+    slots = _attention_slots(model, caches)
+    try:
+        reads_last = _reads_last_cache(model)
+        body_writes = "update_and_fetch" in _source(type(text_body(model)))
+    except AdapterError:  # no text body: refused below
+        reads_last = body_writes = False
     for i, layer in enumerate(layers):
+        if slots is not None and not _uses_cache(layer):  # Nemotron-NAS: a layer without attention
+            continue
         if recurrent[i]:
             reason = _recurrent_refusal(layer)
             if reason:
                 named = f" ({types[i]})" if i < len(types) else ""
                 return f"{model_type}: layer {i}{named}: {reason}; refused"
             continue
-        reason = _attention_refusal(layer)
+        reason = _attention_refusal(layer, body_writes)
         if reason and len(caches) < len(layers) and attention_of(layer) is None:  # nemotron-nas
             return (
                 f"{model_type}: layer {i} has no attention (mlx-lm's make_prompt_cache gives {len(caches)} caches "
-                f"for {len(layers)} layers), which the paged adapter does not map (a cache per layer, or Gemma "
-                "3n's and 4's shared-KV layers); refused"
+                f"for {len(layers)} layers), and the caches do not map onto the layers with an attention module; "
+                "refused"
             )
-        if reason and i >= len(caches):  # afm7's KV-reuse layers: no cache of their own
+        if reason and i >= len(caches) and reads_last and _reuses_kv(attention_of(layer)):
+            continue  # afm7's KV-reuse layers: `_ReusedKVAttention` on the last cached layer's pools
+        if reason and i >= len(caches):
             return (
                 f"{model_type}: layer {i} has no cache of its own in mlx-lm's make_prompt_cache and reads an "
-                f"earlier layer's keys and values ({type(attention_of(layer)).__name__}), which the paged "
-                "adapter maps only for Gemma 4's and Gemma 3n's shared-KV layers; refused"
+                f"earlier layer's keys and values ({type(attention_of(layer)).__name__}) in a way the paged "
+                "adapter does not map (Gemma 4's previous_kvs, Gemma 3n's layer_idx_to_cache_idx, afm7's "
+                "KV-reuse layers); refused"
             )
         if reason:
             return f"{model_type}: layer {i}: {reason}; refused"
@@ -878,13 +983,17 @@ def _recurrent_refusal(layer: nn.Module) -> str | None:
     )
 
 
-def _attention_refusal(layer: nn.Module) -> str | None:
-    """Why one attention layer's module is not one the paged cache runs, or None."""
+def _attention_refusal(layer: nn.Module, body_writes: bool = False) -> str | None:
+    """Why one attention layer's module is not one the paged cache runs, or None. `body_writes`:
+    the text model's forward itself calls `update_and_fetch` and the attention module's methods
+    (iquestloopcoder), so the module's whole class is read, not only its `__call__`."""
     attn = attention_of(layer)
     if attn is None:
         return f"{type(layer).__name__} has no attention module that calls cache.update_and_fetch"
     cls = type(attn)
     src = _source(cls)
+    if body_writes and "update_and_fetch" not in src:
+        src = "update_and_fetch " + inspect.getsource(cls)
     where = f"{cls.__module__}.{cls.__name__}"
     if "update_and_fetch" not in src:
         return f"{where} does not call cache.update_and_fetch (its keys and values are not cached per layer)"
@@ -1111,6 +1220,8 @@ def _shared_layers(model: nn.Module, num_cached: int) -> tuple[list | None, bool
     layers = model.layers
     if num_cached == len(layers):
         return None, False
+    if _reads_last_cache(model):  # afm7: every layer past the cached ones reads the last one's K/V
+        return [None] * num_cached + [num_cached - 1] * (len(layers) - num_cached), False
     body = text_body(model)
     by_model = hasattr(body, "layer_idx_to_cache_idx")
     previous = body.layer_idx_to_cache_idx if by_model else getattr(body, "previous_kvs", None)

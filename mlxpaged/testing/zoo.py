@@ -139,6 +139,8 @@ ZOO_CONFIGS: dict[str, dict] = {
     "gemma2": {"attn_logit_softcapping": 2.0, "query_pre_attn_scalar": HEAD_DIM, "logit_scale": 0.25},
     "qwen": {"kv_channels": HEAD_DIM, "intermediate_size": 2 * FF},
     "plamo": {"n_shared_head": 2},
+    # its second pass attends within a window of 5 (over blocks of 4 and 16)
+    "iquestloopcoder": {"loop_window_size": 5},
     "hunyuan": {
         "use_mixed_mlp_moe": True,
         "use_qk_norm": True,
