@@ -55,8 +55,8 @@ deepseek_v2 minicpm3 nanochat phi-msft phixtral plamo3 talkie youtu_llm
 # Types refused, each with words its one line must hold: what the paged cache lacks for it.
 REFUSED = {
     "deepseek_v32": "two caches in one layer (mlx-lm's CacheList of KVCache and KVCache)",
-    "deepseek_v41": "a cache class mlxpaged does not know (mlx_lm.models.deepseek_v41.LayerCache)",
-    "deepseek_v41_text": "a cache class mlxpaged does not know (mlx_lm.models.deepseek_v41.LayerCache)",
+    "deepseek_v41": "(mlx_lm.models.deepseek_v41.LayerCache: window, compress_kv, index_k",
+    "deepseek_v41_text": "(mlx_lm.models.deepseek_v41.LayerCache: window, compress_kv, index_k",
     "falcon_h1": "two caches in one layer (mlx-lm's CacheList of ArraysCache and KVCache)",
     "falcon_mamba": "linear attention / state space (mlx_lm.models.mamba.MambaBlock)",
     "mamba": "linear attention / state space (mlx_lm.models.mamba.MambaBlock)",
@@ -143,3 +143,24 @@ def test_type_without_a_tiny_checkpoint_is_refused_in_one_line(model_type):
         check_family(model_type, {"model_type": model_type}, "config.json")
     msg = str(e.value)
     assert "\n" not in msg and model_type in msg, msg
+
+
+def test_a_write_of_other_kv_heads_than_the_pool_is_refused_in_one_line(tmp_path):
+    """A layer whose keys have other KV heads (or widths) than its pool's rows is refused by
+    name, not broadcast into the pool."""
+    from types import SimpleNamespace
+
+    from mlxpaged.models.paged_adapter import AdapterError, PagedLayerCache
+
+    loaded = load(str(write_zoo(tmp_path / "llama", "llama")), "float32")
+    kv_cache = engine(loaded, 4, 7).kv_cache
+    heads, width = kv_cache.shape.layer_dims[0]
+    meta = SimpleNamespace(positions=mx.arange(3), slot_mapping=mx.arange(3))
+    for kvh, hd in ((2 * heads, width), (heads, 2 * width)):
+        keys = mx.zeros((3, kvh, 1, hd))
+        with pytest.raises(AdapterError) as e:
+            PagedLayerCache(kv_cache, 0, meta).update_and_fetch(keys, keys)
+        msg = str(e.value)
+        assert "\n" not in msg and f"{kvh} KV heads x {hd}" in msg and f"holds {heads} x {width}" in msg, msg
+    keys = mx.zeros((3, heads, 1, width))  # the pool's own shape is written
+    assert PagedLayerCache(kv_cache, 0, meta).update_and_fetch(keys, keys)[0] is keys

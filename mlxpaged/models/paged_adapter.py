@@ -226,9 +226,7 @@ class SharedLayerCache(PagedLayerCache):
     (and key scales) with this layer's queries and the source's window."""
 
     def __init__(self, source: PagedLayerCache):
-        super().__init__(
-            source.kv_cache, source.layer, source.meta, source.window, source.chunk, source.tiled_heads
-        )
+        super().__init__(source.kv_cache, source.layer, source.meta, source.window, source.chunk, source.tiled_heads)
         self.source = source
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -631,7 +629,7 @@ class _ReusedKVAttention:
 
     __slots__ = ("attn", "cache")
 
-    def __init__(self, attn: nn.Module, cache: "SharedLayerCache"):
+    def __init__(self, attn: nn.Module, cache: SharedLayerCache):
         self.attn = attn
         self.cache = cache
 
@@ -870,7 +868,11 @@ def _cache_kind(c) -> str:
         return "linear-attention / state-space (an ArraysCache)"
     if isinstance(c, (KVCache, ChunkedKVCache)):
         return type(c).__name__
-    return f"a cache class mlxpaged does not know ({type(c).__module__}.{type(c).__name__})"
+    # name what it keeps (deepseek_v41's LayerCache: a window, compressed groups and their
+    # indexer keys, the open group's rows), as the class holds it
+    held = [k for k, v in vars(c).items() if v is None or isinstance(v, mx.array)]
+    keeps = f": {', '.join(held)}" if held else ""
+    return f"a cache class mlxpaged does not know ({type(c).__module__}.{type(c).__name__}{keeps})"
 
 
 def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
@@ -1006,7 +1008,10 @@ def _attention_refusal(layer: nn.Module, body_writes: bool = False) -> str | Non
             "scaled_dot_product_attention(..., cache=cache), which the paged cache replaces"
         )
     if getattr(attn, "block_sparse", False):  # phi3small: its own block-sparse attention on these layers
-        return f"{where} attends block-sparsely on this layer, which the paged cache does not run"
+        return (
+            f"{where} attends block-sparsely on this layer (each head its own pattern of local and strided "
+            "key blocks), which the paged cache does not run"
+        )
     module = inspect.getmodule(cls)
     sdpa = getattr(module, "scaled_dot_product_attention", None)
     if getattr(sdpa, "_mlxpaged", False):  # already routed to the paged cache (_install_sdpa)

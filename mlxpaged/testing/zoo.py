@@ -139,6 +139,17 @@ ZOO_CONFIGS: dict[str, dict] = {
     "gemma2": {"attn_logit_softcapping": 2.0, "query_pre_attn_scalar": HEAD_DIM, "logit_scale": 0.25},
     "qwen": {"kv_channels": HEAD_DIM, "intermediate_size": 2 * FF},
     "plamo": {"n_shared_head": 2},
+    # layer 0 sliding (window 5) with RoPE, layer 1 full without RoPE; MoE at a compressed width
+    "muse_spark": {
+        "rope_parameters": {"rope_theta": 10000.0},
+        "layer_rope_theta": [10000.0, 0.0],
+        "layer_types": SLIDING,
+        "sliding_window": 5,
+        "final_logit_softcapping": 30.0,
+        "output_multiplier": 1.0,
+        "moe_hidden_size": 32,
+        "num_shared_experts": 0,
+    },
     # its second pass attends within a window of 5 (over blocks of 4 and 16)
     "iquestloopcoder": {"loop_window_size": 5},
     "hunyuan": {
@@ -253,6 +264,10 @@ ZOO_CONFIGS: dict[str, dict] = {
     "gpt2": {"num_key_value_heads": None},
 }
 
+# A wrapper's own fields beside its text_config (muse_spark: transformers' config check, run when
+# the tokenizer loads, wants the audio encoder's output as wide as the text model).
+WRAPPER_CONFIGS: dict[str, dict] = {"muse_spark": {"audio_config": {"out_hidden_size": H}}}
+
 
 def _quiet_import(name: str):
     with contextlib.redirect_stdout(io.StringIO()):  # some modules print when a package is missing
@@ -336,7 +351,7 @@ def zoo_config(model_type: str, vocab: int) -> dict:
         return _fill(module.ModelArgs, vocab, extra)
     text = _fill(text_class, vocab, extra)
     text.setdefault("model_type", model_type)
-    return {"text_config": text, "vocab_size": vocab}
+    return {"text_config": text, "vocab_size": vocab, **WRAPPER_CONFIGS.get(model_type, {})}
 
 
 def write_zoo(path: Path, model_type: str, seed: int = 0) -> Path:
