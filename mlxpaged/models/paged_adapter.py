@@ -421,7 +421,11 @@ def _attention_slots(model: nn.Module, caches: list) -> tuple[int, ...] | None:
     layers = model.layers
     if len(caches) == len(layers) or any(isinstance(c, ArraysCache) for c in caches):
         return None
-    holders = [i for i, la in enumerate(layers) if any(isinstance(la.get(n), nn.Module) for n in _ATTENTION_NAMES)]
+    holders = [
+        i
+        for i, la in enumerate(layers)
+        if isinstance(la, nn.Module) and any(isinstance(la.get(n), nn.Module) for n in _ATTENTION_NAMES)
+    ]
     if len(holders) != len(caches) or len(holders) == len(layers):
         return None
     return tuple(holders)
