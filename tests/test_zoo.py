@@ -164,3 +164,32 @@ def test_a_write_of_other_kv_heads_than_the_pool_is_refused_in_one_line(tmp_path
         assert "\n" not in msg and f"{kvh} KV heads x {hd}" in msg and f"holds {heads} x {width}" in msg, msg
     keys = mx.zeros((3, heads, 1, width))  # the pool's own shape is written
     assert PagedLayerCache(kv_cache, 0, meta).update_and_fetch(keys, keys)[0] is keys
+
+
+# One type of each attention structure the adapter maps beyond plain attention: narrower values
+# (padded), tiled KV heads, soft-capped scores, KV-reuse layers, attention-free layers, a cache
+# per pass, learned positions per token, no final norm module.
+STRUCTURES = "deepseek_v2 plamo gemma2 afm7 nemotron-nas iquestloopcoder gpt_bigcode nanochat".split()
+
+
+@pytest.mark.parametrize("model_type", STRUCTURES)
+def test_structure_forks_and_preempts_as_mlx_lm(model_type, tmp_path):
+    """n=2 seeded samples forked from one prefill beside a greedy request, in a pool too small
+    for all of them (preempted and recomputed): each equals mlx-lm's own run of that stream."""
+    import mlx_lm
+
+    from reference import contiguous_samples
+
+    path = write_zoo(tmp_path / model_type, model_type)
+    ref_model, tok = mlx_lm.load(str(path))
+    prompt = tok.encode(PROMPT)
+    params = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=16, ignore_eos=True)
+    config = EngineConfig.of(block_size=4, num_blocks=20, max_num_batched_tokens=7, attention_impl="reference")
+    eng = LLMEngine(load(str(path), "float32"), config)
+    rid = eng.add_request(prompt, params)
+    other = eng.add_request(prompt[:23], greedy(16))
+    done = run_all(eng)
+    assert eng.stats_dict()["preemptions"] > 0, eng.stats_dict()
+    want = contiguous_samples(ref_model, prompt, 16, params, seed=3, sample_indices=range(2))
+    assert [c.token_ids for c in done[rid].outputs] == want, model_type
+    assert done[other].outputs[0].token_ids == mlx_lm_tokens(ref_model, prompt[:23], 16), model_type
