@@ -57,7 +57,9 @@ class CacheSpec:
     that list is not one per layer (Nemotron-NAS: only the layers with attention; afm7: only the
     layers before its KV-reuse ones), else None; `passes`: how many times each layer attends a
     forward pass, each time with its own cache (iquestloopcoder: 2): entry `i` of `layers` is then
-    pass `i // n`'s cache of model layer `i % n`.
+    pass `i // n`'s cache of model layer `i % n`; `stand_ins`: (layer, attention module, its name,
+    the class it runs as) of each layer whose attention a pass runs through a stand-in (Gemma 2's
+    soft-capped scores, afm7's KV-reuse layers), found once.
     """
 
     layers: tuple[LayerSpec, ...]
@@ -66,6 +68,7 @@ class CacheSpec:
     ropes: tuple = field(default=(), compare=False, repr=False)
     cache_slots: tuple[int, ...] | None = None
     passes: int = 1
+    stand_ins: tuple = field(default=(), compare=False, repr=False)
 
     @functools.cached_property  # read each pass: found once (the spec is frozen)
     def pool_layers(self) -> list[int]:

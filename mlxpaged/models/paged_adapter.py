@@ -402,7 +402,24 @@ def cache_spec(model: nn.Module) -> CacheSpec:
     for src in (shared or [])[len(kinds) :]:  # the layers make_prompt_cache gives no cache (Gemma 4, 3n)
         lay = layers[src] if src is not None else LayerSpec("full")  # attends as its source does, writing no K/V
         layers.append(LayerSpec(lay.kind, lay.span, source=src))
-    return CacheSpec(tuple(layers), latent, by_model, tuple(_plain_ropes(model.layers)), slots, passes)
+    return CacheSpec(
+        tuple(layers), latent, by_model, tuple(_plain_ropes(model.layers)), slots, passes, _stand_ins(model, layers)
+    )
+
+
+def _stand_ins(model: nn.Module, specs: list[LayerSpec]) -> tuple:
+    """(layer index, attention module, its name in the layer, the class it runs as for a pass) of
+    each layer whose attention the paged pass runs through a stand-in: Gemma 2's soft-capped
+    scores (`_CappedAttention`), afm7's KV-reuse layers (`_ReusedKVAttention`, on a
+    `SharedLayerCache` of the layer they read)."""
+    out = []
+    for i, (layer, lay) in enumerate(zip(model.layers, specs)):
+        attn = attention_of(layer)
+        if _capped(attn):
+            out.append((i, attn, _child_name(layer, attn), _CappedAttention))
+        elif lay.source is not None and _reuses_kv(attn):
+            out.append((i, attn, _child_name(layer, attn), _ReusedKVAttention))
+    return tuple(out)
 
 
 def _uses_cache(layer: nn.Module) -> bool:
@@ -741,12 +758,9 @@ class PagedModelMixin:
             swaps.append((body, "layers", _segmented(body.layers, spec.recurrent_sizes, meta)))
         if chunked:
             swaps += _chunked_swaps(self, body, meta)
-        for layer, c in zip(layers, caches):
-            attn = attention_of(layer)
-            if _capped(attn):  # Gemma 2: attention that soft-caps its own scores
-                swaps.append((layer, _child_name(layer, attn), _CappedAttention(attn)))
-            elif isinstance(c, SharedLayerCache) and _reuses_kv(attn):  # afm7's KV-reuse layers
-                swaps.append((layer, _child_name(layer, attn), _ReusedKVAttention(attn, c)))
+        for i, attn, name, runs_as in spec.stand_ins:  # found once per model, with its spec
+            stand_in = _CappedAttention(attn) if runs_as is _CappedAttention else runs_as(attn, caches[i])
+            swaps.append((layers[i], name, stand_in))
         if _numpy_positions(body):
             swaps.append((parent, name, _LearnedPositions(body, meta.positions)))
         try:
