@@ -185,11 +185,12 @@ ZOO_CONFIGS: dict[str, dict] = {
         "block_types": ["recurrent", "attention"],
     },
     "rwkv7": {"a_low_rank_dim": 8, "v_low_rank_dim": 8, "gate_low_rank_dim": 8, "decay_low_rank_dim": 8},
-    # Llama-3.1-Nemotron (NAS): layer 0 plain attention (2 heads a KV head), layer 1 without attention
+    # Llama-3.1-Nemotron (NAS): layer 0 without attention, layer 1 plain attention (2 heads a KV
+    # head), so mlx-lm's one cache belongs to layer 1
     "nemotron-nas": {
         "block_configs": [
-            {"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 2.0}},
             {"attention": {"no_op": True}, "ffn": {"ffn_mult": 2.0}},
+            {"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 2.0}},
         ],
     },
     "mimo_v2_flash": {
