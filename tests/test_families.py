@@ -234,9 +234,13 @@ def _config(tmp_path, model_type, **extra):
     return tmp_path
 
 
-def test_gemma2_is_refused_naming_its_soft_capped_attention(tmp_path):
+def test_own_scores_without_the_parts_the_adapter_calls_are_refused(tmp_path, monkeypatch):
     """mlx-lm's gemma2 computes its attention scores itself, with logit soft-capping, instead of
-    calling scaled_dot_product_attention: refused at load, in one line naming that."""
+    calling scaled_dot_product_attention; the adapter runs it (tests/test_zoo.py) from the parts
+    it calls. An attention module lacking one of them is refused at load, in one line naming that."""
+    from mlxpaged.models import paged_adapter
+
+    monkeypatch.setattr(paged_adapter, "_CAPPED_PARTS", paged_adapter._CAPPED_PARTS + ("no_such_part",))
     path = _config(
         tmp_path / "gemma2",
         "gemma2",
@@ -389,7 +393,7 @@ def test_every_mlx_lm_architecture_is_run_or_refused_in_one_line(tmp_path):
 @pytest.mark.parametrize(
     "model_type,missing",
     [
-        ("deepseek_v2", "per-head keys and values of their own widths"),
+        ("deepseek_v41", "a cache class mlxpaged does not know (mlx_lm.models.deepseek_v41.LayerCache: window"),
         ("mamba2", "cannot build this config (TypeError: ModelArgs.__init__() missing"),
         ("falcon_h1", "layer 0 keeps two caches in one layer (mlx-lm's CacheList of ArraysCache and KVCache)"),
     ],

@@ -64,9 +64,9 @@ def mismatched(tiny_model_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def refused(tiny_model_path, tmp_path_factory):
-    """A checkpoint whose structure the paged cache refuses once mlx-lm has built the model (plamo's
-    attention tiles its KV heads), so the refusal comes after MLX was used."""
-    return _edited(tiny_model_path, tmp_path_factory.mktemp("refused") / "ckpt", model_type="plamo")
+    """A checkpoint whose structure the paged cache refuses once mlx-lm has built the model (each of
+    deepseek_v41's layers keeps a cache class of its own), so the refusal comes after MLX was used."""
+    return _edited(tiny_model_path, tmp_path_factory.mktemp("refused") / "ckpt", model_type="deepseek_v41")
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_serve_on_mismatched_config_exits_1_every_time(mismatched):
 
 @pytest.mark.parametrize(
     "checkpoint,message",
-    [("refused", "tiling"), ("truncated", "cannot load checkpoint"), ("mismatched", "Expected shape")],
+    [("refused", "LayerCache"), ("truncated", "cannot load checkpoint"), ("mismatched", "Expected shape")],
 )
 def test_refused_checkpoint_exits_1_on_every_command(checkpoint, message, request, tmp_path):
     path = str(request.getfixturevalue(checkpoint))

@@ -25,10 +25,10 @@ SYSTEM = "Paged attention borrows an idea from operating systems: virtual memory
 LONG = SYSTEM + "Copy-on-write lets many samples share the blocks of one prompt until they diverge."
 
 
-def numpy_attention(q, kc, vc, tables, cu, ctx, scale, window, sinks, chunk=None):
+def numpy_attention(q, kc, vc, tables, cu, ctx, scale, window, sinks, chunk=None, softcap=None):
     """Per token, float64: softmax over the keys at positions (p - window, p] (or, with a chunk,
     [p - p % chunk, p]) plus a sink logit per query head that has no value; grouped-query heads
-    read KV head h // group."""
+    read KV head h // group; with `softcap`, each logit s is `softcap * tanh(s / softcap)`."""
     bs, kvh = kc.shape[2], kc.shape[1]
     group = q.shape[1] // kvh
     out = np.zeros(q.shape, dtype=np.float64)
@@ -42,6 +42,8 @@ def numpy_attention(q, kc, vc, tables, cu, ctx, scale, window, sinks, chunk=None
             lo = lo if chunk is None else p - p % chunk
             for h in range(q.shape[1]):
                 logits = k[h // group, lo : p + 1] @ q[cu[s] + j, h].astype(np.float64) * scale
+                if softcap is not None:
+                    logits = softcap * np.tanh(logits / softcap)
                 m = logits.max() if sinks is None else max(logits.max(), sinks[h])
                 w = np.exp(logits - m)
                 denom = w.sum() + (0.0 if sinks is None else np.exp(sinks[h] - m))
@@ -98,6 +100,22 @@ def test_reference_chunks_match_numpy(chunk, bits):
         np.testing.assert_allclose(np.array(got), want, atol=2e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="chunk must be a positive int without a window"):
         paged_attention_varlen(*args, impl="reference", chunk=chunk, window=3)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_reference_softcap_matches_numpy(window):
+    """Logit soft-capping (Gemma 2) at a cap below the scores' spread, decodes and prefill chunks
+    mixed; "metal" takes the reference (no kernel caps); a cap with sinks is refused."""
+    rng = np.random.default_rng(13)
+    q, kc, vc, tables, cu, ctx = make_varlen_case(rng, 64, 2, 4, Q_LENS, PREFIXES)
+    args = (mx.array(q), mx.array(kc), mx.array(vc), mx.array(tables), mx.array(cu), mx.array(ctx))
+    want = numpy_attention(q, kc, vc, tables, cu, ctx, 0.5, window, None, softcap=1.0)
+    assert np.abs(want - numpy_attention(q, kc, vc, tables, cu, ctx, 0.5, window, None)).max() > 0.01
+    for impl in ("reference", "metal"):
+        got = paged_attention_varlen(*args, scale=0.5, impl=impl, window=window, softcap=1.0)
+        np.testing.assert_allclose(np.array(got), want, atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="softcap must be positive and without sinks"):
+        paged_attention_varlen(*args, impl="reference", softcap=1.0, sinks=mx.zeros((q.shape[1],)))
 
 
 def test_window_and_sinks_reach_the_kernels(monkeypatch):

@@ -39,35 +39,33 @@ RUNS = (
     "qwen3_vl qwen3_vl_moe seed_oss smollm3 solar_open spark2_5 stablelm starcoder2 step3p5 telechat3 "
     "xverse"
 ).split()
+# Attention-side types run since the zoo was first written (per-head key and value widths, a
+# final norm outside the body, settings kept as `config`, ...).
+RUNS += """
+afm7 gemma2 gpt_bigcode iquestloopcoder nemotron-nas plamo
+""".split()
+
+# Attention-side types (per-head key and value widths of their own, a
+# final norm outside the body, settings kept as `config`, ...).
+RUNS += """
+deepseek_v2 minicpm3 nanochat phi-msft phixtral plamo3 talkie youtu_llm
+""".split()
+
 
 # Types refused, each with words its one line must hold: what the paged cache lacks for it.
 REFUSED = {
-    "afm7": "reads an earlier layer's keys and values",
-    "deepseek_v2": "per-head keys and values of their own widths",
     "deepseek_v32": "two caches in one layer (mlx-lm's CacheList of KVCache and KVCache)",
-    "deepseek_v41": "a cache class mlxpaged does not know (mlx_lm.models.deepseek_v41.LayerCache)",
-    "deepseek_v41_text": "a cache class mlxpaged does not know (mlx_lm.models.deepseek_v41.LayerCache)",
+    "deepseek_v41": "(mlx_lm.models.deepseek_v41.LayerCache: window, compress_kv, index_k",
+    "deepseek_v41_text": "(mlx_lm.models.deepseek_v41.LayerCache: window, compress_kv, index_k",
     "falcon_h1": "two caches in one layer (mlx-lm's CacheList of ArraysCache and KVCache)",
     "falcon_mamba": "linear attention / state space (mlx_lm.models.mamba.MambaBlock)",
-    "gemma2": "computes its attention scores itself with logit soft-capping",
-    "gpt_bigcode": "computes its learned positions with numpy from one scalar cache.offset",
-    "iquestloopcoder": "gives 4 caches for 2 layers",
     "mamba": "linear attention / state space (mlx_lm.models.mamba.MambaBlock)",
     "mamba2": "linear attention / state space (mlx_lm.models.mamba2.Mamba2Block",
-    "minicpm3": "per-head keys and values of their own widths",
     "minimax_m3_vl": "mlx-lm's CacheList of KVCache",
-    "nanochat": "no text model with a final norm module",
-    "nemotron-nas": "layer 1 has no attention",
-    "phi-msft": "no text model with a final norm module",
     "phi3small": "attends block-sparsely",
-    "phixtral": "no text model with a final norm module",
-    "plamo": "shares its KV heads by tiling them",
     "plamo2": "linear attention / state space (mlx_lm.models.plamo2.Mamba)",
-    "plamo3": "keeps its settings as `config`",
     "recurrent_gemma": "linear attention / state space (mlx_lm.models.recurrent_gemma.RecurrentBlock",
     "rwkv7": "linear attention / state space (mlx_lm.models.rwkv7.",
-    "talkie": "no text model with a final norm module",
-    "youtu_llm": "keeps its settings as `config`",
 }
 
 # Types the zoo writes no checkpoint for (their configs need more than its sizes, or mlx-lm's own
@@ -145,3 +143,53 @@ def test_type_without_a_tiny_checkpoint_is_refused_in_one_line(model_type):
         check_family(model_type, {"model_type": model_type}, "config.json")
     msg = str(e.value)
     assert "\n" not in msg and model_type in msg, msg
+
+
+def test_a_write_of_other_kv_heads_than_the_pool_is_refused_in_one_line(tmp_path):
+    """A layer whose keys have other KV heads (or widths) than its pool's rows is refused by
+    name, not broadcast into the pool."""
+    from types import SimpleNamespace
+
+    from mlxpaged.models.paged_adapter import AdapterError, PagedLayerCache
+
+    loaded = load(str(write_zoo(tmp_path / "llama", "llama")), "float32")
+    kv_cache = engine(loaded, 4, 7).kv_cache
+    heads, width = kv_cache.shape.layer_dims[0]
+    meta = SimpleNamespace(positions=mx.arange(3), slot_mapping=mx.arange(3))
+    for kvh, hd in ((2 * heads, width), (heads, 2 * width)):
+        keys = mx.zeros((3, kvh, 1, hd))
+        with pytest.raises(AdapterError) as e:
+            PagedLayerCache(kv_cache, 0, meta).update_and_fetch(keys, keys)
+        msg = str(e.value)
+        assert "\n" not in msg and f"{kvh} KV heads x {hd}" in msg and f"holds {heads} x {width}" in msg, msg
+    keys = mx.zeros((3, heads, 1, width))  # the pool's own shape is written
+    assert PagedLayerCache(kv_cache, 0, meta).update_and_fetch(keys, keys)[0] is keys
+
+
+# One type of each attention structure the adapter maps beyond plain attention: narrower values
+# (padded), tiled KV heads, soft-capped scores, KV-reuse layers, attention-free layers, a cache
+# per pass, learned positions per token, no final norm module.
+STRUCTURES = "deepseek_v2 plamo gemma2 afm7 nemotron-nas iquestloopcoder gpt_bigcode nanochat".split()
+
+
+@pytest.mark.parametrize("model_type", STRUCTURES)
+def test_structure_forks_and_preempts_as_mlx_lm(model_type, tmp_path):
+    """n=2 seeded samples forked from one prefill beside a greedy request, in a pool too small
+    for all of them (preempted and recomputed): each equals mlx-lm's own run of that stream."""
+    import mlx_lm
+
+    from reference import contiguous_samples
+
+    path = write_zoo(tmp_path / model_type, model_type)
+    ref_model, tok = mlx_lm.load(str(path))
+    prompt = tok.encode(PROMPT)
+    params = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=16, ignore_eos=True)
+    config = EngineConfig.of(block_size=4, num_blocks=20, max_num_batched_tokens=7, attention_impl="reference")
+    eng = LLMEngine(load(str(path), "float32"), config)
+    rid = eng.add_request(prompt, params)
+    other = eng.add_request(prompt[:23], greedy(16))
+    done = run_all(eng)
+    assert eng.stats_dict()["preemptions"] > 0, eng.stats_dict()
+    want = contiguous_samples(ref_model, prompt, 16, params, seed=3, sample_indices=range(2))
+    assert [c.token_ids for c in done[rid].outputs] == want, model_type
+    assert done[other].outputs[0].token_ids == mlx_lm_tokens(ref_model, prompt[:23], 16), model_type

@@ -138,6 +138,7 @@ def paged_attention_varlen(
     window: int | None = None,
     sinks: mx.array | None = None,
     chunk: int | None = None,
+    softcap: float | None = None,
 ) -> mx.array:
     """Attend the new tokens of several sequences, packed along one axis, to their caches.
 
@@ -155,6 +156,8 @@ def paged_attention_varlen(
     `window` and `sinks` as in `paged_attention`, on either kernel.
     `chunk`: chunked local attention (Llama 4): a token at position p sees only the positions
     of its own chunk, `(p // chunk) * chunk .. p`; on the reference path (no kernel has it).
+    `softcap`: logit soft-capping (Gemma 2): each score s becomes `softcap * tanh(s / softcap)`
+    before the softmax; on the reference path (no kernel has it), without sinks.
     """
     scale = _check_shapes("paged_attention_varlen", q, k_cache, v_cache, scale)
     _check_window_sinks("paged_attention_varlen", q, window, sinks)
@@ -166,7 +169,10 @@ def paged_attention_varlen(
             f"paged_attention_varlen: cu_seqlens_q {cu_seqlens_q.shape} and context_lens {context_lens.shape} "
             f"do not match {num_seqs} block-table rows"
         )
-    metal_impl = resolve_impl(impl, q, k_cache) == "metal" and chunk is None  # no kernel takes a chunk
+    if softcap is not None and (not softcap > 0 or sinks is not None):
+        raise ValueError(f"paged_attention_varlen: softcap must be positive and without sinks, got {softcap!r}")
+    # no kernel takes a chunk or a soft cap
+    metal_impl = resolve_impl(impl, q, k_cache) == "metal" and chunk is None and softcap is None
     if (
         metal_impl
         and (window is not None or sinks is not None)
@@ -203,5 +209,5 @@ def paged_attention_varlen(
             if failed_kernel(e) is None or not kernel_failed(q.shape[1] // k_cache.shape[1], k_cache, e):
                 raise
     return paged_attention_varlen_reference(
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, scratch, window, sinks, chunk
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, scratch, window, sinks, chunk, softcap
     )

@@ -59,6 +59,25 @@ def _memo(scratch: dict | None, key, build):
     return scratch[key]
 
 
+def _attention(q, k, v, scale: float, mask, sinks, softcap: float | None) -> mx.array:
+    """`mx.fast.scaled_dot_product_attention`, or with `softcap` the same attention with each score
+    soft-capped before the mask and softmax (as mlx-lm's gemma2 computes it). q `[B, H, L, d]`,
+    k, v `[B, kvh, N, d]`; query head h reads KV head h // (H / kvh)."""
+    if softcap is None:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+    B, H, L, d = q.shape
+    kvh, N = k.shape[1], k.shape[2]
+    s = (q * scale).reshape(B, kvh, H // kvh, L, d) @ k[:, :, None].swapaxes(-1, -2)  # [B, kvh, rep, L, N]
+    s = mx.tanh(s / softcap) * softcap
+    if isinstance(mask, str):  # "causal": L new tokens at the end of N
+        mask = mx.arange(L)[:, None] + (N - L) >= mx.arange(N)[None]
+    if mask is not None:
+        mask = mask if mask.ndim < 4 else mask[:, :, None]  # [B, 1, 1, N] -> [B, 1, 1, 1, N]
+        s = mx.where(mask, s, mx.array(mx.finfo(s.dtype).min, s.dtype))
+    out = mx.softmax(s, axis=-1, precise=True) @ v[:, :, None]
+    return out.reshape(B, H, L, -1)
+
+
 def paged_attention_reference(
     q: mx.array,  # [num_seqs, num_heads, head_dim]
     k_cache: mx.array,  # [num_blocks, num_kv_heads, block_size, head_dim], or a QuantizedPool
@@ -70,6 +89,7 @@ def paged_attention_reference(
     window: int | None = None,  # sliding window: the last `window` positions only
     sinks: mx.array | None = None,  # [num_heads] per-head sink logits
     chunk: int | None = None,  # chunked local attention: the query's own chunk only
+    softcap: float | None = None,  # logit soft-capping (Gemma 2): scores become softcap * tanh(s / softcap)
 ) -> mx.array:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
@@ -90,7 +110,7 @@ def paged_attention_reference(
     # float32 throughout; SDPA groups the query heads over their KV head itself.
     qf = q.astype(mx.float32)[:, :, None, :]  # [S, H, 1, d]
     sinks = None if sinks is None else sinks.astype(mx.float32)
-    out = mx.fast.scaled_dot_product_attention(qf, k, v, scale=scale, mask=valid, sinks=sinks)
+    out = _attention(qf, k, v, scale, valid, sinks, softcap)
     return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
 
 
@@ -106,6 +126,7 @@ def paged_attention_varlen_reference(
     window: int | None = None,  # sliding window: the last `window` positions only
     sinks: mx.array | None = None,  # [num_heads] per-head sink logits
     chunk: int | None = None,  # chunked local attention: the query's own chunk only
+    softcap: float | None = None,  # logit soft-capping (Gemma 2)
 ) -> mx.array:  # [T, num_heads, head_dim]
     cu, ctx = _memo(scratch, "host", lambda: (cu_seqlens_q.tolist(), context_lens.tolist()))
     block_size = k_cache.shape[2]
@@ -121,7 +142,7 @@ def paged_attention_varlen_reference(
             if (s, e) == (0, num_seqs):  # decodes only: no slicing at all
                 pieces.append(
                     paged_attention_reference(
-                        q, k_cache, v_cache, block_tables, context_lens, scale, run, window, sinks, chunk
+                        q, k_cache, v_cache, block_tables, context_lens, scale, run, window, sinks, chunk, softcap
                     )
                 )
             else:
@@ -137,6 +158,7 @@ def paged_attention_varlen_reference(
                         window,
                         sinks,
                         chunk,
+                        softcap,
                     )
                 )
             s = e
@@ -161,7 +183,7 @@ def paged_attention_varlen_reference(
         k, v = (gather_blocks(p, table, rows)[:, :, :c].astype(q.dtype) for p in (k_cache, v_cache))
         qs = q[cu[s] : cu[s + 1]].transpose(1, 0, 2)[None]  # [1, H, n, d]
         snk = None if sinks is None else sinks.astype(q.dtype)
-        out = mx.fast.scaled_dot_product_attention(qs, k, v, scale=scale, mask=mask, sinks=snk)
+        out = _attention(qs, k, v, scale, mask, snk, softcap)
         pieces.append(out[0].transpose(1, 0, 2))
         s += 1
     return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)

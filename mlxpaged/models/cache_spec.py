@@ -14,19 +14,24 @@ from dataclasses import dataclass, field
 # What a layer keeps: the kinds of KV cache group (core/kv_groups.py `GROUP_KINDS`) for a layer
 # with K/V of its own or another's, and "recurrent" for a layer with a state and no K/V.
 RECURRENT = "recurrent"
+# A layer that keeps nothing: no attention (Nemotron-NAS's attention-free layers).
+NO_CACHE = "none"
 
 
 @dataclass(frozen=True)
 class LayerSpec:
     """One layer of the text model.
 
-    `kind`: "full", "sliding_window" or "chunked_local" (its KV cache group's kind), or "recurrent";
+    `kind`: "full", "sliding_window" or "chunked_local" (its KV cache group's kind), "recurrent",
+    or "none" (no attention: nothing kept);
     `span`: its window or chunk in tokens (None for full attention and recurrent layers);
     `pool`: its K/V pool's index (`CacheSpec.pool_layers` order), None when it writes no K/V (a
     recurrent layer, or one that reads another layer's: `source`);
     `kv_heads`, `head_dim`: a pool row's shape (0 without a pool);
     `source`: the layer whose K/V it reads instead of writing its own (Gemma 4, 3n), or None;
-    `state_arrays`: a recurrent layer's number of state arrays (mlx-lm's ArraysCache), else None.
+    `state_arrays`: a recurrent layer's number of state arrays (mlx-lm's ArraysCache), else None;
+    `tiled_heads`: its module tiles its KV heads (query head h reads KV head h mod kv_heads, plamo)
+    instead of grouping them (h // (heads / kv_heads)).
     """
 
     kind: str
@@ -36,6 +41,7 @@ class LayerSpec:
     head_dim: int = 0
     source: int | None = None
     state_arrays: int | None = None
+    tiled_heads: bool = False
 
 
 @dataclass(frozen=True)
@@ -46,13 +52,23 @@ class CacheSpec:
     `latent`: an MLA model (one latent row per token, read as both key and value: a keys-only pool);
     `shared_by_model`: the model hands a layer with a `source` its source's cache object itself
     (Gemma 3n), so such a layer gets no cache of its own; `ropes`: (attention module, its rope,
-    the rope's table key) of each layer whose rope only rotates (rotary.py), found once.
+    the rope's table key) of each layer whose rope only rotates (rotary.py), found once;
+    `cache_slots`: the layer of each entry of the cache list the model's forward takes, where
+    that list is not one per layer (Nemotron-NAS: only the layers with attention; afm7: only the
+    layers before its KV-reuse ones), else None; `passes`: how many times each layer attends a
+    forward pass, each time with its own cache (iquestloopcoder: 2): entry `i` of `layers` is then
+    pass `i // n`'s cache of model layer `i % n`; `stand_ins`: (layer, attention module, its name,
+    the class it runs as) of each layer whose attention a pass runs through a stand-in (Gemma 2's
+    soft-capped scores, afm7's KV-reuse layers), found once.
     """
 
     layers: tuple[LayerSpec, ...]
     latent: bool = False
     shared_by_model: bool = False
     ropes: tuple = field(default=(), compare=False, repr=False)
+    cache_slots: tuple[int, ...] | None = None
+    passes: int = 1
+    stand_ins: tuple = field(default=(), compare=False, repr=False)
 
     @functools.cached_property  # read each pass: found once (the spec is frozen)
     def pool_layers(self) -> list[int]:

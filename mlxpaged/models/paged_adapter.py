@@ -37,7 +37,7 @@ import mlx.nn as nn
 from ..attention import paged_attention_varlen
 from ..attention.metadata import AttentionMetadata
 from ..errors import MlxPagedError
-from .cache_spec import RECURRENT, CacheSpec, LayerSpec
+from .cache_spec import NO_CACHE, RECURRENT, CacheSpec, LayerSpec
 from .recurrent import SegmentedLayer, StepStates
 from .rotary import Rotary, is_rotation, table_key
 
@@ -93,24 +93,38 @@ class PagedLayerCache:
     `window`: this layer's sliding window (None: full attention), from mlx-lm's own cache for
     the layer (`cache_spec`); the attention call masks by it, so the model's mask is not needed.
     `chunk`: this layer's attention chunk (Llama 4), likewise.
+    `tiled_heads`: the module tiles its KV heads (plamo: query head h reads KV head h mod
+    kv_heads), where the attention groups them (h // group): the query heads are reordered.
     """
 
     def __init__(
-        self, kv_cache, layer: int, meta: AttentionMetadata, window: int | None = None, chunk: int | None = None
+        self,
+        kv_cache,
+        layer: int,
+        meta: AttentionMetadata,
+        window: int | None = None,
+        chunk: int | None = None,
+        tiled_heads: bool = False,
     ):
         self.kv_cache = kv_cache
         self.layer = layer
         self.meta = meta
         self.window = window
         self.chunk = chunk
+        self.tiled_heads = tiled_heads
         self.offset = meta.positions  # [T]: one RoPE offset per batch row, i.e. per token
         self.pools = None  # this layer's (k_pool, v_pool) after the write
+        self.v_dim = None  # the width of the values written (narrower than the pool's rows: zero-padded)
+        self.fetched = None  # the keys update_and_fetch returned (`reader`)
+        self.peers = None  # every cache of the pass, where a layer attends more than once a pass
         self.attended = False
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         # Rows of length one need no mask; causality lives in the block tables and context_lens,
         # the window in `self.window`, which must be the one the model asks for.
-        if window_size is not None and window_size != self.window:
+        # plamo3 asks a mask one wider than its own RotatingKVCache keeps: mlx-lm's prefill sees one
+        # position more there than its decode steps do; the paged layer attends over the cache's window
+        if window_size is not None and window_size not in (self.window, (self.window or 0) + 1):
             raise AdapterError(
                 f"mlx_lm base.create_attention_mask: a window of {window_size} was asked of layer {self.layer}, "
                 f"whose mlx-lm cache has window {self.window}: the paged adapter needs updating"
@@ -118,17 +132,39 @@ class PagedLayerCache:
         return None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        """keys, values `[T, kv_heads, 1, head_dim]` (post-RoPE): written at the step's slots."""
+        """keys, values `[T, kv_heads, 1, head_dim]` (post-RoPE): written at the step's slots.
+
+        Values narrower than the keys (deepseek_v2, minicpm3: nope + rope key columns, v_head_dim
+        value columns) are stored zero-padded to the key width; `attend` drops the padded columns."""
         if keys.ndim != 4 or keys.shape[2] != 1 or keys.shape[0] != self.offset.shape[0]:
             raise AdapterError(
                 f"cache.update_and_fetch got keys {keys.shape}; the paged adapter feeds "
                 f"[T={self.offset.shape[0]}, kv_heads, 1, head_dim] (rows of one token)"
             )
         T, kvh, _, hd = keys.shape
-        self.pools = self.kv_cache.write(
-            self.layer, keys.reshape(T, kvh, hd), values.reshape(T, kvh, -1), self.meta.slot_mapping
-        )
+        pool = self.kv_cache.shape.layer_dims[self.layer]
+        vd = values.shape[-1]
+        if (kvh, hd) != pool or values.shape[1] != kvh or vd > hd:
+            raise AdapterError(
+                f"layer {self.layer}'s attention writes keys of {kvh} KV heads x {hd} and values of "
+                f"{values.shape[1]} x {vd}, its pool holds {pool[0]} x {pool[1]}: the paged adapter needs updating"
+            )
+        self.v_dim = vd
+        v = values.reshape(T, kvh, vd)
+        if vd < hd:
+            v = mx.concatenate([v, mx.zeros((T, kvh, hd - vd), v.dtype)], axis=-1)
+        self.pools = self.kv_cache.write(self.layer, keys.reshape(T, kvh, hd), v, self.meta.slot_mapping)
+        self.fetched = keys
         return keys, values
+
+    def reader(self, keys: mx.array) -> PagedLayerCache:
+        """The cache whose pools an attention call with these keys reads: this one, or, where a
+        layer attends more than once a pass (iquestloopcoder: its second pass attends to the first
+        pass's keys with `cache=` its own second cache), the cache of this pass whose
+        `update_and_fetch` returned them."""
+        if self.peers is None or keys is self.fetched:
+            return self
+        return next((c for c in self.peers if c is not None and c.fetched is keys), self)
 
     def keys_and_values(self):
         """What a layer reading this layer's cache sees (Gemma 3n's KV-shared layers, which then
@@ -139,8 +175,9 @@ class PagedLayerCache:
             )
         return self.pools
 
-    def attend(self, queries: mx.array, scale: float, mask, sinks=None) -> mx.array:
-        """queries `[T, heads, 1, head_dim]` -> `[T, heads, 1, head_dim]` over the paged pools."""
+    def attend(self, queries: mx.array, scale: float, mask, sinks=None, softcap=None) -> mx.array:
+        """queries `[T, heads, 1, head_dim]` -> `[T, heads, 1, head_dim]` over the paged pools
+        (`softcap`: each score soft-capped, Gemma 2's `_CappedAttention`)."""
         if self.pools is None:
             raise AdapterError("scaled_dot_product_attention was called before cache.update_and_fetch")
         if not (mask is None or isinstance(mask, str)):
@@ -149,9 +186,17 @@ class PagedLayerCache:
                 "attention, with a per-layer sliding window and attention sinks"
             )
         T, H, _, D = queries.shape
-        return self._paged(queries.reshape(T, H, D), scale, sinks).reshape(T, H, 1, D)
+        q = queries.reshape(T, H, D)
+        if self.tiled_heads:  # head r * kvh + j (reads KV head j) to j * group + r, and back
+            kvh = self.kv_cache.shape.layer_dims[self.layer][0]
+            q = q.reshape(T, H // kvh, kvh, D).swapaxes(1, 2).reshape(T, H, D)
+        out = self._paged(q, scale, sinks, softcap)
+        if self.tiled_heads:
+            out = out.reshape(T, kvh, H // kvh, -1).swapaxes(1, 2).reshape(T, H, -1)
+        v = self.v_dim or D
+        return (out if v == D else out[..., :v]).reshape(T, H, 1, v)
 
-    def _paged(self, q: mx.array, scale: float, sinks=None) -> mx.array:
+    def _paged(self, q: mx.array, scale: float, sinks=None, softcap=None) -> mx.array:
         """q `[T, heads, D]` -> `[T, heads, D]`: paged attention over this layer's pools."""
         q = self.kv_cache.scale_queries(self.layer, q)
         m = self.meta
@@ -167,6 +212,7 @@ class PagedLayerCache:
             window=self.window,
             sinks=sinks,
             chunk=self.chunk,
+            softcap=softcap,
         )
         self.attended = True
         return out
@@ -180,15 +226,15 @@ class SharedLayerCache(PagedLayerCache):
     (and key scales) with this layer's queries and the source's window."""
 
     def __init__(self, source: PagedLayerCache):
-        super().__init__(source.kv_cache, source.layer, source.meta, source.window, source.chunk)
+        super().__init__(source.kv_cache, source.layer, source.meta, source.window, source.chunk, source.tiled_heads)
         self.source = source
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         return keys, values
 
-    def attend(self, queries: mx.array, scale: float, mask, sinks=None) -> mx.array:
+    def attend(self, queries: mx.array, scale: float, mask, sinks=None, softcap=None) -> mx.array:
         self.pools = self.source.pools  # None if the source has not written yet: attend raises
-        return super().attend(queries, scale, mask, sinks)
+        return super().attend(queries, scale, mask, sinks, softcap)
 
 
 class LatentLayerCache(PagedLayerCache):
@@ -248,19 +294,32 @@ def kv_dims(model: nn.Module) -> tuple[int, int]:
 
 
 def text_body(model: nn.Module) -> nn.Module:
-    """The module holding the text model's final norm and its layers: `model.model` for most
-    families, `model.language_model.model` for a wrapper such as mistral3, `model.transformer`
-    for gpt2-style ones (their layers named `h` or `blocks`)."""
-    m = model
+    """The module holding the text model's layers (and, in most families, its final norm):
+    `model.model` for most families, `model.language_model.model` for a wrapper such as mistral3,
+    `model.transformer` for gpt2-style ones (their layers named `h` or `blocks`)."""
+    return _body_at(model)[2]
+
+
+def _body_at(model: nn.Module) -> tuple[nn.Module, str, nn.Module]:
+    """(parent, name, body): the text body (`text_body`) and where its parent holds it. The
+    first module down `_BODIES` with a layer list and a final norm module; failing that, the
+    first with a layer list (nanochat, talkie: a functional final norm; phixtral: the norm sits
+    in its output head)."""
+    found, m = [], model
     for _ in range(4):
-        inner = next((m.get(n) for n in _BODIES if isinstance(m.get(n), nn.Module)), None)
-        if inner is None:
+        name = next((n for n in _BODIES if isinstance(m.get(n), nn.Module)), None)
+        if name is None:
             break
-        if _final_norm(inner) is not None and any(n in inner for n in _LAYER_LISTS):
-            return inner
+        inner = m[name]
+        if any(n in inner for n in _LAYER_LISTS):
+            if _final_norm(inner) is not None:
+                return m, name, inner
+            found.append((m, name, inner))
         m = inner
+    if found:
+        return found[0]
     raise AdapterError(
-        f"{inspect.getfile(type(model))}: no text model with a final norm under Model.model, "
+        f"{inspect.getfile(type(model))}: no text model with a layer list under Model.model, "
         "Model.language_model or Model.transformer: the paged adapter needs updating"
     )
 
@@ -282,7 +341,7 @@ def paged_layers(model: nn.Module, spec: CacheSpec | None = None) -> list:
     layer but the recurrent ones (recurrent.py), whose state is no key/value cache, and those that
     read another layer's. Their position in this list is their pool index."""
     spec = spec or cache_spec(model)
-    return [model.layers[i] for i in spec.pool_layers]
+    return [model.layers[i % len(model.layers)] for i in spec.pool_layers]
 
 
 def cache_spec(model: nn.Module) -> CacheSpec:
@@ -295,10 +354,24 @@ def cache_spec(model: nn.Module) -> CacheSpec:
     from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, RotatingKVCache, make_prompt_cache
 
     caches = make_prompt_cache(model)
-    shared, by_model = _shared_layers(model, len(caches))
+    slots = _attention_slots(model, caches)
+    passes = len(caches) // len(model.layers) if len(caches) > len(model.layers) else 1
+    if passes > 1:  # iquestloopcoder: each layer attends once a pass, each pass with its own cache
+        shared, by_model, own = None, False, list(caches)
+    elif slots is not None:  # Nemotron-NAS: mlx-lm's caches go to the layers with an attention module
+        shared, by_model = None, False
+        by_layer = dict(zip(slots, caches))
+        own = [by_layer.get(i) if _uses_cache(la) else None for i, la in enumerate(model.layers)]
+    else:
+        shared, by_model = _shared_layers(model, len(caches))
+        own = list(caches)
+        if shared is not None and _reads_last_cache(model):  # afm7: its forward hands on cache[-1]'s K/V
+            slots = tuple(range(len(caches)))
     kinds = []
-    for c in caches:
-        if isinstance(c, ArraysCache):
+    for c in own:
+        if c is None:
+            kinds.append((NO_CACHE, None, None))
+        elif isinstance(c, ArraysCache):
             kinds.append((RECURRENT, None, len(c.cache)))
         elif isinstance(c, RotatingKVCache):
             kinds.append(("sliding_window", c.max_size, None))
@@ -306,27 +379,79 @@ def cache_spec(model: nn.Module) -> CacheSpec:
             kinds.append(("chunked_local", c.chunk_size, None))
         else:
             kinds.append(("full", None, None))
-    pooled = [i for i, (k, _, _) in enumerate(kinds) if k != RECURRENT]
-    attns = [attention_of(model.layers[i]) for i in pooled]
+    pooled = [i for i, (k, _, _) in enumerate(kinds) if k not in (RECURRENT, NO_CACHE)]
+    attns = [attention_of(model.layers[i % len(model.layers)]) for i in pooled]
     latent = bool(attns) and _is_latent(attns[0])
     if latent:
         dims = [(1, a.kv_lora_rank + a.qk_rope_head_dim) for a in attns]
     else:
         dims = [_kv_shape(a, model.args) for a in attns]
-        if len(set(dims)) <= 1:  # one shape for all: the config's (local, under tensor parallelism) KV heads
+        if len(set(dims)) <= 1 and hasattr(model, "num_local_kv_heads"):  # split by tensor parallelism
             dims = [kv_dims(model)] * len(attns)
         # else Gemma 4's full layers' rows are wider, OpenELM's heads vary: a row shape per layer
     layers = []
     for i, (kind, span, arrays) in enumerate(kinds):
         if kind == RECURRENT:
             layers.append(LayerSpec(kind, state_arrays=arrays))
+        elif kind == NO_CACHE:
+            layers.append(LayerSpec(kind))
         else:
             p = pooled.index(i)
-            layers.append(LayerSpec(kind, span, p, *dims[p]))
+            tiled = "mx.tile(keys" in _source(type(attns[p]))  # plamo: query head h reads KV head h mod kv_heads
+            layers.append(LayerSpec(kind, span, p, *dims[p], tiled_heads=tiled))
     for src in (shared or [])[len(kinds) :]:  # the layers make_prompt_cache gives no cache (Gemma 4, 3n)
         lay = layers[src] if src is not None else LayerSpec("full")  # attends as its source does, writing no K/V
         layers.append(LayerSpec(lay.kind, lay.span, source=src))
-    return CacheSpec(tuple(layers), latent, by_model, tuple(_plain_ropes(model.layers)))
+    return CacheSpec(
+        tuple(layers), latent, by_model, tuple(_plain_ropes(model.layers)), slots, passes, _stand_ins(model, layers)
+    )
+
+
+def _stand_ins(model: nn.Module, specs: list[LayerSpec]) -> tuple:
+    """(layer index, attention module, its name in the layer, the class it runs as for a pass) of
+    each layer whose attention the paged pass runs through a stand-in: Gemma 2's soft-capped
+    scores (`_CappedAttention`), afm7's KV-reuse layers (`_ReusedKVAttention`, on a
+    `SharedLayerCache` of the layer they read)."""
+    out = []
+    for i, (layer, lay) in enumerate(zip(model.layers, specs)):
+        attn = attention_of(layer)
+        if _capped(attn):
+            out.append((i, attn, _child_name(layer, attn), _CappedAttention))
+        elif lay.source is not None and _reuses_kv(attn):
+            out.append((i, attn, _child_name(layer, attn), _ReusedKVAttention))
+    return tuple(out)
+
+
+def _uses_cache(layer: nn.Module) -> bool:
+    """Whether a layer's attention module calls `cache.update_and_fetch` (not Nemotron-NAS's
+    linear stand-in for attention)."""
+    attn = attention_of(layer)
+    return attn is not None and "update_and_fetch" in _source(type(attn))
+
+
+def _attention_slots(model: nn.Module, caches: list) -> tuple[int, ...] | None:
+    """The layer of each of mlx-lm's caches when the model gives them only to the layers that
+    have an attention module, in order, and none to the rest (Nemotron-NAS's attention-free
+    layers: its `make_cache` and forward skip a layer whose `self_attn` is None), else None."""
+    from mlx_lm.models.cache import ArraysCache
+
+    layers = model.layers
+    if len(caches) == len(layers) or any(isinstance(c, ArraysCache) for c in caches):
+        return None
+    holders = [
+        i
+        for i, la in enumerate(layers)
+        if isinstance(la, nn.Module) and any(isinstance(la.get(n), nn.Module) for n in _ATTENTION_NAMES)
+    ]
+    if len(holders) != len(caches) or len(holders) == len(layers):
+        return None
+    return tuple(holders)
+
+
+def _reads_last_cache(model: nn.Module) -> bool:
+    """Whether the text model hands its layers beyond mlx-lm's caches the last cached layer's
+    keys and values itself (afm7's KV-reuse layers: `cache[-1].keys_and_values()`)."""
+    return "cache[-1].keys_and_values()" in _source(type(text_body(model)))
 
 
 def attention_modules(model: nn.Module, spec: CacheSpec | None = None) -> list:
@@ -334,7 +459,8 @@ def attention_modules(model: nn.Module, spec: CacheSpec | None = None) -> list:
     layers come from another module: smollm3's and mistral3's from llama's or ministral3's)."""
     import sys
 
-    names = dict.fromkeys(type(attention_of(layer)).__module__ for layer in paged_layers(model, spec))
+    attns = [attention_of(layer) for layer in paged_layers(model, spec)]
+    names = dict.fromkeys(type(a).__module__ for a in attns if not _capped(a))  # those call no SDPA
     return [sys.modules[n] for n in names]
 
 
@@ -354,7 +480,7 @@ def _install_sdpa(module) -> None:
         cache = args[3] if len(args) > 3 else kwargs.get("cache")
         if isinstance(cache, PagedLayerCache):
             a = dict(zip(params, args), **kwargs)  # the names were checked above (inspect's bind: ~40 us a call)
-            return cache.attend(a["queries"], a["scale"], a.get("mask"), a.get("sinks"))
+            return cache.reader(a["keys"]).attend(a["queries"], a["scale"], a.get("mask"), a.get("sinks"))
         return original(*args, **kwargs)
 
     _paged_sdpa._mlxpaged = True
@@ -376,6 +502,25 @@ class _NormRows:
     def __call__(self, h: mx.array) -> mx.array:
         out = self.meta.hidden = self.norm(h[self.meta.logits_indices])
         return out
+
+
+class _BodyRows:
+    """The text model for one pass, handing on only the rows whose logits are sampled: for a
+    model whose final norm is no module of the body (a function in its forward, or a part of
+    the output head), everything after the body is per row."""
+
+    __slots__ = ("body", "meta")
+
+    def __init__(self, body: nn.Module, meta: AttentionMetadata):
+        self.body = body
+        self.meta = meta
+
+    def __call__(self, *args, **kwargs) -> mx.array:
+        out = self.meta.hidden = self.body(*args, **kwargs)[self.meta.logits_indices]
+        return out
+
+    def __getattr__(self, name):  # the model's own forward may read the body's layers
+        return getattr(self.body, name)
 
 
 class _TabledRope:
@@ -449,6 +594,107 @@ class _ScaledQueries:
         return (q * self.scales).astype(q.dtype)
 
 
+_CAPPED_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
+
+
+def _capped(attn: nn.Module | None) -> bool:
+    """Whether an attention module computes its scores itself, soft-capped by
+    `attn_logit_softcapping` (mlx-lm's gemma2), from the parts `_CappedAttention` calls."""
+    if attn is None or "scaled_dot_product_attention(" in _source(type(attn)):
+        return False
+    return isinstance(getattr(attn, "attn_logit_softcapping", None), (int, float)) and all(
+        hasattr(attn, n) for n in _CAPPED_PARTS
+    )
+
+
+def _child_name(parent: nn.Module, child: nn.Module) -> str:
+    return next(n for n, m in parent.children().items() if m is child)
+
+
+class _CappedAttention:
+    """mlx-lm's gemma2 `Attention` for one pass. It computes its scores itself (queries times
+    keys, `cap * tanh(s / cap)`, mask, softmax) instead of calling scaled_dot_product_attention;
+    here its own projections and rope run on the packed rows, and the paged cache attends with
+    the same soft cap (attention/reference.py)."""
+
+    __slots__ = ("attn",)
+
+    def __init__(self, attn: nn.Module):
+        self.attn = attn
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        a, T = self.attn, x.shape[0]
+        q = a.q_proj(x).reshape(T, 1, a.n_heads, -1).transpose(0, 2, 1, 3)
+        k = a.k_proj(x).reshape(T, 1, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = a.v_proj(x).reshape(T, 1, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k = a.rope(q, offset=cache.offset), a.rope(k, offset=cache.offset)
+        cache.update_and_fetch(k, v)
+        out = cache.attend(q, a.scale, None, softcap=a.attn_logit_softcapping)
+        return a.o_proj(out.transpose(0, 2, 1, 3).reshape(T, 1, -1))
+
+
+_REUSE_PARTS = ("q_proj", "out_proj", "rope", "q_norm", "n_heads", "scale")
+
+
+def _reuses_kv(attn: nn.Module | None) -> bool:
+    """Whether an attention module takes an earlier layer's keys and values as arguments and
+    writes none (afm7's KVReuseAttention), from the parts `_ReusedKVAttention` calls."""
+    if attn is None or "update_and_fetch" in _source(type(attn)):
+        return False
+    params = list(inspect.signature(type(attn).__call__).parameters)
+    return params[1:4] == ["x", "keys", "values"] and all(hasattr(attn, n) for n in _REUSE_PARTS)
+
+
+class _ReusedKVAttention:
+    """afm7's `KVReuseAttention` for one pass. mlx-lm's text model hands it the last cached
+    layer's keys and values, and it rotates its queries by their length less its own (one
+    scalar offset); here its own projection, rope and query norm run at each packed token's
+    position, and it attends to that layer's pools (`cache`, a `SharedLayerCache`)."""
+
+    __slots__ = ("attn", "cache")
+
+    def __init__(self, attn: nn.Module, cache: SharedLayerCache):
+        self.attn = attn
+        self.cache = cache
+
+    def __call__(self, x: mx.array, keys=None, values=None, mask=None) -> mx.array:
+        a, T = self.attn, x.shape[0]
+        q = a.q_proj(x).reshape(T, 1, a.n_heads, -1).transpose(0, 2, 1, 3)
+        q = a.q_norm(a.rope(q, offset=self.cache.offset))
+        out = self.cache.attend(q, a.scale, None)
+        return a.out_proj(out.transpose(0, 2, 1, 3).reshape(T, 1, -1))
+
+
+def _numpy_positions(body: nn.Module) -> bool:
+    """Whether the text model computes its learned positions with numpy from one scalar
+    `cache.offset` (gpt_bigcode), which per-token positions cannot be."""
+    return "np.arange(cache" in _source(type(body))
+
+
+class _LearnedPositions:
+    """gpt_bigcode's text model (mlx-lm's `GPTBigCodeModel`) for one pass: its forward takes the
+    positions from numpy's `arange` over one scalar cache offset; here its own token and position
+    embeddings, layers and final norm run with each packed token's own position (rows of one
+    token need no mask)."""
+
+    __slots__ = ("body", "positions")
+    PARTS = ("wte", "wpe", "h", "ln_f")
+
+    def __init__(self, body: nn.Module, positions: mx.array):
+        self.body = body
+        self.positions = positions
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        b = self.body
+        h = b.wte(inputs) + b.wpe(self.positions)[:, None]
+        for layer, c in zip(b.h, cache):
+            h = layer(h, None, cache=c)
+        return b.ln_f(h)
+
+    def __getattr__(self, name):  # the model's head reads the body's token embedding (tied weights)
+        return getattr(self.body, name)
+
+
 def _chunked_swaps(model: nn.Module, body: nn.Module, meta: AttentionMetadata) -> list:
     """A chunked family's stand-ins for one pass (Llama 4): its text model without the masks,
     and the position-scaled queries of its NoPE layers taken from the packed positions."""
@@ -472,8 +718,14 @@ def _chunked_swaps(model: nn.Module, body: nn.Module, meta: AttentionMetadata) -
 class PagedModelMixin:
     """Mixed into a family's `Model`: `model(ids [T], paged_kv_cache, meta)` -> logits `[S, V]`.
 
-    Called with anything else it is mlx-lm's model unchanged.
+    Called with anything else it is mlx-lm's model unchanged. `args` is mlx-lm's settings of the
+    model, whichever name its Model keeps them under (`args`; youtu_llm and plamo3: `config`).
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not hasattr(self, "args") and hasattr(self, "config"):
+            self.args = self.config  # the same object: what prepare fills in, the module reads
 
     def sanitize(self, weights: dict) -> dict:
         """mlx-lm's own, after naming a bare text model's weights as the whole model's: a checkpoint
@@ -507,19 +759,33 @@ class PagedModelMixin:
             else:
                 # a layer reads its own KV cache group's tables (worker/kv_cache.py `groups`)
                 m = meta.groups[cache.groups[lay.pool]] if meta.groups else meta
-                caches.append(kind(cache, lay.pool, m, window, chunk))
-        body = text_body(self)
+                caches.append(kind(cache, lay.pool, m, window, chunk, lay.tiled_heads))
+        if spec.passes > 1:
+            for c in caches:
+                c.peers = caches
+        parent, name, body = _body_at(self)
         norm = _final_norm(body)
-        swaps = [(body, norm, _NormRows(body[norm], meta))]
+        if norm is not None:
+            swaps = [(body, norm, _NormRows(body[norm], meta))]
+        else:  # no final norm module: the rows are taken where the text model hands them to the head
+            swaps = [(parent, name, _BodyRows(body, meta))]
         swaps += _rope_swaps(spec, meta.positions)
         if spec.num_recurrent:
             swaps.append((body, "layers", _segmented(body.layers, spec.recurrent_sizes, meta)))
+        if chunked:
+            swaps += _chunked_swaps(self, body, meta)
+        for i, attn, name, runs_as in spec.stand_ins:  # found once per model, with its spec
+            stand_in = _CappedAttention(attn) if runs_as is _CappedAttention else runs_as(attn, caches[i])
+            swaps.append((layers[i], name, stand_in))
+        if _numpy_positions(body):
+            swaps.append((parent, name, _LearnedPositions(body, meta.positions)))
         # each targeted linear adds its rows' own adapters (lora.py), swapped in first: Llama 4's
         # scaled queries (`_chunked_swaps`) then wrap a q_proj with its adapters
         lora = meta.lora.swaps() if meta.lora is not None else []
         try:
-            with _swapped(lora), _swapped(swaps + (_chunked_swaps(self, body, meta) if chunked else [])):
-                logits = super().__call__(inputs[:, None], cache=caches)  # [S, 1, V]
+            with _swapped(lora), _swapped(swaps):
+                passed = caches if spec.cache_slots is None else [caches[i] for i in spec.cache_slots]
+                logits = super().__call__(inputs[:, None], cache=passed)  # [S, 1, V]
         except ValueError as e:  # a shape error in a layer that bypassed the paged cache (MLA's rope scores)
             _check_attended(layers, caches, e)
             raise
@@ -531,9 +797,10 @@ def _check_attended(layers, caches, cause: Exception | None = None) -> None:
     """Raise naming the first attention layer that did not write and read its paged cache."""
     for i, c in enumerate(caches):
         if c is not None and (c.pools is None or not c.attended):
+            attn = attention_of(layers[i % len(layers)])
             raise AdapterError(
-                f"{inspect.getfile(type(attention_of(layers[i])))}: "
-                f"{type(attention_of(layers[i])).__name__}.__call__ no longer calls cache.update_and_fetch and "
+                f"{inspect.getfile(type(attn))}: "
+                f"{type(attn).__name__}.__call__ no longer calls cache.update_and_fetch and "
                 "scaled_dot_product_attention(..., cache=cache): the paged adapter needs updating"
             ) from cause
 
@@ -638,7 +905,11 @@ def _cache_kind(c) -> str:
         return "linear-attention / state-space (an ArraysCache)"
     if isinstance(c, (KVCache, ChunkedKVCache)):
         return type(c).__name__
-    return f"a cache class mlxpaged does not know ({type(c).__module__}.{type(c).__name__})"
+    # name what it keeps (deepseek_v41's LayerCache: a window, compressed groups and their
+    # indexer keys, the open group's rows), as the class holds it
+    held = [k for k, v in vars(c).items() if v is None or isinstance(v, mx.array)]
+    keeps = f": {', '.join(held)}" if held else ""
+    return f"a cache class mlxpaged does not know ({type(c).__module__}.{type(c).__name__}{keeps})"
 
 
 def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
@@ -660,11 +931,10 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
         layers = list(model.layers)
     except Exception:  # noqa: BLE001 - no layer list to page
         return f"{model_type}: its Model has no `layers` list the paged cache can walk; refused"
-    if len(caches) > len(layers):
+    if len(caches) > len(layers) and len(caches) % len(layers):
         return (
-            f"{model_type}: mlx-lm's make_prompt_cache gives {len(caches)} caches for {len(layers)} layers "
-            "(a layer attends more than once a pass, each time with its own cache), which the paged cache "
-            "does not hold (one cache per layer); refused"
+            f"{model_type}: mlx-lm's make_prompt_cache gives {len(caches)} caches for {len(layers)} layers, "
+            "not a whole number of caches per layer (a cache per layer, or one per pass of each layer); refused"
         )
     for i, c in enumerate(caches):
         if type(c) in (KVCache, ChunkedKVCache, ArraysCache) or (type(c) is RotatingKVCache and c.keep == 0):
@@ -675,25 +945,36 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
             "(one KVCache, sliding-window RotatingKVCache, ChunkedKVCache or ArraysCache per layer); refused"
         )
     recurrent = [isinstance(c, ArraysCache) for c in caches] + [False] * (len(layers) - len(caches))
+    slots = _attention_slots(model, caches)
+    try:
+        reads_last = _reads_last_cache(model)
+        body_writes = "update_and_fetch" in _source(type(text_body(model)))
+    except AdapterError:  # no text body: refused below
+        reads_last = body_writes = False
     for i, layer in enumerate(layers):
+        if slots is not None and not _uses_cache(layer):  # Nemotron-NAS: a layer without attention
+            continue
         if recurrent[i]:
             reason = _recurrent_refusal(layer)
             if reason:
                 named = f" ({types[i]})" if i < len(types) else ""
                 return f"{model_type}: layer {i}{named}: {reason}; refused"
             continue
-        reason = _attention_refusal(layer)
+        reason = _attention_refusal(layer, body_writes)
         if reason and len(caches) < len(layers) and attention_of(layer) is None:  # nemotron-nas
             return (
                 f"{model_type}: layer {i} has no attention (mlx-lm's make_prompt_cache gives {len(caches)} caches "
-                f"for {len(layers)} layers), which the paged adapter does not map (a cache per layer, or Gemma "
-                "3n's and 4's shared-KV layers); refused"
+                f"for {len(layers)} layers), and the caches do not map onto the layers with an attention module; "
+                "refused"
             )
-        if reason and i >= len(caches):  # afm7's KV-reuse layers: no cache of their own
+        if reason and i >= len(caches) and reads_last and _reuses_kv(attention_of(layer)):
+            continue  # afm7's KV-reuse layers: `_ReusedKVAttention` on the last cached layer's pools
+        if reason and i >= len(caches):
             return (
                 f"{model_type}: layer {i} has no cache of its own in mlx-lm's make_prompt_cache and reads an "
-                f"earlier layer's keys and values ({type(attention_of(layer)).__name__}), which the paged "
-                "adapter maps only for Gemma 4's and Gemma 3n's shared-KV layers; refused"
+                f"earlier layer's keys and values ({type(attention_of(layer)).__name__}) in a way the paged "
+                "adapter does not map (Gemma 4's previous_kvs, Gemma 3n's layer_idx_to_cache_idx, afm7's "
+                "KV-reuse layers); refused"
             )
         if reason:
             return f"{model_type}: layer {i}: {reason}; refused"
@@ -701,13 +982,13 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
         text_body(model)
     except AdapterError:
         return (
-            f"{model_type}: no text model with a final norm module under Model.model, Model.language_model or "
-            "Model.transformer (the paged pass gives the final norm only the rows it samples); refused"
+            f"{model_type}: no text model with a layer list under Model.model, Model.language_model or "
+            "Model.transformer; refused"
         )
-    if not hasattr(model, "args"):
-        return f"{model_type}: its Model keeps its settings as `config`, not the `args` mlxpaged reads; refused"
+    if not (hasattr(model, "args") or hasattr(model, "config")):
+        return f"{model_type}: its Model keeps its settings neither as `args` nor as `config`; refused"
     body = text_body(model)
-    if "np.arange(cache" in _source(type(body)):
+    if _numpy_positions(body) and not all(n in body for n in _LearnedPositions.PARTS):
         return (
             f"{model_type}: {type(body).__module__}.{type(body).__name__} computes its learned positions "
             "with numpy from one scalar cache.offset; the paged cache's offset is one position per token; refused"
@@ -741,16 +1022,22 @@ def _recurrent_refusal(layer: nn.Module) -> str | None:
     )
 
 
-def _attention_refusal(layer: nn.Module) -> str | None:
-    """Why one attention layer's module is not one the paged cache runs, or None."""
+def _attention_refusal(layer: nn.Module, body_writes: bool = False) -> str | None:
+    """Why one attention layer's module is not one the paged cache runs, or None. `body_writes`:
+    the text model's forward itself calls `update_and_fetch` and the attention module's methods
+    (iquestloopcoder), so the module's whole class is read, not only its `__call__`."""
     attn = attention_of(layer)
     if attn is None:
         return f"{type(layer).__name__} has no attention module that calls cache.update_and_fetch"
     cls = type(attn)
     src = _source(cls)
+    if body_writes and "update_and_fetch" not in src:
+        src = "update_and_fetch " + inspect.getsource(cls)
     where = f"{cls.__module__}.{cls.__name__}"
     if "update_and_fetch" not in src:
         return f"{where} does not call cache.update_and_fetch (its keys and values are not cached per layer)"
+    if _capped(attn):
+        return None
     if "scaled_dot_product_attention(" not in src:
         capped = " with logit soft-capping" if "softcap" in src else ""
         return (
@@ -758,11 +1045,9 @@ def _attention_refusal(layer: nn.Module) -> str | None:
             "scaled_dot_product_attention(..., cache=cache), which the paged cache replaces"
         )
     if getattr(attn, "block_sparse", False):  # phi3small: its own block-sparse attention on these layers
-        return f"{where} attends block-sparsely on this layer, which the paged cache does not run"
-    if "mx.tile(keys" in src:  # plamo: query head h reads KV head h mod kv_heads
         return (
-            f"{where} shares its KV heads by tiling them (query head h reads KV head h mod kv_heads), where "
-            "the paged cache groups them (query head h reads KV head h // group)"
+            f"{where} attends block-sparsely on this layer (each head its own pattern of local and strided "
+            "key blocks), which the paged cache does not run"
         )
     module = inspect.getmodule(cls)
     sdpa = getattr(module, "scaled_dot_product_attention", None)
@@ -777,16 +1062,9 @@ _MLA = (
     "multi-head latent attention in a module not yet checked against mlx-lm's tokens (deepseek_v3's, "
     "glm4_moe_lite's, mistral4's and bailing_moe_v3's run)"
 )
-# What the paged cache lacks for mlx-lm modules whose structure passes the checks above but whose
-# attention still does what the paged cache does not (deepseek_v2, minicpm3: found by the zoo,
-# mlxpaged.testing.zoo), or that the zoo cannot try yet (the latent-attention ones named _MLA).
+# What the paged cache lacks for mlx-lm modules whose structure passes the checks above but that
+# the zoo cannot try yet (the latent-attention ones named _MLA).
 MISSING = {
-    # latent attention expanded into per-head keys (qk_nope + qk_rope wide) and values (v_head_dim
-    # wide) before caching: widths the pool, sized by the config's head_dim, does not take
-    **dict.fromkeys(
-        ("deepseek_v2", "minicpm3"),
-        "per-head keys and values of their own widths (qk_nope_head_dim + qk_rope_head_dim, v_head_dim)",
-    ),
     **dict.fromkeys(
         (
             "deepseek_v32",
@@ -794,7 +1072,6 @@ MISSING = {
             "kimi_k3",
             "longcat_flash",
             "longcat_flash_ngram",
-            "youtu_llm",
         ),
         _MLA,
     ),
@@ -887,7 +1164,6 @@ def prepare(model: nn.Module, config: dict, where) -> nn.Module:
     reason = _refusal(config.get("model_type"), model, config)
     if reason:
         raise MlxPagedError(f"{reason} in {where}")
-    text_body(model)  # raises if the final norm cannot be found
     args = model.args
     body = text_body(model)
     text_args = getattr(body, "args", None) or getattr(body, "config", None)  # gemma3n: LanguageModel.config
@@ -914,7 +1190,7 @@ def prepare(model: nn.Module, config: dict, where) -> nn.Module:
 
 # What mlx-lm's attention modules call their head counts and width (gpt2: n_head; dbrx: num_heads).
 _HEADS = ("n_heads", "num_heads", "num_attention_heads", "n_head")
-_KV_HEADS = ("n_kv_heads", "num_kv_heads", "num_key_value_heads")
+_KV_HEADS = ("n_kv_heads", "num_kv_heads", "num_key_value_heads", "k_num_heads")
 
 
 def _is_latent(attn: nn.Module | None) -> bool:
@@ -941,6 +1217,10 @@ def _kv_shape(attn: nn.Module, args) -> tuple[int, int]:
     """(KV heads, head_dim) of one attention layer's K/V rows, as its module names them."""
     kv = next((getattr(attn, n) for n in _KV_HEADS if isinstance(getattr(attn, n, None), int)), None)
     hd = getattr(attn, "head_dim", None)
+    if kv is None and isinstance(getattr(attn, "q_head_dim", None), int):
+        # deepseek_v2, minicpm3, youtu_llm: latent attention expanded per head before caching, a key
+        # (nope + rope columns, the query's width) and a narrower value on every query head
+        return next(getattr(attn, n) for n in _HEADS if isinstance(getattr(attn, n, None), int)), attn.q_head_dim
     return (kv or args.num_key_value_heads, hd if isinstance(hd, int) else args.head_dim)
 
 
@@ -963,10 +1243,15 @@ def _args_from_attention(model: nn.Module, args) -> None:
         args.num_key_value_heads = kv or heads  # step3p5 names its KV heads num_attention_groups
     if not isinstance(getattr(args, "head_dim", None), int) and isinstance(getattr(attn, "head_dim", None), int):
         args.head_dim = attn.head_dim
-    if getattr(args, "hidden_size", None) is None:
-        embed = next((m for n, m in text_body(model).children().items() if "emb" in n or n == "wte"), None)
-        if isinstance(embed, nn.Embedding):
-            args.hidden_size = embed.weight.shape[-1]
+    if getattr(args, "hidden_size", None) is None or getattr(args, "vocab_size", None) is None:
+        # phixtral names them model_dim and num_vocab: its token embedding's shape says both
+        embed = next((m for _, m in text_body(model).named_modules() if isinstance(m, nn.Embedding)), None)
+        if embed is not None:
+            vocab, hidden = embed.weight.shape[0], embed.weight.shape[-1]
+            if getattr(args, "hidden_size", None) is None:
+                args.hidden_size = hidden
+            if getattr(args, "vocab_size", None) is None:
+                args.vocab_size = vocab
 
 
 def _shared_layers(model: nn.Module, num_cached: int) -> tuple[list | None, bool]:
@@ -977,6 +1262,8 @@ def _shared_layers(model: nn.Module, num_cached: int) -> tuple[list | None, bool
     layers = model.layers
     if num_cached == len(layers):
         return None, False
+    if _reads_last_cache(model):  # afm7: every layer past the cached ones reads the last one's K/V
+        return [None] * num_cached + [num_cached - 1] * (len(layers) - num_cached), False
     body = text_body(model)
     by_model = hasattr(body, "layer_idx_to_cache_idx")
     previous = body.layer_idx_to_cache_idx if by_model else getattr(body, "previous_kvs", None)

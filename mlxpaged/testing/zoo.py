@@ -134,8 +134,24 @@ ZOO_CONFIGS: dict[str, dict] = {
     },
     # partial rotary: these modules default to a rotary width wider than the zoo's heads
     **dict.fromkeys(("minimax", "minimax_m2", "gptj", "phixtral", "phi-msft"), {"rotary_dim": 8}),
+    # a soft cap near the tiny model's scores, so capping changes the tokens; its tied embedding
+    # drawn small (logit_scale), else it dominates the residual stream and the model repeats a token
+    "gemma2": {"attn_logit_softcapping": 2.0, "query_pre_attn_scalar": HEAD_DIM, "logit_scale": 0.25},
     "qwen": {"kv_channels": HEAD_DIM, "intermediate_size": 2 * FF},
     "plamo": {"n_shared_head": 2},
+    # layer 0 sliding (window 5) with RoPE, layer 1 full without RoPE; MoE at a compressed width
+    "muse_spark": {
+        "rope_parameters": {"rope_theta": 10000.0},
+        "layer_rope_theta": [10000.0, 0.0],
+        "layer_types": SLIDING,
+        "sliding_window": 5,
+        "final_logit_softcapping": 30.0,
+        "output_multiplier": 1.0,
+        "moe_hidden_size": 32,
+        "num_shared_experts": 0,
+    },
+    # its second pass attends within a window of 5 (over blocks of 4 and 16)
+    "iquestloopcoder": {"loop_window_size": 5},
     "hunyuan": {
         "use_mixed_mlp_moe": True,
         "use_qk_norm": True,
@@ -169,11 +185,12 @@ ZOO_CONFIGS: dict[str, dict] = {
         "block_types": ["recurrent", "attention"],
     },
     "rwkv7": {"a_low_rank_dim": 8, "v_low_rank_dim": 8, "gate_low_rank_dim": 8, "decay_low_rank_dim": 8},
-    # Llama-3.1-Nemotron (NAS): layer 0 plain attention (2 heads a KV head), layer 1 without attention
+    # Llama-3.1-Nemotron (NAS): layer 0 without attention, layer 1 plain attention (2 heads a KV
+    # head), so mlx-lm's one cache belongs to layer 1
     "nemotron-nas": {
         "block_configs": [
-            {"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 2.0}},
             {"attention": {"no_op": True}, "ffn": {"ffn_mult": 2.0}},
+            {"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 2.0}},
         ],
     },
     "mimo_v2_flash": {
@@ -247,6 +264,10 @@ ZOO_CONFIGS: dict[str, dict] = {
     "gpt_neox": {"num_key_value_heads": None},
     "gpt2": {"num_key_value_heads": None},
 }
+
+# A wrapper's own fields beside its text_config (muse_spark: transformers' config check, run when
+# the tokenizer loads, wants the audio encoder's output as wide as the text model).
+WRAPPER_CONFIGS: dict[str, dict] = {"muse_spark": {"audio_config": {"out_hidden_size": H}}}
 
 
 def _quiet_import(name: str):
@@ -331,7 +352,7 @@ def zoo_config(model_type: str, vocab: int) -> dict:
         return _fill(module.ModelArgs, vocab, extra)
     text = _fill(text_class, vocab, extra)
     text.setdefault("model_type", model_type)
-    return {"text_config": text, "vocab_size": vocab}
+    return {"text_config": text, "vocab_size": vocab, **WRAPPER_CONFIGS.get(model_type, {})}
 
 
 def write_zoo(path: Path, model_type: str, seed: int = 0) -> Path:
