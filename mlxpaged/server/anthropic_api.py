@@ -37,7 +37,7 @@ from pydantic import BaseModel, Field, ValidationError
 from ..engine.sampling_params import SamplingParams
 from .admission import Ask, admit
 from .admission import count_tokens as admission_count
-from .bodies import Body, CheckedBody
+from .bodies import Body, CheckedBody, json_object
 from .errors import APIError
 from .guided_request import format_guided, tool_plan
 from .jobs import ErrorResponse, JobStream
@@ -180,13 +180,9 @@ def _parse(model, raw) -> BaseModel:
 
 async def _body(request: Request, model):
     try:
-        raw = await request.json()
+        raw = await json_object(request)
     except ValueError as e:
-        raise AnthropicError(400, f"malformed JSON body: {e}") from None
-    except RecursionError:
-        raise AnthropicError(400, "malformed JSON body: nested too deeply") from None
-    if not isinstance(raw, dict):
-        raise AnthropicError(400, "the request needs a JSON object body")
+        raise AnthropicError(400, str(e)) from None
     return _parse(model, raw)
 
 

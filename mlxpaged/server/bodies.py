@@ -90,3 +90,16 @@ def loads_json(text: str):
         raise ValueError(f"JSON nested more than {MAX_DEPTH} levels deep") from None
     check_json(value, "JSON")
     return value
+
+
+async def json_object(request) -> dict:
+    """A request's JSON object body; `ValueError` naming what is wrong with it."""
+    try:
+        raw = await request.json()
+    except ValueError as e:
+        raise ValueError(f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise ValueError("malformed JSON body: nested too deeply") from None
+    if not isinstance(raw, dict):
+        raise ValueError("the request needs a JSON object body")
+    return raw

@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..engine.sampling_params import SamplingParams
 from ..version import __version__
 from .admission import Ask, admit, tokenize
-from .bodies import check_json
+from .bodies import check_json, json_object
 from .errors import APIError
 from .guided_request import format_guided, tool_plan
 from .jobs import ErrorResponse, JobStream
@@ -171,13 +171,9 @@ def _parse(model, raw) -> BaseModel:
 
 async def _body(request: Request, model):
     try:
-        raw = await request.json()
+        raw = await json_object(request)
     except ValueError as e:
-        raise OllamaError(400, f"malformed JSON body: {e}") from None
-    except RecursionError:
-        raise OllamaError(400, "malformed JSON body: nested too deeply") from None
-    if not isinstance(raw, dict):
-        raise OllamaError(400, "the request needs a JSON object body")
+        raise OllamaError(400, str(e)) from None
     return _parse(model, raw)
 
 
