@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from ..config import EngineConfig
-from ..core.block_manager import BlockManager, HashFn, blocks_for_request, sha256_block_hash
+from ..core.block_manager import BlockManager, HashFn, sha256_block_hash
 from ..core.kv_groups import GroupSpec, RecurrentStateGroup
 from ..core.scheduler import Scheduler, SchedulerOutput
 from ..core.sequence import PendingToken, Request, Sequence
@@ -82,6 +82,7 @@ from .sampler import (
     sample_key,
 )
 from .sampling_params import SamplingParams, salt_key
+from .sizing import check_fits
 from .spec_decode import NgramProposer, Verifier
 from .stats import METRIC_KEYS, EngineStats, engine_stats
 from .step import LaunchedStep, Layers, RowPlan, StepLayer, requests_of
@@ -377,15 +378,7 @@ class LLMEngine:
 
     def _check_fits(self, num_prompt: int, n: int, max_tokens: int) -> None:
         """Reject a request that could not finish even with the whole pool to itself."""
-        bm = self.block_manager
-        need = blocks_for_request(num_prompt, n, max_tokens, bm.block_size)
-        if need > self.max_blocks:
-            what = "prompt" if bm.blocks_for(num_prompt) > self.max_blocks else "request"
-            raise MlxPagedError(
-                f"{what} cannot fit in the KV pool: {num_prompt} prompt tokens, n={n}, "
-                f"max_tokens={max_tokens} need up to {need} blocks of {bm.block_size} "
-                f"but the pool has {self.max_blocks}; {self._pool_flag} or lower -n/--max-tokens"
-            )
+        check_fits(num_prompt, n, max_tokens, self.block_manager.block_size, self.max_blocks, self._pool_flag)
 
     @property
     def _pool_flag(self) -> str:
