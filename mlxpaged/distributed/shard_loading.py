@@ -13,15 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import MlxPagedError
-from ..loading.loader import (
-    DTYPES,
-    WEIGHTS,
-    LoadedModel,
-    checked_config,
-    default_dtype,
-    default_weights,
-    resolve_model_path,
-)
+from ..loading.loader import DTYPES, WEIGHTS, LoadedModel, default_dtype, default_weights, resolve_model_path
 from .collectives import barrier
 from .sharding import check_shardable, shard_axis, shard_model
 
@@ -100,7 +92,11 @@ def load_shard(model: str | None, dtype: str | None, weights: str | None, group)
     barrier(group)
     if rank != 0:
         path = resolve_model_path(model, weights if explicit else default_weights())
-    config = checked_config(path)
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise MlxPagedError(f"cannot read {path / 'config.json'}: {e}") from None
+    paged_adapter.check_family(config.get("model_type"), config, path / "config.json")
     paged_adapter.check_tensor_parallel(config.get("model_type"))
     check_shardable(config, world)
     index = _safetensors_index(path)

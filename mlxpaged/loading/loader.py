@@ -155,18 +155,6 @@ def dequantize_layers(net: nn.Module) -> None:
     net.update_modules(tree_map(swap, net.leaf_modules(), is_leaf=nn.Module.is_module))
 
 
-def checked_config(path: Path) -> dict:
-    """The checkpoint's config.json, its model family checked (`paged_adapter.check_family`)."""
-    from ..models import paged_adapter
-
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise MlxPagedError(f"cannot read {path / 'config.json'}: {e}") from None
-    paged_adapter.check_family(config.get("model_type"), config, path / "config.json")
-    return config
-
-
 def load(model: str | None = None, dtype: str | None = None, weights: str | None = None) -> LoadedModel:
     """Load model weights and tokenizer; `dtype` is one of `DTYPES`, or None/"auto";
     `weights` is "quantized", "float", or None/"auto" (see `default_weights`)."""
@@ -180,7 +168,11 @@ def load(model: str | None = None, dtype: str | None = None, weights: str | None
         raise MlxPagedError(f"unknown weights '{weights}': use {', '.join(WEIGHTS)}")
     explicit = weights not in (None, "auto")
     path = resolve_model_path(model, weights if explicit else default_weights())
-    config = checked_config(path)
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise MlxPagedError(f"cannot read {path / 'config.json'}: {e}") from None
+    paged_adapter.check_family(config.get("model_type"), config, path / "config.json")
     try:
         net, config = load_model(path, get_model_classes=paged_adapter.model_classes)
         paged_adapter.prepare(net, config, path / "config.json")
