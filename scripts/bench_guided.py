@@ -9,7 +9,7 @@ The two workloads run on two engines side by side, in turns of `--block` steps (
 of a turn is not timed), so a busy machine slows both alike; a workload's step time is the
 median over its timed steps. The schema keeps every row generating for the timed steps (a
 string of 300 to 400 characters comes first). `mask` is the CPU time per step spent filling
-the masks (`LLMEngine._guide_masks`). Each step's process CPU time (all threads, MLX's
+the masks (`LLMEngine._masks`). Each step's process CPU time (all threads, MLX's
 included) is reported too: on a machine shared with other work, wall time mostly measures
 the wait for a core, CPU time the work done.
 
@@ -79,16 +79,16 @@ def one_run(engines: dict, batch: int, steps: int, block: int, order: tuple) -> 
         start(engines[c], batch, -(-steps // (block - 1)) * block + 8, c)
     for c in order:
         eng = engines[c]
-        real = eng._guide_masks
+        real = eng._masks
 
-        def timed(pairs, real=real, c=c):
+        def timed(step, real=real, c=c):
             t = time.perf_counter()
             try:
-                return real(pairs)
+                return real(step)
             finally:
                 masks[c] += time.perf_counter() - t
 
-        eng._guide_masks = timed
+        eng._masks = timed
     while min(len(t) for t in times.values()) < steps:
         for c in order:
             engines[c].step()
@@ -101,7 +101,7 @@ def one_run(engines: dict, batch: int, steps: int, block: int, order: tuple) -> 
         eng = engines[c]
         running = [s for r in eng.scheduler.running.values() for s in r.live_seqs()]
         assert len(running) == batch, f"only {len(running)} rows still decoding: lengthen the schema's string"
-        del eng._guide_masks
+        del eng._masks
         finish(eng)
     n_steps = {c: len(times[c]) + len(times[c]) // (block - 1) for c in order}
     return {c: (statistics.median(times[c]), masks[c] / n_steps[c], statistics.median(cpu[c])) for c in order}

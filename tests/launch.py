@@ -41,3 +41,18 @@ def _ring_can_start() -> str | None:
     if not mx.distributed.is_available():
         return "MLX was built without distributed support"
     return None
+
+
+def wait_healthy(port: int, procs: list) -> None:
+    """Wait (up to 2 minutes) until the server on `port` answers /health; fails with rank 0's
+    stderr if a rank ended first."""
+    import time
+    import urllib.request
+
+    for _ in range(240):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            return
+        except OSError:
+            assert all(p.poll() is None for p in procs), procs[0].stderr.read()
+            time.sleep(0.5)

@@ -16,6 +16,25 @@ import openai
 from mlxpaged.testing.slowness import wall
 
 
+# -- an app in this process --------------------------------------------------------------------
+def in_process_app(loaded, num_blocks: int = 64):
+    """(app, its engine loop, started, with /metrics attached) over `loaded` in this process."""
+    import mlx.core as mx
+
+    from mlxpaged.config import EngineConfig
+    from mlxpaged.engine.llm_engine import LLMEngine
+    from mlxpaged.server.app import build_app
+    from mlxpaged.server.engine_loop import EngineLoop
+    from mlxpaged.server.metrics import Metrics
+
+    mx.eval(loaded.model.parameters())
+    metrics = Metrics()
+    loop = EngineLoop(lambda: LLMEngine(loaded, EngineConfig.of(num_blocks=num_blocks)), observer=metrics)
+    loop.start()
+    metrics.attach(loop)
+    return build_app(loop, metrics, model_id="tiny"), loop
+
+
 # -- a server subprocess ----------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:

@@ -333,17 +333,17 @@ def test_masks_follow_the_read_back_and_overlap_the_forward(tiny_loaded):
     the read-back it depends on, and the next forward pass is always launched before it."""
     engine = make_engine(tiny_loaded)
     events = []
-    for name in ("_launch", "_read_back", "_guide_masks"):
+    for name in ("_launch", "_read_back", "_masks"):
         real = getattr(engine, name)
         setattr(engine, name, lambda arg, real=real, name=name: events.append(name) or real(arg))
     engine.add_request("x", guided(0, json_schema=SCHEMAS["enum"]))
     while engine.has_unfinished_requests():
         engine.step()
-    assert events[:2] == ["_launch", "_guide_masks"]  # the first step: nothing in flight
+    assert events[:2] == ["_launch", "_masks"]  # the first step: nothing in flight
     steady = events[2:]
-    assert len(steady) >= 9 and steady[:3] == ["_launch", "_read_back", "_guide_masks"]
+    assert len(steady) >= 9 and steady[:3] == ["_launch", "_read_back", "_masks"]
     for i, e in enumerate(steady):
-        if e == "_guide_masks":
+        if e == "_masks":
             assert steady[i - 2 : i] == ["_launch", "_read_back"], steady
 
 

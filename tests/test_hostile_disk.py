@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
+from disk_cases import engine, ids, run_flushed
 
-from mlxpaged import EngineConfig, LLMEngine, SamplingParams
+from mlxpaged import LLMEngine, SamplingParams
 from mlxpaged.loading.loader import load
 from mlxpaged.testing.tiny_model import write_tiny_qwen2
 from mlxpaged.worker import prefix_store
@@ -24,23 +24,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 BLOCK = 16
 
 
-def ids(seed: int, n: int) -> list[int]:
-    return np.random.default_rng(seed).integers(3, 380, n).tolist()
-
-
-def engine(loaded, store: Path | None, **kw) -> LLMEngine:
-    kw.setdefault("num_blocks", 96)
-    return LLMEngine(loaded, EngineConfig.of(prefix_cache_dir=None if store is None else str(store), **kw))
-
-
 def run(e: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY):
-    rids = [e.add_request(p, params) for p in prompts]
-    done = {}
-    while e.has_unfinished_requests():
-        done.update({o.request_id: o for o in e.step() if o.finished})
-    if e.prefix_store is not None:
-        e.prefix_store.flush()
-    return [done[r] for r in rids]
+    return run_flushed(e, prompts, params)
 
 
 def block_files(store: Path) -> list[Path]:

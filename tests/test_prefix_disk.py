@@ -17,6 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from disk_cases import engine, ids, run_flushed
 
 from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 from mlxpaged.testing.slowness import wall
@@ -28,24 +29,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 LOG = "mlxpaged.prefix_store"
 
 
-def ids(seed: int, n: int) -> list[int]:
-    return np.random.default_rng(seed).integers(3, 380, n).tolist()
-
-
-def engine(loaded, store: Path | None, **kw) -> LLMEngine:
-    kw.setdefault("num_blocks", 96)
-    return LLMEngine(loaded, EngineConfig.of(prefix_cache_dir=None if store is None else str(store), **kw))
-
-
 def run(e: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY):
-    rids = [e.add_request(p, params) for p in prompts]
-    done = {}
-    while e.has_unfinished_requests():
-        done.update({o.request_id: o for o in e.step() if o.finished})
-    if e.prefix_store is not None:
-        e.prefix_store.flush()
+    outs = run_flushed(e, prompts, params)
     e.check_invariants()
-    return [done[r] for r in rids]
+    return outs
 
 
 def block_files(store: Path) -> list[Path]:

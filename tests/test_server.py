@@ -20,7 +20,7 @@ import pytest
 from mlxpaged import LLM, SamplingParams
 from mlxpaged.testing.slowness import wall
 
-from server_proc import Server  # noqa: E402
+from server_proc import Server, in_process_app  # noqa: E402
 
 NUM_BLOCKS = 128  # 2,048 token slots: small enough that "cannot fit in the pool" is easy to provoke
 PROMPTS = [
@@ -422,18 +422,7 @@ def test_auth_queue_and_interrupt(tiny_model_path):
 def test_step_error_fails_only_its_requests(tiny_loaded, monkeypatch):
     from fastapi.testclient import TestClient
 
-    from mlxpaged.config import EngineConfig
-    from mlxpaged.engine.llm_engine import LLMEngine
-    from mlxpaged.server.app import build_app
-    from mlxpaged.server.engine_loop import EngineLoop
-    from mlxpaged.server.metrics import Metrics
-
-    mx.eval(tiny_loaded.model.parameters())
-    metrics = Metrics()
-    loop = EngineLoop(lambda: LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=64)), observer=metrics)
-    loop.start()
-    metrics.attach(loop)
-    app = build_app(loop, metrics, model_id="tiny")
+    app, loop = in_process_app(tiny_loaded)
     engine = loop.engine
     real, calls = engine._forward, []  # the forward pass of one step, inside step()'s StepError guard
 

@@ -22,7 +22,7 @@ import pytest
 
 from mlxpaged.testing.slowness import wall
 
-from server_proc import Server, free_port
+from server_proc import Server, free_port, in_process_app
 
 BLOCKS = 2048  # 32,768 token slots: room for 32 samples of 700 tokens
 STALL = 3.0  # --stream-stall-timeout of the shared server
@@ -465,21 +465,9 @@ def test_default_max_tokens_is_the_largest_the_engine_admits(tiny_loaded):
 
 def test_unhandled_error_is_one_500_error_object(tiny_loaded, caplog):
     """An exception no handler takes: a JSON 500 in OpenAI's shape, its traceback logged once."""
-    import mlx.core as mx
     from fastapi.testclient import TestClient
 
-    from mlxpaged.config import EngineConfig
-    from mlxpaged.engine.llm_engine import LLMEngine
-    from mlxpaged.server.app import build_app
-    from mlxpaged.server.engine_loop import EngineLoop
-    from mlxpaged.server.metrics import Metrics
-
-    mx.eval(tiny_loaded.model.parameters())
-    metrics = Metrics()
-    loop = EngineLoop(lambda: LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=64)), observer=metrics)
-    loop.start()
-    metrics.attach(loop)
-    app = build_app(loop, metrics, model_id="tiny")
+    app, loop = in_process_app(tiny_loaded)
 
     def broken(*a, **kw):
         raise KeyError("a bug \ud800")

@@ -12,14 +12,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
 
 from mlxpaged.testing.slowness import wall
 
-from launch import _free_port_pair, _ring_can_start  # noqa: E402
+from launch import _free_port_pair, _ring_can_start, wait_healthy  # noqa: E402
 
 pytestmark = pytest.mark.skipif(_ring_can_start() is not None, reason=f"[expected] {_ring_can_start()}")
 
@@ -89,13 +88,7 @@ def test_guided_and_tool_requests_on_two_ranks_equal_one_process(tiny_model_path
         subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**env, "MLX_RANK": str(r)}) for r in range(2)
     ]
     try:
-        for _ in range(240):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=1)
-                break
-            except OSError:
-                assert all(p.poll() is None for p in procs), procs[0].stderr.read()
-                time.sleep(0.5)
+        wait_healthy(http_port, procs)
         got = [_post(http_port, b) for b in BODIES]
         assert all(p.poll() is None for p in procs), "a rank ended"
     finally:

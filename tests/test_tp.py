@@ -22,7 +22,7 @@ from mlxpaged.distributed.sharding import check_shardable, shard_axis
 from mlxpaged.errors import MlxPagedError
 from mlxpaged.testing.slowness import wall
 
-from launch import _free_port_pair, _ring_can_start, ring_command  # noqa: E402
+from launch import _free_port_pair, _ring_can_start, ring_command, wait_healthy  # noqa: E402
 
 WORKER = str(Path(__file__).with_name("tp_worker.py"))
 
@@ -279,7 +279,6 @@ def _stream_then_hang_up(port: int, body: dict) -> None:
 def test_serve_two_ranks_loopback(tiny_model_path, tmp_path):
     """`mlxpaged serve` on two ranks answers as one process does, survives a client that hangs up
     mid-stream (an abort every rank must replay), and stops both ranks cleanly on Ctrl-C."""
-    import urllib.request
 
     from mlxpaged import LLM, SamplingParams
 
@@ -308,13 +307,7 @@ def test_serve_two_ranks_loopback(tiny_model_path, tmp_path):
         for r in range(2)
     ]
     try:
-        for _ in range(240):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=1)
-                break
-            except OSError:
-                assert all(p.poll() is None for p in procs), procs[0].stderr.read()
-                time.sleep(0.5)
+        wait_healthy(http_port, procs)
         greedy = {
             "prompt": "Words from outside the corpus: zebra, quartz, jive, vex, ochre.",
             "max_tokens": 12,

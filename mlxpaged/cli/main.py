@@ -259,8 +259,8 @@ def generate(
         config = engine_config(engine_flags)
         if any(not p.strip() for p, _ in items):
             raise MlxPagedError("empty prompt")
-        from ..core.block_manager import blocks_for_request
         from ..engine.builder import build_engine, load_model
+        from ..engine.sizing import request_blocks
         from ..worker.kv_cache import pool_blocks
 
         group, follower = launched_rank()  # one rank of several under mlx.launch: tensor parallelism
@@ -269,7 +269,7 @@ def generate(
         loaded = load_model(model, dtype, weights, group)
         ids = [_encode(loaded.tokenizer, p, chat) for p, _ in items]
         # `generate` knows its whole workload: a pool just big enough for all of it at full length.
-        need = sum(blocks_for_request(len(i), p.n, p.max_tokens, config.cache.block_size) for i, p in zip(ids, params))
+        need = sum(request_blocks(len(i), p.n, p.max_tokens, config.cache.block_size) for i, p in zip(ids, params))
         config.cache.num_blocks = pool_blocks(loaded, config, need)
         engine = build_engine(loaded, config, group=group, adapters={"adapter": adapter} if adapter else None)
         if beam is not None:

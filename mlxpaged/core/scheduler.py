@@ -107,6 +107,14 @@ class SchedulerOutput:
             + [(d.seq, 1 + len(d.proposal)) for d in self.spec]
         )
 
+    def requests(self) -> list[Request]:
+        """The requests this step computes tokens for, each once."""
+        return list(
+            dict.fromkeys(
+                [r for r, _ in self.decodes] + [c.request for c in self.prefills] + [d.request for d in self.spec]
+            )
+        )
+
     def spec_tokens(self) -> dict[int, list[int]]:
         """The proposals by index in `batch()`: the runner feeds them after the row's last token."""
         first = len(self.decodes) + len(self.prefills)

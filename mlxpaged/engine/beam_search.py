@@ -28,6 +28,7 @@ import mlx.core as mx
 from .step import StepLayer
 
 if TYPE_CHECKING:
+    from ..core.scheduler import SampleRow
     from ..core.sequence import Sequence
     from .step import LaunchedStep
 
@@ -148,20 +149,27 @@ def beam_step(state: BeamState, live: list[Sequence], logits: mx.array, is_eos: 
 
 
 class BeamLayer(StepLayer):
-    """The step's beam-search rows, once read back: each request ranks its beams' continuations
-    (`beam_step`) and the scheduler's `BeamPolicy` forks, drops and reorders its beams."""
+    """The step's beam-search rows: taken from the draws (`take_rows`; the step keeps its logits
+    for them), and once read back each request ranks its beams' continuations (`beam_step`) and
+    the scheduler's `BeamPolicy` forks, drops and reorders its beams."""
 
     def __init__(self, scheduler, stats, is_eos: Callable[[int], bool]):
         self.scheduler, self.stats, self.is_eos = scheduler, stats, is_eos
 
+    def take_rows(self, rows: list[SampleRow]) -> tuple[list[SampleRow], list[SampleRow]]:
+        """A beam search's rows are ranked here, not drawn."""
+        mine = [r for r in rows if r.request.beam is not None]
+        return (mine, [r for r in rows if r.request.beam is None]) if mine else ([], rows)
+
     def reads_at_once(self, step: LaunchedStep) -> bool:
-        return bool(step.beam_rows)  # beams fork and drop on the values before the next schedule
+        return self in step.held  # beams fork and drop on the values before the next schedule
 
     def read_back(self, step: LaunchedStep) -> list:
-        if not step.beam_rows:
+        rows = step.held.pop(self, None)
+        if not rows:
             return []
         beams: dict = {}
-        for r in step.beam_rows:
+        for r in rows:
             beams.setdefault(r.request, {}).update({s: r.row for s in r.seqs})
         progressed = []
         for req, seq_rows in beams.items():

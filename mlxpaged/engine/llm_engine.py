@@ -6,8 +6,10 @@ request's state, through `BlockManager`) -> `ModelRunner` (the forward pass over
 deciding stops and detokenizing) -> `stopping.make_output`. The engine never changes a block table
 or a sequence itself: it launches steps, reads them back and reports. `step()` is the same five
 stages for every step (schedule, launch, commit, read back, report); each feature beyond them (the
-draft model, verifying speculation, beam search, the disk tier) is a `StepLayer` (step.py)
-registered in `__init__` and called at each stage, so the step itself names none.
+draft model, speculation, beam search, grammar masks, prompt logprobs, the disk tier) is a
+`StepLayer` (step.py) registered in `__init__` and called at each stage through its hooks (rows
+a layer takes or adds, tokens it feeds the forward pass, masks on the draws, what it reads
+back), so the step itself names none.
 
 Overlapped steps (`EngineConfig.async_scheduling`, on by default), as mlx-lm's generate loop:
 one `step()` call schedules step t+1, builds its inputs and its sampling graph and launches it
@@ -29,11 +31,11 @@ runs the stop checks and detokenizes, while the device computes t+1. Invariants:
   speculate (`SchedulerOutput.read_back_now`: n-gram proposals are looked up in its known
   tokens, so the token it samples now must be known); copy-on-write copies wait for the device
   inside `copy_blocks`;
-- a step with grammar-constrained rows (`SamplingParams.guided`) launches its forward pass
+- a step with masked rows (grammar-constrained ones, `GrammarLayer`) launches its forward pass
   first and its draws after reading back the step before: a row's mask needs the value of its
   previous token, so the CPU advances the matchers and fills the masks while the device runs
   the forward pass, and the draws of all rows (one graph) follow. Steps without such rows
-  launch forward and draws together, as before;
+  launch forward and draws together;
 - a speculating row (spec_decode.py) draws K+1 targets, one per position, with the keys of the
   sequence's stream; after the read-back `Scheduler.update_from_spec` appends the accepted
   tokens and rolls back the slots of the rejected ones, and only then names full blocks, which
@@ -49,12 +51,11 @@ import time
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
-import numpy as np
 
 from ..config import EngineConfig
-from ..core.block_manager import BlockManager, HashFn, blocks_for_request, sha256_block_hash
+from ..core.block_manager import BlockManager, HashFn, sha256_block_hash
 from ..core.kv_groups import GroupSpec, RecurrentStateGroup
-from ..core.scheduler import Scheduler, SchedulerOutput, SpecDecode
+from ..core.scheduler import Scheduler, SchedulerOutput
 from ..core.sequence import PendingToken, Request, Sequence
 from ..errors import MlxPagedError, StepError
 from ..models.lora import AdapterSet
@@ -65,7 +66,8 @@ from ..worker.model_runner import ModelRunner
 from ..worker.state_cache import CHECKPOINT_BYTES, CHECKPOINTS, Checkpoints, spec_nbytes, state_spec
 from .beam_search import BeamLayer, BeamSearchParams, BeamState
 from .draft import DraftProposer, draft_slots
-from .guided import GrammarCompiler, GrammarTooSlow, fill_masks, mask_budget_spent, mask_words
+from .grammar_layer import GrammarLayer
+from .guided import GrammarCompiler
 from .kv_connector import DiskConnector
 from .outputs import RequestOutput
 from .pooling import PoolingLayer, PoolingParams
@@ -82,9 +84,10 @@ from .sampler import (
     sample_key,
 )
 from .sampling_params import SamplingParams, salt_key
-from .spec_decode import NgramProposer, Verifier, spec_draws, spec_rows
+from .sizing import check_fits
+from .spec_decode import NgramProposer, Verifier
 from .stats import METRIC_KEYS, EngineStats, engine_stats
-from .step import LaunchedStep, Layers, RowPlan, requests_of
+from .step import LaunchedStep, Layers, RowPlan, StepLayer, requests_of
 from .stopping import StopChecker, detokenizers, hidden_token_ids, make_output
 
 if TYPE_CHECKING:  # annotations only: loading imports nothing of the engine
@@ -189,6 +192,13 @@ class LLMEngine:
         self.layers.append(self._prompt_logprobs, dormant=True)
         self._pooling = PoolingLayer(self.scheduler)
         self.layers.append(self._pooling, dormant=True)
+        # Grammars are compiled by the first guided request; each rank of a tensor-parallel group
+        # would time its masks apart, so there none is failed as too slow (grammar_layer.py).
+        self._grammar = GrammarLayer(
+            lambda: GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids),
+            judge_time=getattr(loaded.model, "tp_group", None) is None,
+        )
+        self.layers.append(self._grammar, dormant=True)
         if checkpoints is not None:
             self.layers.append(CheckpointNamer(checkpoints))
         if self.prefix_store is not None:
@@ -200,10 +210,6 @@ class LLMEngine:
         self._last_plan: RowPlan | None = None  # the last decode-only step's (`_plan`)
         self._carried: list[Request] = []  # read back during a failed step: reported at the next
         self._last_read = 0.0
-        self._grammars: GrammarCompiler | None = None  # built by the first guided request
-        # guided requests past their mask-time budget (guided.py), failed at the next step; not under
-        # tensor parallelism, where each rank's own timing would make the ranks' decisions differ
-        self._too_slow: dict[Request, str] = {} if getattr(loaded.model, "tp_group", None) is None else None
 
     def _recurrent_checks(self) -> Checkpoints | None:
         """A hybrid model (recurrent layers, worker/state_cache.py): refuse by name the features its
@@ -294,9 +300,7 @@ class LLMEngine:
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        return self._grammars
+        return self._grammar.compiler
 
     @property
     def num_blocks(self) -> int:
@@ -337,12 +341,12 @@ class LLMEngine:
             raise MlxPagedError(
                 f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary (size {self.vocab_size})"
             )
-        grammar = None
-        if params.guided is not None:
-            try:
-                grammar = self.grammar_compiler.compile(params.guided)
-            except ValueError as e:
-                raise MlxPagedError(str(e)) from None
+        try:
+            matcher = self._grammar.matcher(params)
+        except ValueError as e:
+            raise MlxPagedError(str(e)) from None
+        if matcher is not None:
+            self.layers.wake(self._grammar)
         if params.prompt_logprobs is not None:
             self.layers.wake(self._prompt_logprobs)
         seed = params.seed if params.seed is not None else random.getrandbits(31)
@@ -355,7 +359,7 @@ class LLMEngine:
                 rng_key=None if params.greedy else sample_key(seed, i),
                 penalties=PenaltyCounts() if params.has_penalties else None,
                 detokenizer=self._detokenizer(),
-                matcher=grammar.matcher() if grammar is not None else None,
+                matcher=matcher() if matcher is not None else None,
                 cache_salt=salt_key(params.cache_salt),
                 adapter=adapter,
             )
@@ -421,15 +425,7 @@ class LLMEngine:
 
     def _check_fits(self, num_prompt: int, n: int, max_tokens: int) -> None:
         """Reject a request that could not finish even with the whole pool to itself."""
-        bm = self.block_manager
-        need = blocks_for_request(num_prompt, n, max_tokens, bm.block_size)
-        if need > self.max_blocks:
-            what = "prompt" if bm.blocks_for(num_prompt) > self.max_blocks else "request"
-            raise MlxPagedError(
-                f"{what} cannot fit in the KV pool: {num_prompt} prompt tokens, n={n}, "
-                f"max_tokens={max_tokens} need up to {need} blocks of {bm.block_size} "
-                f"but the pool has {self.max_blocks}; {self._pool_flag} or lower -n/--max-tokens"
-            )
+        check_fits(num_prompt, n, max_tokens, self.block_manager.block_size, self.max_blocks, self._pool_flag)
 
     @property
     def _pool_flag(self) -> str:
@@ -463,8 +459,8 @@ class LLMEngine:
         that step are aborted (their blocks freed) and the engine goes on with the others at
         the next call; tokens of the step before, read back meanwhile, come with the next call.
         """
-        if self._too_slow:
-            self._fail_too_slow()
+        for layer in self.layers.failed:
+            self._fail_layer(layer)
         progressed, self._carried = self._carried, []
         prev, self._inflight = self._inflight, None
         out = self._schedule()  # 1 schedule
@@ -478,7 +474,7 @@ class LLMEngine:
                 progressed += self._read_back(prev)  # 4 read back step t, while t+1 runs
                 prev = None
             if cur.logits_rows is not None:
-                self._draw_guided(cur)
+                self._draw_masked(cur)
             self._commit(cur)  # 3 commit
             if self._overlaps(cur):
                 self._inflight = cur
@@ -492,12 +488,12 @@ class LLMEngine:
             progressed += [c.request for c in out.prefills]
         return self._report(progressed)  # 5 report
 
-    def _fail_too_slow(self) -> None:
-        """Fail the guided requests whose masks spent their time budget (guided.py) in the last
-        step; reported with this step's outputs."""
-        slow, self._too_slow = self._too_slow, {}
-        if live := [r for r in slow if r.request_id in self._requests]:
-            self._fail(live, self._carried, GrammarTooSlow(slow[live[0]]))
+    def _fail_layer(self, layer: StepLayer) -> None:
+        """Fail the requests a layer ends before this step (a grammar too slow to enforce);
+        reported with this step's outputs."""
+        failed = layer.failed()
+        if live := [r for r in failed if r.request_id in self._requests]:
+            self._fail(live, self._carried, failed[live[0]])
 
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's next step; the device pools take the pool's new size before any block
@@ -533,9 +529,11 @@ class LLMEngine:
             return False
         return not any(layer.reads_at_once(step) for layer in self.layers.reads_at_once)
 
-    def _draw_guided(self, step: LaunchedStep) -> None:
-        """Guided rows draw once the step before is read back: their masks needed its tokens."""
-        step.sampled = self._draws(step.pairs, step.logits_rows, step.spec)
+    def _draw_masked(self, step: LaunchedStep) -> None:
+        """A step whose rows some layer masks draws once the step before is read back: the masks
+        needed its tokens."""
+        added = [(layer, step.held[layer]) for layer in self.layers.added_rows if layer in step.held]
+        step.sampled = self._draws(step.pairs, step.logits_rows, added, step.plan, self._masks(step))
         step.logits_rows = None
         mx.async_eval(*step.sampled.arrays())
 
@@ -576,44 +574,49 @@ class LLMEngine:
 
     def _launch(self, out: SchedulerOutput) -> LaunchedStep:
         """Build the step's forward pass and draws and hand them to the device; waits for nothing
-        (but copy-on-write copies, which `copy_blocks` evaluates). A step with guided rows
-        launches its forward pass only: `step` builds the draws after reading back the step in
-        flight, if any (`logits_rows` holds their logits meanwhile)."""
+        (but copy-on-write copies, which `copy_blocks` evaluates). A step whose rows some layer
+        masks launches its forward pass only: `step` builds the draws after reading back the step
+        in flight, if any (`logits_rows` holds their logits meanwhile)."""
         t0 = time.perf_counter()
         plan = self._plan(out)
         logits, extra = self._forward(out, plan.batch)
-        pairs, index, beam_rows = plan.pairs, plan.index, plan.beam_rows
+        pairs, index, in_order = plan.pairs, plan.index, plan.in_order
+        held, added = {}, []
+        for layer in self.layers.added_rows:  # rows beyond the samples' own (speculation's)
+            if (got := layer.added_rows(out, len(index))) is not None:
+                rows, held[layer] = got
+                added.append((layer, held[layer]))
+                index = index + rows  # (the plan's list stays the plan's)
+        if added:
+            in_order = index == list(range(len(index)))
         sampled = logits_rows = None
         todo = self.kv_cache.arrays  # every pool array, a new list (a QuantizedPool is not an array)
-        spec, in_order = [], plan.in_order
-        if out.spec:
-            index = list(index)  # (the plan's list stays the plan's)
-            spec = spec_rows(out, index)
-            in_order = index == list(range(len(index)))
         if index:
             if in_order and len(index) == logits.shape[0]:
                 logits_rows = logits
             else:
                 logits_rows = logits[mx.array(index)]
-            if plan.guided:
+            if plan.masking:
                 todo.append(logits_rows)
             else:
-                sampled = self._draws(pairs, logits_rows, spec, plan)
+                sampled = self._draws(pairs, logits_rows, added, plan)
                 todo += sampled.arrays()
                 logits_rows = None
-        if beam_rows:
+        for layer, rows in plan.taken:
+            held[layer] = rows
+        if plan.taken:
             todo.append(logits)
         step = LaunchedStep(
             self.stats.steps,
             out,
+            plan,
             pairs,
             sampled,
-            beam_rows,
-            logits if beam_rows else None,
+            logits if plan.taken else None,
             sum(c.num_tokens for c in out.prefills) if out.prefills else 0,
             t0,
             logits_rows,
-            spec=spec,
+            held=held,
         )
         for layer, rows_of_layer in extra:
             todo += layer.launched(step, rows_of_layer)
@@ -629,25 +632,25 @@ class LLMEngine:
     def _plan(self, out: SchedulerOutput) -> RowPlan:
         """Who draws from which logits row of `out` (`RowPlan`): the last decode-only step's plan
         when `out` decodes the same samples in the same order, else a new one."""
-        decode_only = not out.prefills and not out.spec
+        decode_only = not out.prefills and out.num_decode_tokens == len(out.decodes)
         last = self._last_plan
         if decode_only and last is not None and out.decodes == last.decodes:  # (identity: eq=False)
             return last
-        pairs, index, beam_rows = [], [], []
-        guided = False
-        for r in self.scheduler.sample_rows(out):
-            if r.request.beam is not None:
-                beam_rows.append(r)
-                continue
+        rows, taken = self.scheduler.sample_rows(out), []
+        for layer in self.layers.take_rows:  # rows a layer reads itself (beams)
+            mine, rows = layer.take_rows(rows)
+            if mine:
+                taken.append((layer, mine))
+        pairs, index = [], []
+        for r in rows:
             for s in r.seqs:
                 pairs.append((r.request, s))
                 index.append(r.row)
-                if s.matcher is not None:
-                    guided = True
+        masking = [layer for layer in self.layers.masks_rows if layer.masks_rows(pairs)]
         params = [r.params for r, _ in pairs]
         in_order = index == list(range(len(index)))
         decodes = out.decodes if decode_only else None
-        plan = RowPlan(pairs, index, beam_rows, guided, params, row_kinds(params), out.batch(), in_order, decodes)
+        plan = RowPlan(pairs, index, taken, masking, params, row_kinds(params), out.batch(), in_order, decodes)
         if decode_only:
             self._last_plan = plan
         return plan
@@ -656,27 +659,25 @@ class LLMEngine:
         self,
         pairs: list[tuple[Request, Sequence]],
         logits_rows: mx.array,
-        spec: list[tuple[SpecDecode, int]] = (),
-        plan: RowPlan | None = None,
+        added: list[tuple[StepLayer, object]],
+        plan: RowPlan,
+        masks: GuideMasks | None = None,
     ) -> SampleArrays:
-        """The draws of `pairs[j]` from `logits_rows[j]`, then the K+1 draws of each speculating
-        row (`spec`), one graph: grammar masks for the guided rows, token histories for the rows
-        with penalties (see sampler.py). Speculating rows have neither (`SpecPolicy.speculates`).
-        `plan`: the step's `RowPlan`, whose params and kinds are those of `pairs`, if at hand."""
-        if plan is None:
-            params = [r.params for r, _ in pairs]
-            kinds = row_kinds(params)
-        else:
-            params, kinds = plan.params, plan.kinds
+        """The draws of `pairs[j]` from `logits_rows[j]` with the plan's params, then the draws
+        the layers `added` (each with what it kept), one graph: `masks` for the masked rows, token
+        histories for the rows with penalties (see sampler.py). Added rows have neither
+        (`SpecPolicy.speculates`)."""
+        params, kinds = plan.params, plan.kinds
         keys = [None] * len(pairs)  # only the rows that draw read theirs
         for i in kinds.drawn:
             keys[i] = pairs[i][1].current_key()
-        if spec:
+        if added:
             params = list(params)  # (a plan's list stays the plan's)
-            spec_draws(spec, params, keys)
+            for layer, kept in added:
+                layer.added_draws(kept, params, keys)
             kinds = row_kinds(params)
         histories = None
-        if kinds.penalties:  # (never a speculating row)
+        if kinds.penalties:  # (never an added row)
             histories = [
                 TokenHistory(
                     s.token_ids,
@@ -689,57 +690,36 @@ class LLMEngine:
                 for r, s in pairs
             ]
             histories += [None] * (len(params) - len(pairs))
-        masks = self._guide_masks(pairs) if plan is None or plan.guided else None
         return sample_arrays(logits_rows, params, keys, masks=masks, histories=histories, kinds=kinds)
 
-    def _guide_masks(self, pairs: list[tuple[Request, Sequence]]) -> GuideMasks | None:
-        """Fill the grammar masks of the guided rows on the CPU; None when there are none.
-
-        A matcher is brought to its sample's known output tokens first (`sync`: after a
-        preemption or anything else that changed them it rolls back or replays); a sample
-        that finished since the step was scheduled draws unmasked (its row is dropped).
-        """
-        rows = [j for j, (_, s) in enumerate(pairs) if s.matcher is not None]
-        if not rows:
-            return None
-        bits = np.full((len(rows), mask_words(self.vocab_size)), -1, dtype=np.int32)
-        matchers = []
-        for j in rows:
-            seq = pairs[j][1]
-            assert seq.pending is None, "a guided row's previous token is read back before its mask"
-            m = seq.matcher
-            # the usual case, checked without copying the tokens: the matcher took every output token
-            n = seq.num_output_tokens
-            synced = (
-                len(m.consumed) == n and (n == 0 or m.consumed[-1] == seq.token_ids[-1]) or m.sync(seq.output_token_ids)
-            )
-            matchers.append(None if seq.finished or not synced else m)
-        fill_masks(matchers, bits)
-        if self._too_slow is not None:
-            for req in dict.fromkeys(pairs[j][0] for j in rows):
-                why = mask_budget_spent(s.matcher for s in req.seqs)
-                if why:
-                    self._too_slow[req] = why
-        return GuideMasks(rows, bits)
+    def _masks(self, step: LaunchedStep) -> GuideMasks | None:
+        """The masks of the step's drawn rows, filled by its plan's masking layers (one layer
+        masks: the grammar's) once the step before is read back."""
+        masks = None
+        for layer in step.plan.masking:
+            masks = layer.masks(step.pairs, self.vocab_size) or masks
+        return masks
 
     def _forward(self, out: SchedulerOutput, batch: list[tuple[Sequence, int]]) -> tuple[mx.array, list]:
         """The step's one forward pass over every scheduled token, lazily: the logits of each entry of
-        `batch` (`out.batch()`; a speculating one's every position), and (layer, rows) for each layer that
-        asked for every position of some entries (`StepLayer.logits_wanted`).
+        `batch` (`out.batch()`; an entry fed tokens by a layer, every position's), and (layer, rows)
+        for each layer that asked for every position of some entries (`StepLayer.logits_wanted`).
         Copy-on-write copies go first (they wait for the device: `copy_blocks` evaluates)."""
         if out.copies:
             for group in range(len(out.copies)):
                 self.kv_cache.copy_blocks(out.block_copies(group), group)
-        wanted = []
+        wanted, tokens = [], {}
         for layer in self.layers.before_forward:
             layer.before_forward(out)
+        for layer in self.layers.forward_tokens:
+            tokens.update(layer.forward_tokens(out))
         for layer in self.layers.logits_wanted:
             if entries := layer.logits_wanted(out):
                 wanted.append((layer, entries))
-        if not wanted and not out.spec:
+        if not wanted and not tokens:
             return self.runner.forward(batch), []  # (the plain call)
         all_rows = [i for _, entries in wanted for i in entries]
-        logits = self.runner.forward(batch, out.spec_tokens() if out.spec else None, all_rows)
+        logits = self.runner.forward(batch, tokens or None, all_rows)
         if not wanted:
             return logits, []
         at = logits.shape[0] - sum(batch[i][1] for i in all_rows)

@@ -100,17 +100,17 @@ def key_chain(keys: mx.array, length: int) -> list[mx.array]:
 
 
 # -- the layer: speculating rows in the step's draws, and their verification -----------------------
-def spec_rows(out: SchedulerOutput, index: list[int]) -> list[tuple[SpecDecode, int]]:
-    """Add the logits rows of each speculating row's K+1 positions to `index` (they follow the
-    other rows: the runner's `logits_indices` gives every position of such a row). Returns each
-    row with the index of its first draw; nothing for a step without speculating rows."""
+def spec_rows(out: SchedulerOutput, first: int) -> tuple[list[int], list[tuple[SpecDecode, int]]]:
+    """The logits rows of each speculating row's K+1 positions (they follow the other rows: the
+    runner's `logits_indices` gives every position of such a row), and each speculating row with
+    the index of its first draw (the step's draws before them: `first`)."""
     row = len(out.decodes) + len(out.prefills)
-    rows = []
+    index, rows = [], []
     for d in out.spec:
-        rows.append((d, len(index)))
+        rows.append((d, first + len(index)))
         index.extend(range(row, row + 1 + len(d.proposal)))
         row += 1 + len(d.proposal)
-    return rows
+    return index, rows
 
 
 def spec_draws(spec: list[tuple[SpecDecode, int]], params: list, keys: list) -> None:
@@ -128,19 +128,31 @@ def spec_draws(spec: list[tuple[SpecDecode, int]], params: list, keys: list) -> 
 
 
 class Verifier(StepLayer):
-    """After the read-back, accept each speculating row's proposals against its K+1 target draws;
-    the scheduler appends the accepted tokens and rolls back the rest (`update_from_spec`)."""
+    """Speculating rows in the step: the proposals their forward pass feeds (`forward_tokens`),
+    their K+1 draws after the step's other draws (`added_rows`, `added_draws`), and after the
+    read-back the proposals accepted against those draws; the scheduler appends the accepted
+    tokens and rolls back the rest (`update_from_spec`)."""
 
     def __init__(self, scheduler: Scheduler, stats, check_stop):
         self.scheduler, self.stats, self.check_stop = scheduler, stats, check_stop
 
+    def forward_tokens(self, out: SchedulerOutput) -> dict[int, list[int]]:
+        return out.spec_tokens() if out.spec else {}
+
+    def added_rows(self, out: SchedulerOutput, first: int):
+        return spec_rows(out, first) if out.spec else None
+
+    def added_draws(self, kept, params: list, keys: list) -> None:
+        spec_draws(kept, params, keys)
+
     def read_back(self, step: LaunchedStep) -> list[Request]:
-        if not step.spec:
+        spec = step.held.pop(self, None)
+        if not spec:
             return []
         s, toks, logprobs = step.sampled, step.tokens, step.logprobs
         key_row = {i: j for j, i in enumerate(s.sampled)}
         progressed = []
-        for d, r0 in step.spec:
+        for d, r0 in spec:
             k = len(d.proposal)
             tokens = verified_tokens(d.proposal, toks[r0 : r0 + k + 1])
             a = len(tokens) - 1

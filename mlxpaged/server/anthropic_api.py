@@ -32,12 +32,12 @@ import json
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import Field
 
 from ..engine.sampling_params import SamplingParams
 from .admission import Ask, admit
 from .admission import count_tokens as admission_count
-from .bodies import Body, CheckedBody
+from .bodies import Body, CheckedBody, read_body
 from .errors import APIError
 from .guided_request import format_guided, tool_plan
 from .jobs import ErrorResponse, JobStream
@@ -166,28 +166,15 @@ class MessagesRequest(CountTokensRequest):
         return self.cache_salt if self.cache_salt is not None else inner
 
 
-def _parse(model, raw) -> BaseModel:
-    try:
-        return model.model_validate(raw)
-    except ValidationError as e:
-        err = max(e.errors(), key=lambda x: len(x["loc"]))  # of a union's branches, the one that got furthest
-        if err["type"] == "unimplemented":  # a top-level field the body does not declare (bodies.py)
-            field = err["ctx"]["field"]
-            raise AnthropicError(400, f"{field}: this server does not implement '{field}'; leave it out") from None
-        loc = ".".join(str(x) for x in err["loc"])
-        raise AnthropicError(400, f"{loc or 'body'}: {err['msg']}") from None
+def _unimplemented(err: dict, loc: str) -> str | None:
+    if err["type"] == "unimplemented":  # a top-level field the body does not declare (bodies.py)
+        field = err["ctx"]["field"]
+        return f"{field}: this server does not implement '{field}'; leave it out"
+    return None
 
 
 async def _body(request: Request, model):
-    try:
-        raw = await request.json()
-    except ValueError as e:
-        raise AnthropicError(400, f"malformed JSON body: {e}") from None
-    except RecursionError:
-        raise AnthropicError(400, "malformed JSON body: nested too deeply") from None
-    if not isinstance(raw, dict):
-        raise AnthropicError(400, "the request needs a JSON object body")
-    return _parse(model, raw)
+    return await read_body(request, model, lambda msg: AnthropicError(400, msg), _unimplemented)
 
 
 # -- body -> template messages and tool plan --------------------------------------------------------

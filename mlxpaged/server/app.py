@@ -96,24 +96,12 @@ def build_app(
     state.grammars = GrammarGate(engine.grammar_compiler)  # builds llguidance's tokenizer now, on its thread
     text_of = TokenText(engine.tokenizer)
 
-    @asynccontextmanager
-    async def lifespan(app):
-        asyncio.get_running_loop().set_exception_handler(AcceptErrorLog())
-        try:
-            yield
-        finally:  # after uvicorn's graceful shutdown: abort what is still running
-            engine_loop.stop()
-            pool.shutdown(wait=False, cancel_futures=True)
-            state.grammars.close()
+    def stop():
+        engine_loop.stop()
+        pool.shutdown(wait=False, cancel_futures=True)
+        state.grammars.close()
 
-    docs = limits.enable_docs
-    app = FastAPI(
-        title="mlxpaged",
-        lifespan=lifespan,
-        docs_url="/docs" if docs else None,
-        redoc_url="/redoc" if docs else None,
-        openapi_url="/openapi.json" if docs else None,
-    )
+    app = _fastapi(limits, stop)
     app.state.server = state
     if guarded:
         _guard(app, api_key, limits, browsers, web, lambda: engine_loop.draining)
@@ -167,6 +155,28 @@ def _guard(app: FastAPI, api_key, limits: Limits, browsers: Browsers, web: bool,
         )
     app.add_middleware(BrowserGuard, browsers=browsers)
     app.add_middleware(AccessLog)  # added last: outermost, so it sees the guards' refusals too
+
+
+def _fastapi(limits: Limits, stop) -> FastAPI:
+    """A FastAPI app with /docs only when asked for, whose lifespan calls `stop` after uvicorn's
+    graceful shutdown (to abort what is still running)."""
+
+    @asynccontextmanager
+    async def lifespan(app):
+        asyncio.get_running_loop().set_exception_handler(AcceptErrorLog())
+        try:
+            yield
+        finally:
+            stop()
+
+    docs = limits.enable_docs
+    return FastAPI(
+        title="mlxpaged",
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
 
 
 def _error_handlers(app: FastAPI) -> None:
@@ -225,22 +235,7 @@ def build_pool_app(
     first = pool.default
     started = int(time.time())
 
-    @asynccontextmanager
-    async def lifespan(app):
-        asyncio.get_running_loop().set_exception_handler(AcceptErrorLog())
-        try:
-            yield
-        finally:  # after uvicorn's graceful shutdown: abort what is still running
-            pool.stop()
-
-    docs = limits.enable_docs
-    app = FastAPI(
-        title="mlxpaged",
-        lifespan=lifespan,
-        docs_url="/docs" if docs else None,
-        redoc_url="/redoc" if docs else None,
-        openapi_url="/openapi.json" if docs else None,
-    )
+    app = _fastapi(limits, pool.stop)
     # innermost, after the guards: a route of this app is served here, another of a model's goes to that model
     app.add_middleware(
         ModelRouter, pool=pool, own_routes=lambda: app.router.routes, model_routes=first.app.router.routes

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 MAX_DEPTH = 64  # JSON nesting a body (and a tool call's arguments) may have
@@ -90,3 +90,35 @@ def loads_json(text: str):
         raise ValueError(f"JSON nested more than {MAX_DEPTH} levels deep") from None
     check_json(value, "JSON")
     return value
+
+
+async def json_object(request) -> dict:
+    """A request's JSON object body; `ValueError` naming what is wrong with it."""
+    try:
+        raw = await request.json()
+    except ValueError as e:
+        raise ValueError(f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise ValueError("malformed JSON body: nested too deeply") from None
+    if not isinstance(raw, dict):
+        raise ValueError("the request needs a JSON object body")
+    return raw
+
+
+async def read_body(request, model: type[BaseModel], error, refused=None, check=None) -> BaseModel:
+    """A route's body as `model`, or `error(message)` raised, one line naming the problem: a body
+    that is no JSON object, that `check(raw)` refuses (`ValueError`), or that does not validate
+    (the error of a union's branches that got furthest; `refused(err, loc)` may word it: a field
+    the route does not implement)."""
+    try:
+        raw = await json_object(request)
+        if check is not None:
+            check(raw)
+    except ValueError as e:
+        raise error(str(e)) from None
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        err = max(e.errors(), key=lambda x: len(x["loc"]))
+        loc = ".".join(str(x) for x in err["loc"])
+        raise error((refused(err, loc) if refused else None) or f"{loc or 'body'}: {err['msg']}") from None

@@ -172,16 +172,7 @@ def check_answer(
 def default_max_tokens(cap: Capacity, default: int, num_prompt: int, n: int) -> int:
     """`default`, lowered to what the model's context and the KV pool can hold for this prompt and n
     (at least 1: a prompt that cannot fit at all is refused by the engine, naming the pool)."""
-    from ..core.block_manager import blocks_for_request  # here: `serve --help` imports this module
+    from ..engine.sizing import fitting_max_tokens  # here: `serve --help` imports this module
 
-    hi = max(1, min(default, cap.context - num_prompt if cap.context else default))
-    if blocks_for_request(num_prompt, n, hi, cap.block_size) <= cap.max_blocks:
-        return hi
-    lo = 1  # largest max_tokens that fits, by bisection (blocks grow with max_tokens)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if blocks_for_request(num_prompt, n, mid, cap.block_size) <= cap.max_blocks:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    limit = min(default, cap.context - num_prompt if cap.context else default)
+    return fitting_max_tokens(num_prompt, n, limit, cap.block_size, cap.max_blocks)

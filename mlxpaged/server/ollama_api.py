@@ -33,12 +33,12 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.sampling_params import SamplingParams
 from ..version import __version__
 from .admission import Ask, admit, tokenize
-from .bodies import check_json
+from .bodies import check_json, read_body
 from .embeddings_api import embed
 from .errors import APIError
 from .guided_request import format_guided, tool_plan
@@ -171,32 +171,15 @@ class NameBody(Strict):
         return self.model or self.name
 
 
-def _parse(model, raw) -> BaseModel:
-    try:
-        check_json(raw)
-    except ValueError as e:
-        raise OllamaError(400, str(e)) from None
-    try:
-        return model.model_validate(raw)
-    except ValidationError as e:
-        err = max(e.errors(), key=lambda x: len(x["loc"]))  # of a union's branches, the one that got furthest
-        loc = ".".join(str(x) for x in err["loc"])
-        if err["type"] == "extra_forbidden":
-            what = "option" if err["loc"][0] == "options" else "field"
-            raise OllamaError(400, f"{loc}: this server does not implement the {what} '{err['loc'][-1]}'") from None
-        raise OllamaError(400, f"{loc or 'body'}: {err['msg']}") from None
+def _unimplemented(err: dict, loc: str) -> str | None:
+    if err["type"] == "extra_forbidden":
+        what = "option" if err["loc"][0] == "options" else "field"
+        return f"{loc}: this server does not implement the {what} '{err['loc'][-1]}'"
+    return None
 
 
 async def _body(request: Request, model):
-    try:
-        raw = await request.json()
-    except ValueError as e:
-        raise OllamaError(400, f"malformed JSON body: {e}") from None
-    except RecursionError:
-        raise OllamaError(400, "malformed JSON body: nested too deeply") from None
-    if not isinstance(raw, dict):
-        raise OllamaError(400, "the request needs a JSON object body")
-    return _parse(model, raw)
+    return await read_body(request, model, lambda msg: OllamaError(400, msg), _unimplemented, check_json)
 
 
 def check_keep_alive(value) -> None:
