@@ -66,6 +66,7 @@ from .beam_search import BeamLayer, BeamSearchParams, BeamState
 from .draft import DraftProposer, draft_slots
 from .guided import GrammarCompiler, GrammarTooSlow, fill_masks, mask_budget_spent, mask_words
 from .kv_connector import DiskConnector
+from .multimodal import image_prompt
 from .outputs import RequestOutput
 from .prompt_logprobs import PromptLogprobs
 from .recurrent_state import CheckpointNamer
@@ -308,10 +309,15 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        images: list | None = None,
     ) -> str:
-        """Queue one prompt (text or token ids); returns its request id."""
+        """Queue one prompt (text or token ids); returns its request id. `images` (a vision
+        model's; PIL images, paths or bytes) fill the prompt's image markers in order."""
         params = params or SamplingParams()
-        ids, text = self._prompt_ids(prompt)
+        if images:  # a vision model's prompt (multimodal.py): its image tokens widened, their features
+            ids, text, prompt_images = image_prompt(self.loaded, prompt, images)
+        else:
+            (ids, text), prompt_images = self._prompt_ids(prompt), None
         self._check_fits(len(ids), params.n, params.max_tokens)
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             raise MlxPagedError(
@@ -336,6 +342,7 @@ class LLMEngine:
                 detokenizer=self._detokenizer(),
                 matcher=grammar.matcher() if grammar is not None else None,
                 cache_salt=salt_key(params.cache_salt),
+                images=prompt_images,
             )
             for i in range(params.n)
         ]

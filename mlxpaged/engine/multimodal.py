@@ -1,0 +1,143 @@
+"""A request's images: processed once when it is added, fed to its prompt rows in each pass.
+
+`prompt_images` runs mlx-vlm's processor on the prompt text and images (the image tokens widened
+to one per image feature, as mlx-vlm's `generate` does) and the model's `get_input_embeddings`
+on the whole prompt (models/vision.py), and keeps what the passes need: the features of the
+image-token rows, each prompt token's 3-D position (Qwen's multimodal RoPE) and the delta decode
+positions continue from, and each image's content hash with the rows it fills. The model's
+`pass_rows` (models/vision.py) reads them for each pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+
+def image_digest(image) -> bytes:
+    """The content hash of a decoded image (PIL): its mode, size and pixels, so the same picture
+    in another file format or name is the same image."""
+    h = hashlib.sha256()
+    h.update(f"{image.mode}|{image.size}".encode())
+    h.update(image.tobytes())
+    return h.digest()
+
+
+@dataclass(frozen=True, eq=False)
+class PromptImages:
+    """One prompt's images, as its passes need them.
+
+    Invariants: `rows` are the prompt positions of its image tokens, ascending, and
+    `features[k]` is the embedding row mlx-vlm merged at `rows[k]`; `spans[i] = (start, end,
+    digest)` is image i's token rows `[start, end)` and its content hash (`image_digest`), in
+    prompt order; `positions` (None for a family with 1-D positions) is `[3, P]`, each prompt
+    token's t/h/w position, and a token at position p >= P (generated) is at `p + delta` in all
+    three; `num_image_tokens == len(rows)`.
+    """
+
+    rows: np.ndarray  # [K] int64
+    features: mx.array  # [K, hidden]
+    spans: tuple[tuple[int, int, bytes], ...]
+    positions: np.ndarray | None  # [3, P] int32
+    delta: int = 0
+
+    @property
+    def num_image_tokens(self) -> int:
+        return len(self.rows)
+
+    def block_key(self, i: int, block_size: int) -> bytes:
+        """The content hashes of the images with a token in block i (b"" when none): folded into
+        the block's hash, so two different images never share a block (core/block_manager.py)."""
+        lo, hi = i * block_size, (i + 1) * block_size
+        return b"".join(d for s, e, d in self.spans if s < hi and e > lo)
+
+    def rows_of(self, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(the offsets within `[start, start + n)` that hold image tokens, their feature rows)."""
+        a, b = np.searchsorted(self.rows, [start, start + n])
+        return self.rows[a:b] - start, np.arange(a, b)
+
+    def positions_of(self, start: int, n: int) -> np.ndarray:
+        """`[3, n]` positions of tokens `start..start+n` (prompt ones from `positions`, later ones
+        at p + delta)."""
+        p = np.arange(start, start + n)
+        out = np.broadcast_to(p + self.delta, (3, n)).copy()
+        if self.positions is not None:
+            inside = p < self.positions.shape[1]
+            out[:, inside] = self.positions[:, p[inside]]
+        return out.astype(np.int32)
+
+
+def prompt_images(model, processor, prompt: str, images: list) -> tuple[list[int], PromptImages]:
+    """(the prompt's token ids with its image tokens widened, its `PromptImages`): mlx-vlm's
+    `prepare_inputs` as its `generate` calls it, then the model's `get_input_embeddings`."""
+    from mlx_vlm.utils import prepare_inputs, should_add_special_tokens
+
+    vlm = model.model
+    inputs = prepare_inputs(
+        processor,
+        images=images,
+        prompts=prompt,
+        image_token_index=getattr(vlm.config, "image_token_index", None),
+        add_special_tokens=should_add_special_tokens(vlm.config.model_type, processor),
+    )
+    ids = inputs["input_ids"][0].tolist()
+    embeds, positions, delta = model.prompt_features(ids, dict(inputs))
+    arr = np.asarray(ids)
+    rows = np.flatnonzero(arr == model.image_token_id)
+    spans = _spans(rows, [image_digest(im) for im in images])
+    features = embeds[mx.array(rows)] if len(rows) else embeds[:0]
+    mx.eval(features)
+    pos = None if positions is None else np.asarray(positions, dtype=np.int32)
+    return ids, PromptImages(rows, features, spans, pos, delta)
+
+
+def _spans(rows: np.ndarray, digests: list[bytes]) -> tuple[tuple[int, int, bytes], ...]:
+    """Each image's run of consecutive image-token rows, paired with its digest in order."""
+    if not len(rows):
+        runs = []
+    else:
+        breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+        runs = [(int(r[0]), int(r[-1]) + 1) for r in np.split(rows, breaks)]
+    if len(runs) != len(digests):
+        raise ValueError(f"the prompt holds {len(runs)} runs of image tokens for {len(digests)} images")
+    return tuple((s, e, d) for (s, e), d in zip(runs, digests))
+
+
+def load_image(source, where: str = "image"):
+    """A decoded RGB image from a PIL image, a path, or the file's bytes; a ValueError naming
+    `where` when it is none of those or does not decode."""
+    import io
+    from pathlib import Path
+
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(source, Image.Image):
+        image = source
+    else:
+        try:
+            if isinstance(source, (bytes, bytearray)):
+                image = Image.open(io.BytesIO(source))
+            elif isinstance(source, (str, Path)):
+                image = Image.open(Path(source).expanduser())
+            else:
+                raise ValueError(f"{where}: expected an image, a path or bytes, got {type(source).__name__}")
+            image.load()
+        except (UnidentifiedImageError, OSError) as e:
+            raise ValueError(f"{where}: not a decodable image ({str(e).splitlines()[0][:120]})") from None
+    return image.convert("RGB")
+
+
+def image_prompt(loaded, prompt, images: list) -> tuple[list[int], str, PromptImages]:
+    """(token ids, text, `PromptImages`) of a text prompt whose image markers `images` fill, for
+    a `LoadedModel` with a vision tower; a ValueError naming what is wrong otherwise."""
+    name = loaded.path.name
+    if loaded.processor is None or not getattr(loaded.model, "multimodal", False):
+        raise ValueError(f"model {name} takes no images (it has no vision tower)")
+    if not isinstance(prompt, str):
+        raise ValueError("a prompt with images must be text (its image markers are widened per image)")
+    decoded = [load_image(im, f"image {i}") for i, im in enumerate(images)]
+    ids, prompt_imgs = prompt_images(loaded.model, loaded.processor, prompt, decoded)
+    return ids, prompt, prompt_imgs

@@ -1,0 +1,118 @@
+"""Vision-language models: mlx-vlm's model, processor and chat template, the language model on
+the paged cache, against mlx-vlm's own greedy `generate` on the same tiny checkpoint.
+
+Each checkpoint is written by mlx-vlm's own config and model classes (mlxpaged.testing.tiny_vlm),
+its projector drawn large enough that the tokens depend on the image (checked: two images give
+two references). The engine runs small blocks and small prefill chunks, so images straddle
+blocks and chunks, with image requests batched beside a text request.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # mlx-vlm's processor asks the hub for files it lacks
+
+import mlxpaged  # noqa: E402,F401  (before mlx)
+
+pytest.importorskip("mlx_vlm", reason="[expected] mlx-vlm (the vision extra) is not installed")
+
+from PIL import Image  # noqa: E402
+
+from mlxpaged import LLM, SamplingParams  # noqa: E402
+from mlxpaged.testing.tiny_vlm import write_tiny_vlm  # noqa: E402
+
+MAX_TOKENS = 8
+CHUNK = 16  # prefill tokens per step: every prompt here spans several chunks
+
+
+IMAGE = {"type": "image"}
+
+
+def said(text: str) -> dict:
+    return {"type": "text", "text": text}
+
+
+def noise(seed: int, w: int = 90, h: int = 60) -> Image.Image:
+    return Image.fromarray((np.random.default_rng(seed).random((h, w, 3)) * 255).astype(np.uint8))
+
+
+class Case:
+    """One model type's checkpoint, mlx-vlm's model and processor on it, and the paged engine."""
+
+    def __init__(self, root, model_type: str):
+        from mlx_vlm import load
+
+        self.path = write_tiny_vlm(root / model_type, model_type)
+        self.model, self.processor = load(str(self.path))
+        self.llm = LLM(str(self.path), block_size=4, max_num_batched_tokens=CHUNK, num_blocks=256)
+
+    def prompt(self, content: list) -> str:
+        """The chat template's prompt for one user turn of `content` parts (as the server's)."""
+        tok = self.processor.tokenizer
+        return tok.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
+
+    def reference(self, prompt: str, images: list) -> list[int]:
+        from mlx_vlm import generate
+
+        out = generate(self.model, self.processor, prompt, image=images or None, max_tokens=MAX_TOKENS, temperature=0.0)
+        return list(out.token_ids)
+
+    def run(self, jobs: list[tuple[str, list]]) -> tuple[list[list[int]], list]:
+        """Every (prompt, images) at once, greedy: the token ids of each, and each pass's image
+        prompts with where their tokens in it started."""
+        eng = self.llm.engine
+        sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        ids = [eng.add_request(p, sp, images=ims or None) for p, ims in jobs]
+        passes = []  # (an image prompt's images, where a pass's tokens of it started)
+        forward = eng.runner.forward
+
+        def logged(batch, *args, **kwargs):
+            passes.extend((s.images, s.num_computed_tokens) for s, _ in batch if s.images is not None)
+            return forward(batch, *args, **kwargs)
+
+        eng.runner.forward = logged
+        try:
+            return [o.outputs[0].token_ids for o in self.llm._drain(ids)], passes
+        finally:
+            eng.runner.forward = forward
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl"])
+def case(request, tmp_path_factory):
+    return Case(tmp_path_factory.mktemp("vlm"), request.param)
+
+
+def test_image_prompts_match_mlx_vlm(case):
+    """One image, two images, an image after text, and a long prompt whose image straddles a
+    prefill chunk's end, batched with a text prompt: mlx-vlm's greedy tokens exactly."""
+    text = "Write a Python function that reverses a string."
+    long_text = "The KV cache stores the keys and values of every token a sequence has seen. " * 2
+    jobs = [
+        (case.prompt([IMAGE, said("Describe the image.")]), [noise(0)]),
+        (case.prompt([IMAGE, IMAGE, said("Compare.")]), [noise(1), noise(2)]),
+        (case.prompt([said("Look at this:"), IMAGE, said("?")]), [noise(3)]),
+        (case.prompt([said(long_text), IMAGE, said("ok")]), [noise(4)]),
+        (case.prompt([said(text)]), []),
+        (case.prompt([IMAGE, said("Describe the image.")]), [noise(5)]),
+    ]
+    want = [case.reference(p, ims) for p, ims in jobs]
+    assert want[0] != want[5], "the tiny checkpoint's tokens do not depend on the image: the test would be blind"
+    got, passes = case.run(jobs)
+    assert got == want
+    # some pass prefilled only part of an image's tokens: the image straddled a chunk's end
+    assert any(s < start < e for im, start in passes for s, e, _ in im.spans)
+
+
+def test_text_model_refuses_images(tmp_path):
+    """A text-only model asked about an image: one line naming the model and that it takes no images."""
+    from mlxpaged.testing.tiny_model import write_tiny_qwen2
+
+    llm = LLM(str(write_tiny_qwen2(tmp_path / "text")), num_blocks=64)
+    with pytest.raises(ValueError, match="model text takes no images"):
+        llm.engine.add_request("hi", SamplingParams(max_tokens=1), images=[noise(0)])
