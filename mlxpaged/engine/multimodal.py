@@ -43,6 +43,7 @@ class PromptImages:
     spans: tuple[tuple[int, int, bytes], ...]
     positions: np.ndarray | None  # [3, P] int32
     delta: int = 0
+    deepstack: mx.array | None = None  # [layers, K, hidden]: features some layers add again (Qwen3-VL)
 
     @property
     def num_image_tokens(self) -> int:
@@ -84,14 +85,14 @@ def prompt_images(model, processor, prompt: str, images: list) -> tuple[list[int
         add_special_tokens=should_add_special_tokens(vlm.config.model_type, processor),
     )
     ids = inputs["input_ids"][0].tolist()
-    embeds, positions, delta = model.prompt_features(ids, dict(inputs))
+    embeds, deepstack, positions, delta = model.prompt_features(ids, dict(inputs))
     arr = np.asarray(ids)
     rows = np.flatnonzero(arr == model.image_token_id)
     spans = _spans(rows, [image_digest(im) for im in images])
     features = embeds[mx.array(rows)] if len(rows) else embeds[:0]
-    mx.eval(features)
+    mx.eval(features, *([deepstack] if deepstack is not None else []))
     pos = None if positions is None else np.asarray(positions, dtype=np.int32)
-    return ids, PromptImages(rows, features, spans, pos, delta)
+    return ids, PromptImages(rows, features, spans, pos, delta, deepstack)
 
 
 def _spans(rows: np.ndarray, digests: list[bytes]) -> tuple[tuple[int, int, bytes], ...]:

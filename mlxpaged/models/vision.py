@@ -39,18 +39,23 @@ from .paged_adapter import (
 # (tests/test_vision.py); "mrope": positions are Qwen's three t/h/w rows.
 FAMILIES = {
     "qwen2_5_vl": "mrope",
+    "qwen3_vl": "mrope",  # with deepstack: vision features added again after its first layers
+    "qwen3_vl_moe": "mrope",
 }
 
 
 @dataclass
 class PassRows:
     """A vision model's inputs for one pass beyond the token ids: `dst` the pass rows that hold
-    image tokens (None: none), `features` their rows of image features `[len(dst), hidden]`,
-    `positions` each row's 3-D position `[3, T]` int32 (None for a family without them)."""
+    image tokens, ascending (None: none), `features` their rows of image features `[len(dst),
+    hidden]`, `deepstack` their rows of the features some layers add again (Qwen3-VL's
+    deepstack, `[layers, len(dst), hidden]`, or None), `positions` each row's 3-D position
+    `[3, T]` int32 (None for a family without them)."""
 
-    dst: mx.array | None
-    features: mx.array | None
-    positions: mx.array | None
+    dst: mx.array | None = None
+    features: mx.array | None = None
+    deepstack: mx.array | None = None
+    positions: mx.array | None = None
 
 
 def vision_refusal(config: dict) -> str | None:
@@ -106,17 +111,20 @@ class PagedVisionModel(nn.Module):
         cfg = self.model.config
         return getattr(cfg, "image_token_id", None) or cfg.image_token_index
 
-    def prompt_features(self, ids: list[int], processed: dict) -> tuple[mx.array, mx.array | None, int]:
-        """(the merged prompt embeddings `[P, hidden]`, its 3-D positions `[3, P]` or None, the
-        position delta decode continues from): mlx-vlm's `get_input_embeddings` on the prompt."""
+    def prompt_features(self, ids: list[int], processed: dict) -> tuple:
+        """(the merged prompt embeddings `[P, hidden]`, the deepstack features of its image rows
+        `[layers, K, hidden]` or None, its 3-D positions `[3, P]` or None, the position delta
+        decode continues from): mlx-vlm's `get_input_embeddings` on the whole prompt."""
         kwargs = {k: v for k, v in processed.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
         out = self.model.get_input_embeddings(mx.array(ids, dtype=mx.int32)[None], processed["pixel_values"], **kwargs)
-        embeds = out.inputs_embeds[0]
+        deepstack = getattr(out, "deepstack_visual_embeds", None)
+        if deepstack is not None and not isinstance(deepstack, mx.array):
+            deepstack = mx.stack(list(deepstack))
         positions, delta = None, 0
         if self.positions_kind == "mrope":
             positions = out.position_ids[:, 0, :].astype(mx.int32)
             delta = int(out.rope_deltas.reshape(-1)[0].item())
-        return embeds, positions, delta
+        return out.inputs_embeds[0], deepstack, positions, delta
 
     def pass_rows(self, batch: list, meta: AttentionMetadata) -> PassRows:
         """One pass's image rows and positions, from its (sequence, new tokens) entries: a
@@ -124,7 +132,7 @@ class PagedVisionModel(nn.Module):
         and blocks; engine/multimodal.py `PromptImages`), every row its position."""
         mrope = self.positions_kind == "mrope"
         cu = meta.cu_seqlens_q.tolist()  # host-built (metadata.py): reading it forces nothing
-        dst, feats, pos = [], [], []
+        dst, feats, deep, pos = [], [], [], []
         for (s, n), base in zip(batch, cu):
             im = s.images
             start = s.num_computed_tokens
@@ -132,15 +140,20 @@ class PagedVisionModel(nn.Module):
                 offs, src = im.rows_of(start, n)
                 if len(offs):
                     dst.append(offs + base)
-                    feats.append(im.features[mx.array(src)])
+                    src = mx.array(src)
+                    feats.append(im.features[src])
+                    if im.deepstack is not None:
+                        deep.append(im.deepstack[:, src])
             if mrope:
                 pos.append(
                     im.positions_of(start, n) if im is not None else np.tile(np.arange(start, start + n), (3, 1))
                 )
-        rows = PassRows(None, None, None)
+        rows = PassRows()
         if dst:
             rows.dst = mx.array(np.concatenate(dst).astype(np.int32))
             rows.features = feats[0] if len(feats) == 1 else mx.concatenate(feats)
+            if deep:
+                rows.deepstack = deep[0] if len(deep) == 1 else mx.concatenate(deep, axis=1)
         if mrope:
             rows.positions = mx.array(np.concatenate(pos, axis=1).astype(np.int32))
         return rows
@@ -158,9 +171,16 @@ class PagedVisionModel(nn.Module):
         positions = rows.positions if rows is not None else None
         if self.positions_kind == "mrope" and positions is None:  # text rows: one position, thrice
             positions = mx.broadcast_to(meta.positions[None], (3, meta.positions.shape[0]))
+        kwargs = {}
+        if rows is not None and rows.deepstack is not None:  # Qwen3-VL: added again after its first layers
+            mask = mx.zeros((inputs.shape[0], 1), dtype=mx.bool_)
+            mask[rows.dst] = True
+            kwargs = {"visual_pos_masks": mask, "deepstack_visual_embeds": rows.deepstack}
         norm = _final_norm(body)
         with _swapped([(body, norm, _NormRows(body[norm], meta.logits_indices))]):
-            out = lm(inputs[:, None], inputs_embeds=h[:, None], cache=caches, position_ids=positions[:, :, None])
+            out = lm(
+                inputs[:, None], inputs_embeds=h[:, None], cache=caches, position_ids=positions[:, :, None], **kwargs
+            )
         _check_attended(self.layers, caches)
         logits = out.logits
         return logits.reshape(logits.shape[0], -1)

@@ -32,6 +32,7 @@ QWEN_VL_TEMPLATE = (
 QWEN_VL_SPECIAL = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 HIDDEN, HEADS, KV_HEADS, LAYERS, FF = 64, 4, 2, 2, 128  # head_dim 16: mrope sections sum to 8
+VISION_FF = 48  # not HIDDEN: the projector's output layers are the vision matrices HIDDEN rows tall
 PATCH, MERGE = 14, 2
 
 
@@ -54,7 +55,7 @@ def _qwen_vl(model_type: str, ids: dict, vocab: int) -> dict:
         "model_type": model_type,
         "depth": 2,
         "hidden_size": 32,
-        "intermediate_size": 64,
+        "intermediate_size": VISION_FF,
         "out_hidden_size": HIDDEN,
         "num_heads": 2,
         "patch_size": PATCH,
@@ -76,17 +77,71 @@ def _qwen_vl(model_type: str, ids: dict, vocab: int) -> dict:
     }
 
 
-# Per family: (its special tokens, its chat template, its config from the token ids and vocabulary).
+def _qwen3_vl(model_type: str, ids: dict, vocab: int) -> dict:
+    text = {
+        "model_type": model_type,
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": LAYERS,
+        "intermediate_size": FF,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HIDDEN // HEADS,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+        "tie_word_embeddings": False,
+    }
+    if model_type.endswith("_moe"):
+        text |= {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "moe_intermediate_size": 64,
+            "norm_topk_prob": True,
+        }
+    vision = {
+        "model_type": model_type,
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": VISION_FF,
+        "out_hidden_size": HIDDEN,
+        "num_heads": 2,
+        "patch_size": PATCH,
+        "spatial_merge_size": MERGE,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 256,
+        "deepstack_visual_indexes": [0],
+    }
+    return {
+        "model_type": model_type,
+        "text_config": text,
+        "vision_config": vision,
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "vocab_size": vocab,
+        "tie_word_embeddings": False,
+    }
+
+
+# Per family: (its special tokens, its chat template, its config from the token ids and
+# vocabulary, its processor class).
 FAMILIES = {
-    "qwen2_5_vl": (QWEN_VL_SPECIAL, QWEN_VL_TEMPLATE, _qwen_vl),
+    "qwen2_5_vl": (QWEN_VL_SPECIAL, QWEN_VL_TEMPLATE, _qwen_vl, "Qwen2_5_VLProcessor"),
+    "qwen3_vl": (QWEN_VL_SPECIAL, QWEN_VL_TEMPLATE, _qwen3_vl, "Qwen3VLProcessor"),
+    "qwen3_vl_moe": (QWEN_VL_SPECIAL, QWEN_VL_TEMPLATE, _qwen3_vl, "Qwen3VLProcessor"),
 }
 
 
-def _processor_files(path: Path) -> None:
+def _processor_files(path: Path, processor_class: str) -> None:
     """Qwen-VL's image processor: 14-pixel patches merged 2x2, images resized to 28..(28*8)^2 pixels."""
     image = {
         "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2_5_VLProcessor",
+        "processor_class": processor_class,
         "patch_size": PATCH,
         "temporal_patch_size": 2,
         "merge_size": MERGE,
@@ -97,7 +152,7 @@ def _processor_files(path: Path) -> None:
     }
     (path / "preprocessor_config.json").write_text(json.dumps(image))
     (path / "video_preprocessor_config.json").write_text(json.dumps(image))
-    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}))
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": processor_class}))
 
 
 def write_tiny_vlm(
@@ -109,7 +164,7 @@ def write_tiny_vlm(
     from mlx.utils import tree_flatten, tree_unflatten
     from mlx_vlm.utils import save_config, save_weights, update_module_configs
 
-    special, template, make_config = FAMILIES[model_type]
+    special, template, make_config, processor_class = FAMILIES[model_type]
     path.mkdir(parents=True, exist_ok=True)
     vocab = write_tokenizer(path, extra_special=special, template=template)
     added = json.loads((path / "tokenizer.json").read_text())["added_tokens"]
@@ -124,9 +179,9 @@ def write_tiny_vlm(
     rng = np.random.default_rng(seed)
     weights = {}
     params = tree_flatten(model.parameters())
-    # the projector's output layer (the last matrix outside the language model) drawn larger, so
-    # image features are as large as token embeddings and the tokens depend on the image
-    projector = [n for n, p in params if p.ndim == 2 and not n.startswith("language_model")][-1]
+    # the projector's output layers (vision matrices as tall as the text model is wide) drawn
+    # larger, so image features are as large as token embeddings and the tokens depend on the image
+    projector = {n for n, p in params if p.ndim == 2 and p.shape[0] == HIDDEN and not n.startswith("language_model")}
     for name, p in params:
         if "norm" in name and p.ndim == 1:  # norm weights one, biases zero
             a = np.zeros(p.shape) if name.endswith("bias") else np.ones(p.shape)
@@ -137,11 +192,11 @@ def write_tiny_vlm(
         elif name.endswith("embed_tokens.weight"):
             a = rng.normal(0, 1.0, size=p.shape)
         else:
-            scale = feature_scale if name == projector else 1.0
+            scale = feature_scale if name in projector else 1.0
             a = rng.normal(0, scale * int(np.prod(p.shape[1:])) ** -0.5, size=p.shape)
         weights[name] = mx.array(a.astype(np.float32))
     model.update(tree_unflatten(list(weights.items())))
     save_weights(path, model)
     save_config(config, path / "config.json")
-    _processor_files(path)
+    _processor_files(path, processor_class)
     return path
