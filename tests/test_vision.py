@@ -116,3 +116,52 @@ def test_text_model_refuses_images(tmp_path):
     llm = LLM(str(write_tiny_qwen2(tmp_path / "text")), num_blocks=64)
     with pytest.raises(ValueError, match="model text takes no images"):
         llm.engine.add_request("hi", SamplingParams(max_tokens=1), images=[noise(0)])
+
+
+def test_images_kept_apart_in_the_prefix_cache(case, monkeypatch):
+    """Two different images of one size behind the same text share no block and no cached token
+    (the image's hash is in the hash of every block holding its tokens); the same image again is
+    a prefix hit past its tokens, and its vision tower does not run again (the encoder cache)."""
+    eng = case.llm.engine
+    prompt = case.prompt([said("Here:"), IMAGE, said("Describe the image.")])
+    x, y = noise(10), noise(11)
+    want_x, want_y = case.reference(prompt, [x]), case.reference(prompt, [y])
+    assert want_x != want_y
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    tower = type(eng.loaded.model.model.vision_tower)
+    calls = []
+    call = tower.__call__
+    monkeypatch.setattr(tower, "__call__", lambda self, *a, **k: calls.append(1) or call(self, *a, **k))
+
+    def run(image):
+        rid = eng.add_request(prompt, sp, images=[image])
+        spans = next(s.images.spans for r in [eng._requests[rid]] for s in r.seqs)
+        (out,) = case.llm._drain([rid])
+        return out.outputs[0].token_ids, out.num_cached_tokens, spans[0]
+
+    got_x, _, _ = run(x)
+    got_y, cached_y, (start, end, _) = run(y)
+    assert (got_x, got_y) == (want_x, want_y)
+    assert cached_y <= start, f"{cached_y} cached tokens: another image's KV was reused"
+    before = len(calls)
+    again, cached_again, _ = run(x)
+    assert again == want_x
+    assert cached_again >= end, "the same image again is a prefix hit past its tokens"
+    assert len(calls) == before, "the vision tower ran again on an image it had seen"
+
+
+def test_samples_and_preemption_keep_image_tokens(case):
+    """n=2 greedy samples of an image prompt (forked from its prompt's blocks) and image prompts
+    recomputed after preemption (a pool too small for all of them) give mlx-vlm's tokens."""
+    llm = LLM(str(case.path), block_size=4, max_num_batched_tokens=CHUNK, num_blocks=20, enable_prefix_caching=False)
+    eng = llm.engine
+    jobs = [(case.prompt([IMAGE, said(f"Describe image {i}.")]), [noise(20 + i)]) for i in range(3)]
+    want = [case.reference(p, ims) for p, ims in jobs]
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ids = [eng.add_request(p, sp, images=ims) for p, ims in jobs]
+    outs = llm._drain(ids)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert eng.scheduler.num_preemptions > 0, "the pool was meant to be too small: nothing was preempted"
+    two = SamplingParams(n=2, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    (out,) = llm._drain([eng.add_request(*jobs[0][:1], two, images=jobs[0][1])])
+    assert [c.token_ids for c in out.outputs] == [want[0], want[0]]

@@ -66,7 +66,7 @@ from .beam_search import BeamLayer, BeamSearchParams, BeamState
 from .draft import DraftProposer, draft_slots
 from .guided import GrammarCompiler, GrammarTooSlow, fill_masks, mask_budget_spent, mask_words
 from .kv_connector import DiskConnector
-from .multimodal import image_prompt
+from .multimodal import EncoderCache, image_prompt
 from .outputs import RequestOutput
 from .prompt_logprobs import PromptLogprobs
 from .recurrent_state import CheckpointNamer
@@ -180,6 +180,7 @@ class LLMEngine:
         self._check_kernels()
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
+        self.encoder_cache = EncoderCache()  # a vision model's tower outputs, by image (multimodal.py)
         self._inflight: LaunchedStep | None = None  # launched, not read back (overlapped steps)
         self._last_plan: RowPlan | None = None  # the last decode-only step's (`_plan`)
         self._carried: list[Request] = []  # read back during a failed step: reported at the next
@@ -315,7 +316,7 @@ class LLMEngine:
         model's; PIL images, paths or bytes) fill the prompt's image markers in order."""
         params = params or SamplingParams()
         if images:  # a vision model's prompt (multimodal.py): its image tokens widened, their features
-            ids, text, prompt_images = image_prompt(self.loaded, prompt, images)
+            ids, text, prompt_images = image_prompt(self.loaded, prompt, images, self.encoder_cache)
         else:
             (ids, text), prompt_images = self._prompt_ids(prompt), None
         self._check_fits(len(ids), params.n, params.max_tokens)

@@ -11,6 +11,7 @@ positions continue from, and each image's content hash with the rows it fills. T
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -71,9 +72,52 @@ class PromptImages:
         return out.astype(np.int32)
 
 
-def prompt_images(model, processor, prompt: str, images: list) -> tuple[list[int], PromptImages]:
+ENCODER_CACHE_BYTES = 256 << 20  # the vision tower's outputs kept across requests
+
+
+class EncoderCache:
+    """The vision tower's output per image, by content digest (`image_digest`), least recently
+    used first out. Invariant: `nbytes` is the bytes of the outputs held and stays at most
+    `max_bytes` (an output larger than that is not kept)."""
+
+    def __init__(self, max_bytes: int = ENCODER_CACHE_BYTES):
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[bytes, tuple[object, int]] = OrderedDict()
+        self.nbytes = 0
+        self.hits = self.misses = 0
+
+    def get(self, digest: bytes):
+        got = self.entries.get(digest)
+        if got is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self.entries.move_to_end(digest)
+        return got[0]
+
+    def put(self, digest: bytes, output) -> None:
+        size = sum(a.nbytes for a in _arrays(output))
+        if size > self.max_bytes or digest in self.entries:
+            return
+        while self.nbytes + size > self.max_bytes:
+            _, (_, freed) = self.entries.popitem(last=False)
+            self.nbytes -= freed
+        self.entries[digest] = (output, size)
+        self.nbytes += size
+
+
+def _arrays(output) -> list:
+    if isinstance(output, (tuple, list)):
+        return [a for o in output for a in _arrays(o)]
+    return [output]
+
+
+def prompt_images(
+    model, processor, prompt: str, images: list, cache: EncoderCache | None = None
+) -> tuple[list[int], PromptImages]:
     """(the prompt's token ids with its image tokens widened, its `PromptImages`): mlx-vlm's
-    `prepare_inputs` as its `generate` calls it, then the model's `get_input_embeddings`."""
+    `prepare_inputs` as its `generate` calls it, then the model's `get_input_embeddings`, the
+    vision tower's output for each image from `cache` when it holds it."""
     from mlx_vlm.utils import prepare_inputs, should_add_special_tokens
 
     vlm = model.model
@@ -85,10 +129,10 @@ def prompt_images(model, processor, prompt: str, images: list) -> tuple[list[int
         add_special_tokens=should_add_special_tokens(vlm.config.model_type, processor),
     )
     ids = inputs["input_ids"][0].tolist()
-    embeds, deepstack, positions, delta = model.prompt_features(ids, dict(inputs))
-    arr = np.asarray(ids)
-    rows = np.flatnonzero(arr == model.image_token_id)
-    spans = _spans(rows, [image_digest(im) for im in images])
+    digests = [image_digest(im) for im in images]
+    embeds, deepstack, positions, delta = model.prompt_features(ids, dict(inputs), digests, cache)
+    rows = np.flatnonzero(np.asarray(ids) == model.image_token_id)
+    spans = _spans(rows, digests)
     features = embeds[mx.array(rows)] if len(rows) else embeds[:0]
     mx.eval(features, *([deepstack] if deepstack is not None else []))
     pos = None if positions is None else np.asarray(positions, dtype=np.int32)
@@ -131,7 +175,9 @@ def load_image(source, where: str = "image"):
     return image.convert("RGB")
 
 
-def image_prompt(loaded, prompt, images: list) -> tuple[list[int], str, PromptImages]:
+def image_prompt(
+    loaded, prompt, images: list, cache: EncoderCache | None = None
+) -> tuple[list[int], str, PromptImages]:
     """(token ids, text, `PromptImages`) of a text prompt whose image markers `images` fill, for
     a `LoadedModel` with a vision tower; a ValueError naming what is wrong otherwise."""
     name = loaded.path.name
@@ -140,5 +186,5 @@ def image_prompt(loaded, prompt, images: list) -> tuple[list[int], str, PromptIm
     if not isinstance(prompt, str):
         raise ValueError("a prompt with images must be text (its image markers are widened per image)")
     decoded = [load_image(im, f"image {i}") for i, im in enumerate(images)]
-    ids, prompt_imgs = prompt_images(loaded.model, loaded.processor, prompt, decoded)
+    ids, prompt_imgs = prompt_images(loaded.model, loaded.processor, prompt, decoded, cache)
     return ids, prompt, prompt_imgs

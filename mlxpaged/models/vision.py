@@ -58,6 +58,36 @@ class PassRows:
     positions: mx.array | None = None
 
 
+class _TowerOutput:
+    """The vision tower for one `get_input_embeddings` call: its output for this prompt's
+    images, already known (per image, from the encoder cache), handed back when the model calls
+    it; everything else read from the tower itself."""
+
+    __slots__ = ("tower", "output")
+
+    def __init__(self, tower: nn.Module, output):
+        self.tower = tower
+        self.output = output
+
+    def __getattr__(self, name):
+        return getattr(self.tower, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.output
+
+
+def _concat_outputs(outs: list):
+    """Per-image tower outputs as one output for the images in order: an array's rows, or a
+    (features, per-layer deepstack features) pair's (Qwen3-VL)."""
+    if len(outs) == 1:
+        return outs[0]
+    if isinstance(outs[0], tuple):
+        feats = mx.concatenate([o[0] for o in outs])
+        layers = [mx.concatenate([o[1][k] for o in outs]) for k in range(len(outs[0][1]))]
+        return feats, layers
+    return mx.concatenate(outs)
+
+
 def vision_refusal(config: dict) -> str | None:
     """One line naming why a checkpoint with a vision tower cannot run, or None."""
     model_type = config.get("model_type")
@@ -111,12 +141,25 @@ class PagedVisionModel(nn.Module):
         cfg = self.model.config
         return getattr(cfg, "image_token_id", None) or cfg.image_token_index
 
-    def prompt_features(self, ids: list[int], processed: dict) -> tuple:
+    def prompt_features(self, ids: list[int], processed: dict, digests: list[bytes], cache=None) -> tuple:
         """(the merged prompt embeddings `[P, hidden]`, the deepstack features of its image rows
         `[layers, K, hidden]` or None, its 3-D positions `[3, P]` or None, the position delta
-        decode continues from): mlx-vlm's `get_input_embeddings` on the whole prompt."""
+        decode continues from): mlx-vlm's `get_input_embeddings` on the whole prompt, its vision
+        tower's output for each image taken from `cache` (engine/multimodal.py `EncoderCache`,
+        by the image's digest) or computed on that image alone and put there."""
+        vlm = self.model
+        tower = vlm.vision_tower
+        outs = []
+        for i, digest in enumerate(digests):
+            out = cache.get(digest) if cache is not None else None
+            if out is None:
+                out = self._tower_output(processed, i)
+                if cache is not None:
+                    cache.put(digest, out)
+            outs.append(out)
         kwargs = {k: v for k, v in processed.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
-        out = self.model.get_input_embeddings(mx.array(ids, dtype=mx.int32)[None], processed["pixel_values"], **kwargs)
+        with _swapped([(vlm, "vision_tower", _TowerOutput(tower, _concat_outputs(outs)))]):
+            out = vlm.get_input_embeddings(mx.array(ids, dtype=mx.int32)[None], processed["pixel_values"], **kwargs)
         deepstack = getattr(out, "deepstack_visual_embeds", None)
         if deepstack is not None and not isinstance(deepstack, mx.array):
             deepstack = mx.stack(list(deepstack))
@@ -125,6 +168,18 @@ class PagedVisionModel(nn.Module):
             positions = out.position_ids[:, 0, :].astype(mx.int32)
             delta = int(out.rope_deltas.reshape(-1)[0].item())
         return out.inputs_embeds[0], deepstack, positions, delta
+
+    def _tower_output(self, processed: dict, i: int):
+        """The vision tower's output for image i of `processed` alone (evaluated): Qwen's
+        patches of image i are rows of `pixel_values`, as many as its grid's t * h * w."""
+        tower = self.model.vision_tower
+        grid = processed["image_grid_thw"]
+        sizes = [int(t * h * w) for t, h, w in grid.tolist()]
+        start = sum(sizes[:i])
+        pixels = processed["pixel_values"][start : start + sizes[i]]
+        out = tower(pixels.astype(tower.patch_embed.proj.weight.dtype), grid[i : i + 1])
+        mx.eval(out)
+        return out
 
     def pass_rows(self, batch: list, meta: AttentionMetadata) -> PassRows:
         """One pass's image rows and positions, from its (sequence, new tokens) entries: a
