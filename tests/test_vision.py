@@ -165,3 +165,32 @@ def test_samples_and_preemption_keep_image_tokens(case):
     two = SamplingParams(n=2, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     (out,) = llm._drain([eng.add_request(*jobs[0][:1], two, images=jobs[0][1])])
     assert [c.token_ids for c in out.outputs] == [want[0], want[0]]
+
+
+def test_python_api_and_cli_take_images(case, tmp_path):
+    """`LLM.generate` with vLLM's multimodal prompt dict, and `mlxpaged generate --image PATH`
+    (repeatable, before the prompt's text in its chat turn): mlx-vlm's tokens."""
+    import json
+
+    from click.testing import CliRunner
+
+    from mlxpaged.cli.main import main
+
+    x, y = noise(30), noise(31, 56, 84)
+    one = case.prompt([IMAGE, said("Describe the image.")])
+    two = case.prompt([IMAGE, IMAGE, said("Describe the image.")])
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = case.llm.generate(
+        [{"prompt": one, "multi_modal_data": {"image": x}}, {"prompt": two, "multi_modal_data": {"image": [x, y]}}], sp
+    )
+    assert [o.outputs[0].token_ids for o in outs] == [case.reference(one, [x]), case.reference(two, [x, y])]
+    paths = []
+    for i, im in enumerate((x, y)):
+        paths += ["--image", str(tmp_path / f"{i}.png")]
+        im.save(tmp_path / f"{i}.png")
+    args = ["generate", "--model", str(case.path), "--prompt", "Describe the image.", "-t", str(MAX_TOKENS)]
+    r = CliRunner().invoke(main, [*args, *paths, "--temp", "0", "--ignore-eos", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["outputs"][0]["token_ids"] == case.reference(two, [x, y])
+    r = CliRunner().invoke(main, [*args, "--image", str(tmp_path / "missing.png")])
+    assert r.exit_code != 0 and "missing.png" in r.output and "Traceback" not in r.output

@@ -66,7 +66,7 @@ from .beam_search import BeamLayer, BeamSearchParams, BeamState
 from .draft import DraftProposer, draft_slots
 from .guided import GrammarCompiler, GrammarTooSlow, fill_masks, mask_budget_spent, mask_words
 from .kv_connector import DiskConnector
-from .multimodal import EncoderCache, image_prompt
+from .multimodal import EncoderCache, ImageInputs, decode_images, encode_images, process_images
 from .outputs import RequestOutput
 from .prompt_logprobs import PromptLogprobs
 from .recurrent_state import CheckpointNamer
@@ -313,12 +313,17 @@ class LLMEngine:
         images: list | None = None,
     ) -> str:
         """Queue one prompt (text or token ids); returns its request id. `images` (a vision
-        model's; PIL images, paths or bytes) fill the prompt's image markers in order."""
+        model's: PIL images, paths or bytes, or `ImageInputs` already processed from this prompt)
+        fill the prompt's image markers (one image token each, as its chat template writes them)
+        in order."""
         params = params or SamplingParams()
-        if images:  # a vision model's prompt (multimodal.py): its image tokens widened, their features
-            ids, text, prompt_images = image_prompt(self.loaded, prompt, images, self.encoder_cache)
-        else:
-            (ids, text), prompt_images = self._prompt_ids(prompt), None
+        ids, text = self._prompt_ids(prompt)
+        prompt_images = None
+        if images:  # a vision model's prompt (multimodal.py): its image markers widened, their features
+            if not isinstance(images, ImageInputs):
+                images = process_images(self.loaded, ids, decode_images(images))
+            ids = images.ids
+            prompt_images = encode_images(self.loaded.model, images, self.encoder_cache)
         self._check_fits(len(ids), params.n, params.max_tokens)
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             raise MlxPagedError(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -112,50 +113,81 @@ def _arrays(output) -> list:
     return [output]
 
 
-def prompt_images(
-    model, processor, prompt: str, images: list, cache: EncoderCache | None = None
-) -> tuple[list[int], PromptImages]:
-    """(the prompt's token ids with its image tokens widened, its `PromptImages`): mlx-vlm's
-    `prepare_inputs` as its `generate` calls it, then the model's `get_input_embeddings`, the
-    vision tower's output for each image from `cache` when it holds it."""
-    from mlx_vlm.utils import prepare_inputs, should_add_special_tokens
+@dataclass(frozen=True, eq=False)
+class ImageInputs:
+    """A prompt's images after mlx-vlm's processor (numpy work, no model): `ids` the prompt's
+    token ids with each image's one marker widened to its image tokens, `processed` the
+    processor's pixel inputs, `digests` each image's content hash, in prompt order."""
 
+    ids: list[int]
+    processed: dict
+    digests: list[bytes]
+
+    @property
+    def num_images(self) -> int:
+        return len(self.digests)
+
+
+def process_images(loaded, ids: list[int], images: list) -> ImageInputs:
+    """`ImageInputs` of a prompt's token ids (each image one marker token, as a chat template
+    writes it) and its decoded images: mlx-vlm's processor on the images, each marker widened to
+    as many image tokens as the processor makes of its image. A ValueError names what is wrong."""
+    from mlx_vlm.utils import prepare_inputs
+
+    name = loaded.path.name
+    model, processor = loaded.model, loaded.processor
+    if processor is None or not getattr(model, "multimodal", False):
+        raise ValueError(f"model {name} takes no images (it has no vision tower)")
+    token = model.image_token_id
+    markers = [i for i, t in enumerate(ids) if t == token]
+    if len(markers) != len(images):
+        raise ValueError(f"the prompt has {len(markers)} image markers for {len(images)} images")
+    # one marker per line, so each image's tokens are a run of their own
+    text = "\n".join([processor.image_token] * len(images))
     vlm = model.model
-    inputs = prepare_inputs(
-        processor,
-        images=images,
-        prompts=prompt,
-        image_token_index=getattr(vlm.config, "image_token_index", None),
-        add_special_tokens=should_add_special_tokens(vlm.config.model_type, processor),
-    )
-    ids = inputs["input_ids"][0].tolist()
-    digests = [image_digest(im) for im in images]
-    embeds, deepstack, positions, delta = model.prompt_features(ids, dict(inputs), digests, cache)
+    processed = dict(prepare_inputs(processor, images=images, prompts=text, image_token_index=token))
+    counts = [e - s for s, e in _runs(np.flatnonzero(np.asarray(processed.pop("input_ids")[0]) == token))]
+    processed.pop("attention_mask", None)
+    if len(counts) != len(images):
+        raise ValueError(
+            f"{vlm.config.model_type}'s processor made {len(counts)} image token runs of {len(images)} images"
+        )
+    out, last = [], 0
+    for at, n in zip(markers, counts):
+        out += ids[last:at] + [token] * n
+        last = at + 1
+    out += ids[last:]
+    return ImageInputs(out, processed, [image_digest(im) for im in images])
+
+
+def encode_images(model, inputs: ImageInputs, cache: EncoderCache | None = None) -> PromptImages:
+    """The `PromptImages` of processed images: the model's `get_input_embeddings` on the whole
+    prompt (models/vision.py), each image's vision tower output from `cache` when it holds it."""
+    ids = inputs.ids
+    embeds, deepstack, positions, delta = model.prompt_features(ids, inputs.processed, inputs.digests, cache)
     rows = np.flatnonzero(np.asarray(ids) == model.image_token_id)
-    spans = _spans(rows, digests)
+    runs = _runs(rows)
+    if len(runs) != inputs.num_images:
+        raise ValueError(f"the prompt holds {len(runs)} runs of image tokens for {inputs.num_images} images")
+    spans = tuple((s, e, d) for (s, e), d in zip(runs, inputs.digests))
     features = embeds[mx.array(rows)] if len(rows) else embeds[:0]
     mx.eval(features, *([deepstack] if deepstack is not None else []))
     pos = None if positions is None else np.asarray(positions, dtype=np.int32)
-    return ids, PromptImages(rows, features, spans, pos, delta, deepstack)
+    return PromptImages(rows, features, spans, pos, delta, deepstack)
 
 
-def _spans(rows: np.ndarray, digests: list[bytes]) -> tuple[tuple[int, int, bytes], ...]:
-    """Each image's run of consecutive image-token rows, paired with its digest in order."""
+def _runs(rows: np.ndarray) -> list[tuple[int, int]]:
+    """The runs of consecutive values in ascending `rows`, as [start, end) pairs."""
     if not len(rows):
-        runs = []
-    else:
-        breaks = np.flatnonzero(np.diff(rows) != 1) + 1
-        runs = [(int(r[0]), int(r[-1]) + 1) for r in np.split(rows, breaks)]
-    if len(runs) != len(digests):
-        raise ValueError(f"the prompt holds {len(runs)} runs of image tokens for {len(digests)} images")
-    return tuple((s, e, d) for (s, e), d in zip(runs, digests))
+        return []
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    return [(int(r[0]), int(r[-1]) + 1) for r in np.split(rows, breaks)]
 
 
 def load_image(source, where: str = "image"):
     """A decoded RGB image from a PIL image, a path, or the file's bytes; a ValueError naming
     `where` when it is none of those or does not decode."""
     import io
-    from pathlib import Path
 
     from PIL import Image, UnidentifiedImageError
 
@@ -170,21 +202,16 @@ def load_image(source, where: str = "image"):
             else:
                 raise ValueError(f"{where}: expected an image, a path or bytes, got {type(source).__name__}")
             image.load()
+        except FileNotFoundError:
+            raise ValueError(f"{where}: no such file") from None
         except (UnidentifiedImageError, OSError) as e:
             raise ValueError(f"{where}: not a decodable image ({str(e).splitlines()[0][:120]})") from None
     return image.convert("RGB")
 
 
-def image_prompt(
-    loaded, prompt, images: list, cache: EncoderCache | None = None
-) -> tuple[list[int], str, PromptImages]:
-    """(token ids, text, `PromptImages`) of a text prompt whose image markers `images` fill, for
-    a `LoadedModel` with a vision tower; a ValueError naming what is wrong otherwise."""
-    name = loaded.path.name
-    if loaded.processor is None or not getattr(loaded.model, "multimodal", False):
-        raise ValueError(f"model {name} takes no images (it has no vision tower)")
-    if not isinstance(prompt, str):
-        raise ValueError("a prompt with images must be text (its image markers are widened per image)")
-    decoded = [load_image(im, f"image {i}") for i, im in enumerate(images)]
-    ids, prompt_imgs = prompt_images(loaded.model, loaded.processor, prompt, decoded, cache)
-    return ids, prompt, prompt_imgs
+def decode_images(images: list) -> list:
+    """Each of `images` decoded (`load_image`); an error names the image by its place (and path)."""
+    return [
+        load_image(im, f"image {i}" + (f" ({im})" if isinstance(im, (str, Path)) else ""))
+        for i, im in enumerate(images)
+    ]
