@@ -194,3 +194,18 @@ def test_python_api_and_cli_take_images(case, tmp_path):
     assert json.loads(r.stdout)["outputs"][0]["token_ids"] == case.reference(two, [x, y])
     r = CliRunner().invoke(main, [*args, "--image", str(tmp_path / "missing.png")])
     assert r.exit_code != 0 and "missing.png" in r.output and "Traceback" not in r.output
+
+
+def test_an_unsupported_vision_family_is_refused_in_one_line(tmp_path):
+    """A vision checkpoint whose family's language model does not run here is refused at load,
+    naming the type and the families that run (nothing is loaded or half-built)."""
+    import json
+
+    from mlxpaged.errors import MlxPagedError
+    from mlxpaged.loading.loader import load
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "vision_config": {}}))
+    with pytest.raises(
+        MlxPagedError, match=r"^gemma3: a vision model .* \(it runs qwen2_5_vl, qwen3_vl, qwen3_vl_moe\)"
+    ):
+        load(str(tmp_path))

@@ -36,8 +36,9 @@ VISION_FF = 48  # not HIDDEN: the projector's output layers are the vision matri
 PATCH, MERGE = 14, 2
 
 
-def _qwen_vl(model_type: str, ids: dict, vocab: int) -> dict:
-    text = {
+def _text(model_type: str, vocab: int, **extra) -> dict:
+    """A small text config in Qwen's terms."""
+    return {
         "model_type": model_type,
         "hidden_size": HIDDEN,
         "num_hidden_layers": LAYERS,
@@ -48,10 +49,14 @@ def _qwen_vl(model_type: str, ids: dict, vocab: int) -> dict:
         "vocab_size": vocab,
         "max_position_embeddings": 4096,
         "rope_theta": 10000.0,
-        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
         "tie_word_embeddings": False,
+        **extra,
     }
-    vision = {
+
+
+def _vision(model_type: str, **extra) -> dict:
+    """A small Qwen vision tower: 14-pixel patches merged 2x2 into the text model's width."""
+    return {
         "model_type": model_type,
         "depth": 2,
         "hidden_size": 32,
@@ -59,40 +64,31 @@ def _qwen_vl(model_type: str, ids: dict, vocab: int) -> dict:
         "out_hidden_size": HIDDEN,
         "num_heads": 2,
         "patch_size": PATCH,
-        "spatial_patch_size": PATCH,
         "spatial_merge_size": MERGE,
         "temporal_patch_size": 2,
-        "window_size": 56,
-        "fullatt_block_indexes": [1],
+        **extra,
     }
+
+
+def _qwen_ids(ids: dict) -> dict:
     return {
-        **text,
-        "text_config": dict(text),
-        "vision_config": vision,
         "image_token_id": ids["<|image_pad|>"],
         "video_token_id": ids["<|video_pad|>"],
         "vision_start_token_id": ids["<|vision_start|>"],
         "vision_end_token_id": ids["<|vision_end|>"],
-        "vocab_size": vocab,
     }
+
+
+def _qwen_vl(model_type: str, ids: dict, vocab: int) -> dict:
+    text = _text(model_type, vocab, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+    vision = _vision(model_type, spatial_patch_size=PATCH, window_size=56, fullatt_block_indexes=[1])
+    # Qwen2.5-VL's config is flat: its text fields at the top level (mlx-vlm reads them there)
+    return {**text, "text_config": dict(text), "vision_config": vision, **_qwen_ids(ids), "vocab_size": vocab}
 
 
 def _qwen3_vl(model_type: str, ids: dict, vocab: int) -> dict:
-    text = {
-        "model_type": model_type,
-        "hidden_size": HIDDEN,
-        "num_hidden_layers": LAYERS,
-        "intermediate_size": FF,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS,
-        "head_dim": HIDDEN // HEADS,
-        "rms_norm_eps": 1e-6,
-        "vocab_size": vocab,
-        "max_position_embeddings": 4096,
-        "rope_theta": 10000.0,
-        "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
-        "tie_word_embeddings": False,
-    }
+    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+    text = _text(model_type, vocab, head_dim=HIDDEN // HEADS, rope_scaling=rope)
     if model_type.endswith("_moe"):
         text |= {
             "num_experts": 4,
@@ -102,27 +98,12 @@ def _qwen3_vl(model_type: str, ids: dict, vocab: int) -> dict:
             "moe_intermediate_size": 64,
             "norm_topk_prob": True,
         }
-    vision = {
-        "model_type": model_type,
-        "depth": 2,
-        "hidden_size": 32,
-        "intermediate_size": VISION_FF,
-        "out_hidden_size": HIDDEN,
-        "num_heads": 2,
-        "patch_size": PATCH,
-        "spatial_merge_size": MERGE,
-        "temporal_patch_size": 2,
-        "num_position_embeddings": 256,
-        "deepstack_visual_indexes": [0],
-    }
+    vision = _vision(model_type, num_position_embeddings=256, deepstack_visual_indexes=[0])
     return {
         "model_type": model_type,
         "text_config": text,
         "vision_config": vision,
-        "image_token_id": ids["<|image_pad|>"],
-        "video_token_id": ids["<|video_pad|>"],
-        "vision_start_token_id": ids["<|vision_start|>"],
-        "vision_end_token_id": ids["<|vision_end|>"],
+        **_qwen_ids(ids),
         "vocab_size": vocab,
         "tie_word_embeddings": False,
     }
