@@ -203,8 +203,11 @@ def _load_vision(path: Path, config: dict, dtype: str | None) -> LoadedModel:
     """A checkpoint with a vision tower, through mlx-vlm (models/vision.py), in `dtype`."""
     from mlx_lm.utils import load_tokenizer
 
-    from ..models.vision import load_vision
+    from ..models.vision import load_vision, vision_refusal
 
+    reason = vision_refusal(config)
+    if reason:
+        raise MlxPagedError(f"{reason} in {path / 'config.json'}")
     dt = default_dtype(config) if dtype in (None, "auto") else DTYPES[dtype]
     try:
         net, processor = load_vision(path, config, dt)

@@ -22,7 +22,6 @@ import mlx.nn as nn
 import numpy as np
 
 from ..attention.metadata import AttentionMetadata
-from ..errors import MlxPagedError
 from .paged_adapter import (
     _check_attended,
     _final_norm,
@@ -249,10 +248,8 @@ def prepare_vision(model: PagedVisionModel) -> None:
 
 
 def load_vision(path, config: dict, dtype: mx.Dtype):
-    """(`PagedVisionModel`, mlx-vlm's processor) of the checkpoint at `path`."""
-    reason = vision_refusal(config)
-    if reason:
-        raise MlxPagedError(f"{reason} in {path / 'config.json'}")
+    """(`PagedVisionModel`, mlx-vlm's processor) of the checkpoint at `path`, whose family
+    runs here (`vision_refusal`)."""
     from mlx_vlm.utils import load as vlm_load
 
     vlm, processor = vlm_load(str(path))
