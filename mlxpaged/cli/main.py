@@ -285,7 +285,10 @@ def generate(
         if beam is not None:
             rids = [engine.add_beam_request(i, beam) for i in ids]
         else:
-            rids = [engine.add_request(i, sp, images=im) for i, sp, im in zip(ids, params, images)]
+            rids = [
+                engine.add_request(i, sp, images=im) if im is not None else engine.add_request(i, sp)
+                for i, sp, im in zip(ids, params, images)
+            ]  # (a tensor-parallel engine takes no images)
 
     stream = not as_json and len(items) == 1 and params[0].n == 1 and beam is None
     with user_errors():  # MlxPagedError: a tensor-parallel rank lost its peers or diverged

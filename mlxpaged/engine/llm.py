@@ -75,6 +75,8 @@ class LLM:
 
     def _add(self, prompt, params: SamplingParams) -> str:
         prompt, images = _with_images(prompt)
+        if images is None:  # (a tensor-parallel engine takes no images)
+            return self.engine.add_request(prompt, params)
         return self.engine.add_request(prompt, params, images=images)
 
     def _drain(self, ids: list[str], on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:

@@ -325,7 +325,8 @@ class EngineLoop:
     def _add(self, req: EngineRequest, sink, fut, arrival) -> None:
         rid = req.request_id
         try:
-            self.engine.add_request(req.prompt, req.params, request_id=rid, images=req.images)
+            extra = {"images": req.images} if req.images is not None else {}  # (a tensor-parallel engine takes none)
+            self.engine.add_request(req.prompt, req.params, request_id=rid, **extra)
         except Exception as e:  # MlxPagedError / ValueError: the request's own fault
             fut.set_exception(e)
             return
