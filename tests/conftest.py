@@ -127,6 +127,8 @@ FILE_TIERS = {
     "test_bench_agents.py": "server",
     "test_families.py": "engine",
     "test_zoo.py": "engine",
+    "test_vision.py": "engine",
+    "test_vision_server.py": "server",
     "test_hybrid.py": "engine",
     "test_windows.py": "engine",
     "test_per_layer_kv.py": "engine",

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import sys
+from pathlib import Path
 
 import click
 
@@ -75,13 +76,16 @@ def _read_json_schema(path: str) -> dict:
     return schema
 
 
-def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:
+def _encode(tokenizer, prompt: str, chat: bool, num_images: int = 0) -> list[int]:
+    """A prompt's ids; with `num_images`, the chat template's user turn holds that many images
+    before the text (without the template, the text holds their markers itself)."""
     if not prompt.strip():
         raise MlxPagedError("empty prompt")
     if chat and getattr(tokenizer, "chat_template", None):
         from ..engine.chat import chat_ids
 
-        return chat_ids(tokenizer, [{"role": "user", "content": prompt}])
+        content = [{"type": "image"}] * num_images + [{"type": "text", "text": prompt}] if num_images else prompt
+        return chat_ids(tokenizer, [{"role": "user", "content": content}])
     return tokenizer.encode(prompt)
 
 
@@ -185,6 +189,12 @@ def main():
     type=click.Path(file_okay=False),
     help="A LoRA adapter folder (mlx_lm.lora's adapters.safetensors, or PEFT's) to generate with.",
 )
+@click.option(
+    "--image",
+    "image_paths",
+    multiple=True,
+    help="An image file for a vision model, placed before each prompt's text; repeatable (in order).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with outputs and stats.")
 def generate(
     model,
@@ -210,6 +220,7 @@ def generate(
     beam_width,
     length_penalty,
     adapter,
+    image_paths,
     as_json,
     **engine_flags,
 ):
@@ -267,7 +278,16 @@ def generate(
         if follower:
             sys.stdout = open(os.devnull, "w")  # rank 0 prints; the others only compute
         loaded = load_model(model, dtype, weights, group)
-        ids = [_encode(loaded.tokenizer, p, chat) for p, _ in items]
+        ids = [_encode(loaded.tokenizer, p, chat, len(image_paths)) for p, _ in items]
+        images = [None] * len(ids)
+        if image_paths:  # each prompt's image markers widened to its images' tokens (multimodal.py)
+            from ..engine.multimodal import decode_images, process_images
+
+            if beam is not None:
+                raise MlxPagedError("--image cannot be used with --beam-width")
+            decoded = decode_images([Path(p) for p in image_paths])
+            images = [process_images(loaded, i, decoded) for i in ids]
+            ids = [im.ids for im in images]
         # `generate` knows its whole workload: a pool just big enough for all of it at full length.
         need = sum(request_blocks(len(i), p.n, p.max_tokens, config.cache.block_size) for i, p in zip(ids, params))
         config.cache.num_blocks = pool_blocks(loaded, config, need)
@@ -275,7 +295,10 @@ def generate(
         if beam is not None:
             rids = [engine.add_beam_request(i, beam) for i in ids]
         else:
-            rids = [engine.add_request(i, sp) for i, sp in zip(ids, params)]
+            rids = [
+                engine.add_request(i, sp, images=im) if im is not None else engine.add_request(i, sp)
+                for i, sp, im in zip(ids, params, images)
+            ]  # (a tensor-parallel engine takes no images)
 
     stream = not as_json and len(items) == 1 and params[0].n == 1 and beam is None
     with user_errors():  # MlxPagedError: a tensor-parallel rank lost its peers or diverged

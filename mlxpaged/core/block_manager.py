@@ -285,8 +285,12 @@ class BlockManager:
     def _hash(self, parent: bytes | None, tokens: tuple[int, ...], seq: Sequence, i: int) -> bytes:
         # a salted request's chain starts from its salt (vLLM's cache_salt), and an adapter's from
         # its key (KV computed with another adapter differs): other salts and adapters never match it
-        key = self.extra_key + seq.cache_salt + (seq.adapter.key if seq.adapter else b"") if i == 0 else self.extra_key
-        return self.hash_fn(parent, tokens, key)
+        extra = (
+            self.extra_key + seq.cache_salt + (seq.adapter.key if seq.adapter else b"") if i == 0 else self.extra_key
+        )
+        if seq.images is not None:  # the images with tokens in this block (vLLM's mm_hash): same ids, other pixels
+            extra += seq.images.block_key(i, self.block_size)
+        return self.hash_fn(parent, tokens, extra)
 
     def _tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
         return tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])

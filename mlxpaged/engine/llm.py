@@ -58,25 +58,34 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[int] | Sequence[str | list[int]],
+        prompts: str | list[int] | dict | Sequence[str | list[int] | dict],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         on_output: Callable[[RequestOutput], None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in the order of `prompts`.
 
-        A single string or a single list of ints is one prompt. `on_output` sees each
+        A single string or a single list of ints is one prompt. A vision model's prompt with
+        images is vLLM's dict, `{"prompt": text, "multi_modal_data": {"image": image or list}}`
+        (PIL images, paths or bytes), its text holding one image marker per image (the chat
+        template writes them for `{"type": "image"}` parts). `on_output` sees each
         intermediate output (for streaming or progress bars): with `output_kind="delta"` what is
         new in it; the outputs returned are whole either way.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        ids = [self._add(p, sp) for p, sp in zip(prompts, sampling_params)]
         return self._drain(ids, on_output)
+
+    def _add(self, prompt, params: SamplingParams) -> str:
+        prompt, images = _with_images(prompt)
+        if images is None:  # (a tensor-parallel engine takes no images)
+            return self.engine.add_request(prompt, params)
+        return self.engine.add_request(prompt, params, images=images)
 
     def _drain(self, ids: list[str], on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
@@ -119,3 +128,17 @@ class LLM:
             prompts = [prompts]
         ids = [self.engine.add_beam_request(p, params) for p in prompts]
         return self._drain(ids)
+
+
+def _with_images(prompt) -> tuple:
+    """(prompt, images or None) of one `generate` prompt (vLLM's multimodal dict, or plain)."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = sorted(set(prompt) - {"prompt", "multi_modal_data"})
+    data = prompt.get("multi_modal_data") or {}
+    if unknown or "prompt" not in prompt or not isinstance(data, dict):
+        raise ValueError(f"a prompt dict takes 'prompt' and 'multi_modal_data'; got {sorted(prompt)}")
+    if set(data) - {"image"}:
+        raise ValueError(f"multi_modal_data: only 'image' is supported, not {sorted(set(data) - {'image'})}")
+    images = data.get("image")
+    return prompt["prompt"], ([images] if images is not None and not isinstance(images, list) else images)

@@ -69,6 +69,7 @@ from .draft import DraftProposer, draft_slots
 from .grammar_layer import GrammarLayer
 from .guided import GrammarCompiler
 from .kv_connector import DiskConnector
+from .multimodal import EncoderCache, ImageInputs, decode_images, encode_images, process_images
 from .outputs import RequestOutput
 from .pooling import PoolingLayer, PoolingParams
 from .prompt_logprobs import PromptLogprobs
@@ -206,6 +207,7 @@ class LLMEngine:
         self._check_kernels()
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
+        self.encoder_cache = EncoderCache()  # a vision model's tower outputs, by image (multimodal.py)
         self._inflight: LaunchedStep | None = None  # launched, not read back (overlapped steps)
         self._last_plan: RowPlan | None = None  # the last decode-only step's (`_plan`)
         self._carried: list[Request] = []  # read back during a failed step: reported at the next
@@ -329,13 +331,24 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | PoolingParams | None = None,
         request_id: str | None = None,
+        images: list | None = None,
     ) -> str:
         """Queue one prompt (text or token ids); returns its request id. `PoolingParams` make it a
-        pooled request (`add_pooling_request`)."""
+        pooled request (`add_pooling_request`). `images` (a vision model's: PIL images, paths or
+        bytes, or `ImageInputs` already processed from this prompt) fill the prompt's image markers
+        (one image token each, as its chat template writes them) in order."""
         if isinstance(params, PoolingParams):
+            if images:
+                raise MlxPagedError("images: embeddings and scores take text only")
             return self.add_pooling_request(prompt, params, request_id)
         params = params or SamplingParams()
         ids, text = self._prompt_ids(prompt)
+        prompt_images = None
+        if images:  # a vision model's prompt (multimodal.py): its image markers widened, their features
+            if not isinstance(images, ImageInputs):
+                images = process_images(self.loaded, ids, decode_images(images))
+            ids = images.ids
+            prompt_images = encode_images(self.loaded.model, images, self.encoder_cache)
         self._check_fits(len(ids), params.n, params.max_tokens)
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             raise MlxPagedError(
@@ -362,6 +375,7 @@ class LLMEngine:
                 matcher=matcher() if matcher is not None else None,
                 cache_salt=salt_key(params.cache_salt),
                 adapter=adapter,
+                images=prompt_images,
             )
             for i in range(params.n)
         ]

@@ -40,6 +40,8 @@ class LoadedModel:
     path: Path
     dtype: mx.Dtype
     weights: str = "float"  # "quantized" when any layer is an MLX quantized layer
+    # A vision model's mlx-vlm processor (images and text to prompt inputs); None for a text model.
+    processor: object = field(default=None, repr=False, compare=False)
     # Per-channel key scales for a quantized KV cache, measured on first use (kv_calibration.py).
     key_scales: list | None = field(default=None, repr=False, compare=False)
 
@@ -172,6 +174,8 @@ def load(model: str | None = None, dtype: str | None = None, weights: str | None
         config = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise MlxPagedError(f"cannot read {path / 'config.json'}: {e}") from None
+    if "vision_config" in config:  # a vision tower: mlx-vlm's model and processor (models/vision.py)
+        return _load_vision(path, config, dtype)
     paged_adapter.check_family(config.get("model_type"), config, path / "config.json")
     try:
         net, config = load_model(path, get_model_classes=paged_adapter.model_classes)
@@ -193,3 +197,23 @@ def load(model: str | None = None, dtype: str | None = None, weights: str | None
     net.set_dtype(dt)
     mx.eval(net.parameters())
     return LoadedModel(net, tokenizer, config, path, dt, "quantized" if _is_quantized(net) else "float")
+
+
+def _load_vision(path: Path, config: dict, dtype: str | None) -> LoadedModel:
+    """A checkpoint with a vision tower, through mlx-vlm (models/vision.py), in `dtype`."""
+    from mlx_lm.utils import load_tokenizer
+
+    from ..models.vision import load_vision, vision_refusal
+
+    reason = vision_refusal(config)
+    if reason:
+        raise MlxPagedError(f"{reason} in {path / 'config.json'}")
+    dt = default_dtype(config) if dtype in (None, "auto") else DTYPES[dtype]
+    try:
+        net, processor = load_vision(path, config, dt)
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except FileNotFoundError as e:
+        raise MlxPagedError(f"incomplete checkpoint {path}: {e}") from None
+    except (ValueError, KeyError, TypeError, OSError, RuntimeError) as e:
+        raise MlxPagedError(f"cannot load checkpoint {path}: {str(e).splitlines()[0][:200]}") from None
+    return LoadedModel(net, tokenizer, config, path, dt, processor=processor)

@@ -745,24 +745,8 @@ class PagedModelMixin:
             return super().__call__(inputs, cache, **kwargs)
         layers = self.layers
         spec = cache.spec if cache.spec is not None else cache_spec(self)
-        # A recurrent layer gets no cache object: its stand-in (recurrent.py) holds the step's states.
-        kind = LatentLayerCache if spec.latent else PagedLayerCache
-        caches, chunked = [], False
-        for lay in spec.layers:
-            window = lay.span if lay.kind == "sliding_window" else None
-            chunk = lay.span if lay.kind == "chunked_local" else None
-            chunked = chunked or chunk is not None
-            if lay.source is not None:  # reads an earlier layer's pools (Gemma 4); Gemma 3n's model hands them itself
-                caches.append(None if spec.shared_by_model else SharedLayerCache(caches[lay.source]))
-            elif lay.pool is None:
-                caches.append(None)
-            else:
-                # a layer reads its own KV cache group's tables (worker/kv_cache.py `groups`)
-                m = meta.groups[cache.groups[lay.pool]] if meta.groups else meta
-                caches.append(kind(cache, lay.pool, m, window, chunk, lay.tiled_heads))
-        if spec.passes > 1:
-            for c in caches:
-                c.peers = caches
+        caches = pass_caches(spec, cache, meta)
+        chunked = any(lay.kind == "chunked_local" for lay in spec.layers)
         parent, name, body = _body_at(self)
         norm = _final_norm(body)
         if norm is not None:
@@ -791,6 +775,28 @@ class PagedModelMixin:
             raise
         _check_attended(layers, caches)
         return logits.reshape(logits.shape[0], -1)
+
+
+def pass_caches(spec: CacheSpec, cache, meta: AttentionMetadata) -> list:
+    """Each layer's cache object for one pass over the paged `cache`. A recurrent layer gets
+    None: its stand-in (recurrent.py) holds the step's states."""
+    kind = LatentLayerCache if spec.latent else PagedLayerCache
+    caches = []
+    for lay in spec.layers:
+        window = lay.span if lay.kind == "sliding_window" else None
+        chunk = lay.span if lay.kind == "chunked_local" else None
+        if lay.source is not None:  # reads an earlier layer's pools (Gemma 4); Gemma 3n's model hands them itself
+            caches.append(None if spec.shared_by_model else SharedLayerCache(caches[lay.source]))
+        elif lay.pool is None:
+            caches.append(None)
+        else:
+            # a layer reads its own KV cache group's tables (worker/kv_cache.py `groups`)
+            m = meta.groups[cache.groups[lay.pool]] if meta.groups else meta
+            caches.append(kind(cache, lay.pool, m, window, chunk, lay.tiled_heads))
+    if spec.passes > 1:  # a layer attending more than once a pass reads the cache that gave its keys
+        for c in caches:
+            c.peers = caches
+    return caches
 
 
 def _check_attended(layers, caches, cause: Exception | None = None) -> None:

@@ -74,7 +74,10 @@ def template_chars(messages: list[dict], tools: list[dict] | None, per_message: 
     `per_message` a message, a token's worth: every template writes at least one token per message)."""
     n = len(json.dumps(tools, ensure_ascii=False)) if tools else 0
     for m in messages:
-        n += per_message + len(m.get("role") or "") + len(m.get("content") or "") + len(m.get("tool_call_id") or "")
+        content = m.get("content") or ""
+        if isinstance(content, list):  # parts: their text (an image's tokens are counted once processed)
+            content = "".join(p.get("text") or "" for p in content)
+        n += per_message + len(m.get("role") or "") + len(content) + len(m.get("tool_call_id") or "")
         for c in m.get("tool_calls") or ():
             fn = c.get("function") or {}
             n += len(fn.get("name") or "") + len(json.dumps(fn.get("arguments"), ensure_ascii=False))
@@ -110,8 +113,78 @@ def _check_limits(state, ask: Ask, max_tokens: int, ids: list[list[int]] | None 
     check_answer(state.limits, counts, ask.n, max_tokens, ask.logprobs, echo, ask.logprob_bytes)
 
 
+def take_images(messages: list[dict]) -> tuple[list[dict], list[tuple[str, str]]]:
+    """(the messages as the chat template reads them, each image part `{"type": "image"}`; each
+    image's (where, url), in the order the template renders them: messages, then parts)."""
+    images: list[tuple[str, str]] = []
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list) and any(p.get("type") == "image" for p in content):
+            images += [(p["where"], p["url"]) for p in content if p.get("type") == "image"]
+            m = {**m, "content": [{"type": "image"} if p.get("type") == "image" else p for p in content]}
+        out.append(m)
+    return out, images
+
+
+def decode_image(limits, where: str, url: str):
+    """One image part's decoded image, within the limits; a 400 naming the part otherwise."""
+    import base64
+    import binascii
+
+    from ..engine.multimodal import load_image
+
+    if url.startswith(("http://", "https://")):
+        raise APIError(400, f"{where}: image URLs are not fetched; send the image as a data URL", param=where)
+    head, sep, data = url.partition(",")
+    if not (url.startswith("data:") and sep and head.endswith(";base64")):
+        raise APIError(400, f"{where}: an image must be a base64 data URL (data:image/...;base64,...)", param=where)
+    if len(data) * 3 // 4 > limits.max_image_bytes:
+        raise APIError(400, f"{where}: the image is larger than {limits.max_image_bytes} bytes", param=where)
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise APIError(400, f"{where}: the image's data is not valid base64", param=where) from None
+    try:
+        image = load_image(raw, where)
+    except ValueError as e:
+        raise APIError(400, str(e), param=where) from None
+    w, h = image.size
+    if w * h > limits.max_image_pixels:
+        raise APIError(400, f"{where}: {w}x{h} is more than {limits.max_image_pixels} pixels", param=where)
+    return image
+
+
+def image_inputs(state, ids: list[int], images: list[tuple[str, str]]):
+    """The prompt's images decoded and processed (engine/multimodal.py `ImageInputs`: its image
+    markers widened): numpy work, on the tokenizer thread."""
+    from ..engine.multimodal import process_images
+
+    decoded = [decode_image(state.limits, where, url) for where, url in images]
+    try:
+        return process_images(state.engine_loop.engine.loaded, ids, decoded)
+    except ValueError as e:
+        raise APIError(400, f"messages: {e}", param="messages") from None
+
+
+def check_images(state, ask: Ask, count: int) -> None:
+    """A request with images: the model must take them, and not more than the limit of them."""
+    loaded = state.engine_loop.engine.loaded
+    if loaded.processor is None:
+        raise APIError(400, f"model {state.model_id} takes no images (it has no vision tower)", param="messages")
+    if count > state.limits.max_images:
+        raise APIError(
+            400, f"{count} images, more than the {state.limits.max_images} a request may hold", param="messages"
+        )
+
+
 async def tokenize(state, ask: Ask) -> list[list[int]]:
     """Steps 1-4: the prompts' ids, or a 400 before any tokenizing when they cannot fit."""
+    return (await tokenize_images(state, ask))[0]
+
+
+async def tokenize_images(state, ask: Ask) -> tuple[list[list[int]], object]:
+    """`tokenize`, and a prompt's images processed (`ImageInputs`, its ids the prompt's), or None."""
     check_model(state, ask.model)
     ask.adapter = request_adapter(state, ask.model, ask.adapters)
     _check_limits(state, ask, ask.max_tokens or (0 if ask.pooled_bytes else 1))
@@ -123,10 +196,17 @@ async def tokenize(state, ask: Ask) -> list[list[int]]:
             if isinstance(p, str):
                 check_chars(cap, len(p), "prompt")
         special = ask.special_tokens
-        return await state.off_loop(lambda: [encode_prompt(tok, p, cap.vocab_size, special) for p in ask.prompts])
+        return await state.off_loop(lambda: [encode_prompt(tok, p, cap.vocab_size, special) for p in ask.prompts]), None
     check_chars(cap, template_chars(ask.messages, ask.tools, cap.max_token_chars or 1), "messages")
     as_text = not state.limits.content_special_tokens
-    return [await state.off_loop(encode_messages, tok, ask.messages, ask.tools, ask.template_kwargs, as_text)]
+    messages, images = take_images(ask.messages)
+    if images:
+        check_images(state, ask, len(images))
+    ids = await state.off_loop(encode_messages, tok, messages, ask.tools, ask.template_kwargs, as_text)
+    if not images:
+        return [ids], None
+    inputs = await state.off_loop(image_inputs, state, ids, images)
+    return [inputs.ids], inputs
 
 
 async def admit(state, ask: Ask) -> tuple[Job, list[list[int]]]:
@@ -140,7 +220,7 @@ async def admit(state, ask: Ask) -> tuple[Job, list[list[int]]]:
                 "it generates no text; use /v1/embeddings",
                 param="model",
             )
-        prompts = await tokenize(state, ask)
+        prompts, images = await tokenize_images(state, ask)
         if ask.pooled_bytes and ask.adapter is not None:
             raise APIError(
                 400, f"adapter '{ask.adapter}': embeddings and scores run on the base model only", param="model"
@@ -163,7 +243,7 @@ async def admit(state, ask: Ask) -> tuple[Job, list[list[int]]]:
                 params = dataclasses.replace(params, adapter=ask.adapter)
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0] if " must " in str(e) else None) from None
-        job = await Job.start(state, ask.prefix, prompts, params, ask.guided_param)
+        job = await Job.start(state, ask.prefix, prompts, params, ask.guided_param, images)
         note(job=job)  # the access log line reads its tokens when the response ends
         return job, prompts
     except APIError as e:

@@ -32,7 +32,7 @@ import json
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request
-from pydantic import Field
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from ..engine.sampling_params import SamplingParams
 from .admission import Ask, admit
@@ -44,6 +44,7 @@ from .jobs import ErrorResponse, JobStream
 from .keepalive import PING, keepalive
 from .middleware import anthropic_error_body
 from .prompts import thinking_kwargs
+from .protocol import image_part, refuse_parts
 from .turns import Thinking, TurnEnd, add_format, drain, sse, turn_events, turn_parse
 
 
@@ -73,19 +74,55 @@ class ToolUseBlock(Body):
     input: dict[str, Any]
 
 
+class Base64Source(Body):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str
+
+
+class URLSource(Body):
+    type: Literal["url"]
+    url: str  # refused by the admission path unless a data URL
+
+
+class ImageBlock(Body):
+    type: Literal["image"]
+    source: Annotated[Base64Source | URLSource, Field(discriminator="type")]
+    cache_control: dict | None = None  # accepted: every prompt prefix is cached
+
+    def part(self, where: str) -> dict:
+        src = self.source
+        url = f"data:{src.media_type};base64,{src.data}" if isinstance(src, Base64Source) else src.url
+        return image_part(url, where)
+
+
+ResultBlock = Annotated[TextBlock | ImageBlock, Field(discriminator="type")]
+
+
 class ToolResultBlock(Body):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[TextBlock] | None = None
+    content: str | list[ResultBlock] | None = None
     is_error: bool = False
 
     def text(self) -> str:
         body = (
             self.content
             if isinstance(self.content, str) or self.content is None
-            else "".join(b.text for b in self.content)
+            else "".join(b.text for b in self.content if isinstance(b, TextBlock))
         )
         return f"Error: {body or ''}" if self.is_error else (body or "")
+
+    def template_content(self, where: str) -> str | list[dict]:
+        """The result as a chat template reads it: the text, or with images (Claude Code's
+        screenshots) its blocks in order."""
+        if not isinstance(self.content, list) or not any(isinstance(b, ImageBlock) for b in self.content):
+            return self.text()
+        head = [{"type": "text", "text": "Error: "}] if self.is_error else []
+        return head + [
+            {"type": "text", "text": b.text} if isinstance(b, TextBlock) else b.part(f"{where}.{i}")
+            for i, b in enumerate(self.content)
+        ]
 
 
 class ThinkingBlock(Body):
@@ -95,12 +132,23 @@ class ThinkingBlock(Body):
     type: Literal["thinking", "redacted_thinking"]
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
+Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
 
 
 class Message(Body):
     role: Literal["user", "assistant", "system"]
     content: str | list[Block]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _blocks(cls, data):
+        if isinstance(data, dict):
+            known = ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking")
+            refuse_parts(data.get("content"), known, "content block")
+            for b in data.get("content") if isinstance(data.get("content"), list) else ():
+                if isinstance(b, dict) and b.get("type") == "tool_result":
+                    refuse_parts(b.get("content"), ("text", "image"), "tool_result block")
+        return data
 
 
 class ThinkingConfig(Body):
@@ -191,11 +239,14 @@ def template_messages(body: CountTokensRequest) -> list[dict]:
         system = "\n".join(b.text for b in system if not b.text.startswith(BILLING))
     if system:
         out.append({"role": "system", "content": system})
-    for m in body.messages:
+    for j, m in enumerate(body.messages):
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
         texts = [b.text for b in m.content if isinstance(b, TextBlock)]
+        where = f"messages.{j}.content"
+        if m.role != "user" and any(isinstance(b, ImageBlock) for b in m.content):
+            raise AnthropicError(400, f"{where}: image blocks belong in a user message or a tool_result")
         if m.role == "system":
             if len(texts) != len(m.content):
                 raise AnthropicError(400, "messages: a system message takes text blocks only")
@@ -218,11 +269,18 @@ def template_messages(body: CountTokensRequest) -> list[dict]:
             raise AnthropicError(400, "messages: tool_use blocks belong in an assistant message")
         # The template wants tool results right after the call, then the user's words.
         out += [
-            {"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
-            for b in m.content
+            {"role": "tool", "tool_call_id": b.tool_use_id, "content": b.template_content(f"{where}.{i}.content")}
+            for i, b in enumerate(m.content)
             if isinstance(b, ToolResultBlock)
         ]
-        if texts or not any(isinstance(b, ToolResultBlock) for b in m.content):
+        said = [(i, b) for i, b in enumerate(m.content) if isinstance(b, (TextBlock, ImageBlock))]
+        if any(isinstance(b, ImageBlock) for _, b in said):  # the user's words and images, in order
+            parts = [
+                {"type": "text", "text": b.text} if isinstance(b, TextBlock) else b.part(f"{where}.{i}")
+                for i, b in said
+            ]
+            out.append({"role": "user", "content": parts})
+        elif texts or not any(isinstance(b, ToolResultBlock) for b in m.content):
             out.append({"role": "user", "content": "".join(texts)})
     return out
 

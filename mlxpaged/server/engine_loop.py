@@ -123,6 +123,7 @@ class EngineRequest:
     prompt: list[int]
     params: SamplingParams | PoolingParams  # PoolingParams: an embedding or a score (engine/pooling.py)
     request_id: str
+    images: object = None  # a vision model's processed images (engine/multimodal.py); never on the wire
 
     def to_wire(self) -> list:
         return [list(self.prompt), self.params.to_wire(), self.request_id]
@@ -218,12 +219,15 @@ class EngineLoop:
         """Submissions not yet handed to the engine."""
         return len(self._adds)
 
-    def submit(self, prompt: list[int], params: SamplingParams, rid: str, sink: Sink) -> concurrent.futures.Future:
-        """Queue a request; the future resolves to `rid` once the engine accepted it, or to its error."""
+    def submit(
+        self, prompt: list[int], params: SamplingParams, rid: str, sink: Sink, images=None
+    ) -> concurrent.futures.Future:
+        """Queue a request; the future resolves to `rid` once the engine accepted it, or to its
+        error. `images`: its processed images (the vision tower runs on the engine thread)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if self._group is not None and params.seed is None:  # every rank must draw the same samples
             params = dataclasses.replace(params, seed=random.getrandbits(31))
-        req = EngineRequest(list(prompt), params, rid)
+        req = EngineRequest(list(prompt), params, rid, images)
         with self._cv:
             if self._stopping or self._drain_deadline is not None:
                 fut.set_exception(EngineDown("the server is shutting down"))
@@ -323,7 +327,8 @@ class EngineLoop:
     def _add(self, req: EngineRequest, sink, fut, arrival) -> None:
         rid = req.request_id
         try:
-            self.engine.add_request(req.prompt, req.params, request_id=rid)
+            extra = {"images": req.images} if req.images is not None else {}  # (a tensor-parallel engine takes none)
+            self.engine.add_request(req.prompt, req.params, request_id=rid, **extra)
         except Exception as e:  # MlxPagedError / ValueError: the request's own fault
             fut.set_exception(e)
             return

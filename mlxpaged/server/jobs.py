@@ -95,9 +95,16 @@ class Job:
 
     @classmethod
     async def start(
-        cls, state: ServerState, prefix: str, prompts: list[list[int]], params, guided_param: str | None = None
+        cls,
+        state: ServerState,
+        prefix: str,
+        prompts: list[list[int]],
+        params,
+        guided_param: str | None = None,
+        images=None,
     ) -> Job:
-        """`guided_param`: the request field a grammar the engine cannot compile is blamed on."""
+        """`guided_param`: the request field a grammar the engine cannot compile is blamed on;
+        `images`: the one prompt's processed images (engine/multimodal.py `ImageInputs`), or None."""
         el = state.engine_loop
         waiting = el.snapshot.get("requests_waiting", 0) + el.pending
         if waiting + len(prompts) > state.max_queue:
@@ -114,7 +121,8 @@ class Job:
         resp_id = f"{prefix}-{uuid.uuid4().hex}"
         sink = Sink(asyncio.get_running_loop())
         rids = [f"{resp_id}-{i}" for i in range(len(prompts))]
-        futs = [el.submit(ids, params, rid, sink) for ids, rid in zip(prompts, rids)]
+        extra = {"images": images} if images is not None else {}  # only an image request passes them
+        futs = [el.submit(ids, params, rid, sink, **extra) for ids, rid in zip(prompts, rids)]
         try:
             for f in futs:
                 await asyncio.wrap_future(f)

@@ -31,6 +31,10 @@ class Limits:
     # --content-special-tokens: a special token's text in client content is that token (a trusted
     # client writing raw control tokens); off, it is text and no client can forge a turn
     content_special_tokens: bool = False
+    # a vision model's images (admission.py): per request, each image's bytes, each image's pixels
+    max_images: int = 16
+    max_image_bytes: int = 20 << 20
+    max_image_pixels: int = 50_000_000
 
 
 @dataclass(frozen=True)

@@ -192,6 +192,38 @@ class TextPart(_Body):
     text: Text
 
 
+class ImageURL(_Body):
+    url: str  # a data URL (data:image/png;base64,...); http(s) addresses are refused (admission.py)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the processor sizes every image
+
+
+class ImageURLPart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ChatPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
+
+
+def refuse_parts(content, known: tuple[str, ...], what: str = "content part"):
+    """`content` unchanged, or a ValueError naming the first part type not in `known` (a part
+    the server does not implement is refused by name, not by the union's parse error)."""
+    if isinstance(content, list):
+        for i, p in enumerate(content):
+            t = p.get("type") if isinstance(p, dict) else None
+            if isinstance(t, str) and t not in known:
+                raise ValueError(
+                    f"{what} {i} has type {t!r}, which this server does not take (it takes {', '.join(known)})"
+                )
+    return content
+
+
+def image_part(url: str, where: str) -> dict:
+    """A template message's image part: the chat template sees `{"type": "image"}`, the
+    admission path takes `url` (named `where` in its errors) out before rendering it."""
+    return {"type": "image", "url": url, "where": where}
+
+
 def check_message_content(role: str, content, has_tool_calls: bool = False) -> None:
     """The one rule for a message's content: present and not an empty list of parts (an assistant
     message that carries tool calls may have none)."""
@@ -216,10 +248,17 @@ class ChatToolCall(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart] | None = None
+    content: Text | list[ChatPart] | None = None
     name: Text | None = None
     tool_calls: list[ChatToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: Text | None = None  # a tool's result: the call it answers
+
+    @model_validator(mode="before")
+    @classmethod
+    def _parts(cls, data):
+        if isinstance(data, dict):
+            refuse_parts(data.get("content"), ("text", "image_url"))
+        return data
 
     @model_validator(mode="after")
     def _content(self):
@@ -228,8 +267,17 @@ class ChatMessage(_Body):
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "".join(p.text for p in self.content if isinstance(p, TextPart))
         return self.content or ""
+
+    def template_content(self, where: str) -> str | list[dict]:
+        """The content as a chat template reads it: the text, or with images its parts in order."""
+        if not isinstance(self.content, list) or all(isinstance(p, TextPart) for p in self.content):
+            return self.text()
+        return [
+            {"type": "text", "text": p.text} if isinstance(p, TextPart) else image_part(p.image_url.url, f"{where}.{i}")
+            for i, p in enumerate(self.content)
+        ]
 
 
 class FunctionDef(_Body):

@@ -34,7 +34,7 @@ from collections import OrderedDict
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import Discriminator, Field, Tag, field_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from ..engine.sampling_params import SamplingParams
 from .admission import Ask, admit
@@ -45,6 +45,7 @@ from .jobs import JobStream
 from .keepalive import keepalive
 from .limits import Limits
 from .prompts import thinking_kwargs
+from .protocol import image_part, refuse_parts
 from .tools import template_tool_calls
 from .turns import Thinking, TurnEnd, add_format, drain, sse, turn_events, turn_parse
 
@@ -60,13 +61,40 @@ class ContentPart(Body):
     text: str
 
 
+class InputImagePart(Body):
+    type: Literal["input_image"]
+    image_url: str  # a data URL; http(s) addresses are refused (admission.py)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the processor sizes every image
+
+
+Part = Annotated[ContentPart | InputImagePart, Field(discriminator="type")]
+
+
 class MessageItem(Body):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[ContentPart]
+    content: str | list[Part]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _parts(cls, data):
+        if isinstance(data, dict):
+            refuse_parts(data.get("content"), ("input_text", "output_text", "text", "input_image"))
+        return data
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content if isinstance(p, ContentPart))
+
+    def template_content(self, where: str) -> str | list[dict]:
+        """The content as a chat template reads it: the text, or with images its parts in order."""
+        if isinstance(self.content, str) or all(isinstance(p, ContentPart) for p in self.content):
+            return self.text()
+        return [
+            {"type": "text", "text": p.text} if isinstance(p, ContentPart) else image_part(p.image_url, f"{where}.{i}")
+            for i, p in enumerate(self.content)
+        ]
 
 
 class FunctionCallItem(Body):
@@ -298,7 +326,8 @@ def conversation(body: ResponsesRequest, history) -> list[dict]:
         return out + [{"role": "user", "content": body.input}]
     for i, item in enumerate(body.input):
         if isinstance(item, MessageItem):
-            out.append({"role": "system" if item.role == "developer" else item.role, "content": item.text()})
+            role = "system" if item.role == "developer" else item.role
+            out.append({"role": role, "content": item.template_content(f"input.{i}.content")})
         elif isinstance(item, FunctionCallItem):
             try:
                 call = template_tool_calls(

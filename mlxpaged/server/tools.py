@@ -346,7 +346,7 @@ def template_messages(messages) -> list[dict]:
     """OpenAI chat messages (protocol.ChatMessage) as the dicts a chat template reads."""
     out = []
     for i, m in enumerate(messages):
-        d = {"role": m.role, "content": m.text()}
+        d = {"role": m.role, "content": m.template_content(f"messages.{i}.content")}
         if m.tool_calls:
             try:
                 d["tool_calls"] = template_tool_calls([c.model_dump() for c in m.tool_calls])

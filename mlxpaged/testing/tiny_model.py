@@ -51,7 +51,11 @@ CORPUS = [
 ] * 4
 
 
-def write_tokenizer(path: Path, vocab_size: int = 384) -> int:
+def write_tokenizer(
+    path: Path, vocab_size: int = 384, extra_special: tuple[str, ...] = (), template: str | None = None
+) -> int:
+    """A byte-level BPE tokenizer trained on `CORPUS`; `extra_special` tokens (a vision model's
+    image markers) follow the three ChatML ones, `template` replaces `CHAT_TEMPLATE`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -59,7 +63,7 @@ def write_tokenizer(path: Path, vocab_size: int = 384) -> int:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -72,7 +76,7 @@ def write_tokenizer(path: Path, vocab_size: int = 384) -> int:
                 "bos_token": None,
                 "eos_token": "<|im_end|>",
                 "pad_token": "<|endoftext|>",
-                "chat_template": CHAT_TEMPLATE,
+                "chat_template": template or CHAT_TEMPLATE,
                 "model_max_length": 4096,
             }
         )

@@ -111,6 +111,7 @@ class ModelRunner:
         self.attention_impl = attention_impl
         # a hybrid model's recurrent layers (state_cache.py); 0 for an attention-only model
         self.num_recurrent = (kv_cache.spec or cache_spec(model)).num_recurrent
+        self.multimodal = getattr(model, "multimodal", False)
         self.checkpoints = checkpoints  # recurrent-state checkpoints for prefix hits, or None
         self.num_groups = len(kv_cache.group_blocks)  # each group's layers read their own tables
         self._aranges: dict[int, tuple[mx.array, mx.array]] = {}  # `_steps`, by batch size
@@ -190,9 +191,11 @@ class ModelRunner:
     ) -> mx.array:
         """The model on the pass; a hybrid model's recurrent layers read each entry's state and
         leave its next one on the sequence (state_cache.py), a speculating entry's after each token."""
+        # a vision model's pass also takes its image rows and positions (models/vision.py)
+        extra = (self.model.pass_rows(batch, meta),) if self.multimodal else ()
         if self.num_recurrent:
             meta.states = states_for(batch, self.num_recurrent, self.block_size, self.checkpoints, every)
-        logits = self.model(ids, self.kv_cache, meta)
+        logits = self.model(ids, self.kv_cache, meta, *extra)
         self.hidden = meta.hidden
         if self.num_recurrent:
             keep_states(batch, meta.states, self.block_size, self.checkpoints)

@@ -1,0 +1,217 @@
+"""A request's images: processed once when it is added, fed to its prompt rows in each pass.
+
+`prompt_images` runs mlx-vlm's processor on the prompt text and images (the image tokens widened
+to one per image feature, as mlx-vlm's `generate` does) and the model's `get_input_embeddings`
+on the whole prompt (models/vision.py), and keeps what the passes need: the features of the
+image-token rows, each prompt token's 3-D position (Qwen's multimodal RoPE) and the delta decode
+positions continue from, and each image's content hash with the rows it fills. The model's
+`pass_rows` (models/vision.py) reads them for each pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+
+def image_digest(image) -> bytes:
+    """The content hash of a decoded image (PIL): its mode, size and pixels, so the same picture
+    in another file format or name is the same image."""
+    h = hashlib.sha256()
+    h.update(f"{image.mode}|{image.size}".encode())
+    h.update(image.tobytes())
+    return h.digest()
+
+
+@dataclass(frozen=True, eq=False)
+class PromptImages:
+    """One prompt's images, as its passes need them.
+
+    Invariants: `rows` are the prompt positions of its image tokens, ascending, and
+    `features[k]` is the embedding row mlx-vlm merged at `rows[k]`; `spans[i] = (start, end,
+    digest)` is image i's token rows `[start, end)` and its content hash (`image_digest`), in
+    prompt order; `positions` (None for a family with 1-D positions) is `[3, P]`, each prompt
+    token's t/h/w position, and a token at position p >= P (generated) is at `p + delta` in all
+    three; `num_image_tokens == len(rows)`.
+    """
+
+    rows: np.ndarray  # [K] int64
+    features: mx.array  # [K, hidden]
+    spans: tuple[tuple[int, int, bytes], ...]
+    positions: np.ndarray | None  # [3, P] int32
+    delta: int = 0
+    deepstack: mx.array | None = None  # [layers, K, hidden]: features some layers add again (Qwen3-VL)
+
+    @property
+    def num_image_tokens(self) -> int:
+        return len(self.rows)
+
+    def block_key(self, i: int, block_size: int) -> bytes:
+        """The content hashes of the images with a token in block i (b"" when none): folded into
+        the block's hash, so two different images never share a block (core/block_manager.py)."""
+        lo, hi = i * block_size, (i + 1) * block_size
+        return b"".join(d for s, e, d in self.spans if s < hi and e > lo)
+
+    def rows_of(self, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(the offsets within `[start, start + n)` that hold image tokens, their feature rows)."""
+        a, b = np.searchsorted(self.rows, [start, start + n])
+        return self.rows[a:b] - start, np.arange(a, b)
+
+    def positions_of(self, start: int, n: int) -> np.ndarray:
+        """`[3, n]` positions of tokens `start..start+n` (prompt ones from `positions`, later ones
+        at p + delta)."""
+        p = np.arange(start, start + n)
+        out = np.broadcast_to(p + self.delta, (3, n)).copy()
+        if self.positions is not None:
+            inside = p < self.positions.shape[1]
+            out[:, inside] = self.positions[:, p[inside]]
+        return out.astype(np.int32)
+
+
+ENCODER_CACHE_BYTES = 256 << 20  # the vision tower's outputs kept across requests
+
+
+class EncoderCache:
+    """The vision tower's output per image, by content digest (`image_digest`), least recently
+    used first out. Invariant: `nbytes` is the bytes of the outputs held and stays at most
+    `max_bytes` (an output larger than that is not kept)."""
+
+    def __init__(self, max_bytes: int = ENCODER_CACHE_BYTES):
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[bytes, tuple[object, int]] = OrderedDict()
+        self.nbytes = 0
+        self.hits = self.misses = 0
+
+    def get(self, digest: bytes):
+        got = self.entries.get(digest)
+        if got is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self.entries.move_to_end(digest)
+        return got[0]
+
+    def put(self, digest: bytes, output) -> None:
+        size = sum(a.nbytes for a in _arrays(output))
+        if size > self.max_bytes or digest in self.entries:
+            return
+        while self.nbytes + size > self.max_bytes:
+            _, (_, freed) = self.entries.popitem(last=False)
+            self.nbytes -= freed
+        self.entries[digest] = (output, size)
+        self.nbytes += size
+
+
+def _arrays(output) -> list:
+    if isinstance(output, (tuple, list)):
+        return [a for o in output for a in _arrays(o)]
+    return [output]
+
+
+@dataclass(frozen=True, eq=False)
+class ImageInputs:
+    """A prompt's images after mlx-vlm's processor (numpy work, no model): `ids` the prompt's
+    token ids with each image's one marker widened to its image tokens, `processed` the
+    processor's pixel inputs, `digests` each image's content hash, in prompt order."""
+
+    ids: list[int]
+    processed: dict
+    digests: list[bytes]
+
+    @property
+    def num_images(self) -> int:
+        return len(self.digests)
+
+
+def process_images(loaded, ids: list[int], images: list) -> ImageInputs:
+    """`ImageInputs` of a prompt's token ids (each image one marker token, as a chat template
+    writes it) and its decoded images: mlx-vlm's processor on the images, each marker widened to
+    as many image tokens as the processor makes of its image. A ValueError names what is wrong."""
+    from mlx_vlm.utils import prepare_inputs
+
+    name = loaded.path.name
+    model, processor = loaded.model, loaded.processor
+    if processor is None or not getattr(model, "multimodal", False):
+        raise ValueError(f"model {name} takes no images (it has no vision tower)")
+    token = model.image_token_id
+    markers = [i for i, t in enumerate(ids) if t == token]
+    if len(markers) != len(images):
+        raise ValueError(f"the prompt has {len(markers)} image markers for {len(images)} images")
+    # one marker per line, so each image's tokens are a run of their own
+    text = "\n".join([processor.image_token] * len(images))
+    vlm = model.model
+    processed = dict(prepare_inputs(processor, images=images, prompts=text, image_token_index=token))
+    counts = [e - s for s, e in _runs(np.flatnonzero(np.asarray(processed.pop("input_ids")[0]) == token))]
+    processed.pop("attention_mask", None)
+    if len(counts) != len(images):
+        raise ValueError(
+            f"{vlm.config.model_type}'s processor made {len(counts)} image token runs of {len(images)} images"
+        )
+    out, last = [], 0
+    for at, n in zip(markers, counts):
+        out += ids[last:at] + [token] * n
+        last = at + 1
+    out += ids[last:]
+    return ImageInputs(out, processed, [image_digest(im) for im in images])
+
+
+def encode_images(model, inputs: ImageInputs, cache: EncoderCache | None = None) -> PromptImages:
+    """The `PromptImages` of processed images: the model's `get_input_embeddings` on the whole
+    prompt (models/vision.py), each image's vision tower output from `cache` when it holds it."""
+    ids = inputs.ids
+    embeds, deepstack, positions, delta = model.prompt_features(ids, inputs.processed, inputs.digests, cache)
+    rows = np.flatnonzero(np.asarray(ids) == model.image_token_id)
+    runs = _runs(rows)
+    if len(runs) != inputs.num_images:
+        raise ValueError(f"the prompt holds {len(runs)} runs of image tokens for {inputs.num_images} images")
+    spans = tuple((s, e, d) for (s, e), d in zip(runs, inputs.digests))
+    features = embeds[mx.array(rows)] if len(rows) else embeds[:0]
+    mx.eval(features, *([deepstack] if deepstack is not None else []))
+    pos = None if positions is None else np.asarray(positions, dtype=np.int32)
+    return PromptImages(rows, features, spans, pos, delta, deepstack)
+
+
+def _runs(rows: np.ndarray) -> list[tuple[int, int]]:
+    """The runs of consecutive values in ascending `rows`, as [start, end) pairs."""
+    if not len(rows):
+        return []
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    return [(int(r[0]), int(r[-1]) + 1) for r in np.split(rows, breaks)]
+
+
+def load_image(source, where: str = "image"):
+    """A decoded RGB image from a PIL image, a path, or the file's bytes; a ValueError naming
+    `where` when it is none of those or does not decode."""
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(source, Image.Image):
+        image = source
+    else:
+        try:
+            if isinstance(source, (bytes, bytearray)):
+                image = Image.open(io.BytesIO(source))
+            elif isinstance(source, (str, Path)):
+                image = Image.open(Path(source).expanduser())
+            else:
+                raise ValueError(f"{where}: expected an image, a path or bytes, got {type(source).__name__}")
+            image.load()
+        except FileNotFoundError:
+            raise ValueError(f"{where}: no such file") from None
+        except (UnidentifiedImageError, OSError) as e:
+            raise ValueError(f"{where}: not a decodable image ({str(e).splitlines()[0][:120]})") from None
+    return image.convert("RGB")
+
+
+def decode_images(images: list) -> list:
+    """Each of `images` decoded (`load_image`); an error names the image by its place (and path)."""
+    return [
+        load_image(im, f"image {i}" + (f" ({im})" if isinstance(im, (str, Path)) else ""))
+        for i, im in enumerate(images)
+    ]

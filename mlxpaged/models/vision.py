@@ -1,0 +1,263 @@
+"""Vision-language models through mlx-vlm, their language model on the paged cache.
+
+mlx-vlm's own `Model` (vision tower, projector, language model), image processor and chat
+template load a checkpoint whose config has a `vision_config`. A request's images run through
+mlx-vlm's `get_input_embeddings` once, on the whole prompt, as its `generate` runs them: the
+vision tower's features merged into the text embeddings at the image tokens, and (Qwen's
+multimodal RoPE) each prompt token's 3-D t/h/w position and the position delta its decode
+continues from (engine/multimodal.py keeps them per request). The language model then runs as
+any text model on the paged cache: the packed step's T tokens as T rows of one token, each
+layer's `cache` a `PagedLayerCache` (paged_adapter.py), the rows holding image tokens fed their
+features in place of the token embedding, and every row its own 3-D position.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..attention.metadata import AttentionMetadata
+from .paged_adapter import (
+    _check_attended,
+    _final_norm,
+    _install_sdpa,
+    _NormRows,
+    _swapped,
+    attention_modules,
+    cache_spec,
+    pass_caches,
+    text_body,
+)
+
+# The families whose language model runs here, each checked against mlx-vlm's own `generate`
+# (tests/test_vision.py); "mrope": positions are Qwen's three t/h/w rows.
+FAMILIES = {
+    "qwen2_5_vl": "mrope",
+    "qwen3_vl": "mrope",  # with deepstack: vision features added again after its first layers
+    "qwen3_vl_moe": "mrope",
+}
+
+
+@dataclass
+class PassRows:
+    """A vision model's inputs for one pass beyond the token ids: `dst` the pass rows that hold
+    image tokens, ascending (None: none), `features` their rows of image features `[len(dst),
+    hidden]`, `deepstack` their rows of the features some layers add again (Qwen3-VL's
+    deepstack, `[layers, len(dst), hidden]`, or None), `positions` each row's 3-D position
+    `[3, T]` int32 (None for a family without them)."""
+
+    dst: mx.array | None = None
+    features: mx.array | None = None
+    deepstack: mx.array | None = None
+    positions: mx.array | None = None
+
+
+class _TowerOutput:
+    """The vision tower for one `get_input_embeddings` call: its output for this prompt's
+    images, already known (per image, from the encoder cache), handed back when the model calls
+    it; everything else read from the tower itself."""
+
+    __slots__ = ("tower", "output")
+
+    def __init__(self, tower: nn.Module, output):
+        self.tower = tower
+        self.output = output
+
+    def __getattr__(self, name):
+        return getattr(self.tower, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.output
+
+
+def _concat_outputs(outs: list):
+    """Per-image tower outputs as one output for the images in order: an array's rows, or a
+    (features, per-layer deepstack features) pair's (Qwen3-VL)."""
+    if len(outs) == 1:
+        return outs[0]
+    if isinstance(outs[0], tuple):
+        feats = mx.concatenate([o[0] for o in outs])
+        layers = [mx.concatenate([o[1][k] for o in outs]) for k in range(len(outs[0][1]))]
+        return feats, layers
+    return mx.concatenate(outs)
+
+
+def vision_refusal(config: dict) -> str | None:
+    """One line naming why a checkpoint with a vision tower cannot run, or None."""
+    model_type = config.get("model_type")
+    try:
+        importlib.import_module(f"mlx_vlm.models.{model_type}")
+    except ModuleNotFoundError as e:
+        if e.name and e.name.startswith("mlx_vlm"):
+            if e.name == "mlx_vlm":
+                return f"{model_type} is a vision model: it needs mlx-vlm (pip install 'mlxpaged[vision]')"
+            return f"{model_type}: mlx-vlm has no model module for it"
+        return f"{model_type}: its mlx-vlm module needs the missing package {e.name!r}"
+    if model_type not in FAMILIES:
+        return (
+            f"{model_type}: a vision model whose language model mlxpaged does not yet run on the paged cache "
+            f"(it runs {', '.join(FAMILIES)})"
+        )
+    return None
+
+
+class PagedVisionModel(nn.Module):
+    """mlx-vlm's `Model` (the child `model`), callable as the engine calls a text model:
+    `model(ids [T], paged_kv_cache, meta, rows)` -> logits `[S, V]`, `rows` the pass's image
+    features and positions (`PassRows`). `args` holds what the engine reads of the text config."""
+
+    multimodal = True
+
+    def __init__(self, vlm: nn.Module, model_type: str):
+        super().__init__()
+        self.model = vlm
+        self.model_type = model_type
+        self.positions_kind = FAMILIES[model_type]
+        text = vlm.config.text_config
+        attn = vlm.language_model.model.layers[0].self_attn
+        self.args = SimpleNamespace(
+            model_type=model_type,
+            num_hidden_layers=text.num_hidden_layers,
+            num_attention_heads=text.num_attention_heads,
+            num_key_value_heads=text.num_key_value_heads or text.num_attention_heads,
+            head_dim=getattr(text, "head_dim", None) or attn.head_dim,
+            hidden_size=text.hidden_size,
+            vocab_size=text.vocab_size,
+            max_position_embeddings=getattr(text, "max_position_embeddings", None),
+        )
+
+    @property
+    def layers(self):
+        return self.model.language_model.model.layers
+
+    @property
+    def image_token_id(self) -> int:
+        cfg = self.model.config
+        return getattr(cfg, "image_token_id", None) or cfg.image_token_index
+
+    def prompt_features(self, ids: list[int], processed: dict, digests: list[bytes], cache=None) -> tuple:
+        """(the merged prompt embeddings `[P, hidden]`, the deepstack features of its image rows
+        `[layers, K, hidden]` or None, its 3-D positions `[3, P]` or None, the position delta
+        decode continues from): mlx-vlm's `get_input_embeddings` on the whole prompt, its vision
+        tower's output for each image taken from `cache` (engine/multimodal.py `EncoderCache`,
+        by the image's digest) or computed on that image alone and put there."""
+        vlm = self.model
+        tower = vlm.vision_tower
+        outs = []
+        for i, digest in enumerate(digests):
+            out = cache.get(digest) if cache is not None else None
+            if out is None:
+                out = self._tower_output(processed, i)
+                if cache is not None:
+                    cache.put(digest, out)
+            outs.append(out)
+        kwargs = {k: v for k, v in processed.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
+        with _swapped([(vlm, "vision_tower", _TowerOutput(tower, _concat_outputs(outs)))]):
+            out = vlm.get_input_embeddings(mx.array(ids, dtype=mx.int32)[None], processed["pixel_values"], **kwargs)
+        deepstack = getattr(out, "deepstack_visual_embeds", None)
+        if deepstack is not None and not isinstance(deepstack, mx.array):
+            deepstack = mx.stack(list(deepstack))
+        positions, delta = None, 0
+        if self.positions_kind == "mrope":
+            positions = out.position_ids[:, 0, :].astype(mx.int32)
+            delta = int(out.rope_deltas.reshape(-1)[0].item())
+        return out.inputs_embeds[0], deepstack, positions, delta
+
+    def _tower_output(self, processed: dict, i: int):
+        """The vision tower's output for image i of `processed` alone (evaluated): Qwen's
+        patches of image i are rows of `pixel_values`, as many as its grid's t * h * w."""
+        tower = self.model.vision_tower
+        grid = processed["image_grid_thw"]
+        sizes = [int(t * h * w) for t, h, w in grid.tolist()]
+        start = sum(sizes[:i])
+        pixels = processed["pixel_values"][start : start + sizes[i]]
+        out = tower(pixels.astype(tower.patch_embed.proj.weight.dtype), grid[i : i + 1])
+        mx.eval(out)
+        return out
+
+    def pass_rows(self, batch: list, meta: AttentionMetadata) -> PassRows:
+        """One pass's image rows and positions, from its (sequence, new tokens) entries: a
+        prefill chunk gets the features of the image rows it holds (an image may straddle chunks
+        and blocks; engine/multimodal.py `PromptImages`), every row its position."""
+        mrope = self.positions_kind == "mrope"
+        cu = meta.cu_seqlens_q.tolist()  # host-built (metadata.py): reading it forces nothing
+        dst, feats, deep, pos = [], [], [], []
+        for (s, n), base in zip(batch, cu):
+            im = s.images
+            start = s.num_computed_tokens
+            if im is not None and len(im.rows) and start <= im.rows[-1]:  # image rows still to prefill
+                offs, src = im.rows_of(start, n)
+                if len(offs):
+                    dst.append(offs + base)
+                    src = mx.array(src)
+                    feats.append(im.features[src])
+                    if im.deepstack is not None:
+                        deep.append(im.deepstack[:, src])
+            if mrope:
+                pos.append(
+                    im.positions_of(start, n) if im is not None else np.tile(np.arange(start, start + n), (3, 1))
+                )
+        rows = PassRows()
+        if dst:
+            rows.dst = mx.array(np.concatenate(dst).astype(np.int32))
+            rows.features = feats[0] if len(feats) == 1 else mx.concatenate(feats)
+            if deep:
+                rows.deepstack = deep[0] if len(deep) == 1 else mx.concatenate(deep, axis=1)
+        if mrope:
+            rows.positions = mx.array(np.concatenate(pos, axis=1).astype(np.int32))
+        return rows
+
+    def __call__(self, inputs, cache=None, meta: AttentionMetadata | None = None, rows: PassRows | None = None):
+        if meta is None:
+            return self.model(inputs, cache=cache)
+        spec = cache.spec if cache.spec is not None else cache_spec(self)
+        caches = pass_caches(spec, cache, meta)
+        lm = self.model.language_model
+        body = text_body(self)
+        h = body.embed_tokens(inputs)
+        if rows is not None and rows.dst is not None:
+            h[rows.dst] = rows.features.astype(h.dtype)
+        positions = rows.positions if rows is not None else None
+        if self.positions_kind == "mrope" and positions is None:  # text rows: one position, thrice
+            positions = mx.broadcast_to(meta.positions[None], (3, meta.positions.shape[0]))
+        kwargs = {}
+        if rows is not None and rows.deepstack is not None:  # Qwen3-VL: added again after its first layers
+            mask = mx.zeros((inputs.shape[0], 1), dtype=mx.bool_)
+            mask[rows.dst] = True
+            kwargs = {"visual_pos_masks": mask, "deepstack_visual_embeds": rows.deepstack}
+        norm = _final_norm(body)
+        with _swapped([(body, norm, _NormRows(body[norm], meta.logits_indices))]):
+            out = lm(
+                inputs[:, None], inputs_embeds=h[:, None], cache=caches, position_ids=positions[:, :, None], **kwargs
+            )
+        _check_attended(self.layers, caches)
+        logits = out.logits
+        return logits.reshape(logits.shape[0], -1)
+
+
+def prepare_vision(model: PagedVisionModel) -> None:
+    """Route the language model's attention to the paged cache (paged_adapter.py)."""
+    spec = cache_spec(model)
+    for module in attention_modules(model, spec):
+        _install_sdpa(module)
+
+
+def load_vision(path, config: dict, dtype: mx.Dtype):
+    """(`PagedVisionModel`, mlx-vlm's processor) of the checkpoint at `path`, whose family
+    runs here (`vision_refusal`)."""
+    from mlx_vlm.utils import load as vlm_load
+
+    vlm, processor = vlm_load(str(path))
+    model = PagedVisionModel(vlm, config["model_type"])
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    prepare_vision(model)
+    return model, processor
+
+
+__all__ = ["FAMILIES", "PagedVisionModel", "PassRows", "load_vision", "vision_refusal"]

@@ -1,0 +1,183 @@
+"""Tiny random vision-language checkpoints, written by mlx-vlm's own config and model classes.
+
+`write_tiny_vlm(path, model_type)` builds the family's `ModelConfig` and `Model` from
+`mlx_vlm.models.<family>` at small sizes, draws its weights from a seeded normal (as
+tiny_model.py does for mlx-lm families), and writes them with mlx-vlm's own `save_weights`, next
+to a trained byte-level BPE tokenizer with the family's image markers as special tokens, a chat
+template that writes them where the messages hold an image, and the image processor's config
+(everything offline: mlx-vlm's processor reads these files and asks the hub for nothing).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .tiny_model import write_tokenizer
+
+# Qwen2-VL's chat template, as its checkpoints write it: an image content part becomes
+# <|vision_start|><|image_pad|><|vision_end|>, which the processor widens to one pad per image token.
+QWEN_VL_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for c in message['content'] %}"
+    "{% if c['type'] == 'image' or c['type'] == 'image_url' or 'image' in c %}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+QWEN_VL_SPECIAL = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+HIDDEN, HEADS, KV_HEADS, LAYERS, FF = 64, 4, 2, 2, 128  # head_dim 16: mrope sections sum to 8
+VISION_FF = 48  # not HIDDEN: the projector's output layers are the vision matrices HIDDEN rows tall
+PATCH, MERGE = 14, 2
+
+
+def _text(model_type: str, vocab: int, **extra) -> dict:
+    """A small text config in Qwen's terms."""
+    return {
+        "model_type": model_type,
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": LAYERS,
+        "intermediate_size": FF,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        **extra,
+    }
+
+
+def _vision(model_type: str, **extra) -> dict:
+    """A small Qwen vision tower: 14-pixel patches merged 2x2 into the text model's width."""
+    return {
+        "model_type": model_type,
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": VISION_FF,
+        "out_hidden_size": HIDDEN,
+        "num_heads": 2,
+        "patch_size": PATCH,
+        "spatial_merge_size": MERGE,
+        "temporal_patch_size": 2,
+        **extra,
+    }
+
+
+def _qwen_ids(ids: dict) -> dict:
+    return {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+    }
+
+
+def _qwen_vl(model_type: str, ids: dict, vocab: int) -> dict:
+    text = _text(model_type, vocab, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+    vision = _vision(model_type, spatial_patch_size=PATCH, window_size=56, fullatt_block_indexes=[1])
+    # Qwen2.5-VL's config is flat: its text fields at the top level (mlx-vlm reads them there)
+    return {**text, "text_config": dict(text), "vision_config": vision, **_qwen_ids(ids), "vocab_size": vocab}
+
+
+def _qwen3_vl(model_type: str, ids: dict, vocab: int) -> dict:
+    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+    text = _text(model_type, vocab, head_dim=HIDDEN // HEADS, rope_scaling=rope)
+    if model_type.endswith("_moe"):
+        text |= {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "moe_intermediate_size": 64,
+            "norm_topk_prob": True,
+        }
+    vision = _vision(model_type, num_position_embeddings=256, deepstack_visual_indexes=[0])
+    return {
+        "model_type": model_type,
+        "text_config": text,
+        "vision_config": vision,
+        **_qwen_ids(ids),
+        "vocab_size": vocab,
+        "tie_word_embeddings": False,
+    }
+
+
+# Per family: (its special tokens, its chat template, its config from the token ids and
+# vocabulary, its processor class).
+FAMILIES = {
+    "qwen2_5_vl": (QWEN_VL_SPECIAL, QWEN_VL_TEMPLATE, _qwen_vl, "Qwen2_5_VLProcessor"),
+    "qwen3_vl": (QWEN_VL_SPECIAL, QWEN_VL_TEMPLATE, _qwen3_vl, "Qwen3VLProcessor"),
+    "qwen3_vl_moe": (QWEN_VL_SPECIAL, QWEN_VL_TEMPLATE, _qwen3_vl, "Qwen3VLProcessor"),
+}
+
+
+def _processor_files(path: Path, processor_class: str) -> None:
+    """Qwen-VL's image processor: 14-pixel patches merged 2x2, images resized to 28..(28*8)^2 pixels."""
+    image = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": processor_class,
+        "patch_size": PATCH,
+        "temporal_patch_size": 2,
+        "merge_size": MERGE,
+        "min_pixels": (PATCH * MERGE) ** 2,
+        "max_pixels": (PATCH * MERGE * 8) ** 2,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+    }
+    (path / "preprocessor_config.json").write_text(json.dumps(image))
+    (path / "video_preprocessor_config.json").write_text(json.dumps(image))
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": processor_class}))
+
+
+def write_tiny_vlm(
+    path: Path, model_type: str = "qwen2_5_vl", *, seed: int = 0, logit_scale: float = 4.0, feature_scale: float = 8.0
+) -> Path:
+    """A tiny random `model_type` checkpoint directory at `path`, loadable by `mlx_vlm.load`."""
+    import importlib
+
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_vlm.utils import save_config, save_weights, update_module_configs
+
+    special, template, make_config, processor_class = FAMILIES[model_type]
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = write_tokenizer(path, extra_special=special, template=template)
+    added = json.loads((path / "tokenizer.json").read_text())["added_tokens"]
+    ids = {t["content"]: t["id"] for t in added}
+    config = make_config(model_type, ids, vocab)
+    config["eos_token_id"] = ids["<|im_end|>"]
+    module = importlib.import_module(f"mlx_vlm.models.{model_type}")
+    # built as mlx-vlm's load_model builds it: the top config, then each module's own config class
+    model_config = module.ModelConfig.from_dict(json.loads(json.dumps(config)))
+    model_config = update_module_configs(model_config, module, json.loads(json.dumps(config)), ["text", "vision"])
+    model = module.Model(model_config)
+    rng = np.random.default_rng(seed)
+    weights = {}
+    params = tree_flatten(model.parameters())
+    # the projector's output layers (vision matrices as tall as the text model is wide) drawn
+    # larger, so image features are as large as token embeddings and the tokens depend on the image
+    projector = {n for n, p in params if p.ndim == 2 and p.shape[0] == HIDDEN and not n.startswith("language_model")}
+    for name, p in params:
+        if "norm" in name and p.ndim == 1:  # norm weights one, biases zero
+            a = np.zeros(p.shape) if name.endswith("bias") else np.ones(p.shape)
+        elif p.ndim == 1:
+            a = rng.normal(0, 0.1, size=p.shape)
+        elif name.endswith("lm_head.weight"):  # greedy choices far from ties
+            a = rng.normal(0, logit_scale * p.shape[-1] ** -0.5, size=p.shape)
+        elif name.endswith("embed_tokens.weight"):
+            a = rng.normal(0, 1.0, size=p.shape)
+        else:
+            scale = feature_scale if name in projector else 1.0
+            a = rng.normal(0, scale * int(np.prod(p.shape[1:])) ** -0.5, size=p.shape)
+        weights[name] = mx.array(a.astype(np.float32))
+    model.update(tree_unflatten(list(weights.items())))
+    save_weights(path, model)
+    save_config(config, path / "config.json")
+    _processor_files(path, processor_class)
+    return path
