@@ -32,7 +32,7 @@ import json
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
 from ..engine.sampling_params import SamplingParams
 from .admission import Ask, admit
