@@ -17,6 +17,7 @@ from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 from mlxpaged.errors import MlxPagedError
 from mlxpaged.loading.loader import load
 from mlxpaged.testing.tiny_model import write_tiny_family
+from mlxpaged.testing.zoo import write_zoo
 
 from drive import run, run_all
 from reference import contiguous_generate, reference_beam_search
@@ -29,9 +30,14 @@ def greedy(n):
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "granitemoehybrid"])
+# The hybrid families, and one model of each recurrent kind without attention or with two caches
+# in one layer (mlxpaged.testing.zoo's checkpoints): Mamba-1, RWKV-7.
+RECURRENT = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "granitemoehybrid", "mamba", "rwkv7"]
+
+
+@pytest.fixture(scope="module", params=RECURRENT)
 def hybrid(request, tmp_path_factory):
-    path = write_tiny_family(tmp_path_factory.mktemp(request.param), request.param)
+    path = write_zoo(tmp_path_factory.mktemp(request.param), request.param)
     ref_model, tok = mlx_lm.load(str(path))
     return path, load(str(path), "float32"), ref_model, tok
 

@@ -39,6 +39,9 @@ RUNS = (
     "qwen3_vl qwen3_vl_moe seed_oss smollm3 solar_open spark2_5 stablelm starcoder2 step3p5 telechat3 "
     "xverse"
 ).split()
+# Recurrent and state-space types, and those with two caches in one layer (recurrent.py; a layer's
+# two caches as two group entries).
+RUNS += "falcon_mamba mamba mamba2 rwkv7".split()
 
 # Types refused, each with words its one line must hold: what the paged cache lacks for it.
 REFUSED = {
@@ -48,12 +51,9 @@ REFUSED = {
     "deepseek_v41": "a cache class mlxpaged does not know (mlx_lm.models.deepseek_v41.LayerCache)",
     "deepseek_v41_text": "a cache class mlxpaged does not know (mlx_lm.models.deepseek_v41.LayerCache)",
     "falcon_h1": "two caches in one layer (mlx-lm's CacheList of ArraysCache and KVCache)",
-    "falcon_mamba": "linear attention / state space (mlx_lm.models.mamba.MambaBlock)",
     "gemma2": "computes its attention scores itself with logit soft-capping",
     "gpt_bigcode": "computes its learned positions with numpy from one scalar cache.offset",
     "iquestloopcoder": "gives 4 caches for 2 layers",
-    "mamba": "linear attention / state space (mlx_lm.models.mamba.MambaBlock)",
-    "mamba2": "linear attention / state space (mlx_lm.models.mamba2.Mamba2Block",
     "minicpm3": "per-head keys and values of their own widths",
     "minimax_m3_vl": "mlx-lm's CacheList of KVCache",
     "nanochat": "no text model with a final norm module",
@@ -65,7 +65,6 @@ REFUSED = {
     "plamo2": "linear attention / state space (mlx_lm.models.plamo2.Mamba)",
     "plamo3": "keeps its settings as `config`",
     "recurrent_gemma": "linear attention / state space (mlx_lm.models.recurrent_gemma.RecurrentBlock",
-    "rwkv7": "linear attention / state space (mlx_lm.models.rwkv7.",
     "talkie": "no text model with a final norm module",
     "youtu_llm": "keeps its settings as `config`",
 }

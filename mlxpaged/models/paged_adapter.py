@@ -699,29 +699,17 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
     return None
 
 
-# The recurrent mixers whose decoder layers recurrent.py runs (each against mlx-lm in
-# tests/test_families.py and tests/test_zoo.py): gated DeltaNet, short convolutions, Mamba, Mamba-2.
-RECURRENT_MIXERS = (
-    "mlx_lm.models.qwen3_next.Qwen3NextGatedDeltaNet",
-    "mlx_lm.models.qwen3_5.GatedDeltaNet",
-    "mlx_lm.models.lfm2.ShortConv",
-    "mlx_lm.models.lfm2_moe.ShortConv",
-    "mlx_lm.models.granitemoehybrid.GraniteMoeHybridMamba2Mixer",
-    "mlx_lm.models.jamba.JambaMambaMixer",
-    "mlx_lm.models.nemotron_h.NemotronHMamba2Mixer",
-)
-
-
 def _recurrent_refusal(layer: nn.Module) -> str | None:
-    """Why a layer with recurrent state (an ArraysCache) is not one recurrent.py runs, or None."""
-    mixers = [f"{type(m).__module__}.{type(m).__name__}" for _, m in layer.named_modules() if m is not layer]
-    if any(m in RECURRENT_MIXERS for m in mixers):
+    """Why a layer with recurrent state (an ArraysCache) is not one recurrent.py runs, or None: it
+    runs any decoder layer that takes its `cache` by that name (it hands each sequence's run an
+    ArraysCache there); whether the tokens are mlx-lm's is what tests/test_zoo.py checks per type."""
+    from .recurrent import _params
+
+    if "cache" in _params(type(layer)):
         return None
-    own = [m for m in mixers if m.startswith("mlx_lm.models.") and "MLP" not in m and not m.endswith(("Norm", "MoE"))]
-    ran = ", ".join(m.removeprefix("mlx_lm.models.") for m in RECURRENT_MIXERS)
     return (
-        f"linear attention / state space ({', '.join(own[:2]) or type(layer).__name__}), whose recurrent state "
-        f"recurrent.py does not run (it runs {ran})"
+        f"linear attention / state space ({type(layer).__module__}.{type(layer).__name__}), whose __call__ "
+        "takes no `cache` argument recurrent.py could hand each sequence's state"
     )
 
 
@@ -938,6 +926,10 @@ def _args_from_attention(model: nn.Module, args) -> None:
     first = next((la for la, c in zip(model.layers, make_prompt_cache(model)) if not isinstance(c, ArraysCache)), None)
     attn = attention_of(first)
     if attn is None:
+        if first is None:  # no attention layer (mamba, rwkv7): no K/V pools to size
+            for name in ("num_attention_heads", "num_key_value_heads", "head_dim"):
+                if not isinstance(getattr(args, name, None), int):
+                    setattr(args, name, 0)
         return
     heads = next((getattr(attn, n) for n in _HEADS if isinstance(getattr(attn, n, None), int)), None)
     kv = next((getattr(attn, n) for n in _KV_HEADS if isinstance(getattr(attn, n, None), int)), None)
