@@ -41,7 +41,7 @@ RUNS = (
 ).split()
 # Recurrent and state-space types, and those with two caches in one layer (recurrent.py; a layer's
 # two caches as two group entries).
-RUNS += "falcon_mamba mamba mamba2 rwkv7".split()
+RUNS += "falcon_h1 falcon_mamba mamba mamba2 rwkv7".split()
 
 # Types refused, each with words its one line must hold: what the paged cache lacks for it.
 REFUSED = {
@@ -50,7 +50,6 @@ REFUSED = {
     "deepseek_v32": "two caches in one layer (mlx-lm's CacheList of KVCache and KVCache)",
     "deepseek_v41": "a cache class mlxpaged does not know (mlx_lm.models.deepseek_v41.LayerCache)",
     "deepseek_v41_text": "a cache class mlxpaged does not know (mlx_lm.models.deepseek_v41.LayerCache)",
-    "falcon_h1": "two caches in one layer (mlx-lm's CacheList of ArraysCache and KVCache)",
     "gemma2": "computes its attention scores itself with logit soft-capping",
     "gpt_bigcode": "computes its learned positions with numpy from one scalar cache.offset",
     "iquestloopcoder": "gives 4 caches for 2 layers",
@@ -62,9 +61,9 @@ REFUSED = {
     "phi3small": "attends block-sparsely",
     "phixtral": "no text model with a final norm module",
     "plamo": "shares its KV heads by tiling them",
-    "plamo2": "linear attention / state space (mlx_lm.models.plamo2.Mamba)",
+    "plamo2": "mlx_lm.models.plamo2.Attention calls a scaled_dot_product_attention that is not mlx-lm's",
     "plamo3": "keeps its settings as `config`",
-    "recurrent_gemma": "linear attention / state space (mlx_lm.models.recurrent_gemma.RecurrentBlock",
+    "recurrent_gemma": "no text model with a final norm module",
     "talkie": "no text model with a final norm module",
     "youtu_llm": "keeps its settings as `config`",
 }

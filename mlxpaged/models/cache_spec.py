@@ -26,7 +26,10 @@ class LayerSpec:
     recurrent layer, or one that reads another layer's: `source`);
     `kv_heads`, `head_dim`: a pool row's shape (0 without a pool);
     `source`: the layer whose K/V it reads instead of writing its own (Gemma 4, 3n), or None;
-    `state_arrays`: a recurrent layer's number of state arrays (mlx-lm's ArraysCache), else None.
+    `state_arrays`: a recurrent layer's number of state arrays (mlx-lm's ArraysCache), else None;
+    `parts`: a layer with two caches (mlx-lm's CacheList: Falcon-H1's Mamba-2 state and K/V), what
+    each entry of its CacheList is, "state" or "kv", in order; () for a layer with one cache. Such
+    a layer has both a pool (its KV cache group entry) and `state_arrays` (its state group entry).
     """
 
     kind: str
@@ -36,6 +39,7 @@ class LayerSpec:
     head_dim: int = 0
     source: int | None = None
     state_arrays: int | None = None
+    parts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,7 @@ class CacheSpec:
 
     @functools.cached_property  # read each pass: found once (the spec is frozen)
     def num_recurrent(self) -> int:
-        return sum(lay.kind == RECURRENT for lay in self.layers)
+        return sum(lay.state_arrays is not None for lay in self.layers)
 
     @functools.cached_property  # read each pass: found once (the spec is frozen)
     def recurrent_sizes(self) -> list[int | None]:

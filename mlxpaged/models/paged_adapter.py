@@ -292,20 +292,25 @@ def cache_spec(model: nn.Module) -> CacheSpec:
     attention), its rows' shape from its attention module (an MLA layer: one latent row per token,
     `kv_lora_rank + rope_dim` wide), and the layers that read an earlier layer's K/V. Read off the
     model as it is now (under tensor parallelism, after its layers are split)."""
-    from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, RotatingKVCache, make_prompt_cache
+    from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, RotatingKVCache, make_prompt_cache
 
     caches = make_prompt_cache(model)
     shared, by_model = _shared_layers(model, len(caches))
-    kinds = []
+    kinds, parts = [], []
     for c in caches:
-        if isinstance(c, ArraysCache):
-            kinds.append((RECURRENT, None, len(c.cache)))
-        elif isinstance(c, RotatingKVCache):
-            kinds.append(("sliding_window", c.max_size, None))
-        elif isinstance(c, ChunkedKVCache):
-            kinds.append(("chunked_local", c.chunk_size, None))
+        # a CacheList layer (Falcon-H1): a state and a KV cache, each its own group entry
+        entries = list(c.caches) if type(c) is CacheList else [c]
+        state = next((len(x.cache) for x in entries if isinstance(x, ArraysCache)), None)
+        kv = next((x for x in entries if not isinstance(x, ArraysCache)), None)
+        parts.append(tuple("state" if isinstance(x, ArraysCache) else "kv" for x in entries) if len(entries) > 1 else ())
+        if kv is None:
+            kinds.append((RECURRENT, None, state))
+        elif isinstance(kv, RotatingKVCache):
+            kinds.append(("sliding_window", kv.max_size, state))
+        elif isinstance(kv, ChunkedKVCache):
+            kinds.append(("chunked_local", kv.chunk_size, state))
         else:
-            kinds.append(("full", None, None))
+            kinds.append(("full", None, state))
     pooled = [i for i, (k, _, _) in enumerate(kinds) if k != RECURRENT]
     attns = [attention_of(model.layers[i]) for i in pooled]
     latent = bool(attns) and _is_latent(attns[0])
@@ -322,7 +327,7 @@ def cache_spec(model: nn.Module) -> CacheSpec:
             layers.append(LayerSpec(kind, state_arrays=arrays))
         else:
             p = pooled.index(i)
-            layers.append(LayerSpec(kind, span, p, *dims[p]))
+            layers.append(LayerSpec(kind, span, p, *dims[p], state_arrays=arrays, parts=parts[i]))
     for src in (shared or [])[len(kinds) :]:  # the layers make_prompt_cache gives no cache (Gemma 4, 3n)
         lay = layers[src] if src is not None else LayerSpec("full")  # attends as its source does, writing no K/V
         layers.append(LayerSpec(lay.kind, lay.span, source=src))
@@ -492,13 +497,15 @@ class PagedModelMixin:
             else:
                 # a layer reads its own KV cache group's tables (worker/kv_cache.py `groups`)
                 m = meta.groups[cache.groups[lay.pool]] if meta.groups else meta
-                caches.append(kind(cache, lay.pool, m, window, chunk))
+                c = kind(cache, lay.pool, m, window, chunk)
+                # a CacheList layer: its state entry is None (its recurrent module's stand-in holds it)
+                caches.append(tuple(c if e == "kv" else None for e in lay.parts) if lay.parts else c)
         body = text_body(self)
         norm = _final_norm(body)
         swaps = [(body, norm, _NormRows(body[norm], meta.logits_indices))]
         swaps += _rope_swaps(spec, meta.positions)
         if spec.num_recurrent:
-            swaps.append((body, "layers", _segmented(body.layers, spec.recurrent_sizes, meta)))
+            swaps += _segmented(body, spec, meta)
         if chunked:
             swaps += _chunked_swaps(self, body, meta)
         try:
@@ -514,6 +521,8 @@ class PagedModelMixin:
 def _check_attended(layers, caches, cause: Exception | None = None) -> None:
     """Raise naming the first attention layer that did not write and read its paged cache."""
     for i, c in enumerate(caches):
+        if isinstance(c, tuple):  # a CacheList layer: its KV entry
+            c = next(x for x in c if x is not None)
         if c is not None and (c.pools is None or not c.attended):
             raise AdapterError(
                 f"{inspect.getfile(type(attention_of(layers[i])))}: "
@@ -522,21 +531,39 @@ def _check_attended(layers, caches, cause: Exception | None = None) -> None:
             ) from cause
 
 
-def _segmented(layers: list, sizes: list, meta: AttentionMetadata) -> list:
-    """The text model's layer list for one pass, each recurrent layer behind a `SegmentedLayer`
-    on the pass's states (`meta.states`; a pass without them starts every entry empty)."""
+def _segmented(body: nn.Module, spec: CacheSpec, meta: AttentionMetadata) -> list:
+    """The stand-ins of one pass's recurrent modules (`SegmentedLayer`, on the pass's states
+    `meta.states`; a pass without them starts every entry empty): a recurrent layer's whole
+    decoder layer, or a two-cache layer's recurrent module (`recurrent_child`) beside its attention."""
     states = meta.states
     if states is None:
         cu = meta.cu_seqlens_q.tolist()  # host-built (metadata.py): reading it forces nothing
-        states = StepStates.fresh([b - a for a, b in zip(cu, cu[1:])], sum(s is not None for s in sizes))
-    out, k = [], 0
-    for layer, size in zip(layers, sizes):
-        if size is None:
-            out.append(layer)
+        states = StepStates.fresh([b - a for a, b in zip(cu, cu[1:])], spec.num_recurrent)
+    layers, swaps, k = [], [], 0
+    for layer, lay in zip(body.layers, spec.layers):
+        if lay.state_arrays is None:
+            layers.append(layer)
+            continue
+        if lay.parts:
+            name = recurrent_child(layer)
+            swaps.append((layer, name, SegmentedLayer(layer[name], k, lay.state_arrays, states)))
+            layers.append(layer)
         else:
-            out.append(SegmentedLayer(layer, k, size, states))
-            k += 1
-    return out
+            layers.append(SegmentedLayer(layer, k, lay.state_arrays, states))
+        k += 1
+    return [(body, "layers", layers)] + swaps
+
+
+def recurrent_child(layer: nn.Module) -> str | None:
+    """The name of a two-cache layer's recurrent module: its one child, besides its attention,
+    that takes a `cache` (Falcon-H1's `mamba`), or None when there is not exactly one."""
+    from .recurrent import _params
+
+    attn = attention_of(layer)
+    names = [
+        n for n, m in layer.children().items() if isinstance(m, nn.Module) and m is not attn and "cache" in _params(type(m))
+    ]
+    return names[0] if len(names) == 1 else None
 
 
 def _plain_ropes(layers) -> list:
@@ -633,7 +660,7 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
     ChunkedKVCache; an ArraysCache: recurrent state, recurrent.py), and each attention layer's
     module must call `cache.update_and_fetch` and its module's `scaled_dot_product_attention`.
     """
-    from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache, make_prompt_cache
+    from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
     try:
         caches = make_prompt_cache(model)
@@ -650,8 +677,15 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
             "(a layer attends more than once a pass, each time with its own cache), which the paged cache "
             "does not hold (one cache per layer); refused"
         )
+    def held(c) -> bool:
+        return type(c) in (KVCache, ChunkedKVCache, ArraysCache) or (type(c) is RotatingKVCache and c.keep == 0)
+
+    def state_and_kv(c) -> bool:  # a CacheList of one state and one KV cache (Falcon-H1)
+        kinds = sorted(isinstance(x, ArraysCache) for x in getattr(c, "caches", ()))
+        return type(c) is CacheList and kinds == [False, True] and all(held(x) for x in c.caches)
+
     for i, c in enumerate(caches):
-        if type(c) in (KVCache, ChunkedKVCache, ArraysCache) or (type(c) is RotatingKVCache and c.keep == 0):
+        if held(c) or state_and_kv(c):
             continue
         named = f" ({types[i]})" if i < len(types) else ""
         return (
@@ -666,6 +700,11 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
                 named = f" ({types[i]})" if i < len(types) else ""
                 return f"{model_type}: layer {i}{named}: {reason}; refused"
             continue
+        if i < len(caches) and type(caches[i]) is CacheList and recurrent_child(layer) is None:
+            return (
+                f"{model_type}: layer {i} keeps a state and a KV cache (mlx-lm's CacheList) but has not exactly one "
+                "module besides its attention that takes the state as `cache`; refused"
+            )
         reason = _attention_refusal(layer)
         if reason and len(caches) < len(layers) and attention_of(layer) is None:  # nemotron-nas
             return (

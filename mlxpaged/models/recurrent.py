@@ -128,7 +128,7 @@ class SegmentedLayer:
     def _bind(self, args: tuple, kwargs: dict) -> tuple[list, dict, int]:
         """The call's arguments by name, the names of those with a row per packed token, and T."""
         named = dict(zip(self.params, args), **kwargs)
-        T = args[0].shape[0]
+        T = named[self.params[0]].shape[0]  # the hidden rows: the first argument (Falcon-H1's by name)
         rows = [n for n, v in named.items() if isinstance(v, mx.array) and n != "mask" and v.shape[:2] == (T, 1)]
         return rows, named, T
 

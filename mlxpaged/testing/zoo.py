@@ -243,6 +243,16 @@ ZOO_CONFIGS: dict[str, dict] = {
         "time_step_limit": [0.0, 1000.0],
         "use_conv_bias": True,
     },
+    # Mamba-2 and attention in every layer; rows of 32 so an 8-bit cache's groups of 32 fit; logits
+    # at full scale (its muP head multiplier leaves a tiny model's tokens a few thousandths apart)
+    "falcon_h1": {
+        "head_dim": 32,
+        "mamba_d_ssm": 128,
+        "mamba_n_heads": 8,
+        "mamba_d_head": 16,
+        "mamba_d_state": 8,
+        "lm_head_multiplier": 1.0,
+    },
     # its attention has as many KV heads as heads, whatever a config says (GPT-NeoX configs name none)
     "gpt_neox": {"num_key_value_heads": None},
     "gpt2": {"num_key_value_heads": None},

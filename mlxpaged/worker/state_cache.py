@@ -49,13 +49,14 @@ def state_spec(model) -> list[tuple]:
     (shape, dtype) of each array of its ArraysCache (None: an array left unset). mlx-lm's own model
     and `make_prompt_cache` run one token, and its ArraysCaches are measured."""
     import mlx.core as mx
-    from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+    from mlx_lm.models.cache import ArraysCache, CacheList, make_prompt_cache
 
     caches = make_prompt_cache(model)
     model(mx.array([[0]], dtype=mx.int32), cache=caches)  # only the graph: shapes need no evaluation
+    entries = [x for c in caches for x in (c.caches if type(c) is CacheList else [c])]  # Falcon-H1: two a layer
     return [
         tuple(None if a is None else (tuple(a.shape), a.dtype) for a in c.cache)
-        for c in caches
+        for c in entries
         if isinstance(c, ArraysCache)
     ]
 
