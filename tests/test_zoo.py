@@ -41,7 +41,7 @@ RUNS = (
 ).split()
 # Recurrent and state-space types, and those with two caches in one layer (recurrent.py; a layer's
 # two caches as two group entries).
-RUNS += "falcon_h1 falcon_mamba mamba mamba2 rwkv7".split()
+RUNS += "falcon_h1 falcon_mamba mamba mamba2 recurrent_gemma rwkv7".split()
 
 # Types refused, each with words its one line must hold: what the paged cache lacks for it.
 REFUSED = {
@@ -63,7 +63,6 @@ REFUSED = {
     "plamo": "shares its KV heads by tiling them",
     "plamo2": "mlx_lm.models.plamo2.Attention calls a scaled_dot_product_attention that is not mlx-lm's",
     "plamo3": "keeps its settings as `config`",
-    "recurrent_gemma": "no text model with a final norm module",
     "talkie": "no text model with a final norm module",
     "youtu_llm": "keeps its settings as `config`",
 }

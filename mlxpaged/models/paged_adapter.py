@@ -268,8 +268,17 @@ def text_body(model: nn.Module) -> nn.Module:
 _BODIES = ("language_model", "model", "transformer", "backbone")
 _LAYER_LISTS = ("layers", "h", "blocks")
 # lfm2 names its final norm embedding_norm; gpt2-style models ln_f, dbrx norm_f, phi final_layernorm,
-# afm7 output_norm
-_FINAL_NORMS = ("norm", "embedding_norm", "ln_f", "norm_f", "final_layernorm", "final_layer_norm", "output_norm")
+# afm7 output_norm, recurrent_gemma final_norm
+_FINAL_NORMS = (
+    "norm",
+    "embedding_norm",
+    "ln_f",
+    "norm_f",
+    "final_layernorm",
+    "final_layer_norm",
+    "output_norm",
+    "final_norm",
+)
 
 
 def _final_norm(body: nn.Module) -> str | None:

@@ -167,6 +167,8 @@ ZOO_CONFIGS: dict[str, dict] = {
         "logits_soft_cap": 30.0,
         "attention_window_size": 5,
         "block_types": ["recurrent", "attention"],
+        "num_key_value_heads": 1,  # its local attention has one KV head, whatever a config says
+        "num_attention_heads": 2,  # rows of 32, so an 8-bit cache's groups of 32 fit
     },
     "rwkv7": {"a_low_rank_dim": 8, "v_low_rank_dim": 8, "gate_low_rank_dim": 8, "decay_low_rank_dim": 8},
     # Llama-3.1-Nemotron (NAS): layer 0 plain attention (2 heads a KV head), layer 1 without attention
