@@ -32,9 +32,10 @@ def greedy(n):
 
 # The hybrid families, and one model of each recurrent kind without attention or with two caches
 # in one layer (mlxpaged.testing.zoo's checkpoints): Mamba-1, RWKV-7, Falcon-H1 (Mamba-2 and attention
-# in every layer), RecurrentGemma (RG-LRU and local attention).
+# in every layer), RecurrentGemma (RG-LRU and local attention), Kimi Linear (Kimi Delta Attention
+# beside latent attention), Bailing linear attention (rotated by the attention cache's offset).
 RECURRENT = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "granitemoehybrid"]
-RECURRENT += ["mamba", "rwkv7", "falcon_h1", "recurrent_gemma"]
+RECURRENT += ["mamba", "rwkv7", "falcon_h1", "recurrent_gemma", "kimi_linear", "bailing_moe_linear"]
 
 
 @pytest.fixture(scope="module", params=RECURRENT)

@@ -129,7 +129,13 @@ class SegmentedLayer:
         """The call's arguments by name, the names of those with a row per packed token, and T."""
         named = dict(zip(self.params, args), **kwargs)
         T = named[self.params[0]].shape[0]  # the hidden rows: the first argument (Falcon-H1's by name)
-        rows = [n for n, v in named.items() if isinstance(v, mx.array) and n != "mask" and v.shape[:2] == (T, 1)]
+        # per-row: the hidden rows `[T, 1, ...]`, and an `offset` of one position per row (bailing's
+        # linear attention rotates by the attention cache's offset: a run gets its first position)
+        rows = [
+            n
+            for n, v in named.items()
+            if isinstance(v, mx.array) and n != "mask" and (v.shape[:2] == (T, 1) or (n == "offset" and v.shape == (T,)))
+        ]
         return rows, named, T
 
     def _run(self, named: dict, rows: list, pick, state) -> tuple[object, tuple]:
@@ -222,8 +228,9 @@ class SegmentedLayer:
 
 
 def _run_of(a: int, b: int):
-    """The rows a..b of a per-row argument `[T, 1, ...]` as one sequence's run `[1, b - a, ...]`."""
-    return lambda x: x[a:b].swapaxes(0, 1)
+    """The rows a..b of a per-row argument `[T, 1, ...]` as one sequence's run `[1, b - a, ...]`
+    (of a per-row position `[T]`: the run's first)."""
+    return lambda x: x[a:b].swapaxes(0, 1) if x.ndim > 1 else x[a]
 
 
 def _map(y, f):

@@ -255,6 +255,26 @@ ZOO_CONFIGS: dict[str, dict] = {
         "mamba_d_state": 8,
         "lm_head_multiplier": 1.0,
     },
+    # Kimi Delta Attention on layer 0, latent attention (MLA) on layer 1
+    "kimi_linear": {
+        "linear_attn_config": {"kda_layers": [1], "num_heads": HEADS, "head_dim": HEAD_DIM, "short_conv_kernel_size": 4},
+        "num_experts_per_token": TOP_K,
+        "kv_lora_rank": 48,  # latent rows of 48 + 16: an 8-bit cache's groups of 32 fit
+    },
+    # gated DeltaNet on layer 0, full attention on layer 1
+    "olmo_hybrid": {
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": HEAD_DIM,
+        "linear_value_head_dim": HEAD_DIM,
+        "linear_conv_kernel_dim": 4,
+        "linear_allow_neg_eigval": True,
+        "layer_types": ["linear_attention", "full_attention"],
+    },
+    # linear attention on layer 0, full attention on layer 1 (every second layer)
+    "bailing_moe_linear": {"layer_group_size": 2, "group_norm_size": 1, "first_k_dense_replace": 1, "head_dim": 32},
+    # linear attention on layer 0, latent attention (MLA) on layer 1
+    "bailing_hybrid": {"layer_group_size": 2, "group_norm_size": 1, "first_k_dense_replace": 1},
     # its attention has as many KV heads as heads, whatever a config says (GPT-NeoX configs name none)
     "gpt_neox": {"num_key_value_heads": None},
     "gpt2": {"num_key_value_heads": None},
