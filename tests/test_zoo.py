@@ -42,8 +42,8 @@ RUNS = (
 # Recurrent and state-space types, and those with two caches in one layer (recurrent.py; a layer's
 # two caches as two group entries).
 RUNS += (
-    "bailing_hybrid bailing_moe_linear falcon_h1 falcon_mamba kimi_linear mamba mamba2 olmo_hybrid "
-    "recurrent_gemma rwkv7"
+    "bailing_hybrid bailing_moe_linear falcon_h1 falcon_mamba kimi_k3 kimi_linear mamba mamba2 "
+    "olmo_hybrid recurrent_gemma rwkv7"
 ).split()
 
 # Types refused, each with words its one line must hold: what the paged cache lacks for it.
@@ -74,7 +74,7 @@ REFUSED = {
 # module cannot run a tiny one on the CPU): each is refused from a bare config, in one line
 # naming the type.
 NOT_WRITTEN = (
-    "baichuan_m1 bitnet glm_moe_dsa kimi_k3 "
+    "baichuan_m1 bitnet glm_moe_dsa "
     "longcat_flash longcat_flash_ngram muse_spark "
     "olmo prism_hadamard_qwen35"
 ).split()

@@ -811,7 +811,6 @@ MISSING = {
         (
             "deepseek_v32",
             "glm_moe_dsa",
-            "kimi_k3",
             "longcat_flash",
             "longcat_flash_ngram",
             "youtu_llm",

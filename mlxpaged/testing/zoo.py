@@ -275,6 +275,13 @@ ZOO_CONFIGS: dict[str, dict] = {
     "bailing_moe_linear": {"layer_group_size": 2, "group_norm_size": 1, "first_k_dense_replace": 1, "head_dim": 32},
     # linear attention on layer 0, latent attention (MLA) on layer 1
     "bailing_hybrid": {"layer_group_size": 2, "group_norm_size": 1, "first_k_dense_replace": 1},
+    # Kimi K3's text model: Kimi Delta Attention on layer 0, latent attention (MLA) on layer 1
+    "kimi_k3": {
+        "linear_attn_config": {"kda_layers": [1], "num_heads": HEADS, "head_dim": HEAD_DIM, "short_conv_kernel_size": 4},
+        "num_experts_per_token": TOP_K,
+        "kv_lora_rank": 48,
+        "hidden_act": "situ",
+    },
     # its attention has as many KV heads as heads, whatever a config says (GPT-NeoX configs name none)
     "gpt_neox": {"num_key_value_heads": None},
     "gpt2": {"num_key_value_heads": None},
