@@ -43,7 +43,7 @@ RUNS = (
 # two caches as two group entries).
 RUNS += (
     "bailing_hybrid bailing_moe_linear falcon_h1 falcon_mamba kimi_k3 kimi_linear mamba mamba2 "
-    "olmo_hybrid recurrent_gemma rwkv7"
+    "minimax_m3_vl olmo_hybrid recurrent_gemma rwkv7"
 ).split()
 
 # Types refused, each with words its one line must hold: what the paged cache lacks for it.
@@ -57,7 +57,6 @@ REFUSED = {
     "gpt_bigcode": "computes its learned positions with numpy from one scalar cache.offset",
     "iquestloopcoder": "gives 4 caches for 2 layers",
     "minicpm3": "per-head keys and values of their own widths",
-    "minimax_m3_vl": "mlx-lm's CacheList of KVCache",
     "nanochat": "no text model with a final norm module",
     "nemotron-nas": "layer 1 has no attention",
     "phi-msft": "no text model with a final norm module",

@@ -311,7 +311,7 @@ def cache_spec(model: nn.Module) -> CacheSpec:
         entries = list(c.caches) if type(c) is CacheList else [c]
         state = next((len(x.cache) for x in entries if isinstance(x, ArraysCache)), None)
         kv = next((x for x in entries if not isinstance(x, ArraysCache)), None)
-        parts.append(tuple("state" if isinstance(x, ArraysCache) else "kv" for x in entries) if len(entries) > 1 else ())
+        parts.append(tuple("state" if isinstance(x, ArraysCache) else "kv" for x in entries) if type(c) is CacheList else ())
         if kv is None:
             kinds.append((RECURRENT, None, state))
         elif isinstance(kv, RotatingKVCache):
@@ -689,12 +689,12 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
     def held(c) -> bool:
         return type(c) in (KVCache, ChunkedKVCache, ArraysCache) or (type(c) is RotatingKVCache and c.keep == 0)
 
-    def state_and_kv(c) -> bool:  # a CacheList of one state and one KV cache (Falcon-H1)
+    def listed(c) -> bool:  # a CacheList of one KV cache (MiniMax-M3's full layers), or of a state and one (Falcon-H1)
         kinds = sorted(isinstance(x, ArraysCache) for x in getattr(c, "caches", ()))
-        return type(c) is CacheList and kinds == [False, True] and all(held(x) for x in c.caches)
+        return type(c) is CacheList and kinds in ([False], [False, True]) and all(held(x) for x in c.caches)
 
     for i, c in enumerate(caches):
-        if held(c) or state_and_kv(c):
+        if held(c) or listed(c):
             continue
         named = f" ({types[i]})" if i < len(types) else ""
         return (
@@ -709,7 +709,7 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
                 named = f" ({types[i]})" if i < len(types) else ""
                 return f"{model_type}: layer {i}{named}: {reason}; refused"
             continue
-        if i < len(caches) and type(caches[i]) is CacheList and recurrent_child(layer) is None:
+        if i < len(caches) and len(getattr(caches[i], "caches", ())) == 2 and recurrent_child(layer) is None:
             return (
                 f"{model_type}: layer {i} keeps a state and a KV cache (mlx-lm's CacheList) but has not exactly one "
                 "module besides its attention that takes the state as `cache`; refused"
