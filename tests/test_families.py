@@ -57,8 +57,9 @@ PER_LAYER = ["gemma4_text", "gemma4", "gemma3n"]
 # Recurrent models without attention (Mamba-1, RWKV-7), with a Mamba-2 state and K/V in every layer
 # (falcon_h1: mlx-lm's CacheList), RG-LRU beside local attention (recurrent_gemma, a window of 5),
 # Kimi Delta Attention beside latent attention (kimi_linear), linear attention rotated by the
-# attention cache's offset (bailing_moe_linear), written by mlxpaged.testing.zoo.
-STATE = ["mamba", "rwkv7", "falcon_h1", "recurrent_gemma", "kimi_linear", "bailing_moe_linear"]
+# attention cache's offset (bailing_moe_linear), written by mlxpaged.testing.zoo; and two latent
+# attentions in every layer, each on its own pool (longcat_flash: mlx-lm's CacheList of two KVCaches).
+STATE = ["mamba", "rwkv7", "falcon_h1", "recurrent_gemma", "kimi_linear", "bailing_moe_linear", "longcat_flash"]
 FAMILIES = DENSE + MOE + WRAPPERS + WINDOWED + HYBRID + MLA + CHUNKED + PER_LAYER + STATE
 SYSTEM = "Paged attention borrows an idea from operating systems: virtual memory and paging. "
 # Ragged: 3 to 40-odd tokens; the last three share the first one's leading blocks (prefix hits).

@@ -42,15 +42,17 @@ RUNS = (
 # Recurrent and state-space types, and those with two caches in one layer (recurrent.py; a layer's
 # two caches as two group entries).
 RUNS += (
-    "bailing_hybrid bailing_moe_linear falcon_h1 falcon_mamba kimi_k3 kimi_linear mamba mamba2 "
-    "minimax_m3_vl olmo_hybrid recurrent_gemma rwkv7"
+    "bailing_hybrid bailing_moe_linear falcon_h1 falcon_mamba kimi_k3 kimi_linear longcat_flash mamba "
+    "mamba2 minimax_m3_vl olmo_hybrid recurrent_gemma rwkv7"
 ).split()
 
 # Types refused, each with words its one line must hold: what the paged cache lacks for it.
 REFUSED = {
     "afm7": "reads an earlier layer's keys and values",
     "deepseek_v2": "per-head keys and values of their own widths",
-    "deepseek_v32": "two caches in one layer (mlx-lm's CacheList of KVCache and KVCache)",
+    "deepseek_v32": "written by different modules (DeepseekV32Attention, Indexer)",
+    "glm_moe_dsa": "written by different modules (DeepseekV32Attention, Indexer)",
+    "longcat_flash_ngram": "an ArraysCache before the layers' caches",
     "deepseek_v41": "a cache class mlxpaged does not know (mlx_lm.models.deepseek_v41.LayerCache)",
     "deepseek_v41_text": "a cache class mlxpaged does not know (mlx_lm.models.deepseek_v41.LayerCache)",
     "gemma2": "computes its attention scores itself with logit soft-capping",
@@ -73,8 +75,8 @@ REFUSED = {
 # module cannot run a tiny one on the CPU): each is refused from a bare config, in one line
 # naming the type.
 NOT_WRITTEN = (
-    "baichuan_m1 bitnet glm_moe_dsa "
-    "longcat_flash longcat_flash_ngram muse_spark "
+    "baichuan_m1 bitnet "
+    "muse_spark "
     "olmo prism_hadamard_qwen35"
 ).split()
 

@@ -27,6 +27,8 @@ class LayerSpec:
     `kv_heads`, `head_dim`: a pool row's shape (0 without a pool);
     `source`: the layer whose K/V it reads instead of writing its own (Gemma 4, 3n), or None;
     `state_arrays`: a recurrent layer's number of state arrays (mlx-lm's ArraysCache), else None;
+    `extra_dims`: a layer with two KV caches (LongCat-Flash's two attentions), the rows' shape of
+    its further pools, numbered `pool + 1`, ...;
     `parts`: a layer with two caches (mlx-lm's CacheList: Falcon-H1's Mamba-2 state and K/V), what
     each entry of its CacheList is, "state" or "kv", in order; () for a layer with one cache. Such
     a layer has both a pool (its KV cache group entry) and `state_arrays` (its state group entry).
@@ -40,6 +42,7 @@ class LayerSpec:
     source: int | None = None
     state_arrays: int | None = None
     parts: tuple[str, ...] = ()
+    extra_dims: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -60,13 +63,13 @@ class CacheSpec:
 
     @functools.cached_property  # read each pass: found once (the spec is frozen)
     def pool_layers(self) -> list[int]:
-        """The layers with a K/V pool, in pool order."""
-        return [i for i, lay in enumerate(self.layers) if lay.pool is not None]
+        """Per K/V pool, its layer (a layer with two KV caches: twice), in pool order."""
+        return [i for i, lay in enumerate(self.layers) if lay.pool is not None for _ in range(1 + len(lay.extra_dims))]
 
     @functools.cached_property  # read each pass: found once (the spec is frozen)
     def pool_dims(self) -> list[tuple[int, int]]:
         """Per pool, its rows' (KV heads, head_dim)."""
-        return [(lay.kv_heads, lay.head_dim) for lay in self.layers if lay.pool is not None]
+        return [d for lay in self.layers if lay.pool is not None for d in ((lay.kv_heads, lay.head_dim), *lay.extra_dims)]
 
     @functools.cached_property  # read each pass: found once (the spec is frozen)
     def num_recurrent(self) -> int:
@@ -80,7 +83,7 @@ class CacheSpec:
     def groups(self) -> tuple[list[tuple[str, int | None]], tuple[int, ...]]:
         """(the KV cache groups as (kind, span), full attention first; each pool's group): one
         group per kind, spanning the largest of its layers' spans."""
-        kinds = [(lay.kind, lay.span) for lay in self.layers if lay.pool is not None]
+        kinds = [(self.layers[i].kind, self.layers[i].span) for i in self.pool_layers]
         spans: dict[str, int | None] = {"full": None}
         for kind, span in kinds:
             if kind != "full":

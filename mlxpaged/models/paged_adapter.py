@@ -320,8 +320,9 @@ def cache_spec(model: nn.Module) -> CacheSpec:
             kinds.append(("chunked_local", kv.chunk_size, state))
         else:
             kinds.append(("full", None, state))
-    pooled = [i for i, (k, _, _) in enumerate(kinds) if k != RECURRENT]
-    attns = [attention_of(model.layers[i]) for i in pooled]
+    # per pool (layer, its j-th KV cache): a layer with two KV caches has two pools
+    pooled = [(i, j) for i, (k, _, _) in enumerate(kinds) if k != RECURRENT for j in range(max(1, parts[i].count("kv")))]
+    attns = [attention_of(model.layers[i]) if parts[i].count("kv") < 2 else attentions_of(model.layers[i])[j] for i, j in pooled]
     latent = bool(attns) and _is_latent(attns[0])
     if latent:
         dims = [(1, a.kv_lora_rank + a.qk_rope_head_dim) for a in attns]
@@ -335,12 +336,21 @@ def cache_spec(model: nn.Module) -> CacheSpec:
         if kind == RECURRENT:
             layers.append(LayerSpec(kind, state_arrays=arrays))
         else:
-            p = pooled.index(i)
-            layers.append(LayerSpec(kind, span, p, *dims[p], state_arrays=arrays, parts=parts[i]))
+            p = pooled.index((i, 0))
+            more = tuple(dims[p + 1 : p + parts[i].count("kv")])
+            layers.append(LayerSpec(kind, span, p, *dims[p], state_arrays=arrays, parts=parts[i], extra_dims=more))
     for src in (shared or [])[len(kinds) :]:  # the layers make_prompt_cache gives no cache (Gemma 4, 3n)
         lay = layers[src] if src is not None else LayerSpec("full")  # attends as its source does, writing no K/V
         layers.append(LayerSpec(lay.kind, lay.span, source=src))
     return CacheSpec(tuple(layers), latent, by_model, tuple(_plain_ropes(model.layers)))
+
+
+def attentions_of(layer: nn.Module) -> list:
+    """A layer's modules that call `cache.update_and_fetch`, by their paths (LongCat-Flash's
+    `self_attn.0`, `self_attn.1`): the order of the caches in its CacheList."""
+    found = [(n, m) for n, m in layer.named_modules() if m is not layer and "update_and_fetch" in _source(type(m))]
+    key = lambda nm: [int(p) if p.isdigit() else p for p in nm[0].split(".")]  # noqa: E731 - 10 after 9
+    return [m for _, m in sorted(found, key=key)]
 
 
 def attention_modules(model: nn.Module, spec: CacheSpec | None = None) -> list:
@@ -506,9 +516,13 @@ class PagedModelMixin:
             else:
                 # a layer reads its own KV cache group's tables (worker/kv_cache.py `groups`)
                 m = meta.groups[cache.groups[lay.pool]] if meta.groups else meta
-                c = kind(cache, lay.pool, m, window, chunk)
-                # a CacheList layer: its state entry is None (its recurrent module's stand-in holds it)
-                caches.append(tuple(c if e == "kv" else None for e in lay.parts) if lay.parts else c)
+                if not lay.parts:
+                    caches.append(kind(cache, lay.pool, m, window, chunk))
+                else:  # a CacheList layer: its j-th KV cache on pool + j; its state's entry is None
+                    pools = iter(range(lay.pool, lay.pool + 1 + len(lay.extra_dims)))
+                    caches.append(
+                        tuple(kind(cache, next(pools), m, window, chunk) if e == "kv" else None for e in lay.parts)
+                    )
         body = text_body(self)
         norm = _final_norm(body)
         swaps = [(body, norm, _NormRows(body[norm], meta.logits_indices))]
@@ -529,15 +543,14 @@ class PagedModelMixin:
 
 def _check_attended(layers, caches, cause: Exception | None = None) -> None:
     """Raise naming the first attention layer that did not write and read its paged cache."""
-    for i, c in enumerate(caches):
-        if isinstance(c, tuple):  # a CacheList layer: its KV entry
-            c = next(x for x in c if x is not None)
-        if c is not None and (c.pools is None or not c.attended):
-            raise AdapterError(
-                f"{inspect.getfile(type(attention_of(layers[i])))}: "
-                f"{type(attention_of(layers[i])).__name__}.__call__ no longer calls cache.update_and_fetch and "
-                "scaled_dot_product_attention(..., cache=cache): the paged adapter needs updating"
-            ) from cause
+    for i, entry in enumerate(caches):
+        for c in entry if isinstance(entry, tuple) else (entry,):  # a CacheList layer: each of its KV entries
+            if c is not None and (c.pools is None or not c.attended):
+                raise AdapterError(
+                    f"{inspect.getfile(type(attention_of(layers[i])))}: "
+                    f"{type(attention_of(layers[i])).__name__}.__call__ no longer calls cache.update_and_fetch and "
+                    "scaled_dot_product_attention(..., cache=cache): the paged adapter needs updating"
+                ) from cause
 
 
 def _segmented(body: nn.Module, spec: CacheSpec, meta: AttentionMetadata) -> list:
@@ -680,6 +693,12 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
         layers = list(model.layers)
     except Exception:  # noqa: BLE001 - no layer list to page
         return f"{model_type}: its Model has no `layers` list the paged cache can walk; refused"
+    if len(caches) == len(layers) + 1 and type(caches[0]) is ArraysCache:  # longcat_flash_ngram
+        return (
+            f"{model_type}: mlx-lm's make_prompt_cache gives an ArraysCache before the layers' caches (its "
+            "embedding reads each sequence's last tokens from it: n-gram embeddings), which the paged cache "
+            "does not hold; refused"
+        )
     if len(caches) > len(layers):
         return (
             f"{model_type}: mlx-lm's make_prompt_cache gives {len(caches)} caches for {len(layers)} layers "
@@ -689,17 +708,32 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
     def held(c) -> bool:
         return type(c) in (KVCache, ChunkedKVCache, ArraysCache) or (type(c) is RotatingKVCache and c.keep == 0)
 
-    def listed(c) -> bool:  # a CacheList of one KV cache (MiniMax-M3's full layers), or of a state and one (Falcon-H1)
+    def listed(c, layer) -> bool:
+        """A CacheList of one KV cache (MiniMax-M3's full layers), of a state and one (Falcon-H1), or
+        of KV caches each written by its own attention module (LongCat-Flash's two)."""
         kinds = sorted(isinstance(x, ArraysCache) for x in getattr(c, "caches", ()))
-        return type(c) is CacheList and kinds in ([False], [False, True]) and all(held(x) for x in c.caches)
+        if type(c) is not CacheList or not all(held(x) for x in c.caches):
+            return False
+        writers = attentions_of(layer)
+        return kinds in ([False], [False, True]) or (
+            not any(kinds) and len(writers) == len(kinds) and len({type(m) for m in writers}) == 1
+        )
 
     for i, c in enumerate(caches):
-        if held(c) or listed(c):
+        if held(c) or (i < len(layers) and listed(c, layers[i])):
             continue
         named = f" ({types[i]})" if i < len(types) else ""
+        writers = sorted({type(m).__name__ for m in attentions_of(layers[i])}) if i < len(layers) else []
+        if type(c) is CacheList and len(writers) > 1:  # DeepSeek sparse attention: an indexer's keys beside
+            return (
+                f"{model_type}: layer {i}{named} keeps {_cache_kind(c)} written by different modules "
+                f"({', '.join(writers)}): one caches keys that pick which earlier tokens the other attends to "
+                "(sparse attention), which the paged cache does not run; refused"
+            )
         return (
             f"{model_type}: layer {i}{named} keeps {_cache_kind(c)}, which the paged cache does not hold "
-            "(one KVCache, sliding-window RotatingKVCache, ChunkedKVCache or ArraysCache per layer); refused"
+            "(a KVCache, sliding-window RotatingKVCache, ChunkedKVCache or ArraysCache per layer, or a CacheList "
+            "of a state and a KV cache, or of KV caches one attention class writes); refused"
         )
     recurrent = [isinstance(c, ArraysCache) for c in caches] + [False] * (len(layers) - len(caches))
     for i, layer in enumerate(layers):
@@ -709,7 +743,8 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
                 named = f" ({types[i]})" if i < len(types) else ""
                 return f"{model_type}: layer {i}{named}: {reason}; refused"
             continue
-        if i < len(caches) and len(getattr(caches[i], "caches", ())) == 2 and recurrent_child(layer) is None:
+        state_and_kv = any(isinstance(x, ArraysCache) for x in getattr(caches[i], "caches", ())) if i < len(caches) else False
+        if state_and_kv and recurrent_child(layer) is None:
             return (
                 f"{model_type}: layer {i} keeps a state and a KV cache (mlx-lm's CacheList) but has not exactly one "
                 "module besides its attention that takes the state as `cache`; refused"
@@ -811,7 +846,6 @@ MISSING = {
         (
             "deepseek_v32",
             "glm_moe_dsa",
-            "longcat_flash",
             "longcat_flash_ngram",
             "youtu_llm",
         ),

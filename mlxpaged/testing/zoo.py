@@ -282,6 +282,28 @@ ZOO_CONFIGS: dict[str, dict] = {
         "kv_lora_rank": 48,
         "hidden_act": "situ",
     },
+    # two latent attentions (MLA) in every layer, each with its own cache (mlx-lm's CacheList)
+    **dict.fromkeys(
+        ("longcat_flash", "longcat_flash_ngram"),
+        {
+            "attention_method": "MLA",
+            "zero_expert_type": "identity",
+            "zero_expert_num": 1,
+            "kv_lora_rank": 48,
+            "mla_scale_q_lora": True,  # (mlx-lm reads both scales whatever these say)
+            "mla_scale_kv_lora": True,
+        },
+    ),
+    # DeepSeek sparse attention (GLM-5): an indexer's keys beside the latent rows
+    "glm_moe_dsa": {
+        "index_head_dim": 32,
+        "index_n_heads": 2,
+        "index_topk": 8,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "moe_layer_freq": 1,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
     # its attention has as many KV heads as heads, whatever a config says (GPT-NeoX configs name none)
     "gpt_neox": {"num_key_value_heads": None},
     "gpt2": {"num_key_value_heads": None},
