@@ -745,9 +745,12 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
             continue
         state_and_kv = any(isinstance(x, ArraysCache) for x in getattr(caches[i], "caches", ())) if i < len(caches) else False
         if state_and_kv and recurrent_child(layer) is None:
+            attn = attention_of(layer)
+            where = f"{type(attn).__module__}.{type(attn).__name__}" if attn is not None else type(layer).__name__
             return (
-                f"{model_type}: layer {i} keeps a state and a KV cache (mlx-lm's CacheList) but has not exactly one "
-                "module besides its attention that takes the state as `cache`; refused"
+                f"{model_type}: layer {i} keeps a state and a KV cache (mlx-lm's CacheList), and {where} reads "
+                "the state itself beside its KV cache, where the paged cache runs a state only in a module of its "
+                "own beside the attention (Falcon-H1's mixer); refused"
             )
         reason = _attention_refusal(layer)
         if reason and len(caches) < len(layers) and attention_of(layer) is None:  # nemotron-nas

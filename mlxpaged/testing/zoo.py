@@ -304,6 +304,9 @@ ZOO_CONFIGS: dict[str, dict] = {
         "moe_layer_freq": 1,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
     },
+    # a sliding layer (a window of 5) and a full one, each attention convolving its keys and values
+    # with the previous token's (mlx-lm's CacheList of an ArraysCache and a KV cache)
+    "baichuan_m1": {"sliding_window": 5, "sliding_window_layers": [0], "conv_window": 2},
     # its attention has as many KV heads as heads, whatever a config says (GPT-NeoX configs name none)
     "gpt_neox": {"num_key_value_heads": None},
     "gpt2": {"num_key_value_heads": None},
