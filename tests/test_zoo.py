@@ -42,8 +42,8 @@ RUNS = (
 # Recurrent and state-space types, and those with two caches in one layer (recurrent.py; a layer's
 # two caches as two group entries).
 RUNS += (
-    "bailing_hybrid bailing_moe_linear falcon_h1 falcon_mamba kimi_k3 kimi_linear longcat_flash mamba "
-    "mamba2 minimax_m3_vl olmo_hybrid recurrent_gemma rwkv7"
+    "bailing_hybrid bailing_moe_linear deepseek_v32 falcon_h1 falcon_mamba glm_moe_dsa kimi_k3 kimi_linear "
+    "longcat_flash mamba mamba2 minimax_m3_vl olmo_hybrid recurrent_gemma rwkv7"
 ).split()
 
 # Types refused, each with words its one line must hold: what the paged cache lacks for it.
@@ -51,8 +51,6 @@ REFUSED = {
     "baichuan_m1": "mlx_lm.models.baichuan_m1.Attention reads the state itself beside its KV cache",
     "afm7": "reads an earlier layer's keys and values",
     "deepseek_v2": "per-head keys and values of their own widths",
-    "deepseek_v32": "written by different modules (DeepseekV32Attention, Indexer)",
-    "glm_moe_dsa": "written by different modules (DeepseekV32Attention, Indexer)",
     "longcat_flash_ngram": "an ArraysCache before the layers' caches",
     "deepseek_v41": "a cache class mlxpaged does not know (mlx_lm.models.deepseek_v41.LayerCache)",
     "deepseek_v41_text": "a cache class mlxpaged does not know (mlx_lm.models.deepseek_v41.LayerCache)",

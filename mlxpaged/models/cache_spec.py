@@ -29,6 +29,9 @@ class LayerSpec:
     `state_arrays`: a recurrent layer's number of state arrays (mlx-lm's ArraysCache), else None;
     `extra_dims`: a layer with two KV caches (LongCat-Flash's two attentions), the rows' shape of
     its further pools, numbered `pool + 1`, ...;
+    `gathered`: a layer whose KV caches different modules write (DeepSeek sparse attention: an
+    indexer's keys beside the latent rows), run on each token's whole context gathered from its
+    pools (`GatheredLayerCache`);
     `parts`: a layer with two caches (mlx-lm's CacheList: Falcon-H1's Mamba-2 state and K/V), what
     each entry of its CacheList is, "state" or "kv", in order; () for a layer with one cache. Such
     a layer has both a pool (its KV cache group entry) and `state_arrays` (its state group entry).
@@ -43,6 +46,7 @@ class LayerSpec:
     state_arrays: int | None = None
     parts: tuple[str, ...] = ()
     extra_dims: tuple[tuple[int, int], ...] = ()
+    gathered: bool = False
 
 
 @dataclass(frozen=True)

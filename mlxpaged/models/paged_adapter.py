@@ -36,6 +36,7 @@ import mlx.nn as nn
 
 from ..attention import paged_attention_varlen
 from ..attention.metadata import AttentionMetadata
+from ..attention.reference import gather_blocks
 from ..errors import MlxPagedError
 from .cache_spec import RECURRENT, CacheSpec, LayerSpec
 from .recurrent import SegmentedLayer, StepStates
@@ -240,6 +241,50 @@ class LatentLayerCache(PagedLayerCache):
         return self._paged(q, scale)[..., :R].reshape(T, H, 1, R)
 
 
+class GatheredLayerCache(PagedLayerCache):
+    """One KV cache of a layer whose caches different modules write (DeepSeek sparse attention,
+    deepseek_v32 and glm_moe_dsa: the latent rows `[latent, k_pe]` and an indexer's keys), run on
+    each token's whole context: `update_and_fetch` writes the new rows into the pool (a keys-only
+    one) and hands back, per packed row, its sequence's rows gathered from the pool, `[T, 1, C, d]`
+    (C: the step's longest block table, in tokens), and `make_mask` the mask of the positions each
+    row may read (its own and earlier ones). mlx-lm's module then does the rest on those as on a
+    contiguous cache: the indexer scores the context and picks its top-k rows, the attention takes
+    them and calls mlx-lm's own attention (its cache argument is the layer's CacheList, not one of
+    these). Exact, not fast: the gathered copy is T x C rows a layer."""
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        m = self.meta
+        T, C = self.offset.shape[0], m.block_tables.shape[1] * self.kv_cache.block_size
+        return (mx.arange(C)[None] <= self.offset[:, None]).reshape(T, 1, 1, C)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """keys `[T, 1, 1, a]` and values `[T, 1, 1, b]` (the latent and k_pe), or the keys twice
+        (the indexer's): one row `[keys, values]` (or `keys`) a token, handed back gathered."""
+        T = self.offset.shape[0]
+        if keys.shape[:3] != (T, 1, 1) or values.shape[:3] != (T, 1, 1):
+            raise AdapterError(
+                f"a sparse-attention layer's cache.update_and_fetch got {keys.shape} and {values.shape}; the paged "
+                f"adapter feeds [T={T}, 1, 1, width]"
+            )
+        row = keys if values is keys else mx.concatenate([keys, values], axis=-1)
+        self.pools = self.kv_cache.write(self.layer, row.reshape(T, 1, -1), row.reshape(T, 1, -1), self.meta.slot_mapping)
+        self.attended = True  # mlx-lm's module attends over what it is handed
+        ctx = gather_blocks(self.pools[0], self.meta.block_tables)[self._rows()]  # [T, 1, C, width]
+        self.keys = ctx  # (the indexer reads and sets these, as on mlx-lm's KVCache)
+        if values is keys:
+            return ctx, ctx
+        a = keys.shape[-1]
+        return ctx[..., :a], ctx[..., a:]
+
+    def _rows(self) -> mx.array:
+        """Each packed row's sequence (its block table's row), built once a pass."""
+        sc = self.meta.scratch
+        if "gathered_rows" not in sc:
+            cu = self.meta.cu_seqlens_q.tolist()  # host-built (metadata.py): reading it forces nothing
+            sc["gathered_rows"] = mx.array([s for s in range(len(cu) - 1) for _ in range(cu[s + 1] - cu[s])])
+        return sc["gathered_rows"]
+
+
 def kv_dims(model: nn.Module) -> tuple[int, int]:
     """(KV heads, head_dim) of `model`'s attention rows: its (local, under tensor parallelism) KV
     heads and head_dim."""
@@ -324,8 +369,8 @@ def cache_spec(model: nn.Module) -> CacheSpec:
     pooled = [(i, j) for i, (k, _, _) in enumerate(kinds) if k != RECURRENT for j in range(max(1, parts[i].count("kv")))]
     attns = [attention_of(model.layers[i]) if parts[i].count("kv") < 2 else attentions_of(model.layers[i])[j] for i, j in pooled]
     latent = bool(attns) and _is_latent(attns[0])
-    if latent:
-        dims = [(1, a.kv_lora_rank + a.qk_rope_head_dim) for a in attns]
+    if latent:  # (a sparse-attention indexer beside the latent rows: one key row per token)
+        dims = [(1, a.kv_lora_rank + a.qk_rope_head_dim) if _is_latent(a) else (1, a.head_dim) for a in attns]
     else:
         dims = [_kv_shape(a, model.args) for a in attns]
         if len(set(dims)) <= 1:  # one shape for all: the config's (local, under tensor parallelism) KV heads
@@ -338,7 +383,12 @@ def cache_spec(model: nn.Module) -> CacheSpec:
         else:
             p = pooled.index((i, 0))
             more = tuple(dims[p + 1 : p + parts[i].count("kv")])
-            layers.append(LayerSpec(kind, span, p, *dims[p], state_arrays=arrays, parts=parts[i], extra_dims=more))
+            writers = {type(attns[q]) for q, (li, _) in enumerate(pooled) if li == i}
+            layers.append(
+                LayerSpec(
+                    kind, span, p, *dims[p], state_arrays=arrays, parts=parts[i], extra_dims=more, gathered=len(writers) > 1
+                )
+            )
     for src in (shared or [])[len(kinds) :]:  # the layers make_prompt_cache gives no cache (Gemma 4, 3n)
         lay = layers[src] if src is not None else LayerSpec("full")  # attends as its source does, writing no K/V
         layers.append(LayerSpec(lay.kind, lay.span, source=src))
@@ -520,8 +570,9 @@ class PagedModelMixin:
                     caches.append(kind(cache, lay.pool, m, window, chunk))
                 else:  # a CacheList layer: its j-th KV cache on pool + j; its state's entry is None
                     pools = iter(range(lay.pool, lay.pool + 1 + len(lay.extra_dims)))
+                    each = GatheredLayerCache if lay.gathered else kind
                     caches.append(
-                        tuple(kind(cache, next(pools), m, window, chunk) if e == "kv" else None for e in lay.parts)
+                        tuple(each(cache, next(pools), m, window, chunk) if e == "kv" else None for e in lay.parts)
                     )
         body = text_body(self)
         norm = _final_norm(body)
@@ -716,7 +767,9 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
             return False
         writers = attentions_of(layer)
         return kinds in ([False], [False, True]) or (
-            not any(kinds) and len(writers) == len(kinds) and len({type(m) for m in writers}) == 1
+            not any(kinds)
+            and len(writers) == len(kinds)
+            and (len({type(m) for m in writers}) == 1 or _is_latent(writers[0]))  # a latent attention's indexer
         )
 
     for i, c in enumerate(caches):
@@ -847,8 +900,6 @@ MISSING = {
     ),
     **dict.fromkeys(
         (
-            "deepseek_v32",
-            "glm_moe_dsa",
             "longcat_flash_ngram",
             "youtu_llm",
         ),

@@ -294,11 +294,14 @@ ZOO_CONFIGS: dict[str, dict] = {
             "mla_scale_kv_lora": True,
         },
     ),
-    # DeepSeek sparse attention (GLM-5): an indexer's keys beside the latent rows
+    # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): an indexer's keys beside the latent rows,
+    # picking 8 earlier tokens per query (fewer than the prompt's); latent rows of 48 + 16
+    "deepseek_v32": {"index_head_dim": 32, "index_n_heads": 2, "index_topk": 8, "kv_lora_rank": 48},
     "glm_moe_dsa": {
         "index_head_dim": 32,
         "index_n_heads": 2,
         "index_topk": 8,
+        "kv_lora_rank": 48,
         "topk_method": "noaux_tc",
         "scoring_func": "sigmoid",
         "moe_layer_freq": 1,
