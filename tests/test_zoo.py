@@ -73,11 +73,7 @@ REFUSED = {
 # Types the zoo writes no checkpoint for (their configs need more than its sizes, or mlx-lm's own
 # module cannot run a tiny one on the CPU): each is refused from a bare config, in one line
 # naming the type.
-NOT_WRITTEN = (
-    "bitnet "
-    "muse_spark "
-    "olmo prism_hadamard_qwen35"
-).split()
+NOT_WRITTEN = ("bitnet muse_spark olmo prism_hadamard_qwen35").split()
 
 
 def greedy(n: int, samples: int = 1) -> SamplingParams:

@@ -73,7 +73,9 @@ class CacheSpec:
     @functools.cached_property  # read each pass: found once (the spec is frozen)
     def pool_dims(self) -> list[tuple[int, int]]:
         """Per pool, its rows' (KV heads, head_dim)."""
-        return [d for lay in self.layers if lay.pool is not None for d in ((lay.kv_heads, lay.head_dim), *lay.extra_dims)]
+        return [
+            d for lay in self.layers if lay.pool is not None for d in ((lay.kv_heads, lay.head_dim), *lay.extra_dims)
+        ]
 
     @functools.cached_property  # read each pass: found once (the spec is frozen)
     def num_recurrent(self) -> int:

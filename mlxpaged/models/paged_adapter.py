@@ -267,7 +267,9 @@ class GatheredLayerCache(PagedLayerCache):
                 f"adapter feeds [T={T}, 1, 1, width]"
             )
         row = keys if values is keys else mx.concatenate([keys, values], axis=-1)
-        self.pools = self.kv_cache.write(self.layer, row.reshape(T, 1, -1), row.reshape(T, 1, -1), self.meta.slot_mapping)
+        self.pools = self.kv_cache.write(
+            self.layer, row.reshape(T, 1, -1), row.reshape(T, 1, -1), self.meta.slot_mapping
+        )
         self.attended = True  # mlx-lm's module attends over what it is handed
         ctx = gather_blocks(self.pools[0], self.meta.block_tables)[self._rows()]  # [T, 1, C, width]
         self.keys = ctx  # (the indexer reads and sets these, as on mlx-lm's KVCache)
@@ -356,7 +358,9 @@ def cache_spec(model: nn.Module) -> CacheSpec:
         entries = list(c.caches) if type(c) is CacheList else [c]
         state = next((len(x.cache) for x in entries if isinstance(x, ArraysCache)), None)
         kv = next((x for x in entries if not isinstance(x, ArraysCache)), None)
-        parts.append(tuple("state" if isinstance(x, ArraysCache) else "kv" for x in entries) if type(c) is CacheList else ())
+        parts.append(
+            tuple("state" if isinstance(x, ArraysCache) else "kv" for x in entries) if type(c) is CacheList else ()
+        )
         if kv is None:
             kinds.append((RECURRENT, None, state))
         elif isinstance(kv, RotatingKVCache):
@@ -366,8 +370,13 @@ def cache_spec(model: nn.Module) -> CacheSpec:
         else:
             kinds.append(("full", None, state))
     # per pool (layer, its j-th KV cache): a layer with two KV caches has two pools
-    pooled = [(i, j) for i, (k, _, _) in enumerate(kinds) if k != RECURRENT for j in range(max(1, parts[i].count("kv")))]
-    attns = [attention_of(model.layers[i]) if parts[i].count("kv") < 2 else attentions_of(model.layers[i])[j] for i, j in pooled]
+    pooled = [
+        (i, j) for i, (k, _, _) in enumerate(kinds) if k != RECURRENT for j in range(max(1, parts[i].count("kv")))
+    ]
+    attns = [
+        attention_of(model.layers[i]) if parts[i].count("kv") < 2 else attentions_of(model.layers[i])[j]
+        for i, j in pooled
+    ]
     latent = bool(attns) and _is_latent(attns[0])
     if latent:  # (a sparse-attention indexer beside the latent rows: one key row per token)
         dims = [(1, a.kv_lora_rank + a.qk_rope_head_dim) if _is_latent(a) else (1, a.head_dim) for a in attns]
@@ -386,7 +395,14 @@ def cache_spec(model: nn.Module) -> CacheSpec:
             writers = {type(attns[q]) for q, (li, _) in enumerate(pooled) if li == i}
             layers.append(
                 LayerSpec(
-                    kind, span, p, *dims[p], state_arrays=arrays, parts=parts[i], extra_dims=more, gathered=len(writers) > 1
+                    kind,
+                    span,
+                    p,
+                    *dims[p],
+                    state_arrays=arrays,
+                    parts=parts[i],
+                    extra_dims=more,
+                    gathered=len(writers) > 1,
                 )
             )
     for src in (shared or [])[len(kinds) :]:  # the layers make_prompt_cache gives no cache (Gemma 4, 3n)
@@ -630,11 +646,13 @@ def _segmented(body: nn.Module, spec: CacheSpec, meta: AttentionMetadata) -> lis
 def recurrent_child(layer: nn.Module) -> str | None:
     """The name of a two-cache layer's recurrent module: its one child, besides its attention,
     that takes a `cache` (Falcon-H1's `mamba`), or None when there is not exactly one."""
-    from .recurrent import _params
+    from .recurrent import call_params
 
     attn = attention_of(layer)
     names = [
-        n for n, m in layer.children().items() if isinstance(m, nn.Module) and m is not attn and "cache" in _params(type(m))
+        n
+        for n, m in layer.children().items()
+        if isinstance(m, nn.Module) and m is not attn and "cache" in call_params(type(m))
     ]
     return names[0] if len(names) == 1 else None
 
@@ -730,8 +748,10 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
 
     Structural, not by name: each layer's cache from mlx-lm's own `make_prompt_cache` must be one
     the paged cache holds (a KVCache; a RotatingKVCache that keeps no prefix: a sliding window; a
-    ChunkedKVCache; an ArraysCache: recurrent state, recurrent.py), and each attention layer's
-    module must call `cache.update_and_fetch` and its module's `scaled_dot_product_attention`.
+    ChunkedKVCache; an ArraysCache: recurrent state, recurrent.py; a CacheList of those: a state
+    beside a KV cache, or KV caches for two attentions or a latent attention and its indexer), and
+    each attention layer's module must call `cache.update_and_fetch` and its module's
+    `scaled_dot_product_attention`.
     """
     from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
@@ -756,6 +776,7 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
             "(a layer attends more than once a pass, each time with its own cache), which the paged cache "
             "does not hold (one cache per layer); refused"
         )
+
     def held(c) -> bool:
         return type(c) in (KVCache, ChunkedKVCache, ArraysCache) or (type(c) is RotatingKVCache and c.keep == 0)
 
@@ -777,11 +798,11 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
             continue
         named = f" ({types[i]})" if i < len(types) else ""
         writers = sorted({type(m).__name__ for m in attentions_of(layers[i])}) if i < len(layers) else []
-        if type(c) is CacheList and len(writers) > 1:  # DeepSeek sparse attention: an indexer's keys beside
+        if type(c) is CacheList and len(writers) > 1:  # an indexer's keys beside attention that is not latent
             return (
                 f"{model_type}: layer {i}{named} keeps {_cache_kind(c)} written by different modules "
-                f"({', '.join(writers)}): one caches keys that pick which earlier tokens the other attends to "
-                "(sparse attention), which the paged cache does not run; refused"
+                f"({', '.join(writers)}): sparse attention, which the paged cache runs only beside latent "
+                "attention (DeepSeek's); refused"
             )
         return (
             f"{model_type}: layer {i}{named} keeps {_cache_kind(c)}, which the paged cache does not hold "
@@ -796,7 +817,9 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
                 named = f" ({types[i]})" if i < len(types) else ""
                 return f"{model_type}: layer {i}{named}: {reason}; refused"
             continue
-        state_and_kv = any(isinstance(x, ArraysCache) for x in getattr(caches[i], "caches", ())) if i < len(caches) else False
+        state_and_kv = (
+            any(isinstance(x, ArraysCache) for x in getattr(caches[i], "caches", ())) if i < len(caches) else False
+        )
         if state_and_kv and recurrent_child(layer) is None:
             attn = attention_of(layer)
             where = f"{type(attn).__module__}.{type(attn).__name__}" if attn is not None else type(layer).__name__
@@ -842,9 +865,9 @@ def _recurrent_refusal(layer: nn.Module) -> str | None:
     """Why a layer with recurrent state (an ArraysCache) is not one recurrent.py runs, or None: it
     runs any decoder layer that takes its `cache` by that name (it hands each sequence's run an
     ArraysCache there); whether the tokens are mlx-lm's is what tests/test_zoo.py checks per type."""
-    from .recurrent import _params
+    from .recurrent import call_params
 
-    if "cache" in _params(type(layer)):
+    if "cache" in call_params(type(layer)):
         return None
     return (
         f"linear attention / state space ({type(layer).__module__}.{type(layer).__name__}), whose __call__ "

@@ -26,8 +26,6 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import MlxPagedError
-
 # A sequence's state: per recurrent layer (in layer order), the arrays of its ArraysCache, each
 # with a leading batch axis of 1 (mlx-lm's layout). None for a layer: not yet run (zeros).
 LayerState = tuple
@@ -120,7 +118,7 @@ class SegmentedLayer:
 
     def __init__(self, layer: nn.Module, k: int, size: int, states: StepStates):
         self.layer, self.k, self.size, self.states = layer, k, size, states
-        self.params = _params(type(layer))
+        self.params = call_params(type(layer))
 
     def __getattr__(self, name):
         return getattr(self.layer, name)
@@ -134,7 +132,9 @@ class SegmentedLayer:
         rows = [
             n
             for n, v in named.items()
-            if isinstance(v, mx.array) and n != "mask" and (v.shape[:2] == (T, 1) or (n == "offset" and v.shape == (T,)))
+            if isinstance(v, mx.array)
+            and n != "mask"
+            and (v.shape[:2] == (T, 1) or (n == "offset" and v.shape == (T,)))
         ]
         return rows, named, T
 
@@ -256,7 +256,7 @@ def _mapn(pieces: list, f):
 _signatures: dict = {}
 
 
-def _params(cls) -> list[str]:
+def call_params(cls) -> list[str]:
     """The names of `cls.__call__`'s parameters, without self, read once per class."""
     if cls not in _signatures:
         import inspect

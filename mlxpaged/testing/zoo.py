@@ -257,7 +257,12 @@ ZOO_CONFIGS: dict[str, dict] = {
     },
     # Kimi Delta Attention on layer 0, latent attention (MLA) on layer 1
     "kimi_linear": {
-        "linear_attn_config": {"kda_layers": [1], "num_heads": HEADS, "head_dim": HEAD_DIM, "short_conv_kernel_size": 4},
+        "linear_attn_config": {
+            "kda_layers": [1],
+            "num_heads": HEADS,
+            "head_dim": HEAD_DIM,
+            "short_conv_kernel_size": 4,
+        },
         "num_experts_per_token": TOP_K,
         "kv_lora_rank": 48,  # latent rows of 48 + 16: an 8-bit cache's groups of 32 fit
     },
@@ -277,7 +282,12 @@ ZOO_CONFIGS: dict[str, dict] = {
     "bailing_hybrid": {"layer_group_size": 2, "group_norm_size": 1, "first_k_dense_replace": 1},
     # Kimi K3's text model: Kimi Delta Attention on layer 0, latent attention (MLA) on layer 1
     "kimi_k3": {
-        "linear_attn_config": {"kda_layers": [1], "num_heads": HEADS, "head_dim": HEAD_DIM, "short_conv_kernel_size": 4},
+        "linear_attn_config": {
+            "kda_layers": [1],
+            "num_heads": HEADS,
+            "head_dim": HEAD_DIM,
+            "short_conv_kernel_size": 4,
+        },
         "num_experts_per_token": TOP_K,
         "kv_lora_rank": 48,
         "hidden_act": "situ",
