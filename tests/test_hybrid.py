@@ -33,9 +33,11 @@ def greedy(n):
 # The hybrid families, and one model of each recurrent kind without attention or with two caches
 # in one layer (mlxpaged.testing.zoo's checkpoints): Mamba-1, RWKV-7, Falcon-H1 (Mamba-2 and attention
 # in every layer), RecurrentGemma (RG-LRU and local attention), Kimi Linear (Kimi Delta Attention
-# beside latent attention), Bailing linear attention (rotated by the attention cache's offset).
+# beside latent attention), Bailing linear attention (rotated by the attention cache's offset),
+# LongCat-Flash n-gram (its embedding's state, the last tokens, kept before the layers').
 RECURRENT = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "granitemoehybrid"]
 RECURRENT += ["mamba", "rwkv7", "falcon_h1", "recurrent_gemma", "kimi_linear", "bailing_moe_linear"]
+RECURRENT += ["longcat_flash_ngram"]
 
 
 @pytest.fixture(scope="module", params=RECURRENT)
@@ -161,6 +163,20 @@ def test_disk_tier_keeps_state_checkpoints(hybrid, tmp_path):
     done = run_all(third)[rid]
     assert done.outputs[0].token_ids == want
     assert done.num_cached_tokens == 0 and third.runner.checkpoints.bad_files >= 1
+
+
+def test_states_of_other_shapes_decode_beside_each_other(tmp_path):
+    """LongCat-Flash n-gram's embedding state is a sequence's last tokens, shorter while the
+    sequence is young: decodes whose states differ in shape are run apart, not stacked, and give
+    mlx-lm's tokens (prompts of 1, 2 and 6 tokens decoding in the same steps)."""
+    path = write_zoo(tmp_path / "ngram", "longcat_flash_ngram")
+    ref_model, tok = mlx_lm.load(str(path))
+    engine = _engine(load(str(path), "float32"))
+    prompts = [[5], [7, 9], tok.encode("Paged attention borrows an idea")]
+    rids = [engine.add_request(p, greedy(8)) for p in prompts]
+    done = run_all(engine)
+    for p, r in zip(prompts, rids):
+        assert done[r].outputs[0].token_ids == contiguous_generate(ref_model, p, 8), p
 
 
 def test_generate_cli_gives_mlx_lm_tokens(hybrid):

@@ -43,7 +43,7 @@ RUNS = (
 # two caches as two group entries).
 RUNS += (
     "bailing_hybrid bailing_moe_linear deepseek_v32 falcon_h1 falcon_mamba glm_moe_dsa kimi_k3 kimi_linear "
-    "longcat_flash mamba mamba2 minimax_m3_vl olmo_hybrid recurrent_gemma rwkv7"
+    "longcat_flash longcat_flash_ngram mamba mamba2 minimax_m3_vl olmo_hybrid recurrent_gemma rwkv7"
 ).split()
 
 # Types refused, each with words its one line must hold: what the paged cache lacks for it.
@@ -51,7 +51,6 @@ REFUSED = {
     "baichuan_m1": "mlx_lm.models.baichuan_m1.Attention reads the state itself beside its KV cache",
     "afm7": "reads an earlier layer's keys and values",
     "deepseek_v2": "per-head keys and values of their own widths",
-    "longcat_flash_ngram": "an ArraysCache before the layers' caches",
     "deepseek_v41": "a cache class mlxpaged does not know (mlx_lm.models.deepseek_v41.LayerCache)",
     "deepseek_v41_text": "a cache class mlxpaged does not know (mlx_lm.models.deepseek_v41.LayerCache)",
     "gemma2": "computes its attention scores itself with logit soft-capping",

@@ -54,6 +54,8 @@ class CacheSpec:
     """Every layer's `LayerSpec`, in the text model's order. Invariant: the layers with a pool
     number 0, 1, ... in order; a layer with a `source` has no pool and its source's kind and span.
 
+    `front_state`: the number of state arrays of a cache mlx-lm keeps before the layers' (LongCat-Flash
+    n-gram's embedding reads each sequence's last tokens from it), or None; it is the first state;
     `latent`: an MLA model (one latent row per token, read as both key and value: a keys-only pool);
     `shared_by_model`: the model hands a layer with a `source` its source's cache object itself
     (Gemma 3n), so such a layer gets no cache of its own; `ropes`: (attention module, its rope,
@@ -62,6 +64,7 @@ class CacheSpec:
 
     layers: tuple[LayerSpec, ...]
     latent: bool = False
+    front_state: int | None = None
     shared_by_model: bool = False
     ropes: tuple = field(default=(), compare=False, repr=False)
 
@@ -79,7 +82,8 @@ class CacheSpec:
 
     @functools.cached_property  # read each pass: found once (the spec is frozen)
     def num_recurrent(self) -> int:
-        return sum(lay.state_arrays is not None for lay in self.layers)
+        front = self.front_state is not None
+        return front + sum(lay.state_arrays is not None for lay in self.layers)
 
     @functools.cached_property  # read each pass: found once (the spec is frozen)
     def recurrent_sizes(self) -> list[int | None]:

@@ -351,6 +351,9 @@ def cache_spec(model: nn.Module) -> CacheSpec:
     from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, RotatingKVCache, make_prompt_cache
 
     caches = make_prompt_cache(model)
+    front = None
+    if _front_state(model, caches):  # a state before the layers' caches (n-gram embeddings)
+        front, caches = len(caches[0].cache), caches[1:]
     shared, by_model = _shared_layers(model, len(caches))
     kinds, parts = [], []
     for c in caches:
@@ -408,7 +411,25 @@ def cache_spec(model: nn.Module) -> CacheSpec:
     for src in (shared or [])[len(kinds) :]:  # the layers make_prompt_cache gives no cache (Gemma 4, 3n)
         lay = layers[src] if src is not None else LayerSpec("full")  # attends as its source does, writing no K/V
         layers.append(LayerSpec(lay.kind, lay.span, source=src))
-    return CacheSpec(tuple(layers), latent, by_model, tuple(_plain_ropes(model.layers)))
+    return CacheSpec(tuple(layers), latent, front, by_model, tuple(_plain_ropes(model.layers)))
+
+
+def _front_state(model: nn.Module, caches: list) -> bool:
+    """Whether mlx-lm's first cache is a state read before the layers (LongCat-Flash n-gram's
+    embedding), not a layer's: one ArraysCache more than the layers, and the text model has one
+    child module besides its layers that takes a `cache` (`front_module`)."""
+    from mlx_lm.models.cache import ArraysCache
+
+    return len(caches) == len(model.layers) + 1 and type(caches[0]) is ArraysCache and front_module(model) is not None
+
+
+def front_module(model: nn.Module) -> str | None:
+    """The name of the text model's one child module, besides its layers, that takes a `cache`."""
+    from .recurrent import call_params
+
+    body = text_body(model)
+    names = [n for n, m in body.children().items() if isinstance(m, nn.Module) and "cache" in call_params(type(m))]
+    return names[0] if len(names) == 1 else None
 
 
 def attentions_of(layer: nn.Module) -> list:
@@ -590,17 +611,19 @@ class PagedModelMixin:
                     caches.append(
                         tuple(each(cache, next(pools), m, window, chunk) if e == "kv" else None for e in lay.parts)
                     )
+        # the state before the layers' caches (n-gram embeddings): its module's stand-in holds it
+        given = caches if spec.front_state is None else [None] + caches
         body = text_body(self)
         norm = _final_norm(body)
         swaps = [(body, norm, _NormRows(body[norm], meta.logits_indices))]
         swaps += _rope_swaps(spec, meta.positions)
         if spec.num_recurrent:
-            swaps += _segmented(body, spec, meta)
+            swaps += _segmented(self, body, spec, meta)
         if chunked:
             swaps += _chunked_swaps(self, body, meta)
         try:
             with _swapped(swaps):
-                logits = super().__call__(inputs[:, None], cache=caches)  # [S, 1, V]
+                logits = super().__call__(inputs[:, None], cache=given)  # [S, 1, V]
         except ValueError as e:  # a shape error in a layer that bypassed the paged cache (MLA's rope scores)
             _check_attended(layers, caches, e)
             raise
@@ -620,7 +643,7 @@ def _check_attended(layers, caches, cause: Exception | None = None) -> None:
                 ) from cause
 
 
-def _segmented(body: nn.Module, spec: CacheSpec, meta: AttentionMetadata) -> list:
+def _segmented(model: nn.Module, body: nn.Module, spec: CacheSpec, meta: AttentionMetadata) -> list:
     """The stand-ins of one pass's recurrent modules (`SegmentedLayer`, on the pass's states
     `meta.states`; a pass without them starts every entry empty): a recurrent layer's whole
     decoder layer, or a two-cache layer's recurrent module (`recurrent_child`) beside its attention."""
@@ -629,6 +652,10 @@ def _segmented(body: nn.Module, spec: CacheSpec, meta: AttentionMetadata) -> lis
         cu = meta.cu_seqlens_q.tolist()  # host-built (metadata.py): reading it forces nothing
         states = StepStates.fresh([b - a for a, b in zip(cu, cu[1:])], spec.num_recurrent)
     layers, swaps, k = [], [], 0
+    if spec.front_state is not None:  # the first state: the module before the layers that reads it
+        name = front_module(model)
+        swaps.append((body, name, SegmentedLayer(body[name], 0, spec.front_state, states)))
+        k = 1
     for layer, lay in zip(body.layers, spec.layers):
         if lay.state_arrays is None:
             layers.append(layer)
@@ -765,11 +792,12 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
     except Exception:  # noqa: BLE001 - no layer list to page
         return f"{model_type}: its Model has no `layers` list the paged cache can walk; refused"
     if len(caches) == len(layers) + 1 and type(caches[0]) is ArraysCache:  # longcat_flash_ngram
-        return (
-            f"{model_type}: mlx-lm's make_prompt_cache gives an ArraysCache before the layers' caches (its "
-            "embedding reads each sequence's last tokens from it: n-gram embeddings), which the paged cache "
-            "does not hold; refused"
-        )
+        if not _front_state(model, caches):
+            return (
+                f"{model_type}: mlx-lm's make_prompt_cache gives an ArraysCache before the layers' caches, and no "
+                "one module of the text model besides its layers takes it as `cache`; refused"
+            )
+        caches = caches[1:]
     if len(caches) > len(layers):
         return (
             f"{model_type}: mlx-lm's make_prompt_cache gives {len(caches)} caches for {len(layers)} layers "
@@ -922,10 +950,7 @@ MISSING = {
         "per-head keys and values of their own widths (qk_nope_head_dim + qk_rope_head_dim, v_head_dim)",
     ),
     **dict.fromkeys(
-        (
-            "longcat_flash_ngram",
-            "youtu_llm",
-        ),
+        ("youtu_llm",),
         _MLA,
     ),
 }
@@ -1081,7 +1106,8 @@ def _args_from_attention(model: nn.Module, args) -> None:
     from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
     # the first layer with K/V (not `paged_layers`: the spec reads the args this fills)
-    first = next((la for la, c in zip(model.layers, make_prompt_cache(model)) if not isinstance(c, ArraysCache)), None)
+    caches = make_prompt_cache(model)[-len(model.layers) :]  # (LongCat-Flash n-gram's first is its embedding's)
+    first = next((la for la, c in zip(model.layers, caches) if not isinstance(c, ArraysCache)), None)
     attn = attention_of(first)
     if attn is None:
         if first is None:  # no attention layer (mamba, rwkv7): no K/V pools to size

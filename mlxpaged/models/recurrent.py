@@ -154,6 +154,9 @@ class SegmentedLayer:
         rows, named, T = self._bind(args, kwargs)
         # one token from a known state (a split there is the state after it: no second call)
         decodes = [e for e, n in enumerate(q) if n == 1 and st.before[e][k] is not None and e not in st.every]
+        if decodes:  # batched only with states of one shape (a young n-gram context is shorter): others one by one
+            first = _shapes(st.before[decodes[0]][k])
+            decodes = [e for e in decodes if _shapes(st.before[e][k]) == first]
         pieces, index = [], []  # results, each with its rows' leading axis, and the packed row of each row
         starts = [0]
         for n in q:
@@ -225,6 +228,12 @@ class SegmentedLayer:
             index += at
         for e in st.every:
             st.after[e].append(cur[e])
+
+
+def _shapes(state) -> tuple:
+    """A LayerState's arrays' shapes without their batch axis."""
+    arrays = state.arrays if isinstance(state, Row) else state
+    return tuple(None if a is None else a.shape[1:] for a in arrays)
 
 
 def _run_of(a: int, b: int):
