@@ -78,6 +78,14 @@ REQUIRED = {
     "hidden_act": "silu",
 }
 
+# Kimi Delta Attention on layer 0, latent attention (MLA) on layer 1; latent rows of 48 + 16, so
+# an 8-bit cache's groups of 32 fit
+KIMI_LINEAR = {
+    "linear_attn_config": {"kda_layers": [1], "num_heads": HEADS, "head_dim": HEAD_DIM, "short_conv_kernel_size": 4},
+    "num_experts_per_token": TOP_K,
+    "kv_lora_rank": 48,
+}
+
 # What the generic fill cannot guess, per model type (in the checkpoint's own terms).
 ZOO_CONFIGS: dict[str, dict] = {
     "dbrx": {
@@ -256,16 +264,7 @@ ZOO_CONFIGS: dict[str, dict] = {
         "lm_head_multiplier": 1.0,
     },
     # Kimi Delta Attention on layer 0, latent attention (MLA) on layer 1
-    "kimi_linear": {
-        "linear_attn_config": {
-            "kda_layers": [1],
-            "num_heads": HEADS,
-            "head_dim": HEAD_DIM,
-            "short_conv_kernel_size": 4,
-        },
-        "num_experts_per_token": TOP_K,
-        "kv_lora_rank": 48,  # latent rows of 48 + 16: an 8-bit cache's groups of 32 fit
-    },
+    "kimi_linear": KIMI_LINEAR,
     # gated DeltaNet on layer 0, full attention on layer 1
     "olmo_hybrid": {
         "linear_num_key_heads": 2,
@@ -280,18 +279,8 @@ ZOO_CONFIGS: dict[str, dict] = {
     "bailing_moe_linear": {"layer_group_size": 2, "group_norm_size": 1, "first_k_dense_replace": 1, "head_dim": 32},
     # linear attention on layer 0, latent attention (MLA) on layer 1
     "bailing_hybrid": {"layer_group_size": 2, "group_norm_size": 1, "first_k_dense_replace": 1},
-    # Kimi K3's text model: Kimi Delta Attention on layer 0, latent attention (MLA) on layer 1
-    "kimi_k3": {
-        "linear_attn_config": {
-            "kda_layers": [1],
-            "num_heads": HEADS,
-            "head_dim": HEAD_DIM,
-            "short_conv_kernel_size": 4,
-        },
-        "num_experts_per_token": TOP_K,
-        "kv_lora_rank": 48,
-        "hidden_act": "situ",
-    },
+    # Kimi K3's text model: as Kimi Linear's
+    "kimi_k3": {**KIMI_LINEAR, "hidden_act": "situ"},
     # two latent attentions (MLA) in every layer, each with its own cache (mlx-lm's CacheList)
     **dict.fromkeys(
         ("longcat_flash", "longcat_flash_ngram"),
