@@ -408,13 +408,15 @@ def test_refusal_names_what_is_missing(tmp_path, model_type, missing):
 
 @pytest.mark.parametrize(
     "name",
-    ["qwen3_moe", "gpt_oss", "mistral3", "gemma3", "llama4_text", "qwen3_next", "deepseek_v3", "llama4", "gemma4"],
+    ["qwen3_moe", "gpt_oss", "mistral3", "gemma3", "llama4_text", "qwen3_next", "deepseek_v3", "llama4", "gemma4"]
+    + ["mamba", "falcon_h1", "glm_moe_dsa"],
 )
 def test_tensor_parallel_refuses_moe_and_wrapped_families_by_name(tmp_path, name):
-    """MoE experts and mistral3's nested config are not split by the shard loader yet: refused
-    by name before any weight is read (here on a group of one, which needs no launcher)."""
+    """MoE experts, mistral3's nested config, recurrent layers and a layer's CacheList are not split
+    by the shard loader yet: refused by name before any weight is read (here on a group of one,
+    which needs no launcher)."""
     from mlxpaged.distributed.shard_loading import load_shard
 
-    path = write_tiny_family(tmp_path / name, name)
+    path = write_zoo(tmp_path / name, name)
     with pytest.raises(MlxPagedError, match=rf"tensor parallelism does not support model_type '{name}': "):
         load_shard(str(path), "float32", None, mx.distributed.init())

@@ -62,6 +62,22 @@ HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "granitemoehybrid")
 # Multi-head latent attention (MLA): one latent row per token, attended in latent space with a
 # rope-score term (`LatentLayerCache`); kimi_k2 is deepseek_v3's module (mlx-lm's remapping).
 MLA = ("deepseek_v3", "kimi_k2", "glm4_moe_lite")
+# Recurrent and state-space types beyond HYBRID (tests/test_zoo.py): without attention, with Mamba-2
+# and attention in one layer (falcon_h1), with a state before the layers (longcat_flash_ngram).
+STATE = (
+    "mamba",
+    "falcon_mamba",
+    "mamba2",
+    "rwkv7",
+    "recurrent_gemma",
+    "falcon_h1",
+    "kimi_linear",
+    "kimi_k3",
+    "olmo_hybrid",
+    "bailing_moe_linear",
+    "bailing_hybrid",
+    "longcat_flash_ngram",
+)
 # Chunked local attention (Llama 4 Scout/Maverick): 3 of 4 layers attend only within their chunk of
 # `attention_chunk_size` positions (mlx-lm's ChunkedKVCache), the 4th is global attention without
 # RoPE and with position-scaled queries; the text model sits under `language_model`; MoE.
@@ -1011,7 +1027,11 @@ TP_REFUSED = {
     **dict.fromkeys(MOE + ("gpt_oss", "llama4"), _MOE_TP),
     "llama4_text": "its MLP is `feed_forward`, which the split in distributed/sharding.py does not name",
     **dict.fromkeys(("mistral3", "gemma3"), "the shard loader reads a flat config; this wrapper nests its text config"),
-    **dict.fromkeys(HYBRID, "its recurrent layers (recurrent.py) are not split by mlxpaged's shard loader"),
+    **dict.fromkeys(HYBRID + STATE, "its recurrent layers (recurrent.py) are not split by mlxpaged's shard loader"),
+    **dict.fromkeys(
+        ("longcat_flash", "deepseek_v32", "glm_moe_dsa", "minimax_m3_vl"),
+        "its layers' CacheList of caches is not split by mlxpaged's shard loader",
+    ),
     **dict.fromkeys(MLA, "its latent attention (one latent row per token) is not split by mlxpaged's shard loader"),
     **dict.fromkeys(PER_LAYER, "its per-layer KV shapes and shared-KV layers are not split by mlxpaged's shard loader"),
 }
