@@ -32,6 +32,7 @@ from mlxpaged.metal_emu import emulate
 from mlxpaged.models.paged_adapter import check_family
 from mlxpaged.testing.slowness import wall
 from mlxpaged.testing.tiny_model import write_tiny_family, write_tokenizer
+from mlxpaged.testing.zoo import write_zoo
 
 from drive import run_all
 from reference import contiguous_generate, contiguous_samples
@@ -53,7 +54,15 @@ CHUNKED = ["llama4"]
 # blocks of 4), the last two of four layers attending to the first two's K/V; gemma4 under `language_model`;
 # gemma3n (AltUp, LAuReL, uniform 2 x 32 pools) hands its shared layers the source's cache object.
 PER_LAYER = ["gemma4_text", "gemma4", "gemma3n"]
-FAMILIES = DENSE + MOE + WRAPPERS + WINDOWED + HYBRID + MLA + CHUNKED + PER_LAYER
+# Recurrent models without attention (Mamba-1, RWKV-7), with a Mamba-2 state and K/V in every layer
+# (falcon_h1: mlx-lm's CacheList), RG-LRU beside local attention (recurrent_gemma, a window of 5),
+# Kimi Delta Attention beside latent attention (kimi_linear), linear attention rotated by the
+# attention cache's offset (bailing_moe_linear), written by mlxpaged.testing.zoo; and two latent
+# attentions in every layer, each on its own pool (longcat_flash: mlx-lm's CacheList of two KVCaches);
+# DeepSeek sparse attention (glm_moe_dsa: an indexer picking 8 earlier tokens per query).
+STATE = ["mamba", "rwkv7", "falcon_h1", "recurrent_gemma", "kimi_linear", "bailing_moe_linear", "longcat_flash"]
+STATE += ["glm_moe_dsa"]
+FAMILIES = DENSE + MOE + WRAPPERS + WINDOWED + HYBRID + MLA + CHUNKED + PER_LAYER + STATE
 SYSTEM = "Paged attention borrows an idea from operating systems: virtual memory and paging. "
 # Ragged: 3 to 40-odd tokens; the last three share the first one's leading blocks (prefix hits).
 PROMPTS = [
@@ -72,7 +81,7 @@ def greedy(n):
 def family(request, tmp_path_factory):
     import mlx_lm
 
-    path = write_tiny_family(tmp_path_factory.mktemp(request.param), request.param)
+    path = write_zoo(tmp_path_factory.mktemp(request.param), request.param)
     ref_model, tok = mlx_lm.load(str(path))
     return request.param, load(str(path), "float32"), ref_model, tok
 
@@ -182,6 +191,8 @@ def test_8bit_kv_cache_keeps_the_float_tokens(family):
     family's router is a second place where a few hundredths change the output: a routing
     margin under 0.05 counts as a tie too."""
     name, loaded, ref_model, tok = family
+    if name == "glm_moe_dsa":
+        pytest.skip("[expected] its indexer's top-k over 8-bit keys parts at near-ties this test does not measure")
     engine = LLMEngine(loaded, EngineConfig.of(num_blocks=64, kv_bits=8, kv_group_size=32, attention_impl="reference"))
     rids = [engine.add_request(p, greedy(24)) for p in PROMPTS]
     done = run_all(engine)
@@ -293,6 +304,10 @@ def test_adapter_fails_loudly_if_attention_bypasses_it(family, monkeypatch):
     from mlxpaged.models.paged_adapter import AdapterError, attention_modules
 
     name, loaded, _, tok = family
+    if not attention_modules(loaded.model):
+        pytest.skip("[expected] a model without attention layers calls no scaled_dot_product_attention")
+    if name == "glm_moe_dsa":
+        pytest.skip("[expected] sparse attention runs mlx-lm's own attention over each token's gathered context")
     (module,) = attention_modules(loaded.model)  # a wrapper's layers come from another module (smollm3: llama)
     base = importlib.import_module("mlx_lm.models.base")
     monkeypatch.setattr(module, "scaled_dot_product_attention", base.scaled_dot_product_attention)
@@ -347,23 +362,14 @@ def test_generate_cli_refuses_an_unsupported_model_in_one_line(tmp_path):
     import sys
     from pathlib import Path
 
-    path = _config(
-        tmp_path / "m",
-        "mamba",
-        state_size=4,
-        conv_kernel=4,
-        use_bias=False,
-        use_conv_bias=True,
-        time_step_rank=4,
-        tie_word_embeddings=True,
-    )
+    path = _config(tmp_path / "m", "no_such_family")
     cli = str(Path(sys.executable).with_name("mlxpaged"))
     r = subprocess.run(
         [cli, "generate", "--model", str(path), "--prompt", "hi"], capture_output=True, text=True, timeout=wall(300)
     )
     assert r.returncode != 0 and "Traceback" not in r.stderr
     line = r.stderr.strip()
-    assert "\n" not in line and "mamba: layer 0: linear attention / state space" in line, line
+    assert "\n" not in line and "unsupported model_type 'no_such_family'" in line, line
 
 
 def test_every_mlx_lm_architecture_is_run_or_refused_in_one_line(tmp_path):
@@ -395,7 +401,6 @@ def test_every_mlx_lm_architecture_is_run_or_refused_in_one_line(tmp_path):
     [
         ("deepseek_v41", "a cache class mlxpaged does not know (mlx_lm.models.deepseek_v41.LayerCache: window"),
         ("mamba2", "cannot build this config (TypeError: ModelArgs.__init__() missing"),
-        ("falcon_h1", "layer 0 keeps two caches in one layer (mlx-lm's CacheList of ArraysCache and KVCache)"),
     ],
 )
 def test_refusal_names_what_is_missing(tmp_path, model_type, missing):
@@ -407,13 +412,15 @@ def test_refusal_names_what_is_missing(tmp_path, model_type, missing):
 
 @pytest.mark.parametrize(
     "name",
-    ["qwen3_moe", "gpt_oss", "mistral3", "gemma3", "llama4_text", "qwen3_next", "deepseek_v3", "llama4", "gemma4"],
+    ["qwen3_moe", "gpt_oss", "mistral3", "gemma3", "llama4_text", "qwen3_next", "deepseek_v3", "llama4", "gemma4"]
+    + ["mamba", "falcon_h1", "glm_moe_dsa"],
 )
 def test_tensor_parallel_refuses_moe_and_wrapped_families_by_name(tmp_path, name):
-    """MoE experts and mistral3's nested config are not split by the shard loader yet: refused
-    by name before any weight is read (here on a group of one, which needs no launcher)."""
+    """MoE experts, mistral3's nested config, recurrent layers and a layer's CacheList are not split
+    by the shard loader yet: refused by name before any weight is read (here on a group of one,
+    which needs no launcher)."""
     from mlxpaged.distributed.shard_loading import load_shard
 
-    path = write_tiny_family(tmp_path / name, name)
+    path = write_zoo(tmp_path / name, name)
     with pytest.raises(MlxPagedError, match=rf"tensor parallelism does not support model_type '{name}': "):
         load_shard(str(path), "float32", None, mx.distributed.init())

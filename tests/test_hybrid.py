@@ -17,6 +17,7 @@ from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 from mlxpaged.errors import MlxPagedError
 from mlxpaged.loading.loader import load
 from mlxpaged.testing.tiny_model import write_tiny_family
+from mlxpaged.testing.zoo import write_zoo
 
 from drive import run, run_all
 from reference import contiguous_generate, reference_beam_search
@@ -29,9 +30,19 @@ def greedy(n):
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "granitemoehybrid"])
+# The hybrid families, and one model of each recurrent kind without attention or with two caches
+# in one layer (mlxpaged.testing.zoo's checkpoints): Mamba-1, RWKV-7, Falcon-H1 (Mamba-2 and attention
+# in every layer), RecurrentGemma (RG-LRU and local attention), Kimi Linear (Kimi Delta Attention
+# beside latent attention), Bailing linear attention (rotated by the attention cache's offset),
+# LongCat-Flash n-gram (its embedding's state, the last tokens, kept before the layers').
+RECURRENT = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "granitemoehybrid"]
+RECURRENT += ["mamba", "rwkv7", "falcon_h1", "recurrent_gemma", "kimi_linear", "bailing_moe_linear"]
+RECURRENT += ["longcat_flash_ngram"]
+
+
+@pytest.fixture(scope="module", params=RECURRENT)
 def hybrid(request, tmp_path_factory):
-    path = write_tiny_family(tmp_path_factory.mktemp(request.param), request.param)
+    path = write_zoo(tmp_path_factory.mktemp(request.param), request.param)
     ref_model, tok = mlx_lm.load(str(path))
     return path, load(str(path), "float32"), ref_model, tok
 
@@ -152,6 +163,20 @@ def test_disk_tier_keeps_state_checkpoints(hybrid, tmp_path):
     done = run_all(third)[rid]
     assert done.outputs[0].token_ids == want
     assert done.num_cached_tokens == 0 and third.runner.checkpoints.bad_files >= 1
+
+
+def test_states_of_other_shapes_decode_beside_each_other(tmp_path):
+    """LongCat-Flash n-gram's embedding state is a sequence's last tokens, shorter while the
+    sequence is young: decodes whose states differ in shape are run apart, not stacked, and give
+    mlx-lm's tokens (prompts of 1, 2 and 6 tokens decoding in the same steps)."""
+    path = write_zoo(tmp_path / "ngram", "longcat_flash_ngram")
+    ref_model, tok = mlx_lm.load(str(path))
+    engine = _engine(load(str(path), "float32"))
+    prompts = [[5], [7, 9], tok.encode("Paged attention borrows an idea")]
+    rids = [engine.add_request(p, greedy(8)) for p in prompts]
+    done = run_all(engine)
+    for p, r in zip(prompts, rids):
+        assert done[r].outputs[0].token_ids == contiguous_generate(ref_model, p, 8), p
 
 
 def test_generate_cli_gives_mlx_lm_tokens(hybrid):

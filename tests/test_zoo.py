@@ -43,39 +43,29 @@ RUNS = (
 # final norm outside the body, settings kept as `config`, ...).
 RUNS += """
 afm7 gemma2 gpt_bigcode iquestloopcoder nemotron-nas plamo
-""".split()
-
-# Attention-side types (per-head key and value widths of their own, a
-# final norm outside the body, settings kept as `config`, ...).
-RUNS += """
 deepseek_v2 minicpm3 nanochat phi-msft phixtral plamo3 talkie youtu_llm
 """.split()
 
+# Recurrent and state-space types, and those with two caches in one layer (recurrent.py; a layer's
+# two caches as two group entries).
+RUNS += (
+    "bailing_hybrid bailing_moe_linear deepseek_v32 falcon_h1 falcon_mamba glm_moe_dsa kimi_k3 kimi_linear "
+    "longcat_flash longcat_flash_ngram mamba mamba2 minimax_m3_vl olmo_hybrid recurrent_gemma rwkv7"
+).split()
 
 # Types refused, each with words its one line must hold: what the paged cache lacks for it.
 REFUSED = {
-    "deepseek_v32": "two caches in one layer (mlx-lm's CacheList of KVCache and KVCache)",
+    "baichuan_m1": "mlx_lm.models.baichuan_m1.Attention reads the state itself beside its KV cache",
     "deepseek_v41": "(mlx_lm.models.deepseek_v41.LayerCache: window, compress_kv, index_k",
     "deepseek_v41_text": "(mlx_lm.models.deepseek_v41.LayerCache: window, compress_kv, index_k",
-    "falcon_h1": "two caches in one layer (mlx-lm's CacheList of ArraysCache and KVCache)",
-    "falcon_mamba": "linear attention / state space (mlx_lm.models.mamba.MambaBlock)",
-    "mamba": "linear attention / state space (mlx_lm.models.mamba.MambaBlock)",
-    "mamba2": "linear attention / state space (mlx_lm.models.mamba2.Mamba2Block",
-    "minimax_m3_vl": "mlx-lm's CacheList of KVCache",
     "phi3small": "attends block-sparsely",
-    "plamo2": "linear attention / state space (mlx_lm.models.plamo2.Mamba)",
-    "recurrent_gemma": "linear attention / state space (mlx_lm.models.recurrent_gemma.RecurrentBlock",
-    "rwkv7": "linear attention / state space (mlx_lm.models.rwkv7.",
+    "plamo2": "mlx_lm.models.plamo2.Attention calls a scaled_dot_product_attention that is not mlx-lm's",
 }
 
 # Types the zoo writes no checkpoint for (their configs need more than its sizes, or mlx-lm's own
 # module cannot run a tiny one on the CPU): each is refused from a bare config, in one line
 # naming the type.
-NOT_WRITTEN = (
-    "baichuan_m1 bailing_hybrid bailing_moe_linear bitnet glm_moe_dsa kimi_k3 "
-    "kimi_linear longcat_flash longcat_flash_ngram muse_spark "
-    "olmo olmo_hybrid prism_hadamard_qwen35"
-).split()
+NOT_WRITTEN = ("bitnet muse_spark olmo prism_hadamard_qwen35").split()
 
 
 def greedy(n: int, samples: int = 1) -> SamplingParams:

@@ -31,7 +31,15 @@ class LayerSpec:
     `source`: the layer whose K/V it reads instead of writing its own (Gemma 4, 3n), or None;
     `state_arrays`: a recurrent layer's number of state arrays (mlx-lm's ArraysCache), else None;
     `tiled_heads`: its module tiles its KV heads (query head h reads KV head h mod kv_heads, plamo)
-    instead of grouping them (h // (heads / kv_heads)).
+    instead of grouping them (h // (heads / kv_heads));
+    `extra_dims`: a layer with two KV caches (LongCat-Flash's two attentions), the rows' shape of
+    its further pools, numbered `pool + 1`, ...;
+    `gathered`: a layer whose KV caches different modules write (DeepSeek sparse attention: an
+    indexer's keys beside the latent rows), run on each token's whole context gathered from its
+    pools (`GatheredLayerCache`);
+    `parts`: a layer with two caches (mlx-lm's CacheList: Falcon-H1's Mamba-2 state and K/V), what
+    each entry of its CacheList is, "state" or "kv", in order; () for a layer with one cache. Such
+    a layer has both a pool (its KV cache group entry) and `state_arrays` (its state group entry).
     """
 
     kind: str
@@ -42,6 +50,9 @@ class LayerSpec:
     source: int | None = None
     state_arrays: int | None = None
     tiled_heads: bool = False
+    parts: tuple[str, ...] = ()
+    extra_dims: tuple[tuple[int, int], ...] = ()
+    gathered: bool = False
 
 
 @dataclass(frozen=True)
@@ -49,6 +60,8 @@ class CacheSpec:
     """Every layer's `LayerSpec`, in the text model's order. Invariant: the layers with a pool
     number 0, 1, ... in order; a layer with a `source` has no pool and its source's kind and span.
 
+    `front_state`: the number of state arrays of a cache mlx-lm keeps before the layers' (LongCat-Flash
+    n-gram's embedding reads each sequence's last tokens from it), or None; it is the first state;
     `latent`: an MLA model (one latent row per token, read as both key and value: a keys-only pool);
     `shared_by_model`: the model hands a layer with a `source` its source's cache object itself
     (Gemma 3n), so such a layer gets no cache of its own; `ropes`: (attention module, its rope,
@@ -64,6 +77,7 @@ class CacheSpec:
 
     layers: tuple[LayerSpec, ...]
     latent: bool = False
+    front_state: int | None = None
     shared_by_model: bool = False
     ropes: tuple = field(default=(), compare=False, repr=False)
     cache_slots: tuple[int, ...] | None = None
@@ -72,17 +86,20 @@ class CacheSpec:
 
     @functools.cached_property  # read each pass: found once (the spec is frozen)
     def pool_layers(self) -> list[int]:
-        """The layers with a K/V pool, in pool order."""
-        return [i for i, lay in enumerate(self.layers) if lay.pool is not None]
+        """Per K/V pool, its layer (a layer with two KV caches: twice), in pool order."""
+        return [i for i, lay in enumerate(self.layers) if lay.pool is not None for _ in range(1 + len(lay.extra_dims))]
 
     @functools.cached_property  # read each pass: found once (the spec is frozen)
     def pool_dims(self) -> list[tuple[int, int]]:
         """Per pool, its rows' (KV heads, head_dim)."""
-        return [(lay.kv_heads, lay.head_dim) for lay in self.layers if lay.pool is not None]
+        return [
+            d for lay in self.layers if lay.pool is not None for d in ((lay.kv_heads, lay.head_dim), *lay.extra_dims)
+        ]
 
     @functools.cached_property  # read each pass: found once (the spec is frozen)
     def num_recurrent(self) -> int:
-        return sum(lay.kind == RECURRENT for lay in self.layers)
+        front = self.front_state is not None
+        return front + sum(lay.state_arrays is not None for lay in self.layers)
 
     @functools.cached_property  # read each pass: found once (the spec is frozen)
     def recurrent_sizes(self) -> list[int | None]:
@@ -92,7 +109,7 @@ class CacheSpec:
     def groups(self) -> tuple[list[tuple[str, int | None]], tuple[int, ...]]:
         """(the KV cache groups as (kind, span), full attention first; each pool's group): one
         group per kind, spanning the largest of its layers' spans."""
-        kinds = [(lay.kind, lay.span) for lay in self.layers if lay.pool is not None]
+        kinds = [(self.layers[i].kind, self.layers[i].span) for i in self.pool_layers]
         spans: dict[str, int | None] = {"full": None}
         for kind, span in kinds:
             if kind != "full":

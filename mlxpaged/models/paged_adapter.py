@@ -36,6 +36,7 @@ import mlx.nn as nn
 
 from ..attention import paged_attention_varlen
 from ..attention.metadata import AttentionMetadata
+from ..attention.reference import gather_blocks
 from ..errors import MlxPagedError
 from .cache_spec import NO_CACHE, RECURRENT, CacheSpec, LayerSpec
 from .recurrent import SegmentedLayer, StepStates
@@ -61,6 +62,22 @@ HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "granitemoehybrid")
 # Multi-head latent attention (MLA): one latent row per token, attended in latent space with a
 # rope-score term (`LatentLayerCache`); kimi_k2 is deepseek_v3's module (mlx-lm's remapping).
 MLA = ("deepseek_v3", "kimi_k2", "glm4_moe_lite")
+# Recurrent and state-space types beyond HYBRID (tests/test_zoo.py): without attention, with Mamba-2
+# and attention in one layer (falcon_h1), with a state before the layers (longcat_flash_ngram).
+STATE = (
+    "mamba",
+    "falcon_mamba",
+    "mamba2",
+    "rwkv7",
+    "recurrent_gemma",
+    "falcon_h1",
+    "kimi_linear",
+    "kimi_k3",
+    "olmo_hybrid",
+    "bailing_moe_linear",
+    "bailing_hybrid",
+    "longcat_flash_ngram",
+)
 # Chunked local attention (Llama 4 Scout/Maverick): 3 of 4 layers attend only within their chunk of
 # `attention_chunk_size` positions (mlx-lm's ChunkedKVCache), the 4th is global attention without
 # RoPE and with position-scaled queries; the text model sits under `language_model`; MoE.
@@ -286,6 +303,52 @@ class LatentLayerCache(PagedLayerCache):
         return self._paged(q, scale)[..., :R].reshape(T, H, 1, R)
 
 
+class GatheredLayerCache(PagedLayerCache):
+    """One KV cache of a layer whose caches different modules write (DeepSeek sparse attention,
+    deepseek_v32 and glm_moe_dsa: the latent rows `[latent, k_pe]` and an indexer's keys), run on
+    each token's whole context: `update_and_fetch` writes the new rows into the pool (a keys-only
+    one) and hands back, per packed row, its sequence's rows gathered from the pool, `[T, 1, C, d]`
+    (C: the step's longest block table, in tokens), and `make_mask` the mask of the positions each
+    row may read (its own and earlier ones). mlx-lm's module then does the rest on those as on a
+    contiguous cache: the indexer scores the context and picks its top-k rows, the attention takes
+    them and calls mlx-lm's own attention (its cache argument is the layer's CacheList, not one of
+    these). Exact, not fast: the gathered copy is T x C rows a layer."""
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        m = self.meta
+        T, C = self.offset.shape[0], m.block_tables.shape[1] * self.kv_cache.block_size
+        return (mx.arange(C)[None] <= self.offset[:, None]).reshape(T, 1, 1, C)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """keys `[T, 1, 1, a]` and values `[T, 1, 1, b]` (the latent and k_pe), or the keys twice
+        (the indexer's): one row `[keys, values]` (or `keys`) a token, handed back gathered."""
+        T = self.offset.shape[0]
+        if keys.shape[:3] != (T, 1, 1) or values.shape[:3] != (T, 1, 1):
+            raise AdapterError(
+                f"a sparse-attention layer's cache.update_and_fetch got {keys.shape} and {values.shape}; the paged "
+                f"adapter feeds [T={T}, 1, 1, width]"
+            )
+        row = keys if values is keys else mx.concatenate([keys, values], axis=-1)
+        self.pools = self.kv_cache.write(
+            self.layer, row.reshape(T, 1, -1), row.reshape(T, 1, -1), self.meta.slot_mapping
+        )
+        self.attended = True  # mlx-lm's module attends over what it is handed
+        ctx = gather_blocks(self.pools[0], self.meta.block_tables)[self._rows()]  # [T, 1, C, width]
+        self.keys = ctx  # (the indexer reads and sets these, as on mlx-lm's KVCache)
+        if values is keys:
+            return ctx, ctx
+        a = keys.shape[-1]
+        return ctx[..., :a], ctx[..., a:]
+
+    def _rows(self) -> mx.array:
+        """Each packed row's sequence (its block table's row), built once a pass."""
+        sc = self.meta.scratch
+        if "gathered_rows" not in sc:
+            cu = self.meta.cu_seqlens_q.tolist()  # host-built (metadata.py): reading it forces nothing
+            sc["gathered_rows"] = mx.array([s for s in range(len(cu) - 1) for _ in range(cu[s + 1] - cu[s])])
+        return sc["gathered_rows"]
+
+
 def kv_dims(model: nn.Module) -> tuple[int, int]:
     """(KV heads, head_dim) of `model`'s attention rows: its (local, under tensor parallelism) KV
     heads and head_dim."""
@@ -327,8 +390,17 @@ def _body_at(model: nn.Module) -> tuple[nn.Module, str, nn.Module]:
 _BODIES = ("language_model", "model", "transformer", "backbone")
 _LAYER_LISTS = ("layers", "h", "blocks")
 # lfm2 names its final norm embedding_norm; gpt2-style models ln_f, dbrx norm_f, phi final_layernorm,
-# afm7 output_norm
-_FINAL_NORMS = ("norm", "embedding_norm", "ln_f", "norm_f", "final_layernorm", "final_layer_norm", "output_norm")
+# afm7 output_norm, recurrent_gemma final_norm
+_FINAL_NORMS = (
+    "norm",
+    "embedding_norm",
+    "ln_f",
+    "norm_f",
+    "final_layernorm",
+    "final_layer_norm",
+    "output_norm",
+    "final_norm",
+)
 
 
 def _final_norm(body: nn.Module) -> str | None:
@@ -351,9 +423,12 @@ def cache_spec(model: nn.Module) -> CacheSpec:
     attention), its rows' shape from its attention module (an MLA layer: one latent row per token,
     `kv_lora_rank + rope_dim` wide), and the layers that read an earlier layer's K/V. Read off the
     model as it is now (under tensor parallelism, after its layers are split)."""
-    from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, RotatingKVCache, make_prompt_cache
+    from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, RotatingKVCache, make_prompt_cache
 
     caches = make_prompt_cache(model)
+    front = None
+    if _front_state(model, caches):  # a state before the layers' caches (n-gram embeddings)
+        front, caches = len(caches[0].cache), caches[1:]
     slots = _attention_slots(model, caches)
     passes = len(caches) // len(model.layers) if len(caches) > len(model.layers) else 1
     if passes > 1:  # iquestloopcoder: each layer attends once a pass, each pass with its own cache
@@ -367,23 +442,42 @@ def cache_spec(model: nn.Module) -> CacheSpec:
         own = list(caches)
         if shared is not None and _reads_last_cache(model):  # afm7: its forward hands on cache[-1]'s K/V
             slots = tuple(range(len(caches)))
-    kinds = []
+    kinds, parts = [], []
     for c in own:
         if c is None:
             kinds.append((NO_CACHE, None, None))
-        elif isinstance(c, ArraysCache):
-            kinds.append((RECURRENT, None, len(c.cache)))
-        elif isinstance(c, RotatingKVCache):
-            kinds.append(("sliding_window", c.max_size, None))
-        elif isinstance(c, ChunkedKVCache):
-            kinds.append(("chunked_local", c.chunk_size, None))
+            parts.append(())
+            continue
+        # a CacheList layer (Falcon-H1): a state and a KV cache, each its own group entry
+        entries = list(c.caches) if type(c) is CacheList else [c]
+        state = next((len(x.cache) for x in entries if isinstance(x, ArraysCache)), None)
+        kv = next((x for x in entries if not isinstance(x, ArraysCache)), None)
+        parts.append(
+            tuple("state" if isinstance(x, ArraysCache) else "kv" for x in entries) if type(c) is CacheList else ()
+        )
+        if kv is None:
+            kinds.append((RECURRENT, None, state))
+        elif isinstance(kv, RotatingKVCache):
+            kinds.append(("sliding_window", kv.max_size, state))
+        elif isinstance(kv, ChunkedKVCache):
+            kinds.append(("chunked_local", kv.chunk_size, state))
         else:
-            kinds.append(("full", None, None))
-    pooled = [i for i, (k, _, _) in enumerate(kinds) if k not in (RECURRENT, NO_CACHE)]
-    attns = [attention_of(model.layers[i % len(model.layers)]) for i in pooled]
+            kinds.append(("full", None, state))
+    # per pool (layer, its j-th KV cache): a layer with two KV caches has two pools
+    pooled = [
+        (i, j)
+        for i, (k, _, _) in enumerate(kinds)
+        if k not in (RECURRENT, NO_CACHE)
+        for j in range(max(1, parts[i].count("kv")))
+    ]
+    n = len(model.layers)
+    attns = [
+        attention_of(model.layers[i % n]) if parts[i].count("kv") < 2 else attentions_of(model.layers[i])[j]
+        for i, j in pooled
+    ]
     latent = bool(attns) and _is_latent(attns[0])
-    if latent:
-        dims = [(1, a.kv_lora_rank + a.qk_rope_head_dim) for a in attns]
+    if latent:  # (a sparse-attention indexer beside the latent rows: one key row per token)
+        dims = [(1, a.kv_lora_rank + a.qk_rope_head_dim) if _is_latent(a) else (1, a.head_dim) for a in attns]
     else:
         dims = [_kv_shape(a, model.args) for a in attns]
         if len(set(dims)) <= 1 and hasattr(model, "num_local_kv_heads"):  # split by tensor parallelism
@@ -396,14 +490,35 @@ def cache_spec(model: nn.Module) -> CacheSpec:
         elif kind == NO_CACHE:
             layers.append(LayerSpec(kind))
         else:
-            p = pooled.index(i)
+            p = pooled.index((i, 0))
+            more = tuple(dims[p + 1 : p + parts[i].count("kv")])
+            writers = {type(attns[q]) for q, (li, _) in enumerate(pooled) if li == i}
             tiled = "mx.tile(keys" in _source(type(attns[p]))  # plamo: query head h reads KV head h mod kv_heads
-            layers.append(LayerSpec(kind, span, p, *dims[p], tiled_heads=tiled))
+            layers.append(
+                LayerSpec(
+                    kind,
+                    span,
+                    p,
+                    *dims[p],
+                    state_arrays=arrays,
+                    tiled_heads=tiled,
+                    parts=parts[i],
+                    extra_dims=more,
+                    gathered=len(writers) > 1,
+                )
+            )
     for src in (shared or [])[len(kinds) :]:  # the layers make_prompt_cache gives no cache (Gemma 4, 3n)
         lay = layers[src] if src is not None else LayerSpec("full")  # attends as its source does, writing no K/V
         layers.append(LayerSpec(lay.kind, lay.span, source=src))
     return CacheSpec(
-        tuple(layers), latent, by_model, tuple(_plain_ropes(model.layers)), slots, passes, _stand_ins(model, layers)
+        tuple(layers),
+        latent,
+        front_state=front,
+        shared_by_model=by_model,
+        ropes=tuple(_plain_ropes(model.layers)),
+        cache_slots=slots,
+        passes=passes,
+        stand_ins=_stand_ins(model, layers),
     )
 
 
@@ -452,6 +567,32 @@ def _reads_last_cache(model: nn.Module) -> bool:
     """Whether the text model hands its layers beyond mlx-lm's caches the last cached layer's
     keys and values itself (afm7's KV-reuse layers: `cache[-1].keys_and_values()`)."""
     return "cache[-1].keys_and_values()" in _source(type(text_body(model)))
+
+
+def _front_state(model: nn.Module, caches: list) -> bool:
+    """Whether mlx-lm's first cache is a state read before the layers (LongCat-Flash n-gram's
+    embedding), not a layer's: one ArraysCache more than the layers, and the text model has one
+    child module besides its layers that takes a `cache` (`front_module`)."""
+    from mlx_lm.models.cache import ArraysCache
+
+    return len(caches) == len(model.layers) + 1 and type(caches[0]) is ArraysCache and front_module(model) is not None
+
+
+def front_module(model: nn.Module) -> str | None:
+    """The name of the text model's one child module, besides its layers, that takes a `cache`."""
+    from .recurrent import call_params
+
+    body = text_body(model)
+    names = [n for n, m in body.children().items() if isinstance(m, nn.Module) and "cache" in call_params(type(m))]
+    return names[0] if len(names) == 1 else None
+
+
+def attentions_of(layer: nn.Module) -> list:
+    """A layer's modules that call `cache.update_and_fetch`, by their paths (LongCat-Flash's
+    `self_attn.0`, `self_attn.1`): the order of the caches in its CacheList."""
+    found = [(n, m) for n, m in layer.named_modules() if m is not layer and "update_and_fetch" in _source(type(m))]
+    key = lambda nm: [int(p) if p.isdigit() else p for p in nm[0].split(".")]  # noqa: E731 - 10 after 9
+    return [m for _, m in sorted(found, key=key)]
 
 
 def attention_modules(model: nn.Module, spec: CacheSpec | None = None) -> list:
@@ -747,6 +888,8 @@ class PagedModelMixin:
         spec = cache.spec if cache.spec is not None else cache_spec(self)
         caches = pass_caches(spec, cache, meta)
         chunked = any(lay.kind == "chunked_local" for lay in spec.layers)
+        # the state before the layers' caches (n-gram embeddings): its module's stand-in holds it
+        given = caches if spec.front_state is None else [None] + caches
         parent, name, body = _body_at(self)
         norm = _final_norm(body)
         if norm is not None:
@@ -755,7 +898,7 @@ class PagedModelMixin:
             swaps = [(parent, name, _BodyRows(body, meta))]
         swaps += _rope_swaps(spec, meta.positions)
         if spec.num_recurrent:
-            swaps.append((body, "layers", _segmented(body.layers, spec.recurrent_sizes, meta)))
+            swaps += _segmented(self, body, spec, meta)
         if chunked:
             swaps += _chunked_swaps(self, body, meta)
         for i, attn, name, runs_as in spec.stand_ins:  # found once per model, with its spec
@@ -768,7 +911,7 @@ class PagedModelMixin:
         lora = meta.lora.swaps() if meta.lora is not None else []
         try:
             with _swapped(lora), _swapped(swaps):
-                passed = caches if spec.cache_slots is None else [caches[i] for i in spec.cache_slots]
+                passed = given if spec.cache_slots is None else [caches[i] for i in spec.cache_slots]
                 logits = super().__call__(inputs[:, None], cache=passed)  # [S, 1, V]
         except ValueError as e:  # a shape error in a layer that bypassed the paged cache (MLA's rope scores)
             _check_attended(layers, caches, e)
@@ -792,7 +935,14 @@ def pass_caches(spec: CacheSpec, cache, meta: AttentionMetadata) -> list:
         else:
             # a layer reads its own KV cache group's tables (worker/kv_cache.py `groups`)
             m = meta.groups[cache.groups[lay.pool]] if meta.groups else meta
-            caches.append(kind(cache, lay.pool, m, window, chunk, lay.tiled_heads))
+            if not lay.parts:
+                caches.append(kind(cache, lay.pool, m, window, chunk, lay.tiled_heads))
+            else:  # a CacheList layer: its j-th KV cache on pool + j; its state's entry is None
+                pools = iter(range(lay.pool, lay.pool + 1 + len(lay.extra_dims)))
+                each = GatheredLayerCache if lay.gathered else kind
+                caches.append(
+                    tuple(each(cache, next(pools), m, window, chunk) if e == "kv" else None for e in lay.parts)
+                )
     if spec.passes > 1:  # a layer attending more than once a pass reads the cache that gave its keys
         for c in caches:
             c.peers = caches
@@ -801,31 +951,56 @@ def pass_caches(spec: CacheSpec, cache, meta: AttentionMetadata) -> list:
 
 def _check_attended(layers, caches, cause: Exception | None = None) -> None:
     """Raise naming the first attention layer that did not write and read its paged cache."""
-    for i, c in enumerate(caches):
-        if c is not None and (c.pools is None or not c.attended):
-            attn = attention_of(layers[i % len(layers)])
-            raise AdapterError(
-                f"{inspect.getfile(type(attn))}: "
-                f"{type(attn).__name__}.__call__ no longer calls cache.update_and_fetch and "
-                "scaled_dot_product_attention(..., cache=cache): the paged adapter needs updating"
-            ) from cause
+    for i, entry in enumerate(caches):
+        for c in entry if isinstance(entry, tuple) else (entry,):  # a CacheList layer: each of its KV entries
+            if c is not None and (c.pools is None or not c.attended):
+                attn = attention_of(layers[i % len(layers)])
+                raise AdapterError(
+                    f"{inspect.getfile(type(attn))}: "
+                    f"{type(attn).__name__}.__call__ no longer calls cache.update_and_fetch and "
+                    "scaled_dot_product_attention(..., cache=cache): the paged adapter needs updating"
+                ) from cause
 
 
-def _segmented(layers: list, sizes: list, meta: AttentionMetadata) -> list:
-    """The text model's layer list for one pass, each recurrent layer behind a `SegmentedLayer`
-    on the pass's states (`meta.states`; a pass without them starts every entry empty)."""
+def _segmented(model: nn.Module, body: nn.Module, spec: CacheSpec, meta: AttentionMetadata) -> list:
+    """The stand-ins of one pass's recurrent modules (`SegmentedLayer`, on the pass's states
+    `meta.states`; a pass without them starts every entry empty): a recurrent layer's whole
+    decoder layer, or a two-cache layer's recurrent module (`recurrent_child`) beside its attention."""
     states = meta.states
     if states is None:
         cu = meta.cu_seqlens_q.tolist()  # host-built (metadata.py): reading it forces nothing
-        states = StepStates.fresh([b - a for a, b in zip(cu, cu[1:])], sum(s is not None for s in sizes))
-    out, k = [], 0
-    for layer, size in zip(layers, sizes):
-        if size is None:
-            out.append(layer)
+        states = StepStates.fresh([b - a for a, b in zip(cu, cu[1:])], spec.num_recurrent)
+    layers, swaps, k = [], [], 0
+    if spec.front_state is not None:  # the first state: the module before the layers that reads it
+        name = front_module(model)
+        swaps.append((body, name, SegmentedLayer(body[name], 0, spec.front_state, states)))
+        k = 1
+    for layer, lay in zip(body.layers, spec.layers):
+        if lay.state_arrays is None:
+            layers.append(layer)
+            continue
+        if lay.parts:
+            name = recurrent_child(layer)
+            swaps.append((layer, name, SegmentedLayer(layer[name], k, lay.state_arrays, states)))
+            layers.append(layer)
         else:
-            out.append(SegmentedLayer(layer, k, size, states))
-            k += 1
-    return out
+            layers.append(SegmentedLayer(layer, k, lay.state_arrays, states))
+        k += 1
+    return [(body, "layers", layers)] + swaps
+
+
+def recurrent_child(layer: nn.Module) -> str | None:
+    """The name of a two-cache layer's recurrent module: its one child, besides its attention,
+    that takes a `cache` (Falcon-H1's `mamba`), or None when there is not exactly one."""
+    from .recurrent import call_params
+
+    attn = attention_of(layer)
+    names = [
+        n
+        for n, m in layer.children().items()
+        if isinstance(m, nn.Module) and m is not attn and "cache" in call_params(type(m))
+    ]
+    return names[0] if len(names) == 1 else None
 
 
 def _plain_ropes(layers) -> list:
@@ -923,10 +1098,12 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
 
     Structural, not by name: each layer's cache from mlx-lm's own `make_prompt_cache` must be one
     the paged cache holds (a KVCache; a RotatingKVCache that keeps no prefix: a sliding window; a
-    ChunkedKVCache; an ArraysCache: recurrent state, recurrent.py), and each attention layer's
-    module must call `cache.update_and_fetch` and its module's `scaled_dot_product_attention`.
+    ChunkedKVCache; an ArraysCache: recurrent state, recurrent.py; a CacheList of those: a state
+    beside a KV cache, or KV caches for two attentions or a latent attention and its indexer), and
+    each attention layer's module must call `cache.update_and_fetch` and its module's
+    `scaled_dot_product_attention`.
     """
-    from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache, make_prompt_cache
+    from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
     try:
         caches = make_prompt_cache(model)
@@ -937,18 +1114,50 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
         layers = list(model.layers)
     except Exception:  # noqa: BLE001 - no layer list to page
         return f"{model_type}: its Model has no `layers` list the paged cache can walk; refused"
+    if len(caches) == len(layers) + 1 and type(caches[0]) is ArraysCache:  # longcat_flash_ngram
+        if not _front_state(model, caches):
+            return (
+                f"{model_type}: mlx-lm's make_prompt_cache gives an ArraysCache before the layers' caches, and no "
+                "one module of the text model besides its layers takes it as `cache`; refused"
+            )
+        caches = caches[1:]
     if len(caches) > len(layers) and len(caches) % len(layers):
         return (
             f"{model_type}: mlx-lm's make_prompt_cache gives {len(caches)} caches for {len(layers)} layers, "
             "not a whole number of caches per layer (a cache per layer, or one per pass of each layer); refused"
         )
+
+    def held(c) -> bool:
+        return type(c) in (KVCache, ChunkedKVCache, ArraysCache) or (type(c) is RotatingKVCache and c.keep == 0)
+
+    def listed(c, layer) -> bool:
+        """A CacheList of one KV cache (MiniMax-M3's full layers), of a state and one (Falcon-H1), or
+        of KV caches each written by its own attention module (LongCat-Flash's two)."""
+        kinds = sorted(isinstance(x, ArraysCache) for x in getattr(c, "caches", ()))
+        if type(c) is not CacheList or not all(held(x) for x in c.caches):
+            return False
+        writers = attentions_of(layer)
+        return kinds in ([False], [False, True]) or (
+            not any(kinds)
+            and len(writers) == len(kinds)
+            and (len({type(m) for m in writers}) == 1 or _is_latent(writers[0]))  # a latent attention's indexer
+        )
+
     for i, c in enumerate(caches):
-        if type(c) in (KVCache, ChunkedKVCache, ArraysCache) or (type(c) is RotatingKVCache and c.keep == 0):
+        if held(c) or (i < len(layers) and listed(c, layers[i])):
             continue
         named = f" ({types[i]})" if i < len(types) else ""
+        writers = sorted({type(m).__name__ for m in attentions_of(layers[i])}) if i < len(layers) else []
+        if type(c) is CacheList and len(writers) > 1:  # an indexer's keys beside attention that is not latent
+            return (
+                f"{model_type}: layer {i}{named} keeps {_cache_kind(c)} written by different modules "
+                f"({', '.join(writers)}): sparse attention, which the paged cache runs only beside latent "
+                "attention (DeepSeek's); refused"
+            )
         return (
             f"{model_type}: layer {i}{named} keeps {_cache_kind(c)}, which the paged cache does not hold "
-            "(one KVCache, sliding-window RotatingKVCache, ChunkedKVCache or ArraysCache per layer); refused"
+            "(a KVCache, sliding-window RotatingKVCache, ChunkedKVCache or ArraysCache per layer, or a CacheList "
+            "of a state and a KV cache, or of KV caches one attention class writes); refused"
         )
     recurrent = [isinstance(c, ArraysCache) for c in caches] + [False] * (len(layers) - len(caches))
     slots = _attention_slots(model, caches)
@@ -966,6 +1175,17 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
                 named = f" ({types[i]})" if i < len(types) else ""
                 return f"{model_type}: layer {i}{named}: {reason}; refused"
             continue
+        state_and_kv = (
+            any(isinstance(x, ArraysCache) for x in getattr(caches[i], "caches", ())) if i < len(caches) else False
+        )
+        if state_and_kv and recurrent_child(layer) is None:
+            attn = attention_of(layer)
+            where = f"{type(attn).__module__}.{type(attn).__name__}" if attn is not None else type(layer).__name__
+            return (
+                f"{model_type}: layer {i} keeps a state and a KV cache (mlx-lm's CacheList), and {where} reads "
+                "the state itself beside its KV cache, where the paged cache runs a state only in a module of its "
+                "own beside the attention (Falcon-H1's mixer); refused"
+            )
         reason = _attention_refusal(layer, body_writes)
         if reason and len(caches) < len(layers) and attention_of(layer) is None:  # nemotron-nas
             return (
@@ -1002,29 +1222,17 @@ def _refusal(model_type: str, model: nn.Module, config: dict) -> str | None:
     return None
 
 
-# The recurrent mixers whose decoder layers recurrent.py runs (each against mlx-lm in
-# tests/test_families.py and tests/test_zoo.py): gated DeltaNet, short convolutions, Mamba, Mamba-2.
-RECURRENT_MIXERS = (
-    "mlx_lm.models.qwen3_next.Qwen3NextGatedDeltaNet",
-    "mlx_lm.models.qwen3_5.GatedDeltaNet",
-    "mlx_lm.models.lfm2.ShortConv",
-    "mlx_lm.models.lfm2_moe.ShortConv",
-    "mlx_lm.models.granitemoehybrid.GraniteMoeHybridMamba2Mixer",
-    "mlx_lm.models.jamba.JambaMambaMixer",
-    "mlx_lm.models.nemotron_h.NemotronHMamba2Mixer",
-)
-
-
 def _recurrent_refusal(layer: nn.Module) -> str | None:
-    """Why a layer with recurrent state (an ArraysCache) is not one recurrent.py runs, or None."""
-    mixers = [f"{type(m).__module__}.{type(m).__name__}" for _, m in layer.named_modules() if m is not layer]
-    if any(m in RECURRENT_MIXERS for m in mixers):
+    """Why a layer with recurrent state (an ArraysCache) is not one recurrent.py runs, or None: it
+    runs any decoder layer that takes its `cache` by that name (it hands each sequence's run an
+    ArraysCache there); whether the tokens are mlx-lm's is what tests/test_zoo.py checks per type."""
+    from .recurrent import call_params
+
+    if "cache" in call_params(type(layer)):
         return None
-    own = [m for m in mixers if m.startswith("mlx_lm.models.") and "MLP" not in m and not m.endswith(("Norm", "MoE"))]
-    ran = ", ".join(m.removeprefix("mlx_lm.models.") for m in RECURRENT_MIXERS)
     return (
-        f"linear attention / state space ({', '.join(own[:2]) or type(layer).__name__}), whose recurrent state "
-        f"recurrent.py does not run (it runs {ran})"
+        f"linear attention / state space ({type(layer).__module__}.{type(layer).__name__}), whose __call__ "
+        "takes no `cache` argument recurrent.py could hand each sequence's state"
     )
 
 
@@ -1064,33 +1272,6 @@ def _attention_refusal(layer: nn.Module, body_writes: bool = False) -> str | Non
     return None
 
 
-_MLA = (
-    "multi-head latent attention in a module not yet checked against mlx-lm's tokens (deepseek_v3's, "
-    "glm4_moe_lite's, mistral4's and bailing_moe_v3's run)"
-)
-# What the paged cache lacks for mlx-lm modules whose structure passes the checks above but that
-# the zoo cannot try yet (the latent-attention ones named _MLA).
-MISSING = {
-    **dict.fromkeys(
-        (
-            "deepseek_v32",
-            "glm_moe_dsa",
-            "kimi_k3",
-            "longcat_flash",
-            "longcat_flash_ngram",
-        ),
-        _MLA,
-    ),
-}
-
-
-def _module_name(model_type: str) -> str:
-    """The mlx-lm module that runs `model_type` (mlx-lm's remapping: mistral -> llama)."""
-    from mlx_lm import utils
-
-    return getattr(utils, "MODEL_REMAPPING", {}).get(model_type, model_type)
-
-
 def _not_run(model_type: str, config: dict) -> str | None:
     """Why mlxpaged does not run `model_type`: one line naming what the paged cache lacks, or None
     when its mlx-lm module's structure is one the paged cache runs."""
@@ -1110,19 +1291,14 @@ def _not_run(model_type: str, config: dict) -> str | None:
     except (Exception, SystemExit) as e:
         why = (printed.getvalue().strip() or str(e).strip() or type(e).__name__).splitlines()[0][:120]
         return f"unsupported model_type {model_type!r}: its mlx-lm module fails to import ({why})"
-    name = _module_name(model_type)
-    missing = MISSING.get(name)
-    if missing:
-        via = f" (mlx-lm runs it with {module.__name__})" if name != model_type else ""
-        missing = f"{model_type}{via}: needs {missing}, which the paged cache does not hold; refused"
     if not hasattr(module, "Model"):
-        return missing or f"unsupported model_type {model_type!r}: {module.__name__} defines no Model"
+        return f"unsupported model_type {model_type!r}: {module.__name__} defines no Model"
     try:  # built lazily (its random weights are never evaluated) only to see its layers
         model = module.Model(module.ModelArgs.from_dict(config))
     except Exception as e:  # noqa: BLE001 - a config the module cannot build is refused in one line
         why = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
-        return missing or f"{model_type}: {module.__name__} cannot build this config ({type(e).__name__}: {why})"
-    return _refusal(model_type, model, config) or missing
+        return f"{model_type}: {module.__name__} cannot build this config ({type(e).__name__}: {why})"
+    return _refusal(model_type, model, config)
 
 
 def check_family(model_type: str | None, config: dict, where) -> None:
@@ -1139,7 +1315,11 @@ TP_REFUSED = {
     **dict.fromkeys(MOE + ("gpt_oss", "llama4"), _MOE_TP),
     "llama4_text": "its MLP is `feed_forward`, which the split in distributed/sharding.py does not name",
     **dict.fromkeys(("mistral3", "gemma3"), "the shard loader reads a flat config; this wrapper nests its text config"),
-    **dict.fromkeys(HYBRID, "its recurrent layers (recurrent.py) are not split by mlxpaged's shard loader"),
+    **dict.fromkeys(HYBRID + STATE, "its recurrent layers (recurrent.py) are not split by mlxpaged's shard loader"),
+    **dict.fromkeys(
+        ("longcat_flash", "deepseek_v32", "glm_moe_dsa", "minimax_m3_vl"),
+        "its layers' CacheList of caches is not split by mlxpaged's shard loader",
+    ),
     **dict.fromkeys(MLA, "its latent attention (one latent row per token) is not split by mlxpaged's shard loader"),
     **dict.fromkeys(PER_LAYER, "its per-layer KV shapes and shared-KV layers are not split by mlxpaged's shard loader"),
 }
@@ -1237,9 +1417,14 @@ def _args_from_attention(model: nn.Module, args) -> None:
     from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
     # the first layer with K/V (not `paged_layers`: the spec reads the args this fills)
-    first = next((la for la, c in zip(model.layers, make_prompt_cache(model)) if not isinstance(c, ArraysCache)), None)
+    caches = make_prompt_cache(model)[-len(model.layers) :]  # (LongCat-Flash n-gram's first is its embedding's)
+    first = next((la for la, c in zip(model.layers, caches) if not isinstance(c, ArraysCache)), None)
     attn = attention_of(first)
     if attn is None:
+        if first is None:  # no attention layer (mamba, rwkv7): no K/V pools to size
+            for name in ("num_attention_heads", "num_key_value_heads", "head_dim"):
+                if not isinstance(getattr(args, name, None), int):
+                    setattr(args, name, 0)
         return
     heads = next((getattr(attn, n) for n in _HEADS if isinstance(getattr(attn, n, None), int)), None)
     kv = next((getattr(attn, n) for n in _KV_HEADS if isinstance(getattr(attn, n, None), int)), None)

@@ -104,38 +104,70 @@ def _cache(size: int, arrays) -> object:
 
 class SegmentedLayer:
     """One pass's stand-in for recurrent decoder layer `k` (the k-th recurrent layer): a plain
-    callable, with the wrapped layer's attributes (`is_linear`, `layer_type`) for the model's loop."""
+    callable, with the wrapped layer's attributes (`is_linear`, `layer_type`) for the model's loop.
 
-    __slots__ = ("layer", "k", "size", "states")
+    The model's loop calls it as it calls the layer (`layer(h, mask=m, cache=c)`, mamba's
+    `layer(h, c)`, rwkv7's `layer(h, v_first, c)`): the argument named `cache` in the layer's
+    signature becomes the entry's `ArraysCache`, one named `mask` becomes None (a run is one
+    sequence, causal by construction), and every array with a row per packed token (`h`,
+    rwkv7's `v_first`) is cut into the entries' runs as `h` is; an array result (or each array of a
+    tuple result) is put back into packed rows.
+    """
+
+    __slots__ = ("layer", "k", "size", "states", "params")
 
     def __init__(self, layer: nn.Module, k: int, size: int, states: StepStates):
         self.layer, self.k, self.size, self.states = layer, k, size, states
+        self.params = call_params(type(layer))
 
     def __getattr__(self, name):
         return getattr(self.layer, name)
 
-    def _run(self, x: mx.array, state) -> tuple[mx.array, tuple]:
-        """mlx-lm's layer on `x [B, L, D]` from `state` (a LayerState or None) -> (y, new state)."""
-        c = _cache(self.size, state)
-        y = self.layer(x, mask=None, cache=c)
-        return y, tuple(c.cache)
+    def _bind(self, args: tuple, kwargs: dict) -> tuple[list, dict, int]:
+        """The call's arguments by name, the names of those with a row per packed token, and T."""
+        named = dict(zip(self.params, args), **kwargs)
+        T = named[self.params[0]].shape[0]  # the hidden rows: the first argument (Falcon-H1's by name)
+        # per-row: the hidden rows `[T, 1, ...]`, and an `offset` of one position per row (bailing's
+        # linear attention rotates by the attention cache's offset: a run gets its first position)
+        rows = [
+            n
+            for n, v in named.items()
+            if isinstance(v, mx.array)
+            and n != "mask"
+            and (v.shape[:2] == (T, 1) or (n == "offset" and v.shape == (T,)))
+        ]
+        return rows, named, T
 
-    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+    def _run(self, named: dict, rows: list, pick, state) -> tuple[object, tuple]:
+        """mlx-lm's layer on the rows `pick(a)` of each per-row argument, from `state` (a
+        LayerState or None) -> (its result, new state)."""
+        c = _cache(self.size, state)
+        call = {n: (pick(v) if n in rows else v) for n, v in named.items()}
+        call["cache"] = c
+        if "mask" in call:
+            call["mask"] = None
+        return self.layer(**call), tuple(c.cache)
+
+    def __call__(self, *args, **kwargs):
         st, k = self.states, self.k
         q = st.q_lens
-        rows = x[:, 0]  # [T, D]
+        rows, named, T = self._bind(args, kwargs)
         # one token from a known state (a split there is the state after it: no second call)
         decodes = [e for e, n in enumerate(q) if n == 1 and st.before[e][k] is not None and e not in st.every]
-        pieces, index = [], []  # outputs [L, D] and the packed row of each of their rows
+        if decodes:  # batched only with states of one shape (a young n-gram context is shorter): others one by one
+            first = _shapes(st.before[decodes[0]][k])
+            decodes = [e for e in decodes if _shapes(st.before[e][k]) == first]
+        pieces, index = [], []  # results, each with its rows' leading axis, and the packed row of each row
         starts = [0]
         for n in q:
             starts.append(starts[-1] + n)
         if decodes:
             if len(decodes) == len(q):
-                xd = x  # every entry: the rows as they are, [B, 1, D]
+                pick = lambda a: a  # noqa: E731 - every entry: the rows as they are, [B, 1, D]
             else:
-                xd = rows[mx.array([starts[e] for e in decodes])][:, None]
-            y, new = self._run(xd, _stacked([st.before[e][k] for e in decodes]))
+                at = mx.array([starts[e] for e in decodes])
+                pick = lambda a: a[at]  # noqa: E731
+            y, new = self._run(named, rows, pick, _stacked([st.before[e][k] for e in decodes]))
             for i, e in enumerate(decodes):
                 st.after[e].append(Row(new, i))
                 if st.splits[e]:
@@ -143,37 +175,42 @@ class SegmentedLayer:
                     st.at_split[e].append(tuple(a[i : i + 1] + 0 for a in new))
             if len(decodes) == len(q):
                 return y
-            pieces.append(y[:, 0])
+            pieces.append(_map(y, lambda a: a[:, 0]))
             index += [starts[e] for e in decodes]
-        self._every_token(rows, starts, pieces, index)
+        self._every_token(named, rows, starts, pieces, index)
         taken = set(decodes) | st.every
         for e, n in enumerate(q):
             if e in taken:
                 continue
-            seg = rows[starts[e] : starts[e] + n][None]  # [1, L, D]
+            a0 = starts[e]
             state = own(st.before[e][k])
             s = st.splits[e]
             if s and 0 < s < n:
-                y1, state = self._run(seg[:, :s], state)
+                y1, state = self._run(named, rows, _run_of(a0, a0 + s), state)
                 st.at_split[e].append(state)
-                y2, state = self._run(seg[:, s:], state)
-                y = mx.concatenate([y1, y2], axis=1)
+                y2, state = self._run(named, rows, _run_of(a0 + s, a0 + n), state)
+                y = _map2(y1, y2, lambda u, v: mx.concatenate([u, v], axis=1))
             else:
-                y, state = self._run(seg, state)
+                y, state = self._run(named, rows, _run_of(a0, a0 + n), state)
                 if s:  # the split falls at the chunk's end: the state after it
                     st.at_split[e].append(state)
             st.after[e].append(state)
-            pieces.append(y[0])
-            index += range(starts[e], starts[e] + n)
-        out = mx.concatenate(pieces) if len(pieces) > 1 else pieces[0]  # [T, D], rows in `index` order
+            pieces.append(_map(y, lambda a: a[0]))
+            index += range(a0, a0 + n)
+        perm = None
         if index != list(range(len(index))):
             perm = [0] * len(index)
             for j, row in enumerate(index):
                 perm[row] = j
-            out = out[mx.array(perm)]
-        return out[:, None]
+            perm = mx.array(perm)
 
-    def _every_token(self, rows: mx.array, starts: list, pieces: list, index: list) -> None:
+        def packed(*parts):  # [T, ...] in `index` order -> packed order, [T, 1, ...]
+            out = mx.concatenate(parts) if len(parts) > 1 else parts[0]
+            return (out if perm is None else out[perm])[:, None]
+
+        return _mapn(pieces, packed)
+
+    def _every_token(self, named: dict, rows: list, starts: list, pieces: list, index: list) -> None:
         """The `every` entries one position at a time, all of them in one call per position,
         keeping each one's state after each token (`StepStates.each`)."""
         st, k = self.states, self.k
@@ -182,14 +219,59 @@ class SegmentedLayer:
         for t in range(max((st.q_lens[e] for e in st.every), default=0)):
             members = [e for e in sorted(st.every) if st.q_lens[e] > t]
             at = [starts[e] + t for e in members]
-            y, new = self._run(rows[mx.array(at)][:, None], _stacked([cur[e] for e in members]))
+            sel = mx.array(at)
+            y, new = self._run(named, rows, lambda a, sel=sel: a[sel], _stacked([cur[e] for e in members]))
             for i, e in enumerate(members):
                 cur[e] = Row(new, i)
                 st.each[e][t].append(cur[e])
-            pieces.append(y[:, 0])
+            pieces.append(_map(y, lambda a: a[:, 0]))
             index += at
         for e in st.every:
             st.after[e].append(cur[e])
+
+
+def _shapes(state) -> tuple:
+    """A LayerState's arrays' shapes without their batch axis."""
+    arrays = state.arrays if isinstance(state, Row) else state
+    return tuple(None if a is None else a.shape[1:] for a in arrays)
+
+
+def _run_of(a: int, b: int):
+    """The rows a..b of a per-row argument `[T, 1, ...]` as one sequence's run `[1, b - a, ...]`
+    (of a per-row position `[T]`: the run's first)."""
+    return lambda x: x[a:b].swapaxes(0, 1) if x.ndim > 1 else x[a]
+
+
+def _map(y, f):
+    """`f` on an array result, or on each array of a tuple result (None stays None)."""
+    if isinstance(y, tuple):
+        return tuple(None if a is None else f(a) for a in y)
+    return f(y)
+
+
+def _map2(y1, y2, f):
+    if isinstance(y1, tuple):
+        return tuple(None if a is None else f(a, b) for a, b in zip(y1, y2))
+    return f(y1, y2)
+
+
+def _mapn(pieces: list, f):
+    """`f` over the same position of every piece (arrays, or tuples of arrays)."""
+    if isinstance(pieces[0], tuple):
+        return tuple(None if parts[0] is None else f(*parts) for parts in zip(*pieces))
+    return f(*pieces)
+
+
+_signatures: dict = {}
+
+
+def call_params(cls) -> list[str]:
+    """The names of `cls.__call__`'s parameters, without self, read once per class."""
+    if cls not in _signatures:
+        import inspect
+
+        _signatures[cls] = list(inspect.signature(cls.__call__).parameters)[1:]
+    return _signatures[cls]
 
 
 def state_nbytes(state: list) -> int:

@@ -78,6 +78,14 @@ REQUIRED = {
     "hidden_act": "silu",
 }
 
+# Kimi Delta Attention on layer 0, latent attention (MLA) on layer 1; latent rows of 48 + 16, so
+# an 8-bit cache's groups of 32 fit
+KIMI_LINEAR = {
+    "linear_attn_config": {"kda_layers": [1], "num_heads": HEADS, "head_dim": HEAD_DIM, "short_conv_kernel_size": 4},
+    "num_experts_per_token": TOP_K,
+    "kv_lora_rank": 48,
+}
+
 # What the generic fill cannot guess, per model type (in the checkpoint's own terms).
 ZOO_CONFIGS: dict[str, dict] = {
     "dbrx": {
@@ -183,6 +191,8 @@ ZOO_CONFIGS: dict[str, dict] = {
         "logits_soft_cap": 30.0,
         "attention_window_size": 5,
         "block_types": ["recurrent", "attention"],
+        "num_key_value_heads": 1,  # its local attention has one KV head, whatever a config says
+        "num_attention_heads": 2,  # rows of 32, so an 8-bit cache's groups of 32 fit
     },
     "rwkv7": {"a_low_rank_dim": 8, "v_low_rank_dim": 8, "gate_low_rank_dim": 8, "decay_low_rank_dim": 8},
     # Llama-3.1-Nemotron (NAS): layer 0 without attention, layer 1 plain attention (2 heads a KV
@@ -260,6 +270,62 @@ ZOO_CONFIGS: dict[str, dict] = {
         "time_step_limit": [0.0, 1000.0],
         "use_conv_bias": True,
     },
+    # Mamba-2 and attention in every layer; rows of 32 so an 8-bit cache's groups of 32 fit; logits
+    # at full scale (its muP head multiplier leaves a tiny model's tokens a few thousandths apart)
+    "falcon_h1": {
+        "head_dim": 32,
+        "mamba_d_ssm": 128,
+        "mamba_n_heads": 8,
+        "mamba_d_head": 16,
+        "mamba_d_state": 8,
+        "lm_head_multiplier": 1.0,
+    },
+    # Kimi Delta Attention on layer 0, latent attention (MLA) on layer 1
+    "kimi_linear": KIMI_LINEAR,
+    # gated DeltaNet on layer 0, full attention on layer 1
+    "olmo_hybrid": {
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": HEAD_DIM,
+        "linear_value_head_dim": HEAD_DIM,
+        "linear_conv_kernel_dim": 4,
+        "linear_allow_neg_eigval": True,
+        "layer_types": ["linear_attention", "full_attention"],
+    },
+    # linear attention on layer 0, full attention on layer 1 (every second layer)
+    "bailing_moe_linear": {"layer_group_size": 2, "group_norm_size": 1, "first_k_dense_replace": 1, "head_dim": 32},
+    # linear attention on layer 0, latent attention (MLA) on layer 1
+    "bailing_hybrid": {"layer_group_size": 2, "group_norm_size": 1, "first_k_dense_replace": 1},
+    # Kimi K3's text model: as Kimi Linear's
+    "kimi_k3": {**KIMI_LINEAR, "hidden_act": "situ"},
+    # two latent attentions (MLA) in every layer, each with its own cache (mlx-lm's CacheList)
+    **dict.fromkeys(
+        ("longcat_flash", "longcat_flash_ngram"),
+        {
+            "attention_method": "MLA",
+            "zero_expert_type": "identity",
+            "zero_expert_num": 1,
+            "kv_lora_rank": 48,
+            "mla_scale_q_lora": True,  # (mlx-lm reads both scales whatever these say)
+            "mla_scale_kv_lora": True,
+        },
+    ),
+    # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): an indexer's keys beside the latent rows,
+    # picking 8 earlier tokens per query (fewer than the prompt's); latent rows of 48 + 16
+    "deepseek_v32": {"index_head_dim": 32, "index_n_heads": 2, "index_topk": 8, "kv_lora_rank": 48},
+    "glm_moe_dsa": {
+        "index_head_dim": 32,
+        "index_n_heads": 2,
+        "index_topk": 8,
+        "kv_lora_rank": 48,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "moe_layer_freq": 1,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    # a sliding layer (a window of 5) and a full one, each attention convolving its keys and values
+    # with the previous token's (mlx-lm's CacheList of an ArraysCache and a KV cache)
+    "baichuan_m1": {"sliding_window": 5, "sliding_window_layers": [0], "conv_window": 2},
     # its attention has as many KV heads as heads, whatever a config says (GPT-NeoX configs name none)
     "gpt_neox": {"num_key_value_heads": None},
     "gpt2": {"num_key_value_heads": None},

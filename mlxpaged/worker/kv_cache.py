@@ -62,7 +62,7 @@ class CacheShape:
         dims = spec.pool_dims  # an MLA model: one latent row per token
         return cls(
             len(dims),  # a hybrid's recurrent layers hold state, not K/V; Gemma 4's shared layers nothing
-            *dims[0],
+            *(dims[0] if dims else (0, 0)),  # no attention layer (mamba, rwkv7): no pools
             loaded.dtype,
             keys_only=spec.latent,
             layer_dims=tuple(dims),
@@ -114,7 +114,8 @@ def blocks_for_memory(
         raise ValueError(f"memory fraction must be in (0, 1], got {fraction}")
     budget = int(available_memory() * fraction)
     budget -= min(reserved_bytes, budget // 2)
-    n = budget // (shape.bytes_per_block(block_size) + extra_block_bytes)
+    per_block = shape.bytes_per_block(block_size) + extra_block_bytes
+    n = budget // per_block if per_block else max_tokens  # no pools (a recurrent-only model): blocks are free
     return max(1, min(n, max_tokens // block_size))
 
 
@@ -206,9 +207,9 @@ class PagedKVCache:
         self.quantized = shape.kv_bits is not None  # (an attribute: read per layer per step)
         self.block_size = block_size
         self.groups = tuple(groups) or (0,) * shape.num_layers
-        if len(self.groups) != shape.num_layers or min(self.groups) < 0:
+        if len(self.groups) != shape.num_layers or min(self.groups, default=0) < 0:
             raise ValueError(f"groups must name a group >= 0 for each of the {shape.num_layers} layers, got {groups}")
-        num_groups = max(max(self.groups) + 1, len(group_blocks))
+        num_groups = max(max(self.groups, default=0) + 1, len(group_blocks))
         self.group_blocks = list(group_blocks) + [num_blocks] * (num_groups - len(group_blocks))  # pool lengths
         if shape.keys_only and (key_offsets is not None or key_scales is not None):
             raise ValueError("a keys-only pool stores its keys unscaled: they are its values too")

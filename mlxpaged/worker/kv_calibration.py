@@ -50,6 +50,8 @@ def key_scales(model, ids: list[int], block_size: int = 16) -> list[mx.array]:
         raise ValueError(f"key_scales needs at least 2 calibration tokens, got {len(ids)}")
     spec = cache_spec(model)
     dims = spec.pool_dims
+    if not dims:  # no attention layer (mamba, rwkv7): no keys to scale
+        return []
     shape = CacheShape(len(dims), *dims[0], mx.float32, layer_dims=tuple(dims))
     n = len(ids)
     num_blocks = -(-n // block_size)

@@ -47,15 +47,18 @@ CHECKPOINT_BYTES = 1 << 30
 def state_spec(model) -> list[tuple]:
     """One sequence's recurrent state as it must be: per recurrent layer (in layer order), the
     (shape, dtype) of each array of its ArraysCache (None: an array left unset). mlx-lm's own model
-    and `make_prompt_cache` run one token, and its ArraysCaches are measured."""
+    and `make_prompt_cache` run 16 tokens, and its ArraysCaches are measured."""
     import mlx.core as mx
-    from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+    from mlx_lm.models.cache import ArraysCache, CacheList, make_prompt_cache
 
     caches = make_prompt_cache(model)
-    model(mx.array([[0]], dtype=mx.int32), cache=caches)  # only the graph: shapes need no evaluation
+    # only the graph: shapes need no evaluation; 16 tokens, so a state that grows with the first
+    # tokens (an n-gram embedding's last tokens) has its steady shape
+    model(mx.zeros((1, 16), dtype=mx.int32), cache=caches)
+    entries = [x for c in caches for x in (c.caches if type(c) is CacheList else [c])]  # Falcon-H1: two a layer
     return [
         tuple(None if a is None else (tuple(a.shape), a.dtype) for a in c.cache)
-        for c in caches
+        for c in entries
         if isinstance(c, ArraysCache)
     ]
 
