@@ -327,6 +327,21 @@ def test_llm_generate_streamed_and_not(tiny_loaded):
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMAS["enum"])
 
 
+def test_grammars_join_the_step_at_the_first_guided_request(tiny_loaded):
+    """Grammar-constrained decoding is a step layer that sleeps until the first guided request: a
+    plain engine's step calls no hook that takes, adds or masks rows or ends requests; after the
+    request the grammar layer alone masks rows, and the answer validates against the schema."""
+    engine = make_engine(tiny_loaded)
+    hooks = ("take_rows", "masks_rows", "masks", "added_rows", "added_draws", "forward_tokens", "failed")
+    assert all(getattr(engine.layers, h) == [] for h in hooks)
+    rid = engine.add_request("x", guided(0, json_schema=SCHEMAS["enum"]))
+    assert [type(x).__name__ for x in engine.layers.masks_rows] == ["GrammarLayer"]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    jsonschema.validate(json.loads(done[rid].outputs[0].text), SCHEMAS["enum"])
+
+
 def test_masks_follow_the_read_back_and_overlap_the_forward(tiny_loaded):
     """With overlapped steps, a guided step launches its forward pass, then the previous step is
     read back (its tokens advance the matchers), then the masks are filled: never a mask before

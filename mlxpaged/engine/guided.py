@@ -11,9 +11,10 @@ this file alone:
 - `fill_masks(matchers, bits)`: the masks of a step's matchers at once (for big vocabularies
   in llguidance's thread pool, outside the GIL).
 
-The engine (llm_engine.py) advances a sample's matcher where its tokens are appended
-(`output.StopChecker`), fills the masks of a step's constrained rows on the CPU, and the
-sampler applies them in the step's one sampling graph (sampler.py). See docs/structured-output.md.
+The engine advances a sample's matcher where its tokens are appended (`stopping.StopChecker`),
+its `GrammarLayer` (grammar_layer.py) fills the masks of a step's constrained rows on the CPU,
+and the sampler applies them in the step's one sampling graph (sampler.py). See
+docs/structured-output.md.
 """
 
 from __future__ import annotations
