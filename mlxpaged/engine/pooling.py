@@ -13,6 +13,8 @@ it never decodes.
   `normalize`, L2-normalised. The values are float32.
 - `task="score"`: a yes/no reranker's relevance (Qwen3-Reranker's model card): the softmax of the
   last position's logits over the two tokens `(yes, no)`, taken at `yes`.
+- `task="classify"`: a cross-encoder's score, its classification head's output; only the encoder
+  backend (engine/encoder.py) computes it.
 
 Invariant: a pooled request's `Request.pooled` is None until the step holding its last prompt
 position is read back; then it is the vector (embed) or `[score]` (score) and the request is
@@ -44,7 +46,7 @@ class PoolingParams:
     sample, no grammar, draws nothing); `output_kind` is kept as given (a pooled request reports
     one final output either way)."""
 
-    task: Literal["embed", "score"] = "embed"
+    task: Literal["embed", "score", "classify"] = "embed"
     dimensions: int | None = None
     normalize: bool = True
     yes_no: tuple[int, int] | None = None
@@ -57,8 +59,8 @@ class PoolingParams:
     logprobs: None = None
 
     def __post_init__(self):
-        if self.task not in ("embed", "score"):
-            raise ValueError(f"task must be 'embed' or 'score', not {self.task!r}")
+        if self.task not in ("embed", "score", "classify"):
+            raise ValueError(f"task must be 'embed', 'score' or 'classify', not {self.task!r}")
         if self.dimensions is not None and self.dimensions < 1:
             raise ValueError(f"dimensions must be at least 1, not {self.dimensions}")
         if self.task == "score" and (self.yes_no is None or len(self.yes_no) != 2):

@@ -31,10 +31,12 @@ import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import Field
 
+from ..engine.encoder import EncoderEngine, EncoderModel
 from ..engine.pooling import PoolingParams
 from .admission import Ask, admit
 from .bodies import Body
 from .errors import APIError
+from .jobs import check_model
 from .protocol import Text, _Request
 from .turns import drain
 
@@ -68,6 +70,26 @@ class PoolingSpec:
     matryoshka: bool = False  # `dimensions` may truncate (config.json's is_matryoshka, or Qwen3-Embedding's card)
     refusal: str | None = None
     prompts: dict = field(default_factory=dict)  # the checkpoint's instruction prefixes, by name (documented)
+    what: str = "an embedding model (its sentence-transformers files say so)"  # an embedding-only model, in words
+    # how /v1/rerank scores: "yes_no" (a decoder's yes/no logits), "head" (a cross-encoder's
+    # classification output), None (it does not: an encoder embedding model)
+    scores: str | None = "yes_no"
+
+    @classmethod
+    def of_encoder(cls, loaded: EncoderModel) -> PoolingSpec:
+        """An encoder checkpoint's (engine/encoder.py): it embeds, or (a cross-encoder) it scores pairs."""
+        matryoshka = bool(loaded.config.get("is_matryoshka") or loaded.config.get("matryoshka_dimensions"))
+        if loaded.task == "score":
+            return cls(
+                loaded.dims,
+                True,
+                refusal="it is a cross-encoder: it scores (query, document) pairs; use /v1/rerank",
+                what="a cross-encoder reranker",
+                scores="head",
+            )
+        st = _read(loaded.path / "config_sentence_transformers.json") or {}
+        prompts = st.get("prompts") if isinstance(st.get("prompts"), dict) else {}
+        return cls(loaded.dims, True, loaded.normalize, matryoshka, None, prompts, "an embedding model", None)
 
     @classmethod
     def of(cls, path: Path | None, config: dict, name: str) -> PoolingSpec:
@@ -166,7 +188,7 @@ async def pooled(
     spec: PoolingSpec = state.pooling
     if spec.refusal is not None and params.task == "embed":
         raise APIError(400, f"'{state.model_id}' cannot be embedded here: {spec.refusal}", param="model")
-    per = FLOAT_BYTES * (params.dimensions or spec.dims) if params.task == "embed" else 64
+    per = FLOAT_BYTES * (params.dimensions or spec.dims) if params.task == "embed" else 64  # a score: one float
     ask = Ask(prefix, model, lambda _: params, 0, prompts=inputs, names=names, pooled_bytes=per, special_tokens=special)
     job, prompts = await admit(state, ask)
 
@@ -201,7 +223,11 @@ def encoded(values: list[float], fmt: str):
 
 
 def register_embeddings(router: APIRouter, state, path: Path | None, config: dict) -> None:
-    state.pooling = PoolingSpec.of(path, config, state.model_id)
+    engine = state.engine_loop.engine
+    if isinstance(engine, EncoderEngine):
+        state.pooling = PoolingSpec.of_encoder(engine.loaded)
+    else:
+        state.pooling = PoolingSpec.of(path, config, state.model_id)
 
     @router.post("/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request):
@@ -223,11 +249,25 @@ def register_embeddings(router: APIRouter, state, path: Path | None, config: dic
 
     async def scores(request, model, pairs: list[tuple[str, str]], instruction, param: str):
         """Each (query, document) pair's relevance and the prompt tokens of all of them."""
+        spec: PoolingSpec = state.pooling
+        if spec.scores is None:
+            check_model(state, model)
+            raise APIError(400, f"'{state.model_id}' is {spec.what}, not a reranker: use /v1/embeddings", param="model")
         if not pairs:
             raise APIError(400, f"{param} is empty", param=param)
-        params = PoolingParams("score", yes_no=yes_no_ids(state))
-        inputs = [rerank_prompt(q, d, instruction) for q, d in pairs]
-        got = await pooled(request, state, "rerank", model, inputs, params, {"prompt": param, "prompts": param}, False)
+        if spec.scores == "head":  # a cross-encoder reads the pair itself, tokenized as a pair
+            if instruction is not None:
+                raise APIError(
+                    400,
+                    f"instruction: '{state.model_id}' is a cross-encoder; it takes no instruction",
+                    param="instruction",
+                )
+            params, inputs, special = PoolingParams("classify"), list(pairs), True
+        else:
+            params = PoolingParams("score", yes_no=yes_no_ids(state))
+            inputs, special = [rerank_prompt(q, d, instruction) for q, d in pairs], False
+        names = {"prompt": param, "prompts": param}
+        got = await pooled(request, state, "rerank", model, inputs, params, names, special)
         return [v[0] for v, _, _ in got], sum(n for _, n, _ in got)
 
     @router.post("/score")
