@@ -199,7 +199,7 @@ def _client(path, model_id: str):
 
     loop = EngineLoop(lambda: engine_of(path))
     loop.start()
-    return TestClient(build_app(loop, Metrics(), model_id=model_id, max_queue=8))
+    return TestClient(build_app(loop, Metrics(loop), model_id=model_id, max_queue=8))
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +239,8 @@ def test_openai_client_embeddings_on_an_encoder(served, ckpts):
         and model.model_extra["max_model_len"] == 128 - 1
     )
     assert served.post("/api/show", json={"model": "tiny-bge"}).json()["capabilities"] == ["embedding"]
+    assert "mlxpaged_requests_waiting 0.0" in served.get("/metrics").text  # the encoder's own figures
+    assert served.get("/health").json()["status"] == "ok"
 
 
 @pytest.mark.parametrize(
