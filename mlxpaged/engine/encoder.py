@@ -21,7 +21,6 @@ head, as sentence-transformers' CrossEncoder does).
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import MlxPagedError
 from .outputs import RequestOutput
-from .pooling import PoolingParams
+from .pooling import PoolingParams, read_json, sentence_pooling
 
 ENCODER_TYPES = ("bert", "xlm_roberta", "modernbert")  # mlx-embeddings' encoder families
 CROSS_ENCODERS = ("ModernBertForSequenceClassification",)  # the classification heads mlx-embeddings has
@@ -52,7 +51,7 @@ def encoder_path(model: str | None) -> Path | None:
     if model is None or Path(model).expanduser().suffix.lower() == ".gguf" or Path(model).expanduser().is_file():
         return None
     path = resolve_model_path(model)
-    return path if is_encoder(_read(path / "config.json") or {}) else None
+    return path if is_encoder(read_json(path / "config.json") or {}) else None
 
 
 def build_encoder(path: Path, dtype: str | None, group=None) -> EncoderEngine:
@@ -66,29 +65,6 @@ def build_encoder(path: Path, dtype: str | None, group=None) -> EncoderEngine:
     if dtype not in (None, "auto") and dtype not in DTYPES:
         raise MlxPagedError(f"unknown dtype '{dtype}': use auto, {', '.join(DTYPES)}")
     return EncoderEngine(load_encoder(path, None if dtype in (None, "auto") else DTYPES[dtype]))
-
-
-def _read(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def sentence_pooling(path: Path) -> tuple[str | None, bool | None]:
-    """(pooling mode, normalise) as the checkpoint's sentence-transformers files say; (None, None)
-    without them."""
-    modules = _read(path / "modules.json")
-    if not isinstance(modules, list):
-        return None, None
-    modules = [m for m in modules if isinstance(m, dict)]
-    normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules)
-    pool_dir = next((m.get("path") for m in modules if str(m.get("type", "")).endswith("Pooling")), None)
-    pool = _read(path / pool_dir / "config.json") if pool_dir else None
-    if not isinstance(pool, dict):
-        return None, normalize
-    mode = next((k[len("pooling_mode_") :] for k, v in pool.items() if k.startswith("pooling_mode_") and v), None)
-    return {"cls_token": "cls", "mean_tokens": "mean"}.get(mode, mode), normalize
 
 
 @dataclass
@@ -135,7 +111,7 @@ def load_encoder(path: Path, dtype: mx.Dtype | None = None) -> EncoderModel:
         raise MlxPagedError(
             f"{path} is an encoder checkpoint: serving it needs mlx-embeddings (pip install mlx-embeddings)"
         ) from None
-    config = _read(path / "config.json") or {}
+    config = read_json(path / "config.json") or {}
     arch = config.get("architectures") or []
     mtype = config.get("model_type")
     heads = [a for a in arch if a.endswith(("ForSequenceClassification", "ForTokenClassification"))]
@@ -162,7 +138,8 @@ def load_encoder(path: Path, dtype: mx.Dtype | None = None) -> EncoderModel:
         if model.num_labels != 1:
             raise MlxPagedError(f"{path}: a cross-encoder scores with one label; this one has {model.num_labels}")
         return EncoderModel(model, tokenizer, config, path, dt, "score", pad_id=pad)
-    mode, normalize = sentence_pooling(path)
+    mode, normalize = sentence_pooling(path) or (None, None)
+    mode = {"mean_tokens": "mean", "cls_token": "cls"}.get(mode, mode)
     if mtype == "modernbert":  # it pools inside, by its config's classifier_pooling
         inside = config.get("classifier_pooling", "mean")
         if mode is not None and mode != inside:

@@ -20,7 +20,6 @@ prompt format and scored `softmax(logit(yes), logit(no))[yes]` at the last posit
 from __future__ import annotations
 
 import base64
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from fastapi import APIRouter, Request
 from pydantic import Field
 
 from ..engine.encoder import EncoderEngine, EncoderModel
-from ..engine.pooling import PoolingParams
+from ..engine.pooling import PoolingParams, read_json, sentence_pooling
 from .admission import Ask, admit
 from .bodies import Body
 from .errors import APIError
@@ -49,11 +48,10 @@ RERANK_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 RERANK_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
 
 
-def _read(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+def st_prompts(path: Path) -> dict:
+    """The instruction prefixes a checkpoint's `config_sentence_transformers.json` names."""
+    st = read_json(path / "config_sentence_transformers.json") or {}
+    return st.get("prompts") if isinstance(st.get("prompts"), dict) else {}
 
 
 @dataclass(frozen=True)
@@ -87,8 +85,7 @@ class PoolingSpec:
                 what="a cross-encoder reranker",
                 scores="head",
             )
-        st = _read(loaded.path / "config_sentence_transformers.json") or {}
-        prompts = st.get("prompts") if isinstance(st.get("prompts"), dict) else {}
+        prompts = st_prompts(loaded.path)
         return cls(loaded.dims, True, loaded.normalize, matryoshka, None, prompts, "an embedding model", None)
 
     @classmethod
@@ -102,20 +99,13 @@ class PoolingSpec:
             refusal = "it attends bidirectionally (config.json), and this engine's attention is causal"
         elif config.get("architectures") == ["Qwen2Model"] and config.get("auto_map"):
             refusal = "gte-Qwen2's own modeling code attends bidirectionally, and this engine's attention is causal"
-        modules = _read(path / "modules.json") if path is not None else None
-        if not isinstance(modules, list):
+        said = sentence_pooling(path) if path is not None else None
+        if said is None:
             return cls(dims, matryoshka=matryoshka, refusal=refusal)
-        normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules if isinstance(m, dict))
-        pool_dir = next((m.get("path") for m in modules if str(m.get("type", "")).endswith("Pooling")), None)
-        pool = _read(path / pool_dir / "config.json") if pool_dir else None
-        if isinstance(pool, dict) and not pool.get("pooling_mode_lasttoken") and refusal is None:
-            mode = next(
-                (k[len("pooling_mode_") :] for k, v in pool.items() if k.startswith("pooling_mode_") and v), "?"
-            )
+        mode, normalize = said
+        if mode is not None and mode != "lasttoken" and refusal is None:
             refusal = f"it pools by '{mode}', and decoder embeddings here are last-token pooled"
-        st = _read(path / "config_sentence_transformers.json") or {}
-        prompts = st.get("prompts") if isinstance(st.get("prompts"), dict) else {}
-        return cls(dims, True, normalize, matryoshka, refusal, prompts)
+        return cls(dims, True, normalize, matryoshka, refusal, st_prompts(path))
 
 
 # -- bodies ---------------------------------------------------------------------------------------
