@@ -172,6 +172,7 @@ FILE_TIERS = {
     "test_server_clients.py": "server",
     "test_server_ollama.py": "server",
     "test_embeddings.py": "server",
+    "test_encoders.py": "server",
     "test_server_models.py": "server",
     "test_cli_models.py": "engine",
     "test_server_limits.py": "server",

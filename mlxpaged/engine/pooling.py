@@ -13,6 +13,8 @@ it never decodes.
   `normalize`, L2-normalised. The values are float32.
 - `task="score"`: a yes/no reranker's relevance (Qwen3-Reranker's model card): the softmax of the
   last position's logits over the two tokens `(yes, no)`, taken at `yes`.
+- `task="classify"`: a cross-encoder's score, its classification head's output; only the encoder
+  backend (engine/encoder.py) computes it.
 
 Invariant: a pooled request's `Request.pooled` is None until the step holding its last prompt
 position is read back; then it is the vector (embed) or `[score]` (score) and the request is
@@ -22,7 +24,9 @@ again from its prompt).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import mlx.core as mx
@@ -44,7 +48,7 @@ class PoolingParams:
     sample, no grammar, draws nothing); `output_kind` is kept as given (a pooled request reports
     one final output either way)."""
 
-    task: Literal["embed", "score"] = "embed"
+    task: Literal["embed", "score", "classify"] = "embed"
     dimensions: int | None = None
     normalize: bool = True
     yes_no: tuple[int, int] | None = None
@@ -57,8 +61,8 @@ class PoolingParams:
     logprobs: None = None
 
     def __post_init__(self):
-        if self.task not in ("embed", "score"):
-            raise ValueError(f"task must be 'embed' or 'score', not {self.task!r}")
+        if self.task not in ("embed", "score", "classify"):
+            raise ValueError(f"task must be 'embed', 'score' or 'classify', not {self.task!r}")
         if self.dimensions is not None and self.dimensions < 1:
             raise ValueError(f"dimensions must be at least 1, not {self.dimensions}")
         if self.task == "score" and (self.yes_no is None or len(self.yes_no) != 2):
@@ -73,6 +77,31 @@ class PoolingParams:
         d = dict(data["pooling"])
         d["yes_no"] = tuple(d["yes_no"]) if d["yes_no"] else None
         return cls(**d)
+
+
+def read_json(path: Path):
+    """A JSON file's value, or None when it is missing or not JSON."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def sentence_pooling(path: Path) -> tuple[str | None, bool] | None:
+    """What a checkpoint's sentence-transformers files say: None without `modules.json`; else (the
+    Pooling module's mode, e.g. "lasttoken", "mean_tokens", "cls_token": None without a Pooling
+    module, "?" when its config names none; whether a Normalize module follows)."""
+    modules = read_json(path / "modules.json")
+    if not isinstance(modules, list):
+        return None
+    modules = [m for m in modules if isinstance(m, dict)]
+    normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules)
+    pool_dir = next((m.get("path") for m in modules if str(m.get("type", "")).endswith("Pooling")), None)
+    pool = read_json(path / pool_dir / "config.json") if pool_dir else None
+    if not isinstance(pool, dict):
+        return None, normalize
+    mode = next((k[len("pooling_mode_") :] for k, v in pool.items() if k.startswith("pooling_mode_") and v), "?")
+    return mode, normalize
 
 
 def pool_values(hidden: np.ndarray, yes_no: np.ndarray, params: PoolingParams) -> list[float]:

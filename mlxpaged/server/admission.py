@@ -48,7 +48,7 @@ class Ask:
     default_max_tokens: int
     messages: list[dict] | None = None
     tools: list[dict] | None = None
-    prompts: list | None = None
+    prompts: list | None = None  # texts, token ids, or a cross-encoder's (query, document) pairs
     stops: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     n: int = 1
@@ -99,7 +99,7 @@ def _check_limits(state, ask: Ask, max_tokens: int, ids: list[list[int]] | None 
     if ids is not None:
         counts = [len(x) for x in ids]
     else:
-        counts = [0 if isinstance(p, str) else len(p) for p in ask.prompts] if ask.prompts is not None else [0]
+        counts = [0 if isinstance(p, (str, tuple)) else len(p) for p in ask.prompts] if ask.prompts is not None else [0]
     if ask.pooled_bytes and len(counts) * ask.pooled_bytes > state.limits.max_answer_bytes:
         raise APIError(
             400,
@@ -193,8 +193,8 @@ async def tokenize_images(state, ask: Ask) -> tuple[list[list[int]], object]:
         if not ask.prompts:
             raise APIError(400, "prompt is empty", param="prompt")
         for p in ask.prompts:
-            if isinstance(p, str):
-                check_chars(cap, len(p), "prompt")
+            if isinstance(p, (str, tuple)):
+                check_chars(cap, len(p) if isinstance(p, str) else sum(map(len, p)), "prompt")
         special = ask.special_tokens
         return await state.off_loop(lambda: [encode_prompt(tok, p, cap.vocab_size, special) for p in ask.prompts]), None
     check_chars(cap, template_chars(ask.messages, ask.tools, cap.max_token_chars or 1), "messages")
@@ -214,10 +214,11 @@ async def admit(state, ask: Ask) -> tuple[Job, list[list[int]]]:
     try:
         if state.pooling is not None and state.pooling.embedding_only and not ask.pooled_bytes:
             check_model(state, ask.model)
+            spec = state.pooling
             raise APIError(
                 400,
-                f"'{state.model_id}' is an embedding model (its sentence-transformers files say so): "
-                "it generates no text; use /v1/embeddings",
+                f"'{state.model_id}' is {spec.what}; it does not generate: use "
+                + ("/v1/rerank" if spec.scores == "head" else "/v1/embeddings"),
                 param="model",
             )
         prompts, images = await tokenize_images(state, ask)

@@ -26,6 +26,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..engine.encoder import EncoderEngine
 from .anthropic_api import register_anthropic
 from .connections import AcceptErrorLog
 from .embeddings_api import register_embeddings
@@ -71,35 +72,44 @@ def build_app(
     any Host, as in-process test clients need, and no other origin). `guarded=False`: one model's
     routes inside a server of several (`build_pool_app`), whose own guards run first."""
     engine = engine_loop.engine
-    args = engine.loaded.model.args
+    encoder = isinstance(engine, EncoderEngine)  # it generates nothing: no tools, thinking, grammars or cache view
     limits = limits or Limits()
     browsers = browsers or Browsers()
-    cap = Capacity(
-        getattr(args, "max_position_embeddings", None),
-        args.vocab_size,
-        engine.max_blocks,
-        engine.config.cache.block_size,
-        max_token_chars(engine.tokenizer),
-    )
+    if encoder:  # no KV pool: an input's positions are its only bound (one "block" a token)
+        ctx = engine.loaded.context
+        cap = Capacity(ctx, engine.loaded.config["vocab_size"], ctx, 1, max_token_chars(engine.tokenizer))
+    else:
+        args = engine.loaded.model.args
+        cap = Capacity(
+            getattr(args, "max_position_embeddings", None),
+            args.vocab_size,
+            engine.max_blocks,
+            engine.config.cache.block_size,
+            max_token_chars(engine.tokenizer),
+        )
     # One tokenizer thread: HF tokenizers are not safe to call from several threads at once.
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxpaged-tokenize")
     names = frozenset({model_id, *model_aliases})
-    markers, tool_format = CallMarkers.of(engine.tokenizer), ToolFormat.of(engine.tokenizer)
-    if tool_format is None:
+    markers, tool_format = (
+        (None, None) if encoder else (CallMarkers.of(engine.tokenizer), ToolFormat.of(engine.tokenizer))
+    )
+    if tool_format is None and not encoder:
         log.warning("tool calls: mlx-lm has no tool-call parser for this checkpoint; they are served as text")
-    elif not tool_format.forcible:
+    elif tool_format is not None and not tool_format.forcible:
         log.warning("tool calls: mlx-lm's '%s' parser; tool_choice required or named is refused", tool_format.name)
     state = ServerState(
         engine_loop, metrics, model_id, names, max_queue, limits, cap, pool, responses_store, markers, tool_format
     )
-    state.think = ThinkMarkers.of(engine.tokenizer)
-    state.grammars = GrammarGate(engine.grammar_compiler)  # builds llguidance's tokenizer now, on its thread
+    if not encoder:
+        state.think = ThinkMarkers.of(engine.tokenizer)
+        state.grammars = GrammarGate(engine.grammar_compiler)  # builds llguidance's tokenizer now, on its thread
     text_of = TokenText(engine.tokenizer)
 
     def stop():
         engine_loop.stop()
         pool.shutdown(wait=False, cancel_futures=True)
-        state.grammars.close()
+        if state.grammars is not None:
+            state.grammars.close()
 
     app = _fastapi(limits, stop)
     app.state.server = state
@@ -120,16 +130,16 @@ def build_app(
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    register_embeddings(v1, state, engine.loaded.path, engine.loaded.config)  # and /v1/rerank; sets state.pooling
     catalog = served_catalog(state, started)  # the served models (models_api.py)
     register_models(v1, catalog)
     register_openai(v1, state, text_of)
     register_responses(v1, state, text_of)
-    register_embeddings(v1, state, engine.loaded.path, engine.loaded.config)  # and /v1/rerank
     app.include_router(v1)
     register_anthropic(app, state)
     register_ollama(app, state, catalog)  # Ollama's /api/... (ollama_api.py)
     register_tokenize(app, state)  # at the root, as vLLM serves them
-    if web:  # the page and its cache view (web.py); --no-web leaves them out
+    if web and not encoder:  # the page and its cache view (web.py); --no-web leaves them out
         register_web(app, engine_loop, max_viewers=max_web_viewers)
     return app
 
@@ -323,6 +333,6 @@ def build_pool_app(
             ]
         }
 
-    if web:
+    if web and not isinstance(first.loop.engine, EncoderEngine):  # the page chats with the first model
         register_web(app, first.loop, max_viewers=max_web_viewers)
     return app

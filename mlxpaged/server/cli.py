@@ -523,9 +523,16 @@ def _is_loopback(host: str) -> bool:
 
 
 def _load_engine(model, dtype, weights, config, group=None, adapters=None, adapter_dir=None):
-    """The engine `serve` runs: the whole model here, or this rank's shard under mlx.launch."""
+    """The engine `serve` runs: the whole model here, or this rank's shard under mlx.launch; an
+    encoder checkpoint's backend (engine/encoder.py) for an embedding model or cross-encoder."""
     from ..engine.builder import build_engine
+    from ..engine.encoder import build_encoder, encoder_path
 
+    encoder = encoder_path(model)
+    if encoder is not None:
+        if adapters or adapter_dir:
+            raise ValueError("--adapter: LoRA adapters apply to generative models, not to an encoder checkpoint")
+        return build_encoder(encoder, dtype, group)
     return build_engine(
         model, config, dtype=dtype, weights=weights, group=group, adapters=adapters, adapter_dir=adapter_dir
     )
@@ -573,7 +580,17 @@ def _exit_now(code: int = 0) -> None:
 
 def _announce(host, port, model_id, loaded, engine, api_key) -> None:
     from ..attention import resolve_impl
+    from ..engine.encoder import EncoderEngine
 
+    if isinstance(engine, EncoderEngine):  # no KV pool, no attention choice: what it computes
+        what = "cross-encoder (rerank)" if loaded.task == "score" else f"embeddings ({loaded.pooling} pooling)"
+        click.echo(
+            f"mlxpaged serve: http://{host}:{port}/v1  model {model_id} ({loaded.path}, {loaded.dtype})\n"
+            f"  encoder model run by mlx-embeddings: {what}, up to {loaded.context} tokens an input; "
+            f"auth: {'API key' if api_key else 'none'}",
+            err=True,
+        )
+        return
     bs = engine.config.cache.block_size
     cfg = engine.config
     kv = f" ({cfg.cache.kv_bits}-bit K/V, group {cfg.cache.kv_group_size})" if cfg.cache.kv_bits else ""

@@ -20,7 +20,6 @@ prompt format and scored `softmax(logit(yes), logit(no))[yes]` at the last posit
 from __future__ import annotations
 
 import base64
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -31,10 +30,12 @@ import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import Field
 
-from ..engine.pooling import PoolingParams
+from ..engine.encoder import EncoderEngine, EncoderModel
+from ..engine.pooling import PoolingParams, read_json, sentence_pooling
 from .admission import Ask, admit
 from .bodies import Body
 from .errors import APIError
+from .jobs import check_model
 from .protocol import Text, _Request
 from .turns import drain
 
@@ -47,11 +48,10 @@ RERANK_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 RERANK_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
 
 
-def _read(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+def st_prompts(path: Path) -> dict:
+    """The instruction prefixes a checkpoint's `config_sentence_transformers.json` names."""
+    st = read_json(path / "config_sentence_transformers.json") or {}
+    return st.get("prompts") if isinstance(st.get("prompts"), dict) else {}
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,25 @@ class PoolingSpec:
     matryoshka: bool = False  # `dimensions` may truncate (config.json's is_matryoshka, or Qwen3-Embedding's card)
     refusal: str | None = None
     prompts: dict = field(default_factory=dict)  # the checkpoint's instruction prefixes, by name (documented)
+    what: str = "an embedding model (its sentence-transformers files say so)"  # an embedding-only model, in words
+    # how /v1/rerank scores: "yes_no" (a decoder's yes/no logits), "head" (a cross-encoder's
+    # classification output), None (it does not: an encoder embedding model)
+    scores: str | None = "yes_no"
+
+    @classmethod
+    def of_encoder(cls, loaded: EncoderModel) -> PoolingSpec:
+        """An encoder checkpoint's (engine/encoder.py): it embeds, or (a cross-encoder) it scores pairs."""
+        matryoshka = bool(loaded.config.get("is_matryoshka") or loaded.config.get("matryoshka_dimensions"))
+        if loaded.task == "score":
+            return cls(
+                loaded.dims,
+                True,
+                refusal="it is a cross-encoder: it scores (query, document) pairs; use /v1/rerank",
+                what="a cross-encoder reranker",
+                scores="head",
+            )
+        prompts = st_prompts(loaded.path)
+        return cls(loaded.dims, True, loaded.normalize, matryoshka, None, prompts, "an embedding model", None)
 
     @classmethod
     def of(cls, path: Path | None, config: dict, name: str) -> PoolingSpec:
@@ -80,20 +99,13 @@ class PoolingSpec:
             refusal = "it attends bidirectionally (config.json), and this engine's attention is causal"
         elif config.get("architectures") == ["Qwen2Model"] and config.get("auto_map"):
             refusal = "gte-Qwen2's own modeling code attends bidirectionally, and this engine's attention is causal"
-        modules = _read(path / "modules.json") if path is not None else None
-        if not isinstance(modules, list):
+        said = sentence_pooling(path) if path is not None else None
+        if said is None:
             return cls(dims, matryoshka=matryoshka, refusal=refusal)
-        normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules if isinstance(m, dict))
-        pool_dir = next((m.get("path") for m in modules if str(m.get("type", "")).endswith("Pooling")), None)
-        pool = _read(path / pool_dir / "config.json") if pool_dir else None
-        if isinstance(pool, dict) and not pool.get("pooling_mode_lasttoken") and refusal is None:
-            mode = next(
-                (k[len("pooling_mode_") :] for k, v in pool.items() if k.startswith("pooling_mode_") and v), "?"
-            )
+        mode, normalize = said
+        if mode is not None and mode != "lasttoken" and refusal is None:
             refusal = f"it pools by '{mode}', and decoder embeddings here are last-token pooled"
-        st = _read(path / "config_sentence_transformers.json") or {}
-        prompts = st.get("prompts") if isinstance(st.get("prompts"), dict) else {}
-        return cls(dims, True, normalize, matryoshka, refusal, prompts)
+        return cls(dims, True, normalize, matryoshka, refusal, st_prompts(path))
 
 
 # -- bodies ---------------------------------------------------------------------------------------
@@ -166,7 +178,7 @@ async def pooled(
     spec: PoolingSpec = state.pooling
     if spec.refusal is not None and params.task == "embed":
         raise APIError(400, f"'{state.model_id}' cannot be embedded here: {spec.refusal}", param="model")
-    per = FLOAT_BYTES * (params.dimensions or spec.dims) if params.task == "embed" else 64
+    per = FLOAT_BYTES * (params.dimensions or spec.dims) if params.task == "embed" else 64  # a score: one float
     ask = Ask(prefix, model, lambda _: params, 0, prompts=inputs, names=names, pooled_bytes=per, special_tokens=special)
     job, prompts = await admit(state, ask)
 
@@ -201,7 +213,11 @@ def encoded(values: list[float], fmt: str):
 
 
 def register_embeddings(router: APIRouter, state, path: Path | None, config: dict) -> None:
-    state.pooling = PoolingSpec.of(path, config, state.model_id)
+    engine = state.engine_loop.engine
+    if isinstance(engine, EncoderEngine):
+        state.pooling = PoolingSpec.of_encoder(engine.loaded)
+    else:
+        state.pooling = PoolingSpec.of(path, config, state.model_id)
 
     @router.post("/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request):
@@ -223,11 +239,25 @@ def register_embeddings(router: APIRouter, state, path: Path | None, config: dic
 
     async def scores(request, model, pairs: list[tuple[str, str]], instruction, param: str):
         """Each (query, document) pair's relevance and the prompt tokens of all of them."""
+        spec: PoolingSpec = state.pooling
+        if spec.scores is None:
+            check_model(state, model)
+            raise APIError(400, f"'{state.model_id}' is {spec.what}, not a reranker: use /v1/embeddings", param="model")
         if not pairs:
             raise APIError(400, f"{param} is empty", param=param)
-        params = PoolingParams("score", yes_no=yes_no_ids(state))
-        inputs = [rerank_prompt(q, d, instruction) for q, d in pairs]
-        got = await pooled(request, state, "rerank", model, inputs, params, {"prompt": param, "prompts": param}, False)
+        if spec.scores == "head":  # a cross-encoder reads the pair itself, tokenized as a pair
+            if instruction is not None:
+                raise APIError(
+                    400,
+                    f"instruction: '{state.model_id}' is a cross-encoder; it takes no instruction",
+                    param="instruction",
+                )
+            params, inputs, special = PoolingParams("classify"), list(pairs), True
+        else:
+            params = PoolingParams("score", yes_no=yes_no_ids(state))
+            inputs, special = [rerank_prompt(q, d, instruction) for q, d in pairs], False
+        names = {"prompt": param, "prompts": param}
+        got = await pooled(request, state, "rerank", model, inputs, params, names, special)
         return [v[0] for v, _, _ in got], sum(n for _, n, _ in got)
 
     @router.post("/score")

@@ -1,6 +1,6 @@
-"""The one thread that owns an `LLMEngine` and drives `step()`; HTTP handlers talk to it by queue,
-and read their outputs from a `Sink` (one output per request: unread deltas are added up, so a
-slow reader holds one and loses nothing).
+"""The one thread that owns an engine (a `Backend`: `LLMEngine`, or an encoder's `EncoderEngine`)
+and drives `step()`; HTTP handlers talk to it by queue, and read their outputs from a `Sink` (one
+output per request: unread deltas are added up, so a slow reader holds one and loses nothing).
 
 Invariants:
 - Only this thread calls the engine (`add_request`, `step`, `abort_request`, `metrics`), and it
@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import mlx.core as mx
 
@@ -115,6 +116,22 @@ class Sink:
                 return []
 
 
+class Backend(Protocol):
+    """What the engine loop, the routes and the admission path use of an engine: `LLMEngine` (the
+    paged decoder engine) and `EncoderEngine` (an encoder run by mlx-embeddings: pooled requests
+    only) both are one. `loaded` has the checkpoint's `path`, `config`, `model`, `dtype`."""
+
+    tokenizer: object
+    loaded: object
+
+    def add_request(self, prompt: list[int], params, request_id: str) -> str: ...
+    def step(self) -> list: ...  # the step's RequestOutputs
+    def abort_request(self, request_id: str) -> None: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def metrics(self) -> dict: ...  # /metrics' gauges and counters
+    def trim_pool(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     """One request as the engine takes it (`add_request`), and its explicit wire form: what rank 0
@@ -143,7 +160,8 @@ class _Timing:
 
 
 class EngineLoop:
-    """`submit` and `abort` from any thread; `snapshot` is the engine's metrics after the last step.
+    """Drives one `Backend`. `submit` and `abort` from any thread; `snapshot` is the engine's
+    metrics after the last step.
 
     `observer`, if given, has `first_token(seconds)` and `inter_token(seconds)`: time to first
     token from `submit`, and the gap between two tokens of one sample (a step that yields k

@@ -367,8 +367,11 @@ def close_model(loop, app) -> None:
 
 def footprint(engine) -> int:
     """A loaded model's bytes: its weights and its KV pool at the most it may grow to."""
+    from ..engine.encoder import EncoderEngine
     from .models_api import memory_bytes
 
+    if isinstance(engine, EncoderEngine):  # no KV pool
+        return memory_bytes(engine.loaded.model)
     bs = engine.config.cache.block_size
     kv = max(engine.max_blocks * engine.kv_cache.shape.bytes_per_block(bs), engine.kv_cache.nbytes)
     return memory_bytes(engine.loaded.model) + kv

@@ -36,11 +36,13 @@ class ModelCard:
     quantization: str  # Q4 (group 64) or the float dtype, as loaded
     info: CheckpointInfo
     chat_template: str | None
+    task: str = "generate"  # what it serves: "generate", "embed" (an embedding model), "score" (a cross-encoder)
 
     def openai(self) -> dict:
         # created: the server's start; max_model_len: vLLM's name for the context length (Codex reads it)
         return {"id": self.id, "object": "model", "created": self.created, "owned_by": "mlxpaged"} | {
-            "max_model_len": self.context
+            "max_model_len": self.context,
+            "task": self.task,
         }
 
 
@@ -68,8 +70,10 @@ def memory_bytes(model) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
-def card_of(loaded, model_id: str, names: frozenset[str], context: int | None, created: int) -> ModelCard:
-    """The card of a `LoadedModel` served as `model_id`."""
+def card_of(
+    loaded, model_id: str, names: frozenset[str], context: int | None, created: int, task: str = "generate"
+) -> ModelCard:
+    """The card of a `LoadedModel` (or an encoder's `EncoderModel`) served as `model_id`."""
     path = Path(loaded.path)
     try:
         modified = datetime.fromtimestamp((path / "config.json").stat().st_mtime, tz=timezone.utc)
@@ -93,6 +97,7 @@ def card_of(loaded, model_id: str, names: frozenset[str], context: int | None, c
         quantization=quant or dtype,
         info=info,
         chat_template=getattr(loaded.tokenizer, "chat_template", None),
+        task=task,
     )
 
 
@@ -111,8 +116,9 @@ class Catalog:
 
 def served_catalog(state, created: int | None = None) -> Catalog:
     """The catalog of the one model a server loaded."""
-    engine = state.engine_loop.engine
-    card = card_of(engine.loaded, state.model_id, state.model_aliases, state.context, created or int(time.time()))
+    engine, spec = state.engine_loop.engine, state.pooling
+    task = "generate" if spec is None or not spec.embedding_only else "score" if spec.scores == "head" else "embed"
+    card = card_of(engine.loaded, state.model_id, state.model_aliases, state.context, created or int(time.time()), task)
     return Catalog([card])
 
 

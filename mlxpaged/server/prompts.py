@@ -22,7 +22,14 @@ from .tools import render_chat
 TEMPLATE_KEYS = frozenset({"role", "type"})  # strings the template reads as structure, not client text
 
 
-def encode_prompt(tokenizer, prompt: str | list[int], vocab_size: int, special_tokens: bool = True) -> list[int]:
+def encode_prompt(
+    tokenizer, prompt: str | list[int] | tuple[str, str], vocab_size: int, special_tokens: bool = True
+) -> list[int]:
+    """A prompt's ids; a (text, text) pair is a cross-encoder's input, tokenized as the pair it is."""
+    if isinstance(prompt, tuple):
+        if not all(prompt):
+            raise APIError(400, "prompt is empty", param="prompt")
+        return tokenizer.encode(*prompt)
     if isinstance(prompt, str):
         if not prompt:
             raise APIError(400, "prompt is empty", param="prompt")
