@@ -66,7 +66,7 @@ class Images(BaseHTTPRequestHandler):
             self.send_header("Content-Type", "image/png")
             self.end_headers()
             try:
-                for b in body[:100]:
+                for b in body[:300]:  # a minute of it
                     self.wfile.write(bytes([b]))
                     self.wfile.flush()
                     time.sleep(0.2)
