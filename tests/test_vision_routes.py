@@ -22,6 +22,7 @@ import mlxpaged  # noqa: E402,F401  (before mlx)
 
 pytest.importorskip("mlx_vlm", reason="[expected] mlx-vlm (the vision extra) is not installed")
 
+import anthropic  # noqa: E402
 import openai  # noqa: E402
 from test_vision import IMAGE, MAX_TOKENS, noise, said  # noqa: E402
 from test_vision_server import png64, reference  # noqa: E402
@@ -138,13 +139,42 @@ def url_part(url: str) -> dict:
 
 
 def test_a_fetched_image_url_answers_as_mlx_vlm(vlm, images_site):
-    """An http URL (and one redirected to it) gives mlx-vlm's tokens for the picture it serves."""
+    """An http URL (and one redirected to it) gives mlx-vlm's tokens for the picture it serves, on
+    chat, Messages and Responses."""
     s = vlm[0]
     text, prompt_tokens = reference(vlm, [said("What is this?"), IMAGE], [PICTURE])
     for path in ("/cat.png", "/moved"):
         got = chat(s, [said("What is this?"), url_part(images_site + path)])
         assert got.choices[0].message.content == text, path
         assert got.usage.prompt_tokens == prompt_tokens, path
+    # the same fetch behind Messages' url source and Responses' input_image
+    text, prompt_tokens = reference(vlm, [IMAGE, said("Describe.")], [PICTURE])
+    claude = anthropic.Anthropic(base_url=s.url, api_key="none", max_retries=0)
+    block = {"type": "image", "source": {"type": "url", "url": images_site + "/cat.png"}}
+    msg = claude.messages.create(
+        model="tiny-vl",
+        max_tokens=MAX_TOKENS,
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": [block, {"type": "text", "text": "Describe."}]}],
+    )
+    assert msg.content[0].text and text.startswith(msg.content[0].text)  # (up to EOS, which mlx-vlm keeps)
+    assert msg.usage.input_tokens == prompt_tokens
+    resp = s.client().responses.create(
+        model="tiny-vl",
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_image", "image_url": images_site + "/moved"},
+                    {"type": "input_text", "text": "Describe."},
+                ],
+            }
+        ],
+        max_output_tokens=MAX_TOKENS,
+        temperature=0,
+        store=False,
+    )
+    assert text.startswith(resp.output_text) and resp.usage.input_tokens == prompt_tokens
 
 
 def test_image_url_refusals_name_the_part_within_the_time_cap(vlm, images_site):
