@@ -243,7 +243,10 @@ def test_refusals_name_what_is_refused(server, client, name):
     assert "mirostat" in post("/api/chat", {**chat, "options": {"mirostat": 1}}, 400)
     assert "logprobs" in post("/api/chat", {**chat, "logprobs": True}, 400)
     img = {**chat, "messages": [{"role": "user", "content": "what is this?", "images": ["aGk="]}]}
-    assert "images" in post("/api/chat", img, 400)
+    # a text-only model: the admission path's refusal, in the words every route gives
+    assert post("/api/chat", img, 400) == f"model {name} takes no images (it has no vision tower)"
+    generate_img = {"model": name, "prompt": "what is this?", "images": ["aGk="], "stream": False}
+    assert post("/api/generate", generate_img, 400) == f"model {name} takes no images (it has no vision tower)"
     assert "keep_alive" in post("/api/chat", {**chat, "keep_alive": "five minutes"}, 400)
     assert "think" in post("/api/chat", {**chat, "think": True}, 400)  # the tiny model does not reason
     assert "num_ctx" in post("/api/chat", {**chat, "options": {"num_ctx": 3}}, 400)

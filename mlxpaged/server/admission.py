@@ -10,7 +10,10 @@ which, here and nowhere else, in this order:
 3. counts every character the template will render (system, messages, tool definitions, tool
    calls and results, and one token's worth per message for the template's own markers) and
    refuses a prompt that cannot fit the pool, before any tokenizing;
-4. tokenizes on the tokenizer thread, never on the event loop;
+4. with images: checks the model takes them, their count and (unless `--fetch-image-urls`) that
+   none is an http(s) URL, fetches those that are (image_fetch.py); tokenizes on the tokenizer
+   thread, never on the event loop, and there decodes the images within their byte and pixel
+   limits;
 5. picks the default max_tokens against the pool's maximum and the model's context, and clamps an
    asked max_tokens to what the context leaves (Claude Code asks 32,000 whatever the model): the
    response says so in its `x-mlxpaged-max-tokens-clamped` header;
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 
 from .adapters import request_adapter
 from .errors import APIError
+from .image_fetch import fetch_images, is_url
 from .jobs import Job, check_model
 from .limits import LOGPROB_BYTES, TOKEN_BYTES, check_answer, check_chars, check_request, default_max_tokens
 from .middleware import note
@@ -67,6 +71,7 @@ class Ask:
     special_tokens: bool = True
     adapters: str | None = None  # mlx_lm.server's field: a LoRA adapter's name or folder (adapters.py)
     adapter: str | None = None  # the adapter it runs with, found at step 1 (None: the base model)
+    num_ctx: int | None = None  # the longest prompt the client takes, in tokens (Ollama's option; None: any)
 
 
 def template_chars(messages: list[dict], tools: list[dict] | None, per_message: int) -> int:
@@ -127,55 +132,89 @@ def take_images(messages: list[dict]) -> tuple[list[dict], list[tuple[str, str]]
     return out, images
 
 
-def decode_image(limits, where: str, url: str):
-    """One image part's decoded image, within the limits; a 400 naming the part otherwise."""
+def image_bytes(limits, where: str, source: str | bytes) -> bytes:
+    """An image part's bytes: a base64 data URL's, or a fetched URL's (`source` already bytes,
+    image_fetch.py), at most `--max-image-bytes`; a 400 naming the part otherwise."""
     import base64
     import binascii
 
-    from ..engine.multimodal import load_image
-
-    if url.startswith(("http://", "https://")):
-        raise APIError(400, f"{where}: image URLs are not fetched; send the image as a data URL", param=where)
-    head, sep, data = url.partition(",")
-    if not (url.startswith("data:") and sep and head.endswith(";base64")):
+    if isinstance(source, bytes):
+        return source
+    head, sep, data = source.partition(",")
+    if not (source.startswith("data:") and sep and head.endswith(";base64")):
         raise APIError(400, f"{where}: an image must be a base64 data URL (data:image/...;base64,...)", param=where)
-    if len(data) * 3 // 4 > limits.max_image_bytes:
-        raise APIError(400, f"{where}: the image is larger than {limits.max_image_bytes} bytes", param=where)
+    too_big = APIError(
+        400, f"{where}: the image is larger than {limits.max_image_bytes} bytes (--max-image-bytes)", param=where
+    )
+    if len(data) * 3 // 4 > limits.max_image_bytes + 2:  # before decoding it (4 characters, 3 bytes)
+        raise too_big
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise APIError(400, f"{where}: the image's data is not valid base64", param=where) from None
+    if len(raw) > limits.max_image_bytes:
+        raise too_big
+    return raw
+
+
+def decode_image(limits, where: str, source: str | bytes):
+    """One image part's decoded image (`source`: a data URL, or a fetched image's bytes), within
+    the limits, its pixels counted from its header before it is decoded; a 400 naming the part
+    otherwise."""
+    import io
+
+    from PIL import Image
+
+    from ..engine.multimodal import load_image
+
+    raw = image_bytes(limits, where, source)
+    too_many = f"more than {limits.max_image_pixels} pixels (--max-image-pixels)"
     try:
-        image = load_image(raw, where)
+        w, h = Image.open(io.BytesIO(raw)).size  # the header only: no pixels decoded yet
+    except Image.DecompressionBombError:  # past PIL's own bound (twice its MAX_IMAGE_PIXELS)
+        raise APIError(400, f"{where}: the image has {too_many}", param=where) from None
+    except Exception:  # noqa: BLE001 - an unreadable image is load_image's to name, below
+        w = h = 0
+    if w * h > limits.max_image_pixels:
+        raise APIError(400, f"{where}: {w}x{h} is {too_many}", param=where)
+    try:
+        return load_image(raw, where)
     except ValueError as e:
         raise APIError(400, str(e), param=where) from None
-    w, h = image.size
-    if w * h > limits.max_image_pixels:
-        raise APIError(400, f"{where}: {w}x{h} is more than {limits.max_image_pixels} pixels", param=where)
-    return image
 
 
-def image_inputs(state, ids: list[int], images: list[tuple[str, str]]):
+def image_inputs(state, ids: list[int], images: list[tuple[str, str | bytes]]):
     """The prompt's images decoded and processed (engine/multimodal.py `ImageInputs`: its image
     markers widened): numpy work, on the tokenizer thread."""
     from ..engine.multimodal import process_images
 
-    decoded = [decode_image(state.limits, where, url) for where, url in images]
+    decoded = [decode_image(state.limits, where, source) for where, source in images]
     try:
         return process_images(state.engine_loop.engine.loaded, ids, decoded)
     except ValueError as e:
         raise APIError(400, f"messages: {e}", param="messages") from None
 
 
-def check_images(state, ask: Ask, count: int) -> None:
-    """A request with images: the model must take them, and not more than the limit of them."""
+def check_images(state, images: list[tuple[str, str]]) -> None:
+    """A request with images: the model must take them, not more than `--max-images` of them,
+    and an http(s) URL only when the server fetches them (`--fetch-image-urls`)."""
     loaded = state.engine_loop.engine.loaded
     if loaded.processor is None:
         raise APIError(400, f"model {state.model_id} takes no images (it has no vision tower)", param="messages")
-    if count > state.limits.max_images:
+    if len(images) > state.limits.max_images:
         raise APIError(
-            400, f"{count} images, more than the {state.limits.max_images} a request may hold", param="messages"
+            400,
+            f"{len(images)} images, more than the {state.limits.max_images} a request may hold (--max-images)",
+            param="messages",
         )
+    for where, url in images:
+        if is_url(url) and not state.limits.fetch_image_urls:
+            raise APIError(
+                400,
+                f"{where}: image URLs are not fetched unless the server runs with --fetch-image-urls; "
+                "send the image as a data URL",
+                param=where,
+            )
 
 
 async def tokenize(state, ask: Ask) -> list[list[int]]:
@@ -201,7 +240,8 @@ async def tokenize_images(state, ask: Ask) -> tuple[list[list[int]], object]:
     as_text = not state.limits.content_special_tokens
     messages, images = take_images(ask.messages)
     if images:
-        check_images(state, ask, len(images))
+        check_images(state, images)
+        images = await fetch_images(state.limits, images)  # http(s) URLs' bytes (--fetch-image-urls)
     ids = await state.off_loop(encode_messages, tok, messages, ask.tools, ask.template_kwargs, as_text)
     if not images:
         return [ids], None
@@ -235,6 +275,13 @@ async def admit(state, ask: Ask) -> tuple[Job, list[list[int]]]:
         if ask.max_tokens and cap.context and longest < cap.context and longest + max_tokens > cap.context:
             max_tokens = cap.context - longest  # clamped, not refused: the prompt itself fits
             note(max_tokens_clamped=max_tokens)
+        if ask.num_ctx is not None and longest > ask.num_ctx:
+            raise APIError(
+                400,
+                f"num_ctx: the prompt has {longest} tokens, more than num_ctx ({ask.num_ctx}); "
+                "this server does not truncate prompts",
+                param="num_ctx",
+            )
         _check_limits(state, ask, max_tokens, prompts)
         for ids in prompts:
             check_context(len(ids), max_tokens, cap.context)

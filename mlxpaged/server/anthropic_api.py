@@ -82,7 +82,7 @@ class Base64Source(Body):
 
 class URLSource(Body):
     type: Literal["url"]
-    url: str  # refused by the admission path unless a data URL
+    url: str  # a data URL, or an http(s) one fetched with --fetch-image-urls (admission.py)
 
 
 class ImageBlock(Body):

@@ -155,6 +155,40 @@ def serve_engine_config(engine_flags: dict, kv_memory_gb: float | None) -> Engin
     help="Abort a request whose client stays behind its stream this many seconds (0: never).",
 )
 @click.option(
+    "--max-images",
+    default=Limits.max_images,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Images one request may carry (a vision model's).",
+)
+@click.option(
+    "--max-image-bytes",
+    default=Limits.max_image_bytes,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Largest image, in bytes (a data URL's decoded image, or a fetched one).",
+)
+@click.option(
+    "--max-image-pixels",
+    default=Limits.max_image_pixels,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Largest image, in pixels (width x height, read before it is decoded).",
+)
+@click.option(
+    "--fetch-image-urls",
+    is_flag=True,
+    help="Fetch http(s) image URLs that requests name (any address this server can reach: trusted clients "
+    "only); each within --max-image-bytes and --image-fetch-timeout. Off: only data URLs.",
+)
+@click.option(
+    "--image-fetch-timeout",
+    default=Limits.image_fetch_timeout,
+    show_default=True,
+    type=click.FloatRange(0, min_open=True),
+    help="Seconds one image URL's fetch may take, all of it (with --fetch-image-urls).",
+)
+@click.option(
     "--content-special-tokens",
     is_flag=True,
     help="Encode special-token text in client messages as those tokens (trusted clients only: "
@@ -263,6 +297,11 @@ def serve(
     max_answer_bytes,
     responses_store_bytes,
     stream_stall_timeout,
+    max_images,
+    max_image_bytes,
+    max_image_pixels,
+    fetch_image_urls,
+    image_fetch_timeout,
     content_special_tokens,
     max_connections,
     header_timeout,
@@ -343,6 +382,11 @@ def serve(
         stream_stall_timeout=stream_stall_timeout or None,
         enable_docs=enable_docs,
         content_special_tokens=content_special_tokens,
+        max_images=max_images,
+        max_image_bytes=max_image_bytes,
+        max_image_pixels=max_image_pixels,
+        fetch_image_urls=fetch_image_urls,
+        image_fetch_timeout=image_fetch_timeout,
     )
     common = dict(
         api_key=api_key, max_queue=max_queue, limits=limits, responses_store=responses_store, browsers=browsers

@@ -31,10 +31,17 @@ class Limits:
     # --content-special-tokens: a special token's text in client content is that token (a trusted
     # client writing raw control tokens); off, it is text and no client can forge a turn
     content_special_tokens: bool = False
-    # a vision model's images (admission.py): per request, each image's bytes, each image's pixels
+    # a vision model's images (admission.py): per request (--max-images), each image's bytes
+    # (--max-image-bytes: a data URL's decoded bytes, a fetched image's body) and pixels
+    # (--max-image-pixels, read from the image's header before it is decoded)
     max_images: int = 16
     max_image_bytes: int = 20 << 20
     max_image_pixels: int = 50_000_000
+    # --fetch-image-urls: an http(s) image URL is fetched (image_fetch.py), each within
+    # max_image_bytes and this many seconds; off, such a URL is a 400 (a server fetches no address
+    # a client names unless told to)
+    fetch_image_urls: bool = False
+    image_fetch_timeout: float = 10.0  # --image-fetch-timeout
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,11 @@ unset the chat route's default and -2 what the context leaves; `temperature`, `t
 one); `format` ("json" or a JSON schema) to the grammar; `tools` to the template and the
 tool-call parser (`function.arguments` are objects both ways); `think` to the template's thinking
 switch, the reasoning coming back as `thinking`. `keep_alive` is checked and accepted: the one
-model stays loaded whatever it says. A field or option not listed here is refused by name, and so
-are `images` (the model takes none), `suffix`, `template` and `context`.
+model stays loaded whatever it says. `images` (base64, on a chat message or a generate body) go
+before the message's text as image parts, through the admission path's image checks and limits
+like every route's (a text-only model refuses them in the same words); a raw generate prompt takes
+none (no template places them). A field or option not listed here is refused by name, and so are
+`suffix`, `template` and `context`.
 
 Errors are Ollama's `{"error": message}` with the HTTP status; one that ends a stream after it
 began is its last line.
@@ -37,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.sampling_params import SamplingParams
 from ..version import __version__
-from .admission import Ask, admit, tokenize
+from .admission import Ask, admit
 from .bodies import check_json, read_body
 from .embeddings_api import embed
 from .errors import APIError
@@ -45,6 +48,7 @@ from .guided_request import format_guided, tool_plan
 from .jobs import ErrorResponse, JobStream
 from .openai_api import DEFAULT_CHAT_MAX_TOKENS
 from .prompts import thinking_kwargs
+from .protocol import image_part
 from .tools import ToolCall
 from .turns import Thinking, TurnEnd, add_format, drain, turn_events, turn_parse
 
@@ -52,7 +56,7 @@ NEVER = "9999-12-31T23:59:59Z"  # /api/ps's expires_at: the one model is never u
 # Go's time.Duration text ("5m", "1h30m", "-1s") or a bare number of seconds ("-1", "0")
 DURATION = re.compile(r"^-?(?:\d+(?:\.\d+)?(?:ns|us|µs|ms|s|m|h))+$|^-?\d+(?:\.\d+)?$")
 # OpenAI field names in admission's errors -> this API's
-NAMES = {"max_tokens": "options.num_predict", "stop": "options.stop"}
+NAMES = {"max_tokens": "options.num_predict", "stop": "options.stop", "num_ctx": "options.num_ctx"}
 
 
 class OllamaError(Exception):
@@ -231,12 +235,21 @@ def call_object(call: ToolCall, index: int) -> dict:
     return {"function": {"index": index, "name": call.name, "arguments": call.input}}
 
 
-def template_messages(messages: list[Message], model: str) -> list[dict]:
+def with_images(text: str, images: list[str] | None, where: str) -> str | list[dict]:
+    """A message's content as the template reads it: `text`, or its images (base64, as Ollama's
+    clients send them) then its text, as parts the admission path takes the images from."""
+    if not images:
+        return text
+    parts = [image_part(f"data:image;base64,{b64}", f"{where}.{k}") for k, b64 in enumerate(images)]
+    return parts + ([{"type": "text", "text": text}] if text else [])
+
+
+def template_messages(messages: list[Message]) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
-        if m.images:
-            raise OllamaError(400, f"messages.{i}.images: '{model}' takes no images (it reads text only)")
-        msg: dict = {"role": m.role, "content": m.content}
+        if m.images and m.role != "user":
+            raise OllamaError(400, f"messages.{i}.images: images belong in a user message")
+        msg: dict = {"role": m.role, "content": with_images(m.content, m.images, f"messages.{i}.images")}
         if m.tool_calls:
             if m.role != "assistant":
                 raise OllamaError(400, f"messages.{i}.tool_calls: only an assistant message makes tool calls")
@@ -436,6 +449,8 @@ def register_ollama(app: FastAPI, state, catalog) -> None:
         c = card_for(catalog, body.which())
         family = c.info.family or "unknown"
         capabilities = ["completion"] + (["tools"] if state.tool_format else []) + (["thinking"] if state.think else [])
+        if state.engine_loop.engine.loaded.processor is not None:  # a vision model: it takes `images`
+            capabilities.append("vision")
         if state.pooling is not None and state.pooling.embedding_only:  # it generates nothing (embeddings_api.py)
             capabilities = ["embedding"]
         return {
@@ -496,18 +511,9 @@ def register_ollama(app: FastAPI, state, catalog) -> None:
         reason = "unload" if body.keep_alive in (0, "0", "0s", "0m") else "load"
         return {"model": model, "created_at": now(), "done": True, "done_reason": reason}
 
-    async def run(request, body, ask: Ask, parse, field: str, num_ctx: int | None):
+    async def run(request, body, ask: Ask, parse, field: str):
         timing = Timing()
         try:
-            if num_ctx is not None:  # checked before the job starts: the prompt's length, tokenized once
-                ids = (await tokenize(state, ask))[0]
-                if len(ids) > num_ctx:
-                    raise APIError(
-                        400,
-                        f"options.num_ctx: the prompt has {len(ids)} tokens, more than num_ctx ({num_ctx}); "
-                        "this server does not truncate prompts",
-                    )
-                ask.messages, ask.tools, ask.prompts, ask.template_kwargs = None, None, [ids], {}
             job, _ = await admit(state, ask)
         except APIError as e:
             raise OllamaError.of(e) from None
@@ -557,7 +563,7 @@ def register_ollama(app: FastAPI, state, catalog) -> None:
         card, stops, make, asked, default, template_kwargs = common(body)
         if not body.messages:
             return {**loading(body, body.model), "message": {"role": "assistant", "content": ""}}
-        messages = template_messages(body.messages, body.model)
+        messages = template_messages(body.messages)
         functions = [
             {"name": t.function.name, "description": t.function.description, "parameters": t.function.parameters}
             for t in body.tools or []
@@ -580,8 +586,9 @@ def register_ollama(app: FastAPI, state, catalog) -> None:
             guided_param=plan.param,
             names=NAMES,
             template_kwargs=template_kwargs,
+            num_ctx=body.options.num_ctx if body.options else None,
         )
-        return await run(request, body, ask, parse, "message", body.options.num_ctx if body.options else None)
+        return await run(request, body, ask, parse, "message")
 
     @app.post("/api/generate")
     async def generate(request: Request):
@@ -591,14 +598,17 @@ def register_ollama(app: FastAPI, state, catalog) -> None:
                 raise OllamaError(400, f"{name}: this server does not implement '{name}'; leave it out")
         if body.context:
             raise OllamaError(400, "context: this server does not implement 'context'; send the turns to /api/chat")
-        if body.images:
-            raise OllamaError(400, f"images: '{body.model}' takes no images (it reads text only)")
         card, stops, make, asked, default, template_kwargs = common(body)
         if not body.prompt:
             return {**loading(body, body.model), "response": ""}
         guided = format_of(body)
-        kw: dict = dict(stops=stops, max_tokens=asked, guided_param="format" if guided else None, names=NAMES)
+        num_ctx = body.options.num_ctx if body.options else None
+        kw: dict = dict(
+            stops=stops, max_tokens=asked, guided_param="format" if guided else None, names=NAMES, num_ctx=num_ctx
+        )
         if body.raw:  # the prompt as it is, no template
+            if body.images:
+                raise OllamaError(400, "images: a raw prompt takes no images (no template places them); leave raw out")
             if body.system:
                 raise OllamaError(400, "system: a raw prompt takes no system prompt (no template is applied)")
             if template_kwargs:
@@ -606,7 +616,7 @@ def register_ollama(app: FastAPI, state, catalog) -> None:
             ask = Ask("ollama", card.id, make(guided), default or DEFAULT_CHAT_MAX_TOKENS, prompts=[body.prompt], **kw)
         else:
             messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
-                {"role": "user", "content": body.prompt}
+                {"role": "user", "content": with_images(body.prompt, body.images, "images")}
             ]
             ask = Ask(
                 "ollama",
@@ -617,4 +627,4 @@ def register_ollama(app: FastAPI, state, catalog) -> None:
                 template_kwargs=template_kwargs,
                 **kw,
             )
-        return await run(request, body, ask, None, "response", body.options.num_ctx if body.options else None)
+        return await run(request, body, ask, None, "response")

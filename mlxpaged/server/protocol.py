@@ -193,7 +193,7 @@ class TextPart(_Body):
 
 
 class ImageURL(_Body):
-    url: str  # a data URL (data:image/png;base64,...); http(s) addresses are refused (admission.py)
+    url: str  # a data URL (data:image/png;base64,...), or http(s) with --fetch-image-urls (admission.py)
     detail: Literal["auto", "low", "high"] | None = None  # accepted; the processor sizes every image
 
 

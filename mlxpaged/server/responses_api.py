@@ -63,7 +63,7 @@ class ContentPart(Body):
 
 class InputImagePart(Body):
     type: Literal["input_image"]
-    image_url: str  # a data URL; http(s) addresses are refused (admission.py)
+    image_url: str  # a data URL, or http(s) with --fetch-image-urls (admission.py)
     detail: Literal["auto", "low", "high"] | None = None  # accepted; the processor sizes every image
 
 

@@ -1,4 +1,5 @@
-// mlxpaged's page: chat on /v1/chat/completions (streamed, n answers side by side) and a live view
+// mlxpaged's page: chat on /v1/chat/completions (streamed, n answers side by side; images attached to
+// a message go as `image_url` data URLs, for a vision model) and a live view
 // of the paged KV cache from /web/cache (server-sent events read through fetch, so the API key
 // goes in a header, as on every route). No framework, no build step, nothing fetched from elsewhere.
 "use strict";
@@ -99,12 +100,42 @@ function logToEnd() {
   $("log").scrollTop = $("log").scrollHeight;
 }
 
-function newTurn(text, n) {
+// The attached files as data URLs (read in the browser; nothing is uploaded but the message itself).
+function readImages(files) {
+  return Promise.all(
+    [...files].map(
+      (f) =>
+        new Promise((resolve, reject) => {
+          const r = new FileReader();
+          r.onload = () => resolve(r.result);
+          r.onerror = () => reject(new Error(`cannot read ${f.name}`));
+          r.readAsDataURL(f);
+        }),
+    ),
+  );
+}
+
+function thumbnail(url) {
+  const img = document.createElement("img");
+  img.className = "thumb";
+  img.alt = "attached image";
+  img.src = url;
+  return img;
+}
+
+function showAttached() {
+  const box = $("attached");
+  box.textContent = "";
+  readImages($("image").files).then((urls) => urls.forEach((u) => box.appendChild(thumbnail(u))));
+}
+
+function newTurn(text, n, images) {
   const turn = document.createElement("div");
   turn.className = "turn";
   const user = document.createElement("div");
   user.className = "user";
-  user.textContent = text;
+  for (const url of images) user.appendChild(thumbnail(url));
+  user.appendChild(document.createTextNode(text));
   const answers = document.createElement("div");
   answers.className = "answers";
   const cells = [];
@@ -127,13 +158,25 @@ function newTurn(text, n) {
 async function send(ev) {
   ev.preventDefault();
   const text = $("prompt").value;
-  if (!text.trim() || state.chat) return;
+  const files = $("image").files;
+  if ((!text.trim() && !files.length) || state.chat) return;
   $("error").textContent = "";
+  let images = [];
+  try {
+    if (files.length) images = await readImages(files);
+  } catch (e) {
+    $("error").textContent = String(e.message || e);
+    return;
+  }
+  // the message's text, then its images: OpenAI's content parts
+  const content = images.length
+    ? [...(text ? [{ type: "text", text }] : []), ...images.map((url) => ({ type: "image_url", image_url: { url } }))]
+    : text;
   const n = intValue("n", 1);
   const messages = [];
   const system = $("system").value.trim();
   if (system) messages.push({ role: "system", content: system });
-  messages.push(...state.history, { role: "user", content: text });
+  messages.push(...state.history, { role: "user", content });
   const body = {
     model: state.model,
     messages,
@@ -145,8 +188,10 @@ async function send(ev) {
   };
   const stop = $("stop").value.split("\n").filter((s) => s.length);
   if (stop.length) body.stop = stop;
-  const { cells, usage } = newTurn(text, n);
+  const { cells, usage } = newTurn(text, n, images);
   $("prompt").value = "";
+  $("image").value = "";
+  $("attached").textContent = "";
   state.chat = new AbortController();
   $("send").disabled = true;
   $("stop-btn").disabled = false;
@@ -183,7 +228,7 @@ async function send(ev) {
       }
       if (follow) logToEnd();
     });
-    state.history.push({ role: "user", content: text });
+    state.history.push({ role: "user", content });
     state.history.push({ role: "assistant", content: cells[0].querySelector(".text").textContent });
   } catch (e) {
     if (e.name === "AbortError") {
@@ -360,6 +405,7 @@ $("prompt").addEventListener("keydown", (e) => {
     $("ask").requestSubmit();
   }
 });
+$("image").addEventListener("change", showAttached);
 $("stop-btn").addEventListener("click", () => state.chat && state.chat.abort());
 $("clear").addEventListener("click", () => {
   state.history = [];
