@@ -82,6 +82,7 @@ class EncoderModel:
     normalize: bool = True
     weights: str = "float"
     pad_id: int = 0
+    processor: None = None  # no image processor: an encoder takes no images (the routes' check reads it)
 
     @property
     def identity(self) -> bytes:
