@@ -231,7 +231,7 @@ class PagedVisionModel(nn.Module):
             mask[rows.dst] = True
             kwargs = {"visual_pos_masks": mask, "deepstack_visual_embeds": rows.deepstack}
         norm = _final_norm(body)
-        with _swapped([(body, norm, _NormRows(body[norm], meta.logits_indices))]):
+        with _swapped([(body, norm, _NormRows(body[norm], meta))]):
             out = lm(
                 inputs[:, None], inputs_embeds=h[:, None], cache=caches, position_ids=positions[:, :, None], **kwargs
             )
