@@ -83,7 +83,7 @@ class Case:
             eng.runner.forward = forward
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3"])
 def case(request, tmp_path_factory):
     return Case(tmp_path_factory.mktemp("vlm"), request.param)
 
@@ -153,9 +153,15 @@ def test_images_kept_apart_in_the_prefix_cache(case, monkeypatch):
 def test_samples_and_preemption_keep_image_tokens(case):
     """n=2 greedy samples of an image prompt (forked from its prompt's blocks) and image prompts
     recomputed after preemption (a pool too small for all of them) give mlx-vlm's tokens."""
-    llm = LLM(str(case.path), block_size=4, max_num_batched_tokens=CHUNK, num_blocks=20, enable_prefix_caching=False)
-    eng = llm.engine
+    from mlxpaged.engine.multimodal import process_images
+
     jobs = [(case.prompt([IMAGE, said(f"Describe image {i}.")]), [noise(20 + i)]) for i in range(3)]
+    # a pool that admits two prompts but cannot hold both at full length: one is preempted
+    loaded = case.llm.engine.loaded
+    length = len(process_images(loaded, case.llm.engine.tokenizer.encode(jobs[0][0]), jobs[0][1]).ids)
+    blocks = 2 * -(-(length + MAX_TOKENS - 1) // 4) - 1  # the last token's K/V is never written
+    llm = LLM(str(case.path), block_size=4, max_num_batched_tokens=CHUNK, num_blocks=blocks, enable_prefix_caching=False)
+    eng = llm.engine
     want = [case.reference(p, ims) for p, ims in jobs]
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     ids = [eng.add_request(p, sp, images=ims) for p, ims in jobs]
@@ -204,8 +210,11 @@ def test_an_unsupported_vision_family_is_refused_in_one_line(tmp_path):
     from mlxpaged.errors import MlxPagedError
     from mlxpaged.loading.loader import load
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "vision_config": {}}))
-    with pytest.raises(
-        MlxPagedError, match=r"^gemma3: a vision model .* \(it runs qwen2_5_vl, qwen3_vl, qwen3_vl_moe\)"
-    ):
+    import re
+
+    from mlxpaged.models.vision import FAMILIES
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava", "vision_config": {}}))
+    runs = re.escape(f"(it runs {', '.join(FAMILIES)})")
+    with pytest.raises(MlxPagedError, match=rf"^llava: a vision model .* {runs}"):
         load(str(tmp_path))

@@ -35,12 +35,16 @@ from .paged_adapter import (
 )
 
 # The families whose language model runs here, each checked against mlx-vlm's own `generate`
-# (tests/test_vision.py); "mrope": positions are Qwen's three t/h/w rows.
+# (tests/test_vision.py); "mrope": positions are Qwen's three t/h/w rows, "rope": one row.
 FAMILIES = {
     "qwen2_5_vl": "mrope",
     "qwen3_vl": "mrope",  # with deepstack: vision features added again after its first layers
     "qwen3_vl_moe": "mrope",
+    "gemma3": "rope",  # sliding-window layers; image features scaled as its text embeddings are
 }
+# The processor attribute naming the marker a chat template writes for an image, where it is not
+# the image token itself (Gemma 3's <start_of_image>, widened to its image tokens between text).
+MARKERS = {"gemma3": "boi_token"}
 
 
 @dataclass
@@ -140,6 +144,29 @@ class PagedVisionModel(nn.Module):
         cfg = self.model.config
         return getattr(cfg, "image_token_id", None) or cfg.image_token_index
 
+    def marker(self, processor) -> str:
+        """The text a chat template writes for one image, which the processor widens."""
+        return getattr(processor, MARKERS.get(self.model_type, "image_token"))
+
+    def make_cache(self) -> list:
+        """The language model's caches as mlx-lm's classes (what `cache_spec` reads): mlx-vlm's
+        own classes of the same names, with their windows."""
+        from mlx_lm.models import cache as lm_cache
+
+        lm = self.model.language_model
+        if not hasattr(lm, "make_cache"):
+            return [lm_cache.KVCache() for _ in self.layers]
+        out = []
+        for c in lm.make_cache():
+            name = type(c).__name__
+            if name == "RotatingKVCache":
+                out.append(lm_cache.RotatingKVCache(max_size=c.max_size, keep=c.keep))
+            elif name == "KVCache":
+                out.append(lm_cache.KVCache())
+            else:
+                raise ValueError(f"{self.model_type}: mlx-vlm's {name} has no paged counterpart here")
+        return out
+
     def prompt_features(self, ids: list[int], processed: dict, digests: list[bytes], cache=None) -> tuple:
         """(the merged prompt embeddings `[P, hidden]`, the deepstack features of its image rows
         `[layers, K, hidden]` or None, its 3-D positions `[3, P]` or None, the position delta
@@ -157,8 +184,13 @@ class PagedVisionModel(nn.Module):
                     cache.put(digest, out)
             outs.append(out)
         kwargs = {k: v for k, v in processed.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
-        with _swapped([(vlm, "vision_tower", _TowerOutput(tower, _concat_outputs(outs)))]):
-            out = vlm.get_input_embeddings(mx.array(ids, dtype=mx.int32)[None], processed["pixel_values"], **kwargs)
+        if self.model_type == "gemma3":  # its tower returns (features, embeddings, hidden states)
+            joined = (mx.concatenate(outs), None, None)
+        else:
+            joined = _concat_outputs(outs)
+        with _swapped([(vlm, "vision_tower", _TowerOutput(tower, joined))]):
+            ids_ = mx.array(ids, dtype=mx.int32)[None]  # the whole prompt attended, as mlx-vlm's generate masks it
+            out = vlm.get_input_embeddings(ids_, processed["pixel_values"], mask=mx.ones(ids_.shape, mx.int32), **kwargs)
         deepstack = getattr(out, "deepstack_visual_embeds", None)
         if deepstack is not None and not isinstance(deepstack, mx.array):
             deepstack = mx.stack(list(deepstack))
@@ -170,8 +202,15 @@ class PagedVisionModel(nn.Module):
 
     def _tower_output(self, processed: dict, i: int):
         """The vision tower's output for image i of `processed` alone (evaluated): Qwen's
-        patches of image i are rows of `pixel_values`, as many as its grid's t * h * w."""
+        patches of image i are rows of `pixel_values`, as many as its grid's t * h * w; Gemma 3's
+        image i is `pixel_values[i]`."""
         tower = self.model.vision_tower
+        if self.model_type == "gemma3":  # as its get_input_embeddings calls it: channels last
+            dtype = self.model.language_model.model.embed_tokens.weight.dtype
+            pixels = processed["pixel_values"][i : i + 1].transpose(0, 2, 3, 1).astype(dtype)
+            out = tower(pixels, output_hidden_states=True)[0]
+            mx.eval(out)
+            return out
         grid = processed["image_grid_thw"]
         sizes = [int(t * h * w) for t, h, w in grid.tolist()]
         start = sum(sizes[:i])
@@ -225,16 +264,14 @@ class PagedVisionModel(nn.Module):
         positions = rows.positions if rows is not None else None
         if self.positions_kind == "mrope" and positions is None:  # text rows: one position, thrice
             positions = mx.broadcast_to(meta.positions[None], (3, meta.positions.shape[0]))
-        kwargs = {}
+        kwargs = {"position_ids": positions[:, :, None]} if self.positions_kind == "mrope" else {}
         if rows is not None and rows.deepstack is not None:  # Qwen3-VL: added again after its first layers
             mask = mx.zeros((inputs.shape[0], 1), dtype=mx.bool_)
             mask[rows.dst] = True
-            kwargs = {"visual_pos_masks": mask, "deepstack_visual_embeds": rows.deepstack}
+            kwargs |= {"visual_pos_masks": mask, "deepstack_visual_embeds": rows.deepstack}
         norm = _final_norm(body)
         with _swapped([(body, norm, _NormRows(body[norm], meta))]):
-            out = lm(
-                inputs[:, None], inputs_embeds=h[:, None], cache=caches, position_ids=positions[:, :, None], **kwargs
-            )
+            out = lm(inputs[:, None], inputs_embeds=h[:, None], cache=caches, **kwargs)
         _check_attended(self.layers, caches)
         logits = out.logits
         return logits.reshape(logits.shape[0], -1)

@@ -109,12 +109,70 @@ def _qwen3_vl(model_type: str, ids: dict, vocab: int) -> dict:
     }
 
 
+# Gemma 3's image marker: <start_of_image>, which its processor widens to
+# "\n\n<start_of_image>" + <image_soft_token> * image_seq_length + "<end_of_image>\n\n".
+GEMMA3_SPECIAL = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+GEMMA3_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<start_of_image>")
+GEMMA3_IMAGE, GEMMA3_TOKENS = 56, 4  # 4x4 patches of 14 pixels, pooled 2x2: 4 image tokens
+
+
+def _gemma3(model_type: str, ids: dict, vocab: int) -> dict:
+    # two layers: a sliding window of 8 (shorter than every prompt here), then a global one
+    text = _text("gemma3_text", vocab, head_dim=HIDDEN // HEADS, query_pre_attn_scalar=1)
+    text |= {"sliding_window": 8, "sliding_window_pattern": 2, "mm_tokens_per_image": GEMMA3_TOKENS}
+    vision = {
+        "model_type": "siglip_vision_model",
+        "num_hidden_layers": 2,
+        "hidden_size": 32,
+        "intermediate_size": VISION_FF,
+        "num_attention_heads": 2,
+        "patch_size": PATCH,
+        "image_size": GEMMA3_IMAGE,
+    }
+    return {
+        "model_type": model_type,
+        "text_config": text,
+        "vision_config": vision,
+        "image_token_index": ids["<image_soft_token>"],
+        "boi_token_index": ids["<start_of_image>"],
+        "eoi_token_index": ids["<end_of_image>"],
+        "pad_token_id": ids["<|endoftext|>"],
+        "hidden_size": HIDDEN,
+        "vocab_size": vocab,
+    }
+
+
+def _gemma3_files(path: Path) -> None:
+    """Gemma 3's image processor (56-pixel squares, no pan-and-scan) and its tokenizer's names
+    for the image markers (its processor reads them off the tokenizer)."""
+    image = {
+        "image_processor_type": "Gemma3ImageProcessor",
+        "processor_class": "Gemma3Processor",
+        "size": {"height": GEMMA3_IMAGE, "width": GEMMA3_IMAGE},
+        "do_pan_and_scan": False,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "resample": 2,
+    }
+    (path / "preprocessor_config.json").write_text(json.dumps(image))
+    processor = {"processor_class": "Gemma3Processor", "image_seq_length": GEMMA3_TOKENS}
+    (path / "processor_config.json").write_text(json.dumps(processor))
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg["extra_special_tokens"] = {
+        "boi_token": "<start_of_image>",
+        "eoi_token": "<end_of_image>",
+        "image_token": "<image_soft_token>",
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
 # Per family: (its special tokens, its chat template, its config from the token ids and
 # vocabulary, its processor class).
 FAMILIES = {
     "qwen2_5_vl": (QWEN_VL_SPECIAL, QWEN_VL_TEMPLATE, _qwen_vl, "Qwen2_5_VLProcessor"),
     "qwen3_vl": (QWEN_VL_SPECIAL, QWEN_VL_TEMPLATE, _qwen3_vl, "Qwen3VLProcessor"),
     "qwen3_vl_moe": (QWEN_VL_SPECIAL, QWEN_VL_TEMPLATE, _qwen3_vl, "Qwen3VLProcessor"),
+    "gemma3": (GEMMA3_SPECIAL, GEMMA3_TEMPLATE, _gemma3, "Gemma3Processor"),
 }
 
 
@@ -134,6 +192,12 @@ def _processor_files(path: Path, processor_class: str) -> None:
     (path / "preprocessor_config.json").write_text(json.dumps(image))
     (path / "video_preprocessor_config.json").write_text(json.dumps(image))
     (path / "processor_config.json").write_text(json.dumps({"processor_class": processor_class}))
+
+
+def _source(module) -> str:
+    import inspect
+
+    return inspect.getsource(type(module).__call__)
 
 
 def write_tiny_vlm(
@@ -163,15 +227,22 @@ def write_tiny_vlm(
     # the projector's output layers (vision matrices as tall as the text model is wide) drawn
     # larger, so image features are as large as token embeddings and the tokens depend on the image
     projector = {n for n, p in params if p.ndim == 2 and p.shape[0] == HIDDEN and not n.startswith("language_model")}
+    projector |= {n for n, _ in params if n.endswith("mm_input_projection_weight")}  # Gemma 3's, [vision, text]
+    # Gemma's RMSNorm scales by 1 + weight: its identity weight is zero
+    one_plus = {n for n, m in model.named_modules() if type(m).__name__ == "RMSNorm" and "1.0 + self.weight" in _source(m)}
+    # Gemma 3 ties its output head to the embedding, which it scales by sqrt(hidden): drawn small,
+    # so a token's logits are not its own embedding's echo
+    embed_std = 0.1 if model_type == "gemma3" else 1.0
     for name, p in params:
-        if "norm" in name and p.ndim == 1:  # norm weights one, biases zero
-            a = np.zeros(p.shape) if name.endswith("bias") else np.ones(p.shape)
+        if "norm" in name and p.ndim == 1:  # norm weights one (or zero for 1 + weight), biases zero
+            identity = name.endswith("bias") or name.rsplit(".", 1)[0] in one_plus
+            a = np.zeros(p.shape) if identity else np.ones(p.shape)
         elif p.ndim == 1:
             a = rng.normal(0, 0.1, size=p.shape)
         elif name.endswith("lm_head.weight"):  # greedy choices far from ties
             a = rng.normal(0, logit_scale * p.shape[-1] ** -0.5, size=p.shape)
         elif name.endswith("embed_tokens.weight"):
-            a = rng.normal(0, 1.0, size=p.shape)
+            a = rng.normal(0, embed_std, size=p.shape)
         else:
             scale = feature_scale if name in projector else 1.0
             a = rng.normal(0, scale * int(np.prod(p.shape[1:])) ** -0.5, size=p.shape)
@@ -179,5 +250,8 @@ def write_tiny_vlm(
     model.update(tree_unflatten(list(weights.items())))
     save_weights(path, model)
     save_config(config, path / "config.json")
-    _processor_files(path, processor_class)
+    if model_type == "gemma3":
+        _gemma3_files(path)
+    else:
+        _processor_files(path, processor_class)
     return path
