@@ -118,12 +118,12 @@ def _arrays(output) -> list:
 class ImageInputs:
     """A prompt's images after mlx-vlm's processor (numpy work, no model): `ids` the prompt's
     token ids with each image's one marker widened to its image tokens, `processed` the
-    processor's pixel inputs, `digests` each image's content hash, `spans` the `[start, end)` rows
+    processor's pixel inputs of each image, `digests` each image's content hash, `spans` the `[start, end)` rows
     each image's marker was widened to (its image tokens, and any text tokens the processor puts
     around or between them), in prompt order."""
 
     ids: list[int]
-    processed: dict
+    processed: list[dict]
     digests: list[bytes]
     spans: list[tuple[int, int]]
 
@@ -142,24 +142,18 @@ def process_images(loaded, ids: list[int], images: list) -> ImageInputs:
     model, processor = loaded.model, loaded.processor
     if processor is None or not getattr(model, "multimodal", False):
         raise ValueError(f"model {name} takes no images (it has no vision tower)")
-    tokenizer = processor.tokenizer
     marker_text = model.marker(processor)
-    marker = tokenizer.convert_tokens_to_ids(marker_text)
+    marker = processor.tokenizer.convert_tokens_to_ids(marker_text)
     markers = [i for i, t in enumerate(ids) if t == marker]
     if len(markers) != len(images):
         raise ValueError(f"the prompt has {len(markers)} image markers for {len(images)} images")
-    # the markers alone, between end-of-text tokens (one token each, which no processor widens):
-    # what the processor widens a marker to is the ids between two of them
-    sep = tokenizer.eos_token_id
-    text = tokenizer.eos_token.join([marker_text] * len(images))
-    vlm = model.model
-    processed = dict(prepare_inputs(processor, images=images, prompts=text, image_token_index=model.image_token_id))
-    widened = np.asarray(processed.pop("input_ids")[0]).tolist()
-    processed.pop("attention_mask", None)
-    ends = [i for i, t in enumerate(widened) if t == sep] + [len(widened)]
-    pieces = [widened[a + (k > 0) : b] for k, (a, b) in enumerate(zip([0, *ends], ends))]
-    if len(pieces) != len(images):
-        raise ValueError(f"{vlm.config.model_type}'s processor made {len(pieces)} image spans of {len(images)} images")
+    # each image with its marker alone: what the processor widens the marker to is its ids
+    processed, pieces = [], []
+    for image in images:
+        one = dict(prepare_inputs(processor, images=[image], prompts=marker_text, image_token_index=model.image_token_id))
+        pieces.append(np.asarray(one.pop("input_ids")[0]).tolist())
+        one.pop("attention_mask", None)
+        processed.append(one)
     out, spans, last = [], [], 0
     for at, piece in zip(markers, pieces):
         out += ids[last:at]
@@ -171,14 +165,12 @@ def process_images(loaded, ids: list[int], images: list) -> ImageInputs:
 
 
 def encode_images(model, inputs: ImageInputs, cache: EncoderCache | None = None) -> PromptImages:
-    """The `PromptImages` of processed images: the model's `get_input_embeddings` on the whole
-    prompt (models/vision.py), each image's vision tower output from `cache` when it holds it."""
-    ids = inputs.ids
-    embeds, deepstack, positions, delta = model.prompt_features(ids, inputs.processed, inputs.digests, cache)
-    is_image = np.asarray(ids) == model.image_token_id
+    """The `PromptImages` of processed images: the model's `get_input_embeddings`
+    (models/vision.py), each image's output from `cache` when it holds it."""
+    is_image = np.asarray(inputs.ids) == model.image_token_id
     rows = np.concatenate([s + np.flatnonzero(is_image[s:e]) for s, e in inputs.spans]).astype(np.int64)
     spans = tuple((s, e, d) for (s, e), d in zip(inputs.spans, inputs.digests))
-    features = embeds[mx.array(rows)] if len(rows) else embeds[:0]
+    features, deepstack, positions, delta = model.prompt_features(inputs, rows, cache)
     mx.eval(features, *([deepstack] if deepstack is not None else []))
     pos = None if positions is None else np.asarray(positions, dtype=np.int32)
     return PromptImages(rows, features, spans, pos, delta, deepstack)

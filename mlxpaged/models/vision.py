@@ -167,50 +167,60 @@ class PagedVisionModel(nn.Module):
                 raise ValueError(f"{self.model_type}: mlx-vlm's {name} has no paged counterpart here")
         return out
 
-    def prompt_features(self, ids: list[int], processed: dict, digests: list[bytes], cache=None) -> tuple:
-        """(the merged prompt embeddings `[P, hidden]`, the deepstack features of its image rows
-        `[layers, K, hidden]` or None, its 3-D positions `[3, P]` or None, the position delta
-        decode continues from): mlx-vlm's `get_input_embeddings` on the whole prompt, its vision
-        tower's output for each image taken from `cache` (engine/multimodal.py `EncoderCache`,
-        by the image's digest) or computed on that image alone and put there."""
+    def prompt_features(self, inputs, rows: np.ndarray, cache=None) -> tuple:
+        """(the features of the prompt's image rows `rows` `[K, hidden]`, their deepstack features
+        `[layers, K, hidden]` or None, the prompt's 3-D positions `[3, P]` or None, the position
+        delta decode continues from) of `inputs` (engine/multimodal.py `ImageInputs`), as mlx-vlm's
+        `get_input_embeddings` merges them. Qwen's (multimodal RoPE) on the whole prompt, its vision
+        tower's output for each image from `cache` (engine/multimodal.py `EncoderCache`, by the
+        image's digest) or computed on that image alone and put there; any other family's on each
+        image's own rows alone (its features depend on nothing else), those kept in `cache`."""
+        if self.positions_kind != "mrope":
+            outs = []
+            for (s, e), one, digest in zip(inputs.spans, inputs.processed, inputs.digests):
+                out = cache.get(digest) if cache is not None else None
+                if out is None:
+                    out = self._image_rows(inputs.ids[s:e], one)
+                    if cache is not None:
+                        cache.put(digest, out)
+                outs.append(out)
+            return mx.concatenate(outs) if outs else None, None, None, 0
         vlm = self.model
         tower = vlm.vision_tower
+        processed = {k: mx.concatenate([p[k] for p in inputs.processed]) for k in inputs.processed[0]}
         outs = []
-        for i, digest in enumerate(digests):
+        for i, digest in enumerate(inputs.digests):
             out = cache.get(digest) if cache is not None else None
             if out is None:
                 out = self._tower_output(processed, i)
                 if cache is not None:
                     cache.put(digest, out)
             outs.append(out)
-        kwargs = {k: v for k, v in processed.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
-        if self.model_type == "gemma3":  # its tower returns (features, embeddings, hidden states)
-            joined = (mx.concatenate(outs), None, None)
-        else:
-            joined = _concat_outputs(outs)
-        with _swapped([(vlm, "vision_tower", _TowerOutput(tower, joined))]):
-            ids_ = mx.array(ids, dtype=mx.int32)[None]  # the whole prompt attended, as mlx-vlm's generate masks it
-            out = vlm.get_input_embeddings(ids_, processed["pixel_values"], mask=mx.ones(ids_.shape, mx.int32), **kwargs)
+        kwargs = {k: v for k, v in processed.items() if k != "pixel_values"}
+        with _swapped([(vlm, "vision_tower", _TowerOutput(tower, _concat_outputs(outs)))]):
+            out = vlm.get_input_embeddings(mx.array(inputs.ids, dtype=mx.int32)[None], processed["pixel_values"], **kwargs)
         deepstack = getattr(out, "deepstack_visual_embeds", None)
         if deepstack is not None and not isinstance(deepstack, mx.array):
             deepstack = mx.stack(list(deepstack))
-        positions, delta = None, 0
-        if self.positions_kind == "mrope":
-            positions = out.position_ids[:, 0, :].astype(mx.int32)
-            delta = int(out.rope_deltas.reshape(-1)[0].item())
-        return out.inputs_embeds[0], deepstack, positions, delta
+        positions = out.position_ids[:, 0, :].astype(mx.int32)
+        delta = int(out.rope_deltas.reshape(-1)[0].item())
+        return out.inputs_embeds[0][mx.array(rows)], deepstack, positions, delta
+
+    def _image_rows(self, ids: list[int], processed: dict) -> mx.array:
+        """The rows mlx-vlm's `get_input_embeddings` merges at one image's tokens, from that
+        image's widened marker `ids` and its processor inputs alone (evaluated)."""
+        ids_ = mx.array(ids, dtype=mx.int32)[None]
+        kwargs = {k: v for k, v in processed.items() if k != "pixel_values"}
+        # the whole prompt attended, as mlx-vlm's generate masks it (Gemma 3 asks for the mask)
+        out = self.model.get_input_embeddings(ids_, processed["pixel_values"], mask=mx.ones(ids_.shape, mx.int32), **kwargs)
+        rows = out.inputs_embeds[0][mx.array(np.flatnonzero(np.asarray(ids) == self.image_token_id))]
+        mx.eval(rows)
+        return rows
 
     def _tower_output(self, processed: dict, i: int):
         """The vision tower's output for image i of `processed` alone (evaluated): Qwen's
-        patches of image i are rows of `pixel_values`, as many as its grid's t * h * w; Gemma 3's
-        image i is `pixel_values[i]`."""
+        patches of image i are rows of `pixel_values`, as many as its grid's t * h * w."""
         tower = self.model.vision_tower
-        if self.model_type == "gemma3":  # as its get_input_embeddings calls it: channels last
-            dtype = self.model.language_model.model.embed_tokens.weight.dtype
-            pixels = processed["pixel_values"][i : i + 1].transpose(0, 2, 3, 1).astype(dtype)
-            out = tower(pixels, output_hidden_states=True)[0]
-            mx.eval(out)
-            return out
         grid = processed["image_grid_thw"]
         sizes = [int(t * h * w) for t, h, w in grid.tolist()]
         start = sum(sizes[:i])
