@@ -41,6 +41,7 @@ FAMILIES = {
     "qwen3_vl": "mrope",  # with deepstack: vision features added again after its first layers
     "qwen3_vl_moe": "mrope",
     "gemma3": "rope",  # sliding-window layers; image features scaled as its text embeddings are
+    "smolvlm": "rope",  # Idefics3's model: a SigLIP tower, pixel-shuffled into the text model
 }
 # The processor attribute naming the marker a chat template writes for an image, where it is not
 # the image token itself (Gemma 3's <start_of_image>, widened to its image tokens between text).
@@ -123,13 +124,13 @@ class PagedVisionModel(nn.Module):
         self.model_type = model_type
         self.positions_kind = FAMILIES[model_type]
         text = vlm.config.text_config
-        attn = vlm.language_model.model.layers[0].self_attn
+        attn = self.layers[0].self_attn
         self.args = SimpleNamespace(
             model_type=model_type,
             num_hidden_layers=text.num_hidden_layers,
             num_attention_heads=text.num_attention_heads,
             num_key_value_heads=text.num_key_value_heads or text.num_attention_heads,
-            head_dim=getattr(text, "head_dim", None) or attn.head_dim,
+            head_dim=getattr(text, "head_dim", None) or getattr(attn, "head_dim", text.hidden_size // text.num_attention_heads),
             hidden_size=text.hidden_size,
             vocab_size=text.vocab_size,
             max_position_embeddings=getattr(text, "max_position_embeddings", None),
@@ -137,7 +138,7 @@ class PagedVisionModel(nn.Module):
 
     @property
     def layers(self):
-        return self.model.language_model.model.layers
+        return text_body(self).layers
 
     @property
     def image_token_id(self) -> int:

@@ -166,6 +166,51 @@ def _gemma3_files(path: Path) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
 
 
+# SmolVLM / Idefics3: an <image> part, which the processor widens to
+# <fake_token_around_image><global-img> + <image> * image_seq_len + <fake_token_around_image>.
+IDEFICS3_SPECIAL = ("<fake_token_around_image>", "<global-img>", "<image>", "<end_of_utterance>")
+IDEFICS3_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
+IDEFICS3_IMAGE = 56  # 4x4 patches of 14 pixels, pixel-shuffled 2x2: 4 image tokens
+
+
+def _idefics3(model_type: str, ids: dict, vocab: int) -> dict:
+    text = _text(model_type, vocab)
+    vision = {
+        "model_type": "siglip_vision_model",
+        "num_hidden_layers": 2,
+        "hidden_size": 32,
+        "intermediate_size": VISION_FF,
+        "num_attention_heads": 2,
+        "patch_size": PATCH,
+        "image_size": IDEFICS3_IMAGE,
+    }
+    return {
+        "model_type": model_type,
+        "text_config": text,
+        "vision_config": vision,
+        "image_token_id": ids["<image>"],
+        "scale_factor": 2,
+        "vocab_size": vocab,
+    }
+
+
+def _idefics3_files(path: Path, processor_class: str) -> None:
+    """SmolVLM's image processor: each image resized to one 56-pixel square (no splitting)."""
+    image = {
+        "image_processor_type": "SmolVLMImageProcessor" if processor_class == "SmolVLMProcessor" else "Idefics3ImageProcessor",
+        "processor_class": processor_class,
+        "do_image_splitting": False,
+        "size": {"longest_edge": IDEFICS3_IMAGE},
+        "max_image_size": {"longest_edge": IDEFICS3_IMAGE},
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "resample": 1,
+    }
+    (path / "preprocessor_config.json").write_text(json.dumps(image))
+    tokens = (IDEFICS3_IMAGE // PATCH) ** 2 // 4
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": processor_class, "image_seq_len": tokens}))
+
+
 # Per family: (its special tokens, its chat template, its config from the token ids and
 # vocabulary, its processor class).
 FAMILIES = {
@@ -173,6 +218,7 @@ FAMILIES = {
     "qwen3_vl": (QWEN_VL_SPECIAL, QWEN_VL_TEMPLATE, _qwen3_vl, "Qwen3VLProcessor"),
     "qwen3_vl_moe": (QWEN_VL_SPECIAL, QWEN_VL_TEMPLATE, _qwen3_vl, "Qwen3VLProcessor"),
     "gemma3": (GEMMA3_SPECIAL, GEMMA3_TEMPLATE, _gemma3, "Gemma3Processor"),
+    "smolvlm": (IDEFICS3_SPECIAL, IDEFICS3_TEMPLATE, _idefics3, "SmolVLMProcessor"),
 }
 
 
@@ -252,6 +298,8 @@ def write_tiny_vlm(
     save_config(config, path / "config.json")
     if model_type == "gemma3":
         _gemma3_files(path)
+    elif model_type == "smolvlm":
+        _idefics3_files(path, processor_class)
     else:
         _processor_files(path, processor_class)
     return path
