@@ -42,6 +42,7 @@ FAMILIES = {
     "qwen3_vl_moe": "mrope",
     "gemma3": "rope",  # sliding-window layers; image features scaled as its text embeddings are
     "smolvlm": "rope",  # Idefics3's model: a SigLIP tower, pixel-shuffled into the text model
+    "idefics3": "rope",
 }
 # The processor attribute naming the marker a chat template writes for an image, where it is not
 # the image token itself (Gemma 3's <start_of_image>, widened to its image tokens between text).

@@ -219,6 +219,7 @@ FAMILIES = {
     "qwen3_vl_moe": (QWEN_VL_SPECIAL, QWEN_VL_TEMPLATE, _qwen3_vl, "Qwen3VLProcessor"),
     "gemma3": (GEMMA3_SPECIAL, GEMMA3_TEMPLATE, _gemma3, "Gemma3Processor"),
     "smolvlm": (IDEFICS3_SPECIAL, IDEFICS3_TEMPLATE, _idefics3, "SmolVLMProcessor"),
+    "idefics3": (IDEFICS3_SPECIAL, IDEFICS3_TEMPLATE, _idefics3, "Idefics3Processor"),
 }
 
 
@@ -298,7 +299,7 @@ def write_tiny_vlm(
     save_config(config, path / "config.json")
     if model_type == "gemma3":
         _gemma3_files(path)
-    elif model_type == "smolvlm":
+    elif model_type in ("smolvlm", "idefics3"):
         _idefics3_files(path, processor_class)
     else:
         _processor_files(path, processor_class)
