@@ -43,6 +43,7 @@ FAMILIES = {
     "gemma3": "rope",  # sliding-window layers; image features scaled as its text embeddings are
     "smolvlm": "rope",  # Idefics3's model: a SigLIP tower, pixel-shuffled into the text model
     "idefics3": "rope",
+    "mistral3": "rope",  # Pixtral's vision: an image's rows of tokens between [IMG_BREAK]s
 }
 # The processor attribute naming the marker a chat template writes for an image, where it is not
 # the image token itself (Gemma 3's <start_of_image>, widened to its image tokens between text).

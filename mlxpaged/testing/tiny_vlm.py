@@ -211,6 +211,49 @@ def _idefics3_files(path: Path, processor_class: str) -> None:
     (path / "processor_config.json").write_text(json.dumps({"processor_class": processor_class, "image_seq_len": tokens}))
 
 
+# Mistral 3 (Pixtral's vision): an [IMG] part, which the processor widens to rows of [IMG]
+# separated by [IMG_BREAK], ended by [IMG_END] (one [IMG] per 2x2 merged 14-pixel patches).
+MISTRAL3_SPECIAL = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
+MISTRAL3_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "[IMG]")
+
+
+def _mistral3(model_type: str, ids: dict, vocab: int) -> dict:
+    text = _text("mistral", vocab, head_dim=HIDDEN // HEADS)
+    vision = {
+        "model_type": "pixtral",
+        "num_hidden_layers": 2,
+        "hidden_size": 32,
+        "head_dim": 16,
+        "intermediate_size": VISION_FF,
+        "num_attention_heads": 2,
+        "image_size": PATCH * MERGE * 4,
+        "patch_size": PATCH,
+    }
+    return {
+        "model_type": model_type,
+        "text_config": text,
+        "vision_config": vision,
+        "image_token_index": ids["[IMG]"],
+        "spatial_merge_size": MERGE,
+        "vocab_size": vocab,
+    }
+
+
+def _mistral3_files(path: Path) -> None:
+    """Pixtral's image processor: the longest edge to 112 pixels, sides multiples of 28."""
+    image = {
+        "image_processor_type": "PixtralImageProcessor",
+        "processor_class": "Mistral3Processor",
+        "size": {"longest_edge": PATCH * MERGE * 4},
+        "patch_size": {"height": PATCH, "width": PATCH},
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+    }
+    (path / "preprocessor_config.json").write_text(json.dumps(image))
+    proc = {"processor_class": "Mistral3Processor", "patch_size": PATCH, "spatial_merge_size": MERGE}
+    (path / "processor_config.json").write_text(json.dumps(proc))
+
+
 # Per family: (its special tokens, its chat template, its config from the token ids and
 # vocabulary, its processor class).
 FAMILIES = {
@@ -220,6 +263,7 @@ FAMILIES = {
     "gemma3": (GEMMA3_SPECIAL, GEMMA3_TEMPLATE, _gemma3, "Gemma3Processor"),
     "smolvlm": (IDEFICS3_SPECIAL, IDEFICS3_TEMPLATE, _idefics3, "SmolVLMProcessor"),
     "idefics3": (IDEFICS3_SPECIAL, IDEFICS3_TEMPLATE, _idefics3, "Idefics3Processor"),
+    "mistral3": (MISTRAL3_SPECIAL, MISTRAL3_TEMPLATE, _mistral3, "Mistral3Processor"),
 }
 
 
@@ -301,6 +345,8 @@ def write_tiny_vlm(
         _gemma3_files(path)
     elif model_type in ("smolvlm", "idefics3"):
         _idefics3_files(path, processor_class)
+    elif model_type == "mistral3":
+        _mistral3_files(path)
     else:
         _processor_files(path, processor_class)
     return path
