@@ -83,7 +83,7 @@ class Case:
             eng.runner.forward = forward
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "smolvlm", "idefics3", "mistral3"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "smolvlm", "idefics3", "mistral3", "qwen3_5"])
 def case(request, tmp_path_factory):
     return Case(tmp_path_factory.mktemp("vlm"), request.param)
 

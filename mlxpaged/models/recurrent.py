@@ -93,8 +93,12 @@ def _stacked(states: list) -> list:
     return [mx.concatenate(a) for a in zip(*(own(r) for r in states))]
 
 
-def _cache(size: int, arrays) -> object:
-    from mlx_lm.models.cache import ArraysCache
+def _cache(size: int, arrays, layer: nn.Module) -> object:
+    """The layer's state as the cache class its library's layers read (mlx-vlm's has more)."""
+    if type(layer).__module__.startswith("mlx_vlm."):
+        from mlx_vlm.models.cache import ArraysCache
+    else:
+        from mlx_lm.models.cache import ArraysCache
 
     c = ArraysCache(size)
     if arrays is not None:
@@ -116,11 +120,13 @@ class SegmentedLayer:
 
     def _run(self, x: mx.array, state) -> tuple[mx.array, tuple]:
         """mlx-lm's layer on `x [B, L, D]` from `state` (a LayerState or None) -> (y, new state)."""
-        c = _cache(self.size, state)
+        c = _cache(self.size, state, self.layer)
         y = self.layer(x, mask=None, cache=c)
         return y, tuple(c.cache)
 
-    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+    def __call__(self, x: mx.array, mask=None, cache=None, **positions) -> mx.array:
+        # `positions`: what mlx-vlm's Qwen3.5 loop hands every layer (position ids, rotary tables);
+        # its recurrent layers read none of it
         st, k = self.states, self.k
         q = st.q_lens
         rows = x[:, 0]  # [T, D]

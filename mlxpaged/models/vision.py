@@ -27,8 +27,10 @@ from .paged_adapter import (
     _final_norm,
     _install_sdpa,
     _NormRows,
+    _segmented,
     _swapped,
     attention_modules,
+    attention_of,
     cache_spec,
     pass_caches,
     text_body,
@@ -43,6 +45,7 @@ FAMILIES = {
     "gemma3": "rope",  # sliding-window layers; image features scaled as its text embeddings are
     "smolvlm": "rope",  # Idefics3's model: a SigLIP tower, pixel-shuffled into the text model
     "idefics3": "rope",
+    "qwen3_5": "mrope",  # gated DeltaNet layers (recurrent state) between full-attention ones
     "mistral3": "rope",  # Pixtral's vision: an image's rows of tokens between [IMG_BREAK]s
 }
 # The processor attribute naming the marker a chat template writes for an image, where it is not
@@ -94,6 +97,20 @@ def _concat_outputs(outs: list):
     return mx.concatenate(outs)
 
 
+_ARRAYS = []
+
+
+def _arrays_cache() -> type:
+    """A recurrent layer's cache that is both mlx-vlm's ArraysCache (its layers call
+    `update_window`, `advance`) and, for `cache_spec`, mlx-lm's."""
+    if not _ARRAYS:
+        from mlx_lm.models.cache import ArraysCache as LmArrays
+        from mlx_vlm.models.cache import ArraysCache as VlmArrays
+
+        _ARRAYS.append(type("ArraysCache", (VlmArrays, LmArrays), {}))
+    return _ARRAYS[0]
+
+
 def vision_refusal(config: dict) -> str | None:
     """One line naming why a checkpoint with a vision tower cannot run, or None."""
     model_type = config.get("model_type")
@@ -126,7 +143,7 @@ class PagedVisionModel(nn.Module):
         self.model_type = model_type
         self.positions_kind = FAMILIES[model_type]
         text = vlm.config.text_config
-        attn = self.layers[0].self_attn
+        attn = next(a for a in map(attention_of, self.layers) if a is not None)
         self.args = SimpleNamespace(
             model_type=model_type,
             num_hidden_layers=text.num_hidden_layers,
@@ -162,7 +179,9 @@ class PagedVisionModel(nn.Module):
         out = []
         for c in lm.make_cache():
             name = type(c).__name__
-            if name == "RotatingKVCache":
+            if name == "ArraysCache":  # read by mlx-vlm's layers (state_spec runs them) and by cache_spec
+                out.append(_arrays_cache()(len(c.cache)))
+            elif name == "RotatingKVCache":
                 out.append(lm_cache.RotatingKVCache(max_size=c.max_size, keep=c.keep))
             elif name == "KVCache":
                 out.append(lm_cache.KVCache())
@@ -283,7 +302,10 @@ class PagedVisionModel(nn.Module):
             mask[rows.dst] = True
             kwargs |= {"visual_pos_masks": mask, "deepstack_visual_embeds": rows.deepstack}
         norm = _final_norm(body)
-        with _swapped([(body, norm, _NormRows(body[norm], meta))]):
+        swaps = [(body, norm, _NormRows(body[norm], meta))]
+        if spec.num_recurrent:  # each recurrent layer on the pass's states (recurrent.py)
+            swaps.append((body, "layers", _segmented(body.layers, spec.recurrent_sizes, meta)))
+        with _swapped(swaps):
             out = lm(inputs[:, None], inputs_embeds=h[:, None], cache=caches, **kwargs)
         _check_attended(self.layers, caches)
         logits = out.logits

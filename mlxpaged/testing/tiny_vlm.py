@@ -254,6 +254,29 @@ def _mistral3_files(path: Path) -> None:
     (path / "processor_config.json").write_text(json.dumps(proc))
 
 
+def _qwen3_5(model_type: str, ids: dict, vocab: int) -> dict:
+    """Qwen3.5: gated DeltaNet layers, then a full-attention one (multimodal RoPE on half its dims)."""
+    rope = {"type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    text = _text(model_type, vocab, head_dim=32, rope_parameters=rope, full_attention_interval=2)
+    text |= {
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+    }
+    text.pop("rope_theta")
+    vision = _vision(model_type, num_position_embeddings=256, deepstack_visual_indexes=[])
+    return {
+        "model_type": model_type,
+        "text_config": text,
+        "vision_config": vision,
+        **_qwen_ids(ids),
+        "vocab_size": vocab,
+        "tie_word_embeddings": False,
+    }
+
+
 # Per family: (its special tokens, its chat template, its config from the token ids and
 # vocabulary, its processor class).
 FAMILIES = {
@@ -263,6 +286,7 @@ FAMILIES = {
     "gemma3": (GEMMA3_SPECIAL, GEMMA3_TEMPLATE, _gemma3, "Gemma3Processor"),
     "smolvlm": (IDEFICS3_SPECIAL, IDEFICS3_TEMPLATE, _idefics3, "SmolVLMProcessor"),
     "idefics3": (IDEFICS3_SPECIAL, IDEFICS3_TEMPLATE, _idefics3, "Idefics3Processor"),
+    "qwen3_5": (QWEN_VL_SPECIAL, QWEN_VL_TEMPLATE, _qwen3_5, "Qwen3VLProcessor"),
     "mistral3": (MISTRAL3_SPECIAL, MISTRAL3_TEMPLATE, _mistral3, "Mistral3Processor"),
 }
 
@@ -321,9 +345,10 @@ def write_tiny_vlm(
     projector |= {n for n, _ in params if n.endswith("mm_input_projection_weight")}  # Gemma 3's, [vision, text]
     # Gemma's RMSNorm scales by 1 + weight: its identity weight is zero
     one_plus = {n for n, m in model.named_modules() if type(m).__name__ == "RMSNorm" and "1.0 + self.weight" in _source(m)}
-    # Gemma 3 ties its output head to the embedding, which it scales by sqrt(hidden): drawn small,
-    # so a token's logits are not its own embedding's echo
-    embed_std = 0.1 if model_type == "gemma3" else 1.0
+    # drawn small where the text embedding would drown what the layers add: Gemma 3 ties its output
+    # head to it and scales it by sqrt(hidden) (a token's logits its own embedding's echo); Qwen3.5's
+    # one attention layer averages the image in too weakly to change a token
+    embed_std = 0.1 if model_type in ("gemma3", "qwen3_5") else 1.0
     for name, p in params:
         if "norm" in name and p.ndim == 1:  # norm weights one (or zero for 1 + weight), biases zero
             identity = name.endswith("bias") or name.rsplit(".", 1)[0] in one_plus
