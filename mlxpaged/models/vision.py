@@ -46,6 +46,7 @@ FAMILIES = {
     "smolvlm": "rope",  # Idefics3's model: a SigLIP tower, pixel-shuffled into the text model
     "idefics3": "rope",
     "qwen3_5": "mrope",  # gated DeltaNet layers (recurrent state) between full-attention ones
+    "lfm2_vl": "rope",  # LFM2's short-convolution layers (recurrent state) and a SigLIP2 tower
     "mistral3": "rope",  # Pixtral's vision: an image's rows of tokens between [IMG_BREAK]s
 }
 # The processor attribute naming the marker a chat template writes for an image, where it is not
@@ -284,8 +285,8 @@ class PagedVisionModel(nn.Module):
         return rows
 
     def __call__(self, inputs, cache=None, meta: AttentionMetadata | None = None, rows: PassRows | None = None):
-        if meta is None:
-            return self.model(inputs, cache=cache)
+        if meta is None:  # the text model on mlx-vlm's caches (state_spec reads the recurrent layers' shapes)
+            return self.model.language_model(inputs, cache=cache)
         spec = cache.spec if cache.spec is not None else cache_spec(self)
         caches = pass_caches(spec, cache, meta)
         lm = self.model.language_model

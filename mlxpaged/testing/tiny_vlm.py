@@ -277,6 +277,61 @@ def _qwen3_5(model_type: str, ids: dict, vocab: int) -> dict:
     }
 
 
+# LFM2-VL: an <image> part, which the processor widens to <|image_start|> + <image> * n + <|image_end|>.
+LFM2_VL_SPECIAL = ("<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>")
+LFM2_VL_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
+LFM2_VL_IMAGE = {  # 14-pixel patches, 2x2 unshuffled: 12 to 24 image tokens, no tiles for small images
+    "encoder_patch_size": PATCH,
+    "downsample_factor": 2,
+    "min_image_tokens": 12,
+    "max_image_tokens": 24,
+    "max_num_patches": 96,
+    "tile_size": 112,
+}
+
+
+def _lfm2_vl(model_type: str, ids: dict, vocab: int) -> dict:
+    """LFM2's short convolutions, then a full-attention layer; a SigLIP2 tower of native sizes."""
+    text = _text("lfm2", vocab, norm_eps=1e-5)
+    text |= {
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": HIDDEN,
+        "block_ff_dim": FF,
+        "block_auto_adjust_ff_dim": False,
+        "layer_types": ["conv", "full_attention"],
+        "num_heads": HEADS,
+    }
+    vision = {
+        "model_type": "lfm2_vl",
+        "hidden_size": 32,
+        "intermediate_size": VISION_FF,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "patch_size": PATCH,
+        "num_patches": 64,
+    }
+    return {
+        "model_type": model_type,
+        "text_config": text,
+        "vision_config": vision,
+        "image_token_id": ids["<image>"],
+        "projector_hidden_size": HIDDEN,
+        "do_image_splitting": False,
+        "eos_token_id": ids["<|im_end|>"],
+        **LFM2_VL_IMAGE,
+        "vocab_size": vocab,
+    }
+
+
+def _lfm2_vl_files(path: Path) -> None:
+    image = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], **LFM2_VL_IMAGE, "patch_size": PATCH}
+    (path / "preprocessor_config.json").write_text(
+        json.dumps({"image_processor_type": "Lfm2VlImageProcessor", "processor_class": "Lfm2VlProcessor", **image})
+    )
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Lfm2VlProcessor"}))
+
+
 # Per family: (its special tokens, its chat template, its config from the token ids and
 # vocabulary, its processor class).
 FAMILIES = {
@@ -287,6 +342,7 @@ FAMILIES = {
     "smolvlm": (IDEFICS3_SPECIAL, IDEFICS3_TEMPLATE, _idefics3, "SmolVLMProcessor"),
     "idefics3": (IDEFICS3_SPECIAL, IDEFICS3_TEMPLATE, _idefics3, "Idefics3Processor"),
     "qwen3_5": (QWEN_VL_SPECIAL, QWEN_VL_TEMPLATE, _qwen3_5, "Qwen3VLProcessor"),
+    "lfm2_vl": (LFM2_VL_SPECIAL, LFM2_VL_TEMPLATE, _lfm2_vl, "Lfm2VlProcessor"),
     "mistral3": (MISTRAL3_SPECIAL, MISTRAL3_TEMPLATE, _mistral3, "Mistral3Processor"),
 }
 
@@ -348,7 +404,7 @@ def write_tiny_vlm(
     # drawn small where the text embedding would drown what the layers add: Gemma 3 ties its output
     # head to it and scales it by sqrt(hidden) (a token's logits its own embedding's echo); Qwen3.5's
     # one attention layer averages the image in too weakly to change a token
-    embed_std = 0.1 if model_type in ("gemma3", "qwen3_5") else 1.0
+    embed_std = 0.1 if model_type in ("gemma3", "qwen3_5", "lfm2_vl") else 1.0
     for name, p in params:
         if "norm" in name and p.ndim == 1:  # norm weights one (or zero for 1 + weight), biases zero
             identity = name.endswith("bias") or name.rsplit(".", 1)[0] in one_plus
@@ -372,6 +428,8 @@ def write_tiny_vlm(
         _idefics3_files(path, processor_class)
     elif model_type == "mistral3":
         _mistral3_files(path)
+    elif model_type == "lfm2_vl":
+        _lfm2_vl_files(path)
     else:
         _processor_files(path, processor_class)
     return path
