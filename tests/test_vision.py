@@ -83,7 +83,20 @@ class Case:
             eng.runner.forward = forward
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "smolvlm", "idefics3", "mistral3", "qwen3_5", "lfm2_vl"])
+@pytest.fixture(
+    scope="module",
+    params=[
+        "qwen2_5_vl",
+        "qwen3_vl",
+        "qwen3_vl_moe",
+        "gemma3",
+        "smolvlm",
+        "idefics3",
+        "mistral3",
+        "qwen3_5",
+        "lfm2_vl",
+    ],
+)
 def case(request, tmp_path_factory):
     return Case(tmp_path_factory.mktemp("vlm"), request.param)
 
@@ -161,7 +174,9 @@ def test_samples_and_preemption_keep_image_tokens(case):
     loaded = case.llm.engine.loaded
     length = len(process_images(loaded, case.llm.engine.tokenizer.encode(jobs[0][0]), jobs[0][1]).ids)
     blocks = -(-(length + MAX_TOKENS - 1) // 4) + -(-length // 4)  # the last token's K/V is never written
-    llm = LLM(str(case.path), block_size=4, max_num_batched_tokens=CHUNK, num_blocks=blocks, enable_prefix_caching=False)
+    llm = LLM(
+        str(case.path), block_size=4, max_num_batched_tokens=CHUNK, num_blocks=blocks, enable_prefix_caching=False
+    )
     eng = llm.engine
     want = [case.reference(p, ims) for p, ims in jobs]
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -207,12 +222,10 @@ def test_an_unsupported_vision_family_is_refused_in_one_line(tmp_path):
     """A vision checkpoint whose family's language model does not run here is refused at load,
     naming the type and the families that run (nothing is loaded or half-built)."""
     import json
+    import re
 
     from mlxpaged.errors import MlxPagedError
     from mlxpaged.loading.loader import load
-
-    import re
-
     from mlxpaged.models.vision import FAMILIES
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava", "vision_config": {}}))

@@ -150,7 +150,9 @@ def process_images(loaded, ids: list[int], images: list) -> ImageInputs:
     # each image with its marker alone: what the processor widens the marker to is its ids
     processed, pieces = [], []
     for image in images:
-        one = dict(prepare_inputs(processor, images=[image], prompts=marker_text, image_token_index=model.image_token_id))
+        one = dict(
+            prepare_inputs(processor, images=[image], prompts=marker_text, image_token_index=model.image_token_id)
+        )
         pieces.append(np.asarray(one.pop("input_ids")[0]).tolist())
         one.pop("attention_mask", None)
         processed.append(one)

@@ -150,7 +150,8 @@ class PagedVisionModel(nn.Module):
             num_hidden_layers=text.num_hidden_layers,
             num_attention_heads=text.num_attention_heads,
             num_key_value_heads=text.num_key_value_heads or text.num_attention_heads,
-            head_dim=getattr(text, "head_dim", None) or getattr(attn, "head_dim", text.hidden_size // text.num_attention_heads),
+            head_dim=getattr(text, "head_dim", None)
+            or getattr(attn, "head_dim", text.hidden_size // text.num_attention_heads),
             hidden_size=text.hidden_size,
             vocab_size=text.vocab_size,
             max_position_embeddings=getattr(text, "max_position_embeddings", None),
@@ -221,7 +222,9 @@ class PagedVisionModel(nn.Module):
             outs.append(out)
         kwargs = {k: v for k, v in processed.items() if k != "pixel_values"}
         with _swapped([(vlm, "vision_tower", _TowerOutput(tower, _concat_outputs(outs)))]):
-            out = vlm.get_input_embeddings(mx.array(inputs.ids, dtype=mx.int32)[None], processed["pixel_values"], **kwargs)
+            out = vlm.get_input_embeddings(
+                mx.array(inputs.ids, dtype=mx.int32)[None], processed["pixel_values"], **kwargs
+            )
         deepstack = getattr(out, "deepstack_visual_embeds", None)
         if deepstack is not None and not isinstance(deepstack, mx.array):
             deepstack = mx.stack(list(deepstack))
@@ -235,7 +238,9 @@ class PagedVisionModel(nn.Module):
         ids_ = mx.array(ids, dtype=mx.int32)[None]
         kwargs = {k: v for k, v in processed.items() if k != "pixel_values"}
         # the whole prompt attended, as mlx-vlm's generate masks it (Gemma 3 asks for the mask)
-        out = self.model.get_input_embeddings(ids_, processed["pixel_values"], mask=mx.ones(ids_.shape, mx.int32), **kwargs)
+        out = self.model.get_input_embeddings(
+            ids_, processed["pixel_values"], mask=mx.ones(ids_.shape, mx.int32), **kwargs
+        )
         rows = out.inputs_embeds[0][mx.array(np.flatnonzero(np.asarray(ids) == self.image_token_id))]
         mx.eval(rows)
         return rows

@@ -98,7 +98,12 @@ def _qwen3_vl(model_type: str, ids: dict, vocab: int) -> dict:
             "moe_intermediate_size": 64,
             "norm_topk_prob": True,
         }
-    vision = _vision(model_type, num_position_embeddings=256, deepstack_visual_indexes=[0])
+    return _qwen3_config(model_type, text, ids, vocab, deepstack=[0])
+
+
+def _qwen3_config(model_type: str, text: dict, ids: dict, vocab: int, deepstack: list[int]) -> dict:
+    """Qwen3-VL's and Qwen3.5's config around `text`: a vision tower adding its `deepstack` layers' features."""
+    vision = _vision(model_type, num_position_embeddings=256, deepstack_visual_indexes=deepstack)
     return {
         "model_type": model_type,
         "text_config": text,
@@ -106,6 +111,19 @@ def _qwen3_vl(model_type: str, ids: dict, vocab: int) -> dict:
         **_qwen_ids(ids),
         "vocab_size": vocab,
         "tie_word_embeddings": False,
+    }
+
+
+def _siglip(image_size: int) -> dict:
+    """A small SigLIP tower (Gemma 3's, Idefics3's): 14-pixel patches of `image_size` squares."""
+    return {
+        "model_type": "siglip_vision_model",
+        "num_hidden_layers": 2,
+        "hidden_size": 32,
+        "intermediate_size": VISION_FF,
+        "num_attention_heads": 2,
+        "patch_size": PATCH,
+        "image_size": image_size,
     }
 
 
@@ -120,19 +138,10 @@ def _gemma3(model_type: str, ids: dict, vocab: int) -> dict:
     # two layers: a sliding window of 8 (shorter than every prompt here), then a global one
     text = _text("gemma3_text", vocab, head_dim=HIDDEN // HEADS, query_pre_attn_scalar=1)
     text |= {"sliding_window": 8, "sliding_window_pattern": 2, "mm_tokens_per_image": GEMMA3_TOKENS}
-    vision = {
-        "model_type": "siglip_vision_model",
-        "num_hidden_layers": 2,
-        "hidden_size": 32,
-        "intermediate_size": VISION_FF,
-        "num_attention_heads": 2,
-        "patch_size": PATCH,
-        "image_size": GEMMA3_IMAGE,
-    }
     return {
         "model_type": model_type,
         "text_config": text,
-        "vision_config": vision,
+        "vision_config": _siglip(GEMMA3_IMAGE),
         "image_token_index": ids["<image_soft_token>"],
         "boi_token_index": ids["<start_of_image>"],
         "eoi_token_index": ids["<end_of_image>"],
@@ -175,19 +184,10 @@ IDEFICS3_IMAGE = 56  # 4x4 patches of 14 pixels, pixel-shuffled 2x2: 4 image tok
 
 def _idefics3(model_type: str, ids: dict, vocab: int) -> dict:
     text = _text(model_type, vocab)
-    vision = {
-        "model_type": "siglip_vision_model",
-        "num_hidden_layers": 2,
-        "hidden_size": 32,
-        "intermediate_size": VISION_FF,
-        "num_attention_heads": 2,
-        "patch_size": PATCH,
-        "image_size": IDEFICS3_IMAGE,
-    }
     return {
         "model_type": model_type,
         "text_config": text,
-        "vision_config": vision,
+        "vision_config": _siglip(IDEFICS3_IMAGE),
         "image_token_id": ids["<image>"],
         "scale_factor": 2,
         "vocab_size": vocab,
@@ -197,7 +197,9 @@ def _idefics3(model_type: str, ids: dict, vocab: int) -> dict:
 def _idefics3_files(path: Path, processor_class: str) -> None:
     """SmolVLM's image processor: each image resized to one 56-pixel square (no splitting)."""
     image = {
-        "image_processor_type": "SmolVLMImageProcessor" if processor_class == "SmolVLMProcessor" else "Idefics3ImageProcessor",
+        "image_processor_type": "SmolVLMImageProcessor"
+        if processor_class == "SmolVLMProcessor"
+        else "Idefics3ImageProcessor",
         "processor_class": processor_class,
         "do_image_splitting": False,
         "size": {"longest_edge": IDEFICS3_IMAGE},
@@ -208,7 +210,9 @@ def _idefics3_files(path: Path, processor_class: str) -> None:
     }
     (path / "preprocessor_config.json").write_text(json.dumps(image))
     tokens = (IDEFICS3_IMAGE // PATCH) ** 2 // 4
-    (path / "processor_config.json").write_text(json.dumps({"processor_class": processor_class, "image_seq_len": tokens}))
+    (path / "processor_config.json").write_text(
+        json.dumps({"processor_class": processor_class, "image_seq_len": tokens})
+    )
 
 
 # Mistral 3 (Pixtral's vision): an [IMG] part, which the processor widens to rows of [IMG]
@@ -266,15 +270,7 @@ def _qwen3_5(model_type: str, ids: dict, vocab: int) -> dict:
         "linear_conv_kernel_dim": 4,
     }
     text.pop("rope_theta")
-    vision = _vision(model_type, num_position_embeddings=256, deepstack_visual_indexes=[])
-    return {
-        "model_type": model_type,
-        "text_config": text,
-        "vision_config": vision,
-        **_qwen_ids(ids),
-        "vocab_size": vocab,
-        "tie_word_embeddings": False,
-    }
+    return _qwen3_config(model_type, text, ids, vocab, deepstack=[])
 
 
 # LFM2-VL: an <image> part, which the processor widens to <|image_start|> + <image> * n + <|image_end|>.
@@ -400,7 +396,9 @@ def write_tiny_vlm(
     projector = {n for n, p in params if p.ndim == 2 and p.shape[0] == HIDDEN and not n.startswith("language_model")}
     projector |= {n for n, _ in params if n.endswith("mm_input_projection_weight")}  # Gemma 3's, [vision, text]
     # Gemma's RMSNorm scales by 1 + weight: its identity weight is zero
-    one_plus = {n for n, m in model.named_modules() if type(m).__name__ == "RMSNorm" and "1.0 + self.weight" in _source(m)}
+    one_plus = {
+        n for n, m in model.named_modules() if type(m).__name__ == "RMSNorm" and "1.0 + self.weight" in _source(m)
+    }
     # drawn small where the text embedding would drown what the layers add: Gemma 3 ties its output
     # head to it and scales it by sqrt(hidden) (a token's logits its own embedding's echo); Qwen3.5's
     # one attention layer averages the image in too weakly to change a token
