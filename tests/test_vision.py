@@ -25,7 +25,7 @@ from PIL import Image  # noqa: E402
 from mlxpaged import LLM, SamplingParams  # noqa: E402
 from mlxpaged.testing.tiny_vlm import write_tiny_vlm  # noqa: E402
 
-MAX_TOKENS = 8
+MAX_TOKENS = 8  # or to the end-of-turn token: mlx-vlm's generate stops there, as the engine does
 CHUNK = 16  # prefill tokens per step: every prompt here spans several chunks
 
 
@@ -67,7 +67,7 @@ class Case:
         """Every (prompt, images) at once, greedy: the token ids of each, and each pass's image
         prompts with where their tokens in it started."""
         eng = self.llm.engine
-        sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
         ids = [eng.add_request(p, sp, images=ims or None) for p, ims in jobs]
         passes = []  # (an image prompt's images, where a pass's tokens of it started)
         forward = eng.runner.forward
@@ -83,7 +83,20 @@ class Case:
             eng.runner.forward = forward
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+@pytest.fixture(
+    scope="module",
+    params=[
+        "qwen2_5_vl",
+        "qwen3_vl",
+        "qwen3_vl_moe",
+        "gemma3",
+        "smolvlm",
+        "idefics3",
+        "mistral3",
+        "qwen3_5",
+        "lfm2_vl",
+    ],
+)
 def case(request, tmp_path_factory):
     return Case(tmp_path_factory.mktemp("vlm"), request.param)
 
@@ -127,8 +140,9 @@ def test_images_kept_apart_in_the_prefix_cache(case, monkeypatch):
     x, y = noise(10), noise(11)
     want_x, want_y = case.reference(prompt, [x]), case.reference(prompt, [y])
     assert want_x != want_y
-    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    tower = type(eng.loaded.model.model.vision_tower)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    vlm = eng.loaded.model.model
+    tower = type(vlm.vision_tower if "vision_tower" in vlm else vlm.vision_model)  # Idefics3's name
     calls = []
     call = tower.__call__
     monkeypatch.setattr(tower, "__call__", lambda self, *a, **k: calls.append(1) or call(self, *a, **k))
@@ -153,16 +167,24 @@ def test_images_kept_apart_in_the_prefix_cache(case, monkeypatch):
 def test_samples_and_preemption_keep_image_tokens(case):
     """n=2 greedy samples of an image prompt (forked from its prompt's blocks) and image prompts
     recomputed after preemption (a pool too small for all of them) give mlx-vlm's tokens."""
-    llm = LLM(str(case.path), block_size=4, max_num_batched_tokens=CHUNK, num_blocks=20, enable_prefix_caching=False)
-    eng = llm.engine
+    from mlxpaged.engine.multimodal import process_images
+
     jobs = [(case.prompt([IMAGE, said(f"Describe image {i}.")]), [noise(20 + i)]) for i in range(3)]
+    # a pool of one request at full length and another's prompt: the second outgrows it, preempted
+    loaded = case.llm.engine.loaded
+    length = len(process_images(loaded, case.llm.engine.tokenizer.encode(jobs[0][0]), jobs[0][1]).ids)
+    blocks = -(-(length + MAX_TOKENS - 1) // 4) + -(-length // 4)  # the last token's K/V is never written
+    llm = LLM(
+        str(case.path), block_size=4, max_num_batched_tokens=CHUNK, num_blocks=blocks, enable_prefix_caching=False
+    )
+    eng = llm.engine
     want = [case.reference(p, ims) for p, ims in jobs]
-    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     ids = [eng.add_request(p, sp, images=ims) for p, ims in jobs]
     outs = llm._drain(ids)
     assert [o.outputs[0].token_ids for o in outs] == want
     assert eng.scheduler.num_preemptions > 0, "the pool was meant to be too small: nothing was preempted"
-    two = SamplingParams(n=2, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    two = SamplingParams(n=2, temperature=0.0, max_tokens=MAX_TOKENS)
     (out,) = llm._drain([eng.add_request(*jobs[0][:1], two, images=jobs[0][1])])
     assert [c.token_ids for c in out.outputs] == [want[0], want[0]]
 
@@ -179,7 +201,7 @@ def test_python_api_and_cli_take_images(case, tmp_path):
     x, y = noise(30), noise(31, 56, 84)
     one = case.prompt([IMAGE, said("Describe the image.")])
     two = case.prompt([IMAGE, IMAGE, said("Describe the image.")])
-    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     outs = case.llm.generate(
         [{"prompt": one, "multi_modal_data": {"image": x}}, {"prompt": two, "multi_modal_data": {"image": [x, y]}}], sp
     )
@@ -189,7 +211,7 @@ def test_python_api_and_cli_take_images(case, tmp_path):
         paths += ["--image", str(tmp_path / f"{i}.png")]
         im.save(tmp_path / f"{i}.png")
     args = ["generate", "--model", str(case.path), "--prompt", "Describe the image.", "-t", str(MAX_TOKENS)]
-    r = CliRunner().invoke(main, [*args, *paths, "--temp", "0", "--ignore-eos", "--json"])
+    r = CliRunner().invoke(main, [*args, *paths, "--temp", "0", "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["outputs"][0]["token_ids"] == case.reference(two, [x, y])
     r = CliRunner().invoke(main, [*args, "--image", str(tmp_path / "missing.png")])
@@ -200,12 +222,13 @@ def test_an_unsupported_vision_family_is_refused_in_one_line(tmp_path):
     """A vision checkpoint whose family's language model does not run here is refused at load,
     naming the type and the families that run (nothing is loaded or half-built)."""
     import json
+    import re
 
     from mlxpaged.errors import MlxPagedError
     from mlxpaged.loading.loader import load
+    from mlxpaged.models.vision import FAMILIES
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "vision_config": {}}))
-    with pytest.raises(
-        MlxPagedError, match=r"^gemma3: a vision model .* \(it runs qwen2_5_vl, qwen3_vl, qwen3_vl_moe\)"
-    ):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava", "vision_config": {}}))
+    runs = re.escape(f"(it runs {', '.join(FAMILIES)})")
+    with pytest.raises(MlxPagedError, match=rf"^llava: a vision model .* {runs}"):
         load(str(tmp_path))

@@ -1,7 +1,8 @@
 """A request's images: processed once when it is added, fed to its prompt rows in each pass.
 
-`prompt_images` runs mlx-vlm's processor on the prompt text and images (the image tokens widened
-to one per image feature, as mlx-vlm's `generate` does) and the model's `get_input_embeddings`
+`process_images` runs mlx-vlm's processor on the images (each image's one marker widened to what
+the processor makes of it: its image tokens, with any text tokens around or between them, as
+mlx-vlm's `generate` does), `encode_images` and the model's `get_input_embeddings`
 on the whole prompt (models/vision.py), and keeps what the passes need: the features of the
 image-token rows, each prompt token's 3-D position (Qwen's multimodal RoPE) and the delta decode
 positions continue from, and each image's content hash with the rows it fills. The model's
@@ -117,11 +118,14 @@ def _arrays(output) -> list:
 class ImageInputs:
     """A prompt's images after mlx-vlm's processor (numpy work, no model): `ids` the prompt's
     token ids with each image's one marker widened to its image tokens, `processed` the
-    processor's pixel inputs, `digests` each image's content hash, in prompt order."""
+    processor's pixel inputs of each image, `digests` each image's content hash, `spans` the `[start, end)` rows
+    each image's marker was widened to (its image tokens, and any text tokens the processor puts
+    around or between them), in prompt order."""
 
     ids: list[int]
-    processed: dict
+    processed: list[dict]
     digests: list[bytes]
+    spans: list[tuple[int, int]]
 
     @property
     def num_images(self) -> int:
@@ -138,50 +142,40 @@ def process_images(loaded, ids: list[int], images: list) -> ImageInputs:
     model, processor = loaded.model, loaded.processor
     if processor is None or not getattr(model, "multimodal", False):
         raise ValueError(f"model {name} takes no images (it has no vision tower)")
-    token = model.image_token_id
-    markers = [i for i, t in enumerate(ids) if t == token]
+    marker_text = model.marker(processor)
+    marker = processor.tokenizer.convert_tokens_to_ids(marker_text)
+    markers = [i for i, t in enumerate(ids) if t == marker]
     if len(markers) != len(images):
         raise ValueError(f"the prompt has {len(markers)} image markers for {len(images)} images")
-    # one marker per line, so each image's tokens are a run of their own
-    text = "\n".join([processor.image_token] * len(images))
-    vlm = model.model
-    processed = dict(prepare_inputs(processor, images=images, prompts=text, image_token_index=token))
-    counts = [e - s for s, e in _runs(np.flatnonzero(np.asarray(processed.pop("input_ids")[0]) == token))]
-    processed.pop("attention_mask", None)
-    if len(counts) != len(images):
-        raise ValueError(
-            f"{vlm.config.model_type}'s processor made {len(counts)} image token runs of {len(images)} images"
+    # each image with its marker alone: what the processor widens the marker to is its ids
+    processed, pieces = [], []
+    for image in images:
+        one = dict(
+            prepare_inputs(processor, images=[image], prompts=marker_text, image_token_index=model.image_token_id)
         )
-    out, last = [], 0
-    for at, n in zip(markers, counts):
-        out += ids[last:at] + [token] * n
+        pieces.append(np.asarray(one.pop("input_ids")[0]).tolist())
+        one.pop("attention_mask", None)
+        processed.append(one)
+    out, spans, last = [], [], 0
+    for at, piece in zip(markers, pieces):
+        out += ids[last:at]
+        spans.append((len(out), len(out) + len(piece)))
+        out += piece
         last = at + 1
     out += ids[last:]
-    return ImageInputs(out, processed, [image_digest(im) for im in images])
+    return ImageInputs(out, processed, [image_digest(im) for im in images], spans)
 
 
 def encode_images(model, inputs: ImageInputs, cache: EncoderCache | None = None) -> PromptImages:
-    """The `PromptImages` of processed images: the model's `get_input_embeddings` on the whole
-    prompt (models/vision.py), each image's vision tower output from `cache` when it holds it."""
-    ids = inputs.ids
-    embeds, deepstack, positions, delta = model.prompt_features(ids, inputs.processed, inputs.digests, cache)
-    rows = np.flatnonzero(np.asarray(ids) == model.image_token_id)
-    runs = _runs(rows)
-    if len(runs) != inputs.num_images:
-        raise ValueError(f"the prompt holds {len(runs)} runs of image tokens for {inputs.num_images} images")
-    spans = tuple((s, e, d) for (s, e), d in zip(runs, inputs.digests))
-    features = embeds[mx.array(rows)] if len(rows) else embeds[:0]
+    """The `PromptImages` of processed images: the model's `get_input_embeddings`
+    (models/vision.py), each image's output from `cache` when it holds it."""
+    is_image = np.asarray(inputs.ids) == model.image_token_id
+    rows = np.concatenate([s + np.flatnonzero(is_image[s:e]) for s, e in inputs.spans]).astype(np.int64)
+    spans = tuple((s, e, d) for (s, e), d in zip(inputs.spans, inputs.digests))
+    features, deepstack, positions, delta = model.prompt_features(inputs, rows, cache)
     mx.eval(features, *([deepstack] if deepstack is not None else []))
     pos = None if positions is None else np.asarray(positions, dtype=np.int32)
     return PromptImages(rows, features, spans, pos, delta, deepstack)
-
-
-def _runs(rows: np.ndarray) -> list[tuple[int, int]]:
-    """The runs of consecutive values in ascending `rows`, as [start, end) pairs."""
-    if not len(rows):
-        return []
-    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
-    return [(int(r[0]), int(r[-1]) + 1) for r in np.split(rows, breaks)]
 
 
 def load_image(source, where: str = "image"):

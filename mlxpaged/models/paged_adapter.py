@@ -644,6 +644,9 @@ class _NormRows:
         out = self.meta.hidden = self.norm(h[self.meta.logits_indices])
         return out
 
+    def __getattr__(self, name):  # a forward may read the norm's weight (Idefics3's casts to its dtype)
+        return getattr(self.norm, name)
+
 
 class _BodyRows:
     """The text model for one pass, handing on only the rows whose logits are sampled: for a

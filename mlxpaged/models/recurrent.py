@@ -93,8 +93,12 @@ def _stacked(states: list) -> list:
     return [mx.concatenate(a) for a in zip(*(own(r) for r in states))]
 
 
-def _cache(size: int, arrays) -> object:
-    from mlx_lm.models.cache import ArraysCache
+def _cache(size: int, arrays, layer: nn.Module) -> object:
+    """The layer's state as the cache class its library's layers read (mlx-vlm's has more)."""
+    if type(layer).__module__.startswith("mlx_vlm."):
+        from mlx_vlm.models.cache import ArraysCache
+    else:
+        from mlx_lm.models.cache import ArraysCache
 
     c = ArraysCache(size)
     if arrays is not None:
@@ -141,7 +145,7 @@ class SegmentedLayer:
     def _run(self, named: dict, rows: list, pick, state) -> tuple[object, tuple]:
         """mlx-lm's layer on the rows `pick(a)` of each per-row argument, from `state` (a
         LayerState or None) -> (its result, new state)."""
-        c = _cache(self.size, state)
+        c = _cache(self.size, state, self.layer)
         call = {n: (pick(v) if n in rows else v) for n, v in named.items()}
         call["cache"] = c
         if "mask" in call:

@@ -27,20 +27,31 @@ from .paged_adapter import (
     _final_norm,
     _install_sdpa,
     _NormRows,
+    _segmented,
     _swapped,
     attention_modules,
+    attention_of,
     cache_spec,
     pass_caches,
     text_body,
 )
 
 # The families whose language model runs here, each checked against mlx-vlm's own `generate`
-# (tests/test_vision.py); "mrope": positions are Qwen's three t/h/w rows.
+# (tests/test_vision.py); "mrope": positions are Qwen's three t/h/w rows, "rope": one row.
 FAMILIES = {
     "qwen2_5_vl": "mrope",
     "qwen3_vl": "mrope",  # with deepstack: vision features added again after its first layers
     "qwen3_vl_moe": "mrope",
+    "gemma3": "rope",  # sliding-window layers; image features scaled as its text embeddings are
+    "smolvlm": "rope",  # Idefics3's model: a SigLIP tower, pixel-shuffled into the text model
+    "idefics3": "rope",
+    "qwen3_5": "mrope",  # gated DeltaNet layers (recurrent state) between full-attention ones
+    "lfm2_vl": "rope",  # LFM2's short-convolution layers (recurrent state) and a SigLIP2 tower
+    "mistral3": "rope",  # Pixtral's vision: an image's rows of tokens between [IMG_BREAK]s
 }
+# The processor attribute naming the marker a chat template writes for an image, where it is not
+# the image token itself (Gemma 3's <start_of_image>, widened to its image tokens between text).
+MARKERS = {"gemma3": "boi_token"}
 
 
 @dataclass
@@ -87,6 +98,20 @@ def _concat_outputs(outs: list):
     return mx.concatenate(outs)
 
 
+_ARRAYS = []
+
+
+def _arrays_cache() -> type:
+    """A recurrent layer's cache that is both mlx-vlm's ArraysCache (its layers call
+    `update_window`, `advance`) and, for `cache_spec`, mlx-lm's."""
+    if not _ARRAYS:
+        from mlx_lm.models.cache import ArraysCache as LmArrays
+        from mlx_vlm.models.cache import ArraysCache as VlmArrays
+
+        _ARRAYS.append(type("ArraysCache", (VlmArrays, LmArrays), {}))
+    return _ARRAYS[0]
+
+
 def vision_refusal(config: dict) -> str | None:
     """One line naming why a checkpoint with a vision tower cannot run, or None."""
     model_type = config.get("model_type")
@@ -119,13 +144,14 @@ class PagedVisionModel(nn.Module):
         self.model_type = model_type
         self.positions_kind = FAMILIES[model_type]
         text = vlm.config.text_config
-        attn = vlm.language_model.model.layers[0].self_attn
+        attn = next(a for a in map(attention_of, self.layers) if a is not None)
         self.args = SimpleNamespace(
             model_type=model_type,
             num_hidden_layers=text.num_hidden_layers,
             num_attention_heads=text.num_attention_heads,
             num_key_value_heads=text.num_key_value_heads or text.num_attention_heads,
-            head_dim=getattr(text, "head_dim", None) or attn.head_dim,
+            head_dim=getattr(text, "head_dim", None)
+            or getattr(attn, "head_dim", text.hidden_size // text.num_attention_heads),
             hidden_size=text.hidden_size,
             vocab_size=text.vocab_size,
             max_position_embeddings=getattr(text, "max_position_embeddings", None),
@@ -133,40 +159,91 @@ class PagedVisionModel(nn.Module):
 
     @property
     def layers(self):
-        return self.model.language_model.model.layers
+        return text_body(self).layers
 
     @property
     def image_token_id(self) -> int:
         cfg = self.model.config
         return getattr(cfg, "image_token_id", None) or cfg.image_token_index
 
-    def prompt_features(self, ids: list[int], processed: dict, digests: list[bytes], cache=None) -> tuple:
-        """(the merged prompt embeddings `[P, hidden]`, the deepstack features of its image rows
-        `[layers, K, hidden]` or None, its 3-D positions `[3, P]` or None, the position delta
-        decode continues from): mlx-vlm's `get_input_embeddings` on the whole prompt, its vision
-        tower's output for each image taken from `cache` (engine/multimodal.py `EncoderCache`,
-        by the image's digest) or computed on that image alone and put there."""
+    def marker(self, processor) -> str:
+        """The text a chat template writes for one image, which the processor widens."""
+        return getattr(processor, MARKERS.get(self.model_type, "image_token"))
+
+    def make_cache(self) -> list:
+        """The language model's caches as mlx-lm's classes (what `cache_spec` reads): mlx-vlm's
+        own classes of the same names, with their windows."""
+        from mlx_lm.models import cache as lm_cache
+
+        lm = self.model.language_model
+        if not hasattr(lm, "make_cache"):
+            return [lm_cache.KVCache() for _ in self.layers]
+        out = []
+        for c in lm.make_cache():
+            name = type(c).__name__
+            if name == "ArraysCache":  # read by mlx-vlm's layers (state_spec runs them) and by cache_spec
+                out.append(_arrays_cache()(len(c.cache)))
+            elif name == "RotatingKVCache":
+                out.append(lm_cache.RotatingKVCache(max_size=c.max_size, keep=c.keep))
+            elif name == "KVCache":
+                out.append(lm_cache.KVCache())
+            else:
+                raise ValueError(f"{self.model_type}: mlx-vlm's {name} has no paged counterpart here")
+        return out
+
+    def prompt_features(self, inputs, rows: np.ndarray, cache=None) -> tuple:
+        """(the features of the prompt's image rows `rows` `[K, hidden]`, their deepstack features
+        `[layers, K, hidden]` or None, the prompt's 3-D positions `[3, P]` or None, the position
+        delta decode continues from) of `inputs` (engine/multimodal.py `ImageInputs`), as mlx-vlm's
+        `get_input_embeddings` merges them. Qwen's (multimodal RoPE) on the whole prompt, its vision
+        tower's output for each image from `cache` (engine/multimodal.py `EncoderCache`, by the
+        image's digest) or computed on that image alone and put there; any other family's on each
+        image's own rows alone (its features depend on nothing else), those kept in `cache`."""
+        if self.positions_kind != "mrope":
+            outs = []
+            for (s, e), one, digest in zip(inputs.spans, inputs.processed, inputs.digests):
+                out = cache.get(digest) if cache is not None else None
+                if out is None:
+                    out = self._image_rows(inputs.ids[s:e], one)
+                    if cache is not None:
+                        cache.put(digest, out)
+                outs.append(out)
+            return mx.concatenate(outs) if outs else None, None, None, 0
         vlm = self.model
         tower = vlm.vision_tower
+        processed = {k: mx.concatenate([p[k] for p in inputs.processed]) for k in inputs.processed[0]}
         outs = []
-        for i, digest in enumerate(digests):
+        for i, digest in enumerate(inputs.digests):
             out = cache.get(digest) if cache is not None else None
             if out is None:
                 out = self._tower_output(processed, i)
                 if cache is not None:
                     cache.put(digest, out)
             outs.append(out)
-        kwargs = {k: v for k, v in processed.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
+        kwargs = {k: v for k, v in processed.items() if k != "pixel_values"}
         with _swapped([(vlm, "vision_tower", _TowerOutput(tower, _concat_outputs(outs)))]):
-            out = vlm.get_input_embeddings(mx.array(ids, dtype=mx.int32)[None], processed["pixel_values"], **kwargs)
+            out = vlm.get_input_embeddings(
+                mx.array(inputs.ids, dtype=mx.int32)[None], processed["pixel_values"], **kwargs
+            )
         deepstack = getattr(out, "deepstack_visual_embeds", None)
         if deepstack is not None and not isinstance(deepstack, mx.array):
             deepstack = mx.stack(list(deepstack))
-        positions, delta = None, 0
-        if self.positions_kind == "mrope":
-            positions = out.position_ids[:, 0, :].astype(mx.int32)
-            delta = int(out.rope_deltas.reshape(-1)[0].item())
-        return out.inputs_embeds[0], deepstack, positions, delta
+        positions = out.position_ids[:, 0, :].astype(mx.int32)
+        delta = int(out.rope_deltas.reshape(-1)[0].item())
+        return out.inputs_embeds[0][mx.array(rows)], deepstack, positions, delta
+
+    def _image_rows(self, ids: list[int], processed: dict) -> mx.array:
+        """The rows mlx-vlm's `get_input_embeddings` merges at one image's tokens, from that
+        image's widened marker `ids` and its processor inputs alone (evaluated)."""
+        ids_ = mx.array(ids, dtype=mx.int32)[None]
+        kwargs = {k: v for k, v in processed.items() if k != "pixel_values"}
+        # the whole prompt attended, as mlx-vlm's generate masks it (Gemma 3 asks for the mask)
+        out = self.model.get_input_embeddings(
+            ids_, processed["pixel_values"], mask=mx.ones(ids_.shape, mx.int32), **kwargs
+        )
+        rows = out.inputs_embeds[0][mx.array(np.flatnonzero(np.asarray(ids) == self.image_token_id))]
+        mx.eval(rows)
+        return rows
 
     def _tower_output(self, processed: dict, i: int):
         """The vision tower's output for image i of `processed` alone (evaluated): Qwen's
@@ -213,8 +290,8 @@ class PagedVisionModel(nn.Module):
         return rows
 
     def __call__(self, inputs, cache=None, meta: AttentionMetadata | None = None, rows: PassRows | None = None):
-        if meta is None:
-            return self.model(inputs, cache=cache)
+        if meta is None:  # the text model on mlx-vlm's caches (state_spec reads the recurrent layers' shapes)
+            return self.model.language_model(inputs, cache=cache)
         spec = cache.spec if cache.spec is not None else cache_spec(self)
         caches = pass_caches(spec, cache, meta)
         lm = self.model.language_model
@@ -225,17 +302,18 @@ class PagedVisionModel(nn.Module):
         positions = rows.positions if rows is not None else None
         if self.positions_kind == "mrope" and positions is None:  # text rows: one position, thrice
             positions = mx.broadcast_to(meta.positions[None], (3, meta.positions.shape[0]))
-        kwargs = {}
+        kwargs = {"position_ids": positions[:, :, None]} if self.positions_kind == "mrope" else {}
         if rows is not None and rows.deepstack is not None:  # Qwen3-VL: added again after its first layers
             mask = mx.zeros((inputs.shape[0], 1), dtype=mx.bool_)
             mask[rows.dst] = True
-            kwargs = {"visual_pos_masks": mask, "deepstack_visual_embeds": rows.deepstack}
+            kwargs |= {"visual_pos_masks": mask, "deepstack_visual_embeds": rows.deepstack}
         norm = _final_norm(body)
+        swaps = [(body, norm, _NormRows(body[norm], meta))]
+        if spec.num_recurrent:  # each recurrent layer on the pass's states (recurrent.py)
+            swaps += _segmented(self, body, spec, meta)
         lora = meta.lora.swaps() if meta.lora is not None else []  # each row's adapter (lora.py)
-        with _swapped(lora), _swapped([(body, norm, _NormRows(body[norm], meta))]):
-            out = lm(
-                inputs[:, None], inputs_embeds=h[:, None], cache=caches, position_ids=positions[:, :, None], **kwargs
-            )
+        with _swapped(lora), _swapped(swaps):
+            out = lm(inputs[:, None], inputs_embeds=h[:, None], cache=caches, **kwargs)
         _check_attended(self.layers, caches)
         logits = out.logits
         return logits.reshape(logits.shape[0], -1)

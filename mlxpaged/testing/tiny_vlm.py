@@ -98,7 +98,12 @@ def _qwen3_vl(model_type: str, ids: dict, vocab: int) -> dict:
             "moe_intermediate_size": 64,
             "norm_topk_prob": True,
         }
-    vision = _vision(model_type, num_position_embeddings=256, deepstack_visual_indexes=[0])
+    return _qwen3_config(model_type, text, ids, vocab, deepstack=[0])
+
+
+def _qwen3_config(model_type: str, text: dict, ids: dict, vocab: int, deepstack: list[int]) -> dict:
+    """Qwen3-VL's and Qwen3.5's config around `text`: a vision tower adding its `deepstack` layers' features."""
+    vision = _vision(model_type, num_position_embeddings=256, deepstack_visual_indexes=deepstack)
     return {
         "model_type": model_type,
         "text_config": text,
@@ -109,12 +114,232 @@ def _qwen3_vl(model_type: str, ids: dict, vocab: int) -> dict:
     }
 
 
+def _siglip(image_size: int) -> dict:
+    """A small SigLIP tower (Gemma 3's, Idefics3's): 14-pixel patches of `image_size` squares."""
+    return {
+        "model_type": "siglip_vision_model",
+        "num_hidden_layers": 2,
+        "hidden_size": 32,
+        "intermediate_size": VISION_FF,
+        "num_attention_heads": 2,
+        "patch_size": PATCH,
+        "image_size": image_size,
+    }
+
+
+# Gemma 3's image marker: <start_of_image>, which its processor widens to
+# "\n\n<start_of_image>" + <image_soft_token> * image_seq_length + "<end_of_image>\n\n".
+GEMMA3_SPECIAL = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+GEMMA3_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<start_of_image>")
+GEMMA3_IMAGE, GEMMA3_TOKENS = 56, 4  # 4x4 patches of 14 pixels, pooled 2x2: 4 image tokens
+
+
+def _gemma3(model_type: str, ids: dict, vocab: int) -> dict:
+    # two layers: a sliding window of 8 (shorter than every prompt here), then a global one
+    text = _text("gemma3_text", vocab, head_dim=HIDDEN // HEADS, query_pre_attn_scalar=1)
+    text |= {"sliding_window": 8, "sliding_window_pattern": 2, "mm_tokens_per_image": GEMMA3_TOKENS}
+    return {
+        "model_type": model_type,
+        "text_config": text,
+        "vision_config": _siglip(GEMMA3_IMAGE),
+        "image_token_index": ids["<image_soft_token>"],
+        "boi_token_index": ids["<start_of_image>"],
+        "eoi_token_index": ids["<end_of_image>"],
+        "pad_token_id": ids["<|endoftext|>"],
+        "hidden_size": HIDDEN,
+        "vocab_size": vocab,
+    }
+
+
+def _gemma3_files(path: Path) -> None:
+    """Gemma 3's image processor (56-pixel squares, no pan-and-scan) and its tokenizer's names
+    for the image markers (its processor reads them off the tokenizer)."""
+    image = {
+        "image_processor_type": "Gemma3ImageProcessor",
+        "processor_class": "Gemma3Processor",
+        "size": {"height": GEMMA3_IMAGE, "width": GEMMA3_IMAGE},
+        "do_pan_and_scan": False,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "resample": 2,
+    }
+    (path / "preprocessor_config.json").write_text(json.dumps(image))
+    processor = {"processor_class": "Gemma3Processor", "image_seq_length": GEMMA3_TOKENS}
+    (path / "processor_config.json").write_text(json.dumps(processor))
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg["extra_special_tokens"] = {
+        "boi_token": "<start_of_image>",
+        "eoi_token": "<end_of_image>",
+        "image_token": "<image_soft_token>",
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
+# SmolVLM / Idefics3: an <image> part, which the processor widens to
+# <fake_token_around_image><global-img> + <image> * image_seq_len + <fake_token_around_image>.
+IDEFICS3_SPECIAL = ("<fake_token_around_image>", "<global-img>", "<image>", "<end_of_utterance>")
+IDEFICS3_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
+IDEFICS3_IMAGE = 56  # 4x4 patches of 14 pixels, pixel-shuffled 2x2: 4 image tokens
+
+
+def _idefics3(model_type: str, ids: dict, vocab: int) -> dict:
+    text = _text(model_type, vocab)
+    return {
+        "model_type": model_type,
+        "text_config": text,
+        "vision_config": _siglip(IDEFICS3_IMAGE),
+        "image_token_id": ids["<image>"],
+        "scale_factor": 2,
+        "vocab_size": vocab,
+    }
+
+
+def _idefics3_files(path: Path, processor_class: str) -> None:
+    """SmolVLM's image processor: each image resized to one 56-pixel square (no splitting)."""
+    image = {
+        "image_processor_type": "SmolVLMImageProcessor"
+        if processor_class == "SmolVLMProcessor"
+        else "Idefics3ImageProcessor",
+        "processor_class": processor_class,
+        "do_image_splitting": False,
+        "size": {"longest_edge": IDEFICS3_IMAGE},
+        "max_image_size": {"longest_edge": IDEFICS3_IMAGE},
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "resample": 1,
+    }
+    (path / "preprocessor_config.json").write_text(json.dumps(image))
+    tokens = (IDEFICS3_IMAGE // PATCH) ** 2 // 4
+    (path / "processor_config.json").write_text(
+        json.dumps({"processor_class": processor_class, "image_seq_len": tokens})
+    )
+
+
+# Mistral 3 (Pixtral's vision): an [IMG] part, which the processor widens to rows of [IMG]
+# separated by [IMG_BREAK], ended by [IMG_END] (one [IMG] per 2x2 merged 14-pixel patches).
+MISTRAL3_SPECIAL = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
+MISTRAL3_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "[IMG]")
+
+
+def _mistral3(model_type: str, ids: dict, vocab: int) -> dict:
+    text = _text("mistral", vocab, head_dim=HIDDEN // HEADS)
+    vision = {
+        "model_type": "pixtral",
+        "num_hidden_layers": 2,
+        "hidden_size": 32,
+        "head_dim": 16,
+        "intermediate_size": VISION_FF,
+        "num_attention_heads": 2,
+        "image_size": PATCH * MERGE * 4,
+        "patch_size": PATCH,
+    }
+    return {
+        "model_type": model_type,
+        "text_config": text,
+        "vision_config": vision,
+        "image_token_index": ids["[IMG]"],
+        "spatial_merge_size": MERGE,
+        "vocab_size": vocab,
+    }
+
+
+def _mistral3_files(path: Path) -> None:
+    """Pixtral's image processor: the longest edge to 112 pixels, sides multiples of 28."""
+    image = {
+        "image_processor_type": "PixtralImageProcessor",
+        "processor_class": "Mistral3Processor",
+        "size": {"longest_edge": PATCH * MERGE * 4},
+        "patch_size": {"height": PATCH, "width": PATCH},
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+    }
+    (path / "preprocessor_config.json").write_text(json.dumps(image))
+    proc = {"processor_class": "Mistral3Processor", "patch_size": PATCH, "spatial_merge_size": MERGE}
+    (path / "processor_config.json").write_text(json.dumps(proc))
+
+
+def _qwen3_5(model_type: str, ids: dict, vocab: int) -> dict:
+    """Qwen3.5: gated DeltaNet layers, then a full-attention one (multimodal RoPE on half its dims)."""
+    rope = {"type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    text = _text(model_type, vocab, head_dim=32, rope_parameters=rope, full_attention_interval=2)
+    text |= {
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+    }
+    text.pop("rope_theta")
+    return _qwen3_config(model_type, text, ids, vocab, deepstack=[])
+
+
+# LFM2-VL: an <image> part, which the processor widens to <|image_start|> + <image> * n + <|image_end|>.
+LFM2_VL_SPECIAL = ("<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>")
+LFM2_VL_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
+LFM2_VL_IMAGE = {  # 14-pixel patches, 2x2 unshuffled: 12 to 24 image tokens, no tiles for small images
+    "encoder_patch_size": PATCH,
+    "downsample_factor": 2,
+    "min_image_tokens": 12,
+    "max_image_tokens": 24,
+    "max_num_patches": 96,
+    "tile_size": 112,
+}
+
+
+def _lfm2_vl(model_type: str, ids: dict, vocab: int) -> dict:
+    """LFM2's short convolutions, then a full-attention layer; a SigLIP2 tower of native sizes."""
+    text = _text("lfm2", vocab, norm_eps=1e-5)
+    text |= {
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": HIDDEN,
+        "block_ff_dim": FF,
+        "block_auto_adjust_ff_dim": False,
+        "layer_types": ["conv", "full_attention"],
+        "num_heads": HEADS,
+    }
+    vision = {
+        "model_type": "lfm2_vl",
+        "hidden_size": 32,
+        "intermediate_size": VISION_FF,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "patch_size": PATCH,
+        "num_patches": 64,
+    }
+    return {
+        "model_type": model_type,
+        "text_config": text,
+        "vision_config": vision,
+        "image_token_id": ids["<image>"],
+        "projector_hidden_size": HIDDEN,
+        "do_image_splitting": False,
+        "eos_token_id": ids["<|im_end|>"],
+        **LFM2_VL_IMAGE,
+        "vocab_size": vocab,
+    }
+
+
+def _lfm2_vl_files(path: Path) -> None:
+    image = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], **LFM2_VL_IMAGE, "patch_size": PATCH}
+    (path / "preprocessor_config.json").write_text(
+        json.dumps({"image_processor_type": "Lfm2VlImageProcessor", "processor_class": "Lfm2VlProcessor", **image})
+    )
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Lfm2VlProcessor"}))
+
+
 # Per family: (its special tokens, its chat template, its config from the token ids and
 # vocabulary, its processor class).
 FAMILIES = {
     "qwen2_5_vl": (QWEN_VL_SPECIAL, QWEN_VL_TEMPLATE, _qwen_vl, "Qwen2_5_VLProcessor"),
     "qwen3_vl": (QWEN_VL_SPECIAL, QWEN_VL_TEMPLATE, _qwen3_vl, "Qwen3VLProcessor"),
     "qwen3_vl_moe": (QWEN_VL_SPECIAL, QWEN_VL_TEMPLATE, _qwen3_vl, "Qwen3VLProcessor"),
+    "gemma3": (GEMMA3_SPECIAL, GEMMA3_TEMPLATE, _gemma3, "Gemma3Processor"),
+    "smolvlm": (IDEFICS3_SPECIAL, IDEFICS3_TEMPLATE, _idefics3, "SmolVLMProcessor"),
+    "idefics3": (IDEFICS3_SPECIAL, IDEFICS3_TEMPLATE, _idefics3, "Idefics3Processor"),
+    "qwen3_5": (QWEN_VL_SPECIAL, QWEN_VL_TEMPLATE, _qwen3_5, "Qwen3VLProcessor"),
+    "lfm2_vl": (LFM2_VL_SPECIAL, LFM2_VL_TEMPLATE, _lfm2_vl, "Lfm2VlProcessor"),
+    "mistral3": (MISTRAL3_SPECIAL, MISTRAL3_TEMPLATE, _mistral3, "Mistral3Processor"),
 }
 
 
@@ -134,6 +359,12 @@ def _processor_files(path: Path, processor_class: str) -> None:
     (path / "preprocessor_config.json").write_text(json.dumps(image))
     (path / "video_preprocessor_config.json").write_text(json.dumps(image))
     (path / "processor_config.json").write_text(json.dumps({"processor_class": processor_class}))
+
+
+def _source(module) -> str:
+    import inspect
+
+    return inspect.getsource(type(module).__call__)
 
 
 def write_tiny_vlm(
@@ -163,15 +394,25 @@ def write_tiny_vlm(
     # the projector's output layers (vision matrices as tall as the text model is wide) drawn
     # larger, so image features are as large as token embeddings and the tokens depend on the image
     projector = {n for n, p in params if p.ndim == 2 and p.shape[0] == HIDDEN and not n.startswith("language_model")}
+    projector |= {n for n, _ in params if n.endswith("mm_input_projection_weight")}  # Gemma 3's, [vision, text]
+    # Gemma's RMSNorm scales by 1 + weight: its identity weight is zero
+    one_plus = {
+        n for n, m in model.named_modules() if type(m).__name__ == "RMSNorm" and "1.0 + self.weight" in _source(m)
+    }
+    # drawn small where the text embedding would drown what the layers add: Gemma 3 ties its output
+    # head to it and scales it by sqrt(hidden) (a token's logits its own embedding's echo); Qwen3.5's
+    # one attention layer averages the image in too weakly to change a token
+    embed_std = 0.1 if model_type in ("gemma3", "qwen3_5", "lfm2_vl") else 1.0
     for name, p in params:
-        if "norm" in name and p.ndim == 1:  # norm weights one, biases zero
-            a = np.zeros(p.shape) if name.endswith("bias") else np.ones(p.shape)
+        if "norm" in name and p.ndim == 1:  # norm weights one (or zero for 1 + weight), biases zero
+            identity = name.endswith("bias") or name.rsplit(".", 1)[0] in one_plus
+            a = np.zeros(p.shape) if identity else np.ones(p.shape)
         elif p.ndim == 1:
             a = rng.normal(0, 0.1, size=p.shape)
         elif name.endswith("lm_head.weight"):  # greedy choices far from ties
             a = rng.normal(0, logit_scale * p.shape[-1] ** -0.5, size=p.shape)
         elif name.endswith("embed_tokens.weight"):
-            a = rng.normal(0, 1.0, size=p.shape)
+            a = rng.normal(0, embed_std, size=p.shape)
         else:
             scale = feature_scale if name in projector else 1.0
             a = rng.normal(0, scale * int(np.prod(p.shape[1:])) ** -0.5, size=p.shape)
@@ -179,5 +420,14 @@ def write_tiny_vlm(
     model.update(tree_unflatten(list(weights.items())))
     save_weights(path, model)
     save_config(config, path / "config.json")
-    _processor_files(path, processor_class)
+    if model_type == "gemma3":
+        _gemma3_files(path)
+    elif model_type in ("smolvlm", "idefics3"):
+        _idefics3_files(path, processor_class)
+    elif model_type == "mistral3":
+        _mistral3_files(path)
+    elif model_type == "lfm2_vl":
+        _lfm2_vl_files(path)
+    else:
+        _processor_files(path, processor_class)
     return path
