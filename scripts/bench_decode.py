@@ -11,12 +11,20 @@ the same code (`mlxpaged.bench.throughput`).
     python scripts/bench_decode.py --model PATH --max-tokens 128 --batches 1,8,32 --repeats 5
     python scripts/bench_decode.py --tiny               # a tiny random model, seconds
     python scripts/bench_decode.py --tiny phi3          # a tiny random Phi-3 (head_dim 96)
+    python scripts/bench_decode.py --zoo mamba --max-tokens 64 --batches 1,8 --samples 0
+
+`--zoo TYPE` takes any mlx-lm model type the model zoo writes (`mlxpaged.testing.zoo.write_zoo`,
+the tiny checkpoints tests/test_zoo.py compares against mlx-lm). The result records the load
+average before and after, since the machine may be shared.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
+from pathlib import Path
 
 import mlxpaged  # noqa: F401  (first: OpenBLAS must load before MLX, mlxpaged/_blas.py)
 
@@ -36,6 +44,12 @@ def main() -> None:
         help="a tiny random-weight checkpoint: mlxpaged's Qwen2, or FAMILY's (llama, qwen3, phi3, ...) "
         "written through mlx-lm's ModelArgs and Model",
     )
+    ap.add_argument(
+        "--zoo",
+        default=None,
+        metavar="TYPE",
+        help="a tiny random-weight checkpoint of any mlx-lm model type the model zoo writes (mamba, rwkv7, ...)",
+    )
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--batches", default="1,8,32")
@@ -52,8 +66,18 @@ def main() -> None:
 
     try:
         levels = parse_levels(args.batches, "--batches")
+        if args.zoo:
+            if args.model or args.tiny:
+                raise ValueError("--zoo takes the place of --model and --tiny")
+            from mlxpaged.testing.zoo import model_types, write_zoo
+
+            if args.zoo not in model_types():
+                raise ValueError(f"--zoo {args.zoo!r} is not an mlx-lm model type the zoo writes")
+            folder = Path(tempfile.mkdtemp(prefix="mlxpaged-zoo-")) / args.zoo
+            args.model = str(write_zoo(folder, args.zoo))
         loaded, ref = load_models(args.model, args.tiny, args.dtype)
-        label = model_label(loaded, args.model, args.tiny)
+        label = f"zoo-{args.zoo}" if args.zoo else model_label(loaded, args.model, args.tiny)
+        load_before = os.getloadavg()
         print(
             f"model {label} ({loaded.dtype}), device {mx.default_device()}, mlx {mx.__version__}, "
             f"{args.max_tokens} output tokens per sequence, {args.repeats} repeats",
@@ -68,6 +92,8 @@ def main() -> None:
             max_tokens=args.max_tokens,
             repeats=args.repeats,
         )
+        # 1, 5 and 15 minute load averages: timings are only comparable within one repeat.
+        payload["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}
     except (ValueError, MlxPagedError) as e:
         sys.exit(f"error: {e}")
     print("\n".join(table(payload["rows"])))

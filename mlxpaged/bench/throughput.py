@@ -143,8 +143,10 @@ def run_mlx_lm(model, prompts: list[list[int]], max_tokens: int, *, n: int = 1, 
     """
     try:
         return _run_batch_generator(model, prompts, max_tokens, n, temperature)
-    except ValueError as e:  # a cache mlx-lm cannot batch (Llama 4's ChunkedKVCache)
-        if "does not yet support batching" not in str(e):
+    except ValueError as e:
+        # A cache mlx-lm cannot batch (Llama 4's ChunkedKVCache), or a model whose attention cannot
+        # take the batcher's padded mask (gemma2 splits queries by KV head, the mask keeps one axis).
+        if "does not yet support batching" not in str(e) and "broadcast_shapes" not in str(e):
             raise
         return _run_one_by_one(model, prompts, max_tokens, n, temperature)
 
