@@ -109,23 +109,15 @@ class LLMEngine:
             parts = build_parts(loaded, config, hash_fn=hash_fn, adapters=adapters, adapter_dir=adapter_dir)
         # LoRA adapters by name (models/lora.py), and those of `adapter_dir` when a request first
         # names one; None: none
-        self.adapters = parts.adapters
-        self._detokenizer = parts.detokenizer
-        self.cache_shape = parts.cache_shape
-        self.state_bytes = parts.state_bytes
-        self.block_manager = parts.block_manager
-        self.kv_cache = parts.kv_cache
-        self.drafter = parts.drafter
-        self.runner = parts.runner
-        self.prefix_store = parts.prefix_store
-        self.scheduler = parts.scheduler
-        self.check_stop = parts.check_stop
-        self.stats = parts.stats
+        self.adapters, self._detokenizer = parts.adapters, parts.detokenizer
+        self.cache_shape, self.state_bytes = parts.cache_shape, parts.state_bytes
+        self.block_manager, self.scheduler = parts.block_manager, parts.scheduler
+        self.kv_cache, self.runner, self.prefix_store = parts.kv_cache, parts.runner, parts.prefix_store
+        self.check_stop, self.stats = parts.check_stop, parts.stats
         self.layers = parts.layers  # the features beyond the plain pipeline, in the step's order
-        self._beams = parts.beams
-        self._prompt_logprobs = parts.prompt_logprobs
-        self._pooling = parts.pooling
-        self._grammar = parts.grammar
+        # the layers the engine names: a request's feature wakes its layer
+        self.drafter, self._beams, self._grammar = parts.drafter, parts.beams, parts.grammar
+        self._prompt_logprobs, self._pooling = parts.prompt_logprobs, parts.pooling
         self.encoder_cache = parts.encoder_cache
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}

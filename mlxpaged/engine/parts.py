@@ -18,15 +18,15 @@ from ..config import EngineConfig
 from ..core.block_manager import BlockManager, HashFn, sha256_block_hash
 from ..core.kv_groups import GroupSpec, RecurrentStateGroup
 from ..core.scheduler import Scheduler
-from ..errors import MlxPagedError
 from ..models.lora import AdapterSet
 from ..utils import cdiv
 from ..worker.kv_cache import CacheShape, PagedKVCache, growable_pool, pool_blocks
 from ..worker.kv_calibration import model_key_scales
 from ..worker.model_runner import ModelRunner
+from ..worker.prefix_store import PrefixStore
 from ..worker.state_cache import CHECKPOINT_BYTES, CHECKPOINTS, Checkpoints, spec_nbytes, state_spec
 from .beam_search import BeamLayer
-from .draft import DraftProposer, draft_slots
+from .draft import DraftProposer, draft_slots, load_draft
 from .grammar_layer import GrammarLayer
 from .guided import GrammarCompiler
 from .kv_connector import DiskConnector
@@ -41,7 +41,6 @@ from .stopping import StopChecker, detokenizers, hidden_token_ids
 
 if TYPE_CHECKING:  # annotations only: loading imports nothing of the engine
     from ..loading.loader import LoadedModel
-    from ..worker.prefix_store import PrefixStore
 
 # (rank, world size, agree on a hit count): a plain engine is rank 0 of 1 and agrees with itself
 Ranks = tuple[int, int, Callable[[int], int] | None]
@@ -94,8 +93,15 @@ def build_parts(
     if adapters or adapter_dir:
         adapter_set = AdapterSet.load(model, adapters, loaded.config.get("model_type"), adapter_dir)
     cache_shape = CacheShape.of(loaded).quantized(config.cache.kv_bits, config.cache.kv_group_size)
-    state_bytes, checkpoints = _recurrent_checks(loaded, config)
-    draft = _load_draft(loaded, config) if config.speculative.method == "draft" else None
+    # A hybrid model (recurrent layers, worker/state_cache.py): one sequence's state bytes, and its
+    # prefix-state checkpoints when prefix caching is on.
+    state_bytes, checkpoints = 0, None
+    if spec.num_recurrent:
+        states = state_spec(model)
+        state_bytes = spec_nbytes(states)
+        if config.cache.enable_prefix_caching:
+            checkpoints = Checkpoints(min(CHECKPOINT_BYTES, CHECKPOINTS * state_bytes), states, bs)
+    draft = load_draft(config.speculative.draft_model, loaded.dtype) if config.speculative.method == "draft" else None
     # The draft's pool has the target pool's block ids: its bytes count in every block.
     extra = CacheShape.of(draft).bytes_per_block(bs) if draft is not None else 0
     # A hybrid's running sequences hold recurrent states beside their blocks: a pool sized from
@@ -137,7 +143,21 @@ def build_parts(
         for g, step in zip(block_manager.groups[1:], steps[1:]):
             g.pool.enable_growth(max(growth[1], g.pool.num_blocks), step)
     runner = ModelRunner(model, kv_cache, config.attention_impl, checkpoints, adapter_set)
-    prefix_store = _open_prefix_store(loaded, config, kv_cache, ranks) if config.cache.prefix_cache_dir else None
+    prefix_store = None
+    if config.cache.prefix_cache_dir:
+        # The disk tier (prefix_store.py); on a tensor-parallel rank its lookups agree on the smallest hit count.
+        gb = config.cache.prefix_cache_disk_gb
+        rank, world, agree = ranks
+        prefix_store = PrefixStore.for_model(
+            config.cache.prefix_cache_dir,
+            loaded,
+            kv_cache,
+            bs,
+            cap_bytes=None if gb is None else int(gb * 1e9),
+            rank=rank,
+            world=world,
+            agree=agree,
+        )
     if checkpoints is not None and prefix_store is not None and prefix_store.enabled:
         checkpoints.disk = prefix_store.dir / "states"  # beside the blocks, in their namespace
     proposer = None
@@ -191,56 +211,6 @@ def build_parts(
         pooling=pooling,
         grammar=grammar,
         encoder_cache=EncoderCache(),  # a vision model's tower outputs, by image (multimodal.py)
-    )
-
-
-def _recurrent_checks(loaded: LoadedModel, config: EngineConfig) -> tuple[int, Checkpoints | None]:
-    """A hybrid model (recurrent layers, worker/state_cache.py): one sequence's state bytes, and
-    its prefix-state checkpoints when prefix caching is on; (0, None) for a model without them."""
-    if not loaded.cache_spec.num_recurrent:
-        return 0, None
-    spec = state_spec(loaded.model)
-    state_bytes = spec_nbytes(spec)
-    if not config.cache.enable_prefix_caching:
-        return state_bytes, None
-    cap = min(CHECKPOINT_BYTES, CHECKPOINTS * state_bytes)
-    return state_bytes, Checkpoints(cap, spec, config.cache.block_size)
-
-
-def _load_draft(loaded: LoadedModel, config: EngineConfig) -> LoadedModel:
-    """The draft model, in the target's dtype (engine/draft.py checks its tokenizer)."""
-    from ..loading.loader import DTYPES, load
-
-    dtype = next(name for name, d in DTYPES.items() if d == loaded.dtype)
-    draft = load(config.speculative.draft_model, dtype)
-    if draft.cache_spec.num_recurrent:
-        raise MlxPagedError(
-            f"a draft model with recurrent layers ({draft.config.get('model_type')!r}) is not supported: "
-            "its own state cannot roll back rejected proposals yet; "
-            "use an attention-only draft or --speculative ngram"
-        )
-    return draft
-
-
-def _open_prefix_store(loaded: LoadedModel, config: EngineConfig, kv_cache: PagedKVCache, ranks: Ranks):
-    """The disk tier, namespaced by everything that changes a block's bytes (prefix_store.py);
-    on a tensor-parallel rank, by its rank too, and lookups agree on the smallest hit count."""
-    from pathlib import Path
-
-    from ..worker.prefix_store import PrefixStore, namespace, namespace_parts
-
-    rank, world, agree = ranks
-    root = Path(config.cache.prefix_cache_dir).expanduser()
-    parts = namespace_parts(loaded, kv_cache, rank=rank, world=world, memo_file=root / "weights-digests.json")
-    gb = config.cache.prefix_cache_disk_gb
-    return PrefixStore(
-        root,
-        namespace(parts),
-        kv_cache.block_nbytes(),
-        config.cache.block_size,
-        cap_bytes=None if gb is None else int(gb * 1e9),
-        agree=agree,
-        parts=parts,
     )
 
 
