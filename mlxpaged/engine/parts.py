@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..attention import resolve_impl
 from ..config import EngineConfig
 from ..core.block_manager import BlockManager, HashFn, sha256_block_hash
 from ..core.kv_groups import GroupSpec, RecurrentStateGroup
@@ -191,7 +192,14 @@ def build_parts(
         layers.append(CheckpointNamer(checkpoints))
     if prefix_store is not None:
         layers.append(DiskConnector(prefix_store, kv_cache, block_manager, stats))
-    _check_kernels(config, model.args.num_attention_heads, kv_cache, layers)
+    # With the Metal kernel in use, build and check its variants now, before any request: a
+    # variant that fails falls back to the reference with one warning (attention/metal.py).
+    if resolve_impl(config.attention_impl) == "metal":
+        from ..attention.metal import check_pools
+
+        check_pools(model.args.num_attention_heads, kv_cache.keys)
+        for layer in layers.check_kernels:
+            layer.check_kernels()
     return EngineParts(
         adapters=adapter_set,
         detokenizer=detokenizers(tokenizer),
@@ -212,16 +220,3 @@ def build_parts(
         grammar=grammar,
         encoder_cache=EncoderCache(),  # a vision model's tower outputs, by image (multimodal.py)
     )
-
-
-def _check_kernels(config: EngineConfig, num_heads: int, kv_cache: PagedKVCache, layers: Layers) -> None:
-    """With the Metal kernel in use, build and check its variants now, before any request:
-    a variant that fails falls back to the reference with one warning (attention/metal.py)."""
-    from ..attention import resolve_impl
-
-    if resolve_impl(config.attention_impl) == "metal":
-        from ..attention.metal import check_pools
-
-        check_pools(num_heads, kv_cache.keys)
-        for layer in layers.check_kernels:
-            layer.check_kernels()
