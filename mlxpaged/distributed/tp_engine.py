@@ -12,6 +12,7 @@ import numpy as np
 
 from .. import settings
 from ..engine.llm_engine import LLMEngine
+from ..engine.parts import build_parts
 from ..errors import StepError
 from ..worker.kv_cache import pool_blocks
 from .collectives import (
@@ -35,7 +36,9 @@ class TPEngine(LLMEngine):
     """
 
     def __init__(self, loaded, config, group: mx.distributed.Group, *, seed: int, timeout: float, check_every: int):
-        super().__init__(loaded, config)
+        # The disk tier is namespaced by rank, and its lookups agree on the smallest hit count.
+        ranks = (group.rank(), group.size(), lambda n: agree_min(group, n))
+        super().__init__(loaded, config, parts=build_parts(loaded, config, ranks=ranks))
         self.group = group
         self.rank = group.rank()
         self._seeds = random.Random(seed)  # the same stream on every rank
@@ -43,11 +46,6 @@ class TPEngine(LLMEngine):
         self.check_every = check_every
         self._token_hash = hashlib.sha256()
         self.num_checks = 0
-
-    def _ranks(self):
-        """The disk tier is namespaced by rank, and its lookups agree on the smallest hit count."""
-        group = self.loaded.model.tp_group
-        return group.rank(), group.size(), lambda n: agree_min(group, n)
 
     def add_request(self, prompt, params=None, request_id=None) -> str:
         from ..engine.sampling_params import SamplingParams

@@ -2,7 +2,8 @@
 
 A plain process loads the whole model and gets an `LLMEngine`; one rank of a tensor-parallel
 group (started by `mlx.launch`) loads only its shard and gets a `TPEngine`, built once every
-rank agrees on the pool size, the checkpoint and the settings. Pool sizing is
+rank agrees on the pool size, the checkpoint and the settings. The engine's parts (pools, block
+manager, runner, scheduler, step layers) come from `parts.build_parts`. Pool sizing is
 `worker.kv_cache.pool_blocks` in both cases. The only door to `distributed/`: the commands and
 `LLM` find their group (`launched_group`, `init_group`) and the server's ranks talk
 (`broadcast_json`, `RankFailure`) through the names it re-exports.
@@ -21,6 +22,7 @@ from ..distributed.shard_loading import load_shard
 from ..distributed.tp_engine import tp_engine
 from ..loading.loader import LoadedModel, load
 from .llm_engine import LLMEngine
+from .parts import build_parts
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -58,8 +60,6 @@ def build_engine(
         loaded = model
     else:
         loaded = load_model(model, dtype, weights, group)
-    return (
-        LLMEngine(loaded, config, adapters=adapters, adapter_dir=adapter_dir)
-        if group is None
-        else tp_engine(loaded, config, group)
-    )
+    if group is not None:
+        return tp_engine(loaded, config, group)
+    return LLMEngine(loaded, config, parts=build_parts(loaded, config, adapters=adapters, adapter_dir=adapter_dir))

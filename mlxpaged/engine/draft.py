@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
@@ -34,6 +35,9 @@ from ..errors import MlxPagedError
 from ..worker.kv_cache import CacheShape, PagedKVCache
 from ..worker.model_runner import ModelRunner
 from .step import StepLayer
+
+if TYPE_CHECKING:  # annotations only
+    from ..loading.loader import LoadedModel
 
 PROPOSED_LATER = -1  # a placeholder the scheduler reserves a slot for; `DraftProposer.propose` fills it
 
@@ -54,6 +58,20 @@ class _DraftRow:
     block_table: list = field(default_factory=list)
     ids: list[BlockIds] = field(default_factory=lambda: [BlockIds()])  # group 0's block ids (the draft's one group)
     pending: None = None
+
+
+def load_draft(path: str, dtype: mx.Dtype) -> LoadedModel:
+    """The draft model at `path`, in the target's `dtype` (`check_draft` checks its tokenizer)."""
+    from ..loading.loader import DTYPES, load
+
+    draft = load(path, next(name for name, d in DTYPES.items() if d == dtype))
+    if draft.cache_spec.num_recurrent:
+        raise MlxPagedError(
+            f"a draft model with recurrent layers ({draft.config.get('model_type')!r}) is not supported: "
+            "its own state cannot roll back rejected proposals yet; "
+            "use an attention-only draft or --speculative ngram"
+        )
+    return draft
 
 
 def check_draft(target, draft) -> None:

@@ -7,7 +7,7 @@ deciding stops and detokenizing) -> `stopping.make_output`. The engine never cha
 or a sequence itself: it launches steps, reads them back and reports. `step()` is the same five
 stages for every step (schedule, launch, commit, read back, report); each feature beyond them (the
 draft model, speculation, beam search, grammar masks, prompt logprobs, the disk tier) is a
-`StepLayer` (step.py) registered in `__init__` and called at each stage through its hooks (rows
+`StepLayer` (step.py) built with the engine's other parts (parts.py) and called at each stage through its hooks (rows
 a layer takes or adds, tokens it feeds the forward pass, masks on the draws, what it reads
 back), so the step itself names none.
 
@@ -53,27 +53,16 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from ..config import EngineConfig
-from ..core.block_manager import BlockManager, HashFn, sha256_block_hash
-from ..core.kv_groups import GroupSpec, RecurrentStateGroup
-from ..core.scheduler import Scheduler, SchedulerOutput
+from ..core.block_manager import HashFn, sha256_block_hash
+from ..core.scheduler import SchedulerOutput
 from ..core.sequence import PendingToken, Request, Sequence
 from ..errors import MlxPagedError, StepError
-from ..models.lora import AdapterSet
-from ..utils import cdiv
-from ..worker.kv_cache import CacheShape, PagedKVCache, growable_pool, pool_blocks
-from ..worker.kv_calibration import model_key_scales
-from ..worker.model_runner import ModelRunner
-from ..worker.state_cache import CHECKPOINT_BYTES, CHECKPOINTS, Checkpoints, spec_nbytes, state_spec
-from .beam_search import BeamLayer, BeamSearchParams, BeamState
-from .draft import DraftProposer, draft_slots
-from .grammar_layer import GrammarLayer
+from .beam_search import BeamSearchParams, BeamState
 from .guided import GrammarCompiler
-from .kv_connector import DiskConnector
-from .multimodal import EncoderCache, ImageInputs, decode_images, encode_images, process_images
+from .multimodal import ImageInputs, decode_images, encode_images, process_images
 from .outputs import RequestOutput
-from .pooling import PoolingLayer, PoolingParams
-from .prompt_logprobs import PromptLogprobs
-from .recurrent_state import CheckpointNamer
+from .parts import EngineParts, build_parts
+from .pooling import PoolingParams
 from .sampler import (
     GuideMasks,
     PenaltyCounts,
@@ -86,10 +75,9 @@ from .sampler import (
 )
 from .sampling_params import SamplingParams, salt_key
 from .sizing import check_fits
-from .spec_decode import NgramProposer, Verifier
-from .stats import METRIC_KEYS, EngineStats, engine_stats
-from .step import LaunchedStep, Layers, RowPlan, StepLayer, requests_of
-from .stopping import StopChecker, detokenizers, hidden_token_ids, make_output
+from .stats import METRIC_KEYS, engine_stats
+from .step import LaunchedStep, RowPlan, StepLayer, requests_of
+from .stopping import make_output
 
 if TYPE_CHECKING:  # annotations only: loading imports nothing of the engine
     from ..loading.loader import LoadedModel
@@ -107,138 +95,36 @@ class LLMEngine:
         loaded: LoadedModel,
         config: EngineConfig | None = None,
         *,
+        parts: EngineParts | None = None,
         hash_fn: HashFn = sha256_block_hash,
         adapters: dict[str, str] | None = None,
         adapter_dir: str | None = None,
     ):
+        """An engine over `loaded` running with `parts` (parts.py); without them, it asks
+        `build_parts` for them (`hash_fn`, `adapters`, `adapter_dir` go there)."""
         self.loaded = loaded
-        # LoRA adapters by name (models/lora.py), each checked against the model now, and those of
-        # `adapter_dir` when a request first names one; None: none
-        self.adapters = None
-        if adapters or adapter_dir:
-            self.adapters = AdapterSet.load(loaded.model, adapters, loaded.config.get("model_type"), adapter_dir)
         self.config = config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
-        self._detokenizer = detokenizers(self.tokenizer)
-        self.cache_shape = CacheShape.of(loaded).quantized(config.cache.kv_bits, config.cache.kv_group_size)
-        checkpoints = self._recurrent_checks()  # a hybrid model's features and state bytes
-        draft = self._load_draft() if config.speculative.method == "draft" else None
-        # The draft's pool has the target pool's block ids: its bytes count in every block.
-        extra = CacheShape.of(draft).bytes_per_block(config.cache.block_size) if draft is not None else 0
-        # A hybrid's running sequences hold recurrent states beside their blocks: a pool sized from
-        # memory leaves room for max_num_seqs of them (and the checkpoints), at most half its budget.
-        held = self.state_bytes * config.scheduler.max_num_seqs + (checkpoints.cap_bytes if checkpoints else 0)
-        growth = growable_pool(loaded, config, extra, held)  # (start, cap, chunk), or None for a fixed pool
-        num_blocks = growth[0] if growth else pool_blocks(loaded, config, extra_block_bytes=extra, reserved_bytes=held)
-        # Layers of each kind of cache form a group of their own (core/kv_groups.py), whose blocks
-        # no later token reads go back. A growing pool's local group (a window, a chunk) starts at a
-        # span's worth of blocks and grows by as much (memory follows the spans); a fixed pool gives
-        # every group its size (what a group releases is room for more sequences, as in vLLM).
-        kinds, layer_groups = loaded.cache_spec.groups()
-        bs = config.cache.block_size
-        steps = [cdiv(span, bs) + 1 if span is not None and growth else None for _, span in kinds]
-        self.block_manager = BlockManager(
-            num_blocks,
-            bs,
-            enable_prefix_caching=config.cache.enable_prefix_caching,
-            hash_fn=hash_fn,
-            extra_key=loaded.identity,
-            groups=[GroupSpec(k, n, min(step, num_blocks) if step else None) for (k, n), step in zip(kinds, steps)]
-            + ([RecurrentStateGroup(checkpoints)] if checkpoints is not None else []),  # hits end at a checkpoint
-        )
-        # A quantized cache divides keys by per-channel scales, measured once per loaded model (kv_calibration.py).
-        quant = config.cache.kv_bits is not None and not self.cache_shape.keys_only  # MLA: keys stay unscaled
-        scales = model_key_scales(loaded) if quant else None
-        self.kv_cache = PagedKVCache.for_model(
-            loaded.model,
-            self.cache_shape,
-            num_blocks,
-            bs,
-            scales,
-            groups=layer_groups if len(kinds) > 1 else (),
-            group_blocks=tuple(g.pool.num_blocks for g in self.block_manager.groups),
-            spec=loaded.cache_spec,
-        )
-        self.drafter = (
-            DraftProposer(draft, loaded, num_blocks, config.cache.block_size, config.attention_impl)
-            if draft is not None
-            else None
-        )
-        if growth:
-            self.block_manager.pool.enable_growth(growth[1], growth[2])
-            for g, step in zip(self.block_manager.groups[1:], steps[1:]):
-                g.pool.enable_growth(max(growth[1], g.pool.num_blocks), step)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, config.attention_impl, checkpoints, self.adapters)
-        self.prefix_store = self._open_prefix_store() if config.cache.prefix_cache_dir else None
-        if checkpoints is not None and self.prefix_store is not None and self.prefix_store.enabled:
-            checkpoints.disk = self.prefix_store.dir / "states"  # beside the blocks, in their namespace
-        proposer = None
-        if config.speculative.method == "ngram":
-            proposer = NgramProposer(config.speculative.prompt_lookup_min, config.speculative.prompt_lookup_max)
-        elif config.speculative.method == "draft":
-            proposer = draft_slots
-        self.scheduler = Scheduler(config, self.block_manager, proposer)
-        self.check_stop = StopChecker(
-            set(getattr(self.tokenizer, "eos_token_ids", None) or []), hidden_token_ids(self.tokenizer)
-        )
-        self.stats = EngineStats()
-        # The features beyond the plain pipeline, called at each of its stages in this order (step.py).
-        self.layers = Layers([self.drafter] if self.drafter is not None else [])
-        if config.speculative.method is not None:
-            self.layers.append(Verifier(self.scheduler, self.stats, self.check_stop))
-        # (dormant until a request asks for their feature: the plain step calls neither)
-        self._beams = BeamLayer(self.scheduler, self.stats, lambda t: t in self.eos_token_ids)
-        self.layers.append(self._beams, dormant=True)
-        self._prompt_logprobs = PromptLogprobs()
-        self.layers.append(self._prompt_logprobs, dormant=True)
-        self._pooling = PoolingLayer(self.scheduler)
-        self.layers.append(self._pooling, dormant=True)
-        # Grammars are compiled by the first guided request; each rank of a tensor-parallel group
-        # would time its masks apart, so there none is failed as too slow (grammar_layer.py).
-        self._grammar = GrammarLayer(
-            lambda: GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids),
-            judge_time=getattr(loaded.model, "tp_group", None) is None,
-        )
-        self.layers.append(self._grammar, dormant=True)
-        if checkpoints is not None:
-            self.layers.append(CheckpointNamer(checkpoints))
-        if self.prefix_store is not None:
-            self.layers.append(DiskConnector(self.prefix_store, self.kv_cache, self.block_manager, self.stats))
-        self._check_kernels()
+        if parts is None:
+            parts = build_parts(loaded, config, hash_fn=hash_fn, adapters=adapters, adapter_dir=adapter_dir)
+        # LoRA adapters by name (models/lora.py), and those of `adapter_dir` when a request first
+        # names one; None: none
+        self.adapters, self._detokenizer = parts.adapters, parts.detokenizer
+        self.cache_shape, self.state_bytes = parts.cache_shape, parts.state_bytes
+        self.block_manager, self.scheduler = parts.block_manager, parts.scheduler
+        self.kv_cache, self.runner, self.prefix_store = parts.kv_cache, parts.runner, parts.prefix_store
+        self.check_stop, self.stats = parts.check_stop, parts.stats
+        self.layers = parts.layers  # the features beyond the plain pipeline, in the step's order
+        # the layers the engine names: a request's feature wakes its layer
+        self.drafter, self._beams, self._grammar = parts.drafter, parts.beams, parts.grammar
+        self._prompt_logprobs, self._pooling = parts.prompt_logprobs, parts.pooling
+        self.encoder_cache = parts.encoder_cache
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
-        self.encoder_cache = EncoderCache()  # a vision model's tower outputs, by image (multimodal.py)
         self._inflight: LaunchedStep | None = None  # launched, not read back (overlapped steps)
         self._last_plan: RowPlan | None = None  # the last decode-only step's (`_plan`)
         self._carried: list[Request] = []  # read back during a failed step: reported at the next
         self._last_read = 0.0
-
-    def _recurrent_checks(self) -> Checkpoints | None:
-        """A hybrid model (recurrent layers, worker/state_cache.py): refuse by name the features its
-        state cannot follow yet; its prefix-state checkpoints when prefix caching is on."""
-        self.state_bytes = 0  # one sequence's recurrent state, every layer
-        if not self.loaded.cache_spec.num_recurrent:
-            return None
-        spec = state_spec(self.loaded.model)
-        self.state_bytes = spec_nbytes(spec)
-        c = self.config
-        if not c.cache.enable_prefix_caching:
-            return None
-        return Checkpoints(min(CHECKPOINT_BYTES, CHECKPOINTS * self.state_bytes), spec, c.cache.block_size)
-
-    def _load_draft(self) -> LoadedModel:
-        """The draft model, in the target's dtype (engine/draft.py checks its tokenizer)."""
-        from ..loading.loader import DTYPES, load
-
-        dtype = next(name for name, d in DTYPES.items() if d == self.loaded.dtype)
-        draft = load(self.config.speculative.draft_model, dtype)
-        if draft.cache_spec.num_recurrent:
-            raise MlxPagedError(
-                f"a draft model with recurrent layers ({draft.config.get('model_type')!r}) is not supported: "
-                "its own state cannot roll back rejected proposals yet; "
-                "use an attention-only draft or --speculative ngram"
-            )
-        return draft
 
     def _resize_pools(self, num_blocks: int, copies: list[tuple[int, int]] = (), group: int = 0) -> None:
         """Grow or trim the KV pool of a group, and every layer's pool beside the full group's
@@ -247,45 +133,6 @@ class LLMEngine:
         if group == 0:
             for layer in self.layers.resize:
                 layer.resize(num_blocks, copies)
-
-    def _open_prefix_store(self):
-        """The disk tier, namespaced by everything that changes a block's bytes (prefix_store.py);
-        on a tensor-parallel rank, by its rank too, and lookups agree on the smallest hit count."""
-        from pathlib import Path
-
-        from ..worker.prefix_store import PrefixStore, namespace, namespace_parts
-
-        rank, world, agree = self._ranks()
-        root = Path(self.config.cache.prefix_cache_dir).expanduser()
-        parts = namespace_parts(
-            self.loaded, self.kv_cache, rank=rank, world=world, memo_file=root / "weights-digests.json"
-        )
-        gb = self.config.cache.prefix_cache_disk_gb
-        return PrefixStore(
-            root,
-            namespace(parts),
-            self.kv_cache.block_nbytes(),
-            self.config.cache.block_size,
-            cap_bytes=None if gb is None else int(gb * 1e9),
-            agree=agree,
-            parts=parts,
-        )
-
-    def _ranks(self):
-        """(rank, world size, agree): a plain engine is rank 0 of 1 and agrees with itself (TPEngine overrides)."""
-        return 0, 1, None
-
-    def _check_kernels(self) -> None:
-        """With the Metal kernel in use, build and check its variants now, before any request:
-        a variant that fails falls back to the reference with one warning (attention/metal.py)."""
-        from ..attention import resolve_impl
-
-        if resolve_impl(self.config.attention_impl) == "metal":
-            from ..attention.metal import check_pools
-
-            check_pools(self.loaded.model.args.num_attention_heads, self.kv_cache.keys)
-            for layer in self.layers.check_kernels:
-                layer.check_kernels()
 
     @property
     def eos_token_ids(self) -> set[int]:

@@ -371,6 +371,33 @@ class PrefixStore:
         self._thread.start()
         atexit.register(self.close)
 
+    @classmethod
+    def for_model(
+        cls,
+        root: str | os.PathLike,
+        loaded,
+        kv_cache,
+        block_size: int,
+        *,
+        cap_bytes: int | None = None,
+        rank: int = 0,
+        world: int = 1,
+        agree: Callable[[int], int] | None = None,
+    ) -> PrefixStore:
+        """The store under `root` for `loaded`'s blocks in `kv_cache`: namespaced by everything that
+        changes a block's bytes; on a tensor-parallel rank, by its rank too (`agree` as above)."""
+        root = Path(root).expanduser()
+        parts = namespace_parts(loaded, kv_cache, rank=rank, world=world, memo_file=root / "weights-digests.json")
+        return cls(
+            root,
+            namespace(parts),
+            kv_cache.block_nbytes(),
+            block_size,
+            cap_bytes=cap_bytes,
+            agree=agree,
+            parts=parts,
+        )
+
     # -- bookkeeping ------------------------------------------------------------------------------
     def path_of(self, block_hash: bytes) -> Path:
         hx = block_hash.hex()
