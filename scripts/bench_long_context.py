@@ -23,6 +23,13 @@ row's own copy.
     python scripts/bench_long_context.py --contexts 16384 --windows 4
     python scripts/bench_long_context.py --real --contexts 8192        # the offline Qwen2.5-0.5B
     python scripts/bench_long_context.py --batch 8 --contexts 16384    # 8 rows sharing a 16K prefix
+    python scripts/bench_long_context.py --attention --contexts 16384  # one layer's attention call alone
+
+`--attention` times one layer's decode attention alone at the tiny model's shapes (8 heads, 8 KV
+heads, head_dim 128, float32; `--batch` rows sharing the context): the paged reference reading
+runs in place, the same call forced onto the gather (`MIN_RUN_BLOCKS` out of reach: the path
+every table took before), and `mx.fast.scaled_dot_product_attention` over contiguous K/V as
+mlx-lm's cache holds them (one copy per row), in turns, median and range of `--windows` rounds.
 """
 
 from __future__ import annotations
@@ -99,15 +106,22 @@ class Ours:
         return (time.perf_counter() - t) / steps
 
     def kv_rows_read(self) -> int:
-        """Cached rows (token slots) one decode step's attention reads: the blocks of each
-        sequence's runs where they lie, or three times the gathered ones (read, write, read)."""
-        from mlxpaged.attention.reference import MIN_RUN_BLOCKS, table_runs
+        """Cached rows (token slots) one decode step's attention reads: each piece of the tables'
+        runs once, where it lies (a shared prefix once for the batch), or three times the
+        gathered blocks (read, written, read again) when the runs are too short."""
+        import numpy as np
+
+        from mlxpaged.attention.reference import _runs_plan
 
         seqs = [s for r in self.engine.scheduler.running.values() for s in r.seqs]
         tables = [list(s.ids[0].list[: -(-s.num_computed_tokens // 16)]) for s in seqs]
-        runs = sum(len(table_runs(t)) for t in tables)
-        blocks = sum(map(len, tables))
-        return 16 * blocks * (1 if blocks >= MIN_RUN_BLOCKS * runs else 3)
+        width = max(map(len, tables))
+        padded = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
+        ctx = mx.array([s.num_computed_tokens for s in seqs], dtype=mx.int32)
+        plan = _runs_plan(mx.array(padded), ctx, 16, None, None)
+        if plan is None:
+            return 3 * 16 * sum(map(len, tables))
+        return 16 * sum(n for _, n in plan.pieces)
 
 
 class Theirs:
@@ -152,6 +166,51 @@ class Theirs:
         return (time.perf_counter() - t) / steps
 
 
+def attention_alone(ctx: int, batch: int, rounds: int) -> dict:
+    """ms per call of one layer's decode attention: runs in place, gathered, contiguous SDPA."""
+    import numpy as np
+
+    from mlxpaged.attention import reference
+
+    H = kvh = 8
+    d, bs = 128, 16
+    nb = ctx // bs
+    k, v = (mx.random.normal((nb + 2 * batch + 8, kvh, bs, d)) for _ in range(2))
+    q = mx.random.normal((batch, H, d))
+    tables = np.zeros((batch, nb + 2), np.int32)
+    for i in range(batch):  # a shared prefix run, then two blocks of each row's own
+        tables[i, :nb] = np.arange(4, 4 + nb)
+        tables[i, nb:] = [nb + 4 + 2 * i, nb + 5 + 2 * i]
+    bt, cl = mx.array(tables), mx.array([ctx + 20] * batch, dtype=mx.int32)
+    kc, vc = (mx.random.normal((batch, kvh, ctx + 256, d)) for _ in range(2))
+    mx.eval(k, v, q, kc, vc)
+
+    def runs():
+        return reference.paged_attention_reference(q, k, v, bt, cl, d**-0.5, {})
+
+    def gather():
+        keep, reference.MIN_RUN_BLOCKS = reference.MIN_RUN_BLOCKS, 1 << 30
+        try:
+            return reference.paged_attention_reference(q, k, v, bt, cl, d**-0.5, {})
+        finally:
+            reference.MIN_RUN_BLOCKS = keep
+
+    def contiguous():
+        return mx.fast.scaled_dot_product_attention(
+            q[:, :, None], kc[:, :, : ctx + 20], vc[:, :, : ctx + 20], scale=d**-0.5
+        )
+
+    times = {f.__name__: [] for f in (runs, gather, contiguous)}
+    for _ in range(rounds):
+        for f in (runs, gather, contiguous):
+            mx.eval(f())
+            t = time.perf_counter()
+            for _ in range(3):
+                mx.eval(f())
+            times[f.__name__].append((time.perf_counter() - t) / 3)
+    return times
+
+
 def span(xs: list[float], unit: float = 1.0, fmt: str = "{:.1f}") -> str:
     return (fmt + " ({}-{})").format(
         statistics.median(xs) * unit, fmt.format(min(xs) * unit), fmt.format(max(xs) * unit)
@@ -165,6 +224,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--windows", type=int, default=4, help="windows per side (alternating)")
     ap.add_argument("--steps", type=int, default=8, help="decode steps per window")
+    ap.add_argument("--attention", action="store_true", help="time one layer's attention call alone")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     try:
@@ -173,6 +233,19 @@ def main() -> None:
         ap.error(f"--contexts takes comma-separated integers, got {args.contexts!r}")
     if args.batch < 1 or args.windows < 1 or args.steps < 1 or min(contexts) < 16:
         ap.error("--batch, --windows and --steps must be >= 1, contexts >= 16")
+
+    if args.attention:
+        print(f"one layer's decode attention, 8 heads / 8 KV heads, head_dim 128, float32, batch {args.batch}")
+        print(f"{'context':>7} | {'runs ms':>20} | {'gather ms':>20} | {'contiguous SDPA ms':>20} | load")
+        for ctx in contexts:
+            load = os.getloadavg()[0]
+            t = attention_alone(ctx, args.batch, args.windows)
+            print(
+                f"{ctx:>7} | {span(t['runs'], 1e3):>20} | {span(t['gather'], 1e3):>20} | "
+                f"{span(t['contiguous'], 1e3):>20} | {load:.1f}",
+                flush=True,
+            )
+        return
 
     import mlx_lm
 

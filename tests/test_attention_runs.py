@@ -190,3 +190,36 @@ def test_a_growing_table_is_one_run():
 
     assert grown(hint=True) == list(range(10, 26))
     assert len(table_runs(grown(hint=False))) == 16  # without the hint: every block its own run
+
+
+def test_engine_reads_runs_and_matches_mlx_lm(tiny_loaded, mlx_lm_tiny, monkeypatch):
+    """Long prompts decoded by the engine on the runs path: one alone, then three sharing its
+    prefix through prefix hits (each with its own suffix and blocks); every greedy token equals
+    mlx-lm's on its contiguous cache."""
+    from mlxpaged import EngineConfig, LLMEngine, SamplingParams
+
+    from reference import contiguous_generate
+
+    calls = []
+    real = reference._attend_runs
+    monkeypatch.setattr(reference, "_attend_runs", lambda *a: calls.append(len(a[3].pieces)) or real(*a))
+    ref_model, _ = mlx_lm_tiny
+    prefix = [(7 * j) % 200 + 1 for j in range(300)]
+    prompts = [prefix] + [prefix + [(11 * j + i) % 200 + 1 for j in range(5 + 9 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=160, attention_impl="reference"))
+    first = engine.add_request(prompts[0], params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    rest = [engine.add_request(p, params) for p in prompts[1:]]
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            engine.check_invariants()
+            if out.finished:
+                done[out.request_id] = out
+    assert calls and max(calls) > 1  # the runs path ran, over pieces shared between sequences
+    for p, r in zip(prompts, [first] + rest):
+        assert done[r].outputs[0].token_ids == contiguous_generate(ref_model, p, 20)
