@@ -74,7 +74,8 @@ class Ours:
         from mlxpaged import EngineConfig, LLMEngine, SamplingParams
 
         per_seq = -(-(ctx + suffix + budget) // 16)
-        blocks = per_seq + batch * (-(-(suffix + budget) // 16) + 4) + 64
+        # room for every row's whole prompt, which admission may ask for before its prefix hit
+        blocks = batch * per_seq + 64
         config = EngineConfig.of(
             num_blocks=blocks,
             max_num_seqs=batch,
@@ -84,9 +85,9 @@ class Ours:
         self.engine = LLMEngine(loaded, config)
         params = SamplingParams(temperature=0.0, max_tokens=budget, ignore_eos=True)
         prefix = prompt_tokens(ctx)
-        self.engine.add_request(prefix + prompt_tokens(suffix, 1) if batch > 1 else prefix, params)
-        self._until_decoding(1)
-        for i in range(1, batch):  # after the first: their prefix hits its blocks
+        if batch == 1:
+            self.engine.add_request(prefix, params)
+        for i in range(batch if batch > 1 else 0):  # the first computes the prefix, the others hit its blocks
             self.engine.add_request(prefix + prompt_tokens(suffix, i + 1), params)
         self._until_decoding(batch)
 
