@@ -93,7 +93,9 @@ class Ours:
 
     def _until_decoding(self, n: int) -> None:
         sched = self.engine.scheduler
-        while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for r in sched.running.values() for s in r.seqs):
+        while sched.waiting or any(
+            s.num_computed_tokens < s.num_prompt_tokens for r in sched.running.values() for s in r.seqs
+        ):
             self.engine.step()
         running = sum(len(r.seqs) for r in sched.running.values())
         assert running == n, f"{running} sequences running, {n} expected"
@@ -260,7 +262,10 @@ def main() -> None:
     row_bytes = 2 * layers * spec[0] * spec[1] * loaded.dtype.size  # K and V of one token, all layers
     label = "qwen2.5-0.5b (offline)" if args.real else "tiny qwen2 (hidden 1024, 4 layers, 8/8 heads)"
     print(f"{label}, {loaded.dtype}, batch {args.batch}, {args.windows} windows of {args.steps} steps per side")
-    print(f"{'context':>7} | {'mlx-lm ms/step':>20} | {'mlxpaged ms/step':>20} | {'ratio':>18} | load | KV MiB read/step: min, ours, mlx-lm")
+    print(
+        f"{'context':>7} | {'mlx-lm ms/step':>20} | {'mlxpaged ms/step':>20} | {'ratio':>18} | load | "
+        "KV MiB read/step: min, ours, mlx-lm"
+    )
     results = {"command": "python scripts/bench_long_context.py " + " ".join(sys.argv[1:]), "rows": []}
     suffix, budget = 8, 3 + args.windows * args.steps + 8
     for ctx in contexts:
@@ -278,7 +283,11 @@ def main() -> None:
         ratios = [x / y for x, y in zip(a, b)]
         shared = ctx + args.batch * (suffix if args.batch > 1 else 0)
         mib = 2**20
-        kv = (shared * row_bytes / mib, ours.kv_rows_read() * row_bytes / mib, args.batch * (ctx + suffix) * row_bytes / mib)
+        kv = (
+            shared * row_bytes / mib,
+            ours.kv_rows_read() * row_bytes / mib,
+            args.batch * (ctx + suffix) * row_bytes / mib,
+        )
         if args.batch == 1:
             kv = (ctx * row_bytes / mib, ours.kv_rows_read() * row_bytes / mib, ctx * row_bytes / mib)
         print(

@@ -2,12 +2,13 @@
 
 Decode reads each sequence's blocks where they lie when its table is made of long runs of
 consecutive block ids (the allocator extends a sequence's run where it can, core/block_pool.py):
-a run of n blocks is the slice `pool[first:first + n]`, a view, seen as one
-`[n * num_kv_heads * block_size, head_dim]` matrix, so one matmul scores the query heads against
-every row of it; each head keeps its own KV head's rows, the runs' scores are joined (a few
-`[num_heads, run tokens]` arrays, never the keys), softmax runs in float32, and one matmul per run
-takes the values. Nothing of the size of the context is copied. Tables of short runs (many small
-sequences, or ids scattered by forks and frees) are gathered instead into a contiguous
+a run of n blocks is the slice `pool[first:first + n]`, a view `[n, num_kv_heads, block_size,
+head_dim]`; one batched matmul over its (block, KV head) pairs scores each KV head's query heads,
+the runs' scores are joined (`[num_heads, context]` floats, never the keys), softmax runs in
+float32, and one batched matmul per run takes the values. Runs are cut at every run boundary of
+the batch, so a block range that several sequences share (a prefix hit, a fork) is one slice read
+once for all of them. No K or V row is copied. Tables of short runs (many small sequences, or
+ids scattered by forks and frees) are gathered instead into a contiguous
 `[num_kv_heads, max_blocks * block_size, head_dim]` array, positions at or past
 `context_lens[i]` masked, grouped-query attention in float32 (SDPA). The host plan (the runs, or
 the gather's index arrays) is built once per forward pass when the caller passes a `scratch` dict
