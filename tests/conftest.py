@@ -100,6 +100,7 @@ FILE_TIERS = {
     "test_sampler.py": "unit",
     "test_waste.py": "unit",
     "test_paged_attention.py": "unit",
+    "test_attention_runs.py": "unit",
     "test_rotary.py": "unit",
     "test_gguf.py": "unit",
     "test_imports.py": "unit",

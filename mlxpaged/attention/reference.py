@@ -1,10 +1,18 @@
 """Paged attention in pure MLX ops: the reference every kernel is checked against.
 
-Decode: each sequence's blocks are gathered through its block table into a contiguous
+Decode reads each sequence's blocks where they lie when its table is made of long runs of
+consecutive block ids (the allocator extends a sequence's run where it can, core/block_pool.py):
+a run of n blocks is the slice `pool[first:first + n]`, a view `[n, num_kv_heads, block_size,
+head_dim]`; one batched matmul over its (block, KV head) pairs scores each KV head's query heads,
+the runs' scores are joined (`[num_heads, context]` floats, never the keys), softmax runs in
+float32, and one batched matmul per run takes the values. Runs are cut at every run boundary of
+the batch, so a block range that several sequences share (a prefix hit, a fork) is one slice read
+once for all of them. No K or V row is copied. Tables of short runs (many small sequences, or
+ids scattered by forks and frees) are gathered instead into a contiguous
 `[num_kv_heads, max_blocks * block_size, head_dim]` array, positions at or past
-`context_lens[i]` are masked, and grouped-query attention runs in float32 (SDPA). The index
-arrays derived from the tables are built once per forward pass when the caller passes a
-`scratch` dict (the pass's `AttentionMetadata.scratch`), not once per layer.
+`context_lens[i]` masked, grouped-query attention in float32 (SDPA). The host plan (the runs, or
+the gather's index arrays) is built once per forward pass when the caller passes a `scratch` dict
+(the pass's `AttentionMetadata.scratch`), not once per layer.
 Varlen: sequences with one new token go through the decode path together; each longer one
 gathers its own blocks and runs `mx.fast.scaled_dot_product_attention` with a causal mask
 offset by its cached prefix.
@@ -22,7 +30,11 @@ the gather is the float path, so the result is the float reference on `pool.dequ
 
 from __future__ import annotations
 
+import bisect
+from dataclasses import dataclass
+
 import mlx.core as mx
+import numpy as np
 
 from ..utils import cdiv
 from . import kv_quant
@@ -78,6 +90,120 @@ def _attention(q, k, v, scale: float, mask, sinks, softcap: float | None) -> mx.
     return out.reshape(B, H, L, -1)
 
 
+# A table is read as runs when its runs average at least this many blocks: below that the
+# per-run ops (a handful per run and layer) cost more than gathering the few blocks.
+MIN_RUN_BLOCKS = 8
+
+
+def table_runs(ids) -> list[tuple[int, int]]:
+    """`(first block id, number of blocks)` of each run of consecutive ids in `ids`, in order:
+    the runs laid end to end are `ids` (`[first + j for first, n in runs for j in range(n)]`)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.size == 0:
+        return []
+    cuts = np.flatnonzero(np.diff(ids) != 1) + 1  # where a run ends: the next id is not one more
+    starts = np.concatenate(([0], cuts))
+    ends = np.concatenate((cuts, [ids.size]))
+    return list(zip(ids[starts].tolist(), (ends - starts).tolist()))
+
+
+@dataclass
+class RunsPlan:
+    """How one decode pass reads its tables in place. `pieces` are `(first block id, n blocks)`
+    slices of the pool: the tables' runs cut at every run boundary of the batch, so two pieces are
+    the same slice or share no block, and a prefix that several sequences share is one piece that
+    is read once for all of them. `members[k]`: the sequences reading piece k (`rows[k]` as an
+    index array); `parts[i]`: sequence i's pieces in position order, each `(k, row in members[k],
+    a, b)` with slots `a .. b - 1` of the piece visible to its query."""
+
+    pieces: list[tuple[int, int]]
+    members: list[list[int]]
+    rows: list[mx.array | None]  # None: every sequence, in order (no gather of the queries)
+    parts: list[list[tuple[int, int, int, int]]]
+
+
+def _runs_plan(block_tables, context_lens, block_size, window, chunk) -> RunsPlan | None:
+    """The pass's `RunsPlan`, or None when its pieces are too short to pay (`MIN_RUN_BLOCKS`).
+    Read on the host: the runner builds both arrays from numpy or lists, so this forces no
+    computation."""
+    tables = np.array(block_tables)
+    spans = []  # per sequence: its runs, and its visible positions lo..hi-1 from its first run's start
+    for i, hi in enumerate(np.array(context_lens).tolist()):
+        lo = 0
+        if window is not None:
+            lo = max(0, hi - window)
+        if chunk is not None:  # the query sits at hi - 1
+            lo = (hi - 1) // chunk * chunk
+        first, last = lo // block_size, cdiv(hi, block_size)
+        spans.append((table_runs(tables[i, first:last]), lo - first * block_size, hi - first * block_size))
+    cuts = sorted({x for runs, _, _ in spans for f, n in runs for x in (f, f + n)})
+    index: dict[tuple[int, int], int] = {}
+    plan = RunsPlan([], [], [], [])
+    blocks = 0
+    for i, (runs, lo, hi) in enumerate(spans):
+        parts, at = [], 0  # at: slots of this sequence's pieces so far
+        for f, n in runs:
+            c = bisect.bisect_left(cuts, f)
+            while cuts[c] < f + n:
+                piece = (cuts[c], cuts[c + 1] - cuts[c])
+                k = index.setdefault(piece, len(plan.pieces))
+                if k == len(plan.pieces):
+                    plan.pieces.append(piece)
+                    plan.members.append([])
+                slots = piece[1] * block_size
+                parts.append((k, len(plan.members[k]), max(lo - at, 0), min(hi - at, slots)))
+                plan.members[k].append(i)
+                blocks += piece[1]
+                at += slots
+                c += 1
+        plan.parts.append(parts)
+    if blocks < MIN_RUN_BLOCKS * sum(map(len, plan.parts)):
+        return None
+    everyone = list(range(len(spans)))
+    plan.rows = [None if m == everyone else mx.array(m) for m in plan.members]
+    return plan
+
+
+def _attend_runs(q, k_cache, v_cache, plan: RunsPlan, scale, sinks):
+    """The decode over `plan`'s pieces, read in place. A piece of n blocks is the view
+    `[n, kvh, block_size, head_dim]`; one batched matmul over its (block, KV head) pairs scores the
+    query heads of that KV head, for every sequence that reads the piece at once, and one takes
+    its values. q `[S, H, d]`; returns `[S, H, d]` in q's dtype."""
+    S, H, d = q.shape
+    _, kvh, bs, _ = k_cache.shape
+    g = H // kvh
+    qc = q.astype(k_cache.dtype)
+    scores = []
+    for (first, n), rows in zip(plan.pieces, plan.rows):
+        qm = qc if rows is None else qc[rows]  # [m, H, d]
+        m = qm.shape[0]
+        qm = qm.reshape(m, kvh, g, d).transpose(1, 0, 2, 3).reshape(1, kvh, m * g, d)
+        s = (qm @ k_cache[first : first + n].swapaxes(-1, -2)).astype(mx.float32)  # [n, kvh, m * g, bs]
+        # -> [m, H, n * bs]: each sequence's heads, positions in order
+        scores.append(s.reshape(n, kvh, m, g, bs).transpose(2, 1, 3, 0, 4).reshape(m, H, n * bs))
+    weights = [[None] * len(m) for m in plan.members]
+    for parts in plan.parts:
+        s = [scores[k][r, :, a:b] for k, r, a, b in parts]
+        s = (s[0] if len(s) == 1 else mx.concatenate(s, axis=1)) * scale
+        if sinks is not None:  # one more logit per head in the denominator, with no value
+            s = mx.concatenate([s, sinks.astype(mx.float32)[:, None]], axis=1)
+        p = mx.softmax(s, axis=-1)
+        at = 0
+        for k, r, a, b in parts:  # the piece's slots, zero where hidden
+            weights[k][r] = mx.pad(p[:, at : at + b - a], [(0, 0), (a, plan.pieces[k][1] * bs - b)])
+            at += b - a
+    outs = [[] for _ in range(S)]
+    for (first, n), members, w in zip(plan.pieces, plan.members, weights):
+        m = len(members)
+        w = mx.stack(w).reshape(m, kvh, g, n, bs).transpose(3, 1, 0, 2, 4).reshape(n, kvh, m * g, bs)
+        o = (w.astype(v_cache.dtype) @ v_cache[first : first + n]).astype(mx.float32).sum(axis=0)  # [kvh, m * g, d]
+        o = o.reshape(kvh, m, g, d).transpose(1, 0, 2, 3).reshape(m, H, d)
+        for r, i in enumerate(members):
+            outs[i].append(o if m == 1 else o[r : r + 1])
+    out = mx.concatenate([sum(o[1:], o[0]) for o in outs]) if S > 1 else sum(outs[0][1:], outs[0][0])
+    return out.astype(q.dtype)
+
+
 def paged_attention_reference(
     q: mx.array,  # [num_seqs, num_heads, head_dim]
     k_cache: mx.array,  # [num_blocks, num_kv_heads, block_size, head_dim], or a QuantizedPool
@@ -93,6 +219,15 @@ def paged_attention_reference(
 ) -> mx.array:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
+    # a quantized run must be dequantized, and the runs' scores are not capped: both gathered
+    if softcap is None and not isinstance(k_cache, kv_quant.QuantizedPool):
+        plan = _memo(
+            scratch,
+            ("runs", block_size, window, chunk),
+            lambda: _runs_plan(block_tables, context_lens, block_size, window, chunk),
+        )
+        if plan is not None:
+            return _attend_runs(q, k_cache, v_cache, plan, scale, sinks)
     ctx = block_tables.shape[1] * block_size
 
     def index():

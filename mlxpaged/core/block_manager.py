@@ -226,7 +226,8 @@ class BlockManager:
         want = self.blocks_for(computed + num_new_tokens)
         while len(table) < want:
             for g, grp in enumerate(self.groups):
-                block = grp.pool.allocate()
+                prev = tables[g][-1] if tables[g] else None  # None: a window group's released block
+                block = grp.pool.allocate(None if prev is None else prev.block_id)  # extend its run
                 tables[g].append(block)
                 seq.ids[g].append(block.block_id)
         return copies if any(copies) else NO_COPIES

@@ -39,7 +39,8 @@ class BlockPool:
     """Fixed-size blocks, reference counted, with an O(1) free queue that is also the LRU.
 
     `allocate()` takes the least recently freed block (evicting it from the prefix cache if it
-    was cached) and returns `None` when no block is free: "no room" is for the caller to handle.
+    was cached), or the free uncached block right after the one a table ends with (`after`), and
+    returns `None` when no block is free: "no room" is for the caller to handle.
     """
 
     def __init__(self, num_blocks: int):
@@ -131,8 +132,19 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - len(self.free_queue)
 
-    def allocate(self) -> Block | None:
-        """A fresh block with `ref_cnt == 1`, or `None` when the pool is exhausted."""
+    def allocate(self, after: int | None = None) -> Block | None:
+        """A fresh block with `ref_cnt == 1`, or `None` when the pool is exhausted.
+
+        `after`: the id of the block this one follows in a sequence's table. Block `after + 1` is
+        taken when it is free and holds no cached prefix, so the table stays one run of
+        consecutive ids, which attention reads in place (attention/reference.py); otherwise the
+        least recently freed block, as without it."""
+        nxt = self.free_queue.get(after + 1) if after is not None else None
+        if nxt is not None and nxt.block_hash is None:
+            del self.free_queue[nxt.block_id]
+            nxt.ref_cnt = 1
+            self.num_refs += 1
+            return nxt
         if not self.free_queue and not self._grow():
             return None
         _, block = self.free_queue.popitem(last=False)
