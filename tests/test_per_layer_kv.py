@@ -136,10 +136,10 @@ def test_8bit_pools_equal_a_reference_rounding_kv_as_they_do(gemma4, monkeypatch
     off, the tokens are exactly those of mlx-lm's model whose caches round each K/V row the same way."""
     import mlx_lm.models.cache as mlx_cache
 
-    import mlxpaged.engine.llm_engine as llm_engine
+    import mlxpaged.engine.parts as parts
 
     _, loaded, ref_model, tok = gemma4[4]
-    monkeypatch.setattr(llm_engine, "model_key_scales", lambda loaded: None)
+    monkeypatch.setattr(parts, "model_key_scales", lambda loaded: None)
     engine = _engine(loaded, kv_bits=8, kv_group_size=32)
     prompts = [SYSTEM, LONG]
     rids = [engine.add_request(p, greedy(24)) for p in prompts]
