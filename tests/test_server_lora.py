@@ -185,3 +185,11 @@ def test_adapter_dir_loads_on_first_use(client, tiny_loaded, adapter_dir, want):
         r = client.post("/v1/completions", json={**body, "adapters": outside})
         assert r.status_code == 404 and "unknown adapter" in r.text, (outside, r.text)
     assert client.post("/v1/completions", json={**body, "model": "tiny:A2"}).status_code == 200
+
+
+def test_an_adapter_on_an_embedding_is_refused_by_name(client):
+    """Pooled requests run on the base model: an adapter there is a 400 naming it, not ignored."""
+    assert client.post("/v1/embeddings", json={"model": "tiny", "input": "hi"}).status_code == 200
+    r = client.post("/v1/embeddings", json={"model": "tiny:A", "input": "hi"})
+    assert r.status_code == 400, r.text
+    assert "adapter 'A'" in r.json()["error"]["message"]
