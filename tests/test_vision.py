@@ -95,6 +95,8 @@ class Case:
         "mistral3",
         "qwen3_5",
         "lfm2_vl",
+        "qwen2_vl",
+        "pixtral",
     ],
 )
 def case(request, tmp_path_factory):

@@ -39,6 +39,7 @@ from .paged_adapter import (
 # The families whose language model runs here, each checked against mlx-vlm's own `generate`
 # (tests/test_vision.py); "mrope": positions are Qwen's three t/h/w rows, "rope": one row.
 FAMILIES = {
+    "qwen2_vl": "mrope",
     "qwen2_5_vl": "mrope",
     "qwen3_vl": "mrope",  # with deepstack: vision features added again after its first layers
     "qwen3_vl_moe": "mrope",
@@ -48,6 +49,7 @@ FAMILIES = {
     "qwen3_5": "mrope",  # gated DeltaNet layers (recurrent state) between full-attention ones
     "lfm2_vl": "rope",  # LFM2's short-convolution layers (recurrent state) and a SigLIP2 tower
     "mistral3": "rope",  # Pixtral's vision: an image's rows of tokens between [IMG_BREAK]s
+    "pixtral": "rope",  # the same tower unmerged, a LLaVA-style projector, a Mistral language model
 }
 # The processor attribute naming the marker a chat template writes for an image, where it is not
 # the image token itself (Gemma 3's <start_of_image>, widened to its image tokens between text).

@@ -86,6 +86,23 @@ def _qwen_vl(model_type: str, ids: dict, vocab: int) -> dict:
     return {**text, "text_config": dict(text), "vision_config": vision, **_qwen_ids(ids), "vocab_size": vocab}
 
 
+def _qwen2_vl(model_type: str, ids: dict, vocab: int) -> dict:
+    """Qwen2-VL: Qwen2.5-VL's flat config, a vision tower without windows (width `embed_dim`)."""
+    text = _text(model_type, vocab, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+    vision = {
+        "model_type": model_type,
+        "depth": 2,
+        "embed_dim": 32,
+        "hidden_size": HIDDEN,
+        "num_heads": 2,
+        "mlp_ratio": 3,  # an int (transformers checks it); 96 wide, not HIDDEN (see VISION_FF)
+        "patch_size": PATCH,
+        "spatial_merge_size": MERGE,
+        "temporal_patch_size": 2,
+    }
+    return {**text, "text_config": dict(text), "vision_config": vision, **_qwen_ids(ids), "vocab_size": vocab}
+
+
 def _qwen3_vl(model_type: str, ids: dict, vocab: int) -> dict:
     rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}
     text = _text(model_type, vocab, head_dim=HIDDEN // HEADS, rope_scaling=rope)
@@ -219,6 +236,7 @@ def _idefics3_files(path: Path, processor_class: str) -> None:
 # separated by [IMG_BREAK], ended by [IMG_END] (one [IMG] per 2x2 merged 14-pixel patches).
 MISTRAL3_SPECIAL = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
 MISTRAL3_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "[IMG]")
+PIXTRAL_IMAGE = 56  # Pixtral's 14-pixel patches unmerged: at most 4x4 image tokens
 
 
 def _mistral3(model_type: str, ids: dict, vocab: int) -> dict:
@@ -255,6 +273,85 @@ def _mistral3_files(path: Path) -> None:
     }
     (path / "preprocessor_config.json").write_text(json.dumps(image))
     proc = {"processor_class": "Mistral3Processor", "patch_size": PATCH, "spatial_merge_size": MERGE}
+    (path / "processor_config.json").write_text(json.dumps(proc))
+
+
+def _pixtral(model_type: str, ids: dict, vocab: int) -> dict:
+    """Pixtral: Mistral 3's tower without the patch merger, one [IMG] per 14-pixel patch,
+    projected by a LLaVA-style two-layer projector into a Mistral language model."""
+    config = _mistral3(model_type, ids, vocab)
+    config["vision_config"] |= {"image_size": PIXTRAL_IMAGE}
+    del config["spatial_merge_size"]
+    return config
+
+
+def _pixtral_files(path: Path) -> None:
+    """Pixtral's image processor: the longest edge to 56 pixels (4x4 patches), no merging."""
+    image = {
+        "image_processor_type": "PixtralImageProcessor",
+        "processor_class": "PixtralProcessor",
+        "size": {"longest_edge": PIXTRAL_IMAGE},
+        "patch_size": {"height": PATCH, "width": PATCH},
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+    }
+    (path / "preprocessor_config.json").write_text(json.dumps(image))
+    proc = {"processor_class": "PixtralProcessor", "patch_size": PATCH, "spatial_merge_size": 1}
+    (path / "processor_config.json").write_text(json.dumps(proc))
+
+
+# LLaVA 1.5: an <image> part, which the processor widens to one <image> per CLIP patch (its CLS
+# row dropped: vision_feature_select_strategy "default").
+LLAVA_SPECIAL = ("<image>",)
+LLAVA_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
+LLAVA_IMAGE = 56  # 4x4 patches of 14 pixels: 16 image tokens
+
+
+def _llava(model_type: str, ids: dict, vocab: int) -> dict:
+    text = _text("llama", vocab, head_dim=HIDDEN // HEADS)
+    vision = {
+        "model_type": "clip_vision_model",
+        "num_hidden_layers": 2,
+        "hidden_size": 32,
+        "intermediate_size": VISION_FF,
+        "num_attention_heads": 2,
+        "image_size": LLAVA_IMAGE,
+        "patch_size": PATCH,
+        "projection_dim": 32,
+    }
+    return {
+        "model_type": model_type,
+        "text_config": text,
+        "vision_config": vision,
+        "image_token_index": ids["<image>"],
+        "vision_feature_select_strategy": "default",
+        "vision_feature_layer": -2,
+        "vocab_size": vocab,
+    }
+
+
+def _llava_files(path: Path) -> None:
+    """LLaVA 1.5's CLIP image processor: shortest edge to 56 pixels, center-cropped square."""
+    image = {
+        "image_processor_type": "CLIPImageProcessor",
+        "processor_class": "LlavaProcessor",
+        "size": {"shortest_edge": LLAVA_IMAGE},
+        "crop_size": {"height": LLAVA_IMAGE, "width": LLAVA_IMAGE},
+        "do_resize": True,
+        "do_center_crop": True,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "resample": 3,
+    }
+    (path / "preprocessor_config.json").write_text(json.dumps(image))
+    proc = {
+        "processor_class": "LlavaProcessor",
+        "patch_size": PATCH,
+        "vision_feature_select_strategy": "default",
+        "num_additional_image_tokens": 1,
+    }
     (path / "processor_config.json").write_text(json.dumps(proc))
 
 
@@ -340,7 +437,14 @@ FAMILIES = {
     "qwen3_5": (QWEN_VL_SPECIAL, QWEN_VL_TEMPLATE, _qwen3_5, "Qwen3VLProcessor"),
     "lfm2_vl": (LFM2_VL_SPECIAL, LFM2_VL_TEMPLATE, _lfm2_vl, "Lfm2VlProcessor"),
     "mistral3": (MISTRAL3_SPECIAL, MISTRAL3_TEMPLATE, _mistral3, "Mistral3Processor"),
+    "qwen2_vl": (QWEN_VL_SPECIAL, QWEN_VL_TEMPLATE, _qwen2_vl, "Qwen2VLProcessor"),
+    "pixtral": (MISTRAL3_SPECIAL, MISTRAL3_TEMPLATE, _pixtral, "PixtralProcessor"),
+    "llava": (LLAVA_SPECIAL, LLAVA_TEMPLATE, _llava, "LlavaProcessor"),
 }
+
+
+# Where seed 0 draws a language model that repeats one token whatever the image shows (a blind test)
+SEEDS = {"pixtral": 1}
 
 
 def _processor_files(path: Path, processor_class: str) -> None:
@@ -368,7 +472,7 @@ def _source(module) -> str:
 
 
 def write_tiny_vlm(
-    path: Path, model_type: str = "qwen2_5_vl", *, seed: int = 0, logit_scale: float = 4.0, feature_scale: float = 8.0
+    path: Path, model_type: str = "qwen2_5_vl", *, seed: int | None = None, logit_scale: float = 4.0, feature_scale: float = 8.0
 ) -> Path:
     """A tiny random `model_type` checkpoint directory at `path`, loadable by `mlx_vlm.load`."""
     import importlib
@@ -388,7 +492,7 @@ def write_tiny_vlm(
     model_config = module.ModelConfig.from_dict(json.loads(json.dumps(config)))
     model_config = update_module_configs(model_config, module, json.loads(json.dumps(config)), ["text", "vision"])
     model = module.Model(model_config)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(SEEDS.get(model_type, 0) if seed is None else seed)
     weights = {}
     params = tree_flatten(model.parameters())
     # the projector's output layers (vision matrices as tall as the text model is wide) drawn
@@ -428,6 +532,10 @@ def write_tiny_vlm(
         _mistral3_files(path)
     elif model_type == "lfm2_vl":
         _lfm2_vl_files(path)
+    elif model_type == "pixtral":
+        _pixtral_files(path)
+    elif model_type == "llava":
+        _llava_files(path)
     else:
         _processor_files(path, processor_class)
     return path
