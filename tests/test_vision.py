@@ -97,6 +97,7 @@ class Case:
         "lfm2_vl",
         "qwen2_vl",
         "pixtral",
+        "gemma4",
     ],
 )
 def case(request, tmp_path_factory):
@@ -222,7 +223,9 @@ def test_python_api_and_cli_take_images(case, tmp_path):
 
 def test_an_unsupported_vision_family_is_refused_in_one_line(tmp_path):
     """A vision checkpoint whose family's language model does not run here is refused at load,
-    naming the type and the families that run (nothing is loaded or half-built)."""
+    naming the type and the families that run (nothing is loaded or half-built); so are LLaVA
+    (mlx-vlm's own processor fails on its image prompts, checked here) and a Gemma 4 whose image
+    tokens attend both ways, each with its reason."""
     import json
     import re
 
@@ -230,7 +233,27 @@ def test_an_unsupported_vision_family_is_refused_in_one_line(tmp_path):
     from mlxpaged.loading.loader import load
     from mlxpaged.models.vision import FAMILIES
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava", "vision_config": {}}))
+    def refused(config: dict, match: str) -> None:
+        (tmp_path / "config.json").write_text(json.dumps({**config, "vision_config": {}}))
+        with pytest.raises(MlxPagedError, match=match):
+            load(str(tmp_path))
+
     runs = re.escape(f"(it runs {', '.join(FAMILIES)})")
-    with pytest.raises(MlxPagedError, match=rf"^llava: a vision model .* {runs}"):
-        load(str(tmp_path))
+    refused({"model_type": "paligemma"}, rf"^paligemma: a vision model .* {runs}")
+    refused({"model_type": "llava"}, r"^llava: mlx-vlm's LLaVA processor .* no LLaVA image prompt")
+    bidirectional = {"model_type": "gemma4", "text_config": {"use_bidirectional_attention": "vision"}}
+    refused(bidirectional, r"^gemma4: use_bidirectional_attention='vision' .* causal paged attention")
+
+
+def test_mlx_vlm_runs_no_llava_image_prompt(tmp_path):
+    """Why LLaVA is refused: mlx-vlm's own `generate` fails on a LLaVA checkpoint written by its
+    own classes (its processor passes `padding` to the image processor). When this starts to pass,
+    LLaVA can join FAMILIES and the parametrization above."""
+    from mlx_vlm import generate, load
+
+    model, processor = load(str(write_tiny_vlm(tmp_path / "llava", "llava")))
+    prompt = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [IMAGE, said("Describe.")]}], tokenize=False, add_generation_prompt=True
+    )
+    with pytest.raises(ValueError, match="padding"):
+        generate(model, processor, prompt, image=[noise(0)], max_tokens=2, temperature=0.0)

@@ -50,6 +50,13 @@ FAMILIES = {
     "lfm2_vl": "rope",  # LFM2's short-convolution layers (recurrent state) and a SigLIP2 tower
     "mistral3": "rope",  # Pixtral's vision: an image's rows of tokens between [IMG_BREAK]s
     "pixtral": "rope",  # the same tower unmerged, a LLaVA-style projector, a Mistral language model
+    "gemma4": "rope",  # per-layer KV shapes, KV-shared layers, per-layer inputs (zero at image rows)
+}
+# Families mlx-vlm has a module for that are refused with their reason: none of them has mlx-vlm
+# tokens to be checked against.
+REFUSED = {
+    "llava": "mlx-vlm's LLaVA processor hands the tokenizer's arguments (padding) to transformers' image "
+    "processor, which refuses them: mlx-vlm itself runs no LLaVA image prompt to check mlxpaged against",
 }
 # The processor attribute naming the marker a chat template writes for an image, where it is not
 # the image token itself (Gemma 3's <start_of_image>, widened to its image tokens between text).
@@ -125,6 +132,15 @@ def vision_refusal(config: dict) -> str | None:
                 return f"{model_type} is a vision model: it needs mlx-vlm (pip install 'mlxpaged[vision]')"
             return f"{model_type}: mlx-vlm has no model module for it"
         return f"{model_type}: its mlx-vlm module needs the missing package {e.name!r}"
+    if model_type in REFUSED:
+        return f"{model_type}: {REFUSED[model_type]}"
+    text = config.get("text_config") or {}
+    if model_type == "gemma4" and text.get("use_bidirectional_attention"):
+        # its image tokens attend to each other both ways: the paged attention here is causal
+        return (
+            f"gemma4: use_bidirectional_attention={text['use_bidirectional_attention']!r} "
+            "(image tokens attending both ways) is not run by mlxpaged's causal paged attention"
+        )
     if model_type not in FAMILIES:
         return (
             f"{model_type}: a vision model whose language model mlxpaged does not yet run on the paged cache "
@@ -299,12 +315,20 @@ class PagedVisionModel(nn.Module):
         lm = self.model.language_model
         body = text_body(self)
         h = body.embed_tokens(inputs)
+        if self.model_type == "gemma4":  # its text model takes the embeddings scaled, image features not
+            h = h * body.embed_scale
         if rows is not None and rows.dst is not None:
             h[rows.dst] = rows.features.astype(h.dtype)
         positions = rows.positions if rows is not None else None
         if self.positions_kind == "mrope" and positions is None:  # text rows: one position, thrice
             positions = mx.broadcast_to(meta.positions[None], (3, meta.positions.shape[0]))
         kwargs = {"position_ids": positions[:, :, None]} if self.positions_kind == "mrope" else {}
+        if getattr(body, "hidden_size_per_layer_input", None):  # Gemma 4: token 0's per-layer input at image rows
+            ids = inputs
+            if rows is not None and rows.dst is not None:
+                ids = mx.array(inputs)
+                ids[rows.dst] = 0
+            kwargs["per_layer_inputs"] = body.get_per_layer_inputs(ids[:, None])
         if rows is not None and rows.deepstack is not None:  # Qwen3-VL: added again after its first layers
             mask = mx.zeros((inputs.shape[0], 1), dtype=mx.bool_)
             mask[rows.dst] = True

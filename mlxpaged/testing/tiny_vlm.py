@@ -192,6 +192,79 @@ def _gemma3_files(path: Path) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
 
 
+# Gemma 4: its image token as the marker, which the processor widens to <|image> + <|image|> * n +
+# <image|> (n: the image's patches pooled 2x2, at most GEMMA4_TOKENS); <|video|> named so the
+# processor adds no token to the vocabulary.
+GEMMA4_SPECIAL = ("<|image>", "<|image|>", "<image|>", "<|video|>")
+GEMMA4_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<|image|>")
+GEMMA4_TOKENS = 6
+
+
+def _gemma4(model_type: str, ids: dict, vocab: int) -> dict:
+    """Gemma 4's per-layer KV shapes (the full layers wider, one KV head, K = V), its last two
+    layers reading the first two's K/V, per-layer inputs, sliding windows of 8; a tower pooling
+    2x2 patches."""
+    text = _text("gemma4_text", vocab, head_dim=16, final_logit_softcapping=30.0)
+    text |= {
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "num_global_key_value_heads": 1,
+        "attention_k_eq_v": True,
+        "global_head_dim": 32,
+        "num_kv_shared_layers": 2,
+        "sliding_window": 8,
+        "hidden_size_per_layer_input": 16,
+        "vocab_size_per_layer_input": vocab,
+        "use_bidirectional_attention": None,  # causal over image tokens (see models/vision.py)
+    }
+    vision = {
+        "model_type": "gemma4_vision",
+        "hidden_size": 32,
+        "intermediate_size": VISION_FF,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "global_head_dim": 16,
+        "patch_size": PATCH,
+        "pooling_kernel_size": 2,
+        "position_embedding_size": 64,
+        "default_output_length": GEMMA4_TOKENS,
+    }
+    return {
+        "model_type": model_type,
+        "text_config": text,
+        "vision_config": vision,
+        "image_token_id": ids["<|image|>"],
+        "boi_token_id": ids["<|image>"],
+        "eoi_token_id": ids["<image|>"],
+        "video_token_id": ids["<|video|>"],
+        "audio_token_id": vocab + 1,  # no audio tower: an id no token has
+        "pad_token_id": ids["<|endoftext|>"],
+        "hidden_size": HIDDEN,
+        "vocab_size": vocab,
+        "vision_soft_tokens_per_image": GEMMA4_TOKENS,
+        "tie_word_embeddings": False,
+    }
+
+
+def _gemma4_files(path: Path) -> None:
+    """Gemma 4's processor: patches of 14 pixels pooled 2x2, at most GEMMA4_TOKENS per image; its
+    tokenizer's names for the image markers."""
+    image = {"patch_size": PATCH, "max_soft_tokens": GEMMA4_TOKENS, "pooling_kernel_size": 2}
+    (path / "processor_config.json").write_text(
+        json.dumps({"processor_class": "Gemma4Processor", "image_processor": image})
+    )
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg["extra_special_tokens"] = {
+        "boi_token": "<|image>",
+        "image_token": "<|image|>",
+        "eoi_token": "<image|>",
+        "video_token": "<|video|>",
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
 # SmolVLM / Idefics3: an <image> part, which the processor widens to
 # <fake_token_around_image><global-img> + <image> * image_seq_len + <fake_token_around_image>.
 IDEFICS3_SPECIAL = ("<fake_token_around_image>", "<global-img>", "<image>", "<end_of_utterance>")
@@ -440,6 +513,7 @@ FAMILIES = {
     "qwen2_vl": (QWEN_VL_SPECIAL, QWEN_VL_TEMPLATE, _qwen2_vl, "Qwen2VLProcessor"),
     "pixtral": (MISTRAL3_SPECIAL, MISTRAL3_TEMPLATE, _pixtral, "PixtralProcessor"),
     "llava": (LLAVA_SPECIAL, LLAVA_TEMPLATE, _llava, "LlavaProcessor"),
+    "gemma4": (GEMMA4_SPECIAL, GEMMA4_TEMPLATE, _gemma4, "Gemma4Processor"),
 }
 
 
@@ -536,6 +610,8 @@ def write_tiny_vlm(
         _pixtral_files(path)
     elif model_type == "llava":
         _llava_files(path)
+    elif model_type == "gemma4":
+        _gemma4_files(path)
     else:
         _processor_files(path, processor_class)
     return path
