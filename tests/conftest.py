@@ -131,6 +131,7 @@ FILE_TIERS = {
     "test_vision.py": "engine",
     "test_vision_server.py": "server",
     "test_vision_routes.py": "server",
+    "test_vision_families_server.py": "server",
     "test_hybrid.py": "engine",
     "test_windows.py": "engine",
     "test_per_layer_kv.py": "engine",
