@@ -334,21 +334,6 @@ def _mistral3(model_type: str, ids: dict, vocab: int) -> dict:
     }
 
 
-def _mistral3_files(path: Path) -> None:
-    """Pixtral's image processor: the longest edge to 112 pixels, sides multiples of 28."""
-    image = {
-        "image_processor_type": "PixtralImageProcessor",
-        "processor_class": "Mistral3Processor",
-        "size": {"longest_edge": PATCH * MERGE * 4},
-        "patch_size": {"height": PATCH, "width": PATCH},
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-    }
-    (path / "preprocessor_config.json").write_text(json.dumps(image))
-    proc = {"processor_class": "Mistral3Processor", "patch_size": PATCH, "spatial_merge_size": MERGE}
-    (path / "processor_config.json").write_text(json.dumps(proc))
-
-
 def _pixtral(model_type: str, ids: dict, vocab: int) -> dict:
     """Pixtral: Mistral 3's tower without the patch merger, one [IMG] per 14-pixel patch,
     projected by a LLaVA-style two-layer projector into a Mistral language model."""
@@ -358,18 +343,19 @@ def _pixtral(model_type: str, ids: dict, vocab: int) -> dict:
     return config
 
 
-def _pixtral_files(path: Path) -> None:
-    """Pixtral's image processor: the longest edge to 56 pixels (4x4 patches), no merging."""
+def _pixtral_files(path: Path, processor_class: str = "PixtralProcessor", edge: int = PIXTRAL_IMAGE, merge: int = 1):
+    """Pixtral's image processor: the longest edge to `edge` pixels, sides multiples of 14 * `merge`
+    (Mistral 3's: 112 pixels, its patches merged 2x2; Pixtral's own: 56, unmerged)."""
     image = {
         "image_processor_type": "PixtralImageProcessor",
-        "processor_class": "PixtralProcessor",
-        "size": {"longest_edge": PIXTRAL_IMAGE},
+        "processor_class": processor_class,
+        "size": {"longest_edge": edge},
         "patch_size": {"height": PATCH, "width": PATCH},
         "image_mean": [0.5, 0.5, 0.5],
         "image_std": [0.5, 0.5, 0.5],
     }
     (path / "preprocessor_config.json").write_text(json.dumps(image))
-    proc = {"processor_class": "PixtralProcessor", "patch_size": PATCH, "spatial_merge_size": 1}
+    proc = {"processor_class": processor_class, "patch_size": PATCH, "spatial_merge_size": merge}
     (path / "processor_config.json").write_text(json.dumps(proc))
 
 
@@ -382,16 +368,7 @@ LLAVA_IMAGE = 56  # 4x4 patches of 14 pixels: 16 image tokens
 
 def _llava(model_type: str, ids: dict, vocab: int) -> dict:
     text = _text("llama", vocab, head_dim=HIDDEN // HEADS)
-    vision = {
-        "model_type": "clip_vision_model",
-        "num_hidden_layers": 2,
-        "hidden_size": 32,
-        "intermediate_size": VISION_FF,
-        "num_attention_heads": 2,
-        "image_size": LLAVA_IMAGE,
-        "patch_size": PATCH,
-        "projection_dim": 32,
-    }
+    vision = _siglip(LLAVA_IMAGE) | {"model_type": "clip_vision_model", "projection_dim": 32}
     return {
         "model_type": model_type,
         "text_config": text,
@@ -499,7 +476,7 @@ def _lfm2_vl_files(path: Path) -> None:
 
 
 # Per family: (its special tokens, its chat template, its config from the token ids and
-# vocabulary, its processor class).
+# vocabulary, its processor class). LLaVA's is written for the test that shows mlx-vlm cannot run it.
 FAMILIES = {
     "qwen2_5_vl": (QWEN_VL_SPECIAL, QWEN_VL_TEMPLATE, _qwen_vl, "Qwen2_5_VLProcessor"),
     "qwen3_vl": (QWEN_VL_SPECIAL, QWEN_VL_TEMPLATE, _qwen3_vl, "Qwen3VLProcessor"),
@@ -546,9 +523,15 @@ def _source(module) -> str:
 
 
 def write_tiny_vlm(
-    path: Path, model_type: str = "qwen2_5_vl", *, seed: int | None = None, logit_scale: float = 4.0, feature_scale: float = 8.0
+    path: Path,
+    model_type: str = "qwen2_5_vl",
+    *,
+    seed: int | None = None,
+    logit_scale: float = 4.0,
+    feature_scale: float = 8.0,
 ) -> Path:
-    """A tiny random `model_type` checkpoint directory at `path`, loadable by `mlx_vlm.load`."""
+    """A tiny random `model_type` checkpoint directory at `path`, loadable by `mlx_vlm.load`
+    (weights drawn with `seed`, by default the family's in SEEDS, else 0)."""
     import importlib
 
     from mlx.utils import tree_flatten, tree_unflatten
@@ -603,7 +586,7 @@ def write_tiny_vlm(
     elif model_type in ("smolvlm", "idefics3"):
         _idefics3_files(path, processor_class)
     elif model_type == "mistral3":
-        _mistral3_files(path)
+        _pixtral_files(path, "Mistral3Processor", PATCH * MERGE * 4, MERGE)
     elif model_type == "lfm2_vl":
         _lfm2_vl_files(path)
     elif model_type == "pixtral":
