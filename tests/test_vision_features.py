@@ -24,12 +24,13 @@ pytest.importorskip("mlx_vlm", reason="[expected] mlx-vlm (the vision extra) is 
 
 import mlx.core as mx  # noqa: E402
 from PIL import Image  # noqa: E402
-from reference import reference_beam_search  # noqa: E402
 
 from mlxpaged import LLM, BeamSearchParams, SamplingParams  # noqa: E402
 from mlxpaged.engine.multimodal import EncoderCache  # noqa: E402
 from mlxpaged.testing.tiny_model import write_tiny_family  # noqa: E402
 from mlxpaged.testing.tiny_vlm import write_tiny_vlm  # noqa: E402
+
+from reference import reference_beam_search  # noqa: E402
 
 BS, CHUNK = 4, 16  # block size, prefill tokens per step: every image spans several of both
 MAX_TOKENS = 12
@@ -145,14 +146,17 @@ def tower_calls(llm: LLM, monkeypatch) -> list:
     return calls
 
 
-def test_features_dropped_once_prefilled_and_made_again_after_preemption(case, monkeypatch):
+@pytest.mark.parametrize("size", [(90, 60), (336, 336)])
+def test_features_dropped_once_prefilled_and_made_again_after_preemption(case, monkeypatch, size):
     """A request holds its image features exactly while image rows are left to prefill (the
     pass feeding the last one drops them; no request makes them twice unless preempted). A
     request preempted and recomputed makes them again, from the encoder cache (the tower does not
-    run) or, with the cache kept empty, from the tower, and still gives mlx-vlm's tokens."""
+    run) or, with the cache kept empty, from the tower, and still gives mlx-vlm's tokens. (At the
+    larger size Gemma 3's request keeps its pixel inputs, smaller than the decoded image, to make
+    them again; otherwise the decoded image, processed again.)"""
     from mlxpaged.engine.multimodal import process_images
 
-    jobs = [(case.prompt(f"Describe image {i}."), [noise(40 + i)]) for i in range(3)]
+    jobs = [(case.prompt(f"Describe image {i}."), [noise(40 + i, *size)]) for i in range(3)]
     want = [case.reference(p, ims) for p, ims in jobs]
     probe = case.llm()
     length = len(process_images(probe.engine.loaded, probe.engine.tokenizer.encode(jobs[0][0]), jobs[0][1]).ids)

@@ -235,7 +235,11 @@ class LLMEngine:
         return self._queue(req)
 
     def add_beam_request(
-        self, prompt: str | list[int], params: BeamSearchParams, request_id: str | None = None, images: list | None = None
+        self,
+        prompt: str | list[int],
+        params: BeamSearchParams,
+        request_id: str | None = None,
+        images: list | None = None,
     ) -> str:
         """Queue a beam search of `params.beam_width` beams over one prompt (see `beam_search`);
         `images` as `add_request`'s (the beams share the prompt's blocks and image positions)."""

@@ -10,17 +10,17 @@ positions continue from, and each image's content hash with the rows it fills. T
 
 A prompt holds its features only until its image rows are prefilled: the pass that feeds the last
 one drops them (`PromptImages.take`). A prompt that computes its image rows again (after a
-preemption) gets them back from the encoder cache, or from the vision tower on its decoded images
-(the processor runs again; the pixel arrays are not kept meanwhile).
+preemption) gets them back from the encoder cache, or from the vision tower on the smaller of its
+processed pixel inputs and its decoded images (`encode_prompt_images`).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -63,13 +63,9 @@ class PromptImages:
         return len(self.rows)
 
     @property
-    def features(self) -> mx.array:
-        """`[K, hidden]`: the image rows' features (made again if they were dropped)."""
-        return self._features()[0]
-
-    @property
-    def deepstack(self) -> mx.array | None:
-        return self._features()[1]
+    def last_row(self) -> int:
+        """The prompt position of the last image token (-1: none)."""
+        return int(self.rows[-1]) if len(self.rows) else -1
 
     @property
     def nbytes(self) -> int:
@@ -88,10 +84,10 @@ class PromptImages:
         """For a pass feeding tokens `[start, start + n)`: (the offsets among them that hold image
         tokens, their features, their deepstack features or None). The pass that reaches the
         last image row (or starts past it: a prefix hit) drops the features."""
-        rows = self.rows
-        if not len(rows) or start > rows[-1]:
+        last = self.last_row
+        if start > last:
             self.held = None
-            return rows[:0], None, None
+            return self.rows[:0], None, None
         offs, src = self.rows_of(start, n)
         feats = deep = None
         if len(offs):
@@ -99,7 +95,7 @@ class PromptImages:
             src = mx.array(src)
             feats = features[src]
             deep = deepstack[:, src] if deepstack is not None else None
-        if start + n > rows[-1]:
+        if start + n > last:
             self.held = None
         return offs, feats, deep
 
@@ -184,6 +180,16 @@ class ImageInputs:
     def num_images(self) -> int:
         return len(self.digests)
 
+    @property
+    def pixel_bytes(self) -> int:
+        """Bytes of the processor's inputs (pixel values, grids)."""
+        return sum(getattr(a, "nbytes", 0) for p in self.processed for a in p.values())
+
+    @property
+    def decoded_bytes(self) -> int:
+        """Bytes of the decoded images (8-bit channels)."""
+        return sum(im.width * im.height * len(im.getbands()) for im in self.images)
+
 
 def _process_one(model, processor, image) -> tuple[list[int], dict]:
     """(the ids the processor widens one image's marker to, its pixel inputs): the image with its
@@ -191,7 +197,9 @@ def _process_one(model, processor, image) -> tuple[list[int], dict]:
     from mlx_vlm.utils import prepare_inputs
 
     one = dict(
-        prepare_inputs(processor, images=[image], prompts=model.marker(processor), image_token_index=model.image_token_id)
+        prepare_inputs(
+            processor, images=[image], prompts=model.marker(processor), image_token_index=model.image_token_id
+        )
     )
     one.pop("attention_mask", None)
     return np.asarray(one.pop("input_ids")[0]).tolist(), one
@@ -234,12 +242,15 @@ def encode_images(model, inputs: ImageInputs, cache: EncoderCache | None = None)
 
 def encode_prompt_images(loaded, inputs: ImageInputs, cache: EncoderCache | None = None) -> PromptImages:
     """`encode_images`, able to make its features again once they are dropped (`PromptImages.refill`):
-    from the encoder cache, or the processor and the vision tower on the decoded images (the
-    pixel inputs are not kept: the decoded image is the smaller)."""
+    from the encoder cache, or the vision tower on what the request keeps of its images, the
+    smaller of the processor's pixel inputs and the decoded images (processed again)."""
     out = encode_images(loaded.model, inputs, cache)
-    if inputs.images:
+    if inputs.images and inputs.decoded_bytes < inputs.pixel_bytes:
         kept = replace(inputs, processed=[])
         out.refill = lambda: _encode_again(loaded, kept, cache)
+    else:
+        kept = replace(inputs, images=())
+        out.refill = lambda: encode_images(loaded.model, kept, cache).held
     return out
 
 

@@ -268,7 +268,7 @@ class PagedVisionModel(nn.Module):
             im = s.images
             start = s.num_computed_tokens
             # image rows still to prefill, or features still held past them (a prefix hit): `take` drops them
-            if im is not None and (start <= im.rows[-1] or im.held is not None):
+            if im is not None and (start <= im.last_row or im.held is not None):
                 offs, f, d = im.take(start, n)
                 if len(offs):
                     dst.append(offs + base)
