@@ -23,7 +23,7 @@ import mlxpaged  # noqa: E402,F401  (before mlx)
 pytest.importorskip("mlx_vlm", reason="[expected] mlx-vlm (the vision extra) is not installed")
 
 import mlx.core as mx  # noqa: E402
-from PIL import Image  # noqa: E402
+from test_vision import noise  # noqa: E402  (random images of a given size)
 
 from mlxpaged import LLM, BeamSearchParams, SamplingParams  # noqa: E402
 from mlxpaged.engine.multimodal import EncoderCache  # noqa: E402
@@ -34,10 +34,6 @@ from reference import reference_beam_search  # noqa: E402
 
 BS, CHUNK = 4, 16  # block size, prefill tokens per step: every image spans several of both
 MAX_TOKENS = 12
-
-
-def noise(seed: int, w: int = 90, h: int = 60) -> Image.Image:
-    return Image.fromarray((np.random.default_rng(seed).random((h, w, 3)) * 255).astype(np.uint8))
 
 
 class Case:
