@@ -129,6 +129,7 @@ FILE_TIERS = {
     "test_families.py": "engine",
     "test_zoo.py": "engine",
     "test_vision.py": "engine",
+    "test_vision_features.py": "engine",
     "test_vision_server.py": "server",
     "test_vision_routes.py": "server",
     "test_vision_families_server.py": "server",

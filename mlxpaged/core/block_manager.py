@@ -245,6 +245,7 @@ class BlockManager:
         child.draft_computed = parent.draft_computed
         child.cache_salt = parent.cache_salt
         child.adapter = parent.adapter
+        child.images = parent.images  # its blocks' names, a beam's decode positions
         child.state = parent.state
 
     def free(self, seq: Sequence) -> None:

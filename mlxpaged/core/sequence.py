@@ -179,9 +179,10 @@ class Sequence:
     # a sample with penalties: its token counts kept on the device between steps (engine/sampler.py
     # `PenaltyCounts`); opaque here, like `rng_key`
     penalties: object = None
-    # a vision model's prompt images (engine/multimodal.py `PromptImages`): their features, the
-    # prompt rows they fill, their positions and content hashes; shared by the request's samples,
-    # never changed; opaque here but for `block_key` (block_manager.py names blocks by it)
+    # a vision model's prompt images (engine/multimodal.py `PromptImages`): their features (held
+    # only until the image rows are prefilled), the prompt rows they fill, their positions and
+    # content hashes; shared by the request's samples and beams (a fork passes it on); opaque here
+    # but for `block_key` (block_manager.py names blocks by it)
     images: object = None
 
     @property

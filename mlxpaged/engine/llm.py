@@ -115,18 +115,23 @@ class LLM:
 
     def beam_search(
         self,
-        prompts: str | list[int] | Sequence[str | list[int]],
+        prompts: str | list[int] | dict | Sequence[str | list[int] | dict],
         params: BeamSearchParams,
     ) -> list[RequestOutput]:
         """Beam search over each prompt, all in one continuous batch; outputs in prompt order.
 
         Each output's `outputs` are the `beam_width` best finished hypotheses, best first, with
         `token_ids`, `text`, `cumulative_logprob` and `score` (see `mlxpaged.engine.beam_search` for
-        the stopping and scoring rule).
+        the stopping and scoring rule). A vision model's prompt with images is vLLM's dict, as
+        in `generate`.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        ids = [self.engine.add_beam_request(p, params) for p in prompts]
+        ids = []
+        for p in prompts:
+            p, images = _with_images(p)
+            extra = {"images": images} if images is not None else {}  # (a tensor-parallel engine takes none)
+            ids.append(self.engine.add_beam_request(p, params, **extra))
         return self._drain(ids)
 
 

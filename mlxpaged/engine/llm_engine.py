@@ -59,7 +59,7 @@ from ..core.sequence import PendingToken, Request, Sequence
 from ..errors import MlxPagedError, StepError
 from .beam_search import BeamSearchParams, BeamState
 from .guided import GrammarCompiler
-from .multimodal import ImageInputs, decode_images, encode_images, process_images
+from .multimodal import ImageInputs, decode_images, encode_prompt_images, process_images
 from .outputs import RequestOutput
 from .parts import EngineParts, build_parts
 from .pooling import PoolingParams
@@ -189,13 +189,7 @@ class LLMEngine:
                 raise MlxPagedError("images: embeddings and scores take text only")
             return self.add_pooling_request(prompt, params, request_id)
         params = params or SamplingParams()
-        ids, text = self._prompt_ids(prompt)
-        prompt_images = None
-        if images:  # a vision model's prompt (multimodal.py): its image markers widened, their features
-            if not isinstance(images, ImageInputs):
-                images = process_images(self.loaded, ids, decode_images(images))
-            ids = images.ids
-            prompt_images = encode_images(self.loaded.model, images, self.encoder_cache)
+        ids, text, prompt_images = self._prompt_with_images(prompt, images)
         self._check_fits(len(ids), params.n, params.max_tokens)
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             raise MlxPagedError(
@@ -240,12 +234,19 @@ class LLMEngine:
         self.layers.wake(self._pooling)
         return self._queue(req)
 
-    def add_beam_request(self, prompt: str | list[int], params: BeamSearchParams, request_id: str | None = None) -> str:
-        """Queue a beam search of `params.beam_width` beams over one prompt (see `beam_search`)."""
-        ids, text = self._prompt_ids(prompt)
+    def add_beam_request(
+        self,
+        prompt: str | list[int],
+        params: BeamSearchParams,
+        request_id: str | None = None,
+        images: list | None = None,
+    ) -> str:
+        """Queue a beam search of `params.beam_width` beams over one prompt (see `beam_search`);
+        `images` as `add_request`'s (the beams share the prompt's blocks and image positions)."""
+        ids, text, prompt_images = self._prompt_with_images(prompt, images)
         self._check_fits(len(ids), params.beam_width, params.max_tokens)
         sp = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
-        seq = Sequence(list(ids), len(ids), adapter=self.adapter(params.adapter))
+        seq = Sequence(list(ids), len(ids), adapter=self.adapter(params.adapter), images=prompt_images)
         req = Request(self._new_id(request_id), list(ids), sp, [seq], text)
         req.beam = BeamState(params)
         self.layers.wake(self._beams)
@@ -262,6 +263,16 @@ class LLMEngine:
             return self.adapters.get(name)  # AdapterRefused: a folder of adapter_dir that does not fit
         except KeyError as e:
             raise MlxPagedError(e.args[0]) from None
+
+    def _prompt_with_images(self, prompt: str | list[int], images: list | None) -> tuple:
+        """(the prompt's ids, its text or None, its `PromptImages` or None): with images (a vision
+        model's prompt, multimodal.py) its image markers widened and the images encoded."""
+        ids, text = self._prompt_ids(prompt)
+        if not images:
+            return ids, text, None
+        if not isinstance(images, ImageInputs):
+            images = process_images(self.loaded, ids, decode_images(images))
+        return images.ids, text, encode_prompt_images(self.loaded, images, self.encoder_cache)
 
     def _prompt_ids(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):

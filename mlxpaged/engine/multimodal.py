@@ -7,13 +7,19 @@ on the whole prompt (models/vision.py), and keeps what the passes need: the feat
 image-token rows, each prompt token's 3-D position (Qwen's multimodal RoPE) and the delta decode
 positions continue from, and each image's content hash with the rows it fills. The model's
 `pass_rows` (models/vision.py) reads them for each pass.
+
+A prompt holds its features only until its image rows are prefilled: the pass that feeds the last
+one drops them (`PromptImages.take`). A prompt that computes its image rows again (after a
+preemption) gets them back from the encoder cache, or from the vision tower on the smaller of its
+processed pixel inputs and its decoded images (`encode_prompt_images`).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -29,28 +35,69 @@ def image_digest(image) -> bytes:
     return h.digest()
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class PromptImages:
     """One prompt's images, as its passes need them.
 
-    Invariants: `rows` are the prompt positions of its image tokens, ascending, and
-    `features[k]` is the embedding row mlx-vlm merged at `rows[k]`; `spans[i] = (start, end,
-    digest)` is image i's token rows `[start, end)` and its content hash (`image_digest`), in
-    prompt order; `positions` (None for a family with 1-D positions) is `[3, P]`, each prompt
-    token's t/h/w position, and a token at position p >= P (generated) is at `p + delta` in all
-    three; `num_image_tokens == len(rows)`.
+    Invariants: `rows` are the prompt positions of its image tokens, ascending; `held`, while the
+    prompt has image rows to prefill, is `(features, deepstack)`: `features[k]` the embedding row
+    mlx-vlm merged at `rows[k]`, `deepstack` `[layers, K, hidden]` the features some layers add
+    again (Qwen3-VL) or None; it is None once the last image row was fed (`take`), and `refill`
+    makes it again when a recompute needs it. `spans[i] = (start, end, digest)` is image i's token
+    rows `[start, end)` and its content hash (`image_digest`), in prompt order; `positions` (None
+    for a family with 1-D positions) is `[3, P]`, each prompt token's t/h/w position, and a token
+    at position p >= P (generated) is at `p + delta` in all three; `num_image_tokens == len(rows)`.
+    Shared by a request's samples and beams (only its carrier prefills the prompt).
     """
 
     rows: np.ndarray  # [K] int64
-    features: mx.array  # [K, hidden]
+    held: tuple | None  # (features [K, hidden], deepstack or None) until the image rows are prefilled
     spans: tuple[tuple[int, int, bytes], ...]
     positions: np.ndarray | None  # [3, P] int32
     delta: int = 0
-    deepstack: mx.array | None = None  # [layers, K, hidden]: features some layers add again (Qwen3-VL)
+    refill: Callable[[], tuple] | None = None  # the features again (`encode_prompt_images`)
+    num_refills: int = 0
 
     @property
     def num_image_tokens(self) -> int:
         return len(self.rows)
+
+    @property
+    def last_row(self) -> int:
+        """The prompt position of the last image token (-1: none)."""
+        return int(self.rows[-1]) if len(self.rows) else -1
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the features held now (0 once dropped)."""
+        return 0 if self.held is None else sum(a.nbytes for a in self.held if a is not None)
+
+    def _features(self) -> tuple:
+        if self.held is None:
+            if self.refill is None:
+                raise RuntimeError("the prompt's image features were dropped and cannot be made again")
+            self.held = self.refill()
+            self.num_refills += 1
+        return self.held
+
+    def take(self, start: int, n: int) -> tuple[np.ndarray, mx.array | None, mx.array | None]:
+        """For a pass feeding tokens `[start, start + n)`: (the offsets among them that hold image
+        tokens, their features, their deepstack features or None). The pass that reaches the
+        last image row (or starts past it: a prefix hit) drops the features."""
+        last = self.last_row
+        if start > last:
+            self.held = None
+            return self.rows[:0], None, None
+        offs, src = self.rows_of(start, n)
+        feats = deep = None
+        if len(offs):
+            features, deepstack = self._features()
+            src = mx.array(src)
+            feats = features[src]
+            deep = deepstack[:, src] if deepstack is not None else None
+        if start + n > last:
+            self.held = None
+        return offs, feats, deep
 
     def block_key(self, i: int, block_size: int) -> bytes:
         """The content hashes of the images with a token in block i (b"" when none): folded into
@@ -120,42 +167,57 @@ class ImageInputs:
     token ids with each image's one marker widened to its image tokens, `processed` the
     processor's pixel inputs of each image, `digests` each image's content hash, `spans` the `[start, end)` rows
     each image's marker was widened to (its image tokens, and any text tokens the processor puts
-    around or between them), in prompt order."""
+    around or between them), in prompt order; `images` the decoded images themselves (what a
+    recompute processes again)."""
 
     ids: list[int]
     processed: list[dict]
     digests: list[bytes]
     spans: list[tuple[int, int]]
+    images: tuple = ()
 
     @property
     def num_images(self) -> int:
         return len(self.digests)
+
+    @property
+    def pixel_bytes(self) -> int:
+        """Bytes of the processor's inputs (pixel values, grids)."""
+        return sum(getattr(a, "nbytes", 0) for p in self.processed for a in p.values())
+
+    @property
+    def decoded_bytes(self) -> int:
+        """Bytes of the decoded images (8-bit channels)."""
+        return sum(im.width * im.height * len(im.getbands()) for im in self.images)
+
+
+def _process_one(model, processor, image) -> tuple[list[int], dict]:
+    """(the ids the processor widens one image's marker to, its pixel inputs): the image with its
+    marker alone."""
+    from mlx_vlm.utils import prepare_inputs
+
+    one = dict(
+        prepare_inputs(
+            processor, images=[image], prompts=model.marker(processor), image_token_index=model.image_token_id
+        )
+    )
+    one.pop("attention_mask", None)
+    return np.asarray(one.pop("input_ids")[0]).tolist(), one
 
 
 def process_images(loaded, ids: list[int], images: list) -> ImageInputs:
     """`ImageInputs` of a prompt's token ids (each image one marker token, as a chat template
     writes it) and its decoded images: mlx-vlm's processor on the images, each marker widened to
     as many image tokens as the processor makes of its image. A ValueError names what is wrong."""
-    from mlx_vlm.utils import prepare_inputs
-
     name = loaded.path.name
     model, processor = loaded.model, loaded.processor
     if processor is None or not getattr(model, "multimodal", False):
         raise ValueError(f"model {name} takes no images (it has no vision tower)")
-    marker_text = model.marker(processor)
-    marker = processor.tokenizer.convert_tokens_to_ids(marker_text)
+    marker = processor.tokenizer.convert_tokens_to_ids(model.marker(processor))
     markers = [i for i, t in enumerate(ids) if t == marker]
     if len(markers) != len(images):
         raise ValueError(f"the prompt has {len(markers)} image markers for {len(images)} images")
-    # each image with its marker alone: what the processor widens the marker to is its ids
-    processed, pieces = [], []
-    for image in images:
-        one = dict(
-            prepare_inputs(processor, images=[image], prompts=marker_text, image_token_index=model.image_token_id)
-        )
-        pieces.append(np.asarray(one.pop("input_ids")[0]).tolist())
-        one.pop("attention_mask", None)
-        processed.append(one)
+    pieces, processed = zip(*(_process_one(model, processor, image) for image in images)) if images else ((), ())
     out, spans, last = [], [], 0
     for at, piece in zip(markers, pieces):
         out += ids[last:at]
@@ -163,7 +225,7 @@ def process_images(loaded, ids: list[int], images: list) -> ImageInputs:
         out += piece
         last = at + 1
     out += ids[last:]
-    return ImageInputs(out, processed, [image_digest(im) for im in images], spans)
+    return ImageInputs(out, list(processed), [image_digest(im) for im in images], spans, tuple(images))
 
 
 def encode_images(model, inputs: ImageInputs, cache: EncoderCache | None = None) -> PromptImages:
@@ -175,7 +237,26 @@ def encode_images(model, inputs: ImageInputs, cache: EncoderCache | None = None)
     features, deepstack, positions, delta = model.prompt_features(inputs, rows, cache)
     mx.eval(features, *([deepstack] if deepstack is not None else []))
     pos = None if positions is None else np.asarray(positions, dtype=np.int32)
-    return PromptImages(rows, features, spans, pos, delta, deepstack)
+    return PromptImages(rows, (features, deepstack), spans, pos, delta)
+
+
+def encode_prompt_images(loaded, inputs: ImageInputs, cache: EncoderCache | None = None) -> PromptImages:
+    """`encode_images`, able to make its features again once they are dropped (`PromptImages.refill`):
+    from the encoder cache, or the vision tower on what the request keeps of its images, the
+    smaller of the processor's pixel inputs and the decoded images (processed again)."""
+    out = encode_images(loaded.model, inputs, cache)
+    if inputs.images and inputs.decoded_bytes < inputs.pixel_bytes:
+        kept = replace(inputs, processed=[])
+        out.refill = lambda: _encode_again(loaded, kept, cache)
+    else:
+        kept = replace(inputs, images=())
+        out.refill = lambda: encode_images(loaded.model, kept, cache).held
+    return out
+
+
+def _encode_again(loaded, kept: ImageInputs, cache: EncoderCache | None) -> tuple:
+    processed = [_process_one(loaded.model, loaded.processor, im)[1] for im in kept.images]
+    return encode_images(loaded.model, replace(kept, processed=processed), cache).held
 
 
 def load_image(source, where: str = "image"):

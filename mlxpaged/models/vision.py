@@ -285,14 +285,14 @@ class PagedVisionModel(nn.Module):
         for (s, n), base in zip(batch, cu):
             im = s.images
             start = s.num_computed_tokens
-            if im is not None and len(im.rows) and start <= im.rows[-1]:  # image rows still to prefill
-                offs, src = im.rows_of(start, n)
+            # image rows still to prefill, or features still held past them (a prefix hit): `take` drops them
+            if im is not None and (start <= im.last_row or im.held is not None):
+                offs, f, d = im.take(start, n)
                 if len(offs):
                     dst.append(offs + base)
-                    src = mx.array(src)
-                    feats.append(im.features[src])
-                    if im.deepstack is not None:
-                        deep.append(im.deepstack[:, src])
+                    feats.append(f)
+                    if d is not None:
+                        deep.append(d)
             if mrope:
                 pos.append(
                     im.positions_of(start, n) if im is not None else np.tile(np.arange(start, start + n), (3, 1))
