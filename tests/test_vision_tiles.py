@@ -1,0 +1,146 @@
+"""Images split into tiles: the tiny checkpoints' processors configured as the real ones split
+(`write_tiny_vlm(..., tiles=True)`: SmolVLM's and Idefics3's image splitting, LFM2-VL's tiles and
+thumbnail, Gemma 3's pan-and-scan crops), so a 200x150 image becomes several sub-images whose
+image tokens sit between row/column markers or text. Each answer is mlx-vlm's own greedy
+`generate` on the same checkpoint; Qwen2.5-VL joins with the same image as one large grid of
+merged patches (no tiles: its processor sizes the grid to the image).
+
+The engine runs blocks of 4 tokens and prefill chunks of 16, so a tiled image's tens of tokens
+cross many chunks and blocks. Then the prefix cache on tiled images, and a server's image limits
+and usage on a tiled checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # mlx-vlm's processor asks the hub for files it lacks
+
+import mlxpaged  # noqa: E402,F401  (before mlx)
+
+pytest.importorskip("mlx_vlm", reason="[expected] mlx-vlm (the vision extra) is not installed")
+
+from PIL import Image  # noqa: E402
+from test_vision import CHUNK, IMAGE, MAX_TOKENS, Case, kept_apart, noise, said  # noqa: E402
+from test_vision_server import png64, reference  # noqa: E402
+
+from mlxpaged.engine.multimodal import process_images  # noqa: E402
+from mlxpaged.testing.tiny_vlm import TILED, write_tiny_vlm  # noqa: E402
+from tests.server_proc import Server  # noqa: E402
+
+W, H = 200, 150  # split by every tiled processor here; 30,000 pixels
+PIXELS = W * H  # the server's --max-image-pixels: this image fits, one pixel column more does not
+
+
+def big(seed: int):
+    """A W x H noise image in a random tint. Untinted noise averages out over many tiles: the tiny
+    checkpoints' tokens tell few such images apart. The seeds below are ones each family's
+    tokens tell apart (the tests assert it)."""
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((H, W, 3)) * rng.random(3) * 255).astype(np.uint8))
+
+
+def sub_images(processed: dict) -> int:
+    """How many images the processor made of one image: Idefics3's [1, n, 3, h, w] pixel values,
+    Gemma 3's crops [n, 3, h, w], LFM2-VL's tiles of packed patches [n, patches, dim]."""
+    shape = processed["pixel_values"].shape
+    return shape[1] if len(shape) == 5 else shape[0]
+
+
+@pytest.fixture(scope="module", params=[*TILED, "qwen2_5_vl"])
+def case(request, tmp_path_factory):
+    return Case(tmp_path_factory.mktemp("tiles"), request.param, tiles=request.param in TILED)
+
+
+def test_tiled_images_match_mlx_vlm(case):
+    """A tiled image alone, and beside a small image, batched with a text request: mlx-vlm's
+    greedy tokens exactly, the tiled image's tokens prefilled across chunk ends."""
+    eng = case.llm.engine
+    one = case.prompt([IMAGE, said("Describe the image.")])
+    jobs = [
+        (one, [big(6)]),
+        (case.prompt([IMAGE, said("and"), IMAGE, said("Compare.")]), [big(1), noise(2, 40, 40)]),
+        (case.prompt([said("Write a Python function that reverses a string.")]), []),
+        (one, [big(3)]),
+    ]
+    inputs = process_images(eng.loaded, eng.tokenizer.encode(one), [big(6)])
+    (start, end), processed = inputs.spans[0], inputs.processed[0]
+    if case.path.name in TILED:
+        assert sub_images(processed) > 1, "the processor did not split the image: nothing tiled is tested"
+    assert end - start > 2 * CHUNK, f"{end - start} tokens: the image does not cross several chunks"
+    want = [case.reference(p, ims) for p, ims in jobs]
+    assert want[0] != want[3], "the tokens do not depend on the tiled image: the test would be blind"
+    got, passes = case.run(jobs)
+    assert got == want
+    assert any(s < at < e for im, at in passes for s, e, _ in im.spans if e - s == end - start)
+
+
+def test_tiled_images_kept_apart_in_the_prefix_cache(case, monkeypatch):
+    """Two different tiled images of one size: no shared block or cached token; the same one
+    again: a prefix hit past all its tiles' tokens, the vision tower not run again."""
+    kept_apart(case, big(6), big(2), monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from mlx_vlm import load
+
+    path = write_tiny_vlm(tmp_path_factory.mktemp("tiles") / "smolvlm", "smolvlm", tiles=True)
+    model, processor = load(str(path))
+    s = Server(path, "--num-blocks", "256", "--served-model-name", "tiny-vl", "--max-image-pixels", str(PIXELS))
+    yield s, model, processor
+    s.stop()
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
+def test_server_limits_and_usage_on_tiled_images(server):
+    """--max-image-pixels bounds the image as sent (its header's width x height), not the
+    processor's tiles (which it resizes: ten 56-pixel squares hold more pixels than the limit);
+    usage and Messages' count_tokens count the image tokens of every tile, as mlx-vlm's prompt
+    holds them; the answer, sent beside a text request, is mlx-vlm's."""
+    import anthropic
+    import openai
+
+    s, _, processor = server
+    question = [IMAGE, said("Describe the image.")]
+    text, prompt_tokens = reference(server, question, [big(6)])
+    assert reference(server, question, [big(0)])[0] != text, "the answer does not depend on the image: a blind test"
+    # the reference prompt holds every tile's image tokens: 9 tiles and the whole image
+    prompt = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
+    ids = processor(text=[prompt], images=[[big(6)]])["input_ids"][0]
+    assert list(ids).count(processor.image_token_id) == 10 * processor.image_seq_len
+
+    def part(image) -> dict:
+        return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png64(image)}"}}
+
+    def chat(content, max_tokens=MAX_TOKENS):
+        return s.client().chat.completions.create(
+            model="tiny-vl",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=max_tokens,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+
+    with ThreadPoolExecutor(2) as pool:  # at once: the tiled image and a text request share batches
+        image = pool.submit(chat, [part(big(6)), said("Describe the image.")])
+        pool.submit(chat, "Write a Python function that reverses a string.").result()
+        got = image.result()
+    assert got.choices[0].message.content == text
+    assert got.usage.prompt_tokens == prompt_tokens
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png64(big(6))}}
+    counted = anthropic.Anthropic(base_url=s.url, api_key="none", max_retries=0).messages.count_tokens(
+        model="tiny-vl", messages=[{"role": "user", "content": [block, said("Describe the image.")]}]
+    )
+    assert counted.input_tokens == prompt_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        chat([part(noise(0, W + 1, H)), said("Describe the image.")], max_tokens=1)
+    assert e.value.body["param"] == "messages.0.content.0"
+    assert e.value.body["message"] == f"messages.0.content.0: {W + 1}x{H} is more than {PIXELS} pixels (--max-image-pixels)"
