@@ -26,7 +26,7 @@ pytest.importorskip("mlx_vlm", reason="[expected] mlx-vlm (the vision extra) is 
 
 from PIL import Image  # noqa: E402
 from test_vision import CHUNK, IMAGE, MAX_TOKENS, Case, kept_apart, noise, said  # noqa: E402
-from test_vision_server import png64, reference  # noqa: E402
+from test_vision_server import png64  # noqa: E402
 
 from mlxpaged.engine.multimodal import process_images  # noqa: E402
 from mlxpaged.testing.tiny_vlm import TILED, write_tiny_vlm  # noqa: E402
@@ -37,11 +37,13 @@ PIXELS = W * H  # the server's --max-image-pixels: this image fits, one pixel co
 
 
 def big(seed: int):
-    """A W x H noise image in a random tint. Untinted noise averages out over many tiles: the tiny
-    checkpoints' tokens tell few such images apart. The seeds below are ones each family's
-    tokens tell apart (the tests assert it)."""
+    """A W x H image of 3 x 4 cells of random colours under some noise: each tile sees other
+    colours, so a tile's features in another tile's rows change the tokens (noise alone looks the
+    same in every tile). The seeds below are ones each family's tokens tell apart (the tests
+    assert it)."""
     rng = np.random.default_rng(seed)
-    return Image.fromarray((rng.random((H, W, 3)) * rng.random(3) * 255).astype(np.uint8))
+    cells = np.kron(rng.random((3, 4, 3)), np.ones((50, 50, 1)))[:H, :W]
+    return Image.fromarray(((cells * 0.8 + rng.random((H, W, 3)) * 0.2) * 255).astype(np.uint8))
 
 
 def sub_images(processed: dict) -> int:
@@ -62,12 +64,12 @@ def test_tiled_images_match_mlx_vlm(case):
     eng = case.llm.engine
     one = case.prompt([IMAGE, said("Describe the image.")])
     jobs = [
-        (one, [big(6)]),
+        (one, [big(0)]),
         (case.prompt([IMAGE, said("and"), IMAGE, said("Compare.")]), [big(1), noise(2, 40, 40)]),
         (case.prompt([said("Write a Python function that reverses a string.")]), []),
         (one, [big(3)]),
     ]
-    inputs = process_images(eng.loaded, eng.tokenizer.encode(one), [big(6)])
+    inputs = process_images(eng.loaded, eng.tokenizer.encode(one), [big(0)])
     (start, end), processed = inputs.spans[0], inputs.processed[0]
     if case.path.name in TILED:
         assert sub_images(processed) > 1, "the processor did not split the image: nothing tiled is tested"
@@ -82,7 +84,7 @@ def test_tiled_images_match_mlx_vlm(case):
 def test_tiled_images_kept_apart_in_the_prefix_cache(case, monkeypatch):
     """Two different tiled images of one size: no shared block or cached token; the same one
     again: a prefix hit past all its tiles' tokens, the vision tower not run again."""
-    kept_apart(case, big(6), big(2), monkeypatch)
+    kept_apart(case, big(0), big(3), monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -106,15 +108,23 @@ def test_server_limits_and_usage_on_tiled_images(server):
     import anthropic
     import openai
 
-    s, _, processor = server
+    from mlx_vlm import generate
+
+    s, model, processor = server
     question = [IMAGE, said("Describe the image.")]
-    text, prompt_tokens = reference(server, question, [big(6)])
-    assert reference(server, question, [big(0)])[0] != text, "the answer does not depend on the image: a blind test"
-    # the reference prompt holds every tile's image tokens: 9 tiles and the whole image
     prompt = processor.tokenizer.apply_chat_template(
         [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
     )
-    ids = processor(text=[prompt], images=[[big(6)]])["input_ids"][0]
+
+    def reference(image) -> tuple[str, int]:
+        """mlx-vlm's greedy text (special tokens skipped, as the server's) and prompt token count."""
+        out = generate(model, processor, prompt, image=[image], max_tokens=MAX_TOKENS, temperature=0.0)
+        return processor.tokenizer.decode(list(out.token_ids), skip_special_tokens=True), out.prompt_tokens
+
+    text, prompt_tokens = reference(big(0))
+    assert reference(big(3))[0] != text, "the answer does not depend on the image: the test would be blind"
+    # the reference prompt holds every tile's image tokens: 9 tiles and the whole image
+    ids = processor(text=[prompt], images=[[big(0)]])["input_ids"][0]
     assert list(ids).count(processor.image_token_id) == 10 * processor.image_seq_len
 
     def part(image) -> dict:
@@ -130,12 +140,12 @@ def test_server_limits_and_usage_on_tiled_images(server):
         )
 
     with ThreadPoolExecutor(2) as pool:  # at once: the tiled image and a text request share batches
-        image = pool.submit(chat, [part(big(6)), said("Describe the image.")])
+        image = pool.submit(chat, [part(big(0)), said("Describe the image.")])
         pool.submit(chat, "Write a Python function that reverses a string.").result()
         got = image.result()
     assert got.choices[0].message.content == text
     assert got.usage.prompt_tokens == prompt_tokens
-    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png64(big(6))}}
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png64(big(0))}}
     counted = anthropic.Anthropic(base_url=s.url, api_key="none", max_retries=0).messages.count_tokens(
         model="tiny-vl", messages=[{"role": "user", "content": [block, said("Describe the image.")]}]
     )
