@@ -26,6 +26,7 @@ pytest.importorskip("mlx_vlm", reason="[expected] mlx-vlm (the vision extra) is 
 
 from PIL import Image  # noqa: E402
 from test_vision import CHUNK, IMAGE, MAX_TOKENS, Case, kept_apart, noise, said  # noqa: E402
+from test_vision_routes import chat, url_part  # noqa: E402
 from test_vision_server import png64  # noqa: E402
 
 from mlxpaged.engine.multimodal import process_images  # noqa: E402
@@ -93,7 +94,8 @@ def server(tmp_path_factory):
 
     path = write_tiny_vlm(tmp_path_factory.mktemp("tiles") / "smolvlm", "smolvlm", tiles=True)
     model, processor = load(str(path))
-    s = Server(path, "--num-blocks", "256", "--served-model-name", "tiny-vl", "--max-image-pixels", str(PIXELS))
+    limits = ("--max-image-pixels", str(PIXELS), "--max-images", "1")  # one image (of ten sub-images) fits
+    s = Server(path, "--num-blocks", "256", "--served-model-name", "tiny-vl", *limits)
     yield s, model, processor
     s.stop()
 
@@ -102,12 +104,12 @@ def server(tmp_path_factory):
 @pytest.mark.timeout(120)
 def test_server_limits_and_usage_on_tiled_images(server):
     """--max-image-pixels bounds the image as sent (its header's width x height), not the
-    processor's tiles (which it resizes: ten 56-pixel squares hold more pixels than the limit);
+    processor's tiles (which it resizes: ten 56-pixel squares hold more pixels than the limit),
+    and --max-images 1 counts the image, not its sub-images;
     usage and Messages' count_tokens count the image tokens of every tile, as mlx-vlm's prompt
     holds them; the answer, sent beside a text request, is mlx-vlm's."""
     import anthropic
     import openai
-
     from mlx_vlm import generate
 
     s, model, processor = server
@@ -128,20 +130,11 @@ def test_server_limits_and_usage_on_tiled_images(server):
     assert list(ids).count(processor.image_token_id) == 10 * processor.image_seq_len
 
     def part(image) -> dict:
-        return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png64(image)}"}}
-
-    def chat(content, max_tokens=MAX_TOKENS):
-        return s.client().chat.completions.create(
-            model="tiny-vl",
-            messages=[{"role": "user", "content": content}],
-            max_tokens=max_tokens,
-            temperature=0,
-            extra_body={"ignore_eos": True},
-        )
+        return url_part(f"data:image/png;base64,{png64(image)}")
 
     with ThreadPoolExecutor(2) as pool:  # at once: the tiled image and a text request share batches
-        image = pool.submit(chat, [part(big(0)), said("Describe the image.")])
-        pool.submit(chat, "Write a Python function that reverses a string.").result()
+        image = pool.submit(chat, s, [part(big(0)), said("Describe the image.")])
+        pool.submit(chat, s, [said("Write a Python function that reverses a string.")]).result()
         got = image.result()
     assert got.choices[0].message.content == text
     assert got.usage.prompt_tokens == prompt_tokens
@@ -151,6 +144,7 @@ def test_server_limits_and_usage_on_tiled_images(server):
     )
     assert counted.input_tokens == prompt_tokens
     with pytest.raises(openai.BadRequestError) as e:
-        chat([part(noise(0, W + 1, H)), said("Describe the image.")], max_tokens=1)
+        chat(s, [part(noise(0, W + 1, H)), said("Describe the image.")], max_tokens=1)
     assert e.value.body["param"] == "messages.0.content.0"
-    assert e.value.body["message"] == f"messages.0.content.0: {W + 1}x{H} is more than {PIXELS} pixels (--max-image-pixels)"
+    too_many = f"{W + 1}x{H} is more than {PIXELS} pixels (--max-image-pixels)"
+    assert e.value.body["message"] == f"messages.0.content.0: {too_many}"

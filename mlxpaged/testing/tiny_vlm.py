@@ -482,9 +482,10 @@ def _lfm2_vl(model_type: str, ids: dict, vocab: int) -> dict:
     }
 
 
-# LFM2-VL's tiling, as its transformers configs write it (mlx-vlm's processor splits whatever the
-# files say): an image past max_image_tokens' pixels x the tolerance split into 2..10 tiles of
-# tile_size and a thumbnail. Tolerance 1 (real: 2) splits a 200x150 image, 3x2 tiles here.
+# LFM2-VL's tiling, as its transformers configs write it (mlx-vlm's processor applies these
+# values whatever the files say): an image past max_image_tokens' pixels x the tolerance is split
+# into 2..10 tiles of tile_size and a thumbnail. Tolerance 1 (real: 2) splits a 200x150 image
+# into 3x2 tiles here; the untiled checkpoint's images are too small to split.
 LFM2_VL_TILES = {"do_image_splitting": True, "min_tiles": 2, "max_tiles": 10, "use_thumbnail": True}
 
 
