@@ -133,6 +133,7 @@ FILE_TIERS = {
     "test_vision_server.py": "server",
     "test_vision_routes.py": "server",
     "test_vision_families_server.py": "server",
+    "test_vision_tiles.py": "engine",  # its server test marked server too
     "test_hybrid.py": "engine",
     "test_windows.py": "engine",
     "test_per_layer_kv.py": "engine",

@@ -43,10 +43,10 @@ def noise(seed: int, w: int = 90, h: int = 60) -> Image.Image:
 class Case:
     """One model type's checkpoint, mlx-vlm's model and processor on it, and the paged engine."""
 
-    def __init__(self, root, model_type: str):
+    def __init__(self, root, model_type: str, tiles: bool = False):
         from mlx_vlm import load
 
-        self.path = write_tiny_vlm(root / model_type, model_type)
+        self.path = write_tiny_vlm(root / model_type, model_type, tiles=tiles)
         self.model, self.processor = load(str(self.path))
         self.llm = LLM(str(self.path), block_size=4, max_num_batched_tokens=CHUNK, num_blocks=256)
 
@@ -138,9 +138,13 @@ def test_images_kept_apart_in_the_prefix_cache(case, monkeypatch):
     """Two different images of one size behind the same text share no block and no cached token
     (the image's hash is in the hash of every block holding its tokens); the same image again is
     a prefix hit past its tokens, and its vision tower does not run again (the encoder cache)."""
+    kept_apart(case, noise(10), noise(11), monkeypatch)
+
+
+def kept_apart(case, x, y, monkeypatch) -> None:
+    """`test_images_kept_apart_in_the_prefix_cache`'s checks on images `x` and `y` of one size."""
     eng = case.llm.engine
     prompt = case.prompt([said("Here:"), IMAGE, said("Describe the image.")])
-    x, y = noise(10), noise(11)
     want_x, want_y = case.reference(prompt, [x]), case.reference(prompt, [y])
     assert want_x != want_y
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

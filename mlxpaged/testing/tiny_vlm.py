@@ -168,14 +168,24 @@ def _gemma3(model_type: str, ids: dict, vocab: int) -> dict:
     }
 
 
-def _gemma3_files(path: Path) -> None:
-    """Gemma 3's image processor (56-pixel squares, no pan-and-scan) and its tokenizer's names
-    for the image markers (its processor reads them off the tokenizer)."""
+# Gemma 3's pan-and-scan with crops as small as 28 pixels: a 200x150 image (wider than 1.2:1) is
+# seen whole and as 2 crops, each a 56-pixel square of GEMMA3_TOKENS image tokens
+GEMMA3_PAN_AND_SCAN = {
+    "do_pan_and_scan": True,
+    "pan_and_scan_min_crop_size": PATCH * 2,
+    "pan_and_scan_max_num_crops": 4,
+    "pan_and_scan_min_ratio_to_activate": 1.2,
+}
+
+
+def _gemma3_files(path: Path, tiles: bool = False) -> None:
+    """Gemma 3's image processor (56-pixel squares; pan-and-scan with `tiles`) and its
+    tokenizer's names for the image markers (its processor reads them off the tokenizer)."""
     image = {
         "image_processor_type": "Gemma3ImageProcessor",
         "processor_class": "Gemma3Processor",
         "size": {"height": GEMMA3_IMAGE, "width": GEMMA3_IMAGE},
-        "do_pan_and_scan": False,
+        **(GEMMA3_PAN_AND_SCAN if tiles else {"do_pan_and_scan": False}),
         "image_mean": [0.5, 0.5, 0.5],
         "image_std": [0.5, 0.5, 0.5],
         "resample": 2,
@@ -284,15 +294,20 @@ def _idefics3(model_type: str, ids: dict, vocab: int) -> dict:
     }
 
 
-def _idefics3_files(path: Path, processor_class: str) -> None:
-    """SmolVLM's image processor: each image resized to one 56-pixel square (no splitting)."""
+IDEFICS3_SPLIT_EDGE = 3 * IDEFICS3_IMAGE  # with splitting: the longest edge to 3 tiles (real: 4 x 364 or 384)
+
+
+def _idefics3_files(path: Path, processor_class: str, tiles: bool = False) -> None:
+    """SmolVLM's image processor: each image resized to one 56-pixel square; with `tiles`, as the
+    real checkpoints do it, resized to a 168-pixel longest edge and split into 56-pixel tiles (a
+    200x150 image: 3x3 tiles and the whole image, each tile's tokens after its <row_r_col_c>)."""
     image = {
         "image_processor_type": "SmolVLMImageProcessor"
         if processor_class == "SmolVLMProcessor"
         else "Idefics3ImageProcessor",
         "processor_class": processor_class,
-        "do_image_splitting": False,
-        "size": {"longest_edge": IDEFICS3_IMAGE},
+        "do_image_splitting": tiles,
+        "size": {"longest_edge": IDEFICS3_SPLIT_EDGE if tiles else IDEFICS3_IMAGE},
         "max_image_size": {"longest_edge": IDEFICS3_IMAGE},
         "image_mean": [0.5, 0.5, 0.5],
         "image_std": [0.5, 0.5, 0.5],
@@ -467,8 +482,17 @@ def _lfm2_vl(model_type: str, ids: dict, vocab: int) -> dict:
     }
 
 
-def _lfm2_vl_files(path: Path) -> None:
+# LFM2-VL's tiling, as its transformers configs write it (mlx-vlm's processor applies these
+# values whatever the files say): an image past max_image_tokens' pixels x the tolerance is split
+# into 2..10 tiles of tile_size and a thumbnail. Tolerance 1 (real: 2) splits a 200x150 image
+# into 3x2 tiles here; the untiled checkpoint's images are too small to split.
+LFM2_VL_TILES = {"do_image_splitting": True, "min_tiles": 2, "max_tiles": 10, "use_thumbnail": True}
+
+
+def _lfm2_vl_files(path: Path, tiles: bool = False) -> None:
     image = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], **LFM2_VL_IMAGE, "patch_size": PATCH}
+    if tiles:
+        image |= {**LFM2_VL_TILES, "max_pixels_tolerance": 1.0}
     (path / "preprocessor_config.json").write_text(
         json.dumps({"image_processor_type": "Lfm2VlImageProcessor", "processor_class": "Lfm2VlProcessor", **image})
     )
@@ -493,6 +517,9 @@ FAMILIES = {
     "gemma4": (GEMMA4_SPECIAL, GEMMA4_TEMPLATE, _gemma4, "Gemma4Processor"),
 }
 
+
+# The families whose processors split an image into sub-images (`write_tiny_vlm(..., tiles=True)`)
+TILED = ("smolvlm", "idefics3", "lfm2_vl", "gemma3")
 
 # Where seed 0 draws a language model that repeats one token whatever the image shows (a blind test)
 SEEDS = {"pixtral": 1}
@@ -529,9 +556,15 @@ def write_tiny_vlm(
     seed: int | None = None,
     logit_scale: float = 4.0,
     feature_scale: float = 8.0,
+    tiles: bool = False,
 ) -> Path:
     """A tiny random `model_type` checkpoint directory at `path`, loadable by `mlx_vlm.load`
-    (weights drawn with `seed`, by default the family's in SEEDS, else 0)."""
+    (weights drawn with `seed`, by default the family's in SEEDS, else 0). `tiles`: a processor
+    config that splits a modest image (200x150) into several sub-images, as the real checkpoints'
+    do for large ones (TILED: SmolVLM's and Idefics3's splitting, LFM2-VL's tiles, Gemma 3's
+    pan-and-scan)."""
+    if tiles and model_type not in TILED:
+        raise ValueError(f"{model_type}: its processor splits no image (tiles for {', '.join(TILED)})")
     import importlib
 
     from mlx.utils import tree_flatten, tree_unflatten
@@ -582,13 +615,13 @@ def write_tiny_vlm(
     save_weights(path, model)
     save_config(config, path / "config.json")
     if model_type == "gemma3":
-        _gemma3_files(path)
+        _gemma3_files(path, tiles)
     elif model_type in ("smolvlm", "idefics3"):
-        _idefics3_files(path, processor_class)
+        _idefics3_files(path, processor_class, tiles)
     elif model_type == "mistral3":
         _pixtral_files(path, "Mistral3Processor", PATCH * MERGE * 4, MERGE)
     elif model_type == "lfm2_vl":
-        _lfm2_vl_files(path)
+        _lfm2_vl_files(path, tiles)
     elif model_type == "pixtral":
         _pixtral_files(path)
     elif model_type == "llava":
