@@ -116,8 +116,9 @@ def main() -> None:
     ap.add_argument("--json", dest="json_out", default=None, help="write the results to this file")
     args = ap.parse_args()
 
-    from mlxpaged import EngineConfig, LLMEngine
+    from mlxpaged import EngineConfig
     from mlxpaged.bench.repeat import fmt, spread
+    from mlxpaged.engine.builder import build_engine
     from mlxpaged.loading.loader import load
     from mlxpaged.testing.tiny_adapter import write_tiny_adapter
     from mlxpaged.testing.tiny_model import CORPUS, write_tiny_qwen2
@@ -129,7 +130,7 @@ def main() -> None:
     prompts = CORPUS[:8]
     asks = [(prompts[i], names[i % 4]) for i in range(8)]
     loaded = load(str(base), "float32")
-    engine = LLMEngine(
+    engine = build_engine(
         loaded,
         EngineConfig.of(num_blocks=1024, enable_prefix_caching=False),
         adapters={n: str(f) for n, f in folders.items()},

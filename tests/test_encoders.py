@@ -118,7 +118,8 @@ def reference(path, texts: list[str], name: str) -> np.ndarray:
 
 
 def engine_of(path):
-    from mlxpaged.engine.encoder import EncoderEngine, load_encoder
+    from mlxpaged.engine.encoder import EncoderEngine
+    from mlxpaged.loading.encoder import load_encoder
 
     return EncoderEngine(load_encoder(path))
 
@@ -294,10 +295,31 @@ def test_rerank_on_a_cross_encoder(served_rerank, ckpts):
     assert served_rerank.get("/v1/models").json()["data"][0]["task"] == "score"
 
 
+def test_the_builder_tells_an_encoder_checkpoint(ckpts):
+    """The checkpoint's config decides the engine, in one place (`build_engine` over `load`): the
+    server's call gets an encoder engine whose embeddings are mlx-embeddings'; `generate`'s and
+    `LLM`'s call (no encoders) refuses the checkpoint in one line naming its family, as before; and
+    LoRA adapters on an encoder are refused by name."""
+    from mlxpaged.engine.builder import build_engine
+    from mlxpaged.engine.encoder import EncoderEngine
+    from mlxpaged.engine.pooling import PoolingParams
+    from mlxpaged.errors import MlxPagedError
+
+    engine = build_engine(str(ckpts["bert"]), encoders=True)
+    assert isinstance(engine, EncoderEngine)
+    ids = [engine.tokenizer.encode(t) for t in TEXTS]
+    np.testing.assert_allclose(run(engine, ids, PoolingParams()), reference(ckpts["bert"], TEXTS, "bert"), atol=TOL)
+    with pytest.raises(MlxPagedError, match="'bert'") as refused:
+        build_engine(str(ckpts["bert"]))
+    assert "\n" not in str(refused.value)
+    with pytest.raises(ValueError, match="LoRA adapters apply to generative models"):
+        build_engine(str(ckpts["bert"]), encoders=True, adapters={"a": str(ckpts["bert"])})
+
+
 def test_refused_encoder_checkpoints_say_why(tmp_path):
     """A head mlx-embeddings does not have, and a ModernBERT masked LM: one line naming it."""
-    from mlxpaged.engine.encoder import load_encoder
     from mlxpaged.errors import MlxPagedError
+    from mlxpaged.loading.encoder import load_encoder
 
     p = write_encoder(tmp_path / "mlm", "modernbert", arch=["ModernBertForMaskedLM"])
     with pytest.raises(MlxPagedError, match="masked-LM"):

@@ -258,14 +258,14 @@ def test_key_scales_match_contiguous_keys(tiny_loaded, mlx_lm_tiny):
     ref_model, tok = mlx_lm_tiny
     ids = calibration_ids(tok, ref_model.args.vocab_size)
     assert len(ids) > 100
-    got = key_scales(tiny_loaded.model, ids)
+    got = key_scales(tiny_loaded.model, tiny_loaded.cache_spec, ids)
     want = numpy_key_scales(ref_model, ids)
     assert len(got) == len(want) == 2
     for g, w in zip(got, want):
         assert g.shape == (2, 64) and w.max() / w.min() > 1.5  # the channels really differ
         np.testing.assert_allclose(np.array(g), w, rtol=2e-4)
     with pytest.raises(ValueError, match="calibration tokens"):
-        key_scales(tiny_loaded.model, ids[:1])
+        key_scales(tiny_loaded.model, tiny_loaded.cache_spec, ids[:1])
 
 
 def test_key_scales_are_measured_once_per_loaded_model(tiny_model_path, mlx_lm_tiny, monkeypatch):

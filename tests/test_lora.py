@@ -7,7 +7,8 @@ import mlx.nn as nn
 import pytest
 from test_engine import drain_checked
 
-from mlxpaged import EngineConfig, LLMEngine, SamplingParams
+from mlxpaged import EngineConfig, SamplingParams
+from mlxpaged.engine.builder import build_engine
 from mlxpaged.errors import MlxPagedError
 from mlxpaged.testing.tiny_adapter import write_tiny_adapter
 from mlxpaged.testing.tiny_model import write_tiny_qwen2
@@ -75,7 +76,7 @@ def test_mixed_batch_matches_mlx_lm(tiny_loaded, tiny_model_path, adapters):
     with its adapter."""
     n_out = 40
     config = EngineConfig.of(block_size=4, num_blocks=60, max_num_batched_tokens=7)
-    engine = LLMEngine(tiny_loaded, config, adapters={k: str(v) for k, v in adapters.items()})
+    engine = build_engine(tiny_loaded, config, adapters={k: str(v) for k, v in adapters.items()})
     seen = spy_slots(engine)
     tok = tiny_loaded.tokenizer
     asks = [(p, a) for p in PROMPTS for a in (None, "A", "B", "A_peft")]
@@ -100,7 +101,7 @@ def test_prefix_hits_never_cross_adapters(tiny_loaded, tiny_model_path, adapters
     the first block's hash, B and the base would reuse A's keys and values."""
     tok = tiny_loaded.tokenizer
     prompt = tok.encode(PROMPTS[0] * 2)
-    engine = LLMEngine(
+    engine = build_engine(
         tiny_loaded, EngineConfig.of(block_size=4, num_blocks=256), adapters={k: str(adapters[k]) for k in "AB"}
     )
     got = {}
@@ -124,7 +125,7 @@ def test_quantized_base_and_speculation(tiny_model_path, adapters):
     nn.quantize(loaded.model, group_size=64, bits=4)
     assert isinstance(loaded.model.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
     config = EngineConfig.of(block_size=4, num_blocks=256, speculative="ngram")
-    engine = LLMEngine(loaded, config, adapters={k: str(adapters[k]) for k in "AB"})
+    engine = build_engine(loaded, config, adapters={k: str(adapters[k]) for k in "AB"})
     prompt = loaded.tokenizer.encode("a b c a b c a b c a b c")
     rids = {a: engine.add_request(prompt, greedy(24, a)) for a in (None, "A", "B")}
     done = drain_checked(engine)
@@ -136,19 +137,19 @@ def test_quantized_base_and_speculation(tiny_model_path, adapters):
 
 def test_refusals(tiny_loaded, tiny_model_path, adapters, tmp_path):
     """An unknown adapter, one for another base model, and a DoRA adapter: one line naming it."""
-    engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=64), adapters={"A": str(adapters["A"])})
+    engine = build_engine(tiny_loaded, EngineConfig.of(num_blocks=64), adapters={"A": str(adapters["A"])})
     with pytest.raises(MlxPagedError, match="unknown adapter 'nope': this model serves 'A'"):
         engine.add_request("hi", greedy(2, "nope"))
     other = write_tiny_qwen2(tmp_path / "wide", hidden=128, heads=2, kv_heads=1, intermediate=256)
     wrong = write_tiny_adapter(other, tmp_path / "wrong", seed=3)
     shapes = r"is 256 -> \d+ in this model, the adapter's is 128 -> \d+: an adapter for another base model"
     with pytest.raises(MlxPagedError, match=r"adapter 'W' \(qwen2\): model\.layers\.\d\.\S+ " + shapes):
-        LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=64), adapters={"W": str(wrong)})
+        build_engine(tiny_loaded, EngineConfig.of(num_blocks=64), adapters={"W": str(wrong)})
     dora = write_tiny_adapter(tiny_model_path, tmp_path / "dora", seed=4)
     cfg = (dora / "adapter_config.json").read_text().replace('"fine_tune_type": "lora"', '"fine_tune_type": "dora"')
     (dora / "adapter_config.json").write_text(cfg)
     with pytest.raises(MlxPagedError, match="fine_tune_type 'dora' is not served"):
-        LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=64), adapters={"D": str(dora)})
+        build_engine(tiny_loaded, EngineConfig.of(num_blocks=64), adapters={"D": str(dora)})
 
 
 def test_beams_with_an_adapter(tiny_loaded, tiny_model_path, adapters):
@@ -163,7 +164,7 @@ def test_beams_with_an_adapter(tiny_loaded, tiny_model_path, adapters):
 
     tok = tiny_loaded.tokenizer
     prompt = tok.encode(PROMPTS[1])
-    engine = LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=256), adapters={"B": str(adapters["B"])})
+    engine = build_engine(tiny_loaded, EngineConfig.of(num_blocks=256), adapters={"B": str(adapters["B"])})
     rids = {
         a: engine.add_beam_request(prompt, BeamSearchParams(3, 10, ignore_eos=True, adapter=a)) for a in (None, "B")
     }
@@ -187,7 +188,7 @@ def test_disk_hits_never_cross_adapters(tiny_loaded, tiny_model_path, adapters, 
 
     def run(adapter):
         config = EngineConfig.of(num_blocks=128, prefix_cache_dir=str(store))
-        engine = LLMEngine(tiny_loaded, config, adapters={k: str(adapters[k]) for k in "AB"})
+        engine = build_engine(tiny_loaded, config, adapters={k: str(adapters[k]) for k in "AB"})
         rid = engine.add_request(prompt, greedy(8, adapter))
         out = drain_checked(engine)[rid]
         engine.prefix_store.flush()
@@ -203,7 +204,7 @@ def test_draft_speculation_is_verified_with_the_adapter(tiny_loaded, tiny_model_
     """A draft model (here the base checkpoint itself, which knows no adapter) proposes; the target
     verifies each row's proposals with its adapter, so A's tokens stay mlx-lm's with A."""
     config = EngineConfig.of(num_blocks=256, speculative="draft", draft_model=str(tiny_model_path))
-    engine = LLMEngine(tiny_loaded, config, adapters={"A": str(adapters["A"])})
+    engine = build_engine(tiny_loaded, config, adapters={"A": str(adapters["A"])})
     prompt = tiny_loaded.tokenizer.encode(PROMPTS[1])
     rids = {a: engine.add_request(prompt, greedy(16, a)) for a in (None, "A")}
     done = drain_checked(engine)

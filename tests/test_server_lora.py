@@ -63,14 +63,14 @@ def client(tiny_loaded, adapters, adapter_dir):
     from fastapi.testclient import TestClient
 
     from mlxpaged.config import EngineConfig
-    from mlxpaged.engine.llm_engine import LLMEngine
+    from mlxpaged.engine.builder import build_engine
     from mlxpaged.server.app import build_app
     from mlxpaged.server.engine_loop import EngineLoop
     from mlxpaged.server.metrics import Metrics
 
     named = {k: str(v) for k, v in adapters.items()}
     loop = EngineLoop(
-        lambda: LLMEngine(tiny_loaded, EngineConfig.of(num_blocks=256), adapters=named, adapter_dir=str(adapter_dir))
+        lambda: build_engine(tiny_loaded, EngineConfig.of(num_blocks=256), adapters=named, adapter_dir=str(adapter_dir))
     )
     loop.start()
     with TestClient(build_app(loop, Metrics(), model_id="tiny")) as c:

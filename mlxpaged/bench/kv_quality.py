@@ -60,7 +60,7 @@ def paged_perplexity(
     num_blocks = cdiv(len(ids), block_size)
     scales = model_key_scales(loaded) if calibrate and kv_bits is not None else None
     cache = PagedKVCache.for_model(  # as the engine builds it
-        loaded.model, shape, num_blocks, block_size, scales, spec=loaded.cache_spec
+        loaded.model, loaded.cache_spec, shape, num_blocks, block_size, scales
     )
     table = np.random.default_rng(seed).permutation(num_blocks).astype(np.int32)
     nll, count = 0.0, 0

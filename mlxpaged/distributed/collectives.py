@@ -5,7 +5,7 @@ same seeds; only the model is sharded (models/sharding.py), so block tables, for
 and preemptions are identical everywhere with no extra messages. This module holds what keeps
 the ranks honest:
 
-- `tp_engine`: agree on the pool size, check at start-up that every rank has the same checkpoint
+- `TPEngine()` (tp_engine.py): agree on the pool size, check at start-up that every rank has the same checkpoint
   and settings (a hash exchanged with all_gather), share one seed source;
 - `TPEngine.step`: a watchdog deadline around each step's collectives, a lost peer turned into
   one clear `RankFailure`, and (debug mode) a running hash of the sampled tokens compared

@@ -1,72 +1,30 @@
 """Each tensor-parallel rank loads only its shard of a checkpoint (sharding.py says how it is cut).
 
 The model is built lazily, sharded, then filled with the slices this rank reads through memory
-maps of the checkpoint's safetensors, so no rank ever holds the whole model.
+maps of the checkpoint's safetensors (`loading.loader.read_slice`), so no rank ever holds the whole model.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import MlxPagedError
-from ..loading.loader import DTYPES, WEIGHTS, LoadedModel, default_dtype, default_weights, resolve_model_path
+from ..loading.encoder import is_encoder
+from ..loading.loader import (
+    DTYPES,
+    WEIGHTS,
+    LoadedModel,
+    default_dtype,
+    default_weights,
+    read_slice,
+    resolve_model_path,
+    safetensors_index,
+)
 from .collectives import barrier
 from .sharding import check_shardable, shard_axis, shard_model
-
-_ST_DTYPES = {
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "U32": "uint32",
-    "I32": "int32",
-    "U8": "uint8",
-    "I8": "int8",
-    "I64": "int64",
-    "U16": "uint16",
-}
-
-
-def _safetensors_index(path: Path) -> dict[str, tuple[Path, int, dict]]:
-    """name -> (file, data start, header entry) over every model*.safetensors in `path`."""
-    index = {}
-    for f in sorted(path.glob("model*.safetensors")):
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(n))
-        header.pop("__metadata__", None)
-        index.update({name: (f, 8 + n, h) for name, h in header.items()})
-    if not index:
-        raise MlxPagedError(f"incomplete checkpoint {path}: no model*.safetensors in it")
-    return index
-
-
-def _read_slice(file: Path, start: int, entry: dict, axis: int | None, rank: int, world: int) -> mx.array:
-    """Tensor `entry` of `file`, or only its `rank`-th of `world` equal slices along `axis`,
-    read through a memory map so the other ranks' bytes are never copied."""
-    import numpy as np
-
-    kind = _ST_DTYPES.get(entry["dtype"])
-    if kind is None:
-        raise MlxPagedError(f"{file}: unsupported safetensors dtype {entry['dtype']}")
-    shape, (b, e) = tuple(entry["shape"]), entry["data_offsets"]
-    np_kind = "uint16" if kind == "bfloat16" else kind  # numpy has no bfloat16: read the bits
-    full = (
-        np.memmap(file, dtype=np_kind, mode="r", offset=start + b, shape=shape) if e > b else np.zeros(shape, np_kind)
-    )
-    if axis is not None:
-        size = shape[axis]
-        if size % world:
-            raise MlxPagedError(f"{file}: a tensor of shape {shape} cannot be split in {world} along axis {axis}")
-        idx = [slice(None)] * len(shape)
-        idx[axis] = slice(rank * size // world, (rank + 1) * size // world)
-        full = full[tuple(idx)]
-    out = mx.array(np.ascontiguousarray(full))
-    del full
-    return out.view(mx.bfloat16) if kind == "bfloat16" else out
 
 
 def load_shard(model: str | None, dtype: str | None, weights: str | None, group) -> LoadedModel:
@@ -96,10 +54,12 @@ def load_shard(model: str | None, dtype: str | None, weights: str | None, group)
         config = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise MlxPagedError(f"cannot read {path / 'config.json'}: {e}") from None
+    if is_encoder(config):
+        raise MlxPagedError(f"{path} is an encoder model: tensor parallelism runs decoders only; run it on one process")
     paged_adapter.check_family(config.get("model_type"), config, path / "config.json")
     paged_adapter.check_tensor_parallel(config.get("model_type"))
     check_shardable(config, world)
-    index = _safetensors_index(path)
+    index = safetensors_index(path)
     model_class, args_class = paged_adapter.model_classes(config)
     net = paged_adapter.prepare(model_class(args_class.from_dict(config)), config, path / "config.json")
     quant = config.get("quantization")
@@ -124,7 +84,7 @@ def load_shard(model: str | None, dtype: str | None, weights: str | None, group)
     dt = default_dtype(config) if dtype in (None, "auto") else DTYPES[dtype]
 
     def read(name: str) -> mx.array:
-        a = _read_slice(*index[name], shard_axis(name), rank, world)
+        a = read_slice(*index[name], shard_axis(name), rank, world)
         if mx.issubdtype(a.dtype, mx.floating) and a.dtype != dt:
             a = a.astype(dt)  # one tensor at a time (as set_dtype would, without a second copy of all)
             mx.eval(a)

@@ -1,5 +1,5 @@
-"""`TPEngine`: the engine on one rank of a tensor-parallel group, and `tp_engine`, which builds it
-once every rank agrees on the pool size, the checkpoint and the settings (collectives.py)."""
+"""`TPEngine`: the engine on one rank of a tensor-parallel group, built once every rank agrees on the
+pool size, the checkpoint and the settings (collectives.py)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,37 @@ class TPEngine(LLMEngine):
     the rank (the others would otherwise wait forever in the next all_sum).
     """
 
-    def __init__(self, loaded, config, group: mx.distributed.Group, *, seed: int, timeout: float, check_every: int):
+    def __init__(
+        self,
+        loaded,
+        config,
+        group: mx.distributed.Group,
+        *,
+        timeout: float | None = None,
+        check_every: int | None = None,
+    ):
+        """Built once every rank agrees on the pool size, the checkpoint and the settings; `timeout`
+        and `check_every` default to the environment's (settings.py)."""
+        timeout = settings.tp_timeout() if timeout is None else timeout
+        check_every = settings.tp_check_every() if check_every is None else check_every
+        check_same_everywhere(
+            group,
+            {
+                "checkpoint config": loaded.config,
+                "weights": weights_identity(loaded.path),
+                "engine settings": {
+                    **config.flat(),
+                    "dtype": str(loaded.dtype),
+                    "weights": loaded.weights,
+                    "world": group.size(),
+                    "check_every": check_every,
+                    "mlx": mx.__version__,
+                },
+            },
+        )
+        # Free memory differs per host (and `generate` caps its pool by it): take what every rank can hold.
+        config.cache.num_blocks = agree_min(group, pool_blocks(loaded, config))
+        seed = broadcast_int(group, random.getrandbits(62))  # one seed source for every rank
         # The disk tier is namespaced by rank, and its lookups agree on the smallest hit count.
         ranks = (group.rank(), group.size(), lambda n: agree_min(group, n))
         super().__init__(loaded, config, parts=build_parts(loaded, config, ranks=ranks))
@@ -94,30 +124,3 @@ class TPEngine(LLMEngine):
             raise RankFailure(
                 f"ranks diverged by step {self.stats.steps}: rank(s) {bad} sampled other tokens than rank 0"
             )
-
-
-def tp_engine(
-    loaded, config, group: mx.distributed.Group, *, timeout: float | None = None, check_every: int | None = None
-) -> TPEngine:
-    """A `TPEngine` once every rank agrees on the pool size, the checkpoint and the settings."""
-    # Free memory differs per host (and `generate` caps its pool by it): take what every rank can hold.
-    config.cache.num_blocks = agree_min(group, pool_blocks(loaded, config))
-    timeout = settings.tp_timeout() if timeout is None else timeout
-    check_every = settings.tp_check_every() if check_every is None else check_every
-    check_same_everywhere(
-        group,
-        {
-            "checkpoint config": loaded.config,
-            "weights": weights_identity(loaded.path),
-            "engine settings": {
-                **config.flat(),
-                "dtype": str(loaded.dtype),
-                "weights": loaded.weights,
-                "world": group.size(),
-                "check_every": check_every,
-                "mlx": mx.__version__,
-            },
-        },
-    )
-    seed = broadcast_int(group, random.getrandbits(62))
-    return TPEngine(loaded, config, group, seed=seed, timeout=timeout, check_every=check_every)

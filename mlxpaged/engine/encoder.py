@@ -20,140 +20,18 @@ head, as sentence-transformers' CrossEncoder does).
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
 
-from ..errors import MlxPagedError
+from ..loading.encoder import EncoderModel
 from .outputs import RequestOutput
-from .pooling import PoolingParams, read_json, sentence_pooling
+from .pooling import PoolingParams
 
-ENCODER_TYPES = ("bert", "xlm_roberta", "modernbert")  # mlx-embeddings' encoder families
-CROSS_ENCODERS = ("ModernBertForSequenceClassification",)  # the classification heads mlx-embeddings has
 MAX_BATCH_TOKENS = 8192  # padded positions in one forward pass
-
-
-def is_encoder(config: dict) -> bool:
-    return str(config.get("model_type", "")).replace("-", "_") in ENCODER_TYPES
-
-
-def encoder_path(model: str | None) -> Path | None:
-    """The checkpoint directory of `model` (a directory or hub repo id) when mlx-embeddings' encoder
-    families hold it, else None (a decoder, a .gguf file, the default model: the paged engine's)."""
-    from ..loading.loader import resolve_model_path
-
-    if model is None or Path(model).expanduser().suffix.lower() == ".gguf" or Path(model).expanduser().is_file():
-        return None
-    path = resolve_model_path(model)
-    return path if is_encoder(read_json(path / "config.json") or {}) else None
-
-
-def build_encoder(path: Path, dtype: str | None, group=None) -> EncoderEngine:
-    """`serve`'s backend for an encoder checkpoint."""
-    from ..loading.loader import DTYPES
-
-    if group is not None:
-        raise MlxPagedError(
-            f"{path} is an encoder model: a tensor-parallel server runs decoders only; run it on one process"
-        )
-    if dtype not in (None, "auto") and dtype not in DTYPES:
-        raise MlxPagedError(f"unknown dtype '{dtype}': use auto, {', '.join(DTYPES)}")
-    return EncoderEngine(load_encoder(path, None if dtype in (None, "auto") else DTYPES[dtype]))
-
-
-@dataclass
-class EncoderModel:
-    """A loaded encoder checkpoint. Invariant: `task` is "score" exactly for a cross-encoder (its
-    classification head's output is the score), else "embed" with `pooling` in ("mean", "cls")."""
-
-    model: object  # mlx-embeddings' Model
-    tokenizer: object  # mlx-embeddings' TokenizerWrapper (a transformers tokenizer)
-    config: dict
-    path: Path
-    dtype: mx.Dtype
-    task: str  # "embed" or "score"
-    pooling: str = "mean"  # "mean" or "cls" (embed)
-    normalize: bool = True
-    weights: str = "float"
-    pad_id: int = 0
-    processor: None = None  # no image processor: an encoder takes no images (the routes' check reads it)
-
-    @property
-    def identity(self) -> bytes:
-        return hashlib.sha256(f"{self.path.resolve()}|{self.dtype}|encoder".encode()).digest()
-
-    @property
-    def context(self) -> int | None:
-        """Input tokens the position table holds (XLM-R's positions start after its pad id)."""
-        n = self.config.get("max_position_embeddings")
-        if not isinstance(n, int):
-            return None
-        if self.config.get("model_type", "").replace("-", "_") == "xlm_roberta":
-            n -= int(self.config.get("pad_token_id", 1)) + 1
-        return n
-
-    @property
-    def dims(self) -> int:
-        return int(self.config.get("hidden_size") or 0)
-
-
-def load_encoder(path: Path, dtype: mx.Dtype | None = None) -> EncoderModel:
-    """mlx-embeddings' `load` of an encoder checkpoint directory, and what it computes; one-line
-    `MlxPagedError` for a checkpoint it cannot serve."""
-    try:
-        import mlx_embeddings
-    except ImportError:
-        raise MlxPagedError(
-            f"{path} is an encoder checkpoint: serving it needs mlx-embeddings (pip install mlx-embeddings)"
-        ) from None
-    config = read_json(path / "config.json") or {}
-    arch = config.get("architectures") or []
-    mtype = config.get("model_type")
-    heads = [a for a in arch if a.endswith(("ForSequenceClassification", "ForTokenClassification"))]
-    if heads and heads[0] not in CROSS_ENCODERS:
-        raise MlxPagedError(
-            f"{path}: mlx-embeddings has no {heads[0]} head (its cross-encoders: {', '.join(CROSS_ENCODERS)})"
-        )
-    if mtype == "modernbert" and arch in ([], ["ModernBertForMaskedLM"]):  # mlx-embeddings' default: the MLM head
-        raise MlxPagedError(
-            f"{path}: a ModernBERT masked-LM checkpoint is no embedding model (config.json's architectures)"
-        )
-    try:
-        model, tokenizer = mlx_embeddings.load(str(path))
-    except Exception as e:  # mlx-embeddings' own errors: a missing file, a weight that does not fit
-        raise MlxPagedError(f"cannot load encoder checkpoint {path}: {str(e).strip().splitlines()[0][:200]}") from None
-    if dtype is not None:
-        model.set_dtype(dtype)
-        mx.eval(model.parameters())
-    dt = dtype or tree_flatten(model.parameters())[0][1].dtype
-    pad = config.get("pad_token_id")
-    if not isinstance(pad, int):
-        pad = getattr(tokenizer, "pad_token_id", None) or 0
-    if heads and heads[0] in CROSS_ENCODERS:
-        if model.num_labels != 1:
-            raise MlxPagedError(f"{path}: a cross-encoder scores with one label; this one has {model.num_labels}")
-        return EncoderModel(model, tokenizer, config, path, dt, "score", pad_id=pad)
-    mode, normalize = sentence_pooling(path) or (None, None)
-    mode = {"mean_tokens": "mean", "cls_token": "cls"}.get(mode, mode)
-    if mtype == "modernbert":  # it pools inside, by its config's classifier_pooling
-        inside = config.get("classifier_pooling", "mean")
-        if mode is not None and mode != inside:
-            raise MlxPagedError(
-                f"{path}: its sentence-transformers files pool by '{mode}', its config.json by '{inside}'"
-            )
-        mode = inside
-    mode = mode or "mean"  # mlx-embeddings' text_embeds: mean pooled, normalised
-    if mode not in ("mean", "cls"):
-        raise MlxPagedError(f"{path}: it pools by '{mode}'; encoder embeddings here pool by mean or cls")
-    return EncoderModel(
-        model, tokenizer, config, path, dt, "embed", mode, True if normalize is None else normalize, pad_id=pad
-    )
 
 
 @dataclass

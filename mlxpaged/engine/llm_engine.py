@@ -97,16 +97,15 @@ class LLMEngine:
         *,
         parts: EngineParts | None = None,
         hash_fn: HashFn = sha256_block_hash,
-        adapters: dict[str, str] | None = None,
-        adapter_dir: str | None = None,
     ):
         """An engine over `loaded` running with `parts` (parts.py); without them, it asks
-        `build_parts` for them (`hash_fn`, `adapters`, `adapter_dir` go there)."""
+        `build_parts` for them (`hash_fn` goes there). An engine with LoRA adapters comes from
+        `engine.builder.build_engine`."""
         self.loaded = loaded
         self.config = config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
         if parts is None:
-            parts = build_parts(loaded, config, hash_fn=hash_fn, adapters=adapters, adapter_dir=adapter_dir)
+            parts = build_parts(loaded, config, hash_fn=hash_fn)
         # LoRA adapters by name (models/lora.py), and those of `adapter_dir` when a request first
         # names one; None: none
         self.adapters, self._detokenizer = parts.adapters, parts.detokenizer

@@ -81,19 +81,20 @@ def build_parts(
     config: EngineConfig,
     *,
     hash_fn: HashFn = sha256_block_hash,
-    adapters: dict[str, str] | None = None,
-    adapter_dir: str | None = None,
+    adapters: AdapterSet | None = None,
     ranks: Ranks = SOLO,
 ) -> EngineParts:
-    """The parts of an engine over `loaded` with `config`. `adapters`/`adapter_dir`: LoRA adapters
-    (models/lora.py), each checked against the model now; `ranks`: this process's place in a
-    tensor-parallel group (the disk tier is namespaced by rank and agrees on hits)."""
+    """The parts of an engine over `loaded` with `config`. `adapters`: the LoRA adapters the
+    requests may name, already checked against the model (`AdapterSet.load`); `ranks`: this
+    process's place in a tensor-parallel group (the disk tier is namespaced by rank and agrees on
+    hits).
+
+    The parts are built from the bottom up: what the model needs on the device (its states, key
+    scales, pool size, pools, runner and disk tier), then the block manager and the scheduler over
+    those pools, then the step layers the engine calls."""
     model, tokenizer, spec = loaded.model, loaded.tokenizer, loaded.cache_spec
     bs = config.cache.block_size
-    adapter_set = None
-    if adapters or adapter_dir:
-        adapter_set = AdapterSet.load(model, adapters, loaded.config.get("model_type"), adapter_dir)
-    cache_shape = CacheShape.of(loaded).quantized(config.cache.kv_bits, config.cache.kv_group_size)
+    draft = load_draft(config.speculative.draft_model, loaded.dtype) if config.speculative.method == "draft" else None
     # A hybrid model (recurrent layers, worker/state_cache.py): one sequence's state bytes, and its
     # prefix-state checkpoints when prefix caching is on.
     state_bytes, checkpoints = 0, None
@@ -102,7 +103,10 @@ def build_parts(
         state_bytes = spec_nbytes(states)
         if config.cache.enable_prefix_caching:
             checkpoints = Checkpoints(min(CHECKPOINT_BYTES, CHECKPOINTS * state_bytes), states, bs)
-    draft = load_draft(config.speculative.draft_model, loaded.dtype) if config.speculative.method == "draft" else None
+    cache_shape = CacheShape.of(loaded).quantized(config.cache.kv_bits, config.cache.kv_group_size)
+    # A quantized cache divides keys by per-channel scales, measured once per loaded model (kv_calibration.py).
+    quant = config.cache.kv_bits is not None and not cache_shape.keys_only  # MLA: keys stay unscaled
+    scales = model_key_scales(loaded) if quant else None
     # The draft's pool has the target pool's block ids: its bytes count in every block.
     extra = CacheShape.of(draft).bytes_per_block(bs) if draft is not None else 0
     # A hybrid's running sequences hold recurrent states beside their blocks: a pool sized from
@@ -116,34 +120,25 @@ def build_parts(
     # every group its size (what a group releases is room for more sequences, as in vLLM).
     kinds, layer_groups = spec.groups()
     steps = [cdiv(span, bs) + 1 if span is not None and growth else None for _, span in kinds]
-    block_manager = BlockManager(
-        num_blocks,
-        bs,
-        enable_prefix_caching=config.cache.enable_prefix_caching,
-        hash_fn=hash_fn,
-        extra_key=loaded.identity,
-        groups=[GroupSpec(k, n, min(step, num_blocks) if step else None) for (k, n), step in zip(kinds, steps)]
-        + ([RecurrentStateGroup(checkpoints)] if checkpoints is not None else []),  # hits end at a checkpoint
-    )
-    # A quantized cache divides keys by per-channel scales, measured once per loaded model (kv_calibration.py).
-    quant = config.cache.kv_bits is not None and not cache_shape.keys_only  # MLA: keys stay unscaled
-    scales = model_key_scales(loaded) if quant else None
+    groups = [GroupSpec(k, n, min(step, num_blocks) if step else None) for (k, n), step in zip(kinds, steps)]
     kv_cache = PagedKVCache.for_model(
         model,
+        spec,
         cache_shape,
         num_blocks,
         bs,
         scales,
         groups=layer_groups if len(kinds) > 1 else (),
-        group_blocks=tuple(g.pool.num_blocks for g in block_manager.groups),
-        spec=spec,
+        group_blocks=tuple(g.num_blocks or num_blocks for g in groups),
     )
-    drafter = DraftProposer(draft, loaded, num_blocks, bs, config.attention_impl) if draft is not None else None
-    if growth:
-        block_manager.pool.enable_growth(growth[1], growth[2])
-        for g, step in zip(block_manager.groups[1:], steps[1:]):
-            g.pool.enable_growth(max(growth[1], g.pool.num_blocks), step)
-    runner = ModelRunner(model, kv_cache, config.attention_impl, checkpoints, adapter_set)
+    # With the Metal kernel in use, build and check its variants now, before any request: a
+    # variant that fails falls back to the reference with one warning (attention/metal.py).
+    metal = resolve_impl(config.attention_impl) == "metal"
+    if metal:
+        from ..attention.metal import check_pools
+
+        check_pools(model.args.num_attention_heads, kv_cache.keys)
+    runner = ModelRunner(model, kv_cache, config.attention_impl, checkpoints, adapters)
     prefix_store = None
     if config.cache.prefix_cache_dir:
         # The disk tier (prefix_store.py); on a tensor-parallel rank its lookups agree on the smallest hit count.
@@ -161,6 +156,19 @@ def build_parts(
         )
     if checkpoints is not None and prefix_store is not None and prefix_store.enabled:
         checkpoints.disk = prefix_store.dir / "states"  # beside the blocks, in their namespace
+    block_manager = BlockManager(
+        num_blocks,
+        bs,
+        enable_prefix_caching=config.cache.enable_prefix_caching,
+        hash_fn=hash_fn,
+        extra_key=loaded.identity,
+        groups=groups
+        + ([RecurrentStateGroup(checkpoints)] if checkpoints is not None else []),  # hits end at a checkpoint
+    )
+    if growth:
+        block_manager.pool.enable_growth(growth[1], growth[2])
+        for g, step in zip(block_manager.groups[1:], steps[1:]):
+            g.pool.enable_growth(max(growth[1], g.pool.num_blocks), step)
     proposer = None
     if config.speculative.method == "ngram":
         proposer = NgramProposer(config.speculative.prompt_lookup_min, config.speculative.prompt_lookup_max)
@@ -169,6 +177,7 @@ def build_parts(
     scheduler = Scheduler(config, block_manager, proposer)
     check_stop = StopChecker(set(getattr(tokenizer, "eos_token_ids", None) or []), hidden_token_ids(tokenizer))
     stats = EngineStats()
+    drafter = DraftProposer(draft, loaded, num_blocks, bs, config.attention_impl) if draft is not None else None
     # The features beyond the plain pipeline, called at each of its stages in this order (step.py).
     layers = Layers([drafter] if drafter is not None else [])
     if config.speculative.method is not None:
@@ -192,16 +201,11 @@ def build_parts(
         layers.append(CheckpointNamer(checkpoints))
     if prefix_store is not None:
         layers.append(DiskConnector(prefix_store, kv_cache, block_manager, stats))
-    # With the Metal kernel in use, build and check its variants now, before any request: a
-    # variant that fails falls back to the reference with one warning (attention/metal.py).
-    if resolve_impl(config.attention_impl) == "metal":
-        from ..attention.metal import check_pools
-
-        check_pools(model.args.num_attention_heads, kv_cache.keys)
+    if metal:  # the layers' own kernels (a draft's pools)
         for layer in layers.check_kernels:
             layer.check_kernels()
     return EngineParts(
-        adapters=adapter_set,
+        adapters=adapters,
         detokenizer=detokenizers(tokenizer),
         cache_shape=cache_shape,
         state_bytes=state_bytes,

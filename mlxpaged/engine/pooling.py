@@ -24,9 +24,7 @@ again from its prompt).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import mlx.core as mx
@@ -77,31 +75,6 @@ class PoolingParams:
         d = dict(data["pooling"])
         d["yes_no"] = tuple(d["yes_no"]) if d["yes_no"] else None
         return cls(**d)
-
-
-def read_json(path: Path):
-    """A JSON file's value, or None when it is missing or not JSON."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def sentence_pooling(path: Path) -> tuple[str | None, bool] | None:
-    """What a checkpoint's sentence-transformers files say: None without `modules.json`; else (the
-    Pooling module's mode, e.g. "lasttoken", "mean_tokens", "cls_token": None without a Pooling
-    module, "?" when its config names none; whether a Normalize module follows)."""
-    modules = read_json(path / "modules.json")
-    if not isinstance(modules, list):
-        return None
-    modules = [m for m in modules if isinstance(m, dict)]
-    normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules)
-    pool_dir = next((m.get("path") for m in modules if str(m.get("type", "")).endswith("Pooling")), None)
-    pool = read_json(path / pool_dir / "config.json") if pool_dir else None
-    if not isinstance(pool, dict):
-        return None, normalize
-    mode = next((k[len("pooling_mode_") :] for k, v in pool.items() if k.startswith("pooling_mode_") and v), "?")
-    return mode, normalize
 
 
 def pool_values(hidden: np.ndarray, yes_no: np.ndarray, params: PoolingParams) -> list[float]:

@@ -24,6 +24,7 @@ import mlx.nn as nn
 
 from ..errors import MlxPagedError
 from ..models.cache_spec import CacheSpec
+from .encoder import EncoderModel, is_encoder, load_encoder
 
 HUB_DEFAULT = "mlx-community/Qwen2.5-0.5B-Instruct-4bit"
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -109,6 +110,58 @@ def resolve_model_path(model: str | None, weights: str = "float") -> Path:
     return _from_hub(model)
 
 
+_ST_DTYPES = {
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "U32": "uint32",
+    "I32": "int32",
+    "U8": "uint8",
+    "I8": "int8",
+    "I64": "int64",
+    "U16": "uint16",
+}
+
+
+def safetensors_index(path: Path) -> dict[str, tuple[Path, int, dict]]:
+    """name -> (file, data start, header entry) over every model*.safetensors in `path`."""
+    index = {}
+    for f in sorted(path.glob("model*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        header.pop("__metadata__", None)
+        index.update({name: (f, 8 + n, h) for name, h in header.items()})
+    if not index:
+        raise MlxPagedError(f"incomplete checkpoint {path}: no model*.safetensors in it")
+    return index
+
+
+def read_slice(file: Path, start: int, entry: dict, axis: int | None, rank: int, world: int) -> mx.array:
+    """Tensor `entry` of `file`, or only its `rank`-th of `world` equal slices along `axis`,
+    read through a memory map so the other ranks' bytes are never copied."""
+    import numpy as np
+
+    kind = _ST_DTYPES.get(entry["dtype"])
+    if kind is None:
+        raise MlxPagedError(f"{file}: unsupported safetensors dtype {entry['dtype']}")
+    shape, (b, e) = tuple(entry["shape"]), entry["data_offsets"]
+    np_kind = "uint16" if kind == "bfloat16" else kind  # numpy has no bfloat16: read the bits
+    full = (
+        np.memmap(file, dtype=np_kind, mode="r", offset=start + b, shape=shape) if e > b else np.zeros(shape, np_kind)
+    )
+    if axis is not None:
+        size = shape[axis]
+        if size % world:
+            raise MlxPagedError(f"{file}: a tensor of shape {shape} cannot be split in {world} along axis {axis}")
+        idx = [slice(None)] * len(shape)
+        idx[axis] = slice(rank * size // world, (rank + 1) * size // world)
+        full = full[tuple(idx)]
+    out = mx.array(np.ascontiguousarray(full))
+    del full
+    return out.view(mx.bfloat16) if kind == "bfloat16" else out
+
+
 def default_dtype(config: dict) -> mx.Dtype:
     """float32 on the CPU (fast and exact there); the checkpoint's dtype on a GPU."""
     if mx.default_device() == mx.cpu:
@@ -157,12 +210,17 @@ def dequantize_layers(net: nn.Module) -> None:
     net.update_modules(tree_map(swap, net.leaf_modules(), is_leaf=nn.Module.is_module))
 
 
-def load(model: str | None = None, dtype: str | None = None, weights: str | None = None) -> LoadedModel:
+def load(
+    model: str | None = None, dtype: str | None = None, weights: str | None = None, *, encoders: bool = False
+) -> LoadedModel | EncoderModel:
     """Load model weights and tokenizer; `dtype` is one of `DTYPES`, or None/"auto";
-    `weights` is "quantized", "float", or None/"auto" (see `default_weights`)."""
-    from mlx_lm.utils import load_model, load_tokenizer
+    `weights` is "quantized", "float", or None/"auto" (see `default_weights`). The checkpoint's
+    config decides what is loaded: with `encoders`, an encoder checkpoint (BERT and kin) is
+    mlx-embeddings' `EncoderModel` (encoder.py); a vision tower loads through mlx-vlm; any other
+    model through mlx-lm."""
+    from mlx_lm.utils import load_tokenizer
 
-    from ..models import paged_adapter
+    from ..models.vision import load_vision, vision_refusal
 
     if dtype not in (None, "auto") and dtype not in DTYPES:
         raise MlxPagedError(f"unknown dtype '{dtype}': use auto, {', '.join(DTYPES)}")
@@ -175,36 +233,15 @@ def load(model: str | None = None, dtype: str | None = None, weights: str | None
     except (OSError, json.JSONDecodeError) as e:
         raise MlxPagedError(f"cannot read {path / 'config.json'}: {e}") from None
     if "vision_config" in config:  # a vision tower: mlx-vlm's model and processor (models/vision.py)
-        return _load_vision(path, config, dtype)
-    paged_adapter.check_family(config.get("model_type"), config, path / "config.json")
-    try:
-        net, config = load_model(path, get_model_classes=paged_adapter.model_classes)
-        paged_adapter.prepare(net, config, path / "config.json")
-        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-    except FileNotFoundError as e:
-        raise MlxPagedError(f"incomplete checkpoint {path}: {e}") from None
-    except (ValueError, KeyError, TypeError, OSError, RuntimeError) as e:  # TypeError: a config missing a field
-        raise MlxPagedError(f"cannot load checkpoint {path}: {str(e).splitlines()[0][:200]}") from None
-    if explicit and weights == "float" and _is_quantized(net):
-        dequantize_layers(net)
-    elif explicit and weights == "quantized" and not _is_quantized(net):
-        raise MlxPagedError(
-            f"--weights quantized needs a GGUF file or a quantized MLX checkpoint; {path} holds float weights"
-        )
-    dt = default_dtype(config) if dtype in (None, "auto") else DTYPES[dtype]
-    # On a float16 GPU run the K-quant scales round to float16 here (relative 2^-12), as MLX computes in the
-    # scale dtype.
-    net.set_dtype(dt)
-    mx.eval(net.parameters())
-    return LoadedModel(net, tokenizer, config, path, dt, "quantized" if _is_quantized(net) else "float")
-
-
-def _load_vision(path: Path, config: dict, dtype: str | None) -> LoadedModel:
-    """A checkpoint with a vision tower, through mlx-vlm (models/vision.py), in `dtype`."""
-    from mlx_lm.utils import load_tokenizer
-
-    from ..models.vision import load_vision, vision_refusal
-
+        kind = "vision"
+    elif encoders and is_encoder(config):
+        kind = "encoder"
+    else:
+        kind = "text"
+    if kind == "text":
+        return _load_text(path, config, dtype, weights if explicit else None)
+    if kind == "encoder":
+        return load_encoder(path, None if dtype in (None, "auto") else DTYPES[dtype])
     reason = vision_refusal(config)
     if reason:
         raise MlxPagedError(f"{reason} in {path / 'config.json'}")
@@ -217,3 +254,36 @@ def _load_vision(path: Path, config: dict, dtype: str | None) -> LoadedModel:
     except (ValueError, KeyError, TypeError, OSError, RuntimeError) as e:
         raise MlxPagedError(f"cannot load checkpoint {path}: {str(e).splitlines()[0][:200]}") from None
     return LoadedModel(net, tokenizer, config, path, dt, processor=processor)
+
+
+def _load_text(path: Path, config: dict, dtype: str | None, weights: str | None) -> LoadedModel:
+    """A text model through mlx-lm, its layers made ready for the paged cache (models/paged_adapter.py)
+    last, once its weights are final; `weights` "float" dequantizes, "quantized" requires quantized
+    layers, None keeps them as stored."""
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    from ..models import paged_adapter
+
+    paged_adapter.check_family(config.get("model_type"), config, path / "config.json")
+    try:
+        net, config = load_model(path, get_model_classes=paged_adapter.model_classes)
+        stored = "quantized" if _is_quantized(net) else "float"
+        if weights == "float" and stored == "quantized":
+            dequantize_layers(net)
+            stored = "float"
+        paged_adapter.prepare(net, config, path / "config.json")
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except FileNotFoundError as e:
+        raise MlxPagedError(f"incomplete checkpoint {path}: {e}") from None
+    except (ValueError, KeyError, TypeError, OSError, RuntimeError) as e:  # TypeError: a config missing a field
+        raise MlxPagedError(f"cannot load checkpoint {path}: {str(e).splitlines()[0][:200]}") from None
+    if weights == "quantized" and stored == "float":
+        raise MlxPagedError(
+            f"--weights quantized needs a GGUF file or a quantized MLX checkpoint; {path} holds float weights"
+        )
+    dt = default_dtype(config) if dtype in (None, "auto") else DTYPES[dtype]
+    # On a float16 GPU run the K-quant scales round to float16 here (relative 2^-12), as MLX computes in the
+    # scale dtype.
+    net.set_dtype(dt)
+    mx.eval(net.parameters())
+    return LoadedModel(net, tokenizer, config, path, dt, stored)

@@ -16,5 +16,6 @@ errors), `tokenize_api` (vLLM's /tokenize and /detokenize), `app` (wiring), `web
 `/` and its cache view, docs/web.md), `cli` (the click command), `models_api` (the served models'
 cards and /v1/models), `ollama_api` (Ollama's /api/... routes).
 Behaviour under hostile clients: docs/server.md.
-May import: `engine`, `core`, `attention`, `loading` (what a checkpoint's files say: `loading.catalog`).
+May import: `engine`, `core`, `attention`, `loading` (what a checkpoint's files say: `loading.catalog`,
+`loading.encoder`).
 """

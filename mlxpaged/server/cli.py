@@ -369,10 +369,9 @@ def serve(
     from .metrics import Metrics
 
     metrics = Metrics()
-    new_loop = lambda make: EngineLoop(  # noqa: E731
-        make, observer=metrics, group=group, stall_timeout=stream_stall_timeout or None, idle_trim_s=kv_idle_trim
+    new_loop = lambda make_engine: EngineLoop(  # noqa: E731
+        make_engine, observer=metrics, group=group, stall_timeout=stream_stall_timeout or None, idle_trim_s=kv_idle_trim
     )
-    engine_loop = new_loop(make) if len(specs) == 1 else None
     limits = Limits(
         max_body_bytes=max_body_bytes,
         max_stop_strings=max_stop_strings,
@@ -391,14 +390,16 @@ def serve(
     common = dict(
         api_key=api_key, max_queue=max_queue, limits=limits, responses_store=responses_store, browsers=browsers
     )
-    pool = None
-    if engine_loop is None:  # several models (model_pool.py): the first loaded now, the others when asked
+    engine_loop = pool = None
+    if len(specs) > 1:  # several models (model_pool.py): the first loaded now, the others when asked
         from .model_pool import ModelPool
 
         configs = {spec: copy.deepcopy(config) for spec in specs}  # each engine its own, copied before any is built
         build = lambda spec: _build_model(spec, new_loop, dtype, weights, configs[spec], metrics, common)  # noqa: E731
         with user_errors():
             pool = ModelPool(specs, build, **pool_knobs)
+    else:
+        engine_loop = new_loop(make)
     # A failed load exits without interpreter teardown, which can abort ("terminate called without
     # an active exception", exit 134) once the engine thread has used MLX, as at shutdown (_exit_now).
     try:
@@ -423,7 +424,7 @@ def serve(
     engine, loaded = engine_loop.engine, engine_loop.engine.loaded
     metrics.attach(engine_loop)
     if pool is None:
-        model_id = served_model_name or default_model_name(model, loaded.path)
+        model_id = served_model_name or loaded.path.name  # named by its --model value, else the default's folder
         aliases = {loaded.path.name, str(loaded.path), *([model] if model else [])}
         app = build_app(
             engine_loop,
@@ -545,13 +546,6 @@ def _build_model(spec, new_loop, dtype, weights, config, metrics, common):
     return loop, app, served_catalog(app.state.server).cards()[0], footprint(loop.engine)
 
 
-def default_model_name(model: str | None, path: Path) -> str:
-    """The checkpoint's folder or file name (`model_pool.served_name`); the loaded path's without `--model`."""
-    from .model_pool import served_name
-
-    return path.name if model is None else served_name(model)
-
-
 def _listed(values: tuple[str, ...]) -> list[str]:
     """A repeated flag's values, each possibly comma-separated."""
     return [v for value in values for v in value.split(",") if v.strip()]
@@ -568,17 +562,19 @@ def _is_loopback(host: str) -> bool:
 
 def _load_engine(model, dtype, weights, config, group=None, adapters=None, adapter_dir=None):
     """The engine `serve` runs: the whole model here, or this rank's shard under mlx.launch; an
-    encoder checkpoint's backend (engine/encoder.py) for an embedding model or cross-encoder."""
+    encoder checkpoint's backend (engine/encoder.py) for an embedding model or cross-encoder
+    (the builder tells which from the checkpoint)."""
     from ..engine.builder import build_engine
-    from ..engine.encoder import build_encoder, encoder_path
 
-    encoder = encoder_path(model)
-    if encoder is not None:
-        if adapters or adapter_dir:
-            raise ValueError("--adapter: LoRA adapters apply to generative models, not to an encoder checkpoint")
-        return build_encoder(encoder, dtype, group)
     return build_engine(
-        model, config, dtype=dtype, weights=weights, group=group, adapters=adapters, adapter_dir=adapter_dir
+        model,
+        config,
+        dtype=dtype,
+        weights=weights,
+        group=group,
+        adapters=adapters,
+        adapter_dir=adapter_dir,
+        encoders=True,
     )
 
 

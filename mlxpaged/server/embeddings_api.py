@@ -30,8 +30,9 @@ import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import Field
 
-from ..engine.encoder import EncoderEngine, EncoderModel
-from ..engine.pooling import PoolingParams, read_json, sentence_pooling
+from ..engine.encoder import EncoderEngine
+from ..engine.pooling import PoolingParams
+from ..loading.encoder import EncoderModel, read_json, sentence_pooling
 from .admission import Ask, admit
 from .bodies import Body
 from .errors import APIError
@@ -75,7 +76,7 @@ class PoolingSpec:
 
     @classmethod
     def of_encoder(cls, loaded: EncoderModel) -> PoolingSpec:
-        """An encoder checkpoint's (engine/encoder.py): it embeds, or (a cross-encoder) it scores pairs."""
+        """An encoder checkpoint's (loading/encoder.py): it embeds, or (a cross-encoder) it scores pairs."""
         matryoshka = bool(loaded.config.get("is_matryoshka") or loaded.config.get("matryoshka_dimensions"))
         if loaded.task == "score":
             return cls(

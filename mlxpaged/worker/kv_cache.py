@@ -27,7 +27,7 @@ import numpy as np
 
 from ..attention.kv_quant import QuantizedPool, check_kv_quant, key_offsets, row_bytes
 from ..models.cache_spec import CacheSpec
-from ..models.paged_adapter import attention_of, cache_spec, paged_layers
+from ..models.paged_adapter import attention_of, paged_layers
 
 
 @dataclass
@@ -230,22 +230,21 @@ class PagedKVCache:
     def for_model(
         cls,
         model,
+        spec: CacheSpec,
         shape: CacheShape,
         num_blocks: int,
         block_size: int,
         key_scales: list[mx.array] | None = None,
         groups: tuple[int, ...] = (),
         group_blocks: tuple[int, ...] = (),
-        spec: CacheSpec | None = None,
     ) -> PagedKVCache:
-        """The cache for `model`'s layers (`spec`, default `cache_spec(model)`). A quantized one
+        """The cache for `model`'s layers as `spec` (its `cache_spec`) declares them. A quantized one
         takes the model's key offsets and `key_scales` (`kv_calibration.model_key_scales`), if given."""
-        spec = spec or cache_spec(model)
         kw = {"groups": groups, "group_blocks": group_blocks, "spec": spec}
         if shape.kv_bits is None or shape.keys_only:
             return cls(shape, num_blocks, block_size, **kw)
-        offsets = key_offsets(model, attentions=[attention_of(layer) for layer in paged_layers(model, spec)])
-        return cls(shape, num_blocks, block_size, offsets, key_scales, **kw)
+        attentions = [attention_of(layer) for layer in paged_layers(model, spec)]
+        return cls(shape, num_blocks, block_size, key_offsets(model, attentions=attentions), key_scales, **kw)
 
     def _pool(self, num_blocks: int, kv_heads: int, head_dim: int):
         s = self.shape

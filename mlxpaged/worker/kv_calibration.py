@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..attention.metadata import AttentionMetadata
+from ..models.cache_spec import CacheSpec
 
 CALIBRATION_TEXT = Path(__file__).resolve().parent.parent / "data" / "kv_calibration.txt"
 MIN_RELATIVE_STD = 1e-3  # a channel that never moves keeps a floor: its keys stay finite after dividing
@@ -32,23 +33,23 @@ def model_key_scales(loaded) -> list[mx.array]:
     """`key_scales` of a `LoadedModel` on the calibration text, measured on first use and kept
     on it: every later quantized engine (or perplexity run) on the same weights reuses them."""
     if loaded.key_scales is None:
-        loaded.key_scales = key_scales(loaded.model, calibration_ids(loaded.tokenizer, loaded.model.args.vocab_size))
+        ids = calibration_ids(loaded.tokenizer, loaded.model.args.vocab_size)
+        loaded.key_scales = key_scales(loaded.model, loaded.cache_spec, ids)
     return loaded.key_scales
 
 
-def key_scales(model, ids: list[int], block_size: int = 16) -> list[mx.array]:
+def key_scales(model, spec: CacheSpec, ids: list[int], block_size: int = 16) -> list[mx.array]:
     """Per layer, `[num_kv_heads, head_dim]` float32: each key channel's spread over `ids`.
 
-    Runs `ids` through `model` once on a small float paged cache (every rank of a tensor-
-    parallel model takes part, each measuring its own KV heads) and reads the keys back from
-    the pools, so they are exactly the post-RoPE keys attention sees.
+    Runs `ids` through `model` (its layers' cache as `spec` declares it) once on a small float
+    paged cache (every rank of a tensor-parallel model takes part, each measuring its own KV
+    heads) and reads the keys back from the pools, so they are exactly the post-RoPE keys
+    attention sees.
     """
-    from ..models.paged_adapter import cache_spec
     from .kv_cache import CacheShape, PagedKVCache, slot_mapping
 
     if len(ids) < 2:
         raise ValueError(f"key_scales needs at least 2 calibration tokens, got {len(ids)}")
-    spec = cache_spec(model)
     dims = spec.pool_dims
     if not dims:  # no attention layer (mamba, rwkv7): no keys to scale
         return []

@@ -11,7 +11,6 @@ import numpy as np
 
 from ..attention.metadata import AttentionMetadata
 from ..core.sequence import BlockIds, Sequence
-from ..models.paged_adapter import cache_spec
 from .kv_cache import PagedKVCache, slot_mapping
 from .state_cache import Checkpoints, keep_states, states_for
 
@@ -110,7 +109,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.attention_impl = attention_impl
         # a hybrid model's recurrent layers (state_cache.py); 0 for an attention-only model
-        self.num_recurrent = (kv_cache.spec or cache_spec(model)).num_recurrent
+        self.num_recurrent = kv_cache.spec.num_recurrent
         self.multimodal = getattr(model, "multimodal", False)
         self.checkpoints = checkpoints  # recurrent-state checkpoints for prefix hits, or None
         self.num_groups = len(kv_cache.group_blocks)  # each group's layers read their own tables
