@@ -24,6 +24,7 @@ row's own copy.
     python scripts/bench_long_context.py --real --contexts 8192        # the offline Qwen2.5-0.5B
     python scripts/bench_long_context.py --batch 8 --contexts 16384    # 8 rows sharing a 16K prefix
     python scripts/bench_long_context.py --attention --contexts 16384  # one layer's attention call alone
+    python scripts/bench_long_context.py --attention --contexts 16384 --prefill 8,64   # a prefill chunk's
 
 `--attention` times one layer's decode attention alone at the tiny model's shapes (8 heads, 8 KV
 heads, head_dim 128, float32; `--batch` rows sharing the context): the paged reference reading
@@ -203,9 +204,50 @@ def attention_alone(ctx: int, batch: int, rounds: int) -> dict:
             q[:, :, None], kc[:, :, : ctx + 20], vc[:, :, : ctx + 20], scale=d**-0.5
         )
 
-    times = {f.__name__: [] for f in (runs, gather, contiguous)}
+    return timed((runs, gather, contiguous), rounds)
+
+
+def prefill_alone(ctx: int, chunk: int, rounds: int) -> dict:
+    """ms per call of one layer's attention for a `chunk`-token prefill over `ctx` cached tokens:
+    the prefix's runs read in place, the same call forced onto the gather (the path every chunk
+    took before), and contiguous SDPA with the causal mask offset by the prefix."""
+    from mlxpaged.attention import reference
+
+    H = kvh = 8
+    d, bs = 128, 16
+    total = ctx + chunk
+    nb = -(-total // bs)
+    k, v = (mx.random.normal((nb + 8, kvh, bs, d)) for _ in range(2))
+    q = mx.random.normal((chunk, H, d))
+    bt = mx.array([list(range(4, 4 + nb))], dtype=mx.int32)
+    cu, cl = mx.array([0, chunk], dtype=mx.int32), mx.array([total], dtype=mx.int32)
+    kc, vc = (mx.random.normal((1, kvh, total + 256, d)) for _ in range(2))
+    mask = mx.arange(ctx, total)[:, None] >= mx.arange(total)[None]
+    mx.eval(k, v, q, kc, vc, mask)
+
+    def runs():
+        return reference.paged_attention_varlen_reference(q, k, v, bt, cu, cl, d**-0.5, {})
+
+    def gather():
+        keep, reference.PREFILL_RUN_ROWS = reference.PREFILL_RUN_ROWS, -1
+        try:
+            return reference.paged_attention_varlen_reference(q, k, v, bt, cu, cl, d**-0.5, {})
+        finally:
+            reference.PREFILL_RUN_ROWS = keep
+
+    def contiguous():
+        return mx.fast.scaled_dot_product_attention(
+            q.transpose(1, 0, 2)[None], kc[:, :, :total], vc[:, :, :total], scale=d**-0.5, mask=mask
+        )
+
+    return timed((runs, gather, contiguous), rounds)
+
+
+def timed(fns, rounds: int) -> dict:
+    """Seconds per call of each of `fns`, in turns: `rounds` rounds of 3 calls after a warm-up."""
+    times = {f.__name__: [] for f in fns}
     for _ in range(rounds):
-        for f in (runs, gather, contiguous):
+        for f in fns:
             mx.eval(f())
             t = time.perf_counter()
             for _ in range(3):
@@ -228,6 +270,11 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=4, help="windows per side (alternating)")
     ap.add_argument("--steps", type=int, default=8, help="decode steps per window")
     ap.add_argument("--attention", action="store_true", help="time one layer's attention call alone")
+    ap.add_argument(
+        "--prefill",
+        default=None,
+        help="with --attention: chunk sizes (comma-separated) of a prefill over each context, instead of decode",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     try:
@@ -237,6 +284,32 @@ def main() -> None:
     if args.batch < 1 or args.windows < 1 or args.steps < 1 or min(contexts) < 16:
         ap.error("--batch, --windows and --steps must be >= 1, contexts >= 16")
 
+    if args.attention and args.prefill:
+        try:
+            chunks = [int(c) for c in args.prefill.split(",")]
+        except ValueError:
+            ap.error(f"--prefill takes comma-separated integers, got {args.prefill!r}")
+        if min(chunks) < 2:
+            ap.error("--prefill chunks must be >= 2 tokens (one is a decode)")
+        print("one layer's prefill attention over a cached prefix, 8 heads / 8 KV heads, head_dim 128, float32")
+        print(
+            f"{'context':>7} | {'chunk':>5} | {'runs ms':>20} | {'gather ms':>20} | {'contiguous SDPA ms':>20} | load"
+        )
+        rows = []
+        for ctx in contexts:
+            for chunk in chunks:
+                load = os.getloadavg()[0]
+                t = prefill_alone(ctx, chunk, args.windows)
+                print(
+                    f"{ctx:>7} | {chunk:>5} | {span(t['runs'], 1e3):>20} | {span(t['gather'], 1e3):>20} | "
+                    f"{span(t['contiguous'], 1e3):>20} | {load:.1f}",
+                    flush=True,
+                )
+                rows.append({"context": ctx, "chunk": chunk, "load": load, **{f"{k}_s": x for k, x in t.items()}})
+        if args.json:
+            command = "python scripts/bench_long_context.py " + " ".join(sys.argv[1:])
+            Path(args.json).write_text(json.dumps({"command": command, "rows": rows}, indent=1))
+        return
     if args.attention:
         print(f"one layer's decode attention, 8 heads / 8 KV heads, head_dim 128, float32, batch {args.batch}")
         print(f"{'context':>7} | {'runs ms':>20} | {'gather ms':>20} | {'contiguous SDPA ms':>20} | load")
