@@ -24,7 +24,8 @@ row's own copy.
     python scripts/bench_long_context.py --real --contexts 8192        # the offline Qwen2.5-0.5B
     python scripts/bench_long_context.py --batch 8 --contexts 16384    # 8 rows sharing a 16K prefix
     python scripts/bench_long_context.py --attention --contexts 16384  # one layer's attention call alone
-    python scripts/bench_long_context.py --attention --contexts 16384 --prefill 8,64   # a prefill chunk's
+    python scripts/bench_long_context.py --attention --contexts 16384 --prefill 8,16,32  # a prefill chunk's
+    python scripts/bench_long_context.py --profile --contexts 16384    # one step's parts, runs against gather
 
 `--attention` times one layer's decode attention alone at the tiny model's shapes (8 heads, 8 KV
 heads, head_dim 128, float32; `--batch` rows sharing the context): the paged reference reading
@@ -256,6 +257,83 @@ def timed(fns, rounds: int) -> dict:
     return times
 
 
+def profile(loaded, ctx: int, rounds: int, iters: int) -> dict:
+    """ms of one batch-1 decode step at `ctx` tokens, and of its parts, with the runs read in
+    place ("runs") and with every table gathered ("gather": `MIN_RUN_BLOCKS` out of reach, the path
+    before). The parts come from passes with parts of the attention layer stubbed out (timing
+    only, as scripts/bench_forward.py does): `forward` is the runner's forward pass and its
+    argmax, waited for; `no write` skips the scatter of the new K/V; `no attention` also returns
+    the queries instead of attending (what is left: projections, MLP, norms, logits). KV write =
+    forward - no write, attention = no write - no attention, host = a whole `engine.step()`
+    (scheduler, sampler, read-back, not overlapped) - forward. Each round times every variant
+    `iters` times (median), the order rotating."""
+    from mlxpaged.attention import reference
+    from mlxpaged.models.paged_adapter import PagedLayerCache
+
+    ours = Ours(loaded, ctx, 1, 0, 2 * rounds * 7 * (iters + 2) + 16)
+    engine = ours.engine
+    seqs = [s for r in engine.scheduler.running.values() for s in r.seqs]
+    batch = [(s, 1) for s in seqs]  # the same pass each time: it rewrites the same slot
+    real = (PagedLayerCache.update_and_fetch, PagedLayerCache.attend)
+
+    def no_write(self, keys, values):
+        self.pools = (self.kv_cache.keys[self.layer], self.kv_cache.values[self.layer])
+        return keys, values
+
+    def no_attention(self, queries, scale, mask, sinks=None, softcap=None):
+        self.attended = True
+        return queries
+
+    def variant(runs: bool, write, attend, whole_step: bool):
+        def run():
+            keep = reference.MIN_RUN_BLOCKS
+            reference.MIN_RUN_BLOCKS = keep if runs else 1 << 30
+            PagedLayerCache.update_and_fetch, PagedLayerCache.attend = write, attend
+            try:
+                if whole_step:
+                    engine.step()
+                else:
+                    mx.eval(mx.argmax(engine.runner.forward(batch), axis=-1), *engine.kv_cache.arrays)
+            finally:
+                reference.MIN_RUN_BLOCKS = keep
+                PagedLayerCache.update_and_fetch, PagedLayerCache.attend = real
+
+        return run
+
+    variants = {}
+    for side in ("runs", "gather"):
+        on = side == "runs"
+        variants[(side, "step")] = variant(on, *real, True)
+        variants[(side, "forward")] = variant(on, *real, False)
+        variants[(side, "no write")] = variant(on, no_write, real[1], False)
+    variants[("either", "no attention")] = variant(True, no_write, no_attention, False)
+    names = list(variants)
+    times = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names) :] + names[: r % len(names)]:
+            variants[n]()  # warm: the first pass after a switch builds its buffers
+            ts = []
+            for _ in range(iters):
+                t = time.perf_counter()
+                variants[n]()
+                ts.append(time.perf_counter() - t)
+            times[n].append(statistics.median(ts))
+    parts = {}
+    for side in ("runs", "gather"):
+        rs = range(rounds)
+        get = lambda part, i: times[(side, part)][i]  # noqa: E731
+        parts[side] = {
+            "step": list(times[(side, "step")]),
+            "attention": [get("no write", i) - times[("either", "no attention")][i] for i in rs],
+            "KV write": [get("forward", i) - get("no write", i) for i in rs],
+            "MLP, projections, logits": list(times[("either", "no attention")]),
+            "host": [get("step", i) - get("forward", i) for i in rs],
+        }
+    del ours
+    mx.clear_cache()
+    return parts
+
+
 def span(xs: list[float], unit: float = 1.0, fmt: str = "{:.1f}") -> str:
     return (fmt + " ({}-{})").format(
         statistics.median(xs) * unit, fmt.format(min(xs) * unit), fmt.format(max(xs) * unit)
@@ -274,6 +352,9 @@ def main() -> None:
         "--prefill",
         default=None,
         help="with --attention: chunk sizes (comma-separated) of a prefill over each context, instead of decode",
+    )
+    ap.add_argument(
+        "--profile", action="store_true", help="where one batch-1 decode step's time goes, runs against gather"
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -328,6 +409,23 @@ def main() -> None:
     from mlxpaged.loading.loader import load
 
     loaded = load(None if args.real else str(tiny_checkpoint(max(contexts))), "auto" if args.real else "float32")
+    if args.profile:
+        results = {"command": "python scripts/bench_long_context.py " + " ".join(sys.argv[1:]), "rows": []}
+        print(f"one decode step's parts, ms, median (range) of {args.windows} rounds of {args.steps} passes each")
+        print(f"{'context':>7} | {'part':>24} | {'runs (in place)':>22} | {'gather (before)':>22} | load")
+        for ctx in contexts:
+            avg = os.getloadavg()[0]
+            parts = profile(loaded, ctx, args.windows, args.steps)
+            for part in parts["runs"]:
+                print(
+                    f"{ctx:>7} | {part:>24} | {span(parts['runs'][part], 1e3):>22} | "
+                    f"{span(parts['gather'][part], 1e3):>22} | {avg:.1f}",
+                    flush=True,
+                )
+            results["rows"].append({"context": ctx, "load": avg, **parts})
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        return
     ref, _ = mlx_lm.load(str(loaded.path))
     ref.set_dtype(loaded.dtype)
     spec = loaded.cache_spec.pool_dims[0]
