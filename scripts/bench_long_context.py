@@ -284,8 +284,15 @@ def profile(loaded, ctx: int, rounds: int, iters: int) -> dict:
         self.attended = True
         return queries
 
+    def slot_ready():
+        """A pass alone needs the token's block in the table; a whole step allocates it."""
+        while any(s.num_computed_tokens // 16 >= len(s.ids[0].list) for s in seqs):
+            engine.step()
+
     def variant(runs: bool, write, attend, whole_step: bool):
         def run():
+            if not whole_step:
+                slot_ready()
             keep = reference.MIN_RUN_BLOCKS
             reference.MIN_RUN_BLOCKS = keep if runs else 1 << 30
             PagedLayerCache.update_and_fetch, PagedLayerCache.attend = write, attend

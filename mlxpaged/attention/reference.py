@@ -13,9 +13,12 @@ ids scattered by forks and frees) are gathered instead into a contiguous
 `context_lens[i]` masked, grouped-query attention in float32 (SDPA). The host plan (the runs, or
 the gather's index arrays) is built once per forward pass when the caller passes a `scratch` dict
 (the pass's `AttentionMetadata.scratch`), not once per layer.
-Varlen: sequences with one new token go through the decode path together; each longer one
-gathers its own blocks and runs `mx.fast.scaled_dot_product_attention` with a causal mask
-offset by its cached prefix.
+Varlen: sequences with one new token go through the decode path together. A longer one (a
+prefill chunk) of few query rows per KV head (`PREFILL_RUN_ROWS`: a prompt's suffix after a
+prefix hit, a long prompt's small later chunks) reads its cached whole blocks as runs in place the
+same way, its own keys (and the partly cached block) gathered with the causal mask, one softmax
+over both; any other gathers its blocks and runs `mx.fast.scaled_dot_product_attention` with a
+causal mask offset by its cached prefix (a big chunk's matmuls dwarf that copy).
 Two options per layer: `window` (sliding-window attention: a token at position p sees keys at
 positions p - window + 1 .. p, as mlx-lm's RotatingKVCache and HF's sliding_window do) masks the
 older keys out; `sinks` (`[num_heads]` logits, gpt-oss) add one per-head logit to every softmax's
