@@ -32,6 +32,11 @@ heads, head_dim 128, float32; `--batch` rows sharing the context): the paged ref
 runs in place, the same call forced onto the gather (`MIN_RUN_BLOCKS` out of reach: the path
 every table took before), and `mx.fast.scaled_dot_product_attention` over contiguous K/V as
 mlx-lm's cache holds them (one copy per row), in turns, median and range of `--windows` rounds.
+With `--prefill CHUNKS` the same three time a prefill chunk of each size over the context (the
+gather: `PREFILL_RUN_ROWS` out of reach; SDPA with the causal mask offset by the prefix).
+
+`--profile` splits one batch-1 decode step of the tiny model into attention, KV write, the rest
+of the pass and host, with the runs read in place and with every table gathered (`profile`).
 """
 
 from __future__ import annotations
