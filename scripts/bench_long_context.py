@@ -24,12 +24,19 @@ row's own copy.
     python scripts/bench_long_context.py --real --contexts 8192        # the offline Qwen2.5-0.5B
     python scripts/bench_long_context.py --batch 8 --contexts 16384    # 8 rows sharing a 16K prefix
     python scripts/bench_long_context.py --attention --contexts 16384  # one layer's attention call alone
+    python scripts/bench_long_context.py --attention --contexts 16384 --prefill 8,16,32  # a prefill chunk's
+    python scripts/bench_long_context.py --profile --contexts 16384    # one step's parts, runs against gather
 
 `--attention` times one layer's decode attention alone at the tiny model's shapes (8 heads, 8 KV
 heads, head_dim 128, float32; `--batch` rows sharing the context): the paged reference reading
 runs in place, the same call forced onto the gather (`MIN_RUN_BLOCKS` out of reach: the path
 every table took before), and `mx.fast.scaled_dot_product_attention` over contiguous K/V as
 mlx-lm's cache holds them (one copy per row), in turns, median and range of `--windows` rounds.
+With `--prefill CHUNKS` the same three time a prefill chunk of each size over the context (the
+gather: `PREFILL_RUN_ROWS` out of reach; SDPA with the causal mask offset by the prefix).
+
+`--profile` splits one batch-1 decode step of the tiny model into attention, KV write, the rest
+of the pass and host, with the runs read in place and with every table gathered (`profile`).
 """
 
 from __future__ import annotations
@@ -203,15 +210,140 @@ def attention_alone(ctx: int, batch: int, rounds: int) -> dict:
             q[:, :, None], kc[:, :, : ctx + 20], vc[:, :, : ctx + 20], scale=d**-0.5
         )
 
-    times = {f.__name__: [] for f in (runs, gather, contiguous)}
+    return timed((runs, gather, contiguous), rounds)
+
+
+def prefill_alone(ctx: int, chunk: int, rounds: int) -> dict:
+    """ms per call of one layer's attention for a `chunk`-token prefill over `ctx` cached tokens:
+    the prefix's runs read in place, the same call forced onto the gather (the path every chunk
+    took before), and contiguous SDPA with the causal mask offset by the prefix."""
+    from mlxpaged.attention import reference
+
+    H = kvh = 8
+    d, bs = 128, 16
+    total = ctx + chunk
+    nb = -(-total // bs)
+    k, v = (mx.random.normal((nb + 8, kvh, bs, d)) for _ in range(2))
+    q = mx.random.normal((chunk, H, d))
+    bt = mx.array([list(range(4, 4 + nb))], dtype=mx.int32)
+    cu, cl = mx.array([0, chunk], dtype=mx.int32), mx.array([total], dtype=mx.int32)
+    kc, vc = (mx.random.normal((1, kvh, total + 256, d)) for _ in range(2))
+    mask = mx.arange(ctx, total)[:, None] >= mx.arange(total)[None]
+    mx.eval(k, v, q, kc, vc, mask)
+
+    def runs():
+        return reference.paged_attention_varlen_reference(q, k, v, bt, cu, cl, d**-0.5, {})
+
+    def gather():
+        keep, reference.PREFILL_RUN_ROWS = reference.PREFILL_RUN_ROWS, -1
+        try:
+            return reference.paged_attention_varlen_reference(q, k, v, bt, cu, cl, d**-0.5, {})
+        finally:
+            reference.PREFILL_RUN_ROWS = keep
+
+    def contiguous():
+        return mx.fast.scaled_dot_product_attention(
+            q.transpose(1, 0, 2)[None], kc[:, :, :total], vc[:, :, :total], scale=d**-0.5, mask=mask
+        )
+
+    return timed((runs, gather, contiguous), rounds)
+
+
+def timed(fns, rounds: int) -> dict:
+    """Seconds per call of each of `fns`, in turns: `rounds` rounds of 3 calls after a warm-up."""
+    times = {f.__name__: [] for f in fns}
     for _ in range(rounds):
-        for f in (runs, gather, contiguous):
+        for f in fns:
             mx.eval(f())
             t = time.perf_counter()
             for _ in range(3):
                 mx.eval(f())
             times[f.__name__].append((time.perf_counter() - t) / 3)
     return times
+
+
+def profile(loaded, ctx: int, rounds: int, iters: int) -> dict:
+    """ms of one batch-1 decode step at `ctx` tokens, and of its parts, with the runs read in
+    place ("runs") and with every table gathered ("gather": `MIN_RUN_BLOCKS` out of reach, the path
+    before). The parts come from passes with parts of the attention layer stubbed out (timing
+    only, as scripts/bench_forward.py does): `forward` is the runner's forward pass and its
+    argmax, waited for; `no write` skips the scatter of the new K/V; `no attention` also returns
+    the queries instead of attending (what is left: projections, MLP, norms, logits). KV write =
+    forward - no write, attention = no write - no attention, host = a whole `engine.step()`
+    (scheduler, sampler, read-back, not overlapped) - forward. Each round times every variant
+    `iters` times (median), the order rotating."""
+    from mlxpaged.attention import reference
+    from mlxpaged.models.paged_adapter import PagedLayerCache
+
+    ours = Ours(loaded, ctx, 1, 0, 2 * rounds * 7 * (iters + 2) + 16)
+    engine = ours.engine
+    seqs = [s for r in engine.scheduler.running.values() for s in r.seqs]
+    batch = [(s, 1) for s in seqs]  # the same pass each time: it rewrites the same slot
+    real = (PagedLayerCache.update_and_fetch, PagedLayerCache.attend)
+
+    def no_write(self, keys, values):
+        self.pools = (self.kv_cache.keys[self.layer], self.kv_cache.values[self.layer])
+        return keys, values
+
+    def no_attention(self, queries, scale, mask, sinks=None, softcap=None):
+        self.attended = True
+        return queries
+
+    def slot_ready():
+        """A pass alone needs the token's block in the table; a whole step allocates it."""
+        while any(s.num_computed_tokens // 16 >= len(s.ids[0].list) for s in seqs):
+            engine.step()
+
+    def variant(runs: bool, write, attend, whole_step: bool):
+        def run():
+            if not whole_step:
+                slot_ready()
+            keep = reference.MIN_RUN_BLOCKS
+            reference.MIN_RUN_BLOCKS = keep if runs else 1 << 30
+            PagedLayerCache.update_and_fetch, PagedLayerCache.attend = write, attend
+            try:
+                if whole_step:
+                    engine.step()
+                else:
+                    mx.eval(mx.argmax(engine.runner.forward(batch), axis=-1), *engine.kv_cache.arrays)
+            finally:
+                reference.MIN_RUN_BLOCKS = keep
+                PagedLayerCache.update_and_fetch, PagedLayerCache.attend = real
+
+        return run
+
+    variants = {}
+    for side in ("runs", "gather"):
+        on = side == "runs"
+        variants[(side, "step")] = variant(on, *real, True)
+        variants[(side, "forward")] = variant(on, *real, False)
+        variants[(side, "no write")] = variant(on, no_write, real[1], False)
+    variants[("either", "no attention")] = variant(True, no_write, no_attention, False)
+    names = list(variants)
+    times = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names) :] + names[: r % len(names)]:
+            variants[n]()  # warm: the first pass after a switch builds its buffers
+            ts = []
+            for _ in range(iters):
+                t = time.perf_counter()
+                variants[n]()
+                ts.append(time.perf_counter() - t)
+            times[n].append(statistics.median(ts))
+    parts = {}
+    for side in ("runs", "gather"):
+        rs = range(rounds)
+        get = lambda part, i: times[(side, part)][i]  # noqa: E731
+        parts[side] = {
+            "step": list(times[(side, "step")]),
+            "attention": [get("no write", i) - times[("either", "no attention")][i] for i in rs],
+            "KV write": [get("forward", i) - get("no write", i) for i in rs],
+            "MLP, projections, logits": list(times[("either", "no attention")]),
+            "host": [get("step", i) - get("forward", i) for i in rs],
+        }
+    del ours
+    mx.clear_cache()
+    return parts
 
 
 def span(xs: list[float], unit: float = 1.0, fmt: str = "{:.1f}") -> str:
@@ -228,6 +360,14 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=4, help="windows per side (alternating)")
     ap.add_argument("--steps", type=int, default=8, help="decode steps per window")
     ap.add_argument("--attention", action="store_true", help="time one layer's attention call alone")
+    ap.add_argument(
+        "--prefill",
+        default=None,
+        help="with --attention: chunk sizes (comma-separated) of a prefill over each context, instead of decode",
+    )
+    ap.add_argument(
+        "--profile", action="store_true", help="where one batch-1 decode step's time goes, runs against gather"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     try:
@@ -237,6 +377,32 @@ def main() -> None:
     if args.batch < 1 or args.windows < 1 or args.steps < 1 or min(contexts) < 16:
         ap.error("--batch, --windows and --steps must be >= 1, contexts >= 16")
 
+    if args.attention and args.prefill:
+        try:
+            chunks = [int(c) for c in args.prefill.split(",")]
+        except ValueError:
+            ap.error(f"--prefill takes comma-separated integers, got {args.prefill!r}")
+        if min(chunks) < 2:
+            ap.error("--prefill chunks must be >= 2 tokens (one is a decode)")
+        print("one layer's prefill attention over a cached prefix, 8 heads / 8 KV heads, head_dim 128, float32")
+        print(
+            f"{'context':>7} | {'chunk':>5} | {'runs ms':>20} | {'gather ms':>20} | {'contiguous SDPA ms':>20} | load"
+        )
+        rows = []
+        for ctx in contexts:
+            for chunk in chunks:
+                load = os.getloadavg()[0]
+                t = prefill_alone(ctx, chunk, args.windows)
+                print(
+                    f"{ctx:>7} | {chunk:>5} | {span(t['runs'], 1e3):>20} | {span(t['gather'], 1e3):>20} | "
+                    f"{span(t['contiguous'], 1e3):>20} | {load:.1f}",
+                    flush=True,
+                )
+                rows.append({"context": ctx, "chunk": chunk, "load": load, **{f"{k}_s": x for k, x in t.items()}})
+        if args.json:
+            command = "python scripts/bench_long_context.py " + " ".join(sys.argv[1:])
+            Path(args.json).write_text(json.dumps({"command": command, "rows": rows}, indent=1))
+        return
     if args.attention:
         print(f"one layer's decode attention, 8 heads / 8 KV heads, head_dim 128, float32, batch {args.batch}")
         print(f"{'context':>7} | {'runs ms':>20} | {'gather ms':>20} | {'contiguous SDPA ms':>20} | load")
@@ -255,6 +421,23 @@ def main() -> None:
     from mlxpaged.loading.loader import load
 
     loaded = load(None if args.real else str(tiny_checkpoint(max(contexts))), "auto" if args.real else "float32")
+    if args.profile:
+        results = {"command": "python scripts/bench_long_context.py " + " ".join(sys.argv[1:]), "rows": []}
+        print(f"one decode step's parts, ms, median (range) of {args.windows} rounds of {args.steps} passes each")
+        print(f"{'context':>7} | {'part':>24} | {'runs (in place)':>22} | {'gather (before)':>22} | load")
+        for ctx in contexts:
+            avg = os.getloadavg()[0]
+            parts = profile(loaded, ctx, args.windows, args.steps)
+            for part in parts["runs"]:
+                print(
+                    f"{ctx:>7} | {part:>24} | {span(parts['runs'][part], 1e3):>22} | "
+                    f"{span(parts['gather'][part], 1e3):>22} | {avg:.1f}",
+                    flush=True,
+                )
+            results["rows"].append({"context": ctx, "load": avg, **parts})
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        return
     ref, _ = mlx_lm.load(str(loaded.path))
     ref.set_dtype(loaded.dtype)
     spec = loaded.cache_spec.pool_dims[0]

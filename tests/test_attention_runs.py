@@ -223,3 +223,126 @@ def test_engine_reads_runs_and_matches_mlx_lm(tiny_loaded, mlx_lm_tiny, monkeypa
     assert calls and max(calls) > 1  # the runs path ran, over pieces shared between sequences
     for p, r in zip(prompts, [first] + rest):
         assert done[r].outputs[0].token_ids == contiguous_generate(ref_model, p, 20)
+
+
+def sdpa_on_table(q, k_pool, v_pool, table, ctx, scale, sinks=None):
+    """One prefill chunk (q `[n, H, d]`, the last n of `ctx` positions) by
+    `mx.fast.scaled_dot_product_attention` on K/V laid out contiguously from the table in numpy,
+    causal mask offset by the cached prefix."""
+    n = q.shape[0]
+    k = np.concatenate([k_pool[b] for b in table], axis=1)[None, :, :ctx]  # [1, kvh, ctx, d]
+    v = np.concatenate([v_pool[b] for b in table], axis=1)[None, :, :ctx]
+    mask = mx.arange(ctx - n, ctx)[:, None] >= mx.arange(ctx)[None]
+    out = mx.fast.scaled_dot_product_attention(
+        mx.array(q).transpose(1, 0, 2)[None],
+        mx.array(k),
+        mx.array(v),
+        scale=scale,
+        mask=mask,
+        sinks=None if sinks is None else mx.array(sinks),
+    )
+    return np.array(out[0].transpose(1, 0, 2))
+
+
+# One pass: a chunk whose prefix is two runs with a poisoned gap (cached up to mid-block), a decode,
+# and a chunk over a prefix that shares the first one's first run and then takes its own (cached
+# to a block boundary). (table, new tokens, context)
+PREFILL_BATCH = [
+    (list(range(10, 22)) + list(range(40, 50)), 7, 21 * BS + 3),
+    (list(range(60, 80)), 1, 20 * BS - 4),
+    (list(range(10, 22)) + list(range(50, 61)), 8, 22 * BS + 8),
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 2)])
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+def test_prefill_chunks_read_prefix_runs_in_place_match_sdpa(heads, kv_heads, sinks, monkeypatch):
+    """Prefill chunks whose cached prefix is read as runs of the pool (no gather of it), in one
+    varlen pass beside a decode, against SDPA on the contiguous K/V. Every block outside the
+    tables is poisoned, so a run read one block long, or a partly cached block read without the
+    causal mask, shows."""
+    monkeypatch.setattr(reference, "MIN_RUN_BLOCKS", 1)  # two-run prefixes take the in-place path
+    tables = [t for t, _, _ in PREFILL_BATCH]
+    k, v = poisoned_pools(96, kv_heads, 32, tables, seed=heads * kv_heads)
+    rng = np.random.default_rng(7)
+    lens = [n for _, n, _ in PREFILL_BATCH]
+    ctx = [c for _, _, c in PREFILL_BATCH]
+    q = rng.standard_normal((sum(lens), heads, 32)).astype(np.float32)
+    snk = rng.standard_normal(heads).astype(np.float32) if sinks else None
+    width = max(map(len, tables))
+    bt = mx.array(np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32))
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    ran = []
+    real = reference._attend_prefill_runs
+    monkeypatch.setattr(reference, "_attend_prefill_runs", lambda *a: ran.append(a[3]) or real(*a))
+    out = reference.paged_attention_varlen_reference(
+        mx.array(q),
+        mx.array(k),
+        mx.array(v),
+        bt,
+        mx.array(cu, dtype=mx.int32),
+        mx.array(ctx, dtype=mx.int32),
+        0.2,
+        {},
+        sinks=None if snk is None else mx.array(snk),
+    )
+    assert ran == [[(10, 12), (40, 8)], [(10, 12), (50, 10)]]  # the cached whole blocks, as runs
+    for i, (table, n, c) in enumerate(PREFILL_BATCH):
+        got = np.array(out[cu[i] : cu[i + 1]])
+        if n == 1:
+            want = numpy_attention(q[cu[i]], k, v, table, c, 0.2, sinks=snk)[None]
+        else:
+            want = sdpa_on_table(q[cu[i] : cu[i + 1]], k, v, table, c, 0.2, snk)
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
+def test_long_prefill_chunks_take_the_gather():
+    """A chunk of more query rows per KV head than `PREFILL_RUN_ROWS`, or a prefix of short runs,
+    is gathered, and gives the same answer."""
+    table = list(range(4, 30))
+    k, v = poisoned_pools(40, 2, 32, [table], seed=5)
+    for n, tab in [(reference.PREFILL_RUN_ROWS // 4 + 1, table), (6, table[::-1])]:
+        ctx = len(tab) * BS - 2
+        assert reference._prefill_runs_plan(mx.array([tab]), ctx - n, BS, 4 * n) is None
+        q = np.random.default_rng(n).standard_normal((n, 8, 32)).astype(np.float32)
+        out = reference.paged_attention_varlen_reference(
+            mx.array(q),
+            mx.array(k),
+            mx.array(v),
+            mx.array([tab], dtype=mx.int32),
+            mx.array([0, n], dtype=mx.int32),
+            mx.array([ctx], dtype=mx.int32),
+            0.2,
+        )
+        np.testing.assert_allclose(np.array(out), sdpa_on_table(q, k, v, tab, ctx, 0.2), rtol=2e-4, atol=2e-4)
+
+
+def test_engine_prefills_over_prefix_runs_and_matches_mlx_lm(tiny_loaded, mlx_lm_tiny, monkeypatch):
+    """A long prompt prefilled in small chunks (each later chunk reads the cached prefix's runs in
+    place), then a prompt that hits its prefix and prefills only its own suffix over it: every
+    greedy token equals mlx-lm's on its contiguous cache."""
+    from mlxpaged import EngineConfig, LLMEngine, SamplingParams
+
+    from reference import contiguous_generate
+
+    calls = []
+    real = reference._attend_prefill_runs
+    monkeypatch.setattr(
+        reference, "_attend_prefill_runs", lambda *a: calls.append((a[0].shape[0], sum(m for _, m in a[3]))) or real(*a)
+    )
+    ref_model, _ = mlx_lm_tiny
+    prompt = [(5 * j) % 200 + 1 for j in range(290)]
+    hit = prompt[:270] + [(3 * j) % 200 + 7 for j in range(11)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    config = EngineConfig.of(num_blocks=96, max_num_batched_tokens=14, attention_impl="reference")
+    engine = LLMEngine(tiny_loaded, config)
+    done = {}
+    for p in (prompt, hit):
+        rid = engine.add_request(p, params)
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        assert done[rid].outputs[0].token_ids == contiguous_generate(ref_model, p, 12)
+    # the first prompt's chunks from 8 cached blocks on, then the hit's 25 new tokens over its 16
+    # cached blocks, in chunks of 14 and 11: (new tokens, whole cached blocks read as runs)
+    assert len(calls) > (290 - 128) // 14 and calls[0][1] >= 8
+    assert calls[-4:] == [(14, 16)] * 2 + [(11, 16)] * 2  # once per layer (2)

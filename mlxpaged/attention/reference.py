@@ -13,9 +13,12 @@ ids scattered by forks and frees) are gathered instead into a contiguous
 `context_lens[i]` masked, grouped-query attention in float32 (SDPA). The host plan (the runs, or
 the gather's index arrays) is built once per forward pass when the caller passes a `scratch` dict
 (the pass's `AttentionMetadata.scratch`), not once per layer.
-Varlen: sequences with one new token go through the decode path together; each longer one
-gathers its own blocks and runs `mx.fast.scaled_dot_product_attention` with a causal mask
-offset by its cached prefix.
+Varlen: sequences with one new token go through the decode path together. A longer one (a
+prefill chunk) of few query rows per KV head (`PREFILL_RUN_ROWS`: a prompt's suffix after a
+prefix hit, a long prompt's small later chunks) reads its cached whole blocks as runs in place the
+same way, its own keys (and the partly cached block) gathered with the causal mask, one softmax
+over both; any other gathers its blocks and runs `mx.fast.scaled_dot_product_attention` with a
+causal mask offset by its cached prefix (a big chunk's matmuls dwarf that copy).
 Two options per layer: `window` (sliding-window attention: a token at position p sees keys at
 positions p - window + 1 .. p, as mlx-lm's RotatingKVCache and HF's sliding_window do) masks the
 older keys out; `sinks` (`[num_heads]` logits, gpt-oss) add one per-head logit to every softmax's
@@ -204,6 +207,67 @@ def _attend_runs(q, k_cache, v_cache, plan: RunsPlan, scale, sinks):
     return out.astype(q.dtype)
 
 
+# A prefill chunk reads its cached prefix's runs in place when it has at most this many query
+# rows per KV head (heads per KV head x new tokens): a run's values are weighted block by block
+# (`[blocks, kvh, rows, head_dim]` summed over the blocks), which writes rows / block_size times
+# the run's V, so past this the one gather of the prefix costs less (and is small against the
+# chunk's own matmuls).
+PREFILL_RUN_ROWS = 32
+
+
+def _prefill_runs_plan(table: mx.array, cached: int, block_size: int, rows: int):
+    """The runs of a prefill chunk's cached whole blocks (positions `0 .. cached // block_size *
+    block_size - 1`), or None when the chunk takes the gather: too many query rows
+    (`PREFILL_RUN_ROWS`), no whole cached block, or runs too short to pay (`MIN_RUN_BLOCKS`).
+    `table` `[1, blocks]`; read on the host (the runner builds it from numpy)."""
+    full = cached // block_size
+    if rows > PREFILL_RUN_ROWS or full == 0:
+        return None
+    runs = table_runs(np.array(table)[0, :full])
+    return runs if full >= MIN_RUN_BLOCKS * len(runs) else None
+
+
+def _attend_prefill_runs(q, k_cache, v_cache, runs, table, context: int, scale, sinks):
+    """A prefill chunk's attention with its cached prefix read in place. q `[n, H, d]`: the new
+    tokens at positions `context - n .. context - 1`; `runs` cover positions `0 .. p0 - 1` (whole
+    cached blocks, no mask: every new token sees them); the rest, `p0 .. context - 1` (the partly
+    cached block and the chunk's own keys, at most n + block_size - 1 rows), is gathered from
+    `table` `[1, blocks]` with the causal mask. One softmax over all the scores, taken in two
+    passes (the max over every run first) so no run's scores are copied or joined. Returns `[n,
+    H, d]` in q's dtype."""
+    n, H, d = q.shape
+    _, kvh, bs, _ = k_cache.shape
+    g = H // kvh
+    p0 = sum(m for _, m in runs) * bs
+    # query rows per KV head ordered (head in group, token): [1, kvh, g * n, d]
+    qs = (q.astype(mx.float32) * scale).astype(k_cache.dtype)
+    qs = qs.reshape(n, kvh, g, d).transpose(1, 2, 0, 3).reshape(1, kvh, g * n, d)
+    scores = [(qs @ k_cache[f : f + m].swapaxes(-1, -2)).astype(mx.float32) for f, m in runs]  # [m, kvh, g*n, bs]
+    tail = table[:, p0 // bs : cdiv(context, bs)]
+    kt, vt = (gather_blocks(c, tail)[0, :, : context - p0] for c in (k_cache, v_cache))  # [kvh, T, d]
+    st = (qs[0] @ kt.swapaxes(-1, -2)).astype(mx.float32)  # [kvh, g*n, T]
+    qpos = mx.arange(context - n, context)
+    visible = qpos[:, None] >= mx.arange(p0, context)[None]  # [n, T]
+    st = mx.where(mx.tile(visible, (g, 1)), st, -mx.inf)
+    top = st.max(axis=-1)  # [kvh, g*n]; the token's own key is always visible: finite
+    for s in scores:
+        top = mx.maximum(top, s.max(axis=(0, 3)))
+    if sinks is not None:
+        sk = mx.repeat(sinks.astype(mx.float32).reshape(kvh, g), n, axis=1)  # [kvh, g*n]
+        top = mx.maximum(top, sk)
+    pt = mx.exp(st - top[..., None])
+    total = pt.sum(axis=-1)
+    out = (pt.astype(vt.dtype) @ vt).astype(mx.float32)  # [kvh, g*n, d]
+    for (f, m), s in zip(runs, scores):
+        p = mx.exp(s - top[None, :, :, None])
+        total = total + p.sum(axis=(0, 3))
+        out = out + (p.astype(v_cache.dtype) @ v_cache[f : f + m]).astype(mx.float32).sum(axis=0)
+    if sinks is not None:  # one more logit per head in the denominator, with no value
+        total = total + mx.exp(sk - top)
+    out = out / total[..., None]
+    return out.reshape(kvh, g, n, d).transpose(2, 0, 1, 3).reshape(n, H, d).astype(q.dtype)
+
+
 def paged_attention_reference(
     q: mx.array,  # [num_seqs, num_heads, head_dim]
     k_cache: mx.array,  # [num_blocks, num_kv_heads, block_size, head_dim], or a QuantizedPool
@@ -314,6 +378,20 @@ def paged_attention_varlen_reference(
                 mask = mask & (kpos >= qpos // chunk * chunk)
             return table, block_rows(table, num_kv_heads), mask
 
+        if softcap is None and window is None and chunk is None and not isinstance(k_cache, kv_quant.QuantizedPool):
+            runs = _memo(
+                scratch,
+                ("prefill runs", s, block_size, q.shape[1]),
+                lambda s=s, n=n, c=c: _prefill_runs_plan(
+                    block_tables[s : s + 1], c - n, block_size, n * (q.shape[1] // num_kv_heads)
+                ),
+            )
+            if runs is not None:
+                table = block_tables[s : s + 1, : cdiv(c, block_size)]
+                qs = q[cu[s] : cu[s + 1]]
+                pieces.append(_attend_prefill_runs(qs, k_cache, v_cache, runs, table, c, scale, sinks))
+                s += 1
+                continue
         table, rows, mask = _memo(scratch, ("prefill", s, window, chunk), index)
         k, v = (gather_blocks(p, table, rows)[:, :, :c].astype(q.dtype) for p in (k_cache, v_cache))
         qs = q[cu[s] : cu[s + 1]].transpose(1, 0, 2)[None]  # [1, H, n, d]
