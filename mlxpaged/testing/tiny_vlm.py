@@ -193,12 +193,16 @@ def _gemma3_files(path: Path, tiles: bool = False) -> None:
     (path / "preprocessor_config.json").write_text(json.dumps(image))
     processor = {"processor_class": "Gemma3Processor", "image_seq_length": GEMMA3_TOKENS}
     (path / "processor_config.json").write_text(json.dumps(processor))
+    _name_special_tokens(
+        path, boi_token="<start_of_image>", eoi_token="<end_of_image>", image_token="<image_soft_token>"
+    )
+
+
+def _name_special_tokens(path: Path, **names: str) -> None:
+    """Name the image markers in the tokenizer's config (`extra_special_tokens`), as the real
+    checkpoints do: the processor finds its tokens by these names."""
     cfg = json.loads((path / "tokenizer_config.json").read_text())
-    cfg["extra_special_tokens"] = {
-        "boi_token": "<start_of_image>",
-        "eoi_token": "<end_of_image>",
-        "image_token": "<image_soft_token>",
-    }
+    cfg["extra_special_tokens"] = names
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
 
 
@@ -265,14 +269,9 @@ def _gemma4_files(path: Path) -> None:
     (path / "processor_config.json").write_text(
         json.dumps({"processor_class": "Gemma4Processor", "image_processor": image})
     )
-    cfg = json.loads((path / "tokenizer_config.json").read_text())
-    cfg["extra_special_tokens"] = {
-        "boi_token": "<|image>",
-        "image_token": "<|image|>",
-        "eoi_token": "<image|>",
-        "video_token": "<|video|>",
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    _name_special_tokens(
+        path, boi_token="<|image>", image_token="<|image|>", eoi_token="<image|>", video_token="<|video|>"
+    )
 
 
 # SmolVLM / Idefics3: an <image> part, which the processor widens to
